@@ -1,0 +1,21 @@
+//! Where weights come from: a Hugging Face checkpoint folder (`config.json` + safetensors, single
+//! file or sharded) or a seeded random model built from a TOML spec. Both implement
+//! [`WeightSource`], so a model family is built by one code path whatever the source.
+
+mod config;
+mod error;
+mod random;
+mod safetensors_dir;
+
+pub use config::{parse_rope, ConfigSource};
+pub use error::LoadError;
+pub use random::{ModelSpec, RandomWeights};
+pub use safetensors_dir::SafetensorsDir;
+
+/// A source of named f32 tensors.
+pub trait WeightSource {
+    /// The tensor `name`, checked against `shape`, converted to f32.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError>;
+    /// Whether the source holds `name` (for optional tensors: biases, tied heads, fused forms).
+    fn contains(&self, name: &str) -> bool;
+}

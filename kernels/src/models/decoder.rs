@@ -1,0 +1,237 @@
+//! The decoder stack every family shares: embeddings, then per layer
+//! `h += mixer(norm(h)); h += ffn(norm(h))`, then the final norm and the LM head on the rows that
+//! asked for logits. Families differ only in their mixers (attention kinds) and feed-forwards.
+
+use super::batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
+use super::layers::{Linear, Mlp, RmsNorm};
+use super::mha::GqaAttention;
+use super::mla::MlaAttention;
+use super::moe::MoeBlock;
+use super::Family;
+use crate::checkpoint::{LoadError, WeightSource};
+use crate::kv::PagedKvCache;
+
+/// A layer's token mixer.
+pub enum Mixer {
+    Gqa(GqaAttention),
+    Mla(MlaAttention),
+}
+
+impl Mixer {
+    /// Width of this layer's paged-cache row, if it keeps one.
+    pub fn kv_row_width(&self) -> Option<usize> {
+        match self {
+            Mixer::Gqa(a) => Some(a.kv_row_width()),
+            Mixer::Mla(a) => Some(a.kv_row_width()),
+        }
+    }
+
+    fn macs_per_row(&self) -> usize {
+        match self {
+            Mixer::Gqa(a) => a.macs_per_row(),
+            Mixer::Mla(a) => a.macs_per_row(),
+        }
+    }
+
+    fn attention_macs(&self, ctx: usize) -> usize {
+        match self {
+            Mixer::Gqa(a) => a.attention_macs(ctx),
+            Mixer::Mla(a) => a.attention_macs(ctx),
+        }
+    }
+}
+
+/// A layer's feed-forward.
+pub enum Ffn {
+    Dense(Mlp),
+    Moe(Box<MoeBlock>),
+}
+
+impl Ffn {
+    fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+        match self {
+            Ffn::Dense(m) => m.forward(x, t),
+            Ffn::Moe(m) => m.forward(x, t),
+        }
+    }
+
+    fn macs_per_row(&self) -> usize {
+        match self {
+            Ffn::Dense(m) => m.macs_per_row(),
+            Ffn::Moe(m) => m.macs_per_row(),
+        }
+    }
+}
+
+pub struct DecoderLayer {
+    pub input_norm: RmsNorm,
+    pub mixer: Mixer,
+    pub post_norm: RmsNorm,
+    pub ffn: Ffn,
+}
+
+/// Per-rank mutable state a model reads and writes: the paged KV cache.
+pub struct ModelCache {
+    pub kv: PagedKvCache,
+}
+
+/// A loaded model of any family. Immutable once built: ranks share it and own their caches.
+pub struct Model {
+    pub family: Family,
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    embed: Vec<f32>,
+    layers: Vec<DecoderLayer>,
+    final_norm: RmsNorm,
+    lm_head: Linear,
+    /// For each layer, its index among the layers with a paged cache.
+    kv_layer_of: Vec<Option<usize>>,
+}
+
+impl Model {
+    /// Adds the embeddings, final norm and LM head (tied to the embeddings when
+    /// `tie_word_embeddings`, in which case no `lm_head.weight` is read) around `layers`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn assemble(
+        family: Family,
+        model_type: &str,
+        w: &dyn WeightSource,
+        vocab: usize,
+        hidden: usize,
+        eps: f32,
+        tie_word_embeddings: bool,
+        layers: Vec<DecoderLayer>,
+    ) -> Result<Model, LoadError> {
+        let embed = w.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
+        let lm_head = if tie_word_embeddings {
+            Linear::from_parts(&embed, vocab, hidden, None)
+        } else {
+            Linear::load(w, "lm_head", hidden, vocab, false)?
+        };
+        let mut next = 0;
+        let kv_layer_of = layers
+            .iter()
+            .map(|l| {
+                l.mixer.kv_row_width().map(|_| {
+                    next += 1;
+                    next - 1
+                })
+            })
+            .collect();
+        Ok(Model {
+            family,
+            model_type: model_type.to_string(),
+            vocab_size: vocab,
+            hidden_size: hidden,
+            embed,
+            final_norm: RmsNorm::load(w, "model.norm.weight", hidden, eps)?,
+            lm_head,
+            layers,
+            kv_layer_of,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Row widths of the paged cache, one per layer that keeps KV.
+    pub fn kv_row_widths(&self) -> Vec<usize> {
+        self.layers.iter().filter_map(|l| l.mixer.kv_row_width()).collect()
+    }
+
+    /// A cache of `num_blocks` blocks of `block_size` tokens for this model.
+    pub fn new_cache(&self, block_size: usize, num_blocks: usize) -> ModelCache {
+        ModelCache { kv: PagedKvCache::new(block_size, num_blocks, &self.kv_row_widths()) }
+    }
+
+    /// Bytes of paged cache one block takes (0 for families without paged KV).
+    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        PagedKvCache::bytes_per_block(block_size, &self.kv_row_widths())
+    }
+
+    /// `Err` naming the first token outside the vocabulary.
+    pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), String> {
+        match tokens.iter().position(|&t| t as usize >= self.vocab_size) {
+            Some(i) => Err(format!("token {} at index {i} is outside the vocabulary (size {})", tokens[i], self.vocab_size)),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs one step over `batch` (see [`SeqInput`]), writing each row's KV into `cache` and
+    /// returning the logits asked for. Tokens must be in the vocabulary and block tables must
+    /// cover every position fed (the caller's contract; checked in debug builds).
+    pub fn forward(&self, batch: &[SeqInput], cache: &mut ModelCache) -> ForwardOutput {
+        let hidden = self.hidden_size;
+        let layout = BatchLayout::new(batch, cache.kv.block_size(), cache.kv.num_layers() > 0);
+        let t = layout.rows;
+        // 1. embeddings                                            [t × hidden]
+        let mut h = Vec::with_capacity(t * hidden);
+        for s in batch {
+            for &tok in s.tokens {
+                debug_assert!((tok as usize) < self.vocab_size);
+                h.extend_from_slice(&self.embed[tok as usize * hidden..(tok as usize + 1) * hidden]);
+            }
+        }
+        // 2. layers
+        for (layer, kv_index) in self.layers.iter().zip(&self.kv_layer_of) {
+            let x = layer.input_norm.forward(&h);
+            let mixed = match (&layer.mixer, kv_index) {
+                (Mixer::Gqa(a), Some(k)) => a.forward(&x, &layout, cache.kv.layer_mut(*k)),
+                (Mixer::Mla(a), Some(k)) => a.forward(&x, &layout, cache.kv.layer_mut(*k)),
+                _ => unreachable!("attention layers always have a cache layer"),
+            };
+            add_into(&mut h, &mixed);
+            let x = layer.post_norm.forward(&h);
+            add_into(&mut h, &layer.ffn.forward(&x, t));
+        }
+        // 3. final norm and LM head on the rows that want logits
+        let mut wanted = Vec::new();
+        let mut rows = Vec::with_capacity(batch.len());
+        let mut first_row = 0;
+        for s in batch {
+            let start = wanted.len();
+            match s.logits {
+                LogitsWanted::None => {}
+                LogitsWanted::Last => wanted.push(first_row + s.tokens.len() - 1),
+                LogitsWanted::All => wanted.extend(first_row..first_row + s.tokens.len()),
+            }
+            rows.push(start..wanted.len());
+            first_row += s.tokens.len();
+        }
+        let mut selected = Vec::with_capacity(wanted.len() * hidden);
+        for &r in &wanted {
+            selected.extend_from_slice(&h[r * hidden..(r + 1) * hidden]);
+        }
+        self.final_norm.forward_inplace(&mut selected);
+        let logits = self.lm_head.forward(&selected, wanted.len());
+        ForwardOutput { vocab: self.vocab_size, logits, rows }
+    }
+
+    /// Multiply-adds per token in the weights (routed MoE counts its `top_k` experts), excluding
+    /// the LM head.
+    pub fn body_macs_per_token(&self) -> usize {
+        self.layers.iter().map(|l| l.mixer.macs_per_row() + l.ffn.macs_per_row()).sum()
+    }
+
+    pub fn lm_head_macs(&self) -> usize {
+        self.lm_head.macs_per_row()
+    }
+
+    /// Attention multiply-adds of one token at context length `ctx` over all layers.
+    pub fn attention_macs(&self, ctx: usize) -> usize {
+        self.layers.iter().map(|l| l.mixer.attention_macs(ctx)).sum()
+    }
+
+    /// Shape `(rows, cols)` of the largest weight matrix (the benchmark's GEMM baseline).
+    pub fn largest_weight_shape(&self) -> (usize, usize) {
+        (self.lm_head.out_dim(), self.lm_head.in_dim())
+    }
+}
+
+fn add_into(h: &mut [f32], delta: &[f32]) {
+    for (a, b) in h.iter_mut().zip(delta) {
+        *a += b;
+    }
+}

@@ -1,0 +1,317 @@
+//! Family `mla`: DeepSeek-V3 multi-head latent attention with MoE (`model_type` deepseek_v3).
+//!
+//! The cache row per token and layer is `[latent: kv_lora_rank | rope key: qk_rope_head_dim]`:
+//! the RMS-normalised compressed KV and the rotated shared rope key. Attention runs in the
+//! absorbed form, which is the same math as transformers' expanded keys and values:
+//! `q_nope·(W_uk·c) = (W_ukᵀ·q_nope)·c` and `Σ p·(W_uv·c) = W_uv·(Σ p·c)`. So each head's query
+//! becomes `[W_ukᵀ q_nope | q_rope]` against the cache row, its value is the latent itself, and
+//! `W_uv` is applied after the softmax.
+
+use super::batch::BatchLayout;
+use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
+use super::layers::{Linear, Mlp, RmsNorm};
+use super::mha::check_silu;
+use super::moe::{load_experts, MoeBlock, Routing, Scoring};
+use super::Family;
+use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
+use crate::cpu::attention::{attend_row, AttentionShape};
+use crate::cpu::gemm::PackedMatrix;
+use crate::cpu::rope::{Rope, RopeStyle};
+use crate::kv::KvLayer;
+use serde::Deserialize;
+
+/// transformers builds `q_a_layernorm` and `kv_a_layernorm` with the default eps, not
+/// `rms_norm_eps`.
+const LATENT_NORM_EPS: f32 = 1e-6;
+
+/// The `config.json` fields of deepseek_v3.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Config {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub moe_intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    pub n_routed_experts: usize,
+    pub num_experts_per_tok: usize,
+    #[serde(default)]
+    pub n_shared_experts: Option<usize>,
+    #[serde(default = "one")]
+    pub n_group: usize,
+    #[serde(default = "one")]
+    pub topk_group: usize,
+    #[serde(default = "yes")]
+    pub norm_topk_prob: bool,
+    #[serde(default = "one_f")]
+    pub routed_scaling_factor: f64,
+    #[serde(default)]
+    pub first_k_dense_replace: usize,
+    #[serde(default = "yes")]
+    pub rope_interleave: bool,
+    #[serde(default = "super::mha_default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+}
+
+fn one() -> usize {
+    1
+}
+fn one_f() -> f64 {
+    1.0
+}
+fn yes() -> bool {
+    true
+}
+
+/// How queries are projected: through a LoRA bottleneck with its own norm, or directly.
+pub enum QueryProjection {
+    Lora { a: Linear, norm: RmsNorm, b: Linear },
+    Plain(Linear),
+}
+
+impl QueryProjection {
+    fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+        match self {
+            QueryProjection::Lora { a, norm, b } => {
+                let mut qa = a.forward(x, t);
+                norm.forward_inplace(&mut qa);
+                b.forward(&qa, t)
+            }
+            QueryProjection::Plain(q) => q.forward(x, t),
+        }
+    }
+
+    /// The LoRA latent itself (DeepSeek V3.2's indexer reads it), or `None`.
+    pub fn macs_per_row(&self) -> usize {
+        match self {
+            QueryProjection::Lora { a, b, .. } => a.macs_per_row() + b.macs_per_row(),
+            QueryProjection::Plain(q) => q.macs_per_row(),
+        }
+    }
+}
+
+/// Latent attention of one layer.
+pub struct MlaAttention {
+    q: QueryProjection,
+    kv_a: Linear,
+    kv_norm: RmsNorm,
+    /// Per head, `W_ukᵀ`: q_nope (`qk_nope_head_dim`) → latent space (`kv_lora_rank`).
+    absorb_k: Vec<PackedMatrix>,
+    /// Per head, `W_uv`: latent (`kv_lora_rank`) → value (`v_head_dim`).
+    absorb_v: Vec<PackedMatrix>,
+    o: Linear,
+    rope: Rope,
+    heads: usize,
+    nope: usize,
+    rope_dim: usize,
+    v_dim: usize,
+    kv_lora: usize,
+    scale: f32,
+}
+
+impl MlaAttention {
+    pub fn kv_row_width(&self) -> usize {
+        self.kv_lora + self.rope_dim
+    }
+
+    pub fn forward(&self, x: &[f32], layout: &BatchLayout, kv: &mut KvLayer) -> Vec<f32> {
+        let t = layout.rows;
+        let (h, nope, rd, lora) = (self.heads, self.nope, self.rope_dim, self.kv_lora);
+        let qk = nope + rd;
+        // 1. queries                                              [t × heads·(nope + rope)]
+        let mut q = self.q.forward(x, t);
+        // 2. compressed kv: normalised latent and rotated rope key → the cache
+        let ckv = self.kv_a.forward(x, t);
+        for r in 0..t {
+            let row = &ckv[r * (lora + rd)..(r + 1) * (lora + rd)];
+            let mut cached = row.to_vec();
+            self.kv_norm.forward_inplace(&mut cached[..lora]);
+            let (cos, sin) = self.rope.cos_sin(layout.positions[r]);
+            self.rope.rotate_heads(&mut cached[lora..], rd, &cos, &sin);
+            let qr = &mut q[r * h * qk..(r + 1) * h * qk];
+            for head in qr.chunks_exact_mut(qk) {
+                self.rope.rotate_heads(&mut head[nope..], rd, &cos, &sin);
+            }
+            kv.row_mut(layout.write_row(r)).copy_from_slice(&cached);
+        }
+        // 3. absorbed queries [W_ukᵀ q_nope | q_rope] per head     [t × heads·(lora + rope)]
+        let aq = lora + rd;
+        let mut absorbed = vec![0.0f32; t * h * aq];
+        for head in 0..h {
+            let q_nope: Vec<f32> = (0..t).flat_map(|r| q[(r * h + head) * qk..(r * h + head) * qk + nope].iter().copied()).collect();
+            let q_lat = self.absorb_k[head].apply(&q_nope, t);
+            for r in 0..t {
+                let dst = &mut absorbed[(r * h + head) * aq..(r * h + head + 1) * aq];
+                dst[..lora].copy_from_slice(&q_lat[r * lora..(r + 1) * lora]);
+                dst[lora..].copy_from_slice(&q[(r * h + head) * qk + nope..(r * h + head + 1) * qk]);
+            }
+        }
+        // 4. attention in latent space                            [t × heads·lora]
+        let shape = AttentionShape { q_heads: h, kv_heads: 1, qk_dim: aq, v_dim: lora, k_offset: 0, v_offset: 0, scale: self.scale };
+        let mut o_lat = vec![0.0f32; t * h * lora];
+        let mut scores = Vec::new();
+        for r in 0..t {
+            let keys = layout.visible_rows(r, None);
+            attend_row(&shape, &absorbed[r * h * aq..(r + 1) * h * aq], kv, keys, &mut o_lat[r * h * lora..(r + 1) * h * lora], &mut scores);
+        }
+        // 5. values out of latent space, then the output projection [t × hidden]
+        let mut attn = vec![0.0f32; t * h * self.v_dim];
+        for head in 0..h {
+            let lat: Vec<f32> = (0..t).flat_map(|r| o_lat[(r * h + head) * lora..(r * h + head + 1) * lora].iter().copied()).collect();
+            let v = self.absorb_v[head].apply(&lat, t);
+            for r in 0..t {
+                attn[(r * h + head) * self.v_dim..(r * h + head + 1) * self.v_dim].copy_from_slice(&v[r * self.v_dim..(r + 1) * self.v_dim]);
+            }
+        }
+        self.o.forward(&attn, t)
+    }
+
+    pub fn macs_per_row(&self) -> usize {
+        self.q.macs_per_row()
+            + self.kv_a.macs_per_row()
+            + self.heads * (self.nope + self.v_dim) * self.kv_lora
+            + self.o.macs_per_row()
+    }
+
+    pub fn attention_macs(&self, ctx: usize) -> usize {
+        self.heads * (2 * self.kv_lora + self.rope_dim) * ctx
+    }
+}
+
+/// Loads one layer's latent attention under `{prefix}` (= `model.layers.{l}.self_attn`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_attention(
+    w: &dyn WeightSource,
+    prefix: &str,
+    hidden: usize,
+    heads: usize,
+    q_lora_rank: Option<usize>,
+    kv_lora: usize,
+    nope: usize,
+    rope_dim: usize,
+    v_dim: usize,
+    bias: bool,
+    rope: Rope,
+    scale: f32,
+) -> Result<MlaAttention, LoadError> {
+    let qk = nope + rope_dim;
+    let q = match q_lora_rank {
+        Some(rank) => QueryProjection::Lora {
+            a: Linear::load(w, &format!("{prefix}.q_a_proj"), hidden, rank, bias)?,
+            norm: RmsNorm::load(w, &format!("{prefix}.q_a_layernorm.weight"), rank, LATENT_NORM_EPS)?,
+            b: Linear::load(w, &format!("{prefix}.q_b_proj"), rank, heads * qk, false)?,
+        },
+        None => QueryProjection::Plain(Linear::load(w, &format!("{prefix}.q_proj"), hidden, heads * qk, false)?),
+    };
+    let kv_b = w.tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v_dim), kv_lora])?;
+    let mut absorb_k = Vec::with_capacity(heads);
+    let mut absorb_v = Vec::with_capacity(heads);
+    for head in 0..heads {
+        let base = head * (nope + v_dim) * kv_lora;
+        // rows [nope × lora] of W_uk: q_lat = q_nope · W_uk
+        absorb_k.push(PackedMatrix::from_columns(&kv_b[base..base + nope * kv_lora], nope, kv_lora));
+        // rows [v × lora] of W_uv: v = W_uv · latent
+        absorb_v.push(PackedMatrix::from_rows(&kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora], v_dim, kv_lora));
+    }
+    Ok(MlaAttention {
+        q,
+        kv_a: Linear::load(w, &format!("{prefix}.kv_a_proj_with_mqa"), hidden, kv_lora + rope_dim, bias)?,
+        kv_norm: RmsNorm::load(w, &format!("{prefix}.kv_a_layernorm.weight"), kv_lora, LATENT_NORM_EPS)?,
+        absorb_k,
+        absorb_v,
+        o: Linear::load(w, &format!("{prefix}.o_proj"), heads * v_dim, hidden, bias)?,
+        rope,
+        heads,
+        nope,
+        rope_dim,
+        v_dim,
+        kv_lora,
+        scale,
+    })
+}
+
+/// Builds a deepseek_v3 model.
+pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadError> {
+    let c: Config = cfg.family_config()?;
+    check_silu(cfg, &c.hidden_act)?;
+    let hidden = c.hidden_size;
+    let eps = c.rms_norm_eps as f32;
+    if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
+        return Err(cfg.error("n_group", format!("{} does not divide n_routed_experts {}", c.n_group, c.n_routed_experts)));
+    }
+    if c.topk_group > c.n_group || c.num_experts_per_tok > c.n_routed_experts {
+        return Err(cfg.error("topk_group", "more groups or experts chosen than exist"));
+    }
+    // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
+    let rope_params = parse_rope(cfg)?;
+    let (inv_freq, attention_scaling) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
+    let style = if c.rope_interleave { RopeStyle::Interleaved } else { RopeStyle::Neox };
+    let rope = Rope::new(inv_freq, attention_scaling, style);
+    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5) * rope_params.softmax_scale_correction();
+    let mut layers = Vec::with_capacity(c.num_hidden_layers);
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let attn = load_attention(
+            w,
+            &format!("{p}.self_attn"),
+            hidden,
+            c.num_attention_heads,
+            c.q_lora_rank,
+            c.kv_lora_rank,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+            c.attention_bias,
+            rope.clone(),
+            scale,
+        )?;
+        let ffn = if l < c.first_k_dense_replace {
+            Ffn::Dense(Mlp::load(w, &format!("{p}.mlp"), hidden, c.intermediate_size, false)?)
+        } else {
+            Ffn::Moe(Box::new(deepseek_moe(w, &format!("{p}.mlp"), &c)?))
+        };
+        layers.push(DecoderLayer {
+            input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
+            mixer: Mixer::Mla(attn),
+            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
+            ffn,
+        });
+    }
+    Model::assemble(Family::Mla, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
+}
+
+fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
+    let (hidden, n) = (c.hidden_size, c.n_routed_experts);
+    let shared = match c.n_shared_experts {
+        Some(s) if s > 0 => Some(Mlp::load(w, &format!("{prefix}.shared_experts"), hidden, c.moe_intermediate_size * s, false)?),
+        _ => None,
+    };
+    Ok(MoeBlock {
+        router: Linear::load(w, &format!("{prefix}.gate"), hidden, n, false)?,
+        routing: Routing {
+            num_experts: n,
+            top_k: c.num_experts_per_tok,
+            scoring: Scoring::Sigmoid,
+            correction_bias: Some(w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?),
+            n_group: c.n_group,
+            topk_group: c.topk_group,
+            norm_topk_prob: c.norm_topk_prob,
+            scaling: c.routed_scaling_factor as f32,
+        },
+        experts: load_experts(w, &format!("{prefix}.experts"), ["gate_proj", "up_proj", "down_proj"], n, hidden, c.moe_intermediate_size)?,
+        shared,
+        shared_gate: None,
+    })
+}

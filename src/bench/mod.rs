@@ -1,0 +1,3 @@
+//! `kvflow bench …`: benchmarks that print figures beside a baseline measured in the same run.
+
+pub mod model;

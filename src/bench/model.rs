@@ -1,0 +1,166 @@
+//! `kvflow bench model`: prefill and decode throughput of one CPU executor (one thread, a rank's)
+//! and the GFLOP/s it achieves, beside two GEMM baselines measured in the same run on the model's
+//! largest weight shape at the decode batch size: kvflow's own GEMM and `matrixmultiply`'s sgemm.
+//! The last line is `ratio=<decode GFLOP/s over the faster baseline>`.
+//!
+//! The decode batch shares one prefilled context (its blocks referenced by every sequence, as a
+//! prefix cache would), then each sequence feeds its own token and decodes on its own blocks, so
+//! attention reads `context` keys per sequence without prefilling `batch × context` tokens.
+
+use anyhow::{bail, Result};
+use kvflow_kernels::cpu::gemm::PackedMatrix;
+use kvflow_kernels::cpu::sampling::argmax;
+use kvflow_kernels::kv::{BlockPool, BlockTable};
+use kvflow_kernels::models::{self, LogitsWanted, SeqInput};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The default model: a seeded mha model of a small production shape.
+pub const DEFAULT_SPEC: &str = r#"
+model_type = "llama"
+seed = 7
+hidden_size = 1024
+num_hidden_layers = 8
+num_attention_heads = 16
+num_key_value_heads = 4
+head_dim = 64
+intermediate_size = 2816
+vocab_size = 32000
+"#;
+
+pub struct ModelBenchArgs {
+    pub model: Option<PathBuf>,
+    pub batch: usize,
+    pub context: usize,
+    pub decode_steps: usize,
+}
+
+fn gflops(flops: f64, d: Duration) -> f64 {
+    flops / d.as_secs_f64() / 1e9
+}
+
+/// Best of `reps` timings of `f`.
+fn best_of(reps: usize, mut f: impl FnMut()) -> Duration {
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .min()
+        .expect("reps > 0")
+}
+
+pub fn run(args: &ModelBenchArgs) -> Result<()> {
+    if args.batch == 0 || args.context == 0 || args.decode_steps == 0 {
+        bail!("--batch, --context and --decode-steps must be positive");
+    }
+    let t0 = Instant::now();
+    let model = match &args.model {
+        Some(path) => models::load(path)?,
+        None => {
+            let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
+            models::build(&spec.config, &spec.weights)?
+        }
+    };
+    let name = args.model.as_ref().map_or("default seeded mha (hidden 1024, 8 layers, vocab 32000)".to_string(), |p| p.display().to_string());
+    println!("model        {name}: family {}, {} layers, hidden {}, vocab {} (built in {:.1} s)", model.family, model.num_layers(), model.hidden_size, model.vocab_size, t0.elapsed().as_secs_f64());
+    println!("threads      1 (one rank)");
+
+    // 1. Baselines on the largest weight shape at the decode batch size.
+    let (n, k) = model.largest_weight_shape();
+    let m = args.batch;
+    let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let packed = PackedMatrix::from_rows(&w, n, k);
+    let mut out = vec![0.0f32; m * n];
+    let gemm_flops = 2.0 * (m * n * k) as f64;
+    let own = gflops(gemm_flops, best_of(5, || packed.matmul(&x, m, &mut out)));
+    let mm = gflops(
+        gemm_flops,
+        best_of(5, || unsafe {
+            // C[m × n] = X[m × k] · Wᵀ, with Wᵀ read through strides from the [n × k] weight.
+            matrixmultiply::sgemm(m, k, n, 1.0, x.as_ptr(), k as isize, 1, w.as_ptr(), 1, k as isize, 0.0, out.as_mut_ptr(), n as isize, 1);
+        }),
+    );
+    println!("baseline     gemm {m}×{k}·({n}×{k})ᵀ: kvflow {own:.1} GFLOP/s, matrixmultiply {mm:.1} GFLOP/s");
+
+    // 2. Prefill one shared context.
+    let bs = 16;
+    let ctx = args.context;
+    let steps = args.decode_steps + 2;
+    let per_seq_blocks = (ctx + steps + 1).div_ceil(bs) - ctx / bs + 1;
+    let total_blocks = ctx.div_ceil(bs) + m * per_seq_blocks;
+    let mut pool = BlockPool::new(total_blocks);
+    let mut cache = model.new_cache(bs, total_blocks);
+    let prompt: Vec<u32> = (0..ctx).map(|i| ((i * 31 + 7) % model.vocab_size) as u32).collect();
+    let mut shared = BlockTable::new();
+    shared.grow_to(ctx, bs, &mut pool)?;
+    let t = Instant::now();
+    for start in (0..ctx).step_by(512) {
+        let end = (start + 512).min(ctx);
+        model.forward(
+            &[SeqInput { tokens: &prompt[start..end], start_pos: start, block_table: shared.blocks(), logits: if end == ctx { LogitsWanted::Last } else { LogitsWanted::None } }],
+            &mut cache,
+        );
+    }
+    let prefill_time = t.elapsed();
+    let attn_prefill: usize = (1..=ctx).map(|c| model.attention_macs(c)).sum();
+    let prefill_flops = 2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
+    println!(
+        "prefill      {ctx} tokens in {:.2} s: {:.0} tokens/s, {:.1} GFLOP/s",
+        prefill_time.as_secs_f64(),
+        ctx as f64 / prefill_time.as_secs_f64(),
+        gflops(prefill_flops, prefill_time)
+    );
+
+    // 3. Decode: every sequence shares the context's full blocks, then runs on its own.
+    let full = ctx / bs;
+    let mut tables: Vec<BlockTable> = (0..m)
+        .map(|_| {
+            let mut t = BlockTable::new();
+            for &b in &shared.blocks()[..full] {
+                pool.share(b);
+                t.push(b);
+            }
+            t
+        })
+        .collect();
+    for (i, t) in tables.iter_mut().enumerate() {
+        t.grow_to(ctx + steps + 1, bs, &mut pool)?;
+        if ctx % bs != 0 {
+            // The partial last block is copied: each sequence writes its own tokens into it.
+            cache.kv.copy_block(shared.blocks()[full], t.blocks()[full]);
+        }
+        let _ = i;
+    }
+    let mut last: Vec<u32> = (0..m).map(|i| ((i * 997 + 13) % model.vocab_size) as u32).collect();
+    let mut measured = Duration::ZERO;
+    let mut decode_flops = 0.0;
+    for step in 0..steps {
+        let pos = ctx + step;
+        let toks: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
+        let batch: Vec<SeqInput> = tables
+            .iter()
+            .zip(&toks)
+            .map(|(t, tok)| SeqInput { tokens: tok, start_pos: pos, block_table: t.blocks(), logits: LogitsWanted::Last })
+            .collect();
+        let t = Instant::now();
+        let out = model.forward(&batch, &mut cache);
+        let dt = t.elapsed();
+        if step >= 2 {
+            measured += dt;
+            decode_flops += 2.0 * (m * (model.body_macs_per_token() + model.lm_head_macs() + model.attention_macs(pos + 1))) as f64;
+        }
+        last = (0..m).map(|i| argmax(out.last(i).expect("asked"))).collect();
+    }
+    let decode = gflops(decode_flops, measured);
+    let tokens_per_s = (m * args.decode_steps) as f64 / measured.as_secs_f64();
+    println!("decode       batch {m}, context {ctx}: {tokens_per_s:.0} tokens/s, {decode:.1} GFLOP/s ({} steps measured after 2 warm-up)", args.decode_steps);
+    for t in tables.iter_mut().chain(std::iter::once(&mut shared)) {
+        t.release_all(&mut pool);
+    }
+    assert_eq!(pool.num_free(), pool.num_blocks(), "bench leaked KV blocks");
+    println!("ratio={:.3}", decode / own.max(mm));
+    Ok(())
+}
