@@ -480,6 +480,11 @@ VARIANTS = [
 ]
 VARIANT_BY_NAME = {v["name"]: v for v in VARIANTS}
 STORAGE_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+# transformers 5.17 swaps its reference torch implementations of the gated-delta-rule / KDA
+# recurrences and the causal conv for these packages whenever they are importable (whatever the
+# device); the fixtures must come from the reference path.
+LINEAR_ATTN_KERNEL_PACKAGES = ("fla", "causal_conv1d")
+LINEAR_ATTN_MODEL_TYPES = ("qwen3_next", "kimi_linear")
 SAFETENSORS_DTYPE = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
 
 
@@ -572,6 +577,15 @@ def run_variant(v, out_root, torch, transformers):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     name = v["name"]
+    if v["model_type"] in LINEAR_ATTN_MODEL_TYPES:
+        import importlib.util
+
+        found = [p for p in LINEAR_ATTN_KERNEL_PACKAGES if importlib.util.find_spec(p) is not None]
+        if found:
+            raise RuntimeError(
+                f"{found} importable: transformers would use those kernels instead of its reference torch "
+                "implementation; run in an environment without them"
+            )
     out = os.path.join(out_root, name)
     if os.path.isdir(out):
         shutil.rmtree(out)

@@ -59,19 +59,36 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let model = match &args.model {
         Some(path) => models::load(path)?,
         None => {
-            let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
+            let spec = kvflow_kernels::checkpoint::ModelSpec::parse(
+                "<default bench spec>".into(),
+                DEFAULT_SPEC,
+            )?;
             models::build(&spec.config, &spec.weights)?
         }
     };
-    let name = args.model.as_ref().map_or("default seeded mha (hidden 1024, 8 layers, vocab 32000)".to_string(), |p| p.display().to_string());
-    println!("model        {name}: family {}, {} layers, hidden {}, vocab {} (built in {:.1} s)", model.family, model.num_layers(), model.hidden_size, model.vocab_size, t0.elapsed().as_secs_f64());
+    let name = args.model.as_ref().map_or(
+        "default seeded mha (hidden 1024, 8 layers, vocab 32000)".to_string(),
+        |p| p.display().to_string(),
+    );
+    println!(
+        "model        {name}: family {}, {} layers, hidden {}, vocab {} (built in {:.1} s)",
+        model.family,
+        model.num_layers(),
+        model.hidden_size,
+        model.vocab_size,
+        t0.elapsed().as_secs_f64()
+    );
     println!("threads      1 (one rank)");
 
     // 1. Baselines on the largest weight shape at the decode batch size.
     let (n, k) = model.largest_weight_shape();
     let m = args.batch;
-    let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
-    let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let w: Vec<f32> = (0..n * k)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let x: Vec<f32> = (0..m * k)
+        .map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
     let packed = PackedMatrix::from_rows(&w, n, k);
     let mut out = vec![0.0f32; m * n];
     let gemm_flops = 2.0 * (m * n * k) as f64;
@@ -80,7 +97,22 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         gemm_flops,
         best_of(5, || unsafe {
             // C[m × n] = X[m × k] · Wᵀ, with Wᵀ read through strides from the [n × k] weight.
-            matrixmultiply::sgemm(m, k, n, 1.0, x.as_ptr(), k as isize, 1, w.as_ptr(), 1, k as isize, 0.0, out.as_mut_ptr(), n as isize, 1);
+            matrixmultiply::sgemm(
+                m,
+                k,
+                n,
+                1.0,
+                x.as_ptr(),
+                k as isize,
+                1,
+                w.as_ptr(),
+                1,
+                k as isize,
+                0.0,
+                out.as_mut_ptr(),
+                n as isize,
+                1,
+            );
         }),
     );
     println!("baseline     gemm {m}×{k}·({n}×{k})ᵀ: kvflow {own:.1} GFLOP/s, matrixmultiply {mm:.1} GFLOP/s");
@@ -93,20 +125,32 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let total_blocks = ctx.div_ceil(bs) + m * per_seq_blocks;
     let mut pool = BlockPool::new(total_blocks);
     let mut cache = model.new_cache(bs, total_blocks);
-    let prompt: Vec<u32> = (0..ctx).map(|i| ((i * 31 + 7) % model.vocab_size) as u32).collect();
+    let prompt: Vec<u32> = (0..ctx)
+        .map(|i| ((i * 31 + 7) % model.vocab_size) as u32)
+        .collect();
     let mut shared = BlockTable::new();
     shared.grow_to(ctx, bs, &mut pool)?;
     let t = Instant::now();
     for start in (0..ctx).step_by(512) {
         let end = (start + 512).min(ctx);
         model.forward(
-            &[SeqInput { tokens: &prompt[start..end], start_pos: start, block_table: shared.blocks(), logits: if end == ctx { LogitsWanted::Last } else { LogitsWanted::None } }],
+            &[SeqInput {
+                tokens: &prompt[start..end],
+                start_pos: start,
+                block_table: shared.blocks(),
+                logits: if end == ctx {
+                    LogitsWanted::Last
+                } else {
+                    LogitsWanted::None
+                },
+            }],
             &mut cache,
         );
     }
     let prefill_time = t.elapsed();
     let attn_prefill: usize = (1..=ctx).map(|c| model.attention_macs(c)).sum();
-    let prefill_flops = 2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
+    let prefill_flops =
+        2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
     println!(
         "prefill      {ctx} tokens in {:.2} s: {:.0} tokens/s, {:.1} GFLOP/s",
         prefill_time.as_secs_f64(),
@@ -134,7 +178,9 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         }
         let _ = i;
     }
-    let mut last: Vec<u32> = (0..m).map(|i| ((i * 997 + 13) % model.vocab_size) as u32).collect();
+    let mut last: Vec<u32> = (0..m)
+        .map(|i| ((i * 997 + 13) % model.vocab_size) as u32)
+        .collect();
     let mut measured = Duration::ZERO;
     let mut decode_flops = 0.0;
     for step in 0..steps {
@@ -143,16 +189,26 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         let batch: Vec<SeqInput> = tables
             .iter()
             .zip(&toks)
-            .map(|(t, tok)| SeqInput { tokens: tok, start_pos: pos, block_table: t.blocks(), logits: LogitsWanted::Last })
+            .map(|(t, tok)| SeqInput {
+                tokens: tok,
+                start_pos: pos,
+                block_table: t.blocks(),
+                logits: LogitsWanted::Last,
+            })
             .collect();
         let t = Instant::now();
         let out = model.forward(&batch, &mut cache);
         let dt = t.elapsed();
         if step >= 2 {
             measured += dt;
-            decode_flops += 2.0 * (m * (model.body_macs_per_token() + model.lm_head_macs() + model.attention_macs(pos + 1))) as f64;
+            decode_flops += 2.0
+                * (m * (model.body_macs_per_token()
+                    + model.lm_head_macs()
+                    + model.attention_macs(pos + 1))) as f64;
         }
-        last = (0..m).map(|i| argmax(out.last(i).expect("asked"))).collect();
+        last = (0..m)
+            .map(|i| argmax(out.last(i).expect("asked")))
+            .collect();
     }
     let decode = gflops(decode_flops, measured);
     let tokens_per_s = (m * args.decode_steps) as f64 / measured.as_secs_f64();

@@ -74,7 +74,10 @@ impl RopeParams {
             RopeScaling::Default => (base_freqs(default_dim), 1.0),
             RopeScaling::Linear { factor } => {
                 let f = *factor as f32;
-                (base_freqs(scaled_dim).into_iter().map(|v| v / f).collect(), 1.0)
+                (
+                    base_freqs(scaled_dim).into_iter().map(|v| v / f).collect(),
+                    1.0,
+                )
             }
             RopeScaling::Llama3 {
                 factor,
@@ -90,7 +93,8 @@ impl RopeParams {
                     .map(|f| {
                         let wavelen = (2.0 * std::f64::consts::PI) as f32 / f;
                         let scaled = if wavelen > low_wavelen { f / factor } else { f };
-                        let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                        // transformers: ~(wavelen < high) * ~(wavelen > low); frequencies are finite.
+                        let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                         if medium {
                             let smooth = ((*old as f32) / wavelen - *low_freq_factor as f32)
                                 / (high_freq_factor - low_freq_factor) as f32;
@@ -113,12 +117,13 @@ impl RopeParams {
                 truncate,
             } => {
                 let dim = scaled_dim;
-                let attention = attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
-                    (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => {
-                        yarn_get_mscale(*factor, *m) / yarn_get_mscale(*factor, *a)
-                    }
-                    _ => yarn_get_mscale(*factor, 1.0),
-                });
+                let attention =
+                    attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
+                        (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => {
+                            yarn_get_mscale(*factor, *m) / yarn_get_mscale(*factor, *a)
+                        }
+                        _ => yarn_get_mscale(*factor, 1.0),
+                    });
                 let correction_dim = |rot: f64| {
                     (dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln())
                         / (2.0 * self.theta.ln())
@@ -160,7 +165,11 @@ impl RopeParams {
     pub fn softmax_scale_correction(&self) -> f32 {
         match &self.scaling {
             RopeScaling::Default => 1.0,
-            RopeScaling::Yarn { factor, mscale_all_dim: Some(all), .. } if *all != 0.0 => {
+            RopeScaling::Yarn {
+                factor,
+                mscale_all_dim: Some(all),
+                ..
+            } if *all != 0.0 => {
                 let m = yarn_get_mscale(*factor, *all);
                 (m * m) as f32
             }
@@ -179,7 +188,11 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(inv_freq: Vec<f32>, attention_scaling: f32, style: RopeStyle) -> Self {
-        Rope { inv_freq, attention_scaling, style }
+        Rope {
+            inv_freq,
+            attention_scaling,
+            style,
+        }
     }
 
     /// Dimensions rotated per head.
@@ -191,7 +204,10 @@ impl Rope {
     pub fn cos_sin(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
         let p = pos as f32;
         let s = self.attention_scaling;
-        self.inv_freq.iter().map(|&f| ((p * f).cos() * s, (p * f).sin() * s)).unzip()
+        self.inv_freq
+            .iter()
+            .map(|&f| ((p * f).cos() * s, (p * f).sin() * s))
+            .unzip()
     }
 
     /// Rotates the first `rotary_dim` values of each `head_dim`-wide head in `x`.
@@ -226,7 +242,11 @@ mod tests {
     use super::*;
 
     fn params(scaling: RopeScaling) -> RopeParams {
-        RopeParams { theta: 10000.0, scaling, partial_rotary_factor: 1.0 }
+        RopeParams {
+            theta: 10000.0,
+            scaling,
+            partial_rotary_factor: 1.0,
+        }
     }
 
     #[test]

@@ -43,7 +43,9 @@ pub struct ForwardOutput {
 impl ForwardOutput {
     /// The logits rows of sequence `i`.
     pub fn seq(&self, i: usize) -> impl Iterator<Item = &[f32]> {
-        self.rows[i].clone().map(move |r| &self.logits[r * self.vocab..(r + 1) * self.vocab])
+        self.rows[i]
+            .clone()
+            .map(move |r| &self.logits[r * self.vocab..(r + 1) * self.vocab])
     }
 
     /// The last logits row of sequence `i`, if it asked for any.
@@ -80,7 +82,12 @@ impl BatchLayout {
                 Vec::new()
             });
         }
-        BatchLayout { rows: positions.len(), positions, seq_of_row, cache_rows }
+        BatchLayout {
+            rows: positions.len(),
+            positions,
+            seq_of_row,
+            cache_rows,
+        }
     }
 
     /// The cache row where row `r` writes its own key/value.

@@ -138,12 +138,17 @@ impl Model {
 
     /// Row widths of the paged cache, one per layer that keeps KV.
     pub fn kv_row_widths(&self) -> Vec<usize> {
-        self.layers.iter().filter_map(|l| l.mixer.kv_row_width()).collect()
+        self.layers
+            .iter()
+            .filter_map(|l| l.mixer.kv_row_width())
+            .collect()
     }
 
     /// A cache of `num_blocks` blocks of `block_size` tokens for this model.
     pub fn new_cache(&self, block_size: usize, num_blocks: usize) -> ModelCache {
-        ModelCache { kv: PagedKvCache::new(block_size, num_blocks, &self.kv_row_widths()) }
+        ModelCache {
+            kv: PagedKvCache::new(block_size, num_blocks, &self.kv_row_widths()),
+        }
     }
 
     /// Bytes of paged cache one block takes (0 for families without paged KV).
@@ -154,7 +159,10 @@ impl Model {
     /// `Err` naming the first token outside the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), String> {
         match tokens.iter().position(|&t| t as usize >= self.vocab_size) {
-            Some(i) => Err(format!("token {} at index {i} is outside the vocabulary (size {})", tokens[i], self.vocab_size)),
+            Some(i) => Err(format!(
+                "token {} at index {i} is outside the vocabulary (size {})",
+                tokens[i], self.vocab_size
+            )),
             None => Ok(()),
         }
     }
@@ -171,7 +179,9 @@ impl Model {
         for s in batch {
             for &tok in s.tokens {
                 debug_assert!((tok as usize) < self.vocab_size);
-                h.extend_from_slice(&self.embed[tok as usize * hidden..(tok as usize + 1) * hidden]);
+                h.extend_from_slice(
+                    &self.embed[tok as usize * hidden..(tok as usize + 1) * hidden],
+                );
             }
         }
         // 2. layers
@@ -206,13 +216,20 @@ impl Model {
         }
         self.final_norm.forward_inplace(&mut selected);
         let logits = self.lm_head.forward(&selected, wanted.len());
-        ForwardOutput { vocab: self.vocab_size, logits, rows }
+        ForwardOutput {
+            vocab: self.vocab_size,
+            logits,
+            rows,
+        }
     }
 
     /// Multiply-adds per token in the weights (routed MoE counts its `top_k` experts), excluding
     /// the LM head.
     pub fn body_macs_per_token(&self) -> usize {
-        self.layers.iter().map(|l| l.mixer.macs_per_row() + l.ffn.macs_per_row()).sum()
+        self.layers
+            .iter()
+            .map(|l| l.mixer.macs_per_row() + l.ffn.macs_per_row())
+            .sum()
     }
 
     pub fn lm_head_macs(&self) -> usize {
@@ -221,7 +238,10 @@ impl Model {
 
     /// Attention multiply-adds of one token at context length `ctx` over all layers.
     pub fn attention_macs(&self, ctx: usize) -> usize {
-        self.layers.iter().map(|l| l.mixer.attention_macs(ctx)).sum()
+        self.layers
+            .iter()
+            .map(|l| l.mixer.attention_macs(ctx))
+            .sum()
     }
 
     /// Shape `(rows, cols)` of the largest weight matrix (the benchmark's GEMM baseline).

@@ -78,12 +78,19 @@ impl Family {
 
     /// The family serving a Hugging Face `model_type`, if any.
     pub fn for_model_type(model_type: &str) -> Option<Family> {
-        FAMILIES.iter().find(|f| f.model_types.contains(&model_type)).map(|f| f.family)
+        FAMILIES
+            .iter()
+            .find(|f| f.model_types.contains(&model_type))
+            .map(|f| f.family)
     }
 
     /// Every supported `model_type`, comma-separated (for error messages).
     pub fn supported_model_types() -> String {
-        FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect::<Vec<_>>().join(", ")
+        FAMILIES
+            .iter()
+            .flat_map(|f| f.model_types.iter().copied())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -100,7 +107,11 @@ mod tests {
     #[test]
     fn every_family_has_exactly_one_row_stating_its_recurrent_state() {
         for (i, family) in Family::ALL.iter().enumerate() {
-            assert_eq!(family.variant_index(), i, "Family::ALL is out of order at {family:?}");
+            assert_eq!(
+                family.variant_index(),
+                i,
+                "Family::ALL is out of order at {family:?}"
+            );
             let rows = FAMILIES.iter().filter(|f| f.family == *family).count();
             assert_eq!(rows, 1, "{family:?} must have exactly one row in FAMILIES");
         }

@@ -15,12 +15,24 @@ pub struct Linear {
 
 impl Linear {
     /// Loads `{prefix}.weight` (`[out × in]`) and, when `bias`, `{prefix}.bias`.
-    pub fn load(w: &dyn WeightSource, prefix: &str, in_dim: usize, out_dim: usize, bias: bool) -> Result<Self, LoadError> {
+    pub fn load(
+        w: &dyn WeightSource,
+        prefix: &str,
+        in_dim: usize,
+        out_dim: usize,
+        bias: bool,
+    ) -> Result<Self, LoadError> {
         Self::fused(w, &[prefix], in_dim, &[out_dim], bias)
     }
 
     /// Stacks the rows of several projections reading the same input.
-    pub fn fused(w: &dyn WeightSource, prefixes: &[&str], in_dim: usize, out_dims: &[usize], bias: bool) -> Result<Self, LoadError> {
+    pub fn fused(
+        w: &dyn WeightSource,
+        prefixes: &[&str],
+        in_dim: usize,
+        out_dims: &[usize],
+        bias: bool,
+    ) -> Result<Self, LoadError> {
         let mut rows = Vec::new();
         let mut biases = Vec::new();
         for (prefix, &out) in prefixes.iter().zip(out_dims) {
@@ -34,7 +46,10 @@ impl Linear {
     }
 
     pub fn from_parts(rows: &[f32], out_dim: usize, in_dim: usize, bias: Option<Vec<f32>>) -> Self {
-        Linear { weight: PackedMatrix::from_rows(rows, out_dim, in_dim), bias }
+        Linear {
+            weight: PackedMatrix::from_rows(rows, out_dim, in_dim),
+            bias,
+        }
     }
 
     pub fn out_dim(&self) -> usize {
@@ -72,7 +87,10 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn load(w: &dyn WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self, LoadError> {
-        Ok(RmsNorm { weight: w.tensor(name, &[dim])?, eps })
+        Ok(RmsNorm {
+            weight: w.tensor(name, &[dim])?,
+            eps,
+        })
     }
 
     pub fn forward_inplace(&self, x: &mut [f32]) {
@@ -95,8 +113,21 @@ pub struct Mlp {
 
 impl Mlp {
     /// `{prefix}.gate_proj`, `{prefix}.up_proj`, `{prefix}.down_proj`.
-    pub fn load(w: &dyn WeightSource, prefix: &str, hidden: usize, inter: usize, bias: bool) -> Result<Self, LoadError> {
-        Self::load_named(w, prefix, ["gate_proj", "up_proj", "down_proj"], hidden, inter, bias)
+    pub fn load(
+        w: &dyn WeightSource,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+    ) -> Result<Self, LoadError> {
+        Self::load_named(
+            w,
+            prefix,
+            ["gate_proj", "up_proj", "down_proj"],
+            hidden,
+            inter,
+            bias,
+        )
     }
 
     /// Same, with other projection names (e.g. Mixtral-style `w1`, `w3`, `w2`).
@@ -108,9 +139,19 @@ impl Mlp {
         inter: usize,
         bias: bool,
     ) -> Result<Self, LoadError> {
-        let gate_up = Linear::fused(w, &[&format!("{prefix}.{gate}"), &format!("{prefix}.{up}")], hidden, &[inter, inter], bias)?;
+        let gate_up = Linear::fused(
+            w,
+            &[&format!("{prefix}.{gate}"), &format!("{prefix}.{up}")],
+            hidden,
+            &[inter, inter],
+            bias,
+        )?;
         let down = Linear::load(w, &format!("{prefix}.{down}"), inter, hidden, bias)?;
-        Ok(Mlp { gate_up, down, inter })
+        Ok(Mlp {
+            gate_up,
+            down,
+            inter,
+        })
     }
 
     /// From already-stacked `[gate; up]` rows (`2·inter × hidden`) and `down` (`hidden × inter`).

@@ -150,29 +150,58 @@ impl MlaAttention {
         let aq = lora + rd;
         let mut absorbed = vec![0.0f32; t * h * aq];
         for head in 0..h {
-            let q_nope: Vec<f32> = (0..t).flat_map(|r| q[(r * h + head) * qk..(r * h + head) * qk + nope].iter().copied()).collect();
+            let q_nope: Vec<f32> = (0..t)
+                .flat_map(|r| {
+                    q[(r * h + head) * qk..(r * h + head) * qk + nope]
+                        .iter()
+                        .copied()
+                })
+                .collect();
             let q_lat = self.absorb_k[head].apply(&q_nope, t);
             for r in 0..t {
                 let dst = &mut absorbed[(r * h + head) * aq..(r * h + head + 1) * aq];
                 dst[..lora].copy_from_slice(&q_lat[r * lora..(r + 1) * lora]);
-                dst[lora..].copy_from_slice(&q[(r * h + head) * qk + nope..(r * h + head + 1) * qk]);
+                dst[lora..]
+                    .copy_from_slice(&q[(r * h + head) * qk + nope..(r * h + head + 1) * qk]);
             }
         }
         // 4. attention in latent space                            [t × heads·lora]
-        let shape = AttentionShape { q_heads: h, kv_heads: 1, qk_dim: aq, v_dim: lora, k_offset: 0, v_offset: 0, scale: self.scale };
+        let shape = AttentionShape {
+            q_heads: h,
+            kv_heads: 1,
+            qk_dim: aq,
+            v_dim: lora,
+            k_offset: 0,
+            v_offset: 0,
+            scale: self.scale,
+        };
         let mut o_lat = vec![0.0f32; t * h * lora];
         let mut scores = Vec::new();
         for r in 0..t {
             let keys = layout.visible_rows(r, None);
-            attend_row(&shape, &absorbed[r * h * aq..(r + 1) * h * aq], kv, keys, &mut o_lat[r * h * lora..(r + 1) * h * lora], &mut scores);
+            attend_row(
+                &shape,
+                &absorbed[r * h * aq..(r + 1) * h * aq],
+                kv,
+                keys,
+                &mut o_lat[r * h * lora..(r + 1) * h * lora],
+                &mut scores,
+            );
         }
         // 5. values out of latent space, then the output projection [t × hidden]
         let mut attn = vec![0.0f32; t * h * self.v_dim];
         for head in 0..h {
-            let lat: Vec<f32> = (0..t).flat_map(|r| o_lat[(r * h + head) * lora..(r * h + head + 1) * lora].iter().copied()).collect();
+            let lat: Vec<f32> = (0..t)
+                .flat_map(|r| {
+                    o_lat[(r * h + head) * lora..(r * h + head + 1) * lora]
+                        .iter()
+                        .copied()
+                })
+                .collect();
             let v = self.absorb_v[head].apply(&lat, t);
             for r in 0..t {
-                attn[(r * h + head) * self.v_dim..(r * h + head + 1) * self.v_dim].copy_from_slice(&v[r * self.v_dim..(r + 1) * self.v_dim]);
+                attn[(r * h + head) * self.v_dim..(r * h + head + 1) * self.v_dim]
+                    .copy_from_slice(&v[r * self.v_dim..(r + 1) * self.v_dim]);
             }
         }
         self.o.forward(&attn, t)
@@ -210,25 +239,58 @@ pub(crate) fn load_attention(
     let q = match q_lora_rank {
         Some(rank) => QueryProjection::Lora {
             a: Linear::load(w, &format!("{prefix}.q_a_proj"), hidden, rank, bias)?,
-            norm: RmsNorm::load(w, &format!("{prefix}.q_a_layernorm.weight"), rank, LATENT_NORM_EPS)?,
+            norm: RmsNorm::load(
+                w,
+                &format!("{prefix}.q_a_layernorm.weight"),
+                rank,
+                LATENT_NORM_EPS,
+            )?,
             b: Linear::load(w, &format!("{prefix}.q_b_proj"), rank, heads * qk, false)?,
         },
-        None => QueryProjection::Plain(Linear::load(w, &format!("{prefix}.q_proj"), hidden, heads * qk, false)?),
+        None => QueryProjection::Plain(Linear::load(
+            w,
+            &format!("{prefix}.q_proj"),
+            hidden,
+            heads * qk,
+            false,
+        )?),
     };
-    let kv_b = w.tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v_dim), kv_lora])?;
+    let kv_b = w.tensor(
+        &format!("{prefix}.kv_b_proj.weight"),
+        &[heads * (nope + v_dim), kv_lora],
+    )?;
     let mut absorb_k = Vec::with_capacity(heads);
     let mut absorb_v = Vec::with_capacity(heads);
     for head in 0..heads {
         let base = head * (nope + v_dim) * kv_lora;
         // rows [nope × lora] of W_uk: q_lat = q_nope · W_uk
-        absorb_k.push(PackedMatrix::from_columns(&kv_b[base..base + nope * kv_lora], nope, kv_lora));
+        absorb_k.push(PackedMatrix::from_columns(
+            &kv_b[base..base + nope * kv_lora],
+            nope,
+            kv_lora,
+        ));
         // rows [v × lora] of W_uv: v = W_uv · latent
-        absorb_v.push(PackedMatrix::from_rows(&kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora], v_dim, kv_lora));
+        absorb_v.push(PackedMatrix::from_rows(
+            &kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora],
+            v_dim,
+            kv_lora,
+        ));
     }
     Ok(MlaAttention {
         q,
-        kv_a: Linear::load(w, &format!("{prefix}.kv_a_proj_with_mqa"), hidden, kv_lora + rope_dim, bias)?,
-        kv_norm: RmsNorm::load(w, &format!("{prefix}.kv_a_layernorm.weight"), kv_lora, LATENT_NORM_EPS)?,
+        kv_a: Linear::load(
+            w,
+            &format!("{prefix}.kv_a_proj_with_mqa"),
+            hidden,
+            kv_lora + rope_dim,
+            bias,
+        )?,
+        kv_norm: RmsNorm::load(
+            w,
+            &format!("{prefix}.kv_a_layernorm.weight"),
+            kv_lora,
+            LATENT_NORM_EPS,
+        )?,
         absorb_k,
         absorb_v,
         o: Linear::load(w, &format!("{prefix}.o_proj"), heads * v_dim, hidden, bias)?,
@@ -249,17 +311,29 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let hidden = c.hidden_size;
     let eps = c.rms_norm_eps as f32;
     if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
-        return Err(cfg.error("n_group", format!("{} does not divide n_routed_experts {}", c.n_group, c.n_routed_experts)));
+        return Err(cfg.error(
+            "n_group",
+            format!(
+                "{} does not divide n_routed_experts {}",
+                c.n_group, c.n_routed_experts
+            ),
+        ));
     }
     if c.topk_group > c.n_group || c.num_experts_per_tok > c.n_routed_experts {
         return Err(cfg.error("topk_group", "more groups or experts chosen than exist"));
     }
     // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
     let rope_params = parse_rope(cfg)?;
-    let (inv_freq, attention_scaling) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
-    let style = if c.rope_interleave { RopeStyle::Interleaved } else { RopeStyle::Neox };
+    let (inv_freq, attention_scaling) =
+        rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
+    let style = if c.rope_interleave {
+        RopeStyle::Interleaved
+    } else {
+        RopeStyle::Neox
+    };
     let rope = Rope::new(inv_freq, attention_scaling, style);
-    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5) * rope_params.softmax_scale_correction();
+    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5)
+        * rope_params.softmax_scale_correction();
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}");
@@ -278,24 +352,50 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
             scale,
         )?;
         let ffn = if l < c.first_k_dense_replace {
-            Ffn::Dense(Mlp::load(w, &format!("{p}.mlp"), hidden, c.intermediate_size, false)?)
+            Ffn::Dense(Mlp::load(
+                w,
+                &format!("{p}.mlp"),
+                hidden,
+                c.intermediate_size,
+                false,
+            )?)
         } else {
             Ffn::Moe(Box::new(deepseek_moe(w, &format!("{p}.mlp"), &c)?))
         };
         layers.push(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer: Mixer::Mla(attn),
-            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
+            post_norm: RmsNorm::load(
+                w,
+                &format!("{p}.post_attention_layernorm.weight"),
+                hidden,
+                eps,
+            )?,
             ffn,
         });
     }
-    Model::assemble(Family::Mla, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
+    Model::assemble(
+        Family::Mla,
+        &c.model_type,
+        w,
+        c.vocab_size,
+        hidden,
+        eps,
+        c.tie_word_embeddings,
+        layers,
+    )
 }
 
 fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
     let (hidden, n) = (c.hidden_size, c.n_routed_experts);
     let shared = match c.n_shared_experts {
-        Some(s) if s > 0 => Some(Mlp::load(w, &format!("{prefix}.shared_experts"), hidden, c.moe_intermediate_size * s, false)?),
+        Some(s) if s > 0 => Some(Mlp::load(
+            w,
+            &format!("{prefix}.shared_experts"),
+            hidden,
+            c.moe_intermediate_size * s,
+            false,
+        )?),
         _ => None,
     };
     Ok(MoeBlock {
@@ -304,13 +404,22 @@ fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlo
             num_experts: n,
             top_k: c.num_experts_per_tok,
             scoring: Scoring::Sigmoid,
-            correction_bias: Some(w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?),
+            correction_bias: Some(
+                w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?,
+            ),
             n_group: c.n_group,
             topk_group: c.topk_group,
             norm_topk_prob: c.norm_topk_prob,
             scaling: c.routed_scaling_factor as f32,
         },
-        experts: load_experts(w, &format!("{prefix}.experts"), ["gate_proj", "up_proj", "down_proj"], n, hidden, c.moe_intermediate_size)?,
+        experts: load_experts(
+            w,
+            &format!("{prefix}.experts"),
+            ["gate_proj", "up_proj", "down_proj"],
+            n,
+            hidden,
+            c.moe_intermediate_size,
+        )?,
         shared,
         shared_gate: None,
     })

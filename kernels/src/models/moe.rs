@@ -77,7 +77,11 @@ impl Routing {
         let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
         if self.norm_topk_prob {
             let denominator: f32 = weights.iter().sum::<f32>()
-                + if self.scoring == Scoring::Sigmoid { 1e-20 } else { 0.0 };
+                + if self.scoring == Scoring::Sigmoid {
+                    1e-20
+                } else {
+                    0.0
+                };
             weights.iter_mut().for_each(|w| *w /= denominator);
         }
         weights.iter_mut().for_each(|w| *w *= self.scaling);
@@ -120,7 +124,10 @@ impl MoeBlock {
                 if rows.is_empty() {
                     return Vec::new();
                 }
-                let gathered: Vec<f32> = rows.iter().flat_map(|&r| x[r * hidden..(r + 1) * hidden].iter().copied()).collect();
+                let gathered: Vec<f32> = rows
+                    .iter()
+                    .flat_map(|&r| x[r * hidden..(r + 1) * hidden].iter().copied())
+                    .collect();
                 self.experts[e].forward(&gathered, rows.len())
             })
             .collect();
@@ -143,7 +150,10 @@ impl MoeBlock {
             let gates = self.shared_gate.as_ref().map(|g| g.forward(x, t));
             for r in 0..t {
                 let gate = gates.as_ref().map_or(1.0, |g| sigmoid(g[r]));
-                for (a, v) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(&s[r * hidden..(r + 1) * hidden]) {
+                for (a, v) in out[r * hidden..(r + 1) * hidden]
+                    .iter_mut()
+                    .zip(&s[r * hidden..(r + 1) * hidden])
+                {
                     *a += if gates.is_some() { gate * v } else { *v };
                 }
             }
@@ -171,13 +181,21 @@ pub fn load_experts(
     hidden: usize,
     inter: usize,
 ) -> Result<Vec<Mlp>, LoadError> {
-    if w.contains(&format!("{prefix}.0.{}.weight", names[0])) || !w.contains(&format!("{prefix}.gate_up_proj")) {
+    if w.contains(&format!("{prefix}.0.{}.weight", names[0]))
+        || !w.contains(&format!("{prefix}.gate_up_proj"))
+    {
         return (0..num_experts)
             .map(|e| Mlp::load_named(w, &format!("{prefix}.{e}"), names, hidden, inter, false))
             .collect();
     }
-    let gate_up = w.tensor(&format!("{prefix}.gate_up_proj"), &[num_experts, 2 * inter, hidden])?;
-    let down = w.tensor(&format!("{prefix}.down_proj"), &[num_experts, hidden, inter])?;
+    let gate_up = w.tensor(
+        &format!("{prefix}.gate_up_proj"),
+        &[num_experts, 2 * inter, hidden],
+    )?;
+    let down = w.tensor(
+        &format!("{prefix}.down_proj"),
+        &[num_experts, hidden, inter],
+    )?;
     Ok((0..num_experts)
         .map(|e| {
             let gu = &gate_up[e * 2 * inter * hidden..(e + 1) * 2 * inter * hidden];
@@ -209,9 +227,15 @@ mod tests {
         // group 0 = experts 0..4 holds the single best expert; group 1 has the better pair sum.
         let logits = [5.0, -5.0, -5.0, -5.0, 2.0, 2.0, 2.0, -5.0];
         let one_group = deepseek_like(2, 1).route(&logits);
-        assert_eq!(one_group.iter().map(|p| p.0).collect::<Vec<_>>(), vec![4, 5]);
+        assert_eq!(
+            one_group.iter().map(|p| p.0).collect::<Vec<_>>(),
+            vec![4, 5]
+        );
         let no_groups = deepseek_like(1, 1).route(&logits);
-        assert_eq!(no_groups.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 4]);
+        assert_eq!(
+            no_groups.iter().map(|p| p.0).collect::<Vec<_>>(),
+            vec![0, 4]
+        );
     }
 
     #[test]

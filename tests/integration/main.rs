@@ -1,0 +1,7 @@
+//! kvflow's integration tests, one binary (each test file would relink everything).
+
+mod bad_input;
+mod batch_invariance;
+mod common;
+mod hf_fixtures;
+mod seeded_models;
