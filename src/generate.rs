@@ -158,7 +158,7 @@ pub fn generate(
         let mut fed_tokens: Vec<Vec<u32>> = Vec::new();
         let mut members = Vec::new();
         for (i, s) in seqs.iter().enumerate() {
-            if s.done(n) || (s.fed >= s.prompt.len() && s.out.tokens.len() >= n) {
+            if s.done(n) {
                 continue;
             }
             if s.fed < s.prompt.len() {

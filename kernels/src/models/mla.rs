@@ -93,7 +93,7 @@ impl QueryProjection {
         }
     }
 
-    /// The LoRA latent itself (DeepSeek V3.2's indexer reads it), or `None`.
+    /// Multiply-adds per token.
     pub fn macs_per_row(&self) -> usize {
         match self {
             QueryProjection::Lora { a, b, .. } => a.macs_per_row() + b.macs_per_row(),
