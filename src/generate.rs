@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_kernels::cpu::sampling::argmax;
-use kvflow_kernels::kv::{BlockPool, BlockTable};
+use kvflow_kernels::kv::{BlockPool, BlockTable, SlotId};
 use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
@@ -91,6 +91,7 @@ struct Running {
     prompt: Vec<u32>,
     fed: usize,
     blocks: BlockTable,
+    slot: Option<SlotId>,
     out: Generation,
 }
 
@@ -119,18 +120,23 @@ pub fn generate(
     }
     let n = opts.max_new_tokens;
     let bs = opts.block_size;
-    let needed: usize = prompts.iter().map(|p| (p.len() + n).div_ceil(bs)).sum();
+    let needed: usize = if model.needs_blocks() { prompts.iter().map(|p| (p.len() + n).div_ceil(bs)).sum() } else { 0 };
+    let slots = if model.needs_slots() { prompts.len() } else { 0 };
     let mut pool = BlockPool::new(needed);
-    let mut cache = model.new_cache(bs, needed);
+    let mut cache = model.new_cache(bs, needed, slots, 0);
     let mut seqs: Vec<Running> = prompts
         .iter()
         .map(|p| -> Result<Running> {
             let mut blocks = BlockTable::new();
-            blocks.grow_to(p.len() + n, bs, &mut pool)?;
+            if model.needs_blocks() {
+                blocks.grow_to(p.len() + n, bs, &mut pool)?;
+            }
+            let slot = model.needs_slots().then(|| cache.states.allocate_slot()).transpose()?;
             Ok(Running {
                 prompt: p.clone(),
                 fed: 0,
                 blocks,
+                slot,
                 out: Generation {
                     tokens: Vec::new(),
                     last_logits: Vec::new(),
@@ -192,6 +198,8 @@ pub fn generate(
                     tokens: toks,
                     start_pos: start,
                     block_table: s.blocks.blocks(),
+                    slot: s.slot,
+                    prompt_len: s.prompt.len(),
                     logits: if ends_prompt || decoding {
                         LogitsWanted::Last
                     } else {

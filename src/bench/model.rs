@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 use kvflow_kernels::cpu::gemm::PackedMatrix;
 use kvflow_kernels::cpu::sampling::argmax;
-use kvflow_kernels::kv::{BlockPool, BlockTable};
+use kvflow_kernels::kv::{BlockPool, BlockTable, SlotId};
 use kvflow_kernels::models::{self, LogitsWanted, SeqInput};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -124,12 +124,16 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let per_seq_blocks = (ctx + steps + 1).div_ceil(bs) - ctx / bs + 1;
     let total_blocks = ctx.div_ceil(bs) + m * per_seq_blocks;
     let mut pool = BlockPool::new(total_blocks);
-    let mut cache = model.new_cache(bs, total_blocks);
+    let slots = if model.needs_slots() { m + 1 } else { 0 };
+    let mut cache = model.new_cache(bs, total_blocks, slots, 1);
     let prompt: Vec<u32> = (0..ctx)
         .map(|i| ((i * 31 + 7) % model.vocab_size) as u32)
         .collect();
     let mut shared = BlockTable::new();
-    shared.grow_to(ctx, bs, &mut pool)?;
+    if model.needs_blocks() {
+        shared.grow_to(ctx, bs, &mut pool)?;
+    }
+    let shared_slot = model.needs_slots().then(|| cache.states.allocate_slot()).transpose()?;
     let t = Instant::now();
     for start in (0..ctx).step_by(512) {
         let end = (start + 512).min(ctx);
@@ -138,6 +142,8 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
                 tokens: &prompt[start..end],
                 start_pos: start,
                 block_table: shared.blocks(),
+                slot: shared_slot,
+                prompt_len: ctx,
                 logits: if end == ctx {
                     LogitsWanted::Last
                 } else {
@@ -158,8 +164,9 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         gflops(prefill_flops, prefill_time)
     );
 
-    // 3. Decode: every sequence shares the context's full blocks, then runs on its own.
-    let full = ctx / bs;
+    // 3. Decode: every sequence shares the context's full blocks (and starts from a snapshot of
+    //    its recurrent state), then runs on its own.
+    let full = if model.needs_blocks() { ctx / bs } else { 0 };
     let mut tables: Vec<BlockTable> = (0..m)
         .map(|_| {
             let mut t = BlockTable::new();
@@ -170,13 +177,25 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
             t
         })
         .collect();
-    for (i, t) in tables.iter_mut().enumerate() {
-        t.grow_to(ctx + steps + 1, bs, &mut pool)?;
-        if ctx % bs != 0 {
-            // The partial last block is copied: each sequence writes its own tokens into it.
-            cache.kv.copy_block(shared.blocks()[full], t.blocks()[full]);
+    if model.needs_blocks() {
+        for t in tables.iter_mut() {
+            t.grow_to(ctx + steps + 1, bs, &mut pool)?;
+            if ctx % bs != 0 {
+                // The partial last block is copied: each sequence writes its own tokens into it.
+                cache.kv.copy_block(shared.blocks()[full], t.blocks()[full]);
+            }
         }
-        let _ = i;
+    }
+    let mut slots: Vec<Option<SlotId>> = vec![None; m];
+    if let Some(shared_slot) = shared_slot {
+        let snapshot = cache.states.snapshot(shared_slot)?;
+        for s in slots.iter_mut() {
+            let slot = cache.states.allocate_slot()?;
+            cache.states.restore(snapshot, slot);
+            *s = Some(slot);
+        }
+        cache.states.release_snapshot(snapshot);
+        cache.states.release_slot(shared_slot);
     }
     let mut last: Vec<u32> = (0..m)
         .map(|i| ((i * 997 + 13) % model.vocab_size) as u32)
@@ -189,10 +208,13 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         let batch: Vec<SeqInput> = tables
             .iter()
             .zip(&toks)
-            .map(|(t, tok)| SeqInput {
+            .zip(&slots)
+            .map(|((t, tok), &slot)| SeqInput {
                 tokens: tok,
                 start_pos: pos,
                 block_table: t.blocks(),
+                slot,
+                prompt_len: ctx,
                 logits: LogitsWanted::Last,
             })
             .collect();
@@ -216,7 +238,11 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     for t in tables.iter_mut().chain(std::iter::once(&mut shared)) {
         t.release_all(&mut pool);
     }
+    for slot in slots.into_iter().flatten() {
+        cache.states.release_slot(slot);
+    }
     assert_eq!(pool.num_free(), pool.num_blocks(), "bench leaked KV blocks");
+    assert!(cache.states.all_free(), "bench leaked state slots");
     println!("ratio={:.3}", decode / own.max(mm));
     Ok(())
 }

@@ -65,6 +65,20 @@ fn mha_logits_do_not_depend_on_batch_or_chunking() {
 }
 
 #[test]
+fn recurrent_family_logits_do_not_depend_on_batch_or_chunking() {
+    check_family("hf/qwen3_next");
+    check_family("hf/qwen3_next_gdn");
+    check_family("hf/kimi_linear");
+    check_family("hf-extra/kimi_linear_mla_heavy");
+}
+
+#[test]
+fn sparse_mla_logits_do_not_depend_on_batch_or_chunking() {
+    // prompts longer than index_topk: the indexer really selects, and ties follow the request
+    check_family("hf/deepseek_v32");
+}
+
+#[test]
 fn mla_logits_do_not_depend_on_batch_or_chunking() {
     check_family("hf/deepseek_v3");
     check_family("hf-extra/deepseek_v3_plain_q_yarn_bf16");

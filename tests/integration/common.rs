@@ -30,15 +30,19 @@ pub struct Expected {
 }
 
 pub fn expected(dir: &Path) -> Expected {
-    let text = std::fs::read_to_string(dir.join("expected.json")).expect("expected.json");
-    serde_json::from_str(&text).expect("expected.json parses")
+    expected_named(dir, "expected.json")
+}
+
+pub fn expected_named(dir: &Path, name: &str) -> Expected {
+    let text = std::fs::read_to_string(dir.join(name)).unwrap_or_else(|e| panic!("{}/{name}: {e}", dir.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}/{name}: {e}", dir.display()))
 }
 
 pub fn load(dir: &Path) -> Model {
     models::load(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
 }
 
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
     }

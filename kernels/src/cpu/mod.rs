@@ -5,6 +5,8 @@ pub mod activation;
 pub mod attention;
 pub mod gemm;
 pub mod norm;
+pub mod recurrent;
 pub mod rope;
 pub mod sampling;
 pub mod simd;
+pub mod torch_topk;

@@ -2,6 +2,7 @@
 //! one decode token), where they start, the sequence's block table, and which logits to return.
 //! Batch metadata is passed explicitly to every layer, never through a global.
 
+use crate::kv::SlotId;
 use std::ops::Range;
 
 /// Which positions of a sequence's step need logits.
@@ -22,6 +23,12 @@ pub struct SeqInput<'a> {
     pub start_pos: usize,
     /// Blocks covering positions `0..start_pos + tokens.len()` (empty for families without KV).
     pub block_table: &'a [u32],
+    /// The request's state slot (families with recurrent state; `None` otherwise).
+    pub slot: Option<SlotId>,
+    /// Length of the request's original prompt. DeepSeek-V3.2's indexer ranks a prompt row's keys
+    /// in a row padded to this length, as transformers' prefill does (its top-k tie order depends
+    /// on the padding); other families ignore it.
+    pub prompt_len: usize,
     pub logits: LogitsWanted,
 }
 
@@ -64,6 +71,10 @@ pub struct BatchLayout {
     pub seq_of_row: Vec<usize>,
     /// Per sequence, the cache row of every position `0..end_pos` (empty without paged KV).
     pub cache_rows: Vec<Vec<usize>>,
+    /// Per sequence, its state slot.
+    pub slots: Vec<Option<SlotId>>,
+    /// Per sequence, its original prompt length.
+    pub prompt_lens: Vec<usize>,
 }
 
 impl BatchLayout {
@@ -87,12 +98,19 @@ impl BatchLayout {
             positions,
             seq_of_row,
             cache_rows,
+            slots: batch.iter().map(|s| s.slot).collect(),
+            prompt_lens: batch.iter().map(|s| s.prompt_len).collect(),
         }
     }
 
     /// The cache row where row `r` writes its own key/value.
     pub fn write_row(&self, r: usize) -> usize {
         self.cache_rows[self.seq_of_row[r]][self.positions[r]]
+    }
+
+    /// The state slot of row `r`'s sequence (families with recurrent state always have one).
+    pub fn slot(&self, r: usize) -> SlotId {
+        self.slots[self.seq_of_row[r]].expect("a family with recurrent state needs a slot for every sequence")
     }
 
     /// The cache rows row `r` attends to: positions `max(0, p + 1 − window) ..= p`.

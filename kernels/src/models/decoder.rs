@@ -4,17 +4,21 @@
 
 use super::batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
 use super::layers::{Linear, Mlp, RmsNorm};
+use super::kimi_linear::KimiDeltaAttention;
 use super::mha::GqaAttention;
 use super::mla::MlaAttention;
 use super::moe::MoeBlock;
+use super::qwen3_next::GatedDeltaNet;
 use super::Family;
 use crate::checkpoint::{LoadError, WeightSource};
-use crate::kv::PagedKvCache;
+use crate::kv::{PagedKvCache, StatePool};
 
-/// A layer's token mixer.
+/// A layer's token mixer: attention over the paged cache, or linear attention over a state slot.
 pub enum Mixer {
     Gqa(GqaAttention),
     Mla(MlaAttention),
+    Gdn(GatedDeltaNet),
+    Kda(KimiDeltaAttention),
 }
 
 impl Mixer {
@@ -23,6 +27,26 @@ impl Mixer {
         match self {
             Mixer::Gqa(a) => Some(a.kv_row_width()),
             Mixer::Mla(a) => Some(a.kv_row_width()),
+            Mixer::Gdn(_) | Mixer::Kda(_) => None,
+        }
+    }
+
+    /// Floats of per-request state this layer keeps in a slot (0 for attention).
+    pub fn state_width(&self) -> usize {
+        match self {
+            Mixer::Gqa(_) | Mixer::Mla(_) => 0,
+            Mixer::Gdn(m) => m.state_width(),
+            Mixer::Kda(m) => m.state_width(),
+        }
+    }
+
+    fn forward(&self, x: &[f32], layout: &BatchLayout, cache: &mut ModelCache, at: &CacheBinding) -> Vec<f32> {
+        match (self, at.kv_layer) {
+            (Mixer::Gqa(a), Some(k)) => a.forward(x, layout, cache.kv.layer_mut(k)),
+            (Mixer::Mla(a), Some(k)) => a.forward(x, layout, cache.kv.layer_mut(k)),
+            (Mixer::Gdn(m), None) => m.forward(x, layout, &mut cache.states, at.state_offset),
+            (Mixer::Kda(m), None) => m.forward(x, layout, &mut cache.states, at.state_offset),
+            _ => unreachable!("cache bindings follow the mixer kinds"),
         }
     }
 
@@ -30,6 +54,8 @@ impl Mixer {
         match self {
             Mixer::Gqa(a) => a.macs_per_row(),
             Mixer::Mla(a) => a.macs_per_row(),
+            Mixer::Gdn(m) => m.macs_per_row(),
+            Mixer::Kda(m) => m.macs_per_row(),
         }
     }
 
@@ -37,8 +63,18 @@ impl Mixer {
         match self {
             Mixer::Gqa(a) => a.attention_macs(ctx),
             Mixer::Mla(a) => a.attention_macs(ctx),
+            Mixer::Gdn(m) => m.state_macs(),
+            Mixer::Kda(m) => m.state_macs(),
         }
     }
+}
+
+/// Where a layer keeps its per-request memory: a layer of the paged cache, or a range of the
+/// state slot.
+#[derive(Clone, Copy, Debug)]
+struct CacheBinding {
+    kv_layer: Option<usize>,
+    state_offset: usize,
 }
 
 /// A layer's feed-forward.
@@ -70,9 +106,11 @@ pub struct DecoderLayer {
     pub ffn: Ffn,
 }
 
-/// Per-rank mutable state a model reads and writes: the paged KV cache.
+/// Per-rank mutable memory a model reads and writes: the paged KV cache, and the state slots and
+/// snapshots of its linear-attention layers.
 pub struct ModelCache {
     pub kv: PagedKvCache,
+    pub states: StatePool,
 }
 
 /// A loaded model of any family. Immutable once built: ranks share it and own their caches.
@@ -85,8 +123,9 @@ pub struct Model {
     layers: Vec<DecoderLayer>,
     final_norm: RmsNorm,
     lm_head: Linear,
-    /// For each layer, its index among the layers with a paged cache.
-    kv_layer_of: Vec<Option<usize>>,
+    /// For each layer, where its per-request memory lives.
+    bindings: Vec<CacheBinding>,
+    state_width: usize,
 }
 
 impl Model {
@@ -103,20 +142,39 @@ impl Model {
         tie_word_embeddings: bool,
         layers: Vec<DecoderLayer>,
     ) -> Result<Model, LoadError> {
+        let final_norm = RmsNorm::load(w, "model.norm.weight", hidden, eps)?;
+        Self::assemble_with_norm(family, model_type, w, vocab, hidden, final_norm, tie_word_embeddings, layers)
+    }
+
+    /// [`Model::assemble`] with a final norm the family built itself.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn assemble_with_norm(
+        family: Family,
+        model_type: &str,
+        w: &dyn WeightSource,
+        vocab: usize,
+        hidden: usize,
+        final_norm: RmsNorm,
+        tie_word_embeddings: bool,
+        layers: Vec<DecoderLayer>,
+    ) -> Result<Model, LoadError> {
         let embed = w.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
         let lm_head = if tie_word_embeddings {
             Linear::from_parts(&embed, vocab, hidden, None)
         } else {
             Linear::load(w, "lm_head", hidden, vocab, false)?
         };
-        let mut next = 0;
-        let kv_layer_of = layers
+        let (mut next_kv, mut state_width) = (0, 0);
+        let bindings = layers
             .iter()
             .map(|l| {
-                l.mixer.kv_row_width().map(|_| {
-                    next += 1;
-                    next - 1
-                })
+                let kv_layer = l.mixer.kv_row_width().map(|_| {
+                    next_kv += 1;
+                    next_kv - 1
+                });
+                let binding = CacheBinding { kv_layer, state_offset: state_width };
+                state_width += l.mixer.state_width();
+                binding
             })
             .collect();
         Ok(Model {
@@ -125,10 +183,11 @@ impl Model {
             vocab_size: vocab,
             hidden_size: hidden,
             embed,
-            final_norm: RmsNorm::load(w, "model.norm.weight", hidden, eps)?,
+            final_norm,
             lm_head,
             layers,
-            kv_layer_of,
+            bindings,
+            state_width,
         })
     }
 
@@ -145,10 +204,31 @@ impl Model {
     }
 
     /// A cache of `num_blocks` blocks of `block_size` tokens for this model.
-    pub fn new_cache(&self, block_size: usize, num_blocks: usize) -> ModelCache {
+    pub fn new_cache(&self, block_size: usize, num_blocks: usize, num_slots: usize, num_snapshots: usize) -> ModelCache {
         ModelCache {
             kv: PagedKvCache::new(block_size, num_blocks, &self.kv_row_widths()),
+            states: StatePool::new(self.state_width, num_slots, num_snapshots),
         }
+    }
+
+    /// Floats of recurrent state per request (0 for families without it).
+    pub fn state_width(&self) -> usize {
+        self.state_width
+    }
+
+    /// Whether requests of this model need a state slot.
+    pub fn needs_slots(&self) -> bool {
+        self.state_width > 0
+    }
+
+    /// Whether this model keeps a paged KV cache.
+    pub fn needs_blocks(&self) -> bool {
+        self.bindings.iter().any(|b| b.kv_layer.is_some())
+    }
+
+    /// Bytes of one state slot (or snapshot).
+    pub fn state_bytes_per_slot(&self) -> usize {
+        self.state_width * std::mem::size_of::<f32>()
     }
 
     /// Bytes of paged cache one block takes (0 for families without paged KV).
@@ -172,7 +252,7 @@ impl Model {
     /// cover every position fed (the caller's contract; checked in debug builds).
     pub fn forward(&self, batch: &[SeqInput], cache: &mut ModelCache) -> ForwardOutput {
         let hidden = self.hidden_size;
-        let layout = BatchLayout::new(batch, cache.kv.block_size(), cache.kv.num_layers() > 0);
+        let layout = BatchLayout::new(batch, cache.kv.block_size(), self.needs_blocks());
         let t = layout.rows;
         // 1. embeddings                                            [t × hidden]
         let mut h = Vec::with_capacity(t * hidden);
@@ -184,14 +264,13 @@ impl Model {
                 );
             }
         }
+        if self.needs_slots() {
+            assert!(batch.iter().all(|s| s.slot.is_some()), "{} needs a state slot for every sequence", self.family);
+        }
         // 2. layers
-        for (layer, kv_index) in self.layers.iter().zip(&self.kv_layer_of) {
+        for (layer, binding) in self.layers.iter().zip(&self.bindings) {
             let x = layer.input_norm.forward(&h);
-            let mixed = match (&layer.mixer, kv_index) {
-                (Mixer::Gqa(a), Some(k)) => a.forward(&x, &layout, cache.kv.layer_mut(*k)),
-                (Mixer::Mla(a), Some(k)) => a.forward(&x, &layout, cache.kv.layer_mut(*k)),
-                _ => unreachable!("attention layers always have a cache layer"),
-            };
+            let mixed = layer.mixer.forward(&x, &layout, cache, binding);
             add_into(&mut h, &mixed);
             let x = layer.post_norm.forward(&h);
             add_into(&mut h, &layer.ffn.forward(&x, t));
@@ -236,7 +315,8 @@ impl Model {
         self.lm_head.macs_per_row()
     }
 
-    /// Attention multiply-adds of one token at context length `ctx` over all layers.
+    /// Attention multiply-adds of one token at context length `ctx` over all layers (for linear
+    /// layers, the state update, which does not grow with the context).
     pub fn attention_macs(&self, ctx: usize) -> usize {
         self.layers
             .iter()

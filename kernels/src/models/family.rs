@@ -12,6 +12,16 @@ pub enum Family {
     /// Multi-head latent attention: the cache holds the normalised latent and the rope key
     /// (deepseek_v3).
     Mla,
+    /// MLA whose queries attend to the keys a top-k indexer picks; the cache also holds index
+    /// keys (deepseek_v32).
+    SparseMla,
+    /// Gated DeltaNet linear attention with gated full-attention layers every few layers
+    /// (qwen3_next).
+    HybridGdn,
+    /// Gated DeltaNet only: no paged KV at all (qwen3_next whose layers are all linear).
+    Gdn,
+    /// Kimi Delta Attention layers with MLA layers (kimi_linear).
+    HybridKda,
 }
 
 /// One row of the family table.
@@ -41,11 +51,41 @@ pub const FAMILIES: &[FamilyInfo] = &[
         has_paged_kv: true,
         has_recurrent_state: false,
     },
+    FamilyInfo {
+        family: Family::SparseMla,
+        name: "sparse_mla",
+        model_types: &["deepseek_v32"],
+        has_paged_kv: true,
+        has_recurrent_state: false,
+    },
+    FamilyInfo {
+        family: Family::HybridGdn,
+        name: "hybrid_gdn",
+        model_types: &["qwen3_next"],
+        has_paged_kv: true,
+        has_recurrent_state: true,
+    },
+    FamilyInfo {
+        family: Family::Gdn,
+        name: "gdn",
+        // qwen3_next whose layer_types are all linear_attention (see `Family::detect`)
+        model_types: &[],
+        has_paged_kv: false,
+        has_recurrent_state: true,
+    },
+    FamilyInfo {
+        family: Family::HybridKda,
+        name: "hybrid_kda",
+        model_types: &["kimi_linear"],
+        has_paged_kv: true,
+        has_recurrent_state: true,
+    },
 ];
 
 impl Family {
     /// Every variant; `variant_index` keeps this list honest (a new variant breaks its match).
-    pub const ALL: &'static [Family] = &[Family::Mha, Family::Mla];
+    pub const ALL: &'static [Family] =
+        &[Family::Mha, Family::Mla, Family::SparseMla, Family::HybridGdn, Family::Gdn, Family::HybridKda];
 
     /// Position in [`Family::ALL`]. Exhaustive on purpose: adding a family fails to compile here
     /// until it is listed, and the table test then fails until it has a row in [`FAMILIES`].
@@ -53,6 +93,10 @@ impl Family {
         match self {
             Family::Mha => 0,
             Family::Mla => 1,
+            Family::SparseMla => 2,
+            Family::HybridGdn => 3,
+            Family::Gdn => 4,
+            Family::HybridKda => 5,
         }
     }
 
@@ -76,7 +120,8 @@ impl Family {
         self.info().name
     }
 
-    /// The family serving a Hugging Face `model_type`, if any.
+    /// The family serving a Hugging Face `model_type`, if any. (A qwen3_next checkpoint whose
+    /// layers are all linear is `Gdn`; the model builder decides that from `layer_types`.)
     pub fn for_model_type(model_type: &str) -> Option<Family> {
         FAMILIES
             .iter()

@@ -93,6 +93,13 @@ impl RmsNorm {
         })
     }
 
+    /// A zero-centred norm (`(1 + w) · x̂`, Qwen3-Next), stored as the plain norm of `1 + w`.
+    pub fn load_zero_centred(w: &dyn WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self, LoadError> {
+        let mut norm = Self::load(w, name, dim, eps)?;
+        norm.weight.iter_mut().for_each(|v| *v += 1.0);
+        Ok(norm)
+    }
+
     pub fn forward_inplace(&self, x: &mut [f32]) {
         rms_norm_inplace(x, &self.weight, self.eps);
     }

@@ -10,6 +10,7 @@ use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::layers::{Linear, Mlp, RmsNorm};
 use super::Family;
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
+use crate::cpu::activation::sigmoid;
 use crate::cpu::attention::{attend_row, AttentionShape};
 use crate::cpu::rope::{Rope, RopeStyle};
 use crate::kv::KvLayer;
@@ -65,6 +66,69 @@ pub struct GqaAttention {
     rope: Rope,
     shape: AttentionShape,
     sliding_window: Option<usize>,
+    /// Qwen3-Next: `q_proj` yields `[query | gate]` per head and the attention output is
+    /// multiplied by `sigmoid(gate)` before `o_proj`.
+    output_gate: bool,
+}
+
+/// Per-head q/k RMSNorm of an attention layer, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QkNorm {
+    None,
+    /// `w · x̂` (qwen3).
+    Plain,
+    /// `(1 + w) · x̂` (qwen3_next).
+    ZeroCentred,
+}
+
+/// Loads the attention of layer prefix `p` (`model.layers.{l}.self_attn`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_gqa(
+    w: &dyn WeightSource,
+    p: &str,
+    hidden: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    bias: bool,
+    qk_norm: QkNorm,
+    output_gate: bool,
+    eps: f32,
+    rope: Rope,
+    sliding_window: Option<usize>,
+) -> Result<GqaAttention, LoadError> {
+    let q_width = q_heads * head_dim * if output_gate { 2 } else { 1 };
+    let norm = |name: &str| -> Result<Option<RmsNorm>, LoadError> {
+        Ok(match qk_norm {
+            QkNorm::None => None,
+            QkNorm::Plain => Some(RmsNorm::load(w, &format!("{p}.{name}.weight"), head_dim, eps)?),
+            QkNorm::ZeroCentred => Some(RmsNorm::load_zero_centred(w, &format!("{p}.{name}.weight"), head_dim, eps)?),
+        })
+    };
+    Ok(GqaAttention {
+        qkv: Linear::fused(
+            w,
+            &[&format!("{p}.q_proj"), &format!("{p}.k_proj"), &format!("{p}.v_proj")],
+            hidden,
+            &[q_width, kv_heads * head_dim, kv_heads * head_dim],
+            bias,
+        )?,
+        o: Linear::load(w, &format!("{p}.o_proj"), q_heads * head_dim, hidden, bias)?,
+        q_norm: norm("q_norm")?,
+        k_norm: norm("k_norm")?,
+        rope,
+        shape: AttentionShape {
+            q_heads,
+            kv_heads,
+            qk_dim: head_dim,
+            v_dim: head_dim,
+            k_offset: 0,
+            v_offset: kv_heads * head_dim,
+            scale: (head_dim as f32).powf(-0.5),
+        },
+        sliding_window,
+        output_gate,
+    })
 }
 
 impl GqaAttention {
@@ -82,12 +146,22 @@ impl GqaAttention {
             ..
         } = self.shape;
         let (qw, kw) = (q_heads * d, kv_heads * d);
-        // 1. q, k, v = x·[Wq; Wk; Wv]ᵀ                     [t × (qw + 2·kw)]
+        let qp = if self.output_gate { 2 * qw } else { qw };
+        // 1. q (and gate), k, v = x·[Wq; Wk; Wv]ᵀ          [t × (qp + 2·kw)]
         let mut qkv = self.qkv.forward(x, t);
         let mut q = vec![0.0f32; t * qw];
+        let mut gate = if self.output_gate { vec![0.0f32; t * qw] } else { Vec::new() };
         for r in 0..t {
-            let row = &mut qkv[r * (qw + 2 * kw)..(r + 1) * (qw + 2 * kw)];
-            let (qr, rest) = row.split_at_mut(qw);
+            let row = &mut qkv[r * (qp + 2 * kw)..(r + 1) * (qp + 2 * kw)];
+            let (q_part, rest) = row.split_at_mut(qp);
+            if self.output_gate {
+                // per head: [query (d) | gate (d)]
+                for n in 0..q_heads {
+                    gate[r * qw + n * d..r * qw + (n + 1) * d].copy_from_slice(&q_part[n * 2 * d + d..(n + 1) * 2 * d]);
+                    q_part.copy_within(n * 2 * d..n * 2 * d + d, n * d);
+                }
+            }
+            let qr = &mut q_part[..qw];
             let kr = &mut rest[..kw];
             // 2. per-head q/k norm (qwen3), then RoPE at the row's position
             if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
@@ -116,7 +190,12 @@ impl GqaAttention {
                 &mut scores,
             );
         }
-        // 5. output projection                                  [t × hidden]
+        // 5. output gate (qwen3_next), then the output projection   [t × hidden]
+        if self.output_gate {
+            for (a, g) in attn.iter_mut().zip(&gate) {
+                *a *= sigmoid(*g);
+            }
+        }
         self.o.forward(&attn, t)
     }
 
@@ -163,47 +242,20 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for (l, kind) in layer_types.iter().enumerate() {
         let p = format!("model.layers.{l}");
-        let attn = GqaAttention {
-            qkv: Linear::fused(
-                w,
-                &[
-                    &format!("{p}.self_attn.q_proj"),
-                    &format!("{p}.self_attn.k_proj"),
-                    &format!("{p}.self_attn.v_proj"),
-                ],
-                hidden,
-                &[q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
-                c.attention_bias,
-            )?,
-            o: Linear::load(
-                w,
-                &format!("{p}.self_attn.o_proj"),
-                q_heads * head_dim,
-                hidden,
-                c.attention_bias,
-            )?,
-            q_norm: is_qwen3
-                .then(|| RmsNorm::load(w, &format!("{p}.self_attn.q_norm.weight"), head_dim, eps))
-                .transpose()?,
-            k_norm: is_qwen3
-                .then(|| RmsNorm::load(w, &format!("{p}.self_attn.k_norm.weight"), head_dim, eps))
-                .transpose()?,
-            rope: rope.clone(),
-            shape: AttentionShape {
-                q_heads,
-                kv_heads,
-                qk_dim: head_dim,
-                v_dim: head_dim,
-                k_offset: 0,
-                v_offset: kv_heads * head_dim,
-                scale: (head_dim as f32).powf(-0.5),
-            },
-            sliding_window: if kind == "sliding_attention" {
-                window
-            } else {
-                None
-            },
-        };
+        let attn = load_gqa(
+            w,
+            &format!("{p}.self_attn"),
+            hidden,
+            q_heads,
+            kv_heads,
+            head_dim,
+            c.attention_bias,
+            if is_qwen3 { QkNorm::Plain } else { QkNorm::None },
+            false,
+            eps,
+            rope.clone(),
+            if kind == "sliding_attention" { window } else { None },
+        )?;
         layers.push(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer: Mixer::Gqa(attn),

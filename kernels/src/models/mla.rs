@@ -1,4 +1,5 @@
-//! Family `mla`: DeepSeek-V3 multi-head latent attention with MoE (`model_type` deepseek_v3).
+//! Family `mla`: DeepSeek-V3 multi-head latent attention with MoE (`model_type` deepseek_v3);
+//! also the latent attention and MoE that Kimi Linear and DeepSeek-V3.2 reuse.
 //!
 //! The cache row per token and layer is `[latent: kv_lora_rank | rope key: qk_rope_head_dim]`:
 //! the RMS-normalised compressed KV and the rotated shared rope key. Attention runs in the
@@ -17,6 +18,7 @@ use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
 use crate::cpu::attention::{attend_row, AttentionShape};
 use crate::cpu::gemm::PackedMatrix;
 use crate::cpu::rope::{Rope, RopeStyle};
+use super::sparse_mla::{load_indexer, Indexer, IndexerDims};
 use crate::kv::KvLayer;
 use serde::Deserialize;
 
@@ -63,6 +65,13 @@ pub struct Config {
     pub tie_word_embeddings: bool,
     #[serde(default)]
     pub hidden_act: Option<String>,
+    /// deepseek_v32: per-layer `dense` / `sparse` (else `first_k_dense_replace` decides).
+    #[serde(default)]
+    pub mlp_layer_types: Option<Vec<String>>,
+    // deepseek_v32's indexer
+    pub index_topk: Option<usize>,
+    pub index_n_heads: Option<usize>,
+    pub index_head_dim: Option<usize>,
 }
 
 fn one() -> usize {
@@ -82,14 +91,15 @@ pub enum QueryProjection {
 }
 
 impl QueryProjection {
-    fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+    /// The queries, and the normalised LoRA latent when there is one (V3.2's indexer reads it).
+    fn forward(&self, x: &[f32], t: usize) -> (Vec<f32>, Option<Vec<f32>>) {
         match self {
             QueryProjection::Lora { a, norm, b } => {
                 let mut qa = a.forward(x, t);
                 norm.forward_inplace(&mut qa);
-                b.forward(&qa, t)
+                (b.forward(&qa, t), Some(qa))
             }
-            QueryProjection::Plain(q) => q.forward(x, t),
+            QueryProjection::Plain(q) => (q.forward(x, t), None),
         }
     }
 
@@ -112,7 +122,10 @@ pub struct MlaAttention {
     /// Per head, `W_uv`: latent (`kv_lora_rank`) → value (`v_head_dim`).
     absorb_v: Vec<PackedMatrix>,
     o: Linear,
-    rope: Rope,
+    /// `None`: no positional encoding (Kimi Linear's MLA layers are NoPE).
+    rope: Option<Rope>,
+    /// DeepSeek-V3.2's sparse-attention indexer: which keys each query attends to.
+    indexer: Option<Indexer>,
     heads: usize,
     nope: usize,
     rope_dim: usize,
@@ -121,9 +134,22 @@ pub struct MlaAttention {
     scale: f32,
 }
 
+/// The sizes of an MLA layer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct MlaDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora: usize,
+    pub nope: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+}
+
 impl MlaAttention {
+    /// Cache row: `[latent | rope key | index key (V3.2)]`.
     pub fn kv_row_width(&self) -> usize {
-        self.kv_lora + self.rope_dim
+        self.kv_lora + self.rope_dim + self.indexer.as_ref().map_or(0, Indexer::key_width)
     }
 
     pub fn forward(&self, x: &[f32], layout: &BatchLayout, kv: &mut KvLayer) -> Vec<f32> {
@@ -131,21 +157,34 @@ impl MlaAttention {
         let (h, nope, rd, lora) = (self.heads, self.nope, self.rope_dim, self.kv_lora);
         let qk = nope + rd;
         // 1. queries                                              [t × heads·(nope + rope)]
-        let mut q = self.q.forward(x, t);
-        // 2. compressed kv: normalised latent and rotated rope key → the cache
+        let (mut q, q_latent) = self.q.forward(x, t);
+        // 2. compressed kv: normalised latent and rotated rope key (and V3.2's index key) → cache
         let ckv = self.kv_a.forward(x, t);
+        let index_keys = self.indexer.as_ref().map(|ix| ix.index_keys(x, layout));
+        let width = self.kv_row_width();
         for r in 0..t {
-            let row = &ckv[r * (lora + rd)..(r + 1) * (lora + rd)];
-            let mut cached = row.to_vec();
+            let mut cached = vec![0.0f32; width];
+            cached[..lora + rd].copy_from_slice(&ckv[r * (lora + rd)..(r + 1) * (lora + rd)]);
             self.kv_norm.forward_inplace(&mut cached[..lora]);
-            let (cos, sin) = self.rope.cos_sin(layout.positions[r]);
-            self.rope.rotate_heads(&mut cached[lora..], rd, &cos, &sin);
-            let qr = &mut q[r * h * qk..(r + 1) * h * qk];
-            for head in qr.chunks_exact_mut(qk) {
-                self.rope.rotate_heads(&mut head[nope..], rd, &cos, &sin);
+            if let Some(rope) = &self.rope {
+                let (cos, sin) = rope.cos_sin(layout.positions[r]);
+                rope.rotate_heads(&mut cached[lora..lora + rd], rd, &cos, &sin);
+                let qr = &mut q[r * h * qk..(r + 1) * h * qk];
+                for head in qr.chunks_exact_mut(qk) {
+                    rope.rotate_heads(&mut head[nope..], rd, &cos, &sin);
+                }
+            }
+            if let (Some(ix), Some(keys)) = (&self.indexer, &index_keys) {
+                let kw = ix.key_width();
+                cached[lora + rd..].copy_from_slice(&keys[r * kw..(r + 1) * kw]);
             }
             kv.row_mut(layout.write_row(r)).copy_from_slice(&cached);
         }
+        // 2b. V3.2: the keys each query may attend to
+        let selected = self.indexer.as_ref().map(|ix| {
+            let latent = q_latent.as_ref().expect("the V3.2 indexer needs the q LoRA latent");
+            ix.select(latent, x, layout, kv, lora + rd)
+        });
         // 3. absorbed queries [W_ukᵀ q_nope | q_rope] per head     [t × heads·(lora + rope)]
         let aq = lora + rd;
         let mut absorbed = vec![0.0f32; t * h * aq];
@@ -178,7 +217,10 @@ impl MlaAttention {
         let mut o_lat = vec![0.0f32; t * h * lora];
         let mut scores = Vec::new();
         for r in 0..t {
-            let keys = layout.visible_rows(r, None);
+            let keys = match &selected {
+                Some(sel) => &sel[r][..],
+                None => layout.visible_rows(r, None),
+            };
             attend_row(
                 &shape,
                 &absorbed[r * h * aq..(r + 1) * h * aq],
@@ -209,92 +251,57 @@ impl MlaAttention {
 
     pub fn macs_per_row(&self) -> usize {
         self.q.macs_per_row()
+            + self.indexer.as_ref().map_or(0, Indexer::macs_per_row)
             + self.kv_a.macs_per_row()
             + self.heads * (self.nope + self.v_dim) * self.kv_lora
             + self.o.macs_per_row()
     }
 
     pub fn attention_macs(&self, ctx: usize) -> usize {
-        self.heads * (2 * self.kv_lora + self.rope_dim) * ctx
+        let keys = self.indexer.as_ref().map_or(ctx, |ix| ctx.min(ix.topk()));
+        self.heads * (2 * self.kv_lora + self.rope_dim) * keys + self.indexer.as_ref().map_or(0, |ix| ix.scoring_macs(ctx))
     }
 }
 
 /// Loads one layer's latent attention under `{prefix}` (= `model.layers.{l}.self_attn`).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_attention(
     w: &dyn WeightSource,
     prefix: &str,
-    hidden: usize,
-    heads: usize,
-    q_lora_rank: Option<usize>,
-    kv_lora: usize,
-    nope: usize,
-    rope_dim: usize,
-    v_dim: usize,
+    dims: MlaDims,
     bias: bool,
-    rope: Rope,
+    rope: Option<Rope>,
+    indexer: Option<Indexer>,
     scale: f32,
 ) -> Result<MlaAttention, LoadError> {
+    let MlaDims { hidden, heads, q_lora_rank, kv_lora, nope, rope_dim, v_dim } = dims;
     let qk = nope + rope_dim;
     let q = match q_lora_rank {
         Some(rank) => QueryProjection::Lora {
             a: Linear::load(w, &format!("{prefix}.q_a_proj"), hidden, rank, bias)?,
-            norm: RmsNorm::load(
-                w,
-                &format!("{prefix}.q_a_layernorm.weight"),
-                rank,
-                LATENT_NORM_EPS,
-            )?,
+            norm: RmsNorm::load(w, &format!("{prefix}.q_a_layernorm.weight"), rank, LATENT_NORM_EPS)?,
             b: Linear::load(w, &format!("{prefix}.q_b_proj"), rank, heads * qk, false)?,
         },
-        None => QueryProjection::Plain(Linear::load(
-            w,
-            &format!("{prefix}.q_proj"),
-            hidden,
-            heads * qk,
-            false,
-        )?),
+        None => QueryProjection::Plain(Linear::load(w, &format!("{prefix}.q_proj"), hidden, heads * qk, false)?),
     };
-    let kv_b = w.tensor(
-        &format!("{prefix}.kv_b_proj.weight"),
-        &[heads * (nope + v_dim), kv_lora],
-    )?;
+    let kv_b = w.tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v_dim), kv_lora])?;
     let mut absorb_k = Vec::with_capacity(heads);
     let mut absorb_v = Vec::with_capacity(heads);
     for head in 0..heads {
         let base = head * (nope + v_dim) * kv_lora;
         // rows [nope × lora] of W_uk: q_lat = q_nope · W_uk
-        absorb_k.push(PackedMatrix::from_columns(
-            &kv_b[base..base + nope * kv_lora],
-            nope,
-            kv_lora,
-        ));
+        absorb_k.push(PackedMatrix::from_columns(&kv_b[base..base + nope * kv_lora], nope, kv_lora));
         // rows [v × lora] of W_uv: v = W_uv · latent
-        absorb_v.push(PackedMatrix::from_rows(
-            &kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora],
-            v_dim,
-            kv_lora,
-        ));
+        absorb_v.push(PackedMatrix::from_rows(&kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora], v_dim, kv_lora));
     }
     Ok(MlaAttention {
         q,
-        kv_a: Linear::load(
-            w,
-            &format!("{prefix}.kv_a_proj_with_mqa"),
-            hidden,
-            kv_lora + rope_dim,
-            bias,
-        )?,
-        kv_norm: RmsNorm::load(
-            w,
-            &format!("{prefix}.kv_a_layernorm.weight"),
-            kv_lora,
-            LATENT_NORM_EPS,
-        )?,
+        kv_a: Linear::load(w, &format!("{prefix}.kv_a_proj_with_mqa"), hidden, kv_lora + rope_dim, bias)?,
+        kv_norm: RmsNorm::load(w, &format!("{prefix}.kv_a_layernorm.weight"), kv_lora, LATENT_NORM_EPS)?,
         absorb_k,
         absorb_v,
         o: Linear::load(w, &format!("{prefix}.o_proj"), heads * v_dim, hidden, bias)?,
         rope,
+        indexer,
         heads,
         nope,
         rope_dim,
@@ -304,8 +311,9 @@ pub(crate) fn load_attention(
     })
 }
 
-/// Builds a deepseek_v3 model.
-pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadError> {
+/// Builds a deepseek_v3 model, or (with `sparse`) a deepseek_v32 one, whose layers add the
+/// indexer of `sparse_mla.rs`.
+pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<Model, LoadError> {
     let c: Config = cfg.family_config()?;
     check_silu(cfg, &c.hidden_act)?;
     let hidden = c.hidden_size;
@@ -334,24 +342,21 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let rope = Rope::new(inv_freq, attention_scaling, style);
     let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5)
         * rope_params.softmax_scale_correction();
+    let index_dims = if sparse { Some(indexer_dims(cfg, &c)?) } else { None };
+    let dense = mlp_is_dense(cfg, &c, sparse)?;
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
         let p = format!("model.layers.{l}");
-        let attn = load_attention(
-            w,
-            &format!("{p}.self_attn"),
-            hidden,
-            c.num_attention_heads,
-            c.q_lora_rank,
-            c.kv_lora_rank,
-            c.qk_nope_head_dim,
-            c.qk_rope_head_dim,
-            c.v_head_dim,
-            c.attention_bias,
-            rope.clone(),
-            scale,
-        )?;
-        let ffn = if l < c.first_k_dense_replace {
+        let indexer = match index_dims {
+            Some(d) => {
+                // The indexer's rope rotates half-split, with the main rope's frequencies.
+                let (inv, s) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
+                Some(load_indexer(w, &format!("{p}.self_attn"), d, Rope::new(inv, s, RopeStyle::Neox))?)
+            }
+            None => None,
+        };
+        let attn = load_attention(w, &format!("{p}.self_attn"), dims(&c), c.attention_bias, Some(rope.clone()), indexer, scale)?;
+        let ffn = if dense[l] {
             Ffn::Dense(Mlp::load(
                 w,
                 &format!("{p}.mlp"),
@@ -374,16 +379,56 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
             ffn,
         });
     }
-    Model::assemble(
-        Family::Mla,
-        &c.model_type,
-        w,
-        c.vocab_size,
-        hidden,
-        eps,
-        c.tie_word_embeddings,
-        layers,
-    )
+    let family = if sparse { Family::SparseMla } else { Family::Mla };
+    Model::assemble(family, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
+}
+
+fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError> {
+    let need = |v: Option<usize>, field: &str| v.ok_or_else(|| cfg.error(field, "missing (deepseek_v32 needs the indexer sizes)"));
+    let head_dim = need(c.index_head_dim, "index_head_dim")?;
+    if head_dim < c.qk_rope_head_dim {
+        return Err(cfg.error("index_head_dim", "smaller than qk_rope_head_dim"));
+    }
+    Ok(IndexerDims {
+        hidden: c.hidden_size,
+        q_lora_rank: c.q_lora_rank.ok_or_else(|| cfg.error("q_lora_rank", "deepseek_v32's indexer reads the q LoRA latent"))?,
+        heads: need(c.index_n_heads, "index_n_heads")?,
+        head_dim,
+        topk: need(c.index_topk, "index_topk")?,
+    })
+}
+
+/// Whether each layer's feed-forward is dense (else MoE). deepseek_v32 reads `mlp_layer_types`;
+/// deepseek_v3 only `first_k_dense_replace`, as transformers does.
+fn mlp_is_dense(cfg: &ConfigSource, c: &Config, sparse: bool) -> Result<Vec<bool>, LoadError> {
+    match c.mlp_layer_types.as_ref().filter(|_| sparse) {
+        Some(types) => {
+            if types.len() != c.num_hidden_layers {
+                return Err(cfg.error("mlp_layer_types", format!("{} entries for {} layers", types.len(), c.num_hidden_layers)));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "dense" => Ok(true),
+                    "sparse" => Ok(false),
+                    other => Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\""))),
+                })
+                .collect()
+        }
+        None => Ok((0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect()),
+    }
+}
+
+fn dims(c: &Config) -> MlaDims {
+    MlaDims {
+        hidden: c.hidden_size,
+        heads: c.num_attention_heads,
+        q_lora_rank: c.q_lora_rank,
+        kv_lora: c.kv_lora_rank,
+        nope: c.qk_nope_head_dim,
+        rope_dim: c.qk_rope_head_dim,
+        v_dim: c.v_head_dim,
+    }
 }
 
 fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {

@@ -4,10 +4,13 @@
 mod batch;
 mod decoder;
 mod family;
+pub mod kimi_linear;
 mod layers;
 pub mod mha;
 pub mod mla;
 pub mod moe;
+pub mod qwen3_next;
+pub mod sparse_mla;
 
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
 pub use decoder::{Model, ModelCache};
@@ -25,7 +28,10 @@ pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, Lo
     let model_type = cfg.model_type()?;
     match Family::for_model_type(model_type) {
         Some(Family::Mha) => mha::build(cfg, weights),
-        Some(Family::Mla) => mla::build(cfg, weights),
+        Some(Family::Mla) => mla::build(cfg, weights, false),
+        Some(Family::SparseMla) => mla::build(cfg, weights, true),
+        Some(Family::HybridGdn | Family::Gdn) => qwen3_next::build(cfg, weights),
+        Some(Family::HybridKda) => kimi_linear::build(cfg, weights),
         None => Err(LoadError::UnknownModelType {
             path: cfg.path.clone(),
             found: model_type.to_string(),

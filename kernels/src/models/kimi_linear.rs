@@ -1,0 +1,365 @@
+//! Family `hybrid_kda`: Kimi Linear (`model_type` kimi_linear). Kimi Delta Attention layers
+//! (a channel-wise gated delta rule) and MLA layers without positional encoding, a
+//! DeepSeek-style MoE (sigmoid scores + `e_score_correction_bias`, grouped top-k, scaled weights,
+//! an ungated shared expert), plain RMSNorms.
+//!
+//! KDA, per token (state per request and layer: the conv window `[3·H·D × (K−1)]` of the
+//! pre-conv `[q | k | v]`, then `S` `[H × D × D]`):
+//! 1. `q, k, v` projections, each through its own causal conv + SiLU;
+//! 2. forget gate `g = −exp(A_log[h])·softplus(f_b(f_a(x)) + dt_bias)`, one per key channel;
+//!    `β = sigmoid(b_proj(x))`; output gate `g_b(g_a(x))`;
+//! 3. per head: L2-normalised q (× D^-½) and k, delta rule decaying each key row by `exp(g)`;
+//! 4. `o = rmsnorm(o)·w·sigmoid(gate)` per head, then `o_proj`.
+
+use super::batch::BatchLayout;
+use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
+use super::layers::{Linear, Mlp, RmsNorm};
+use super::mha::check_silu;
+use super::mla::{load_attention, MlaDims};
+use super::moe::{load_experts, MoeBlock, Routing, Scoring};
+use super::qwen3_next::L2_NORM_EPS;
+use super::Family;
+use crate::checkpoint::{ConfigSource, LoadError, WeightSource};
+use crate::cpu::activation::sigmoid;
+use crate::cpu::norm::inverse_rms;
+use crate::cpu::recurrent::{causal_conv_step, delta_rule_step, l2_normalize, softplus};
+use crate::kv::StatePool;
+use serde::Deserialize;
+
+/// `linear_attn_config` of a Kimi Linear config.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct LinearAttnConfig {
+    pub num_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub short_conv_kernel_size: Option<usize>,
+    /// 1-based layer numbers.
+    pub kda_layers: Option<Vec<usize>>,
+    /// 1-based layer numbers.
+    pub full_attn_layers: Option<Vec<usize>>,
+}
+
+/// The `config.json` fields of kimi_linear (Moonshot's names, with transformers' aliases).
+#[derive(Clone, Debug, Deserialize)]
+pub struct Config {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    pub layer_types: Option<Vec<String>>,
+    pub mlp_layer_types: Option<Vec<String>>,
+    #[serde(default = "one")]
+    pub first_k_dense_replace: usize,
+    #[serde(default)]
+    pub linear_attn_config: LinearAttnConfig,
+    pub linear_num_heads: Option<usize>,
+    pub linear_head_dim: Option<usize>,
+    pub linear_conv_kernel_dim: Option<usize>,
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    #[serde(alias = "num_local_experts")]
+    pub num_experts: usize,
+    #[serde(alias = "num_experts_per_tok")]
+    pub num_experts_per_token: usize,
+    #[serde(alias = "norm_topk_prob", default = "yes")]
+    pub moe_renormalize: bool,
+    #[serde(alias = "n_group", default = "one")]
+    pub num_expert_group: usize,
+    #[serde(default = "one")]
+    pub topk_group: usize,
+    #[serde(alias = "n_shared_experts", default = "one")]
+    pub num_shared_experts: usize,
+    #[serde(default = "default_scaling")]
+    pub routed_scaling_factor: f64,
+    pub moe_intermediate_size: usize,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn one() -> usize {
+    1
+}
+fn yes() -> bool {
+    true
+}
+fn default_scaling() -> f64 {
+    2.446
+}
+
+/// One Kimi Delta Attention layer.
+pub struct KimiDeltaAttention {
+    /// `[q; k; v; f_a; g_a; b]`, one product.
+    in_proj: Linear,
+    f_b: Linear,
+    g_b: Linear,
+    /// `[q | k | v]` conv kernels, `[3·H·D × K]`.
+    conv_weight: Vec<f32>,
+    /// `−exp(A_log)` per head.
+    neg_a: Vec<f32>,
+    /// Per channel `[H·D]`.
+    dt_bias: Vec<f32>,
+    o_norm: RmsNorm,
+    o_proj: Linear,
+    heads: usize,
+    head_dim: usize,
+    kernel: usize,
+}
+
+impl KimiDeltaAttention {
+    fn conv_state_width(&self) -> usize {
+        3 * self.heads * self.head_dim * (self.kernel - 1)
+    }
+
+    /// Floats of state per request: the conv window, then `S` per head.
+    pub fn state_width(&self) -> usize {
+        self.conv_state_width() + self.heads * self.head_dim * self.head_dim
+    }
+
+    pub fn forward(&self, x: &[f32], layout: &BatchLayout, states: &mut StatePool, offset: usize) -> Vec<f32> {
+        let t = layout.rows;
+        let (h, d) = (self.heads, self.head_dim);
+        let hd = h * d;
+        let width = 3 * hd + 2 * d + h;
+        // 1. projections and low-rank gates for every row
+        let proj = self.in_proj.forward(x, t);
+        let gather = |from: usize, n: usize| -> Vec<f32> {
+            (0..t).flat_map(|r| proj[r * width + from..r * width + from + n].iter().copied()).collect()
+        };
+        let forget = self.f_b.forward(&gather(3 * hd, d), t);
+        let gate = self.g_b.forward(&gather(3 * hd + d, d), t);
+        let mut out = vec![0.0f32; t * hd];
+        let mut conv = vec![0.0f32; 3 * hd];
+        let (mut decay, mut o, mut mem) = (vec![0.0f32; hd], vec![0.0f32; d], vec![0.0f32; d]);
+        let q_scale = (d as f32).powf(-0.5);
+        // 2. each row in order advances its request's state
+        for r in 0..t {
+            let p = &proj[r * width..(r + 1) * width];
+            let state = &mut states.slot_mut(layout.slot(r))[offset..offset + self.state_width()];
+            let (conv_state, s) = state.split_at_mut(self.conv_state_width());
+            causal_conv_step(&p[..3 * hd], &self.conv_weight, self.kernel, conv_state, &mut conv);
+            for (c, dc) in decay.iter_mut().enumerate() {
+                *dc = (self.neg_a[c / d] * softplus(forget[r * hd + c] + self.dt_bias[c])).exp();
+            }
+            let (q_all, rest) = conv.split_at_mut(hd);
+            let (k_all, v_all) = rest.split_at_mut(hd);
+            for head in 0..h {
+                let q = &mut q_all[head * d..(head + 1) * d];
+                l2_normalize(q, L2_NORM_EPS);
+                q.iter_mut().for_each(|v| *v *= q_scale);
+                l2_normalize(&mut k_all[head * d..(head + 1) * d], L2_NORM_EPS);
+                let beta = sigmoid(p[3 * hd + 2 * d + head]);
+                delta_rule_step(
+                    &mut s[head * d * d..(head + 1) * d * d],
+                    &q_all[head * d..(head + 1) * d],
+                    &k_all[head * d..(head + 1) * d],
+                    &v_all[head * d..(head + 1) * d],
+                    beta,
+                    &decay[head * d..(head + 1) * d],
+                    &mut o,
+                    &mut mem,
+                );
+                // gated RMSNorm: rmsnorm(o)·w·sigmoid(gate)
+                let inv = inverse_rms(&o, self.o_norm.eps);
+                let dst = &mut out[r * hd + head * d..r * hd + (head + 1) * d];
+                for (i, v) in dst.iter_mut().enumerate() {
+                    *v = self.o_norm.weight[i] * (o[i] * inv) * sigmoid(gate[r * hd + head * d + i]);
+                }
+            }
+        }
+        // 3. output projection                                        [t × hidden]
+        self.o_proj.forward(&out, t)
+    }
+
+    pub fn macs_per_row(&self) -> usize {
+        self.in_proj.macs_per_row() + self.f_b.macs_per_row() + self.g_b.macs_per_row() + self.o_proj.macs_per_row()
+    }
+
+    /// Multiply-adds of the state update per token.
+    pub fn state_macs(&self) -> usize {
+        4 * self.heads * self.head_dim * self.head_dim
+    }
+}
+
+fn load_kda(w: &dyn WeightSource, p: &str, hidden: usize, heads: usize, d: usize, kernel: usize, eps: f32) -> Result<KimiDeltaAttention, LoadError> {
+    let hd = heads * d;
+    let conv_weight = if w.contains(&format!("{p}.q_conv1d.weight")) || !w.contains(&format!("{p}.conv1d.weight")) {
+        let mut all = Vec::with_capacity(3 * hd * kernel);
+        for name in ["q_conv1d", "k_conv1d", "v_conv1d"] {
+            all.extend(w.tensor(&format!("{p}.{name}.weight"), &[hd, 1, kernel])?);
+        }
+        all
+    } else {
+        w.tensor(&format!("{p}.conv1d.weight"), &[3 * hd, 1, kernel])?
+    };
+    let a_log = w.tensor(&format!("{p}.A_log"), &[1, 1, heads, 1])?;
+    Ok(KimiDeltaAttention {
+        in_proj: Linear::fused(
+            w,
+            &[&format!("{p}.q_proj"), &format!("{p}.k_proj"), &format!("{p}.v_proj"), &format!("{p}.f_a_proj"), &format!("{p}.g_a_proj"), &format!("{p}.b_proj")],
+            hidden,
+            &[hd, hd, hd, d, d, heads],
+            false,
+        )?,
+        f_b: Linear::load(w, &format!("{p}.f_b_proj"), d, hd, false)?,
+        g_b: Linear::load(w, &format!("{p}.g_b_proj"), d, hd, false)?,
+        conv_weight,
+        neg_a: a_log.iter().map(|a| -a.exp()).collect(),
+        dt_bias: w.tensor(&format!("{p}.dt_bias"), &[hd])?,
+        o_norm: RmsNorm::load(w, &format!("{p}.o_norm.weight"), d, eps)?,
+        o_proj: Linear::load(w, &format!("{p}.o_proj"), hd, hidden, false)?,
+        heads,
+        head_dim: d,
+        kernel,
+    })
+}
+
+/// Each layer's kind. An explicit `layer_types` wins, and is cross-checked against the 1-based
+/// `linear_attn_config.kda_layers` / `full_attn_layers` when those are given too; otherwise those
+/// lists decide; otherwise full attention sits at 0-based layers 4, 8, 12, ….
+pub fn layer_is_linear(cfg: &ConfigSource, c: &Config) -> Result<Vec<bool>, LoadError> {
+    let n = c.num_hidden_layers;
+    let from_lists = match (&c.linear_attn_config.kda_layers, &c.linear_attn_config.full_attn_layers) {
+        (Some(kda), Some(full)) => {
+            let mut kinds: Vec<Option<bool>> = vec![None; n];
+            for (list, linear, field) in [(kda, true, "kda_layers"), (full, false, "full_attn_layers")] {
+                for &l in list {
+                    if l == 0 || l > n {
+                        return Err(cfg.error(&format!("linear_attn_config.{field}"), format!("layer {l} is outside 1..={n} (the lists are 1-based)")));
+                    }
+                    if kinds[l - 1].is_some() {
+                        return Err(cfg.error(&format!("linear_attn_config.{field}"), format!("layer {l} is listed twice")));
+                    }
+                    kinds[l - 1] = Some(linear);
+                }
+            }
+            let kinds: Option<Vec<bool>> = kinds.into_iter().collect();
+            Some(kinds.ok_or_else(|| cfg.error("linear_attn_config", "kda_layers and full_attn_layers do not cover every layer"))?)
+        }
+        _ => None,
+    };
+    let explicit = match &c.layer_types {
+        Some(types) => {
+            if types.len() != n {
+                return Err(cfg.error("layer_types", format!("{} entries for {n} layers", types.len())));
+            }
+            Some(
+                types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "linear_attention" => Ok(true),
+                        "full_attention" => Ok(false),
+                        other => Err(cfg.error("layer_types", format!("{other:?} is not linear_attention or full_attention"))),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+        }
+        None => None,
+    };
+    match (explicit, from_lists) {
+        (Some(e), Some(l)) if e != l => Err(cfg.error(
+            "layer_types",
+            format!("disagrees with linear_attn_config.kda_layers/full_attn_layers (1-based): {e:?} vs {l:?} (true = linear)"),
+        )),
+        (Some(e), _) => Ok(e),
+        (None, Some(l)) => Ok(l),
+        (None, None) => Ok((0..n).map(|i| !(i > 0 && i % 4 == 0)).collect()),
+    }
+}
+
+/// Builds a kimi_linear model.
+pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadError> {
+    let c: Config = cfg.family_config()?;
+    check_silu(cfg, &c.hidden_act)?;
+    let (hidden, eps) = (c.hidden_size, c.rms_norm_eps as f32);
+    let linear = layer_is_linear(cfg, &c)?;
+    let heads = c.linear_attn_config.num_heads.or(c.linear_num_heads).unwrap_or(32);
+    let head_dim = c.linear_attn_config.head_dim.or(c.linear_head_dim).unwrap_or(128);
+    let kernel = c.linear_attn_config.short_conv_kernel_size.or(c.linear_conv_kernel_dim).unwrap_or(4);
+    if kernel == 0 {
+        return Err(cfg.error("linear_attn_config.short_conv_kernel_size", "must be at least 1"));
+    }
+    if c.num_key_value_heads.is_some_and(|k| k != c.num_attention_heads) {
+        return Err(cfg.error("num_key_value_heads", "Kimi Linear's MLA needs num_key_value_heads == num_attention_heads"));
+    }
+    if c.num_expert_group == 0 || c.num_experts % c.num_expert_group != 0 || c.topk_group > c.num_expert_group {
+        return Err(cfg.error("num_expert_group", "must divide num_experts and be at least topk_group"));
+    }
+    let dense: Vec<bool> = match &c.mlp_layer_types {
+        Some(t) if t.len() == c.num_hidden_layers => t.iter().map(|k| k == "dense").collect(),
+        Some(t) => return Err(cfg.error("mlp_layer_types", format!("{} entries for {} layers", t.len(), c.num_hidden_layers))),
+        None => (0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect(),
+    };
+    let dims = MlaDims {
+        hidden,
+        heads: c.num_attention_heads,
+        q_lora_rank: c.q_lora_rank,
+        kv_lora: c.kv_lora_rank,
+        nope: c.qk_nope_head_dim,
+        rope_dim: c.qk_rope_head_dim,
+        v_dim: c.v_head_dim,
+    };
+    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5);
+    let mut layers = Vec::with_capacity(c.num_hidden_layers);
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}");
+        let mixer = if linear[l] {
+            Mixer::Kda(load_kda(w, &format!("{p}.self_attn"), hidden, heads, head_dim, kernel, eps)?)
+        } else {
+            // MLA with no positional encoding: the "rope" dims are used as they are.
+            Mixer::Mla(load_attention(w, &format!("{p}.self_attn"), dims, false, None, None, scale)?)
+        };
+        // transformers stores the feed-forward under `block_sparse_moe` (Moonshot's name) or `mlp`.
+        let ffn_prefix = if w.contains(&format!("{p}.mlp.gate.weight")) || w.contains(&format!("{p}.mlp.gate_proj.weight")) {
+            format!("{p}.mlp")
+        } else {
+            format!("{p}.block_sparse_moe")
+        };
+        let ffn = if dense[l] {
+            Ffn::Dense(Mlp::load(w, &ffn_prefix, hidden, c.intermediate_size, false)?)
+        } else {
+            Ffn::Moe(Box::new(kimi_moe(w, &ffn_prefix, &c)?))
+        };
+        layers.push(DecoderLayer {
+            input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
+            mixer,
+            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
+            ffn,
+        });
+    }
+    Model::assemble(Family::HybridKda, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
+}
+
+fn kimi_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
+    let (hidden, n) = (c.hidden_size, c.num_experts);
+    let shared = (c.num_shared_experts > 0)
+        .then(|| Mlp::load(w, &format!("{prefix}.shared_experts"), hidden, c.moe_intermediate_size * c.num_shared_experts, false))
+        .transpose()?;
+    Ok(MoeBlock {
+        router: Linear::load(w, &format!("{prefix}.gate"), hidden, n, false)?,
+        routing: Routing {
+            num_experts: n,
+            top_k: c.num_experts_per_token,
+            scoring: Scoring::Sigmoid,
+            correction_bias: Some(w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?),
+            n_group: c.num_expert_group,
+            topk_group: c.topk_group,
+            norm_topk_prob: c.moe_renormalize,
+            scaling: c.routed_scaling_factor as f32,
+        },
+        experts: load_experts(w, &format!("{prefix}.experts"), ["w1", "w3", "w2"], n, hidden, c.moe_intermediate_size)?,
+        shared,
+        shared_gate: None,
+    })
+}
