@@ -26,13 +26,7 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions {
-            max_new_tokens: 16,
-            chunk_tokens: 64,
-            decode_logits: 0,
-            block_size: 16,
-            show_progress: false,
-        }
+        GenerateOptions { max_new_tokens: 16, chunk_tokens: 64, decode_logits: 0, block_size: 16, show_progress: false }
     }
 }
 
@@ -54,27 +48,17 @@ struct PromptLine {
 /// Reads a prompts JSONL file (`{"prompt": [token ids]}` per line), rejecting empty prompts and
 /// tokens outside the model's vocabulary with the file and line named.
 pub fn read_prompts(path: &Path, model: &Model) -> Result<Vec<Vec<u32>>> {
-    let file = std::fs::File::open(path)
-        .with_context(|| format!("cannot open prompts file {}", path.display()))?;
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open prompts file {}", path.display()))?;
     let mut prompts = Vec::new();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.with_context(|| format!("{}:{}: cannot read", path.display(), i + 1))?;
         if line.trim().is_empty() {
             continue;
         }
-        let parsed: PromptLine = serde_json::from_str(&line).with_context(|| {
-            format!(
-                "{}:{}: expected {{\"prompt\": [token ids]}}",
-                path.display(),
-                i + 1
-            )
-        })?;
+        let parsed: PromptLine = serde_json::from_str(&line)
+            .with_context(|| format!("{}:{}: expected {{\"prompt\": [token ids]}}", path.display(), i + 1))?;
         if parsed.prompt.is_empty() {
-            bail!(
-                "{}:{}: the prompt is empty (at least one token is needed)",
-                path.display(),
-                i + 1
-            );
+            bail!("{}:{}: the prompt is empty (at least one token is needed)", path.display(), i + 1);
         }
         if let Err(e) = model.check_tokens(&parsed.prompt) {
             bail!("{}:{}: {e}", path.display(), i + 1);
@@ -102,11 +86,7 @@ impl Running {
 }
 
 /// Generates `max_new_tokens` greedy tokens for every prompt, in input order.
-pub fn generate(
-    model: &Model,
-    prompts: &[Vec<u32>],
-    opts: &GenerateOptions,
-) -> Result<Vec<Generation>> {
+pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Generation>> {
     if opts.chunk_tokens == 0 {
         bail!("--chunk-tokens must be at least 1");
     }
@@ -114,9 +94,7 @@ pub fn generate(
         if p.is_empty() {
             bail!("prompt {i} is empty");
         }
-        model
-            .check_tokens(p)
-            .map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
+        model.check_tokens(p).map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
     }
     let n = opts.max_new_tokens;
     let bs = opts.block_size;
@@ -145,20 +123,10 @@ pub fn generate(
             })
         })
         .collect::<Result<_>>()?;
-    let total_steps = prompts
-        .iter()
-        .map(|p| p.len().div_ceil(opts.chunk_tokens) + n.saturating_sub(1))
-        .max()
-        .unwrap_or(0);
-    let bar = if opts.show_progress {
-        ProgressBar::new(total_steps as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed}")
-            .expect("valid template"),
-    );
+    let total_steps =
+        prompts.iter().map(|p| p.len().div_ceil(opts.chunk_tokens) + n.saturating_sub(1)).max().unwrap_or(0);
+    let bar = if opts.show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed}").expect("valid template"));
     loop {
         // Each unfinished sequence contributes a prefill chunk or its last token.
         let mut fed_tokens: Vec<Vec<u32>> = Vec::new();
@@ -171,11 +139,7 @@ pub fn generate(
                 let end = (s.fed + opts.chunk_tokens).min(s.prompt.len());
                 fed_tokens.push(s.prompt[s.fed..end].to_vec());
             } else {
-                fed_tokens.push(vec![*s
-                    .out
-                    .tokens
-                    .last()
-                    .expect("a decode follows a sampled token")]);
+                fed_tokens.push(vec![*s.out.tokens.last().expect("a decode follows a sampled token")]);
             }
             members.push(i);
         }
@@ -187,11 +151,7 @@ pub fn generate(
             .zip(&fed_tokens)
             .map(|(&i, toks)| {
                 let s = &seqs[i];
-                let start = if s.fed < s.prompt.len() {
-                    s.fed
-                } else {
-                    s.prompt.len() + s.out.tokens.len() - 1
-                };
+                let start = if s.fed < s.prompt.len() { s.fed } else { s.prompt.len() + s.out.tokens.len() - 1 };
                 let ends_prompt = s.fed < s.prompt.len() && start + toks.len() == s.prompt.len();
                 let decoding = s.fed >= s.prompt.len();
                 SeqInput {
@@ -200,11 +160,7 @@ pub fn generate(
                     block_table: s.blocks.blocks(),
                     slot: s.slot,
                     prompt_len: s.prompt.len(),
-                    logits: if ends_prompt || decoding {
-                        LogitsWanted::Last
-                    } else {
-                        LogitsWanted::None
-                    },
+                    logits: if ends_prompt || decoding { LogitsWanted::Last } else { LogitsWanted::None },
                 }
             })
             .collect();
@@ -241,11 +197,7 @@ pub fn generate(
             s.out
         })
         .collect();
-    assert_eq!(
-        pool.num_free(),
-        pool.num_blocks(),
-        "generate leaked KV blocks"
-    );
+    assert_eq!(pool.num_free(), pool.num_blocks(), "generate leaked KV blocks");
     Ok(results)
 }
 

@@ -64,9 +64,7 @@ enum BenchCommand {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run() {
@@ -78,52 +76,24 @@ fn main() {
 fn run() -> Result<()> {
     kvflow_kernels::cpu::simd::check_cpu_supports_build().map_err(anyhow::Error::msg)?;
     match Cli::parse().command {
-        Command::Generate {
-            model,
-            prompts,
-            max_new_tokens,
-            chunk_tokens,
-            decode_logits,
-            block_size,
-            out,
-        } => {
+        Command::Generate { model, prompts, max_new_tokens, chunk_tokens, decode_logits, block_size, out } => {
             let model = kvflow_kernels::models::load(&model)
                 .with_context(|| format!("cannot load model {}", model.display()))?;
             let prompts = read_prompts(&prompts, &model)?;
-            let opts = GenerateOptions {
-                max_new_tokens,
-                chunk_tokens,
-                decode_logits,
-                block_size,
-                show_progress: true,
-            };
+            let opts = GenerateOptions { max_new_tokens, chunk_tokens, decode_logits, block_size, show_progress: true };
             let results = generate(&model, &prompts, &opts)?;
             match out {
                 Some(path) => {
                     let mut f = std::io::BufWriter::new(
-                        std::fs::File::create(&path)
-                            .with_context(|| format!("cannot create {}", path.display()))?,
+                        std::fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))?,
                     );
                     write_jsonl(&mut f, &results)?;
                 }
                 None => write_jsonl(&mut std::io::stdout().lock(), &results)?,
             }
         }
-        Command::Bench {
-            what:
-                BenchCommand::Model {
-                    model,
-                    batch,
-                    context,
-                    decode_steps,
-                },
-        } => {
-            bench_model::run(&ModelBenchArgs {
-                model,
-                batch,
-                context,
-                decode_steps,
-            })?;
+        Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
+            bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;
         }
     }
     Ok(())

@@ -59,17 +59,14 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let model = match &args.model {
         Some(path) => models::load(path)?,
         None => {
-            let spec = kvflow_kernels::checkpoint::ModelSpec::parse(
-                "<default bench spec>".into(),
-                DEFAULT_SPEC,
-            )?;
+            let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
             models::build(&spec.config, &spec.weights)?
         }
     };
-    let name = args.model.as_ref().map_or(
-        "default seeded mha (hidden 1024, 8 layers, vocab 32000)".to_string(),
-        |p| p.display().to_string(),
-    );
+    let name = args
+        .model
+        .as_ref()
+        .map_or("default seeded mha (hidden 1024, 8 layers, vocab 32000)".to_string(), |p| p.display().to_string());
     println!(
         "model        {name}: family {}, {} layers, hidden {}, vocab {} (built in {:.1} s)",
         model.family,
@@ -83,12 +80,8 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     // 1. Baselines on the largest weight shape at the decode batch size.
     let (n, k) = model.largest_weight_shape();
     let m = args.batch;
-    let w: Vec<f32> = (0..n * k)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
-    let x: Vec<f32> = (0..m * k)
-        .map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
+    let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
     let packed = PackedMatrix::from_rows(&w, n, k);
     let mut out = vec![0.0f32; m * n];
     let gemm_flops = 2.0 * (m * n * k) as f64;
@@ -126,9 +119,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let mut pool = BlockPool::new(total_blocks);
     let slots = if model.needs_slots() { m + 1 } else { 0 };
     let mut cache = model.new_cache(bs, total_blocks, slots, 1);
-    let prompt: Vec<u32> = (0..ctx)
-        .map(|i| ((i * 31 + 7) % model.vocab_size) as u32)
-        .collect();
+    let prompt: Vec<u32> = (0..ctx).map(|i| ((i * 31 + 7) % model.vocab_size) as u32).collect();
     let mut shared = BlockTable::new();
     if model.needs_blocks() {
         shared.grow_to(ctx, bs, &mut pool)?;
@@ -144,19 +135,14 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
                 block_table: shared.blocks(),
                 slot: shared_slot,
                 prompt_len: ctx,
-                logits: if end == ctx {
-                    LogitsWanted::Last
-                } else {
-                    LogitsWanted::None
-                },
+                logits: if end == ctx { LogitsWanted::Last } else { LogitsWanted::None },
             }],
             &mut cache,
         );
     }
     let prefill_time = t.elapsed();
     let attn_prefill: usize = (1..=ctx).map(|c| model.attention_macs(c)).sum();
-    let prefill_flops =
-        2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
+    let prefill_flops = 2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
     println!(
         "prefill      {ctx} tokens in {:.2} s: {:.0} tokens/s, {:.1} GFLOP/s",
         prefill_time.as_secs_f64(),
@@ -197,9 +183,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         cache.states.release_snapshot(snapshot);
         cache.states.release_slot(shared_slot);
     }
-    let mut last: Vec<u32> = (0..m)
-        .map(|i| ((i * 997 + 13) % model.vocab_size) as u32)
-        .collect();
+    let mut last: Vec<u32> = (0..m).map(|i| ((i * 997 + 13) % model.vocab_size) as u32).collect();
     let mut measured = Duration::ZERO;
     let mut decode_flops = 0.0;
     for step in 0..steps {
@@ -223,14 +207,10 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         let dt = t.elapsed();
         if step >= 2 {
             measured += dt;
-            decode_flops += 2.0
-                * (m * (model.body_macs_per_token()
-                    + model.lm_head_macs()
-                    + model.attention_macs(pos + 1))) as f64;
+            decode_flops +=
+                2.0 * (m * (model.body_macs_per_token() + model.lm_head_macs() + model.attention_macs(pos + 1))) as f64;
         }
-        last = (0..m)
-            .map(|i| argmax(out.last(i).expect("asked")))
-            .collect();
+        last = (0..m).map(|i| argmax(out.last(i).expect("asked"))).collect();
     }
     let decode = gflops(decode_flops, measured);
     let tokens_per_s = (m * args.decode_steps) as f64 / measured.as_secs_f64();

@@ -9,50 +9,29 @@ fn bits(g: &Generation) -> (Vec<u32>, Vec<u32>, Vec<Vec<u32>>) {
     (
         g.tokens.clone(),
         g.last_logits.iter().map(|v| v.to_bits()).collect(),
-        g.decode_logits
-            .as_ref()
-            .unwrap()
-            .iter()
-            .map(|r| r.iter().map(|v| v.to_bits()).collect())
-            .collect(),
+        g.decode_logits.as_ref().unwrap().iter().map(|r| r.iter().map(|v| v.to_bits()).collect()).collect(),
     )
 }
 
 fn check_family(name: &str) {
     let dir = fixture(name);
     let model = load(&dir);
-    let prompts: Vec<Vec<u32>> = expected(&dir)
-        .cases
-        .iter()
-        .map(|c| c.prompt.clone())
-        .collect();
-    let opts = |chunk| GenerateOptions {
-        max_new_tokens: 6,
-        chunk_tokens: chunk,
-        decode_logits: 5,
-        ..Default::default()
-    };
+    let prompts: Vec<Vec<u32>> = expected(&dir).cases.iter().map(|c| c.prompt.clone()).collect();
+    let opts =
+        |chunk| GenerateOptions { max_new_tokens: 6, chunk_tokens: chunk, decode_logits: 5, ..Default::default() };
     let together = generate(&model, &prompts, &opts(64)).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let want = bits(&together[i]);
         for chunk in [1, 7, 64] {
             let alone = generate(&model, std::slice::from_ref(p), &opts(chunk)).unwrap();
-            assert_eq!(
-                bits(&alone[0]),
-                want,
-                "{name}: prompt {i} alone with chunk {chunk} differs from the batch"
-            );
+            assert_eq!(bits(&alone[0]), want, "{name}: prompt {i} alone with chunk {chunk} differs from the batch");
         }
         // In a batch in another order, next to a different mix of prompts.
         let mut mixed: Vec<Vec<u32>> = prompts.iter().rev().cloned().collect();
         mixed.push(p[..p.len().div_ceil(2)].to_vec());
         let j = prompts.len() - 1 - i;
         let shuffled = generate(&model, &mixed, &opts(7)).unwrap();
-        assert_eq!(
-            bits(&shuffled[j]),
-            want,
-            "{name}: prompt {i} in a reordered batch differs"
-        );
+        assert_eq!(bits(&shuffled[j]), want, "{name}: prompt {i} in a reordered batch differs");
     }
 }
 

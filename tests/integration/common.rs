@@ -46,11 +46,7 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     if a.len() != b.len() {
         return f64::INFINITY;
     }
-    let num: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-        .sum();
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
     let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
     (num / den).sqrt()
 }
@@ -73,24 +69,14 @@ pub fn check_case(what: &str, case: &Case, got: &Generation) -> f64 {
         }
     }
     let mut worst = rel_err(&got.last_logits, &case.last_logits);
-    assert!(
-        worst < 1e-4,
-        "{what}: prompt logits relative error {worst:.2e}"
-    );
-    let decode = got
-        .decode_logits
-        .as_ref()
-        .expect("decode logits were asked for");
+    assert!(worst < 1e-4, "{what}: prompt logits relative error {worst:.2e}");
+    let decode = got.decode_logits.as_ref().expect("decode logits were asked for");
     for (j, (a, b)) in decode.iter().zip(&case.decode_logits).enumerate() {
         if j + 1 >= upto {
             break;
         }
         let e = rel_err(a, b);
-        assert!(
-            e < 1e-4,
-            "{what}: logits choosing token {}: relative error {e:.2e}",
-            j + 1
-        );
+        assert!(e < 1e-4, "{what}: logits choosing token {}: relative error {e:.2e}", j + 1);
         worst = worst.max(e);
     }
     worst
@@ -103,12 +89,7 @@ pub fn reproduce_fixture(dir: &Path, chunk_tokens: usize) -> f64 {
     let prompts: Vec<Vec<u32>> = exp.cases.iter().map(|c| c.prompt.clone()).collect();
     let n = exp.cases[0].greedy.len();
     let k = exp.cases[0].decode_logits.len();
-    let opts = GenerateOptions {
-        max_new_tokens: n,
-        chunk_tokens,
-        decode_logits: k,
-        ..Default::default()
-    };
+    let opts = GenerateOptions { max_new_tokens: n, chunk_tokens, decode_logits: k, ..Default::default() };
     let got = generate(&model, &prompts, &opts).expect("generate");
     let mut worst = 0.0f64;
     for (i, (case, g)) in exp.cases.iter().zip(&got).enumerate() {
@@ -119,20 +100,14 @@ pub fn reproduce_fixture(dir: &Path, chunk_tokens: usize) -> f64 {
 
 /// Runs the kvflow binary.
 pub fn kvflow(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(args)
-        .output()
-        .expect("kvflow runs")
+    Command::new(env!("CARGO_BIN_EXE_kvflow")).args(args).output().expect("kvflow runs")
 }
 
 /// Asserts a run failed cleanly (non-zero exit, no panic) with a message containing each of
 /// `needles`; returns stderr.
 pub fn assert_clean_failure(out: &Output, needles: &[&str]) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        !out.status.success(),
-        "expected failure, got success; stderr: {stderr}"
-    );
+    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "panicked: {stderr}");
     for n in needles {
         assert!(stderr.contains(n), "stderr lacks {n:?}: {stderr}");

@@ -4,4 +4,5 @@ mod bad_input;
 mod batch_invariance;
 mod common;
 mod hf_fixtures;
+mod recurrent_state;
 mod seeded_models;

@@ -29,11 +29,7 @@ fn tokens(spec: &str) -> Vec<u32> {
     let spec = ModelSpec::parse("spec.toml".into(), spec).unwrap();
     let model = models::build(&spec.config, &spec.weights).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 290 + 3) as u32).collect();
-    let opts = GenerateOptions {
-        max_new_tokens: 12,
-        chunk_tokens: 16,
-        ..Default::default()
-    };
+    let opts = GenerateOptions { max_new_tokens: 12, chunk_tokens: 16, ..Default::default() };
     generate(&model, &[prompt], &opts).unwrap().remove(0).tokens
 }
 
@@ -51,9 +47,6 @@ fn another_seed_builds_another_model() {
 
 #[test]
 fn a_spec_without_a_seed_is_rejected_by_name() {
-    let e = ModelSpec::parse("spec.toml".into(), "model_type = \"llama\"")
-        .err()
-        .unwrap()
-        .to_string();
+    let e = ModelSpec::parse("spec.toml".into(), "model_type = \"llama\"").err().unwrap().to_string();
     assert!(e.contains("spec.toml") && e.contains("seed"), "{e}");
 }

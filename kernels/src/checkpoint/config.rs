@@ -21,23 +21,15 @@ impl ConfigSource {
     /// Reads `DIR/config.json`.
     pub fn read(dir: &Path) -> Result<Self, LoadError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| LoadError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
         Self::parse(path, &text)
     }
 
     pub fn parse(path: PathBuf, text: &str) -> Result<Self, LoadError> {
-        let value: Value = serde_json::from_str(text).map_err(|e| LoadError::Parse {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| LoadError::Parse { path: path.clone(), message: e.to_string() })?;
         if !value.is_object() {
-            return Err(LoadError::Parse {
-                path,
-                message: "expected a JSON object".into(),
-            });
+            return Err(LoadError::Parse { path, message: "expected a JSON object".into() });
         }
         Ok(ConfigSource { path, value })
     }
@@ -52,10 +44,8 @@ impl ConfigSource {
     /// Deserialises the whole object into a family's `Config` (unknown fields are ignored:
     /// published configs carry many that do not change the math).
     pub fn family_config<T: DeserializeOwned>(&self) -> Result<T, LoadError> {
-        serde_json::from_value(self.value.clone()).map_err(|e| LoadError::Parse {
-            path: self.path.clone(),
-            message: e.to_string(),
-        })
+        serde_json::from_value(self.value.clone())
+            .map_err(|e| LoadError::Parse { path: self.path.clone(), message: e.to_string() })
     }
 
     pub fn error(&self, field: &str, message: impl Into<String>) -> LoadError {
@@ -76,39 +66,24 @@ pub fn parse_rope(cfg: &ConfigSource) -> Result<RopeParams, LoadError> {
         (_, Some(Value::Object(p))) => ("rope_scaling", p.clone()),
         _ => ("rope_parameters", Map::new()),
     };
-    let theta = number(&params, "rope_theta")
-        .or_else(|| number(top, "rope_theta"))
-        .unwrap_or(10_000.0);
-    let partial = number(&params, "partial_rotary_factor")
-        .or_else(|| number(top, "partial_rotary_factor"))
-        .unwrap_or(1.0);
-    let kind = params
-        .get("rope_type")
-        .or_else(|| params.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default")
-        .to_string();
+    let theta = number(&params, "rope_theta").or_else(|| number(top, "rope_theta")).unwrap_or(10_000.0);
+    let partial =
+        number(&params, "partial_rotary_factor").or_else(|| number(top, "partial_rotary_factor")).unwrap_or(1.0);
+    let kind =
+        params.get("rope_type").or_else(|| params.get("type")).and_then(Value::as_str).unwrap_or("default").to_string();
     let original_max = || -> Result<f64, LoadError> {
         // A top-level value wins, as in transformers' `standardize_rope_params`.
         number(top, "original_max_position_embeddings")
             .or_else(|| number(&params, "original_max_position_embeddings"))
             .or_else(|| number(top, "max_position_embeddings"))
-            .ok_or_else(|| {
-                cfg.error(
-                    &format!("{field}.original_max_position_embeddings"),
-                    "missing",
-                )
-            })
+            .ok_or_else(|| cfg.error(&format!("{field}.original_max_position_embeddings"), "missing"))
     };
     let need = |key: &str| -> Result<f64, LoadError> {
-        number(&params, key)
-            .ok_or_else(|| cfg.error(&format!("{field}.{key}"), "missing or not a number"))
+        number(&params, key).ok_or_else(|| cfg.error(&format!("{field}.{key}"), "missing or not a number"))
     };
     let scaling = match kind.as_str() {
         "default" => RopeScaling::Default,
-        "linear" => RopeScaling::Linear {
-            factor: need("factor")?,
-        },
+        "linear" => RopeScaling::Linear { factor: need("factor")? },
         "llama3" => RopeScaling::Llama3 {
             factor: need("factor")?,
             low_freq_factor: need("low_freq_factor")?,
@@ -125,11 +100,7 @@ pub fn parse_rope(cfg: &ConfigSource) -> Result<RopeParams, LoadError> {
                     max / original
                 }
             };
-            let nonzero = |key: &str, default: f64| {
-                number(&params, key)
-                    .filter(|v| *v != 0.0)
-                    .unwrap_or(default)
-            };
+            let nonzero = |key: &str, default: f64| number(&params, key).filter(|v| *v != 0.0).unwrap_or(default);
             RopeScaling::Yarn {
                 factor,
                 attention_factor: number(&params, "attention_factor"),
@@ -138,10 +109,7 @@ pub fn parse_rope(cfg: &ConfigSource) -> Result<RopeParams, LoadError> {
                 beta_fast: nonzero("beta_fast", 32.0),
                 beta_slow: nonzero("beta_slow", 1.0),
                 original_max_position_embeddings: original,
-                truncate: params
-                    .get("truncate")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(true),
+                truncate: params.get("truncate").and_then(Value::as_bool).unwrap_or(true),
             }
         }
         other => {
@@ -151,11 +119,7 @@ pub fn parse_rope(cfg: &ConfigSource) -> Result<RopeParams, LoadError> {
             ))
         }
     };
-    Ok(RopeParams {
-        theta,
-        scaling,
-        partial_rotary_factor: partial,
-    })
+    Ok(RopeParams { theta, scaling, partial_rotary_factor: partial })
 }
 
 #[cfg(test)]
@@ -168,17 +132,9 @@ mod tests {
 
     #[test]
     fn both_layouts_give_the_same_rope() {
-        let new = rope_of(
-            r#"{"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}"#,
-        )
-        .unwrap();
-        let old =
-            rope_of(r#"{"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}"#)
-                .unwrap();
-        let old2 = rope_of(
-            r#"{"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}"#,
-        )
-        .unwrap();
+        let new = rope_of(r#"{"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}"#).unwrap();
+        let old = rope_of(r#"{"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}}"#).unwrap();
+        let old2 = rope_of(r#"{"rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}"#).unwrap();
         assert_eq!(new, old);
         assert_eq!(new, old2);
         assert_eq!(new.theta, 5e5);
@@ -199,22 +155,16 @@ mod tests {
         )
         .unwrap();
         match r.scaling {
-            RopeScaling::Llama3 {
-                original_max_position_embeddings,
-                ..
-            } => assert_eq!(original_max_position_embeddings, 4096.0),
+            RopeScaling::Llama3 { original_max_position_embeddings, .. } => {
+                assert_eq!(original_max_position_embeddings, 4096.0)
+            }
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
     fn an_unsupported_rope_type_names_the_field() {
-        let e = rope_of(r#"{"rope_scaling": {"type": "longrope"}}"#)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("rope_scaling.rope_type") && e.contains("longrope"),
-            "{e}"
-        );
+        let e = rope_of(r#"{"rope_scaling": {"type": "longrope"}}"#).unwrap_err().to_string();
+        assert!(e.contains("rope_scaling.rope_type") && e.contains("longrope"), "{e}");
     }
 }

@@ -26,48 +26,28 @@ pub struct ModelSpec {
 
 impl ModelSpec {
     pub fn read(path: &Path) -> Result<Self, LoadError> {
-        let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| LoadError::Io { path: path.to_path_buf(), source })?;
         Self::parse(path.to_path_buf(), &text)
     }
 
     pub fn parse(path: PathBuf, text: &str) -> Result<Self, LoadError> {
-        let table: toml::Table = toml::from_str(text).map_err(|e| LoadError::Parse {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
-        let mut value = serde_json::to_value(&table).map_err(|e| LoadError::Parse {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
+        let table: toml::Table =
+            toml::from_str(text).map_err(|e| LoadError::Parse { path: path.clone(), message: e.to_string() })?;
+        let mut value = serde_json::to_value(&table)
+            .map_err(|e| LoadError::Parse { path: path.clone(), message: e.to_string() })?;
         let obj = value.as_object_mut().expect("a TOML table is an object");
         let seed = match obj.remove("seed") {
-            Some(v) => v.as_u64().ok_or_else(|| {
-                LoadError::config(&path, "seed", "expected a non-negative integer")
-            })?,
-            None => {
-                return Err(LoadError::config(
-                    &path,
-                    "seed",
-                    "missing: a model spec needs a seed",
-                ))
-            }
+            Some(v) => v.as_u64().ok_or_else(|| LoadError::config(&path, "seed", "expected a non-negative integer"))?,
+            None => return Err(LoadError::config(&path, "seed", "missing: a model spec needs a seed")),
         };
         let std = match obj.remove("init_std") {
-            Some(v) => v
-                .as_f64()
-                .ok_or_else(|| LoadError::config(&path, "init_std", "expected a number"))?
-                as f32,
+            Some(v) => v.as_f64().ok_or_else(|| LoadError::config(&path, "init_std", "expected a number"))? as f32,
             None => 0.05,
         };
         let config = ConfigSource { path, value };
         config.model_type()?;
-        Ok(ModelSpec {
-            config,
-            weights: RandomWeights::new(seed, std),
-        })
+        Ok(ModelSpec { config, weights: RandomWeights::new(seed, std) })
     }
 }
 
@@ -80,18 +60,12 @@ pub struct RandomWeights {
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 impl RandomWeights {
     pub fn new(seed: u64, std: f32) -> Self {
-        RandomWeights {
-            seed,
-            std,
-            zero_centred_norms: false,
-        }
+        RandomWeights { seed, std, zero_centred_norms: false }
     }
 
     /// Norm weights around 0 instead of 1 (families whose norms compute `(1 + w)·x̂`).
@@ -108,11 +82,7 @@ impl WeightSource for RandomWeights {
         // Uniform on [-√3·std, √3·std]: the requested standard deviation, cheap to draw.
         let half_width = self.std * 3f32.sqrt();
         let is_norm = name.contains("norm") && name.ends_with(".weight");
-        let centre = if is_norm && !self.zero_centred_norms {
-            1.0
-        } else {
-            0.0
-        };
+        let centre = if is_norm && !self.zero_centred_norms { 1.0 } else { 0.0 };
         Ok((0..n)
             .map(|_| {
                 state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);

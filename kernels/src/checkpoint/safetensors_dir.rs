@@ -29,25 +29,15 @@ impl SafetensorsDir {
     pub fn open(dir: &Path) -> Result<Self, LoadError> {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|source| LoadError::Io {
-                path: index_path.clone(),
-                source,
-            })?;
-            let index: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| LoadError::Parse {
-                    path: index_path.clone(),
-                    message: e.to_string(),
-                })?;
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|source| LoadError::Io { path: index_path.clone(), source })?;
+            let index: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| LoadError::Parse { path: index_path.clone(), message: e.to_string() })?;
             let map = index
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| {
-                    LoadError::config(&index_path, "weight_map", "missing or not an object")
-                })?;
-            let mut files: Vec<String> = map
-                .values()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect();
+                .ok_or_else(|| LoadError::config(&index_path, "weight_map", "missing or not an object"))?;
+            let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
             files.sort();
             files.dedup();
             files
@@ -58,20 +48,11 @@ impl SafetensorsDir {
         let mut tensors = HashMap::new();
         for (shard, name) in files.iter().enumerate() {
             let path = dir.join(name);
-            let file = File::open(&path).map_err(|source| LoadError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            let file = File::open(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
             // SAFETY: the checkpoint is opened read-only and not modified while kvflow runs.
-            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let (header_len, metadata) =
-                SafeTensors::read_metadata(&mmap).map_err(|e| LoadError::Safetensors {
-                    path: path.clone(),
-                    message: e.to_string(),
-                })?;
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io { path: path.clone(), source })?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| LoadError::Safetensors { path: path.clone(), message: e.to_string() })?;
             let base = 8 + header_len;
             for (tname, info) in metadata.tensors() {
                 tensors.insert(
@@ -87,11 +68,7 @@ impl SafetensorsDir {
             }
             shards.push((path, mmap));
         }
-        Ok(SafetensorsDir {
-            dir: dir.to_path_buf(),
-            shards,
-            tensors,
-        })
+        Ok(SafetensorsDir { dir: dir.to_path_buf(), shards, tensors })
     }
 
     /// Number of tensors in the checkpoint.
@@ -109,10 +86,7 @@ impl WeightSource for SafetensorsDir {
         let entry = self
             .tensors
             .get(name)
-            .ok_or_else(|| LoadError::MissingTensor {
-                path: self.dir.clone(),
-                name: name.to_string(),
-            })?;
+            .ok_or_else(|| LoadError::MissingTensor { path: self.dir.clone(), name: name.to_string() })?;
         let (path, mmap) = &self.shards[entry.shard];
         if entry.shape != shape {
             return Err(LoadError::WrongShape {
@@ -124,18 +98,9 @@ impl WeightSource for SafetensorsDir {
         }
         let bytes = &mmap[entry.start..entry.end];
         let values: Vec<f32> = match entry.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
             other => {
                 return Err(LoadError::WrongDtype {
                     path: path.clone(),

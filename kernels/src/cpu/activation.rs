@@ -16,10 +16,7 @@ pub fn sigmoid(x: f32) -> f32 {
 /// rows): `out = silu(gate) · up`.
 pub fn swiglu_fused(gate_up: &[f32], inter: usize, out: &mut [f32]) {
     assert_eq!(gate_up.len(), out.len() * 2);
-    for (gu, o) in gate_up
-        .chunks_exact(2 * inter)
-        .zip(out.chunks_exact_mut(inter))
-    {
+    for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
         let (g, u) = gu.split_at(inter);
         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
             *o = silu(g) * u;

@@ -37,15 +37,7 @@ pub fn attend_row(
     out: &mut [f32],
     scores: &mut Vec<f32>,
 ) {
-    let AttentionShape {
-        q_heads,
-        kv_heads,
-        qk_dim,
-        v_dim,
-        k_offset,
-        v_offset,
-        scale,
-    } = *shape;
+    let AttentionShape { q_heads, kv_heads, qk_dim, v_dim, k_offset, v_offset, scale } = *shape;
     debug_assert_eq!(q.len(), q_heads * qk_dim);
     debug_assert_eq!(out.len(), q_heads * v_dim);
     let group = q_heads / kv_heads;

@@ -30,12 +30,7 @@ pub struct PackedMatrix {
 impl PackedMatrix {
     /// Packs a row-major `[n × k]` weight.
     pub fn from_rows(w: &[f32], n: usize, k: usize) -> Self {
-        assert_eq!(
-            w.len(),
-            n * k,
-            "weight has {} values, expected {n} × {k}",
-            w.len()
-        );
+        assert_eq!(w.len(), n * k, "weight has {} values, expected {n} × {k}", w.len());
         let num_panels = n.div_ceil(NR);
         let mut panels = vec![0.0f32; num_panels * k * NR];
         for p in 0..num_panels {
@@ -79,20 +74,8 @@ impl PackedMatrix {
 
     /// `out[m × n] = x[m × k] · Wᵀ` (overwrites `out`).
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32]) {
-        assert_eq!(
-            x.len(),
-            m * self.k,
-            "input has {} values, expected {m} × {}",
-            x.len(),
-            self.k
-        );
-        assert_eq!(
-            out.len(),
-            m * self.n,
-            "output has {} values, expected {m} × {}",
-            out.len(),
-            self.n
-        );
+        assert_eq!(x.len(), m * self.k, "input has {} values, expected {m} × {}", x.len(), self.k);
+        assert_eq!(out.len(), m * self.n, "output has {} values, expected {m} × {}", out.len(), self.n);
         matmul_lanes::<Best>(self, x, m, out);
     }
 
@@ -134,14 +117,7 @@ fn matmul_lanes<L: Lanes>(w: &PackedMatrix, x: &[f32], m: usize, out: &mut [f32]
 
 /// One `R × NR` tile: `dst[r][j] = Σ_kk xs[r][kk] · panel[kk][j]`, `kk` ascending.
 #[inline(always)]
-fn tile<L: Lanes, const R: usize>(
-    panel: &[f32],
-    xs: &[f32],
-    k: usize,
-    dst: &mut [f32],
-    ldd: usize,
-    cols: usize,
-) {
+fn tile<L: Lanes, const R: usize>(panel: &[f32], xs: &[f32], k: usize, dst: &mut [f32], ldd: usize, cols: usize) {
     debug_assert!(panel.len() >= k * NR && xs.len() >= R * k);
     let mut acc = [[L::zero(); 2]; R];
     let pp = panel.as_ptr();
@@ -202,9 +178,7 @@ mod tests {
         let got = PackedMatrix::from_rows(&w, n, k).apply(&x, m);
         for r in 0..m {
             for c in 0..n {
-                let want: f64 = (0..k)
-                    .map(|i| x[r * k + i] as f64 * w[c * k + i] as f64)
-                    .sum();
+                let want: f64 = (0..k).map(|i| x[r * k + i] as f64 * w[c * k + i] as f64).sum();
                 assert!((got[r * n + c] as f64 - want).abs() < 1e-4, "({r},{c})");
             }
         }
@@ -218,11 +192,7 @@ mod tests {
         let all = w.apply(&x, 200);
         for (start, len) in [(0, 1), (5, 7), (17, 100), (199, 1), (90, 13)] {
             let part = w.apply(&x[start * k..(start + len) * k], len);
-            assert_eq!(
-                part,
-                all[start * n..(start + len) * n].to_vec(),
-                "rows {start}..+{len}"
-            );
+            assert_eq!(part, all[start * n..(start + len) * n].to_vec(), "rows {start}..+{len}");
         }
     }
 

@@ -6,13 +6,7 @@ use super::simd::{dot, Best};
 /// Normalises each `weight.len()`-wide row of `x` in place.
 pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     let d = weight.len();
-    assert_eq!(
-        x.len() % d,
-        0,
-        "rows of {} values do not tile {}",
-        d,
-        x.len()
-    );
+    assert_eq!(x.len() % d, 0, "rows of {} values do not tile {}", d, x.len());
     for row in x.chunks_exact_mut(d) {
         let inv = inverse_rms(row, eps);
         for (v, w) in row.iter_mut().zip(weight) {

@@ -41,19 +41,24 @@ pub fn l2_normalize(x: &mut [f32], eps: f32) {
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// One gated delta-rule step on `state` (`d_k × d_v`, row = key channel). `decay[kk]` multiplies
-/// row `kk`; `q` is already normalised and scaled, `k` normalised. Writes the output into `out`
-/// (`d_v`); `mem` is scratch of `d_v`.
-pub fn delta_rule_step(
-    state: &mut [f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    beta: f32,
-    decay: &[f32],
-    out: &mut [f32],
-    mem: &mut [f32],
-) {
+/// One token's inputs to a delta-rule step of one head.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaInputs<'a> {
+    /// Query, already L2-normalised and scaled (`d_k`).
+    pub q: &'a [f32],
+    /// Key, L2-normalised (`d_k`).
+    pub k: &'a [f32],
+    /// Value (`d_v`).
+    pub v: &'a [f32],
+    pub beta: f32,
+    /// Factor multiplying each row (key channel) of the state (`d_k`).
+    pub decay: &'a [f32],
+}
+
+/// One gated delta-rule step on `state` (`d_k × d_v`, row = key channel). Writes the output into
+/// `out` (`d_v`); `mem` is scratch of `d_v`.
+pub fn delta_rule_step(state: &mut [f32], x: DeltaInputs, out: &mut [f32], mem: &mut [f32]) {
+    let DeltaInputs { q, k, v, beta, decay } = x;
     let (dk, dv) = (k.len(), v.len());
     debug_assert_eq!(state.len(), dk * dv);
     // 1. decay
@@ -114,11 +119,11 @@ mod tests {
         let (k, v) = ([1.0, 0.0], [3.0, -2.0, 0.5]);
         let mut s = vec![0.0; 6];
         let (mut out, mut mem) = ([0.0; 3], [0.0; 3]);
-        delta_rule_step(&mut s, &k, &k, &v, 1.0, &[1.0, 1.0], &mut out, &mut mem);
+        delta_rule_step(&mut s, DeltaInputs { q: &k, k: &k, v: &v, beta: 1.0, decay: &[1.0, 1.0] }, &mut out, &mut mem);
         assert_eq!(out, v);
         // Writing the same pair again changes nothing (the delta is zero).
         let before = s.clone();
-        delta_rule_step(&mut s, &k, &k, &v, 1.0, &[1.0, 1.0], &mut out, &mut mem);
+        delta_rule_step(&mut s, DeltaInputs { q: &k, k: &k, v: &v, beta: 1.0, decay: &[1.0, 1.0] }, &mut out, &mut mem);
         assert_eq!(s, before);
     }
 
@@ -126,7 +131,8 @@ mod tests {
     fn decay_scales_rows_by_key_channel() {
         let mut s = vec![1.0, 1.0, 1.0, 1.0];
         let (mut out, mut mem) = ([0.0; 2], [0.0; 2]);
-        delta_rule_step(&mut s, &[0.0, 1.0], &[0.0, 0.0], &[0.0, 0.0], 0.0, &[0.5, 0.25], &mut out, &mut mem);
+        let x = DeltaInputs { q: &[0.0, 1.0], k: &[0.0, 0.0], v: &[0.0, 0.0], beta: 0.0, decay: &[0.5, 0.25] };
+        delta_rule_step(&mut s, x, &mut out, &mut mem);
         assert_eq!(s, vec![0.5, 0.5, 0.25, 0.25]);
         assert_eq!(out, [0.25, 0.25]);
     }

@@ -65,19 +65,13 @@ impl RopeParams {
         let scaled_dim = (head_dim as f64 * self.partial_rotary_factor) as usize;
         let base_freqs = |dim: usize| -> Vec<f32> {
             // base ** (arange(0, dim, 2).float() / dim), then 1 / that, all in f32.
-            (0..dim)
-                .step_by(2)
-                .map(|i| 1.0f32 / (self.theta as f32).powf(i as f32 / dim as f32))
-                .collect()
+            (0..dim).step_by(2).map(|i| 1.0f32 / (self.theta as f32).powf(i as f32 / dim as f32)).collect()
         };
         match &self.scaling {
             RopeScaling::Default => (base_freqs(default_dim), 1.0),
             RopeScaling::Linear { factor } => {
                 let f = *factor as f32;
-                (
-                    base_freqs(scaled_dim).into_iter().map(|v| v / f).collect(),
-                    1.0,
-                )
+                (base_freqs(scaled_dim).into_iter().map(|v| v / f).collect(), 1.0)
             }
             RopeScaling::Llama3 {
                 factor,
@@ -117,16 +111,14 @@ impl RopeParams {
                 truncate,
             } => {
                 let dim = scaled_dim;
-                let attention =
-                    attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
-                        (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => {
-                            yarn_get_mscale(*factor, *m) / yarn_get_mscale(*factor, *a)
-                        }
-                        _ => yarn_get_mscale(*factor, 1.0),
-                    });
+                let attention = attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
+                    (Some(m), Some(a)) if *m != 0.0 && *a != 0.0 => {
+                        yarn_get_mscale(*factor, *m) / yarn_get_mscale(*factor, *a)
+                    }
+                    _ => yarn_get_mscale(*factor, 1.0),
+                });
                 let correction_dim = |rot: f64| {
-                    (dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln())
-                        / (2.0 * self.theta.ln())
+                    (dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln()) / (2.0 * self.theta.ln())
                 };
                 let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
                 if *truncate {
@@ -138,10 +130,8 @@ impl RopeParams {
                 if low == high {
                     high += 0.001;
                 }
-                let pos_freqs: Vec<f32> = (0..dim)
-                    .step_by(2)
-                    .map(|i| (self.theta as f32).powf(i as f32 / dim as f32))
-                    .collect();
+                let pos_freqs: Vec<f32> =
+                    (0..dim).step_by(2).map(|i| (self.theta as f32).powf(i as f32 / dim as f32)).collect();
                 let f = *factor as f32;
                 let inv = pos_freqs
                     .iter()
@@ -151,8 +141,7 @@ impl RopeParams {
                         let interpolation = 1.0 / (f * p);
                         let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
                         let extrapolation_factor = 1.0 - ramp;
-                        interpolation * (1.0 - extrapolation_factor)
-                            + extrapolation * extrapolation_factor
+                        interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor
                     })
                     .collect();
                 (inv, attention as f32)
@@ -165,11 +154,7 @@ impl RopeParams {
     pub fn softmax_scale_correction(&self) -> f32 {
         match &self.scaling {
             RopeScaling::Default => 1.0,
-            RopeScaling::Yarn {
-                factor,
-                mscale_all_dim: Some(all),
-                ..
-            } if *all != 0.0 => {
+            RopeScaling::Yarn { factor, mscale_all_dim: Some(all), .. } if *all != 0.0 => {
                 let m = yarn_get_mscale(*factor, *all);
                 (m * m) as f32
             }
@@ -188,11 +173,7 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(inv_freq: Vec<f32>, attention_scaling: f32, style: RopeStyle) -> Self {
-        Rope {
-            inv_freq,
-            attention_scaling,
-            style,
-        }
+        Rope { inv_freq, attention_scaling, style }
     }
 
     /// Dimensions rotated per head.
@@ -204,10 +185,7 @@ impl Rope {
     pub fn cos_sin(&self, pos: usize) -> (Vec<f32>, Vec<f32>) {
         let p = pos as f32;
         let s = self.attention_scaling;
-        self.inv_freq
-            .iter()
-            .map(|&f| ((p * f).cos() * s, (p * f).sin() * s))
-            .unzip()
+        self.inv_freq.iter().map(|&f| ((p * f).cos() * s, (p * f).sin() * s)).unzip()
     }
 
     /// Rotates the first `rotary_dim` values of each `head_dim`-wide head in `x`.
@@ -242,11 +220,7 @@ mod tests {
     use super::*;
 
     fn params(scaling: RopeScaling) -> RopeParams {
-        RopeParams {
-            theta: 10000.0,
-            scaling,
-            partial_rotary_factor: 1.0,
-        }
+        RopeParams { theta: 10000.0, scaling, partial_rotary_factor: 1.0 }
     }
 
     #[test]

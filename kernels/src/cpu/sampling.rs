@@ -30,11 +30,7 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-        }
+        SamplingParams { temperature: 0.0, top_k: 0, top_p: 1.0 }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -85,19 +81,12 @@ pub fn sample(logits: &[f32], params: &SamplingParams, key: SampleKey) -> u32 {
     }
     let t = params.temperature as f64;
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    order.sort_by(|&a, &b| {
-        logits[b as usize]
-            .total_cmp(&logits[a as usize])
-            .then(a.cmp(&b))
-    });
+    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
     if params.top_k > 0 {
         order.truncate(params.top_k);
     }
     let max = logits[order[0] as usize] as f64 / t;
-    let mut probs: Vec<f64> = order
-        .iter()
-        .map(|&i| (logits[i as usize] as f64 / t - max).exp())
-        .collect();
+    let mut probs: Vec<f64> = order.iter().map(|&i| (logits[i as usize] as f64 / t - max).exp()).collect();
     let total: f64 = probs.iter().sum();
     probs.iter_mut().for_each(|p| *p /= total);
     if params.top_p < 1.0 {
@@ -130,53 +119,30 @@ mod tests {
     use super::*;
 
     fn key(position: u64) -> SampleKey {
-        SampleKey {
-            seed: 7,
-            request_id: 3,
-            position,
-        }
+        SampleKey { seed: 7, request_id: 3, position }
     }
 
     #[test]
     fn greedy_takes_the_first_maximum() {
         assert_eq!(argmax(&[0.0, 2.0, 2.0, 1.0]), 1);
-        assert_eq!(
-            sample(&[0.0, 2.0, 1.0], &SamplingParams::greedy(), key(0)),
-            1
-        );
+        assert_eq!(sample(&[0.0, 2.0, 1.0], &SamplingParams::greedy(), key(0)), 1);
     }
 
     #[test]
     fn the_same_key_gives_the_same_token_and_keys_differ() {
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-        };
+        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0 };
         let a: Vec<u32> = (0..20).map(|i| sample(&logits, &p, key(i))).collect();
         let b: Vec<u32> = (0..20).map(|i| sample(&logits, &p, key(i))).collect();
         assert_eq!(a, b);
-        assert!(
-            a.iter().any(|&t| t != a[0]),
-            "twenty draws were all {}",
-            a[0]
-        );
+        assert!(a.iter().any(|&t| t != a[0]), "twenty draws were all {}", a[0]);
     }
 
     #[test]
     fn top_k_and_top_p_restrict_the_candidates() {
         let logits = [5.0, 4.9, 0.0, -1.0, 4.8];
-        let k2 = SamplingParams {
-            temperature: 1.0,
-            top_k: 2,
-            top_p: 1.0,
-        };
-        let p_small = SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 0.01,
-        };
+        let k2 = SamplingParams { temperature: 1.0, top_k: 2, top_p: 1.0 };
+        let p_small = SamplingParams { temperature: 1.0, top_k: 0, top_p: 0.01 };
         for i in 0..200 {
             assert!(sample(&logits, &k2, key(i)) <= 1);
             assert_eq!(sample(&logits, &p_small, key(i)), 0);

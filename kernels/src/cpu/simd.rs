@@ -125,34 +125,20 @@ mod avx2 {
 
 /// The lanes every kernel uses in this build: AVX2+FMA when the build targets it (see
 /// `.cargo/config.toml`), the portable arrays otherwise.
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
 pub type Best = Avx2;
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
 pub type Best = Portable;
 
 /// `Err` with a clear message when this binary was built for AVX2+FMA and the CPU lacks them
 /// (the kernels would die on an illegal instruction).
 pub fn check_cpu_supports_build() -> Result<(), String> {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     {
         if !(std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")) {
-            return Err(
-                "this kvflow binary was built for x86-64-v3 (AVX2 + FMA) but this CPU lacks \
+            return Err("this kvflow binary was built for x86-64-v3 (AVX2 + FMA) but this CPU lacks \
                         them; rebuild without `-C target-cpu=x86-64-v3` (see .cargo/config.toml)"
-                    .to_string(),
-            );
+                .to_string());
         }
     }
     Ok(())
@@ -197,10 +183,7 @@ pub fn axpy<L: Lanes>(y: &mut [f32], a: f32, x: &[f32]) {
     let mut i = 0;
     unsafe {
         while i + 8 <= n {
-            L::store(
-                py.add(i),
-                L::fma(va, L::load(px.add(i)), L::load(py.add(i))),
-            );
+            L::store(py.add(i), L::fma(va, L::load(px.add(i)), L::load(py.add(i))));
             i += 8;
         }
     }
@@ -215,10 +198,7 @@ pub fn axpy<L: Lanes>(y: &mut [f32], a: f32, x: &[f32]) {
 pub fn fma_scalar<L: Lanes>(a: f32, b: f32, c: f32) -> f32 {
     let mut out = [0.0f32; 8];
     unsafe {
-        L::store(
-            out.as_mut_ptr(),
-            L::fma(L::splat(a), L::splat(b), L::splat(c)),
-        );
+        L::store(out.as_mut_ptr(), L::fma(L::splat(a), L::splat(b), L::splat(c)));
     }
     out[0]
 }

@@ -26,10 +26,7 @@ pub struct BlockPool {
 impl BlockPool {
     pub fn new(num_blocks: usize) -> Self {
         // Hand out low ids first (pop from the end of a reversed list).
-        BlockPool {
-            free: (0..num_blocks as BlockId).rev().collect(),
-            ref_counts: vec![0; num_blocks],
-        }
+        BlockPool { free: (0..num_blocks as BlockId).rev().collect(), ref_counts: vec![0; num_blocks] }
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -46,11 +43,7 @@ impl BlockPool {
 
     /// Takes a free block with one reference.
     pub fn allocate(&mut self) -> Result<BlockId, OutOfBlocks> {
-        let id = self.free.pop().ok_or(OutOfBlocks {
-            needed: 1,
-            free: 0,
-            total: self.num_blocks(),
-        })?;
+        let id = self.free.pop().ok_or(OutOfBlocks { needed: 1, free: 0, total: self.num_blocks() })?;
         debug_assert_eq!(self.ref_counts[id as usize], 0);
         self.ref_counts[id as usize] = 1;
         Ok(id)
@@ -111,25 +104,14 @@ impl BlockTable {
 
     /// Blocks needed beyond those held to store `tokens` tokens.
     pub fn blocks_missing(&self, tokens: usize, block_size: usize) -> usize {
-        tokens
-            .div_ceil(block_size)
-            .saturating_sub(self.blocks.len())
+        tokens.div_ceil(block_size).saturating_sub(self.blocks.len())
     }
 
     /// Grows the table to cover `tokens` tokens; all or nothing.
-    pub fn grow_to(
-        &mut self,
-        tokens: usize,
-        block_size: usize,
-        pool: &mut BlockPool,
-    ) -> Result<(), OutOfBlocks> {
+    pub fn grow_to(&mut self, tokens: usize, block_size: usize, pool: &mut BlockPool) -> Result<(), OutOfBlocks> {
         let missing = self.blocks_missing(tokens, block_size);
         if !pool.can_allocate(missing) {
-            return Err(OutOfBlocks {
-                needed: missing,
-                free: pool.num_free(),
-                total: pool.num_blocks(),
-            });
+            return Err(OutOfBlocks { needed: missing, free: pool.num_free(), total: pool.num_blocks() });
         }
         for _ in 0..missing {
             self.blocks.push(pool.allocate()?);
@@ -165,14 +147,7 @@ mod tests {
         let mut pool = BlockPool::new(2);
         let mut t = BlockTable::new();
         let err = t.grow_to(48, 16, &mut pool).unwrap_err();
-        assert_eq!(
-            err,
-            OutOfBlocks {
-                needed: 3,
-                free: 2,
-                total: 2
-            }
-        );
+        assert_eq!(err, OutOfBlocks { needed: 3, free: 2, total: 2 });
         assert_eq!(pool.num_free(), 2);
         assert!(t.is_empty());
     }

@@ -41,16 +41,9 @@ impl PagedKvCache {
         assert!(block_size > 0, "block size must be positive");
         let layers = row_widths
             .iter()
-            .map(|&w| KvLayer {
-                row_width: w,
-                data: vec![0.0; num_blocks * block_size * w],
-            })
+            .map(|&w| KvLayer { row_width: w, data: vec![0.0; num_blocks * block_size * w] })
             .collect();
-        PagedKvCache {
-            block_size,
-            num_blocks,
-            layers,
-        }
+        PagedKvCache { block_size, num_blocks, layers }
     }
 
     /// Bytes one block takes across all layers.

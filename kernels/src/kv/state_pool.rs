@@ -72,7 +72,10 @@ pub struct StatePool {
 impl StatePool {
     /// `width` floats per entry (0 for families without recurrent state).
     pub fn new(width: usize, num_slots: usize, num_snapshots: usize) -> Self {
-        StatePool { slots: Arena::new("state slots", width, num_slots), snapshots: Arena::new("state snapshots", width, num_snapshots) }
+        StatePool {
+            slots: Arena::new("state slots", width, num_slots),
+            snapshots: Arena::new("state snapshots", width, num_snapshots),
+        }
     }
 
     /// Floats per slot.

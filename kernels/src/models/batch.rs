@@ -50,9 +50,7 @@ pub struct ForwardOutput {
 impl ForwardOutput {
     /// The logits rows of sequence `i`.
     pub fn seq(&self, i: usize) -> impl Iterator<Item = &[f32]> {
-        self.rows[i]
-            .clone()
-            .map(move |r| &self.logits[r * self.vocab..(r + 1) * self.vocab])
+        self.rows[i].clone().map(move |r| &self.logits[r * self.vocab..(r + 1) * self.vocab])
     }
 
     /// The last logits row of sequence `i`, if it asked for any.
@@ -86,9 +84,7 @@ impl BatchLayout {
             positions.extend(s.start_pos..s.end_pos());
             seq_of_row.extend(std::iter::repeat_n(i, s.tokens.len()));
             cache_rows.push(if paged {
-                (0..s.end_pos())
-                    .map(|p| s.block_table[p / block_size] as usize * block_size + p % block_size)
-                    .collect()
+                (0..s.end_pos()).map(|p| s.block_table[p / block_size] as usize * block_size + p % block_size).collect()
             } else {
                 Vec::new()
             });

@@ -3,8 +3,8 @@
 //! asked for logits. Families differ only in their mixers (attention kinds) and feed-forwards.
 
 use super::batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-use super::layers::{Linear, Mlp, RmsNorm};
 use super::kimi_linear::KimiDeltaAttention;
+use super::layers::{Linear, Mlp, RmsNorm};
 use super::mha::GqaAttention;
 use super::mla::MlaAttention;
 use super::moe::MoeBlock;
@@ -16,7 +16,7 @@ use crate::kv::{PagedKvCache, StatePool};
 /// A layer's token mixer: attention over the paged cache, or linear attention over a state slot.
 pub enum Mixer {
     Gqa(GqaAttention),
-    Mla(MlaAttention),
+    Mla(Box<MlaAttention>),
     Gdn(GatedDeltaNet),
     Kda(KimiDeltaAttention),
 }
@@ -197,14 +197,17 @@ impl Model {
 
     /// Row widths of the paged cache, one per layer that keeps KV.
     pub fn kv_row_widths(&self) -> Vec<usize> {
-        self.layers
-            .iter()
-            .filter_map(|l| l.mixer.kv_row_width())
-            .collect()
+        self.layers.iter().filter_map(|l| l.mixer.kv_row_width()).collect()
     }
 
     /// A cache of `num_blocks` blocks of `block_size` tokens for this model.
-    pub fn new_cache(&self, block_size: usize, num_blocks: usize, num_slots: usize, num_snapshots: usize) -> ModelCache {
+    pub fn new_cache(
+        &self,
+        block_size: usize,
+        num_blocks: usize,
+        num_slots: usize,
+        num_snapshots: usize,
+    ) -> ModelCache {
         ModelCache {
             kv: PagedKvCache::new(block_size, num_blocks, &self.kv_row_widths()),
             states: StatePool::new(self.state_width, num_slots, num_snapshots),
@@ -239,10 +242,9 @@ impl Model {
     /// `Err` naming the first token outside the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), String> {
         match tokens.iter().position(|&t| t as usize >= self.vocab_size) {
-            Some(i) => Err(format!(
-                "token {} at index {i} is outside the vocabulary (size {})",
-                tokens[i], self.vocab_size
-            )),
+            Some(i) => {
+                Err(format!("token {} at index {i} is outside the vocabulary (size {})", tokens[i], self.vocab_size))
+            }
             None => Ok(()),
         }
     }
@@ -259,9 +261,7 @@ impl Model {
         for s in batch {
             for &tok in s.tokens {
                 debug_assert!((tok as usize) < self.vocab_size);
-                h.extend_from_slice(
-                    &self.embed[tok as usize * hidden..(tok as usize + 1) * hidden],
-                );
+                h.extend_from_slice(&self.embed[tok as usize * hidden..(tok as usize + 1) * hidden]);
             }
         }
         if self.needs_slots() {
@@ -295,20 +295,13 @@ impl Model {
         }
         self.final_norm.forward_inplace(&mut selected);
         let logits = self.lm_head.forward(&selected, wanted.len());
-        ForwardOutput {
-            vocab: self.vocab_size,
-            logits,
-            rows,
-        }
+        ForwardOutput { vocab: self.vocab_size, logits, rows }
     }
 
     /// Multiply-adds per token in the weights (routed MoE counts its `top_k` experts), excluding
     /// the LM head.
     pub fn body_macs_per_token(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.mixer.macs_per_row() + l.ffn.macs_per_row())
-            .sum()
+        self.layers.iter().map(|l| l.mixer.macs_per_row() + l.ffn.macs_per_row()).sum()
     }
 
     pub fn lm_head_macs(&self) -> usize {
@@ -318,10 +311,7 @@ impl Model {
     /// Attention multiply-adds of one token at context length `ctx` over all layers (for linear
     /// layers, the state update, which does not grow with the context).
     pub fn attention_macs(&self, ctx: usize) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.mixer.attention_macs(ctx))
-            .sum()
+        self.layers.iter().map(|l| l.mixer.attention_macs(ctx)).sum()
     }
 
     /// Shape `(rows, cols)` of the largest weight matrix (the benchmark's GEMM baseline).

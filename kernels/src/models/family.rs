@@ -102,10 +102,7 @@ impl Family {
 
     /// This family's row of [`FAMILIES`].
     pub fn info(self) -> &'static FamilyInfo {
-        FAMILIES
-            .iter()
-            .find(|f| f.family == self)
-            .unwrap_or_else(|| panic!("family {self:?} has no row in FAMILIES"))
+        FAMILIES.iter().find(|f| f.family == self).unwrap_or_else(|| panic!("family {self:?} has no row in FAMILIES"))
     }
 
     pub fn has_recurrent_state(self) -> bool {
@@ -123,19 +120,12 @@ impl Family {
     /// The family serving a Hugging Face `model_type`, if any. (A qwen3_next checkpoint whose
     /// layers are all linear is `Gdn`; the model builder decides that from `layer_types`.)
     pub fn for_model_type(model_type: &str) -> Option<Family> {
-        FAMILIES
-            .iter()
-            .find(|f| f.model_types.contains(&model_type))
-            .map(|f| f.family)
+        FAMILIES.iter().find(|f| f.model_types.contains(&model_type)).map(|f| f.family)
     }
 
     /// Every supported `model_type`, comma-separated (for error messages).
     pub fn supported_model_types() -> String {
-        FAMILIES
-            .iter()
-            .flat_map(|f| f.model_types.iter().copied())
-            .collect::<Vec<_>>()
-            .join(", ")
+        FAMILIES.iter().flat_map(|f| f.model_types.iter().copied()).collect::<Vec<_>>().join(", ")
     }
 }
 
@@ -152,11 +142,7 @@ mod tests {
     #[test]
     fn every_family_has_exactly_one_row_stating_its_recurrent_state() {
         for (i, family) in Family::ALL.iter().enumerate() {
-            assert_eq!(
-                family.variant_index(),
-                i,
-                "Family::ALL is out of order at {family:?}"
-            );
+            assert_eq!(family.variant_index(), i, "Family::ALL is out of order at {family:?}");
             let rows = FAMILIES.iter().filter(|f| f.family == *family).count();
             assert_eq!(rows, 1, "{family:?} must have exactly one row in FAMILIES");
         }

@@ -22,7 +22,7 @@ use super::Family;
 use crate::checkpoint::{ConfigSource, LoadError, WeightSource};
 use crate::cpu::activation::sigmoid;
 use crate::cpu::norm::inverse_rms;
-use crate::cpu::recurrent::{causal_conv_step, delta_rule_step, l2_normalize, softplus};
+use crate::cpu::recurrent::{causal_conv_step, delta_rule_step, l2_normalize, softplus, DeltaInputs};
 use crate::kv::StatePool;
 use serde::Deserialize;
 
@@ -160,16 +160,14 @@ impl KimiDeltaAttention {
                 q.iter_mut().for_each(|v| *v *= q_scale);
                 l2_normalize(&mut k_all[head * d..(head + 1) * d], L2_NORM_EPS);
                 let beta = sigmoid(p[3 * hd + 2 * d + head]);
-                delta_rule_step(
-                    &mut s[head * d * d..(head + 1) * d * d],
-                    &q_all[head * d..(head + 1) * d],
-                    &k_all[head * d..(head + 1) * d],
-                    &v_all[head * d..(head + 1) * d],
+                let inputs = DeltaInputs {
+                    q: &q_all[head * d..(head + 1) * d],
+                    k: &k_all[head * d..(head + 1) * d],
+                    v: &v_all[head * d..(head + 1) * d],
                     beta,
-                    &decay[head * d..(head + 1) * d],
-                    &mut o,
-                    &mut mem,
-                );
+                    decay: &decay[head * d..(head + 1) * d],
+                };
+                delta_rule_step(&mut s[head * d * d..(head + 1) * d * d], inputs, &mut o, &mut mem);
                 // gated RMSNorm: rmsnorm(o)·w·sigmoid(gate)
                 let inv = inverse_rms(&o, self.o_norm.eps);
                 let dst = &mut out[r * hd + head * d..r * hd + (head + 1) * d];
@@ -192,7 +190,15 @@ impl KimiDeltaAttention {
     }
 }
 
-fn load_kda(w: &dyn WeightSource, p: &str, hidden: usize, heads: usize, d: usize, kernel: usize, eps: f32) -> Result<KimiDeltaAttention, LoadError> {
+fn load_kda(
+    w: &dyn WeightSource,
+    p: &str,
+    hidden: usize,
+    heads: usize,
+    d: usize,
+    kernel: usize,
+    eps: f32,
+) -> Result<KimiDeltaAttention, LoadError> {
     let hd = heads * d;
     let conv_weight = if w.contains(&format!("{p}.q_conv1d.weight")) || !w.contains(&format!("{p}.conv1d.weight")) {
         let mut all = Vec::with_capacity(3 * hd * kernel);
@@ -207,7 +213,14 @@ fn load_kda(w: &dyn WeightSource, p: &str, hidden: usize, heads: usize, d: usize
     Ok(KimiDeltaAttention {
         in_proj: Linear::fused(
             w,
-            &[&format!("{p}.q_proj"), &format!("{p}.k_proj"), &format!("{p}.v_proj"), &format!("{p}.f_a_proj"), &format!("{p}.g_a_proj"), &format!("{p}.b_proj")],
+            &[
+                &format!("{p}.q_proj"),
+                &format!("{p}.k_proj"),
+                &format!("{p}.v_proj"),
+                &format!("{p}.f_a_proj"),
+                &format!("{p}.g_a_proj"),
+                &format!("{p}.b_proj"),
+            ],
             hidden,
             &[hd, hd, hd, d, d, heads],
             false,
@@ -236,37 +249,46 @@ pub fn layer_is_linear(cfg: &ConfigSource, c: &Config) -> Result<Vec<bool>, Load
             for (list, linear, field) in [(kda, true, "kda_layers"), (full, false, "full_attn_layers")] {
                 for &l in list {
                     if l == 0 || l > n {
-                        return Err(cfg.error(&format!("linear_attn_config.{field}"), format!("layer {l} is outside 1..={n} (the lists are 1-based)")));
+                        return Err(cfg.error(
+                            &format!("linear_attn_config.{field}"),
+                            format!("layer {l} is outside 1..={n} (the lists are 1-based)"),
+                        ));
                     }
                     if kinds[l - 1].is_some() {
-                        return Err(cfg.error(&format!("linear_attn_config.{field}"), format!("layer {l} is listed twice")));
+                        return Err(
+                            cfg.error(&format!("linear_attn_config.{field}"), format!("layer {l} is listed twice"))
+                        );
                     }
                     kinds[l - 1] = Some(linear);
                 }
             }
             let kinds: Option<Vec<bool>> = kinds.into_iter().collect();
-            Some(kinds.ok_or_else(|| cfg.error("linear_attn_config", "kda_layers and full_attn_layers do not cover every layer"))?)
+            Some(kinds.ok_or_else(|| {
+                cfg.error("linear_attn_config", "kda_layers and full_attn_layers do not cover every layer")
+            })?)
         }
         _ => None,
     };
-    let explicit = match &c.layer_types {
-        Some(types) => {
-            if types.len() != n {
-                return Err(cfg.error("layer_types", format!("{} entries for {n} layers", types.len())));
+    let explicit =
+        match &c.layer_types {
+            Some(types) => {
+                if types.len() != n {
+                    return Err(cfg.error("layer_types", format!("{} entries for {n} layers", types.len())));
+                }
+                Some(
+                    types
+                        .iter()
+                        .map(|t| match t.as_str() {
+                            "linear_attention" => Ok(true),
+                            "full_attention" => Ok(false),
+                            other => Err(cfg
+                                .error("layer_types", format!("{other:?} is not linear_attention or full_attention"))),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?,
+                )
             }
-            Some(
-                types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        "linear_attention" => Ok(true),
-                        "full_attention" => Ok(false),
-                        other => Err(cfg.error("layer_types", format!("{other:?} is not linear_attention or full_attention"))),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
-            )
-        }
-        None => None,
-    };
+            None => None,
+        };
     match (explicit, from_lists) {
         (Some(e), Some(l)) if e != l => Err(cfg.error(
             "layer_types",
@@ -291,14 +313,18 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
         return Err(cfg.error("linear_attn_config.short_conv_kernel_size", "must be at least 1"));
     }
     if c.num_key_value_heads.is_some_and(|k| k != c.num_attention_heads) {
-        return Err(cfg.error("num_key_value_heads", "Kimi Linear's MLA needs num_key_value_heads == num_attention_heads"));
+        return Err(
+            cfg.error("num_key_value_heads", "Kimi Linear's MLA needs num_key_value_heads == num_attention_heads")
+        );
     }
     if c.num_expert_group == 0 || c.num_experts % c.num_expert_group != 0 || c.topk_group > c.num_expert_group {
         return Err(cfg.error("num_expert_group", "must divide num_experts and be at least topk_group"));
     }
     let dense: Vec<bool> = match &c.mlp_layer_types {
         Some(t) if t.len() == c.num_hidden_layers => t.iter().map(|k| k == "dense").collect(),
-        Some(t) => return Err(cfg.error("mlp_layer_types", format!("{} entries for {} layers", t.len(), c.num_hidden_layers))),
+        Some(t) => {
+            return Err(cfg.error("mlp_layer_types", format!("{} entries for {} layers", t.len(), c.num_hidden_layers)))
+        }
         None => (0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect(),
     };
     let dims = MlaDims {
@@ -318,14 +344,15 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
             Mixer::Kda(load_kda(w, &format!("{p}.self_attn"), hidden, heads, head_dim, kernel, eps)?)
         } else {
             // MLA with no positional encoding: the "rope" dims are used as they are.
-            Mixer::Mla(load_attention(w, &format!("{p}.self_attn"), dims, false, None, None, scale)?)
+            Mixer::Mla(Box::new(load_attention(w, &format!("{p}.self_attn"), dims, false, None, None, scale)?))
         };
         // transformers stores the feed-forward under `block_sparse_moe` (Moonshot's name) or `mlp`.
-        let ffn_prefix = if w.contains(&format!("{p}.mlp.gate.weight")) || w.contains(&format!("{p}.mlp.gate_proj.weight")) {
-            format!("{p}.mlp")
-        } else {
-            format!("{p}.block_sparse_moe")
-        };
+        let ffn_prefix =
+            if w.contains(&format!("{p}.mlp.gate.weight")) || w.contains(&format!("{p}.mlp.gate_proj.weight")) {
+                format!("{p}.mlp")
+            } else {
+                format!("{p}.block_sparse_moe")
+            };
         let ffn = if dense[l] {
             Ffn::Dense(Mlp::load(w, &ffn_prefix, hidden, c.intermediate_size, false)?)
         } else {
@@ -344,7 +371,15 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
 fn kimi_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
     let (hidden, n) = (c.hidden_size, c.num_experts);
     let shared = (c.num_shared_experts > 0)
-        .then(|| Mlp::load(w, &format!("{prefix}.shared_experts"), hidden, c.moe_intermediate_size * c.num_shared_experts, false))
+        .then(|| {
+            Mlp::load(
+                w,
+                &format!("{prefix}.shared_experts"),
+                hidden,
+                c.moe_intermediate_size * c.num_shared_experts,
+                false,
+            )
+        })
         .transpose()?;
     Ok(MoeBlock {
         router: Linear::load(w, &format!("{prefix}.gate"), hidden, n, false)?,
@@ -362,4 +397,61 @@ fn kimi_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, 
         shared,
         shared_gate: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kinds(extra: &str) -> Result<Vec<bool>, LoadError> {
+        let text = format!(
+            r#"{{"model_type": "kimi_linear", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+            "qk_rope_head_dim": 2, "v_head_dim": 2, "num_experts": 2, "num_experts_per_token": 1,
+            "moe_intermediate_size": 4 {extra}}}"#
+        );
+        let cfg = ConfigSource::parse("config.json".into(), &text).unwrap();
+        let c: Config = cfg.family_config().unwrap();
+        layer_is_linear(&cfg, &c)
+    }
+
+    #[test]
+    fn the_one_based_lists_decide_when_layer_types_is_absent() {
+        let got = kinds(r#", "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]}"#).unwrap();
+        assert_eq!(got, vec![true, true, false, true]);
+    }
+
+    #[test]
+    fn layer_types_that_agree_with_the_lists_are_accepted() {
+        let got = kinds(
+            r#", "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]}"#,
+        )
+        .unwrap();
+        assert_eq!(got, vec![true, true, false, true]);
+    }
+
+    #[test]
+    fn layer_types_that_disagree_with_the_lists_are_an_error() {
+        let e = kinds(
+            r#", "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("layer_types") && e.contains("disagrees"), "{e}");
+    }
+
+    #[test]
+    fn a_zero_layer_number_is_rejected_as_not_one_based() {
+        let e = kinds(r#", "linear_attn_config": {"kda_layers": [0, 1, 2], "full_attn_layers": [3]}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1-based"), "{e}");
+    }
+
+    #[test]
+    fn without_lists_full_attention_sits_at_every_fourth_layer_from_four() {
+        assert_eq!(kinds("").unwrap(), vec![true, true, true, true]);
+    }
 }

@@ -46,10 +46,7 @@ impl Linear {
     }
 
     pub fn from_parts(rows: &[f32], out_dim: usize, in_dim: usize, bias: Option<Vec<f32>>) -> Self {
-        Linear {
-            weight: PackedMatrix::from_rows(rows, out_dim, in_dim),
-            bias,
-        }
+        Linear { weight: PackedMatrix::from_rows(rows, out_dim, in_dim), bias }
     }
 
     pub fn out_dim(&self) -> usize {
@@ -87,10 +84,7 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn load(w: &dyn WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self, LoadError> {
-        Ok(RmsNorm {
-            weight: w.tensor(name, &[dim])?,
-            eps,
-        })
+        Ok(RmsNorm { weight: w.tensor(name, &[dim])?, eps })
     }
 
     /// A zero-centred norm (`(1 + w) · x̂`, Qwen3-Next), stored as the plain norm of `1 + w`.
@@ -127,14 +121,7 @@ impl Mlp {
         inter: usize,
         bias: bool,
     ) -> Result<Self, LoadError> {
-        Self::load_named(
-            w,
-            prefix,
-            ["gate_proj", "up_proj", "down_proj"],
-            hidden,
-            inter,
-            bias,
-        )
+        Self::load_named(w, prefix, ["gate_proj", "up_proj", "down_proj"], hidden, inter, bias)
     }
 
     /// Same, with other projection names (e.g. Mixtral-style `w1`, `w3`, `w2`).
@@ -146,19 +133,10 @@ impl Mlp {
         inter: usize,
         bias: bool,
     ) -> Result<Self, LoadError> {
-        let gate_up = Linear::fused(
-            w,
-            &[&format!("{prefix}.{gate}"), &format!("{prefix}.{up}")],
-            hidden,
-            &[inter, inter],
-            bias,
-        )?;
+        let gate_up =
+            Linear::fused(w, &[&format!("{prefix}.{gate}"), &format!("{prefix}.{up}")], hidden, &[inter, inter], bias)?;
         let down = Linear::load(w, &format!("{prefix}.{down}"), inter, hidden, bias)?;
-        Ok(Mlp {
-            gate_up,
-            down,
-            inter,
-        })
+        Ok(Mlp { gate_up, down, inter })
     }
 
     /// From already-stacked `[gate; up]` rows (`2·inter × hidden`) and `down` (`hidden × inter`).

@@ -139,12 +139,7 @@ impl GqaAttention {
 
     pub fn forward(&self, x: &[f32], layout: &BatchLayout, kv: &mut KvLayer) -> Vec<f32> {
         let t = layout.rows;
-        let AttentionShape {
-            q_heads,
-            kv_heads,
-            qk_dim: d,
-            ..
-        } = self.shape;
+        let AttentionShape { q_heads, kv_heads, qk_dim: d, .. } = self.shape;
         let (qw, kw) = (q_heads * d, kv_heads * d);
         let qp = if self.output_gate { 2 * qw } else { qw };
         // 1. q (and gate), k, v = x·[Wq; Wk; Wv]ᵀ          [t × (qp + 2·kw)]
@@ -172,8 +167,7 @@ impl GqaAttention {
             self.rope.rotate_heads(qr, d, &cos, &sin);
             self.rope.rotate_heads(kr, d, &cos, &sin);
             // 3. the row's key and value go to its cache row
-            kv.row_mut(layout.write_row(r))
-                .copy_from_slice(&rest[..2 * kw]);
+            kv.row_mut(layout.write_row(r)).copy_from_slice(&rest[..2 * kw]);
             q[r * qw..(r + 1) * qw].copy_from_slice(qr);
         }
         // 4. each row attends to the cache rows it can see          [t × q_heads·d]
@@ -181,14 +175,7 @@ impl GqaAttention {
         let mut scores = Vec::new();
         for r in 0..t {
             let keys = layout.visible_rows(r, self.sliding_window);
-            attend_row(
-                &self.shape,
-                &q[r * qw..(r + 1) * qw],
-                kv,
-                keys,
-                &mut attn[r * qw..(r + 1) * qw],
-                &mut scores,
-            );
+            attend_row(&self.shape, &q[r * qw..(r + 1) * qw], kv, keys, &mut attn[r * qw..(r + 1) * qw], &mut scores);
         }
         // 5. output gate (qwen3_next), then the output projection   [t × hidden]
         if self.output_gate {
@@ -218,10 +205,9 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let q_heads = c.num_attention_heads;
     let kv_heads = c.num_key_value_heads.unwrap_or(q_heads);
     if q_heads == 0 || kv_heads == 0 || q_heads % kv_heads != 0 {
-        return Err(cfg.error(
-            "num_key_value_heads",
-            format!("{kv_heads} does not divide num_attention_heads {q_heads}"),
-        ));
+        return Err(
+            cfg.error("num_key_value_heads", format!("{kv_heads} does not divide num_attention_heads {q_heads}"))
+        );
     }
     let head_dim = match c.head_dim {
         Some(d) => d,
@@ -234,11 +220,7 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let rope = Rope::new(inv_freq, scaling, RopeStyle::Neox);
     let layer_types = layer_types(cfg, &c)?;
     // Qwen3 keeps `sliding_window` only when `use_sliding_window` is set.
-    let window = if c.use_sliding_window {
-        c.sliding_window
-    } else {
-        None
-    };
+    let window = if c.use_sliding_window { c.sliding_window } else { None };
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for (l, kind) in layer_types.iter().enumerate() {
         let p = format!("model.layers.{l}");
@@ -259,42 +241,18 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
         layers.push(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer: Mixer::Gqa(attn),
-            post_norm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm.weight"),
-                hidden,
-                eps,
-            )?,
-            ffn: Ffn::Dense(Mlp::load(
-                w,
-                &format!("{p}.mlp"),
-                hidden,
-                c.intermediate_size,
-                c.mlp_bias,
-            )?),
+            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
+            ffn: Ffn::Dense(Mlp::load(w, &format!("{p}.mlp"), hidden, c.intermediate_size, c.mlp_bias)?),
         });
     }
-    Model::assemble(
-        Family::Mha,
-        &c.model_type,
-        w,
-        c.vocab_size,
-        hidden,
-        eps,
-        c.tie_word_embeddings,
-        layers,
-    )
+    Model::assemble(Family::Mha, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
 }
 
 /// Each layer's attention kind. Qwen3 derives them from the sliding-window fields when
 /// `layer_types` is absent; llama layers are all full attention.
 fn layer_types(cfg: &ConfigSource, c: &Config) -> Result<Vec<String>, LoadError> {
     let n = c.num_hidden_layers;
-    let sliding = if c.use_sliding_window {
-        c.sliding_window
-    } else {
-        None
-    };
+    let sliding = if c.use_sliding_window { c.sliding_window } else { None };
     let types = match &c.layer_types {
         Some(t) if c.model_type == "qwen3" => t.clone(),
         _ if c.model_type == "qwen3" => (0..n)
@@ -309,19 +267,15 @@ fn layer_types(cfg: &ConfigSource, c: &Config) -> Result<Vec<String>, LoadError>
         _ => vec!["full_attention".to_string(); n],
     };
     if types.len() != n {
-        return Err(cfg.error(
-            "layer_types",
-            format!("{} entries for {n} layers", types.len()),
-        ));
+        return Err(cfg.error("layer_types", format!("{} entries for {n} layers", types.len())));
     }
     for t in &types {
         match t.as_str() {
             "full_attention" | "sliding_attention" => {}
             other => {
-                return Err(cfg.error(
-                    "layer_types",
-                    format!("{other:?} is not supported (full_attention, sliding_attention)"),
-                ))
+                return Err(
+                    cfg.error("layer_types", format!("{other:?} is not supported (full_attention, sliding_attention)"))
+                )
             }
         }
     }

@@ -13,12 +13,12 @@ use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::layers::{Linear, Mlp, RmsNorm};
 use super::mha::check_silu;
 use super::moe::{load_experts, MoeBlock, Routing, Scoring};
+use super::sparse_mla::{load_indexer, Indexer, IndexerDims};
 use super::Family;
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
 use crate::cpu::attention::{attend_row, AttentionShape};
 use crate::cpu::gemm::PackedMatrix;
 use crate::cpu::rope::{Rope, RopeStyle};
-use super::sparse_mla::{load_indexer, Indexer, IndexerDims};
 use crate::kv::KvLayer;
 use serde::Deserialize;
 
@@ -189,19 +189,13 @@ impl MlaAttention {
         let aq = lora + rd;
         let mut absorbed = vec![0.0f32; t * h * aq];
         for head in 0..h {
-            let q_nope: Vec<f32> = (0..t)
-                .flat_map(|r| {
-                    q[(r * h + head) * qk..(r * h + head) * qk + nope]
-                        .iter()
-                        .copied()
-                })
-                .collect();
+            let q_nope: Vec<f32> =
+                (0..t).flat_map(|r| q[(r * h + head) * qk..(r * h + head) * qk + nope].iter().copied()).collect();
             let q_lat = self.absorb_k[head].apply(&q_nope, t);
             for r in 0..t {
                 let dst = &mut absorbed[(r * h + head) * aq..(r * h + head + 1) * aq];
                 dst[..lora].copy_from_slice(&q_lat[r * lora..(r + 1) * lora]);
-                dst[lora..]
-                    .copy_from_slice(&q[(r * h + head) * qk + nope..(r * h + head + 1) * qk]);
+                dst[lora..].copy_from_slice(&q[(r * h + head) * qk + nope..(r * h + head + 1) * qk]);
             }
         }
         // 4. attention in latent space                            [t × heads·lora]
@@ -233,13 +227,8 @@ impl MlaAttention {
         // 5. values out of latent space, then the output projection [t × hidden]
         let mut attn = vec![0.0f32; t * h * self.v_dim];
         for head in 0..h {
-            let lat: Vec<f32> = (0..t)
-                .flat_map(|r| {
-                    o_lat[(r * h + head) * lora..(r * h + head + 1) * lora]
-                        .iter()
-                        .copied()
-                })
-                .collect();
+            let lat: Vec<f32> =
+                (0..t).flat_map(|r| o_lat[(r * h + head) * lora..(r * h + head + 1) * lora].iter().copied()).collect();
             let v = self.absorb_v[head].apply(&lat, t);
             for r in 0..t {
                 attn[(r * h + head) * self.v_dim..(r * h + head + 1) * self.v_dim]
@@ -259,7 +248,8 @@ impl MlaAttention {
 
     pub fn attention_macs(&self, ctx: usize) -> usize {
         let keys = self.indexer.as_ref().map_or(ctx, |ix| ctx.min(ix.topk()));
-        self.heads * (2 * self.kv_lora + self.rope_dim) * keys + self.indexer.as_ref().map_or(0, |ix| ix.scoring_macs(ctx))
+        self.heads * (2 * self.kv_lora + self.rope_dim) * keys
+            + self.indexer.as_ref().map_or(0, |ix| ix.scoring_macs(ctx))
     }
 }
 
@@ -291,7 +281,11 @@ pub(crate) fn load_attention(
         // rows [nope × lora] of W_uk: q_lat = q_nope · W_uk
         absorb_k.push(PackedMatrix::from_columns(&kv_b[base..base + nope * kv_lora], nope, kv_lora));
         // rows [v × lora] of W_uv: v = W_uv · latent
-        absorb_v.push(PackedMatrix::from_rows(&kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora], v_dim, kv_lora));
+        absorb_v.push(PackedMatrix::from_rows(
+            &kv_b[base + nope * kv_lora..base + (nope + v_dim) * kv_lora],
+            v_dim,
+            kv_lora,
+        ));
     }
     Ok(MlaAttention {
         q,
@@ -319,33 +313,23 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
     let hidden = c.hidden_size;
     let eps = c.rms_norm_eps as f32;
     if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
-        return Err(cfg.error(
-            "n_group",
-            format!(
-                "{} does not divide n_routed_experts {}",
-                c.n_group, c.n_routed_experts
-            ),
-        ));
+        return Err(
+            cfg.error("n_group", format!("{} does not divide n_routed_experts {}", c.n_group, c.n_routed_experts))
+        );
     }
     if c.topk_group > c.n_group || c.num_experts_per_tok > c.n_routed_experts {
         return Err(cfg.error("topk_group", "more groups or experts chosen than exist"));
     }
     // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
     let rope_params = parse_rope(cfg)?;
-    let (inv_freq, attention_scaling) =
-        rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
-    let style = if c.rope_interleave {
-        RopeStyle::Interleaved
-    } else {
-        RopeStyle::Neox
-    };
+    let (inv_freq, attention_scaling) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
+    let style = if c.rope_interleave { RopeStyle::Interleaved } else { RopeStyle::Neox };
     let rope = Rope::new(inv_freq, attention_scaling, style);
-    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5)
-        * rope_params.softmax_scale_correction();
+    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5) * rope_params.softmax_scale_correction();
     let index_dims = if sparse { Some(indexer_dims(cfg, &c)?) } else { None };
     let dense = mlp_is_dense(cfg, &c, sparse)?;
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for l in 0..c.num_hidden_layers {
+    for (l, &is_dense) in dense.iter().enumerate() {
         let p = format!("model.layers.{l}");
         let indexer = match index_dims {
             Some(d) => {
@@ -355,27 +339,24 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
             }
             None => None,
         };
-        let attn = load_attention(w, &format!("{p}.self_attn"), dims(&c), c.attention_bias, Some(rope.clone()), indexer, scale)?;
-        let ffn = if dense[l] {
-            Ffn::Dense(Mlp::load(
-                w,
-                &format!("{p}.mlp"),
-                hidden,
-                c.intermediate_size,
-                false,
-            )?)
+        let attn = load_attention(
+            w,
+            &format!("{p}.self_attn"),
+            dims(&c),
+            c.attention_bias,
+            Some(rope.clone()),
+            indexer,
+            scale,
+        )?;
+        let ffn = if is_dense {
+            Ffn::Dense(Mlp::load(w, &format!("{p}.mlp"), hidden, c.intermediate_size, false)?)
         } else {
             Ffn::Moe(Box::new(deepseek_moe(w, &format!("{p}.mlp"), &c)?))
         };
         layers.push(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
-            mixer: Mixer::Mla(attn),
-            post_norm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm.weight"),
-                hidden,
-                eps,
-            )?,
+            mixer: Mixer::Mla(Box::new(attn)),
+            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
             ffn,
         });
     }
@@ -384,14 +365,18 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
 }
 
 fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError> {
-    let need = |v: Option<usize>, field: &str| v.ok_or_else(|| cfg.error(field, "missing (deepseek_v32 needs the indexer sizes)"));
+    let need = |v: Option<usize>, field: &str| {
+        v.ok_or_else(|| cfg.error(field, "missing (deepseek_v32 needs the indexer sizes)"))
+    };
     let head_dim = need(c.index_head_dim, "index_head_dim")?;
     if head_dim < c.qk_rope_head_dim {
         return Err(cfg.error("index_head_dim", "smaller than qk_rope_head_dim"));
     }
     Ok(IndexerDims {
         hidden: c.hidden_size,
-        q_lora_rank: c.q_lora_rank.ok_or_else(|| cfg.error("q_lora_rank", "deepseek_v32's indexer reads the q LoRA latent"))?,
+        q_lora_rank: c
+            .q_lora_rank
+            .ok_or_else(|| cfg.error("q_lora_rank", "deepseek_v32's indexer reads the q LoRA latent"))?,
         heads: need(c.index_n_heads, "index_n_heads")?,
         head_dim,
         topk: need(c.index_topk, "index_topk")?,
@@ -404,14 +389,18 @@ fn mlp_is_dense(cfg: &ConfigSource, c: &Config, sparse: bool) -> Result<Vec<bool
     match c.mlp_layer_types.as_ref().filter(|_| sparse) {
         Some(types) => {
             if types.len() != c.num_hidden_layers {
-                return Err(cfg.error("mlp_layer_types", format!("{} entries for {} layers", types.len(), c.num_hidden_layers)));
+                return Err(
+                    cfg.error("mlp_layer_types", format!("{} entries for {} layers", types.len(), c.num_hidden_layers))
+                );
             }
             types
                 .iter()
                 .map(|t| match t.as_str() {
                     "dense" => Ok(true),
                     "sparse" => Ok(false),
-                    other => Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\""))),
+                    other => {
+                        Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\"")))
+                    }
                 })
                 .collect()
         }
@@ -434,13 +423,9 @@ fn dims(c: &Config) -> MlaDims {
 fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
     let (hidden, n) = (c.hidden_size, c.n_routed_experts);
     let shared = match c.n_shared_experts {
-        Some(s) if s > 0 => Some(Mlp::load(
-            w,
-            &format!("{prefix}.shared_experts"),
-            hidden,
-            c.moe_intermediate_size * s,
-            false,
-        )?),
+        Some(s) if s > 0 => {
+            Some(Mlp::load(w, &format!("{prefix}.shared_experts"), hidden, c.moe_intermediate_size * s, false)?)
+        }
         _ => None,
     };
     Ok(MoeBlock {
@@ -449,9 +434,7 @@ fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlo
             num_experts: n,
             top_k: c.num_experts_per_tok,
             scoring: Scoring::Sigmoid,
-            correction_bias: Some(
-                w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?,
-            ),
+            correction_bias: Some(w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?),
             n_group: c.n_group,
             topk_group: c.topk_group,
             norm_topk_prob: c.norm_topk_prob,

@@ -62,10 +62,8 @@ impl Routing {
         };
         if self.n_group > 1 {
             let per = n / self.n_group;
-            let group_scores: Vec<f32> = choice
-                .chunks_exact(per)
-                .map(|g| top_k_indices(g, 2).iter().map(|&i| g[i]).sum())
-                .collect();
+            let group_scores: Vec<f32> =
+                choice.chunks_exact(per).map(|g| top_k_indices(g, 2).iter().map(|&i| g[i]).sum()).collect();
             let keep = top_k_indices(&group_scores, self.topk_group);
             for (g, chunk) in choice.chunks_exact_mut(per).enumerate() {
                 if !keep.contains(&g) {
@@ -76,12 +74,8 @@ impl Routing {
         let mut chosen = top_k_indices(&choice, self.top_k);
         let mut weights: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
         if self.norm_topk_prob {
-            let denominator: f32 = weights.iter().sum::<f32>()
-                + if self.scoring == Scoring::Sigmoid {
-                    1e-20
-                } else {
-                    0.0
-                };
+            let denominator: f32 =
+                weights.iter().sum::<f32>() + if self.scoring == Scoring::Sigmoid { 1e-20 } else { 0.0 };
             weights.iter_mut().for_each(|w| *w /= denominator);
         }
         weights.iter_mut().for_each(|w| *w *= self.scaling);
@@ -106,10 +100,8 @@ impl MoeBlock {
         let hidden = self.router.in_dim();
         // 1. router logits and per-token routes                    [t × experts]
         let logits = self.router.forward(x, t);
-        let routes: Vec<Vec<(usize, f32)>> = logits
-            .chunks_exact(self.routing.num_experts)
-            .map(|l| self.routing.route(l))
-            .collect();
+        let routes: Vec<Vec<(usize, f32)>> =
+            logits.chunks_exact(self.routing.num_experts).map(|l| self.routing.route(l)).collect();
         // 2. each expert runs once over the tokens routed to it
         let mut tokens_of: Vec<Vec<usize>> = vec![Vec::new(); self.experts.len()];
         for (r, route) in routes.iter().enumerate() {
@@ -124,10 +116,8 @@ impl MoeBlock {
                 if rows.is_empty() {
                     return Vec::new();
                 }
-                let gathered: Vec<f32> = rows
-                    .iter()
-                    .flat_map(|&r| x[r * hidden..(r + 1) * hidden].iter().copied())
-                    .collect();
+                let gathered: Vec<f32> =
+                    rows.iter().flat_map(|&r| x[r * hidden..(r + 1) * hidden].iter().copied()).collect();
                 self.experts[e].forward(&gathered, rows.len())
             })
             .collect();
@@ -150,10 +140,7 @@ impl MoeBlock {
             let gates = self.shared_gate.as_ref().map(|g| g.forward(x, t));
             for r in 0..t {
                 let gate = gates.as_ref().map_or(1.0, |g| sigmoid(g[r]));
-                for (a, v) in out[r * hidden..(r + 1) * hidden]
-                    .iter_mut()
-                    .zip(&s[r * hidden..(r + 1) * hidden])
-                {
+                for (a, v) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(&s[r * hidden..(r + 1) * hidden]) {
                     *a += if gates.is_some() { gate * v } else { *v };
                 }
             }
@@ -181,21 +168,13 @@ pub fn load_experts(
     hidden: usize,
     inter: usize,
 ) -> Result<Vec<Mlp>, LoadError> {
-    if w.contains(&format!("{prefix}.0.{}.weight", names[0]))
-        || !w.contains(&format!("{prefix}.gate_up_proj"))
-    {
+    if w.contains(&format!("{prefix}.0.{}.weight", names[0])) || !w.contains(&format!("{prefix}.gate_up_proj")) {
         return (0..num_experts)
             .map(|e| Mlp::load_named(w, &format!("{prefix}.{e}"), names, hidden, inter, false))
             .collect();
     }
-    let gate_up = w.tensor(
-        &format!("{prefix}.gate_up_proj"),
-        &[num_experts, 2 * inter, hidden],
-    )?;
-    let down = w.tensor(
-        &format!("{prefix}.down_proj"),
-        &[num_experts, hidden, inter],
-    )?;
+    let gate_up = w.tensor(&format!("{prefix}.gate_up_proj"), &[num_experts, 2 * inter, hidden])?;
+    let down = w.tensor(&format!("{prefix}.down_proj"), &[num_experts, hidden, inter])?;
     Ok((0..num_experts)
         .map(|e| {
             let gu = &gate_up[e * 2 * inter * hidden..(e + 1) * 2 * inter * hidden];
@@ -227,15 +206,9 @@ mod tests {
         // group 0 = experts 0..4 holds the single best expert; group 1 has the better pair sum.
         let logits = [5.0, -5.0, -5.0, -5.0, 2.0, 2.0, 2.0, -5.0];
         let one_group = deepseek_like(2, 1).route(&logits);
-        assert_eq!(
-            one_group.iter().map(|p| p.0).collect::<Vec<_>>(),
-            vec![4, 5]
-        );
+        assert_eq!(one_group.iter().map(|p| p.0).collect::<Vec<_>>(), vec![4, 5]);
         let no_groups = deepseek_like(1, 1).route(&logits);
-        assert_eq!(
-            no_groups.iter().map(|p| p.0).collect::<Vec<_>>(),
-            vec![0, 4]
-        );
+        assert_eq!(no_groups.iter().map(|p| p.0).collect::<Vec<_>>(), vec![0, 4]);
     }
 
     #[test]

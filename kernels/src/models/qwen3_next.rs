@@ -22,7 +22,7 @@ use super::Family;
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
 use crate::cpu::activation::{sigmoid, silu};
 use crate::cpu::norm::inverse_rms;
-use crate::cpu::recurrent::{causal_conv_step, delta_rule_step, l2_normalize, softplus};
+use crate::cpu::recurrent::{causal_conv_step, delta_rule_step, l2_normalize, softplus, DeltaInputs};
 use crate::cpu::rope::{Rope, RopeStyle};
 use crate::kv::StatePool;
 use serde::Deserialize;
@@ -164,16 +164,14 @@ impl GatedDeltaNet {
             for h in 0..nv {
                 let kh = h / r_per_k;
                 let decays = vec![decay[h]; dk];
-                delta_rule_step(
-                    &mut s[h * dk * dv..(h + 1) * dk * dv],
-                    &q_all[kh * dk..(kh + 1) * dk],
-                    &k_all[kh * dk..(kh + 1) * dk],
-                    &v_all[h * dv..(h + 1) * dv],
-                    beta[h],
-                    &decays,
-                    &mut o,
-                    &mut mem,
-                );
+                let inputs = DeltaInputs {
+                    q: &q_all[kh * dk..(kh + 1) * dk],
+                    k: &k_all[kh * dk..(kh + 1) * dk],
+                    v: &v_all[h * dv..(h + 1) * dv],
+                    beta: beta[h],
+                    decay: &decays,
+                };
+                delta_rule_step(&mut s[h * dk * dv..(h + 1) * dk * dv], inputs, &mut o, &mut mem);
                 // gated RMSNorm: rmsnorm(o)·w·silu(z)
                 let inv = inverse_rms(&o, self.norm.eps);
                 let dst = &mut out[(r * nv + h) * dv..(r * nv + h + 1) * dv];
@@ -197,8 +195,13 @@ impl GatedDeltaNet {
 }
 
 fn load_gdn(w: &dyn WeightSource, p: &str, c: &Config, eps: f32) -> Result<GatedDeltaNet, LoadError> {
-    let (nk, nv, dk, dv, kernel) =
-        (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim);
+    let (nk, nv, dk, dv, kernel) = (
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.linear_conv_kernel_dim,
+    );
     let channels = 2 * nk * dk + nv * dv;
     let a_log = w.tensor(&format!("{p}.A_log"), &[nv])?;
     Ok(GatedDeltaNet {
@@ -326,8 +329,48 @@ fn qwen_moe(cfg: &ConfigSource, w: &dyn WeightSource, prefix: &str, c: &Config) 
             norm_topk_prob: c.norm_topk_prob,
             scaling: 1.0,
         },
-        experts: load_experts(w, &format!("{prefix}.experts"), ["gate_proj", "up_proj", "down_proj"], n, hidden, c.moe_intermediate_size)?,
+        experts: load_experts(
+            w,
+            &format!("{prefix}.experts"),
+            ["gate_proj", "up_proj", "down_proj"],
+            n,
+            hidden,
+            c.moe_intermediate_size,
+        )?,
         shared,
         shared_gate,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn types(extra: &str) -> Vec<&'static str> {
+        let text = format!(
+            r#"{{"model_type": "qwen3_next", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "linear_key_head_dim": 2,
+            "linear_value_head_dim": 2, "linear_num_key_heads": 1, "linear_num_value_heads": 2 {extra}}}"#
+        );
+        let cfg = ConfigSource::parse("config.json".into(), &text).unwrap();
+        let c: Config = cfg.family_config().unwrap();
+        layer_types(&cfg, &c).unwrap()
+    }
+
+    #[test]
+    fn layer_types_win_over_the_interval() {
+        let t = types(
+            r#", "full_attention_interval": 2, "layer_types": ["linear_attention", "linear_attention", "linear_attention", "linear_attention"]"#,
+        );
+        assert!(t.iter().all(|k| *k == "linear_attention"));
+    }
+
+    #[test]
+    fn the_interval_places_full_attention_on_every_nth_layer() {
+        assert_eq!(
+            types(r#", "full_attention_interval": 2"#),
+            vec!["linear_attention", "full_attention", "linear_attention", "full_attention"]
+        );
+        assert_eq!(types("")[3], "full_attention");
+    }
 }

@@ -48,7 +48,12 @@ pub(crate) struct IndexerDims {
 }
 
 /// Loads `{prefix}.indexer` (prefix = `model.layers.{l}.self_attn`).
-pub(crate) fn load_indexer(w: &dyn WeightSource, prefix: &str, d: IndexerDims, rope: Rope) -> Result<Indexer, LoadError> {
+pub(crate) fn load_indexer(
+    w: &dyn WeightSource,
+    prefix: &str,
+    d: IndexerDims,
+    rope: Rope,
+) -> Result<Indexer, LoadError> {
     let p = format!("{prefix}.indexer");
     Ok(Indexer {
         wq_b: Linear::load(w, &format!("{p}.wq_b"), d.q_lora_rank, d.heads * d.head_dim, false)?,
@@ -96,7 +101,14 @@ impl Indexer {
 
     /// For every row, the cache rows it attends to, in position order. Index keys sit at
     /// `key_offset` in each cache row (already written for this step's rows).
-    pub fn select(&self, q_latent: &[f32], x: &[f32], layout: &BatchLayout, kv: &KvLayer, key_offset: usize) -> Vec<Vec<usize>> {
+    pub fn select(
+        &self,
+        q_latent: &[f32],
+        x: &[f32],
+        layout: &BatchLayout,
+        kv: &KvLayer,
+        key_offset: usize,
+    ) -> Vec<Vec<usize>> {
         let t = layout.rows;
         let (h, d) = (self.heads, self.head_dim);
         let mut q = self.wq_b.forward(q_latent, t);
@@ -128,7 +140,8 @@ impl Indexer {
                     total
                 }));
                 row_scores.resize(row_len, f32::NEG_INFINITY);
-                let mut picked: Vec<usize> = torch_topk_indices(&row_scores, self.topk).into_iter().filter(|&p| p <= s).collect();
+                let mut picked: Vec<usize> =
+                    torch_topk_indices(&row_scores, self.topk).into_iter().filter(|&p| p <= s).collect();
                 picked.sort_unstable();
                 picked.into_iter().map(|p| visible[p]).collect()
             })
