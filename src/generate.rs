@@ -37,6 +37,10 @@ pub struct Generation {
     pub last_logits: Vec<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decode_logits: Option<Vec<Vec<f32>>>,
+    /// Hash of the bit patterns of the logits at every sampled position, in order (what
+    /// `--verify` compares; not printed).
+    #[serde(skip)]
+    pub logits_hash: u64,
 }
 
 #[derive(Deserialize)]
@@ -119,6 +123,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                     tokens: Vec::new(),
                     last_logits: Vec::new(),
                     decode_logits: (opts.decode_logits > 0).then(Vec::new),
+                    logits_hash: kvflow_kernels::hash::EMPTY,
                 },
             })
         })
@@ -174,6 +179,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                     let logits = out.last(b).expect("asked for logits");
                     s.out.last_logits = logits.to_vec();
                     if n > 0 {
+                        s.out.logits_hash = kvflow_kernels::hash::logits_bits(s.out.logits_hash, logits);
                         s.out.tokens.push(argmax(logits));
                     }
                 }
@@ -184,6 +190,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                         kept.push(logits.to_vec());
                     }
                 }
+                s.out.logits_hash = kvflow_kernels::hash::logits_bits(s.out.logits_hash, logits);
                 s.out.tokens.push(argmax(logits));
             }
         }

@@ -4,3 +4,8 @@
 
 pub mod bench;
 pub mod generate;
+pub mod graph;
+pub mod report;
+pub mod runtime;
+pub mod trace;
+pub mod workload;

@@ -39,11 +39,71 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Runs a graph: its pool serves the workload's trace; writes report.json and requests.jsonl.
+    Run(RunArgs),
+    /// Validates a graph and prints the operator graph the runtime would build.
+    Check {
+        graph: PathBuf,
+        /// Print the operator graph as Graphviz DOT.
+        #[arg(long)]
+        dot: bool,
+    },
     /// Benchmarks that print figures beside a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
         what: BenchCommand,
     },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The graph file (TOML).
+    graph: PathBuf,
+    /// Checkpoint folder or model spec (overrides model.path).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// mooncake | azure | vidur
+    #[arg(long)]
+    format: Option<String>,
+    /// Measured requests (after the warmup ones).
+    #[arg(long)]
+    limit: Option<usize>,
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// Tokens per 512-token trace block.
+    #[arg(long)]
+    block_tokens: Option<usize>,
+    #[arg(long)]
+    max_output_tokens: Option<usize>,
+    /// Closed loop with this many requests in flight (switches the workload to concurrency mode).
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Ranks of every pool.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Output folder.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Re-run every request alone on the reference path and compare tokens and logits bits.
+    #[arg(long)]
+    verify: bool,
+    /// The pool to run (default: the graph's only pool).
+    #[arg(long)]
+    pool: Option<String>,
+    /// This process's index in a pool spread over several processes (with --processes, --hostfile).
+    #[arg(long, requires_all = ["processes", "hostfile"])]
+    process: Option<usize>,
+    #[arg(long)]
+    processes: Option<usize>,
+    /// One host:port per line, one line per process.
+    #[arg(long)]
+    hostfile: Option<PathBuf>,
+    /// Test only: requests whose id is a multiple of N read KV through a block table with two
+    /// entries swapped (shows that --verify catches it).
+    #[arg(long, hide = true)]
+    test_swap_block_table_every: Option<u64>,
 }
 
 #[derive(Subcommand)]
@@ -73,6 +133,68 @@ fn main() {
     }
 }
 
+fn run_graph(args: RunArgs) -> Result<i32> {
+    use kvflow::graph::{Graph, Overrides};
+    use kvflow::runtime::{self, ClusterPlace, RunOptions};
+    let mut graph = Graph::load(&args.graph)?;
+    graph.apply_overrides(&Overrides {
+        model: args.model,
+        trace: args.trace,
+        format: args.format,
+        limit: args.limit,
+        warmup: args.warmup,
+        block_tokens: args.block_tokens,
+        max_output_tokens: args.max_output_tokens,
+        concurrency: args.concurrency,
+        ranks: args.ranks,
+        out: args.out,
+    })?;
+    let cluster = match (args.process, args.processes, args.hostfile) {
+        (Some(process), Some(processes), Some(hostfile)) => {
+            let text = std::fs::read_to_string(&hostfile)
+                .with_context(|| format!("cannot read hostfile {}", hostfile.display()))?;
+            let addresses: Vec<String> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(String::from)
+                .collect();
+            if addresses.len() != processes {
+                anyhow::bail!("{}: {} addresses for --processes {processes}", hostfile.display(), addresses.len());
+            }
+            if process >= processes {
+                anyhow::bail!("--process {process} is not below --processes {processes}");
+            }
+            Some(ClusterPlace { process, processes, addresses })
+        }
+        (None, None, None) => None,
+        _ => anyhow::bail!("--process, --processes and --hostfile go together"),
+    };
+    let opts = RunOptions {
+        pool: args.pool,
+        cluster,
+        verify: args.verify,
+        show_progress: true,
+        switches: kvflow_operators::rank::TestSwitches { swap_block_table_every: args.test_swap_block_table_every },
+    };
+    let outcome = runtime::run(&graph, &opts, &Default::default())?;
+    if let Some(report) = &outcome.report {
+        let get = |k: &str| report[k].clone();
+        eprintln!(
+            "{} requests: {} completed, {} failed; output {:.1} tokens/s; TTFT p50 {} ms; verify {}/{} mismatched; report in {}",
+            get("requests"),
+            get("completed"),
+            get("failed"),
+            report["output_tokens_per_s"].as_f64().unwrap_or(0.0),
+            report["ttft_ms"]["p50"].as_f64().map_or("-".into(), |v| format!("{v:.1}")),
+            report["verify"]["mismatched"],
+            report["verify"]["checked"],
+            outcome.out_dir.display()
+        );
+    }
+    Ok(outcome.exit_code)
+}
+
 fn run() -> Result<()> {
     kvflow_kernels::cpu::simd::check_cpu_supports_build().map_err(anyhow::Error::msg)?;
     match Cli::parse().command {
@@ -90,6 +212,31 @@ fn run() -> Result<()> {
                     write_jsonl(&mut f, &results)?;
                 }
                 None => write_jsonl(&mut std::io::stdout().lock(), &results)?,
+            }
+        }
+        Command::Run(args) => {
+            let code = run_graph(args)?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
+        Command::Check { graph, dot } => {
+            let graph = kvflow::graph::Graph::load(&graph)?;
+            if dot {
+                print!("{}", graph.to_dot());
+            } else {
+                println!(
+                    "{}: ok — model {}, {} pool(s): {}",
+                    graph.path.display(),
+                    graph.model.display(),
+                    graph.pools.len(),
+                    graph
+                        .pools
+                        .iter()
+                        .map(|p| format!("{} ({}, {} ranks)", p.name, p.role, p.ranks))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
             }
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {

@@ -3,5 +3,6 @@
 
 pub mod checkpoint;
 pub mod cpu;
+pub mod hash;
 pub mod kv;
 pub mod models;

@@ -1,0 +1,77 @@
+//! `align(t)`: gathers every rank's report for step `t` (a broadcast exchange) and, once the
+//! frontier has passed `t` — every rank has reported — derives `StepPlan(t)`, the same on every
+//! rank: the reports in rank order, each admission of `t` routed to a rank by the pool's router
+//! (every rank runs the same router over the same inputs, so all agree), and whether the pool
+//! parks.
+//!
+//! Holds a capability for `t` from the first report of `t` until the plan is emitted.
+//!
+//! Guarantee carried: collective alignment (DESIGN §5) — no rank acts on step `t` before it holds
+//! the complete set of reports, and every rank derives the same plan from it, so any collective
+//! a forward runs is a pure function of the plan and no rank can be one short.
+
+use crate::messages::{RankReport, StepPlan};
+use crate::policy::prefix_cache::block_hashes;
+use crate::policy::router::{RouteRequest, Router};
+use std::collections::BTreeMap;
+use timely::dataflow::channels::pact::Pipeline;
+use timely::dataflow::operators::generic::operator::Operator;
+use timely::dataflow::operators::vec::Broadcast;
+use timely::dataflow::operators::Capability;
+use timely::dataflow::StreamVec;
+
+/// How the router keys prompts (the same way the ranks' prefix caches do).
+#[derive(Clone, Copy, Debug)]
+pub struct RoutingKeys {
+    pub block_size: usize,
+    pub keyed_by_prompt_len: bool,
+}
+
+pub fn align<'scope>(
+    reports: StreamVec<'scope, u64, RankReport>,
+    ranks: usize,
+    mut router: Box<dyn Router>,
+    keys: RoutingKeys,
+) -> StreamVec<'scope, u64, StepPlan> {
+    reports.broadcast().unary_frontier::<timely::container::CapacityContainerBuilder<Vec<StepPlan>>, _, _, _>(
+        Pipeline,
+        "align",
+        move |_cap, _info| {
+            let mut stash: BTreeMap<u64, (Capability<u64>, Vec<RankReport>)> = BTreeMap::new();
+            move |(input, frontier), output| {
+                input.for_each_stamp(|stamp, data| {
+                    let Some(cap) = stamp.retain_least(output.output_index()) else { return };
+                    let entry = stash.entry(*cap.time()).or_insert_with(|| (cap, Vec::new()));
+                    entry.1.extend(data.flat_map(|d| d.drain(..)));
+                });
+                while let Some((&t, _)) = stash.first_key_value() {
+                    if frontier.frontier().less_equal(&t) {
+                        break;
+                    }
+                    let (cap, mut got) = stash.remove(&t).expect("first key");
+                    got.sort_by_key(|r| r.rank);
+                    assert_eq!(got.len(), ranks, "step {t}: {} reports for {ranks} ranks", got.len());
+                    let plan = derive_plan(t, got, router.as_mut(), keys);
+                    output.session(&cap).give(plan);
+                }
+            }
+        },
+    )
+}
+
+/// `StepPlan(t)` from the complete, rank-ordered reports of `t`.
+pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Router, keys: RoutingKeys) -> StepPlan {
+    let admissions: Vec<_> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.admissions)).collect();
+    let mut load: Vec<usize> = ranks.iter().map(|r| r.outstanding_tokens).collect();
+    let mut routed = Vec::with_capacity(admissions.len());
+    for a in admissions {
+        let seed = if keys.keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
+        let hashes = block_hashes(&a.prompt, keys.block_size, seed);
+        let rank = router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes }, &load);
+        let rank = rank.min(ranks.len() - 1);
+        load[rank] += a.prompt.len() + a.max_output_tokens;
+        routed.push((a, rank));
+    }
+    let park = routed.is_empty() && ranks.iter().all(RankReport::idle);
+    StepPlan { step, ranks, routed, park }
+}

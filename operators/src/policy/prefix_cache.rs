@@ -1,0 +1,234 @@
+//! The prefix cache of one rank: full prompt blocks keyed by chained block hashes
+//! (`h_i = H(h_{i−1}, tokens of block i)`), each entry holding a reference to the block (so a
+//! shared block stays put while anyone uses it) and, for families with recurrent state, a state
+//! snapshot taken at that block boundary. A hit restores KV and state together or neither
+//! (DESIGN §7): the usable prefix ends at the deepest boundary that has a snapshot and whose
+//! blocks are all present. Entries nobody else references are evicted least recently used first.
+
+use kvflow_kernels::hash;
+use kvflow_kernels::kv::{BlockId, BlockPool, SnapshotId, StatePool};
+use std::collections::HashMap;
+
+#[derive(Debug, Default)]
+struct Entry {
+    block: Option<BlockId>,
+    snapshot: Option<SnapshotId>,
+    last_used: u64,
+}
+
+/// What a lookup found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Full prompt blocks reusable from the start.
+    pub matched: usize,
+    /// Their KV blocks (families with paged KV), each with a reference taken for the caller.
+    pub blocks: Vec<BlockId>,
+    /// The state at the end of those blocks (families with recurrent state).
+    pub snapshot: Option<SnapshotId>,
+}
+
+/// Chained hashes of the full blocks of `tokens`; `seed` separates requests whose rows depend on
+/// more than their tokens (DeepSeek-V3.2's prompt length).
+pub fn block_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
+    let mut h = hash::mix(hash::EMPTY, seed);
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            h = hash::tokens(h, block);
+            h
+        })
+        .collect()
+}
+
+/// Prefix index and its references.
+#[derive(Debug, Default)]
+pub struct PrefixCache {
+    entries: HashMap<u64, Entry>,
+    tick: u64,
+    keeps_kv: bool,
+    keeps_state: bool,
+    pub lookups: u64,
+    pub hit_blocks: u64,
+}
+
+impl PrefixCache {
+    pub fn new(keeps_kv: bool, keeps_state: bool) -> Self {
+        PrefixCache { keeps_kv, keeps_state, ..Default::default() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The longest reusable prefix among `hashes` (the prompt's full blocks, already capped so
+    /// at least one token is left to compute). Takes a reference on every block and keeps the
+    /// snapshot entry alive; the caller restores the snapshot into its slot.
+    pub fn lookup(&mut self, hashes: &[u64], pool: &mut BlockPool) -> PrefixHit {
+        self.lookups += 1;
+        self.tick += 1;
+        let mut usable = 0;
+        let mut snapshot = None;
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(e) = self.entries.get(h) else { break };
+            if self.keeps_kv && e.block.is_none() {
+                break;
+            }
+            if self.keeps_state {
+                if let Some(s) = e.snapshot {
+                    usable = i + 1;
+                    snapshot = Some(s);
+                }
+            } else {
+                usable = i + 1;
+            }
+        }
+        let mut hit = PrefixHit { matched: usable, blocks: Vec::with_capacity(usable), snapshot };
+        for h in &hashes[..usable] {
+            let e = self.entries.get_mut(h).expect("walked above");
+            e.last_used = self.tick;
+            if let Some(b) = e.block {
+                pool.share(b);
+                hit.blocks.push(b);
+            }
+        }
+        self.hit_blocks += usable as u64;
+        hit
+    }
+
+    /// Records that `block` (already computed) holds the prompt block with chained hash `h`.
+    pub fn insert_block(&mut self, h: u64, block: Option<BlockId>, pool: &mut BlockPool) {
+        self.tick += 1;
+        let e = self.entries.entry(h).or_default();
+        e.last_used = self.tick;
+        if e.block.is_none() {
+            if let Some(b) = block {
+                pool.share(b);
+                e.block = Some(b);
+            }
+        }
+    }
+
+    /// Whether the boundary after block `h` already has a snapshot.
+    pub fn has_snapshot(&self, h: u64) -> bool {
+        self.entries.get(&h).is_some_and(|e| e.snapshot.is_some())
+    }
+
+    /// Keeps `snapshot` as the state at the boundary after block `h`.
+    pub fn insert_snapshot(&mut self, h: u64, snapshot: SnapshotId, states: &mut StatePool) {
+        self.tick += 1;
+        let e = self.entries.entry(h).or_default();
+        e.last_used = self.tick;
+        if let Some(old) = e.snapshot.replace(snapshot) {
+            states.release_snapshot(old);
+        }
+    }
+
+    /// Frees up to `needed` blocks that only the cache references, least recently used first.
+    /// Returns how many it freed.
+    pub fn evict_blocks(&mut self, needed: usize, pool: &mut BlockPool) -> usize {
+        let mut candidates: Vec<(u64, u64)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.block.is_some_and(|b| pool.ref_count(b) == 1))
+            .map(|(h, e)| (e.last_used, *h))
+            .collect();
+        candidates.sort_unstable();
+        let mut freed = 0;
+        for (_, h) in candidates.into_iter().take(needed) {
+            let e = self.entries.get_mut(&h).expect("listed above");
+            pool.release(e.block.take().expect("filtered on a block"));
+            freed += 1;
+        }
+        freed
+    }
+
+    /// Frees the least recently used snapshot, if any. Returns whether one was freed.
+    pub fn evict_snapshot(&mut self, states: &mut StatePool) -> bool {
+        let victim =
+            self.entries.iter().filter(|(_, e)| e.snapshot.is_some()).min_by_key(|(_, e)| e.last_used).map(|(h, _)| *h);
+        match victim {
+            Some(h) => {
+                let s = self.entries.get_mut(&h).and_then(|e| e.snapshot.take()).expect("picked above");
+                states.release_snapshot(s);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Releases every reference the cache holds (end of run).
+    pub fn clear(&mut self, pool: &mut BlockPool, states: &mut StatePool) {
+        for (_, e) in self.entries.drain() {
+            if let Some(b) = e.block {
+                pool.release(b);
+            }
+            if let Some(s) = e.snapshot {
+                states.release_snapshot(s);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_prefixes_hash_alike_and_differ_after_the_first_difference() {
+        let a = block_hashes(&[1, 2, 3, 4, 5, 6, 7], 2, 0);
+        let b = block_hashes(&[1, 2, 3, 4, 9, 9], 2, 0);
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        assert_ne!(block_hashes(&[1, 2], 2, 1), block_hashes(&[1, 2], 2, 0));
+    }
+
+    #[test]
+    fn a_hit_shares_the_blocks_and_eviction_spares_blocks_in_use() {
+        let mut pool = BlockPool::new(4);
+        let mut cache = PrefixCache::new(true, false);
+        let hashes = block_hashes(&[1, 2, 3, 4], 2, 0);
+        let (b0, b1) = (pool.allocate().unwrap(), pool.allocate().unwrap());
+        cache.insert_block(hashes[0], Some(b0), &mut pool);
+        cache.insert_block(hashes[1], Some(b1), &mut pool);
+        pool.release(b0);
+        pool.release(b1); // the writer finished; only the cache holds them
+        let hit = cache.lookup(&hashes, &mut pool);
+        assert_eq!(hit.blocks, vec![b0, b1]);
+        pool.release(b1); // the reader let go of one block
+        assert_eq!(cache.evict_blocks(4, &mut pool), 1, "only the unused block can go");
+        pool.release(b0);
+        cache.clear(&mut pool, &mut StatePool::new(0, 0, 0));
+        assert_eq!(pool.num_free(), 4);
+    }
+
+    #[test]
+    fn recurrent_hits_stop_at_the_deepest_snapshot() {
+        let mut pool = BlockPool::new(8);
+        let mut states = StatePool::new(2, 1, 2);
+        let mut cache = PrefixCache::new(true, true);
+        let hashes = block_hashes(&[1, 2, 3, 4, 5, 6], 2, 0);
+        let slot = states.allocate_slot().unwrap();
+        for h in &hashes {
+            let b = pool.allocate().unwrap();
+            cache.insert_block(*h, Some(b), &mut pool);
+            pool.release(b);
+        }
+        let snap = states.snapshot(slot).unwrap();
+        cache.insert_snapshot(hashes[1], snap, &mut states);
+        let hit = cache.lookup(&hashes, &mut pool);
+        assert_eq!(hit.matched, 2, "KV and state are restored together: up to the snapshot");
+        assert_eq!(hit.blocks.len(), 2);
+        assert_eq!(hit.snapshot, Some(snap));
+        for b in hit.blocks {
+            pool.release(b);
+        }
+        states.release_slot(slot);
+        cache.clear(&mut pool, &mut states);
+        assert!(states.all_free() && pool.num_free() == 8);
+    }
+}

@@ -1,0 +1,241 @@
+//! Per-rank scheduling policy, a plain struct: continuous batching with chunked prefill, decodes
+//! first, admissions in arrival order, prefix reuse at admission, and preemption by recompute
+//! (the youngest running request gives its memory back and starts over) when blocks run out.
+//!
+//! A step feeds each scheduled sequence `tokens[computed..computed + len]`; it samples when that
+//! reaches the last known token. With recurrent state and a prefix cache, chunks stop at snapshot
+//! boundaries (every `snapshot_interval_blocks` blocks, and the prompt's last full block) so the
+//! state there can be kept.
+
+use super::memory::RankMemory;
+use super::sequence::Sequence;
+use std::collections::{HashMap, VecDeque};
+
+/// The knobs of the policy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub max_running: usize,
+    pub max_batched_tokens: usize,
+    pub chunk_tokens: usize,
+    pub prefix_cache: bool,
+    pub snapshot_interval_blocks: usize,
+}
+
+/// One sequence's work in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub seq: u64,
+    pub start: usize,
+    pub len: usize,
+    /// Sample a token after this chunk.
+    pub sample: bool,
+}
+
+/// What `schedule` decided, beyond the chunks.
+#[derive(Debug, Default, PartialEq)]
+pub struct StepDecision {
+    pub chunks: Vec<Chunk>,
+    /// Requests that gave their memory back this step.
+    pub preempted: Vec<u64>,
+    /// Requests that can never run here, with the reason.
+    pub failed: Vec<(u64, String)>,
+    /// Requests admitted this step, with the prompt tokens restored from the prefix cache.
+    pub admitted: Vec<(u64, usize)>,
+}
+
+/// Waiting and running requests of one rank.
+#[derive(Debug)]
+pub struct Scheduler {
+    pub config: SchedulerConfig,
+    waiting: VecDeque<u64>,
+    /// Admission order; the last is the youngest.
+    running: Vec<u64>,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        Scheduler { config, waiting: VecDeque::new(), running: Vec::new() }
+    }
+
+    pub fn enqueue(&mut self, id: u64) {
+        self.waiting.push_back(id);
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Forgets a request that finished (its memory was already released).
+    pub fn finish(&mut self, id: u64) {
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+    }
+
+    /// The running requests, oldest first.
+    pub fn running(&self) -> &[u64] {
+        &self.running
+    }
+
+    /// Decides this step's batch, allocating the memory it needs.
+    pub fn schedule(&mut self, seqs: &mut HashMap<u64, Sequence>, mem: &mut RankMemory) -> StepDecision {
+        let mut out = StepDecision::default();
+        let mut budget = self.config.max_batched_tokens;
+        // 1. running requests: decodes (one token) first, then prefill chunks, oldest first
+        let mut order: Vec<u64> = self.running.clone();
+        order.sort_by_key(|id| seqs[id].remaining() > 1);
+        for id in order {
+            if budget == 0 {
+                break;
+            }
+            if !self.running.contains(&id) {
+                continue; // preempted earlier in this step
+            }
+            let len = self.chunk_len(&seqs[&id], budget, mem.layout.block_size);
+            loop {
+                let seq = seqs.get_mut(&id).expect("running requests exist");
+                if mem.ensure_blocks(seq, seq.computed + len) {
+                    out.chunks.push(Chunk {
+                        seq: id,
+                        start: seq.computed,
+                        len,
+                        sample: seq.computed + len == seq.tokens.len(),
+                    });
+                    budget -= len;
+                    break;
+                }
+                let victim = *self.running.last().expect("this request is running");
+                self.preempt(victim, seqs, mem, &mut out);
+                if victim == id {
+                    break;
+                }
+            }
+        }
+        // 2. admissions, in arrival order, while seats, budget and memory last
+        while self.running.len() < self.config.max_running && budget > 0 {
+            let Some(&id) = self.waiting.front() else { break };
+            let seq = seqs.get_mut(&id).expect("waiting requests exist");
+            let total = seq.prompt_len + seq.max_output_tokens;
+            if mem.blocks_for(total) > mem.pool.num_blocks() {
+                out.failed.push((
+                    id,
+                    format!(
+                        "needs {} KV blocks for {} tokens but the rank has {} (raise memory.budget_bytes)",
+                        mem.blocks_for(total),
+                        total,
+                        mem.pool.num_blocks()
+                    ),
+                ));
+                self.waiting.pop_front();
+                continue;
+            }
+            if mem.layout.keeps_state {
+                match mem.cache.states.allocate_slot() {
+                    Ok(slot) => seq.slot = Some(slot),
+                    Err(_) => break,
+                }
+            }
+            if self.config.prefix_cache {
+                restore_prefix(seq, mem);
+            }
+            let len = self.chunk_len(seq, budget, mem.layout.block_size);
+            if !mem.ensure_blocks(seq, seq.computed + len) {
+                mem.release(seq); // undo the prefix hit and the slot; try again next step
+                break;
+            }
+            out.admitted.push((id, seq.cached));
+            out.chunks.push(Chunk {
+                seq: id,
+                start: seq.computed,
+                len,
+                sample: seq.computed + len == seq.tokens.len(),
+            });
+            budget -= len;
+            self.waiting.pop_front();
+            self.running.push(id);
+        }
+        out
+    }
+
+    /// Tokens to feed `seq` this step within `budget`, stopping at a snapshot boundary.
+    fn chunk_len(&self, seq: &Sequence, budget: usize, block_size: usize) -> usize {
+        let mut len = seq.remaining().min(self.config.chunk_tokens).min(budget);
+        if let Some(b) = self.next_boundary(seq, block_size) {
+            if b < seq.computed + len {
+                len = b - seq.computed;
+            }
+        }
+        len
+    }
+
+    /// The next snapshot boundary after `computed` within the prompt, if snapshots are kept.
+    fn next_boundary(&self, seq: &Sequence, block_size: usize) -> Option<usize> {
+        if !self.config.prefix_cache || seq.slot.is_none() {
+            return None;
+        }
+        snapshot_boundaries(seq.prompt_len, block_size, self.config.snapshot_interval_blocks)
+            .into_iter()
+            .find(|&b| b > seq.computed)
+    }
+
+    fn preempt(&mut self, id: u64, seqs: &mut HashMap<u64, Sequence>, mem: &mut RankMemory, out: &mut StepDecision) {
+        let seq = seqs.get_mut(&id).expect("preempting a known request");
+        mem.release(seq);
+        seq.preemptions += 1;
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        out.chunks.retain(|c| c.seq != id);
+        out.preempted.push(id);
+    }
+}
+
+/// Token counts after which a request's state is snapshotted for prefix reuse: every
+/// `interval_blocks` full blocks of the prompt, and its last full block.
+pub fn snapshot_boundaries(prompt_len: usize, block_size: usize, interval_blocks: usize) -> Vec<usize> {
+    let full = prompt_len / block_size;
+    let mut b: Vec<usize> =
+        (1..=full).filter(|k| interval_blocks > 0 && k % interval_blocks == 0).map(|k| k * block_size).collect();
+    if full > 0 && b.last() != Some(&(full * block_size)) {
+        b.push(full * block_size);
+    }
+    b
+}
+
+/// Reuses the longest cached prefix of the prompt: shares its blocks and restores the state at
+/// its end (both or neither), leaving at least one prompt token to compute.
+fn restore_prefix(seq: &mut Sequence, mem: &mut RankMemory) {
+    let bs = mem.layout.block_size;
+    let mut hashes = mem.prompt_hashes(seq);
+    hashes.truncate((seq.prompt_len - 1) / bs);
+    let hit = mem.prefix.lookup(&hashes, &mut mem.pool);
+    if hit.matched == 0 {
+        return;
+    }
+    for b in hit.blocks {
+        seq.blocks.push(b);
+    }
+    if let (Some(snapshot), Some(slot)) = (hit.snapshot, seq.slot) {
+        mem.cache.states.restore(snapshot, slot);
+    }
+    seq.computed = hit.matched * bs;
+    seq.cached = seq.computed;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boundaries_fall_every_interval_and_at_the_last_full_block() {
+        assert_eq!(snapshot_boundaries(100, 16, 2), vec![32, 64, 96]);
+        assert_eq!(snapshot_boundaries(90, 16, 2), vec![32, 64, 80]);
+        assert_eq!(snapshot_boundaries(10, 16, 2), Vec::<usize>::new());
+    }
+}

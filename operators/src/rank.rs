@@ -1,0 +1,232 @@
+//! The state one rank owns — model cache, memory, sequences, scheduler — and the two things a
+//! step does with it: decide the batch (`schedule`) and run it (`execute`). Shared by the
+//! `schedule` and `forward` operators of the rank's worker (`Rc<RefCell<_>>`: same thread).
+
+use crate::messages::{Admission, Event, RankReport};
+use crate::policy::memory::{MemoryLayout, RankMemory};
+use crate::policy::scheduler::{snapshot_boundaries, Chunk, Scheduler, SchedulerConfig, StepDecision};
+use crate::policy::sequence::Sequence;
+use kvflow_kernels::cpu::sampling::argmax;
+use kvflow_kernels::hash;
+use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Counters a rank keeps over the run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankStats {
+    pub steps: u64,
+    pub empty_steps: u64,
+    pub forward_tokens: u64,
+    pub preemptions: u64,
+    pub prefix_lookups: u64,
+    pub prefix_hit_blocks: u64,
+}
+
+/// Test-only switches, each removing or breaking exactly one mechanism so a test can show that
+/// the check guarding it fails (see tests/GUARANTEES.md). All off by default.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TestSwitches {
+    /// Requests whose id is a multiple of this read their KV through a block table with its
+    /// first two entries swapped on every decode step (to show `--verify` catches a wrong read).
+    pub swap_block_table_every: Option<u64>,
+}
+
+pub struct Rank {
+    pub index: usize,
+    switches: TestSwitches,
+    model: Arc<Model>,
+    pub memory: RankMemory,
+    pub scheduler: Scheduler,
+    seqs: HashMap<u64, Sequence>,
+    /// The batch decided at `schedule(t)`, run at `forward(t)`.
+    decided: StepDecision,
+    pub stats: RankStats,
+}
+
+impl Rank {
+    pub fn new(index: usize, model: Arc<Model>, layout: MemoryLayout, config: SchedulerConfig) -> Self {
+        let cache = model.new_cache(
+            layout.block_size,
+            if layout.keeps_kv { layout.blocks } else { 0 },
+            layout.slots,
+            layout.snapshots,
+        );
+        Rank {
+            index,
+            model,
+            memory: RankMemory::new(layout, cache),
+            scheduler: Scheduler::new(config),
+            seqs: HashMap::new(),
+            decided: StepDecision::default(),
+            stats: RankStats::default(),
+            switches: TestSwitches::default(),
+        }
+    }
+
+    pub fn with_switches(mut self, switches: TestSwitches) -> Self {
+        self.switches = switches;
+        self
+    }
+
+    /// Queues a request routed to this rank.
+    pub fn admit(&mut self, a: Admission) {
+        self.seqs.insert(a.id, Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup));
+        self.scheduler.enqueue(a.id);
+    }
+
+    pub fn outstanding_tokens(&self) -> usize {
+        self.seqs.values().map(Sequence::outstanding_tokens).sum()
+    }
+
+    /// Decides this rank's batch for the coming step and reports it.
+    pub fn schedule(&mut self) -> RankReport {
+        self.decided = self.scheduler.schedule(&mut self.seqs, &mut self.memory);
+        RankReport {
+            rank: self.index,
+            scheduled_tokens: self.decided.chunks.iter().map(|c| c.len).sum(),
+            scheduled_seqs: self.decided.chunks.len(),
+            outstanding_tokens: self.outstanding_tokens(),
+            waiting: self.scheduler.num_waiting(),
+            running: self.scheduler.num_running(),
+            admissions: Vec::new(),
+        }
+    }
+
+    /// Runs the decided batch (an idle rank runs the empty step: on the CPU executor, nothing),
+    /// samples, advances every sequence, and returns what happened.
+    pub fn execute(&mut self) -> Vec<Event> {
+        let decided = std::mem::take(&mut self.decided);
+        let mut events = Vec::new();
+        self.stats.steps += 1;
+        self.stats.preemptions += decided.preempted.len() as u64;
+        for (id, message) in decided.failed {
+            self.seqs.remove(&id);
+            self.scheduler.finish(id);
+            events.push(Event::Failed { id, rank: self.index, cause: "does-not-fit".into(), message });
+        }
+        for &(id, cached) in &decided.admitted {
+            let seq = self.seqs.get_mut(&id).expect("admitted requests exist");
+            if !seq.started {
+                seq.started = true;
+                events.push(Event::Started { id, rank: self.index, cached_tokens: cached });
+            }
+        }
+        if decided.chunks.is_empty() {
+            self.stats.empty_steps += 1;
+            return events;
+        }
+        let swapped: HashMap<u64, Vec<u32>> = decided
+            .chunks
+            .iter()
+            .filter_map(|c| {
+                let every = self.switches.swap_block_table_every?;
+                let s = &self.seqs[&c.seq];
+                let decode = c.len == 1 && c.start >= s.prompt_len;
+                (c.seq % every == 0 && decode && s.blocks.len() >= 3).then(|| {
+                    let mut t = s.blocks.blocks().to_vec();
+                    t.swap(0, 1);
+                    (c.seq, t)
+                })
+            })
+            .collect();
+        let batch: Vec<SeqInput> = decided
+            .chunks
+            .iter()
+            .map(|c| {
+                let s = &self.seqs[&c.seq];
+                SeqInput {
+                    tokens: &s.tokens[c.start..c.start + c.len],
+                    start_pos: c.start,
+                    block_table: swapped.get(&c.seq).map_or(s.blocks.blocks(), |t| &t[..]),
+                    slot: s.slot,
+                    prompt_len: s.prompt_len,
+                    logits: if c.sample { LogitsWanted::Last } else { LogitsWanted::None },
+                }
+            })
+            .collect();
+        let out = self.model.forward(&batch, &mut self.memory.cache);
+        drop(batch);
+        self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
+        for (i, chunk) in decided.chunks.iter().enumerate() {
+            self.advance(chunk, out.last(i), &mut events);
+        }
+        events
+    }
+
+    /// Moves a sequence past its chunk: cache its full prompt blocks (and snapshots), sample,
+    /// finish.
+    fn advance(&mut self, chunk: &Chunk, logits: Option<&[f32]>, events: &mut Vec<Event>) {
+        let bs = self.memory.layout.block_size;
+        let seq = self.seqs.get_mut(&chunk.seq).expect("scheduled requests exist");
+        let before = seq.computed;
+        seq.computed += chunk.len;
+        seq.check(bs, self.memory.layout.keeps_kv);
+        if self.scheduler.config.prefix_cache && before < seq.prompt_len {
+            let hashes = self.memory.prompt_hashes(seq);
+            let done_blocks = seq.computed.min(seq.prompt_len) / bs;
+            for (b, h) in hashes.iter().enumerate().take(done_blocks).skip(before / bs) {
+                let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
+                self.memory.prefix.insert_block(*h, block, &mut self.memory.pool);
+            }
+            let at_boundary = snapshot_boundaries(seq.prompt_len, bs, self.scheduler.config.snapshot_interval_blocks)
+                .contains(&seq.computed);
+            if let (true, Some(slot)) = (at_boundary, seq.slot) {
+                let h = hashes[seq.computed / bs - 1];
+                if !self.memory.prefix.has_snapshot(h) && self.memory.layout.snapshots > 0 {
+                    if self.memory.cache.states.num_free_snapshots() == 0 {
+                        self.memory.prefix.evict_snapshot(&mut self.memory.cache.states);
+                    }
+                    if let Ok(snap) = self.memory.cache.states.snapshot(slot) {
+                        self.memory.prefix.insert_snapshot(h, snap, &mut self.memory.cache.states);
+                    }
+                }
+            }
+        }
+        let Some(logits) = logits else { return };
+        let token = argmax(logits);
+        seq.logits_hash = hash::logits_bits(seq.logits_hash, logits);
+        seq.tokens.push(token);
+        events.push(Event::Token { id: seq.id, index: seq.output_len() - 1, token });
+        if seq.finished() {
+            let mut seq = self.seqs.remove(&chunk.seq).expect("present");
+            self.memory.release(&mut seq);
+            self.scheduler.finish(seq.id);
+            events.push(Event::Finished {
+                id: seq.id,
+                rank: self.index,
+                logits_hash: seq.logits_hash,
+                preemptions: seq.preemptions,
+                cached_tokens: seq.cached,
+            });
+        }
+    }
+
+    /// End of run: drops the prefix cache's references and checks that every block, slot and
+    /// snapshot is free and no request is left behind.
+    pub fn finish_run(&mut self) -> Result<RankStats, String> {
+        self.stats.prefix_lookups = self.memory.prefix.lookups;
+        self.stats.prefix_hit_blocks = self.memory.prefix.hit_blocks;
+        self.memory.clear_prefix_cache();
+        if !self.seqs.is_empty() {
+            return Err(format!(
+                "rank {}: {} request(s) still held at the end of the run",
+                self.index,
+                self.seqs.len()
+            ));
+        }
+        if !self.memory.all_free() {
+            return Err(format!(
+                "rank {}: memory leaked: {} of {} blocks free, {}/{} slots and {}/{} snapshots free",
+                self.index,
+                self.memory.pool.num_free(),
+                self.memory.pool.num_blocks(),
+                self.memory.cache.states.num_free_slots(),
+                self.memory.cache.states.num_slots(),
+                self.memory.cache.states.num_free_snapshots(),
+                self.memory.cache.states.num_snapshots()
+            ));
+        }
+        Ok(self.stats.clone())
+    }
+}

@@ -1,0 +1,63 @@
+//! `schedule(t)`: decides each rank's batch for step `t` and reports it.
+//!
+//! Triggered at `t` by `Launched(t − 1)` from the feedback edge (step `t − 1` launched: its batch
+//! structure is known, which is all `t` needs — deferred output) or by a wake record of `admit`.
+//! Holds a capability for `t` only while emitting the report. Rank 0's report carries the
+//! requests `admit` drained. Completions (sampled tokens, finished requests) never reach this
+//! operator through a gating edge: the rank state it shares with `forward` already has them.
+//!
+//! Guarantee carried: only what the next step needs gates it (DESIGN §4).
+
+use crate::admit::Pending;
+use crate::messages::{LoopSignal, RankReport};
+use crate::rank::Rank;
+use std::cell::RefCell;
+use std::rc::Rc;
+use timely::dataflow::channels::pact::Pipeline;
+use timely::dataflow::operators::generic::builder_rc::OperatorBuilder;
+use timely::dataflow::operators::generic::OutputBuilder;
+use timely::dataflow::StreamVec;
+
+pub fn schedule<'scope>(
+    feedback: StreamVec<'scope, u64, LoopSignal>,
+    wakes: StreamVec<'scope, u64, u64>,
+    rank: Rc<RefCell<Rank>>,
+    pending: Pending,
+) -> StreamVec<'scope, u64, RankReport> {
+    let mut builder = OperatorBuilder::new("schedule".to_string(), feedback.scope());
+    let mut launched = builder.new_input(feedback, Pipeline);
+    let mut woken = builder.new_input(wakes, Pipeline);
+    let (output, reports) = builder.new_output();
+    let mut output = OutputBuilder::<_, timely::container::CapacityContainerBuilder<Vec<RankReport>>>::from(output);
+    builder.build(move |_caps| {
+        let mut last_scheduled: Option<u64> = None;
+        move |_frontiers| {
+            let mut out = output.activate();
+            let mut triggers = Vec::new();
+            launched.for_each_stamp(|stamp, data| {
+                let launched_here = data.flat_map(|d| d.drain(..)).any(|s| s == LoopSignal::Launched);
+                if let (true, Some(cap)) = (launched_here, stamp.retain_least(0)) {
+                    triggers.push(cap);
+                }
+            });
+            woken.for_each_stamp(|stamp, data| {
+                data.for_each(|d| d.clear());
+                if let Some(cap) = stamp.retain_least(0) {
+                    triggers.push(cap);
+                }
+            });
+            triggers.sort_by_key(|c| *c.time());
+            for cap in triggers {
+                let t = *cap.time();
+                if last_scheduled.is_some_and(|l| l >= t) {
+                    continue;
+                }
+                last_scheduled = Some(t);
+                let mut report = rank.borrow_mut().schedule();
+                report.admissions = std::mem::take(&mut *pending.borrow_mut());
+                out.session(&cap).give(report);
+            }
+        }
+    });
+    reports
+}

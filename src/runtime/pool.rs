@@ -1,0 +1,170 @@
+//! One pool as one timely computation: its ranks are timely workers (threads of this process, or
+//! processes of a cluster), each building the per-pool graph of DESIGN §4 and parking when idle.
+//! Process 0 also runs the workload driver, which releases requests into rank 0's ingress.
+//!
+//! ```text
+//! driver ─▶ ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─┬▶ emit(t) ─▶ collector
+//!                        ▲                            ▲            (broadcast)           │
+//!                        └────────── feedback: Launched/Parked (t+1) ◀──────────────────┘
+//! ```
+
+use crate::runtime::collector::{CollectorSink, SharedCollector};
+use crate::trace::Request;
+use crate::workload::{drive, ArrivalMode, Selection};
+use anyhow::{anyhow, Result};
+use kvflow_kernels::models::Model;
+use kvflow_operators::admit::{admit, Ingress};
+use kvflow_operators::align::{align, RoutingKeys};
+use kvflow_operators::emit::{emit, EventSink};
+use kvflow_operators::forward::forward;
+use kvflow_operators::messages::{Admission, LoopSignal};
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::policy::router::{RouterContext, RouterFactory};
+use kvflow_operators::policy::scheduler::SchedulerConfig;
+use kvflow_operators::rank::{Rank, RankStats, TestSwitches};
+use kvflow_operators::schedule::schedule;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+use timely::dataflow::operators::{ConnectLoop, Feedback};
+
+/// Where this process sits in a pool spread over several processes.
+#[derive(Clone, Debug)]
+pub struct ClusterPlace {
+    pub process: usize,
+    pub processes: usize,
+    /// `host:port` of every process, in process order.
+    pub addresses: Vec<String>,
+}
+
+/// Everything one pool needs to run.
+pub struct PoolJob {
+    pub name: String,
+    pub ranks: usize,
+    pub model: Arc<Model>,
+    pub layout: MemoryLayout,
+    pub scheduler: SchedulerConfig,
+    pub router: RouterFactory,
+    pub cluster: Option<ClusterPlace>,
+    pub switches: TestSwitches,
+}
+
+/// What the pool's ranks hand back when it ends.
+pub struct PoolResult {
+    /// Per rank of this process: its counters, or why its end-of-run check failed.
+    pub ranks: Vec<Result<RankStats, String>>,
+}
+
+fn timely_config(job: &PoolJob) -> Result<timely::Config> {
+    Ok(match &job.cluster {
+        None => timely::Config::process(job.ranks),
+        Some(c) => {
+            if job.ranks % c.processes != 0 {
+                return Err(anyhow!(
+                    "pool {}: {} ranks do not split evenly over {} processes",
+                    job.name,
+                    job.ranks,
+                    c.processes
+                ));
+            }
+            timely::Config {
+                communication: timely::CommunicationConfig::Cluster {
+                    threads: job.ranks / c.processes,
+                    process: c.process,
+                    addresses: c.addresses.clone(),
+                    report: false,
+                    zerocopy: false,
+                },
+                worker: timely::WorkerConfig::default(),
+            }
+        }
+    })
+}
+
+/// Runs the pool until the workload is done. On process 0 (or without a cluster), drives the
+/// workload `selection` under `mode`, recording into `collector`.
+pub fn run_pool(
+    job: PoolJob,
+    workload: Option<(Selection, ArrivalMode, SharedCollector, Receiver<u64>)>,
+    stop: Arc<AtomicBool>,
+) -> Result<PoolResult> {
+    let config = timely_config(&job)?;
+    let ingress = Arc::new(Ingress::default());
+    let is_driver = workload.is_some();
+    let sink_collector = workload.as_ref().map(|w| w.2.clone());
+    let driver = workload.map(|(selection, mode, collector, completions)| {
+        let ingress = ingress.clone();
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name("kvflow-driver".into())
+            .spawn(move || {
+                let warmup = selection.warmup;
+                let outcome = drive(
+                    &selection,
+                    &mode,
+                    |req: Request| {
+                        let is_warmup = (req.id as usize) < warmup;
+                        collector.lock().expect("collector lock").released(
+                            req.id,
+                            &req.prompt,
+                            req.max_output_tokens,
+                            is_warmup,
+                        );
+                        ingress.push(Admission {
+                            id: req.id,
+                            prompt: req.prompt,
+                            max_output_tokens: req.max_output_tokens,
+                            warmup: is_warmup,
+                        });
+                    },
+                    &completions,
+                    &stop,
+                );
+                ingress.close();
+                outcome
+            })
+            .expect("spawn the workload driver")
+    });
+
+    let PoolJob { model, layout, scheduler, router, switches, .. } = job;
+    let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
+    let ingress_for_workers = ingress.clone();
+    let sink_collector = Mutex::new(sink_collector);
+    let guards = timely::execute(config, move |worker| {
+        let index = worker.index();
+        let peers = worker.peers();
+        let rank =
+            Rc::new(RefCell::new(Rank::new(index, model.clone(), layout, scheduler).with_switches(switches.clone())));
+        let pending = Rc::new(RefCell::new(Vec::new()));
+        let ingress = (index == 0 && is_driver).then(|| ingress_for_workers.clone());
+        let sink: Option<Box<dyn EventSink>> = if index == 0 {
+            sink_collector.lock().expect("sink lock").clone().map(|c| Box::new(CollectorSink(c)) as Box<dyn EventSink>)
+        } else {
+            None
+        };
+        let route = router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens });
+        let rank_for_graph = rank.clone();
+        worker.dataflow::<u64, _, _>(move |scope| {
+            let (loop_handle, feedback) = scope.feedback::<Vec<LoopSignal>>(1);
+            let wakes = admit(feedback.clone(), ingress, pending.clone());
+            let reports = schedule(feedback, wakes, rank_for_graph.clone(), pending);
+            let plans = align(reports, peers, route, keys);
+            let out = forward(plans, rank_for_graph);
+            out.signals.connect_loop(loop_handle);
+            emit(out.events, sink);
+        });
+        while worker.has_dataflows() {
+            worker.step_or_park(None);
+        }
+        let result = rank.borrow_mut().finish_run();
+        result
+    })
+    .map_err(|e| anyhow!("cannot start pool: {e}"))?;
+    let ranks = guards.join().into_iter().map(|r| r.unwrap_or_else(|e| Err(format!("worker failed: {e}")))).collect();
+    if let Some(d) = driver {
+        d.join().map_err(|_| anyhow!("the workload driver panicked"))?;
+    }
+    Ok(PoolResult { ranks })
+}
