@@ -40,7 +40,7 @@ enum Command {
         out: Option<PathBuf>,
     },
     /// Runs a graph: its pool serves the workload's trace; writes report.json and requests.jsonl.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Validates a graph and prints the operator graph the runtime would build.
     Check {
         graph: PathBuf,
@@ -215,7 +215,7 @@ fn run() -> Result<()> {
             }
         }
         Command::Run(args) => {
-            let code = run_graph(args)?;
+            let code = run_graph(*args)?;
             if code != 0 {
                 std::process::exit(code);
             }

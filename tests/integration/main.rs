@@ -5,4 +5,5 @@ mod batch_invariance;
 mod common;
 mod hf_fixtures;
 mod recurrent_state;
+mod runtime;
 mod seeded_models;
