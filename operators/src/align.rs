@@ -75,3 +75,52 @@ pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Route
     let park = routed.is_empty() && ranks.iter().all(RankReport::idle);
     StepPlan { step, ranks, routed, park }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::Admission;
+    use crate::policy::router::RoundRobin;
+
+    fn report(rank: usize) -> RankReport {
+        RankReport { rank, scheduled_tokens: 0, scheduled_seqs: 0, outstanding_tokens: 0, waiting: 0, running: 0, admissions: vec![] }
+    }
+
+    fn plan(reports: Vec<RankReport>) -> StepPlan {
+        derive_plan(7, reports, &mut RoundRobin::default(), RoutingKeys { block_size: 4, keyed_by_prompt_len: false })
+    }
+
+    #[test]
+    fn the_pool_parks_only_when_no_rank_has_work_and_nothing_was_admitted() {
+        assert!(plan(vec![report(0), report(1)]).park);
+        // Each fact that means work, alone, keeps the pool running.
+        let mut with_work = Vec::new();
+        for flip in 0..4 {
+            let mut r = vec![report(0), report(1)];
+            match flip {
+                0 => r[1].scheduled_tokens = 1,
+                1 => r[1].waiting = 1,
+                2 => r[0].running = 1,
+                _ => r[0].admissions.push(Admission { id: 1, prompt: vec![1], max_output_tokens: 1, warmup: false }),
+            }
+            with_work.push(plan(r).park);
+        }
+        assert_eq!(with_work, vec![false; 4]);
+        // Facts that are not work do not move the decision.
+        let mut r = vec![report(0), report(1)];
+        r[0].outstanding_tokens = 99;
+        r[1].scheduled_seqs = 0;
+        assert!(plan(r).park);
+    }
+
+    #[test]
+    fn every_admission_is_routed_once_and_reports_keep_rank_order() {
+        let mut r = vec![report(0), report(1), report(2)];
+        r[0].admissions = (0..5).map(|id| Admission { id, prompt: vec![1, 2, 3, 4, 5], max_output_tokens: 2, warmup: false }).collect();
+        let p = plan(r);
+        assert_eq!(p.routed.iter().map(|(a, _)| a.id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+        assert_eq!(p.routed.iter().map(|(_, r)| *r).collect::<Vec<_>>(), vec![0, 1, 2, 0, 1]);
+        assert!(p.ranks.iter().all(|r| r.admissions.is_empty()));
+        assert_eq!(p.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), vec![0, 1, 2]);
+    }
+}

@@ -101,6 +101,21 @@ fn every_family_on_one_two_and_four_ranks_matches_the_reference_path() {
 }
 
 #[test]
+fn azure_and_vidur_traces_replay_exactly() {
+    for (model, trace, format) in [
+        ("hf/kimi_linear", "azure2023_conv_head200.csv", "azure"),
+        ("hf/deepseek_v32", "format_samples/vidur_splitwise_conv_head200.csv", "vidur"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let graph = write_graph(dir.path(), model, trace, "mode = \"concurrency\"\nconcurrency = 8\nlimit = 20", "64 MiB");
+        let overrides = Overrides { format: Some(format.into()), ranks: Some(4), ..Default::default() };
+        let report = run_graph(&graph, overrides, TestSwitches::default());
+        assert_exact(&report, format);
+        assert_eq!(report["requests"], 20);
+    }
+}
+
+#[test]
 fn prefix_reuse_through_snapshots_hits_and_stays_exact() {
     for model in ["hf/kimi_linear", "hf/qwen3_next_gdn", "hf/llama"] {
         let dir = tempfile::tempdir().unwrap();

@@ -239,3 +239,112 @@ mod tests {
         assert_eq!(snapshot_boundaries(10, 16, 2), Vec::<usize>::new());
     }
 }
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+    use crate::policy::memory::MemoryLayout;
+    use kvflow_kernels::kv::{PagedKvCache, StatePool};
+    use kvflow_kernels::models::ModelCache;
+
+    fn memory(blocks: usize) -> RankMemory {
+        let layout = MemoryLayout {
+            block_size: 4,
+            blocks,
+            slots: 0,
+            snapshots: 0,
+            keeps_kv: true,
+            keeps_state: false,
+            prefix_keyed_by_prompt_len: false,
+        };
+        RankMemory::new(layout, ModelCache { kv: PagedKvCache::new(4, blocks, &[1]), states: StatePool::new(0, 0, 0) })
+    }
+
+    fn config(max_batched_tokens: usize, chunk_tokens: usize) -> SchedulerConfig {
+        SchedulerConfig { max_running: 8, max_batched_tokens, chunk_tokens, prefix_cache: true, snapshot_interval_blocks: 4 }
+    }
+
+    fn add(s: &mut Scheduler, seqs: &mut HashMap<u64, Sequence>, id: u64, prompt: Vec<u32>, out: usize) {
+        seqs.insert(id, Sequence::new(id, prompt, out, false));
+        s.enqueue(id);
+    }
+
+    /// Pretends the step ran: advances `computed` and samples token 7 where asked.
+    fn run(decision: &StepDecision, seqs: &mut HashMap<u64, Sequence>) {
+        for c in &decision.chunks {
+            let s = seqs.get_mut(&c.seq).unwrap();
+            s.computed += c.len;
+            if c.sample {
+                s.tokens.push(7);
+            }
+        }
+    }
+
+    #[test]
+    fn prefill_is_chunked_and_the_budget_holds() {
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(6, 4)), HashMap::new(), memory(16));
+        add(&mut s, &mut seqs, 1, (0..10).collect(), 2);
+        add(&mut s, &mut seqs, 2, (0..10).collect(), 2);
+        let d = s.schedule(&mut seqs, &mut mem);
+        assert_eq!(d.chunks, vec![Chunk { seq: 1, start: 0, len: 4, sample: false }, Chunk { seq: 2, start: 0, len: 2, sample: false }]);
+        run(&d, &mut seqs);
+        let d = s.schedule(&mut seqs, &mut mem);
+        assert_eq!(d.chunks.iter().map(|c| c.len).sum::<usize>(), 6);
+    }
+
+    #[test]
+    fn decodes_go_first() {
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(8, 8)), HashMap::new(), memory(16));
+        add(&mut s, &mut seqs, 1, vec![1, 2, 3], 4);
+        run(&s.schedule(&mut seqs, &mut mem), &mut seqs); // 1 prefilled and sampled: now decoding
+        add(&mut s, &mut seqs, 2, (0..20).collect(), 2);
+        let d = s.schedule(&mut seqs, &mut mem);
+        assert_eq!(d.chunks[0], Chunk { seq: 1, start: 3, len: 1, sample: true });
+        assert_eq!(d.chunks[1].seq, 2);
+    }
+
+    #[test]
+    fn the_youngest_running_request_is_preempted_when_blocks_run_out() {
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), HashMap::new(), memory(4));
+        add(&mut s, &mut seqs, 1, (0..8).collect(), 8); // 2 blocks, grows to 4
+        add(&mut s, &mut seqs, 2, (100..108).collect(), 8); // 2 blocks
+        run(&s.schedule(&mut seqs, &mut mem), &mut seqs);
+        assert_eq!(s.num_running(), 2);
+        let d = s.schedule(&mut seqs, &mut mem); // request 1 needs a third block: none is free
+        assert_eq!(d.preempted, vec![2]);
+        assert_eq!(seqs[&2].computed, 0);
+        assert_eq!(seqs[&2].preemptions, 1);
+        assert!(d.chunks.iter().all(|c| c.seq == 1));
+        assert_eq!(s.num_waiting(), 1);
+    }
+
+    #[test]
+    fn a_request_that_can_never_fit_fails_instead_of_waiting_forever() {
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), HashMap::new(), memory(2));
+        add(&mut s, &mut seqs, 1, (0..10).collect(), 4);
+        let d = s.schedule(&mut seqs, &mut mem);
+        assert_eq!(d.failed.len(), 1);
+        assert!(d.failed[0].1.contains("KV blocks"));
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn an_admission_reuses_cached_prompt_blocks() {
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), HashMap::new(), memory(16));
+        add(&mut s, &mut seqs, 1, (0..9).collect(), 1);
+        let d = s.schedule(&mut seqs, &mut mem);
+        run(&d, &mut seqs);
+        // What the rank does after the step: cache the prompt's full blocks.
+        let seq = &seqs[&1];
+        let hashes = mem.prompt_hashes(seq);
+        for (b, h) in hashes.iter().enumerate() {
+            let block = seq.blocks.blocks()[b];
+            mem.prefix.insert_block(*h, Some(block), &mut mem.pool);
+        }
+        add(&mut s, &mut seqs, 2, (0..9).chain(50..53).collect(), 1);
+        let d = s.schedule(&mut seqs, &mut mem);
+        assert_eq!(d.admitted, vec![(2, 8)]);
+        assert_eq!(d.chunks.last().unwrap(), &Chunk { seq: 2, start: 8, len: 4, sample: true });
+        assert_eq!(seqs[&2].blocks.blocks()[..2], seqs[&1].blocks.blocks()[..2]);
+    }
+}
