@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod generate;
 pub mod graph;
+pub mod registry;
 pub mod report;
 pub mod runtime;
 pub mod trace;

@@ -108,6 +108,18 @@ struct RunArgs {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Coordination cost per step: scheduling policy CPU time, and the pool's wall time per step
+    /// (no-math executor) against a bare timely loop.
+    Step {
+        #[arg(long, default_value_t = 8)]
+        ranks: usize,
+        /// Running sequences per rank.
+        #[arg(long, default_value_t = 256)]
+        seqs: usize,
+        /// Output tokens per request in the pool run (≈ steps measured).
+        #[arg(long, default_value_t = 200)]
+        steps: usize,
+    },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
         /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
@@ -136,7 +148,8 @@ fn main() {
 fn run_graph(args: RunArgs) -> Result<i32> {
     use kvflow::graph::{Graph, Overrides};
     use kvflow::runtime::{self, ClusterPlace, RunOptions};
-    let mut graph = Graph::load(&args.graph)?;
+    let registry = kvflow::registry::Registry::default();
+    let mut graph = Graph::load_with(&args.graph, &registry.names())?;
     graph.apply_overrides(&Overrides {
         model: args.model,
         trace: args.trace,
@@ -177,7 +190,7 @@ fn run_graph(args: RunArgs) -> Result<i32> {
         show_progress: true,
         switches: kvflow_operators::rank::TestSwitches { swap_block_table_every: args.test_swap_block_table_every },
     };
-    let outcome = runtime::run(&graph, &opts, &Default::default())?;
+    let outcome = runtime::run(&graph, &opts, &registry)?;
     if let Some(report) = &outcome.report {
         let get = |k: &str| report[k].clone();
         eprintln!(
@@ -238,6 +251,9 @@ fn run() -> Result<()> {
                         .join(", ")
                 );
             }
+        }
+        Command::Bench { what: BenchCommand::Step { ranks, seqs, steps } } => {
+            kvflow::bench::step::run(&kvflow::bench::step::StepBenchArgs { ranks, seqs, steps })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
             bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;

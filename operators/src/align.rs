@@ -83,7 +83,15 @@ mod tests {
     use crate::policy::router::RoundRobin;
 
     fn report(rank: usize) -> RankReport {
-        RankReport { rank, scheduled_tokens: 0, scheduled_seqs: 0, outstanding_tokens: 0, waiting: 0, running: 0, admissions: vec![] }
+        RankReport {
+            rank,
+            scheduled_tokens: 0,
+            scheduled_seqs: 0,
+            outstanding_tokens: 0,
+            waiting: 0,
+            running: 0,
+            admissions: vec![],
+        }
     }
 
     fn plan(reports: Vec<RankReport>) -> StepPlan {
@@ -116,7 +124,9 @@ mod tests {
     #[test]
     fn every_admission_is_routed_once_and_reports_keep_rank_order() {
         let mut r = vec![report(0), report(1), report(2)];
-        r[0].admissions = (0..5).map(|id| Admission { id, prompt: vec![1, 2, 3, 4, 5], max_output_tokens: 2, warmup: false }).collect();
+        r[0].admissions = (0..5)
+            .map(|id| Admission { id, prompt: vec![1, 2, 3, 4, 5], max_output_tokens: 2, warmup: false })
+            .collect();
         let p = plan(r);
         assert_eq!(p.routed.iter().map(|(a, _)| a.id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
         assert_eq!(p.routed.iter().map(|(_, r)| *r).collect::<Vec<_>>(), vec![0, 1, 2, 0, 1]);

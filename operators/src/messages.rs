@@ -63,26 +63,46 @@ pub enum LoopSignal {
     Parked,
 }
 
-/// What happened to a request, reported by the rank that runs it.
+/// Milliseconds since the Unix epoch: the clock every process of a run shares (the driver stamps
+/// releases with it, ranks stamp tokens with it), so latencies hold across processes of a host.
+pub fn wall_ms() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+}
+
+/// How a request ended, reported once by the rank that ran it (events cross ranks only at the
+/// end of a request, so a busy pool exchanges almost nothing per step beyond its plan).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Event {
-    /// Its first chunk ran (queueing ended), with the prompt tokens reused from the prefix cache.
-    Started { id: u64, rank: usize, cached_tokens: usize },
-    /// It produced output token number `index`.
-    Token { id: u64, index: usize, token: u32 },
     /// It produced all its tokens.
-    Finished { id: u64, rank: usize, logits_hash: u64, preemptions: usize, cached_tokens: usize },
-    /// It cannot run.
-    Failed { id: u64, rank: usize, cause: String, message: String },
+    Finished {
+        id: u64,
+        rank: usize,
+        tokens: Vec<u32>,
+        /// When each token was sampled (`wall_ms`).
+        token_ms: Vec<f64>,
+        /// When its first chunk ran (queueing ended).
+        started_ms: f64,
+        /// Prompt tokens reused from the prefix cache at its first admission.
+        cached_tokens: usize,
+        logits_hash: u64,
+        preemptions: usize,
+    },
+    /// It cannot run (or was cancelled), with whatever it produced before.
+    Failed {
+        id: u64,
+        rank: usize,
+        cause: String,
+        message: String,
+        tokens: Vec<u32>,
+        token_ms: Vec<f64>,
+        started_ms: Option<f64>,
+    },
 }
 
 impl Event {
     pub fn id(&self) -> u64 {
         match self {
-            Event::Started { id, .. }
-            | Event::Token { id, .. }
-            | Event::Finished { id, .. }
-            | Event::Failed { id, .. } => *id,
+            Event::Finished { id, .. } | Event::Failed { id, .. } => *id,
         }
     }
 }

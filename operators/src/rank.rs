@@ -2,10 +2,10 @@
 //! step does with it: decide the batch (`schedule`) and run it (`execute`). Shared by the
 //! `schedule` and `forward` operators of the rank's worker (`Rc<RefCell<_>>`: same thread).
 
-use crate::messages::{Admission, Event, RankReport};
+use crate::messages::{wall_ms, Admission, Event, RankReport};
 use crate::policy::memory::{MemoryLayout, RankMemory};
 use crate::policy::scheduler::{snapshot_boundaries, Chunk, Scheduler, SchedulerConfig, StepDecision};
-use crate::policy::sequence::Sequence;
+use crate::policy::sequence::{Sequence, Sequences};
 use kvflow_kernels::cpu::sampling::argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Counters a rank keeps over the run.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RankStats {
     pub steps: u64,
     pub empty_steps: u64,
@@ -21,6 +21,10 @@ pub struct RankStats {
     pub preemptions: u64,
     pub prefix_lookups: u64,
     pub prefix_hit_blocks: u64,
+    /// When each step ran (`wall_ms`), for measuring step cost in steady state.
+    pub step_ms: Vec<f64>,
+    /// Times the worker went round timely's step loop.
+    pub worker_steps: u64,
 }
 
 /// Test-only switches, each removing or breaking exactly one mechanism so a test can show that
@@ -32,13 +36,35 @@ pub struct TestSwitches {
     pub swap_block_table_every: Option<u64>,
 }
 
+/// What runs a rank's batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Executor {
+    /// The CPU reference executor: the model's real math.
+    Cpu,
+    /// No math: every sampled token is 0. Only for measuring what coordination costs
+    /// (`kvflow bench step`); outputs are meaningless.
+    Null,
+}
+
+impl Executor {
+    /// Executors by their graph name.
+    pub fn by_name(name: &str) -> Option<Executor> {
+        match name {
+            "cpu" => Some(Executor::Cpu),
+            "null" => Some(Executor::Null),
+            _ => None,
+        }
+    }
+}
+
 pub struct Rank {
     pub index: usize,
+    executor: Executor,
     switches: TestSwitches,
     model: Arc<Model>,
     pub memory: RankMemory,
     pub scheduler: Scheduler,
-    seqs: HashMap<u64, Sequence>,
+    seqs: Sequences,
     /// The batch decided at `schedule(t)`, run at `forward(t)`.
     decided: StepDecision,
     pub stats: RankStats,
@@ -57,11 +83,17 @@ impl Rank {
             model,
             memory: RankMemory::new(layout, cache),
             scheduler: Scheduler::new(config),
-            seqs: HashMap::new(),
+            seqs: Sequences::default(),
             decided: StepDecision::default(),
             stats: RankStats::default(),
             switches: TestSwitches::default(),
+            executor: Executor::Cpu,
         }
+    }
+
+    pub fn with_executor(mut self, executor: Executor) -> Self {
+        self.executor = executor;
+        self
     }
 
     pub fn with_switches(mut self, switches: TestSwitches) -> Self {
@@ -71,12 +103,12 @@ impl Rank {
 
     /// Queues a request routed to this rank.
     pub fn admit(&mut self, a: Admission) {
-        self.seqs.insert(a.id, Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup));
-        self.scheduler.enqueue(a.id);
+        let index = self.seqs.insert(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup));
+        self.scheduler.enqueue(index);
     }
 
     pub fn outstanding_tokens(&self) -> usize {
-        self.seqs.values().map(Sequence::outstanding_tokens).sum()
+        self.seqs.iter().map(Sequence::outstanding_tokens).sum()
     }
 
     /// Decides this rank's batch for the coming step and reports it.
@@ -99,31 +131,49 @@ impl Rank {
         let decided = std::mem::take(&mut self.decided);
         let mut events = Vec::new();
         self.stats.steps += 1;
+        self.stats.step_ms.push(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
         for (id, message) in decided.failed {
-            self.seqs.remove(&id);
-            self.scheduler.finish(id);
-            events.push(Event::Failed { id, rank: self.index, cause: "does-not-fit".into(), message });
+            events.push(Event::Failed {
+                id,
+                rank: self.index,
+                cause: "does-not-fit".into(),
+                message,
+                tokens: Vec::new(),
+                token_ms: Vec::new(),
+                started_ms: None,
+            });
         }
+        let now = wall_ms();
         for &(id, cached) in &decided.admitted {
-            let seq = self.seqs.get_mut(&id).expect("admitted requests exist");
-            if !seq.started {
-                seq.started = true;
-                events.push(Event::Started { id, rank: self.index, cached_tokens: cached });
+            let index = self.seqs.index_of(id).expect("admitted requests exist");
+            let seq = self.seqs.get_mut(index);
+            if seq.started_ms.is_none() {
+                seq.started_ms = Some(now);
+                seq.first_cached = cached;
             }
         }
         if decided.chunks.is_empty() {
             self.stats.empty_steps += 1;
             return events;
         }
-        let swapped: HashMap<u64, Vec<u32>> = decided
+        self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
+        if self.executor == Executor::Null {
+            let zeros = [0.0f32; 1];
+            let now = wall_ms();
+            for chunk in &decided.chunks {
+                self.advance(chunk, chunk.sample.then_some(&zeros[..]), now, &mut events);
+            }
+            return events;
+        }
+        let swapped: HashMap<usize, Vec<u32>> = decided
             .chunks
             .iter()
             .filter_map(|c| {
                 let every = self.switches.swap_block_table_every?;
-                let s = &self.seqs[&c.seq];
+                let s = self.seqs.get(c.seq);
                 let decode = c.len == 1 && c.start >= s.prompt_len;
-                (c.seq % every == 0 && decode && s.blocks.len() >= 3).then(|| {
+                (s.id % every == 0 && decode && s.blocks.len() >= 3).then(|| {
                     let mut t = s.blocks.blocks().to_vec();
                     t.swap(0, 1);
                     (c.seq, t)
@@ -134,7 +184,7 @@ impl Rank {
             .chunks
             .iter()
             .map(|c| {
-                let s = &self.seqs[&c.seq];
+                let s = self.seqs.get(c.seq);
                 SeqInput {
                     tokens: &s.tokens[c.start..c.start + c.len],
                     start_pos: c.start,
@@ -147,18 +197,18 @@ impl Rank {
             .collect();
         let out = self.model.forward(&batch, &mut self.memory.cache);
         drop(batch);
-        self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
+        let now = wall_ms();
         for (i, chunk) in decided.chunks.iter().enumerate() {
-            self.advance(chunk, out.last(i), &mut events);
+            self.advance(chunk, out.last(i), now, &mut events);
         }
         events
     }
 
     /// Moves a sequence past its chunk: cache its full prompt blocks (and snapshots), sample,
     /// finish.
-    fn advance(&mut self, chunk: &Chunk, logits: Option<&[f32]>, events: &mut Vec<Event>) {
+    fn advance(&mut self, chunk: &Chunk, logits: Option<&[f32]>, now: f64, events: &mut Vec<Event>) {
         let bs = self.memory.layout.block_size;
-        let seq = self.seqs.get_mut(&chunk.seq).expect("scheduled requests exist");
+        let seq = self.seqs.get_mut(chunk.seq);
         let before = seq.computed;
         seq.computed += chunk.len;
         seq.check(bs, self.memory.layout.keeps_kv);
@@ -187,17 +237,20 @@ impl Rank {
         let token = argmax(logits);
         seq.logits_hash = hash::logits_bits(seq.logits_hash, logits);
         seq.tokens.push(token);
-        events.push(Event::Token { id: seq.id, index: seq.output_len() - 1, token });
+        seq.token_ms.push(now);
         if seq.finished() {
-            let mut seq = self.seqs.remove(&chunk.seq).expect("present");
+            let mut seq = self.seqs.remove(chunk.seq);
             self.memory.release(&mut seq);
-            self.scheduler.finish(seq.id);
+            self.scheduler.forget(chunk.seq);
             events.push(Event::Finished {
                 id: seq.id,
                 rank: self.index,
+                tokens: seq.tokens.split_off(seq.prompt_len),
+                token_ms: std::mem::take(&mut seq.token_ms),
+                started_ms: seq.started_ms.unwrap_or_else(wall_ms),
+                cached_tokens: seq.first_cached,
                 logits_hash: seq.logits_hash,
                 preemptions: seq.preemptions,
-                cached_tokens: seq.cached,
             });
         }
     }

@@ -1,3 +1,4 @@
 //! `kvflow bench …`: benchmarks that print figures beside a baseline measured in the same run.
 
 pub mod model;
+pub mod step;

@@ -18,7 +18,7 @@
 //! Relative paths in the file (`model.path`, `workload.trace`, `report.out`) resolve against the
 //! folder holding the graph file; paths given as overrides are used as given (relative to the
 //! working directory). Operators with a choice (executor, router) are chosen by name from the
-//! registries [`known_executors`] and [`known_routers`].
+//! registries [`ComponentNames`].
 //!
 //! A complete graph file, every key shown (only `[model]` and one `[[pool]]` with a `name` are
 //! required; the comments give the defaults):
@@ -97,14 +97,22 @@ const TRACE_BLOCK_TOKENS: usize = 512;
 const POOL_ROLES: &[&str] = &["aggregated", "prefill", "decode"];
 const WORKLOAD_MODES: &[&str] = &["timestamps", "concurrency", "rate"];
 
-/// Executors a pool can name in `executor = "..."`.
-pub fn known_executors() -> &'static [&'static str] {
-    &["cpu"]
+/// The component names a graph may choose from: those of the runtime's registry
+/// (`kvflow::registry::Registry::names`), which programs embedding kvflow extend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComponentNames {
+    pub executors: Vec<String>,
+    pub routers: Vec<String>,
 }
 
-/// Routers a pool can name in `router = "..."`: they pick the rank that admits each request.
-pub fn known_routers() -> &'static [&'static str] {
-    &["least-outstanding", "round-robin"]
+impl ComponentNames {
+    /// What kvflow registers itself.
+    pub fn builtin() -> Self {
+        ComponentNames {
+            executors: vec!["cpu".into(), "null".into()],
+            routers: vec!["least-outstanding".into(), "round-robin".into()],
+        }
+    }
 }
 
 /// Trace formats `workload.format` can name (DESIGN §11).
@@ -203,9 +211,9 @@ pub struct PoolConfig {
     pub role: PoolRole,
     /// Timely workers in the pool, one per GPU or CPU executor; at least 1.
     pub ranks: usize,
-    /// One of [`known_executors`].
+    /// One of the registry's executors ([`ComponentNames`]).
     pub executor: String,
-    /// One of [`known_routers`].
+    /// One of the registry's routers ([`ComponentNames`]).
     pub router: String,
 }
 
@@ -344,16 +352,26 @@ fn quoted_list(names: &[impl AsRef<str>]) -> String {
 impl Graph {
     /// Reads, parses and validates a graph file.
     pub fn load(path: &Path) -> Result<Graph, GraphError> {
+        Graph::load_with(path, &ComponentNames::builtin())
+    }
+
+    /// [`Graph::load`], checking component choices against `names` (a registry's).
+    pub fn load_with(path: &Path, names: &ComponentNames) -> Result<Graph, GraphError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| GraphError::Read { file: path.to_path_buf(), source })?;
-        Graph::parse(path, &text)
+        Graph::parse_with(path, &text, names)
     }
 
     /// Parses and validates `text` as the graph file `path` (which names the file in errors and
     /// anchors relative paths; it is not read).
     pub fn parse(path: &Path, text: &str) -> Result<Graph, GraphError> {
+        Graph::parse_with(path, text, &ComponentNames::builtin())
+    }
+
+    /// [`Graph::parse`], checking component choices against `names`.
+    pub fn parse_with(path: &Path, text: &str, names: &ComponentNames) -> Result<Graph, GraphError> {
         let raw: RawGraph = toml::from_str(text).map_err(|error| toml_error(path, text, &error))?;
-        Validator::new(path, text).graph(raw)
+        Validator::new(path, text, names).graph(raw)
     }
 
     /// Overrides from the command line (`kvflow run` flags), re-validated. On error the graph is
@@ -555,8 +573,8 @@ fn snapshot_fraction(value: f64) -> Result<f64, String> {
     }
 }
 
-fn one_of(value: &str, known: &[&str], what: &str) -> Result<String, String> {
-    if known.contains(&value) {
+fn one_of(value: &str, known: &[impl AsRef<str>], what: &str) -> Result<String, String> {
+    if known.iter().any(|k| k.as_ref() == value) {
         Ok(value.to_string())
     } else {
         Err(format!("`{value}` is not a known {what}; known: {}", quoted_list(known)))
@@ -637,13 +655,14 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
 struct Validator<'a> {
     file: &'a Path,
     text: &'a str,
+    names: &'a ComponentNames,
     /// The folder holding the graph file: relative paths in it resolve against this.
     base: &'a Path,
 }
 
 impl<'a> Validator<'a> {
-    fn new(file: &'a Path, text: &'a str) -> Self {
-        Validator { file, text, base: file.parent().unwrap_or(Path::new("")) }
+    fn new(file: &'a Path, text: &'a str, names: &'a ComponentNames) -> Self {
+        Validator { file, text, names, base: file.parent().unwrap_or(Path::new("")) }
     }
 
     fn at(&self, span: Option<Range<usize>>) -> Location {
@@ -810,10 +829,10 @@ impl<'a> Validator<'a> {
                 role,
                 ranks: self.field("pool.ranks", pool.ranks.as_ref(), 1, at_least_one)?,
                 executor: self.field("pool.executor", pool.executor.as_ref(), DEFAULT_EXECUTOR.to_string(), |e| {
-                    one_of(&e, known_executors(), "executor")
+                    one_of(&e, &self.names.executors, "executor")
                 })?,
                 router: self.field("pool.router", pool.router.as_ref(), DEFAULT_ROUTER.to_string(), |r| {
-                    one_of(&r, known_routers(), "router")
+                    one_of(&r, &self.names.routers, "router")
                 })?,
                 name: name_value,
             });
@@ -1174,7 +1193,8 @@ mod tests {
 
     #[test]
     fn a_graph_file_in_the_working_directory_resolves_paths_from_it() {
-        let validator = Validator::new(Path::new("g.toml"), "");
+        let names = ComponentNames::builtin();
+        let validator = Validator::new(Path::new("g.toml"), "", &names);
         assert_eq!(validator.resolve("model"), PathBuf::from("model"));
     }
 

@@ -1,34 +1,27 @@
 //! The run's results on process 0: the workload driver records each release, `emit` delivers
-//! every event, and the collector timestamps them as they arrive (the client's view), tells the
-//! driver when a request is done, and drives the progress bar.
+//! each request's end (with the times its rank stamped on every token, on the clock all
+//! processes share), and a collector thread turns them into records, tells the driver which
+//! requests completed, and drives the progress bar.
 
 use crate::report::RequestRecord;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_operators::emit::EventSink;
-use kvflow_operators::messages::Event;
+use kvflow_operators::messages::{wall_ms, Event};
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
-
-#[derive(Default)]
-struct Progress {
-    record: RequestRecord,
-    started_ms: Option<f64>,
-    first_token_ms: Option<f64>,
-    last_token_ms: Option<f64>,
-}
 
 pub struct Collector {
-    epoch: Instant,
+    /// `wall_ms` when the run started: record times are relative to it.
+    start_ms: f64,
     pool: String,
-    requests: HashMap<u64, Progress>,
+    requests: HashMap<u64, RequestRecord>,
     completions: Sender<u64>,
     bar: ProgressBar,
     tokens: u64,
 }
 
-/// The collector, shared by the driver thread and worker 0.
+/// The collector, shared by the driver thread and the collector thread.
 pub type SharedCollector = Arc<Mutex<Collector>>;
 
 impl Collector {
@@ -38,7 +31,7 @@ impl Collector {
             ProgressStyle::with_template("{bar:30} {pos}/{len} requests  {msg}  {elapsed}").expect("valid template"),
         );
         Arc::new(Mutex::new(Collector {
-            epoch: Instant::now(),
+            start_ms: wall_ms(),
             pool: pool.to_string(),
             requests: HashMap::new(),
             completions,
@@ -47,97 +40,97 @@ impl Collector {
         }))
     }
 
-    fn now_ms(&self) -> f64 {
-        self.epoch.elapsed().as_secs_f64() * 1000.0
-    }
-
     /// The driver released a request.
     pub fn released(&mut self, id: u64, prompt: &[u32], max_output_tokens: usize, warmup: bool) {
-        let now = self.now_ms();
         let record = RequestRecord {
             id,
             warmup,
-            arrival_ms: now,
+            arrival_ms: wall_ms() - self.start_ms,
             input_len: prompt.len(),
             output_len: max_output_tokens,
             pool: self.pool.clone(),
             prompt_tokens: prompt.to_vec(),
             ..Default::default()
         };
-        self.requests.insert(id, Progress { record, ..Default::default() });
+        self.requests.insert(id, record);
     }
 
-    fn on_event(&mut self, event: Event) {
-        let now = self.now_ms();
+    /// Records a request's end.
+    pub fn apply(&mut self, event: Event) {
         let id = event.id();
-        let Some(p) = self.requests.get_mut(&id) else {
+        let start = self.start_ms;
+        let Some(r) = self.requests.get_mut(&id) else {
             tracing::warn!(request = id, "event for a request that was never released");
             return;
         };
-        let mut done = false;
-        match event {
-            Event::Started { rank, cached_tokens, .. } => {
-                p.started_ms.get_or_insert(now);
-                p.record.rank = Some(rank);
-                p.record.cached_tokens = cached_tokens;
+        let (tokens, token_ms, started_ms) = match event {
+            Event::Finished { rank, tokens, token_ms, started_ms, cached_tokens, logits_hash, preemptions, .. } => {
+                r.rank = Some(rank);
+                r.cached_tokens = cached_tokens;
+                r.logits_hash = logits_hash;
+                r.preemptions = preemptions;
+                r.done_ms = token_ms.last().map(|t| t - start);
+                (tokens, token_ms, Some(started_ms))
             }
-            Event::Token { index, token, .. } => {
-                debug_assert_eq!(index, p.record.output_tokens.len(), "tokens arrive in order");
-                p.record.output_tokens.push(token);
-                p.first_token_ms.get_or_insert(now);
-                p.last_token_ms = Some(now);
-                self.tokens += 1;
+            Event::Failed { rank, cause, message, tokens, token_ms, started_ms, .. } => {
+                r.rank = Some(rank);
+                r.error = Some(message);
+                r.failure = Some(cause);
+                (tokens, token_ms, started_ms)
             }
-            Event::Finished { rank, logits_hash, preemptions, .. } => {
-                p.record.rank = Some(rank);
-                p.record.logits_hash = logits_hash;
-                p.record.preemptions = preemptions;
-                p.record.done_ms = Some(now);
-                done = true;
-            }
-            Event::Failed { rank, cause, message, .. } => {
-                p.record.rank = Some(rank);
-                p.record.error = Some(message);
-                p.record.failure = Some(cause);
-                done = true;
-            }
-        }
-        if done {
-            let r = &mut p.record;
-            let arrival = r.arrival_ms;
-            r.queue_ms = p.started_ms.map(|s| s - arrival);
-            r.ttft_ms = p.first_token_ms.map(|f| f - arrival);
-            r.e2e_ms = r.done_ms.map(|d| d - arrival);
-            let n = r.output_tokens.len();
-            r.tpot_ms = match (p.first_token_ms, p.last_token_ms) {
-                (Some(f), Some(l)) if n > 1 => Some((l - f) / (n - 1) as f64),
-                _ => None,
-            };
-            self.bar.inc(1);
-            let secs = self.epoch.elapsed().as_secs_f64().max(1e-9);
-            self.bar.set_message(format!("{:.0} tokens/s", self.tokens as f64 / secs));
-            // The driver may be gone (stopped); nothing to tell then.
-            let _ = self.completions.send(id);
-        }
+        };
+        let arrival = r.arrival_ms;
+        r.queue_ms = started_ms.map(|s| s - start - arrival);
+        r.ttft_ms = token_ms.first().map(|f| f - start - arrival);
+        r.e2e_ms = token_ms.last().map(|l| l - start - arrival);
+        r.tpot_ms = match (token_ms.first(), token_ms.last()) {
+            (Some(f), Some(l)) if token_ms.len() > 1 => Some((l - f) / (token_ms.len() - 1) as f64),
+            _ => None,
+        };
+        self.tokens += tokens.len() as u64;
+        r.output_tokens = tokens;
+        self.bar.inc(1);
+        let secs = ((wall_ms() - start) / 1000.0).max(1e-9);
+        self.bar.set_message(format!("{:.0} tokens/s", self.tokens as f64 / secs));
+        // The driver may be gone (stopped); nothing to tell then.
+        let _ = self.completions.send(id);
     }
 
     /// Every request's record, in id order, and ends the progress bar.
     pub fn finish(&mut self) -> Vec<RequestRecord> {
         self.bar.finish_and_clear();
-        let mut records: Vec<RequestRecord> = self.requests.drain().map(|(_, p)| p.record).collect();
+        let mut records: Vec<RequestRecord> = self.requests.drain().map(|(_, r)| r).collect();
         records.sort_by_key(|r| r.id);
         records
     }
 }
 
-/// `emit`'s sink: forwards a pool's events to the shared collector.
-pub struct CollectorSink(pub SharedCollector);
+/// `emit`'s sink on worker 0: hands each batch to the collector thread, so the worker goes
+/// straight back to the step loop.
+pub struct CollectorSink {
+    pub batches: Sender<Vec<Event>>,
+}
 
 impl EventSink for CollectorSink {
     fn events(&mut self, _step: u64, events: Vec<Event>) {
-        let mut c = self.0.lock().expect("collector lock");
-        for e in events {
-            c.on_event(e);
-        }
+        // The collector thread outlives the workers; a failed send means the run is ending.
+        let _ = self.batches.send(events);
     }
+}
+
+/// Applies every batch `emit` sends until the workers are gone.
+pub fn spawn_collector_thread(collector: SharedCollector) -> (Sender<Vec<Event>>, std::thread::JoinHandle<()>) {
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<Event>>();
+    let handle = std::thread::Builder::new()
+        .name("kvflow-collector".into())
+        .spawn(move || {
+            for events in rx {
+                let mut c = collector.lock().expect("collector lock");
+                for e in events {
+                    c.apply(e);
+                }
+            }
+        })
+        .expect("spawn the collector thread");
+    (tx, handle)
 }

@@ -2,22 +2,22 @@
 //! the pool on timely (threads, or processes of a cluster), checks every rank's accounting, runs
 //! `--verify`, and writes `report.json` and `requests.jsonl`.
 
-mod collector;
+pub(crate) mod collector;
 mod memory;
-mod pool;
+pub(crate) mod pool;
 mod verify;
 
 pub use memory::plan_memory;
 pub use pool::ClusterPlace;
 
 use crate::graph::{Graph, PoolConfig, PoolRole, WorkloadMode};
+use crate::registry::Registry;
 use crate::report::{build_report, write_outputs, Slo};
 use crate::trace::{read_trace, synthesize, SynthOptions, TraceFormat};
 use crate::workload::{select, ArrivalMode, Selection};
 use anyhow::{anyhow, bail, Context, Result};
 use collector::Collector;
 use kvflow_kernels::models::{self, Model};
-use kvflow_operators::policy::router::RouterRegistry;
 use kvflow_operators::policy::scheduler::SchedulerConfig;
 use kvflow_operators::rank::TestSwitches;
 use pool::{run_pool, PoolJob};
@@ -116,7 +116,7 @@ pub fn load_model(graph: &Graph) -> Result<Arc<Model>> {
 }
 
 /// Runs a graph's pool over its workload.
-pub fn run(graph: &Graph, opts: &RunOptions, routers: &RouterRegistry) -> Result<RunOutcome> {
+pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunOutcome> {
     let started = Instant::now();
     let pool = pick_pool(graph, opts.pool.as_deref())?;
     if !graph.workload.ignore_eos {
@@ -129,14 +129,17 @@ pub fn run(graph: &Graph, opts: &RunOptions, routers: &RouterRegistry) -> Result
     let selection = load_workload(graph, model.vocab_size)?;
     let largest = selection.requests.iter().map(|r| r.prompt.len() + r.max_output_tokens).max().unwrap_or(1);
     let layout = plan_memory(&model, &graph.memory, &graph.scheduler, largest)?;
-    let router = routers.get(&pool.router).ok_or_else(|| {
+    let router = registry.routers.get(&pool.router).ok_or_else(|| {
         anyhow!(
             "{}: pool `{}`: router {:?} is not registered ({})",
             graph.path.display(),
             pool.name,
             pool.router,
-            routers.names().join(", ")
+            registry.routers.names().join(", ")
         )
+    })?;
+    let executor = registry.executor(&pool.executor).ok_or_else(|| {
+        anyhow!("{}: pool `{}`: executor {:?} is not registered", graph.path.display(), pool.name, pool.executor)
     })?;
     let scheduler = SchedulerConfig {
         max_running: graph.scheduler.max_running,
@@ -154,6 +157,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, routers: &RouterRegistry) -> Result
         router,
         cluster: opts.cluster.clone(),
         switches: opts.switches.clone(),
+        executor,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let is_driver = opts.cluster.as_ref().is_none_or(|c| c.process == 0);

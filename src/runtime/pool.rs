@@ -8,7 +8,7 @@
 //!                        └────────── feedback: Launched/Parked (t+1) ◀──────────────────┘
 //! ```
 
-use crate::runtime::collector::{CollectorSink, SharedCollector};
+use crate::runtime::collector::{spawn_collector_thread, CollectorSink, SharedCollector};
 use crate::trace::Request;
 use crate::workload::{drive, ArrivalMode, Selection};
 use anyhow::{anyhow, Result};
@@ -21,7 +21,7 @@ use kvflow_operators::messages::{Admission, LoopSignal};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
-use kvflow_operators::rank::{Rank, RankStats, TestSwitches};
+use kvflow_operators::rank::{Executor, Rank, RankStats, TestSwitches};
 use kvflow_operators::schedule::schedule;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -49,6 +49,7 @@ pub struct PoolJob {
     pub router: RouterFactory,
     pub cluster: Option<ClusterPlace>,
     pub switches: TestSwitches,
+    pub executor: Executor,
 }
 
 /// What the pool's ranks hand back when it ends.
@@ -93,7 +94,8 @@ pub fn run_pool(
     let config = timely_config(&job)?;
     let ingress = Arc::new(Ingress::default());
     let is_driver = workload.is_some();
-    let sink_collector = workload.as_ref().map(|w| w.2.clone());
+    let collector_thread = workload.as_ref().map(|w| spawn_collector_thread(w.2.clone()));
+    let sink_parts = collector_thread.as_ref().map(|(tx, _)| tx.clone());
     let driver = workload.map(|(selection, mode, collector, completions)| {
         let ingress = ingress.clone();
         let stop = stop.clone();
@@ -128,19 +130,24 @@ pub fn run_pool(
             .expect("spawn the workload driver")
     });
 
-    let PoolJob { model, layout, scheduler, router, switches, .. } = job;
+    let PoolJob { model, layout, scheduler, router, switches, executor, .. } = job;
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let ingress_for_workers = ingress.clone();
-    let sink_collector = Mutex::new(sink_collector);
+    let sink_parts = Mutex::new(sink_parts);
     let guards = timely::execute(config, move |worker| {
         let index = worker.index();
         let peers = worker.peers();
-        let rank =
-            Rc::new(RefCell::new(Rank::new(index, model.clone(), layout, scheduler).with_switches(switches.clone())));
+        let rank = Rc::new(RefCell::new(
+            Rank::new(index, model.clone(), layout, scheduler).with_switches(switches.clone()).with_executor(executor),
+        ));
         let pending = Rc::new(RefCell::new(Vec::new()));
         let ingress = (index == 0 && is_driver).then(|| ingress_for_workers.clone());
         let sink: Option<Box<dyn EventSink>> = if index == 0 {
-            sink_collector.lock().expect("sink lock").clone().map(|c| Box::new(CollectorSink(c)) as Box<dyn EventSink>)
+            sink_parts
+                .lock()
+                .expect("sink lock")
+                .take()
+                .map(|batches| Box::new(CollectorSink { batches }) as Box<dyn EventSink>)
         } else {
             None
         };
@@ -155,14 +162,21 @@ pub fn run_pool(
             out.signals.connect_loop(loop_handle);
             emit(out.events, sink);
         });
+        let mut worker_steps = 0u64;
         while worker.has_dataflows() {
             worker.step_or_park(None);
+            worker_steps += 1;
         }
+        rank.borrow_mut().stats.worker_steps = worker_steps;
         let result = rank.borrow_mut().finish_run();
         result
     })
     .map_err(|e| anyhow!("cannot start pool: {e}"))?;
     let ranks = guards.join().into_iter().map(|r| r.unwrap_or_else(|e| Err(format!("worker failed: {e}")))).collect();
+    if let Some((tx, handle)) = collector_thread {
+        drop(tx);
+        handle.join().map_err(|_| anyhow!("the collector thread panicked"))?;
+    }
     if let Some(d) = driver {
         d.join().map_err(|_| anyhow!("the workload driver panicked"))?;
     }

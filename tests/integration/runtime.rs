@@ -107,7 +107,8 @@ fn azure_and_vidur_traces_replay_exactly() {
         ("hf/deepseek_v32", "format_samples/vidur_splitwise_conv_head200.csv", "vidur"),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let graph = write_graph(dir.path(), model, trace, "mode = \"concurrency\"\nconcurrency = 8\nlimit = 20", "64 MiB");
+        let graph =
+            write_graph(dir.path(), model, trace, "mode = \"concurrency\"\nconcurrency = 8\nlimit = 20", "64 MiB");
         let overrides = Overrides { format: Some(format.into()), ranks: Some(4), ..Default::default() };
         let report = run_graph(&graph, overrides, TestSwitches::default());
         assert_exact(&report, format);

@@ -8,8 +8,8 @@
 //! state there can be kept.
 
 use super::memory::RankMemory;
-use super::sequence::Sequence;
-use std::collections::{HashMap, VecDeque};
+use super::sequence::{Sequence, Sequences};
+use std::collections::VecDeque;
 
 /// The knobs of the policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,10 +21,10 @@ pub struct SchedulerConfig {
     pub snapshot_interval_blocks: usize,
 }
 
-/// One sequence's work in a step.
+/// One sequence's work in a step (`seq` is its index in the rank's [`Sequences`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
-    pub seq: u64,
+    pub seq: usize,
     pub start: usize,
     pub len: usize,
     /// Sample a token after this chunk.
@@ -35,21 +35,21 @@ pub struct Chunk {
 #[derive(Debug, Default, PartialEq)]
 pub struct StepDecision {
     pub chunks: Vec<Chunk>,
-    /// Requests that gave their memory back this step.
+    /// Requests (ids) that gave their memory back this step.
     pub preempted: Vec<u64>,
-    /// Requests that can never run here, with the reason.
+    /// Requests (ids) that can never run here, with the reason; already removed.
     pub failed: Vec<(u64, String)>,
-    /// Requests admitted this step, with the prompt tokens restored from the prefix cache.
+    /// Requests (ids) admitted this step, with the prompt tokens restored from the prefix cache.
     pub admitted: Vec<(u64, usize)>,
 }
 
-/// Waiting and running requests of one rank.
+/// Waiting and running requests of one rank, as indices into its [`Sequences`].
 #[derive(Debug)]
 pub struct Scheduler {
     pub config: SchedulerConfig,
-    waiting: VecDeque<u64>,
+    waiting: VecDeque<usize>,
     /// Admission order; the last is the youngest.
-    running: Vec<u64>,
+    running: Vec<usize>,
 }
 
 impl Scheduler {
@@ -57,8 +57,8 @@ impl Scheduler {
         Scheduler { config, waiting: VecDeque::new(), running: Vec::new() }
     }
 
-    pub fn enqueue(&mut self, id: u64) {
-        self.waiting.push_back(id);
+    pub fn enqueue(&mut self, index: usize) {
+        self.waiting.push_back(index);
     }
 
     pub fn num_waiting(&self) -> usize {
@@ -73,59 +73,96 @@ impl Scheduler {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
-    /// Forgets a request that finished (its memory was already released).
-    pub fn finish(&mut self, id: u64) {
-        self.running.retain(|&r| r != id);
-        self.waiting.retain(|&r| r != id);
+    /// Forgets a request (finished or cancelled; its memory was already released). Returns
+    /// whether it was running (else it was waiting, or unknown).
+    pub fn forget(&mut self, index: usize) -> bool {
+        if let Some(p) = self.running.iter().position(|&r| r == index) {
+            self.running.remove(p);
+            true
+        } else {
+            self.waiting.retain(|&r| r != index);
+            false
+        }
     }
 
     /// The running requests, oldest first.
-    pub fn running(&self) -> &[u64] {
+    pub fn running(&self) -> &[usize] {
         &self.running
     }
 
     /// Decides this step's batch, allocating the memory it needs.
-    pub fn schedule(&mut self, seqs: &mut HashMap<u64, Sequence>, mem: &mut RankMemory) -> StepDecision {
-        let mut out = StepDecision::default();
+    pub fn schedule(&mut self, seqs: &mut Sequences, mem: &mut RankMemory) -> StepDecision {
+        let mut out = StepDecision { chunks: Vec::with_capacity(self.running.len() + 8), ..Default::default() };
         let mut budget = self.config.max_batched_tokens;
-        // 1. running requests: decodes (one token) first, then prefill chunks, oldest first
-        let mut order: Vec<u64> = self.running.clone();
-        order.sort_by_key(|id| seqs[id].remaining() > 1);
-        for id in order {
-            if budget == 0 {
-                break;
-            }
-            if !self.running.contains(&id) {
-                continue; // preempted earlier in this step
-            }
-            let len = self.chunk_len(&seqs[&id], budget, mem.layout.block_size);
-            loop {
-                let seq = seqs.get_mut(&id).expect("running requests exist");
-                if mem.ensure_blocks(seq, seq.computed + len) {
-                    out.chunks.push(Chunk {
-                        seq: id,
-                        start: seq.computed,
-                        len,
-                        sample: seq.computed + len == seq.tokens.len(),
-                    });
-                    budget -= len;
-                    break;
+        let bs = mem.layout.block_size;
+        // 1. running requests, oldest first: decodes (one token), then prefill chunks
+        let mut prefilling = Vec::new();
+        for decodes in [true, false] {
+            let mut i = 0;
+            while budget > 0 {
+                let index = if decodes {
+                    match self.running.get(i) {
+                        Some(&r) => r,
+                        None => break,
+                    }
+                } else {
+                    match prefilling.get(i) {
+                        Some(&r) if self.running.contains(&r) => r,
+                        Some(_) => {
+                            i += 1;
+                            continue;
+                        }
+                        None => break,
+                    }
+                };
+                i += 1;
+                let seq = seqs.get(index);
+                let remaining = seq.remaining();
+                if decodes && remaining != 1 {
+                    if remaining > 1 {
+                        prefilling.push(index);
+                    }
+                    continue;
                 }
-                let victim = *self.running.last().expect("this request is running");
-                self.preempt(victim, seqs, mem, &mut out);
-                if victim == id {
-                    break;
+                // The common case: a decode whose next token fits in the blocks it holds.
+                if remaining == 1 && (!mem.layout.keeps_kv || seq.computed < seq.blocks.len() * bs) {
+                    out.chunks.push(Chunk { seq: index, start: seq.computed, len: 1, sample: true });
+                    budget -= 1;
+                    continue;
+                }
+                let len = self.chunk_len(seq, budget, bs);
+                loop {
+                    let seq = seqs.get_mut(index);
+                    if mem.ensure_blocks(seq, seq.computed + len) {
+                        out.chunks.push(Chunk {
+                            seq: index,
+                            start: seq.computed,
+                            len,
+                            sample: seq.computed + len == seq.tokens.len(),
+                        });
+                        budget -= len;
+                        break;
+                    }
+                    // Out of blocks: the youngest running request gives its memory back.
+                    let victim = self.running.pop().expect("this request is running");
+                    self.preempt(victim, seqs, mem, &mut out);
+                    if victim == index {
+                        break;
+                    }
+                    if decodes {
+                        i = i.min(self.running.len());
+                    }
                 }
             }
         }
         // 2. admissions, in arrival order, while seats, budget and memory last
         while self.running.len() < self.config.max_running && budget > 0 {
-            let Some(&id) = self.waiting.front() else { break };
-            let seq = seqs.get_mut(&id).expect("waiting requests exist");
+            let Some(&index) = self.waiting.front() else { break };
+            let seq = seqs.get_mut(index);
             let total = seq.prompt_len + seq.max_output_tokens;
             if mem.blocks_for(total) > mem.pool.num_blocks() {
                 out.failed.push((
-                    id,
+                    seq.id,
                     format!(
                         "needs {} KV blocks for {} tokens but the rank has {} (raise memory.budget_bytes)",
                         mem.blocks_for(total),
@@ -134,6 +171,7 @@ impl Scheduler {
                     ),
                 ));
                 self.waiting.pop_front();
+                seqs.remove(index);
                 continue;
             }
             if mem.layout.keeps_state {
@@ -150,16 +188,16 @@ impl Scheduler {
                 mem.release(seq); // undo the prefix hit and the slot; try again next step
                 break;
             }
-            out.admitted.push((id, seq.cached));
+            out.admitted.push((seq.id, seq.cached));
             out.chunks.push(Chunk {
-                seq: id,
+                seq: index,
                 start: seq.computed,
                 len,
                 sample: seq.computed + len == seq.tokens.len(),
             });
             budget -= len;
             self.waiting.pop_front();
-            self.running.push(id);
+            self.running.push(index);
         }
         out
     }
@@ -167,9 +205,11 @@ impl Scheduler {
     /// Tokens to feed `seq` this step within `budget`, stopping at a snapshot boundary.
     fn chunk_len(&self, seq: &Sequence, budget: usize, block_size: usize) -> usize {
         let mut len = seq.remaining().min(self.config.chunk_tokens).min(budget);
-        if let Some(b) = self.next_boundary(seq, block_size) {
-            if b < seq.computed + len {
-                len = b - seq.computed;
+        if len > 1 {
+            if let Some(b) = self.next_boundary(seq, block_size) {
+                if b < seq.computed + len {
+                    len = b - seq.computed;
+                }
             }
         }
         len
@@ -177,7 +217,7 @@ impl Scheduler {
 
     /// The next snapshot boundary after `computed` within the prompt, if snapshots are kept.
     fn next_boundary(&self, seq: &Sequence, block_size: usize) -> Option<usize> {
-        if !self.config.prefix_cache || seq.slot.is_none() {
+        if !self.config.prefix_cache || seq.slot.is_none() || seq.computed >= seq.prompt_len {
             return None;
         }
         snapshot_boundaries(seq.prompt_len, block_size, self.config.snapshot_interval_blocks)
@@ -185,14 +225,14 @@ impl Scheduler {
             .find(|&b| b > seq.computed)
     }
 
-    fn preempt(&mut self, id: u64, seqs: &mut HashMap<u64, Sequence>, mem: &mut RankMemory, out: &mut StepDecision) {
-        let seq = seqs.get_mut(&id).expect("preempting a known request");
+    /// Releases a request's memory and puts it back at the head of the queue (it recomputes).
+    fn preempt(&mut self, index: usize, seqs: &mut Sequences, mem: &mut RankMemory, out: &mut StepDecision) {
+        let seq = seqs.get_mut(index);
         mem.release(seq);
         seq.preemptions += 1;
-        self.running.retain(|&r| r != id);
-        self.waiting.push_front(id);
-        out.chunks.retain(|c| c.seq != id);
-        out.preempted.push(id);
+        self.waiting.push_front(index);
+        out.chunks.retain(|c| c.seq != index);
+        out.preempted.push(seq.id);
     }
 }
 
@@ -261,18 +301,25 @@ mod policy_tests {
     }
 
     fn config(max_batched_tokens: usize, chunk_tokens: usize) -> SchedulerConfig {
-        SchedulerConfig { max_running: 8, max_batched_tokens, chunk_tokens, prefix_cache: true, snapshot_interval_blocks: 4 }
+        SchedulerConfig {
+            max_running: 8,
+            max_batched_tokens,
+            chunk_tokens,
+            prefix_cache: true,
+            snapshot_interval_blocks: 4,
+        }
     }
 
-    fn add(s: &mut Scheduler, seqs: &mut HashMap<u64, Sequence>, id: u64, prompt: Vec<u32>, out: usize) {
-        seqs.insert(id, Sequence::new(id, prompt, out, false));
-        s.enqueue(id);
+    fn add(s: &mut Scheduler, seqs: &mut Sequences, id: u64, prompt: Vec<u32>, out: usize) -> usize {
+        let index = seqs.insert(Sequence::new(id, prompt, out, false));
+        s.enqueue(index);
+        index
     }
 
     /// Pretends the step ran: advances `computed` and samples token 7 where asked.
-    fn run(decision: &StepDecision, seqs: &mut HashMap<u64, Sequence>) {
+    fn run(decision: &StepDecision, seqs: &mut Sequences) {
         for c in &decision.chunks {
-            let s = seqs.get_mut(&c.seq).unwrap();
+            let s = seqs.get_mut(c.seq);
             s.computed += c.len;
             if c.sample {
                 s.tokens.push(7);
@@ -282,11 +329,14 @@ mod policy_tests {
 
     #[test]
     fn prefill_is_chunked_and_the_budget_holds() {
-        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(6, 4)), HashMap::new(), memory(16));
-        add(&mut s, &mut seqs, 1, (0..10).collect(), 2);
-        add(&mut s, &mut seqs, 2, (0..10).collect(), 2);
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(6, 4)), Sequences::default(), memory(16));
+        let a = add(&mut s, &mut seqs, 1, (0..10).collect(), 2);
+        let b = add(&mut s, &mut seqs, 2, (0..10).collect(), 2);
         let d = s.schedule(&mut seqs, &mut mem);
-        assert_eq!(d.chunks, vec![Chunk { seq: 1, start: 0, len: 4, sample: false }, Chunk { seq: 2, start: 0, len: 2, sample: false }]);
+        assert_eq!(
+            d.chunks,
+            vec![Chunk { seq: a, start: 0, len: 4, sample: false }, Chunk { seq: b, start: 0, len: 2, sample: false }]
+        );
         run(&d, &mut seqs);
         let d = s.schedule(&mut seqs, &mut mem);
         assert_eq!(d.chunks.iter().map(|c| c.len).sum::<usize>(), 6);
@@ -294,33 +344,33 @@ mod policy_tests {
 
     #[test]
     fn decodes_go_first() {
-        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(8, 8)), HashMap::new(), memory(16));
-        add(&mut s, &mut seqs, 1, vec![1, 2, 3], 4);
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(8, 8)), Sequences::default(), memory(16));
+        let a = add(&mut s, &mut seqs, 1, vec![1, 2, 3], 4);
         run(&s.schedule(&mut seqs, &mut mem), &mut seqs); // 1 prefilled and sampled: now decoding
-        add(&mut s, &mut seqs, 2, (0..20).collect(), 2);
+        let b = add(&mut s, &mut seqs, 2, (0..20).collect(), 2);
         let d = s.schedule(&mut seqs, &mut mem);
-        assert_eq!(d.chunks[0], Chunk { seq: 1, start: 3, len: 1, sample: true });
-        assert_eq!(d.chunks[1].seq, 2);
+        assert_eq!(d.chunks[0], Chunk { seq: a, start: 3, len: 1, sample: true });
+        assert_eq!(d.chunks[1].seq, b);
     }
 
     #[test]
     fn the_youngest_running_request_is_preempted_when_blocks_run_out() {
-        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), HashMap::new(), memory(4));
-        add(&mut s, &mut seqs, 1, (0..8).collect(), 8); // 2 blocks, grows to 4
-        add(&mut s, &mut seqs, 2, (100..108).collect(), 8); // 2 blocks
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), Sequences::default(), memory(4));
+        let a = add(&mut s, &mut seqs, 1, (0..8).collect(), 8); // 2 blocks, grows to 4
+        let b = add(&mut s, &mut seqs, 2, (100..108).collect(), 8); // 2 blocks
         run(&s.schedule(&mut seqs, &mut mem), &mut seqs);
         assert_eq!(s.num_running(), 2);
         let d = s.schedule(&mut seqs, &mut mem); // request 1 needs a third block: none is free
         assert_eq!(d.preempted, vec![2]);
-        assert_eq!(seqs[&2].computed, 0);
-        assert_eq!(seqs[&2].preemptions, 1);
-        assert!(d.chunks.iter().all(|c| c.seq == 1));
+        assert_eq!(seqs.get(b).computed, 0);
+        assert_eq!(seqs.get(b).preemptions, 1);
+        assert!(d.chunks.iter().all(|c| c.seq == a));
         assert_eq!(s.num_waiting(), 1);
     }
 
     #[test]
     fn a_request_that_can_never_fit_fails_instead_of_waiting_forever() {
-        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), HashMap::new(), memory(2));
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), Sequences::default(), memory(2));
         add(&mut s, &mut seqs, 1, (0..10).collect(), 4);
         let d = s.schedule(&mut seqs, &mut mem);
         assert_eq!(d.failed.len(), 1);
@@ -330,21 +380,21 @@ mod policy_tests {
 
     #[test]
     fn an_admission_reuses_cached_prompt_blocks() {
-        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), HashMap::new(), memory(16));
-        add(&mut s, &mut seqs, 1, (0..9).collect(), 1);
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), Sequences::default(), memory(16));
+        let a = add(&mut s, &mut seqs, 1, (0..9).collect(), 1);
         let d = s.schedule(&mut seqs, &mut mem);
         run(&d, &mut seqs);
         // What the rank does after the step: cache the prompt's full blocks.
-        let seq = &seqs[&1];
+        let seq = seqs.get(a);
         let hashes = mem.prompt_hashes(seq);
         for (b, h) in hashes.iter().enumerate() {
             let block = seq.blocks.blocks()[b];
             mem.prefix.insert_block(*h, Some(block), &mut mem.pool);
         }
-        add(&mut s, &mut seqs, 2, (0..9).chain(50..53).collect(), 1);
+        let b = add(&mut s, &mut seqs, 2, (0..9).chain(50..53).collect(), 1);
         let d = s.schedule(&mut seqs, &mut mem);
         assert_eq!(d.admitted, vec![(2, 8)]);
-        assert_eq!(d.chunks.last().unwrap(), &Chunk { seq: 2, start: 8, len: 4, sample: true });
-        assert_eq!(seqs[&2].blocks.blocks()[..2], seqs[&1].blocks.blocks()[..2]);
+        assert_eq!(d.chunks.last().unwrap(), &Chunk { seq: b, start: 8, len: 4, sample: true });
+        assert_eq!(seqs.get(b).blocks.blocks()[..2], seqs.get(a).blocks.blocks()[..2]);
     }
 }

@@ -3,6 +3,7 @@
 //! feeds `tokens[computed..]` (or a chunk of it) and samples when everything known was fed.
 
 use kvflow_kernels::kv::{BlockTable, SlotId};
+use std::collections::HashMap;
 
 /// A request running (or waiting) on a rank.
 #[derive(Debug)]
@@ -22,8 +23,12 @@ pub struct Sequence {
     /// Hash of the logits' bit patterns at every sampled position (for `--verify`).
     pub logits_hash: u64,
     pub warmup: bool,
-    /// Whether any chunk of it has run yet (queueing ends then).
-    pub started: bool,
+    /// When its first chunk ran (`wall_ms`; queueing ends then).
+    pub started_ms: Option<f64>,
+    /// Prompt tokens reused from the prefix cache at its first admission.
+    pub first_cached: usize,
+    /// When each output token was sampled (`wall_ms`).
+    pub token_ms: Vec<f64>,
 }
 
 impl Sequence {
@@ -41,7 +46,9 @@ impl Sequence {
             preemptions: 0,
             logits_hash: kvflow_kernels::hash::EMPTY,
             warmup,
-            started: false,
+            started_ms: None,
+            first_cached: 0,
+            token_ms: Vec::new(),
         }
     }
 
@@ -73,5 +80,65 @@ impl Sequence {
         if keeps_kv {
             assert!(self.computed <= self.blocks.len() * block_size, "request {}: computed past its blocks", self.id);
         }
+    }
+}
+
+/// The requests a rank holds, in a slab: the scheduler works on stable indices (no hashing on
+/// the per-step path); ids map to indices for admissions and cancellations.
+#[derive(Debug, Default)]
+pub struct Sequences {
+    slots: Vec<Option<Sequence>>,
+    free: Vec<usize>,
+    by_id: HashMap<u64, usize>,
+}
+
+impl Sequences {
+    pub fn insert(&mut self, seq: Sequence) -> usize {
+        let id = seq.id;
+        let index = match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(seq);
+                i
+            }
+            None => {
+                self.slots.push(Some(seq));
+                self.slots.len() - 1
+            }
+        };
+        self.by_id.insert(id, index);
+        index
+    }
+
+    pub fn remove(&mut self, index: usize) -> Sequence {
+        let seq = self.slots[index].take().expect("removing a held request");
+        self.by_id.remove(&seq.id);
+        self.free.push(index);
+        seq
+    }
+
+    pub fn index_of(&self, id: u64) -> Option<usize> {
+        self.by_id.get(&id).copied()
+    }
+
+    #[inline]
+    pub fn get(&self, index: usize) -> &Sequence {
+        self.slots[index].as_ref().expect("a held request")
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, index: usize) -> &mut Sequence {
+        self.slots[index].as_mut().expect("a held request")
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
+        self.slots.iter().flatten()
     }
 }

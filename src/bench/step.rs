@@ -1,0 +1,276 @@
+//! `kvflow bench step`: what coordination costs per step.
+//!
+//! 1. `policy_us_per_step`: the CPU time of the scheduling policy and of `StepPlan` derivation,
+//!    summed over `R` ranks each holding `S` running (decoding) sequences, measured on one thread.
+//! 2. The wall time per step of the real `R`-rank pool (every operator, exchange and the parking
+//!    of workers) with an executor that does no math, beside a bare timely loop with the same
+//!    number of frontier-waited exchanges per step (one all-to-all) on the same `R` workers,
+//!    measured in the same run. Last line `round_ratio=<pool over bare>`.
+
+use crate::runtime::collector::Collector;
+use crate::runtime::pool::{run_pool, PoolJob};
+use crate::trace::Request;
+use crate::workload::{ArrivalMode, Selection};
+use anyhow::{bail, Result};
+use kvflow_kernels::checkpoint::ModelSpec;
+use kvflow_kernels::kv::{PagedKvCache, StatePool};
+use kvflow_kernels::models::{self, ModelCache};
+use kvflow_operators::align::{derive_plan, RoutingKeys};
+use kvflow_operators::messages::RankReport;
+use kvflow_operators::policy::memory::{MemoryLayout, RankMemory};
+use kvflow_operators::policy::router::{RouterContext, RouterRegistry};
+use kvflow_operators::policy::scheduler::{Scheduler, SchedulerConfig};
+use kvflow_operators::policy::sequence::{Sequence, Sequences};
+use kvflow_operators::rank::{Executor, TestSwitches};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct StepBenchArgs {
+    pub ranks: usize,
+    pub seqs: usize,
+    pub steps: usize,
+}
+
+const SPEC: &str = r#"
+model_type = "llama"
+seed = 1
+vocab_size = 64
+hidden_size = 16
+intermediate_size = 16
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+"#;
+
+fn scheduler_config(seqs: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_running: seqs,
+        max_batched_tokens: seqs.max(64),
+        chunk_tokens: 64,
+        prefix_cache: true,
+        snapshot_interval_blocks: 4,
+    }
+}
+
+/// Policy CPU time per step, summed over ranks (µs).
+fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize) -> f64 {
+    let block_size = 16;
+    let context = 512;
+    let blocks = seqs * (context + steps + 16).div_ceil(block_size);
+    let layout = MemoryLayout {
+        block_size,
+        blocks,
+        slots: 0,
+        snapshots: 0,
+        keeps_kv: true,
+        keeps_state: false,
+        prefix_keyed_by_prompt_len: false,
+    };
+    let mut rank_state: Vec<(Scheduler, Sequences, RankMemory)> = (0..ranks)
+        .map(|r| {
+            let cache = ModelCache { kv: PagedKvCache::new(block_size, blocks, &[1]), states: StatePool::new(0, 0, 0) };
+            let mut mem = RankMemory::new(layout, cache);
+            let mut scheduler = Scheduler::new(scheduler_config(seqs));
+            let mut sequences = Sequences::default();
+            for i in 0..seqs {
+                // A decoding sequence: its prompt computed, one token sampled and not yet fed.
+                let mut seq = Sequence::new((r * seqs + i) as u64, vec![1; context], steps + 8, false);
+                seq.tokens.push(2);
+                seq.computed = context;
+                assert!(mem.ensure_blocks(&mut seq, context));
+                let index = sequences.insert(seq);
+                scheduler.enqueue(index);
+            }
+            (scheduler, sequences, mem)
+        })
+        .collect();
+    // Admit everyone (one step: the prefix cache holds nothing yet), then measure steady decoding.
+    for (s, q, m) in rank_state.iter_mut() {
+        let d = s.schedule(q, m);
+        assert_eq!(d.chunks.len(), seqs);
+    }
+    let mut router = (RouterRegistry::default().get("least-outstanding").expect("built in"))(RouterContext {
+        ranks,
+        max_batched_tokens: seqs,
+    });
+    let keys = RoutingKeys { block_size, keyed_by_prompt_len: false };
+    let started = Instant::now();
+    for _ in 0..steps {
+        let mut reports = Vec::with_capacity(ranks);
+        for (r, (s, q, m)) in rank_state.iter_mut().enumerate() {
+            let d = s.schedule(q, m);
+            // What forward does to the policy's state: each sequence fed and sampled.
+            for c in &d.chunks {
+                let seq = q.get_mut(c.seq);
+                seq.computed += c.len;
+                seq.tokens.push(3);
+            }
+            reports.push(RankReport {
+                rank: r,
+                scheduled_tokens: d.chunks.len(),
+                scheduled_seqs: d.chunks.len(),
+                outstanding_tokens: 0,
+                waiting: s.num_waiting(),
+                running: s.num_running(),
+                admissions: Vec::new(),
+            });
+        }
+        std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys));
+    }
+    started.elapsed().as_secs_f64() * 1e6 / steps as f64
+}
+
+/// Mean gap between the step times of the middle of a run (the first and last `skip` steps,
+/// start-up and the final drain, are left out).
+fn steady_ms_per_step(times: &[f64], skip: usize) -> f64 {
+    let inner = &times[skip.min(times.len() / 4)..times.len() - skip.min(times.len() / 4)];
+    (inner[inner.len() - 1] - inner[0]) / (inner.len() - 1).max(1) as f64
+}
+
+/// Wall time per step of a bare timely loop: `steps` steps of one frontier-waited all-to-all.
+fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
+    use std::collections::BTreeMap;
+    use timely::dataflow::channels::pact::Pipeline;
+    use timely::dataflow::operators::generic::operator::Operator;
+    use timely::dataflow::operators::vec::Broadcast;
+    use timely::dataflow::operators::{Capability, Concat, ConnectLoop, Feedback, ToStream};
+    let steps = steps as u64;
+    let times = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let times_in = times.clone();
+    let guards = timely::execute(timely::Config::process(ranks), move |worker| {
+        let index = worker.index() as u64;
+        let times = times_in.clone();
+        worker.dataflow::<u64, _, _>(|scope| {
+            let (handle, cycle) = scope.feedback::<Vec<u64>>(1);
+            vec![index]
+                .to_stream(scope)
+                .container::<Vec<u64>>()
+                .concat(cycle)
+                .broadcast()
+                .unary_frontier::<timely::container::CapacityContainerBuilder<Vec<u64>>, _, _, _>(
+                    Pipeline,
+                    "aligned",
+                    move |_cap, _| {
+                        let mut stash: BTreeMap<u64, Capability<u64>> = BTreeMap::new();
+                        move |(input, frontier), output| {
+                            input.for_each_stamp(|stamp, data| {
+                                data.for_each(|d| d.clear());
+                                if let Some(cap) = stamp.retain_least(output.output_index()) {
+                                    stash.entry(*cap.time()).or_insert(cap);
+                                }
+                            });
+                            while let Some((&t, _)) = stash.first_key_value() {
+                                if frontier.frontier().less_equal(&t) {
+                                    break;
+                                }
+                                let cap = stash.remove(&t).expect("first");
+                                if index == 0 {
+                                    times.lock().expect("times").push(kvflow_operators::messages::wall_ms());
+                                }
+                                if t + 1 < steps {
+                                    output.session(&cap).give(index);
+                                }
+                            }
+                        }
+                    },
+                )
+                .connect_loop(handle);
+        });
+        let mut worker_steps = 0u64;
+        while worker.has_dataflows() {
+            worker.step_or_park(None);
+            worker_steps += 1;
+        }
+        worker_steps
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let worker_steps: Vec<u64> = guards.join().into_iter().map(|r| r.unwrap_or(0)).collect();
+    let _ = worker_steps;
+    let times = times.lock().expect("times").clone();
+    Ok(steady_ms_per_step(&times, 10))
+}
+
+/// Wall time per step of the real pool with the no-math executor (ms), and its step count.
+fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u64)> {
+    let spec = ModelSpec::parse("<bench step model>".into(), SPEC)?;
+    let model = Arc::new(models::build(&spec.config, &spec.weights)?);
+    let block_size = 16;
+    let layout = MemoryLayout {
+        block_size,
+        blocks: seqs * (outputs + 2).div_ceil(block_size) + 16,
+        slots: 0,
+        snapshots: 0,
+        keeps_kv: true,
+        keeps_state: false,
+        prefix_keyed_by_prompt_len: false,
+    };
+    let requests: Vec<Request> = (0..ranks * seqs)
+        .map(|i| Request {
+            id: i as u64,
+            arrival_ms: 0.0,
+            prompt: vec![(i % 64) as u32],
+            max_output_tokens: outputs,
+            trace_line: i + 1,
+        })
+        .collect();
+    let n = requests.len();
+    let selection = Selection { requests, warmup: 0, measured: n, note: None };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let collector = Collector::new("bench", n, tx, false);
+    let job = PoolJob {
+        name: "bench".into(),
+        ranks,
+        model,
+        layout,
+        scheduler: scheduler_config(seqs),
+        router: RouterRegistry::default().get("least-outstanding").expect("built in"),
+        cluster: None,
+        switches: TestSwitches::default(),
+        executor: Executor::Null,
+    };
+    let result =
+        run_pool(job, Some((selection, ArrivalMode::Concurrency(n), collector, rx)), Arc::new(AtomicBool::new(false)))?;
+    let mut rank0 = None;
+    for r in result.ranks {
+        match r {
+            Ok(s) => {
+                rank0.get_or_insert(s);
+            }
+            Err(e) => bail!("{e}"),
+        }
+    }
+    let stats = rank0.expect("at least one rank");
+    Ok((steady_ms_per_step(&stats.step_ms, 10), stats.steps))
+}
+
+pub fn run(args: &StepBenchArgs) -> Result<()> {
+    if args.ranks == 0 || args.seqs == 0 || args.steps < 2 {
+        bail!("--ranks and --seqs must be positive, --steps at least 2");
+    }
+    let (r, s) = (args.ranks, args.seqs);
+    println!(
+        "ranks        {r}, {s} running sequences each, {} cores here",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let policy = median((0..5).map(|_| policy_us_per_step(r, s, 200)).collect());
+    println!("policy       scheduling + StepPlan, summed over ranks: {policy:.1} µs per step (median of 5 runs of 200 steps)");
+    // Pool and bare loop alternate, three runs each, so both see the same machine.
+    let (mut pools, mut bares, mut steps) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..3 {
+        let (pool, n) = pool_ms_per_step(r, s, args.steps)?;
+        steps = n;
+        pools.push(pool);
+        bares.push(bare_loop_ms_per_step(r, n as usize)?);
+    }
+    let (pool, bare) = (median(pools.clone()), median(bares.clone()));
+    println!("pool         {steps} steps, no-math executor: {pool:.3} ms per step (steady state; runs {pools:.3?})");
+    println!("bare loop    {steps} steps, one frontier-waited all-to-all: {bare:.3} ms per step (steady state; runs {bares:.3?})");
+    println!("policy_us_per_step={policy:.1}");
+    println!("round_ratio={:.3}", pool / bare);
+    Ok(())
+}
