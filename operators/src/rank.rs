@@ -25,6 +25,19 @@ pub struct RankStats {
     pub step_ms: Vec<f64>,
     /// Times the worker went round timely's step loop.
     pub worker_steps: u64,
+    /// Sampled at every step with work: fraction of KV blocks, state slots and snapshots in use,
+    /// and the batch (sequences, tokens).
+    pub samples: UtilizationSamples,
+}
+
+/// Per-step samples of a rank's memory use and batch size.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UtilizationSamples {
+    pub kv: Vec<f32>,
+    pub slots: Vec<f32>,
+    pub snapshots: Vec<f32>,
+    pub batch_seqs: Vec<u32>,
+    pub batch_tokens: Vec<u32>,
 }
 
 /// Test-only switches, each removing or breaking exactly one mechanism so a test can show that
@@ -133,7 +146,7 @@ impl Rank {
         self.stats.steps += 1;
         self.stats.step_ms.push(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
-        for (id, message) in decided.failed {
+        for (id, message) in decided.failed.iter().cloned() {
             events.push(Event::Failed {
                 id,
                 rank: self.index,
@@ -157,6 +170,7 @@ impl Rank {
             self.stats.empty_steps += 1;
             return events;
         }
+        self.sample(&decided);
         self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
         if self.executor == Executor::Null {
             let zeros = [0.0f32; 1];
@@ -202,6 +216,17 @@ impl Rank {
             self.advance(chunk, out.last(i), now, &mut events);
         }
         events
+    }
+
+    fn sample(&mut self, decided: &StepDecision) {
+        let used = |total: usize, free: usize| if total == 0 { 0.0 } else { (total - free) as f32 / total as f32 };
+        let m = &self.memory;
+        let s = &mut self.stats.samples;
+        s.kv.push(used(m.pool.num_blocks(), m.pool.num_free()));
+        s.slots.push(used(m.cache.states.num_slots(), m.cache.states.num_free_slots()));
+        s.snapshots.push(used(m.cache.states.num_snapshots(), m.cache.states.num_free_snapshots()));
+        s.batch_seqs.push(decided.chunks.len() as u32);
+        s.batch_tokens.push(decided.chunks.iter().map(|c| c.len as u32).sum());
     }
 
     /// Moves a sequence past its chunk: cache its full prompt blocks (and snapshots), sample,

@@ -193,6 +193,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         "note": note,
         "wall_s": started.elapsed().as_secs_f64(),
         "memory": {"blocks_per_rank": layout.blocks, "block_size": layout.block_size, "slots_per_rank": layout.slots, "snapshots_per_rank": layout.snapshots},
+        "utilization": utilization(&stats),
         "steps": stats.iter().map(|s| s.steps).collect::<Vec<_>>(),
         "empty_steps": stats.iter().map(|s| s.empty_steps).collect::<Vec<_>>(),
     });
@@ -222,4 +223,24 @@ fn check_ranks(
         }
     }
     Ok(stats)
+}
+
+/// KV, slot and snapshot utilization and batch size over the run, per pool: the per-step samples
+/// of every rank of this process pooled together.
+fn utilization(stats: &[kvflow_operators::rank::RankStats]) -> Value {
+    let pooled = |f: &dyn Fn(&kvflow_operators::rank::UtilizationSamples) -> Vec<f64>| -> Value {
+        let all: Vec<f64> = stats.iter().flat_map(|s| f(&s.samples)).collect();
+        let mut v = crate::report::summary(&all);
+        v["max"] = json!(all.iter().copied().fold(0.0f64, f64::max));
+        v
+    };
+    json!({
+        "ranks_sampled": stats.len(),
+        "steps_sampled": stats.iter().map(|s| s.samples.kv.len()).sum::<usize>(),
+        "kv": pooled(&|s| s.kv.iter().map(|&x| x as f64).collect()),
+        "slots": pooled(&|s| s.slots.iter().map(|&x| x as f64).collect()),
+        "snapshots": pooled(&|s| s.snapshots.iter().map(|&x| x as f64).collect()),
+        "batch_seqs": pooled(&|s| s.batch_seqs.iter().map(|&x| x as f64).collect()),
+        "batch_tokens": pooled(&|s| s.batch_tokens.iter().map(|&x| x as f64).collect()),
+    })
 }

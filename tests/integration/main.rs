@@ -5,5 +5,6 @@ mod batch_invariance;
 mod common;
 mod hf_fixtures;
 mod recurrent_state;
+mod registry;
 mod runtime;
 mod seeded_models;
