@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 use kvflow::bench::model::{self as bench_model, ModelBenchArgs};
 use kvflow::generate::{generate, read_prompts, write_jsonl, GenerateOptions};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(name = "kvflow", version, about = "LLM serving on timely dataflow")]
@@ -92,6 +94,9 @@ struct RunArgs {
     /// The pool to run (default: the graph's only pool).
     #[arg(long)]
     pool: Option<String>,
+    /// After Ctrl-C, seconds in-flight requests may finish before they are cancelled.
+    #[arg(long, default_value_t = 10.0)]
+    grace_period: f64,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -104,6 +109,10 @@ struct RunArgs {
     /// entries swapped (shows that --verify catches it).
     #[arg(long, hide = true)]
     test_swap_block_table_every: Option<u64>,
+    /// Test only: `ID:STAGE,…` cancels request ID once its rank sees it queued, prefilling or
+    /// decoding.
+    #[arg(long, hide = true)]
+    test_cancel_at_stage: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -145,6 +154,19 @@ fn main() {
     }
 }
 
+fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
+    let Some(text) = text else { return Ok(Vec::new()) };
+    text.split(',')
+        .map(|item| {
+            let (id, stage) = item.split_once(':').ok_or_else(|| anyhow::anyhow!("expected ID:STAGE, got {item:?}"))?;
+            if !["queued", "prefilling", "decoding"].contains(&stage) {
+                anyhow::bail!("stage {stage:?} is not queued, prefilling or decoding");
+            }
+            Ok((id.parse()?, stage.to_string()))
+        })
+        .collect()
+}
+
 fn run_graph(args: RunArgs) -> Result<i32> {
     use kvflow::graph::{Graph, Overrides};
     use kvflow::runtime::{self, ClusterPlace, RunOptions};
@@ -183,12 +205,29 @@ fn run_graph(args: RunArgs) -> Result<i32> {
         (None, None, None) => None,
         _ => anyhow::bail!("--process, --processes and --hostfile go together"),
     };
+    // Ctrl-C stops admissions and lets in-flight requests finish within the grace period; a
+    // second Ctrl-C ends the process at once.
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = interrupt.clone();
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            eprintln!("interrupted twice: exiting now");
+            std::process::exit(130);
+        }
+        eprintln!("interrupted: no more requests; finishing what is in flight (Ctrl-C again to exit now)");
+    })
+    .context("cannot install the Ctrl-C handler")?;
     let opts = RunOptions {
+        interrupt: Some(interrupt),
+        grace: Some(std::time::Duration::from_secs_f64(args.grace_period)),
         pool: args.pool,
         cluster,
         verify: args.verify,
         show_progress: true,
-        switches: kvflow_operators::rank::TestSwitches { swap_block_table_every: args.test_swap_block_table_every },
+        switches: kvflow_operators::rank::TestSwitches {
+            swap_block_table_every: args.test_swap_block_table_every,
+            cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
+        },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;
     if let Some(report) = &outcome.report {

@@ -44,6 +44,9 @@ pub struct RequestRecord {
     pub done_ms: Option<f64>,
 }
 
+/// The failure cause of a cancelled request (counted as `cancelled`, not `failed`).
+pub const CANCELLED: &str = "cancelled";
+
 /// Targets that make a request count as good.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Slo {
@@ -89,7 +92,8 @@ pub fn build_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary
     let measured: Vec<&RequestRecord> = records.iter().filter(|r| !r.warmup).collect();
     let completed: Vec<&RequestRecord> =
         measured.iter().copied().filter(|r| r.error.is_none() && r.done_ms.is_some()).collect();
-    let failed = measured.len() - completed.len();
+    let cancelled = measured.iter().filter(|r| r.failure.as_deref() == Some(CANCELLED)).count();
+    let failed = measured.len() - completed.len() - cancelled;
     let collect =
         |f: fn(&RequestRecord) -> Option<f64>| -> Vec<f64> { completed.iter().filter_map(|r| f(r)).collect() };
     let window_start = measured.iter().map(|r| r.arrival_ms).fold(f64::INFINITY, f64::min);
@@ -101,7 +105,7 @@ pub fn build_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary
     let prompt_tokens: usize = measured.iter().map(|r| r.input_len).sum();
     let cached: usize = measured.iter().map(|r| r.cached_tokens).sum();
     let mut failures: BTreeMap<String, usize> = BTreeMap::new();
-    for r in measured.iter().filter(|r| r.error.is_some()) {
+    for r in measured.iter().filter(|r| r.error.is_some() && r.failure.as_deref() != Some(CANCELLED)) {
         *failures.entry(r.failure.clone().unwrap_or_else(|| "unknown".into())).or_default() += 1;
     }
     let mut report = json!({
@@ -109,6 +113,7 @@ pub fn build_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary
         "requests": measured.len(),
         "completed": completed.len(),
         "failed": failed,
+        "cancelled": cancelled,
         "warmup_completed": records.iter().filter(|r| r.warmup && r.error.is_none() && r.done_ms.is_some()).count(),
         "ttft_ms": summary(&collect(|r| r.ttft_ms)),
         "tpot_ms": summary(&collect(|r| r.tpot_ms)),

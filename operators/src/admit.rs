@@ -25,10 +25,11 @@ use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::StreamVec;
 use timely::scheduling::SyncActivator;
 
-/// Where the workload driver hands requests to a pool.
+/// Where the workload driver hands requests (and cancellations) to a pool.
 #[derive(Default)]
 pub struct Ingress {
     queue: Mutex<VecDeque<Admission>>,
+    cancels: Mutex<Vec<u64>>,
     activator: Mutex<Option<SyncActivator>>,
     closed: AtomicBool,
 }
@@ -37,6 +38,12 @@ impl Ingress {
     /// Queues a request and wakes rank 0's `admit`.
     pub fn push(&self, a: Admission) {
         self.queue.lock().expect("ingress lock").push_back(a);
+        self.wake();
+    }
+
+    /// Asks the pool to cancel a released request, wherever it is.
+    pub fn cancel(&self, id: u64) {
+        self.cancels.lock().expect("ingress lock").push(id);
         self.wake();
     }
 
@@ -57,13 +64,27 @@ impl Ingress {
         }
     }
 
-    fn drain(&self) -> Vec<Admission> {
-        self.queue.lock().expect("ingress lock").drain(..).collect()
+    fn drain(&self, into: &mut PendingWork) {
+        into.admissions.extend(self.queue.lock().expect("ingress lock").drain(..));
+        into.cancels.append(&mut self.cancels.lock().expect("ingress lock"));
     }
 }
 
-/// Requests admit drained, waiting for rank 0's `schedule` to put them in its report.
-pub type Pending = Rc<RefCell<Vec<Admission>>>;
+/// What `admit` drained, waiting for rank 0's `schedule` to put it in its report.
+#[derive(Debug, Default)]
+pub struct PendingWork {
+    pub admissions: Vec<Admission>,
+    pub cancels: Vec<u64>,
+}
+
+impl PendingWork {
+    pub fn is_empty(&self) -> bool {
+        self.admissions.is_empty() && self.cancels.is_empty()
+    }
+}
+
+/// Shared between rank 0's `admit` and `schedule` (same worker).
+pub type Pending = Rc<RefCell<PendingWork>>;
 
 /// Builds `admit`. `ingress` is `Some` on rank 0 only. Returns the wake stream, broadcast.
 pub fn admit<'scope>(
@@ -107,7 +128,7 @@ pub fn admit<'scope>(
                 }
             });
             let Some(ingress) = &ingress else { return };
-            pending.borrow_mut().extend(ingress.drain());
+            ingress.drain(&mut pending.borrow_mut());
             if parked && cap.is_some() {
                 if !pending.borrow().is_empty() {
                     let c = cap.as_mut().expect("checked");

@@ -62,6 +62,7 @@ pub fn align<'scope>(
 /// `StepPlan(t)` from the complete, rank-ordered reports of `t`.
 pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Router, keys: RoutingKeys) -> StepPlan {
     let admissions: Vec<_> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.admissions)).collect();
+    let cancels: Vec<u64> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.cancels)).collect();
     let mut load: Vec<usize> = ranks.iter().map(|r| r.outstanding_tokens).collect();
     let mut routed = Vec::with_capacity(admissions.len());
     for a in admissions {
@@ -72,8 +73,8 @@ pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Route
         load[rank] += a.prompt.len() + a.max_output_tokens;
         routed.push((a, rank));
     }
-    let park = routed.is_empty() && ranks.iter().all(RankReport::idle);
-    StepPlan { step, ranks, routed, park }
+    let park = routed.is_empty() && cancels.is_empty() && ranks.iter().all(RankReport::idle);
+    StepPlan { step, ranks, routed, cancels, park }
 }
 
 #[cfg(test)]
@@ -91,6 +92,7 @@ mod tests {
             waiting: 0,
             running: 0,
             admissions: vec![],
+            cancels: vec![],
         }
     }
 
@@ -103,17 +105,18 @@ mod tests {
         assert!(plan(vec![report(0), report(1)]).park);
         // Each fact that means work, alone, keeps the pool running.
         let mut with_work = Vec::new();
-        for flip in 0..4 {
+        for flip in 0..5 {
             let mut r = vec![report(0), report(1)];
             match flip {
                 0 => r[1].scheduled_tokens = 1,
                 1 => r[1].waiting = 1,
                 2 => r[0].running = 1,
+                3 => r[0].cancels.push(4),
                 _ => r[0].admissions.push(Admission { id: 1, prompt: vec![1], max_output_tokens: 1, warmup: false }),
             }
             with_work.push(plan(r).park);
         }
-        assert_eq!(with_work, vec![false; 4]);
+        assert_eq!(with_work, vec![false; 5]);
         // Facts that are not work do not move the decision.
         let mut r = vec![report(0), report(1)];
         r[0].outstanding_tokens = 99;

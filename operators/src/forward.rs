@@ -47,6 +47,8 @@ pub fn forward<'scope>(plans: StreamVec<'scope, u64, StepPlan>, rank: Rc<RefCell
                                 rank.admit(admission.clone());
                             }
                         }
+                        let mut events = events;
+                        events.extend(rank.cancel(&plan.cancels));
                         event_session.session(&event_cap).give_iterator(events.into_iter());
                         let signal = if plan.park { LoopSignal::Parked } else { LoopSignal::Launched };
                         signal_session.session(&signal_cap).give(signal);

@@ -26,12 +26,14 @@ pub struct RankReport {
     pub waiting: usize,
     pub running: usize,
     pub admissions: Vec<Admission>,
+    /// Requests to cancel (rank 0 carries them, like admissions).
+    pub cancels: Vec<u64>,
 }
 
 impl RankReport {
     /// Whether the rank has nothing scheduled, running or waiting.
     pub fn idle(&self) -> bool {
-        self.scheduled_tokens == 0 && self.waiting == 0 && self.running == 0
+        self.scheduled_tokens == 0 && self.waiting == 0 && self.running == 0 && self.cancels.is_empty()
     }
 }
 
@@ -43,6 +45,8 @@ pub struct StepPlan {
     pub ranks: Vec<RankReport>,
     /// Every admission of `t` and the rank the router chose for it.
     pub routed: Vec<(Admission, usize)>,
+    /// Requests cancelled at `t`: whichever rank holds one frees it.
+    pub cancels: Vec<u64>,
     /// No rank has work and nothing was admitted: the pool parks after this step.
     pub park: bool,
 }

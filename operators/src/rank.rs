@@ -47,6 +47,10 @@ pub struct TestSwitches {
     /// Requests whose id is a multiple of this read their KV through a block table with its
     /// first two entries swapped on every decode step (to show `--verify` catches a wrong read).
     pub swap_block_table_every: Option<u64>,
+    /// Cancels request `id` through the pool's cancellation path as soon as the rank holding it
+    /// sees it in `stage` ("queued", "prefilling" or "decoding"): deterministic cancellation
+    /// points for tests.
+    pub cancel_at_stage: Vec<(u64, String)>,
 }
 
 /// What runs a rank's batches.
@@ -124,9 +128,56 @@ impl Rank {
         self.seqs.iter().map(Sequence::outstanding_tokens).sum()
     }
 
+    /// Where a request it holds stands: "queued", "prefilling" or "decoding".
+    fn stage(&self, index: usize) -> &'static str {
+        let seq = self.seqs.get(index);
+        if !self.scheduler.running().contains(&index) {
+            "queued"
+        } else if seq.computed < seq.prompt_len {
+            "prefilling"
+        } else {
+            "decoding"
+        }
+    }
+
+    /// Frees every request of `ids` this rank holds, wherever it stands, and reports each as
+    /// cancelled with what it had produced. Ids it does not hold are someone else's (or done).
+    pub fn cancel(&mut self, ids: &[u64]) -> Vec<Event> {
+        let mut events = Vec::new();
+        for &id in ids {
+            let Some(index) = self.seqs.index_of(id) else { continue };
+            let stage = self.stage(index);
+            self.scheduler.forget(index);
+            let mut seq = self.seqs.remove(index);
+            self.memory.release(&mut seq);
+            events.push(Event::Failed {
+                id,
+                rank: self.index,
+                cause: "cancelled".into(),
+                message: format!("cancelled while {stage}"),
+                tokens: seq.tokens.split_off(seq.prompt_len),
+                token_ms: std::mem::take(&mut seq.token_ms),
+                started_ms: seq.started_ms,
+            });
+        }
+        events
+    }
+
     /// Decides this rank's batch for the coming step and reports it.
     pub fn schedule(&mut self) -> RankReport {
         self.decided = self.scheduler.schedule(&mut self.seqs, &mut self.memory);
+        let mut cancels = Vec::new();
+        if !self.switches.cancel_at_stage.is_empty() {
+            let due: Vec<u64> = self
+                .switches
+                .cancel_at_stage
+                .iter()
+                .filter(|(id, stage)| self.seqs.index_of(*id).is_some_and(|i| self.stage(i) == stage))
+                .map(|(id, _)| *id)
+                .collect();
+            self.switches.cancel_at_stage.retain(|(id, _)| !due.contains(id));
+            cancels = due;
+        }
         RankReport {
             rank: self.index,
             scheduled_tokens: self.decided.chunks.iter().map(|c| c.len).sum(),
@@ -135,6 +186,7 @@ impl Rank {
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
             admissions: Vec::new(),
+            cancels,
         }
     }
 

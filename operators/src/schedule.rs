@@ -54,7 +54,9 @@ pub fn schedule<'scope>(
                 }
                 last_scheduled = Some(t);
                 let mut report = rank.borrow_mut().schedule();
-                report.admissions = std::mem::take(&mut *pending.borrow_mut());
+                let mut pending = pending.borrow_mut();
+                report.admissions = std::mem::take(&mut pending.admissions);
+                report.cancels.append(&mut pending.cancels);
                 out.session(&cap).give(report);
             }
         }

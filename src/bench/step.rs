@@ -8,6 +8,7 @@
 //!    measured in the same run. Last line `round_ratio=<pool over bare>`.
 
 use crate::runtime::collector::Collector;
+use crate::runtime::driver::DriverJob;
 use crate::runtime::pool::{run_pool, PoolJob};
 use crate::trace::Request;
 use crate::workload::{ArrivalMode, Selection};
@@ -22,7 +23,6 @@ use kvflow_operators::policy::router::{RouterContext, RouterRegistry};
 use kvflow_operators::policy::scheduler::{Scheduler, SchedulerConfig};
 use kvflow_operators::policy::sequence::{Sequence, Sequences};
 use kvflow_operators::rank::{Executor, TestSwitches};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -114,6 +114,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize) -> f64 {
                 waiting: s.num_waiting(),
                 running: s.num_running(),
                 admissions: Vec::new(),
+                cancels: Vec::new(),
             });
         }
         std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys));
@@ -229,8 +230,18 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u
         switches: TestSwitches::default(),
         executor: Executor::Null,
     };
-    let result =
-        run_pool(job, Some((selection, ArrivalMode::Concurrency(n), collector, rx)), Arc::new(AtomicBool::new(false)))?;
+    let result = run_pool(
+        job,
+        Some(DriverJob {
+            selection,
+            mode: ArrivalMode::Concurrency(n),
+            collector,
+            completions: rx,
+            cancel: Default::default(),
+            interrupted: Default::default(),
+            grace: std::time::Duration::from_secs(1),
+        }),
+    )?;
     let mut rank0 = None;
     for r in result.ranks {
         match r {

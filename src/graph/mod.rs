@@ -260,6 +260,10 @@ pub struct WorkloadConfig {
     pub seed: u64,
     /// Generate the trace's output lengths whatever tokens are sampled.
     pub ignore_eos: bool,
+    /// A seeded fraction of requests (0 to 1) is cancelled `cancel_after_ms` after its release,
+    /// to exercise cancellation.
+    pub cancel_fraction: f64,
+    pub cancel_after_ms: f64,
 }
 
 /// Latency objectives for goodput; each is > 0 when set.
@@ -514,6 +518,8 @@ struct RawWorkload {
     max_output_tokens: Option<Spanned<usize>>,
     seed: Option<u64>,
     ignore_eos: Option<bool>,
+    cancel_fraction: Option<Spanned<f64>>,
+    cancel_after_ms: Option<Spanned<f64>>,
 }
 
 #[derive(Default, Deserialize)]
@@ -863,6 +869,20 @@ impl<'a> Validator<'a> {
             )?,
             seed: raw.seed.unwrap_or(0),
             ignore_eos: raw.ignore_eos.unwrap_or(true),
+            cancel_fraction: self.field("workload.cancel_fraction", raw.cancel_fraction.as_ref(), 0.0, |f: f64| {
+                if (0.0..=1.0).contains(&f) {
+                    Ok(f)
+                } else {
+                    Err(format!("must be between 0 and 1, got {f}"))
+                }
+            })?,
+            cancel_after_ms: self.field("workload.cancel_after_ms", raw.cancel_after_ms.as_ref(), 0.0, |ms: f64| {
+                if ms.is_finite() && ms >= 0.0 {
+                    Ok(ms)
+                } else {
+                    Err(format!("must be a number of milliseconds ≥ 0, got {ms}"))
+                }
+            })?,
         })
     }
 

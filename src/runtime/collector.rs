@@ -96,6 +96,14 @@ impl Collector {
         let _ = self.completions.send(id);
     }
 
+    /// Requests released that have not ended yet.
+    pub fn in_flight(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> =
+            self.requests.values().filter(|r| r.done_ms.is_none() && r.error.is_none()).map(|r| r.id).collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Every request's record, in id order, and ends the progress bar.
     pub fn finish(&mut self) -> Vec<RequestRecord> {
         self.bar.finish_and_clear();

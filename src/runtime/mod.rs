@@ -3,6 +3,7 @@
 //! `--verify`, and writes `report.json` and `requests.jsonl`.
 
 pub(crate) mod collector;
+pub(crate) mod driver;
 mod memory;
 pub(crate) mod pool;
 mod verify;
@@ -17,6 +18,7 @@ use crate::trace::{read_trace, synthesize, SynthOptions, TraceFormat};
 use crate::workload::{select, ArrivalMode, Selection};
 use anyhow::{anyhow, bail, Context, Result};
 use collector::Collector;
+use driver::{CancelPlan, DriverJob};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
 use kvflow_operators::rank::TestSwitches;
@@ -25,7 +27,7 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Exit status: all good.
 pub const EXIT_OK: i32 = 0;
@@ -45,6 +47,10 @@ pub struct RunOptions {
     pub verify: bool,
     pub show_progress: bool,
     pub switches: TestSwitches,
+    /// Set to stop the run as if by Ctrl-C (the CLI's signal handler sets it).
+    pub interrupt: Option<Arc<AtomicBool>>,
+    /// How long in-flight requests may finish after an interrupt before they are cancelled.
+    pub grace: Option<Duration>,
 }
 
 /// What a run produced.
@@ -159,10 +165,9 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         switches: opts.switches.clone(),
         executor,
     };
-    let stop = Arc::new(AtomicBool::new(false));
     let is_driver = opts.cluster.as_ref().is_none_or(|c| c.process == 0);
     if !is_driver {
-        let result = run_pool(job, None, stop)?;
+        let result = run_pool(job, None)?;
         check_ranks(&result.ranks)?;
         return Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code: EXIT_OK, note: None });
     }
@@ -173,8 +178,21 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     let (tx, rx) = std::sync::mpsc::channel();
     let collector = Collector::new(&pool.name, selection.requests.len(), tx, opts.show_progress);
-    let mode = arrival_mode(graph);
-    let result = run_pool(job, Some((selection, mode, collector.clone(), rx)), stop)?;
+    let interrupted = opts.interrupt.clone().unwrap_or_default();
+    let driver = DriverJob {
+        selection,
+        mode: arrival_mode(graph),
+        collector: collector.clone(),
+        completions: rx,
+        cancel: CancelPlan {
+            fraction: graph.workload.cancel_fraction,
+            after_ms: graph.workload.cancel_after_ms,
+            seed: graph.workload.seed,
+        },
+        interrupted: interrupted.clone(),
+        grace: opts.grace.unwrap_or(Duration::from_secs(10)),
+    };
+    let result = run_pool(job, Some(driver))?;
     let stats = check_ranks(&result.ranks)?;
     let records = collector.lock().expect("collector lock").finish();
     let verify = if opts.verify {
@@ -191,6 +209,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         "trace": graph.workload.trace.as_ref().map(|t| t.display().to_string()),
         "mode": graph.workload.mode.name(),
         "note": note,
+        "interrupted": interrupted.load(std::sync::atomic::Ordering::SeqCst),
         "wall_s": started.elapsed().as_secs_f64(),
         "memory": {"blocks_per_rank": layout.blocks, "block_size": layout.block_size, "slots_per_rank": layout.slots, "snapshots_per_rank": layout.snapshots},
         "utilization": utilization(&stats),

@@ -8,16 +8,15 @@
 //!                        └────────── feedback: Launched/Parked (t+1) ◀──────────────────┘
 //! ```
 
-use crate::runtime::collector::{spawn_collector_thread, CollectorSink, SharedCollector};
-use crate::trace::Request;
-use crate::workload::{drive, ArrivalMode, Selection};
+use crate::runtime::collector::{spawn_collector_thread, CollectorSink};
+use crate::runtime::driver::{spawn_driver, DriverJob};
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::admit::{admit, Ingress};
 use kvflow_operators::align::{align, RoutingKeys};
 use kvflow_operators::emit::{emit, EventSink};
 use kvflow_operators::forward::forward;
-use kvflow_operators::messages::{Admission, LoopSignal};
+use kvflow_operators::messages::LoopSignal;
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
@@ -25,8 +24,6 @@ use kvflow_operators::rank::{Executor, Rank, RankStats, TestSwitches};
 use kvflow_operators::schedule::schedule;
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::AtomicBool;
-use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use timely::dataflow::operators::{ConnectLoop, Feedback};
 
@@ -86,49 +83,13 @@ fn timely_config(job: &PoolJob) -> Result<timely::Config> {
 
 /// Runs the pool until the workload is done. On process 0 (or without a cluster), drives the
 /// workload `selection` under `mode`, recording into `collector`.
-pub fn run_pool(
-    job: PoolJob,
-    workload: Option<(Selection, ArrivalMode, SharedCollector, Receiver<u64>)>,
-    stop: Arc<AtomicBool>,
-) -> Result<PoolResult> {
+pub fn run_pool(job: PoolJob, workload: Option<DriverJob>) -> Result<PoolResult> {
     let config = timely_config(&job)?;
     let ingress = Arc::new(Ingress::default());
     let is_driver = workload.is_some();
-    let collector_thread = workload.as_ref().map(|w| spawn_collector_thread(w.2.clone()));
+    let collector_thread = workload.as_ref().map(|w| spawn_collector_thread(w.collector.clone()));
     let sink_parts = collector_thread.as_ref().map(|(tx, _)| tx.clone());
-    let driver = workload.map(|(selection, mode, collector, completions)| {
-        let ingress = ingress.clone();
-        let stop = stop.clone();
-        std::thread::Builder::new()
-            .name("kvflow-driver".into())
-            .spawn(move || {
-                let warmup = selection.warmup;
-                let outcome = drive(
-                    &selection,
-                    &mode,
-                    |req: Request| {
-                        let is_warmup = (req.id as usize) < warmup;
-                        collector.lock().expect("collector lock").released(
-                            req.id,
-                            &req.prompt,
-                            req.max_output_tokens,
-                            is_warmup,
-                        );
-                        ingress.push(Admission {
-                            id: req.id,
-                            prompt: req.prompt,
-                            max_output_tokens: req.max_output_tokens,
-                            warmup: is_warmup,
-                        });
-                    },
-                    &completions,
-                    &stop,
-                );
-                ingress.close();
-                outcome
-            })
-            .expect("spawn the workload driver")
-    });
+    let driver = workload.map(|job| spawn_driver(job, ingress.clone()));
 
     let PoolJob { model, layout, scheduler, router, switches, executor, .. } = job;
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
@@ -140,7 +101,7 @@ pub fn run_pool(
         let rank = Rc::new(RefCell::new(
             Rank::new(index, model.clone(), layout, scheduler).with_switches(switches.clone()).with_executor(executor),
         ));
-        let pending = Rc::new(RefCell::new(Vec::new()));
+        let pending = Rc::new(RefCell::new(Default::default()));
         let ingress = (index == 0 && is_driver).then(|| ingress_for_workers.clone());
         let sink: Option<Box<dyn EventSink>> = if index == 0 {
             sink_parts

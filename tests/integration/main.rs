@@ -4,6 +4,7 @@ mod bad_input;
 mod batch_invariance;
 mod common;
 mod hf_fixtures;
+mod operability;
 mod recurrent_state;
 mod registry;
 mod runtime;

@@ -19,7 +19,13 @@ impl Router for LastRank {
 #[test]
 fn a_router_registered_outside_kvflow_runs_from_a_graph() {
     let dir = tempfile::tempdir().unwrap();
-    let graph_path = write_graph(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8", "64 MiB");
+    let graph_path = write_graph(
+        dir.path(),
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8",
+        "64 MiB",
+    );
     let text = std::fs::read_to_string(&graph_path).unwrap().replace("ranks = 2", "ranks = 3\nrouter = \"last-rank\"");
     std::fs::write(&graph_path, text).unwrap();
     // Without the registration the graph is rejected by name.

@@ -162,7 +162,11 @@ fn verify_catches_a_swapped_block_table_entry_in_exactly_the_affected_requests()
         "64 MiB",
     );
     let every = 3;
-    let report = run_graph(&graph, Overrides::default(), TestSwitches { swap_block_table_every: Some(every) });
+    let report = run_graph(
+        &graph,
+        Overrides::default(),
+        TestSwitches { swap_block_table_every: Some(every), ..Default::default() },
+    );
     let records: Vec<Value> = std::fs::read_to_string(dir.path().join("out/requests.jsonl"))
         .unwrap()
         .lines()
