@@ -133,6 +133,8 @@ mod tests {
                 max_output_tokens: None,
                 seed: 0,
                 ignore_eos: true,
+                cancel_fraction: 0.0,
+                cancel_after_ms: 0.0,
             },
             slo: SloConfig { ttft_ms: None, tpot_ms: None },
             report_dir: PathBuf::from("out/pd"),

@@ -1098,6 +1098,8 @@ mod tests {
                 max_output_tokens: None,
                 seed: 0,
                 ignore_eos: true,
+                cancel_fraction: 0.0,
+                cancel_after_ms: 0.0,
             }
         );
         assert_eq!(graph.slo, SloConfig { ttft_ms: None, tpot_ms: None });

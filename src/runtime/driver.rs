@@ -15,6 +15,10 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// Cancellations waiting for their time: `(due µs since the driver started, request id)`,
+/// earliest first.
+type DueCancels = BinaryHeap<std::cmp::Reverse<(u128, u64)>>;
+
 /// Which requests the workload cancels, and when.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CancelPlan {
@@ -59,7 +63,7 @@ fn run(job: DriverJob, ingress: Arc<Ingress>) {
     let DriverJob { selection, mode, collector, completions, cancel, interrupted, grace } = job;
     let warmup = selection.warmup;
     // Cancellations due: (due time, id), earliest first.
-    let due: Arc<std::sync::Mutex<BinaryHeap<std::cmp::Reverse<(u128, u64)>>>> = Default::default();
+    let due: Arc<std::sync::Mutex<DueCancels>> = Default::default();
     let epoch = Instant::now();
     let canceller_done = Arc::new(AtomicBool::new(false));
     let canceller = (cancel.fraction > 0.0).then(|| {
