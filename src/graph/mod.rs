@@ -1168,6 +1168,8 @@ mod tests {
                 max_output_tokens: Some(32),
                 seed: 1,
                 ignore_eos: true,
+                cancel_fraction: 0.0,
+                cancel_after_ms: 0.0,
             }
         );
         assert_eq!(graph.slo, SloConfig { ttft_ms: Some(2000.0), tpot_ms: Some(200.0) });
