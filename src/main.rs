@@ -97,6 +97,16 @@ struct RunArgs {
     /// After Ctrl-C, seconds in-flight requests may finish before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     grace_period: f64,
+    /// Seconds without any progress, with requests pending, before the run is declared stalled
+    /// (it prints which operator on which rank holds which step, and exits with status 3).
+    #[arg(long, default_value_t = 60.0)]
+    stall_timeout: f64,
+    /// Test only: `OPERATOR:RANK:STEP` makes that operator keep a capability for that step.
+    #[arg(long, hide = true)]
+    test_hold_capability: Option<String>,
+    /// Test only: `align` does not wait for every rank's report (removes collective alignment).
+    #[arg(long, hide = true)]
+    test_align_without_waiting: bool,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -220,6 +230,7 @@ fn run_graph(args: RunArgs) -> Result<i32> {
     let opts = RunOptions {
         interrupt: Some(interrupt),
         grace: Some(std::time::Duration::from_secs_f64(args.grace_period)),
+        stall_timeout: Some(std::time::Duration::from_secs_f64(args.stall_timeout)),
         pool: args.pool,
         cluster,
         verify: args.verify,
@@ -227,6 +238,17 @@ fn run_graph(args: RunArgs) -> Result<i32> {
         switches: kvflow_operators::rank::TestSwitches {
             swap_block_table_every: args.test_swap_block_table_every,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
+            align_without_waiting: args.test_align_without_waiting,
+            hold_capability: match args.test_hold_capability.as_deref() {
+                None => None,
+                Some(text) => {
+                    let parts: Vec<&str> = text.split(':').collect();
+                    let [op, rank, step] = parts[..] else {
+                        anyhow::bail!("expected OPERATOR:RANK:STEP, got {text:?}")
+                    };
+                    Some((op.to_string(), rank.parse()?, step.parse()?))
+                }
+            },
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

@@ -91,6 +91,7 @@ pub fn admit<'scope>(
     feedback: StreamVec<'scope, u64, LoopSignal>,
     ingress: Option<Arc<Ingress>>,
     pending: Pending,
+    hold_at: Option<u64>,
 ) -> StreamVec<'scope, u64, u64> {
     let scope = feedback.scope();
     let mut builder = OperatorBuilder::new("admit".to_string(), scope);
@@ -108,6 +109,7 @@ pub fn admit<'scope>(
             cap = None; // only rank 0 can wake the pool
         }
         let mut parked = true; // nothing runs before the first request
+        let mut held = Vec::new(); // test switch: capabilities kept forever
         move |_frontiers| {
             input.for_each_stamp(|stamp, data| {
                 let Some(&t) = stamp.least() else { return };
@@ -127,6 +129,11 @@ pub fn admit<'scope>(
                     }
                 }
             });
+            if let (Some(c), Some(t)) = (cap.as_ref(), hold_at) {
+                if *c.time() == t && held.is_empty() {
+                    held.push(c.clone());
+                }
+            }
             let Some(ingress) = &ingress else { return };
             ingress.drain(&mut pending.borrow_mut());
             if parked && cap.is_some() {

@@ -24,7 +24,11 @@ pub struct ForwardOutputs<'scope> {
     pub events: StreamVec<'scope, u64, Event>,
 }
 
-pub fn forward<'scope>(plans: StreamVec<'scope, u64, StepPlan>, rank: Rc<RefCell<Rank>>) -> ForwardOutputs<'scope> {
+pub fn forward<'scope>(
+    plans: StreamVec<'scope, u64, StepPlan>,
+    rank: Rc<RefCell<Rank>>,
+    hold_at: Option<u64>,
+) -> ForwardOutputs<'scope> {
     let mut builder = OperatorBuilder::new("forward".to_string(), plans.scope());
     let mut input = builder.new_input(plans, Pipeline);
     let (signal_out, signals) = builder.new_output();
@@ -32,6 +36,7 @@ pub fn forward<'scope>(plans: StreamVec<'scope, u64, StepPlan>, rank: Rc<RefCell
     let mut signal_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<LoopSignal>>>::from(signal_out);
     let mut event_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<Event>>>::from(event_out);
     builder.build(move |_caps| {
+        let mut held = Vec::new(); // test switch: capabilities kept forever
         move |_frontiers| {
             let mut signal_session = signal_out.activate();
             let mut event_session = event_out.activate();
@@ -53,6 +58,9 @@ pub fn forward<'scope>(plans: StreamVec<'scope, u64, StepPlan>, rank: Rc<RefCell
                         let signal = if plan.park { LoopSignal::Parked } else { LoopSignal::Launched };
                         signal_session.session(&signal_cap).give(signal);
                     }
+                }
+                if hold_at == Some(*signal_cap.time()) {
+                    held.push(signal_cap);
                 }
             });
         }

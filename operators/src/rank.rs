@@ -51,6 +51,19 @@ pub struct TestSwitches {
     /// sees it in `stage` ("queued", "prefilling" or "decoding"): deterministic cancellation
     /// points for tests.
     pub cancel_at_stage: Vec<(u64, String)>,
+    /// `(operator, rank, step)`: that operator on that rank keeps a capability for that step
+    /// forever, to show the stall watchdog names exactly it.
+    pub hold_capability: Option<(String, usize, u64)>,
+    /// `align` plans from the reports it has instead of waiting for the frontier to pass the
+    /// step (removes the collective-alignment mechanism).
+    pub align_without_waiting: bool,
+}
+
+impl TestSwitches {
+    /// The step at which `operator` on `rank` must hold its capability, if any.
+    pub fn hold_at(&self, operator: &str, rank: usize) -> Option<u64> {
+        self.hold_capability.as_ref().filter(|(o, r, _)| o == operator && *r == rank).map(|(_, _, t)| *t)
+    }
 }
 
 /// What runs a rank's batches.

@@ -23,6 +23,7 @@ pub fn schedule<'scope>(
     wakes: StreamVec<'scope, u64, u64>,
     rank: Rc<RefCell<Rank>>,
     pending: Pending,
+    hold_at: Option<u64>,
 ) -> StreamVec<'scope, u64, RankReport> {
     let mut builder = OperatorBuilder::new("schedule".to_string(), feedback.scope());
     let mut launched = builder.new_input(feedback, Pipeline);
@@ -31,6 +32,7 @@ pub fn schedule<'scope>(
     let mut output = OutputBuilder::<_, timely::container::CapacityContainerBuilder<Vec<RankReport>>>::from(output);
     builder.build(move |_caps| {
         let mut last_scheduled: Option<u64> = None;
+        let mut held = Vec::new(); // test switch: capabilities kept forever
         move |_frontiers| {
             let mut out = output.activate();
             let mut triggers = Vec::new();
@@ -58,6 +60,9 @@ pub fn schedule<'scope>(
                 report.admissions = std::mem::take(&mut pending.admissions);
                 report.cancels.append(&mut pending.cancels);
                 out.session(&cap).give(report);
+                if hold_at == Some(t) {
+                    held.push(cap);
+                }
             }
         }
     });

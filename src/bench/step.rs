@@ -241,6 +241,7 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u
             interrupted: Default::default(),
             grace: std::time::Duration::from_secs(1),
         }),
+        None,
     )?;
     let mut rank0 = None;
     for r in result.ranks {

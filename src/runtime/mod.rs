@@ -7,6 +7,7 @@ pub(crate) mod driver;
 mod memory;
 pub(crate) mod pool;
 mod verify;
+mod watchdog;
 
 pub use memory::plan_memory;
 pub use pool::ClusterPlace;
@@ -51,6 +52,9 @@ pub struct RunOptions {
     pub interrupt: Option<Arc<AtomicBool>>,
     /// How long in-flight requests may finish after an interrupt before they are cancelled.
     pub grace: Option<Duration>,
+    /// With requests pending, how long no capability may change before the run is declared
+    /// stalled (default 60 s).
+    pub stall_timeout: Option<Duration>,
 }
 
 /// What a run produced.
@@ -167,7 +171,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     };
     let is_driver = opts.cluster.as_ref().is_none_or(|c| c.process == 0);
     if !is_driver {
-        let result = run_pool(job, None)?;
+        let result = run_pool(job, None, None)?;
         check_ranks(&result.ranks)?;
         return Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code: EXIT_OK, note: None });
     }
@@ -192,7 +196,28 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         interrupted: interrupted.clone(),
         grace: opts.grace.unwrap_or(Duration::from_secs(10)),
     };
-    let result = run_pool(job, Some(driver))?;
+    let stall = {
+        let (collector, dir, slo) = (
+            collector.clone(),
+            graph.report_dir.clone(),
+            Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms },
+        );
+        pool::StallWatch {
+            timeout: opts.stall_timeout.unwrap_or(Duration::from_secs(60)),
+            on_stall: Box::new(move |diagnosis: String| {
+                eprintln!("{diagnosis}");
+                // Keep what completed: a partial report, marked stalled.
+                let records = collector.lock().map(|mut c| c.finish()).unwrap_or_default();
+                let report =
+                    build_report(&records, &slo, &Default::default(), json!({"stalled": true, "stall": diagnosis}));
+                if let Err(e) = write_outputs(&dir, &report, &records) {
+                    eprintln!("cannot write the partial report: {e}");
+                }
+                std::process::exit(EXIT_STALL);
+            }),
+        }
+    };
+    let result = run_pool(job, Some(driver), Some(stall))?;
     let stats = check_ranks(&result.ranks)?;
     let records = collector.lock().expect("collector lock").finish();
     let verify = if opts.verify {

@@ -10,6 +10,7 @@
 
 use crate::runtime::collector::{spawn_collector_thread, CollectorSink};
 use crate::runtime::driver::{spawn_driver, DriverJob};
+use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::admit::{admit, Ingress};
@@ -24,7 +25,9 @@ use kvflow_operators::rank::{Executor, Rank, RankStats, TestSwitches};
 use kvflow_operators::schedule::schedule;
 use std::cell::RefCell;
 use std::rc::Rc;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use timely::dataflow::operators::{ConnectLoop, Feedback};
 
 /// Where this process sits in a pool spread over several processes.
@@ -83,10 +86,27 @@ fn timely_config(job: &PoolJob) -> Result<timely::Config> {
 
 /// Runs the pool until the workload is done. On process 0 (or without a cluster), drives the
 /// workload `selection` under `mode`, recording into `collector`.
-pub fn run_pool(job: PoolJob, workload: Option<DriverJob>) -> Result<PoolResult> {
+/// What the stall watchdog of process 0 needs.
+pub struct StallWatch {
+    pub timeout: Duration,
+    /// Called with the diagnosis; expected to end the process.
+    pub on_stall: Box<dyn FnOnce(String) + Send>,
+}
+
+pub fn run_pool(job: PoolJob, workload: Option<DriverJob>, stall: Option<StallWatch>) -> Result<PoolResult> {
     let config = timely_config(&job)?;
     let ingress = Arc::new(Ingress::default());
     let is_driver = workload.is_some();
+    let watch = Watch::default();
+    let finished = Arc::new(AtomicBool::new(false));
+    let watchdog = match (stall, workload.as_ref()) {
+        (Some(stall), Some(w)) => {
+            let collector = w.collector.clone();
+            let pending = move || collector.lock().expect("collector lock").in_flight().len();
+            Some(watch.clone().spawn(stall.timeout, pending, finished.clone(), stall.on_stall))
+        }
+        _ => None,
+    };
     let collector_thread = workload.as_ref().map(|w| spawn_collector_thread(w.collector.clone()));
     let sink_parts = collector_thread.as_ref().map(|(tx, _)| tx.clone());
     let driver = workload.map(|job| spawn_driver(job, ingress.clone()));
@@ -95,7 +115,9 @@ pub fn run_pool(job: PoolJob, workload: Option<DriverJob>) -> Result<PoolResult>
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let ingress_for_workers = ingress.clone();
     let sink_parts = Mutex::new(sink_parts);
+    let watch_for_workers = watch.clone();
     let guards = timely::execute(config, move |worker| {
+        watch_for_workers.register(worker);
         let index = worker.index();
         let peers = worker.peers();
         let rank = Rc::new(RefCell::new(
@@ -114,12 +136,14 @@ pub fn run_pool(job: PoolJob, workload: Option<DriverJob>) -> Result<PoolResult>
         };
         let route = router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens });
         let rank_for_graph = rank.clone();
+        let holds = ["admit", "schedule", "align", "forward"].map(|op| switches.hold_at(op, index));
+        let align_without_waiting = switches.align_without_waiting;
         worker.dataflow::<u64, _, _>(move |scope| {
             let (loop_handle, feedback) = scope.feedback::<Vec<LoopSignal>>(1);
-            let wakes = admit(feedback.clone(), ingress, pending.clone());
-            let reports = schedule(feedback, wakes, rank_for_graph.clone(), pending);
-            let plans = align(reports, peers, route, keys);
-            let out = forward(plans, rank_for_graph);
+            let wakes = admit(feedback.clone(), ingress, pending.clone(), holds[0]);
+            let reports = schedule(feedback, wakes, rank_for_graph.clone(), pending, holds[1]);
+            let plans = align(reports, peers, route, keys, holds[2], align_without_waiting);
+            let out = forward(plans, rank_for_graph, holds[3]);
             out.signals.connect_loop(loop_handle);
             emit(out.events, sink);
         });
@@ -137,6 +161,10 @@ pub fn run_pool(job: PoolJob, workload: Option<DriverJob>) -> Result<PoolResult>
     if let Some((tx, handle)) = collector_thread {
         drop(tx);
         handle.join().map_err(|_| anyhow!("the collector thread panicked"))?;
+    }
+    finished.store(true, std::sync::atomic::Ordering::SeqCst);
+    if let Some(w) = watchdog {
+        let _ = w.join();
     }
     if let Some(d) = driver {
         d.join().map_err(|_| anyhow!("the workload driver panicked"))?;

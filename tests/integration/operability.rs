@@ -127,3 +127,64 @@ fn ctrl_c_ends_a_replay_within_the_grace_period_with_a_partial_report() {
     assert!(lines.iter().all(|l| l["id"].is_u64()));
     let _ = repo();
 }
+
+/// A graph for the stall tests: 3 ranks, enough requests to keep running for dozens of steps.
+fn stall_graph(dir: &Path) -> std::path::PathBuf {
+    write_graph(
+        dir,
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 6\nlimit = 30",
+        "64 MiB",
+    )
+}
+
+#[test]
+fn the_stall_diagnosis_names_the_operator_rank_and_step_holding_the_pool() {
+    // A random operator, rank and step (printed, so a failure can be replayed).
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    let pick = |n: u64, salt: u64| (seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(salt as u32 * 13) >> 7) % n;
+    let operators = ["admit", "schedule", "align", "forward"];
+    let operator = operators[pick(4, 1) as usize];
+    let rank = if operator == "admit" { 0 } else { pick(3, 2) }; // admit holds capabilities on rank 0 only
+    let step = 3 + pick(8, 3);
+    eprintln!("holding {operator} on rank {rank} at step {step} (seed {seed})");
+    let dir = tempfile::tempdir().unwrap();
+    let graph = stall_graph(dir.path());
+    let hold = format!("{operator}:{rank}:{step}");
+    let started = Instant::now();
+    let out = run_cli(&[
+        "run",
+        &graph.to_string_lossy(),
+        "--ranks",
+        "3",
+        "--stall-timeout",
+        "2",
+        "--test-hold-capability",
+        &hold,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let expected = format!("holding the pool back: operator `{operator}` on rank {rank} holds step {step} ");
+    assert!(stderr.contains(&expected), "expected {expected:?} in:\n{stderr}");
+    assert_eq!(stderr.matches("holding the pool back").count(), 1, "exactly one culprit:\n{stderr}");
+    assert_eq!(report(dir.path())["stalled"], true, "a partial report is written");
+}
+
+#[test]
+fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
+    // Guarantee "collective alignment" (tests/GUARANTEES.md): with the frontier wait in `align`,
+    // every rank derives the same plan and every request returns; without it, ranks plan from
+    // partial reports, disagree on admissions, and requests never return.
+    let dir = tempfile::tempdir().unwrap();
+    let graph = stall_graph(dir.path());
+    let g = graph.to_string_lossy().to_string();
+    let with = run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "5"]);
+    assert!(with.status.success(), "{}", String::from_utf8_lossy(&with.stderr));
+    assert_eq!(report(dir.path())["completed"], 30);
+    let without = run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "3", "--test-align-without-waiting"]);
+    assert_eq!(without.status.code(), Some(3), "{}", String::from_utf8_lossy(&without.stderr));
+    let r = report(dir.path());
+    assert!(r["completed"].as_u64().unwrap() < 30, "requests were lost: {r}");
+}

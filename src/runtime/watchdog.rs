@@ -1,0 +1,231 @@
+//! The stall watchdog. Each worker registers timely's own log streams before building its
+//! dataflow; a thread on process 0 watches them, and when no capability in the pool changes for
+//! `--stall-timeout` seconds while requests are pending it prints who holds the pool back and the
+//! run ends with status 3.
+//!
+//! The diagnosis is built from timely's logging, not from kvflow's bookkeeping:
+//! - `timely/reachability/u64` (worker 0): the tracker's source pointstamps, i.e. every
+//!   capability held anywhere in the pool, per operator, output port and time;
+//! - `timely/progress/u64` (worker 0): progress messages received from every worker, whose
+//!   capability updates summed per source worker say which rank holds each capability;
+//! - `timely` (every local worker): operator names and channels (to tell the operator holding
+//!   the pool back from those merely waiting behind it), and park events — a worker whose last
+//!   flushed event is not a park and that has flushed nothing for the timeout is stuck inside an
+//!   operator (its buffered events never flush).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use timely::logging::{TimelyEvent, TimelyEventBuilder, TimelyProgressEventBuilder};
+use timely::progress::reachability::logging::{TrackerEvent, TrackerEventBuilder};
+use timely::worker::Worker;
+
+#[derive(Default)]
+struct WorkerView {
+    /// When this worker last flushed its logs (the end of each of its steps).
+    last_flush: Option<Instant>,
+    /// Whether its last flushed event was a park (idle, not stuck).
+    parked: bool,
+}
+
+#[derive(Default)]
+struct Seen {
+    last_change: Option<Instant>,
+    /// Operator names by node index in the pool's dataflow.
+    names: HashMap<usize, String>,
+    /// Channels: (source node, port) → target node.
+    edges: Vec<((usize, usize), usize)>,
+    /// Global capability counts from the tracker: (node, port, time) → count.
+    capabilities: BTreeMap<(usize, usize, u64), i64>,
+    /// Capability updates from progress messages, per source worker: (worker, node, port, time).
+    by_worker: HashMap<(usize, usize, usize, u64), i64>,
+    workers: BTreeMap<usize, WorkerView>,
+}
+
+/// Shared between the workers' loggers and the watchdog thread.
+#[derive(Clone, Default)]
+pub struct Watch {
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Watch {
+    /// Registers timely's log streams on a worker; call before it builds its dataflow.
+    pub fn register(&self, worker: &mut Worker) {
+        let index = worker.index();
+        let Some(mut registry) = worker.log_register() else { return };
+        let seen = self.seen.clone();
+        registry.insert::<TimelyEventBuilder, _>("timely", move |_time, data| {
+            let mut s = seen.lock().expect("watch lock");
+            let view = s.workers.entry(index).or_default();
+            view.last_flush = Some(Instant::now());
+            let Some(events) = data else { return };
+            if let Some((_, last)) = events.last() {
+                view.parked = matches!(last, TimelyEvent::Park(timely::logging::ParkEvent::Park(_)));
+            }
+            if index != 0 {
+                return;
+            }
+            for (_, event) in events.iter() {
+                match event {
+                    TimelyEvent::Operates(op) if op.addr.len() == 2 => {
+                        s.names.insert(op.addr[1], op.name.clone());
+                    }
+                    TimelyEvent::Channels(ch) if ch.scope_addr.len() == 1 => s.edges.push((ch.source, ch.target.0)),
+                    _ => {}
+                }
+            }
+        });
+        if index != 0 {
+            return;
+        }
+        let seen = self.seen.clone();
+        registry.insert::<TrackerEventBuilder<u64>, _>("timely/reachability/u64", move |_time, data| {
+            let Some(events) = data else { return };
+            let mut s = seen.lock().expect("watch lock");
+            let mut changed = false;
+            for (_, event) in events.iter() {
+                if let TrackerEvent::SourceUpdate(update) = event {
+                    for (node, port, time, diff) in &update.updates {
+                        *s.capabilities.entry((*node, *port, *time)).or_default() += diff;
+                        changed = true;
+                    }
+                }
+            }
+            s.capabilities.retain(|_, c| *c != 0);
+            if changed {
+                s.last_change = Some(Instant::now());
+            }
+        });
+        let seen = self.seen.clone();
+        registry.insert::<TimelyProgressEventBuilder<u64>, _>("timely/progress/u64", move |_time, data| {
+            let Some(events) = data else { return };
+            let mut s = seen.lock().expect("watch lock");
+            for (_, event) in events.iter().filter(|(_, e)| !e.is_send) {
+                for (node, port, time, diff) in &event.internal {
+                    *s.by_worker.entry((event.source, *node, *port, *time)).or_default() += diff;
+                }
+            }
+            s.by_worker.retain(|_, c| *c != 0);
+        });
+    }
+
+    /// When a capability last changed anywhere in the pool.
+    fn last_change(&self) -> Option<Instant> {
+        self.seen.lock().expect("watch lock").last_change
+    }
+
+    /// Who holds the pool back, in words.
+    pub fn diagnose(&self, stalled_for: Duration, timeout: Duration) -> String {
+        let s = self.seen.lock().expect("watch lock");
+        let name = |node: usize| s.names.get(&node).cloned().unwrap_or_else(|| format!("operator #{node}"));
+        let mut out = Vec::new();
+        for (rank, view) in &s.workers {
+            if let (false, Some(last)) = (view.parked, view.last_flush) {
+                if last.elapsed() >= timeout {
+                    out.push(format!(
+                        "  rank {rank} is stuck inside an operator: its step has not returned for {:.1} s",
+                        last.elapsed().as_secs_f64()
+                    ));
+                }
+            }
+        }
+        // Capabilities held now, and by which ranks.
+        let held: Vec<(usize, usize, u64)> = s.capabilities.iter().filter(|(_, c)| **c > 0).map(|(k, _)| *k).collect();
+        let holders = |node: usize, port: usize, time: u64| -> Vec<usize> {
+            let mut ranks: Vec<usize> = s
+                .by_worker
+                .iter()
+                .filter(|((_, n, p, t), c)| *n == node && *p == port && *t == time && **c > 0)
+                .map(|((w, ..), _)| *w)
+                .collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            ranks
+        };
+        // The operator holding the pool back: it holds the earliest time, and is not downstream
+        // (through operators that do not advance time) of another holder of that time.
+        let earliest = held.iter().map(|h| h.2).min();
+        let downstream_of = |from: usize| -> HashSet<usize> {
+            let mut reached = HashSet::new();
+            let mut todo = vec![from];
+            while let Some(n) = todo.pop() {
+                for &((src, _), dst) in &s.edges {
+                    let advances_time = s.names.get(&src).is_some_and(|n| n.contains("Feedback"));
+                    if src == n && !advances_time && reached.insert(dst) {
+                        todo.push(dst);
+                    }
+                }
+            }
+            reached
+        };
+        let at_earliest: Vec<&(usize, usize, u64)> = held.iter().filter(|h| Some(h.2) == earliest).collect();
+        let blocked: HashSet<usize> = at_earliest.iter().flat_map(|h| downstream_of(h.0)).collect();
+        for &&(node, port, time) in &at_earliest {
+            if blocked.contains(&node) {
+                continue;
+            }
+            let ranks = holders(node, port, time);
+            let who = match ranks.as_slice() {
+                [] => "on an unknown rank".to_string(),
+                [one] => format!("on rank {one}"),
+                many => format!("on ranks {}", many.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", ")),
+            };
+            out.push(format!(
+                "  holding the pool back: operator `{}` {who} holds step {time} (output {port})",
+                name(node)
+            ));
+        }
+        let waiting: Vec<String> = held
+            .iter()
+            .filter(|h| !(Some(h.2) == earliest && !blocked.contains(&h.0)))
+            .map(|&(node, port, time)| {
+                let ranks = holders(node, port, time);
+                format!("`{}` at step {time} (ranks {:?})", name(node), ranks)
+            })
+            .collect();
+        if !waiting.is_empty() {
+            out.push(format!("  waiting behind it: {}", waiting.join(", ")));
+        }
+        if out.is_empty() {
+            out.push("  no operator holds a capability: the pool is parked with work pending".into());
+        }
+        format!(
+            "stall: no capability changed for {:.1} s while requests are pending\n{}",
+            stalled_for.as_secs_f64(),
+            out.join("\n")
+        )
+    }
+
+    /// Watches on a thread: when `pending()` is non-zero and nothing changed for `timeout`,
+    /// calls `on_stall` with the diagnosis (which is expected to end the process).
+    pub fn spawn(
+        self,
+        timeout: Duration,
+        pending: impl Fn() -> usize + Send + 'static,
+        done: Arc<std::sync::atomic::AtomicBool>,
+        on_stall: impl FnOnce(String) + Send + 'static,
+    ) -> std::thread::JoinHandle<()> {
+        std::thread::Builder::new()
+            .name("kvflow-watchdog".into())
+            .spawn(move || {
+                let started = Instant::now();
+                let mut quiet_since = Instant::now();
+                let mut last_seen = None;
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(100));
+                    let change = self.last_change();
+                    if change != last_seen || pending() == 0 {
+                        last_seen = change;
+                        quiet_since = Instant::now();
+                        continue;
+                    }
+                    let quiet = quiet_since.elapsed();
+                    if quiet >= timeout && started.elapsed() >= timeout {
+                        on_stall(self.diagnose(quiet, timeout));
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the watchdog")
+    }
+}
