@@ -177,7 +177,7 @@ impl Watch {
         }
         let waiting: Vec<String> = held
             .iter()
-            .filter(|h| !(Some(h.2) == earliest && !blocked.contains(&h.0)))
+            .filter(|h| Some(h.2) != earliest || blocked.contains(&h.0))
             .map(|&(node, port, time)| {
                 let ranks = holders(node, port, time);
                 format!("`{}` at step {time} (ranks {:?})", name(node), ranks)
