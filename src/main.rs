@@ -107,6 +107,9 @@ struct RunArgs {
     /// Test only: `align` does not wait for every rank's report (removes collective alignment).
     #[arg(long, hide = true)]
     test_align_without_waiting: bool,
+    /// Test only: `RANK:STEP` makes that rank's forward sleep inside that step.
+    #[arg(long, hide = true)]
+    test_stuck_in_forward: Option<String>,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -239,6 +242,14 @@ fn run_graph(args: RunArgs) -> Result<i32> {
             swap_block_table_every: args.test_swap_block_table_every,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
+            stuck_in_forward: match args.test_stuck_in_forward.as_deref() {
+                None => None,
+                Some(text) => {
+                    let (rank, step) =
+                        text.split_once(':').ok_or_else(|| anyhow::anyhow!("expected RANK:STEP, got {text:?}"))?;
+                    Some((rank.parse()?, step.parse()?))
+                }
+            },
             hold_capability: match args.test_hold_capability.as_deref() {
                 None => None,
                 Some(text) => {

@@ -57,6 +57,9 @@ pub struct TestSwitches {
     /// `align` plans from the reports it has instead of waiting for the frontier to pass the
     /// step (removes the collective-alignment mechanism).
     pub align_without_waiting: bool,
+    /// `(rank, step)`: that rank's forward sleeps (for an hour) inside step `step`, to show the
+    /// stall watchdog notices a worker stuck inside an operator.
+    pub stuck_in_forward: Option<(usize, u64)>,
 }
 
 impl TestSwitches {
@@ -206,6 +209,9 @@ impl Rank {
     /// Runs the decided batch (an idle rank runs the empty step: on the CPU executor, nothing),
     /// samples, advances every sequence, and returns what happened.
     pub fn execute(&mut self) -> Vec<Event> {
+        if self.switches.stuck_in_forward == Some((self.index, self.stats.steps)) {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
         let decided = std::mem::take(&mut self.decided);
         let mut events = Vec::new();
         self.stats.steps += 1;

@@ -188,3 +188,22 @@ fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
     let r = report(dir.path());
     assert!(r["completed"].as_u64().unwrap() < 30, "requests were lost: {r}");
 }
+
+#[test]
+fn the_watchdog_notices_a_worker_stuck_inside_an_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = stall_graph(dir.path());
+    let out = run_cli(&[
+        "run",
+        &graph.to_string_lossy(),
+        "--ranks",
+        "3",
+        "--stall-timeout",
+        "2",
+        "--test-stuck-in-forward",
+        "2:6",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("rank 2 is stuck inside an operator"), "{stderr}");
+}
