@@ -1,7 +1,8 @@
 //! `emit(t)`: collects every rank's events on worker 0 (an exchange to worker 0), where the
-//! run's results live: the collector timestamps them as they arrive (the client's view) and
-//! tells the workload driver which requests completed. Holds no capability; completions never
-//! flow back into the step loop (DESIGN §4: they must not gate a step).
+//! run's results live. Events cross ranks only when a request ends (finished, failed or
+//! cancelled), carrying the times its rank stamped on every token; the collector turns them into
+//! records and tells the workload driver which requests completed. Holds no capability;
+//! completions never flow back into the step loop (DESIGN §4: they must not gate a step).
 
 use crate::messages::Event;
 use timely::dataflow::channels::pact::Exchange;

@@ -3,8 +3,8 @@
 //! nothing). Queues the admissions the plan routed to this rank for the next step.
 //!
 //! Emits `Launched` (or `Parked`, when the plan parks the pool) on the feedback edge, which
-//! delivers it to `schedule(t + 1)` and `admit`; and the step's events (tokens sampled, requests
-//! started, finished or failed) to `emit`. The CPU executor is synchronous, so the batch is
+//! delivers it to `schedule(t + 1)` and `admit`; and the step's events (requests finished, failed
+//! or cancelled) to `emit`. The CPU executor is synchronous, so the batch is
 //! launched and sampled within this call; holds no capability past it.
 //!
 //! Guarantee carried: only `Launched(t)` gates `t + 1` (DESIGN §4).

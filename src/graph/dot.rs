@@ -4,7 +4,8 @@
 //! Each pool is a cluster with one node per operator, named as the runtime names them and labelled
 //! with the step it works at: `admit` → `schedule(t)` → `align(t)` → `forward(t)` → `emit(t)`,
 //! with the feedback edge `forward(t)` → `schedule(t+1)` that carries the *launched* record. A
-//! `workload` node (the trace) feeds each pool's router, which feeds `admit`. Prefill and decode
+//! `workload` node (the trace) feeds each pool's `admit`; the router chooses ranks inside
+//! `align`. Prefill and decode
 //! pools draw the same per-pool graph; the links between them are not drawn yet.
 
 use super::{Graph, PoolConfig, WorkloadMode};
@@ -39,18 +40,23 @@ fn render_pool(dot: &mut Dot, pool: &PoolConfig) {
     dot.line(format!("    {} [label={}];", id("align"), quote(&format!("align(t)\nbroadcast × {}", pool.ranks))));
     dot.line(format!("    {} [label={}];", id("forward"), quote(&format!("forward(t)\nexecutor: {}", pool.executor))));
     dot.line(format!("    {} [label=\"emit(t)\"];", id("emit")));
-    dot.line(format!("    {} -> {} [label=\"requests\"];", id("router"), id("admit")));
+    dot.line(format!("    {} -> {} [label=\"routes admissions\", style=dotted];", id("router"), id("align")));
     dot.line(format!("    {} -> {} [label=\"wake\"];", id("admit"), id("schedule")));
     dot.line(format!("    {} -> {} [label=\"batch\"];", id("schedule"), id("align")));
     dot.line(format!("    {} -> {} [label=\"StepPlan(t)\"];", id("align"), id("forward")));
-    dot.line(format!("    {} -> {} [label=\"sampled\"];", id("forward"), id("emit")));
+    dot.line(format!("    {} -> {} [label=\"finished\"];", id("forward"), id("emit")));
     dot.line(format!(
         "    {} -> {} [label=\"launched (t+1)\", style=dashed, constraint=false];",
         id("forward"),
         id("schedule")
     ));
+    dot.line(format!(
+        "    {} -> {} [label=\"launched / parked (t+1)\", style=dashed, constraint=false];",
+        id("forward"),
+        id("admit")
+    ));
     dot.line("  }");
-    dot.line(format!("  workload -> {};", id("router")));
+    dot.line(format!("  workload -> {} [label=\"requests\"];", id("admit")));
 }
 
 fn workload_label(graph: &Graph) -> String {
@@ -154,8 +160,8 @@ mod tests {
                 "{dot}"
             );
             assert!(dot.contains(&format!("\"{pool}/admit\" -> \"{pool}/schedule\" [label=\"wake\"]")), "{dot}");
-            assert!(dot.contains(&format!("workload -> \"{pool}/router\"")), "{dot}");
-            assert!(dot.contains(&format!("\"{pool}/router\" -> \"{pool}/admit\"")), "{dot}");
+            assert!(dot.contains(&format!("workload -> \"{pool}/admit\"")), "{dot}");
+            assert!(dot.contains(&format!("\"{pool}/router\" -> \"{pool}/align\"")), "{dot}");
         }
     }
 

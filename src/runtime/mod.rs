@@ -244,8 +244,12 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let report = build_report(&records, &slo, &verify, extra);
     write_outputs(&graph.report_dir, &report, &records)
         .with_context(|| format!("cannot write the report into {}", graph.report_dir.display()))?;
-    let failed = report["failed"].as_u64().unwrap_or(0)
-        + records.iter().filter(|r| r.warmup && r.error.is_some()).count() as u64;
+    // Failed requests, warmup ones included; cancelled ones are not failures.
+    let warmup_failed = records
+        .iter()
+        .filter(|r| r.warmup && r.error.is_some() && r.failure.as_deref() != Some(crate::report::CANCELLED))
+        .count();
+    let failed = report["failed"].as_u64().unwrap_or(0) + warmup_failed as u64;
     let exit_code = if verify.mismatched > 0 {
         EXIT_VERIFY_MISMATCH
     } else if failed > 0 {

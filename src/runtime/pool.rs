@@ -84,8 +84,6 @@ fn timely_config(job: &PoolJob) -> Result<timely::Config> {
     })
 }
 
-/// Runs the pool until the workload is done. On process 0 (or without a cluster), drives the
-/// workload `selection` under `mode`, recording into `collector`.
 /// What the stall watchdog of process 0 needs.
 pub struct StallWatch {
     pub timeout: Duration,
@@ -93,6 +91,8 @@ pub struct StallWatch {
     pub on_stall: Box<dyn FnOnce(String) + Send>,
 }
 
+/// Runs the pool until the workload is done. On process 0 (or without a cluster) the driver
+/// replays the workload into rank 0's ingress and the watchdog watches for stalls.
 pub fn run_pool(job: PoolJob, workload: Option<DriverJob>, stall: Option<StallWatch>) -> Result<PoolResult> {
     let config = timely_config(&job)?;
     let ingress = Arc::new(Ingress::default());
@@ -115,9 +115,12 @@ pub fn run_pool(job: PoolJob, workload: Option<DriverJob>, stall: Option<StallWa
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let ingress_for_workers = ingress.clone();
     let sink_parts = Mutex::new(sink_parts);
-    let watch_for_workers = watch.clone();
+    // Timely's logs are only registered when a watchdog reads them.
+    let watch_for_workers = watchdog.is_some().then(|| watch.clone());
     let guards = timely::execute(config, move |worker| {
-        watch_for_workers.register(worker);
+        if let Some(watch) = &watch_for_workers {
+            watch.register(worker);
+        }
         let index = worker.index();
         let peers = worker.peers();
         let rank = Rc::new(RefCell::new(

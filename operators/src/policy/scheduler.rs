@@ -145,7 +145,7 @@ impl Scheduler {
                     }
                     // Out of blocks: the youngest running request gives its memory back.
                     let victim = self.running.pop().expect("this request is running");
-                    self.preempt(victim, seqs, mem, &mut out);
+                    budget += self.preempt(victim, seqs, mem, &mut out);
                     if victim == index {
                         break;
                     }
@@ -226,13 +226,16 @@ impl Scheduler {
     }
 
     /// Releases a request's memory and puts it back at the head of the queue (it recomputes).
-    fn preempt(&mut self, index: usize, seqs: &mut Sequences, mem: &mut RankMemory, out: &mut StepDecision) {
+    /// Returns the tokens of the chunk it had in this step (back to the budget).
+    fn preempt(&mut self, index: usize, seqs: &mut Sequences, mem: &mut RankMemory, out: &mut StepDecision) -> usize {
         let seq = seqs.get_mut(index);
         mem.release(seq);
         seq.preemptions += 1;
         self.waiting.push_front(index);
+        let freed = out.chunks.iter().filter(|c| c.seq == index).map(|c| c.len).sum();
         out.chunks.retain(|c| c.seq != index);
         out.preempted.push(seq.id);
+        freed
     }
 }
 
