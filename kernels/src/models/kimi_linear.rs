@@ -16,7 +16,7 @@ use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::layers::{Linear, Mlp, RmsNorm};
 use super::mha::check_silu;
 use super::mla::{load_attention, MlaDims};
-use super::moe::{load_experts, MoeBlock, Routing, Scoring};
+use super::moe::{MoeBlock, Routing, Scoring, SigmoidMoe};
 use super::qwen3_next::L2_NORM_EPS;
 use super::Family;
 use crate::checkpoint::{ConfigSource, LoadError, WeightSource};
@@ -56,7 +56,7 @@ pub struct Config {
     pub hidden_act: Option<String>,
     pub layer_types: Option<Vec<String>>,
     pub mlp_layer_types: Option<Vec<String>>,
-    #[serde(default = "one")]
+    #[serde(default = "super::defaults::one")]
     pub first_k_dense_replace: usize,
     #[serde(default)]
     pub linear_attn_config: LinearAttnConfig,
@@ -72,13 +72,13 @@ pub struct Config {
     pub num_experts: usize,
     #[serde(alias = "num_experts_per_tok")]
     pub num_experts_per_token: usize,
-    #[serde(alias = "norm_topk_prob", default = "yes")]
+    #[serde(alias = "norm_topk_prob", default = "super::defaults::yes")]
     pub moe_renormalize: bool,
-    #[serde(alias = "n_group", default = "one")]
+    #[serde(alias = "n_group", default = "super::defaults::one")]
     pub num_expert_group: usize,
-    #[serde(default = "one")]
+    #[serde(default = "super::defaults::one")]
     pub topk_group: usize,
-    #[serde(alias = "n_shared_experts", default = "one")]
+    #[serde(alias = "n_shared_experts", default = "super::defaults::one")]
     pub num_shared_experts: usize,
     #[serde(default = "default_scaling")]
     pub routed_scaling_factor: f64,
@@ -87,12 +87,6 @@ pub struct Config {
 
 fn default_eps() -> f64 {
     1e-5
-}
-fn one() -> usize {
-    1
-}
-fn yes() -> bool {
-    true
 }
 fn default_scaling() -> f64 {
     2.446
@@ -369,34 +363,24 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
 }
 
 fn kimi_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
-    let (hidden, n) = (c.hidden_size, c.num_experts);
-    let shared = (c.num_shared_experts > 0)
-        .then(|| {
-            Mlp::load(
-                w,
-                &format!("{prefix}.shared_experts"),
-                hidden,
-                c.moe_intermediate_size * c.num_shared_experts,
-                false,
-            )
-        })
-        .transpose()?;
-    Ok(MoeBlock {
-        router: Linear::load(w, &format!("{prefix}.gate"), hidden, n, false)?,
+    SigmoidMoe {
+        prefix,
+        hidden: c.hidden_size,
+        inter: c.moe_intermediate_size,
+        expert_names: ["w1", "w3", "w2"],
+        shared_inter: c.moe_intermediate_size * c.num_shared_experts,
         routing: Routing {
-            num_experts: n,
+            num_experts: c.num_experts,
             top_k: c.num_experts_per_token,
             scoring: Scoring::Sigmoid,
-            correction_bias: Some(w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?),
+            correction_bias: None,
             n_group: c.num_expert_group,
             topk_group: c.topk_group,
             norm_topk_prob: c.moe_renormalize,
             scaling: c.routed_scaling_factor as f32,
         },
-        experts: load_experts(w, &format!("{prefix}.experts"), ["w1", "w3", "w2"], n, hidden, c.moe_intermediate_size)?,
-        shared,
-        shared_gate: None,
-    })
+    }
+    .load(w)
 }
 
 #[cfg(test)]

@@ -27,7 +27,7 @@ pub struct Config {
     pub num_attention_heads: usize,
     pub num_key_value_heads: Option<usize>,
     pub head_dim: Option<usize>,
-    #[serde(default = "default_eps")]
+    #[serde(default = "super::defaults::rms_norm_eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub attention_bias: bool,
@@ -43,10 +43,6 @@ pub struct Config {
     pub sliding_window: Option<usize>,
     pub max_window_layers: Option<usize>,
     pub layer_types: Option<Vec<String>>,
-}
-
-fn default_eps() -> f64 {
-    1e-6
 }
 
 /// Rejects an activation other than SiLU (the only one these families use).

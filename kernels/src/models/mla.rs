@@ -12,7 +12,7 @@ use super::batch::BatchLayout;
 use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::layers::{Linear, Mlp, RmsNorm};
 use super::mha::check_silu;
-use super::moe::{load_experts, MoeBlock, Routing, Scoring};
+use super::moe::{MoeBlock, Routing, Scoring, SigmoidMoe};
 use super::sparse_mla::{load_indexer, Indexer, IndexerDims};
 use super::Family;
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
@@ -45,19 +45,19 @@ pub struct Config {
     pub num_experts_per_tok: usize,
     #[serde(default)]
     pub n_shared_experts: Option<usize>,
-    #[serde(default = "one")]
+    #[serde(default = "super::defaults::one")]
     pub n_group: usize,
-    #[serde(default = "one")]
+    #[serde(default = "super::defaults::one")]
     pub topk_group: usize,
-    #[serde(default = "yes")]
+    #[serde(default = "super::defaults::yes")]
     pub norm_topk_prob: bool,
-    #[serde(default = "one_f")]
+    #[serde(default = "super::defaults::one_f64")]
     pub routed_scaling_factor: f64,
     #[serde(default)]
     pub first_k_dense_replace: usize,
-    #[serde(default = "yes")]
+    #[serde(default = "super::defaults::yes")]
     pub rope_interleave: bool,
-    #[serde(default = "super::mha_default_eps")]
+    #[serde(default = "super::defaults::rms_norm_eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub attention_bias: bool,
@@ -72,16 +72,6 @@ pub struct Config {
     pub index_topk: Option<usize>,
     pub index_n_heads: Option<usize>,
     pub index_head_dim: Option<usize>,
-}
-
-fn one() -> usize {
-    1
-}
-fn one_f() -> f64 {
-    1.0
-}
-fn yes() -> bool {
-    true
 }
 
 /// How queries are projected: through a LoRA bottleneck with its own norm, or directly.
@@ -421,34 +411,22 @@ fn dims(c: &Config) -> MlaDims {
 }
 
 fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
-    let (hidden, n) = (c.hidden_size, c.n_routed_experts);
-    let shared = match c.n_shared_experts {
-        Some(s) if s > 0 => {
-            Some(Mlp::load(w, &format!("{prefix}.shared_experts"), hidden, c.moe_intermediate_size * s, false)?)
-        }
-        _ => None,
-    };
-    Ok(MoeBlock {
-        router: Linear::load(w, &format!("{prefix}.gate"), hidden, n, false)?,
+    SigmoidMoe {
+        prefix,
+        hidden: c.hidden_size,
+        inter: c.moe_intermediate_size,
+        expert_names: ["gate_proj", "up_proj", "down_proj"],
+        shared_inter: c.moe_intermediate_size * c.n_shared_experts.unwrap_or(0),
         routing: Routing {
-            num_experts: n,
+            num_experts: c.n_routed_experts,
             top_k: c.num_experts_per_tok,
             scoring: Scoring::Sigmoid,
-            correction_bias: Some(w.tensor(&format!("{prefix}.gate.e_score_correction_bias"), &[n])?),
+            correction_bias: None,
             n_group: c.n_group,
             topk_group: c.topk_group,
             norm_topk_prob: c.norm_topk_prob,
             scaling: c.routed_scaling_factor as f32,
         },
-        experts: load_experts(
-            w,
-            &format!("{prefix}.experts"),
-            ["gate_proj", "up_proj", "down_proj"],
-            n,
-            hidden,
-            c.moe_intermediate_size,
-        )?,
-        shared,
-        shared_gate: None,
-    })
+    }
+    .load(w)
 }

@@ -3,6 +3,7 @@
 
 mod batch;
 mod decoder;
+mod defaults;
 mod family;
 pub mod kimi_linear;
 mod layers;
@@ -18,10 +19,6 @@ pub use family::{Family, FamilyInfo, FAMILIES};
 
 use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
 use std::path::Path;
-
-pub(crate) fn mha_default_eps() -> f64 {
-    1e-6
-}
 
 /// Builds the model a config describes from `weights`.
 pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, LoadError> {

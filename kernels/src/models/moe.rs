@@ -157,6 +157,41 @@ impl MoeBlock {
     }
 }
 
+/// A DeepSeek-style MoE layer as stored under `{prefix}` (`gate` with its
+/// `e_score_correction_bias`, `experts`, `shared_experts`): sigmoid scores, grouped top-k,
+/// scaled weights, ungated shared experts. DeepSeek-V3/V3.2 and Kimi Linear use it.
+pub(crate) struct SigmoidMoe<'a> {
+    pub prefix: &'a str,
+    pub hidden: usize,
+    pub inter: usize,
+    /// Expert projection names: `[gate, up, down]`.
+    pub expert_names: [&'a str; 3],
+    /// Intermediate size of the shared experts together (0: none).
+    pub shared_inter: usize,
+    /// `correction_bias` is read from the checkpoint; the other fields are the rule.
+    pub routing: Routing,
+}
+
+impl SigmoidMoe<'_> {
+    pub(crate) fn load(self, w: &dyn WeightSource) -> Result<MoeBlock, LoadError> {
+        let (p, hidden, n) = (self.prefix, self.hidden, self.routing.num_experts);
+        let shared = (self.shared_inter > 0)
+            .then(|| Mlp::load(w, &format!("{p}.shared_experts"), hidden, self.shared_inter, false))
+            .transpose()?;
+        Ok(MoeBlock {
+            router: Linear::load(w, &format!("{p}.gate"), hidden, n, false)?,
+            routing: Routing {
+                scoring: Scoring::Sigmoid,
+                correction_bias: Some(w.tensor(&format!("{p}.gate.e_score_correction_bias"), &[n])?),
+                ..self.routing
+            },
+            experts: load_experts(w, &format!("{p}.experts"), self.expert_names, n, hidden, self.inter)?,
+            shared,
+            shared_gate: None,
+        })
+    }
+}
+
 /// Loads `num_experts` SwiGLU experts under `prefix`, stored either one module per expert
 /// (`{prefix}.{e}.{gate}.weight`, …) or fused as transformers 5 holds them in memory
 /// (`{prefix}.gate_up_proj` `[E × 2I × H]`, `{prefix}.down_proj` `[E × H × I]`).

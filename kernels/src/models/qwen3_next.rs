@@ -42,7 +42,7 @@ pub struct Config {
     pub num_key_value_heads: usize,
     #[serde(default = "default_head_dim")]
     pub head_dim: usize,
-    #[serde(default = "super::mha_default_eps")]
+    #[serde(default = "super::defaults::rms_norm_eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub attention_bias: bool,
@@ -62,13 +62,13 @@ pub struct Config {
     pub num_experts: usize,
     #[serde(default)]
     pub num_experts_per_tok: usize,
-    #[serde(default = "yes")]
+    #[serde(default = "super::defaults::yes")]
     pub norm_topk_prob: bool,
     #[serde(default)]
     pub moe_intermediate_size: usize,
     #[serde(default)]
     pub shared_expert_intermediate_size: usize,
-    #[serde(default = "one")]
+    #[serde(default = "super::defaults::one")]
     pub decoder_sparse_step: usize,
     #[serde(default)]
     pub mlp_only_layers: Option<Vec<usize>>,
@@ -79,12 +79,6 @@ fn default_head_dim() -> usize {
 }
 fn default_conv() -> usize {
     4
-}
-fn yes() -> bool {
-    true
-}
-fn one() -> usize {
-    1
 }
 
 /// One Gated DeltaNet layer.
