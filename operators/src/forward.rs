@@ -46,13 +46,12 @@ pub fn forward<'scope>(
                 for plans in data {
                     for plan in plans.drain(..) {
                         let mut rank = rank.borrow_mut();
-                        let events = rank.execute();
+                        let mut events = rank.execute();
                         for (admission, r) in plan.routed.iter() {
                             if *r == rank.index {
                                 rank.admit(admission.clone());
                             }
                         }
-                        let mut events = events;
                         events.extend(rank.cancel(&plan.cancels));
                         event_session.session(&event_cap).give_iterator(events.into_iter());
                         let signal = if plan.park { LoopSignal::Parked } else { LoopSignal::Launched };

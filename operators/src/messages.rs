@@ -51,13 +51,6 @@ pub struct StepPlan {
     pub park: bool,
 }
 
-impl StepPlan {
-    /// Whether rank `r` has nothing to run at this step (it runs the plan's empty step).
-    pub fn is_idle_rank(&self, r: usize) -> bool {
-        self.ranks[r].scheduled_tokens == 0
-    }
-}
-
 /// What `forward(t)` tells the next step through the feedback edge.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LoopSignal {

@@ -23,8 +23,6 @@ pub struct RankStats {
     pub prefix_hit_blocks: u64,
     /// When each step ran (`wall_ms`), for measuring step cost in steady state.
     pub step_ms: Vec<f64>,
-    /// Times the worker went round timely's step loop.
-    pub worker_steps: u64,
     /// Sampled at every step with work: fraction of KV blocks, state slots and snapshots in use,
     /// and the batch (sequences, tokens).
     pub samples: UtilizationSamples,
@@ -79,17 +77,6 @@ pub enum Executor {
     Null,
 }
 
-impl Executor {
-    /// Executors by their graph name.
-    pub fn by_name(name: &str) -> Option<Executor> {
-        match name {
-            "cpu" => Some(Executor::Cpu),
-            "null" => Some(Executor::Null),
-            _ => None,
-        }
-    }
-}
-
 pub struct Rank {
     pub index: usize,
     executor: Executor,
@@ -136,7 +123,11 @@ impl Rank {
 
     /// Queues a request routed to this rank.
     pub fn admit(&mut self, a: Admission) {
-        let index = self.seqs.insert(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup));
+        let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
+        if self.scheduler.config.prefix_cache {
+            seq.prompt_hashes = self.memory.prompt_hashes(&seq);
+        }
+        let index = self.seqs.insert(seq);
         self.scheduler.enqueue(index);
     }
 
@@ -309,7 +300,7 @@ impl Rank {
         seq.computed += chunk.len;
         seq.check(bs, self.memory.layout.keeps_kv);
         if self.scheduler.config.prefix_cache && before < seq.prompt_len {
-            let hashes = self.memory.prompt_hashes(seq);
+            let hashes = &seq.prompt_hashes;
             let done_blocks = seq.computed.min(seq.prompt_len) / bs;
             for (b, h) in hashes.iter().enumerate().take(done_blocks).skip(before / bs) {
                 let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);

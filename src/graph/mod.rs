@@ -106,18 +106,15 @@ pub struct ComponentNames {
 }
 
 impl ComponentNames {
-    /// What kvflow registers itself.
+    /// What kvflow registers itself (`Registry::default`).
     pub fn builtin() -> Self {
-        ComponentNames {
-            executors: vec!["cpu".into(), "null".into()],
-            routers: vec!["least-outstanding".into(), "round-robin".into()],
-        }
+        crate::registry::Registry::default().names()
     }
 }
 
-/// Trace formats `workload.format` can name (DESIGN §11).
-pub fn known_trace_formats() -> &'static [&'static str] {
-    &["mooncake", "azure", "vidur"]
+/// Trace formats `workload.format` can name (DESIGN §11): those `crate::trace` reads.
+pub fn known_trace_formats() -> Vec<&'static str> {
+    crate::trace::TraceFormat::ALL.iter().map(|f| f.name()).collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -395,7 +392,7 @@ impl Graph {
                 Some(existing_path(trace.clone()).map_err(|m| from_command_line("workload.trace", m))?);
         }
         if let Some(format) = &overrides.format {
-            graph.workload.format = one_of(format, known_trace_formats(), "trace format")
+            graph.workload.format = one_of(format, &known_trace_formats(), "trace format")
                 .map_err(|m| from_command_line("workload.format", m))?;
         }
         if let Some(limit) = overrides.limit {
@@ -851,7 +848,7 @@ impl<'a> Validator<'a> {
         Ok(WorkloadConfig {
             trace: self.optional_field("workload.trace", raw.trace.as_ref(), |t| existing_path(self.resolve(&t)))?,
             format: self.field("workload.format", raw.format.as_ref(), DEFAULT_TRACE_FORMAT.to_string(), |f| {
-                one_of(&f, known_trace_formats(), "trace format")
+                one_of(&f, &known_trace_formats(), "trace format")
             })?,
             mode: self.workload_mode(raw)?,
             warmup: raw.warmup.unwrap_or(0),

@@ -150,12 +150,9 @@ pub fn run_pool(job: PoolJob, workload: Option<DriverJob>, stall: Option<StallWa
             out.signals.connect_loop(loop_handle);
             emit(out.events, sink);
         });
-        let mut worker_steps = 0u64;
         while worker.has_dataflows() {
             worker.step_or_park(None);
-            worker_steps += 1;
         }
-        rank.borrow_mut().stats.worker_steps = worker_steps;
         let result = rank.borrow_mut().finish_run();
         result
     })

@@ -255,9 +255,8 @@ pub fn snapshot_boundaries(prompt_len: usize, block_size: usize, interval_blocks
 /// its end (both or neither), leaving at least one prompt token to compute.
 fn restore_prefix(seq: &mut Sequence, mem: &mut RankMemory) {
     let bs = mem.layout.block_size;
-    let mut hashes = mem.prompt_hashes(seq);
-    hashes.truncate((seq.prompt_len - 1) / bs);
-    let hit = mem.prefix.lookup(&hashes, &mut mem.pool);
+    let usable = seq.prompt_hashes.len().min((seq.prompt_len - 1) / bs);
+    let hit = mem.prefix.lookup(&seq.prompt_hashes[..usable], &mut mem.pool);
     if hit.matched == 0 {
         return;
     }
@@ -314,7 +313,9 @@ mod policy_tests {
     }
 
     fn add(s: &mut Scheduler, seqs: &mut Sequences, id: u64, prompt: Vec<u32>, out: usize) -> usize {
-        let index = seqs.insert(Sequence::new(id, prompt, out, false));
+        let mut seq = Sequence::new(id, prompt, out, false);
+        seq.prompt_hashes = super::super::prefix_cache::block_hashes(&seq.tokens, 4, 0);
+        let index = seqs.insert(seq);
         s.enqueue(index);
         index
     }

@@ -29,6 +29,9 @@ pub struct Sequence {
     pub first_cached: usize,
     /// When each output token was sampled (`wall_ms`).
     pub token_ms: Vec<f64>,
+    /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
+    /// queues the request.
+    pub prompt_hashes: Vec<u64>,
 }
 
 impl Sequence {
@@ -49,6 +52,7 @@ impl Sequence {
             started_ms: None,
             first_cached: 0,
             token_ms: Vec::new(),
+            prompt_hashes: Vec::new(),
         }
     }
 
