@@ -1,0 +1,92 @@
+//! The raw layer of graph loading: serde structs mirroring the file as written, unknown keys
+//! rejected (`deny_unknown_fields`). Every value keeps its span so validation can name its line;
+//! every field is optional so defaults and "missing" messages are ours.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawGraph {
+    #[serde(default)]
+    pub(super) model: RawModel,
+    #[serde(default)]
+    pub(super) memory: RawMemory,
+    #[serde(default)]
+    pub(super) scheduler: RawScheduler,
+    #[serde(default)]
+    pub(super) pool: Vec<Spanned<RawPool>>,
+    #[serde(default)]
+    pub(super) workload: RawWorkload,
+    #[serde(default)]
+    pub(super) slo: RawSlo,
+    #[serde(default)]
+    pub(super) report: RawReport,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawModel {
+    pub(super) path: Option<Spanned<String>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMemory {
+    /// An integer, or a string with a unit; interpreted during validation.
+    pub(super) budget_bytes: Option<Spanned<toml::Value>>,
+    pub(super) block_size: Option<Spanned<usize>>,
+    pub(super) snapshot_fraction: Option<Spanned<f64>>,
+    pub(super) snapshot_interval_blocks: Option<Spanned<usize>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawScheduler {
+    pub(super) max_running: Option<Spanned<usize>>,
+    pub(super) max_batched_tokens: Option<Spanned<usize>>,
+    pub(super) chunk_tokens: Option<Spanned<usize>>,
+    pub(super) prefix_cache: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPool {
+    pub(super) name: Option<Spanned<String>>,
+    pub(super) role: Option<Spanned<String>>,
+    pub(super) ranks: Option<Spanned<usize>>,
+    pub(super) executor: Option<Spanned<String>>,
+    pub(super) router: Option<Spanned<String>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWorkload {
+    pub(super) trace: Option<Spanned<String>>,
+    pub(super) format: Option<Spanned<String>>,
+    pub(super) mode: Option<Spanned<String>>,
+    pub(super) time_scale: Option<Spanned<f64>>,
+    pub(super) concurrency: Option<Spanned<usize>>,
+    pub(super) rate: Option<Spanned<f64>>,
+    pub(super) warmup: Option<usize>,
+    pub(super) limit: Option<Spanned<usize>>,
+    pub(super) block_tokens: Option<Spanned<usize>>,
+    pub(super) max_output_tokens: Option<Spanned<usize>>,
+    pub(super) seed: Option<u64>,
+    pub(super) ignore_eos: Option<bool>,
+    pub(super) cancel_fraction: Option<Spanned<f64>>,
+    pub(super) cancel_after_ms: Option<Spanned<f64>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSlo {
+    pub(super) ttft_ms: Option<Spanned<f64>>,
+    pub(super) tpot_ms: Option<Spanned<f64>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawReport {
+    pub(super) out: Option<Spanned<String>>,
+}
