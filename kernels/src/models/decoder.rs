@@ -3,13 +3,13 @@
 //! asked for logits. Families differ only in their mixers (attention kinds) and feed-forwards.
 
 use super::batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-use super::kimi_linear::KimiDeltaAttention;
-use super::layers::{Linear, Mlp, RmsNorm};
-use super::mha::GqaAttention;
-use super::mla::MlaAttention;
-use super::moe::MoeBlock;
-use super::qwen3_next::GatedDeltaNet;
-use super::Family;
+use super::family::Family;
+use super::parts::gated_delta::GatedDeltaNet;
+use super::parts::gqa::GqaAttention;
+use super::parts::kda::KimiDeltaAttention;
+use super::parts::layers::{Linear, Mlp, RmsNorm};
+use super::parts::mla::MlaAttention;
+use super::parts::moe::MoeBlock;
 use crate::checkpoint::{LoadError, WeightSource};
 use crate::kv::{PagedKvCache, StatePool};
 
