@@ -17,7 +17,7 @@ pub mod parts;
 pub mod qwen3_next;
 
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-pub use decoder::{Model, ModelCache};
+pub use decoder::{Model, ModelCache, Phase, StepActivations};
 pub use family::{Family, FamilyInfo, FAMILIES};
 
 use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
