@@ -1,20 +1,23 @@
 //! Model families (one file each), the shared decoder stack and parts, and loading by
 //! `model_type` from a checkpoint folder or a seeded spec.
+//!
+//! Dependencies point one way: [`parts`] (attention, linear-attention, MoE and basic layers) ←
+//! `decoder` (the layer stack and the step) ← the family files (`mha`, `deepseek`, `qwen3_next`,
+//! `kimi_linear`), which turn a `config.json` into parts and a [`Model`] and never import each
+//! other; `config` holds what several families' configs share. This file dispatches by family.
 
 mod batch;
+mod config;
 mod decoder;
-mod defaults;
+pub mod deepseek;
 mod family;
 pub mod kimi_linear;
-mod layers;
 pub mod mha;
-pub mod mla;
-pub mod moe;
+pub mod parts;
 pub mod qwen3_next;
-pub mod sparse_mla;
 
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-pub use decoder::{Model, ModelCache};
+pub use decoder::{Model, ModelCache, Phase, StepActivations};
 pub use family::{Family, FamilyInfo, FAMILIES};
 
 use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
@@ -25,8 +28,8 @@ pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, Lo
     let model_type = cfg.model_type()?;
     match Family::for_model_type(model_type) {
         Some(Family::Mha) => mha::build(cfg, weights),
-        Some(Family::Mla) => mla::build(cfg, weights, false),
-        Some(Family::SparseMla) => mla::build(cfg, weights, true),
+        Some(Family::Mla) => deepseek::build(cfg, weights, false),
+        Some(Family::SparseMla) => deepseek::build(cfg, weights, true),
         Some(Family::HybridGdn | Family::Gdn) => qwen3_next::build(cfg, weights),
         Some(Family::HybridKda) => kimi_linear::build(cfg, weights),
         None => Err(LoadError::UnknownModelType {

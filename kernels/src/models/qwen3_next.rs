@@ -1,34 +1,20 @@
 //! Families `hybrid_gdn` and `gdn`: Qwen3-Next (`model_type` qwen3_next). Gated DeltaNet
-//! linear-attention layers, and — unless every layer is linear (`gdn`) — gated full-attention
-//! layers (`layer_types`); zero-centred RMSNorms `(1 + w)·x̂`; a softmax-routed MoE with a
-//! sigmoid-gated shared expert.
-//!
-//! Gated DeltaNet, per token (state per request and layer: the conv window `[C × (K−1)]` of the
-//! pre-conv `[q | k | v]`, then `S` `[v_heads × d_k × d_v]`):
-//! 1. `in_proj_qkvz` and `in_proj_ba`, grouped per key head: `[q | k | v (r heads) | z (r heads)]`
-//!    and `[b (r) | a (r)]` with `r = v_heads / k_heads`;
-//! 2. causal conv + SiLU over `[q | k | v]`;
-//! 3. `β = sigmoid(b)`, `g = −exp(A_log)·softplus(a + dt_bias)`;
-//! 4. per value head `h` (key head `h / r`): L2-normalised q (× d_k^-½) and k, delta rule with decay
-//!    `exp(g)`;
-//! 5. `o = rmsnorm(o)·w·silu(z)` per head, then `out_proj`.
+//! linear-attention layers ([`GatedDeltaNet`](super::parts::gated_delta::GatedDeltaNet)), and —
+//! unless every layer is linear (`gdn`) — gated full-attention layers
+//! ([`GqaAttention`](super::parts::gqa::GqaAttention) with its output gate and zero-centred q/k
+//! norms), placed by `layer_types`; zero-centred RMSNorms `(1 + w)·x̂`; a softmax-routed MoE with
+//! a sigmoid-gated shared expert. Config fields are named as in `config.json`.
 
-use super::batch::BatchLayout;
+use super::config::check_silu;
 use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
-use super::layers::{Linear, Mlp, RmsNorm};
-use super::mha::{check_silu, load_gqa, QkNorm};
-use super::moe::{load_experts, MoeBlock, Routing, Scoring};
-use super::Family;
+use super::family::Family;
+use super::parts::gated_delta::{load_gdn, GdnDims};
+use super::parts::gqa::{load_gqa, QkNorm};
+use super::parts::layers::{Linear, Mlp, RmsNorm};
+use super::parts::moe::{load_experts, MoeBlock, Routing, Scoring};
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
-use crate::cpu::activation::{sigmoid, silu};
-use crate::cpu::norm::inverse_rms;
-use crate::cpu::recurrent::{causal_conv_step, delta_rule_step, l2_normalize, softplus, DeltaInputs};
 use crate::cpu::rope::{Rope, RopeStyle};
-use crate::kv::StatePool;
 use serde::Deserialize;
-
-/// transformers' `l2norm` eps in the linear-attention kernels (added to the sum of squares).
-pub(crate) const L2_NORM_EPS: f32 = 1e-6;
 
 /// The `config.json` fields of qwen3_next.
 #[derive(Clone, Debug, Deserialize)]
@@ -42,7 +28,7 @@ pub struct Config {
     pub num_key_value_heads: usize,
     #[serde(default = "default_head_dim")]
     pub head_dim: usize,
-    #[serde(default = "super::defaults::rms_norm_eps")]
+    #[serde(default = "super::config::rms_norm_eps")]
     pub rms_norm_eps: f64,
     #[serde(default)]
     pub attention_bias: bool,
@@ -62,13 +48,13 @@ pub struct Config {
     pub num_experts: usize,
     #[serde(default)]
     pub num_experts_per_tok: usize,
-    #[serde(default = "super::defaults::yes")]
+    #[serde(default = "super::config::yes")]
     pub norm_topk_prob: bool,
     #[serde(default)]
     pub moe_intermediate_size: usize,
     #[serde(default)]
     pub shared_expert_intermediate_size: usize,
-    #[serde(default = "super::defaults::one")]
+    #[serde(default = "super::config::one")]
     pub decoder_sparse_step: usize,
     #[serde(default)]
     pub mlp_only_layers: Option<Vec<usize>>,
@@ -79,144 +65,6 @@ fn default_head_dim() -> usize {
 }
 fn default_conv() -> usize {
     4
-}
-
-/// One Gated DeltaNet layer.
-pub struct GatedDeltaNet {
-    /// `[in_proj_qkvz; in_proj_ba]`, one product.
-    in_proj: Linear,
-    conv_weight: Vec<f32>,
-    /// `−exp(A_log)` per value head.
-    neg_a: Vec<f32>,
-    dt_bias: Vec<f32>,
-    norm: RmsNorm,
-    out_proj: Linear,
-    k_heads: usize,
-    v_heads: usize,
-    dk: usize,
-    dv: usize,
-    kernel: usize,
-}
-
-impl GatedDeltaNet {
-    fn conv_channels(&self) -> usize {
-        2 * self.k_heads * self.dk + self.v_heads * self.dv
-    }
-
-    fn conv_state_width(&self) -> usize {
-        self.conv_channels() * (self.kernel - 1)
-    }
-
-    /// Floats of state per request: the conv window, then `S` per value head.
-    pub fn state_width(&self) -> usize {
-        self.conv_state_width() + self.v_heads * self.dk * self.dv
-    }
-
-    pub fn forward(&self, x: &[f32], layout: &BatchLayout, states: &mut StatePool, offset: usize) -> Vec<f32> {
-        let t = layout.rows;
-        let (nk, nv, dk, dv) = (self.k_heads, self.v_heads, self.dk, self.dv);
-        let r_per_k = nv / nk;
-        let group = 2 * dk + 2 * r_per_k * dv;
-        let qkvz_width = nk * group;
-        let proj_width = qkvz_width + 2 * nv;
-        let channels = self.conv_channels();
-        // 1. projections for every row                              [t × (qkvz + ba)]
-        let proj = self.in_proj.forward(x, t);
-        let mut out = vec![0.0f32; t * nv * dv];
-        let (mut mixed, mut conv) = (vec![0.0f32; channels], vec![0.0f32; channels]);
-        let (mut z, mut beta, mut decay) = (vec![0.0f32; nv * dv], vec![0.0f32; nv], vec![0.0f32; nv]);
-        let (mut o, mut mem) = (vec![0.0f32; dv], vec![0.0f32; dv]);
-        // 2. each row in order advances its request's state
-        for r in 0..t {
-            let p = &proj[r * proj_width..(r + 1) * proj_width];
-            for g in 0..nk {
-                let base = g * group;
-                mixed[g * dk..(g + 1) * dk].copy_from_slice(&p[base..base + dk]);
-                mixed[nk * dk + g * dk..nk * dk + (g + 1) * dk].copy_from_slice(&p[base + dk..base + 2 * dk]);
-                let v_at = 2 * nk * dk + g * r_per_k * dv;
-                mixed[v_at..v_at + r_per_k * dv].copy_from_slice(&p[base + 2 * dk..base + 2 * dk + r_per_k * dv]);
-                z[g * r_per_k * dv..(g + 1) * r_per_k * dv]
-                    .copy_from_slice(&p[base + 2 * dk + r_per_k * dv..base + group]);
-                let ba = &p[qkvz_width + g * 2 * r_per_k..qkvz_width + (g + 1) * 2 * r_per_k];
-                for j in 0..r_per_k {
-                    let h = g * r_per_k + j;
-                    beta[h] = sigmoid(ba[j]);
-                    decay[h] = (self.neg_a[h] * softplus(ba[r_per_k + j] + self.dt_bias[h])).exp();
-                }
-            }
-            let state = &mut states.slot_mut(layout.slot(r))[offset..offset + self.state_width()];
-            let (conv_state, s) = state.split_at_mut(self.conv_state_width());
-            causal_conv_step(&mixed, &self.conv_weight, self.kernel, conv_state, &mut conv);
-            let (q_all, rest) = conv.split_at_mut(nk * dk);
-            let (k_all, v_all) = rest.split_at_mut(nk * dk);
-            for g in 0..nk {
-                l2_normalize(&mut q_all[g * dk..(g + 1) * dk], L2_NORM_EPS);
-                l2_normalize(&mut k_all[g * dk..(g + 1) * dk], L2_NORM_EPS);
-            }
-            let q_scale = 1.0 / (dk as f32).sqrt();
-            q_all.iter_mut().for_each(|v| *v *= q_scale);
-            for h in 0..nv {
-                let kh = h / r_per_k;
-                let decays = vec![decay[h]; dk];
-                let inputs = DeltaInputs {
-                    q: &q_all[kh * dk..(kh + 1) * dk],
-                    k: &k_all[kh * dk..(kh + 1) * dk],
-                    v: &v_all[h * dv..(h + 1) * dv],
-                    beta: beta[h],
-                    decay: &decays,
-                };
-                delta_rule_step(&mut s[h * dk * dv..(h + 1) * dk * dv], inputs, &mut o, &mut mem);
-                // gated RMSNorm: rmsnorm(o)·w·silu(z)
-                let inv = inverse_rms(&o, self.norm.eps);
-                let dst = &mut out[(r * nv + h) * dv..(r * nv + h + 1) * dv];
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = self.norm.weight[i] * (o[i] * inv) * silu(z[h * dv + i]);
-                }
-            }
-        }
-        // 3. output projection                                        [t × hidden]
-        self.out_proj.forward(&out, t)
-    }
-
-    pub fn macs_per_row(&self) -> usize {
-        self.in_proj.macs_per_row() + self.out_proj.macs_per_row()
-    }
-
-    /// Multiply-adds of the state update per token (decay, read, write, output).
-    pub fn state_macs(&self) -> usize {
-        4 * self.v_heads * self.dk * self.dv
-    }
-}
-
-fn load_gdn(w: &dyn WeightSource, p: &str, c: &Config, eps: f32) -> Result<GatedDeltaNet, LoadError> {
-    let (nk, nv, dk, dv, kernel) = (
-        c.linear_num_key_heads,
-        c.linear_num_value_heads,
-        c.linear_key_head_dim,
-        c.linear_value_head_dim,
-        c.linear_conv_kernel_dim,
-    );
-    let channels = 2 * nk * dk + nv * dv;
-    let a_log = w.tensor(&format!("{p}.A_log"), &[nv])?;
-    Ok(GatedDeltaNet {
-        in_proj: Linear::fused(
-            w,
-            &[&format!("{p}.in_proj_qkvz"), &format!("{p}.in_proj_ba")],
-            c.hidden_size,
-            &[2 * nk * dk + 2 * nv * dv, 2 * nv],
-            false,
-        )?,
-        conv_weight: w.tensor(&format!("{p}.conv1d.weight"), &[channels, 1, kernel])?,
-        neg_a: a_log.iter().map(|a| -a.exp()).collect(),
-        dt_bias: w.tensor(&format!("{p}.dt_bias"), &[nv])?,
-        norm: RmsNorm::load(w, &format!("{p}.norm.weight"), dv, eps)?,
-        out_proj: Linear::load(w, &format!("{p}.out_proj"), nv * dv, c.hidden_size, false)?,
-        k_heads: nk,
-        v_heads: nv,
-        dk,
-        dv,
-        kernel,
-    })
 }
 
 /// Each layer's kind: `layer_types` when present (legacy names remapped), else full attention
@@ -280,7 +128,15 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
                 None,
             )?)
         } else {
-            Mixer::Gdn(load_gdn(w, &format!("{p}.linear_attn"), &c, eps)?)
+            let dims = GdnDims {
+                hidden,
+                k_heads: c.linear_num_key_heads,
+                v_heads: c.linear_num_value_heads,
+                dk: c.linear_key_head_dim,
+                dv: c.linear_value_head_dim,
+                kernel: c.linear_conv_kernel_dim,
+            };
+            Mixer::Gdn(load_gdn(w, &format!("{p}.linear_attn"), dims, eps)?)
         };
         let is_moe = !mlp_only.contains(&l) && c.num_experts > 0 && (l + 1) % c.decoder_sparse_step.max(1) == 0;
         let ffn = if is_moe {

@@ -1,78 +1,30 @@
-//! Family `mla`: DeepSeek-V3 multi-head latent attention with MoE (`model_type` deepseek_v3);
-//! also the latent attention and MoE that Kimi Linear and DeepSeek-V3.2 reuse.
+//! Multi-head latent attention (MLA) in its absorbed form, after DeepSeek-V2/V3 and transformers'
+//! `DeepseekV3Attention`; DeepSeek-V3, DeepSeek-V3.2 (with the [`Indexer`] picking the keys) and
+//! Kimi Linear's NoPE attention layers use it.
 //!
-//! The cache row per token and layer is `[latent: kv_lora_rank | rope key: qk_rope_head_dim]`:
-//! the RMS-normalised compressed KV and the rotated shared rope key. Attention runs in the
-//! absorbed form, which is the same math as transformers' expanded keys and values:
-//! `q_nope·(W_uk·c) = (W_ukᵀ·q_nope)·c` and `Σ p·(W_uv·c) = W_uv·(Σ p·c)`. So each head's query
-//! becomes `[W_ukᵀ q_nope | q_rope]` against the cache row, its value is the latent itself, and
-//! `W_uv` is applied after the softmax.
+//! The cache row per token and layer is `[latent: kv_lora_rank | rope key: qk_rope_head_dim]`
+//! (then V3.2's index key): the RMS-normalised compressed KV and the rotated shared rope key.
+//! Attention runs in the absorbed form, which is the same math as transformers' expanded keys and
+//! values: `q_nope·(W_uk·c) = (W_ukᵀ·q_nope)·c` and `Σ p·(W_uv·c) = W_uv·(Σ p·c)`. So each head's
+//! query becomes `[W_ukᵀ q_nope | q_rope]` against the cache row, its value is the latent itself,
+//! and `W_uv` is applied after the softmax.
+//!
+//! Shapes for `t` rows: `x [t × hidden]` → queries `[t × heads·(nope + rope)]` and compressed KV
+//! `[t × (kv_lora + rope)]` → absorbed queries `[t × heads·(kv_lora + rope)]` → latent outputs
+//! `[t × heads·kv_lora]` → values `[t × heads·v_head_dim]` → `[t × hidden]`.
 
-use super::batch::BatchLayout;
-use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
-use super::layers::{Linear, Mlp, RmsNorm};
-use super::mha::check_silu;
-use super::moe::{MoeBlock, Routing, Scoring, SigmoidMoe};
-use super::sparse_mla::{load_indexer, Indexer, IndexerDims};
-use super::Family;
-use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
+use super::indexer::Indexer;
+use super::layers::{Linear, RmsNorm};
+use crate::checkpoint::{LoadError, WeightSource};
 use crate::cpu::attention::{attend_row, AttentionShape};
 use crate::cpu::gemm::PackedMatrix;
-use crate::cpu::rope::{Rope, RopeStyle};
+use crate::cpu::rope::Rope;
 use crate::kv::KvLayer;
-use serde::Deserialize;
+use crate::models::batch::BatchLayout;
 
 /// transformers builds `q_a_layernorm` and `kv_a_layernorm` with the default eps, not
 /// `rms_norm_eps`.
 const LATENT_NORM_EPS: f32 = 1e-6;
-
-/// The `config.json` fields of deepseek_v3.
-#[derive(Clone, Debug, Deserialize)]
-pub struct Config {
-    pub model_type: String,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub moe_intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    pub q_lora_rank: Option<usize>,
-    pub kv_lora_rank: usize,
-    pub qk_nope_head_dim: usize,
-    pub qk_rope_head_dim: usize,
-    pub v_head_dim: usize,
-    pub n_routed_experts: usize,
-    pub num_experts_per_tok: usize,
-    #[serde(default)]
-    pub n_shared_experts: Option<usize>,
-    #[serde(default = "super::defaults::one")]
-    pub n_group: usize,
-    #[serde(default = "super::defaults::one")]
-    pub topk_group: usize,
-    #[serde(default = "super::defaults::yes")]
-    pub norm_topk_prob: bool,
-    #[serde(default = "super::defaults::one_f64")]
-    pub routed_scaling_factor: f64,
-    #[serde(default)]
-    pub first_k_dense_replace: usize,
-    #[serde(default = "super::defaults::yes")]
-    pub rope_interleave: bool,
-    #[serde(default = "super::defaults::rms_norm_eps")]
-    pub rms_norm_eps: f64,
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    #[serde(default)]
-    pub hidden_act: Option<String>,
-    /// deepseek_v32: per-layer `dense` / `sparse` (else `first_k_dense_replace` decides).
-    #[serde(default)]
-    pub mlp_layer_types: Option<Vec<String>>,
-    // deepseek_v32's indexer
-    pub index_topk: Option<usize>,
-    pub index_n_heads: Option<usize>,
-    pub index_head_dim: Option<usize>,
-}
 
 /// How queries are projected: through a LoRA bottleneck with its own norm, or directly.
 pub enum QueryProjection {
@@ -244,7 +196,7 @@ impl MlaAttention {
 }
 
 /// Loads one layer's latent attention under `{prefix}` (= `model.layers.{l}.self_attn`).
-pub(crate) fn load_attention(
+pub(crate) fn load_mla(
     w: &dyn WeightSource,
     prefix: &str,
     dims: MlaDims,
@@ -293,140 +245,4 @@ pub(crate) fn load_attention(
         kv_lora,
         scale,
     })
-}
-
-/// Builds a deepseek_v3 model, or (with `sparse`) a deepseek_v32 one, whose layers add the
-/// indexer of `sparse_mla.rs`.
-pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<Model, LoadError> {
-    let c: Config = cfg.family_config()?;
-    check_silu(cfg, &c.hidden_act)?;
-    let hidden = c.hidden_size;
-    let eps = c.rms_norm_eps as f32;
-    if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
-        return Err(
-            cfg.error("n_group", format!("{} does not divide n_routed_experts {}", c.n_group, c.n_routed_experts))
-        );
-    }
-    if c.topk_group > c.n_group || c.num_experts_per_tok > c.n_routed_experts {
-        return Err(cfg.error("topk_group", "more groups or experts chosen than exist"));
-    }
-    // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
-    let rope_params = parse_rope(cfg)?;
-    let (inv_freq, attention_scaling) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
-    let style = if c.rope_interleave { RopeStyle::Interleaved } else { RopeStyle::Neox };
-    let rope = Rope::new(inv_freq, attention_scaling, style);
-    let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5) * rope_params.softmax_scale_correction();
-    let index_dims = if sparse { Some(indexer_dims(cfg, &c)?) } else { None };
-    let dense = mlp_is_dense(cfg, &c, sparse)?;
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for (l, &is_dense) in dense.iter().enumerate() {
-        let p = format!("model.layers.{l}");
-        let indexer = match index_dims {
-            Some(d) => {
-                // The indexer's rope rotates half-split, with the main rope's frequencies.
-                let (inv, s) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
-                Some(load_indexer(w, &format!("{p}.self_attn"), d, Rope::new(inv, s, RopeStyle::Neox))?)
-            }
-            None => None,
-        };
-        let attn = load_attention(
-            w,
-            &format!("{p}.self_attn"),
-            dims(&c),
-            c.attention_bias,
-            Some(rope.clone()),
-            indexer,
-            scale,
-        )?;
-        let ffn = if is_dense {
-            Ffn::Dense(Mlp::load(w, &format!("{p}.mlp"), hidden, c.intermediate_size, false)?)
-        } else {
-            Ffn::Moe(Box::new(deepseek_moe(w, &format!("{p}.mlp"), &c)?))
-        };
-        layers.push(DecoderLayer {
-            input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
-            mixer: Mixer::Mla(Box::new(attn)),
-            post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
-            ffn,
-        });
-    }
-    let family = if sparse { Family::SparseMla } else { Family::Mla };
-    Model::assemble(family, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
-}
-
-fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError> {
-    let need = |v: Option<usize>, field: &str| {
-        v.ok_or_else(|| cfg.error(field, "missing (deepseek_v32 needs the indexer sizes)"))
-    };
-    let head_dim = need(c.index_head_dim, "index_head_dim")?;
-    if head_dim < c.qk_rope_head_dim {
-        return Err(cfg.error("index_head_dim", "smaller than qk_rope_head_dim"));
-    }
-    Ok(IndexerDims {
-        hidden: c.hidden_size,
-        q_lora_rank: c
-            .q_lora_rank
-            .ok_or_else(|| cfg.error("q_lora_rank", "deepseek_v32's indexer reads the q LoRA latent"))?,
-        heads: need(c.index_n_heads, "index_n_heads")?,
-        head_dim,
-        topk: need(c.index_topk, "index_topk")?,
-    })
-}
-
-/// Whether each layer's feed-forward is dense (else MoE). deepseek_v32 reads `mlp_layer_types`;
-/// deepseek_v3 only `first_k_dense_replace`, as transformers does.
-fn mlp_is_dense(cfg: &ConfigSource, c: &Config, sparse: bool) -> Result<Vec<bool>, LoadError> {
-    match c.mlp_layer_types.as_ref().filter(|_| sparse) {
-        Some(types) => {
-            if types.len() != c.num_hidden_layers {
-                return Err(
-                    cfg.error("mlp_layer_types", format!("{} entries for {} layers", types.len(), c.num_hidden_layers))
-                );
-            }
-            types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "dense" => Ok(true),
-                    "sparse" => Ok(false),
-                    other => {
-                        Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\"")))
-                    }
-                })
-                .collect()
-        }
-        None => Ok((0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect()),
-    }
-}
-
-fn dims(c: &Config) -> MlaDims {
-    MlaDims {
-        hidden: c.hidden_size,
-        heads: c.num_attention_heads,
-        q_lora_rank: c.q_lora_rank,
-        kv_lora: c.kv_lora_rank,
-        nope: c.qk_nope_head_dim,
-        rope_dim: c.qk_rope_head_dim,
-        v_dim: c.v_head_dim,
-    }
-}
-
-fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
-    SigmoidMoe {
-        prefix,
-        hidden: c.hidden_size,
-        inter: c.moe_intermediate_size,
-        expert_names: ["gate_proj", "up_proj", "down_proj"],
-        shared_inter: c.moe_intermediate_size * c.n_shared_experts.unwrap_or(0),
-        routing: Routing {
-            num_experts: c.n_routed_experts,
-            top_k: c.num_experts_per_tok,
-            scoring: Scoring::Sigmoid,
-            correction_bias: None,
-            n_group: c.n_group,
-            topk_group: c.topk_group,
-            norm_topk_prob: c.norm_topk_prob,
-            scaling: c.routed_scaling_factor as f32,
-        },
-    }
-    .load(w)
 }

@@ -1,8 +1,7 @@
-//! Family `sparse_mla`: DeepSeek-V3.2 (`model_type` deepseek_v32) — DeepSeek-V3's latent
-//! attention and MoE (built by `mla.rs`) plus the DSA indexer, which picks the keys each query
-//! attends to.
+//! DeepSeek-V3.2's DSA indexer (DeepSeek Sparse Attention, as transformers' deepseek_v32 computes
+//! it): for each query, the cache rows its [latent attention](super::mla) attends to.
 //!
-//! Indexer, per query token at position `s`: index queries `wq_b(q_latent)` (`index_n_heads ×
+//! Per query token at position `s`: index queries `wq_b(q_latent)` (`index_n_heads ×
 //! index_head_dim`) and one index key per token `LayerNorm(wk(x))` (kept in the paged cache after
 //! the main row), both with rotate-half RoPE on their first `qk_rope_head_dim` dims (the main
 //! attention's rope is interleaved); head weights `weights_proj(x) · heads^-½`; score of key `t`:
@@ -14,12 +13,12 @@
 //! Both depend only on the request, never on batching or chunking.
 
 use super::layers::Linear;
-use super::BatchLayout;
 use crate::checkpoint::{LoadError, WeightSource};
 use crate::cpu::rope::Rope;
 use crate::cpu::simd::{dot, Best};
 use crate::cpu::torch_topk::torch_topk_indices;
 use crate::kv::KvLayer;
+use crate::models::batch::BatchLayout;
 
 /// `nn.LayerNorm(eps=1e-6)` of the index keys.
 const INDEX_KEY_NORM_EPS: f32 = 1e-6;
