@@ -5,7 +5,8 @@
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_kernels::cpu::sampling::argmax;
-use kvflow_kernels::kv::{BlockPool, BlockTable, SlotId};
+use kvflow_kernels::hash;
+use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
 use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
@@ -104,16 +105,18 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
     let bs = opts.block_size;
     let needed: usize = if model.needs_blocks() { prompts.iter().map(|p| (p.len() + n).div_ceil(bs)).sum() } else { 0 };
     let slots = if model.needs_slots() { prompts.len() } else { 0 };
-    let mut pool = BlockPool::new(needed);
+    let mut pool = block_pool(needed);
     let mut cache = model.new_cache(bs, needed, slots, 0);
     let mut seqs: Vec<Running> = prompts
         .iter()
-        .map(|p| -> Result<Running> {
+        .enumerate()
+        .map(|(i, p)| -> Result<Running> {
             let mut blocks = BlockTable::new();
             if model.needs_blocks() {
-                blocks.grow_to(p.len() + n, bs, &mut pool)?;
+                blocks.grow_to(p.len() + n, bs, &mut pool, i as u64)?;
             }
-            let slot = model.needs_slots().then(|| cache.states.allocate_slot()).transpose()?;
+            // Prompt i owns slot i; a new store holds the zero state.
+            let slot = model.needs_slots().then_some(i as SlotId);
             Ok(Running {
                 prompt: p.clone(),
                 fed: 0,
@@ -179,7 +182,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                     let logits = out.last(b).expect("asked for logits");
                     s.out.last_logits = logits.to_vec();
                     if n > 0 {
-                        s.out.logits_hash = kvflow_kernels::hash::logits_bits(s.out.logits_hash, logits);
+                        s.out.logits_hash = hash::chain_row(s.out.logits_hash, hash::logits_row(logits));
                         s.out.tokens.push(argmax(logits));
                     }
                 }
@@ -190,7 +193,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                         kept.push(logits.to_vec());
                     }
                 }
-                s.out.logits_hash = kvflow_kernels::hash::logits_bits(s.out.logits_hash, logits);
+                s.out.logits_hash = hash::chain_row(s.out.logits_hash, hash::logits_row(logits));
                 s.out.tokens.push(argmax(logits));
             }
         }
@@ -204,7 +207,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
             s.out
         })
         .collect();
-    assert_eq!(pool.num_free(), pool.num_blocks(), "generate leaked KV blocks");
+    assert!(pool.all_free(), "generate leaked KV blocks");
     Ok(results)
 }
 

@@ -91,7 +91,7 @@ struct RunArgs {
     /// Re-run every request alone on the reference path and compare tokens and logits bits.
     #[arg(long)]
     verify: bool,
-    /// The pool to run (default: the graph's only pool).
+    /// Run only this pool of the graph (default: every pool).
     #[arg(long)]
     pool: Option<String>,
     /// After Ctrl-C, seconds in-flight requests may finish before they are cancelled.
@@ -126,6 +126,10 @@ struct RunArgs {
     /// decoding.
     #[arg(long, hide = true)]
     test_cancel_at_stage: Option<String>,
+    /// Test only: when request ID finishes, its rank forgets its KV blocks instead of releasing
+    /// them (the accounting check must catch it).
+    #[arg(long, hide = true)]
+    test_leak_blocks_of: Option<u64>,
 }
 
 #[derive(Subcommand)]
@@ -240,6 +244,7 @@ fn run_graph(args: RunArgs) -> Result<i32> {
         show_progress: true,
         switches: kvflow_operators::rank::TestSwitches {
             swap_block_table_every: args.test_swap_block_table_every,
+            leak_blocks_of: args.test_leak_blocks_of,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
             stuck_in_forward: match args.test_stuck_in_forward.as_deref() {
@@ -306,9 +311,10 @@ fn run() -> Result<()> {
             }
         }
         Command::Check { graph, dot } => {
-            let graph = kvflow::graph::Graph::load(&graph)?;
+            let registry = kvflow::registry::Registry::default();
+            let graph = kvflow::graph::Graph::load_with(&graph, &registry.names())?;
             if dot {
-                print!("{}", graph.to_dot());
+                print!("{}", kvflow::runtime::dot::render(&graph, &registry, None)?);
             } else {
                 println!(
                     "{}: ok — model {}, {} pool(s): {}",

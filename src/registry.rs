@@ -14,37 +14,28 @@
 //! registry.routers.register("always-last", |ctx: RouterContext| Box::new(AlwaysLast(ctx.ranks)) as Box<dyn Router>);
 //! // then: Graph::load_with(path, &registry.names()) and runtime::run(&graph, &opts, &registry)
 //! ```
+//!
+//! An executor is registered with an `ExecutorKind` (`kvflow_operators::executor`): it checks
+//! its pool's `executor_settings` and builds one executor per rank.
 
 use crate::graph::ComponentNames;
+use kvflow_operators::executor::ExecutorRegistry;
 use kvflow_operators::policy::router::RouterRegistry;
-use kvflow_operators::rank::Executor;
 
 /// Everything a graph can name.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct Registry {
     pub routers: RouterRegistry,
-    pub executors: Vec<(String, Executor)>,
-}
-
-impl Default for Registry {
-    fn default() -> Self {
-        Registry {
-            routers: RouterRegistry::default(),
-            executors: vec![("cpu".into(), Executor::Cpu), ("null".into(), Executor::Null)],
-        }
-    }
+    pub executors: ExecutorRegistry,
 }
 
 impl Registry {
-    /// The names graphs are checked against.
+    /// What graphs are checked against.
     pub fn names(&self) -> ComponentNames {
         ComponentNames {
-            executors: self.executors.iter().map(|(n, _)| n.clone()).collect(),
+            executors: self.executors.names(),
             routers: self.routers.names(),
+            executor_kinds: self.executors.clone(),
         }
-    }
-
-    pub fn executor(&self, name: &str) -> Option<Executor> {
-        self.executors.iter().find(|(n, _)| n == name).map(|(_, e)| *e)
     }
 }

@@ -26,7 +26,11 @@ pub struct RequestRecord {
     pub tpot_ms: Option<f64>,
     pub e2e_ms: Option<f64>,
     pub queue_ms: Option<f64>,
+    /// The pool it entered.
     pub pool: String,
+    /// Every pool it passed through, in order.
+    pub pools: Vec<String>,
+    /// Its rank in the last pool it ran in.
     pub rank: Option<usize>,
     pub cached_tokens: usize,
     pub preemptions: usize,
@@ -36,6 +40,9 @@ pub struct RequestRecord {
     /// Failure cause (`does-not-fit`, …) when `error` is set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// When the run learnt that it ended — finished, failed or cancelled (ms since the run
+    /// started).
+    pub ended_ms: Option<f64>,
     /// Hash of the logits' bit patterns at every sampled position (compared by `--verify`).
     #[serde(skip)]
     pub logits_hash: u64,
@@ -60,6 +67,19 @@ pub struct VerifySummary {
     pub checked: usize,
     pub mismatched: usize,
     pub mismatched_ids: Vec<u64>,
+    /// Every request it checked.
+    #[serde(skip)]
+    pub checked_ids: Vec<u64>,
+}
+
+impl VerifySummary {
+    /// The part of the summary about `records` (one pool's).
+    pub fn restricted_to(&self, records: &[&RequestRecord]) -> VerifySummary {
+        let ids: std::collections::HashSet<u64> = records.iter().map(|r| r.id).collect();
+        let keep = |v: &[u64]| v.iter().copied().filter(|i| ids.contains(i)).collect::<Vec<_>>();
+        let (checked_ids, mismatched_ids) = (keep(&self.checked_ids), keep(&self.mismatched_ids));
+        VerifySummary { checked: checked_ids.len(), mismatched: mismatched_ids.len(), mismatched_ids, checked_ids }
+    }
 }
 
 /// Nearest-rank percentiles and mean of `values` (`null`s when empty).
@@ -89,7 +109,12 @@ fn meets(r: &RequestRecord, slo: &Slo) -> bool {
 
 /// The `report.json` object (schema 1). `extra` fields are merged in at the top level.
 pub fn build_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, extra: Value) -> Value {
-    let measured: Vec<&RequestRecord> = records.iter().filter(|r| !r.warmup).collect();
+    summarize(&records.iter().collect::<Vec<_>>(), slo, verify, extra)
+}
+
+/// [`build_report`]'s figures over any subset of the records (a pool's).
+pub fn summarize(records: &[&RequestRecord], slo: &Slo, verify: &VerifySummary, extra: Value) -> Value {
+    let measured: Vec<&RequestRecord> = records.iter().copied().filter(|r| !r.warmup).collect();
     let completed: Vec<&RequestRecord> =
         measured.iter().copied().filter(|r| r.error.is_none() && r.done_ms.is_some()).collect();
     let cancelled = measured.iter().filter(|r| r.failure.as_deref() == Some(CANCELLED)).count();

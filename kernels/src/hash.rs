@@ -19,7 +19,18 @@ pub fn tokens(state: u64, tokens: &[u32]) -> u64 {
     tokens.iter().fold(state, |h, &t| mix(h, t as u64))
 }
 
-/// Hash of the bit patterns of a logits row, continuing from `state` (`--verify` compares these).
+/// Hash of the bit patterns of one logits row: what an executor reports with each sampled token.
+pub fn logits_row(logits: &[f32]) -> u64 {
+    logits_bits(EMPTY, logits)
+}
+
+/// A request's running logits hash extended by one sampled row's [`logits_row`] hash: the value
+/// `--verify` compares (the run and the reference path chain rows the same way).
+pub fn chain_row(state: u64, row: u64) -> u64 {
+    mix(state, row)
+}
+
+/// Hash of the bit patterns of a logits row, continuing from `state`.
 pub fn logits_bits(state: u64, logits: &[f32]) -> u64 {
     // Pack two f32 bit patterns per mix: the row is long.
     let mut h = mix(state, logits.len() as u64);

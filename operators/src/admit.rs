@@ -1,18 +1,23 @@
-//! `admit`: drains the pool's ingress (requests released by the workload driver) on rank 0, and
-//! wakes a parked pool.
+//! `admit`: wakes a parked pool, from any rank. Rank 0 also drains the pool's ingress (requests
+//! and cancellations released by the workload driver) for its `schedule` to report.
 //!
-//! Consumes the feedback stream (`Launched`/`Parked` of step `t`, delivered at `t + 1`). Holds
-//! one capability, on rank 0 only, at the next step at which the pool could need waking: `t + 2`
-//! after seeing `Launched(t)` (so it never holds back `align(t + 1)`), `t + 1` after
-//! `Parked(t)`. When parked and a request is waiting it emits a wake record at that time,
-//! broadcast to every rank's `schedule`, so every rank resumes at the same step. Once the driver
-//! closes the ingress and the pool is parked, it drops its capability and the dataflow ends.
+//! Consumes the feedback stream (`Launched`/`Parked`/`Ended` of step `t`, delivered at `t + 1`)
+//! and the wake loop (every wake record, delivered one step later). Holds a capability only while
+//! the pool is parked: from the start (time 0) and from each `Parked(t)` (at `t + 1`, retained
+//! from that signal) until the pool resumes. When parked and something needs it — the ingress has
+//! work (rank 0), the workload is done after a quiescent park (rank 0: the pool must run its
+//! ending step), or something raised the rank's [`RankWaker`] (a completion landed on this rank)
+//! — it emits a wake record at its capability's time; the record is broadcast to every rank's
+//! `schedule`, so every rank resumes at the same step, and through the wake loop to every
+//! `admit`, which then lets go of its own capability. It never holds a capability while the pool
+//! runs, so it never holds back `align`.
 //!
-//! Guarantee carried: parking (DESIGN §4) — an idle pool runs no empty steps, yet every rank
-//! learns of new work at the same step. Admitted requests ride on `align`'s broadcast (through
-//! rank 0's report), never on this operator's own timestamps.
+//! Guarantees carried: parking (DESIGN §4) — an idle pool runs no empty steps, yet every rank
+//! learns of new work at the same step (admissions ride on `align`'s broadcast through rank 0's
+//! report, never on this operator's timestamps) — and any rank can wake its pool.
 
 use crate::messages::{Admission, LoopSignal};
+use crate::wake::RankWaker;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -22,28 +27,28 @@ use timely::dataflow::channels::pact::Pipeline;
 use timely::dataflow::operators::generic::builder_rc::OperatorBuilder;
 use timely::dataflow::operators::generic::OutputBuilder;
 use timely::dataflow::operators::vec::Broadcast;
+use timely::dataflow::operators::Capability;
 use timely::dataflow::StreamVec;
-use timely::scheduling::SyncActivator;
 
 /// Where the workload driver hands requests (and cancellations) to a pool.
 #[derive(Default)]
 pub struct Ingress {
     queue: Mutex<VecDeque<Admission>>,
     cancels: Mutex<Vec<u64>>,
-    activator: Mutex<Option<SyncActivator>>,
+    waker: Mutex<Option<Arc<RankWaker>>>,
     closed: AtomicBool,
 }
 
 impl Ingress {
     /// Queues a request and wakes rank 0's `admit`.
     pub fn push(&self, a: Admission) {
-        self.queue.lock().expect("ingress lock").push_back(a);
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push_back(a);
         self.wake();
     }
 
     /// Asks the pool to cancel a released request, wherever it is.
     pub fn cancel(&self, id: u64) {
-        self.cancels.lock().expect("ingress lock").push(id);
+        self.cancels.lock().unwrap_or_else(|e| e.into_inner()).push(id);
         self.wake();
     }
 
@@ -58,15 +63,17 @@ impl Ingress {
     }
 
     fn wake(&self) {
-        if let Some(a) = self.activator.lock().expect("ingress lock").as_ref() {
-            // The worker may have finished; nothing to wake then.
-            let _ = a.activate();
+        if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            w.activate();
         }
     }
 
+    /// Moves what was released into `into`; `into.closed` once nothing more will come.
     fn drain(&self, into: &mut PendingWork) {
-        into.admissions.extend(self.queue.lock().expect("ingress lock").drain(..));
-        into.cancels.append(&mut self.cancels.lock().expect("ingress lock"));
+        let closed = self.is_closed(); // read first: whatever was pushed before closing is drained
+        into.admissions.extend(self.queue.lock().unwrap_or_else(|e| e.into_inner()).drain(..));
+        into.cancels.append(&mut self.cancels.lock().unwrap_or_else(|e| e.into_inner()));
+        into.closed = closed;
     }
 }
 
@@ -75,6 +82,8 @@ impl Ingress {
 pub struct PendingWork {
     pub admissions: Vec<Admission>,
     pub cancels: Vec<u64>,
+    /// The ingress is closed (everything released before has been drained).
+    pub closed: bool,
 }
 
 impl PendingWork {
@@ -89,63 +98,70 @@ pub type Pending = Rc<RefCell<PendingWork>>;
 /// Builds `admit`. `ingress` is `Some` on rank 0 only. Returns the wake stream, broadcast.
 pub fn admit<'scope>(
     feedback: StreamVec<'scope, u64, LoopSignal>,
+    wake_loop: StreamVec<'scope, u64, u64>,
     ingress: Option<Arc<Ingress>>,
     pending: Pending,
+    waker: Arc<RankWaker>,
     hold_at: Option<u64>,
 ) -> StreamVec<'scope, u64, u64> {
     let scope = feedback.scope();
     let mut builder = OperatorBuilder::new("admit".to_string(), scope);
     let info = builder.operator_info();
-    let mut input = builder.new_input(feedback, Pipeline);
+    let mut signals = builder.new_input(feedback, Pipeline);
+    let mut woken = builder.new_input(wake_loop, Pipeline);
     let (output, wakes) = builder.new_output();
     let mut output = OutputBuilder::<_, timely::container::CapacityContainerBuilder<Vec<u64>>>::from(output);
+    waker.set_activator(scope.worker().sync_activator_for(info.address.to_vec()));
     if let Some(ingress) = &ingress {
-        *ingress.activator.lock().expect("ingress lock") =
-            Some(scope.worker().sync_activator_for(info.address.to_vec()));
+        *ingress.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(waker.clone());
     }
     builder.build(move |mut caps| {
-        let mut cap = caps.pop();
-        if ingress.is_none() {
-            cap = None; // only rank 0 can wake the pool
-        }
-        let mut parked = true; // nothing runs before the first request
+        // Parked from the start: nothing runs before the first request.
+        let mut parked: Option<Capability<u64>> = caps.pop();
+        let mut quiescent = true;
+        // Every step up to this one has been woken (by some rank).
+        let mut woken_through: Option<u64> = None;
         let mut held = Vec::new(); // test switch: capabilities kept forever
         move |_frontiers| {
-            input.for_each_stamp(|stamp, data| {
+            woken.for_each_stamp(|_stamp, data| {
+                for t in data.flat_map(|d| d.drain(..)) {
+                    woken_through = Some(woken_through.map_or(t, |w| w.max(t)));
+                }
+            });
+            signals.for_each_stamp(|stamp, data| {
                 let Some(&t) = stamp.least() else { return };
-                for signals in data {
-                    for signal in signals.drain(..) {
-                        match signal {
-                            LoopSignal::Launched => {
-                                parked = false;
-                                if let Some(c) = cap.as_mut() {
-                                    if *c.time() < t + 1 {
-                                        c.downgrade(&(t + 1));
-                                    }
-                                }
+                if hold_at == Some(t) && held.is_empty() {
+                    held.extend(stamp.retain_least(0));
+                }
+                for signal in data.flat_map(|d| d.drain(..)) {
+                    match signal {
+                        LoopSignal::Launched => {}
+                        LoopSignal::Parked { quiescent: q } => {
+                            if woken_through.is_none_or(|w| w < t) {
+                                parked = stamp.retain_least(0);
+                                quiescent = q;
                             }
-                            LoopSignal::Parked => parked = true,
                         }
+                        LoopSignal::Ended => parked = None,
                     }
                 }
             });
-            if let (Some(c), Some(t)) = (cap.as_ref(), hold_at) {
-                if *c.time() == t && held.is_empty() {
-                    held.push(c.clone());
-                }
+            // Someone woke the pool at or after the time we hold: let go.
+            if parked.as_ref().is_some_and(|c| woken_through.is_some_and(|w| w >= *c.time())) {
+                parked = None;
             }
-            let Some(ingress) = &ingress else { return };
-            ingress.drain(&mut pending.borrow_mut());
-            if parked && cap.is_some() {
-                if !pending.borrow().is_empty() {
-                    let c = cap.as_mut().expect("checked");
-                    let t = *c.time();
-                    output.activate().session(&*c).give(t);
-                    c.downgrade(&(t + 1));
-                    parked = false;
-                } else if ingress.is_closed() {
-                    cap = None;
-                }
+            if let Some(ingress) = &ingress {
+                ingress.drain(&mut pending.borrow_mut());
+            }
+            let Some(cap) = parked.as_ref() else { return };
+            let work = pending.borrow();
+            let wanted = !work.is_empty() || (work.closed && quiescent && ingress.is_some());
+            drop(work);
+            if wanted || waker.take() {
+                let t = *cap.time();
+                output.activate().session(cap).give(t);
+                woken_through = Some(t);
+                parked = None;
             }
         }
     });

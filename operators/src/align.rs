@@ -6,6 +6,10 @@
 //!
 //! Holds a capability for `t` from the first report of `t` until the plan is emitted.
 //!
+//! A set of reports that is not one per rank (a report missing or duplicated: a runtime fault,
+//! not a user error) still yields a plan, one that parks the pool and names the fault, so the
+//! run stops with a diagnosis instead of a panic.
+//!
 //! Guarantee carried: collective alignment (DESIGN §5) — no rank acts on step `t` before it holds
 //! the complete set of reports, and every rank derives the same plan from it, so any collective
 //! a forward runs is a pure function of the plan and no rank can be one short.
@@ -65,10 +69,12 @@ pub fn align<'scope>(
                     if frontier.frontier().less_equal(&t) {
                         break;
                     }
-                    let (cap, mut got) = stash.remove(&t).expect("first key");
+                    let Some((cap, mut got)) = stash.remove(&t) else { break };
                     got.sort_by_key(|r| r.rank);
-                    assert_eq!(got.len(), ranks, "step {t}: {} reports for {ranks} ranks", got.len());
-                    let plan = derive_plan(t, got, router.as_mut(), keys);
+                    let plan = match complete_set(t, &got, ranks) {
+                        Ok(()) => derive_plan(t, got, router.as_mut(), keys),
+                        Err(fault) => faulted_plan(t, got, fault),
+                    };
                     output.session(&cap).give(plan);
                     if hold_at == Some(t) {
                         held.push(cap);
@@ -79,6 +85,32 @@ pub fn align<'scope>(
     )
 }
 
+/// Whether `got` (rank-ordered) holds exactly one report per rank.
+fn complete_set(t: u64, got: &[RankReport], ranks: usize) -> Result<(), String> {
+    let indices: Vec<usize> = got.iter().map(|r| r.rank).collect();
+    if indices != (0..ranks).collect::<Vec<_>>() {
+        return Err(format!("step {t}: align got reports from ranks {indices:?} of a {ranks}-rank pool"));
+    }
+    Ok(())
+}
+
+/// The plan of a step whose reports are not one per rank: nothing is admitted or launched, the
+/// pool parks, and the fault is logged and named by the run's stall diagnosis.
+fn faulted_plan(step: u64, ranks: Vec<RankReport>, fault: String) -> StepPlan {
+    tracing::error!("{fault}");
+    eprintln!("runtime fault: {fault}");
+    StepPlan {
+        step,
+        ranks,
+        routed: Vec::new(),
+        unroutable: Vec::new(),
+        cancels: Vec::new(),
+        park: true,
+        quiescent: false,
+        end: false,
+    }
+}
+
 /// `StepPlan(t)` from the complete, rank-ordered reports of `t`.
 pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Router, keys: RoutingKeys) -> StepPlan {
     // (With a partial set of reports — only under the test switch — ranks are missing here.)
@@ -86,16 +118,24 @@ pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Route
     let cancels: Vec<u64> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.cancels)).collect();
     let mut load: Vec<usize> = ranks.iter().map(|r| r.outstanding_tokens).collect();
     let mut routed = Vec::with_capacity(admissions.len());
+    let mut unroutable = Vec::new();
     for a in admissions {
         let seed = if keys.keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
         let hashes = block_hashes(&a.prompt, keys.block_size, seed);
         let rank = router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes }, &load);
-        let rank = rank.min(ranks.len() - 1);
+        if rank >= load.len() {
+            let why = format!("the router chose rank {rank} of a {}-rank pool", load.len());
+            unroutable.push((a, why));
+            continue;
+        }
         load[rank] += a.prompt.len() + a.max_output_tokens;
         routed.push((a, rank));
     }
-    let park = routed.is_empty() && cancels.is_empty() && ranks.iter().all(RankReport::idle);
-    StepPlan { step, ranks, routed, cancels, park }
+    let launches = ranks.iter().any(|r| r.scheduled_tokens > 0);
+    let park = !launches && routed.is_empty() && unroutable.is_empty() && cancels.is_empty();
+    let quiescent = park && ranks.iter().all(RankReport::idle);
+    let end = quiescent && ranks.first().is_some_and(|r| r.closing);
+    StepPlan { step, ranks, routed, unroutable, cancels, park, quiescent, end }
 }
 
 #[cfg(test)]
@@ -112,8 +152,10 @@ mod tests {
             outstanding_tokens: 0,
             waiting: 0,
             running: 0,
+            in_flight: 0,
             admissions: vec![],
             cancels: vec![],
+            closing: false,
         }
     }
 
@@ -122,27 +164,82 @@ mod tests {
     }
 
     #[test]
-    fn the_pool_parks_only_when_no_rank_has_work_and_nothing_was_admitted() {
+    fn the_pool_parks_only_when_no_rank_launches_and_nothing_was_admitted_or_cancelled() {
         assert!(plan(vec![report(0), report(1)]).park);
-        // Each fact that means work, alone, keeps the pool running.
+        // Each fact that means work at this step, alone, keeps the pool running.
         let mut with_work = Vec::new();
-        for flip in 0..5 {
+        for flip in 0..3 {
             let mut r = vec![report(0), report(1)];
             match flip {
                 0 => r[1].scheduled_tokens = 1,
-                1 => r[1].waiting = 1,
-                2 => r[0].running = 1,
-                3 => r[0].cancels.push(4),
+                1 => r[0].cancels.push(4),
                 _ => r[0].admissions.push(Admission { id: 1, prompt: vec![1], max_output_tokens: 1, warmup: false }),
             }
             with_work.push(plan(r).park);
         }
-        assert_eq!(with_work, vec![false; 5]);
-        // Facts that are not work do not move the decision.
+        assert_eq!(with_work, vec![false; 3]);
+        // Facts that are not work at this step do not move the decision: requests held but
+        // waiting for a completion in flight park the pool until that completion wakes it.
         let mut r = vec![report(0), report(1)];
         r[0].outstanding_tokens = 99;
         r[1].scheduled_seqs = 0;
+        r[1].running = 2;
+        r[0].waiting = 1;
+        r[1].in_flight = 1;
+        r[0].closing = true;
         assert!(plan(r).park);
+    }
+
+    #[test]
+    fn the_pool_checks_its_accounting_only_when_nothing_is_held_or_in_flight_and_ends_only_then() {
+        let quiet = || vec![report(0), report(1)];
+        let p = plan(quiet());
+        assert!(p.quiescent && !p.end);
+        for flip in 0..3 {
+            let mut r = quiet();
+            match flip {
+                0 => r[1].in_flight = 1,
+                1 => r[0].waiting = 1,
+                _ => r[1].running = 1,
+            }
+            let p = plan(r);
+            assert!(p.park && !p.quiescent && !p.end, "flip {flip}");
+        }
+        let mut r = quiet();
+        r[0].closing = true;
+        assert!(plan(r).end, "the workload is done and nothing is held: the pool ends");
+        let mut r = quiet();
+        r[1].closing = true;
+        assert!(!plan(r).end, "only rank 0 knows the ingress");
+        let mut r = quiet();
+        r[0].closing = true;
+        r[1].outstanding_tokens = 3;
+        assert!(plan(r).end, "outstanding tokens are a routing figure, not work");
+    }
+
+    #[test]
+    fn a_route_outside_the_pool_fails_that_request_instead_of_being_clamped() {
+        struct Beyond;
+        impl Router for Beyond {
+            fn route(&mut self, _: &RouteRequest, outstanding: &[usize]) -> usize {
+                outstanding.len()
+            }
+        }
+        let mut r = vec![report(0), report(1)];
+        r[0].admissions.push(Admission { id: 3, prompt: vec![1, 2], max_output_tokens: 1, warmup: false });
+        let p = derive_plan(1, r, &mut Beyond, RoutingKeys { block_size: 4, keyed_by_prompt_len: false });
+        assert!(p.routed.is_empty());
+        assert_eq!(p.unroutable.len(), 1);
+        assert!(p.unroutable[0].1.contains("rank 2 of a 2-rank pool"), "{:?}", p.unroutable);
+        assert!(!p.park, "rank 0 must run the step that fails it");
+    }
+
+    #[test]
+    fn a_missing_report_is_a_named_fault_not_a_panic() {
+        assert!(complete_set(4, &[report(0), report(1)], 2).is_ok());
+        let e = complete_set(4, &[report(0)], 2).unwrap_err();
+        assert!(e.contains("step 4") && e.contains("[0]") && e.contains("2-rank"), "{e}");
+        assert!(complete_set(4, &[report(0), report(0)], 2).is_err());
     }
 
     #[test]

@@ -1,27 +1,37 @@
-//! `forward(t)`: runs this rank's batch of step `t` on its executor, as `StepPlan(t)` says
-//! (a rank with nothing scheduled runs the plan's empty step; on the CPU executor that computes
-//! nothing). Queues the admissions the plan routed to this rank for the next step.
+//! `forward(t)`: launches this rank's batch of step `t` on its executor, as `StepPlan(t)` says
+//! (a rank with nothing scheduled launches nothing, and flushes its executor if it still has
+//! steps in flight), then queues the admissions the plan routed to this rank and frees the
+//! requests it cancels.
 //!
-//! Emits `Launched` (or `Parked`, when the plan parks the pool) on the feedback edge, which
-//! delivers it to `schedule(t + 1)` and `admit`; and the step's events (requests finished, failed
-//! or cancelled) to `emit`. The CPU executor is synchronous, so the batch is
-//! launched and sampled within this call; holds no capability past it.
+//! Two outputs, two completions (DESIGN §4):
+//! - *launched*, on the feedback edge: `Launched` as soon as the batch is launched (or `Parked` /
+//!   `Ended` when the plan says so), delivered to `schedule(t + 1)` and `admit` — all the next
+//!   step needs;
+//! - *sampled*, to `emit`: the requests that ended (finished, failed, cancelled), each at the
+//!   step whose completion ended it. This output holds a capability for every step of this rank
+//!   still in flight, from its launch until its completion is applied, so whatever consumes it
+//!   sees step `t`'s frontier pass only once step `t` has completed. Nothing downstream of it
+//!   feeds back into the step loop.
+//!
+//! When the plan parks the pool with nothing in flight, every rank checks its accounting.
 //!
 //! Guarantee carried: only `Launched(t)` gates `t + 1` (DESIGN §4).
 
 use crate::messages::{Event, LoopSignal, StepPlan};
 use crate::rank::Rank;
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::rc::Rc;
 use timely::container::CapacityContainerBuilder;
 use timely::dataflow::channels::pact::Pipeline;
 use timely::dataflow::operators::generic::builder_rc::OperatorBuilder;
-use timely::dataflow::operators::generic::OutputBuilder;
+use timely::dataflow::operators::generic::{OutputBuilder, OutputBuilderSession};
+use timely::dataflow::operators::Capability;
 use timely::dataflow::StreamVec;
 
 pub struct ForwardOutputs<'scope> {
     pub signals: StreamVec<'scope, u64, LoopSignal>,
-    pub events: StreamVec<'scope, u64, Event>,
+    pub sampled: StreamVec<'scope, u64, Event>,
 }
 
 pub fn forward<'scope>(
@@ -32,37 +42,72 @@ pub fn forward<'scope>(
     let mut builder = OperatorBuilder::new("forward".to_string(), plans.scope());
     let mut input = builder.new_input(plans, Pipeline);
     let (signal_out, signals) = builder.new_output();
-    let (event_out, events) = builder.new_output();
+    let (sampled_out, sampled) = builder.new_output();
     let mut signal_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<LoopSignal>>>::from(signal_out);
-    let mut event_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<Event>>>::from(event_out);
+    let mut sampled_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<Event>>>::from(sampled_out);
     builder.build(move |_caps| {
+        // Capabilities on the sampled output, per step in flight on this rank.
+        let mut in_flight: BTreeMap<u64, Capability<u64>> = BTreeMap::new();
         let mut held = Vec::new(); // test switch: capabilities kept forever
         move |_frontiers| {
             let mut signal_session = signal_out.activate();
-            let mut event_session = event_out.activate();
+            let mut sampled_session = sampled_out.activate();
             input.for_each_stamp(|stamp, data| {
                 let Some(signal_cap) = stamp.retain_least(0) else { return };
-                let event_cap = stamp.retain_least(1).expect("same stamp");
+                let Some(sampled_cap) = stamp.retain_least(1) else { return };
+                let t = *signal_cap.time();
                 for plans in data {
                     for plan in plans.drain(..) {
                         let mut rank = rank.borrow_mut();
-                        let mut events = rank.execute();
-                        for (admission, r) in plan.routed.iter() {
+                        rank.launch(t);
+                        for (admission, r) in &plan.routed {
                             if *r == rank.index {
                                 rank.admit(admission.clone());
                             }
                         }
-                        events.extend(rank.cancel(&plan.cancels));
-                        event_session.session(&event_cap).give_iterator(events.into_iter());
-                        let signal = if plan.park { LoopSignal::Parked } else { LoopSignal::Launched };
+                        if rank.index == 0 {
+                            rank.reject_unroutable(&plan.unroutable);
+                        }
+                        rank.cancel(&plan.cancels);
+                        let signal = if plan.end {
+                            LoopSignal::Ended
+                        } else if plan.park {
+                            LoopSignal::Parked { quiescent: plan.quiescent }
+                        } else {
+                            LoopSignal::Launched
+                        };
                         signal_session.session(&signal_cap).give(signal);
+                        if plan.quiescent {
+                            rank.check_accounting(&format!("at park after step {t}"));
+                        }
                     }
                 }
-                if hold_at == Some(*signal_cap.time()) {
+                let mut rank = rank.borrow_mut();
+                emit_ended(&mut rank, &mut in_flight, &sampled_cap, &mut sampled_session);
+                if rank.is_in_flight(t) {
+                    in_flight.insert(t, sampled_cap);
+                }
+                if hold_at == Some(t) {
                     held.push(signal_cap);
                 }
             });
         }
     });
-    ForwardOutputs { signals, events }
+    ForwardOutputs { signals, sampled }
+}
+
+/// Emits the requests that ended, each at the step whose completion ended it, and lets go of the
+/// capabilities of steps no longer in flight.
+fn emit_ended(
+    rank: &mut Rank,
+    in_flight: &mut BTreeMap<u64, Capability<u64>>,
+    now: &Capability<u64>,
+    out: &mut OutputBuilderSession<'_, u64, CapacityContainerBuilder<Vec<Event>>>,
+) {
+    rank.poll();
+    for (step, event) in rank.take_events() {
+        let cap = in_flight.get(&step).unwrap_or(now);
+        out.session(cap).give(event);
+    }
+    in_flight.retain(|&s, _| rank.is_in_flight(s));
 }

@@ -1,12 +1,16 @@
-//! kvflow's timely operators (admit, schedule, align, forward, emit), one per file, and the
-//! per-rank state each owns (`rank`), built around the plain scheduling policy in `policy`.
-//! See DESIGN.md §4 for the per-pool graph they form; `kvflow::runtime` wires them.
+//! kvflow's timely operators (admit, schedule, align, forward, emit), one per file, the per-rank
+//! state each owns (`rank`), the executors that run a rank's steps (`executor`) and the
+//! vocabulary of a step between them (`step`), built around the plain scheduling policy in
+//! `policy`. See DESIGN.md §4 for the per-pool graph they form; `kvflow::runtime` wires them.
 
 pub mod admit;
 pub mod align;
 pub mod emit;
+pub mod executor;
 pub mod forward;
 pub mod messages;
 pub mod policy;
 pub mod rank;
 pub mod schedule;
+pub mod step;
+pub mod wake;

@@ -25,15 +25,19 @@ pub struct RankReport {
     pub outstanding_tokens: usize,
     pub waiting: usize,
     pub running: usize,
+    /// Steps it launched whose completion it has not applied.
+    pub in_flight: usize,
     pub admissions: Vec<Admission>,
     /// Requests to cancel (rank 0 carries them, like admissions).
     pub cancels: Vec<u64>,
+    /// Rank 0: the ingress is closed and everything it received has been reported.
+    pub closing: bool,
 }
 
 impl RankReport {
-    /// Whether the rank has nothing scheduled, running or waiting.
+    /// Whether the rank holds no request and has nothing in flight.
     pub fn idle(&self) -> bool {
-        self.scheduled_tokens == 0 && self.waiting == 0 && self.running == 0 && self.cancels.is_empty()
+        self.scheduled_tokens == 0 && self.waiting == 0 && self.running == 0 && self.in_flight == 0
     }
 }
 
@@ -45,10 +49,19 @@ pub struct StepPlan {
     pub ranks: Vec<RankReport>,
     /// Every admission of `t` and the rank the router chose for it.
     pub routed: Vec<(Admission, usize)>,
+    /// Admissions the router could not place (it named a rank outside the pool), with why:
+    /// rank 0 fails them.
+    pub unroutable: Vec<(Admission, String)>,
     /// Requests cancelled at `t`: whichever rank holds one frees it.
     pub cancels: Vec<u64>,
-    /// No rank has work and nothing was admitted: the pool parks after this step.
+    /// No rank launches anything and nothing was admitted or cancelled: the pool parks after
+    /// this step until something wakes it (an admission, or a completion of a step in flight).
     pub park: bool,
+    /// It parks with nothing in flight and no request held anywhere: every rank checks its
+    /// accounting.
+    pub quiescent: bool,
+    /// Quiescent, and the workload is done (rank 0's ingress is closed): the pool ends.
+    pub end: bool,
 }
 
 /// What `forward(t)` tells the next step through the feedback edge.
@@ -56,8 +69,11 @@ pub struct StepPlan {
 pub enum LoopSignal {
     /// Step `t` launched: its batch structure is known, so `t + 1` may be scheduled.
     Launched,
-    /// The pool parked after `t`: nothing runs until `admit` wakes it.
-    Parked,
+    /// The pool parked after `t`: nothing runs until some rank's `admit` wakes it.
+    /// `quiescent`: nothing was in flight either.
+    Parked { quiescent: bool },
+    /// The pool ended after `t`: every operator lets go of its capabilities.
+    Ended,
 }
 
 /// Milliseconds since the Unix epoch: the clock every process of a run shares (the driver stamps

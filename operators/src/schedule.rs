@@ -1,10 +1,11 @@
 //! `schedule(t)`: decides each rank's batch for step `t` and reports it.
 //!
 //! Triggered at `t` by `Launched(t − 1)` from the feedback edge (step `t − 1` launched: its batch
-//! structure is known, which is all `t` needs — deferred output) or by a wake record of `admit`.
-//! Holds a capability for `t` only while emitting the report. Rank 0's report carries the
-//! requests `admit` drained. Completions (sampled tokens, finished requests) never reach this
-//! operator through a gating edge: the rank state it shares with `forward` already has them.
+//! structure is known, which is all `t` needs — deferred output: step `t − 1`'s tokens may still
+//! be in flight) or by a wake record of some rank's `admit`. Holds a capability for `t` only
+//! while emitting the report. Rank 0's report carries the requests `admit` drained, and whether
+//! the workload is done. Completions (sampled tokens, finished requests) never reach this
+//! operator through a gating edge: the rank polls its executor's completion queue when it runs.
 //!
 //! Guarantee carried: only what the next step needs gates it (DESIGN §4).
 
@@ -55,10 +56,11 @@ pub fn schedule<'scope>(
                     continue;
                 }
                 last_scheduled = Some(t);
-                let mut report = rank.borrow_mut().schedule();
+                let mut report = rank.borrow_mut().schedule(t);
                 let mut pending = pending.borrow_mut();
                 report.admissions = std::mem::take(&mut pending.admissions);
                 report.cancels.append(&mut pending.cancels);
+                report.closing = pending.closed;
                 out.session(&cap).give(report);
                 if hold_at == Some(t) {
                     held.push(cap);

@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 use kvflow_kernels::cpu::gemm::PackedMatrix;
 use kvflow_kernels::cpu::sampling::argmax;
-use kvflow_kernels::kv::{BlockPool, BlockTable, SlotId};
+use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
 use kvflow_kernels::models::{self, LogitsWanted, SeqInput};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -116,15 +116,16 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let steps = args.decode_steps + 2;
     let per_seq_blocks = (ctx + steps + 1).div_ceil(bs) - ctx / bs + 1;
     let total_blocks = ctx.div_ceil(bs) + m * per_seq_blocks;
-    let mut pool = BlockPool::new(total_blocks);
+    let mut pool = block_pool(total_blocks);
     let slots = if model.needs_slots() { m + 1 } else { 0 };
     let mut cache = model.new_cache(bs, total_blocks, slots, 1);
     let prompt: Vec<u32> = (0..ctx).map(|i| ((i * 31 + 7) % model.vocab_size) as u32).collect();
     let mut shared = BlockTable::new();
     if model.needs_blocks() {
-        shared.grow_to(ctx, bs, &mut pool)?;
+        shared.grow_to(ctx, bs, &mut pool, 0)?;
     }
-    let shared_slot = model.needs_slots().then(|| cache.states.allocate_slot()).transpose()?;
+    // Slot m holds the shared context's state; slots 0..m the sequences' (a new store is zeroed).
+    let shared_slot = model.needs_slots().then_some(m as SlotId);
     let t = Instant::now();
     for start in (0..ctx).step_by(512) {
         let end = (start + 512).min(ctx);
@@ -165,7 +166,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         .collect();
     if model.needs_blocks() {
         for t in tables.iter_mut() {
-            t.grow_to(ctx + steps + 1, bs, &mut pool)?;
+            t.grow_to(ctx + steps + 1, bs, &mut pool, 0)?;
             if ctx % bs != 0 {
                 // The partial last block is copied: each sequence writes its own tokens into it.
                 cache.kv.copy_block(shared.blocks()[full], t.blocks()[full]);
@@ -174,14 +175,11 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     }
     let mut slots: Vec<Option<SlotId>> = vec![None; m];
     if let Some(shared_slot) = shared_slot {
-        let snapshot = cache.states.snapshot(shared_slot)?;
-        for s in slots.iter_mut() {
-            let slot = cache.states.allocate_slot()?;
-            cache.states.restore(snapshot, slot);
-            *s = Some(slot);
+        cache.states.snapshot_into(shared_slot, 0);
+        for (i, s) in slots.iter_mut().enumerate() {
+            cache.states.restore(0, i as SlotId);
+            *s = Some(i as SlotId);
         }
-        cache.states.release_snapshot(snapshot);
-        cache.states.release_slot(shared_slot);
     }
     let mut last: Vec<u32> = (0..m).map(|i| ((i * 997 + 13) % model.vocab_size) as u32).collect();
     let mut measured = Duration::ZERO;
@@ -218,11 +216,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     for t in tables.iter_mut().chain(std::iter::once(&mut shared)) {
         t.release_all(&mut pool);
     }
-    for slot in slots.into_iter().flatten() {
-        cache.states.release_slot(slot);
-    }
-    assert_eq!(pool.num_free(), pool.num_blocks(), "bench leaked KV blocks");
-    assert!(cache.states.all_free(), "bench leaked state slots");
+    assert!(pool.all_free(), "bench leaked KV blocks");
     println!("ratio={:.3}", decode / own.max(mm));
     Ok(())
 }

@@ -6,23 +6,29 @@
 //!    of workers) with an executor that does no math, beside a bare timely loop with the same
 //!    number of frontier-waited exchanges per step (one all-to-all) on the same `R` workers,
 //!    measured in the same run. Last line `round_ratio=<pool over bare>`.
+//!
+//! Both are first measured with completions delayed by one launch (each decode names the token
+//! still in flight; the `null` executor with `delay_steps = 1`), printed as `deferred_…` figures
+//! beside the same baselines; the synchronous figures come last.
 
-use crate::runtime::collector::Collector;
-use crate::runtime::driver::DriverJob;
-use crate::runtime::pool::{run_pool, PoolJob};
+use crate::graph::PoolChoice;
+use crate::runtime::collector::{spawn_collector_thread, Collector, CollectorSink};
+use crate::runtime::driver::{spawn_driver, DriverJob, EntryPool, Placement};
+use crate::runtime::pool::{start_pool, PoolJob};
 use crate::trace::Request;
 use crate::workload::{ArrivalMode, Selection};
 use anyhow::{bail, Result};
 use kvflow_kernels::checkpoint::ModelSpec;
-use kvflow_kernels::kv::{PagedKvCache, StatePool};
-use kvflow_kernels::models::{self, ModelCache};
+use kvflow_kernels::models;
+use kvflow_operators::admit::Ingress;
 use kvflow_operators::align::{derive_plan, RoutingKeys};
+use kvflow_operators::executor::ExecutorRegistry;
 use kvflow_operators::messages::RankReport;
 use kvflow_operators::policy::memory::{MemoryLayout, RankMemory};
 use kvflow_operators::policy::router::{RouterContext, RouterRegistry};
 use kvflow_operators::policy::scheduler::{Scheduler, SchedulerConfig};
 use kvflow_operators::policy::sequence::{Sequence, Sequences};
-use kvflow_operators::rank::{Executor, TestSwitches};
+use kvflow_operators::rank::TestSwitches;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -53,8 +59,9 @@ fn scheduler_config(seqs: usize) -> SchedulerConfig {
     }
 }
 
-/// Policy CPU time per step, summed over ranks (µs).
-fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize) -> f64 {
+/// Policy CPU time per step, summed over ranks (µs). With `delay` > 0, each step's sampled tokens
+/// become known only `delay` steps later (the decodes in between name them in flight).
+fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f64 {
     let block_size = 16;
     let context = 512;
     let blocks = seqs * (context + steps + 16).div_ceil(block_size);
@@ -69,8 +76,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize) -> f64 {
     };
     let mut rank_state: Vec<(Scheduler, Sequences, RankMemory)> = (0..ranks)
         .map(|r| {
-            let cache = ModelCache { kv: PagedKvCache::new(block_size, blocks, &[1]), states: StatePool::new(0, 0, 0) };
-            let mut mem = RankMemory::new(layout, cache);
+            let mut mem = RankMemory::new(layout);
             let mut scheduler = Scheduler::new(scheduler_config(seqs));
             let mut sequences = Sequences::default();
             for i in 0..seqs {
@@ -96,15 +102,29 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize) -> f64 {
     });
     let keys = RoutingKeys { block_size, keyed_by_prompt_len: false };
     let started = Instant::now();
-    for _ in 0..steps {
+    for step in 0..steps as u64 {
         let mut reports = Vec::with_capacity(ranks);
         for (r, (s, q, m)) in rank_state.iter_mut().enumerate() {
             let d = s.schedule(q, m);
-            // What forward does to the policy's state: each sequence fed and sampled.
+            // What launch does to the policy's state: each sequence fed, one token in flight;
+            // then the completion of the step `delay` launches back arrives.
             for c in &d.chunks {
                 let seq = q.get_mut(c.seq);
                 seq.computed += c.len;
-                seq.tokens.push(3);
+                seq.pending.push_back(step);
+                if delay == 0 {
+                    seq.pending.pop_front();
+                    seq.tokens.push(3);
+                }
+            }
+            if delay > 0 {
+                for c in &d.chunks {
+                    let seq = q.get_mut(c.seq);
+                    if seq.pending.front().is_some_and(|&p| p + delay <= step) {
+                        seq.pending.pop_front();
+                        seq.tokens.push(3);
+                    }
+                }
             }
             reports.push(RankReport {
                 rank: r,
@@ -113,8 +133,10 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize) -> f64 {
                 outstanding_tokens: 0,
                 waiting: s.num_waiting(),
                 running: s.num_running(),
+                in_flight: delay as usize,
                 admissions: Vec::new(),
                 cancels: Vec::new(),
+                closing: false,
             });
         }
         std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys));
@@ -185,8 +207,9 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
     Ok(steady_ms_per_step(&times, 10))
 }
 
-/// Wall time per step of the real pool with the no-math executor (ms), and its step count.
-fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u64)> {
+/// Wall time per step of the real pool with the no-math executor completing `delay` launches
+/// late (ms), and its step count.
+fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Result<(f64, u64)> {
     let spec = ModelSpec::parse("<bench step model>".into(), SPEC)?;
     let model = Arc::new(models::build(&spec.config, &spec.weights)?);
     let block_size = 16;
@@ -211,7 +234,10 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u
     let n = requests.len();
     let selection = Selection { requests, warmup: 0, measured: n, note: None };
     let (tx, rx) = std::sync::mpsc::channel();
-    let collector = Collector::new("bench", n, tx, false);
+    let collector = Collector::new(n, tx, false);
+    let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
+    let mut executor_settings = toml::Table::new();
+    executor_settings.insert("delay_steps".into(), toml::Value::Integer(delay as i64));
     let job = PoolJob {
         name: "bench".into(),
         ranks,
@@ -219,23 +245,28 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u
         layout,
         scheduler: scheduler_config(seqs),
         router: RouterRegistry::default().get("least-outstanding").expect("built in"),
+        executor: ExecutorRegistry::default().get("null").expect("built in"),
+        executor_settings,
         cluster: None,
         switches: TestSwitches::default(),
-        executor: Executor::Null,
     };
-    let result = run_pool(
-        job,
-        Some(DriverJob {
-            selection,
-            mode: ArrivalMode::Concurrency(n),
-            collector,
-            completions: rx,
-            cancel: Default::default(),
-            interrupted: Default::default(),
-            grace: std::time::Duration::from_secs(1),
-        }),
-        None,
-    )?;
+    let ingress = Arc::new(Ingress::default());
+    let sink = CollectorSink { pool: "bench".into(), batches };
+    let pool = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), None)?;
+    let driver = spawn_driver(DriverJob {
+        pools: vec![EntryPool { name: "bench".into(), ingress }],
+        placement: Placement { choice: PoolChoice::Seeded, seed: 0 },
+        selection,
+        mode: ArrivalMode::Concurrency(n),
+        collector,
+        completions: rx,
+        cancel: Default::default(),
+        interrupted: Default::default(),
+        grace: std::time::Duration::from_secs(1),
+    })?;
+    let result = pool.join();
+    let _ = collector_thread.join();
+    let _ = driver.join();
     let mut rank0 = None;
     for r in result.ranks {
         match r {
@@ -245,8 +276,27 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize) -> Result<(f64, u
             Err(e) => bail!("{e}"),
         }
     }
-    let stats = rank0.expect("at least one rank");
+    let stats = rank0.ok_or_else(|| anyhow::anyhow!("the pool reported no rank"))?;
     Ok((steady_ms_per_step(&stats.step_ms, 10), stats.steps))
+}
+
+/// Policy and pool figures at one delay: (policy µs per step, pool ms, bare ms, pool steps).
+fn measure(r: usize, s: usize, steps: usize, delay: u64) -> Result<(f64, Vec<f64>, Vec<f64>, u64)> {
+    let policy = median((0..5).map(|_| policy_us_per_step(r, s, 200, delay)).collect());
+    // Pool and bare loop alternate, three runs each, so both see the same machine.
+    let (mut pools, mut bares, mut n) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..3 {
+        let (pool, steps_run) = pool_ms_per_step(r, s, steps, delay)?;
+        n = steps_run;
+        pools.push(pool);
+        bares.push(bare_loop_ms_per_step(r, steps_run as usize)?);
+    }
+    Ok((policy, pools, bares, n))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 pub fn run(args: &StepBenchArgs) -> Result<()> {
@@ -258,21 +308,14 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
         "ranks        {r}, {s} running sequences each, {} cores here",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let policy = median((0..5).map(|_| policy_us_per_step(r, s, 200)).collect());
-    println!("policy       scheduling + StepPlan, summed over ranks: {policy:.1} µs per step (median of 5 runs of 200 steps)");
-    // Pool and bare loop alternate, three runs each, so both see the same machine.
-    let (mut pools, mut bares, mut steps) = (Vec::new(), Vec::new(), 0);
-    for _ in 0..3 {
-        let (pool, n) = pool_ms_per_step(r, s, args.steps)?;
-        steps = n;
-        pools.push(pool);
-        bares.push(bare_loop_ms_per_step(r, n as usize)?);
-    }
+    let (policy, pools, bares, steps) = measure(r, s, args.steps, 1)?;
     let (pool, bare) = (median(pools.clone()), median(bares.clone()));
+    println!("deferred     completions one launch late: scheduling + StepPlan {policy:.1} µs per step; pool {pool:.3} ms per step over {steps} steps (runs {pools:.3?}), bare loop {bare:.3} ms (runs {bares:.3?})");
+    println!("deferred_scheduling_us={policy:.1}");
+    println!("deferred_pool_over_bare={:.3}", pool / bare);
+    let (policy, pools, bares, steps) = measure(r, s, args.steps, 0)?;
+    let (pool, bare) = (median(pools.clone()), median(bares.clone()));
+    println!("policy       scheduling + StepPlan, summed over ranks: {policy:.1} µs per step (median of 5 runs of 200 steps)");
     println!("pool         {steps} steps, no-math executor: {pool:.3} ms per step (steady state; runs {pools:.3?})");
     println!("bare loop    {steps} steps, one frontier-waited all-to-all: {bare:.3} ms per step (steady state; runs {bares:.3?})");
     println!("policy_us_per_step={policy:.1}");

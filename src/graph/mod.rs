@@ -3,7 +3,7 @@
 //! A graph file names the model, sizes memory and the scheduler, lists the pools (role, ranks,
 //! executor, router) and says which trace to replay, with which SLO and where to write the report.
 //! It never wires operators: the runtime builds the per-pool operator graph of DESIGN §4 from it,
-//! and [`Graph::to_dot`] prints that graph so users see the dataflow they run.
+//! and `kvflow check --dot` prints the graph it builds so users see the dataflow they run.
 //!
 //! Loading happens in three layers, each used once:
 //! 1. *raw*: serde structs mirroring the file (`#[serde(deny_unknown_fields)]`, every value kept
@@ -43,8 +43,20 @@
 //! name = "main"                    # required; letters, digits, '-' and '_'
 //! role = "aggregated"              # aggregated | prefill | decode (default aggregated)
 //! ranks = 2                        # default 1
-//! executor = "cpu"                 # a name from the executor registry (default "cpu")
+//! executor = "cpu"                 # cpu | cpu-deferred | null, or one registered by a program (default "cpu")
 //! router = "least-outstanding"     # a name from the router registry (default "least-outstanding")
+//!
+//! [[pool]]                         # a second pool of the same run: its own timely computation
+//! name = "second"
+//! executor = "cpu-deferred"        # the CPU math on a thread of its own, completing steps later
+//! [pool.executor_settings]         # optional; the keys are the executor's own
+//! delay_steps = 1                  # cpu-deferred, null: a step completes after this many more launches (default 1; null 0)
+//! jitter_steps = 0                 # plus up to this many more, seeded (default 0)
+//! seed = 0                         # seeds the jitter (default 0)
+//! [pool.memory]                    # optional: any [memory] key, for this pool only
+//! budget_bytes = "32 MiB"
+//! [pool.scheduler]                 # optional: any [scheduler] key, for this pool only
+//! max_running = 8
 //!
 //! [workload]
 //! trace = "../traces/mooncake_conversation_head.jsonl"   # default: none
@@ -59,6 +71,7 @@
 //! max_output_tokens = 32           # cap on output length (default: none)
 //! seed = 1                         # token synthesis and arrivals (default 0)
 //! ignore_eos = true                # outputs follow the trace (default true)
+//! pool_choice = "seeded"           # with several pools: seeded | round-robin (default seeded)
 //!
 //! [slo]
 //! ttft_ms = 2000.0                 # default: none
@@ -71,7 +84,6 @@
 //! Not checked here: whether the memory budget holds one request. That needs the model's bytes per
 //! token, which the runtime knows once the model is loaded.
 
-mod dot;
 mod error;
 mod raw;
 mod rules;
@@ -90,12 +102,14 @@ use raw::RawGraph;
 use rules::{at_least_one, existing_path, measured_limit, one_of};
 use validate::Validator;
 
-/// The component names a graph may choose from: those of the runtime's registry
-/// (`kvflow::registry::Registry::names`), which programs embedding kvflow extend.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The components a graph may choose from: those of the runtime's registry
+/// (`kvflow::registry::Registry::names`), which programs embedding kvflow extend. Executors
+/// also check their own `executor_settings`.
+#[derive(Clone)]
 pub struct ComponentNames {
     pub executors: Vec<String>,
     pub routers: Vec<String>,
+    pub executor_kinds: kvflow_operators::executor::ExecutorRegistry,
 }
 
 impl ComponentNames {
@@ -140,20 +154,20 @@ pub struct MemoryConfig {
     /// Share of the budget for prefix state snapshots, in [0, 0.9]. Only families with recurrent
     /// state use it.
     pub snapshot_fraction: f64,
-    /// A snapshot is taken every this many blocks (and at the prompt end); at least 1.
-    pub snapshot_interval_blocks: usize,
 }
 
-/// Per-rank batching limits of `schedule(t)`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SchedulerConfig {
-    /// Running sequences per rank; at least 1.
-    pub max_running: usize,
-    /// Tokens per rank per step; at least 1.
-    pub max_batched_tokens: usize,
-    /// Prefill chunk size; at least 1 and at most `max_batched_tokens`.
-    pub chunk_tokens: usize,
-    pub prefix_cache: bool,
+/// Per-rank batching limits of `schedule(t)`: the policy's own config (`[scheduler]`, with
+/// `memory.snapshot_interval_blocks`), checked here: every limit at least 1 and `chunk_tokens`
+/// at most `max_batched_tokens`.
+pub use kvflow_operators::policy::scheduler::SchedulerConfig;
+
+/// Which of a run's pools a new request enters (`workload.pool_choice`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolChoice {
+    /// A seeded draw per request (seeded by `workload.seed`): the same split every run.
+    Seeded,
+    /// Each request to the next pool in turn.
+    RoundRobin,
 }
 
 /// What a pool does with a request.
@@ -203,8 +217,14 @@ pub struct PoolConfig {
     pub ranks: usize,
     /// One of the registry's executors ([`ComponentNames`]).
     pub executor: String,
+    /// The executor's settings (`[pool.executor_settings]`), checked by the executor.
+    pub executor_settings: toml::Table,
     /// One of the registry's routers ([`ComponentNames`]).
     pub router: String,
+    /// The graph's `[memory]` with this pool's `[pool.memory]` over it.
+    pub memory: MemoryConfig,
+    /// The graph's `[scheduler]` with this pool's `[pool.scheduler]` over it.
+    pub scheduler: SchedulerConfig,
 }
 
 /// How trace requests are released into the graph.
@@ -254,6 +274,8 @@ pub struct WorkloadConfig {
     /// to exercise cancellation.
     pub cancel_fraction: f64,
     pub cancel_after_ms: f64,
+    /// Which pool each request enters, when the run starts several.
+    pub pool_choice: PoolChoice,
 }
 
 /// Latency objectives for goodput; each is > 0 when set.
@@ -369,11 +391,6 @@ impl Graph {
             known: self.pools.iter().map(|pool| pool.name.clone()).collect(),
         })
     }
-
-    /// The operator graph the runtime builds for each pool (DESIGN §4), as Graphviz DOT.
-    pub fn to_dot(&self) -> String {
-        dot::render(self)
-    }
 }
 
 #[cfg(test)]
@@ -414,23 +431,26 @@ mod tests {
         let graph = Graph::load(&path).unwrap_or_else(|error| panic!("{error}"));
         let graphs = root.path().join("graphs");
         assert_eq!(graph.model, graphs.join("../fixtures/hf/kimi_linear"));
-        assert_eq!(
-            graph.memory,
-            MemoryConfig {
-                budget_bytes: 64 << 20,
-                block_size: 16,
-                snapshot_fraction: 0.25,
-                snapshot_interval_blocks: 4
-            }
-        );
-        assert_eq!(
-            graph.scheduler,
-            SchedulerConfig { max_running: 32, max_batched_tokens: 256, chunk_tokens: 64, prefix_cache: true }
-        );
-        assert_eq!(graph.pools.len(), 1);
+        assert_eq!(graph.memory, MemoryConfig { budget_bytes: 64 << 20, block_size: 16, snapshot_fraction: 0.25 });
+        let scheduler = SchedulerConfig {
+            max_running: 32,
+            max_batched_tokens: 256,
+            chunk_tokens: 64,
+            prefix_cache: true,
+            snapshot_interval_blocks: 4,
+        };
+        assert_eq!(graph.scheduler, scheduler);
+        assert_eq!(graph.pools.len(), 2);
         assert_eq!(graph.pools[0].ranks, 2);
         assert_eq!(graph.pools[0].role, PoolRole::Aggregated);
         assert_eq!(graph.pools[0].router, "least-outstanding");
+        assert_eq!((graph.pools[0].memory.clone(), graph.pools[0].scheduler), (graph.memory.clone(), scheduler));
+        let second = &graph.pools[1];
+        assert_eq!(second.executor, "cpu-deferred");
+        assert_eq!(second.executor_settings.get("delay_steps").and_then(|v| v.as_integer()), Some(1));
+        assert_eq!(second.memory.budget_bytes, 32 << 20, "the pool's own [pool.memory] key");
+        assert_eq!(second.memory.block_size, 16, "the rest from [memory]");
+        assert_eq!(second.scheduler, SchedulerConfig { max_running: 8, ..scheduler });
         assert_eq!(
             graph.workload,
             WorkloadConfig {
@@ -445,6 +465,7 @@ mod tests {
                 ignore_eos: true,
                 cancel_fraction: 0.0,
                 cancel_after_ms: 0.0,
+                pool_choice: PoolChoice::Seeded,
             }
         );
         assert_eq!(graph.slo, SloConfig { ttft_ms: Some(2000.0), tpot_ms: Some(200.0) });

@@ -30,7 +30,7 @@ pub(super) struct RawModel {
     pub(super) path: Option<Spanned<String>>,
 }
 
-#[derive(Default, Deserialize)]
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawMemory {
     /// An integer, or a string with a unit; interpreted during validation.
@@ -40,7 +40,7 @@ pub(super) struct RawMemory {
     pub(super) snapshot_interval_blocks: Option<Spanned<usize>>,
 }
 
-#[derive(Default, Deserialize)]
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawScheduler {
     pub(super) max_running: Option<Spanned<usize>>,
@@ -56,7 +56,13 @@ pub(super) struct RawPool {
     pub(super) role: Option<Spanned<String>>,
     pub(super) ranks: Option<Spanned<usize>>,
     pub(super) executor: Option<Spanned<String>>,
+    /// The executor's own settings; which keys it takes is the executor's business.
+    pub(super) executor_settings: Option<Spanned<toml::Table>>,
     pub(super) router: Option<Spanned<String>>,
+    /// This pool's own `[pool.memory]` and `[pool.scheduler]`: keys set here override the
+    /// graph's top-level tables.
+    pub(super) memory: Option<RawMemory>,
+    pub(super) scheduler: Option<RawScheduler>,
 }
 
 #[derive(Default, Deserialize)]
@@ -76,6 +82,7 @@ pub(super) struct RawWorkload {
     pub(super) ignore_eos: Option<bool>,
     pub(super) cancel_fraction: Option<Spanned<f64>>,
     pub(super) cancel_after_ms: Option<Spanned<f64>>,
+    pub(super) pool_choice: Option<Spanned<String>>,
 }
 
 #[derive(Default, Deserialize)]

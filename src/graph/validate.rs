@@ -14,17 +14,18 @@ use super::rules::{
     zero_or_more,
 };
 use super::{
-    known_trace_formats, ComponentNames, Graph, GraphError, Location, MemoryConfig, PoolConfig, PoolRole,
+    known_trace_formats, ComponentNames, Graph, GraphError, Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole,
     SchedulerConfig, SloConfig, WorkloadConfig, WorkloadMode,
 };
 
-const DEFAULT_BUDGET_BYTES: u64 = 256 << 20;
-const DEFAULT_BLOCK_SIZE: usize = 16;
-const DEFAULT_SNAPSHOT_FRACTION: f64 = 0.25;
-const DEFAULT_SNAPSHOT_INTERVAL_BLOCKS: usize = 4;
-const DEFAULT_MAX_RUNNING: usize = 64;
-const DEFAULT_MAX_BATCHED_TOKENS: usize = 512;
-const DEFAULT_CHUNK_TOKENS: usize = 64;
+const DEFAULT_MEMORY: MemoryConfig = MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 };
+const DEFAULT_SCHEDULER: SchedulerConfig = SchedulerConfig {
+    max_running: 64,
+    max_batched_tokens: 512,
+    chunk_tokens: 64,
+    prefix_cache: true,
+    snapshot_interval_blocks: 4,
+};
 const DEFAULT_EXECUTOR: &str = "cpu";
 const DEFAULT_ROUTER: &str = "least-outstanding";
 const DEFAULT_TRACE_FORMAT: &str = "mooncake";
@@ -32,6 +33,7 @@ const DEFAULT_TRACE_FORMAT: &str = "mooncake";
 const TRACE_BLOCK_TOKENS: usize = 512;
 
 const POOL_ROLES: &[&str] = &["aggregated", "prefill", "decode"];
+const POOL_CHOICES: &[&str] = &["seeded", "round-robin"];
 const WORKLOAD_MODES: &[&str] = &["timestamps", "concurrency", "rate"];
 
 pub(super) struct Validator<'a> {
@@ -104,12 +106,14 @@ impl<'a> Validator<'a> {
         let model = self.checked("model.path", model_path, |path| existing_path(self.resolve(&path)))?;
         let report_dir =
             self.field("report.out", raw.report.out.as_ref(), self.default_report_dir(), |out| Ok(self.resolve(&out)))?;
+        let memory = self.memory(&raw.memory, "memory", &DEFAULT_MEMORY)?;
+        let scheduler = self.scheduler(&raw.scheduler, &raw.memory, "", &DEFAULT_SCHEDULER)?;
         Ok(Graph {
             path: self.file.to_path_buf(),
             model,
-            memory: self.memory(&raw.memory)?,
-            scheduler: self.scheduler(&raw.scheduler)?,
-            pools: self.pools(&raw.pool)?,
+            pools: self.pools(&raw.pool, &memory, &scheduler)?,
+            memory,
+            scheduler,
             workload: self.workload(&raw.workload)?,
             slo: self.slo(&raw.slo)?,
             report_dir,
@@ -121,52 +125,66 @@ impl<'a> Validator<'a> {
         Path::new("out").join(stem)
     }
 
-    fn memory(&self, raw: &RawMemory) -> Result<MemoryConfig, GraphError> {
+    /// A `[memory]` table (`key` is `memory` or `pool.memory`) over `base`.
+    fn memory(&self, raw: &RawMemory, key: &str, base: &MemoryConfig) -> Result<MemoryConfig, GraphError> {
         Ok(MemoryConfig {
-            budget_bytes: self
-                .field("memory.budget_bytes", raw.budget_bytes.as_ref(), DEFAULT_BUDGET_BYTES, |v| byte_budget(&v))?,
-            block_size: self.field("memory.block_size", raw.block_size.as_ref(), DEFAULT_BLOCK_SIZE, at_least_one)?,
-            snapshot_fraction: self.field(
-                "memory.snapshot_fraction",
-                raw.snapshot_fraction.as_ref(),
-                DEFAULT_SNAPSHOT_FRACTION,
-                snapshot_fraction,
+            budget_bytes: self.field(
+                &format!("{key}.budget_bytes"),
+                raw.budget_bytes.as_ref(),
+                base.budget_bytes,
+                |v| byte_budget(&v),
             )?,
-            snapshot_interval_blocks: self.field(
-                "memory.snapshot_interval_blocks",
-                raw.snapshot_interval_blocks.as_ref(),
-                DEFAULT_SNAPSHOT_INTERVAL_BLOCKS,
+            block_size: self.field(
+                &format!("{key}.block_size"),
+                raw.block_size.as_ref(),
+                base.block_size,
                 at_least_one,
+            )?,
+            snapshot_fraction: self.field(
+                &format!("{key}.snapshot_fraction"),
+                raw.snapshot_fraction.as_ref(),
+                base.snapshot_fraction,
+                snapshot_fraction,
             )?,
         })
     }
 
-    fn scheduler(&self, raw: &RawScheduler) -> Result<SchedulerConfig, GraphError> {
-        let max_running =
-            self.field("scheduler.max_running", raw.max_running.as_ref(), DEFAULT_MAX_RUNNING, at_least_one)?;
+    /// A `[scheduler]` table and its `memory.snapshot_interval_blocks`, over `base`; `prefix` is
+    /// `""` for the graph's tables and `"pool."` for a pool's.
+    fn scheduler(
+        &self,
+        raw: &RawScheduler,
+        memory: &RawMemory,
+        prefix: &str,
+        base: &SchedulerConfig,
+    ) -> Result<SchedulerConfig, GraphError> {
+        let key = |k: &str| format!("{prefix}scheduler.{k}");
+        let max_running = self.field(&key("max_running"), raw.max_running.as_ref(), base.max_running, at_least_one)?;
         let max_batched_tokens = self.field(
-            "scheduler.max_batched_tokens",
+            &key("max_batched_tokens"),
             raw.max_batched_tokens.as_ref(),
-            DEFAULT_MAX_BATCHED_TOKENS,
+            base.max_batched_tokens,
             at_least_one,
         )?;
         let chunk_tokens =
-            self.field("scheduler.chunk_tokens", raw.chunk_tokens.as_ref(), DEFAULT_CHUNK_TOKENS, at_least_one)?;
+            self.field(&key("chunk_tokens"), raw.chunk_tokens.as_ref(), base.chunk_tokens, at_least_one)?;
         if chunk_tokens > max_batched_tokens {
             // Blame the key the user wrote: chunk_tokens if set, else the max_batched_tokens that
-            // undercuts the default chunk.
+            // undercuts the inherited chunk.
+            let inherited = if prefix.is_empty() { "the default" } else { "from [scheduler] or the default" };
             return Err(match (&raw.chunk_tokens, &raw.max_batched_tokens) {
                 (Some(chunk), _) => self.error(
-                    "scheduler.chunk_tokens",
+                    &key("chunk_tokens"),
                     Some(chunk.span()),
-                    format!("{chunk_tokens} is larger than scheduler.max_batched_tokens ({max_batched_tokens})"),
+                    format!("{chunk_tokens} is larger than {} ({max_batched_tokens})", key("max_batched_tokens")),
                 ),
                 (None, max_batched) => self.error(
-                    "scheduler.max_batched_tokens",
+                    &key("max_batched_tokens"),
                     max_batched.as_ref().map(Spanned::span),
                     format!(
-                        "{max_batched_tokens} is smaller than scheduler.chunk_tokens ({chunk_tokens}, the default); \
-                         lower scheduler.chunk_tokens too"
+                        "{max_batched_tokens} is smaller than {} ({chunk_tokens}, {inherited}); lower {} too",
+                        key("chunk_tokens"),
+                        key("chunk_tokens")
                     ),
                 ),
             });
@@ -175,11 +193,22 @@ impl<'a> Validator<'a> {
             max_running,
             max_batched_tokens,
             chunk_tokens,
-            prefix_cache: raw.prefix_cache.unwrap_or(true),
+            prefix_cache: raw.prefix_cache.unwrap_or(base.prefix_cache),
+            snapshot_interval_blocks: self.field(
+                &format!("{prefix}memory.snapshot_interval_blocks"),
+                memory.snapshot_interval_blocks.as_ref(),
+                base.snapshot_interval_blocks,
+                at_least_one,
+            )?,
         })
     }
 
-    fn pools(&self, raw: &[Spanned<RawPool>]) -> Result<Vec<PoolConfig>, GraphError> {
+    fn pools(
+        &self,
+        raw: &[Spanned<RawPool>],
+        memory: &MemoryConfig,
+        scheduler: &SchedulerConfig,
+    ) -> Result<Vec<PoolConfig>, GraphError> {
         if raw.is_empty() {
             return Err(self.error(
                 "pool",
@@ -207,20 +236,38 @@ impl<'a> Validator<'a> {
                 PoolRole::from_name(&role)
                     .ok_or_else(|| format!("`{role}` is not a pool role; known: {}", quoted_list(POOL_ROLES)))
             })?;
+            let executor = self.field("pool.executor", pool.executor.as_ref(), DEFAULT_EXECUTOR.to_string(), |e| {
+                one_of(&e, &self.names.executors, "executor")
+            })?;
+            let (pool_memory, pool_scheduler) =
+                (pool.memory.clone().unwrap_or_default(), pool.scheduler.clone().unwrap_or_default());
             pools.push(PoolConfig {
                 role,
                 ranks: self.field("pool.ranks", pool.ranks.as_ref(), 1, at_least_one)?,
-                executor: self.field("pool.executor", pool.executor.as_ref(), DEFAULT_EXECUTOR.to_string(), |e| {
-                    one_of(&e, &self.names.executors, "executor")
-                })?,
+                executor_settings: self.executor_settings(&executor, pool.executor_settings.as_ref())?,
+                executor,
                 router: self.field("pool.router", pool.router.as_ref(), DEFAULT_ROUTER.to_string(), |r| {
                     one_of(&r, &self.names.routers, "router")
                 })?,
+                memory: self.memory(&pool_memory, "pool.memory", memory)?,
+                scheduler: self.scheduler(&pool_scheduler, &pool_memory, "pool.", scheduler)?,
                 name: name_value,
             });
             name_spans.push(name.span());
         }
         Ok(pools)
+    }
+
+    /// `[pool.executor_settings]`, checked by the executor it configures.
+    fn executor_settings(&self, executor: &str, raw: Option<&Spanned<toml::Table>>) -> Result<toml::Table, GraphError> {
+        let Some(raw) = raw else { return Ok(toml::Table::new()) };
+        if let Some(kind) = self.names.executor_kinds.get(executor) {
+            kind.check(raw.get_ref()).map_err(|e| {
+                let key = format!("pool.executor_settings.{}", e.key);
+                self.error(&key, Some(raw.span()), format!("{} (executor `{executor}`)", e.message))
+            })?;
+        }
+        Ok(raw.get_ref().clone())
     }
 
     fn workload(&self, raw: &RawWorkload) -> Result<WorkloadConfig, GraphError> {
@@ -258,6 +305,15 @@ impl<'a> Validator<'a> {
                 } else {
                     Err(format!("must be a number of milliseconds ≥ 0, got {ms}"))
                 }
+            })?,
+            pool_choice: self.field("workload.pool_choice", raw.pool_choice.as_ref(), PoolChoice::Seeded, |c| {
+                one_of(&c, POOL_CHOICES, "pool choice").map(|c| {
+                    if c == "round-robin" {
+                        PoolChoice::RoundRobin
+                    } else {
+                        PoolChoice::Seeded
+                    }
+                })
             })?,
         })
     }

@@ -1,7 +1,8 @@
-//! The run's results on process 0: the workload driver records each release, `emit` delivers
-//! each request's end (with the times its rank stamped on every token, on the clock all
-//! processes share), and a collector thread turns them into records, tells the driver which
-//! requests completed, and drives the progress bar.
+//! The run's results on process 0, for every pool of the run: the workload driver records each
+//! release (and the pool it entered), every pool's `emit` delivers each request's end (with the
+//! times its rank stamped on every token, on the clock all processes share), and a collector
+//! thread turns them into records, tells the driver which requests completed, and drives the
+//! progress bar. A request counts once, when it ends.
 
 use crate::report::RequestRecord;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -14,55 +15,70 @@ use std::sync::{Arc, Mutex};
 pub struct Collector {
     /// `wall_ms` when the run started: record times are relative to it.
     start_ms: f64,
-    pool: String,
     requests: HashMap<u64, RequestRecord>,
     completions: Sender<u64>,
     bar: ProgressBar,
     tokens: u64,
+    /// When the run was interrupted (ms since it started), if it was.
+    pub interrupted_ms: Option<f64>,
 }
 
 /// The collector, shared by the driver thread and the collector thread.
 pub type SharedCollector = Arc<Mutex<Collector>>;
 
 impl Collector {
-    pub fn new(pool: &str, total: usize, completions: Sender<u64>, show_progress: bool) -> SharedCollector {
+    pub fn new(total: usize, completions: Sender<u64>, show_progress: bool) -> SharedCollector {
         let bar = if show_progress { ProgressBar::new(total as u64) } else { ProgressBar::hidden() };
         bar.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} requests  {msg}  {elapsed}").expect("valid template"),
         );
         Arc::new(Mutex::new(Collector {
             start_ms: wall_ms(),
-            pool: pool.to_string(),
             requests: HashMap::new(),
             completions,
             bar,
             tokens: 0,
+            interrupted_ms: None,
         }))
     }
 
-    /// The driver released a request.
-    pub fn released(&mut self, id: u64, prompt: &[u32], max_output_tokens: usize, warmup: bool) {
+    /// Notes that the run was interrupted now.
+    pub fn interrupted_now(&mut self) {
+        self.interrupted_ms.get_or_insert(wall_ms() - self.start_ms);
+    }
+
+    /// The driver released a request into `pool`.
+    pub fn released(&mut self, id: u64, pool: &str, prompt: &[u32], max_output_tokens: usize, warmup: bool) {
         let record = RequestRecord {
             id,
             warmup,
             arrival_ms: wall_ms() - self.start_ms,
             input_len: prompt.len(),
             output_len: max_output_tokens,
-            pool: self.pool.clone(),
+            pool: pool.to_string(),
+            pools: vec![pool.to_string()],
             prompt_tokens: prompt.to_vec(),
             ..Default::default()
         };
         self.requests.insert(id, record);
     }
 
-    /// Records a request's end.
-    pub fn apply(&mut self, event: Event) {
+    /// Records a request's end, reported by `pool`.
+    pub fn apply(&mut self, pool: &str, event: Event) {
         let id = event.id();
         let start = self.start_ms;
         let Some(r) = self.requests.get_mut(&id) else {
-            tracing::warn!(request = id, "event for a request that was never released");
+            tracing::warn!(pool, request = id, "event for a request that was never released: dropped");
             return;
         };
+        if r.ended_ms.is_some() {
+            tracing::warn!(pool, request = id, "second end for a request: dropped");
+            return;
+        }
+        if !r.pools.iter().any(|p| p == pool) {
+            r.pools.push(pool.to_string());
+        }
+        r.ended_ms = Some(wall_ms() - start);
         let (tokens, token_ms, started_ms) = match event {
             Event::Finished { rank, tokens, token_ms, started_ms, cached_tokens, logits_hash, preemptions, .. } => {
                 r.rank = Some(rank);
@@ -73,7 +89,7 @@ impl Collector {
                 (tokens, token_ms, Some(started_ms))
             }
             Event::Failed { rank, cause, message, tokens, token_ms, started_ms, .. } => {
-                r.rank = Some(rank);
+                r.rank = (rank != usize::MAX).then_some(rank);
                 r.error = Some(message);
                 r.failure = Some(cause);
                 (tokens, token_ms, started_ms)
@@ -98,10 +114,33 @@ impl Collector {
 
     /// Requests released that have not ended yet.
     pub fn in_flight(&self) -> Vec<u64> {
-        let mut ids: Vec<u64> =
-            self.requests.values().filter(|r| r.done_ms.is_none() && r.error.is_none()).map(|r| r.id).collect();
+        let mut ids: Vec<u64> = self.requests.values().filter(|r| r.ended_ms.is_none()).map(|r| r.id).collect();
         ids.sort_unstable();
         ids
+    }
+
+    /// How many requests released into `pool` have not ended yet.
+    pub fn in_flight_in(&self, pool: &str) -> usize {
+        self.requests.values().filter(|r| r.ended_ms.is_none() && r.pool == pool).count()
+    }
+
+    /// Ends every request still open in `pool` with `cause` (the pool's computation ended
+    /// without reporting them), so no request is silently dropped and the driver stops waiting.
+    pub fn fail_open(&mut self, pool: &str, cause: &str, message: &str) {
+        let open: Vec<u64> =
+            self.requests.values().filter(|r| r.ended_ms.is_none() && r.pool == pool).map(|r| r.id).collect();
+        for id in open {
+            let event = Event::Failed {
+                id,
+                rank: usize::MAX,
+                cause: cause.into(),
+                message: message.into(),
+                tokens: Vec::new(),
+                token_ms: Vec::new(),
+                started_ms: None,
+            };
+            self.apply(pool, event);
+        }
     }
 
     /// Every request's record, in id order, and ends the progress bar.
@@ -113,32 +152,35 @@ impl Collector {
     }
 }
 
-/// `emit`'s sink on worker 0: hands each batch to the collector thread, so the worker goes
-/// straight back to the step loop.
+/// A batch of one pool's events.
+pub type EventBatch = (Arc<str>, Vec<Event>);
+
+/// A pool's `emit` sink on its worker 0: hands each batch, named by its pool, to the collector
+/// thread, so the worker goes straight back to the step loop.
 pub struct CollectorSink {
-    pub batches: Sender<Vec<Event>>,
+    pub pool: Arc<str>,
+    pub batches: Sender<EventBatch>,
 }
 
 impl EventSink for CollectorSink {
     fn events(&mut self, _step: u64, events: Vec<Event>) {
         // The collector thread outlives the workers; a failed send means the run is ending.
-        let _ = self.batches.send(events);
+        let _ = self.batches.send((self.pool.clone(), events));
     }
 }
 
-/// Applies every batch `emit` sends until the workers are gone.
-pub fn spawn_collector_thread(collector: SharedCollector) -> (Sender<Vec<Event>>, std::thread::JoinHandle<()>) {
-    let (tx, rx) = std::sync::mpsc::channel::<Vec<Event>>();
-    let handle = std::thread::Builder::new()
-        .name("kvflow-collector".into())
-        .spawn(move || {
-            for events in rx {
-                let mut c = collector.lock().expect("collector lock");
-                for e in events {
-                    c.apply(e);
-                }
+/// Applies every batch the pools' `emit`s send until every sender is gone.
+pub fn spawn_collector_thread(
+    collector: SharedCollector,
+) -> std::io::Result<(Sender<EventBatch>, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = std::sync::mpsc::channel::<EventBatch>();
+    let handle = std::thread::Builder::new().name("kvflow-collector".into()).spawn(move || {
+        for (pool, events) in rx {
+            let mut c = collector.lock().unwrap_or_else(|e| e.into_inner());
+            for e in events {
+                c.apply(&pool, e);
             }
-        })
-        .expect("spawn the collector thread");
-    (tx, handle)
+        }
+    })?;
+    Ok((tx, handle))
 }

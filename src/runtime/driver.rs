@@ -1,18 +1,20 @@
-//! The workload driver of process 0: releases the workload's requests into the pool's ingress
-//! (`workload::drive` decides when), cancels a seeded fraction of them a while after their
-//! release, and on an interrupt (Ctrl-C) stops releasing, lets what is in flight finish for a
-//! grace period, cancels the rest, and closes the ingress so the pool ends.
+//! The workload driver of process 0: releases the workload's requests (`workload::drive` decides
+//! when) into the ingress of the pool each one goes to ([`PoolChoice`]), cancels a seeded
+//! fraction of them a while after their release, and on an interrupt (Ctrl-C) stops releasing,
+//! lets what is in flight finish for a grace period, cancels the rest, and closes every ingress
+//! so the pools end.
 
+use crate::graph::PoolChoice;
 use crate::runtime::collector::SharedCollector;
 use crate::trace::Request;
 use crate::workload::{drive, ArrivalMode, Selection};
 use kvflow_kernels::hash;
 use kvflow_operators::admit::Ingress;
 use kvflow_operators::messages::Admission;
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Cancellations waiting for their time: `(due µs since the driver started, request id)`,
@@ -38,8 +40,35 @@ impl CancelPlan {
     }
 }
 
+/// Which of the run's entry pools a new request goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    pub choice: PoolChoice,
+    pub seed: u64,
+}
+
+impl Placement {
+    /// The pool (index into the entry pools) request `id`, the `nth` released, goes to.
+    pub fn pick(&self, id: u64, nth: usize, pools: usize) -> usize {
+        match self.choice {
+            _ if pools <= 1 => 0,
+            PoolChoice::Seeded => (hash::mix(hash::mix(hash::EMPTY, self.seed ^ 0x9001), id) % pools as u64) as usize,
+            PoolChoice::RoundRobin => nth % pools,
+        }
+    }
+}
+
+/// A pool the driver releases requests into.
+pub struct EntryPool {
+    pub name: String,
+    pub ingress: Arc<Ingress>,
+}
+
 /// Everything the driver needs.
 pub struct DriverJob {
+    /// The pools new requests enter (at least one).
+    pub pools: Vec<EntryPool>,
+    pub placement: Placement,
     pub selection: Selection,
     pub mode: ArrivalMode,
     pub collector: SharedCollector,
@@ -51,47 +80,66 @@ pub struct DriverJob {
     pub grace: Duration,
 }
 
-/// Runs the driver on its own thread; it closes the ingress when done.
-pub fn spawn_driver(job: DriverJob, ingress: Arc<Ingress>) -> std::thread::JoinHandle<()> {
-    std::thread::Builder::new()
-        .name("kvflow-driver".into())
-        .spawn(move || run(job, ingress))
-        .expect("spawn the workload driver")
+/// Runs the driver on its own thread; it closes every ingress when done.
+pub fn spawn_driver(job: DriverJob) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("kvflow-driver".into()).spawn(move || run(job))
 }
 
-fn run(job: DriverJob, ingress: Arc<Ingress>) {
-    let DriverJob { selection, mode, collector, completions, cancel, interrupted, grace } = job;
+/// The ingress each released request went to, by id (cancellations follow the request).
+type Placed = Arc<Mutex<HashMap<u64, Arc<Ingress>>>>;
+
+fn run(job: DriverJob) {
+    let DriverJob { pools, placement, selection, mode, collector, completions, cancel, interrupted, grace } = job;
     let warmup = selection.warmup;
+    let placed: Placed = Default::default();
+    let cancel_one = {
+        let placed = placed.clone();
+        move |id: u64| {
+            if let Some(ingress) = placed.lock().unwrap_or_else(|e| e.into_inner()).get(&id) {
+                ingress.cancel(id);
+            }
+        }
+    };
     // Cancellations due: (due time, id), earliest first.
-    let due: Arc<std::sync::Mutex<DueCancels>> = Default::default();
+    let due: Arc<Mutex<DueCancels>> = Default::default();
     let epoch = Instant::now();
     let canceller_done = Arc::new(AtomicBool::new(false));
     let canceller = (cancel.fraction > 0.0).then(|| {
-        let (due, ingress, done) = (due.clone(), ingress.clone(), canceller_done.clone());
+        let (due, done, cancel_one) = (due.clone(), canceller_done.clone(), cancel_one.clone());
         std::thread::spawn(move || {
             while !done.load(Ordering::SeqCst) {
                 let now = epoch.elapsed().as_micros();
-                let mut heap = due.lock().expect("cancel queue");
+                let mut heap = due.lock().unwrap_or_else(|e| e.into_inner());
                 while heap.peek().is_some_and(|std::cmp::Reverse((t, _))| *t <= now) {
-                    let std::cmp::Reverse((_, id)) = heap.pop().expect("peeked");
-                    ingress.cancel(id);
+                    let Some(std::cmp::Reverse((_, id))) = heap.pop() else { break };
+                    cancel_one(id);
                 }
                 drop(heap);
                 std::thread::sleep(Duration::from_millis(1));
             }
         })
     });
+    let mut nth = 0;
     drive(
         &selection,
         &mode,
         |req: Request| {
             let is_warmup = (req.id as usize) < warmup;
-            collector.lock().expect("collector lock").released(req.id, &req.prompt, req.max_output_tokens, is_warmup);
+            let pool = &pools[placement.pick(req.id, nth, pools.len())];
+            nth += 1;
+            collector.lock().unwrap_or_else(|e| e.into_inner()).released(
+                req.id,
+                &pool.name,
+                &req.prompt,
+                req.max_output_tokens,
+                is_warmup,
+            );
+            placed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.id, pool.ingress.clone());
             if cancel.picks(req.id) {
                 let at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;
-                due.lock().expect("cancel queue").push(std::cmp::Reverse((at, req.id)));
+                due.lock().unwrap_or_else(|e| e.into_inner()).push(std::cmp::Reverse((at, req.id)));
             }
-            ingress.push(Admission {
+            pool.ingress.push(Admission {
                 id: req.id,
                 prompt: req.prompt,
                 max_output_tokens: req.max_output_tokens,
@@ -106,10 +154,11 @@ fn run(job: DriverJob, ingress: Arc<Ingress>) {
         let _ = c.join();
     }
     if interrupted.load(Ordering::SeqCst) {
+        collector.lock().unwrap_or_else(|e| e.into_inner()).interrupted_now();
         // Nothing more is released. Let what is in flight finish within the grace period, then
         // cancel the rest and wait for the pool to confirm.
         let deadline = Instant::now() + grace;
-        while !collector.lock().expect("collector lock").in_flight().is_empty() {
+        while !collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight().is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -119,24 +168,38 @@ fn run(job: DriverJob, ingress: Arc<Ingress>) {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
-        let rest = collector.lock().expect("collector lock").in_flight();
+        let rest = collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight();
         if !rest.is_empty() {
             eprintln!("interrupted: cancelling {} request(s) still in flight after the grace period", rest.len());
         }
-        for id in &rest {
-            ingress.cancel(*id);
+        for &id in &rest {
+            cancel_one(id);
         }
         let confirm_by = Instant::now() + grace;
-        while !collector.lock().expect("collector lock").in_flight().is_empty() && Instant::now() < confirm_by {
+        while !collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight().is_empty() && Instant::now() < confirm_by
+        {
             let _ = completions.recv_timeout(Duration::from_millis(50));
         }
     }
-    ingress.close();
+    for pool in &pools {
+        pool.ingress.close();
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_seeded_pool_choice_splits_requests_about_evenly_and_the_same_every_run() {
+        let seeded = Placement { choice: PoolChoice::Seeded, seed: 3 };
+        let picks: Vec<usize> = (0..1000).map(|id| seeded.pick(id, id as usize, 2)).collect();
+        let first = picks.iter().filter(|&&p| p == 0).count();
+        assert!((400..600).contains(&first), "{first} of 1000 to the first pool");
+        assert_eq!(picks, (0..1000).map(|id| seeded.pick(id, id as usize, 2)).collect::<Vec<_>>());
+        assert_eq!(Placement { choice: PoolChoice::RoundRobin, seed: 3 }.pick(9, 3, 2), 1);
+        assert_eq!(seeded.pick(9, 3, 1), 0);
+    }
 
     #[test]
     fn the_cancelled_fraction_is_seeded_and_near_its_target() {

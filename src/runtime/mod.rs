@@ -1,16 +1,19 @@
-//! `kvflow run`: loads the model and the workload a graph names, sizes each rank's memory, runs
-//! the pool on timely (threads, or processes of a cluster), checks every rank's accounting, runs
-//! `--verify`, and writes `report.json` and `requests.jsonl`.
+//! `kvflow run`: loads the model and the workload a graph names, sizes each pool's rank memory,
+//! starts every pool of the run (each its own timely computation: threads, or processes of a
+//! cluster), drives the workload into them, watches them for stalls, checks every rank's
+//! accounting, runs `--verify`, and writes `report.json` and `requests.jsonl`.
 
 pub(crate) mod collector;
+pub mod dot;
 pub(crate) mod driver;
 mod memory;
 pub(crate) mod pool;
+mod report;
 mod verify;
 mod watchdog;
 
 pub use memory::plan_memory;
-pub use pool::ClusterPlace;
+pub use pool::{build_pool_graph, ClusterPlace, PoolParts, PoolStreams};
 
 use crate::graph::{Graph, PoolConfig, PoolRole, WorkloadMode};
 use crate::registry::Registry;
@@ -18,17 +21,18 @@ use crate::report::{build_report, write_outputs, Slo};
 use crate::trace::{read_trace, synthesize, SynthOptions, TraceFormat};
 use crate::workload::{select, ArrivalMode, Selection};
 use anyhow::{anyhow, bail, Context, Result};
-use collector::Collector;
-use driver::{CancelPlan, DriverJob};
+use collector::{spawn_collector_thread, Collector, CollectorSink};
+use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
 use kvflow_kernels::models::{self, Model};
-use kvflow_operators::policy::scheduler::SchedulerConfig;
-use kvflow_operators::rank::TestSwitches;
-use pool::{run_pool, PoolJob};
-use serde_json::{json, Value};
+use kvflow_operators::admit::Ingress;
+use kvflow_operators::rank::{RankStats, TestSwitches};
+use pool::{start_pool, PoolJob, PoolResult};
+use serde_json::json;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use watchdog::{spawn_watchdog, Watch};
 
 /// Exit status: all good.
 pub const EXIT_OK: i32 = 0;
@@ -36,13 +40,15 @@ pub const EXIT_OK: i32 = 0;
 pub const EXIT_VERIFY_MISMATCH: i32 = 1;
 /// Exit status: some requests failed.
 pub const EXIT_FAILED_REQUESTS: i32 = 2;
-/// Exit status: the pool stalled.
+/// Exit status: a pool stalled.
 pub const EXIT_STALL: i32 = 3;
+/// Exit status: an accounting check found memory held by no one (the report names it).
+pub const EXIT_ACCOUNTING: i32 = 4;
 
 /// How to run a graph, beyond the graph itself.
 #[derive(Clone, Debug, Default)]
 pub struct RunOptions {
-    /// The pool to run (default: the graph's only pool).
+    /// Run only this pool (default: every pool of the graph).
     pub pool: Option<String>,
     pub cluster: Option<ClusterPlace>,
     pub verify: bool,
@@ -60,34 +66,29 @@ pub struct RunOptions {
 /// What a run produced.
 pub struct RunOutcome {
     /// `report.json`'s content (process 0 only).
-    pub report: Option<Value>,
+    pub report: Option<serde_json::Value>,
     pub out_dir: PathBuf,
     pub exit_code: i32,
     /// Set when the trace was too short for what was asked.
     pub note: Option<String>,
 }
 
-fn pick_pool<'g>(graph: &'g Graph, name: Option<&str>) -> Result<&'g PoolConfig> {
-    let pool = match name {
-        Some(n) => graph.pool(n).map_err(|e| anyhow!("{e}"))?,
-        None if graph.pools.len() == 1 => &graph.pools[0],
-        None => bail!(
-            "{}: the graph has {} pools ({}); choose one with --pool",
-            graph.path.display(),
-            graph.pools.len(),
-            graph.pools.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
-        ),
+/// The pools this run starts: the one `--pool` names, or every pool of the graph.
+fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g PoolConfig>> {
+    let pools = match name {
+        Some(n) => vec![graph.pool(n).map_err(|e| anyhow!("{e}"))?],
+        None => graph.pools.iter().collect(),
     };
-    if pool.role != PoolRole::Aggregated {
+    if let Some(pool) = pools.iter().find(|p| p.role != PoolRole::Aggregated) {
         bail!(
             "{}: pool `{}` has role {}: prefill/decode pools need the transfer engine and handoff, which this \
-             version does not have yet; run an aggregated pool",
+             version does not have yet; run aggregated pools",
             graph.path.display(),
             pool.name,
             pool.role
         );
     }
-    Ok(pool)
+    Ok(pools)
 }
 
 /// The workload's requests, with the note when the trace is shorter than asked.
@@ -125,10 +126,70 @@ pub fn load_model(graph: &Graph) -> Result<Arc<Model>> {
     Ok(Arc::new(model))
 }
 
-/// Runs a graph's pool over its workload.
+/// One pool's job: its memory layout for the model and workload, its scheduler, router and
+/// executor.
+fn pool_job(
+    graph: &Graph,
+    pool: &PoolConfig,
+    model: &Arc<Model>,
+    largest_request: usize,
+    opts: &RunOptions,
+    registry: &Registry,
+) -> Result<PoolJob> {
+    let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request)
+        .with_context(|| format!("{}: pool `{}`", graph.path.display(), pool.name))?;
+    let scheduler = pool.scheduler;
+    let named = |what: &str, name: &str, known: Vec<String>| {
+        anyhow!(
+            "{}: pool `{}`: {what} {name:?} is not registered (known: {})",
+            graph.path.display(),
+            pool.name,
+            known.join(", ")
+        )
+    };
+    let router =
+        registry.routers.get(&pool.router).ok_or_else(|| named("router", &pool.router, registry.routers.names()))?;
+    let executor = registry
+        .executors
+        .get(&pool.executor)
+        .ok_or_else(|| named("executor", &pool.executor, registry.executors.names()))?;
+    let executor_settings = pool.executor_settings.clone();
+    executor.check(&executor_settings).map_err(|e| anyhow!("{}: pool `{}`: {e}", graph.path.display(), pool.name))?;
+    Ok(PoolJob {
+        name: pool.name.clone(),
+        ranks: pool.ranks,
+        model: model.clone(),
+        layout,
+        scheduler,
+        router,
+        executor,
+        executor_settings,
+        cluster: opts.cluster.clone(),
+        switches: opts.switches.clone(),
+    })
+}
+
+/// Every rank's counters per pool, or the accounting failures found.
+fn check_ranks(results: &[PoolResult]) -> (Vec<(String, Vec<RankStats>)>, Vec<String>) {
+    let mut stats = Vec::new();
+    let mut failures = Vec::new();
+    for r in results {
+        let mut ok = Vec::new();
+        for rank in &r.ranks {
+            match rank {
+                Ok(s) => ok.push(s.clone()),
+                Err(e) => failures.extend(e.lines().map(String::from)),
+            }
+        }
+        stats.push((r.name.clone(), ok));
+    }
+    (stats, failures)
+}
+
+/// Runs a graph's pools over its workload.
 pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunOutcome> {
     let started = Instant::now();
-    let pool = pick_pool(graph, opts.pool.as_deref())?;
+    let pools = pick_pools(graph, opts.pool.as_deref())?;
     if !graph.workload.ignore_eos {
         bail!(
             "{}: workload.ignore_eos = false is not supported yet: outputs follow the trace's lengths",
@@ -138,41 +199,26 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let model = load_model(graph)?;
     let selection = load_workload(graph, model.vocab_size)?;
     let largest = selection.requests.iter().map(|r| r.prompt.len() + r.max_output_tokens).max().unwrap_or(1);
-    let layout = plan_memory(&model, &graph.memory, &graph.scheduler, largest)?;
-    let router = registry.routers.get(&pool.router).ok_or_else(|| {
-        anyhow!(
-            "{}: pool `{}`: router {:?} is not registered ({})",
+    let jobs: Vec<PoolJob> =
+        pools.iter().map(|p| pool_job(graph, p, &model, largest, opts, registry)).collect::<Result<_>>()?;
+    if opts.cluster.is_some() && jobs.len() > 1 {
+        bail!(
+            "{}: a run spread over processes runs one pool; the graph has {} ({}): choose one with --pool",
             graph.path.display(),
-            pool.name,
-            pool.router,
-            registry.routers.names().join(", ")
-        )
-    })?;
-    let executor = registry.executor(&pool.executor).ok_or_else(|| {
-        anyhow!("{}: pool `{}`: executor {:?} is not registered", graph.path.display(), pool.name, pool.executor)
-    })?;
-    let scheduler = SchedulerConfig {
-        max_running: graph.scheduler.max_running,
-        max_batched_tokens: graph.scheduler.max_batched_tokens,
-        chunk_tokens: graph.scheduler.chunk_tokens,
-        prefix_cache: graph.scheduler.prefix_cache,
-        snapshot_interval_blocks: graph.memory.snapshot_interval_blocks,
-    };
-    let job = PoolJob {
-        name: pool.name.clone(),
-        ranks: pool.ranks,
-        model: model.clone(),
-        layout,
-        scheduler,
-        router,
-        cluster: opts.cluster.clone(),
-        switches: opts.switches.clone(),
-        executor,
-    };
-    let is_driver = opts.cluster.as_ref().is_none_or(|c| c.process == 0);
-    if !is_driver {
-        let result = run_pool(job, None, None)?;
-        check_ranks(&result.ranks)?;
+            jobs.len(),
+            jobs.iter().map(|j| j.name.as_str()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let layouts: Vec<_> =
+        jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
+    if opts.cluster.as_ref().is_some_and(|c| c.process != 0) {
+        // Another process drives the workload and writes the report; this one runs its ranks.
+        let results: Vec<PoolResult> =
+            jobs.into_iter().map(|job| start_pool(job, None, None, None).map(|p| p.join())).collect::<Result<_>>()?;
+        let (_, failures) = check_ranks(&results);
+        if !failures.is_empty() {
+            bail!("end-of-run check failed:\n{}", failures.join("\n"));
+        }
         return Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code: EXIT_OK, note: None });
     }
     let note = selection.note.clone();
@@ -181,9 +227,26 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         eprintln!("note: {n}");
     }
     let (tx, rx) = std::sync::mpsc::channel();
-    let collector = Collector::new(&pool.name, selection.requests.len(), tx, opts.show_progress);
+    let collector = Collector::new(selection.requests.len(), tx, opts.show_progress);
+    let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
+    // Start every pool, each with its ingress, its sink into the collector and its watch.
+    let mut entries = Vec::new();
+    let mut watches = Vec::new();
+    let mut running = Vec::new();
+    for job in jobs {
+        let name = job.name.clone();
+        let ingress = Arc::new(Ingress::default());
+        let watch = Watch::default();
+        let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
+        running.push(start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?);
+        entries.push(EntryPool { name: name.clone(), ingress });
+        watches.push((name, watch));
+    }
+    drop(batches);
     let interrupted = opts.interrupt.clone().unwrap_or_default();
-    let driver = DriverJob {
+    let driver = spawn_driver(DriverJob {
+        pools: entries,
+        placement: Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed },
         selection,
         mode: arrival_mode(graph),
         collector: collector.clone(),
@@ -195,62 +258,88 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         },
         interrupted: interrupted.clone(),
         grace: opts.grace.unwrap_or(Duration::from_secs(10)),
-    };
-    let stall = {
-        let (collector, dir, slo) = (
-            collector.clone(),
-            graph.report_dir.clone(),
-            Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms },
-        );
-        pool::StallWatch {
-            timeout: opts.stall_timeout.unwrap_or(Duration::from_secs(60)),
-            on_stall: Box::new(move |diagnosis: String| {
+    })?;
+    let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
+    let finished = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let (pending_in, stalled_collector, dir) = (collector.clone(), collector.clone(), graph.report_dir.clone());
+        spawn_watchdog(
+            watches,
+            opts.stall_timeout.unwrap_or(Duration::from_secs(60)),
+            move |pool| pending_in.lock().unwrap_or_else(|e| e.into_inner()).in_flight_in(pool),
+            finished.clone(),
+            move |diagnosis| {
                 eprintln!("{diagnosis}");
                 // Keep what completed: a partial report, marked stalled.
-                let records = collector.lock().map(|mut c| c.finish()).unwrap_or_default();
+                let records = stalled_collector.lock().unwrap_or_else(|e| e.into_inner()).finish();
                 let report =
                     build_report(&records, &slo, &Default::default(), json!({"stalled": true, "stall": diagnosis}));
                 if let Err(e) = write_outputs(&dir, &report, &records) {
                     eprintln!("cannot write the partial report: {e}");
                 }
                 std::process::exit(EXIT_STALL);
-            }),
-        }
+            },
+        )?
     };
-    let result = run_pool(job, Some(driver), Some(stall))?;
-    let stats = check_ranks(&result.ranks)?;
-    let records = collector.lock().expect("collector lock").finish();
-    let verify = if opts.verify {
+    // Join the pools, each on its own thread: a pool that ends early fails what it still held,
+    // so the driver (waiting for those requests) is never left waiting on it.
+    let joiners: Vec<_> = running
+        .into_iter()
+        .map(|pool| {
+            let collector = collector.clone();
+            std::thread::spawn(move || {
+                let result = pool.join();
+                let message = format!("pool {} ended before the request did", result.name);
+                collector.lock().unwrap_or_else(|e| e.into_inner()).fail_open(&result.name, "pool-ended", &message);
+                result
+            })
+        })
+        .collect();
+    let mut results = Vec::new();
+    for j in joiners {
+        results.push(j.join().map_err(|_| anyhow!("a pool's joiner thread panicked"))?);
+    }
+    collector_thread.join().map_err(|_| anyhow!("the collector thread panicked"))?;
+    finished.store(true, Ordering::SeqCst);
+    let _ = watchdog.join();
+    driver.join().map_err(|_| anyhow!("the workload driver panicked"))?;
+    let (stats, accounting) = check_ranks(&results);
+    let (records, interrupted_ms) = {
+        let mut c = collector.lock().unwrap_or_else(|e| e.into_inner());
+        (c.finish(), c.interrupted_ms)
+    };
+    let verify = if opts.verify && accounting.is_empty() {
         verify::verify(&model, &records, graph.scheduler.chunk_tokens, opts.show_progress)?
     } else {
         Default::default()
     };
-    let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
-    let extra = json!({
-        "pool": pool.name,
-        "ranks": pool.ranks,
-        "model": graph.model.display().to_string(),
-        "family": model.family.to_string(),
-        "trace": graph.workload.trace.as_ref().map(|t| t.display().to_string()),
-        "mode": graph.workload.mode.name(),
-        "note": note,
-        "interrupted": interrupted.load(std::sync::atomic::Ordering::SeqCst),
-        "wall_s": started.elapsed().as_secs_f64(),
-        "memory": {"blocks_per_rank": layout.blocks, "block_size": layout.block_size, "slots_per_rank": layout.slots, "snapshots_per_rank": layout.snapshots},
-        "utilization": utilization(&stats),
-        "steps": stats.iter().map(|s| s.steps).collect::<Vec<_>>(),
-        "empty_steps": stats.iter().map(|s| s.empty_steps).collect::<Vec<_>>(),
-    });
-    let report = build_report(&records, &slo, &verify, extra);
+    let context = report::RunContext {
+        graph,
+        model: &model,
+        note: note.clone(),
+        interrupted: interrupted.load(Ordering::SeqCst),
+        interrupted_ms,
+        grace: opts.grace.unwrap_or(Duration::from_secs(10)),
+        wall_s: started.elapsed().as_secs_f64(),
+        pools: &layouts,
+        stats: &stats,
+        accounting: &accounting,
+    };
+    let report = report::run_report(&records, &slo, &verify, &context);
     write_outputs(&graph.report_dir, &report, &records)
         .with_context(|| format!("cannot write the report into {}", graph.report_dir.display()))?;
+    if !accounting.is_empty() {
+        eprintln!("end-of-run check failed:\n{}", accounting.join("\n"));
+    }
     // Failed requests, warmup ones included; cancelled ones are not failures.
     let warmup_failed = records
         .iter()
         .filter(|r| r.warmup && r.error.is_some() && r.failure.as_deref() != Some(crate::report::CANCELLED))
         .count();
     let failed = report["failed"].as_u64().unwrap_or(0) + warmup_failed as u64;
-    let exit_code = if verify.mismatched > 0 {
+    let exit_code = if !accounting.is_empty() {
+        EXIT_ACCOUNTING
+    } else if verify.mismatched > 0 {
         EXIT_VERIFY_MISMATCH
     } else if failed > 0 {
         EXIT_FAILED_REQUESTS
@@ -260,35 +349,6 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     Ok(RunOutcome { report: Some(report), out_dir: graph.report_dir.clone(), exit_code, note })
 }
 
-fn check_ranks(
-    ranks: &[Result<kvflow_operators::rank::RankStats, String>],
-) -> Result<Vec<kvflow_operators::rank::RankStats>> {
-    let mut stats = Vec::new();
-    for r in ranks {
-        match r {
-            Ok(s) => stats.push(s.clone()),
-            Err(e) => bail!("end-of-run check failed: {e}"),
-        }
-    }
-    Ok(stats)
-}
-
-/// KV, slot and snapshot utilization and batch size over the run, per pool: the per-step samples
-/// of every rank of this process pooled together.
-fn utilization(stats: &[kvflow_operators::rank::RankStats]) -> Value {
-    let pooled = |f: &dyn Fn(&kvflow_operators::rank::UtilizationSamples) -> Vec<f64>| -> Value {
-        let all: Vec<f64> = stats.iter().flat_map(|s| f(&s.samples)).collect();
-        let mut v = crate::report::summary(&all);
-        v["max"] = json!(all.iter().copied().fold(0.0f64, f64::max));
-        v
-    };
-    json!({
-        "ranks_sampled": stats.len(),
-        "steps_sampled": stats.iter().map(|s| s.samples.kv.len()).sum::<usize>(),
-        "kv": pooled(&|s| s.kv.iter().map(|&x| x as f64).collect()),
-        "slots": pooled(&|s| s.slots.iter().map(|&x| x as f64).collect()),
-        "snapshots": pooled(&|s| s.snapshots.iter().map(|&x| x as f64).collect()),
-        "batch_seqs": pooled(&|s| s.batch_seqs.iter().map(|&x| x as f64).collect()),
-        "batch_tokens": pooled(&|s| s.batch_tokens.iter().map(|&x| x as f64).collect()),
-    })
+fn pools_executor(graph: &Graph, name: &str) -> String {
+    graph.pools.iter().find(|p| p.name == name).map(|p| p.executor.clone()).unwrap_or_default()
 }

@@ -1,34 +1,35 @@
 //! One pool as one timely computation: its ranks are timely workers (threads of this process, or
-//! processes of a cluster), each building the per-pool graph of DESIGN §4 and parking when idle.
-//! Process 0 also runs the workload driver, which releases requests into rank 0's ingress.
+//! processes of a cluster), each building the per-pool graph of DESIGN §4 ([`build_pool_graph`])
+//! and parking when idle. A run starts several pools side by side ([`start_pool`] returns at
+//! once) and joins them when the workload is done.
 //!
 //! ```text
-//! driver ─▶ ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─┬▶ emit(t) ─▶ collector
-//!                        ▲                            ▲            (broadcast)           │
-//!                        └────────── feedback: Launched/Parked (t+1) ◀──────────────────┘
+//! ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─┬▶ emit(t) ─▶ collector
+//!              ▲ ▲ └─ wake loop (t+1) ─┘     ▲        (broadcast)               │ (sampled: held per step in flight)
+//!              │ └── feedback: Launched / Parked / Ended (t+1) ◀────────────────┘
+//!              └── RankWaker (completions landing on this rank)
 //! ```
 
-use crate::runtime::collector::{spawn_collector_thread, CollectorSink};
-use crate::runtime::driver::{spawn_driver, DriverJob};
 use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
-use kvflow_operators::admit::{admit, Ingress};
+use kvflow_operators::admit::{admit, Ingress, Pending};
 use kvflow_operators::align::{align, RoutingKeys};
 use kvflow_operators::emit::{emit, EventSink};
+use kvflow_operators::executor::{ExecutorContext, ExecutorKind, Unavailable};
 use kvflow_operators::forward::forward;
-use kvflow_operators::messages::LoopSignal;
+use kvflow_operators::messages::{Event, LoopSignal, StepPlan};
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::policy::router::{RouterContext, RouterFactory};
+use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
-use kvflow_operators::rank::{Executor, Rank, RankStats, TestSwitches};
+use kvflow_operators::rank::{Rank, RankStats, TestSwitches};
 use kvflow_operators::schedule::schedule;
+use kvflow_operators::wake::RankWaker;
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 use timely::dataflow::operators::{ConnectLoop, Feedback};
+use timely::dataflow::{Scope, StreamVec};
 
 /// Where this process sits in a pool spread over several processes.
 #[derive(Clone, Debug)]
@@ -47,15 +48,36 @@ pub struct PoolJob {
     pub layout: MemoryLayout,
     pub scheduler: SchedulerConfig,
     pub router: RouterFactory,
+    pub executor: Arc<dyn ExecutorKind>,
+    pub executor_settings: toml::Table,
     pub cluster: Option<ClusterPlace>,
     pub switches: TestSwitches,
-    pub executor: Executor,
 }
 
-/// What the pool's ranks hand back when it ends.
+/// What the pool's ranks of this process hand back when it ends: per rank, its counters, or why
+/// its end-of-run check failed.
 pub struct PoolResult {
-    /// Per rank of this process: its counters, or why its end-of-run check failed.
+    pub name: String,
     pub ranks: Vec<Result<RankStats, String>>,
+}
+
+/// A pool whose workers are running.
+pub struct RunningPool {
+    name: String,
+    guards: timely::communication::WorkerGuards<Result<RankStats, String>>,
+}
+
+impl RunningPool {
+    /// Waits for the pool's workers to end.
+    pub fn join(self) -> PoolResult {
+        let ranks = self
+            .guards
+            .join()
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|e| Err(format!("pool {}: worker failed: {e}", self.name))))
+            .collect();
+        PoolResult { name: self.name, ranks }
+    }
 }
 
 fn timely_config(job: &PoolJob) -> Result<timely::Config> {
@@ -84,71 +106,87 @@ fn timely_config(job: &PoolJob) -> Result<timely::Config> {
     })
 }
 
-/// What the stall watchdog of process 0 needs.
-pub struct StallWatch {
-    pub timeout: Duration,
-    /// Called with the diagnosis; expected to end the process.
-    pub on_stall: Box<dyn FnOnce(String) + Send>,
+/// The operators of one rank's pool graph and what they share.
+pub struct PoolParts {
+    pub rank: Rc<RefCell<Rank>>,
+    pub waker: Arc<RankWaker>,
+    /// Rank 0 (of the process that drives the workload) only.
+    pub ingress: Option<Arc<Ingress>>,
+    pub router: Box<dyn Router>,
+    pub keys: RoutingKeys,
+    pub ranks: usize,
+    /// Worker 0 only.
+    pub sink: Option<Box<dyn EventSink>>,
+    pub switches: TestSwitches,
 }
 
-/// Runs the pool until the workload is done. On process 0 (or without a cluster) the driver
-/// replays the workload into rank 0's ingress and the watchdog watches for stalls.
-pub fn run_pool(job: PoolJob, workload: Option<DriverJob>, stall: Option<StallWatch>) -> Result<PoolResult> {
-    let config = timely_config(&job)?;
-    let ingress = Arc::new(Ingress::default());
-    let is_driver = workload.is_some();
-    let watch = Watch::default();
-    let finished = Arc::new(AtomicBool::new(false));
-    let watchdog = match (stall, workload.as_ref()) {
-        (Some(stall), Some(w)) => {
-            let collector = w.collector.clone();
-            let pending = move || collector.lock().expect("collector lock").in_flight().len();
-            Some(watch.clone().spawn(stall.timeout, pending, finished.clone(), stall.on_stall))
-        }
-        _ => None,
-    };
-    let collector_thread = workload.as_ref().map(|w| spawn_collector_thread(w.collector.clone()));
-    let sink_parts = collector_thread.as_ref().map(|(tx, _)| tx.clone());
-    let driver = workload.map(|job| spawn_driver(job, ingress.clone()));
+/// Streams of a built pool graph that more operators may consume.
+pub struct PoolStreams<'scope> {
+    pub plans: StreamVec<'scope, u64, StepPlan>,
+    /// Requests that ended, each at the step whose completion ended it.
+    pub sampled: StreamVec<'scope, u64, Event>,
+}
 
-    let PoolJob { model, layout, scheduler, router, switches, executor, .. } = job;
+/// Builds the per-pool graph of DESIGN §4 on one rank. The same function builds what runs and
+/// what `kvflow check --dot` draws.
+pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<'_> {
+    let PoolParts { rank, waker, ingress, router, keys, ranks, sink, switches } = parts;
+    let index = rank.borrow().index;
+    let hold = |op: &str| switches.hold_at(op, index);
+    let pending: Pending = Rc::new(RefCell::new(Default::default()));
+    let (signal_loop, feedback) = scope.feedback::<Vec<LoopSignal>>(1);
+    let (wake_loop, woken) = scope.feedback::<Vec<u64>>(1);
+    let wakes = admit(feedback.clone(), woken, ingress, pending.clone(), waker, hold("admit"));
+    wakes.clone().connect_loop(wake_loop);
+    let reports = schedule(feedback, wakes, rank.clone(), pending, hold("schedule"));
+    let plans = align(reports, ranks, router, keys, hold("align"), switches.align_without_waiting);
+    let out = forward(plans.clone(), rank, hold("forward"));
+    out.signals.connect_loop(signal_loop);
+    emit(out.sampled.clone(), sink);
+    PoolStreams { plans, sampled: out.sampled }
+}
+
+/// Starts the pool's workers and returns at once. `ingress` feeds rank 0 (the process that
+/// drives the workload has it); `sink` receives every event of the pool on worker 0; `watch`
+/// registers timely's logs for the stall watchdog.
+pub fn start_pool(
+    job: PoolJob,
+    ingress: Option<Arc<Ingress>>,
+    sink: Option<Box<dyn EventSink + Send>>,
+    watch: Option<Watch>,
+) -> Result<RunningPool> {
+    let config = timely_config(&job)?;
+    let PoolJob { name, model, layout, scheduler, router, executor, executor_settings, switches, .. } = job;
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
-    let ingress_for_workers = ingress.clone();
-    let sink_parts = Mutex::new(sink_parts);
-    // Timely's logs are only registered when a watchdog reads them.
-    let watch_for_workers = watchdog.is_some().then(|| watch.clone());
+    let sink = Mutex::new(sink);
+    let pool = name.clone();
     let guards = timely::execute(config, move |worker| {
-        if let Some(watch) = &watch_for_workers {
+        if let Some(watch) = &watch {
             watch.register(worker);
         }
-        let index = worker.index();
-        let peers = worker.peers();
-        let rank = Rc::new(RefCell::new(
-            Rank::new(index, model.clone(), layout, scheduler).with_switches(switches.clone()).with_executor(executor),
-        ));
-        let pending = Rc::new(RefCell::new(Default::default()));
-        let ingress = (index == 0 && is_driver).then(|| ingress_for_workers.clone());
-        let sink: Option<Box<dyn EventSink>> = if index == 0 {
-            sink_parts
-                .lock()
-                .expect("sink lock")
-                .take()
-                .map(|batches| Box::new(CollectorSink { batches }) as Box<dyn EventSink>)
-        } else {
-            None
+        let (index, peers) = (worker.index(), worker.peers());
+        let waker = Arc::new(RankWaker::default());
+        let ctx =
+            ExecutorContext { pool: pool.clone(), rank: index, model: model.clone(), layout, waker: waker.clone() };
+        let exec = executor.build(&executor_settings, ctx).unwrap_or_else(|reason| {
+            tracing::error!(pool = %pool, rank = index, "executor: {reason}");
+            Box::new(Unavailable::new(reason))
+        });
+        let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
+        let rank = Rc::new(RefCell::new(rank));
+        let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };
+        let parts = PoolParts {
+            rank: rank.clone(),
+            waker,
+            ingress: if index == 0 { ingress.clone() } else { None },
+            router: router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens }),
+            keys,
+            ranks: peers,
+            sink: sink.map(|s| s as Box<dyn EventSink>),
+            switches: switches.clone(),
         };
-        let route = router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens });
-        let rank_for_graph = rank.clone();
-        let holds = ["admit", "schedule", "align", "forward"].map(|op| switches.hold_at(op, index));
-        let align_without_waiting = switches.align_without_waiting;
         worker.dataflow::<u64, _, _>(move |scope| {
-            let (loop_handle, feedback) = scope.feedback::<Vec<LoopSignal>>(1);
-            let wakes = admit(feedback.clone(), ingress, pending.clone(), holds[0]);
-            let reports = schedule(feedback, wakes, rank_for_graph.clone(), pending, holds[1]);
-            let plans = align(reports, peers, route, keys, holds[2], align_without_waiting);
-            let out = forward(plans, rank_for_graph, holds[3]);
-            out.signals.connect_loop(loop_handle);
-            emit(out.events, sink);
+            build_pool_graph(scope, parts);
         });
         while worker.has_dataflows() {
             worker.step_or_park(None);
@@ -156,18 +194,6 @@ pub fn run_pool(job: PoolJob, workload: Option<DriverJob>, stall: Option<StallWa
         let result = rank.borrow_mut().finish_run();
         result
     })
-    .map_err(|e| anyhow!("cannot start pool: {e}"))?;
-    let ranks = guards.join().into_iter().map(|r| r.unwrap_or_else(|e| Err(format!("worker failed: {e}")))).collect();
-    if let Some((tx, handle)) = collector_thread {
-        drop(tx);
-        handle.join().map_err(|_| anyhow!("the collector thread panicked"))?;
-    }
-    finished.store(true, std::sync::atomic::Ordering::SeqCst);
-    if let Some(w) = watchdog {
-        let _ = w.join();
-    }
-    if let Some(d) = driver {
-        d.join().map_err(|_| anyhow!("the workload driver panicked"))?;
-    }
-    Ok(PoolResult { ranks })
+    .map_err(|e| anyhow!("cannot start pool {name}: {e}"))?;
+    Ok(RunningPool { name, guards })
 }

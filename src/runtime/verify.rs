@@ -30,6 +30,7 @@ pub fn verify(
             summary.mismatched += 1;
             summary.mismatched_ids.push(r.id);
         }
+        summary.checked_ids.push(r.id);
     }
     bar.finish_and_clear();
     Ok(summary)

@@ -1,7 +1,7 @@
-//! The stall watchdog. Each worker registers timely's own log streams before building its
-//! dataflow; a thread on process 0 watches them, and when no capability in the pool changes for
-//! `--stall-timeout` seconds while requests are pending it prints who holds the pool back and the
-//! run ends with status 3.
+//! The stall watchdog. Each worker of every pool registers timely's own log streams before
+//! building its dataflow; one thread on process 0 watches every pool of the run, and when no
+//! capability in a pool changes for `--stall-timeout` seconds while requests released into it are
+//! pending it prints who holds that pool back and the run ends with status 3.
 //!
 //! The diagnosis is built from timely's logging, not from kvflow's bookkeeping:
 //! - `timely/reachability/u64` (worker 0): the tracker's source pointstamps, i.e. every
@@ -195,37 +195,40 @@ impl Watch {
             out.join("\n")
         )
     }
+}
 
-    /// Watches on a thread: when `pending()` is non-zero and nothing changed for `timeout`,
-    /// calls `on_stall` with the diagnosis (which is expected to end the process).
-    pub fn spawn(
-        self,
-        timeout: Duration,
-        pending: impl Fn() -> usize + Send + 'static,
-        done: Arc<std::sync::atomic::AtomicBool>,
-        on_stall: impl FnOnce(String) + Send + 'static,
-    ) -> std::thread::JoinHandle<()> {
-        std::thread::Builder::new()
-            .name("kvflow-watchdog".into())
-            .spawn(move || {
-                let started = Instant::now();
-                let mut quiet_since = Instant::now();
-                let mut last_seen = None;
-                while !done.load(std::sync::atomic::Ordering::SeqCst) {
-                    std::thread::sleep(Duration::from_millis(100));
-                    let change = self.last_change();
-                    if change != last_seen || pending() == 0 {
-                        last_seen = change;
-                        quiet_since = Instant::now();
-                        continue;
-                    }
-                    let quiet = quiet_since.elapsed();
-                    if quiet >= timeout && started.elapsed() >= timeout {
-                        on_stall(self.diagnose(quiet, timeout));
-                        return;
-                    }
+/// Watches every pool of a run on a thread: when a pool has requests pending (`pending(name)`)
+/// and none of its capabilities changed for `timeout`, calls `on_stall` with the diagnosis of
+/// every such pool (`on_stall` is expected to end the process). Ends when `done` is set.
+pub fn spawn_watchdog(
+    pools: Vec<(String, Watch)>,
+    timeout: Duration,
+    pending: impl Fn(&str) -> usize + Send + 'static,
+    done: Arc<std::sync::atomic::AtomicBool>,
+    on_stall: impl FnOnce(String) + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("kvflow-watchdog".into()).spawn(move || {
+        let started = Instant::now();
+        // Per pool: when it was last seen changing (or without pending work), and the change seen.
+        let mut quiet: Vec<(Instant, Option<Instant>)> = vec![(Instant::now(), None); pools.len()];
+        while !done.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(100));
+            let mut stalled = Vec::new();
+            for ((name, watch), (since, seen)) in pools.iter().zip(quiet.iter_mut()) {
+                let change = watch.last_change();
+                if change != *seen || pending(name) == 0 {
+                    *seen = change;
+                    *since = Instant::now();
+                    continue;
                 }
-            })
-            .expect("spawn the watchdog")
-    }
+                if since.elapsed() >= timeout && started.elapsed() >= timeout {
+                    stalled.push(format!("pool {name}: {}", watch.diagnose(since.elapsed(), timeout)));
+                }
+            }
+            if !stalled.is_empty() {
+                on_stall(stalled.join("\n"));
+                return;
+            }
+        }
+    })
 }

@@ -4,10 +4,23 @@
 
 use crate::common::{expected, fixture, load};
 use kvflow_kernels::cpu::sampling::argmax;
-use kvflow_kernels::kv::{BlockPool, BlockTable, SlotId};
+use kvflow_kernels::kv::{block_pool, BlockPool, BlockTable, IdPool, SlotId};
 use kvflow_kernels::models::{Family, LogitsWanted, Model, ModelCache, SeqInput};
 
 const BLOCK: usize = 16;
+
+/// The ids a test hands out: blocks, slots and snapshots (the cache holds the values).
+struct Pools {
+    blocks: BlockPool,
+    slots: IdPool,
+    snapshots: IdPool,
+}
+
+impl Pools {
+    fn all_free(&self) -> bool {
+        self.blocks.all_free() && self.slots.all_free() && self.snapshots.all_free()
+    }
+}
 
 /// One request's memory in a test: its blocks and its slot.
 struct Seq {
@@ -17,12 +30,15 @@ struct Seq {
 }
 
 impl Seq {
-    fn new(model: &Model, cache: &mut ModelCache, pool: &mut BlockPool, tokens: usize, prompt_len: usize) -> Seq {
+    fn new(model: &Model, cache: &mut ModelCache, pool: &mut Pools, tokens: usize, prompt_len: usize) -> Seq {
         let mut blocks = BlockTable::new();
         if model.needs_blocks() {
-            blocks.grow_to(tokens, BLOCK, pool).unwrap();
+            blocks.grow_to(tokens, BLOCK, &mut pool.blocks, 0).unwrap();
         }
-        let slot = model.needs_slots().then(|| cache.states.allocate_slot().unwrap());
+        let slot = model.needs_slots().then(|| pool.slots.allocate().unwrap());
+        if let Some(s) = slot {
+            cache.states.zero_slot(s);
+        }
         Seq { blocks, slot, prompt_len }
     }
 
@@ -57,17 +73,22 @@ impl Seq {
         out
     }
 
-    fn release(self, cache: &mut ModelCache, pool: &mut BlockPool) {
+    fn release(self, pool: &mut Pools) {
         let mut blocks = self.blocks;
-        blocks.release_all(pool);
+        blocks.release_all(&mut pool.blocks);
         if let Some(s) = self.slot {
-            cache.states.release_slot(s);
+            pool.slots.release(s);
         }
     }
 }
 
-fn setup(model: &Model) -> (ModelCache, BlockPool) {
-    (model.new_cache(BLOCK, 64, 4, 2), BlockPool::new(64))
+fn setup(model: &Model) -> (ModelCache, Pools) {
+    let pools = Pools {
+        blocks: block_pool(64),
+        slots: IdPool::new("state slots", 4),
+        snapshots: IdPool::new("state snapshots", 2),
+    };
+    (model.new_cache(BLOCK, 64, 4, 2), pools)
 }
 
 fn prompt_of(dir: &str) -> Vec<u32> {
@@ -88,24 +109,24 @@ fn a_restored_snapshot_continues_exactly_like_the_uninterrupted_run() {
         let a = Seq::new(&model, &mut cache, &mut pool, prompt.len() + n, prompt.len());
         let logits = a.feed(&model, &mut cache, &prompt, 0);
         let want = a.continue_greedy(&model, &mut cache, logits, prompt.len(), n);
-        a.release(&mut cache, &mut pool);
+        a.release(&mut pool);
         // Prefill, snapshot, dirty the slot with another request, restore into a fresh slot.
         let b = Seq::new(&model, &mut cache, &mut pool, prompt.len() + n, prompt.len());
         let logits = b.feed(&model, &mut cache, &prompt, 0);
-        let snap = cache.states.snapshot(b.slot.unwrap()).unwrap();
+        let snap = pool.snapshots.allocate().unwrap();
+        cache.states.snapshot_into(b.slot.unwrap(), snap);
         let other = Seq::new(&model, &mut cache, &mut pool, 8, 8);
         other.feed(&model, &mut cache, &prompt[..8], 0);
-        let fresh = cache.states.allocate_slot().unwrap();
+        let fresh = pool.slots.allocate().unwrap();
         cache.states.restore(snap, fresh);
-        cache.states.release_snapshot(snap);
+        pool.snapshots.release(snap);
         let moved = Seq { blocks: b.blocks.clone(), slot: Some(fresh), prompt_len: prompt.len() };
         let got = moved.continue_greedy(&model, &mut cache, logits, prompt.len(), n);
         assert_eq!(got, want, "{dir}: restored continuation differs");
-        cache.states.release_slot(b.slot.unwrap());
-        moved.release(&mut cache, &mut pool);
-        other.release(&mut cache, &mut pool);
-        assert!(cache.states.all_free(), "{dir}: slots or snapshots leaked");
-        assert_eq!(pool.num_free(), pool.num_blocks(), "{dir}: blocks leaked");
+        pool.slots.release(b.slot.unwrap());
+        moved.release(&mut pool);
+        other.release(&mut pool);
+        assert!(pool.all_free(), "{dir}: blocks, slots or snapshots leaked");
     }
 }
 
@@ -119,14 +140,14 @@ fn continuation_with_and_without_repeat(dir: &str) -> (Vec<u32>, Vec<u32>) {
     let once = Seq::new(&model, &mut cache, &mut pool, prompt.len() + n, prompt.len());
     let logits = once.feed(&model, &mut cache, &prompt, 0);
     let normal = once.continue_greedy(&model, &mut cache, logits, prompt.len(), n);
-    once.release(&mut cache, &mut pool);
+    once.release(&mut pool);
     let twice = Seq::new(&model, &mut cache, &mut pool, prompt.len() + n, prompt.len());
     twice.feed(&model, &mut cache, &prompt, 0);
     let last = prompt.len() - 1;
     let logits = twice.feed(&model, &mut cache, &prompt[last..], last);
     let repeated = twice.continue_greedy(&model, &mut cache, logits, prompt.len(), n);
-    twice.release(&mut cache, &mut pool);
-    assert!(cache.states.all_free() && pool.num_free() == pool.num_blocks(), "{dir}: leaked");
+    twice.release(&mut pool);
+    assert!(pool.all_free(), "{dir}: leaked");
     (normal, repeated)
 }
 

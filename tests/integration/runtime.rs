@@ -262,7 +262,7 @@ fn check_prints_the_operator_graph() {
     let out = kvflow(&["check", &repo().join("graphs/quickstart.toml").to_string_lossy(), "--dot"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let dot = String::from_utf8_lossy(&out.stdout);
-    for needle in ["digraph", "cluster_main", "align", "forward", "launched (t+1)"] {
+    for needle in ["digraph", "cluster_main", "align(t)", "forward(t)", "launched: LoopSignal", "sampled: Event"] {
         assert!(dot.contains(needle), "missing {needle}: {dot}");
     }
 }

@@ -1,10 +1,13 @@
-//! Per-rank model memory: the paged KV block pool, per-sequence block tables and the cache that
-//! stores the rows; and the slot/snapshot pool for recurrent state.
+//! Per-rank model memory: refcounted, generational id pools (KV blocks, state slots, snapshots),
+//! per-sequence block tables, and the storage the executor owns — the paged cache of attention
+//! rows and the slot/snapshot store of recurrent state.
 
 mod block_pool;
 mod cache;
+mod id_pool;
 mod state_pool;
 
-pub use block_pool::{BlockId, BlockPool, BlockTable, OutOfBlocks};
+pub use block_pool::{block_pool, BlockId, BlockPool, BlockTable, OutOfBlocks};
 pub use cache::{KvLayer, PagedKvCache};
-pub use state_pool::{OutOfStates, SlotId, SnapshotId, StatePool};
+pub use id_pool::{IdPool, OutOfIds, StaleRelease};
+pub use state_pool::{SlotId, SnapshotId, StatePool};

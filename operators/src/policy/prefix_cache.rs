@@ -6,7 +6,7 @@
 //! blocks are all present. Entries nobody else references are evicted least recently used first.
 
 use kvflow_kernels::hash;
-use kvflow_kernels::kv::{BlockId, BlockPool, SnapshotId, StatePool};
+use kvflow_kernels::kv::{BlockId, BlockPool, IdPool, SnapshotId};
 use std::collections::HashMap;
 
 #[derive(Debug, Default)]
@@ -118,12 +118,12 @@ impl PrefixCache {
     }
 
     /// Keeps `snapshot` as the state at the boundary after block `h`.
-    pub fn insert_snapshot(&mut self, h: u64, snapshot: SnapshotId, states: &mut StatePool) {
+    pub fn insert_snapshot(&mut self, h: u64, snapshot: SnapshotId, snapshots: &mut IdPool) {
         self.tick += 1;
         let e = self.entries.entry(h).or_default();
         e.last_used = self.tick;
         if let Some(old) = e.snapshot.replace(snapshot) {
-            states.release_snapshot(old);
+            snapshots.release(old);
         }
     }
 
@@ -147,27 +147,51 @@ impl PrefixCache {
     }
 
     /// Frees the least recently used snapshot, if any. Returns whether one was freed.
-    pub fn evict_snapshot(&mut self, states: &mut StatePool) -> bool {
+    pub fn evict_snapshot(&mut self, snapshots: &mut IdPool) -> bool {
         let victim =
             self.entries.iter().filter(|(_, e)| e.snapshot.is_some()).min_by_key(|(_, e)| e.last_used).map(|(h, _)| *h);
         match victim {
             Some(h) => {
                 let s = self.entries.get_mut(&h).and_then(|e| e.snapshot.take()).expect("picked above");
-                states.release_snapshot(s);
+                snapshots.release(s);
                 true
             }
             None => false,
         }
     }
 
+    /// Drops the entries of `hashes` (blocks a failed step was to write), with their references.
+    pub fn forget(&mut self, hashes: &[u64], pool: &mut BlockPool, snapshots: &mut IdPool) {
+        for h in hashes {
+            if let Some(e) = self.entries.remove(h) {
+                if let Some(b) = e.block {
+                    pool.release(b);
+                }
+                if let Some(s) = e.snapshot {
+                    snapshots.release(s);
+                }
+            }
+        }
+    }
+
+    /// The blocks the cache holds a reference to (for the accounting check).
+    pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.entries.values().filter_map(|e| e.block)
+    }
+
+    /// The snapshots the cache holds (for the accounting check).
+    pub fn held_snapshots(&self) -> impl Iterator<Item = SnapshotId> + '_ {
+        self.entries.values().filter_map(|e| e.snapshot)
+    }
+
     /// Releases every reference the cache holds (end of run).
-    pub fn clear(&mut self, pool: &mut BlockPool, states: &mut StatePool) {
+    pub fn clear(&mut self, pool: &mut BlockPool, snapshots: &mut IdPool) {
         for (_, e) in self.entries.drain() {
             if let Some(b) = e.block {
                 pool.release(b);
             }
             if let Some(s) = e.snapshot {
-                states.release_snapshot(s);
+                snapshots.release(s);
             }
         }
     }
@@ -189,7 +213,7 @@ mod tests {
 
     #[test]
     fn a_hit_shares_the_blocks_and_eviction_spares_blocks_in_use() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = kvflow_kernels::kv::block_pool(4);
         let mut cache = PrefixCache::new(true, false);
         let hashes = block_hashes(&[1, 2, 3, 4], 2, 0);
         let (b0, b1) = (pool.allocate().unwrap(), pool.allocate().unwrap());
@@ -202,24 +226,23 @@ mod tests {
         pool.release(b1); // the reader let go of one block
         assert_eq!(cache.evict_blocks(4, &mut pool), 1, "only the unused block can go");
         pool.release(b0);
-        cache.clear(&mut pool, &mut StatePool::new(0, 0, 0));
+        cache.clear(&mut pool, &mut IdPool::new("state snapshots", 0));
         assert_eq!(pool.num_free(), 4);
     }
 
     #[test]
     fn recurrent_hits_stop_at_the_deepest_snapshot() {
-        let mut pool = BlockPool::new(8);
-        let mut states = StatePool::new(2, 1, 2);
+        let mut pool = kvflow_kernels::kv::block_pool(8);
+        let mut snapshots = IdPool::new("state snapshots", 2);
         let mut cache = PrefixCache::new(true, true);
         let hashes = block_hashes(&[1, 2, 3, 4, 5, 6], 2, 0);
-        let slot = states.allocate_slot().unwrap();
         for h in &hashes {
             let b = pool.allocate().unwrap();
             cache.insert_block(*h, Some(b), &mut pool);
             pool.release(b);
         }
-        let snap = states.snapshot(slot).unwrap();
-        cache.insert_snapshot(hashes[1], snap, &mut states);
+        let snap = snapshots.allocate().unwrap();
+        cache.insert_snapshot(hashes[1], snap, &mut snapshots);
         let hit = cache.lookup(&hashes, &mut pool);
         assert_eq!(hit.matched, 2, "KV and state are restored together: up to the snapshot");
         assert_eq!(hit.blocks.len(), 2);
@@ -227,8 +250,7 @@ mod tests {
         for b in hit.blocks {
             pool.release(b);
         }
-        states.release_slot(slot);
-        cache.clear(&mut pool, &mut states);
-        assert!(states.all_free() && pool.num_free() == 8);
+        cache.clear(&mut pool, &mut snapshots);
+        assert!(snapshots.all_free() && pool.num_free() == 8);
     }
 }

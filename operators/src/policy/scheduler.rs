@@ -6,12 +6,22 @@
 //! reaches the last known token. With recurrent state and a prefix cache, chunks stop at snapshot
 //! boundaries (every `snapshot_interval_blocks` blocks, and the prompt's last full block) so the
 //! state there can be kept.
+//!
+//! Deferred output: a sequence whose last sampled token is still in flight can be scheduled at
+//! once — its next decode names that token (`Sequence::remaining` counts tokens in flight), so a
+//! pool whose executor completes later still decodes one token per step.
+//!
+//! The policy decides and books memory ids; the state copies it needs (a new slot starts from
+//! zero, a prefix hit restores a snapshot) go into the decision for the executor to apply.
 
 use super::memory::RankMemory;
 use super::sequence::{Sequence, Sequences};
+use crate::step::StateOp;
+use kvflow_kernels::kv::SnapshotId;
 use std::collections::VecDeque;
 
-/// The knobs of the policy.
+/// The knobs of the policy (one per pool: the graph's `[scheduler]` table, with the pool's own
+/// `[pool.scheduler]` over it, and `memory.snapshot_interval_blocks`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
     pub max_running: usize,
@@ -41,6 +51,18 @@ pub struct StepDecision {
     pub failed: Vec<(u64, String)>,
     /// Requests (ids) admitted this step, with the prompt tokens restored from the prefix cache.
     pub admitted: Vec<(u64, usize)>,
+    /// State copies to apply before the forward (new slots zeroed, prefix snapshots restored).
+    pub state_ops: Vec<StateOp>,
+    /// Snapshots the restores read, each with a reference taken: the step owns them until it
+    /// completes.
+    pub restoring: Vec<SnapshotId>,
+}
+
+impl StepDecision {
+    /// Whether the step feeds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
 }
 
 /// Waiting and running requests of one rank, as indices into its [`Sequences`].
@@ -85,6 +107,11 @@ impl Scheduler {
         }
     }
 
+    /// The waiting requests, in admission order.
+    pub fn waiting(&self) -> impl Iterator<Item = usize> + '_ {
+        self.waiting.iter().copied()
+    }
+
     /// The running requests, oldest first.
     pub fn running(&self) -> &[usize] {
         &self.running
@@ -126,7 +153,8 @@ impl Scheduler {
                 }
                 // The common case: a decode whose next token fits in the blocks it holds.
                 if remaining == 1 && (!mem.layout.keeps_kv || seq.computed < seq.blocks.len() * bs) {
-                    out.chunks.push(Chunk { seq: index, start: seq.computed, len: 1, sample: true });
+                    let sample = seq.computed + 1 == seq.known_len();
+                    out.chunks.push(Chunk { seq: index, start: seq.computed, len: 1, sample });
                     budget -= 1;
                     continue;
                 }
@@ -138,7 +166,7 @@ impl Scheduler {
                             seq: index,
                             start: seq.computed,
                             len,
-                            sample: seq.computed + len == seq.tokens.len(),
+                            sample: seq.computed + len == seq.known_len(),
                         });
                         budget -= len;
                         break;
@@ -160,14 +188,14 @@ impl Scheduler {
             let Some(&index) = self.waiting.front() else { break };
             let seq = seqs.get_mut(index);
             let total = seq.prompt_len + seq.max_output_tokens;
-            if mem.blocks_for(total) > mem.pool.num_blocks() {
+            if mem.blocks_for(total) > mem.blocks.num_ids() {
                 out.failed.push((
                     seq.id,
                     format!(
                         "needs {} KV blocks for {} tokens but the rank has {} (raise memory.budget_bytes)",
                         mem.blocks_for(total),
                         total,
-                        mem.pool.num_blocks()
+                        mem.blocks.num_ids()
                     ),
                 ));
                 self.waiting.pop_front();
@@ -175,25 +203,33 @@ impl Scheduler {
                 continue;
             }
             if mem.layout.keeps_state {
-                match mem.cache.states.allocate_slot() {
+                match mem.slots.allocate_for(seq.id) {
                     Ok(slot) => seq.slot = Some(slot),
-                    Err(_) => break,
+                    Err(_) => break, // every slot is held (or pinned by a step in flight)
                 }
             }
-            if self.config.prefix_cache {
-                restore_prefix(seq, mem);
-            }
+            let snapshot = if self.config.prefix_cache { restore_prefix(seq, mem) } else { None };
             let len = self.chunk_len(seq, budget, mem.layout.block_size);
             if !mem.ensure_blocks(seq, seq.computed + len) {
                 mem.release(seq); // undo the prefix hit and the slot; try again next step
+                if let Some(s) = snapshot {
+                    mem.snapshots.release(s);
+                }
                 break;
             }
+            if let Some(slot) = seq.slot {
+                out.state_ops.push(match snapshot {
+                    Some(snapshot) => StateOp::Restore { snapshot, slot },
+                    None => StateOp::Zero { slot },
+                });
+            }
+            out.restoring.extend(snapshot);
             out.admitted.push((seq.id, seq.cached));
             out.chunks.push(Chunk {
                 seq: index,
                 start: seq.computed,
                 len,
-                sample: seq.computed + len == seq.tokens.len(),
+                sample: seq.computed + len == seq.known_len(),
             });
             budget -= len;
             self.waiting.pop_front();
@@ -227,14 +263,17 @@ impl Scheduler {
 
     /// Releases a request's memory and puts it back at the head of the queue (it recomputes).
     /// Returns the tokens of the chunk it had in this step (back to the budget).
+    /// Its steps in flight keep what they read (see `RankMemory::release`); completions for
+    /// them no longer reach it (it gets a new generation).
     fn preempt(&mut self, index: usize, seqs: &mut Sequences, mem: &mut RankMemory, out: &mut StepDecision) -> usize {
         let seq = seqs.get_mut(index);
         mem.release(seq);
         seq.preemptions += 1;
+        out.preempted.push(seq.id);
+        seqs.renew(index);
         self.waiting.push_front(index);
         let freed = out.chunks.iter().filter(|c| c.seq == index).map(|c| c.len).sum();
         out.chunks.retain(|c| c.seq != index);
-        out.preempted.push(seq.id);
         freed
     }
 }
@@ -251,23 +290,24 @@ pub fn snapshot_boundaries(prompt_len: usize, block_size: usize, interval_blocks
     b
 }
 
-/// Reuses the longest cached prefix of the prompt: shares its blocks and restores the state at
-/// its end (both or neither), leaving at least one prompt token to compute.
-fn restore_prefix(seq: &mut Sequence, mem: &mut RankMemory) {
+/// Reuses the longest cached prefix of the prompt: shares its blocks and, for recurrent state,
+/// returns the snapshot at its end with a reference taken (both or neither), leaving at least one
+/// prompt token to compute.
+fn restore_prefix(seq: &mut Sequence, mem: &mut RankMemory) -> Option<SnapshotId> {
     let bs = mem.layout.block_size;
     let usable = seq.prompt_hashes.len().min((seq.prompt_len - 1) / bs);
-    let hit = mem.prefix.lookup(&seq.prompt_hashes[..usable], &mut mem.pool);
+    let hit = mem.prefix.lookup(&seq.prompt_hashes[..usable], &mut mem.blocks);
     if hit.matched == 0 {
-        return;
+        return None;
     }
     for b in hit.blocks {
         seq.blocks.push(b);
     }
-    if let (Some(snapshot), Some(slot)) = (hit.snapshot, seq.slot) {
-        mem.cache.states.restore(snapshot, slot);
-    }
     seq.computed = hit.matched * bs;
     seq.cached = seq.computed;
+    let snapshot = hit.snapshot.filter(|_| seq.slot.is_some())?;
+    mem.snapshots.share(snapshot);
+    Some(snapshot)
 }
 
 #[cfg(test)]
@@ -286,11 +326,9 @@ mod tests {
 mod policy_tests {
     use super::*;
     use crate::policy::memory::MemoryLayout;
-    use kvflow_kernels::kv::{PagedKvCache, StatePool};
-    use kvflow_kernels::models::ModelCache;
 
     fn memory(blocks: usize) -> RankMemory {
-        let layout = MemoryLayout {
+        RankMemory::new(MemoryLayout {
             block_size: 4,
             blocks,
             slots: 0,
@@ -298,8 +336,7 @@ mod policy_tests {
             keeps_kv: true,
             keeps_state: false,
             prefix_keyed_by_prompt_len: false,
-        };
-        RankMemory::new(layout, ModelCache { kv: PagedKvCache::new(4, blocks, &[1]), states: StatePool::new(0, 0, 0) })
+        })
     }
 
     fn config(max_batched_tokens: usize, chunk_tokens: usize) -> SchedulerConfig {
@@ -320,7 +357,7 @@ mod policy_tests {
         index
     }
 
-    /// Pretends the step ran: advances `computed` and samples token 7 where asked.
+    /// Pretends the step ran and completed: advances `computed` and samples token 7 where asked.
     fn run(decision: &StepDecision, seqs: &mut Sequences) {
         for c in &decision.chunks {
             let s = seqs.get_mut(c.seq);
@@ -393,7 +430,7 @@ mod policy_tests {
         let hashes = mem.prompt_hashes(seq);
         for (b, h) in hashes.iter().enumerate() {
             let block = seq.blocks.blocks()[b];
-            mem.prefix.insert_block(*h, Some(block), &mut mem.pool);
+            mem.prefix.insert_block(*h, Some(block), &mut mem.blocks);
         }
         let b = add(&mut s, &mut seqs, 2, (0..9).chain(50..53).collect(), 1);
         let d = s.schedule(&mut seqs, &mut mem);

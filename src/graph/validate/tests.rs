@@ -10,14 +10,15 @@ fn minimal_graph_gets_every_default() {
     let graph = fixture.graph(MINIMAL);
     assert_eq!(graph.path, fixture.graph_path());
     assert_eq!(graph.model, fixture.dir.path().join("model"));
-    assert_eq!(
-        graph.memory,
-        MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25, snapshot_interval_blocks: 4 }
-    );
-    assert_eq!(
-        graph.scheduler,
-        SchedulerConfig { max_running: 64, max_batched_tokens: 512, chunk_tokens: 64, prefix_cache: true }
-    );
+    assert_eq!(graph.memory, MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 });
+    let scheduler = SchedulerConfig {
+        max_running: 64,
+        max_batched_tokens: 512,
+        chunk_tokens: 64,
+        prefix_cache: true,
+        snapshot_interval_blocks: 4,
+    };
+    assert_eq!(graph.scheduler, scheduler);
     assert_eq!(
         graph.pools,
         vec![PoolConfig {
@@ -25,7 +26,10 @@ fn minimal_graph_gets_every_default() {
             role: PoolRole::Aggregated,
             ranks: 1,
             executor: "cpu".to_string(),
+            executor_settings: toml::Table::new(),
             router: "least-outstanding".to_string(),
+            memory: graph.memory.clone(),
+            scheduler,
         }]
     );
     assert_eq!(
@@ -42,6 +46,7 @@ fn minimal_graph_gets_every_default() {
             ignore_eos: true,
             cancel_fraction: 0.0,
             cancel_after_ms: 0.0,
+            pool_choice: PoolChoice::Seeded,
         }
     );
     assert_eq!(graph.slo, SloConfig { ttft_ms: None, tpot_ms: None });

@@ -1,0 +1,239 @@
+//! The CPU reference executor. [`CpuStepRunner`] owns the rank's model storage (paged KV, state
+//! slots and snapshots) and runs a step phase by phase: state copies before, the model's layers,
+//! sampling (greedy) with the hash of each sampled logits row, snapshots after. A decode whose
+//! previous token was still in flight at launch names it by (sequence, step); the runner resolves
+//! it from the tokens it sampled itself. [`CpuExecutor`] runs it on the rank's own thread
+//! (`cpu`); `DeferredExecutor` on a thread of its own (`cpu-deferred`).
+
+use super::gate::{CompletionGate, Delay};
+use super::{Executor, ExecutorContext};
+use crate::step::{ExecutorError, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch};
+use kvflow_kernels::cpu::sampling::argmax;
+use kvflow_kernels::hash;
+use kvflow_kernels::kv::SlotId;
+use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, SeqInput, StepActivations};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// One sequence of an [`OwnedStep`]: ranges into its flat token and block-table buffers.
+#[derive(Clone, Debug)]
+struct OwnedSeq {
+    key: SeqKey,
+    tokens: Range<usize>,
+    /// The step whose sample fills the last token of `tokens`.
+    deferred: Option<u64>,
+    start_pos: usize,
+    table: Range<usize>,
+    slot: Option<SlotId>,
+    prompt_len: usize,
+    sample: bool,
+}
+
+/// A launch copied out of the rank's state, so it can run after the rank has moved on.
+#[derive(Clone, Debug)]
+pub struct OwnedStep {
+    step: u64,
+    before: Vec<StateOp>,
+    after: Vec<StateOp>,
+    seqs: Vec<OwnedSeq>,
+    tokens: Vec<u32>,
+    tables: Vec<u32>,
+    applied_through: Option<u64>,
+}
+
+impl OwnedStep {
+    pub fn copy_of(launch: &StepLaunch<'_>) -> Self {
+        let mut tokens = Vec::with_capacity(launch.seqs.iter().map(|s| s.len()).sum());
+        let mut tables = Vec::with_capacity(launch.seqs.iter().map(|s| s.block_table.len()).sum());
+        let seqs = launch
+            .seqs
+            .iter()
+            .map(|s| {
+                let t0 = tokens.len();
+                tokens.extend_from_slice(s.known);
+                if s.deferred.is_some() {
+                    tokens.push(u32::MAX); // resolved when the step runs
+                }
+                let b0 = tables.len();
+                tables.extend_from_slice(s.block_table);
+                OwnedSeq {
+                    key: s.key,
+                    tokens: t0..tokens.len(),
+                    deferred: s.deferred,
+                    start_pos: s.start_pos,
+                    table: b0..tables.len(),
+                    slot: s.slot,
+                    prompt_len: s.prompt_len,
+                    sample: s.sample,
+                }
+            })
+            .collect();
+        OwnedStep {
+            step: launch.step,
+            before: launch.before.to_vec(),
+            after: launch.after.to_vec(),
+            seqs,
+            tokens,
+            tables,
+            applied_through: launch.applied_through,
+        }
+    }
+
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The model's view of the batch.
+    fn batch(&self) -> Vec<SeqInput<'_>> {
+        self.seqs
+            .iter()
+            .map(|s| SeqInput {
+                tokens: &self.tokens[s.tokens.clone()],
+                start_pos: s.start_pos,
+                block_table: &self.tables[s.table.clone()],
+                slot: s.slot,
+                prompt_len: s.prompt_len,
+                logits: if s.sample { LogitsWanted::Last } else { LogitsWanted::None },
+            })
+            .collect()
+    }
+}
+
+/// A step between its phases.
+struct Running {
+    step: OwnedStep,
+    /// `Err` when the step cannot run (then no phase computes anything).
+    acts: Result<StepActivations, ExecutorError>,
+}
+
+/// The model, the rank's storage, and the tokens it sampled.
+pub struct CpuStepRunner {
+    model: Arc<Model>,
+    cache: ModelCache,
+    /// Layers of each phase (from the model config).
+    phases: Vec<Range<usize>>,
+    /// The step whose phases are running.
+    current: Option<Running>,
+    /// The latest token each sequence sampled, and at which step.
+    sampled: HashMap<SeqKey, (u64, u32)>,
+}
+
+impl CpuStepRunner {
+    pub fn new(ctx: &ExecutorContext) -> Self {
+        CpuStepRunner {
+            phases: ctx.model.phases().into_iter().map(|p| p.layers).collect(),
+            cache: ctx.new_cache(),
+            model: ctx.model.clone(),
+            current: None,
+            sampled: HashMap::new(),
+        }
+    }
+
+    pub fn phases(&self) -> usize {
+        self.phases.len()
+    }
+
+    /// Runs phase `phase` of a step (the step itself comes with phase 0); returns the step's
+    /// completion after its last phase.
+    pub fn run_phase(&mut self, phase: usize, step: Option<OwnedStep>) -> Option<StepCompletion> {
+        if let Some(mut step) = step {
+            let acts = self.begin(&mut step);
+            self.current = Some(Running { step, acts });
+        }
+        let Self { model, cache, phases, current, .. } = self;
+        let running = current.as_mut()?;
+        if let (Ok(acts), Some(layers)) = (running.acts.as_mut(), phases.get(phase)) {
+            model.run_layers(acts, layers.clone(), cache);
+        }
+        if phase + 1 < phases.len() {
+            return None;
+        }
+        let Running { step, acts } = current.take()?;
+        let result = acts.map(|acts| {
+            let out = self.model.finish_step(&step.batch(), acts);
+            self.finish(&step, &out)
+        });
+        Some(StepCompletion { step: step.step, result })
+    }
+
+    /// Resolves the tokens still in flight at launch, applies the state copies asked for before
+    /// the forward, and embeds the batch.
+    fn begin(&mut self, step: &mut OwnedStep) -> Result<StepActivations, ExecutorError> {
+        for s in &step.seqs {
+            if let Some(at) = s.deferred {
+                match self.sampled.get(&s.key) {
+                    Some(&(when, token)) if when == at => step.tokens[s.tokens.end - 1] = token,
+                    _ => return Err(ExecutorError::UnresolvedToken { seq: s.key, step: at }),
+                }
+            }
+        }
+        if let Some(applied) = step.applied_through {
+            self.sampled.retain(|_, (when, _)| *when > applied);
+        }
+        for op in &step.before {
+            match *op {
+                StateOp::Zero { slot } => self.cache.states.zero_slot(slot),
+                StateOp::Restore { snapshot, slot } => self.cache.states.restore(snapshot, slot),
+                StateOp::Snapshot { .. } => {}
+            }
+        }
+        Ok(self.model.begin_step(&step.batch(), self.cache.kv.block_size()))
+    }
+
+    /// Samples (greedy) every sequence that asked for logits, and keeps the state snapshots the
+    /// step asked for after its forward.
+    fn finish(&mut self, step: &OwnedStep, out: &ForwardOutput) -> Vec<Sampled> {
+        let mut sampled = Vec::with_capacity(step.seqs.len());
+        for (i, s) in step.seqs.iter().enumerate() {
+            if let Some(logits) = out.last(i) {
+                let token = argmax(logits);
+                self.sampled.insert(s.key, (step.step, token));
+                sampled.push(Sampled { seq: s.key, token, logits_hash: hash::logits_row(logits) });
+            }
+        }
+        for op in &step.after {
+            if let StateOp::Snapshot { slot, snapshot } = *op {
+                self.cache.states.snapshot_into(slot, snapshot);
+            }
+        }
+        sampled
+    }
+}
+
+/// `cpu`: runs each step on the rank's own thread as it is launched.
+pub struct CpuExecutor {
+    runner: CpuStepRunner,
+    gate: CompletionGate,
+    launch: u64,
+}
+
+impl CpuExecutor {
+    pub fn new(runner: CpuStepRunner, delay: Delay) -> Self {
+        CpuExecutor { runner, gate: CompletionGate::new(delay), launch: 0 }
+    }
+}
+
+impl Executor for CpuExecutor {
+    fn phases(&self) -> usize {
+        self.runner.phases()
+    }
+
+    fn launch(&mut self, step: &StepLaunch<'_>, phase: usize) {
+        let owned = (phase == 0).then(|| {
+            self.launch = self.gate.launched();
+            OwnedStep::copy_of(step)
+        });
+        if let Some(done) = self.runner.run_phase(phase, owned) {
+            self.gate.hold(self.launch, done);
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        self.gate.release(out);
+    }
+
+    fn flush(&mut self) {
+        self.gate.flush();
+    }
+}

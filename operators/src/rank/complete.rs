@@ -1,0 +1,113 @@
+//! `Rank::poll`: applies the completions its executor has ready, in launch order. A completion
+//! returns what its step's record pinned; each sampled token reaches its sequence only if that
+//! sequence is still in the generation the step was launched for (else it is dropped and
+//! counted: the request was preempted or cancelled meanwhile). A request whose last token
+//! arrives ends here; a failed step fails the requests it fed.
+
+use super::Rank;
+use crate::messages::{wall_ms, Event};
+use crate::step::StepCompletion;
+use kvflow_kernels::hash;
+
+impl Rank {
+    /// Applies every completion the executor has ready; returns how many.
+    pub fn poll(&mut self) -> usize {
+        let mut ready = std::mem::take(&mut self.completions);
+        self.executor.poll(&mut ready);
+        let n = ready.len();
+        for c in ready.drain(..) {
+            self.apply(c);
+        }
+        self.completions = ready;
+        n
+    }
+
+    /// Asks the executor to complete what is in flight now and applies what it has ready; when
+    /// something completed while the pool parks, raises the rank's waker so the pool resumes.
+    pub fn flush(&mut self) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        self.executor.flush();
+        if self.poll() > 0 {
+            self.waker.wake();
+        }
+    }
+
+    fn apply(&mut self, c: StepCompletion) {
+        let Some(pos) = self.in_flight.iter().position(|r| r.step == c.step) else {
+            self.stats.unknown_completions += 1;
+            tracing::error!(pool = %self.pool, rank = self.index, step = c.step, "completion for a step not in flight: dropped");
+            return;
+        };
+        let record = self.in_flight.remove(pos).expect("found above");
+        for &key in &record.seqs {
+            if let Some(seq) = self.seqs.by_key_mut(key) {
+                seq.in_flight_steps -= 1;
+            } else if !self.memory.step_done(key) {
+                self.stats.unknown_completions += 1;
+                tracing::error!(pool = %self.pool, rank = self.index, step = c.step, seq = %key, "step named an unknown sequence");
+            }
+        }
+        for &snapshot in &record.restoring {
+            self.memory.snapshots.release(snapshot);
+        }
+        self.applied_through = Some(self.applied_through.map_or(c.step, |a| a.max(c.step)));
+        let sampled = match c.result {
+            Ok(sampled) => sampled,
+            Err(e) => {
+                let m = &mut self.memory;
+                m.prefix.forget(&record.published, &mut m.blocks, &mut m.snapshots);
+                for key in record.seqs {
+                    if self.seqs.by_key_mut(key).is_some() {
+                        self.fail(key.index as usize, c.step, "executor", format!("step {} failed: {e}", c.step));
+                    }
+                }
+                return;
+            }
+        };
+        let now = wall_ms();
+        for s in sampled {
+            let Some(seq) = self.seqs.by_key_mut(s.seq) else {
+                self.stats.stale_completions += 1;
+                continue;
+            };
+            if seq.pending.front() != Some(&c.step) {
+                let message = format!(
+                    "step {} sampled a token the request was not waiting for (pending {:?})",
+                    c.step, seq.pending
+                );
+                self.fail(s.seq.index as usize, c.step, "executor", message);
+                continue;
+            }
+            seq.pending.pop_front();
+            seq.tokens.push(s.token);
+            seq.logits_hash = hash::chain_row(seq.logits_hash, s.logits_hash);
+            seq.token_ms.push(now);
+            if seq.finished() {
+                self.finish(s.seq.index as usize, c.step);
+            }
+        }
+    }
+
+    /// A request produced its last token.
+    fn finish(&mut self, index: usize, step: u64) {
+        self.scheduler.forget(index);
+        let mut seq = self.seqs.remove(index);
+        if self.switches.leak_blocks_of == Some(seq.id) {
+            let _forgotten = seq.blocks.take(); // test switch: a release that never happens
+        }
+        self.memory.release(&mut seq);
+        let event = Event::Finished {
+            id: seq.id,
+            rank: self.index,
+            tokens: seq.tokens.split_off(seq.prompt_len),
+            token_ms: std::mem::take(&mut seq.token_ms),
+            started_ms: seq.started_ms.unwrap_or_else(wall_ms),
+            cached_tokens: seq.first_cached,
+            logits_hash: seq.logits_hash,
+            preemptions: seq.preemptions,
+        };
+        self.events.push((step, event));
+    }
+}

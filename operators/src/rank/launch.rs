@@ -1,0 +1,162 @@
+//! `Rank::launch`: books the decided batch as launched and hands it to the executor, one phase
+//! at a time. At launch — before any token of the step is known — each sequence's counters move
+//! on (`computed`, one more token `pending`), its completed prompt blocks are published in the
+//! prefix cache and a snapshot is asked for at each boundary it reaches: the executor applies the
+//! step's writes in launch order, so a later step that reads them runs after them.
+
+use super::{Rank, StepRecord};
+use crate::messages::{wall_ms, Event};
+use crate::policy::scheduler::snapshot_boundaries;
+use crate::step::{SeqStep, StateOp, StepLaunch};
+use std::collections::HashMap;
+
+impl Rank {
+    /// Launches the batch decided for step `t` (a rank with nothing decided launches nothing; if
+    /// it still has steps in flight it flushes its executor instead of running empty steps).
+    pub fn launch(&mut self, t: u64) {
+        if self.switches.stuck_in_forward == Some((self.index, self.stats.steps)) {
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+        let decided = std::mem::take(&mut self.decided);
+        self.stats.steps += 1;
+        self.stats.step_ms.push(wall_ms());
+        self.stats.preemptions += decided.preempted.len() as u64;
+        for (id, message) in decided.failed.iter().cloned() {
+            let event = Event::Failed {
+                id,
+                rank: self.index,
+                cause: "does-not-fit".into(),
+                message,
+                tokens: Vec::new(),
+                token_ms: Vec::new(),
+                started_ms: None,
+            };
+            self.events.push((t, event));
+        }
+        let now = wall_ms();
+        for &(id, cached) in &decided.admitted {
+            if let Some(seq) = self.seqs.index_of(id).map(|i| self.seqs.get_mut(i)) {
+                if seq.started_ms.is_none() {
+                    seq.started_ms = Some(now);
+                    seq.first_cached = cached;
+                }
+            }
+        }
+        if decided.is_empty() {
+            self.stats.empty_steps += 1;
+            self.flush();
+            return;
+        }
+        self.sample_utilization(&decided.chunks);
+        let bs = self.memory.layout.block_size;
+        let interval = self.scheduler.config.snapshot_interval_blocks;
+        let caching = self.scheduler.config.prefix_cache;
+        // 1. book the step: counters, tokens in flight, prefix entries, snapshots
+        let mut deferred = Vec::with_capacity(decided.chunks.len());
+        let mut after = Vec::new();
+        let mut published = Vec::new();
+        for chunk in &decided.chunks {
+            let seq = self.seqs.get_mut(chunk.seq);
+            let end = chunk.start + chunk.len;
+            deferred.push(if end > seq.tokens.len() { seq.pending_step(end - 1) } else { None });
+            let before = seq.computed;
+            seq.computed = end;
+            seq.in_flight_steps += 1;
+            if chunk.sample {
+                seq.pending.push_back(t);
+            }
+            if !caching || before >= seq.prompt_len {
+                continue;
+            }
+            let done_blocks = seq.computed.min(seq.prompt_len) / bs;
+            for b in before / bs..done_blocks {
+                let h = seq.prompt_hashes[b];
+                let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
+                self.memory.prefix.insert_block(h, block, &mut self.memory.blocks);
+                published.push(h);
+            }
+            let Some(slot) = seq.slot else { continue };
+            if self.memory.layout.snapshots == 0 || !snapshot_boundaries(seq.prompt_len, bs, interval).contains(&end) {
+                continue;
+            }
+            let h = seq.prompt_hashes[end / bs - 1];
+            if self.memory.prefix.has_snapshot(h) {
+                continue;
+            }
+            if self.memory.snapshots.num_free() == 0 {
+                self.memory.prefix.evict_snapshot(&mut self.memory.snapshots);
+            }
+            if let Ok(snapshot) = self.memory.snapshots.allocate_for(seq.id) {
+                after.push(StateOp::Snapshot { slot, snapshot });
+                self.memory.prefix.insert_snapshot(h, snapshot, &mut self.memory.snapshots);
+            }
+        }
+        // 2. the launch the executor sees
+        let swapped = self.swapped_tables(&decided.chunks);
+        let seqs: Vec<SeqStep> = decided
+            .chunks
+            .iter()
+            .zip(&deferred)
+            .map(|(c, &deferred)| {
+                let s = self.seqs.get(c.seq);
+                // With tokens in flight the chunk may start past the known ones (then it feeds
+                // only the one it names).
+                let known_end = (c.start + c.len - usize::from(deferred.is_some())).min(s.tokens.len());
+                SeqStep {
+                    key: s.key,
+                    known: &s.tokens[c.start.min(known_end)..known_end],
+                    deferred,
+                    start_pos: c.start,
+                    block_table: swapped.get(&c.seq).map_or(s.blocks.blocks(), |t| &t[..]),
+                    slot: s.slot,
+                    prompt_len: s.prompt_len,
+                    sample: c.sample,
+                }
+            })
+            .collect();
+        let launch = StepLaunch {
+            step: t,
+            before: &decided.state_ops,
+            seqs: &seqs,
+            after: &after,
+            applied_through: self.applied_through,
+        };
+        for phase in 0..self.executor.phases() {
+            self.executor.launch(&launch, phase);
+        }
+        let keys = seqs.iter().map(|s| s.key).collect();
+        drop(seqs);
+        self.in_flight.push_back(StepRecord { step: t, seqs: keys, restoring: decided.restoring, published });
+        self.stats.launched_steps += 1;
+        self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
+    }
+
+    /// Test switch: block tables with their first two entries swapped, for the decodes of the
+    /// requests it names.
+    fn swapped_tables(&self, chunks: &[crate::policy::scheduler::Chunk]) -> HashMap<usize, Vec<u32>> {
+        let Some(every) = self.switches.swap_block_table_every else { return HashMap::new() };
+        chunks
+            .iter()
+            .filter_map(|c| {
+                let s = self.seqs.get(c.seq);
+                let decode = c.len == 1 && c.start >= s.prompt_len;
+                (s.id % every == 0 && decode && s.blocks.len() >= 3).then(|| {
+                    let mut t = s.blocks.blocks().to_vec();
+                    t.swap(0, 1);
+                    (c.seq, t)
+                })
+            })
+            .collect()
+    }
+
+    fn sample_utilization(&mut self, chunks: &[crate::policy::scheduler::Chunk]) {
+        let used = |total: usize, free: usize| if total == 0 { 0.0 } else { (total - free) as f32 / total as f32 };
+        let m = &self.memory;
+        let s = &mut self.stats.samples;
+        s.kv.push(used(m.blocks.num_ids(), m.blocks.num_free()));
+        s.slots.push(used(m.slots.num_ids(), m.slots.num_free()));
+        s.snapshots.push(used(m.snapshots.num_ids(), m.snapshots.num_free()));
+        s.batch_seqs.push(chunks.len() as u32);
+        s.batch_tokens.push(chunks.iter().map(|c| c.len as u32).sum());
+    }
+}

@@ -1,0 +1,318 @@
+//! The state one rank owns — its sequences, memory bookkeeping, scheduler, executor and the
+//! records of its steps in flight — and what a step does with it:
+//! 1. `schedule` (at `schedule(t)`): apply the completions that arrived, decide the batch, report;
+//! 2. `launch` (at `forward(t)`): book the batch as launched — tokens in flight, prefix blocks
+//!    published, snapshots asked for — and hand it to the executor, one phase at a time;
+//! 3. `poll` (whenever the rank runs): apply completions — sampled tokens, finished requests —
+//!    in launch order, dropping (and counting) those for an older generation.
+//!
+//! A step's record owns what the step reads until its completion returns it (see
+//! `RankMemory::release`). Shared by the `schedule` and `forward` operators of the rank's worker
+//! (`Rc<RefCell<_>>`: same thread).
+
+mod complete;
+mod launch;
+mod stats;
+mod switches;
+
+pub use stats::{RankStats, UtilizationSamples};
+pub use switches::TestSwitches;
+
+use crate::executor::Executor;
+use crate::messages::{Admission, Event, RankReport};
+use crate::policy::memory::{MemoryLayout, RankMemory};
+use crate::policy::scheduler::{Scheduler, SchedulerConfig, StepDecision};
+use crate::policy::sequence::{Sequence, Sequences};
+use crate::step::{SeqKey, StepCompletion};
+use crate::wake::RankWaker;
+use kvflow_kernels::kv::SnapshotId;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// A launched step that has not completed: what it reads, so its completion can return it.
+#[derive(Debug)]
+struct StepRecord {
+    step: u64,
+    /// Every sequence the step feeds (in the generation it was launched for).
+    seqs: Vec<SeqKey>,
+    /// Snapshots its restores read, each holding a reference.
+    restoring: Vec<SnapshotId>,
+    /// Prefix-cache entries it publishes (dropped if the step fails).
+    published: Vec<u64>,
+}
+
+pub struct Rank {
+    pub index: usize,
+    pub pool: String,
+    switches: TestSwitches,
+    pub memory: RankMemory,
+    pub scheduler: Scheduler,
+    seqs: Sequences,
+    executor: Box<dyn Executor>,
+    waker: Arc<RankWaker>,
+    /// Steps launched and not completed, in launch order.
+    in_flight: VecDeque<StepRecord>,
+    /// The batch decided at `schedule(t)`, launched at `forward(t)`.
+    decided: StepDecision,
+    /// The step `schedule` last ran for.
+    step: u64,
+    /// Events not yet emitted, each with the step whose output carries it.
+    events: Vec<(u64, Event)>,
+    completions: Vec<StepCompletion>,
+    /// The newest step whose completion was applied.
+    applied_through: Option<u64>,
+    /// What the accounting checks found.
+    accounting: Vec<String>,
+    pub stats: RankStats,
+}
+
+impl Rank {
+    pub fn new(
+        index: usize,
+        pool: &str,
+        layout: MemoryLayout,
+        config: SchedulerConfig,
+        executor: Box<dyn Executor>,
+        waker: Arc<RankWaker>,
+    ) -> Self {
+        Rank {
+            index,
+            pool: pool.to_string(),
+            switches: TestSwitches::default(),
+            memory: RankMemory::new(layout),
+            scheduler: Scheduler::new(config),
+            seqs: Sequences::default(),
+            executor,
+            waker,
+            in_flight: VecDeque::new(),
+            decided: StepDecision::default(),
+            step: 0,
+            events: Vec::new(),
+            completions: Vec::new(),
+            applied_through: None,
+            accounting: Vec::new(),
+            stats: RankStats::default(),
+        }
+    }
+
+    pub fn with_switches(mut self, switches: TestSwitches) -> Self {
+        self.switches = switches;
+        self
+    }
+
+    /// Queues a request routed to this rank.
+    pub fn admit(&mut self, a: Admission) {
+        let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
+        if self.scheduler.config.prefix_cache {
+            seq.prompt_hashes = self.memory.prompt_hashes(&seq);
+        }
+        let index = self.seqs.insert(seq);
+        self.scheduler.enqueue(index);
+    }
+
+    pub fn outstanding_tokens(&self) -> usize {
+        self.seqs.iter().map(Sequence::outstanding_tokens).sum()
+    }
+
+    /// Steps launched whose completion has not been applied.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Whether step `t` is launched and not completed.
+    pub fn is_in_flight(&self, t: u64) -> bool {
+        self.in_flight.iter().any(|r| r.step == t)
+    }
+
+    /// Events to emit, each with the step whose output carries it.
+    pub fn take_events(&mut self) -> Vec<(u64, Event)> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Where a request it holds stands: "queued", "prefilling" or "decoding".
+    fn stage(&self, index: usize) -> &'static str {
+        let seq = self.seqs.get(index);
+        if !self.scheduler.running().contains(&index) {
+            "queued"
+        } else if seq.computed < seq.prompt_len {
+            "prefilling"
+        } else {
+            "decoding"
+        }
+    }
+
+    /// Frees every request of `ids` this rank holds, wherever it stands (its steps in flight keep
+    /// what they read until they complete), and reports each as cancelled with what it had
+    /// produced. Ids it does not hold are someone else's (or done).
+    pub fn cancel(&mut self, ids: &[u64]) {
+        for &id in ids {
+            let Some(index) = self.seqs.index_of(id) else { continue };
+            let stage = self.stage(index);
+            self.fail(index, self.step, "cancelled", format!("cancelled while {stage}"));
+        }
+    }
+
+    /// Ends a request it holds with `cause` (its memory released or pinned by its steps).
+    fn fail(&mut self, index: usize, step: u64, cause: &str, message: String) {
+        self.scheduler.forget(index);
+        let mut seq = self.seqs.remove(index);
+        self.memory.release(&mut seq);
+        self.events.push((
+            step,
+            Event::Failed {
+                id: seq.id,
+                rank: self.index,
+                cause: cause.into(),
+                message,
+                tokens: seq.tokens.split_off(seq.prompt_len),
+                token_ms: std::mem::take(&mut seq.token_ms),
+                started_ms: seq.started_ms,
+            },
+        ));
+    }
+
+    /// Decides this rank's batch for step `t` (after applying what completed) and reports it.
+    pub fn schedule(&mut self, t: u64) -> RankReport {
+        self.step = t;
+        self.waker.take(); // what raised it is polled now
+        self.poll();
+        self.decided = self.scheduler.schedule(&mut self.seqs, &mut self.memory);
+        if self.decided.is_empty() && self.in_flight.is_empty() && !self.scheduler.is_idle() {
+            self.fail_unschedulable();
+        }
+        let mut cancels = Vec::new();
+        if !self.switches.cancel_at_stage.is_empty() {
+            let due: Vec<u64> = self
+                .switches
+                .cancel_at_stage
+                .iter()
+                .filter(|(id, stage)| self.seqs.index_of(*id).is_some_and(|i| self.stage(i) == stage))
+                .map(|(id, _)| *id)
+                .collect();
+            self.switches.cancel_at_stage.retain(|(id, _)| !due.contains(id));
+            cancels = due;
+        }
+        RankReport {
+            rank: self.index,
+            scheduled_tokens: self.decided.chunks.iter().map(|c| c.len).sum(),
+            scheduled_seqs: self.decided.chunks.len(),
+            outstanding_tokens: self.outstanding_tokens(),
+            waiting: self.scheduler.num_waiting(),
+            running: self.scheduler.num_running(),
+            in_flight: self.in_flight.len(),
+            admissions: Vec::new(),
+            cancels,
+            closing: false,
+        }
+    }
+
+    /// Fails (on rank 0) the admissions the router could not place.
+    pub fn reject_unroutable(&mut self, unroutable: &[(Admission, String)]) {
+        for (a, why) in unroutable {
+            let event = Event::Failed {
+                id: a.id,
+                rank: self.index,
+                cause: "unroutable".into(),
+                message: why.clone(),
+                tokens: Vec::new(),
+                token_ms: Vec::new(),
+                started_ms: None,
+            };
+            self.events.push((self.step, event));
+        }
+    }
+
+    /// Nothing can run, nothing is in flight, yet requests are held: no completion will ever
+    /// change that, so they fail now with what the rank holds, instead of waiting in silence.
+    fn fail_unschedulable(&mut self) {
+        let m = &self.memory;
+        let why = format!(
+            "cannot be scheduled on rank {} of pool {}: {} of {} KV blocks, {} of {} state slots free, nothing in flight",
+            self.index,
+            self.pool,
+            m.blocks.num_free(),
+            m.blocks.num_ids(),
+            m.slots.num_free(),
+            m.slots.num_ids()
+        );
+        tracing::error!(pool = %self.pool, rank = self.index, "{why}");
+        let held: Vec<usize> = self.scheduler.running().iter().copied().chain(self.scheduler.waiting()).collect();
+        for index in held {
+            self.fail(index, self.step, "unschedulable", why.clone());
+        }
+    }
+
+    /// The accounting check (DESIGN §7): every block, slot and snapshot is free or owned by a
+    /// live request, an in-flight step or the prefix cache. Run every time the pool parks with
+    /// nothing in flight, and at the end of the run; what it finds is printed at once and fails
+    /// the run at its end.
+    pub fn check_accounting(&mut self, when: &str) {
+        let restoring: Vec<SnapshotId> = self.in_flight.iter().flat_map(|r| r.restoring.iter().copied()).collect();
+        let mut problems = self.memory.audit(&self.seqs, &restoring);
+        let (bs, kv) = (self.memory.layout.block_size, self.memory.layout.keeps_kv);
+        problems.extend(self.seqs.iter().filter_map(|s| s.check(bs, kv).err()));
+        for p in problems {
+            let line = format!("pool {} rank {}, accounting check {when}: {p}", self.pool, self.index);
+            tracing::error!("{line}");
+            eprintln!("{line}");
+            self.accounting.push(line);
+        }
+        self.stats.accounting_checks += 1;
+    }
+
+    /// End of run: completes what is in flight, checks the accounting, drops the prefix cache's
+    /// references and checks that every block, slot and snapshot is free and no request is left.
+    pub fn finish_run(&mut self) -> Result<RankStats, String> {
+        if !self.in_flight.is_empty() {
+            self.executor.flush();
+            for _ in 0..10_000 {
+                if self.poll() == 0 && !self.in_flight.is_empty() {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                if self.in_flight.is_empty() {
+                    break;
+                }
+            }
+        }
+        self.check_accounting("at the end of the run");
+        self.stats.prefix_lookups = self.memory.prefix.lookups;
+        self.stats.prefix_hit_blocks = self.memory.prefix.hit_blocks;
+        self.memory.clear_prefix_cache();
+        let mut problems = std::mem::take(&mut self.accounting);
+        if !self.in_flight.is_empty() {
+            problems.push(format!(
+                "pool {} rank {}: {} step(s) never completed",
+                self.pool,
+                self.index,
+                self.in_flight.len()
+            ));
+        }
+        if !self.seqs.is_empty() {
+            problems.push(format!(
+                "pool {} rank {}: {} request(s) still held at the end of the run",
+                self.pool,
+                self.index,
+                self.seqs.len()
+            ));
+        }
+        if problems.is_empty() && !self.memory.all_free() {
+            let m = &self.memory;
+            problems.push(format!(
+                "pool {} rank {}: memory leaked: {}/{} blocks, {}/{} slots and {}/{} snapshots free",
+                self.pool,
+                self.index,
+                m.blocks.num_free(),
+                m.blocks.num_ids(),
+                m.slots.num_free(),
+                m.slots.num_ids(),
+                m.snapshots.num_free(),
+                m.snapshots.num_ids()
+            ));
+        }
+        if problems.is_empty() {
+            Ok(self.stats.clone())
+        } else {
+            Err(problems.join("\n"))
+        }
+    }
+}

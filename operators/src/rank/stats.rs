@@ -1,0 +1,39 @@
+//! Counters a rank keeps over a run, reported per pool.
+
+/// Counters of one rank.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RankStats {
+    /// Steps of the pool's clock this rank took part in.
+    pub steps: u64,
+    /// Of those, steps in which it launched nothing.
+    pub empty_steps: u64,
+    /// Steps it launched on its executor.
+    pub launched_steps: u64,
+    pub forward_tokens: u64,
+    pub preemptions: u64,
+    pub prefix_lookups: u64,
+    pub prefix_hit_blocks: u64,
+    /// Sampled tokens dropped because their sequence had moved to a newer generation
+    /// (preempted or cancelled while the step was in flight).
+    pub stale_completions: u64,
+    /// Completions for a step or sequence the rank never launched or no longer knows.
+    pub unknown_completions: u64,
+    /// Times the accounting check ran (each time the pool parked with nothing in flight, and at
+    /// the end of the run).
+    pub accounting_checks: u64,
+    /// When each step ran (`wall_ms`), for measuring step cost in steady state.
+    pub step_ms: Vec<f64>,
+    /// Sampled at every step with work: fraction of KV blocks, state slots and snapshots in use,
+    /// and the batch (sequences, tokens).
+    pub samples: UtilizationSamples,
+}
+
+/// Per-step samples of a rank's memory use and batch size.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UtilizationSamples {
+    pub kv: Vec<f32>,
+    pub slots: Vec<f32>,
+    pub snapshots: Vec<f32>,
+    pub batch_seqs: Vec<u32>,
+    pub batch_tokens: Vec<u32>,
+}

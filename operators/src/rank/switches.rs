@@ -1,0 +1,35 @@
+//! Test-only switches, each removing or breaking exactly one mechanism so a test can show that
+//! the check guarding it fails (see tests/GUARANTEES.md). All off by default; no production path
+//! sets them.
+
+/// The switches of one run.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TestSwitches {
+    /// Requests whose id is a multiple of this read their KV through a block table with its
+    /// first two entries swapped on every decode step (to show `--verify` catches a wrong read).
+    pub swap_block_table_every: Option<u64>,
+    /// Cancels request `id` through the pool's cancellation path as soon as the rank holding it
+    /// sees it in `stage` ("queued", "prefilling" or "decoding"): deterministic cancellation
+    /// points for tests.
+    pub cancel_at_stage: Vec<(u64, String)>,
+    /// `(operator, rank, step)`: that operator on that rank keeps a capability for that step
+    /// forever, to show the stall watchdog names exactly it.
+    pub hold_capability: Option<(String, usize, u64)>,
+    /// `align` plans from the reports it has instead of waiting for the frontier to pass the
+    /// step (removes the collective-alignment mechanism).
+    pub align_without_waiting: bool,
+    /// `(rank, step)`: that rank's forward sleeps (for an hour) inside step `step`, to show the
+    /// stall watchdog notices a worker stuck inside an operator.
+    pub stuck_in_forward: Option<(usize, u64)>,
+    /// When this request finishes, its rank forgets its KV blocks instead of releasing them (a
+    /// missing release), to show the accounting check catches a leak at park time and at the end
+    /// of the run.
+    pub leak_blocks_of: Option<u64>,
+}
+
+impl TestSwitches {
+    /// The step at which `operator` on `rank` must hold its capability, if any.
+    pub fn hold_at(&self, operator: &str, rank: usize) -> Option<u64> {
+        self.hold_capability.as_ref().filter(|(o, r, _)| o == operator && *r == rank).map(|(_, _, t)| *t)
+    }
+}

@@ -1,0 +1,107 @@
+//! What one step of a rank is, as the executor sees it: the launch (a borrowed view of the batch
+//! the scheduler decided, with the state copies it needs before and after the forward) and the
+//! completion that arrives later (the sampled tokens and the hash of each sampled logits row).
+//!
+//! Identity: a sequence is named by a [`SeqKey`] — its slot in the rank's slab *and* a
+//! generation that changes whenever the request starts over (admission, preemption) — so a
+//! completion for an older generation can be recognised and dropped. A decode scheduled while its
+//! previous token is still in flight names that token by (sequence, step) ([`SeqStep::deferred`])
+//! and the executor resolves it (deferred output, DESIGN §4).
+
+use kvflow_kernels::kv::{SlotId, SnapshotId};
+use std::fmt;
+
+/// A sequence of one rank in one generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqKey {
+    /// Index in the rank's slab of sequences.
+    pub index: u32,
+    /// Changes every time the request starts (again) on this rank.
+    pub generation: u32,
+}
+
+impl fmt::Display for SeqKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.index, self.generation)
+    }
+}
+
+/// A copy of recurrent state a step asks for, applied by the executor in step order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateOp {
+    /// Before the forward: a newly admitted request starts from the zero state.
+    Zero { slot: SlotId },
+    /// Before the forward: a prefix hit starts from the state kept at the prefix boundary.
+    Restore { snapshot: SnapshotId, slot: SlotId },
+    /// After the forward: keep the state at a boundary the step just reached.
+    Snapshot { slot: SlotId, snapshot: SnapshotId },
+}
+
+/// One sequence's part of a launched step.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqStep<'a> {
+    pub key: SeqKey,
+    /// Tokens fed whose values are known.
+    pub known: &'a [u32],
+    /// `Some(step)`: one more token is fed after `known`, the one this sequence sampled at `step`
+    /// and whose completion the rank has not applied yet; the executor resolves it.
+    pub deferred: Option<u64>,
+    /// Position of the first token fed.
+    pub start_pos: usize,
+    /// Blocks covering every position up to the last fed (empty for families without KV).
+    pub block_table: &'a [u32],
+    pub slot: Option<SlotId>,
+    pub prompt_len: usize,
+    /// Sample a token after the last token fed.
+    pub sample: bool,
+}
+
+impl SeqStep<'_> {
+    /// Tokens fed in this step.
+    pub fn len(&self) -> usize {
+        self.known.len() + usize::from(self.deferred.is_some())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A step as launched: the batch of `step`, with the state copies around its forward.
+#[derive(Clone, Copy, Debug)]
+pub struct StepLaunch<'a> {
+    pub step: u64,
+    pub before: &'a [StateOp],
+    pub seqs: &'a [SeqStep<'a>],
+    pub after: &'a [StateOp],
+    /// The newest step whose completion the rank has applied: tokens sampled at or before it are
+    /// known to the rank and never named by a later launch.
+    pub applied_through: Option<u64>,
+}
+
+/// A token a step sampled for a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sampled {
+    pub seq: SeqKey,
+    pub token: u32,
+    /// `kvflow_kernels::hash::logits_row` of the logits row it was sampled from.
+    pub logits_hash: u64,
+}
+
+/// Why a step could not complete.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ExecutorError {
+    #[error("sequence {seq} names the token it sampled at step {step}, which this executor does not hold")]
+    UnresolvedToken { seq: SeqKey, step: u64 },
+    #[error("the executor stopped: {0}")]
+    Stopped(String),
+    #[error("{0}")]
+    Launch(String),
+}
+
+/// What a launched step produced, once it completed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepCompletion {
+    pub step: u64,
+    pub result: Result<Vec<Sampled>, ExecutorError>,
+}

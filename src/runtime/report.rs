@@ -1,0 +1,101 @@
+//! The run's `report.json`: every top-level field is the run's total over all its pools (a
+//! request counts once, when it ends), and `"pools": {NAME: {...}}` holds the same figures per
+//! pool beside what only a pool has (its ranks, executor, memory layout, steps, utilization).
+
+use crate::graph::Graph;
+use crate::report::{summarize, RequestRecord, Slo, VerifySummary};
+use kvflow_kernels::models::Model;
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::rank::{RankStats, UtilizationSamples};
+use serde_json::{json, Map, Value};
+use std::time::Duration;
+
+/// What the report says about the run beyond its requests.
+pub struct RunContext<'a> {
+    pub graph: &'a Graph,
+    pub model: &'a Model,
+    pub note: Option<String>,
+    pub interrupted: bool,
+    /// When the interrupt was noticed (ms since the run started).
+    pub interrupted_ms: Option<f64>,
+    pub grace: Duration,
+    pub wall_s: f64,
+    /// Per pool run: name, ranks, memory layout, executor.
+    pub pools: &'a [(String, usize, MemoryLayout, String)],
+    /// Per pool: the counters of its ranks in this process.
+    pub stats: &'a [(String, Vec<RankStats>)],
+    /// What the accounting checks found (empty when all is well).
+    pub accounting: &'a [String],
+}
+
+fn memory(layout: &MemoryLayout) -> Value {
+    json!({"blocks_per_rank": layout.blocks, "block_size": layout.block_size, "slots_per_rank": layout.slots, "snapshots_per_rank": layout.snapshots})
+}
+
+/// Per-rank counters and utilization of some ranks (one pool's, or all).
+fn rank_figures(stats: &[&RankStats]) -> Map<String, Value> {
+    let mut m = Map::new();
+    m.insert("utilization".into(), utilization(stats));
+    m.insert("steps".into(), json!(stats.iter().map(|s| s.steps).collect::<Vec<_>>()));
+    m.insert("empty_steps".into(), json!(stats.iter().map(|s| s.empty_steps).collect::<Vec<_>>()));
+    m.insert("launched_steps".into(), json!(stats.iter().map(|s| s.launched_steps).collect::<Vec<_>>()));
+    m.insert("stale_completions".into(), json!(stats.iter().map(|s| s.stale_completions).sum::<u64>()));
+    m.insert("unknown_completions".into(), json!(stats.iter().map(|s| s.unknown_completions).sum::<u64>()));
+    m.insert("accounting_checks".into(), json!(stats.iter().map(|s| s.accounting_checks).collect::<Vec<_>>()));
+    m
+}
+
+/// The whole report.
+pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, ctx: &RunContext) -> Value {
+    let g = ctx.graph;
+    let all_stats: Vec<&RankStats> = ctx.stats.iter().flat_map(|(_, s)| s.iter()).collect();
+    let layouts: Vec<MemoryLayout> = ctx.pools.iter().map(|p| p.2).collect();
+    let mut extra = json!({
+        "pool": ctx.pools.iter().map(|p| p.0.as_str()).collect::<Vec<_>>().join(","),
+        "ranks": ctx.pools.iter().map(|p| p.1).sum::<usize>(),
+        "model": g.model.display().to_string(),
+        "family": ctx.model.family.to_string(),
+        "trace": g.workload.trace.as_ref().map(|t| t.display().to_string()),
+        "mode": g.workload.mode.name(),
+        "note": ctx.note,
+        "interrupted": ctx.interrupted,
+        "interrupted_ms": ctx.interrupted_ms,
+        "grace_s": ctx.grace.as_secs_f64(),
+        "wall_s": ctx.wall_s,
+        // One layout when every pool shares it; per pool under "pools" otherwise.
+        "memory": if layouts.windows(2).all(|w| w[0] == w[1]) { layouts.first().map(memory) } else { None },
+        "accounting_errors": ctx.accounting,
+    });
+    let top = extra.as_object_mut().expect("an object");
+    top.extend(rank_figures(&all_stats));
+    let mut pools = Map::new();
+    for (name, ranks, layout, executor) in ctx.pools {
+        let mine: Vec<&RequestRecord> = records.iter().filter(|r| &r.pool == name).collect();
+        let stats: Vec<&RankStats> = ctx.stats.iter().filter(|(n, _)| n == name).flat_map(|(_, s)| s.iter()).collect();
+        let mut figures = json!({"ranks": ranks, "executor": executor, "memory": memory(layout)});
+        figures.as_object_mut().expect("an object").extend(rank_figures(&stats));
+        pools.insert(name.clone(), summarize(&mine, slo, &verify.restricted_to(&mine), figures));
+    }
+    top.insert("pools".into(), Value::Object(pools));
+    summarize(&records.iter().collect::<Vec<_>>(), slo, verify, extra)
+}
+
+/// KV, slot and snapshot utilization and batch size over the run: the per-step samples of the
+/// given ranks pooled together.
+fn utilization(stats: &[&RankStats]) -> Value {
+    let pooled = |f: &dyn Fn(&UtilizationSamples) -> Vec<f64>| -> Value {
+        let all: Vec<f64> = stats.iter().flat_map(|s| f(&s.samples)).collect();
+        let mut v = crate::report::summary(&all);
+        v["max"] = json!(all.iter().copied().fold(0.0f64, f64::max));
+        v
+    };
+    json!({
+        "ranks_sampled": stats.len(),
+        "steps_sampled": stats.iter().map(|s| s.samples.kv.len()).sum::<usize>(),
+        "kv": pooled(&|s| s.kv.iter().map(|&x| x as f64).collect()),
+        "slots": pooled(&|s| s.slots.iter().map(|&x| x as f64).collect()),
+        "snapshots": pooled(&|s| s.snapshots.iter().map(|&x| x as f64).collect()),
+        "batch_seqs": pooled(&|s| s.batch_seqs.iter().map(|&x| x as f64).collect()),
+        "batch_tokens": pooled(&|s| s.batch_tokens.iter().map(|&x| x as f64).collect()),
+    })
+}
