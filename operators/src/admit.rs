@@ -29,6 +29,7 @@ use timely::dataflow::operators::generic::OutputBuilder;
 use timely::dataflow::operators::vec::Broadcast;
 use timely::dataflow::operators::Capability;
 use timely::dataflow::StreamVec;
+use timely::progress::Antichain;
 
 /// Where the workload driver hands requests (and cancellations) to a pool.
 #[derive(Default)]
@@ -108,8 +109,10 @@ pub fn admit<'scope>(
     let mut builder = OperatorBuilder::new("admit".to_string(), scope);
     let info = builder.operator_info();
     let mut signals = builder.new_input(feedback, Pipeline);
-    let mut woken = builder.new_input(wake_loop, Pipeline);
-    let (output, wakes) = builder.new_output();
+    // The wake loop only tells this operator to let go of a capability: no connection to its
+    // output, so the loop adds nothing to what holds the pool's steps back.
+    let mut woken = builder.new_input_connection(wake_loop, Pipeline, []);
+    let (output, wakes) = builder.new_output_connection([(0, Antichain::from_elem(Default::default()))]);
     let mut output = OutputBuilder::<_, timely::container::CapacityContainerBuilder<Vec<u64>>>::from(output);
     waker.set_activator(scope.worker().sync_activator_for(info.address.to_vec()));
     if let Some(ingress) = &ingress {

@@ -76,6 +76,22 @@ pub enum LoopSignal {
     Ended,
 }
 
+/// When a request's output tokens became known (`wall_ms`): the first and the last (TTFT, TPOT
+/// and end-to-end latency follow from them and the token count).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenTimes {
+    pub first: Option<f64>,
+    pub last: Option<f64>,
+}
+
+impl TokenTimes {
+    /// A token became known at `now`.
+    pub fn record(&mut self, now: f64) {
+        self.first.get_or_insert(now);
+        self.last = Some(now);
+    }
+}
+
 /// Milliseconds since the Unix epoch: the clock every process of a run shares (the driver stamps
 /// releases with it, ranks stamp tokens with it), so latencies hold across processes of a host.
 pub fn wall_ms() -> f64 {
@@ -91,8 +107,7 @@ pub enum Event {
         id: u64,
         rank: usize,
         tokens: Vec<u32>,
-        /// When each token was sampled (`wall_ms`).
-        token_ms: Vec<f64>,
+        token_times: TokenTimes,
         /// When its first chunk ran (queueing ended).
         started_ms: f64,
         /// Prompt tokens reused from the prefix cache at its first admission.
@@ -107,7 +122,7 @@ pub enum Event {
         cause: String,
         message: String,
         tokens: Vec<u32>,
-        token_ms: Vec<f64>,
+        token_times: TokenTimes,
         started_ms: Option<f64>,
     },
 }

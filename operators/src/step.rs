@@ -67,16 +67,45 @@ impl SeqStep<'_> {
     }
 }
 
+/// Where a launch's sequences come from: the rank's own state, read in place (a launch copies
+/// nothing unless its executor does).
+pub trait SeqSource {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The `i`-th sequence of the step (`i < len()`).
+    fn get(&self, i: usize) -> SeqStep<'_>;
+}
+
 /// A step as launched: the batch of `step`, with the state copies around its forward.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy)]
 pub struct StepLaunch<'a> {
     pub step: u64,
     pub before: &'a [StateOp],
-    pub seqs: &'a [SeqStep<'a>],
     pub after: &'a [StateOp],
     /// The newest step whose completion the rank has applied: tokens sampled at or before it are
     /// known to the rank and never named by a later launch.
     pub applied_through: Option<u64>,
+    pub batch: &'a dyn SeqSource,
+}
+
+impl<'a> StepLaunch<'a> {
+    /// The step's sequences, in batch order.
+    pub fn seqs(&self) -> impl Iterator<Item = SeqStep<'a>> + 'a {
+        let batch = self.batch;
+        (0..batch.len()).map(move |i| batch.get(i))
+    }
+}
+
+impl SeqSource for [SeqStep<'_>] {
+    fn len(&self) -> usize {
+        <[SeqStep]>::len(self)
+    }
+
+    fn get(&self, i: usize) -> SeqStep<'_> {
+        self[i]
+    }
 }
 
 /// A token a step sampled for a sequence.

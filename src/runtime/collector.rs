@@ -79,28 +79,30 @@ impl Collector {
             r.pools.push(pool.to_string());
         }
         r.ended_ms = Some(wall_ms() - start);
-        let (tokens, token_ms, started_ms) = match event {
-            Event::Finished { rank, tokens, token_ms, started_ms, cached_tokens, logits_hash, preemptions, .. } => {
+        let (tokens, times, started_ms) = match event {
+            Event::Finished {
+                rank, tokens, token_times, started_ms, cached_tokens, logits_hash, preemptions, ..
+            } => {
                 r.rank = Some(rank);
                 r.cached_tokens = cached_tokens;
                 r.logits_hash = logits_hash;
                 r.preemptions = preemptions;
-                r.done_ms = token_ms.last().map(|t| t - start);
-                (tokens, token_ms, Some(started_ms))
+                r.done_ms = token_times.last.map(|t| t - start);
+                (tokens, token_times, Some(started_ms))
             }
-            Event::Failed { rank, cause, message, tokens, token_ms, started_ms, .. } => {
+            Event::Failed { rank, cause, message, tokens, token_times, started_ms, .. } => {
                 r.rank = (rank != usize::MAX).then_some(rank);
                 r.error = Some(message);
                 r.failure = Some(cause);
-                (tokens, token_ms, started_ms)
+                (tokens, token_times, started_ms)
             }
         };
         let arrival = r.arrival_ms;
         r.queue_ms = started_ms.map(|s| s - start - arrival);
-        r.ttft_ms = token_ms.first().map(|f| f - start - arrival);
-        r.e2e_ms = token_ms.last().map(|l| l - start - arrival);
-        r.tpot_ms = match (token_ms.first(), token_ms.last()) {
-            (Some(f), Some(l)) if token_ms.len() > 1 => Some((l - f) / (token_ms.len() - 1) as f64),
+        r.ttft_ms = times.first.map(|f| f - start - arrival);
+        r.e2e_ms = times.last.map(|l| l - start - arrival);
+        r.tpot_ms = match (times.first, times.last) {
+            (Some(f), Some(l)) if tokens.len() > 1 => Some((l - f) / (tokens.len() - 1) as f64),
             _ => None,
         };
         self.tokens += tokens.len() as u64;
@@ -136,7 +138,7 @@ impl Collector {
                 cause: cause.into(),
                 message: message.into(),
                 tokens: Vec::new(),
-                token_ms: Vec::new(),
+                token_times: Default::default(),
                 started_ms: None,
             };
             self.apply(pool, event);

@@ -44,11 +44,9 @@ pub struct OwnedStep {
 
 impl OwnedStep {
     pub fn copy_of(launch: &StepLaunch<'_>) -> Self {
-        let mut tokens = Vec::with_capacity(launch.seqs.iter().map(|s| s.len()).sum());
-        let mut tables = Vec::with_capacity(launch.seqs.iter().map(|s| s.block_table.len()).sum());
+        let (mut tokens, mut tables) = (Vec::new(), Vec::new());
         let seqs = launch
-            .seqs
-            .iter()
+            .seqs()
             .map(|s| {
                 let t0 = tokens.len();
                 tokens.extend_from_slice(s.known);
@@ -205,12 +203,13 @@ impl CpuStepRunner {
 pub struct CpuExecutor {
     runner: CpuStepRunner,
     gate: CompletionGate,
-    launch: u64,
+    /// When the step whose phases are running completes (a launch count).
+    due: u64,
 }
 
 impl CpuExecutor {
     pub fn new(runner: CpuStepRunner, delay: Delay) -> Self {
-        CpuExecutor { runner, gate: CompletionGate::new(delay), launch: 0 }
+        CpuExecutor { runner, gate: CompletionGate::new(delay), due: 0 }
     }
 }
 
@@ -221,11 +220,11 @@ impl Executor for CpuExecutor {
 
     fn launch(&mut self, step: &StepLaunch<'_>, phase: usize) {
         let owned = (phase == 0).then(|| {
-            self.launch = self.gate.launched();
+            self.due = self.gate.launched();
             OwnedStep::copy_of(step)
         });
         if let Some(done) = self.runner.run_phase(phase, owned) {
-            self.gate.hold(self.launch, done);
+            self.gate.hold(self.due, done);
         }
     }
 

@@ -1,8 +1,12 @@
-//! `cpu-deferred`: the CPU reference math on a thread of its own, completing each step after the
-//! rank's next `delay_steps` launches (plus seeded jitter), or — once the rank has nothing more to
-//! launch and flushes — as soon as it is computed, waking the rank's pool if it is parked. It
-//! exercises everything an asynchronous executor (a GPU stream) asks of the runtime: the rank
-//! schedules step t+1 before step t's tokens are known and names them by (sequence, step).
+//! `cpu-deferred`: the CPU reference math on a thread of its own. The rank launches and moves
+//! on; the thread computes each step while the rank schedules and launches the next ones. A step
+//! completes after the rank's next `delay_steps` launches (plus seeded jitter): at that launch
+//! the step's completion is handed over, waiting for the thread if it is still computing (the
+//! device being the bottleneck bounds how far the rank runs ahead, as a GPU stream's would). Once
+//! the rank has nothing more to launch and flushes, each completion is handed over as soon as it
+//! is computed, and the thread wakes the rank's pool if it is parked. It exercises everything an
+//! asynchronous executor asks of the runtime: the rank schedules step t+1 before step t's tokens
+//! are known and names them by (sequence, step).
 
 use super::cpu::{CpuStepRunner, OwnedStep};
 use super::gate::{CompletionGate, Delay};
@@ -10,20 +14,26 @@ use super::{Executor, ExecutorContext};
 use crate::step::{ExecutorError, StepCompletion, StepLaunch};
 use crate::wake::RankWaker;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 
-enum Job {
-    Phase { phase: usize, step: Option<OwnedStep> },
-    Flush,
+struct Job {
+    phase: usize,
+    step: Option<OwnedStep>,
 }
 
 pub struct DeferredExecutor {
     jobs: Option<Sender<Job>>,
     done: Receiver<StepCompletion>,
     phases: usize,
-    /// Steps launched whose completion has not been polled, oldest first.
-    outstanding: VecDeque<u64>,
+    gate: CompletionGate,
+    /// Steps launched whose completion the thread has not handed back: (step, due launch count).
+    computing: VecDeque<(u64, u64)>,
+    /// The rank has nothing more to launch: hand every completion over as soon as it arrives.
+    flushing: bool,
+    /// Whether the thread wakes the rank after each completion (while flushing).
+    wake_on_completion: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -37,50 +47,70 @@ impl DeferredExecutor {
         let (jobs, inbox) = mpsc::channel::<Job>();
         let (outbox, done) = mpsc::channel();
         let phases = runner.phases();
+        let wake_on_completion = Arc::new(AtomicBool::new(false));
+        let thread_flushing = wake_on_completion.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvflow-{}-rank{}-executor", ctx.pool, ctx.rank))
-            .spawn(move || run(runner, CompletionGate::new(delay), inbox, outbox, waker))
+            .spawn(move || run(runner, inbox, outbox, thread_flushing, waker))
             .map_err(|e| format!("cannot start the executor thread: {e}"))?;
-        Ok(DeferredExecutor { jobs: Some(jobs), done, phases, outstanding: VecDeque::new(), thread: Some(thread) })
+        Ok(DeferredExecutor {
+            jobs: Some(jobs),
+            done,
+            phases,
+            gate: CompletionGate::new(delay),
+            computing: VecDeque::new(),
+            flushing: false,
+            wake_on_completion,
+            thread: Some(thread),
+        })
     }
 
-    fn send(&mut self, job: Job) {
-        // A send fails only when the thread is gone; `poll` reports its steps as failed then.
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(job);
+    /// Moves a completion from the thread into the gate.
+    fn receive(&mut self, c: StepCompletion) {
+        match self.computing.iter().position(|&(s, _)| s == c.step) {
+            Some(i) => {
+                let (_, due) = self.computing.remove(i).expect("found");
+                self.gate.hold(due, c);
+            }
+            None => tracing::error!(step = c.step, "the executor thread completed a step it was not given"),
+        }
+    }
+
+    /// The thread is gone: every step it held fails, once.
+    fn thread_gone(&mut self) {
+        for (step, due) in std::mem::take(&mut self.computing) {
+            let result = Err(ExecutorError::Stopped("the executor thread ended".into()));
+            self.gate.hold(due, StepCompletion { step, result });
+        }
+    }
+
+    /// Waits for the thread to hand back every step due by now.
+    fn wait_for_due(&mut self) {
+        while let Some(&(_, due)) = self.computing.front() {
+            if due > self.gate.launches() {
+                return;
+            }
+            match self.done.recv() {
+                Ok(c) => self.receive(c),
+                Err(_) => return self.thread_gone(),
+            }
         }
     }
 }
 
 fn run(
     mut runner: CpuStepRunner,
-    mut gate: CompletionGate,
     inbox: Receiver<Job>,
     outbox: Sender<StepCompletion>,
+    flushing: Arc<AtomicBool>,
     waker: Arc<RankWaker>,
 ) {
-    let mut launch = 0;
-    let mut ready = Vec::new();
     for job in inbox {
-        match job {
-            Job::Phase { phase, step } => {
-                if phase == 0 {
-                    launch = gate.launched();
-                }
-                if let Some(done) = runner.run_phase(phase, step) {
-                    gate.hold(launch, done);
-                }
+        if let Some(done) = runner.run_phase(job.phase, job.step) {
+            if outbox.send(done).is_err() {
+                return; // the rank is gone
             }
-            Job::Flush => gate.flush(),
-        }
-        let flushing = gate.is_flushing();
-        if gate.release(&mut ready) > 0 {
-            for c in ready.drain(..) {
-                if outbox.send(c).is_err() {
-                    return; // the rank is gone
-                }
-            }
-            if flushing {
+            if flushing.load(Ordering::SeqCst) {
                 waker.wake();
             }
         }
@@ -93,35 +123,47 @@ impl Executor for DeferredExecutor {
     }
 
     fn launch(&mut self, step: &StepLaunch<'_>, phase: usize) {
+        self.flushing = false;
+        self.wake_on_completion.store(false, Ordering::SeqCst);
         let owned = (phase == 0).then(|| {
-            self.outstanding.push_back(step.step);
+            let due = self.gate.launched();
+            self.computing.push_back((step.step, due));
             OwnedStep::copy_of(step)
         });
-        self.send(Job::Phase { phase, step: owned });
+        // A send fails only when the thread is gone; its steps fail then.
+        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(Job { phase, step: owned }).is_ok());
+        if !sent {
+            return self.thread_gone();
+        }
+        if phase + 1 == self.phases {
+            self.wait_for_due();
+        }
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {
         loop {
             match self.done.try_recv() {
-                Ok(c) => {
-                    self.outstanding.retain(|&s| s != c.step);
-                    out.push(c);
-                }
-                Err(TryRecvError::Empty) => return,
+                Ok(c) => self.receive(c),
+                Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
-                    // The thread ended (it panicked): every step it held fails, once.
-                    for step in self.outstanding.drain(..) {
-                        let result = Err(ExecutorError::Stopped("the executor thread ended".into()));
-                        out.push(StepCompletion { step, result });
-                    }
-                    return;
+                    self.thread_gone();
+                    break;
                 }
             }
+        }
+        if self.flushing {
+            self.gate.flush();
+        }
+        self.gate.release(out);
+        if self.flushing && self.computing.is_empty() && self.gate.is_empty() {
+            self.flushing = false;
+            self.wake_on_completion.store(false, Ordering::SeqCst);
         }
     }
 
     fn flush(&mut self) {
-        self.send(Job::Flush);
+        self.flushing = true;
+        self.wake_on_completion.store(true, Ordering::SeqCst);
     }
 }
 

@@ -1,6 +1,7 @@
 //! When a computed step may complete: after the rank's next `steps` launches (plus a seeded
 //! jitter of up to `jitter_steps`), or at once while the rank is flushing (it has nothing more
-//! to launch). Completions keep their launch order whatever the jitter.
+//! to launch). Completions keep their launch order whatever the jitter. Each launch is told, when
+//! it is made, the launch count at which it completes ([`CompletionGate::launched`]).
 
 use crate::step::StepCompletion;
 use kvflow_kernels::hash;
@@ -50,16 +51,21 @@ impl CompletionGate {
         CompletionGate { delay, ..Default::default() }
     }
 
-    /// A step was launched; returns its launch number.
+    /// A step was launched; returns the launch count at which it completes.
     pub fn launched(&mut self) -> u64 {
         self.launches += 1;
+        let at = (self.launches + self.delay.draw(self.launches)).max(self.last_release);
+        self.last_release = at;
+        at
+    }
+
+    /// Launches so far.
+    pub fn launches(&self) -> u64 {
         self.launches
     }
 
-    /// Holds the completion of the step launched `launch`-th.
-    pub fn hold(&mut self, launch: u64, completion: StepCompletion) {
-        let at = (launch + self.delay.draw(launch)).max(self.last_release);
-        self.last_release = at;
+    /// Holds a computed completion until launch count `at` (from [`Self::launched`]).
+    pub fn hold(&mut self, at: u64, completion: StepCompletion) {
         self.held.push_back((at, completion));
     }
 
@@ -109,11 +115,11 @@ mod tests {
     fn a_step_completes_after_the_next_delay_launches_or_at_a_flush() {
         let mut gate = CompletionGate::new(Delay { steps: 1, ..Default::default() });
         let mut out = Vec::new();
-        let l = gate.launched();
-        gate.hold(l, done(10));
+        let at = gate.launched();
+        gate.hold(at, done(10));
         assert_eq!(gate.release(&mut out), 0, "held until the next launch");
-        let l = gate.launched();
-        gate.hold(l, done(11));
+        let at = gate.launched();
+        gate.hold(at, done(11));
         gate.release(&mut out);
         assert_eq!(steps(&out), vec![10]);
         gate.flush();
@@ -128,8 +134,8 @@ mod tests {
             let mut gate = CompletionGate::new(Delay { steps: 1, jitter_steps: 3, seed });
             let mut order = Vec::new();
             for step in 0..40 {
-                let l = gate.launched();
-                gate.hold(l, done(step));
+                let at = gate.launched();
+                gate.hold(at, done(step));
                 let mut out = Vec::new();
                 gate.release(&mut out);
                 order.extend(out.iter().map(|c| (c.step, step)));

@@ -24,14 +24,13 @@ impl Executor for NullExecutor {
     }
 
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
-        let launch = self.gate.launched();
+        let due = self.gate.launched();
         let sampled = step
-            .seqs
-            .iter()
+            .seqs()
             .filter(|s| s.sample)
             .map(|s| Sampled { seq: s.key, token: 0, logits_hash: self.zero_row })
             .collect();
-        self.gate.hold(launch, StepCompletion { step: step.step, result: Ok(sampled) });
+        self.gate.hold(due, StepCompletion { step: step.step, result: Ok(sampled) });
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {

@@ -3,19 +3,19 @@
 //! The bytes themselves live in the executor's caches; this side only says who holds what.
 //!
 //! Pinning (DESIGN §2, "records own what they read"): a sequence that lets go of its memory
-//! (finished, preempted, cancelled) while steps that read or write it are still in flight hands
-//! its blocks and slot to those steps: they stay allocated until the last such step completes, so
-//! no later step's preemption, eviction or slot reuse can touch them. A prefix hit's snapshot is
-//! pinned by the step that restores it. Every id carries a generation (see `IdPool`).
+//! (finished, preempted, cancelled) while a step that read or wrote it is still in flight hands
+//! its blocks and slot to that step: they stay allocated until the step completes (and every
+//! step before it: they complete in launch order), so no later step's preemption, eviction or
+//! slot reuse can touch them. A prefix hit's snapshot is pinned by the step that restores it.
+//! Every id carries a generation (see `IdPool`).
 //!
 //! Accounting is exact: [`RankMemory::audit`] checks that every held reference belongs to a live
 //! request, a pinned in-flight step or the prefix cache, naming the request and block otherwise.
 
 use super::prefix_cache::{block_hashes, PrefixCache};
 use super::sequence::{Sequence, Sequences};
-use crate::step::SeqKey;
 use kvflow_kernels::kv::{block_pool, BlockId, BlockPool, IdPool, SlotId, SnapshotId};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// Sizes a rank's memory is split into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,12 +30,11 @@ pub struct MemoryLayout {
     pub prefix_keyed_by_prompt_len: bool,
 }
 
-/// What a request let go of while steps that read it were in flight.
+/// What a request let go of while a step that read it was in flight.
 #[derive(Debug)]
 struct Pinned {
     blocks: Vec<BlockId>,
     slot: Option<SlotId>,
-    steps_left: u32,
 }
 
 pub struct RankMemory {
@@ -44,8 +43,10 @@ pub struct RankMemory {
     pub slots: IdPool,
     pub snapshots: IdPool,
     pub prefix: PrefixCache,
-    /// By the generation of the sequence that let go.
-    pinned: HashMap<SeqKey, Pinned>,
+    /// By the step that must complete before the memory returns.
+    pinned: BTreeMap<u64, Vec<Pinned>>,
+    /// The oldest step in flight (the rank keeps it current).
+    in_flight_from: Option<u64>,
 }
 
 impl RankMemory {
@@ -55,7 +56,8 @@ impl RankMemory {
             slots: IdPool::new("state slots", layout.slots),
             snapshots: IdPool::new("state snapshots", layout.snapshots),
             prefix: PrefixCache::new(layout.keeps_kv, layout.keeps_state),
-            pinned: HashMap::new(),
+            pinned: BTreeMap::new(),
+            in_flight_from: None,
             layout,
         }
     }
@@ -89,22 +91,21 @@ impl RankMemory {
         seq.blocks.grow_to(tokens, self.layout.block_size, &mut self.blocks, seq.id).is_ok()
     }
 
-    /// Returns everything a sequence holds — or hands it to its steps in flight, which return it
-    /// when the last of them completes — and resets it to start from scratch. The caller gives
-    /// the sequence a new generation if it stays.
+    /// Returns everything a sequence holds — or, while the last step that fed it is in flight,
+    /// hands it to that step, which returns it when it completes — and resets it to start from
+    /// scratch. The caller gives the sequence a new generation if it stays.
     pub fn release(&mut self, seq: &mut Sequence) {
         let blocks = seq.blocks.take();
         let slot = seq.slot.take();
-        if seq.in_flight_steps > 0 {
-            let pin = Pinned { blocks, slot, steps_left: seq.in_flight_steps };
-            self.pinned.insert(seq.key, pin);
-        } else {
-            self.free(blocks, slot);
+        match seq.take_last_launched() {
+            Some(last) if self.in_flight_from.is_some_and(|oldest| last >= oldest) => {
+                self.pinned.entry(last).or_default().push(Pinned { blocks, slot });
+            }
+            _ => self.free(blocks, slot),
         }
         seq.computed = 0;
         seq.cached = 0;
         seq.pending.clear();
-        seq.in_flight_steps = 0;
     }
 
     fn free(&mut self, blocks: Vec<BlockId>, slot: Option<SlotId>) {
@@ -116,21 +117,23 @@ impl RankMemory {
         }
     }
 
-    /// A step that read the memory of `key` completed, and `key` is no longer a live sequence.
-    /// Returns whether `key` had pinned memory (else the step named an unknown sequence).
-    pub fn step_done(&mut self, key: SeqKey) -> bool {
-        let Some(pin) = self.pinned.get_mut(&key) else { return false };
-        pin.steps_left -= 1;
-        if pin.steps_left == 0 {
-            let pin = self.pinned.remove(&key).expect("present");
-            self.free(pin.blocks, pin.slot);
+    /// The oldest step now in flight (`None`: nothing is): memory pinned by steps before it
+    /// returns to the pools.
+    pub fn steps_in_flight_from(&mut self, oldest: Option<u64>) {
+        self.in_flight_from = oldest;
+        while let Some(entry) = self.pinned.first_entry() {
+            if oldest.is_some_and(|o| *entry.key() >= o) {
+                break;
+            }
+            for pin in entry.remove() {
+                self.free(pin.blocks, pin.slot);
+            }
         }
-        true
     }
 
-    /// Requests whose memory in-flight steps still pin.
+    /// Requests whose memory steps in flight still pin.
     pub fn num_pinned(&self) -> usize {
-        self.pinned.len()
+        self.pinned.values().map(Vec::len).sum()
     }
 
     /// Whether every block, slot and snapshot is free (after the prefix cache was cleared).
@@ -156,7 +159,7 @@ impl RankMemory {
             seq.blocks.blocks().iter().for_each(|&b| *blocks.entry(b).or_default() += 1);
             seq.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
         }
-        for pin in self.pinned.values() {
+        for pin in self.pinned.values().flatten() {
             pin.blocks.iter().for_each(|&b| *blocks.entry(b).or_default() += 1);
             pin.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
         }
@@ -219,18 +222,33 @@ mod tests {
         let seq = seqs.get_mut(i);
         assert!(mem.ensure_blocks(seq, 8));
         seq.slot = Some(mem.slots.allocate_for(5).unwrap());
-        seq.in_flight_steps = 2;
-        let key = seq.key;
-        mem.release(seq); // preempted with two steps in flight
+        seq.launched_at(11);
+        mem.steps_in_flight_from(Some(10)); // steps 10 and 11 are in flight
+        mem.release(seq); // preempted while step 11 reads it
         seqs.renew(i);
-        assert_eq!(mem.blocks.num_free(), 2, "the in-flight steps still pin its two blocks");
+        assert_eq!(mem.blocks.num_free(), 2, "the in-flight step still pins its two blocks");
         assert_eq!(mem.slots.num_free(), 1, "and its slot");
+        assert_eq!(mem.blocks.allocate().unwrap(), 2, "a new allocation cannot get them");
+        mem.blocks.release(2);
         assert!(mem.audit(&seqs, &[]).is_empty(), "pinned memory is accounted for");
-        assert!(mem.step_done(key));
+        mem.steps_in_flight_from(Some(11)); // step 10 completed
         assert_eq!(mem.blocks.num_free(), 2);
-        assert!(mem.step_done(key));
-        assert!(mem.all_free(), "the last step returned everything");
-        assert!(!mem.step_done(key), "nothing is left under that generation");
+        mem.steps_in_flight_from(None); // step 11 completed
+        assert!(mem.all_free(), "the step returned everything");
+        assert_eq!(mem.num_pinned(), 0);
+    }
+
+    #[test]
+    fn memory_whose_last_step_completed_returns_at_once() {
+        let mut mem = memory();
+        let mut seqs = Sequences::default();
+        let i = seqs.insert(Sequence::new(5, vec![1; 8], 4, false));
+        let seq = seqs.get_mut(i);
+        assert!(mem.ensure_blocks(seq, 8));
+        seq.launched_at(3);
+        mem.steps_in_flight_from(Some(4));
+        mem.release(seq);
+        assert!(mem.all_free());
     }
 
     #[test]

@@ -35,10 +35,16 @@ pub struct SchedulerConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
     pub seq: usize,
+    /// The sequence's generation when the chunk was decided.
+    pub key: crate::step::SeqKey,
     pub start: usize,
     pub len: usize,
     /// Sample a token after this chunk.
     pub sample: bool,
+    /// The chunk's last token is still in flight: the one the sequence samples at this step.
+    pub deferred: Option<u64>,
+    /// The chunk feeds prompt tokens (prefix blocks and snapshots may follow from it).
+    pub prefill: bool,
 }
 
 /// What `schedule` decided, beyond the chunks.
@@ -117,8 +123,10 @@ impl Scheduler {
         &self.running
     }
 
-    /// Decides this step's batch, allocating the memory it needs.
-    pub fn schedule(&mut self, seqs: &mut Sequences, mem: &mut RankMemory) -> StepDecision {
+    /// Decides the batch of step `t`, allocating the memory it needs, and books every chunk as
+    /// launched at `t` (the step is always launched as decided): its tokens count as computed,
+    /// a token it samples as in flight.
+    pub fn schedule(&mut self, seqs: &mut Sequences, mem: &mut RankMemory, t: u64) -> StepDecision {
         let mut out = StepDecision { chunks: Vec::with_capacity(self.running.len() + 8), ..Default::default() };
         let mut budget = self.config.max_batched_tokens;
         let bs = mem.layout.block_size;
@@ -143,7 +151,7 @@ impl Scheduler {
                     }
                 };
                 i += 1;
-                let seq = seqs.get(index);
+                let seq = seqs.get_mut(index);
                 let remaining = seq.remaining();
                 if decodes && remaining != 1 {
                     if remaining > 1 {
@@ -153,8 +161,7 @@ impl Scheduler {
                 }
                 // The common case: a decode whose next token fits in the blocks it holds.
                 if remaining == 1 && (!mem.layout.keeps_kv || seq.computed < seq.blocks.len() * bs) {
-                    let sample = seq.computed + 1 == seq.known_len();
-                    out.chunks.push(Chunk { seq: index, start: seq.computed, len: 1, sample });
+                    book(&mut out, index, seq, 1, t);
                     budget -= 1;
                     continue;
                 }
@@ -162,12 +169,7 @@ impl Scheduler {
                 loop {
                     let seq = seqs.get_mut(index);
                     if mem.ensure_blocks(seq, seq.computed + len) {
-                        out.chunks.push(Chunk {
-                            seq: index,
-                            start: seq.computed,
-                            len,
-                            sample: seq.computed + len == seq.known_len(),
-                        });
+                        book(&mut out, index, seq, len, t);
                         budget -= len;
                         break;
                     }
@@ -225,12 +227,7 @@ impl Scheduler {
             }
             out.restoring.extend(snapshot);
             out.admitted.push((seq.id, seq.cached));
-            out.chunks.push(Chunk {
-                seq: index,
-                start: seq.computed,
-                len,
-                sample: seq.computed + len == seq.known_len(),
-            });
+            book(&mut out, index, seq, len, t);
             budget -= len;
             self.waiting.pop_front();
             self.running.push(index);
@@ -275,6 +272,20 @@ impl Scheduler {
         let freed = out.chunks.iter().filter(|c| c.seq == index).map(|c| c.len).sum();
         out.chunks.retain(|c| c.seq != index);
         freed
+    }
+}
+
+/// Adds `seq`'s chunk of `len` tokens to the step and books it as launched at `t`.
+fn book(out: &mut StepDecision, index: usize, seq: &mut Sequence, len: usize, t: u64) {
+    let (start, end) = (seq.computed, seq.computed + len);
+    let sample = end == seq.known_len();
+    let deferred = if end > seq.tokens.len() { seq.pending_step(end - 1) } else { None };
+    let prefill = start < seq.prompt_len;
+    out.chunks.push(Chunk { seq: index, key: seq.key, start, len, sample, deferred, prefill });
+    seq.computed = end;
+    seq.launched_at(t);
+    if sample {
+        seq.pending.push(t);
     }
 }
 
@@ -357,15 +368,19 @@ mod policy_tests {
         index
     }
 
-    /// Pretends the step ran and completed: advances `computed` and samples token 7 where asked.
-    fn run(decision: &StepDecision, seqs: &mut Sequences) {
+    /// Pretends step `t` (booked by `schedule`) completed: token 7 arrives where it sampled.
+    fn run(decision: &StepDecision, seqs: &mut Sequences, t: u64) {
         for c in &decision.chunks {
             let s = seqs.get_mut(c.seq);
-            s.computed += c.len;
             if c.sample {
+                assert!(s.pending.pop(t));
                 s.tokens.push(7);
             }
         }
+    }
+
+    fn chunk(seqs: &Sequences, seq: usize, start: usize, len: usize, sample: bool, prefill: bool) -> Chunk {
+        Chunk { seq, key: seqs.get(seq).key, start, len, sample, deferred: None, prefill }
     }
 
     #[test]
@@ -373,13 +388,10 @@ mod policy_tests {
         let (mut s, mut seqs, mut mem) = (Scheduler::new(config(6, 4)), Sequences::default(), memory(16));
         let a = add(&mut s, &mut seqs, 1, (0..10).collect(), 2);
         let b = add(&mut s, &mut seqs, 2, (0..10).collect(), 2);
-        let d = s.schedule(&mut seqs, &mut mem);
-        assert_eq!(
-            d.chunks,
-            vec![Chunk { seq: a, start: 0, len: 4, sample: false }, Chunk { seq: b, start: 0, len: 2, sample: false }]
-        );
-        run(&d, &mut seqs);
-        let d = s.schedule(&mut seqs, &mut mem);
+        let d = s.schedule(&mut seqs, &mut mem, 1);
+        assert_eq!(d.chunks, vec![chunk(&seqs, a, 0, 4, false, true), chunk(&seqs, b, 0, 2, false, true)]);
+        run(&d, &mut seqs, 1);
+        let d = s.schedule(&mut seqs, &mut mem, 2);
         assert_eq!(d.chunks.iter().map(|c| c.len).sum::<usize>(), 6);
     }
 
@@ -387,11 +399,32 @@ mod policy_tests {
     fn decodes_go_first() {
         let (mut s, mut seqs, mut mem) = (Scheduler::new(config(8, 8)), Sequences::default(), memory(16));
         let a = add(&mut s, &mut seqs, 1, vec![1, 2, 3], 4);
-        run(&s.schedule(&mut seqs, &mut mem), &mut seqs); // 1 prefilled and sampled: now decoding
+        run(&s.schedule(&mut seqs, &mut mem, 1), &mut seqs, 1); // 1 prefilled and sampled: now decoding
         let b = add(&mut s, &mut seqs, 2, (0..20).collect(), 2);
-        let d = s.schedule(&mut seqs, &mut mem);
-        assert_eq!(d.chunks[0], Chunk { seq: a, start: 3, len: 1, sample: true });
+        let d = s.schedule(&mut seqs, &mut mem, 2);
+        assert_eq!(d.chunks[0], chunk(&seqs, a, 3, 1, true, false));
         assert_eq!(d.chunks[1].seq, b);
+    }
+
+    #[test]
+    fn a_decode_follows_a_token_still_in_flight_every_step() {
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config(8, 8)), Sequences::default(), memory(16));
+        let a = add(&mut s, &mut seqs, 1, vec![1, 2, 3], 3);
+        let d1 = s.schedule(&mut seqs, &mut mem, 1); // prefill; its first token is in flight
+        assert_eq!(d1.chunks, vec![chunk(&seqs, a, 0, 3, true, true)]);
+        // Steps 2 and 3 launch before step 1 completes: each names the token sampled before it.
+        let d2 = s.schedule(&mut seqs, &mut mem, 2);
+        assert_eq!(d2.chunks, vec![Chunk { deferred: Some(1), ..chunk(&seqs, a, 3, 1, true, false) }]);
+        let d3 = s.schedule(&mut seqs, &mut mem, 3);
+        assert_eq!(d3.chunks, vec![Chunk { deferred: Some(2), ..chunk(&seqs, a, 4, 1, true, false) }]);
+        assert!(seqs.get(a).all_outputs_launched(), "three tokens in flight: all three outputs launched");
+        assert!(s.schedule(&mut seqs, &mut mem, 4).is_empty(), "nothing more to launch until tokens arrive");
+        for (t, d) in [(1, &d1), (2, &d2), (3, &d3)] {
+            run(d, &mut seqs, t);
+        }
+        let seq = seqs.get(a);
+        assert_eq!((seq.output_len(), seq.pending.len()), (3, 0));
+        assert!(seq.check(4, true).is_ok());
     }
 
     #[test]
@@ -399,9 +432,9 @@ mod policy_tests {
         let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), Sequences::default(), memory(4));
         let a = add(&mut s, &mut seqs, 1, (0..8).collect(), 8); // 2 blocks, grows to 4
         let b = add(&mut s, &mut seqs, 2, (100..108).collect(), 8); // 2 blocks
-        run(&s.schedule(&mut seqs, &mut mem), &mut seqs);
+        run(&s.schedule(&mut seqs, &mut mem, 1), &mut seqs, 1);
         assert_eq!(s.num_running(), 2);
-        let d = s.schedule(&mut seqs, &mut mem); // request 1 needs a third block: none is free
+        let d = s.schedule(&mut seqs, &mut mem, 2); // request 1 needs a third block: none is free
         assert_eq!(d.preempted, vec![2]);
         assert_eq!(seqs.get(b).computed, 0);
         assert_eq!(seqs.get(b).preemptions, 1);
@@ -413,7 +446,7 @@ mod policy_tests {
     fn a_request_that_can_never_fit_fails_instead_of_waiting_forever() {
         let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), Sequences::default(), memory(2));
         add(&mut s, &mut seqs, 1, (0..10).collect(), 4);
-        let d = s.schedule(&mut seqs, &mut mem);
+        let d = s.schedule(&mut seqs, &mut mem, 1);
         assert_eq!(d.failed.len(), 1);
         assert!(d.failed[0].1.contains("KV blocks"));
         assert!(s.is_idle());
@@ -423,8 +456,8 @@ mod policy_tests {
     fn an_admission_reuses_cached_prompt_blocks() {
         let (mut s, mut seqs, mut mem) = (Scheduler::new(config(64, 64)), Sequences::default(), memory(16));
         let a = add(&mut s, &mut seqs, 1, (0..9).collect(), 1);
-        let d = s.schedule(&mut seqs, &mut mem);
-        run(&d, &mut seqs);
+        let d = s.schedule(&mut seqs, &mut mem, 1);
+        run(&d, &mut seqs, 1);
         // What the rank does after the step: cache the prompt's full blocks.
         let seq = seqs.get(a);
         let hashes = mem.prompt_hashes(seq);
@@ -433,9 +466,9 @@ mod policy_tests {
             mem.prefix.insert_block(*h, Some(block), &mut mem.blocks);
         }
         let b = add(&mut s, &mut seqs, 2, (0..9).chain(50..53).collect(), 1);
-        let d = s.schedule(&mut seqs, &mut mem);
+        let d = s.schedule(&mut seqs, &mut mem, 2);
         assert_eq!(d.admitted, vec![(2, 8)]);
-        assert_eq!(d.chunks.last().unwrap(), &Chunk { seq: b, start: 8, len: 4, sample: true });
+        assert_eq!(d.chunks.last().unwrap(), &chunk(&seqs, b, 8, 4, true, true));
         assert_eq!(seqs.get(b).blocks.blocks()[..2], seqs.get(a).blocks.blocks()[..2]);
     }
 }

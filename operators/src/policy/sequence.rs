@@ -4,44 +4,107 @@
 //! feeds through the last token known *or in flight*.
 //!
 //! Counters, with their invariant (`check`):
-//! `cached ≤ computed ≤ known_len() = tokens.len() + pending.len()`, and `computed` never exceeds
-//! what the blocks held cover. `pending` lists, oldest first, the steps that will sample this
-//! sequence's next tokens: launched, not yet completed (deferred output).
+//! `cached ≤ computed ≤ known_len() = tokens.len() + pending.len()`, `computed` never exceeds
+//! what the blocks held cover, and with tokens in flight only the newest is unfed
+//! (`computed == known_len() − 1`). `pending` counts the tokens launched steps will sample
+//! (deferred output).
 
+use crate::messages::TokenTimes;
 use crate::step::SeqKey;
 use kvflow_kernels::kv::{BlockTable, SlotId};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
-/// A request running (or waiting) on a rank.
+/// The tokens a sequence has in flight: sampled by launched steps that have not completed.
+/// Only the newest is ever fed before it is known (each decode feeds the token sampled just
+/// before it), so its step is all a launch names; the others complete in launch order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PendingTokens {
+    count: u32,
+    /// The step that samples the newest token in flight.
+    newest: u64,
+    /// The step whose token was applied last (completions come in step order); `NONE` before
+    /// the first.
+    applied: u64,
+}
+
+/// No step (the sequence fields keep plain `u64`s: an `Option` would double their size).
+const NONE: u64 = u64::MAX;
+
+impl Default for PendingTokens {
+    fn default() -> Self {
+        PendingTokens { count: 0, newest: 0, applied: NONE }
+    }
+}
+
+impl PendingTokens {
+    pub fn len(&self) -> usize {
+        self.count as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Step `t` was launched and samples the next token.
+    pub fn push(&mut self, t: u64) {
+        self.count += 1;
+        self.newest = t;
+    }
+
+    /// The step that samples the newest token in flight.
+    pub fn newest(&self) -> Option<u64> {
+        (self.count > 0).then_some(self.newest)
+    }
+
+    /// Step `t`'s token arrived: the oldest in flight. Returns false (and changes nothing) for a
+    /// step that cannot be it — none in flight, already applied, or later than the newest.
+    pub fn pop(&mut self, t: u64) -> bool {
+        let in_order = self.count > 0 && t <= self.newest && (self.applied == NONE || self.applied < t);
+        if in_order {
+            self.count -= 1;
+            self.applied = t;
+        }
+        in_order
+    }
+
+    /// Forgets every token in flight (the request starts over).
+    pub fn clear(&mut self) {
+        self.count = 0;
+    }
+}
+
+/// A request running (or waiting) on a rank. The fields the scheduler reads every step come
+/// first, in declaration order (`repr(C)`), so scheduling a decode reads two cache lines.
 #[derive(Debug)]
+#[repr(C)]
 pub struct Sequence {
-    pub id: u64,
-    /// Its slab index and generation (set by [`Sequences`]).
-    pub key: SeqKey,
-    /// Prompt followed by every generated token whose value is known.
-    pub tokens: Vec<u32>,
-    pub prompt_len: usize,
-    pub max_output_tokens: usize,
     /// Positions whose KV (and state) is computed or being computed by a launched step.
     pub computed: usize,
-    /// Tokens restored from the prefix cache at the last admission.
-    pub cached: usize,
-    /// Steps launched that sample this sequence and have not completed, oldest first.
-    pub pending: VecDeque<u64>,
-    /// Launched steps that read or write this sequence's memory and have not completed.
-    pub in_flight_steps: u32,
+    pub prompt_len: usize,
+    pub max_output_tokens: usize,
+    /// Prompt followed by every generated token whose value is known.
+    pub tokens: Vec<u32>,
+    /// Tokens sampled by launched steps that have not completed.
+    pub pending: PendingTokens,
+    /// The last step launched that feeds it (which reads and writes its memory).
+    last_launched: u64,
     pub blocks: BlockTable,
     pub slot: Option<SlotId>,
+    /// Its slab index and generation (set by [`Sequences`]).
+    pub key: SeqKey,
+    pub warmup: bool,
+    pub id: u64,
+    /// Tokens restored from the prefix cache at the last admission.
+    pub cached: usize,
     pub preemptions: usize,
     /// Hash of the logits' bit patterns at every sampled position (for `--verify`).
     pub logits_hash: u64,
-    pub warmup: bool,
     /// When its first chunk ran (`wall_ms`; queueing ends then).
     pub started_ms: Option<f64>,
     /// Prompt tokens reused from the prefix cache at its first admission.
     pub first_cached: usize,
-    /// When each output token became known (`wall_ms`).
-    pub token_ms: Vec<f64>,
+    /// When its first and last output tokens became known.
+    pub token_times: TokenTimes,
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
     /// queues the request.
     pub prompt_hashes: Vec<u64>,
@@ -52,14 +115,14 @@ impl Sequence {
         let prompt_len = prompt.len();
         Sequence {
             id,
-            key: SeqKey { index: u32::MAX, generation: 0 },
+            key: SeqKey { index: u32::MAX, generation: VACANT },
             tokens: prompt,
             prompt_len,
             max_output_tokens,
             computed: 0,
             cached: 0,
-            pending: VecDeque::new(),
-            in_flight_steps: 0,
+            pending: PendingTokens::default(),
+            last_launched: NONE,
             blocks: BlockTable::new(),
             slot: None,
             preemptions: 0,
@@ -67,9 +130,26 @@ impl Sequence {
             warmup,
             started_ms: None,
             first_cached: 0,
-            token_ms: Vec::new(),
+            token_times: TokenTimes::default(),
             prompt_hashes: Vec::new(),
         }
+    }
+
+    /// The last step launched that feeds it.
+    pub fn last_launched(&self) -> Option<u64> {
+        (self.last_launched != NONE).then_some(self.last_launched)
+    }
+
+    /// Step `t` was launched and feeds it.
+    pub fn launched_at(&mut self, t: u64) {
+        self.last_launched = t;
+    }
+
+    /// Forgets its launches (it let go of its memory); returns the last one.
+    pub fn take_last_launched(&mut self) -> Option<u64> {
+        let last = self.last_launched();
+        self.last_launched = NONE;
+        last
     }
 
     /// Output tokens whose values are known.
@@ -112,9 +192,10 @@ impl Sequence {
         self.remaining() + self.max_output_tokens.saturating_sub(self.output_len() + self.pending.len())
     }
 
-    /// The step that samples the token at `position` (≥ `tokens.len()`), if it is in flight.
+    /// The step that samples the token at `position`, if that is the newest token in flight
+    /// (the only one ever fed before it is known).
     pub fn pending_step(&self, position: usize) -> Option<u64> {
-        position.checked_sub(self.tokens.len()).and_then(|i| self.pending.get(i).copied())
+        (position + 1 == self.known_len()).then(|| self.pending.newest()).flatten()
     }
 
     /// Whether `cached ≤ computed ≤ known_len()` and the blocks held cover `computed` (when it
@@ -125,6 +206,15 @@ impl Sequence {
                 "request {}: counters out of order (cached {}, computed {}, known {})",
                 self.id,
                 self.cached,
+                self.computed,
+                self.known_len()
+            ));
+        }
+        if !self.pending.is_empty() && self.computed + 1 != self.known_len() {
+            return Err(format!(
+                "request {}: {} token(s) in flight but {} of {} positions fed",
+                self.id,
+                self.pending.len(),
                 self.computed,
                 self.known_len()
             ));
@@ -146,27 +236,32 @@ impl Sequence {
 /// every restart gives the sequence a new generation.
 #[derive(Debug, Default)]
 pub struct Sequences {
-    slots: Vec<Option<Sequence>>,
+    /// In place, so the scheduler walks contiguous memory; a free slot holds a vacant sequence
+    /// (generation 0, which no held sequence has).
+    slots: Vec<Sequence>,
     free: Vec<usize>,
     by_id: HashMap<u64, usize>,
     next_generation: u32,
 }
 
+/// The generation of a free slot.
+const VACANT: u32 = 0;
+
 impl Sequences {
     pub fn insert(&mut self, mut seq: Sequence) -> usize {
         let id = seq.id;
         let index = self.free.pop().unwrap_or_else(|| {
-            self.slots.push(None);
+            self.slots.push(Sequence::new(u64::MAX, Vec::new(), 0, false));
             self.slots.len() - 1
         });
         seq.key = SeqKey { index: index as u32, generation: self.bump() };
-        self.slots[index] = Some(seq);
+        self.slots[index] = seq;
         self.by_id.insert(id, index);
         index
     }
 
     fn bump(&mut self) -> u32 {
-        self.next_generation = self.next_generation.wrapping_add(1);
+        self.next_generation = self.next_generation.wrapping_add(1).max(VACANT + 1);
         self.next_generation
     }
 
@@ -178,7 +273,8 @@ impl Sequences {
     }
 
     pub fn remove(&mut self, index: usize) -> Sequence {
-        let seq = self.slots[index].take().expect("removing a held request");
+        let seq = std::mem::replace(&mut self.slots[index], Sequence::new(u64::MAX, Vec::new(), 0, false));
+        debug_assert_ne!(seq.key.generation, VACANT, "removing a free slot");
         self.by_id.remove(&seq.id);
         self.free.push(index);
         seq
@@ -190,17 +286,20 @@ impl Sequences {
 
     /// The sequence `key` names, if it is still held in that generation.
     pub fn by_key_mut(&mut self, key: SeqKey) -> Option<&mut Sequence> {
-        self.slots.get_mut(key.index as usize)?.as_mut().filter(|s| s.key == key)
+        self.slots.get_mut(key.index as usize).filter(|s| s.key == key && key.generation != VACANT)
     }
 
+    /// The held sequence at `index` (the scheduler's indices always name held ones).
     #[inline]
     pub fn get(&self, index: usize) -> &Sequence {
-        self.slots[index].as_ref().expect("a held request")
+        debug_assert_ne!(self.slots[index].key.generation, VACANT, "slot {index} is free");
+        &self.slots[index]
     }
 
     #[inline]
     pub fn get_mut(&mut self, index: usize) -> &mut Sequence {
-        self.slots[index].as_mut().expect("a held request")
+        debug_assert_ne!(self.slots[index].key.generation, VACANT, "slot {index} is free");
+        &mut self.slots[index]
     }
 
     pub fn len(&self) -> usize {
@@ -212,7 +311,7 @@ impl Sequences {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
-        self.slots.iter().flatten()
+        self.slots.iter().filter(|s| s.key.generation != VACANT)
     }
 }
 
@@ -225,18 +324,23 @@ mod tests {
         let mut seq = Sequence::new(1, vec![5, 6, 7], 3, false);
         assert_eq!(seq.remaining(), 3);
         seq.computed = 3;
-        seq.pending.push_back(10); // step 10 samples the first output
+        seq.pending.push(10); // step 10 samples the first output
         assert_eq!((seq.known_len(), seq.remaining()), (4, 1), "a decode can feed it before it is known");
         assert_eq!(seq.pending_step(3), Some(10));
         seq.computed = 4;
-        seq.pending.push_back(11);
+        seq.pending.push(11);
+        assert_eq!(seq.pending_step(4), Some(11), "the next decode names the newest token in flight");
         seq.computed = 5;
-        seq.pending.push_back(12);
+        seq.pending.push(12);
         assert!(seq.all_outputs_launched());
         assert_eq!(seq.remaining(), 0, "the final output token is never fed");
         assert!(!seq.finished());
         assert_eq!(seq.outstanding_tokens(), 0);
         assert!(seq.check(16, false).is_ok());
+        assert!(!seq.pending.pop(13), "no step after the newest samples it");
+        assert!(seq.pending.pop(10) && seq.pending.pop(11));
+        assert!(!seq.pending.pop(11), "a duplicate completion is refused");
+        assert!(seq.pending.pop(12) && seq.pending.is_empty());
     }
 
     #[test]

@@ -40,15 +40,11 @@ impl Rank {
             tracing::error!(pool = %self.pool, rank = self.index, step = c.step, "completion for a step not in flight: dropped");
             return;
         };
-        let record = self.in_flight.remove(pos).expect("found above");
-        for &key in &record.seqs {
-            if let Some(seq) = self.seqs.by_key_mut(key) {
-                seq.in_flight_steps -= 1;
-            } else if !self.memory.step_done(key) {
-                self.stats.unknown_completions += 1;
-                tracing::error!(pool = %self.pool, rank = self.index, step = c.step, seq = %key, "step named an unknown sequence");
-            }
+        if pos > 0 {
+            tracing::error!(pool = %self.pool, rank = self.index, step = c.step, "completion out of launch order");
         }
+        let record = self.in_flight.remove(pos).expect("found above");
+        self.memory.steps_in_flight_from(self.oldest_in_flight());
         for &snapshot in &record.restoring {
             self.memory.snapshots.release(snapshot);
         }
@@ -72,18 +68,15 @@ impl Rank {
                 self.stats.stale_completions += 1;
                 continue;
             };
-            if seq.pending.front() != Some(&c.step) {
-                let message = format!(
-                    "step {} sampled a token the request was not waiting for (pending {:?})",
-                    c.step, seq.pending
-                );
+            if !seq.pending.pop(c.step) {
+                let message =
+                    format!("step {} sampled a token the request was not waiting for ({:?})", c.step, seq.pending);
                 self.fail(s.seq.index as usize, c.step, "executor", message);
                 continue;
             }
-            seq.pending.pop_front();
             seq.tokens.push(s.token);
             seq.logits_hash = hash::chain_row(seq.logits_hash, s.logits_hash);
-            seq.token_ms.push(now);
+            seq.token_times.record(now);
             if seq.finished() {
                 self.finish(s.seq.index as usize, c.step);
             }
@@ -102,7 +95,7 @@ impl Rank {
             id: seq.id,
             rank: self.index,
             tokens: seq.tokens.split_off(seq.prompt_len),
-            token_ms: std::mem::take(&mut seq.token_ms),
+            token_times: seq.token_times,
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             cached_tokens: seq.first_cached,
             logits_hash: seq.logits_hash,

@@ -1,14 +1,49 @@
-//! `Rank::launch`: books the decided batch as launched and hands it to the executor, one phase
-//! at a time. At launch — before any token of the step is known — each sequence's counters move
-//! on (`computed`, one more token `pending`), its completed prompt blocks are published in the
-//! prefix cache and a snapshot is asked for at each boundary it reaches: the executor applies the
-//! step's writes in launch order, so a later step that reads them runs after them.
+//! `Rank::launch`: hands the decided batch to the executor, one phase at a time. The scheduler
+//! already booked it (each sequence's `computed` moved on, a sampled token counts as in flight);
+//! here, before any token of the step is known, the prompt blocks it completes are published in
+//! the prefix cache and a snapshot is asked for at each boundary it reaches: the executor applies
+//! the step's writes in launch order, so a later step that reads them runs after them.
 
 use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
-use crate::step::{SeqStep, StateOp, StepLaunch};
+use crate::policy::scheduler::Chunk;
+use crate::policy::sequence::Sequences;
+use crate::step::{SeqSource, SeqStep, StateOp, StepLaunch};
 use std::collections::HashMap;
+
+/// A decided batch as the executor sees it: each chunk with its sequence's tokens, blocks and
+/// slot, read from the rank's state when the executor asks.
+struct Batch<'a> {
+    chunks: &'a [Chunk],
+    seqs: &'a Sequences,
+    /// Test switch: block tables replaced for some sequences.
+    swapped: &'a HashMap<usize, Vec<u32>>,
+}
+
+impl SeqSource for Batch<'_> {
+    fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn get(&self, i: usize) -> SeqStep<'_> {
+        let c = &self.chunks[i];
+        let s = self.seqs.get(c.seq);
+        // With tokens in flight the chunk may start past the known ones (then it feeds only the
+        // one it names).
+        let known_end = (c.start + c.len - usize::from(c.deferred.is_some())).min(s.tokens.len());
+        SeqStep {
+            key: c.key,
+            known: &s.tokens[c.start.min(known_end)..known_end],
+            deferred: c.deferred,
+            start_pos: c.start,
+            block_table: self.swapped.get(&c.seq).map_or(s.blocks.blocks(), |t| &t[..]),
+            slot: s.slot,
+            prompt_len: s.prompt_len,
+            sample: c.sample,
+        }
+    }
+}
 
 impl Rank {
     /// Launches the batch decided for step `t` (a rank with nothing decided launches nothing; if
@@ -28,7 +63,7 @@ impl Rank {
                 cause: "does-not-fit".into(),
                 message,
                 tokens: Vec::new(),
-                token_ms: Vec::new(),
+                token_times: Default::default(),
                 started_ms: None,
             };
             self.events.push((t, event));
@@ -51,25 +86,13 @@ impl Rank {
         let bs = self.memory.layout.block_size;
         let interval = self.scheduler.config.snapshot_interval_blocks;
         let caching = self.scheduler.config.prefix_cache;
-        // 1. book the step: counters, tokens in flight, prefix entries, snapshots
-        let mut deferred = Vec::with_capacity(decided.chunks.len());
+        // 1. what the prompt chunks complete: prefix entries and snapshots
         let mut after = Vec::new();
         let mut published = Vec::new();
-        for chunk in &decided.chunks {
-            let seq = self.seqs.get_mut(chunk.seq);
+        for chunk in decided.chunks.iter().filter(|c| c.prefill && caching) {
+            let seq = self.seqs.get(chunk.seq);
             let end = chunk.start + chunk.len;
-            deferred.push(if end > seq.tokens.len() { seq.pending_step(end - 1) } else { None });
-            let before = seq.computed;
-            seq.computed = end;
-            seq.in_flight_steps += 1;
-            if chunk.sample {
-                seq.pending.push_back(t);
-            }
-            if !caching || before >= seq.prompt_len {
-                continue;
-            }
-            let done_blocks = seq.computed.min(seq.prompt_len) / bs;
-            for b in before / bs..done_blocks {
+            for b in chunk.start / bs..end.min(seq.prompt_len) / bs {
                 let h = seq.prompt_hashes[b];
                 let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
                 self.memory.prefix.insert_block(h, block, &mut self.memory.blocks);
@@ -91,49 +114,29 @@ impl Rank {
                 self.memory.prefix.insert_snapshot(h, snapshot, &mut self.memory.snapshots);
             }
         }
-        // 2. the launch the executor sees
+        // 2. the launch the executor sees, read in place
         let swapped = self.swapped_tables(&decided.chunks);
-        let seqs: Vec<SeqStep> = decided
-            .chunks
-            .iter()
-            .zip(&deferred)
-            .map(|(c, &deferred)| {
-                let s = self.seqs.get(c.seq);
-                // With tokens in flight the chunk may start past the known ones (then it feeds
-                // only the one it names).
-                let known_end = (c.start + c.len - usize::from(deferred.is_some())).min(s.tokens.len());
-                SeqStep {
-                    key: s.key,
-                    known: &s.tokens[c.start.min(known_end)..known_end],
-                    deferred,
-                    start_pos: c.start,
-                    block_table: swapped.get(&c.seq).map_or(s.blocks.blocks(), |t| &t[..]),
-                    slot: s.slot,
-                    prompt_len: s.prompt_len,
-                    sample: c.sample,
-                }
-            })
-            .collect();
+        let batch = Batch { chunks: &decided.chunks, seqs: &self.seqs, swapped: &swapped };
         let launch = StepLaunch {
             step: t,
             before: &decided.state_ops,
-            seqs: &seqs,
             after: &after,
             applied_through: self.applied_through,
+            batch: &batch,
         };
         for phase in 0..self.executor.phases() {
             self.executor.launch(&launch, phase);
         }
-        let keys = seqs.iter().map(|s| s.key).collect();
-        drop(seqs);
+        let keys = decided.chunks.iter().map(|c| c.key).collect();
         self.in_flight.push_back(StepRecord { step: t, seqs: keys, restoring: decided.restoring, published });
+        self.memory.steps_in_flight_from(self.oldest_in_flight());
         self.stats.launched_steps += 1;
         self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
     }
 
     /// Test switch: block tables with their first two entries swapped, for the decodes of the
     /// requests it names.
-    fn swapped_tables(&self, chunks: &[crate::policy::scheduler::Chunk]) -> HashMap<usize, Vec<u32>> {
+    fn swapped_tables(&self, chunks: &[Chunk]) -> HashMap<usize, Vec<u32>> {
         let Some(every) = self.switches.swap_block_table_every else { return HashMap::new() };
         chunks
             .iter()
@@ -149,7 +152,7 @@ impl Rank {
             .collect()
     }
 
-    fn sample_utilization(&mut self, chunks: &[crate::policy::scheduler::Chunk]) {
+    fn sample_utilization(&mut self, chunks: &[Chunk]) {
         let used = |total: usize, free: usize| if total == 0 { 0.0 } else { (total - free) as f32 / total as f32 };
         let m = &self.memory;
         let s = &mut self.stats.samples;

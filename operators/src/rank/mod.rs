@@ -119,6 +119,11 @@ impl Rank {
         self.in_flight.len()
     }
 
+    /// The oldest step in flight, if any.
+    pub fn oldest_in_flight(&self) -> Option<u64> {
+        self.in_flight.front().map(|r| r.step)
+    }
+
     /// Whether step `t` is launched and not completed.
     pub fn is_in_flight(&self, t: u64) -> bool {
         self.in_flight.iter().any(|r| r.step == t)
@@ -165,7 +170,7 @@ impl Rank {
                 cause: cause.into(),
                 message,
                 tokens: seq.tokens.split_off(seq.prompt_len),
-                token_ms: std::mem::take(&mut seq.token_ms),
+                token_times: seq.token_times,
                 started_ms: seq.started_ms,
             },
         ));
@@ -176,7 +181,7 @@ impl Rank {
         self.step = t;
         self.waker.take(); // what raised it is polled now
         self.poll();
-        self.decided = self.scheduler.schedule(&mut self.seqs, &mut self.memory);
+        self.decided = self.scheduler.schedule(&mut self.seqs, &mut self.memory, t);
         if self.decided.is_empty() && self.in_flight.is_empty() && !self.scheduler.is_idle() {
             self.fail_unschedulable();
         }
@@ -215,7 +220,7 @@ impl Rank {
                 cause: "unroutable".into(),
                 message: why.clone(),
                 tokens: Vec::new(),
-                token_ms: Vec::new(),
+                token_times: Default::default(),
                 started_ms: None,
             };
             self.events.push((self.step, event));
