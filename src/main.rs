@@ -130,6 +130,10 @@ struct RunArgs {
     /// them (the accounting check must catch it).
     #[arg(long, hide = true)]
     test_leak_blocks_of: Option<u64>,
+    /// Test only: completions reach whatever holds the slab slot they name, whatever its
+    /// generation (removes the generation check).
+    #[arg(long, hide = true)]
+    test_accept_stale_completions: bool,
 }
 
 #[derive(Subcommand)]
@@ -245,6 +249,7 @@ fn run_graph(args: RunArgs) -> Result<i32> {
         switches: kvflow_operators::rank::TestSwitches {
             swap_block_table_every: args.test_swap_block_table_every,
             leak_blocks_of: args.test_leak_blocks_of,
+            accept_stale_completions: args.test_accept_stale_completions,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
             stuck_in_forward: match args.test_stuck_in_forward.as_deref() {

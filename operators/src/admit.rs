@@ -163,6 +163,7 @@ pub fn admit<'scope>(
             if wanted || waker.take() {
                 let t = *cap.time();
                 output.activate().session(cap).give(t);
+                waker.woke_pool();
                 woken_through = Some(t);
                 parked = None;
             }

@@ -3,7 +3,7 @@
 //! activates that rank's `admit`, which (when the pool is parked) emits a wake record every rank
 //! receives, so every rank resumes at the same step (DESIGN §4: any rank can wake its pool).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use timely::scheduling::SyncActivator;
 
@@ -12,6 +12,8 @@ use timely::scheduling::SyncActivator;
 pub struct RankWaker {
     raised: AtomicBool,
     activator: Mutex<Option<SyncActivator>>,
+    /// Times this rank's `admit` woke the parked pool.
+    woke_pool: AtomicU64,
 }
 
 impl RankWaker {
@@ -32,6 +34,16 @@ impl RankWaker {
     /// Whether the flag was raised since the last call (and lowers it).
     pub fn take(&self) -> bool {
         self.raised.swap(false, Ordering::SeqCst)
+    }
+
+    /// This rank woke its parked pool.
+    pub(crate) fn woke_pool(&self) {
+        self.woke_pool.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Times this rank woke its parked pool.
+    pub fn pool_wakes(&self) -> u64 {
+        self.woke_pool.load(Ordering::Relaxed)
     }
 
     pub(crate) fn set_activator(&self, activator: SyncActivator) {

@@ -1,5 +1,6 @@
 //! kvflow's integration tests, one binary (each test file would relink everything).
 
+mod asynchronous;
 mod bad_input;
 mod batch_invariance;
 mod common;

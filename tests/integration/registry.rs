@@ -46,3 +46,78 @@ fn a_router_registered_outside_kvflow_runs_from_a_graph() {
     assert_eq!(ranks.len(), 8);
     assert!(ranks.iter().all(|r| r == 2), "every request ran on the last rank: {ranks:?}");
 }
+
+/// Names a rank outside the pool for every other request.
+struct Beyond;
+
+impl Router for Beyond {
+    fn route(&mut self, req: &RouteRequest, outstanding: &[usize]) -> usize {
+        if req.id % 2 == 1 {
+            outstanding.len() + 3
+        } else {
+            0
+        }
+    }
+}
+
+#[test]
+fn a_route_outside_the_pool_fails_those_requests_and_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph_path = write_graph(
+        dir.path(),
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8",
+        "64 MiB",
+    );
+    let text = std::fs::read_to_string(&graph_path).unwrap().replace("ranks = 2", "ranks = 2\nrouter = \"beyond\"");
+    std::fs::write(&graph_path, text).unwrap();
+    let mut registry = Registry::default();
+    registry.routers.register("beyond", |_ctx: RouterContext| Box::new(Beyond) as Box<dyn Router>);
+    let graph = Graph::load_with(&graph_path, &registry.names()).unwrap();
+    let outcome = runtime::run(&graph, &RunOptions { verify: true, ..Default::default() }, &registry).unwrap();
+    assert_eq!(outcome.exit_code, runtime::EXIT_FAILED_REQUESTS);
+    let report = outcome.report.unwrap();
+    assert_eq!((report["completed"].clone(), report["failed"].clone()), (4.into(), 4.into()));
+    assert_eq!(report["failures"]["unroutable"], 4);
+    assert_eq!(report["verify"]["mismatched"], 0);
+    for line in std::fs::read_to_string(dir.path().join("out/requests.jsonl")).unwrap().lines() {
+        let r: Value = serde_json::from_str(line).unwrap();
+        if r["id"].as_u64().unwrap() % 2 == 1 {
+            assert!(r["error"].as_str().unwrap().contains("rank 5 of a 2-rank pool"), "{r}");
+        } else {
+            assert!(r["error"].is_null(), "{r}");
+        }
+    }
+}
+
+#[test]
+fn any_rank_wakes_its_parked_pool() {
+    // Every request on the last of three ranks, one at a time, on an executor two launches
+    // behind: when that rank has only steps in flight it flushes, the pool parks, and the
+    // completion that lands on rank 2 wakes it.
+    let dir = tempfile::tempdir().unwrap();
+    let graph_path = write_graph(
+        dir.path(),
+        "hf/qwen3_next",
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 1\nlimit = 4",
+        "64 MiB",
+    );
+    let text = std::fs::read_to_string(&graph_path).unwrap().replace(
+        "ranks = 2",
+        "ranks = 3\nrouter = \"last-rank\"\nexecutor = \"cpu-deferred\"\n[pool.executor_settings]\ndelay_steps = 2",
+    );
+    std::fs::write(&graph_path, text).unwrap();
+    let mut registry = Registry::default();
+    registry.routers.register("last-rank", |ctx: RouterContext| Box::new(LastRank(ctx.ranks)) as Box<dyn Router>);
+    let graph = Graph::load_with(&graph_path, &registry.names()).unwrap();
+    let outcome = runtime::run(&graph, &RunOptions { verify: true, ..Default::default() }, &registry).unwrap();
+    let report = outcome.report.unwrap();
+    assert_eq!(report["completed"], 4, "{report}");
+    assert_eq!(report["verify"]["mismatched"], 0);
+    let wakes: Vec<u64> = report["pool_wakes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert!(wakes[0] > 0, "rank 0 wakes the pool for new requests: {wakes:?}");
+    assert_eq!(wakes[1], 0, "rank 1 holds nothing: {wakes:?}");
+    assert!(wakes[2] > 0, "rank 2 wakes the pool when its completions land: {wakes:?}");
+}

@@ -13,10 +13,39 @@ use std::path::Path;
 use std::sync::Mutex;
 
 /// Runs that start several worker threads go one at a time (CI has 2 cores).
-static HEAVY: Mutex<()> = Mutex::new(());
+pub static HEAVY: Mutex<()> = Mutex::new(());
 
-/// A graph over the repository's fixtures and traces, written into `dir`.
+/// Every request's line of a run's requests.jsonl.
+pub fn request_lines(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("requests.jsonl"))
+        .unwrap_or_else(|e| panic!("{}: {e}", out.display()))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The ranks that served at least one request (work really spread over ranks).
+pub fn ranks_used(out: &Path) -> std::collections::BTreeSet<u64> {
+    request_lines(out).iter().filter_map(|r| r["rank"].as_u64()).collect()
+}
+
+/// The pool of [`write_graph`]'s graphs.
+pub const ONE_POOL: &str = "[[pool]]\nname = \"main\"\nranks = 2\n";
+
+/// A graph over the repository's fixtures and traces, written into `dir`, with one 2-rank pool.
 pub fn write_graph(dir: &Path, model: &str, trace: &str, extra_workload: &str, budget: &str) -> std::path::PathBuf {
+    write_graph_with(dir, model, trace, extra_workload, budget, ONE_POOL)
+}
+
+/// [`write_graph`] with `pools` (TOML: one or more `[[pool]]` tables) as the graph's pools.
+pub fn write_graph_with(
+    dir: &Path,
+    model: &str,
+    trace: &str,
+    extra_workload: &str,
+    budget: &str,
+    pools: &str,
+) -> std::path::PathBuf {
     let r = repo();
     let text = format!(
         r#"
@@ -32,9 +61,7 @@ max_running = 16
 max_batched_tokens = 256
 chunk_tokens = 64
 
-[[pool]]
-name = "main"
-ranks = 2
+{pools}
 
 [workload]
 trace = "{trace}"
@@ -56,7 +83,7 @@ out = "{out}"
     path
 }
 
-fn run_graph(path: &Path, overrides: Overrides, switches: TestSwitches) -> Value {
+pub fn run_graph(path: &Path, overrides: Overrides, switches: TestSwitches) -> Value {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let mut graph = Graph::load(path).unwrap();
     graph.apply_overrides(&overrides).unwrap();
@@ -65,7 +92,7 @@ fn run_graph(path: &Path, overrides: Overrides, switches: TestSwitches) -> Value
     outcome.report.expect("process 0 writes the report")
 }
 
-fn assert_exact(report: &Value, what: &str) {
+pub fn assert_exact(report: &Value, what: &str) {
     assert_eq!(report["failed"], 0, "{what}: failed requests: {report}");
     assert_eq!(report["completed"], report["requests"], "{what}");
     assert!(report["verify"]["checked"].as_u64().unwrap() > 0, "{what}: nothing verified");
@@ -96,6 +123,10 @@ fn every_family_on_one_two_and_four_ranks_matches_the_reference_path() {
                 run_graph(&graph, Overrides { ranks: Some(ranks), ..Default::default() }, TestSwitches::default());
             assert_exact(&report, &format!("{model} on {ranks} ranks"));
             assert_eq!(report["verify"]["checked"], 12, "{model}: warmup requests are verified too");
+            // The router keeps requests that share a prefix together while the load allows, so
+            // 12 requests need not reach every rank, but they must reach more than one.
+            let used = ranks_used(&dir.path().join("out"));
+            assert!(used.len() >= ranks.min(2), "{model}: the 12 requests ran on ranks {used:?} of {ranks}");
         }
     }
 }
@@ -234,6 +265,8 @@ fn two_processes_give_the_outputs_of_the_threaded_run() {
     let (c, t) = (outputs(&cluster_out), outputs(&threads_out));
     assert_eq!(c.len(), 16);
     assert_eq!(c, t, "the two-process run must produce the threaded run's outputs");
+    // Rank 0 lives in process 0 and rank 1 in process 1: both must have served requests.
+    assert_eq!(ranks_used(Path::new(&cluster_out)), [0, 1].into(), "work must spread over both processes");
 }
 
 #[test]
@@ -265,4 +298,29 @@ fn check_prints_the_operator_graph() {
     for needle in ["digraph", "cluster_main", "align(t)", "forward(t)", "launched: LoopSignal", "sampled: Event"] {
         assert!(dot.contains(needle), "missing {needle}: {dot}");
     }
+}
+
+#[test]
+fn the_dot_picture_is_drawn_from_the_dataflow_the_runtime_builds() {
+    use kvflow::runtime::dot::{render, Extension};
+    use timely::dataflow::channels::pact::Pipeline;
+    use timely::dataflow::operators::generic::operator::Operator;
+    let registry = kvflow::registry::Registry::default();
+    let graph = Graph::load_with(&repo().join("graphs/quickstart.toml"), &registry.names()).unwrap();
+    let plain = render(&graph, &registry, None).unwrap();
+    assert!(!plain.contains("probe"), "{plain}");
+    // An operator added to the pool's graph shows up, with the edge that feeds it.
+    let probe: Extension = std::sync::Arc::new(|streams: &kvflow::runtime::PoolStreams| {
+        streams.sampled.clone().sink(Pipeline, "probe", |(input, _frontier)| input.for_each_stamp(|_, _| {}));
+    });
+    let extended = render(&graph, &registry, Some(probe)).unwrap();
+    let node = |name: &str, dot: &str| {
+        dot.lines()
+            .find(|l| l.contains(&format!("label=\"{name}")) && l.contains('['))
+            .map(|l| l.split_whitespace().next().unwrap().to_string())
+    };
+    let (forward, probe) =
+        (node("forward(t)", &extended).unwrap(), node("probe", &extended).expect("the probe is drawn"));
+    assert!(extended.contains(&format!("{forward} -> {probe} [label=\"sampled: Event\"]")), "{extended}");
+    assert_eq!(extended.lines().count(), plain.lines().count() + 2, "one node and one edge more");
 }

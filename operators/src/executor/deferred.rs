@@ -4,7 +4,8 @@
 //! the step's completion is handed over, waiting for the thread if it is still computing (the
 //! device being the bottleneck bounds how far the rank runs ahead, as a GPU stream's would). Once
 //! the rank has nothing more to launch and flushes, each completion is handed over as soon as it
-//! is computed, and the thread wakes the rank's pool if it is parked. It exercises everything an
+//! is computed, and once the thread has handed back everything launched before the flush it wakes
+//! the rank (its pool is parked then). It exercises everything an
 //! asynchronous executor asks of the runtime: the rank schedules step t+1 before step t's tokens
 //! are known and names them by (sequence, step).
 
@@ -14,13 +15,16 @@ use super::{Executor, ExecutorContext};
 use crate::step::{ExecutorError, StepCompletion, StepLaunch};
 use crate::wake::RankWaker;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
 
-struct Job {
-    phase: usize,
-    step: Option<OwnedStep>,
+enum Job {
+    Phase {
+        phase: usize,
+        step: Option<OwnedStep>,
+    },
+    /// Every step launched before this is handed back: wake the rank.
+    Flush,
 }
 
 pub struct DeferredExecutor {
@@ -32,8 +36,6 @@ pub struct DeferredExecutor {
     computing: VecDeque<(u64, u64)>,
     /// The rank has nothing more to launch: hand every completion over as soon as it arrives.
     flushing: bool,
-    /// Whether the thread wakes the rank after each completion (while flushing).
-    wake_on_completion: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -47,11 +49,9 @@ impl DeferredExecutor {
         let (jobs, inbox) = mpsc::channel::<Job>();
         let (outbox, done) = mpsc::channel();
         let phases = runner.phases();
-        let wake_on_completion = Arc::new(AtomicBool::new(false));
-        let thread_flushing = wake_on_completion.clone();
         let thread = std::thread::Builder::new()
             .name(format!("kvflow-{}-rank{}-executor", ctx.pool, ctx.rank))
-            .spawn(move || run(runner, inbox, outbox, thread_flushing, waker))
+            .spawn(move || run(runner, inbox, outbox, waker))
             .map_err(|e| format!("cannot start the executor thread: {e}"))?;
         Ok(DeferredExecutor {
             jobs: Some(jobs),
@@ -60,7 +60,6 @@ impl DeferredExecutor {
             gate: CompletionGate::new(delay),
             computing: VecDeque::new(),
             flushing: false,
-            wake_on_completion,
             thread: Some(thread),
         })
     }
@@ -98,21 +97,17 @@ impl DeferredExecutor {
     }
 }
 
-fn run(
-    mut runner: CpuStepRunner,
-    inbox: Receiver<Job>,
-    outbox: Sender<StepCompletion>,
-    flushing: Arc<AtomicBool>,
-    waker: Arc<RankWaker>,
-) {
+fn run(mut runner: CpuStepRunner, inbox: Receiver<Job>, outbox: Sender<StepCompletion>, waker: Arc<RankWaker>) {
     for job in inbox {
-        if let Some(done) = runner.run_phase(job.phase, job.step) {
-            if outbox.send(done).is_err() {
-                return; // the rank is gone
+        match job {
+            Job::Phase { phase, step } => {
+                if let Some(done) = runner.run_phase(phase, step) {
+                    if outbox.send(done).is_err() {
+                        return; // the rank is gone
+                    }
+                }
             }
-            if flushing.load(Ordering::SeqCst) {
-                waker.wake();
-            }
+            Job::Flush => waker.wake(),
         }
     }
 }
@@ -124,14 +119,13 @@ impl Executor for DeferredExecutor {
 
     fn launch(&mut self, step: &StepLaunch<'_>, phase: usize) {
         self.flushing = false;
-        self.wake_on_completion.store(false, Ordering::SeqCst);
         let owned = (phase == 0).then(|| {
             let due = self.gate.launched();
             self.computing.push_back((step.step, due));
             OwnedStep::copy_of(step)
         });
         // A send fails only when the thread is gone; its steps fail then.
-        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(Job { phase, step: owned }).is_ok());
+        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(Job::Phase { phase, step: owned }).is_ok());
         if !sent {
             return self.thread_gone();
         }
@@ -155,15 +149,18 @@ impl Executor for DeferredExecutor {
             self.gate.flush();
         }
         self.gate.release(out);
-        if self.flushing && self.computing.is_empty() && self.gate.is_empty() {
-            self.flushing = false;
-            self.wake_on_completion.store(false, Ordering::SeqCst);
-        }
     }
 
     fn flush(&mut self) {
+        if self.flushing {
+            return;
+        }
+        // What the thread already handed back is released at the next poll; for what it is
+        // still computing, it wakes the rank once it has handed all of it back.
         self.flushing = true;
-        self.wake_on_completion.store(true, Ordering::SeqCst);
+        if let (false, Some(jobs)) = (self.computing.is_empty(), &self.jobs) {
+            let _ = jobs.send(Job::Flush);
+        }
     }
 }
 

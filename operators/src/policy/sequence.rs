@@ -289,6 +289,11 @@ impl Sequences {
         self.slots.get_mut(key.index as usize).filter(|s| s.key == key && key.generation != VACANT)
     }
 
+    /// The sequence held in slab slot `index`, whatever its generation.
+    pub fn held_at_mut(&mut self, index: usize) -> Option<&mut Sequence> {
+        self.slots.get_mut(index).filter(|s| s.key.generation != VACANT)
+    }
+
     /// The held sequence at `index` (the scheduler's indices always name held ones).
     #[inline]
     pub fn get(&self, index: usize) -> &Sequence {

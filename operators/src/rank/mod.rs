@@ -280,6 +280,7 @@ impl Rank {
             }
         }
         self.check_accounting("at the end of the run");
+        self.stats.pool_wakes = self.waker.pool_wakes();
         self.stats.prefix_lookups = self.memory.prefix.lookups;
         self.stats.prefix_hit_blocks = self.memory.prefix.hit_blocks;
         self.memory.clear_prefix_cache();

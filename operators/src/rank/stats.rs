@@ -18,6 +18,8 @@ pub struct RankStats {
     pub stale_completions: u64,
     /// Completions for a step or sequence the rank never launched or no longer knows.
     pub unknown_completions: u64,
+    /// Times this rank woke its parked pool (new work on rank 0, a completion on any rank).
+    pub pool_wakes: u64,
     /// Times the accounting check ran (each time the pool parked with nothing in flight, and at
     /// the end of the run).
     pub accounting_checks: u64,

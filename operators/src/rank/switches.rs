@@ -25,6 +25,10 @@ pub struct TestSwitches {
     /// missing release), to show the accounting check catches a leak at park time and at the end
     /// of the run.
     pub leak_blocks_of: Option<u64>,
+    /// Completions reach the sequence in the slab slot they name whatever its generation, and in
+    /// any order (removes the generation check: a late token of a preempted or cancelled
+    /// request lands in whatever holds its slot now).
+    pub accept_stale_completions: bool,
 }
 
 impl TestSwitches {
