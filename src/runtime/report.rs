@@ -41,6 +41,7 @@ fn rank_figures(stats: &[&RankStats]) -> Map<String, Value> {
     m.insert("launched_steps".into(), json!(stats.iter().map(|s| s.launched_steps).collect::<Vec<_>>()));
     m.insert("pool_wakes".into(), json!(stats.iter().map(|s| s.pool_wakes).collect::<Vec<_>>()));
     m.insert("stale_completions".into(), json!(stats.iter().map(|s| s.stale_completions).sum::<u64>()));
+    m.insert("stale_releases".into(), json!(stats.iter().map(|s| s.stale_releases).sum::<u64>()));
     m.insert("unknown_completions".into(), json!(stats.iter().map(|s| s.unknown_completions).sum::<u64>()));
     m.insert("accounting_checks".into(), json!(stats.iter().map(|s| s.accounting_checks).collect::<Vec<_>>()));
     m

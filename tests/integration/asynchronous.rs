@@ -205,6 +205,7 @@ fn a_late_completion_for_an_older_generation_is_dropped_and_counted() {
     let r = late_completions(dir.path(), &[]);
     assert!(r["stale_completions"].as_u64().unwrap() > 0, "late tokens were dropped and counted: {r}");
     assert_eq!(r["cancelled"], 4);
+    assert_eq!(r["stale_releases"], 0, "no pinned id was released for an older generation");
     assert_eq!(r["failed"], 0, "{r}");
     assert_eq!(r["verify"]["mismatched"], 0, "{}", r["verify"]);
     // Without the generation check, the late tokens land in whatever holds the slot now.
@@ -246,4 +247,49 @@ fn a_graph_of_pools_is_checked_key_by_key() {
         &["workload.pool_choice", "`seeded`, `round-robin`"],
     );
     let _ = repo();
+}
+
+/// The whole matrix: every fixture × 1, 2 and 4 ranks × `cpu` and `cpu-deferred` at delays 0, 1
+/// and 3 with jitter; prints one line per run. Not part of the default run (about 84 runs):
+/// `cargo test --test integration -- --ignored --nocapture full_verify_matrix`.
+#[test]
+#[ignore]
+fn full_verify_matrix() {
+    let executors = [
+        ("cpu", ""),
+        ("cpu-deferred", "delay_steps = 0"),
+        ("cpu-deferred", "delay_steps = 1"),
+        ("cpu-deferred", "delay_steps = 3\njitter_steps = 2\nseed = 7"),
+    ];
+    println!(
+        "{:<20} {:>5}  {:<42} {:>7} {:>10} {:>6} {:>8}",
+        "model", "ranks", "executor", "checked", "mismatched", "stale", "launched"
+    );
+    let mut bad = Vec::new();
+    for model in FIXTURES {
+        for ranks in [1, 2, 4] {
+            for (executor, settings) in executors {
+                let dir = tempfile::tempdir().unwrap();
+                let graph = write_graph_with(
+                    dir.path(),
+                    model,
+                    "mooncake_conversation_head.jsonl",
+                    "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10",
+                    "64 MiB",
+                    &pool(ranks, executor, settings),
+                );
+                let r = run_graph(&graph, Overrides::default(), TestSwitches::default());
+                let name = format!("{executor} {}", settings.replace('\n', ", "));
+                let launched: u64 = r["launched_steps"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum();
+                println!(
+                    "{model:<20} {ranks:>5}  {name:<42} {:>7} {:>10} {:>6} {launched:>8}",
+                    r["verify"]["checked"], r["verify"]["mismatched"], r["stale_completions"]
+                );
+                if r["verify"]["mismatched"] != 0 || r["failed"] != 0 || r["verify"]["checked"] != 12 {
+                    bad.push(format!("{model} {ranks} {name}"));
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{bad:?}");
 }

@@ -298,6 +298,20 @@ fn check_prints_the_operator_graph() {
     for needle in ["digraph", "cluster_main", "align(t)", "forward(t)", "launched: LoopSignal", "sampled: Event"] {
         assert!(dot.contains(needle), "missing {needle}: {dot}");
     }
+    // Every graph the repository ships is valid; the two-pool one draws both pools.
+    for entry in std::fs::read_dir(repo().join("graphs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let out = kvflow(&["check", &path.to_string_lossy(), "--dot"]);
+            assert!(out.status.success(), "{}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+        }
+    }
+    let out = kvflow(&["check", &repo().join("graphs/two-pools.toml").to_string_lossy(), "--dot"]);
+    let dot = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        dot.contains("cluster_sync") && dot.contains("cluster_async") && dot.contains("executor: cpu-deferred"),
+        "{dot}"
+    );
 }
 
 #[test]

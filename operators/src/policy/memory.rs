@@ -30,11 +30,20 @@ pub struct MemoryLayout {
     pub prefix_keyed_by_prompt_len: bool,
 }
 
-/// What a request let go of while a step that read it was in flight.
+/// What a request let go of while a step that read it was in flight, each id with the
+/// generation it was held at.
 #[derive(Debug)]
 struct Pinned {
-    blocks: Vec<BlockId>,
-    slot: Option<SlotId>,
+    blocks: Vec<(BlockId, u32)>,
+    slot: Option<(SlotId, u32)>,
+}
+
+/// Which kind of id a record holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    Block,
+    Slot,
+    Snapshot,
 }
 
 pub struct RankMemory {
@@ -47,6 +56,9 @@ pub struct RankMemory {
     pinned: BTreeMap<u64, Vec<Pinned>>,
     /// The oldest step in flight (the rank keeps it current).
     in_flight_from: Option<u64>,
+    /// Releases of pinned ids that named an older generation than the id's current one: dropped
+    /// (they would have freed a newer holder's memory). Always 0 unless something is wrong.
+    pub stale_releases: u64,
 }
 
 impl RankMemory {
@@ -58,6 +70,7 @@ impl RankMemory {
             prefix: PrefixCache::new(layout.keeps_kv, layout.keeps_state),
             pinned: BTreeMap::new(),
             in_flight_from: None,
+            stale_releases: 0,
             layout,
         }
     }
@@ -99,6 +112,8 @@ impl RankMemory {
         let slot = seq.slot.take();
         match seq.take_last_launched() {
             Some(last) if self.in_flight_from.is_some_and(|oldest| last >= oldest) => {
+                let blocks = blocks.into_iter().map(|b| (b, self.blocks.generation(b))).collect();
+                let slot = slot.map(|s| (s, self.slots.generation(s)));
                 self.pinned.entry(last).or_default().push(Pinned { blocks, slot });
             }
             _ => self.free(blocks, slot),
@@ -126,8 +141,27 @@ impl RankMemory {
                 break;
             }
             for pin in entry.remove() {
-                self.free(pin.blocks, pin.slot);
+                for (b, generation) in pin.blocks {
+                    self.release_held(Held::Block, b, generation);
+                }
+                if let Some((s, generation)) = pin.slot {
+                    self.release_held(Held::Slot, s, generation);
+                }
             }
+        }
+    }
+
+    /// Drops one reference a record took on an id at `generation`; a release for an older
+    /// generation frees nothing and is counted.
+    pub fn release_held(&mut self, what: Held, id: u32, generation: u32) {
+        let pool = match what {
+            Held::Block => &mut self.blocks,
+            Held::Slot => &mut self.slots,
+            Held::Snapshot => &mut self.snapshots,
+        };
+        if let Err(stale) = pool.release_generation(id, generation) {
+            self.stale_releases += 1;
+            tracing::error!("{stale}");
         }
     }
 
@@ -160,8 +194,8 @@ impl RankMemory {
             seq.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
         }
         for pin in self.pinned.values().flatten() {
-            pin.blocks.iter().for_each(|&b| *blocks.entry(b).or_default() += 1);
-            pin.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
+            pin.blocks.iter().for_each(|&(b, _)| *blocks.entry(b).or_default() += 1);
+            pin.slot.iter().for_each(|&(s, _)| *slots.entry(s).or_default() += 1);
         }
         self.prefix.held_blocks().for_each(|b| *blocks.entry(b).or_default() += 1);
         self.prefix.held_snapshots().for_each(|s| *snapshots.entry(s).or_default() += 1);
@@ -202,12 +236,18 @@ fn compare(pool: &IdPool, owned: &BTreeMap<u32, u32>, problems: &mut Vec<String>
 mod tests {
     use super::*;
 
+    impl RankMemory {
+        fn snapshots_for_test(&mut self) -> SnapshotId {
+            self.snapshots.allocate().unwrap()
+        }
+    }
+
     fn memory() -> RankMemory {
         RankMemory::new(MemoryLayout {
             block_size: 4,
             blocks: 4,
             slots: 2,
-            snapshots: 0,
+            snapshots: 1,
             keeps_kv: true,
             keeps_state: true,
             prefix_keyed_by_prompt_len: false,
@@ -236,6 +276,19 @@ mod tests {
         mem.steps_in_flight_from(None); // step 11 completed
         assert!(mem.all_free(), "the step returned everything");
         assert_eq!(mem.num_pinned(), 0);
+    }
+
+    #[test]
+    fn a_release_for_an_older_generation_frees_nothing_and_is_counted() {
+        let mut mem = memory();
+        let first = mem.snapshots_for_test();
+        let generation = mem.snapshots.generation(first);
+        mem.release_held(Held::Snapshot, first, generation);
+        let again = mem.snapshots.allocate().unwrap();
+        assert_eq!(again, first, "the id is handed out again");
+        mem.release_held(Held::Snapshot, first, generation); // a late, duplicate release
+        assert_eq!(mem.snapshots.ref_count(again), 1, "the newer holder keeps it");
+        assert_eq!(mem.stale_releases, 1);
     }
 
     #[test]

@@ -59,9 +59,9 @@ pub struct StepDecision {
     pub admitted: Vec<(u64, usize)>,
     /// State copies to apply before the forward (new slots zeroed, prefix snapshots restored).
     pub state_ops: Vec<StateOp>,
-    /// Snapshots the restores read, each with a reference taken: the step owns them until it
-    /// completes.
-    pub restoring: Vec<SnapshotId>,
+    /// Snapshots the restores read, each with a reference taken (and its generation): the step
+    /// owns them until it completes.
+    pub restoring: Vec<(SnapshotId, u32)>,
 }
 
 impl StepDecision {
@@ -225,7 +225,7 @@ impl Scheduler {
                     None => StateOp::Zero { slot },
                 });
             }
-            out.restoring.extend(snapshot);
+            out.restoring.extend(snapshot.map(|s| (s, mem.snapshots.generation(s))));
             out.admitted.push((seq.id, seq.cached));
             book(&mut out, index, seq, len, t);
             budget -= len;

@@ -6,6 +6,7 @@
 
 use super::Rank;
 use crate::messages::{wall_ms, Event};
+use crate::policy::memory::Held;
 use crate::step::StepCompletion;
 use kvflow_kernels::hash;
 
@@ -45,8 +46,8 @@ impl Rank {
         }
         let record = self.in_flight.remove(pos).expect("found above");
         self.memory.steps_in_flight_from(self.oldest_in_flight());
-        for &snapshot in &record.restoring {
-            self.memory.snapshots.release(snapshot);
+        for &(snapshot, generation) in &record.restoring {
+            self.memory.release_held(Held::Snapshot, snapshot, generation);
         }
         self.applied_through = Some(self.applied_through.map_or(c.step, |a| a.max(c.step)));
         let sampled = match c.result {

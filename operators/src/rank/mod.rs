@@ -35,8 +35,8 @@ struct StepRecord {
     step: u64,
     /// Every sequence the step feeds (in the generation it was launched for).
     seqs: Vec<SeqKey>,
-    /// Snapshots its restores read, each holding a reference.
-    restoring: Vec<SnapshotId>,
+    /// Snapshots its restores read, each holding a reference (with its generation).
+    restoring: Vec<(SnapshotId, u32)>,
     /// Prefix-cache entries it publishes (dropped if the step fails).
     published: Vec<u64>,
 }
@@ -252,7 +252,8 @@ impl Rank {
     /// nothing in flight, and at the end of the run; what it finds is printed at once and fails
     /// the run at its end.
     pub fn check_accounting(&mut self, when: &str) {
-        let restoring: Vec<SnapshotId> = self.in_flight.iter().flat_map(|r| r.restoring.iter().copied()).collect();
+        let restoring: Vec<SnapshotId> =
+            self.in_flight.iter().flat_map(|r| r.restoring.iter().map(|&(s, _)| s)).collect();
         let mut problems = self.memory.audit(&self.seqs, &restoring);
         let (bs, kv) = (self.memory.layout.block_size, self.memory.layout.keeps_kv);
         problems.extend(self.seqs.iter().filter_map(|s| s.check(bs, kv).err()));
@@ -281,6 +282,7 @@ impl Rank {
         }
         self.check_accounting("at the end of the run");
         self.stats.pool_wakes = self.waker.pool_wakes();
+        self.stats.stale_releases = self.memory.stale_releases;
         self.stats.prefix_lookups = self.memory.prefix.lookups;
         self.stats.prefix_hit_blocks = self.memory.prefix.hit_blocks;
         self.memory.clear_prefix_cache();

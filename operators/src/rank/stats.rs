@@ -16,6 +16,9 @@ pub struct RankStats {
     /// Sampled tokens dropped because their sequence had moved to a newer generation
     /// (preempted or cancelled while the step was in flight).
     pub stale_completions: u64,
+    /// Releases of held ids that named an older generation (dropped; always 0 unless something is
+    /// wrong).
+    pub stale_releases: u64,
     /// Completions for a step or sequence the rank never launched or no longer knows.
     pub unknown_completions: u64,
     /// Times this rank woke its parked pool (new work on rank 0, a completion on any rank).
