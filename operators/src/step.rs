@@ -87,6 +87,8 @@ pub struct StepLaunch<'a> {
     /// The newest step whose completion the rank has applied: tokens sampled at or before it are
     /// known to the rank and never named by a later launch.
     pub applied_through: Option<u64>,
+    /// The sequences the step samples, in batch order (what its completion reports on).
+    pub sampling: &'a [SeqKey],
     pub batch: &'a dyn SeqSource,
 }
 

@@ -8,7 +8,7 @@
 //!    number of frontier-waited exchanges per step (one all-to-all) on the same `R` workers,
 //!    measured in the same run, alternating. Last line `round_ratio=<pool over bare>`.
 //!
-//! Every figure is the least of five runs (noise on a shared machine only adds time).
+//! Every figure is the least of several runs (noise on a shared machine only adds time).
 //!
 //! Both are first measured with completions delayed by one launch (each decode names the token
 //! still in flight; the `null` executor with `delay_steps = 1`), printed as `deferred_…` figures
@@ -301,8 +301,10 @@ fn measure(r: usize, s: usize, steps: usize, delay: u64) -> Result<(Vec<f64>, Ve
 }
 
 /// Runs of each measurement. Each figure is the least over its runs: on a shared machine noise
-/// only ever adds time, so the least run is the closest to what the work itself costs.
+/// only ever adds time, so the least run is the closest to what the work itself costs. (A policy
+/// run is 200 steps on one thread, a few milliseconds: it gets more runs.)
 const RUNS: usize = 5;
+const POLICY_RUNS: usize = 15;
 
 fn least(v: Vec<f64>) -> f64 {
     v.into_iter().fold(f64::INFINITY, f64::min)
@@ -318,7 +320,7 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     // The policy figures first, on a fresh heap (the pool runs leave it fragmented).
-    let policies = [1, 0].map(|delay| least((0..RUNS).map(|_| policy_us_per_step(r, s, 200, delay)).collect()));
+    let policies = [1, 0].map(|delay| least((0..POLICY_RUNS).map(|_| policy_us_per_step(r, s, 200, delay)).collect()));
     let (pools, bares, steps) = measure(r, s, args.steps, 1)?;
     let policy = policies[0];
     let (pool, bare) = (least(pools.clone()), least(bares.clone()));
@@ -328,7 +330,7 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
     let (pools, bares, steps) = measure(r, s, args.steps, 0)?;
     let policy = policies[1];
     let (pool, bare) = (least(pools.clone()), least(bares.clone()));
-    println!("policy       scheduling + StepPlan, summed over ranks: {policy:.1} µs CPU per step (least of {RUNS} runs of 200 steps)");
+    println!("policy       scheduling + StepPlan, summed over ranks: {policy:.1} µs CPU per step (least of {POLICY_RUNS} runs of 200 steps)");
     println!(
         "pool         {steps} steps, no-math executor: {pool:.3} ms per step (steady state, least of runs {pools:.3?})"
     );

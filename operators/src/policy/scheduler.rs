@@ -69,6 +69,16 @@ impl StepDecision {
     pub fn is_empty(&self) -> bool {
         self.chunks.is_empty()
     }
+
+    /// Empties it, keeping its buffers for the next step.
+    pub fn clear(&mut self) {
+        self.chunks.clear();
+        self.preempted.clear();
+        self.failed.clear();
+        self.admitted.clear();
+        self.state_ops.clear();
+        self.restoring.clear();
+    }
 }
 
 /// Waiting and running requests of one rank, as indices into its [`Sequences`].
@@ -127,7 +137,15 @@ impl Scheduler {
     /// launched at `t` (the step is always launched as decided): its tokens count as computed,
     /// a token it samples as in flight.
     pub fn schedule(&mut self, seqs: &mut Sequences, mem: &mut RankMemory, t: u64) -> StepDecision {
-        let mut out = StepDecision { chunks: Vec::with_capacity(self.running.len() + 8), ..Default::default() };
+        let mut out = StepDecision::default();
+        self.schedule_into(seqs, mem, t, &mut out);
+        out
+    }
+
+    /// [`Scheduler::schedule`] into `out` (emptied first; its buffers are reused).
+    pub fn schedule_into(&mut self, seqs: &mut Sequences, mem: &mut RankMemory, t: u64, out: &mut StepDecision) {
+        out.clear();
+        out.chunks.reserve(self.running.len() + 8);
         let mut budget = self.config.max_batched_tokens;
         let bs = mem.layout.block_size;
         // 1. running requests, oldest first: decodes (one token), then prefill chunks
@@ -161,7 +179,7 @@ impl Scheduler {
                 }
                 // The common case: a decode whose next token fits in the blocks it holds.
                 if remaining == 1 && (!mem.layout.keeps_kv || seq.computed < seq.blocks.len() * bs) {
-                    book(&mut out, index, seq, 1, t);
+                    book(out, index, seq, 1, t);
                     budget -= 1;
                     continue;
                 }
@@ -169,13 +187,13 @@ impl Scheduler {
                 loop {
                     let seq = seqs.get_mut(index);
                     if mem.ensure_blocks(seq, seq.computed + len) {
-                        book(&mut out, index, seq, len, t);
+                        book(out, index, seq, len, t);
                         budget -= len;
                         break;
                     }
                     // Out of blocks: the youngest running request gives its memory back.
                     let victim = self.running.pop().expect("this request is running");
-                    budget += self.preempt(victim, seqs, mem, &mut out);
+                    budget += self.preempt(victim, seqs, mem, out);
                     if victim == index {
                         break;
                     }
@@ -227,12 +245,11 @@ impl Scheduler {
             }
             out.restoring.extend(snapshot.map(|s| (s, mem.snapshots.generation(s))));
             out.admitted.push((seq.id, seq.cached));
-            book(&mut out, index, seq, len, t);
+            book(out, index, seq, len, t);
             budget -= len;
             self.waiting.pop_front();
             self.running.push(index);
         }
-        out
     }
 
     /// Tokens to feed `seq` this step within `budget`, stopping at a snapshot boundary.

@@ -17,24 +17,15 @@ use std::collections::HashMap;
 /// The tokens a sequence has in flight: sampled by launched steps that have not completed.
 /// Only the newest is ever fed before it is known (each decode feeds the token sampled just
 /// before it), so its step is all a launch names; the others complete in launch order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PendingTokens {
     count: u32,
     /// The step that samples the newest token in flight.
     newest: u64,
-    /// The step whose token was applied last (completions come in step order); `NONE` before
-    /// the first.
-    applied: u64,
 }
 
 /// No step (the sequence fields keep plain `u64`s: an `Option` would double their size).
 const NONE: u64 = u64::MAX;
-
-impl Default for PendingTokens {
-    fn default() -> Self {
-        PendingTokens { count: 0, newest: 0, applied: NONE }
-    }
-}
 
 impl PendingTokens {
     pub fn len(&self) -> usize {
@@ -56,15 +47,15 @@ impl PendingTokens {
         (self.count > 0).then_some(self.newest)
     }
 
-    /// Step `t`'s token arrived: the oldest in flight. Returns false (and changes nothing) for a
-    /// step that cannot be it — none in flight, already applied, or later than the newest.
+    /// Step `t`'s token arrived: the oldest in flight (completions come in step order; a step's
+    /// second completion finds no record and never gets here). Returns false (and changes
+    /// nothing) for a step that cannot be it — none in flight, or later than the newest.
     pub fn pop(&mut self, t: u64) -> bool {
-        let in_order = self.count > 0 && t <= self.newest && (self.applied == NONE || self.applied < t);
-        if in_order {
+        let possible = self.count > 0 && t <= self.newest;
+        if possible {
             self.count -= 1;
-            self.applied = t;
         }
-        in_order
+        possible
     }
 
     /// Forgets every token in flight (the request starts over).
@@ -82,12 +73,12 @@ pub struct Sequence {
     pub computed: usize,
     pub prompt_len: usize,
     pub max_output_tokens: usize,
-    /// Prompt followed by every generated token whose value is known.
-    pub tokens: Vec<u32>,
-    /// Tokens sampled by launched steps that have not completed.
-    pub pending: PendingTokens,
     /// The last step launched that feeds it (which reads and writes its memory).
     last_launched: u64,
+    /// Tokens sampled by launched steps that have not completed.
+    pub pending: PendingTokens,
+    /// Prompt followed by every generated token whose value is known.
+    pub tokens: Vec<u32>,
     pub blocks: BlockTable,
     pub slot: Option<SlotId>,
     /// Its slab index and generation (set by [`Sequences`]).
@@ -111,8 +102,9 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(id: u64, prompt: Vec<u32>, max_output_tokens: usize, warmup: bool) -> Self {
+    pub fn new(id: u64, mut prompt: Vec<u32>, max_output_tokens: usize, warmup: bool) -> Self {
         let prompt_len = prompt.len();
+        prompt.reserve_exact(max_output_tokens); // outputs are pushed one per step: no regrowth
         Sequence {
             id,
             key: SeqKey { index: u32::MAX, generation: VACANT },
@@ -343,9 +335,8 @@ mod tests {
         assert_eq!(seq.outstanding_tokens(), 0);
         assert!(seq.check(16, false).is_ok());
         assert!(!seq.pending.pop(13), "no step after the newest samples it");
-        assert!(seq.pending.pop(10) && seq.pending.pop(11));
-        assert!(!seq.pending.pop(11), "a duplicate completion is refused");
-        assert!(seq.pending.pop(12) && seq.pending.is_empty());
+        assert!(seq.pending.pop(10) && seq.pending.pop(11) && seq.pending.pop(12));
+        assert!(seq.pending.is_empty() && !seq.pending.pop(12), "nothing is left in flight");
     }
 
     #[test]

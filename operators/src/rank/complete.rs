@@ -55,14 +55,16 @@ impl Rank {
             Err(e) => {
                 let m = &mut self.memory;
                 m.prefix.forget(&record.published, &mut m.blocks, &mut m.snapshots);
-                for key in record.seqs {
+                for &key in &record.seqs {
                     if self.seqs.by_key_mut(key).is_some() {
                         self.fail(key.index as usize, c.step, "executor", format!("step {} failed: {e}", c.step));
                     }
                 }
+                self.spare_keys.push(record.seqs);
                 return;
             }
         };
+        self.spare_keys.push(record.seqs);
         let now = wall_ms();
         let check = !self.switches.accept_stale_completions;
         for s in sampled {

@@ -18,7 +18,7 @@ struct Batch<'a> {
     chunks: &'a [Chunk],
     seqs: &'a Sequences,
     /// Test switch: block tables replaced for some sequences.
-    swapped: &'a HashMap<usize, Vec<u32>>,
+    swapped: Option<&'a HashMap<usize, Vec<u32>>>,
 }
 
 impl SeqSource for Batch<'_> {
@@ -37,7 +37,7 @@ impl SeqSource for Batch<'_> {
             known: &s.tokens[c.start.min(known_end)..known_end],
             deferred: c.deferred,
             start_pos: c.start,
-            block_table: self.swapped.get(&c.seq).map_or(s.blocks.blocks(), |t| &t[..]),
+            block_table: self.swapped.and_then(|m| m.get(&c.seq)).map_or(s.blocks.blocks(), |t| &t[..]),
             slot: s.slot,
             prompt_len: s.prompt_len,
             sample: c.sample,
@@ -52,7 +52,7 @@ impl Rank {
         if self.switches.stuck_in_forward == Some((self.index, self.stats.steps)) {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }
-        let decided = std::mem::take(&mut self.decided);
+        let mut decided = std::mem::take(&mut self.decided);
         self.stats.steps += 1;
         self.stats.step_ms.push(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
@@ -79,6 +79,7 @@ impl Rank {
         }
         if decided.is_empty() {
             self.stats.empty_steps += 1;
+            self.decided = decided;
             self.flush();
             return;
         }
@@ -116,29 +117,38 @@ impl Rank {
         }
         // 2. the launch the executor sees, read in place
         let swapped = self.swapped_tables(&decided.chunks);
-        let batch = Batch { chunks: &decided.chunks, seqs: &self.seqs, swapped: &swapped };
+        let batch = Batch { chunks: &decided.chunks, seqs: &self.seqs, swapped: swapped.as_ref() };
+        let mut sampling = std::mem::take(&mut self.sampling);
+        sampling.clear();
+        sampling.extend(decided.chunks.iter().filter(|c| c.sample).map(|c| c.key));
         let launch = StepLaunch {
             step: t,
             before: &decided.state_ops,
             after: &after,
             applied_through: self.applied_through,
+            sampling: &sampling,
             batch: &batch,
         };
         for phase in 0..self.executor.phases() {
             self.executor.launch(&launch, phase);
         }
-        let keys = decided.chunks.iter().map(|c| c.key).collect();
-        self.in_flight.push_back(StepRecord { step: t, seqs: keys, restoring: decided.restoring, published });
+        self.sampling = sampling;
+        let mut keys = self.spare_keys.pop().unwrap_or_default();
+        keys.clear();
+        keys.extend(decided.chunks.iter().map(|c| c.key));
+        let restoring = std::mem::take(&mut decided.restoring);
+        self.in_flight.push_back(StepRecord { step: t, seqs: keys, restoring, published });
         self.memory.steps_in_flight_from(self.oldest_in_flight());
         self.stats.launched_steps += 1;
         self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
+        self.decided = decided;
     }
 
     /// Test switch: block tables with their first two entries swapped, for the decodes of the
     /// requests it names.
-    fn swapped_tables(&self, chunks: &[Chunk]) -> HashMap<usize, Vec<u32>> {
-        let Some(every) = self.switches.swap_block_table_every else { return HashMap::new() };
-        chunks
+    fn swapped_tables(&self, chunks: &[Chunk]) -> Option<HashMap<usize, Vec<u32>>> {
+        let every = self.switches.swap_block_table_every?;
+        let swapped = chunks
             .iter()
             .filter_map(|c| {
                 let s = self.seqs.get(c.seq);
@@ -149,7 +159,8 @@ impl Rank {
                     (c.seq, t)
                 })
             })
-            .collect()
+            .collect();
+        Some(swapped)
     }
 
     fn sample_utilization(&mut self, chunks: &[Chunk]) {

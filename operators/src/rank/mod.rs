@@ -61,6 +61,9 @@ pub struct Rank {
     completions: Vec<StepCompletion>,
     /// The newest step whose completion was applied.
     applied_through: Option<u64>,
+    /// Buffers kept between steps: the keys a launch samples, and records' key lists.
+    sampling: Vec<SeqKey>,
+    spare_keys: Vec<Vec<SeqKey>>,
     /// What the accounting checks found.
     accounting: Vec<String>,
     pub stats: RankStats,
@@ -90,6 +93,8 @@ impl Rank {
             events: Vec::new(),
             completions: Vec::new(),
             applied_through: None,
+            sampling: Vec::new(),
+            spare_keys: Vec::new(),
             accounting: Vec::new(),
             stats: RankStats::default(),
         }
@@ -181,7 +186,7 @@ impl Rank {
         self.step = t;
         self.waker.take(); // what raised it is polled now
         self.poll();
-        self.decided = self.scheduler.schedule(&mut self.seqs, &mut self.memory, t);
+        self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
         if self.decided.is_empty() && self.in_flight.is_empty() && !self.scheduler.is_idle() {
             self.fail_unschedulable();
         }
