@@ -1,8 +1,9 @@
-//! `emit(t)`: collects every rank's events on worker 0 (an exchange to worker 0), where the
-//! run's results live. Events cross ranks only when a request ends (finished, failed or
-//! cancelled), carrying the times its rank stamped on every token; the collector turns them into
-//! records and tells the workload driver which requests completed. Holds no capability;
-//! completions never flow back into the step loop (DESIGN §4: they must not gate a step).
+//! `emit(t)`: collects every rank's events on worker 0 (an exchange to worker 0) and hands them
+//! to the run's collector. It consumes `forward`'s *sampled* output: each request that ended
+//! (finished, failed or cancelled) arrives at the step whose completion ended it, carrying when
+//! its first and last tokens became known on its rank; events cross ranks only then. Holds no
+//! capability; nothing it receives flows back into the step loop (DESIGN §4: completions must
+//! not gate a step).
 
 use crate::messages::Event;
 use timely::dataflow::channels::pact::Exchange;

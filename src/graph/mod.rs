@@ -164,7 +164,8 @@ pub use kvflow_operators::policy::scheduler::SchedulerConfig;
 /// Which of a run's pools a new request enters (`workload.pool_choice`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PoolChoice {
-    /// A seeded draw per request (seeded by `workload.seed`): the same split every run.
+    /// A seeded split (by `workload.seed`): each run of as many consecutive requests as there are
+    /// pools is dealt out in a seeded order — equal shares, the same split every run.
     Seeded,
     /// Each request to the next pool in turn.
     RoundRobin,

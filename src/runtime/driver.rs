@@ -48,12 +48,22 @@ pub struct Placement {
 }
 
 impl Placement {
-    /// The pool (index into the entry pools) request `id`, the `nth` released, goes to.
-    pub fn pick(&self, id: u64, nth: usize, pools: usize) -> usize {
+    /// The pool (index into the entry pools) the `nth` request released goes to. A seeded
+    /// split deals each run of `pools` consecutive requests out in a seeded order, so the pools
+    /// get equal shares whatever the seed, and the same split every run.
+    pub fn pick(&self, nth: usize, pools: usize) -> usize {
         match self.choice {
             _ if pools <= 1 => 0,
-            PoolChoice::Seeded => (hash::mix(hash::mix(hash::EMPTY, self.seed ^ 0x9001), id) % pools as u64) as usize,
             PoolChoice::RoundRobin => nth % pools,
+            PoolChoice::Seeded => {
+                let mut order: Vec<usize> = (0..pools).collect();
+                let mut state = hash::mix(hash::mix(hash::EMPTY, self.seed ^ 0x9001), (nth / pools) as u64);
+                for i in (1..pools).rev() {
+                    state = hash::mix(state, i as u64);
+                    order.swap(i, (state % (i as u64 + 1)) as usize);
+                }
+                order[nth % pools]
+            }
         }
     }
 }
@@ -125,7 +135,7 @@ fn run(job: DriverJob) {
         &mode,
         |req: Request| {
             let is_warmup = (req.id as usize) < warmup;
-            let pool = &pools[placement.pick(req.id, nth, pools.len())];
+            let pool = &pools[placement.pick(nth, pools.len())];
             nth += 1;
             collector.lock().unwrap_or_else(|e| e.into_inner()).released(
                 req.id,
@@ -191,14 +201,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_seeded_pool_choice_splits_requests_about_evenly_and_the_same_every_run() {
+    fn a_seeded_pool_choice_splits_requests_evenly_and_the_same_every_run() {
         let seeded = Placement { choice: PoolChoice::Seeded, seed: 3 };
-        let picks: Vec<usize> = (0..1000).map(|id| seeded.pick(id, id as usize, 2)).collect();
-        let first = picks.iter().filter(|&&p| p == 0).count();
-        assert!((400..600).contains(&first), "{first} of 1000 to the first pool");
-        assert_eq!(picks, (0..1000).map(|id| seeded.pick(id, id as usize, 2)).collect::<Vec<_>>());
-        assert_eq!(Placement { choice: PoolChoice::RoundRobin, seed: 3 }.pick(9, 3, 2), 1);
-        assert_eq!(seeded.pick(9, 3, 1), 0);
+        for pools in [2, 3] {
+            let requests = 333 * pools;
+            let picks: Vec<usize> = (0..requests).map(|n| seeded.pick(n, pools)).collect();
+            for p in 0..pools {
+                assert_eq!(picks.iter().filter(|&&x| x == p).count(), 333, "pool {p} of {pools}");
+            }
+            assert_eq!(picks, (0..requests).map(|n| seeded.pick(n, pools)).collect::<Vec<_>>(), "the same every run");
+            assert_ne!(picks, (0..requests).map(|n| n % pools).collect::<Vec<_>>(), "not plain turns");
+            let other = Placement { seed: 4, ..seeded };
+            assert_ne!(picks, (0..requests).map(|n| other.pick(n, pools)).collect::<Vec<_>>(), "the seed matters");
+        }
+        assert_eq!(Placement { choice: PoolChoice::RoundRobin, seed: 3 }.pick(3, 2), 1);
+        assert_eq!(seeded.pick(3, 1), 0);
     }
 
     #[test]

@@ -7,6 +7,17 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// The seven fixture checkpoints of `fixtures/hf` (six families), as `hf/<name>`.
+pub const FIXTURES: [&str; 7] = [
+    "hf/llama",
+    "hf/qwen3",
+    "hf/deepseek_v3",
+    "hf/deepseek_v32",
+    "hf/qwen3_next",
+    "hf/qwen3_next_gdn",
+    "hf/kimi_linear",
+];
+
 pub fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }

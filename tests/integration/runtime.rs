@@ -4,7 +4,7 @@
 //! threads. Every run also asserts that each rank ends with every block, slot and snapshot free
 //! (the runtime fails the run otherwise).
 
-use crate::common::{assert_clean_failure, kvflow, repo};
+use crate::common::{assert_clean_failure, kvflow, repo, FIXTURES};
 use kvflow::graph::{Graph, Overrides};
 use kvflow::runtime::{self, RunOptions};
 use kvflow_operators::rank::TestSwitches;
@@ -101,15 +101,7 @@ pub fn assert_exact(report: &Value, what: &str) {
 
 #[test]
 fn every_family_on_one_two_and_four_ranks_matches_the_reference_path() {
-    for model in [
-        "hf/llama",
-        "hf/qwen3",
-        "hf/deepseek_v3",
-        "hf/deepseek_v32",
-        "hf/qwen3_next",
-        "hf/qwen3_next_gdn",
-        "hf/kimi_linear",
-    ] {
+    for model in FIXTURES {
         let dir = tempfile::tempdir().unwrap();
         let graph = write_graph(
             dir.path(),
