@@ -1,13 +1,13 @@
 //! `admit`: wakes a parked pool, from any rank. Rank 0 also drains the pool's ingress (requests
 //! and cancellations released by the workload driver) for its `schedule` to report.
 //!
-//! Consumes the feedback stream (`Launched`/`Parked`/`Ended` of step `t`, delivered at `t + 1`)
-//! and the wake loop (every wake record, delivered one step later). Holds a capability only while
-//! the pool is parked: from the start (time 0) and from each `Parked(t)` (at `t + 1`, retained
-//! from that signal) until the pool resumes. When parked and something needs it — the ingress has
-//! work (rank 0), the workload is done after a quiescent park (rank 0: the pool must run its
-//! ending step), or something raised the rank's [`RankWaker`] (a completion landed on this rank)
-//! — it emits a wake record at its capability's time; the record is broadcast to every rank's
+//! Consumes the feedback stream (`Launched`/`Waiting`/`Parked`/`Ended` of step `t`, delivered at
+//! `t + 1`) and the wake loop (every wake record, delivered one step later). Holds a capability
+//! only while the pool idles: from the start (time 0) and from each `Waiting(t)` or `Parked(t)`
+//! (at `t + 1`, retained from that signal) until the pool resumes. When idle and something needs
+//! it — the ingress has work (rank 0), the workload is done after a park (rank 0: the pool must
+//! run its ending step), or something raised the rank's [`RankWaker`] (a completion landed on
+//! this rank) — it emits a wake record at its capability's time; the record is broadcast to every rank's
 //! `schedule`, so every rank resumes at the same step, and through the wake loop to every
 //! `admit`, which then lets go of its own capability. It never holds a capability while the pool
 //! runs, so it never holds back `align`.
@@ -121,8 +121,8 @@ pub fn admit<'scope>(
     builder.build(move |mut caps| {
         // Parked from the start: nothing runs before the first request.
         let mut parked: Option<Capability<u64>> = caps.pop();
-        let mut quiescent = true;
-        // Every step up to this one has been woken (by some rank).
+        let mut parked_for_good = true; // parked (not waiting): only new work wakes the pool
+                                        // Every step up to this one has been woken (by some rank).
         let mut woken_through: Option<u64> = None;
         let mut held = Vec::new(); // test switch: capabilities kept forever
         move |_frontiers| {
@@ -139,10 +139,10 @@ pub fn admit<'scope>(
                 for signal in data.flat_map(|d| d.drain(..)) {
                     match signal {
                         LoopSignal::Launched => {}
-                        LoopSignal::Parked { quiescent: q } => {
+                        LoopSignal::Waiting | LoopSignal::Parked => {
                             if woken_through.is_none_or(|w| w < t) {
                                 parked = stamp.retain_least(0);
-                                quiescent = q;
+                                parked_for_good = signal == LoopSignal::Parked;
                             }
                         }
                         LoopSignal::Ended => parked = None,
@@ -158,7 +158,7 @@ pub fn admit<'scope>(
             }
             let Some(cap) = parked.as_ref() else { return };
             let work = pending.borrow();
-            let wanted = !work.is_empty() || (work.closed && quiescent && ingress.is_some());
+            let wanted = !work.is_empty() || (work.closed && parked_for_good && ingress.is_some());
             drop(work);
             if wanted || waker.take() {
                 let t = *cap.time();

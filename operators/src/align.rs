@@ -7,8 +7,8 @@
 //! Holds a capability for `t` from the first report of `t` until the plan is emitted.
 //!
 //! A set of reports that is not one per rank (a report missing or duplicated: a runtime fault,
-//! not a user error) still yields a plan, one that parks the pool and names the fault, so the
-//! run stops with a diagnosis instead of a panic.
+//! not a user error) still yields a plan: its admissions fail with the fault named (rank 0
+//! reports them), cancellations go through, and no request is left unaccounted — never a panic.
 //!
 //! Guarantee carried: collective alignment (DESIGN §5) — no rank acts on step `t` before it holds
 //! the complete set of reports, and every rank derives the same plan from it, so any collective
@@ -94,21 +94,16 @@ fn complete_set(t: u64, got: &[RankReport], ranks: usize) -> Result<(), String> 
     Ok(())
 }
 
-/// The plan of a step whose reports are not one per rank: nothing is admitted or launched, the
-/// pool parks, and the fault is logged and named by the run's stall diagnosis.
-fn faulted_plan(step: u64, ranks: Vec<RankReport>, fault: String) -> StepPlan {
+/// The plan of a step whose reports are not one per rank: nothing new is admitted — those
+/// requests fail with the fault — cancellations go through, and the pool neither parks nor ends
+/// on it (it cannot tell that every rank is idle).
+fn faulted_plan(step: u64, mut ranks: Vec<RankReport>, fault: String) -> StepPlan {
     tracing::error!("{fault}");
     eprintln!("runtime fault: {fault}");
-    StepPlan {
-        step,
-        ranks,
-        routed: Vec::new(),
-        unroutable: Vec::new(),
-        cancels: Vec::new(),
-        park: true,
-        quiescent: false,
-        end: false,
-    }
+    let unroutable =
+        ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.admissions)).map(|a| (a, fault.clone())).collect();
+    let cancels = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.cancels)).collect();
+    StepPlan { step, ranks, routed: Vec::new(), unroutable, cancels, idle: false, park: false, end: false }
 }
 
 /// `StepPlan(t)` from the complete, rank-ordered reports of `t`.
@@ -132,10 +127,10 @@ pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Route
         routed.push((a, rank));
     }
     let launches = ranks.iter().any(|r| r.scheduled_tokens > 0);
-    let park = !launches && routed.is_empty() && unroutable.is_empty() && cancels.is_empty();
-    let quiescent = park && ranks.iter().all(RankReport::idle);
-    let end = quiescent && ranks.first().is_some_and(|r| r.closing);
-    StepPlan { step, ranks, routed, unroutable, cancels, park, quiescent, end }
+    let idle = !launches && routed.is_empty() && unroutable.is_empty() && cancels.is_empty();
+    let park = idle && ranks.iter().all(RankReport::idle);
+    let end = park && ranks.first().is_some_and(|r| r.closing);
+    StepPlan { step, ranks, routed, unroutable, cancels, idle, park, end }
 }
 
 #[cfg(test)]
@@ -164,8 +159,8 @@ mod tests {
     }
 
     #[test]
-    fn the_pool_parks_only_when_no_rank_launches_and_nothing_was_admitted_or_cancelled() {
-        assert!(plan(vec![report(0), report(1)]).park);
+    fn the_pool_idles_only_when_no_rank_launches_and_nothing_was_admitted_or_cancelled() {
+        assert!(plan(vec![report(0), report(1)]).idle);
         // Each fact that means work at this step, alone, keeps the pool running.
         let mut with_work = Vec::new();
         for flip in 0..3 {
@@ -175,11 +170,11 @@ mod tests {
                 1 => r[0].cancels.push(4),
                 _ => r[0].admissions.push(Admission { id: 1, prompt: vec![1], max_output_tokens: 1, warmup: false }),
             }
-            with_work.push(plan(r).park);
+            with_work.push(plan(r).idle);
         }
         assert_eq!(with_work, vec![false; 3]);
         // Facts that are not work at this step do not move the decision: requests held but
-        // waiting for a completion in flight park the pool until that completion wakes it.
+        // waiting for a completion in flight idle the pool until that completion wakes it.
         let mut r = vec![report(0), report(1)];
         r[0].outstanding_tokens = 99;
         r[1].scheduled_seqs = 0;
@@ -187,14 +182,15 @@ mod tests {
         r[0].waiting = 1;
         r[1].in_flight = 1;
         r[0].closing = true;
-        assert!(plan(r).park);
+        let p = plan(r);
+        assert!(p.idle && !p.park, "it waits: it does not park");
     }
 
     #[test]
-    fn the_pool_checks_its_accounting_only_when_nothing_is_held_or_in_flight_and_ends_only_then() {
+    fn the_pool_parks_only_when_nothing_is_held_or_in_flight_and_ends_only_then() {
         let quiet = || vec![report(0), report(1)];
         let p = plan(quiet());
-        assert!(p.quiescent && !p.end);
+        assert!(p.park && !p.end);
         for flip in 0..3 {
             let mut r = quiet();
             match flip {
@@ -203,7 +199,7 @@ mod tests {
                 _ => r[1].running = 1,
             }
             let p = plan(r);
-            assert!(p.park && !p.quiescent && !p.end, "flip {flip}");
+            assert!(p.idle && !p.park && !p.end, "flip {flip}");
         }
         let mut r = quiet();
         r[0].closing = true;
@@ -231,7 +227,7 @@ mod tests {
         assert!(p.routed.is_empty());
         assert_eq!(p.unroutable.len(), 1);
         assert!(p.unroutable[0].1.contains("rank 2 of a 2-rank pool"), "{:?}", p.unroutable);
-        assert!(!p.park, "rank 0 must run the step that fails it");
+        assert!(!p.idle, "rank 0 must run the step that fails it");
     }
 
     #[test]
@@ -240,6 +236,15 @@ mod tests {
         let e = complete_set(4, &[report(0)], 2).unwrap_err();
         assert!(e.contains("step 4") && e.contains("[0]") && e.contains("2-rank"), "{e}");
         assert!(complete_set(4, &[report(0), report(0)], 2).is_err());
+        // The plan of such a step fails its admissions with the fault and keeps its cancels.
+        let mut r = report(0);
+        r.admissions.push(Admission { id: 8, prompt: vec![1], max_output_tokens: 1, warmup: false });
+        r.cancels.push(3);
+        let p = faulted_plan(4, vec![r], e.clone());
+        assert_eq!(p.unroutable.len(), 1);
+        assert_eq!((p.unroutable[0].0.id, p.unroutable[0].1.as_str()), (8, e.as_str()));
+        assert_eq!(p.cancels, vec![3]);
+        assert!(p.routed.is_empty() && !p.idle && !p.park && !p.end);
     }
 
     #[test]

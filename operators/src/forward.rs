@@ -4,16 +4,17 @@
 //! requests it cancels.
 //!
 //! Two outputs, two completions (DESIGN §4):
-//! - *launched*, on the feedback edge: `Launched` as soon as the batch is launched (or `Parked` /
-//!   `Ended` when the plan says so), delivered to `schedule(t + 1)` and `admit` — all the next
-//!   step needs;
+//! - *launched*, on the feedback edge: `Launched` as soon as the batch is launched (or `Waiting`
+//!   / `Parked` / `Ended` when the plan says the pool idles, parks or ends), delivered to
+//!   `schedule(t + 1)` and `admit` — all the next step needs;
 //! - *sampled*, to `emit`: the requests that ended (finished, failed, cancelled), each at the
 //!   step whose completion ended it. This output holds a capability for every step of this rank
 //!   still in flight, from its launch until its completion is applied, so whatever consumes it
 //!   sees step `t`'s frontier pass only once step `t` has completed. Nothing downstream of it
 //!   feeds back into the step loop.
 //!
-//! When the plan parks the pool with nothing in flight, every rank checks its accounting.
+//! Whenever the pool idles — it parks (nothing held, nothing in flight) or waits on steps in
+//! flight — every rank checks its accounting.
 //!
 //! Guarantee carried: only `Launched(t)` gates `t + 1` (DESIGN §4).
 
@@ -72,13 +73,17 @@ pub fn forward<'scope>(
                         let signal = if plan.end {
                             LoopSignal::Ended
                         } else if plan.park {
-                            LoopSignal::Parked { quiescent: plan.quiescent }
+                            LoopSignal::Parked
+                        } else if plan.idle {
+                            LoopSignal::Waiting
                         } else {
                             LoopSignal::Launched
                         };
                         signal_session.session(&signal_cap).give(signal);
-                        if plan.quiescent {
+                        if plan.park {
                             rank.check_accounting(&format!("at park after step {t}"));
+                        } else if plan.idle {
+                            rank.check_accounting(&format!("while waiting after step {t}"));
                         }
                     }
                 }

@@ -54,13 +54,14 @@ pub struct StepPlan {
     pub unroutable: Vec<(Admission, String)>,
     /// Requests cancelled at `t`: whichever rank holds one frees it.
     pub cancels: Vec<u64>,
-    /// No rank launches anything and nothing was admitted or cancelled: the pool parks after
-    /// this step until something wakes it (an admission, or a completion of a step in flight).
+    /// No rank launches anything and nothing was admitted or cancelled: the pool stops stepping
+    /// after this step until something wakes it. With steps in flight (or requests held that wait
+    /// on them) it *waits* — the completion that lands on some rank wakes it; otherwise it parks.
+    pub idle: bool,
+    /// Idle with no request held and nothing in flight on any rank: the pool parks (and every
+    /// rank checks its accounting); only a new admission wakes it.
     pub park: bool,
-    /// It parks with nothing in flight and no request held anywhere: every rank checks its
-    /// accounting.
-    pub quiescent: bool,
-    /// Quiescent, and the workload is done (rank 0's ingress is closed): the pool ends.
+    /// Parked, and the workload is done (rank 0's ingress is closed): the pool ends.
     pub end: bool,
 }
 
@@ -69,9 +70,12 @@ pub struct StepPlan {
 pub enum LoopSignal {
     /// Step `t` launched: its batch structure is known, so `t + 1` may be scheduled.
     Launched,
-    /// The pool parked after `t`: nothing runs until some rank's `admit` wakes it.
-    /// `quiescent`: nothing was in flight either.
-    Parked { quiescent: bool },
+    /// Nothing could run after `t`, but steps are in flight: the pool waits until the completion
+    /// that lands on some rank wakes it (through that rank's `admit`).
+    Waiting,
+    /// The pool parked after `t`: no request held, nothing in flight; it runs again when rank 0's
+    /// `admit` has new work.
+    Parked,
     /// The pool ended after `t`: every operator lets go of its capabilities.
     Ended,
 }

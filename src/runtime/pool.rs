@@ -6,7 +6,7 @@
 //! ```text
 //! ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─┬▶ emit(t) ─▶ collector
 //!              ▲ ▲ └─ wake loop (t+1) ─┘     ▲        (broadcast)               │ (sampled: held per step in flight)
-//!              │ └── feedback: Launched / Parked / Ended (t+1) ◀────────────────┘
+//!              │ └── feedback: Launched / Waiting / Parked / Ended (t+1) ◀──────┘
 //!              └── RankWaker (completions landing on this rank)
 //! ```
 

@@ -1,10 +1,15 @@
-//! Code outside the kvflow crates registers its own router and a graph runs it by name.
+//! Code outside the kvflow crates registers its own router or executor and a graph runs it by
+//! name; a route outside the pool fails only those requests; any rank wakes its parked pool.
 
 use crate::runtime::write_graph;
 use kvflow::graph::{Graph, Overrides};
 use kvflow::registry::Registry;
 use kvflow::runtime::{self, RunOptions};
+use kvflow_operators::executor::{
+    CpuExecutor, CpuStepRunner, Delay, Executor, ExecutorContext, ExecutorKind, SettingError, Settings,
+};
 use kvflow_operators::policy::router::{RouteRequest, Router, RouterContext};
+use kvflow_operators::step::{StepCompletion, StepLaunch};
 use serde_json::Value;
 
 /// Sends every request to the last rank.
@@ -120,4 +125,68 @@ fn any_rank_wakes_its_parked_pool() {
     assert!(wakes[0] > 0, "rank 0 wakes the pool for new requests: {wakes:?}");
     assert_eq!(wakes[1], 0, "rank 1 holds nothing: {wakes:?}");
     assert!(wakes[2] > 0, "rank 2 wakes the pool when its completions land: {wakes:?}");
+}
+
+/// An executor from outside kvflow: kvflow's CPU executor, counting what it is asked to launch.
+struct Counting(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+struct CountingExecutor {
+    inner: CpuExecutor,
+    launches: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl ExecutorKind for Counting {
+    fn check(&self, settings: &toml::Table) -> Result<(), SettingError> {
+        Settings::new(settings, &[]).map(|_| ())
+    }
+
+    fn build(&self, _settings: &toml::Table, ctx: ExecutorContext) -> Result<Box<dyn Executor>, String> {
+        let inner = CpuExecutor::new(CpuStepRunner::new(&ctx), Delay::default());
+        Ok(Box::new(CountingExecutor { inner, launches: self.0.clone() }))
+    }
+}
+
+impl Executor for CountingExecutor {
+    fn phases(&self) -> usize {
+        self.inner.phases()
+    }
+
+    fn launch(&mut self, step: &StepLaunch<'_>, phase: usize) {
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.launch(step, phase);
+    }
+
+    fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        self.inner.poll(out);
+    }
+
+    fn flush(&mut self) {
+        self.inner.flush();
+    }
+}
+
+#[test]
+fn an_executor_registered_outside_kvflow_runs_from_a_graph() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph_path = write_graph(
+        dir.path(),
+        "hf/kimi_linear",
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8",
+        "64 MiB",
+    );
+    let text = std::fs::read_to_string(&graph_path).unwrap().replace("ranks = 2", "ranks = 2\nexecutor = \"counting\"");
+    std::fs::write(&graph_path, text).unwrap();
+    let e = Graph::load(&graph_path).unwrap_err().to_string();
+    assert!(e.contains("counting") && e.contains("pool.executor"), "{e}");
+    let launches = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut registry = Registry::default();
+    registry.executors.register("counting", Counting(launches.clone()));
+    let graph = Graph::load_with(&graph_path, &registry.names()).unwrap();
+    let outcome = runtime::run(&graph, &RunOptions { verify: true, ..Default::default() }, &registry).unwrap();
+    let report = outcome.report.unwrap();
+    assert_eq!((report["completed"].clone(), report["verify"]["mismatched"].clone()), (8.into(), 0.into()));
+    let launched: u64 = report["launched_steps"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum();
+    assert!(launched > 0);
+    assert_eq!(launches.load(std::sync::atomic::Ordering::SeqCst), launched, "every launch went through it");
 }

@@ -97,7 +97,18 @@ impl DeferredExecutor {
     }
 }
 
+/// Wakes the rank when the thread ends, however it ends (a panic included): the rank's next poll
+/// then finds the channel closed and fails what the thread held.
+struct WakeOnExit(Arc<RankWaker>);
+
+impl Drop for WakeOnExit {
+    fn drop(&mut self) {
+        self.0.wake();
+    }
+}
+
 fn run(mut runner: CpuStepRunner, inbox: Receiver<Job>, outbox: Sender<StepCompletion>, waker: Arc<RankWaker>) {
+    let _wake_on_exit = WakeOnExit(waker.clone());
     for job in inbox {
         match job {
             Job::Phase { phase, step } => {

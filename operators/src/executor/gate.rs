@@ -51,8 +51,9 @@ impl CompletionGate {
         CompletionGate { delay, ..Default::default() }
     }
 
-    /// A step was launched; returns the launch count at which it completes.
+    /// A step was launched (which ends a flush); returns the launch count at which it completes.
     pub fn launched(&mut self) -> u64 {
+        self.flushing = false;
         self.launches += 1;
         let at = (self.launches + self.delay.draw(self.launches)).max(self.last_release);
         self.last_release = at;

@@ -165,6 +165,11 @@ impl RankMemory {
         }
     }
 
+    /// The oldest step in flight, if any.
+    pub fn in_flight_from(&self) -> Option<u64> {
+        self.in_flight_from
+    }
+
     /// Requests whose memory steps in flight still pin.
     pub fn num_pinned(&self) -> usize {
         self.pinned.values().map(Vec::len).sum()

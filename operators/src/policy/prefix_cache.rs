@@ -4,6 +4,10 @@
 //! snapshot taken at that block boundary. A hit restores KV and state together or neither
 //! (DESIGN §7): the usable prefix ends at the deepest boundary that has a snapshot and whose
 //! blocks are all present. Entries nobody else references are evicted least recently used first.
+//!
+//! An entry is published when the step that writes it is launched, and is handed out only once
+//! that step has completed (`lookup` is told which steps are still in flight): a step that fails
+//! takes its entries with it before anyone could have read them.
 
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::{BlockId, BlockPool, IdPool, SnapshotId};
@@ -13,6 +17,9 @@ use std::collections::HashMap;
 struct Entry {
     block: Option<BlockId>,
     snapshot: Option<SnapshotId>,
+    /// The steps that write the block and the snapshot.
+    block_step: u64,
+    snapshot_step: u64,
     last_used: u64,
 }
 
@@ -65,20 +72,22 @@ impl PrefixCache {
     }
 
     /// The longest reusable prefix among `hashes` (the prompt's full blocks, already capped so
-    /// at least one token is left to compute). Takes a reference on every block and keeps the
+    /// at least one token is left to compute), among entries whose writing step completed
+    /// (steps from `in_flight_from` on have not). Takes a reference on every block and keeps the
     /// snapshot entry alive; the caller restores the snapshot into its slot.
-    pub fn lookup(&mut self, hashes: &[u64], pool: &mut BlockPool) -> PrefixHit {
+    pub fn lookup(&mut self, hashes: &[u64], pool: &mut BlockPool, in_flight_from: Option<u64>) -> PrefixHit {
         self.lookups += 1;
         self.tick += 1;
+        let written = |step: u64| in_flight_from.is_none_or(|oldest| step < oldest);
         let mut usable = 0;
         let mut snapshot = None;
         for (i, h) in hashes.iter().enumerate() {
             let Some(e) = self.entries.get(h) else { break };
-            if self.keeps_kv && e.block.is_none() {
+            if self.keeps_kv && !(e.block.is_some() && written(e.block_step)) {
                 break;
             }
             if self.keeps_state {
-                if let Some(s) = e.snapshot {
+                if let Some(s) = e.snapshot.filter(|_| written(e.snapshot_step)) {
                     usable = i + 1;
                     snapshot = Some(s);
                 }
@@ -99,8 +108,9 @@ impl PrefixCache {
         hit
     }
 
-    /// Records that `block` (already computed) holds the prompt block with chained hash `h`.
-    pub fn insert_block(&mut self, h: u64, block: Option<BlockId>, pool: &mut BlockPool) {
+    /// Records that `block` holds (once step `step` has written it) the prompt block with
+    /// chained hash `h`.
+    pub fn insert_block(&mut self, h: u64, block: Option<BlockId>, pool: &mut BlockPool, step: u64) {
         self.tick += 1;
         let e = self.entries.entry(h).or_default();
         e.last_used = self.tick;
@@ -108,6 +118,7 @@ impl PrefixCache {
             if let Some(b) = block {
                 pool.share(b);
                 e.block = Some(b);
+                e.block_step = step;
             }
         }
     }
@@ -117,11 +128,13 @@ impl PrefixCache {
         self.entries.get(&h).is_some_and(|e| e.snapshot.is_some())
     }
 
-    /// Keeps `snapshot` as the state at the boundary after block `h`.
-    pub fn insert_snapshot(&mut self, h: u64, snapshot: SnapshotId, snapshots: &mut IdPool) {
+    /// Keeps `snapshot` (once step `step` has written it) as the state at the boundary after
+    /// block `h`.
+    pub fn insert_snapshot(&mut self, h: u64, snapshot: SnapshotId, snapshots: &mut IdPool, step: u64) {
         self.tick += 1;
         let e = self.entries.entry(h).or_default();
         e.last_used = self.tick;
+        e.snapshot_step = step;
         if let Some(old) = e.snapshot.replace(snapshot) {
             snapshots.release(old);
         }
@@ -217,11 +230,12 @@ mod tests {
         let mut cache = PrefixCache::new(true, false);
         let hashes = block_hashes(&[1, 2, 3, 4], 2, 0);
         let (b0, b1) = (pool.allocate().unwrap(), pool.allocate().unwrap());
-        cache.insert_block(hashes[0], Some(b0), &mut pool);
-        cache.insert_block(hashes[1], Some(b1), &mut pool);
+        cache.insert_block(hashes[0], Some(b0), &mut pool, 4);
+        cache.insert_block(hashes[1], Some(b1), &mut pool, 4);
         pool.release(b0);
         pool.release(b1); // the writer finished; only the cache holds them
-        let hit = cache.lookup(&hashes, &mut pool);
+        assert_eq!(cache.lookup(&hashes, &mut pool, Some(4)).matched, 0, "step 4 has not written them yet");
+        let hit = cache.lookup(&hashes, &mut pool, Some(5));
         assert_eq!(hit.blocks, vec![b0, b1]);
         pool.release(b1); // the reader let go of one block
         assert_eq!(cache.evict_blocks(4, &mut pool), 1, "only the unused block can go");
@@ -238,12 +252,12 @@ mod tests {
         let hashes = block_hashes(&[1, 2, 3, 4, 5, 6], 2, 0);
         for h in &hashes {
             let b = pool.allocate().unwrap();
-            cache.insert_block(*h, Some(b), &mut pool);
+            cache.insert_block(*h, Some(b), &mut pool, 0);
             pool.release(b);
         }
         let snap = snapshots.allocate().unwrap();
-        cache.insert_snapshot(hashes[1], snap, &mut snapshots);
-        let hit = cache.lookup(&hashes, &mut pool);
+        cache.insert_snapshot(hashes[1], snap, &mut snapshots, 0);
+        let hit = cache.lookup(&hashes, &mut pool, None);
         assert_eq!(hit.matched, 2, "KV and state are restored together: up to the snapshot");
         assert_eq!(hit.blocks.len(), 2);
         assert_eq!(hit.snapshot, Some(snap));

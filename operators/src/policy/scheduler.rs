@@ -324,7 +324,8 @@ pub fn snapshot_boundaries(prompt_len: usize, block_size: usize, interval_blocks
 fn restore_prefix(seq: &mut Sequence, mem: &mut RankMemory) -> Option<SnapshotId> {
     let bs = mem.layout.block_size;
     let usable = seq.prompt_hashes.len().min((seq.prompt_len - 1) / bs);
-    let hit = mem.prefix.lookup(&seq.prompt_hashes[..usable], &mut mem.blocks);
+    let in_flight_from = mem.in_flight_from();
+    let hit = mem.prefix.lookup(&seq.prompt_hashes[..usable], &mut mem.blocks, in_flight_from);
     if hit.matched == 0 {
         return None;
     }
@@ -480,7 +481,7 @@ mod policy_tests {
         let hashes = mem.prompt_hashes(seq);
         for (b, h) in hashes.iter().enumerate() {
             let block = seq.blocks.blocks()[b];
-            mem.prefix.insert_block(*h, Some(block), &mut mem.blocks);
+            mem.prefix.insert_block(*h, Some(block), &mut mem.blocks, 1);
         }
         let b = add(&mut s, &mut seqs, 2, (0..9).chain(50..53).collect(), 1);
         let d = s.schedule(&mut seqs, &mut mem, 2);

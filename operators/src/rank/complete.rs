@@ -65,6 +65,10 @@ impl Rank {
             }
         };
         self.spare_keys.push(record.seqs);
+        if sampled.len() != record.sampling.len() || sampled.iter().zip(&record.sampling).any(|(s, k)| s.seq != *k) {
+            self.missing_samples(c.step, &record.sampling, &sampled);
+        }
+        self.spare_keys.push(record.sampling);
         let now = wall_ms();
         let check = !self.switches.accept_stale_completions;
         for s in sampled {
@@ -84,6 +88,18 @@ impl Rank {
             seq.token_times.record(now);
             if seq.finished() {
                 self.finish(s.seq.index as usize, c.step);
+            }
+        }
+    }
+
+    /// The executor broke its contract: step `step` was to sample `expected` (in batch order) but
+    /// reported `got`. A request left without its token fails (it would wait for it forever).
+    fn missing_samples(&mut self, step: u64, expected: &[crate::step::SeqKey], got: &[crate::step::Sampled]) {
+        let reported: std::collections::HashSet<_> = got.iter().map(|s| s.seq).collect();
+        for &key in expected.iter().filter(|k| !reported.contains(k)) {
+            tracing::error!(pool = %self.pool, rank = self.index, step, seq = %key, "the executor reported no token for a sequence the step samples");
+            if self.seqs.by_key_mut(key).is_some() {
+                self.fail(key.index as usize, step, "executor", format!("step {step} completed without its token"));
             }
         }
     }

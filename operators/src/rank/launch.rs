@@ -30,8 +30,17 @@ impl SeqSource for Batch<'_> {
         let c = &self.chunks[i];
         let s = self.seqs.get(c.seq);
         // With tokens in flight the chunk may start past the known ones (then it feeds only the
-        // one it names).
-        let known_end = (c.start + c.len - usize::from(c.deferred.is_some())).min(s.tokens.len());
+        // one it names; with a delay above 1 an older one may still be in flight too, its KV
+        // already written).
+        let known_end = c.start + c.len - usize::from(c.deferred.is_some());
+        debug_assert!(
+            known_end <= c.start || known_end <= s.tokens.len(),
+            "a chunk feeds at most one token in flight, its last: {c:?}, {} tokens, {:?}, computed {}",
+            s.tokens.len(),
+            s.pending,
+            s.computed
+        );
+        let known_end = known_end.min(s.tokens.len());
         SeqStep {
             key: c.key,
             known: &s.tokens[c.start.min(known_end)..known_end],
@@ -53,6 +62,15 @@ impl Rank {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }
         let mut decided = std::mem::take(&mut self.decided);
+        if self.decided_for.take() != Some(t) {
+            // Only a batch decided for `t` launches at `t` (schedule(t + 1) waits for
+            // forward(t), so this does not happen; if it did, launching would run a later
+            // step's batch early and twice).
+            if !decided.is_empty() {
+                tracing::error!(pool = %self.pool, rank = self.index, step = t, "no batch was decided for this step");
+            }
+            decided.clear();
+        }
         self.stats.steps += 1;
         self.stats.step_ms.push(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
@@ -79,6 +97,7 @@ impl Rank {
         }
         if decided.is_empty() {
             self.stats.empty_steps += 1;
+            decided.clear();
             self.decided = decided;
             self.flush();
             return;
@@ -96,7 +115,7 @@ impl Rank {
             for b in chunk.start / bs..end.min(seq.prompt_len) / bs {
                 let h = seq.prompt_hashes[b];
                 let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
-                self.memory.prefix.insert_block(h, block, &mut self.memory.blocks);
+                self.memory.prefix.insert_block(h, block, &mut self.memory.blocks, t);
                 published.push(h);
             }
             let Some(slot) = seq.slot else { continue };
@@ -112,7 +131,7 @@ impl Rank {
             }
             if let Ok(snapshot) = self.memory.snapshots.allocate_for(seq.id) {
                 after.push(StateOp::Snapshot { slot, snapshot });
-                self.memory.prefix.insert_snapshot(h, snapshot, &mut self.memory.snapshots);
+                self.memory.prefix.insert_snapshot(h, snapshot, &mut self.memory.snapshots, t);
             }
         }
         // 2. the launch the executor sees, read in place
@@ -132,15 +151,19 @@ impl Rank {
         for phase in 0..self.executor.phases() {
             self.executor.launch(&launch, phase);
         }
-        self.sampling = sampling;
         let mut keys = self.spare_keys.pop().unwrap_or_default();
         keys.clear();
         keys.extend(decided.chunks.iter().map(|c| c.key));
         let restoring = std::mem::take(&mut decided.restoring);
-        self.in_flight.push_back(StepRecord { step: t, seqs: keys, restoring, published });
+        let mut record_sampling = self.spare_keys.pop().unwrap_or_default();
+        record_sampling.clear();
+        record_sampling.extend_from_slice(&sampling);
+        self.sampling = sampling;
+        self.in_flight.push_back(StepRecord { step: t, seqs: keys, sampling: record_sampling, restoring, published });
         self.memory.steps_in_flight_from(self.oldest_in_flight());
         self.stats.launched_steps += 1;
         self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
+        decided.clear(); // launched once; the buffers stay for the next step
         self.decided = decided;
     }
 

@@ -35,6 +35,8 @@ struct StepRecord {
     step: u64,
     /// Every sequence the step feeds (in the generation it was launched for).
     seqs: Vec<SeqKey>,
+    /// Those it samples, in batch order: its completion must report a token for each.
+    sampling: Vec<SeqKey>,
     /// Snapshots its restores read, each holding a reference (with its generation).
     restoring: Vec<(SnapshotId, u32)>,
     /// Prefix-cache entries it publishes (dropped if the step fails).
@@ -52,8 +54,9 @@ pub struct Rank {
     waker: Arc<RankWaker>,
     /// Steps launched and not completed, in launch order.
     in_flight: VecDeque<StepRecord>,
-    /// The batch decided at `schedule(t)`, launched at `forward(t)`.
+    /// The batch decided at `schedule(t)`, launched at `forward(t)`, and that `t`.
     decided: StepDecision,
+    decided_for: Option<u64>,
     /// The step `schedule` last ran for.
     step: u64,
     /// Events not yet emitted, each with the step whose output carries it.
@@ -89,6 +92,7 @@ impl Rank {
             waker,
             in_flight: VecDeque::new(),
             decided: StepDecision::default(),
+            decided_for: None,
             step: 0,
             events: Vec::new(),
             completions: Vec::new(),
@@ -105,8 +109,22 @@ impl Rank {
         self
     }
 
-    /// Queues a request routed to this rank.
+    /// Queues a request routed to this rank (an empty prompt, which nothing upstream lets
+    /// through, fails at once).
     pub fn admit(&mut self, a: Admission) {
+        if a.prompt.is_empty() {
+            let event = Event::Failed {
+                id: a.id,
+                rank: self.index,
+                cause: "bad-request".into(),
+                message: "the prompt is empty (at least one token is needed)".into(),
+                tokens: Vec::new(),
+                token_times: Default::default(),
+                started_ms: None,
+            };
+            self.events.push((self.step, event));
+            return;
+        }
         let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
         if self.scheduler.config.prefix_cache {
             seq.prompt_hashes = self.memory.prompt_hashes(&seq);
@@ -187,6 +205,7 @@ impl Rank {
         self.waker.take(); // what raised it is polled now
         self.poll();
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
+        self.decided_for = Some(t);
         if self.decided.is_empty() && self.in_flight.is_empty() && !self.scheduler.is_idle() {
             self.fail_unschedulable();
         }
