@@ -29,7 +29,7 @@ use kvflow_operators::executor::ExecutorRegistry;
 use kvflow_operators::messages::RankReport;
 use kvflow_operators::policy::memory::{MemoryLayout, RankMemory};
 use kvflow_operators::policy::router::{RouterContext, RouterRegistry};
-use kvflow_operators::policy::scheduler::{Scheduler, SchedulerConfig};
+use kvflow_operators::policy::scheduler::{Scheduler, SchedulerConfig, StepDecision};
 use kvflow_operators::policy::sequence::{Sequence, Sequences};
 use kvflow_operators::rank::TestSwitches;
 use std::sync::Arc;
@@ -108,11 +108,13 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
         max_batched_tokens: seqs,
     });
     let keys = RoutingKeys { block_size, keyed_by_prompt_len: false };
+    // Each rank decides into the same buffers every step, as `Rank` does.
+    let mut decisions: Vec<StepDecision> = (0..ranks).map(|_| StepDecision::default()).collect();
     let started = thread_cpu_s();
     for step in 1..=steps as u64 {
         let mut reports = Vec::with_capacity(ranks);
-        for (r, (s, q, m)) in rank_state.iter_mut().enumerate() {
-            let d = s.schedule(q, m, step);
+        for (r, ((s, q, m), d)) in rank_state.iter_mut().zip(&mut decisions).enumerate() {
+            s.schedule_into(q, m, step, d);
             // What a completion does to the policy's state: the token sampled `delay` steps ago
             // arrives (with delay 0, the one this step sampled).
             for c in &d.chunks {
