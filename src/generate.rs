@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvflow_kernels::cpu::sampling::argmax;
+use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
 use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
@@ -42,6 +42,22 @@ pub struct Generation {
     /// `--verify` compares; not printed).
     #[serde(skip)]
     pub logits_hash: u64,
+    /// Why this prompt has no (complete) output: refused at admission (it does not fit the
+    /// model's context), or its logits became non-finite (no token is sampled from those).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl Generation {
+    fn empty(decode_logits: usize) -> Self {
+        Generation {
+            tokens: Vec::new(),
+            last_logits: Vec::new(),
+            decode_logits: (decode_logits > 0).then(Vec::new),
+            logits_hash: kvflow_kernels::hash::EMPTY,
+            error: None,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -86,14 +102,43 @@ struct Running {
 
 impl Running {
     fn done(&self, n: usize) -> bool {
-        self.out.tokens.len() >= n && self.fed >= self.prompt.len()
+        self.out.error.is_some() || (self.out.tokens.len() >= n && self.fed >= self.prompt.len())
+    }
+
+    /// Samples from `logits` (greedy), or fails the prompt when they are not all finite.
+    fn sample(&mut self, index: usize, logits: &[f32]) {
+        match finite_argmax(logits) {
+            Some(token) => {
+                self.out.logits_hash = hash::chain_row(self.out.logits_hash, hash::logits_row(logits));
+                self.out.tokens.push(token);
+            }
+            None => {
+                let position = self.prompt.len() + self.out.tokens.len() - 1;
+                self.out.error = Some(format!(
+                    "prompt {index}: the logits at position {position} hold NaN or infinite values (the model's \
+                     weights or config give non-finite numbers); no token was sampled"
+                ));
+            }
+        }
     }
 }
 
-/// Generates `max_new_tokens` greedy tokens for every prompt, in input order.
+/// Bytes of `MemAvailable` in /proc/meminfo (what the machine can still give), when readable.
+pub fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Generates `max_new_tokens` greedy tokens for every prompt, in input order. A prompt that does
+/// not fit the model's context is refused (its generation carries the error, the others run).
 pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Generation>> {
     if opts.chunk_tokens == 0 {
         bail!("--chunk-tokens must be at least 1");
+    }
+    if opts.block_size == 0 {
+        bail!("--block-size must be at least 1");
     }
     for (i, p) in prompts.iter().enumerate() {
         if p.is_empty() {
@@ -103,32 +148,42 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
     }
     let n = opts.max_new_tokens;
     let bs = opts.block_size;
-    let needed: usize = if model.needs_blocks() { prompts.iter().map(|p| (p.len() + n).div_ceil(bs)).sum() } else { 0 };
+    let refused: Vec<Option<String>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| model.check_context(p.len(), n).err().map(|e| format!("prompt {i}: {e}")))
+        .collect();
+    let admitted = || prompts.iter().zip(&refused).filter(|(_, r)| r.is_none()).map(|(p, _)| p);
+    let needed: usize =
+        if model.needs_blocks() { admitted().map(|p| p.len().saturating_add(n).div_ceil(bs)).sum() } else { 0 };
     let slots = if model.needs_slots() { prompts.len() } else { 0 };
+    let bytes = (needed as u128) * model.kv_bytes_per_block(bs) as u128
+        + (slots as u128) * model.state_bytes_per_slot() as u128;
+    if let Some(available) = available_memory_bytes() {
+        if bytes > available as u128 {
+            bail!(
+                "the KV cache for these prompts with --max-new-tokens {n} (--block-size {bs}) takes {bytes} bytes, \
+                 more than the {available} bytes this machine has available; lower --max-new-tokens or give fewer \
+                 prompts"
+            );
+        }
+    }
     let mut pool = block_pool(needed);
     let mut cache = model.new_cache(bs, needed, slots, 0);
     let mut seqs: Vec<Running> = prompts
         .iter()
+        .zip(&refused)
         .enumerate()
-        .map(|(i, p)| -> Result<Running> {
+        .map(|(i, (p, refused))| -> Result<Running> {
             let mut blocks = BlockTable::new();
-            if model.needs_blocks() {
+            let mut out = Generation::empty(opts.decode_logits);
+            out.error = refused.clone();
+            if model.needs_blocks() && refused.is_none() {
                 blocks.grow_to(p.len() + n, bs, &mut pool, i as u64)?;
             }
             // Prompt i owns slot i; a new store holds the zero state.
             let slot = model.needs_slots().then_some(i as SlotId);
-            Ok(Running {
-                prompt: p.clone(),
-                fed: 0,
-                blocks,
-                slot,
-                out: Generation {
-                    tokens: Vec::new(),
-                    last_logits: Vec::new(),
-                    decode_logits: (opts.decode_logits > 0).then(Vec::new),
-                    logits_hash: kvflow_kernels::hash::EMPTY,
-                },
-            })
+            Ok(Running { prompt: p.clone(), fed: 0, blocks, slot, out })
         })
         .collect::<Result<_>>()?;
     let total_steps =
@@ -182,8 +237,9 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                     let logits = out.last(b).expect("asked for logits");
                     s.out.last_logits = logits.to_vec();
                     if n > 0 {
-                        s.out.logits_hash = hash::chain_row(s.out.logits_hash, hash::logits_row(logits));
-                        s.out.tokens.push(argmax(logits));
+                        s.sample(i, logits);
+                    } else if !logits.iter().all(|v| v.is_finite()) {
+                        s.out.error = Some(format!("prompt {i}: the last prompt logits hold NaN or infinite values"));
                     }
                 }
             } else {
@@ -193,8 +249,7 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
                         kept.push(logits.to_vec());
                     }
                 }
-                s.out.logits_hash = hash::chain_row(s.out.logits_hash, hash::logits_row(logits));
-                s.out.tokens.push(argmax(logits));
+                s.sample(i, logits);
             }
         }
         bar.inc(1);

@@ -3,10 +3,12 @@
 //! model math lives in `kvflow-kernels`, operators in `kvflow-operators`.
 
 pub mod bench;
+pub mod flags;
 pub mod generate;
 pub mod graph;
 pub mod registry;
 pub mod report;
 pub mod runtime;
+pub mod signals;
 pub mod trace;
 pub mod workload;

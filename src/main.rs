@@ -3,10 +3,11 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use kvflow::bench::model::{self as bench_model, ModelBenchArgs};
+use kvflow::flags;
 use kvflow::generate::{generate, read_prompts, write_jsonl, GenerateOptions};
+use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(name = "kvflow", version, about = "LLM serving on timely dataflow")]
@@ -18,6 +19,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Greedy generation for a JSONL file of prompts, as one continuous batch on one CPU executor.
+    #[command(allow_negative_numbers = true)]
     Generate {
         /// Hugging Face checkpoint folder, or a TOML model spec (seeded random weights).
         #[arg(long)]
@@ -25,17 +27,18 @@ enum Command {
         /// JSONL, one {"prompt": [token ids]} per line.
         #[arg(long)]
         prompts: PathBuf,
-        /// Greedy tokens per prompt (end-of-sequence does not stop generation).
-        #[arg(long)]
+        /// Greedy tokens per prompt (end-of-sequence does not stop generation; prompt plus
+        /// output must fit the model's context).
+        #[arg(long, value_parser = flags::count_or_zero)]
         max_new_tokens: usize,
         /// Prefill chunk size in tokens.
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
         chunk_tokens: usize,
         /// Also print the first K decode logits vectors (the logits that chose tokens[1..=K]).
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, value_parser = flags::count_or_zero)]
         decode_logits: usize,
         /// Paged KV block size in tokens.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 16, value_parser = flags::count)]
         block_size: usize,
         /// Write the JSONL here instead of standard output.
         #[arg(long)]
@@ -58,6 +61,7 @@ enum Command {
 }
 
 #[derive(clap::Args)]
+#[command(allow_negative_numbers = true)] // so `--stall-timeout -1` reaches the flag's own check
 struct RunArgs {
     /// The graph file (TOML).
     graph: PathBuf,
@@ -70,20 +74,20 @@ struct RunArgs {
     #[arg(long)]
     format: Option<String>,
     /// Measured requests (after the warmup ones).
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count)]
     limit: Option<usize>,
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count_or_zero)]
     warmup: Option<usize>,
     /// Tokens per 512-token trace block.
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count)]
     block_tokens: Option<usize>,
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count)]
     max_output_tokens: Option<usize>,
     /// Closed loop with this many requests in flight (switches the workload to concurrency mode).
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count)]
     concurrency: Option<usize>,
     /// Ranks of every pool.
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count)]
     ranks: Option<usize>,
     /// Output folder.
     #[arg(long)]
@@ -94,13 +98,20 @@ struct RunArgs {
     /// Run only this pool of the graph (default: every pool).
     #[arg(long)]
     pool: Option<String>,
-    /// After Ctrl-C, seconds in-flight requests may finish before they are cancelled.
-    #[arg(long, default_value_t = 10.0)]
-    grace_period: f64,
+    /// After SIGINT (Ctrl-C) or SIGTERM, seconds in-flight requests may finish before they are
+    /// cancelled (0: cancel them at once).
+    #[arg(long, default_value = "10", value_parser = flags::seconds)]
+    grace_period: Duration,
     /// Seconds without any progress, with requests pending, before the run is declared stalled
-    /// (it prints which operator on which rank holds which step, and exits with status 3).
-    #[arg(long, default_value_t = 60.0)]
-    stall_timeout: f64,
+    /// (it prints which operator on which rank holds which step, and exits with status 3);
+    /// 0 turns the stall watchdog off.
+    #[arg(long, default_value = "60", value_parser = flags::seconds)]
+    stall_timeout: Duration,
+    /// The longest gap the workload may leave before its next request (after time_scale); a
+    /// longer one fails the run before it starts, naming the request. Waits over 10 s are
+    /// printed as they happen.
+    #[arg(long, default_value = "600", value_parser = flags::seconds)]
+    max_wait: Duration,
     /// Test only: `OPERATOR:RANK:STEP` makes that operator keep a capability for that step.
     #[arg(long, hide = true)]
     test_hold_capability: Option<String>,
@@ -113,7 +124,7 @@ struct RunArgs {
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
-    #[arg(long)]
+    #[arg(long, value_parser = flags::count)]
     processes: Option<usize>,
     /// One host:port per line, one line per process.
     #[arg(long)]
@@ -141,13 +152,13 @@ enum BenchCommand {
     /// Coordination cost per step: scheduling policy CPU time, and the pool's wall time per step
     /// (no-math executor) against a bare timely loop.
     Step {
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = flags::count)]
         ranks: usize,
         /// Running sequences per rank.
-        #[arg(long, default_value_t = 256)]
+        #[arg(long, default_value_t = 256, value_parser = flags::count)]
         seqs: usize,
         /// Output tokens per request in the pool run (≈ steps measured).
-        #[arg(long, default_value_t = 200)]
+        #[arg(long, default_value_t = 200, value_parser = flags::count)]
         steps: usize,
     },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
@@ -155,11 +166,11 @@ enum BenchCommand {
         /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
         #[arg(long)]
         model: Option<PathBuf>,
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
         batch: usize,
-        #[arg(long, default_value_t = 512)]
+        #[arg(long, default_value_t = 512, value_parser = flags::count)]
         context: usize,
-        #[arg(long, default_value_t = 8)]
+        #[arg(long, default_value_t = 8, value_parser = flags::count)]
         decode_steps: usize,
     },
 }
@@ -168,11 +179,29 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal()) // no colour codes in a log file
         .init();
     if let Err(e) = run() {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// An error and its causes, each once: a cause whose text its parent's message already shows
+/// (an OS error a library message quotes, say) is not printed again.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
@@ -188,7 +217,7 @@ fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
         .collect()
 }
 
-fn run_graph(args: RunArgs) -> Result<i32> {
+fn run_graph(args: RunArgs, interrupts: kvflow::signals::Interrupts) -> Result<i32> {
     use kvflow::graph::{Graph, Overrides};
     use kvflow::runtime::{self, ClusterPlace, RunOptions};
     let registry = kvflow::registry::Registry::default();
@@ -207,41 +236,16 @@ fn run_graph(args: RunArgs) -> Result<i32> {
     })?;
     let cluster = match (args.process, args.processes, args.hostfile) {
         (Some(process), Some(processes), Some(hostfile)) => {
-            let text = std::fs::read_to_string(&hostfile)
-                .with_context(|| format!("cannot read hostfile {}", hostfile.display()))?;
-            let addresses: Vec<String> = text
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty() && !l.starts_with('#'))
-                .map(String::from)
-                .collect();
-            if addresses.len() != processes {
-                anyhow::bail!("{}: {} addresses for --processes {processes}", hostfile.display(), addresses.len());
-            }
-            if process >= processes {
-                anyhow::bail!("--process {process} is not below --processes {processes}");
-            }
-            Some(ClusterPlace { process, processes, addresses })
+            Some(ClusterPlace::from_hostfile(&hostfile, process, processes)?)
         }
         (None, None, None) => None,
         _ => anyhow::bail!("--process, --processes and --hostfile go together"),
     };
-    // Ctrl-C stops admissions and lets in-flight requests finish within the grace period; a
-    // second Ctrl-C ends the process at once.
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let flag = interrupt.clone();
-    ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            eprintln!("interrupted twice: exiting now");
-            std::process::exit(130);
-        }
-        eprintln!("interrupted: no more requests; finishing what is in flight (Ctrl-C again to exit now)");
-    })
-    .context("cannot install the Ctrl-C handler")?;
     let opts = RunOptions {
-        interrupt: Some(interrupt),
-        grace: Some(std::time::Duration::from_secs_f64(args.grace_period)),
-        stall_timeout: Some(std::time::Duration::from_secs_f64(args.stall_timeout)),
+        interrupt: Some(interrupts.flag.clone()),
+        grace: Some(args.grace_period),
+        stall_timeout: Some(args.stall_timeout),
+        max_wait: Some(args.max_wait),
         pool: args.pool,
         cluster,
         verify: args.verify,
@@ -287,30 +291,44 @@ fn run_graph(args: RunArgs) -> Result<i32> {
             outcome.out_dir.display()
         );
     }
-    Ok(outcome.exit_code)
+    // An interrupted run did not serve its workload: 130 (SIGINT) or 143 (SIGTERM).
+    Ok(interrupts.exit_status().unwrap_or(outcome.exit_code))
 }
 
 fn run() -> Result<()> {
     kvflow_kernels::cpu::simd::check_cpu_supports_build().map_err(anyhow::Error::msg)?;
     match Cli::parse().command {
         Command::Generate { model, prompts, max_new_tokens, chunk_tokens, decode_logits, block_size, out } => {
+            // The output file first: an unwritable --out is found before any work.
+            let mut sink: Box<dyn std::io::Write> = match &out {
+                Some(path) => Box::new(std::io::BufWriter::new(
+                    std::fs::File::create(path).with_context(|| format!("--out: cannot create {}", path.display()))?,
+                )),
+                None => Box::new(std::io::stdout().lock()),
+            };
             let model = kvflow_kernels::models::load(&model)
                 .with_context(|| format!("cannot load model {}", model.display()))?;
             let prompts = read_prompts(&prompts, &model)?;
             let opts = GenerateOptions { max_new_tokens, chunk_tokens, decode_logits, block_size, show_progress: true };
             let results = generate(&model, &prompts, &opts)?;
-            match out {
-                Some(path) => {
-                    let mut f = std::io::BufWriter::new(
-                        std::fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))?,
-                    );
-                    write_jsonl(&mut f, &results)?;
+            write_jsonl(&mut sink, &results)?;
+            let refused: Vec<&str> = results.iter().filter_map(|r| r.error.as_deref()).collect();
+            if !refused.is_empty() {
+                for why in &refused {
+                    eprintln!("error: {why}");
                 }
-                None => write_jsonl(&mut std::io::stdout().lock(), &results)?,
+                eprintln!(
+                    "{} of {} prompts have no output (their lines carry \"error\")",
+                    refused.len(),
+                    results.len()
+                );
+                std::process::exit(2);
             }
         }
         Command::Run(args) => {
-            let code = run_graph(*args)?;
+            // Before any other thread starts: every thread inherits the blocked signals.
+            let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
+            let code = run_graph(*args, interrupts)?;
             if code != 0 {
                 std::process::exit(code);
             }
@@ -318,6 +336,7 @@ fn run() -> Result<()> {
         Command::Check { graph, dot } => {
             let registry = kvflow::registry::Registry::default();
             let graph = kvflow::graph::Graph::load_with(&graph, &registry.names())?;
+            kvflow::runtime::pick_pools(&graph, None)?; // what `run` would refuse, `check` refuses
             if dot {
                 print!("{}", kvflow::runtime::dot::render(&graph, &registry, None)?);
             } else {

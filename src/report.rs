@@ -160,6 +160,25 @@ pub fn summarize(records: &[&RequestRecord], slo: &Slo, verify: &VerifySummary, 
 }
 
 /// Writes `report.json` and `requests.jsonl` into `dir` (created if missing).
+/// Makes sure `dir` can take `report.json` and `requests.jsonl` — before the run, so an
+/// unwritable `--out` is found before any work rather than after all of it.
+pub fn check_output_dir(dir: &Path) -> Result<(), String> {
+    if dir.exists() && !dir.is_dir() {
+        return Err(format!("{} exists and is not a folder", dir.display()));
+    }
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    for name in ["report.json", "requests.jsonl"] {
+        let path = dir.join(name);
+        if path.is_dir() {
+            return Err(format!("{} is a folder; the run writes a file there", path.display()));
+        }
+    }
+    let probe = dir.join(".kvflow-write-check");
+    std::fs::write(&probe, b"").map_err(|e| format!("cannot write into {}: {e}", dir.display()))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
 pub fn write_outputs(dir: &Path, report: &Value, records: &[RequestRecord]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(report)? + "\n")?;

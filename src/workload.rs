@@ -139,6 +139,49 @@ pub fn poisson_arrival_ms(n: usize, per_second: f64, seed: u64) -> Vec<f64> {
     arrivals
 }
 
+/// A wait for the next request longer than this is printed when it starts.
+pub const ANNOUNCED_WAIT: Duration = Duration::from_secs(10);
+
+/// When each request of the selection is released, after the start, in the modes that set it
+/// (`None`: concurrency mode releases as requests complete).
+pub fn release_offsets(sel: &Selection, mode: &ArrivalMode) -> Option<Vec<Duration>> {
+    match *mode {
+        ArrivalMode::Timestamps { time_scale } => {
+            let time_scale = if time_scale.is_finite() && time_scale >= 0.0 { time_scale } else { 0.0 };
+            Some(sel.requests.iter().map(|request| duration_from_ms(request.arrival_ms * time_scale)).collect())
+        }
+        ArrivalMode::Rate { per_second, seed } => {
+            Some(poisson_arrival_ms(sel.requests.len(), per_second, seed).into_iter().map(duration_from_ms).collect())
+        }
+        ArrivalMode::Concurrency(_) => None,
+    }
+}
+
+/// The first gap before a release longer than `max_wait` (from the start, or from the request
+/// before), known as soon as the workload is: the request, how long and after which request.
+pub fn longest_wait_over(sel: &Selection, mode: &ArrivalMode, max_wait: Duration) -> Option<String> {
+    let offsets = release_offsets(sel, mode)?;
+    let mut before = Duration::ZERO;
+    for (i, &at) in offsets.iter().enumerate() {
+        let gap = at.saturating_sub(before);
+        if gap > max_wait {
+            let after = if i == 0 { "the start".to_string() } else { format!("request {}", sel.requests[i - 1].id) };
+            let why = match mode {
+                ArrivalMode::Rate { .. } => "workload.rate",
+                _ => "the trace's timestamps × workload.time_scale",
+            };
+            return Some(format!(
+                "request {} would be released {:.0} s after {after} ({why}), more than --max-wait {} s",
+                sel.requests[i].id,
+                gap.as_secs_f64(),
+                max_wait.as_secs_f64()
+            ));
+        }
+        before = at;
+    }
+    None
+}
+
 /// What [`drive`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DriveOutcome {
@@ -173,16 +216,9 @@ pub fn drive(
 ) -> DriveOutcome {
     let start = Instant::now();
     let total = sel.requests.len();
-    let release_offsets: Option<Vec<Duration>> = match *mode {
-        ArrivalMode::Timestamps { time_scale } => {
-            let time_scale = if time_scale.is_finite() && time_scale >= 0.0 { time_scale } else { 0.0 };
-            Some(sel.requests.iter().map(|request| duration_from_ms(request.arrival_ms * time_scale)).collect())
-        }
-        ArrivalMode::Rate { per_second, seed } => {
-            Some(poisson_arrival_ms(total, per_second, seed).into_iter().map(duration_from_ms).collect())
-        }
-        ArrivalMode::Concurrency(_) => None,
-    };
+    let release_offsets = release_offsets(sel, mode);
+    // The request whose long wait was last announced.
+    let mut announced = None;
     let in_flight_limit = match *mode {
         ArrivalMode::Concurrency(limit) => limit.max(1),
         _ => usize::MAX,
@@ -232,7 +268,13 @@ pub fn drive(
         let mut wait = STOP_POLL_INTERVAL;
         if let Some(offsets) = &release_offsets {
             if tally.released < total {
-                wait = wait.min(offsets[tally.released].saturating_sub(start.elapsed()));
+                let left = offsets[tally.released].saturating_sub(start.elapsed());
+                let id = sel.requests[tally.released].id;
+                if left > ANNOUNCED_WAIT && announced != Some(id) {
+                    eprintln!("waiting {} s for request {id}", left.as_secs());
+                    announced = Some(id);
+                }
+                wait = wait.min(left);
             }
         }
         match completions.recv_timeout(wait) {

@@ -114,7 +114,9 @@ impl SeqSource for [SeqStep<'_>] {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sampled {
     pub seq: SeqKey,
-    pub token: u32,
+    /// The token, or `None` when the logits row held a NaN or an infinity (no token is sampled
+    /// from those; the request fails, naming it).
+    pub token: Option<u32>,
     /// `kvflow_kernels::hash::logits_row` of the logits row it was sampled from.
     pub logits_hash: u64,
 }

@@ -272,6 +272,7 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
         cancel: Default::default(),
         interrupted: Default::default(),
         grace: std::time::Duration::from_secs(1),
+        max_context: None,
     })?;
     let result = pool.join();
     let _ = collector_thread.join();

@@ -99,7 +99,7 @@ pub use rules::parse_byte_size;
 
 use error::toml_error;
 use raw::RawGraph;
-use rules::{at_least_one, existing_path, measured_limit, one_of};
+use rules::{existing_path, measured_limit, one_of, rank_count, token_count};
 use validate::Validator;
 
 /// The components a graph may choose from: those of the runtime's registry
@@ -360,19 +360,19 @@ impl Graph {
         }
         if let Some(block_tokens) = overrides.block_tokens {
             graph.workload.block_tokens =
-                at_least_one(block_tokens).map_err(|m| from_command_line("workload.block_tokens", m))?;
+                token_count(block_tokens).map_err(|m| from_command_line("workload.block_tokens", m))?;
         }
         if let Some(max_output_tokens) = overrides.max_output_tokens {
             graph.workload.max_output_tokens =
-                Some(at_least_one(max_output_tokens).map_err(|m| from_command_line("workload.max_output_tokens", m))?);
+                Some(token_count(max_output_tokens).map_err(|m| from_command_line("workload.max_output_tokens", m))?);
         }
         if let Some(concurrency) = overrides.concurrency {
             graph.workload.mode = WorkloadMode::Concurrency(
-                at_least_one(concurrency).map_err(|m| from_command_line("workload.concurrency", m))?,
+                token_count(concurrency).map_err(|m| from_command_line("workload.concurrency", m))?,
             );
         }
         if let Some(ranks) = overrides.ranks {
-            let ranks = at_least_one(ranks).map_err(|m| from_command_line("pool.ranks", m))?;
+            let ranks = rank_count(ranks).map_err(|m| from_command_line("pool.ranks", m))?;
             for pool in &mut graph.pools {
                 pool.ranks = ranks;
             }

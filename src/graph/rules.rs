@@ -16,6 +16,29 @@ pub(super) fn at_least_one(value: usize) -> Result<usize, String> {
     }
 }
 
+/// Most ranks one pool may have: each is a dataflow worker thread with its own memory budget.
+pub const MAX_RANKS: usize = 1024;
+
+pub(super) fn rank_count(value: usize) -> Result<usize, String> {
+    if value == 0 || value > MAX_RANKS {
+        Err(format!("must be at least 1 and at most {MAX_RANKS} (one dataflow worker thread each), got {value}"))
+    } else {
+        Ok(value)
+    }
+}
+
+/// Most tokens a size key may name (a block, a chunk, a step's batch): beyond it one step's
+/// buffers cannot fit a machine.
+pub const MAX_TOKENS: usize = 1 << 24;
+
+pub(super) fn token_count(value: usize) -> Result<usize, String> {
+    if value == 0 || value > MAX_TOKENS {
+        Err(format!("must be at least 1 and at most {MAX_TOKENS}, got {value}"))
+    } else {
+        Ok(value)
+    }
+}
+
 pub(super) fn measured_limit(value: usize) -> Result<usize, String> {
     if value == 0 {
         Err("must be at least 1, got 0 (leave it out to measure the rest of the trace)".to_string())

@@ -10,8 +10,8 @@ use toml::Spanned;
 use super::error::{line_of, quoted_list};
 use super::raw::{RawGraph, RawMemory, RawPool, RawScheduler, RawSlo, RawWorkload};
 use super::rules::{
-    at_least_one, byte_budget, existing_path, measured_limit, more_than_zero, one_of, pool_name, snapshot_fraction,
-    zero_or_more,
+    at_least_one, byte_budget, existing_path, measured_limit, more_than_zero, one_of, pool_name, rank_count,
+    snapshot_fraction, token_count, zero_or_more,
 };
 use super::{
     known_trace_formats, ComponentNames, Graph, GraphError, Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole,
@@ -138,7 +138,7 @@ impl<'a> Validator<'a> {
                 &format!("{key}.block_size"),
                 raw.block_size.as_ref(),
                 base.block_size,
-                at_least_one,
+                token_count,
             )?,
             snapshot_fraction: self.field(
                 &format!("{key}.snapshot_fraction"),
@@ -159,15 +159,15 @@ impl<'a> Validator<'a> {
         base: &SchedulerConfig,
     ) -> Result<SchedulerConfig, GraphError> {
         let key = |k: &str| format!("{prefix}scheduler.{k}");
-        let max_running = self.field(&key("max_running"), raw.max_running.as_ref(), base.max_running, at_least_one)?;
+        let max_running = self.field(&key("max_running"), raw.max_running.as_ref(), base.max_running, token_count)?;
         let max_batched_tokens = self.field(
             &key("max_batched_tokens"),
             raw.max_batched_tokens.as_ref(),
             base.max_batched_tokens,
-            at_least_one,
+            token_count,
         )?;
         let chunk_tokens =
-            self.field(&key("chunk_tokens"), raw.chunk_tokens.as_ref(), base.chunk_tokens, at_least_one)?;
+            self.field(&key("chunk_tokens"), raw.chunk_tokens.as_ref(), base.chunk_tokens, token_count)?;
         if chunk_tokens > max_batched_tokens {
             // Blame the key the user wrote: chunk_tokens if set, else the max_batched_tokens that
             // undercuts the inherited chunk.
@@ -243,7 +243,7 @@ impl<'a> Validator<'a> {
                 (pool.memory.clone().unwrap_or_default(), pool.scheduler.clone().unwrap_or_default());
             pools.push(PoolConfig {
                 role,
-                ranks: self.field("pool.ranks", pool.ranks.as_ref(), 1, at_least_one)?,
+                ranks: self.field("pool.ranks", pool.ranks.as_ref(), 1, rank_count)?,
                 executor_settings: self.executor_settings(&executor, pool.executor_settings.as_ref())?,
                 executor,
                 router: self.field("pool.router", pool.router.as_ref(), DEFAULT_ROUTER.to_string(), |r| {
@@ -283,12 +283,12 @@ impl<'a> Validator<'a> {
                 "workload.block_tokens",
                 raw.block_tokens.as_ref(),
                 TRACE_BLOCK_TOKENS,
-                at_least_one,
+                token_count,
             )?,
             max_output_tokens: self.optional_field(
                 "workload.max_output_tokens",
                 raw.max_output_tokens.as_ref(),
-                at_least_one,
+                token_count,
             )?,
             seed: raw.seed.unwrap_or(0),
             ignore_eos: raw.ignore_eos.unwrap_or(true),
@@ -355,7 +355,7 @@ impl<'a> Validator<'a> {
                     .concurrency
                     .as_ref()
                     .ok_or_else(|| missing("concurrency", "the number of requests kept in flight"))?;
-                WorkloadMode::Concurrency(self.checked("workload.concurrency", concurrency, at_least_one)?)
+                WorkloadMode::Concurrency(self.checked("workload.concurrency", concurrency, token_count)?)
             }
             "rate" => {
                 let rate = raw.rate.as_ref().ok_or_else(|| missing("rate", "requests per second"))?;

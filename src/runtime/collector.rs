@@ -126,6 +126,21 @@ impl Collector {
         self.requests.values().filter(|r| r.ended_ms.is_none() && r.pool == pool).count()
     }
 
+    /// Ends request `id`, released into `pool`, before it entered the pool: it was refused at
+    /// the door (`cause`, `message` say why).
+    pub fn refuse(&mut self, id: u64, pool: &str, cause: &str, message: String) {
+        let event = Event::Failed {
+            id,
+            rank: usize::MAX,
+            cause: cause.into(),
+            message,
+            tokens: Vec::new(),
+            token_times: Default::default(),
+            started_ms: None,
+        };
+        self.apply(pool, event);
+    }
+
     /// Ends every request still open in `pool` with `cause` (the pool's computation ended
     /// without reporting them), so no request is silently dropped and the driver stops waiting.
     pub fn fail_open(&mut self, pool: &str, cause: &str, message: &str) {

@@ -9,6 +9,7 @@ use crate::runtime::collector::SharedCollector;
 use crate::trace::Request;
 use crate::workload::{drive, ArrivalMode, Selection};
 use kvflow_kernels::hash;
+use kvflow_kernels::models::check_context;
 use kvflow_operators::admit::Ingress;
 use kvflow_operators::messages::Admission;
 use std::collections::{BinaryHeap, HashMap};
@@ -88,7 +89,13 @@ pub struct DriverJob {
     pub interrupted: Arc<AtomicBool>,
     /// How long in-flight requests may run on after an interrupt before they are cancelled.
     pub grace: Duration,
+    /// The model's context (prompt + output tokens), when it has one: a longer request is
+    /// refused at release, with its cause, and never enters a pool.
+    pub max_context: Option<usize>,
 }
+
+/// The failure cause of a request longer than the model's context.
+pub const EXCEEDS_CONTEXT: &str = "exceeds-context";
 
 /// Runs the driver on its own thread; it closes every ingress when done.
 pub fn spawn_driver(job: DriverJob) -> std::io::Result<std::thread::JoinHandle<()>> {
@@ -99,7 +106,18 @@ pub fn spawn_driver(job: DriverJob) -> std::io::Result<std::thread::JoinHandle<(
 type Placed = Arc<Mutex<HashMap<u64, Arc<Ingress>>>>;
 
 fn run(job: DriverJob) {
-    let DriverJob { pools, placement, selection, mode, collector, completions, cancel, interrupted, grace } = job;
+    let DriverJob {
+        pools,
+        placement,
+        selection,
+        mode,
+        collector,
+        completions,
+        cancel,
+        interrupted,
+        grace,
+        max_context,
+    } = job;
     let warmup = selection.warmup;
     let placed: Placed = Default::default();
     let cancel_one = {
@@ -144,6 +162,10 @@ fn run(job: DriverJob) {
                 req.max_output_tokens,
                 is_warmup,
             );
+            if let Err(why) = check_context(max_context, req.prompt.len(), req.max_output_tokens) {
+                collector.lock().unwrap_or_else(|e| e.into_inner()).refuse(req.id, &pool.name, EXCEEDS_CONTEXT, why);
+                return;
+            }
             placed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.id, pool.ingress.clone());
             if cancel.picks(req.id) {
                 let at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;

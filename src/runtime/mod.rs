@@ -6,6 +6,7 @@
 pub(crate) mod collector;
 pub mod dot;
 pub(crate) mod driver;
+mod hostfile;
 mod memory;
 pub(crate) mod pool;
 mod report;
@@ -59,9 +60,15 @@ pub struct RunOptions {
     /// How long in-flight requests may finish after an interrupt before they are cancelled.
     pub grace: Option<Duration>,
     /// With requests pending, how long no capability may change before the run is declared
-    /// stalled (default 60 s).
+    /// stalled (default 60 s; zero turns the watchdog off).
     pub stall_timeout: Option<Duration>,
+    /// The longest gap the workload may leave before a release (default 10 minutes): a longer
+    /// one fails the run before it starts.
+    pub max_wait: Option<Duration>,
 }
+
+/// The default of [`RunOptions::max_wait`].
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_secs(600);
 
 /// What a run produced.
 pub struct RunOutcome {
@@ -73,8 +80,9 @@ pub struct RunOutcome {
     pub note: Option<String>,
 }
 
-/// The pools this run starts: the one `--pool` names, or every pool of the graph.
-fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g PoolConfig>> {
+/// The pools this run starts: the one `--pool` names, or every pool of the graph (`kvflow
+/// check` asks the same, so it refuses what `run` would).
+pub fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g PoolConfig>> {
     let pools = match name {
         Some(n) => vec![graph.pool(n).map_err(|e| anyhow!("{e}"))?],
         None => graph.pools.iter().collect(),
@@ -108,8 +116,42 @@ pub fn load_workload(graph: &Graph, vocab_size: usize) -> Result<Selection> {
             vocab_size,
             max_output_tokens: w.max_output_tokens,
         },
-    )?;
-    Ok(select(requests, w.warmup, w.limit))
+    )
+    .map_err(|e| anyhow!("{}: {e}", trace.display()))?;
+    let selection = select(requests, w.warmup, w.limit);
+    if selection.measured == 0 {
+        bail!(
+            "{}: nothing to measure: the trace has {} request(s) and workload.warmup (or --warmup) {} takes them all",
+            trace.display(),
+            records.len(),
+            w.warmup
+        );
+    }
+    Ok(selection)
+}
+
+/// Checks the rank memory this process is asked to hold (every pool's budgets together)
+/// against what the machine has, before anything is allocated. (Each pool's rank count is
+/// bounded by the graph's rules.)
+fn check_machine(graph: &Graph, pools: &[&PoolConfig], processes: usize) -> Result<()> {
+    let Some(available) = crate::generate::available_memory_bytes() else { return Ok(()) };
+    let mut total: u128 = 0;
+    let mut parts = Vec::new();
+    for pool in pools {
+        let here = (pool.ranks / processes.max(1)).max(1) as u128;
+        let bytes = here * pool.memory.budget_bytes as u128;
+        total += bytes;
+        parts.push(format!("pool `{}`: {here} rank(s) × {} bytes", pool.name, pool.memory.budget_bytes));
+    }
+    if total > available as u128 {
+        bail!(
+            "{}: memory.budget_bytes: this process would hold {total} bytes of rank memory ({}), more than the \
+             {available} bytes this machine has available (MemAvailable); lower memory.budget_bytes or the ranks",
+            graph.path.display(),
+            parts.join(", ")
+        );
+    }
+    Ok(())
 }
 
 fn arrival_mode(graph: &Graph) -> ArrivalMode {
@@ -190,6 +232,9 @@ fn check_ranks(results: &[PoolResult]) -> (Vec<(String, Vec<RankStats>)>, Vec<St
 pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunOutcome> {
     let started = Instant::now();
     let pools = pick_pools(graph, opts.pool.as_deref())?;
+    check_machine(graph, &pools, opts.cluster.as_ref().map_or(1, |c| c.processes))?;
+    crate::report::check_output_dir(&graph.report_dir)
+        .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     if !graph.workload.ignore_eos {
         bail!(
             "{}: workload.ignore_eos = false is not supported yet: outputs follow the trace's lengths",
@@ -198,9 +243,22 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     let model = load_model(graph)?;
     let selection = load_workload(graph, model.vocab_size)?;
-    let largest = selection.requests.iter().map(|r| r.prompt.len() + r.max_output_tokens).max().unwrap_or(1);
+    let max_wait = opts.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
+    if let Some(why) = crate::workload::longest_wait_over(&selection, &arrival_mode(graph), max_wait) {
+        bail!("{}: {why}", graph.path.display());
+    }
+    // Requests longer than the model's context are refused at release; memory is sized for
+    // the rest.
+    let largest = selection
+        .requests
+        .iter()
+        .map(|r| r.prompt.len().saturating_add(r.max_output_tokens))
+        .filter(|&len| model.max_positions.is_none_or(|max| len <= max)) // the others are refused
+        .max()
+        .unwrap_or(1);
     let jobs: Vec<PoolJob> =
         pools.iter().map(|p| pool_job(graph, p, &model, largest, opts, registry)).collect::<Result<_>>()?;
+
     if opts.cluster.is_some() && jobs.len() > 1 {
         bail!(
             "{}: a run spread over processes runs one pool; the graph has {} ({}): choose one with --pool",
@@ -258,14 +316,22 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         },
         interrupted: interrupted.clone(),
         grace: opts.grace.unwrap_or(Duration::from_secs(10)),
+        max_context: model.max_positions,
     })?;
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
-    let watchdog = {
+    let stall_timeout = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
+    if stall_timeout.is_zero() {
+        eprintln!("stall watchdog off (--stall-timeout 0)");
+    }
+    let watchdog = if stall_timeout.is_zero() {
+        drop(watches);
+        None
+    } else {
         let (pending_in, stalled_collector, dir) = (collector.clone(), collector.clone(), graph.report_dir.clone());
-        spawn_watchdog(
+        Some(spawn_watchdog(
             watches,
-            opts.stall_timeout.unwrap_or(Duration::from_secs(60)),
+            stall_timeout,
             move |pool| pending_in.lock().unwrap_or_else(|e| e.into_inner()).in_flight_in(pool),
             finished.clone(),
             move |diagnosis| {
@@ -279,7 +345,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
                 }
                 std::process::exit(EXIT_STALL);
             },
-        )?
+        )?)
     };
     // Join the pools, each on its own thread: a pool that ends early fails what it still held,
     // so the driver (waiting for those requests) is never left waiting on it.
@@ -301,7 +367,9 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     collector_thread.join().map_err(|_| anyhow!("the collector thread panicked"))?;
     finished.store(true, Ordering::SeqCst);
-    let _ = watchdog.join();
+    if let Some(w) = watchdog {
+        let _ = w.join();
+    }
     driver.join().map_err(|_| anyhow!("the workload driver panicked"))?;
     let (stats, accounting) = check_ranks(&results);
     let (records, interrupted_ms) = {

@@ -177,7 +177,7 @@ pub enum TraceError {
     InvalidOptions(String),
     /// A Mooncake record has fewer hash ids than its scaled prompt has blocks.
     #[error(
-        "trace line {line}: field `hash_ids`: a prompt of {scaled_tokens} scaled tokens at block_tokens \
+        "line {line}: field `hash_ids`: a prompt of {scaled_tokens} scaled tokens at block_tokens \
          {block_tokens} needs {needed} hash ids, found {available}"
     )]
     NotEnoughHashIds {

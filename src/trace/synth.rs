@@ -268,7 +268,7 @@ mod tests {
         let error = synthesize(&[record], &options(16)).unwrap_err();
         let message = error.to_string();
         assert!(matches!(error, TraceError::NotEnoughHashIds { line: 4, needed: 3, available: 2, .. }), "{message}");
-        assert!(message.contains("trace line 4") && message.contains("hash_ids"), "{message}");
+        assert!(message.contains("line 4") && message.contains("hash_ids"), "{message}");
     }
 
     #[test]

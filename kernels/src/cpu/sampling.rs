@@ -63,6 +63,12 @@ impl SampleKey {
     }
 }
 
+/// The greedy token, or `None` when the row holds a NaN or an infinity: then no token can be
+/// trusted (a NaN compares false with everything, so argmax alone would answer token 0).
+pub fn finite_argmax(logits: &[f32]) -> Option<u32> {
+    logits.iter().all(|v| v.is_finite()).then(|| argmax(logits))
+}
+
 /// Index of the largest logit (the first one on a tie).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;

@@ -164,6 +164,9 @@ pub struct Model {
     pub model_type: String,
     pub vocab_size: usize,
     pub hidden_size: usize,
+    /// The longest sequence (prompt + output) the model was trained for, from the config's
+    /// `max_position_embeddings` (`None` when the config gives none).
+    pub max_positions: Option<usize>,
     embed: Vec<f32>,
     layers: Vec<DecoderLayer>,
     final_norm: RmsNorm,
@@ -227,6 +230,7 @@ impl Model {
             model_type: model_type.to_string(),
             vocab_size: vocab,
             hidden_size: hidden,
+            max_positions: None, // set by `models::build` from the config
             embed,
             final_norm,
             lm_head,
@@ -285,6 +289,12 @@ impl Model {
     }
 
     /// `Err` naming the first token outside the vocabulary.
+    /// Whether a request of `prompt_len` tokens that generates `outputs` more fits the model's
+    /// context (`max_position_embeddings`); the error says by how much it does not.
+    pub fn check_context(&self, prompt_len: usize, outputs: usize) -> Result<(), String> {
+        check_context(self.max_positions, prompt_len, outputs)
+    }
+
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), String> {
         match tokens.iter().position(|&t| t as usize >= self.vocab_size) {
             Some(i) => {
@@ -416,6 +426,19 @@ impl Model {
 fn add_into(h: &mut [f32], delta: &[f32]) {
     for (a, b) in h.iter_mut().zip(delta) {
         *a += b;
+    }
+}
+
+/// Whether `prompt_len` + `outputs` tokens fit a context of `max_positions` (no limit when
+/// `None`); the error says by how much they do not.
+pub fn check_context(max_positions: Option<usize>, prompt_len: usize, outputs: usize) -> Result<(), String> {
+    let total = prompt_len.saturating_add(outputs);
+    match max_positions {
+        Some(max) if total > max => Err(format!(
+            "{prompt_len} prompt tokens + {outputs} output tokens = {total} exceed the model's context of {max} \
+             positions (max_position_embeddings)"
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -17,7 +17,7 @@ pub mod parts;
 pub mod qwen3_next;
 
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-pub use decoder::{Model, ModelCache, Phase, StepActivations};
+pub use decoder::{check_context, Model, ModelCache, Phase, StepActivations};
 pub use family::{Family, FamilyInfo, FAMILIES};
 
 use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
@@ -26,7 +26,19 @@ use std::path::Path;
 /// Builds the model a config describes from `weights`.
 pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, LoadError> {
     let model_type = cfg.model_type()?;
-    match Family::for_model_type(model_type) {
+    // The context: `max_position_embeddings`, or Kimi Linear's `model_max_length`.
+    let mut max_positions = None;
+    for key in ["max_position_embeddings", "model_max_length"] {
+        match cfg.value.get(key) {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 => max_positions = Some(usize::try_from(n).unwrap_or(usize::MAX)),
+                _ => return Err(cfg.error(key, format!("expected a whole number ≥ 1, got {v}"))),
+            },
+        }
+        break;
+    }
+    let mut model = match Family::for_model_type(model_type) {
         Some(Family::Mha) => mha::build(cfg, weights),
         Some(Family::Mla) => deepseek::build(cfg, weights, false),
         Some(Family::SparseMla) => deepseek::build(cfg, weights, true),
@@ -37,7 +49,9 @@ pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, Lo
             found: model_type.to_string(),
             supported: Family::supported_model_types(),
         }),
-    }
+    }?;
+    model.max_positions = max_positions;
+    Ok(model)
 }
 
 /// Loads a model from a Hugging Face checkpoint folder, or builds a seeded random one when

@@ -8,7 +8,7 @@
 use super::gate::{CompletionGate, Delay};
 use super::{Executor, ExecutorContext};
 use crate::step::{ExecutorError, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch};
-use kvflow_kernels::cpu::sampling::argmax;
+use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
 use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, SeqInput, StepActivations};
@@ -185,8 +185,11 @@ impl CpuStepRunner {
         let mut sampled = Vec::with_capacity(step.seqs.len());
         for (i, s) in step.seqs.iter().enumerate() {
             if let Some(logits) = out.last(i) {
-                let token = argmax(logits);
-                self.sampled.insert(s.key, (step.step, token));
+                let token = finite_argmax(logits);
+                // A step already launched behind this one may name the token: it is fed a
+                // placeholder (the request fails when this completion lands, and what that step
+                // computes for it is dropped), so the others in its batch are not failed too.
+                self.sampled.insert(s.key, (step.step, token.unwrap_or(0)));
                 sampled.push(Sampled { seq: s.key, token, logits_hash: hash::logits_row(logits) });
             }
         }

@@ -83,7 +83,16 @@ impl Rank {
                 self.fail(s.seq.index as usize, c.step, "executor", message);
                 continue;
             }
-            seq.tokens.push(s.token);
+            let Some(token) = s.token else {
+                let message = format!(
+                    "step {}: the logits it sampled from hold NaN or infinite values (the model's weights or config \
+                     give non-finite numbers); no token was sampled",
+                    c.step
+                );
+                self.fail(s.seq.index as usize, c.step, "non-finite-logits", message);
+                continue;
+            };
+            seq.tokens.push(token);
             seq.logits_hash = hash::chain_row(seq.logits_hash, s.logits_hash);
             seq.token_times.record(now);
             if seq.finished() {
