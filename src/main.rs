@@ -236,7 +236,9 @@ fn run_graph(args: RunArgs, interrupts: kvflow::signals::Interrupts) -> Result<i
     })?;
     let cluster = match (args.process, args.processes, args.hostfile) {
         (Some(process), Some(processes), Some(hostfile)) => {
-            Some(ClusterPlace::from_hostfile(&hostfile, process, processes)?)
+            let mut place = ClusterPlace::from_hostfile(&hostfile, process, processes)?;
+            place.connect_timeout = args.stall_timeout; // a peer that never connects is a stall too
+            Some(place)
         }
         (None, None, None) => None,
         _ => anyhow::bail!("--process, --processes and --hostfile go together"),

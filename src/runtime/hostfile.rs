@@ -29,7 +29,7 @@ impl ClusterPlace {
         if process >= processes {
             bail!("--process {process} is not below --processes {processes} (processes count from 0)");
         }
-        Ok(ClusterPlace { process, processes, addresses })
+        Ok(ClusterPlace { process, processes, addresses, connect_timeout: std::time::Duration::from_secs(60) })
     }
 }
 

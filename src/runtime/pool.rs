@@ -38,6 +38,58 @@ pub struct ClusterPlace {
     pub processes: usize,
     /// `host:port` of every process, in process order.
     pub addresses: Vec<String>,
+    /// How long to wait for every process to connect before giving up (zero: wait for ever,
+    /// saying so every 10 s).
+    pub connect_timeout: std::time::Duration,
+}
+
+/// How often a process waiting for its peers says so.
+const CONNECT_NOTICE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Runs `start` (which connects the cluster's processes and then starts the workers) on a
+/// thread of its own, so a peer that never connects is reported — every 10 s, and as an error
+/// after the place's timeout — instead of blocking the run in silence.
+fn connect_then<T: Send + 'static>(
+    pool: &str,
+    place: &ClusterPlace,
+    start: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("kvflow-connect".into())
+        .spawn(move || {
+            let _ = tx.send(start());
+        })
+        .map_err(|e| anyhow!("pool {pool}: cannot start the connecting thread: {e}"))?;
+    let waited = std::time::Instant::now();
+    let peers: Vec<String> = (0..place.processes)
+        .filter(|&p| p != place.process)
+        .map(|p| format!("process {p} at {}", place.addresses[p]))
+        .collect();
+    loop {
+        match rx.recv_timeout(CONNECT_NOTICE) {
+            Ok(started) => return started.map_err(|e| anyhow!("cannot start pool {pool}: {e}")),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(anyhow!("pool {pool}: the connecting thread ended without starting the pool"))
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        let secs = waited.elapsed().as_secs();
+        let what = format!(
+            "pool {pool}: process {} (listening on {}) has waited {secs} s for its peers to connect: {}",
+            place.process,
+            place.addresses[place.process],
+            peers.join(", ")
+        );
+        if !place.connect_timeout.is_zero() && waited.elapsed() >= place.connect_timeout {
+            return Err(anyhow!(
+                "{what}; giving up after {} s (--stall-timeout). Is every process started, with the same \
+                 hostfile, and can it reach these addresses?",
+                place.connect_timeout.as_secs()
+            ));
+        }
+        eprintln!("{what}");
+    }
 }
 
 /// Everything one pool needs to run.
@@ -156,11 +208,13 @@ pub fn start_pool(
     watch: Option<Watch>,
 ) -> Result<RunningPool> {
     let config = timely_config(&job)?;
+    let job_cluster = job.cluster.clone();
     let PoolJob { name, model, layout, scheduler, router, executor, executor_settings, switches, .. } = job;
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let sink = Mutex::new(sink);
     let pool = name.clone();
-    let guards = timely::execute(config, move |worker| {
+    let cluster = job_cluster;
+    let run_workers = move || timely::execute(config, move |worker| {
         if let Some(watch) = &watch {
             watch.register(worker);
         }
@@ -193,7 +247,10 @@ pub fn start_pool(
         }
         let result = rank.borrow_mut().finish_run();
         result
-    })
-    .map_err(|e| anyhow!("cannot start pool {name}: {e}"))?;
+    });
+    let guards = match &cluster {
+        Some(place) => connect_then(&name, place, run_workers)?,
+        None => run_workers().map_err(|e| anyhow!("cannot start pool {name}: {e}"))?,
+    };
     Ok(RunningPool { name, guards })
 }

@@ -115,6 +115,7 @@ fn csv_count(path: &Path, line: usize, field: &str, raw: &str) -> Result<usize, 
     raw.parse::<usize>()
         .ok()
         .or_else(|| raw.parse::<f64>().ok().and_then(integral_f64_count))
+        .filter(|&n| n <= super::MAX_TRACE_TOKENS)
         .ok_or_else(|| bad_csv_field(path, line, field, EXPECTED_COUNT, raw))
 }
 
@@ -213,7 +214,7 @@ mod tests {
             "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,-3,44\n",
         );
         assert!(
-            message.ends_with("negative.csv:2: field `ContextTokens`: expected a non-negative integer, found `-3`"),
+            message.ends_with("negative.csv:2: field `ContextTokens`: expected a non-negative integer of at most 16777216 tokens, found `-3`"),
             "{message}"
         );
     }

@@ -210,7 +210,11 @@ pub fn read_trace(path: &Path, format: TraceFormat) -> Result<Vec<TraceRecord>, 
     Ok(records)
 }
 
-const EXPECTED_COUNT: &str = "a non-negative integer";
+/// The longest prompt or output a trace line may ask for, in tokens: no model's context is
+/// longer, and synthesising a prompt allocates it.
+pub const MAX_TRACE_TOKENS: usize = 1 << 24;
+
+const EXPECTED_COUNT: &str = "a non-negative integer of at most 16777216 tokens";
 
 /// A record before its arrival is made relative: the absolute stamp is format-specific.
 struct StampedRecord<Stamp> {

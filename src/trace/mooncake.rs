@@ -82,7 +82,7 @@ fn parse_mooncake_line(path: &Path, line: usize, text: &str) -> Result<StampedRe
     for (position, hash_id_value) in hash_id_values.iter().enumerate() {
         let hash_id = hash_id_value
             .as_u64()
-            .ok_or_else(|| bad_field(&format!("hash_ids[{position}]"), EXPECTED_COUNT, hash_id_value))?;
+            .ok_or_else(|| bad_field(&format!("hash_ids[{position}]"), "a non-negative integer", hash_id_value))?;
         hash_ids.push(hash_id);
     }
     let needed = input_len.div_ceil(TRACE_BLOCK_TOKENS);
@@ -102,10 +102,11 @@ fn parse_mooncake_line(path: &Path, line: usize, text: &str) -> Result<StampedRe
 
 /// A JSON number that is a non-negative integer (`7` or `7.0`), as a `usize`.
 fn json_count(value: &serde_json::Value) -> Option<usize> {
-    if let Some(whole) = value.as_u64() {
-        return usize::try_from(whole).ok();
-    }
-    value.as_f64().and_then(integral_f64_count)
+    let count = match value.as_u64() {
+        Some(whole) => usize::try_from(whole).ok(),
+        None => value.as_f64().and_then(integral_f64_count),
+    };
+    count.filter(|&n| n <= super::MAX_TRACE_TOKENS)
 }
 
 #[cfg(test)]
@@ -131,7 +132,7 @@ mod tests {
             "{\"timestamp\": 0, \"input_length\": -3, \"output_length\": 1, \"hash_ids\": []}\n",
         );
         assert!(
-            message.ends_with("negative.jsonl:1: field `input_length`: expected a non-negative integer, found -3"),
+            message.ends_with("negative.jsonl:1: field `input_length`: expected a non-negative integer of at most 16777216 tokens, found -3"),
             "{message}"
         );
     }

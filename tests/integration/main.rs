@@ -4,6 +4,7 @@ mod asynchronous;
 mod bad_input;
 mod batch_invariance;
 mod common;
+mod fuzz;
 mod hf_fixtures;
 mod operability;
 mod recurrent_state;
