@@ -24,6 +24,15 @@ pub enum LoadError {
     WrongShape { path: PathBuf, name: String, expected: Vec<usize>, found: Vec<usize> },
     #[error("tensor `{name}` in {path}: expected dtype F32, BF16 or F16, found {found}")]
     WrongDtype { path: PathBuf, name: String, found: String },
+    #[error("tensor `{name}` in {path}: expected finite values, found {value} at flat index {index}")]
+    NonFinite { path: PathBuf, name: String, index: usize, value: f32 },
+    #[error(
+        "{path}: the model needs about {estimate} of f32 weights, more than the {limit} {limit_source}; \
+         biggest terms: {biggest}"
+    )]
+    TooLarge { path: PathBuf, estimate: String, limit: String, limit_source: String, biggest: String },
+    #[error("{path}: {message}")]
+    NotAModel { path: PathBuf, message: String },
 }
 
 impl LoadError {

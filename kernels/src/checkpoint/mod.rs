@@ -2,15 +2,19 @@
 //! file or sharded) or a seeded random model built from a TOML spec. Both implement
 //! [`WeightSource`], so a model family is built by one code path whatever the source.
 
+mod checks;
 mod config;
 mod error;
+mod fields;
 mod random;
 mod safetensors_dir;
 
-pub use config::{parse_rope, ConfigSource};
+pub use checks::{MAX_DIM, MAX_LAYERS};
+pub use config::{parse_rope, ConfigOrigin, ConfigSource, CONTEXT_KEYS, ROPE_KEYS};
 pub use error::LoadError;
+pub(crate) use fields::keys_of;
 pub use random::{ModelSpec, RandomWeights};
-pub use safetensors_dir::SafetensorsDir;
+pub use safetensors_dir::{parse_safetensors_header, SafetensorsDir, TensorHeader};
 
 /// A source of named f32 tensors.
 pub trait WeightSource {

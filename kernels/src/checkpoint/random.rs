@@ -1,7 +1,9 @@
 //! Seeded random models of any family, from a TOML model spec: the `config.json` fields of the
-//! family (same names) plus `seed` and optionally `init_std`. Weights are drawn per tensor from a
-//! generator keyed by `(seed, tensor name)`, so a spec always builds the same model, and norm
-//! weights sit around 1 (or around 0 for zero-centred norms) as trained checkpoints' do.
+//! family (same names) plus `seed` and optionally `init_std` (in `0..=1`); any other key is an
+//! error naming the keys the family reads (a typo must not fall back to a default). Weights are
+//! drawn per tensor from a generator keyed by `(seed, tensor name)`, so a spec always builds the
+//! same model, and norm weights sit around 1 (or around 0 for zero-centred norms) as trained
+//! checkpoints' do.
 //!
 //! ```toml
 //! model_type = "llama"
@@ -15,7 +17,8 @@
 //! vocab_size = 32000
 //! ```
 
-use super::{ConfigSource, LoadError, WeightSource};
+use super::{ConfigOrigin, ConfigSource, LoadError, WeightSource};
+use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 /// A parsed model spec: the config it stands for and the weights' generator.
@@ -31,25 +34,42 @@ impl ModelSpec {
         Self::parse(path.to_path_buf(), &text)
     }
 
+    /// Parses the text of a spec (any text: errors, never a panic). Keys the family does not
+    /// read are rejected when the model is built (see [`ConfigOrigin::Spec`]).
     pub fn parse(path: PathBuf, text: &str) -> Result<Self, LoadError> {
         let table: toml::Table =
             toml::from_str(text).map_err(|e| LoadError::Parse { path: path.clone(), message: e.to_string() })?;
-        let mut value = serde_json::to_value(&table)
+        let value = serde_json::to_value(&table)
             .map_err(|e| LoadError::Parse { path: path.clone(), message: e.to_string() })?;
-        let obj = value.as_object_mut().expect("a TOML table is an object");
+        let Value::Object(mut obj) = value else {
+            return Err(LoadError::Parse { path, message: "expected a TOML table".into() });
+        };
         let seed = match obj.remove("seed") {
             Some(v) => v.as_u64().ok_or_else(|| LoadError::config(&path, "seed", "expected a non-negative integer"))?,
             None => return Err(LoadError::config(&path, "seed", "missing: a model spec needs a seed")),
         };
         let std = match obj.remove("init_std") {
-            Some(v) => v.as_f64().ok_or_else(|| LoadError::config(&path, "init_std", "expected a number"))? as f32,
+            Some(v) => match v.as_f64() {
+                Some(s) if (0.0..=MAX_INIT_STD).contains(&s) => s as f32,
+                _ => {
+                    return Err(LoadError::config(
+                        &path,
+                        "init_std",
+                        format!("expected a number in 0..={MAX_INIT_STD}, found {v}"),
+                    ))
+                }
+            },
             None => 0.05,
         };
-        let config = ConfigSource { path, value };
+        let config = ConfigSource::from_value(path, Value::Object(obj), ConfigOrigin::Spec)?;
         config.model_type()?;
         Ok(ModelSpec { config, weights: RandomWeights::new(seed, std) })
     }
 }
+
+/// The widest weight distribution a spec may ask for: wider ones overflow f32 activations within
+/// a few layers (NaN logits, not an error).
+const MAX_INIT_STD: f64 = 1.0;
 
 /// Deterministic random tensors.
 #[derive(Clone, Debug)]
@@ -77,7 +97,14 @@ impl RandomWeights {
 
 impl WeightSource for RandomWeights {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
-        let n: usize = shape.iter().product();
+        let path = || PathBuf::from("<random weights>");
+        let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(|| LoadError::NotAModel {
+            path: path(),
+            message: format!("tensor `{name}`: shape {shape:?} has more elements than fit in memory"),
+        })?;
+        if !self.std.is_finite() {
+            return Err(LoadError::NonFinite { path: path(), name: name.to_string(), index: 0, value: self.std });
+        }
         let mut state = self.seed ^ fnv1a(name.as_bytes());
         // Uniform on [-√3·std, √3·std]: the requested standard deviation, cheap to draw.
         let half_width = self.std * 3f32.sqrt();

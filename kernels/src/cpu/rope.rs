@@ -57,12 +57,26 @@ fn yarn_get_mscale(scale: f64, mscale: f64) -> f64 {
 }
 
 impl RopeParams {
+    /// Dimensions the scaled variants rotate: `int(head_dim · partial_rotary_factor)`.
+    fn scaled_dim(&self, head_dim: usize) -> usize {
+        (head_dim as f64 * self.partial_rotary_factor) as usize
+    }
+
+    /// Dimensions [`RopeParams::inv_freq`] rotates for these arguments (the two halves of a pair
+    /// each; so it must be even).
+    pub fn rotated_dims(&self, head_dim: usize, default_dim: usize) -> usize {
+        match self.scaling {
+            RopeScaling::Default => default_dim,
+            _ => self.scaled_dim(head_dim),
+        }
+    }
+
     /// `(inv_freq, attention_scaling)` for heads of `head_dim`. The default variant rotates
     /// `default_dim` dimensions (families differ: llama's ignores `partial_rotary_factor`); the
     /// scaled variants rotate `int(head_dim · partial_rotary_factor)`, as transformers' shared
     /// rope functions do.
     pub fn inv_freq(&self, head_dim: usize, default_dim: usize) -> (Vec<f32>, f32) {
-        let scaled_dim = (head_dim as f64 * self.partial_rotary_factor) as usize;
+        let scaled_dim = self.scaled_dim(head_dim);
         let base_freqs = |dim: usize| -> Vec<f32> {
             // base ** (arange(0, dim, 2).float() / dim), then 1 / that, all in f32.
             (0..dim).step_by(2).map(|i| 1.0f32 / (self.theta as f32).powf(i as f32 / dim as f32)).collect()
@@ -201,8 +215,14 @@ impl Rope {
                     }
                 }
                 RopeStyle::Interleaved => {
-                    let mut rotated = [0.0f32; 512];
-                    let rotated = &mut rotated[..2 * half];
+                    // On the stack for every published rope width; on the heap beyond.
+                    let (mut stack, mut heap) = ([0.0f32; 512], Vec::new());
+                    let rotated = if 2 * half <= stack.len() {
+                        &mut stack[..2 * half]
+                    } else {
+                        heap.resize(2 * half, 0.0);
+                        &mut heap[..]
+                    };
                     for i in 0..half {
                         let (a, b) = (head[2 * i], head[2 * i + 1]);
                         rotated[i] = a * cos[i] - b * sin[i];

@@ -7,14 +7,15 @@
 //! may list each layer's feed-forward kind in `mlp_layer_types`. Config fields are named as in
 //! `config.json`.
 
-use super::config::check_silu;
+use super::config::{check_eps, check_routing, check_silu, checked_rope, RoutingFields};
 use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::family::Family;
 use super::parts::indexer::{load_indexer, IndexerDims};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::parts::mla::{load_mla, MlaDims};
-use super::parts::moe::{MoeBlock, Routing, Scoring, SigmoidMoe};
-use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
+use super::parts::moe::{moe_params, MoeBlock, Routing, Scoring, SigmoidMoe};
+use super::size::ModelSize;
+use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource, ROPE_KEYS};
 use crate::cpu::rope::{Rope, RopeStyle};
 use serde::Deserialize;
 
@@ -66,22 +67,92 @@ pub struct Config {
     pub index_head_dim: Option<usize>,
 }
 
+impl Config {
+    /// Reads the fields and checks every one the math depends on, before any weight is read;
+    /// `sparse` for deepseek_v32 (the indexer's fields, `mlp_layer_types`).
+    pub fn read(cfg: &ConfigSource, sparse: bool) -> Result<Self, LoadError> {
+        let c: Config = cfg.family_config(ROPE_KEYS)?;
+        c.validate(cfg, sparse)?;
+        Ok(c)
+    }
+
+    fn validate(&self, cfg: &ConfigSource, sparse: bool) -> Result<(), LoadError> {
+        check_silu(cfg, &self.hidden_act)?;
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+        ] {
+            cfg.dim(field, v)?;
+        }
+        cfg.layers("num_hidden_layers", self.num_hidden_layers)?;
+        cfg.opt_dim("q_lora_rank", self.q_lora_rank)?;
+        cfg.count("first_k_dense_replace", self.first_k_dense_replace)?;
+        check_eps(cfg, self.rms_norm_eps)?;
+        if mlp_is_dense(cfg, self, sparse)?.contains(&false) {
+            cfg.dim("moe_intermediate_size", self.moe_intermediate_size)?;
+            cfg.count("n_shared_experts", self.n_shared_experts.unwrap_or(0))?;
+            cfg.positive("routed_scaling_factor", self.routed_scaling_factor)?;
+            let (n, k) = (self.n_routed_experts, self.num_experts_per_tok);
+            check_routing(cfg, ROUTING_FIELDS, n, k, self.n_group, self.topk_group)?;
+        }
+        // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
+        checked_rope(cfg, "qk_rope_head_dim", self.qk_rope_head_dim, self.qk_rope_head_dim)?;
+        if sparse {
+            indexer_dims(cfg, self)?;
+        }
+        Ok(())
+    }
+
+    /// The parameters of this config's model, by term.
+    pub fn size(&self, cfg: &ConfigSource, sparse: bool) -> Result<ModelSize, LoadError> {
+        let (layers, hidden) = (self.num_hidden_layers, self.hidden_size);
+        let dense = mlp_is_dense(cfg, self, sparse)?.iter().filter(|d| **d).count();
+        let shared = self.moe_intermediate_size * self.n_shared_experts.unwrap_or(0);
+        let experts = moe_params(hidden, self.n_routed_experts, self.moe_intermediate_size, shared);
+        let mut size = ModelSize::default();
+        size.add("vocab_size × hidden_size × 2 (embeddings, LM head)", self.vocab_size, 2 * hidden as u128)
+            .add(
+                "num_hidden_layers × latent attention (num_attention_heads, q_lora_rank, kv_lora_rank, head dims)",
+                layers,
+                dims(self).params(),
+            )
+            .add(
+                "dense layers × 3 × hidden_size × intermediate_size (MLP)",
+                dense,
+                3 * hidden as u128 * self.intermediate_size as u128,
+            )
+            .add(
+                "MoE layers × n_routed_experts × 3 × hidden_size × moe_intermediate_size (experts)",
+                layers - dense,
+                experts,
+            )
+            .add("num_hidden_layers × 2 × hidden_size (norms)", layers, 2 * hidden as u128);
+        if sparse {
+            size.add(
+                "num_hidden_layers × indexer (index_n_heads, index_head_dim)",
+                layers,
+                indexer_dims(cfg, self)?.params(),
+            );
+        }
+        Ok(size)
+    }
+}
+
+/// The fields of DeepSeek's expert routing.
+const ROUTING_FIELDS: RoutingFields = ["n_routed_experts", "num_experts_per_tok", "n_group", "topk_group"];
+
 /// Builds a deepseek_v3 model, or (with `sparse`) a deepseek_v32 one, whose attention layers add
 /// the indexer.
 pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<Model, LoadError> {
-    let c: Config = cfg.family_config()?;
-    check_silu(cfg, &c.hidden_act)?;
+    let c = Config::read(cfg, sparse)?;
     let hidden = c.hidden_size;
     let eps = c.rms_norm_eps as f32;
-    if c.n_group == 0 || c.n_routed_experts % c.n_group != 0 {
-        return Err(
-            cfg.error("n_group", format!("{} does not divide n_routed_experts {}", c.n_group, c.n_routed_experts))
-        );
-    }
-    if c.topk_group > c.n_group || c.num_experts_per_tok > c.n_routed_experts {
-        return Err(cfg.error("topk_group", "more groups or experts chosen than exist"));
-    }
-    // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
     let rope_params = parse_rope(cfg)?;
     let (inv_freq, attention_scaling) = rope_params.inv_freq(c.qk_rope_head_dim, c.qk_rope_head_dim);
     let style = if c.rope_interleave { RopeStyle::Interleaved } else { RopeStyle::Neox };
@@ -120,12 +191,11 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
 
 fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError> {
     let need = |v: Option<usize>, field: &str| {
-        v.ok_or_else(|| cfg.error(field, "missing (deepseek_v32 needs the indexer sizes)"))
+        let v = v.ok_or_else(|| cfg.error(field, "missing (deepseek_v32 needs the indexer sizes)"))?;
+        cfg.dim(field, v)
     };
     let head_dim = need(c.index_head_dim, "index_head_dim")?;
-    if head_dim < c.qk_rope_head_dim {
-        return Err(cfg.error("index_head_dim", "smaller than qk_rope_head_dim"));
-    }
+    cfg.at_most("qk_rope_head_dim", c.qk_rope_head_dim, "index_head_dim", head_dim)?;
     Ok(IndexerDims {
         hidden: c.hidden_size,
         q_lora_rank: c
@@ -142,11 +212,7 @@ fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError
 fn mlp_is_dense(cfg: &ConfigSource, c: &Config, sparse: bool) -> Result<Vec<bool>, LoadError> {
     match c.mlp_layer_types.as_ref().filter(|_| sparse) {
         Some(types) => {
-            if types.len() != c.num_hidden_layers {
-                return Err(
-                    cfg.error("mlp_layer_types", format!("{} entries for {} layers", types.len(), c.num_hidden_layers))
-                );
-            }
+            cfg.one_per_layer("mlp_layer_types", types.len(), c.num_hidden_layers)?;
             types
                 .iter()
                 .map(|t| match t.as_str() {

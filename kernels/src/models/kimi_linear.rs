@@ -5,14 +5,15 @@
 //! weights, an ungated shared expert), plain RMSNorms. Config fields are named as in
 //! `config.json` (Moonshot's names, with transformers' aliases).
 
-use super::config::check_silu;
+use super::config::{check_eps, check_routing, check_silu, RoutingFields};
 use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::family::Family;
-use super::parts::kda::load_kda;
+use super::parts::kda::{kda_params, load_kda};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::parts::mla::{load_mla, MlaDims};
-use super::parts::moe::{MoeBlock, Routing, Scoring, SigmoidMoe};
-use crate::checkpoint::{ConfigSource, LoadError, WeightSource};
+use super::parts::moe::{moe_params, MoeBlock, Routing, Scoring, SigmoidMoe};
+use super::size::ModelSize;
+use crate::checkpoint::{keys_of, ConfigSource, LoadError, WeightSource};
 use serde::Deserialize;
 
 /// `linear_attn_config` of a Kimi Linear config.
@@ -115,9 +116,7 @@ pub fn layer_is_linear(cfg: &ConfigSource, c: &Config) -> Result<Vec<bool>, Load
     let explicit =
         match &c.layer_types {
             Some(types) => {
-                if types.len() != n {
-                    return Err(cfg.error("layer_types", format!("{} entries for {n} layers", types.len())));
-                }
+                cfg.one_per_layer("layer_types", types.len(), n)?;
                 Some(
                     types
                         .iter()
@@ -143,42 +142,144 @@ pub fn layer_is_linear(cfg: &ConfigSource, c: &Config) -> Result<Vec<bool>, Load
     }
 }
 
+impl Config {
+    /// Reads the fields and checks every one the math depends on, before any weight is read.
+    pub fn read(cfg: &ConfigSource) -> Result<Self, LoadError> {
+        // Kimi Linear's latent attention has no positional encoding: no rope keys are read.
+        let c: Config = cfg.family_config(&[])?;
+        cfg.check_table_keys("linear_attn_config", keys_of::<LinearAttnConfig>())?;
+        c.validate(cfg)?;
+        Ok(c)
+    }
+
+    fn validate(&self, cfg: &ConfigSource) -> Result<(), LoadError> {
+        check_silu(cfg, &self.hidden_act)?;
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("kv_lora_rank", self.kv_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+        ] {
+            cfg.dim(field, v)?;
+        }
+        cfg.layers("num_hidden_layers", self.num_hidden_layers)?;
+        cfg.opt_dim("q_lora_rank", self.q_lora_rank)?;
+        cfg.count("first_k_dense_replace", self.first_k_dense_replace)?;
+        check_eps(cfg, self.rms_norm_eps)?;
+        if self.num_key_value_heads.is_some_and(|k| k != self.num_attention_heads) {
+            return Err(
+                cfg.error("num_key_value_heads", "Kimi Linear's MLA needs num_key_value_heads == num_attention_heads")
+            );
+        }
+        let (heads, head_dim, kernel) = self.kda_sizes();
+        cfg.dim("linear_attn_config.num_heads", heads)?;
+        cfg.dim("linear_attn_config.head_dim", head_dim)?;
+        cfg.dim("linear_attn_config.short_conv_kernel_size", kernel)?;
+        layer_is_linear(cfg, self)?;
+        if mlp_is_dense(cfg, self)?.contains(&false) {
+            cfg.dim("moe_intermediate_size", self.moe_intermediate_size)?;
+            cfg.count("num_shared_experts", self.num_shared_experts)?;
+            cfg.positive("routed_scaling_factor", self.routed_scaling_factor)?;
+            let (n, k) = (self.num_experts, self.num_experts_per_token);
+            check_routing(cfg, ROUTING_FIELDS, n, k, self.num_expert_group, self.topk_group)?;
+        }
+        Ok(())
+    }
+
+    /// KDA heads, head size and conv kernel: `linear_attn_config`'s, else transformers' names,
+    /// else Moonshot's defaults.
+    fn kda_sizes(&self) -> (usize, usize, usize) {
+        let l = &self.linear_attn_config;
+        (
+            l.num_heads.or(self.linear_num_heads).unwrap_or(32),
+            l.head_dim.or(self.linear_head_dim).unwrap_or(128),
+            l.short_conv_kernel_size.or(self.linear_conv_kernel_dim).unwrap_or(4),
+        )
+    }
+
+    fn mla_dims(&self) -> MlaDims {
+        MlaDims {
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            q_lora_rank: self.q_lora_rank,
+            kv_lora: self.kv_lora_rank,
+            nope: self.qk_nope_head_dim,
+            rope_dim: self.qk_rope_head_dim,
+            v_dim: self.v_head_dim,
+        }
+    }
+
+    /// The parameters of this config's model, by term.
+    pub fn size(&self, cfg: &ConfigSource) -> Result<ModelSize, LoadError> {
+        let (layers, hidden) = (self.num_hidden_layers, self.hidden_size);
+        let linear = layer_is_linear(cfg, self)?.iter().filter(|l| **l).count();
+        let dense = mlp_is_dense(cfg, self)?.iter().filter(|d| **d).count();
+        let (heads, head_dim, kernel) = self.kda_sizes();
+        let shared = self.moe_intermediate_size * self.num_shared_experts;
+        let experts = moe_params(hidden, self.num_experts, self.moe_intermediate_size, shared);
+        let mut size = ModelSize::default();
+        size.add("vocab_size × hidden_size × 2 (embeddings, LM head)", self.vocab_size, 2 * hidden as u128)
+            .add(
+                "KDA layers × KDA (linear_attn_config.num_heads, head_dim)",
+                linear,
+                kda_params(hidden, heads, head_dim, kernel),
+            )
+            .add(
+                "MLA layers × latent attention (num_attention_heads, kv_lora_rank, head dims)",
+                layers - linear,
+                self.mla_dims().params(),
+            )
+            .add(
+                "dense layers × 3 × hidden_size × intermediate_size (MLP)",
+                dense,
+                3 * hidden as u128 * self.intermediate_size as u128,
+            )
+            .add(
+                "MoE layers × num_experts × 3 × hidden_size × moe_intermediate_size (experts)",
+                layers - dense,
+                experts,
+            )
+            .add("num_hidden_layers × 2 × hidden_size (norms)", layers, 2 * hidden as u128);
+        Ok(size)
+    }
+}
+
+/// The fields of Kimi Linear's expert routing.
+const ROUTING_FIELDS: RoutingFields = ["num_experts", "num_experts_per_token", "num_expert_group", "topk_group"];
+
+/// Whether each layer's feed-forward is dense (else MoE): `mlp_layer_types`, else the first
+/// `first_k_dense_replace` layers.
+fn mlp_is_dense(cfg: &ConfigSource, c: &Config) -> Result<Vec<bool>, LoadError> {
+    match &c.mlp_layer_types {
+        Some(types) => {
+            cfg.one_per_layer("mlp_layer_types", types.len(), c.num_hidden_layers)?;
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "dense" => Ok(true),
+                    "sparse" => Ok(false),
+                    other => {
+                        Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\"")))
+                    }
+                })
+                .collect()
+        }
+        None => Ok((0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect()),
+    }
+}
+
 /// Builds a kimi_linear model.
 pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadError> {
-    let c: Config = cfg.family_config()?;
-    check_silu(cfg, &c.hidden_act)?;
+    let c = Config::read(cfg)?;
     let (hidden, eps) = (c.hidden_size, c.rms_norm_eps as f32);
     let linear = layer_is_linear(cfg, &c)?;
-    let heads = c.linear_attn_config.num_heads.or(c.linear_num_heads).unwrap_or(32);
-    let head_dim = c.linear_attn_config.head_dim.or(c.linear_head_dim).unwrap_or(128);
-    let kernel = c.linear_attn_config.short_conv_kernel_size.or(c.linear_conv_kernel_dim).unwrap_or(4);
-    if kernel == 0 {
-        return Err(cfg.error("linear_attn_config.short_conv_kernel_size", "must be at least 1"));
-    }
-    if c.num_key_value_heads.is_some_and(|k| k != c.num_attention_heads) {
-        return Err(
-            cfg.error("num_key_value_heads", "Kimi Linear's MLA needs num_key_value_heads == num_attention_heads")
-        );
-    }
-    if c.num_expert_group == 0 || c.num_experts % c.num_expert_group != 0 || c.topk_group > c.num_expert_group {
-        return Err(cfg.error("num_expert_group", "must divide num_experts and be at least topk_group"));
-    }
-    let dense: Vec<bool> = match &c.mlp_layer_types {
-        Some(t) if t.len() == c.num_hidden_layers => t.iter().map(|k| k == "dense").collect(),
-        Some(t) => {
-            return Err(cfg.error("mlp_layer_types", format!("{} entries for {} layers", t.len(), c.num_hidden_layers)))
-        }
-        None => (0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect(),
-    };
-    let dims = MlaDims {
-        hidden,
-        heads: c.num_attention_heads,
-        q_lora_rank: c.q_lora_rank,
-        kv_lora: c.kv_lora_rank,
-        nope: c.qk_nope_head_dim,
-        rope_dim: c.qk_rope_head_dim,
-        v_dim: c.v_head_dim,
-    };
+    let (heads, head_dim, kernel) = c.kda_sizes();
+    let dense = mlp_is_dense(cfg, &c)?;
+    let dims = c.mla_dims();
     let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5);
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for l in 0..c.num_hidden_layers {
@@ -244,7 +345,7 @@ mod tests {
             "moe_intermediate_size": 4 {extra}}}"#
         );
         let cfg = ConfigSource::parse("config.json".into(), &text).unwrap();
-        let c: Config = cfg.family_config().unwrap();
+        let c: Config = cfg.family_config(&[]).unwrap();
         layer_is_linear(&cfg, &c)
     }
 

@@ -3,12 +3,13 @@
 //! ([`GqaAttention`](super::parts::gqa::GqaAttention)) and a SwiGLU MLP; config fields are named
 //! as in `config.json`.
 
-use super::config::check_silu;
+use super::config::{check_eps, check_silu, checked_rope};
 use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
 use super::family::Family;
-use super::parts::gqa::{load_gqa, QkNorm};
+use super::parts::gqa::{gqa_params, load_gqa, QkNorm};
 use super::parts::layers::{Mlp, RmsNorm};
-use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource};
+use super::size::ModelSize;
+use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource, ROPE_KEYS};
 use crate::cpu::rope::{Rope, RopeStyle};
 use serde::Deserialize;
 
@@ -41,24 +42,77 @@ pub struct Config {
     pub layer_types: Option<Vec<String>>,
 }
 
+impl Config {
+    /// Reads the fields and checks every one the math depends on, before any weight is read.
+    pub fn read(cfg: &ConfigSource) -> Result<Self, LoadError> {
+        let c: Config = cfg.family_config(ROPE_KEYS)?;
+        c.validate(cfg)?;
+        Ok(c)
+    }
+
+    fn validate(&self, cfg: &ConfigSource) -> Result<(), LoadError> {
+        check_silu(cfg, &self.hidden_act)?;
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.kv_heads()),
+        ] {
+            cfg.dim(field, v)?;
+        }
+        cfg.layers("num_hidden_layers", self.num_hidden_layers)?;
+        cfg.divides("num_key_value_heads", self.kv_heads(), "num_attention_heads", self.num_attention_heads)?;
+        let head_dim = cfg.dim("head_dim", self.head_dim())?;
+        check_eps(cfg, self.rms_norm_eps)?;
+        if self.use_sliding_window {
+            cfg.opt_dim("sliding_window", self.sliding_window)?;
+        }
+        layer_types(cfg, self)?;
+        checked_rope(cfg, "head_dim", head_dim, head_dim)?;
+        Ok(())
+    }
+
+    fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// `head_dim`, else Qwen3's default 128, else `hidden_size / num_attention_heads`.
+    fn head_dim(&self) -> usize {
+        match self.head_dim {
+            Some(d) => d,
+            None if self.model_type == "qwen3" => 128,
+            None => self.hidden_size / self.num_attention_heads.max(1),
+        }
+    }
+
+    /// The parameters of this config's model, by term.
+    pub fn size(&self) -> ModelSize {
+        let (layers, hidden) = (self.num_hidden_layers, self.hidden_size);
+        let attention = gqa_params(hidden, self.num_attention_heads, self.kv_heads(), self.head_dim(), false);
+        let mut size = ModelSize::default();
+        size.add("vocab_size × hidden_size × 2 (embeddings, LM head)", self.vocab_size, 2 * hidden as u128)
+            .add(
+                "num_hidden_layers × 3 × hidden_size × intermediate_size (MLP)",
+                layers,
+                3 * hidden as u128 * self.intermediate_size as u128,
+            )
+            .add(
+                "num_hidden_layers × attention (hidden_size, num_attention_heads, num_key_value_heads, head_dim)",
+                layers,
+                attention,
+            )
+            .add("num_hidden_layers × 2 × hidden_size (norms)", layers, 2 * hidden as u128);
+        size
+    }
+}
+
 /// Builds a llama or qwen3 model.
 pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadError> {
-    let c: Config = cfg.family_config()?;
-    check_silu(cfg, &c.hidden_act)?;
+    let c = Config::read(cfg)?;
     let is_qwen3 = c.model_type == "qwen3";
     let hidden = c.hidden_size;
-    let q_heads = c.num_attention_heads;
-    let kv_heads = c.num_key_value_heads.unwrap_or(q_heads);
-    if q_heads == 0 || kv_heads == 0 || q_heads % kv_heads != 0 {
-        return Err(
-            cfg.error("num_key_value_heads", format!("{kv_heads} does not divide num_attention_heads {q_heads}"))
-        );
-    }
-    let head_dim = match c.head_dim {
-        Some(d) => d,
-        None if is_qwen3 => 128,
-        None => hidden / q_heads,
-    };
+    let (q_heads, kv_heads, head_dim) = (c.num_attention_heads, c.kv_heads(), c.head_dim());
     let eps = c.rms_norm_eps as f32;
     let rope_params = parse_rope(cfg)?;
     let (inv_freq, scaling) = rope_params.inv_freq(head_dim, head_dim);
@@ -111,9 +165,7 @@ fn layer_types(cfg: &ConfigSource, c: &Config) -> Result<Vec<String>, LoadError>
             .collect(),
         _ => vec!["full_attention".to_string(); n],
     };
-    if types.len() != n {
-        return Err(cfg.error("layer_types", format!("{} entries for {n} layers", types.len())));
-    }
+    cfg.one_per_layer("layer_types", types.len(), n)?;
     for t in &types {
         match t.as_str() {
             "full_attention" | "sliding_attention" => {}

@@ -145,6 +145,16 @@ pub(crate) struct GdnDims {
     pub kernel: usize,
 }
 
+impl GdnDims {
+    /// Parameters of one Gated DeltaNet layer of these sizes.
+    pub(crate) fn params(&self) -> u128 {
+        let [h, nk, nv, dk, dv, kernel] =
+            [self.hidden, self.k_heads, self.v_heads, self.dk, self.dv, self.kernel].map(|x| x as u128);
+        let channels = 2 * nk * dk + nv * dv;
+        h * (channels + nv * dv + 2 * nv) + channels * kernel + 2 * nv + dv + nv * dv * h
+    }
+}
+
 /// Loads the Gated DeltaNet of layer prefix `p` (`model.layers.{l}.linear_attn`).
 pub(crate) fn load_gdn(w: &dyn WeightSource, p: &str, dims: GdnDims, eps: f32) -> Result<GatedDeltaNet, LoadError> {
     let GdnDims { hidden, k_heads: nk, v_heads: nv, dk, dv, kernel } = dims;

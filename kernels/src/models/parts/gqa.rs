@@ -43,6 +43,13 @@ pub(crate) enum QkNorm {
 }
 
 /// Loads the attention of layer prefix `p` (`model.layers.{l}.self_attn`).
+/// Parameters of one attention layer of these sizes (projections and q/k norms; biases aside).
+pub(crate) fn gqa_params(hidden: usize, q_heads: usize, kv_heads: usize, head_dim: usize, output_gate: bool) -> u128 {
+    let (h, q, kv, d) = (hidden as u128, q_heads as u128, kv_heads as u128, head_dim as u128);
+    let q_width = q * d * if output_gate { 2 } else { 1 };
+    h * (q_width + 2 * kv * d) + q * d * h + 2 * d
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn load_gqa(
     w: &dyn WeightSource,

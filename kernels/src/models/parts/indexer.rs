@@ -47,6 +47,14 @@ pub(crate) struct IndexerDims {
 }
 
 /// Loads `{prefix}.indexer` (prefix = `model.layers.{l}.self_attn`).
+impl IndexerDims {
+    /// Parameters of one indexer of these sizes.
+    pub(crate) fn params(&self) -> u128 {
+        let [h, r, heads, d] = [self.hidden, self.q_lora_rank, self.heads, self.head_dim].map(|x| x as u128);
+        r * heads * d + h * d + 2 * d + h * heads
+    }
+}
+
 pub(crate) fn load_indexer(
     w: &dyn WeightSource,
     prefix: &str,

@@ -111,6 +111,13 @@ impl KimiDeltaAttention {
     }
 }
 
+/// Parameters of one KDA layer of these sizes.
+pub(crate) fn kda_params(hidden: usize, heads: usize, d: usize, kernel: usize) -> u128 {
+    let [h, heads, d, kernel] = [hidden, heads, d, kernel].map(|x| x as u128);
+    let hd = heads * d;
+    h * (3 * hd + 2 * d + heads) + 2 * d * hd + 3 * hd * kernel + heads + hd + d + hd * h
+}
+
 /// Loads the KDA of layer prefix `p` (`model.layers.{l}.self_attn`): `heads` heads of `d`
 /// channels, convs of `kernel` taps (stored per projection or as one `conv1d`).
 pub(crate) fn load_kda(

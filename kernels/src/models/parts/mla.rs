@@ -196,6 +196,19 @@ impl MlaAttention {
 }
 
 /// Loads one layer's latent attention under `{prefix}` (= `model.layers.{l}.self_attn`).
+impl MlaDims {
+    /// Parameters of one latent attention layer of these sizes (projections and norms).
+    pub(crate) fn params(&self) -> u128 {
+        let [h, heads, kv, nope, rope, v] =
+            [self.hidden, self.heads, self.kv_lora, self.nope, self.rope_dim, self.v_dim].map(|x| x as u128);
+        let q = match self.q_lora_rank {
+            Some(r) => h * r as u128 + r as u128 + r as u128 * heads * (nope + rope),
+            None => h * heads * (nope + rope),
+        };
+        q + h * (kv + rope) + kv + heads * (nope + v) * kv + heads * v * h
+    }
+}
+
 pub(crate) fn load_mla(
     w: &dyn WeightSource,
     prefix: &str,

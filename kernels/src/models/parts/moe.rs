@@ -192,6 +192,13 @@ impl SigmoidMoe<'_> {
     }
 }
 
+/// Parameters of one MoE block: `experts` SwiGLU experts of `inter`, their router, and shared
+/// experts of `shared_inter` together.
+pub(crate) fn moe_params(hidden: usize, experts: usize, inter: usize, shared_inter: usize) -> u128 {
+    let [h, n, i, s] = [hidden, experts, inter, shared_inter].map(|x| x as u128);
+    n * 3 * h * i + h * n + n + 3 * h * s + h
+}
+
 /// Loads `num_experts` SwiGLU experts under `prefix`, stored either one module per expert
 /// (`{prefix}.{e}.{gate}.weight`, …) or fused as transformers 5 holds them in memory
 /// (`{prefix}.gate_up_proj` `[E × 2I × H]`, `{prefix}.down_proj` `[E × H × I]`).
