@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
-use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
+use kvflow_kernels::models::{available_memory, human_bytes, LogitsWanted, Model, SeqInput};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -123,14 +123,6 @@ impl Running {
     }
 }
 
-/// Bytes of `MemAvailable` in /proc/meminfo (what the machine can still give), when readable.
-pub fn available_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib.saturating_mul(1024))
-}
-
 /// Generates `max_new_tokens` greedy tokens for every prompt, in input order. A prompt that does
 /// not fit the model's context is refused (its generation carries the error, the others run).
 pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Generation>> {
@@ -159,12 +151,13 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
     let slots = if model.needs_slots() { prompts.len() } else { 0 };
     let bytes = (needed as u128) * model.kv_bytes_per_block(bs) as u128
         + (slots as u128) * model.state_bytes_per_slot() as u128;
-    if let Some(available) = available_memory_bytes() {
-        if bytes > available as u128 {
+    if let Some(available) = available_memory() {
+        if bytes > available {
             bail!(
-                "the KV cache for these prompts with --max-new-tokens {n} (--block-size {bs}) takes {bytes} bytes, \
-                 more than the {available} bytes this machine has available; lower --max-new-tokens or give fewer \
-                 prompts"
+                "the KV cache for these prompts with --max-new-tokens {n} (--block-size {bs}) takes {}, more than \
+                 the {} this machine has available; lower --max-new-tokens or give fewer prompts",
+                human_bytes(bytes),
+                human_bytes(available)
             );
         }
     }

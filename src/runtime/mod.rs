@@ -134,7 +134,7 @@ pub fn load_workload(graph: &Graph, vocab_size: usize) -> Result<Selection> {
 /// against what the machine has, before anything is allocated. (Each pool's rank count is
 /// bounded by the graph's rules.)
 fn check_machine(graph: &Graph, pools: &[&PoolConfig], processes: usize) -> Result<()> {
-    let Some(available) = crate::generate::available_memory_bytes() else { return Ok(()) };
+    let Some(available) = models::available_memory() else { return Ok(()) };
     let mut total: u128 = 0;
     let mut parts = Vec::new();
     for pool in pools {
@@ -143,12 +143,14 @@ fn check_machine(graph: &Graph, pools: &[&PoolConfig], processes: usize) -> Resu
         total += bytes;
         parts.push(format!("pool `{}`: {here} rank(s) × {} bytes", pool.name, pool.memory.budget_bytes));
     }
-    if total > available as u128 {
+    if total > available {
         bail!(
-            "{}: memory.budget_bytes: this process would hold {total} bytes of rank memory ({}), more than the \
-             {available} bytes this machine has available (MemAvailable); lower memory.budget_bytes or the ranks",
+            "{}: memory.budget_bytes: this process would hold {} of rank memory ({}), more than the {} this \
+             machine has available (MemAvailable); lower memory.budget_bytes or the ranks",
             graph.path.display(),
-            parts.join(", ")
+            models::human_bytes(total),
+            parts.join(", "),
+            models::human_bytes(available)
         );
     }
     Ok(())

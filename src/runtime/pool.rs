@@ -214,40 +214,42 @@ pub fn start_pool(
     let sink = Mutex::new(sink);
     let pool = name.clone();
     let cluster = job_cluster;
-    let run_workers = move || timely::execute(config, move |worker| {
-        if let Some(watch) = &watch {
-            watch.register(worker);
-        }
-        let (index, peers) = (worker.index(), worker.peers());
-        let waker = Arc::new(RankWaker::default());
-        let ctx =
-            ExecutorContext { pool: pool.clone(), rank: index, model: model.clone(), layout, waker: waker.clone() };
-        let exec = executor.build(&executor_settings, ctx).unwrap_or_else(|reason| {
-            tracing::error!(pool = %pool, rank = index, "executor: {reason}");
-            Box::new(Unavailable::new(reason))
-        });
-        let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
-        let rank = Rc::new(RefCell::new(rank));
-        let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };
-        let parts = PoolParts {
-            rank: rank.clone(),
-            waker,
-            ingress: if index == 0 { ingress.clone() } else { None },
-            router: router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens }),
-            keys,
-            ranks: peers,
-            sink: sink.map(|s| s as Box<dyn EventSink>),
-            switches: switches.clone(),
-        };
-        worker.dataflow::<u64, _, _>(move |scope| {
-            build_pool_graph(scope, parts);
-        });
-        while worker.has_dataflows() {
-            worker.step_or_park(None);
-        }
-        let result = rank.borrow_mut().finish_run();
-        result
-    });
+    let run_workers = move || {
+        timely::execute(config, move |worker| {
+            if let Some(watch) = &watch {
+                watch.register(worker);
+            }
+            let (index, peers) = (worker.index(), worker.peers());
+            let waker = Arc::new(RankWaker::default());
+            let ctx =
+                ExecutorContext { pool: pool.clone(), rank: index, model: model.clone(), layout, waker: waker.clone() };
+            let exec = executor.build(&executor_settings, ctx).unwrap_or_else(|reason| {
+                tracing::error!(pool = %pool, rank = index, "executor: {reason}");
+                Box::new(Unavailable::new(reason))
+            });
+            let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
+            let rank = Rc::new(RefCell::new(rank));
+            let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };
+            let parts = PoolParts {
+                rank: rank.clone(),
+                waker,
+                ingress: if index == 0 { ingress.clone() } else { None },
+                router: router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens }),
+                keys,
+                ranks: peers,
+                sink: sink.map(|s| s as Box<dyn EventSink>),
+                switches: switches.clone(),
+            };
+            worker.dataflow::<u64, _, _>(move |scope| {
+                build_pool_graph(scope, parts);
+            });
+            while worker.has_dataflows() {
+                worker.step_or_park(None);
+            }
+            let result = rank.borrow_mut().finish_run();
+            result
+        })
+    };
     let guards = match &cluster {
         Some(place) => connect_then(&name, place, run_workers)?,
         None => run_workers().map_err(|e| anyhow!("cannot start pool {name}: {e}"))?,

@@ -109,3 +109,218 @@ fn a_missing_checkpoint_folder_is_named() {
     let p = prompts_file(dir.path(), "{\"prompt\": [1]}\n");
     assert_clean_failure(&generate_with(&dir.path().join("nowhere"), &p), &["nowhere", "config.json"]);
 }
+
+// ---- Hostile input, one case per class (issue "hostile input, limits and signals") ----
+
+use crate::runtime::write_graph;
+
+/// A trace of `lines` (Mooncake JSON) in `dir`; its path.
+fn trace_file(dir: &Path, lines: &[String]) -> String {
+    let p = dir.join("trace.jsonl");
+    std::fs::write(&p, lines.join("\n") + "\n").unwrap();
+    p.to_string_lossy().to_string()
+}
+
+fn mooncake_line(timestamp_ms: u64, input_length: usize, output_length: usize) -> String {
+    let ids: Vec<usize> = (0..input_length.div_ceil(512).max(1)).map(|i| timestamp_ms as usize * 1000 + i).collect();
+    format!(
+        "{{\"timestamp\": {timestamp_ms}, \"input_length\": {input_length}, \"output_length\": {output_length}, \"hash_ids\": {ids:?}}}"
+    )
+}
+
+fn quick_graph(dir: &Path) -> String {
+    write_graph(dir, "hf/llama", "mooncake_conversation_head.jsonl", "", "16 MiB").to_string_lossy().to_string()
+}
+
+#[test]
+fn sizes_are_bounded_before_anything_is_allocated() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    assert_clean_failure(&kvflow(&["run", &g, "--ranks", "10000"]), &["pool.ranks", "1024"]);
+    let huge = std::fs::read_to_string(&g).unwrap().replace("\"16 MiB\"", "\"900 TiB\"");
+    std::fs::write(&g, huge).unwrap();
+    assert_clean_failure(&kvflow(&["run", &g]), &["memory.budget_bytes", "available"]);
+    let p = prompts_file(dir.path(), "{\"prompt\": [1, 2]}\n");
+    let llama = fixture("hf/llama").to_string_lossy().to_string();
+    let zero_block = ["generate", "--model", &llama, "--prompts", &p, "--max-new-tokens", "2", "--block-size", "0"];
+    assert_clean_failure(&kvflow(&zero_block), &["--block-size", "between 1 and"]);
+    let spec = dir.path().join("huge.toml");
+    std::fs::write(&spec, "model_type = \"llama\"\nseed = 1\nvocab_size = 16000000\nhidden_size = 16000000\nintermediate_size = 64\nnum_hidden_layers = 2\nnum_attention_heads = 4\n").unwrap();
+    assert_clean_failure(&generate_with(&spec, &p), &["huge.toml"]);
+}
+
+#[test]
+fn impossible_model_specs_name_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts_file(dir.path(), "{\"prompt\": [1, 2]}\n");
+    let base = "model_type = \"llama\"\nseed = 1\nvocab_size = 64\nintermediate_size = 32\nnum_attention_heads = 2\n";
+    for (extra, key) in [
+        ("hidden_size = 0\nnum_hidden_layers = 1\n", "hidden_size"),
+        ("hidden_size = 16\nnum_hidden_layers = 0\n", "num_hidden_layers"),
+        ("hidden_size = 16\nnum_hidden_layers = 1\nhiden_size = 16\n", "hiden_size"),
+    ] {
+        let spec = dir.path().join("spec.toml");
+        std::fs::write(&spec, format!("{base}{extra}")).unwrap();
+        assert_clean_failure(&generate_with(&spec, &p), &["spec.toml", key]);
+    }
+}
+
+#[test]
+fn non_finite_numbers_never_become_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = prompts_file(dir.path(), "{\"prompt\": [1, 2]}\n");
+    // A negative epsilon in the config, a NaN in a weight: refused at load, by name.
+    let eps = edited_llama(|_| {});
+    let cfg = std::fs::read_to_string(eps.path().join("config.json")).unwrap();
+    let cfg = cfg.replace("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": -1e-06");
+    std::fs::write(eps.path().join("config.json"), cfg).unwrap();
+    assert_clean_failure(&generate_with(eps.path(), &p), &["rms_norm_eps"]);
+    let nan = edited_llama(|t| {
+        let e = t.get_mut("model.norm.weight").unwrap();
+        e.2[..4].copy_from_slice(&f32::NAN.to_le_bytes()[..4].iter().copied().collect::<Vec<u8>>());
+    });
+    assert_clean_failure(&generate_with(nan.path(), &p), &["model.norm.weight"]);
+    // Finite weights whose products overflow: the logits are not finite, so no token is sampled
+    // and the prompt fails, naming why (generate writes the line with its error, exits 2).
+    let big = edited_llama(|t| {
+        let (dtype, _, bytes) = t.get_mut("model.norm.weight").unwrap();
+        assert_eq!(*dtype, Dtype::F32);
+        for chunk in bytes.chunks_mut(4) {
+            chunk.copy_from_slice(&3.0e38f32.to_le_bytes());
+        }
+    });
+    let out = generate_with(big.path(), &p);
+    let stderr = assert_clean_failure(&out, &["NaN or infinite"]);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"error\""));
+    // And in a run, the request fails with its cause.
+    let g = quick_graph(dir.path());
+    let out = kvflow(&["run", &g, "--model", &big.path().to_string_lossy(), "--limit", "2", "--warmup", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = std::fs::read_to_string(dir.path().join("out/requests.jsonl")).unwrap();
+    assert!(lines.lines().all(|l| l.contains("non-finite-logits")), "{lines}");
+}
+
+#[test]
+fn durations_are_checked_and_zero_turns_the_watchdog_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    for (flag, value) in
+        [("--stall-timeout", "NaN"), ("--stall-timeout", "inf"), ("--stall-timeout", "-1"), ("--grace-period", "nan")]
+    {
+        assert_clean_failure(&kvflow(&["run", &g, flag, value]), &[flag, "seconds"]);
+    }
+    let out = kvflow(&["run", &g, "--stall-timeout", "0", "--limit", "2", "--warmup", "0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && stderr.contains("stall watchdog off"), "{stderr}");
+}
+
+#[test]
+fn requests_beyond_the_context_fail_at_admission_and_the_rest_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    // llama's context is 8192 positions; the second request asks for more.
+    let t = trace_file(dir.path(), &[mooncake_line(0, 100, 4), mooncake_line(1, 9000, 4), mooncake_line(2, 60, 4)]);
+    let out = kvflow(&["run", &g, "--trace", &t, "--block-tokens", "512", "--warmup", "0", "--verify"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("out/requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[1]["failure"], "exceeds-context", "{}", lines[1]);
+    assert!(lines[1]["error"].as_str().unwrap().contains("8192"));
+    assert!(lines[0]["error"].is_null() && lines[2]["error"].is_null());
+    // generate: the others' outputs are written, and it exits 2.
+    let long: Vec<u32> = (0..9000).map(|i| i % 100).collect();
+    let p = prompts_file(dir.path(), &format!("{{\"prompt\": [1, 2]}}\n{{\"prompt\": {long:?}}}\n"));
+    let out = generate_with(&fixture("hf/llama"), &p);
+    assert_eq!(out.status.code(), Some(2));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let outputs: Vec<&str> = stdout.lines().collect();
+    assert_eq!(outputs.len(), 2);
+    assert!(outputs[0].contains("\"tokens\":[") && !outputs[0].contains("error"), "{}", outputs[0]);
+    assert!(outputs[1].contains("context"), "{}", outputs[1]);
+}
+
+#[test]
+fn an_unwritable_output_folder_is_found_before_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let started = std::time::Instant::now();
+    assert_clean_failure(&kvflow(&["run", &g, "--out", &file.to_string_lossy()]), &["--out", "not a folder"]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "found only after serving");
+    let p = prompts_file(dir.path(), "{\"prompt\": [1, 2]}\n");
+    let llama = fixture("hf/llama").to_string_lossy().to_string();
+    let into_folder = ["generate", "--model", &llama, "--prompts", &p, "--max-new-tokens", "2", "--out"];
+    let out = kvflow(&[&into_folder[..], &[&dir.path().to_string_lossy()]].concat());
+    assert_clean_failure(&out, &["--out"]);
+}
+
+#[test]
+fn long_waits_are_announced_and_a_gap_beyond_max_wait_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    let t = trace_file(dir.path(), &[mooncake_line(0, 40, 2), mooncake_line(3_000_000_000, 40, 2)]);
+    let started = std::time::Instant::now();
+    let out = kvflow(&["run", &g, "--trace", &t, "--warmup", "0"]);
+    assert_clean_failure(&out, &["request 1", "--max-wait"]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    // A gap of 11 s (22 s of trace at half speed) is waited, and said.
+    let t = trace_file(dir.path(), &[mooncake_line(0, 40, 2), mooncake_line(22_000, 40, 2)]);
+    let out = kvflow(&["run", &g, "--trace", &t, "--warmup", "0", "--max-wait", "30"]);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let graph_text = std::fs::read_to_string(&g).unwrap();
+    assert!(graph_text.contains("block_tokens"), "the graph replays at trace speed");
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("waiting ") && stderr.contains(" s for request 1"), "{stderr}");
+}
+
+#[test]
+fn smaller_cases_get_clear_messages() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    // model.path at a config.json loads its checkpoint.
+    let cfg = fixture("hf/llama").join("config.json").to_string_lossy().to_string();
+    let p = prompts_file(dir.path(), "{\"prompt\": [1, 2]}\n");
+    let out = kvflow(&["generate", "--model", &cfg, "--prompts", &p, "--max-new-tokens", "2"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // check refuses the roles run refuses.
+    let prefill =
+        std::fs::read_to_string(&g).unwrap().replace("name = \"main\"", "name = \"main\"\nrole = \"prefill\"");
+    let pg = dir.path().join("prefill.toml");
+    std::fs::write(&pg, prefill).unwrap();
+    assert_clean_failure(&kvflow(&["check", &pg.to_string_lossy()]), &["prefill"]);
+    // A trace error names the file.
+    let t = dir.path().join("zero.jsonl");
+    std::fs::write(&t, "{\"timestamp\": 0, \"input_length\": 0, \"output_length\": 5, \"hash_ids\": []}\n").unwrap();
+    assert_clean_failure(&kvflow(&["run", &g, "--trace", &t.to_string_lossy(), "--warmup", "0"]), &["zero.jsonl"]);
+    // A warmup that leaves nothing to measure is an error, not an empty success.
+    assert_clean_failure(&kvflow(&["run", &g, "--warmup", "100000", "--limit", "5"]), &["nothing to measure"]);
+    // A bad hostfile line is named by file and line.
+    let hosts = dir.path().join("hosts");
+    std::fs::write(&hosts, "127.0.0.1:7000\nlocalhost\n").unwrap();
+    let h = hosts.to_string_lossy().to_string();
+    let out = kvflow(&["run", &g, "--process", "0", "--processes", "2", "--hostfile", &h]);
+    assert_clean_failure(&out, &["hosts:2", "host:port"]);
+    // An OS error is printed once, and stderr carries no colour codes.
+    let out = kvflow(&["generate", "--model", "/no/such/model", "--prompts", &p, "--max-new-tokens", "2"]);
+    let stderr = assert_clean_failure(&out, &["/no/such/model"]);
+    assert_eq!(stderr.matches("os error 2").count(), 1, "{stderr}");
+    assert!(!stderr.contains('\u{1b}'), "{stderr:?}");
+}
+
+#[test]
+fn a_peer_that_never_connects_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let hosts = dir.path().join("hosts");
+    std::fs::write(&hosts, format!("127.0.0.1:{port}\n127.0.0.1:{}\n", port + 1)).unwrap();
+    let h = hosts.to_string_lossy().to_string();
+    let out = kvflow(&["run", &g, "--process", "0", "--processes", "2", "--hostfile", &h, "--stall-timeout", "1"]);
+    assert_clean_failure(&out, &["waited", "process 1 at 127.0.0.1", "connect"]);
+}

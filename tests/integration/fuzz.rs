@@ -38,10 +38,47 @@ impl Rng {
 
 /// Values that break careless parsers: limits, signs, non-finite numbers, odd syntax.
 const HOSTILE: &[&str] = &[
-    "0", "-1", "-0", "1e309", "-1e309", "nan", "NaN", "inf", "-inf", "1e-320", "18446744073709551615",
-    "18446744073709551616", "9223372036854775807", "4294967296", "100000000000", "0.5", "\"\"", "\"x\"",
-    "[]", "{}", "[[", "]]", "{", "}", "null", "true", ",", ":", "=", "\n", "\"", "'", "\\", "#", "\u{0}",
-    "\u{feff}", "é", "[[pool]]", "[pool.memory]", "1970-01-01 00:00:00", "2023-13-45 25:61:61.99",
+    "0",
+    "-1",
+    "-0",
+    "1e309",
+    "-1e309",
+    "nan",
+    "NaN",
+    "inf",
+    "-inf",
+    "1e-320",
+    "18446744073709551615",
+    "18446744073709551616",
+    "9223372036854775807",
+    "4294967296",
+    "100000000000",
+    "0.5",
+    "\"\"",
+    "\"x\"",
+    "[]",
+    "{}",
+    "[[",
+    "]]",
+    "{",
+    "}",
+    "null",
+    "true",
+    ",",
+    ":",
+    "=",
+    "\n",
+    "\"",
+    "'",
+    "\\",
+    "#",
+    "\u{0}",
+    "\u{feff}",
+    "é",
+    "[[pool]]",
+    "[pool.memory]",
+    "1970-01-01 00:00:00",
+    "2023-13-45 25:61:61.99",
 ];
 
 /// One mutation of `input` (sometimes several in a row).
@@ -134,7 +171,11 @@ fn fuzz(target: &str, seed: u64, mut parse: impl FnMut(&[u8])) {
     }
     std::panic::set_hook(quiet);
     eprintln!("fuzz {target}: {runs} inputs in {:.1} s", started.elapsed().as_secs_f64());
-    assert!(crashes.is_empty(), "fuzz {target}: {} input(s) panicked (rerun one to see where): {crashes:#?}", crashes.len());
+    assert!(
+        crashes.is_empty(),
+        "fuzz {target}: {} input(s) panicked (rerun one to see where): {crashes:#?}",
+        crashes.len()
+    );
 }
 
 /// A scratch file the file-reading parsers read each input from.
@@ -203,5 +244,35 @@ fn prompt_files() {
     let scratch = Scratch::new("prompts.jsonl");
     fuzz("prompts", 5, |input| {
         let _ = kvflow::generate::read_prompts(scratch.holding(input), &model);
+    });
+}
+
+#[test]
+fn checkpoint_configs() {
+    use kvflow_kernels::checkpoint::ConfigSource;
+    fuzz("config_json", 6, |input| {
+        let text = String::from_utf8_lossy(input);
+        if let Ok(cfg) = ConfigSource::parse("config.json".into(), &text) {
+            // Every check a load makes before it reads a weight (it allocates none).
+            let _ = kvflow_kernels::models::check(&cfg);
+        }
+    });
+}
+
+#[test]
+fn model_specs() {
+    use kvflow_kernels::checkpoint::ModelSpec;
+    fuzz("model_spec", 7, |input| {
+        let text = String::from_utf8_lossy(input);
+        if let Ok(spec) = ModelSpec::parse("spec.toml".into(), &text) {
+            let _ = kvflow_kernels::models::check(&spec.config);
+        }
+    });
+}
+
+#[test]
+fn safetensors_headers() {
+    fuzz("safetensors", 8, |input| {
+        let _ = kvflow_kernels::checkpoint::parse_safetensors_header(Path::new("model.safetensors"), input);
     });
 }

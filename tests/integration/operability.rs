@@ -96,6 +96,18 @@ fn a_workload_cancels_a_seeded_fraction_of_its_requests() {
 
 #[test]
 fn ctrl_c_lets_requests_finish_for_the_grace_period_then_cancels_the_rest() {
+    interrupt_with("INT", 130);
+}
+
+/// SIGTERM (what `timeout`, systemd, docker and Kubernetes send) is handled as Ctrl-C: the grace
+/// period, the partial report; the exit status says which signal.
+#[test]
+fn sigterm_writes_the_partial_report_like_ctrl_c() {
+    interrupt_with("TERM", 143);
+}
+
+/// Sends SIG`signal` to a run 3 s in and checks the grace period, the report and `exit_status`.
+fn interrupt_with(signal: &str, exit_status: i32) {
     let dir = tempfile::tempdir().unwrap();
     // The head trace at trace speed at a quarter of its lengths (prompts of ~1.8k tokens,
     // outputs of ~150): requests are in flight for seconds. We interrupt it after 3 s.
@@ -109,18 +121,22 @@ fn ctrl_c_lets_requests_finish_for_the_grace_period_then_cancels_the_rest() {
         .unwrap();
     std::thread::sleep(Duration::from_secs(3));
     let sent = Instant::now();
-    let status = std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let status =
+        std::process::Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
     assert!(status.success());
     let status = loop {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(sent.elapsed() < Duration::from_secs(30), "still running 30 s after SIGINT");
+        assert!(sent.elapsed() < Duration::from_secs(30), "still running 30 s after SIG{signal}");
         std::thread::sleep(Duration::from_millis(50));
     };
     let took = sent.elapsed();
-    assert!(took < Duration::from_secs_f64(grace_s + 5.0), "exited {took:?} after SIGINT; grace period {grace_s} s");
-    assert!(status.code().is_some(), "ended by a signal, not by itself");
+    assert!(
+        took < Duration::from_secs_f64(grace_s + 5.0),
+        "exited {took:?} after SIG{signal}; grace period {grace_s} s"
+    );
+    assert_eq!(status.code(), Some(exit_status), "an interrupted run exits 128 + the signal, by itself");
     let r = report(dir.path());
     assert_eq!(r["interrupted"], true);
     assert_eq!(r["schema"], 1);

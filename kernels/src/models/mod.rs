@@ -24,7 +24,7 @@ mod size;
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
 pub use decoder::{check_context, Model, ModelCache, Phase, StepActivations};
 pub use family::{Family, FamilyInfo, FAMILIES};
-pub use size::ModelSize;
+pub use size::{available_memory, human_bytes, ModelSize};
 
 use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
 use std::path::Path;

@@ -72,14 +72,15 @@ impl ModelSize {
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes, if it can be read.
-fn available_memory() -> Option<u128> {
+pub fn available_memory() -> Option<u128> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib.saturating_mul(1024))
 }
 
-fn human_bytes(n: u128) -> String {
+/// `n` bytes in the largest binary unit that keeps it ≥ 1, with the exact count beside it.
+pub fn human_bytes(n: u128) -> String {
     const UNITS: [&str; 6] = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut v = n as f64;
     let mut unit = 0;
