@@ -177,7 +177,7 @@ fn non_finite_numbers_never_become_tokens() {
     assert_clean_failure(&generate_with(eps.path(), &p), &["rms_norm_eps"]);
     let nan = edited_llama(|t| {
         let e = t.get_mut("model.norm.weight").unwrap();
-        e.2[..4].copy_from_slice(&f32::NAN.to_le_bytes()[..4].iter().copied().collect::<Vec<u8>>());
+        e.2[..4].copy_from_slice(&f32::NAN.to_le_bytes());
     });
     assert_clean_failure(&generate_with(nan.path(), &p), &["model.norm.weight"]);
     // Finite weights whose products overflow: the logits are not finite, so no token is sampled

@@ -53,6 +53,7 @@ pub fn check(cfg: &ConfigSource) -> Result<ModelSize, LoadError> {
         Family::HybridGdn | Family::Gdn => qwen3_next::Config::read(cfg)?.size(cfg)?,
         Family::HybridKda => kimi_linear::Config::read(cfg)?.size(cfg)?,
     };
+    max_positions(cfg)?;
     size.check_fits(&cfg.path)?;
     Ok(size)
 }
