@@ -55,6 +55,16 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     if args.batch == 0 || args.context == 0 || args.decode_steps == 0 {
         bail!("--batch, --context and --decode-steps must be positive");
     }
+    // The bench holds batch × (context + decode steps) tokens of KV and activations.
+    const MAX_TOKENS: usize = 1 << 20;
+    if args.batch.saturating_mul(args.context.saturating_add(args.decode_steps)) > MAX_TOKENS {
+        bail!(
+            "--batch {} × (--context {} + --decode-steps {}) is more than the {MAX_TOKENS} tokens the bench holds",
+            args.batch,
+            args.context,
+            args.decode_steps
+        );
+    }
     let t0 = Instant::now();
     let model = match &args.model {
         Some(path) => models::load(path)?,

@@ -317,6 +317,17 @@ pub fn run(args: &StepBenchArgs) -> Result<()> {
     if args.ranks == 0 || args.seqs == 0 || args.steps < 2 {
         bail!("--ranks and --seqs must be positive, --steps at least 2");
     }
+    // Each sequence holds a 512-token context: bound what the bench allocates up front.
+    const MAX_SEQUENCES: usize = 1 << 16;
+    if args.ranks > 1024 || args.ranks.saturating_mul(args.seqs) > MAX_SEQUENCES || args.steps > 100_000 {
+        bail!(
+            "--ranks {} × --seqs {} (--steps {}): at most 1024 ranks, {MAX_SEQUENCES} sequences in all and 100000 \
+             steps",
+            args.ranks,
+            args.seqs,
+            args.steps
+        );
+    }
     let (r, s) = (args.ranks, args.seqs);
     println!(
         "ranks        {r}, {s} running sequences each, {} cores here",
