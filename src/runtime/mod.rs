@@ -107,7 +107,25 @@ pub fn load_workload(graph: &Graph, vocab_size: usize) -> Result<Selection> {
         .as_ref()
         .ok_or_else(|| anyhow!("{}: workload.trace is not set (or pass --trace)", graph.path.display()))?;
     let format: TraceFormat = w.format.parse().map_err(|e| anyhow!("workload.format: {e}"))?;
-    let records = read_trace(trace, format)?;
+    let mut records = read_trace(trace, format)?;
+    // Only the requests the run replays are synthesised, each prompt up front (4 bytes a
+    // token): they must fit the machine.
+    if let Some(limit) = w.limit {
+        records.truncate(w.warmup.saturating_add(limit));
+    }
+    let tokens: u128 = records.iter().map(|r| crate::trace::scaled_len(r.input_len, w.block_tokens) as u128).sum();
+    if let Some(available) = models::available_memory() {
+        if tokens * 4 > available / 2 {
+            bail!(
+                "{}: the trace's prompts come to {tokens} tokens at workload.block_tokens = {} ({}), more than half \
+                 the {} this machine has available; use --limit or a smaller block_tokens",
+                trace.display(),
+                w.block_tokens,
+                models::human_bytes(tokens * 4),
+                models::human_bytes(available)
+            );
+        }
+    }
     let requests = synthesize(
         &records,
         &SynthOptions {
