@@ -13,4 +13,5 @@ pub mod policy;
 pub mod rank;
 pub mod schedule;
 pub mod step;
+pub mod transfer;
 pub mod wake;

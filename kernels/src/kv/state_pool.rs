@@ -27,6 +27,10 @@ impl StatePool {
         StatePool { width, slots: vec![0.0; width * num_slots], snapshots: vec![0.0; width * num_snapshots] }
     }
 
+    pub(super) fn slot_count(&self) -> usize {
+        self.slots.len().checked_div(self.width).unwrap_or(0)
+    }
+
     /// Floats per slot.
     pub fn width(&self) -> usize {
         self.width

@@ -283,18 +283,24 @@ impl Model {
         self.state_width * std::mem::size_of::<f32>()
     }
 
+    /// The fingerprint of this model's per-rank memory at `block_size` (see
+    /// [`crate::kv::layout_fingerprint`]): pools exchange handoffs only when theirs agree.
+    pub fn layout_fingerprint(&self, block_size: usize) -> u64 {
+        crate::kv::layout_fingerprint(&self.model_type, &self.kv_row_widths(), self.state_width, block_size)
+    }
+
     /// Bytes of paged cache one block takes (0 for families without paged KV).
     pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
         PagedKvCache::bytes_per_block(block_size, &self.kv_row_widths())
     }
 
-    /// `Err` naming the first token outside the vocabulary.
     /// Whether a request of `prompt_len` tokens that generates `outputs` more fits the model's
     /// context (`max_position_embeddings`); the error says by how much it does not.
     pub fn check_context(&self, prompt_len: usize, outputs: usize) -> Result<(), String> {
         check_context(self.max_positions, prompt_len, outputs)
     }
 
+    /// `Err` naming the first token outside the vocabulary.
     pub fn check_tokens(&self, tokens: &[u32]) -> Result<(), String> {
         match tokens.iter().position(|&t| t as usize >= self.vocab_size) {
             Some(i) => {

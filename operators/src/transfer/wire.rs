@@ -1,0 +1,306 @@
+//! The handoff descriptor on the wire (DESIGN §8): a fixed little-endian header, the prompt's
+//! tokens, then the payload — KV floats packed by layer, then the state slot's floats. The
+//! consumer decodes the header against what *it* allocates ([`ConsumerLayout`]) before a byte of
+//! payload is read, so a descriptor can never make it write outside the blocks and the slot it
+//! allocated for that request.
+
+use super::{Handoff, TransferId};
+
+const MAGIC: u32 = u32::from_le_bytes(*b"KVFH");
+const VERSION: u16 = 1;
+const HAS_STATE: u16 = 1;
+const WARMUP: u16 = 2;
+/// Bytes of the fixed header.
+pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4;
+
+/// What the consumer's rank holds per block and per slot, and how long a prompt it takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConsumerLayout {
+    pub fingerprint: u64,
+    pub block_size: usize,
+    pub floats_per_block: usize,
+    /// Floats of a state slot (0: the family has no recurrent state).
+    pub state_floats: usize,
+    pub vocab_size: usize,
+    /// The longest prompt it admits (its context, or its memory).
+    pub max_prompt: usize,
+}
+
+/// A decoded header: everything but the payload, which follows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    pub transfer: TransferId,
+    pub request: u64,
+    pub prompt: Vec<u32>,
+    pub max_output_tokens: usize,
+    pub warmup: bool,
+    pub t0: u32,
+    pub logits_hash: u64,
+    /// Prompt blocks the consumer already holds (not sent).
+    pub skip_blocks: usize,
+    /// Blocks whose KV the payload carries.
+    pub kv_blocks: usize,
+    pub has_state: bool,
+    /// CRC32C of the payload bytes.
+    pub checksum: u32,
+}
+
+impl Descriptor {
+    /// Bytes of payload after the header and prompt.
+    pub fn payload_bytes(&self, layout: &ConsumerLayout) -> usize {
+        4 * (self.kv_blocks * layout.floats_per_block + if self.has_state { layout.state_floats } else { 0 })
+    }
+}
+
+/// Why a descriptor was refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("descriptor truncated: {got} bytes, {needed} needed")]
+    Truncated { got: usize, needed: usize },
+    #[error("not a kvflow handoff (magic {0:#010x})")]
+    BadMagic(u32),
+    #[error("handoff version {0}, this kvflow speaks {VERSION}")]
+    BadVersion(u16),
+    #[error("layout fingerprint {got:#018x} differs from this pool's {expected:#018x} (family, geometry, block size or dtype)")]
+    LayoutMismatch { got: u64, expected: u64 },
+    #[error("{what}: {got}, this pool expects {expected}")]
+    Geometry { what: &'static str, got: usize, expected: usize },
+    #[error("prompt of {got} tokens: this pool takes 1 to {max}")]
+    PromptLength { got: usize, max: usize },
+    #[error("token {token} at prompt position {position} (or T0) is outside the vocabulary of {vocab}")]
+    Token { token: u32, position: usize, vocab: usize },
+    #[error("the model has recurrent state but the handoff carries none (all-or-nothing state)")]
+    MissingState,
+    #[error("the handoff carries state for a model without recurrent state")]
+    UnexpectedState,
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self) -> [u8; N] {
+        let out = self.bytes[self.at..self.at + N].try_into().expect("length checked by the caller");
+        self.at += N;
+        out
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes(self.take())
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.take())
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.take())
+    }
+}
+
+/// The header and prompt of `h` (the payload follows, see [`super::payload_bytes`]).
+pub fn encode_descriptor(h: &Handoff, checksum: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + 4 * h.prompt.len());
+    let flags = if h.state.is_some() { HAS_STATE } else { 0 } | if h.warmup { WARMUP } else { 0 };
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&flags.to_le_bytes());
+    out.extend_from_slice(&h.transfer.nonce.to_le_bytes());
+    out.extend_from_slice(&h.transfer.generation.to_le_bytes());
+    out.extend_from_slice(&h.request.to_le_bytes());
+    out.extend_from_slice(&h.fingerprint.to_le_bytes());
+    out.extend_from_slice(&h.t0.to_le_bytes());
+    out.extend_from_slice(&h.logits_hash.to_le_bytes());
+    out.extend_from_slice(&(h.max_output_tokens as u64).to_le_bytes());
+    out.extend_from_slice(&(h.prompt.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(h.skip_blocks as u32).to_le_bytes());
+    out.extend_from_slice(&(h.kv_blocks as u32).to_le_bytes());
+    out.extend_from_slice(&(h.floats_per_block as u32).to_le_bytes());
+    out.extend_from_slice(&(h.state.as_ref().map_or(0, Vec::len) as u32).to_le_bytes());
+    out.extend_from_slice(&checksum.to_le_bytes());
+    for t in &h.prompt {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    out
+}
+
+/// Decodes a header and prompt from the start of `bytes`, checking every size against `layout`.
+/// Returns the descriptor and how many bytes it took.
+pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descriptor, usize), WireError> {
+    if bytes.len() < HEADER_BYTES {
+        return Err(WireError::Truncated { got: bytes.len(), needed: HEADER_BYTES });
+    }
+    let mut r = Reader { bytes, at: 0 };
+    let magic = r.u32();
+    if magic != MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    let version = r.u16();
+    if version != VERSION {
+        return Err(WireError::BadVersion(version));
+    }
+    let flags = r.u16();
+    let transfer = TransferId { nonce: r.u64(), generation: r.u32() };
+    let request = r.u64();
+    let fingerprint = r.u64();
+    if fingerprint != layout.fingerprint {
+        return Err(WireError::LayoutMismatch { got: fingerprint, expected: layout.fingerprint });
+    }
+    let t0 = r.u32();
+    let logits_hash = r.u64();
+    let max_output_tokens = usize::try_from(r.u64()).unwrap_or(usize::MAX);
+    let prompt_len = r.u32() as usize;
+    let skip_blocks = r.u32() as usize;
+    let kv_blocks = r.u32() as usize;
+    let floats_per_block = r.u32() as usize;
+    let state_floats = r.u32() as usize;
+    let checksum = r.u32();
+    if prompt_len == 0 || prompt_len > layout.max_prompt {
+        return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
+    }
+    if floats_per_block != layout.floats_per_block {
+        return Err(WireError::Geometry {
+            what: "floats per block",
+            got: floats_per_block,
+            expected: layout.floats_per_block,
+        });
+    }
+    let prompt_blocks = if layout.floats_per_block == 0 { 0 } else { prompt_len.div_ceil(layout.block_size) };
+    if skip_blocks > prompt_blocks || kv_blocks != prompt_blocks - skip_blocks {
+        return Err(WireError::Geometry {
+            what: "KV blocks sent",
+            got: kv_blocks,
+            expected: prompt_blocks.saturating_sub(skip_blocks),
+        });
+    }
+    let has_state = flags & HAS_STATE != 0;
+    match (has_state, layout.state_floats) {
+        (false, w) if w > 0 => return Err(WireError::MissingState),
+        (true, 0) => return Err(WireError::UnexpectedState),
+        (true, w) if state_floats != w => {
+            return Err(WireError::Geometry { what: "state floats", got: state_floats, expected: w })
+        }
+        _ => {}
+    }
+    let needed = HEADER_BYTES + 4 * prompt_len;
+    if bytes.len() < needed {
+        return Err(WireError::Truncated { got: bytes.len(), needed });
+    }
+    let prompt: Vec<u32> = (0..prompt_len).map(|_| r.u32()).collect();
+    let vocab = layout.vocab_size;
+    if let Some((position, &token)) = prompt.iter().chain([&t0]).enumerate().find(|(_, &t)| t as usize >= vocab) {
+        return Err(WireError::Token { token, position, vocab });
+    }
+    let descriptor = Descriptor {
+        transfer,
+        request,
+        prompt,
+        max_output_tokens,
+        warmup: flags & WARMUP != 0,
+        t0,
+        logits_hash,
+        skip_blocks,
+        kv_blocks,
+        has_state,
+        checksum,
+    };
+    Ok((descriptor, needed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> ConsumerLayout {
+        ConsumerLayout {
+            fingerprint: 77,
+            block_size: 4,
+            floats_per_block: 6,
+            state_floats: 3,
+            vocab_size: 100,
+            max_prompt: 64,
+        }
+    }
+
+    fn handoff() -> Handoff {
+        Handoff {
+            transfer: TransferId { nonce: 9, generation: 2 },
+            request: 41,
+            prompt: vec![1, 2, 3, 4, 5, 6, 7, 8, 9],
+            max_output_tokens: 5,
+            warmup: true,
+            t0: 42,
+            logits_hash: 0xABCD,
+            fingerprint: 77,
+            skip_blocks: 1,
+            kv_blocks: 2,
+            floats_per_block: 6,
+            kv: vec![0.5; 12],
+            state: Some(vec![1.0; 3]),
+        }
+    }
+
+    #[test]
+    fn a_descriptor_round_trips() {
+        let h = handoff();
+        let bytes = encode_descriptor(&h, 123);
+        let (d, used) = decode_descriptor(&bytes, &layout()).unwrap();
+        assert_eq!(used, bytes.len());
+        assert_eq!((d.request, d.t0, d.skip_blocks, d.kv_blocks, d.checksum), (41, 42, 1, 2, 123));
+        assert_eq!(d.prompt, h.prompt);
+        assert!(d.warmup && d.has_state);
+        assert_eq!(d.payload_bytes(&layout()), 4 * (12 + 3));
+    }
+
+    #[test]
+    fn every_size_is_checked_against_the_consumer() {
+        let ok = handoff();
+        let refuse =
+            |h: Handoff, layout: ConsumerLayout| decode_descriptor(&encode_descriptor(&h, 0), &layout).unwrap_err();
+        assert!(matches!(
+            refuse(ok.clone(), ConsumerLayout { fingerprint: 1, ..layout() }),
+            WireError::LayoutMismatch { .. }
+        ));
+        assert!(matches!(refuse(Handoff { kv_blocks: 3, ..ok.clone() }, layout()), WireError::Geometry { .. }));
+        assert!(matches!(refuse(Handoff { skip_blocks: 9, ..ok.clone() }, layout()), WireError::Geometry { .. }));
+        assert!(matches!(refuse(Handoff { state: None, ..ok.clone() }, layout()), WireError::MissingState));
+        assert!(matches!(
+            refuse(ok.clone(), ConsumerLayout { state_floats: 0, ..layout() }),
+            WireError::UnexpectedState
+        ));
+        assert!(matches!(refuse(Handoff { t0: 100, ..ok.clone() }, layout()), WireError::Token { .. }));
+        assert!(matches!(
+            refuse(ok.clone(), ConsumerLayout { max_prompt: 8, ..layout() }),
+            WireError::PromptLength { .. }
+        ));
+    }
+
+    /// Random and truncated messages give errors, never a panic (and a decode never reads past
+    /// what it was given).
+    #[test]
+    fn random_and_truncated_messages_never_panic() {
+        let valid = encode_descriptor(&handoff(), 5);
+        let mut state = 0x1234_5678_9ABC_DEF0u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for cut in 0..valid.len() {
+            assert!(decode_descriptor(&valid[..cut], &layout()).is_err(), "cut at {cut}");
+        }
+        for _ in 0..20_000 {
+            let mut bytes = valid.clone();
+            for _ in 0..1 + next() % 6 {
+                let i = (next() as usize) % bytes.len();
+                bytes[i] = next() as u8;
+            }
+            if next() % 4 == 0 {
+                bytes.truncate((next() as usize) % (bytes.len() + 1));
+            }
+            let _ = decode_descriptor(&bytes, &layout());
+            let noise: Vec<u8> = (0..(next() % 200) as usize).map(|_| next() as u8).collect();
+            let _ = decode_descriptor(&noise, &layout());
+        }
+    }
+}
