@@ -8,8 +8,10 @@
 //! previous token is still in flight names that token by (sequence, step) ([`SeqStep::deferred`])
 //! and the executor resolves it (deferred output, DESIGN §4).
 
+use crate::transfer::Handoff;
 use kvflow_kernels::kv::{SlotId, SnapshotId};
 use std::fmt;
+use std::sync::Arc;
 
 /// A sequence of one rank in one generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -35,6 +37,35 @@ pub enum StateOp {
     Restore { snapshot: SnapshotId, slot: SlotId },
     /// After the forward: keep the state at a boundary the step just reached.
     Snapshot { slot: SlotId, snapshot: SnapshotId },
+}
+
+/// After the forward: copy a sequence's KV blocks and state slot out (a finished prefill that
+/// moves to a decode pool). The slot is read here, at the step that reached the prompt boundary —
+/// the state a handoff carries, before T0 is applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvExport {
+    pub key: SeqKey,
+    pub blocks: Vec<u32>,
+    pub slot: Option<SlotId>,
+}
+
+/// What an export copied out, reported with the step's completion.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Exported {
+    pub key: SeqKey,
+    /// KV of the blocks, packed by layer.
+    pub kv: Vec<f32>,
+    pub state: Option<Vec<f32>>,
+}
+
+/// Before the forward (after the state copies): write an arriving handoff into the blocks and
+/// slot allocated for it — `blocks` are the ones the handoff carries KV for.
+#[derive(Clone, Debug)]
+pub struct KvImport {
+    pub key: SeqKey,
+    pub blocks: Vec<u32>,
+    pub slot: Option<SlotId>,
+    pub handoff: Arc<Handoff>,
 }
 
 /// One sequence's part of a launched step.
@@ -90,6 +121,10 @@ pub struct StepLaunch<'a> {
     /// The sequences the step samples, in batch order (what its completion reports on).
     pub sampling: &'a [SeqKey],
     pub batch: &'a dyn SeqSource,
+    /// Handoffs written in before the forward.
+    pub imports: &'a [KvImport],
+    /// Sequences copied out after the forward.
+    pub exports: &'a [KvExport],
 }
 
 impl<'a> StepLaunch<'a> {
@@ -137,4 +172,13 @@ pub enum ExecutorError {
 pub struct StepCompletion {
     pub step: u64,
     pub result: Result<Vec<Sampled>, ExecutorError>,
+    /// What the step's exports copied out, in the order asked.
+    pub exports: Vec<Exported>,
+}
+
+impl StepCompletion {
+    /// A completion with no exports.
+    pub fn of(step: u64, result: Result<Vec<Sampled>, ExecutorError>) -> Self {
+        StepCompletion { step, result, exports: Vec::new() }
+    }
 }

@@ -5,6 +5,7 @@ mod bad_input;
 mod batch_invariance;
 mod common;
 mod fuzz;
+mod handoff;
 mod hf_fixtures;
 mod operability;
 mod recurrent_state;

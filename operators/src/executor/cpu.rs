@@ -7,7 +7,7 @@
 
 use super::gate::{CompletionGate, Delay};
 use super::{Executor, ExecutorContext};
-use crate::step::{ExecutorError, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch};
+use crate::step::{ExecutorError, Exported, KvExport, KvImport, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch};
 use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
@@ -40,6 +40,8 @@ pub struct OwnedStep {
     tokens: Vec<u32>,
     tables: Vec<u32>,
     applied_through: Option<u64>,
+    imports: Vec<KvImport>,
+    exports: Vec<KvExport>,
 }
 
 impl OwnedStep {
@@ -75,6 +77,8 @@ impl OwnedStep {
             tokens,
             tables,
             applied_through: launch.applied_through,
+            imports: launch.imports.to_vec(),
+            exports: launch.exports.to_vec(),
         }
     }
 
@@ -152,7 +156,8 @@ impl CpuStepRunner {
             let out = self.model.finish_step(&step.batch(), acts);
             self.finish(&step, &out)
         });
-        Some(StepCompletion { step: step.step, result })
+        let exports = if result.is_ok() { self.export(&step.exports) } else { Vec::new() };
+        Some(StepCompletion { step: step.step, result, exports })
     }
 
     /// Resolves the tokens still in flight at launch, applies the state copies asked for before
@@ -174,6 +179,30 @@ impl CpuStepRunner {
                 StateOp::Zero { slot } => self.cache.states.zero_slot(slot),
                 StateOp::Restore { snapshot, slot } => self.cache.states.restore(snapshot, slot),
                 StateOp::Snapshot { .. } => {}
+            }
+        }
+        // Handoffs land after the state copies (a new slot is zeroed first) and before the
+        // forward that reads them; their sizes were checked against this layout on arrival,
+        // and are checked again here so nothing is written outside what was allocated.
+        for import in &step.imports {
+            let h = &import.handoff;
+            self.cache
+                .kv
+                .import_blocks(&import.blocks, &h.kv)
+                .map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?;
+            match (import.slot, &h.state) {
+                (Some(slot), Some(state)) => self
+                    .cache
+                    .states
+                    .import_slot(slot, state)
+                    .map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?,
+                (None, None) => {}
+                _ => {
+                    return Err(ExecutorError::Launch(format!(
+                        "handoff of request {}: the slot and the state it carries do not match (all-or-nothing state)",
+                        h.request
+                    )))
+                }
             }
         }
         Ok(self.model.begin_step(&step.batch(), self.cache.kv.block_size()))
@@ -199,6 +228,19 @@ impl CpuStepRunner {
             }
         }
         sampled
+    }
+
+    /// Copies out what the step's exports ask for (after its forward and snapshots).
+    fn export(&self, exports: &[KvExport]) -> Vec<Exported> {
+        exports
+            .iter()
+            .map(|e| {
+                let mut kv = Vec::new();
+                self.cache.kv.export_blocks(&e.blocks, &mut kv);
+                let state = e.slot.map(|slot| self.cache.states.slot(slot).to_vec());
+                Exported { key: e.key, kv, state }
+            })
+            .collect()
     }
 }
 

@@ -79,7 +79,7 @@ impl DeferredExecutor {
     fn thread_gone(&mut self) {
         for (step, due) in std::mem::take(&mut self.computing) {
             let result = Err(ExecutorError::Stopped("the executor thread ended".into()));
-            self.gate.hold(due, StepCompletion { step, result });
+            self.gate.hold(due, StepCompletion::of(step, result));
         }
     }
 

@@ -105,7 +105,7 @@ mod tests {
     use super::*;
 
     fn done(step: u64) -> StepCompletion {
-        StepCompletion { step, result: Ok(Vec::new()) }
+        StepCompletion::of(step, Ok(Vec::new()))
     }
 
     fn steps(out: &[StepCompletion]) -> Vec<u64> {

@@ -22,7 +22,7 @@ mod gate;
 mod null;
 mod settings;
 
-pub use cpu::{CpuExecutor, CpuStepRunner};
+pub use cpu::{CpuExecutor, CpuStepRunner, OwnedStep};
 pub use deferred::DeferredExecutor;
 pub use gate::{CompletionGate, Delay};
 pub use null::NullExecutor;
@@ -127,7 +127,7 @@ impl Executor for Unavailable {
 
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
         let result = Err(crate::step::ExecutorError::Launch(format!("the executor could not start: {}", self.reason)));
-        self.failed.push(StepCompletion { step: step.step, result });
+        self.failed.push(StepCompletion::of(step.step, result));
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {

@@ -27,7 +27,7 @@ impl Executor for NullExecutor {
         let due = self.gate.launched();
         let sampled =
             step.sampling.iter().map(|&seq| Sampled { seq, token: Some(0), logits_hash: self.zero_row }).collect();
-        self.gate.hold(due, StepCompletion { step: step.step, result: Ok(sampled) });
+        self.gate.hold(due, StepCompletion::of(step.step, Ok(sampled)));
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {

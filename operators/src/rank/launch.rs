@@ -146,6 +146,8 @@ impl Rank {
             after: &after,
             applied_through: self.applied_through,
             sampling: &sampling,
+            imports: &[],
+            exports: &[],
             batch: &batch,
         };
         for phase in 0..self.executor.phases() {

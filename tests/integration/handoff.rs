@@ -1,0 +1,168 @@
+//! The handoff's math on every family: a prefill on one executor, its KV blocks and state slot
+//! exported at the step that reached the prompt boundary and imported into *other* block and slot
+//! ids on a second executor, which decodes from T0 — bit-identical to `kvflow generate` (tokens
+//! and the hash of every sampled logits row).
+
+use crate::common::{fixture, FIXTURES};
+use kvflow::generate::{generate, GenerateOptions};
+use kvflow_kernels::hash;
+use kvflow_kernels::models::{self, Model};
+use kvflow_operators::executor::{CpuStepRunner, ExecutorContext, OwnedStep};
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::step::{KvExport, KvImport, SeqKey, SeqSource, SeqStep, StateOp, StepCompletion, StepLaunch};
+use kvflow_operators::transfer::{Handoff, TransferId};
+use kvflow_operators::wake::RankWaker;
+use std::sync::Arc;
+
+const BLOCK: usize = 16;
+
+fn runner(model: &Arc<Model>) -> CpuStepRunner {
+    let layout = MemoryLayout {
+        block_size: BLOCK,
+        blocks: 64,
+        slots: 4,
+        snapshots: 0,
+        keeps_kv: model.needs_blocks(),
+        keeps_state: model.needs_slots(),
+        prefix_keyed_by_prompt_len: false,
+    };
+    let ctx = ExecutorContext {
+        pool: "p".into(),
+        rank: 0,
+        model: model.clone(),
+        layout,
+        waker: Arc::new(RankWaker::default()),
+    };
+    CpuStepRunner::new(&ctx)
+}
+
+/// A batch of one sequence.
+struct One<'a>(SeqStep<'a>);
+
+impl SeqSource for One<'_> {
+    fn len(&self) -> usize {
+        1
+    }
+    fn get(&self, _: usize) -> SeqStep<'_> {
+        self.0
+    }
+}
+
+/// Runs one step of one sequence through every phase.
+#[allow(clippy::too_many_arguments)]
+fn step(
+    r: &mut CpuStepRunner,
+    t: u64,
+    seq: SeqStep<'_>,
+    before: &[StateOp],
+    imports: &[KvImport],
+    exports: &[KvExport],
+) -> StepCompletion {
+    let batch = One(seq);
+    let sampling = [seq.key];
+    let launch = StepLaunch {
+        step: t,
+        before,
+        after: &[],
+        applied_through: None,
+        sampling: &sampling,
+        batch: &batch,
+        imports,
+        exports,
+    };
+    let mut owned = Some(OwnedStep::copy_of(&launch));
+    (0..r.phases()).find_map(|phase| r.run_phase(phase, owned.take())).expect("the last phase completes the step")
+}
+
+#[test]
+fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
+    let mut checked = 0;
+    for name in FIXTURES {
+        let model = Arc::new(models::load(&fixture(name)).unwrap());
+        let prompt: Vec<u32> = (0..37u32).map(|i| (i * 7 + 3) % model.vocab_size as u32).collect();
+        let outputs = 6;
+        let p = prompt.len();
+        let key = SeqKey { index: 0, generation: 1 };
+        // Producer: blocks 0.., slot 0.
+        let mut producer = runner(&model);
+        let blocks: Vec<u32> = if model.needs_blocks() { (0..p.div_ceil(BLOCK) as u32).collect() } else { vec![] };
+        let slot = model.needs_slots().then_some(0);
+        let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
+        let export = [KvExport { key, blocks: blocks.clone(), slot }];
+        let prefill = SeqStep {
+            key,
+            known: &prompt,
+            deferred: None,
+            start_pos: 0,
+            block_table: &blocks,
+            slot,
+            prompt_len: p,
+            sample: true,
+        };
+        let done = step(&mut producer, 0, prefill, &zero, &[], &export);
+        let sampled = done.result.unwrap();
+        let t0 = sampled[0].token.unwrap();
+        let exported = done.exports.into_iter().next().unwrap();
+        let handoff = Arc::new(Handoff {
+            transfer: TransferId { nonce: 1, generation: 1 },
+            request: 0,
+            prompt: prompt.clone(),
+            max_output_tokens: outputs,
+            warmup: false,
+            t0,
+            logits_hash: hash::chain_row(hash::EMPTY, sampled[0].logits_hash),
+            fingerprint: model.layout_fingerprint(BLOCK),
+            skip_blocks: 0,
+            kv_blocks: blocks.len(),
+            floats_per_block: exported.kv.len() / blocks.len().max(1),
+            kv: exported.kv,
+            state: exported.state,
+        });
+        // Consumer: other block ids and another slot.
+        let decode_from = |handoff: Arc<Handoff>| {
+            let mut consumer = runner(&model);
+            let table: Vec<u32> =
+                if model.needs_blocks() { (20..20 + (p + outputs).div_ceil(BLOCK) as u32).collect() } else { vec![] };
+            let cslot = model.needs_slots().then_some(3);
+            let czero: Vec<StateOp> = cslot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
+            let import =
+                [KvImport { key, blocks: table[..blocks.len()].to_vec(), slot: cslot, handoff: handoff.clone() }];
+            let (mut tokens, mut chain) = (vec![handoff.t0], handoff.logits_hash);
+            for i in 0..outputs - 1 {
+                let last = [*tokens.last().unwrap()];
+                let decode = SeqStep {
+                    key,
+                    known: &last,
+                    deferred: None,
+                    start_pos: p + i,
+                    block_table: &table,
+                    slot: cslot,
+                    prompt_len: p,
+                    sample: true,
+                };
+                let (before, imports) = if i == 0 { (&czero[..], &import[..]) } else { (&[][..], &[][..]) };
+                let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[]).result.unwrap();
+                tokens.push(s[0].token.unwrap());
+                chain = hash::chain_row(chain, s[0].logits_hash);
+            }
+            (tokens, chain)
+        };
+        let (tokens, chain) = decode_from(handoff.clone());
+        let opts = GenerateOptions { max_new_tokens: outputs, ..Default::default() };
+        let reference = generate(&model, std::slice::from_ref(&prompt), &opts).unwrap().remove(0);
+        assert_eq!(tokens, reference.tokens, "{name}: tokens");
+        assert_eq!(chain, reference.logits_hash, "{name}: logits bits");
+        // The state half matters exactly for the families that have it: without it (a zeroed
+        // slot) the continuation differs; with KV zeroed it differs for every family with KV.
+        if let Some(state) = &handoff.state {
+            let zeroed = Handoff { state: Some(vec![0.0; state.len()]), ..(*handoff).clone() };
+            assert_ne!(decode_from(Arc::new(zeroed)).1, chain, "{name}: the state half is used");
+        }
+        if !handoff.kv.is_empty() {
+            let zeroed = Handoff { kv: vec![0.0; handoff.kv.len()], ..(*handoff).clone() };
+            assert_ne!(decode_from(Arc::new(zeroed)).1, chain, "{name}: the KV half is used");
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, FIXTURES.len());
+}
