@@ -40,6 +40,14 @@ pub struct RequestRecord {
     /// Failure cause (`does-not-fit`, …) when `error` is set.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// Handed off (P/D): when its prefill's first chunk ran and when T0 became known (ms since
+    /// the run started), and the bytes its handoff moved.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_started_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub t0_ms: Option<f64>,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub handoff_bytes: u64,
     /// When the run learnt that it ended — finished, failed or cancelled (ms since the run
     /// started).
     pub ended_ms: Option<f64>,
@@ -49,6 +57,10 @@ pub struct RequestRecord {
     /// When the last token came (ms since the run started).
     #[serde(skip)]
     pub done_ms: Option<f64>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The failure cause of a cancelled request (counted as `cancelled`, not `failed`).

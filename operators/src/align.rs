@@ -168,7 +168,13 @@ mod tests {
             match flip {
                 0 => r[1].scheduled_tokens = 1,
                 1 => r[0].cancels.push(4),
-                _ => r[0].admissions.push(Admission { id: 1, prompt: vec![1], max_output_tokens: 1, warmup: false }),
+                _ => r[0].admissions.push(Admission {
+                    id: 1,
+                    prompt: vec![1],
+                    max_output_tokens: 1,
+                    warmup: false,
+                    kind: Default::default(),
+                }),
             }
             with_work.push(plan(r).idle);
         }
@@ -222,7 +228,13 @@ mod tests {
             }
         }
         let mut r = vec![report(0), report(1)];
-        r[0].admissions.push(Admission { id: 3, prompt: vec![1, 2], max_output_tokens: 1, warmup: false });
+        r[0].admissions.push(Admission {
+            id: 3,
+            prompt: vec![1, 2],
+            max_output_tokens: 1,
+            warmup: false,
+            kind: Default::default(),
+        });
         let p = derive_plan(1, r, &mut Beyond, RoutingKeys { block_size: 4, keyed_by_prompt_len: false });
         assert!(p.routed.is_empty());
         assert_eq!(p.unroutable.len(), 1);
@@ -238,7 +250,13 @@ mod tests {
         assert!(complete_set(4, &[report(0), report(0)], 2).is_err());
         // The plan of such a step fails its admissions with the fault and keeps its cancels.
         let mut r = report(0);
-        r.admissions.push(Admission { id: 8, prompt: vec![1], max_output_tokens: 1, warmup: false });
+        r.admissions.push(Admission {
+            id: 8,
+            prompt: vec![1],
+            max_output_tokens: 1,
+            warmup: false,
+            kind: Default::default(),
+        });
         r.cancels.push(3);
         let p = faulted_plan(4, vec![r], e.clone());
         assert_eq!(p.unroutable.len(), 1);
@@ -251,7 +269,13 @@ mod tests {
     fn every_admission_is_routed_once_and_reports_keep_rank_order() {
         let mut r = vec![report(0), report(1), report(2)];
         r[0].admissions = (0..5)
-            .map(|id| Admission { id, prompt: vec![1, 2, 3, 4, 5], max_output_tokens: 2, warmup: false })
+            .map(|id| Admission {
+                id,
+                prompt: vec![1, 2, 3, 4, 5],
+                max_output_tokens: 2,
+                warmup: false,
+                kind: Default::default(),
+            })
             .collect();
         let p = plan(r);
         assert_eq!(p.routed.iter().map(|(a, _)| a.id).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);

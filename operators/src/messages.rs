@@ -10,6 +10,19 @@ pub struct Admission {
     pub prompt: Vec<u32>,
     pub max_output_tokens: usize,
     pub warmup: bool,
+    pub kind: AdmissionKind,
+}
+
+/// What a pool does with an admitted request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdmissionKind {
+    /// Serve it whole (an aggregated pool).
+    #[default]
+    Whole,
+    /// Prefill it, sample T0, and hand it off to a decode pool (a prefill pool).
+    PrefillOnly,
+    /// It arrives as a handoff (in the pool's inbox): continue from T0 (a decode pool).
+    Handoff,
 }
 
 /// What one rank scheduled for step `t`, broadcast to every rank by `align`. Rank 0 also carries
@@ -119,6 +132,9 @@ pub enum Event {
         logits_hash: u64,
         preemptions: usize,
     },
+    /// Its prefill finished and it moved on, to the decode pool `to` (not an end: that pool
+    /// reports the end).
+    HandedOff { id: u64, rank: usize, to: String, started_ms: f64, t0_ms: f64, bytes: u64 },
     /// It cannot run (or was cancelled), with whatever it produced before.
     Failed {
         id: u64,
@@ -134,7 +150,7 @@ pub enum Event {
 impl Event {
     pub fn id(&self) -> u64 {
         match self {
-            Event::Finished { id, .. } | Event::Failed { id, .. } => *id,
+            Event::Finished { id, .. } | Event::Failed { id, .. } | Event::HandedOff { id, .. } => *id,
         }
     }
 }

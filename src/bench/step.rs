@@ -263,7 +263,7 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
     let sink = CollectorSink { pool: "bench".into(), batches };
     let pool = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), None)?;
     let driver = spawn_driver(DriverJob {
-        pools: vec![EntryPool { name: "bench".into(), ingress }],
+        pools: vec![EntryPool { name: "bench".into(), ingress, kind: Default::default() }],
         placement: Placement { choice: PoolChoice::Seeded, seed: 0 },
         selection,
         mode: ArrivalMode::Concurrency(n),

@@ -71,6 +71,16 @@ impl Collector {
             tracing::warn!(pool, request = id, "event for a request that was never released: dropped");
             return;
         };
+        if let Event::HandedOff { to, started_ms, t0_ms, bytes, .. } = &event {
+            // It moved on (the decode pool may even have reported its end already).
+            if !r.pools.iter().any(|p| p == to) {
+                r.pools.push(to.clone());
+            }
+            r.prefill_started_ms = Some(started_ms - start);
+            r.t0_ms = Some(t0_ms - start);
+            r.handoff_bytes = *bytes;
+            return;
+        }
         if r.ended_ms.is_some() {
             tracing::warn!(pool, request = id, "second end for a request: dropped");
             return;
@@ -96,6 +106,7 @@ impl Collector {
                 r.failure = Some(cause);
                 (tokens, token_times, started_ms)
             }
+            Event::HandedOff { .. } => unreachable!("handled above"),
         };
         let arrival = r.arrival_ms;
         r.queue_ms = started_ms.map(|s| s - start - arrival);
@@ -123,7 +134,7 @@ impl Collector {
 
     /// How many requests released into `pool` have not ended yet.
     pub fn in_flight_in(&self, pool: &str) -> usize {
-        self.requests.values().filter(|r| r.ended_ms.is_none() && r.pool == pool).count()
+        self.requests.values().filter(|r| r.ended_ms.is_none() && r.pools.last().is_some_and(|p| p == pool)).count()
     }
 
     /// Ends request `id`, released into `pool`, before it entered the pool: it was refused at
@@ -144,8 +155,12 @@ impl Collector {
     /// Ends every request still open in `pool` with `cause` (the pool's computation ended
     /// without reporting them), so no request is silently dropped and the driver stops waiting.
     pub fn fail_open(&mut self, pool: &str, cause: &str, message: &str) {
-        let open: Vec<u64> =
-            self.requests.values().filter(|r| r.ended_ms.is_none() && r.pool == pool).map(|r| r.id).collect();
+        let open: Vec<u64> = self
+            .requests
+            .values()
+            .filter(|r| r.ended_ms.is_none() && r.pools.last().is_some_and(|p| p == pool))
+            .map(|r| r.id)
+            .collect();
         for id in open {
             let event = Event::Failed {
                 id,

@@ -73,6 +73,8 @@ impl Placement {
 pub struct EntryPool {
     pub name: String,
     pub ingress: Arc<Ingress>,
+    /// Whole requests (aggregated pools) or prefills to hand off (prefill pools).
+    pub kind: kvflow_operators::messages::AdmissionKind,
 }
 
 /// Everything the driver needs.
@@ -176,6 +178,7 @@ fn run(job: DriverJob) {
                 prompt: req.prompt,
                 max_output_tokens: req.max_output_tokens,
                 warmup: is_warmup,
+                kind: pool.kind,
             });
         },
         &completions,

@@ -317,7 +317,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         let watch = Watch::default();
         let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
         running.push(start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?);
-        entries.push(EntryPool { name: name.clone(), ingress });
+        entries.push(EntryPool { name: name.clone(), ingress, kind: Default::default() });
         watches.push((name, watch));
     }
     drop(batches);

@@ -117,6 +117,8 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             floats_per_block: exported.kv.len() / blocks.len().max(1),
             kv: exported.kv,
             state: exported.state,
+            started_ms: 0.0,
+            t0_ms: 0.0,
         });
         // Consumer: other block ids and another slot.
         let decode_from = |handoff: Arc<Handoff>| {

@@ -228,7 +228,9 @@ impl Scheduler {
                     Err(_) => break, // every slot is held (or pinned by a step in flight)
                 }
             }
-            let snapshot = if self.config.prefix_cache { restore_prefix(seq, mem) } else { None };
+            // (A handoff brings its prompt's memory; it looks nothing up.)
+            let snapshot =
+                if self.config.prefix_cache && seq.import.is_none() { restore_prefix(seq, mem) } else { None };
             let len = self.chunk_len(seq, budget, mem.layout.block_size);
             if !mem.ensure_blocks(seq, seq.computed + len) {
                 mem.release(seq); // undo the prefix hit and the slot; try again next step

@@ -99,6 +99,11 @@ pub struct Sequence {
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
     /// queues the request.
     pub prompt_hashes: Vec<u64>,
+    /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
+    pub handoff_outputs: Option<usize>,
+    /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
+    /// in (dropped if the request has to start over: it recomputes instead).
+    pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
 }
 
 impl Sequence {
@@ -124,6 +129,8 @@ impl Sequence {
             first_cached: 0,
             token_times: TokenTimes::default(),
             prompt_hashes: Vec::new(),
+            handoff_outputs: None,
+            import: None,
         }
     }
 

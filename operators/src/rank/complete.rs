@@ -13,6 +13,7 @@ use kvflow_kernels::hash;
 impl Rank {
     /// Applies every completion the executor has ready; returns how many.
     pub fn poll(&mut self) -> usize {
+        self.apply_acks();
         let mut ready = std::mem::take(&mut self.completions);
         self.executor.poll(&mut ready);
         let n = ready.len();
@@ -50,6 +51,9 @@ impl Rank {
             self.memory.release_held(Held::Snapshot, snapshot, generation);
         }
         self.applied_through = Some(self.applied_through.map_or(c.step, |a| a.max(c.step)));
+        for e in c.exports {
+            self.exported.insert(e.key, e);
+        }
         let sampled = match c.result {
             Ok(sampled) => sampled,
             Err(e) => {
@@ -113,8 +117,13 @@ impl Rank {
         }
     }
 
-    /// A request produced its last token.
+    /// A request produced its last token (on a prefill pool: T0, and it hands off).
     fn finish(&mut self, index: usize, step: u64) {
+        let key = self.seqs.get(index).key;
+        let exported = self.exported.remove(&key);
+        if self.hand_off(index, step, exported) {
+            return;
+        }
         self.scheduler.forget(index);
         let mut seq = self.seqs.remove(index);
         if self.switches.leak_blocks_of == Some(seq.id) {

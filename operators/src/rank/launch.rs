@@ -9,7 +9,7 @@ use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
 use crate::policy::scheduler::Chunk;
 use crate::policy::sequence::Sequences;
-use crate::step::{SeqSource, SeqStep, StateOp, StepLaunch};
+use crate::step::{KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
 use std::collections::HashMap;
 
 /// A decided batch as the executor sees it: each chunk with its sequence's tokens, blocks and
@@ -55,6 +55,30 @@ impl SeqSource for Batch<'_> {
 }
 
 impl Rank {
+    /// The handoff copies of a step: a prefill-only request's blocks and slot are exported after
+    /// the step that samples its T0 (the state at the prompt boundary); an arrived handoff is
+    /// imported before the step that feeds T0 — and only then: a request that had to start over
+    /// recomputes instead.
+    fn handoff_ops(&mut self, chunks: &[Chunk]) -> (Vec<KvImport>, Vec<KvExport>) {
+        let (mut imports, mut exports) = (Vec::new(), Vec::new());
+        let bs = self.memory.layout.block_size;
+        for c in chunks {
+            let seq = self.seqs.get_mut(c.seq);
+            if c.sample && seq.handoff_outputs.is_some() {
+                let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
+                let blocks = seq.blocks.blocks()[..n.min(seq.blocks.len())].to_vec();
+                exports.push(KvExport { key: c.key, blocks, slot: seq.slot });
+            }
+            if let Some(handoff) = seq.import.take() {
+                if c.start == seq.prompt_len && handoff.kv_blocks <= seq.blocks.len() {
+                    let blocks = seq.blocks.blocks()[..handoff.kv_blocks].to_vec();
+                    imports.push(KvImport { key: c.key, blocks, slot: seq.slot, handoff });
+                }
+            }
+        }
+        (imports, exports)
+    }
+
     /// Launches the batch decided for step `t` (a rank with nothing decided launches nothing; if
     /// it still has steps in flight it flushes its executor instead of running empty steps).
     pub fn launch(&mut self, t: u64) {
@@ -134,7 +158,10 @@ impl Rank {
                 self.memory.prefix.insert_snapshot(h, snapshot, &mut self.memory.snapshots, t);
             }
         }
-        // 2. the launch the executor sees, read in place
+        // 2. handoffs: exported after the step that samples T0 (a prefill pool), written in
+        //    before the step that feeds it (a decode pool)
+        let (imports, exports) = self.handoff_ops(&decided.chunks);
+        // 3. the launch the executor sees, read in place
         let swapped = self.swapped_tables(&decided.chunks);
         let batch = Batch { chunks: &decided.chunks, seqs: &self.seqs, swapped: swapped.as_ref() };
         let mut sampling = std::mem::take(&mut self.sampling);
@@ -146,8 +173,8 @@ impl Rank {
             after: &after,
             applied_through: self.applied_through,
             sampling: &sampling,
-            imports: &[],
-            exports: &[],
+            imports: &imports,
+            exports: &exports,
             batch: &batch,
         };
         for phase in 0..self.executor.phases() {

@@ -11,10 +11,12 @@
 //! (`Rc<RefCell<_>>`: same thread).
 
 mod complete;
+mod handoff;
 mod launch;
 mod stats;
 mod switches;
 
+pub use handoff::HandoffOut;
 pub use stats::{RankStats, UtilizationSamples};
 pub use switches::TestSwitches;
 
@@ -70,6 +72,13 @@ pub struct Rank {
     /// What the accounting checks found.
     accounting: Vec<String>,
     pub stats: RankStats,
+    /// A prefill pool's rank: where handoffs go, and the requests awaiting their ack by nonce.
+    handoff_out: Option<HandoffOut>,
+    awaiting: std::collections::HashMap<u64, SeqKey>,
+    /// A decode pool's rank: where arriving handoffs wait.
+    inbox: Option<Arc<crate::transfer::HandoffInbox>>,
+    /// What the last completion's exports copied out, by sequence, until its T0 is applied.
+    exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
 }
 
 impl Rank {
@@ -101,6 +110,10 @@ impl Rank {
             spare_keys: Vec::new(),
             accounting: Vec::new(),
             stats: RankStats::default(),
+            handoff_out: None,
+            awaiting: Default::default(),
+            inbox: None,
+            exported: Default::default(),
         }
     }
 
@@ -125,7 +138,7 @@ impl Rank {
             self.events.push((self.step, event));
             return;
         }
-        let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
+        let Some(mut seq) = self.new_sequence(a) else { return };
         if self.scheduler.config.prefix_cache {
             seq.prompt_hashes = self.memory.prompt_hashes(&seq);
         }
@@ -184,6 +197,7 @@ impl Rank {
     fn fail(&mut self, index: usize, step: u64, cause: &str, message: String) {
         self.scheduler.forget(index);
         let mut seq = self.seqs.remove(index);
+        self.exported.remove(&seq.key);
         self.memory.release(&mut seq);
         self.events.push((
             step,
@@ -228,7 +242,7 @@ impl Rank {
             outstanding_tokens: self.outstanding_tokens(),
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
-            in_flight: self.in_flight.len(),
+            in_flight: self.in_flight.len() + self.awaiting.len(),
             admissions: Vec::new(),
             cancels,
             closing: false,

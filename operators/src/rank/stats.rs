@@ -16,6 +16,14 @@ pub struct RankStats {
     /// Sampled tokens dropped because their sequence had moved to a newer generation
     /// (preempted or cancelled while the step was in flight).
     pub stale_completions: u64,
+    /// Handoffs this rank sent (a prefill pool), their payload bytes, and handoffs it took (a
+    /// decode pool).
+    pub handoffs_out: u64,
+    pub handoff_bytes: u64,
+    pub handoffs_in: u64,
+    /// Acks for a transfer this rank was not awaiting (duplicates, or an older generation):
+    /// dropped.
+    pub stale_acks: u64,
     /// Releases of held ids that named an older generation (dropped; always 0 unless something is
     /// wrong).
     pub stale_releases: u64,

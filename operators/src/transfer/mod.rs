@@ -4,9 +4,11 @@
 //! each carries a nonce and generation so a duplicate or late completion is dropped.
 
 pub mod checksum;
+pub mod inproc;
 pub mod wire;
 
 pub use checksum::Crc32c;
+pub use inproc::{AckQueue, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
 /// Names one transfer: a nonce unique per producer, and the generation of the request it moves.
@@ -39,6 +41,10 @@ pub struct Handoff {
     pub kv: Vec<f32>,
     /// The state slot at the prompt boundary (before T0), for families with recurrent state.
     pub state: Option<Vec<f32>>,
+    /// When the prefill's first chunk ran and when T0 became known (`wall_ms`; inproc only
+    /// for now, the wire form does not carry them).
+    pub started_ms: f64,
+    pub t0_ms: f64,
 }
 
 /// The payload of `h` as bytes (KV floats, then state floats, little endian), fed to `sink` in

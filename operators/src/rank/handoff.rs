@@ -1,0 +1,161 @@
+//! A rank's side of P/D handoffs (DESIGN §2, §8). On a prefill pool: a request admitted
+//! `PrefillOnly` samples T0 only; the step that reaches its prompt boundary exports its KV
+//! blocks and state slot (read then — the state before T0); when T0 arrives the handoff is built
+//! and sent, and the request stays held, blocks and slot with it, until the consumer's ack for
+//! that transfer comes back (producer frees after ack). On a decode pool: a `Handoff` admission
+//! takes its handoff from the pool's inbox and continues from T0, its first decode input.
+
+use super::Rank;
+use crate::messages::{wall_ms, Admission, Event};
+use crate::policy::sequence::Sequence;
+use crate::step::{Exported, SeqKey};
+use crate::transfer::{AckQueue, Handoff, HandoffInbox, HandoffSink, TransferId};
+use std::sync::Arc;
+
+/// What a prefill rank needs to hand off.
+pub struct HandoffOut {
+    pub sink: Arc<dyn HandoffSink>,
+    /// The model's layout fingerprint at this pool's block size.
+    pub fingerprint: u64,
+    acks: Arc<AckQueue>,
+    next_nonce: u64,
+}
+
+impl Rank {
+    /// Makes this rank a producer: finished prefills go to `sink`.
+    pub fn with_handoff_out(mut self, sink: Arc<dyn HandoffSink>, fingerprint: u64) -> Self {
+        let acks = AckQueue::new(self.waker.clone());
+        self.handoff_out = Some(HandoffOut { sink, fingerprint, acks, next_nonce: 1 });
+        self
+    }
+
+    /// Makes this rank a consumer: handoff admissions are taken from `inbox`.
+    pub fn with_handoff_in(mut self, inbox: Arc<HandoffInbox>) -> Self {
+        self.inbox = Some(inbox);
+        self
+    }
+
+    /// Handed-off requests whose ack has not come.
+    pub fn awaiting_acks(&self) -> usize {
+        self.awaiting.len()
+    }
+
+    /// A new sequence for admission `a`: a prefill pool's samples T0 only.
+    pub(super) fn new_sequence(&mut self, a: Admission) -> Option<Sequence> {
+        use crate::messages::AdmissionKind;
+        match a.kind {
+            AdmissionKind::Whole => Some(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup)),
+            AdmissionKind::PrefillOnly => {
+                let mut seq = Sequence::new(a.id, a.prompt, 1, a.warmup);
+                seq.handoff_outputs = Some(a.max_output_tokens);
+                Some(seq)
+            }
+            AdmissionKind::Handoff => {
+                let Some(h) = self.inbox.as_ref().and_then(|inbox| inbox.take(a.id)) else {
+                    self.fail_admission(
+                        a.id,
+                        "handoff-missing",
+                        "admitted as a handoff, but no handoff arrived".into(),
+                    );
+                    return None;
+                };
+                self.stats.handoffs_in += 1;
+                let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
+                // T0 is known: it is the first decode input, fed once, at the prompt boundary.
+                seq.tokens.push(h.t0);
+                seq.computed = seq.prompt_len;
+                seq.logits_hash = h.logits_hash;
+                seq.token_times.record(h.t0_ms);
+                seq.started_ms = Some(h.started_ms);
+                seq.import = Some(h);
+                Some(seq)
+            }
+        }
+    }
+
+    /// A prefill rank's request sampled T0: build its handoff from what the step exported, send
+    /// it, and keep the request (and its memory) until the ack. Returns false when the request
+    /// is not one to hand off.
+    pub(super) fn hand_off(&mut self, index: usize, step: u64, exported: Option<Exported>) -> bool {
+        let Some(out) = self.handoff_out.as_mut() else { return false };
+        let seq = self.seqs.get_mut(index);
+        let Some(outputs) = seq.handoff_outputs else { return false };
+        let key = seq.key;
+        let Some(exported) = exported else {
+            let why = format!("step {step} sampled T0 but exported no KV for the handoff");
+            self.fail(index, step, "handoff", why);
+            return true;
+        };
+        let nonce = out.next_nonce;
+        out.next_nonce += 1;
+        let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
+        let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
+        let handoff = Handoff {
+            transfer: TransferId { nonce, generation: key.generation },
+            request: seq.id,
+            prompt: seq.tokens[..seq.prompt_len].to_vec(),
+            max_output_tokens: outputs,
+            warmup: seq.warmup,
+            t0: seq.tokens[seq.prompt_len],
+            logits_hash: seq.logits_hash,
+            fingerprint: out.fingerprint,
+            skip_blocks: 0,
+            kv_blocks,
+            floats_per_block: exported.kv.len().checked_div(kv_blocks).unwrap_or(0),
+            kv: exported.kv,
+            state: exported.state,
+            started_ms: seq.started_ms.unwrap_or_else(wall_ms),
+            t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
+        };
+        let bytes = 4 * (handoff.kv.len() + handoff.state.as_ref().map_or(0, Vec::len)) as u64;
+        let (id, started_ms, t0_ms) = (handoff.request, handoff.started_ms, handoff.t0_ms);
+        match out.sink.send(handoff, out.acks.clone()) {
+            Ok(to) => {
+                self.scheduler.forget(index);
+                self.awaiting.insert(nonce, key);
+                self.stats.handoffs_out += 1;
+                self.stats.handoff_bytes += bytes;
+                self.events.push((step, Event::HandedOff { id, rank: self.index, to, started_ms, t0_ms, bytes }));
+            }
+            Err(why) => self.fail(index, step, "handoff", format!("cannot hand off: {why}")),
+        }
+        true
+    }
+
+    /// Releases what each acked handoff's request held. An ack for a transfer this rank does
+    /// not await (a duplicate, or for an older generation) is dropped and counted.
+    pub(super) fn apply_acks(&mut self) {
+        let Some(out) = self.handoff_out.as_ref() else { return };
+        for (_, transfer) in out.acks.drain() {
+            let Some(key) = self.awaiting.get(&transfer.nonce).copied().filter(|k| k.generation == transfer.generation)
+            else {
+                self.stats.stale_acks += 1;
+                continue;
+            };
+            self.awaiting.remove(&transfer.nonce);
+            self.release_handed_off(key);
+        }
+    }
+
+    fn release_handed_off(&mut self, key: SeqKey) {
+        if self.seqs.by_key_mut(key).is_none() {
+            return; // cancelled meanwhile: already released
+        }
+        let mut seq = self.seqs.remove(key.index as usize);
+        self.memory.release(&mut seq);
+    }
+
+    /// Fails a request before it got a sequence.
+    fn fail_admission(&mut self, id: u64, cause: &str, message: String) {
+        let event = Event::Failed {
+            id,
+            rank: self.index,
+            cause: cause.into(),
+            message,
+            tokens: Vec::new(),
+            token_times: Default::default(),
+            started_ms: None,
+        };
+        self.events.push((self.step, event));
+    }
+}
