@@ -248,6 +248,7 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
     let mut executor_settings = toml::Table::new();
     executor_settings.insert("delay_steps".into(), toml::Value::Integer(delay as i64));
     let job = PoolJob {
+        handoff: Default::default(),
         name: "bench".into(),
         ranks,
         model,
@@ -263,7 +264,7 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
     let sink = CollectorSink { pool: "bench".into(), batches };
     let pool = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), None)?;
     let driver = spawn_driver(DriverJob {
-        pools: vec![EntryPool { name: "bench".into(), ingress, kind: Default::default() }],
+        pools: vec![EntryPool { name: "bench".into(), ingress, kind: Default::default(), also_cancel: Vec::new() }],
         placement: Placement { choice: PoolChoice::Seeded, seed: 0 },
         selection,
         mode: ArrivalMode::Concurrency(n),

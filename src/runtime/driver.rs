@@ -75,6 +75,8 @@ pub struct EntryPool {
     pub ingress: Arc<Ingress>,
     /// Whole requests (aggregated pools) or prefills to hand off (prefill pools).
     pub kind: kvflow_operators::messages::AdmissionKind,
+    /// Where else a cancellation goes: the decode pools a handed-off request may have reached.
+    pub also_cancel: Vec<Arc<Ingress>>,
 }
 
 /// Everything the driver needs.
@@ -105,7 +107,7 @@ pub fn spawn_driver(job: DriverJob) -> std::io::Result<std::thread::JoinHandle<(
 }
 
 /// The ingress each released request went to, by id (cancellations follow the request).
-type Placed = Arc<Mutex<HashMap<u64, Arc<Ingress>>>>;
+type Placed = Arc<Mutex<HashMap<u64, (Arc<Ingress>, Vec<Arc<Ingress>>)>>>;
 
 fn run(job: DriverJob) {
     let DriverJob {
@@ -125,8 +127,11 @@ fn run(job: DriverJob) {
     let cancel_one = {
         let placed = placed.clone();
         move |id: u64| {
-            if let Some(ingress) = placed.lock().unwrap_or_else(|e| e.into_inner()).get(&id) {
+            if let Some((ingress, also)) = placed.lock().unwrap_or_else(|e| e.into_inner()).get(&id) {
                 ingress.cancel(id);
+                for other in also {
+                    other.cancel(id);
+                }
             }
         }
     };
@@ -168,7 +173,7 @@ fn run(job: DriverJob) {
                 collector.lock().unwrap_or_else(|e| e.into_inner()).refuse(req.id, &pool.name, EXCEEDS_CONTEXT, why);
                 return;
             }
-            placed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.id, pool.ingress.clone());
+            placed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.id, (pool.ingress.clone(), pool.also_cancel.clone()));
             if cancel.picks(req.id) {
                 let at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;
                 due.lock().unwrap_or_else(|e| e.into_inner()).push(std::cmp::Reverse((at, req.id)));

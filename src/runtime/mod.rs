@@ -7,6 +7,7 @@ pub(crate) mod collector;
 pub mod dot;
 pub(crate) mod driver;
 mod hostfile;
+mod links;
 mod memory;
 pub(crate) mod pool;
 mod report;
@@ -87,13 +88,20 @@ pub fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g Po
         Some(n) => vec![graph.pool(n).map_err(|e| anyhow!("{e}"))?],
         None => graph.pools.iter().collect(),
     };
-    if let Some(pool) = pools.iter().find(|p| p.role != PoolRole::Aggregated) {
+    if name.is_some() && pools.iter().any(|p| p.role != PoolRole::Aggregated) {
         bail!(
-            "{}: pool `{}` has role {}: prefill/decode pools need the transfer engine and handoff, which this \
-             version does not have yet; run aggregated pools",
+            "{}: --pool runs one pool; a prefill or decode pool needs its linked pools in the same run (the \
+             transfer engine across processes is not built yet)",
+            graph.path.display()
+        );
+    }
+    if let Some(link) = graph.links.iter().find(|l| l.backend != crate::graph::TransferBackend::Inproc) {
+        bail!(
+            "{}: link {} → {}: backend `{}` is not built yet; use backend = \"inproc\"",
             graph.path.display(),
-            pool.name,
-            pool.role
+            link.from,
+            link.to,
+            link.backend.name()
         );
     }
     Ok(pools)
@@ -228,6 +236,7 @@ fn pool_job(
         executor_settings,
         cluster: opts.cluster.clone(),
         switches: opts.switches.clone(),
+        handoff: Default::default(),
     })
 }
 
@@ -307,17 +316,23 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let (tx, rx) = std::sync::mpsc::channel();
     let collector = Collector::new(selection.requests.len(), tx, opts.show_progress);
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
-    // Start every pool, each with its ingress, its sink into the collector and its watch.
+    // Start every pool, each with its ingress, its handoff links, its sink into the collector
+    // and its watch. New requests enter the aggregated pools, or the prefill pools.
+    let mut wiring = links::wire(graph, &pools, &model)?;
+    let decode_ingresses = wiring.decode_ingresses(&pools);
     let mut entries = Vec::new();
     let mut watches = Vec::new();
     let mut running = Vec::new();
-    for job in jobs {
+    for (mut job, pool) in jobs.into_iter().zip(&pools) {
         let name = job.name.clone();
-        let ingress = Arc::new(Ingress::default());
+        let ingress = wiring.ingress[&name].clone();
+        job.handoff = wiring.handoff.remove(&name).unwrap_or_default();
         let watch = Watch::default();
         let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
-        running.push(start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?);
-        entries.push(EntryPool { name: name.clone(), ingress, kind: Default::default() });
+        running.push((pool.role, start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?));
+        if let Some(kind) = links::Wiring::entry_kind(pool) {
+            entries.push(EntryPool { name: name.clone(), ingress, kind, also_cancel: decode_ingresses.clone() });
+        }
         watches.push((name, watch));
     }
     drop(batches);
@@ -369,12 +384,22 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     };
     // Join the pools, each on its own thread: a pool that ends early fails what it still held,
     // so the driver (waiting for those requests) is never left waiting on it.
+    // Decode pools take handoffs until every prefill pool has ended.
+    let prefill_left = Arc::new(std::sync::atomic::AtomicUsize::new(
+        running.iter().filter(|(role, _)| *role == PoolRole::Prefill).count(),
+    ));
     let joiners: Vec<_> = running
         .into_iter()
-        .map(|pool| {
+        .map(|(role, pool)| {
             let collector = collector.clone();
+            let (prefill_left, decode_ingresses) = (prefill_left.clone(), decode_ingresses.clone());
             std::thread::spawn(move || {
                 let result = pool.join();
+                if role == PoolRole::Prefill && prefill_left.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    for ingress in &decode_ingresses {
+                        ingress.close();
+                    }
+                }
                 let message = format!("pool {} ended before the request did", result.name);
                 collector.lock().unwrap_or_else(|e| e.into_inner()).fail_open(&result.name, "pool-ended", &message);
                 result

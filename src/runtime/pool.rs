@@ -24,6 +24,7 @@ use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
 use kvflow_operators::rank::{Rank, RankStats, TestSwitches};
 use kvflow_operators::schedule::schedule;
+use kvflow_operators::transfer::{HandoffInbox, HandoffSink};
 use kvflow_operators::wake::RankWaker;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -104,6 +105,20 @@ pub struct PoolJob {
     pub executor_settings: toml::Table,
     pub cluster: Option<ClusterPlace>,
     pub switches: TestSwitches,
+    /// What its ranks hand off to, or take handoffs from (P/D).
+    pub handoff: PoolHandoff,
+}
+
+/// A pool's part in handoffs.
+#[derive(Clone, Default)]
+pub enum PoolHandoff {
+    /// An aggregated pool.
+    #[default]
+    None,
+    /// A prefill pool: finished prefills go to `sink`.
+    Out { sink: Arc<dyn HandoffSink>, fingerprint: u64 },
+    /// A decode pool: handoffs arrive in this inbox.
+    In(Arc<HandoffInbox>),
 }
 
 /// What the pool's ranks of this process hand back when it ends: per rank, its counters, or why
@@ -209,7 +224,7 @@ pub fn start_pool(
 ) -> Result<RunningPool> {
     let config = timely_config(&job)?;
     let job_cluster = job.cluster.clone();
-    let PoolJob { name, model, layout, scheduler, router, executor, executor_settings, switches, .. } = job;
+    let PoolJob { name, model, layout, scheduler, router, executor, executor_settings, switches, handoff, .. } = job;
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let sink = Mutex::new(sink);
     let pool = name.clone();
@@ -228,6 +243,11 @@ pub fn start_pool(
                 Box::new(Unavailable::new(reason))
             });
             let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
+        let rank = match &handoff {
+            PoolHandoff::None => rank,
+            PoolHandoff::Out { sink, fingerprint } => rank.with_handoff_out(sink.clone(), *fingerprint),
+            PoolHandoff::In(inbox) => rank.with_handoff_in(inbox.clone()),
+        };
             let rank = Rc::new(RefCell::new(rank));
             let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };
             let parts = PoolParts {

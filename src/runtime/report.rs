@@ -72,14 +72,36 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     top.extend(rank_figures(&all_stats));
     let mut pools = Map::new();
     for (name, ranks, layout, executor) in ctx.pools {
-        let mine: Vec<&RequestRecord> = records.iter().filter(|r| &r.pool == name).collect();
+        let mine: Vec<&RequestRecord> = records.iter().filter(|r| r.pools.contains(name)).collect();
         let stats: Vec<&RankStats> = ctx.stats.iter().filter(|(n, _)| n == name).flat_map(|(_, s)| s.iter()).collect();
         let mut figures = json!({"ranks": ranks, "executor": executor, "memory": memory(layout)});
         figures.as_object_mut().expect("an object").extend(rank_figures(&stats));
         pools.insert(name.clone(), summarize(&mine, slo, &verify.restricted_to(&mine), figures));
     }
     top.insert("pools".into(), Value::Object(pools));
+    if !g.links.is_empty() {
+        top.insert("handoff".into(), handoff(records, &all_stats));
+    }
     summarize(&records.iter().collect::<Vec<_>>(), slo, verify, extra)
+}
+
+/// What the handoffs of a P/D run moved.
+fn handoff(records: &[RequestRecord], stats: &[&RankStats]) -> Value {
+    let moved: Vec<&RequestRecord> = records.iter().filter(|r| r.t0_ms.is_some()).collect();
+    let failed = records.iter().filter(|r| r.failure.as_deref().is_some_and(|c| c.starts_with("handoff"))).count();
+    json!({
+        "backend": "inproc",
+        "count": stats.iter().map(|s| s.handoffs_out).sum::<u64>(),
+        "received": stats.iter().map(|s| s.handoffs_in).sum::<u64>(),
+        "bytes": stats.iter().map(|s| s.handoff_bytes).sum::<u64>(),
+        "socket_bytes": 0,
+        "saved_bytes": 0,
+        "local_prefills": 0,
+        "retries": 0,
+        "failed": failed,
+        "stale_acks": stats.iter().map(|s| s.stale_acks).sum::<u64>(),
+        "requests_with_t0_from_prefill": moved.len(),
+    })
 }
 
 /// KV, slot and snapshot utilization and batch size over the run: the per-step samples of the

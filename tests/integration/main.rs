@@ -4,6 +4,7 @@ mod asynchronous;
 mod bad_input;
 mod batch_invariance;
 mod common;
+mod disaggregated;
 mod fuzz;
 mod handoff;
 mod hf_fixtures;

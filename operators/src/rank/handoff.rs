@@ -67,6 +67,21 @@ impl Rank {
                 seq.logits_hash = h.logits_hash;
                 seq.token_times.record(h.t0_ms);
                 seq.started_ms = Some(h.started_ms);
+                if seq.finished() {
+                    // T0 was its only output: it ends here, with nothing to compute.
+                    let event = Event::Finished {
+                        id: seq.id,
+                        rank: self.index,
+                        tokens: vec![h.t0],
+                        token_times: seq.token_times,
+                        started_ms: h.started_ms,
+                        cached_tokens: 0,
+                        logits_hash: h.logits_hash,
+                        preemptions: 0,
+                    };
+                    self.events.push((self.step, event));
+                    return None;
+                }
                 seq.import = Some(h);
                 Some(seq)
             }
