@@ -76,8 +76,9 @@ pub(super) fn toml_error(file: &Path, text: &str, error: &toml::de::Error) -> Gr
     let at = Location { file: file.to_path_buf(), line: error.span().map(|span| line_of(text, span.start)) };
     let message = error.message().trim_end().to_string();
     match error.span().and_then(|span| key_at(text, span.start)) {
-        Some(key) if key == "pool" && message.contains("expected a sequence") => {
-            GraphError::Key { at, key, message: format!("{message}: pools are an array of tables, written [[pool]]") }
+        Some(key) if (key == "pool" || key == "link") && message.contains("expected a sequence") => {
+            let hint = format!("{message}: {key}s are an array of tables, written [[{key}]]");
+            GraphError::Key { at, key, message: hint }
         }
         Some(key) => GraphError::Key { at, key, message },
         None => GraphError::Syntax { at, message },

@@ -1,7 +1,9 @@
 //! Graph files: the TOML a user writes to describe what kvflow serves and how (DESIGN §3).
 //!
 //! A graph file names the model, sizes memory and the scheduler, lists the pools (role, ranks,
-//! executor, router) and says which trace to replay, with which SLO and where to write the report.
+//! executor, router) and the links between them (which prefill pools hand off to which decode
+//! pools, over which transfer backend), and says which trace to replay, with which SLO and where to
+//! write the report.
 //! It never wires operators: the runtime builds the per-pool operator graph of DESIGN §4 from it,
 //! and `kvflow check --dot` prints the graph it builds so users see the dataflow they run.
 //!
@@ -20,8 +22,16 @@
 //! working directory). Operators with a choice (executor, router) are chosen by name from the
 //! registries [`ComponentNames`].
 //!
-//! A complete graph file, every key shown (only `[model]` and one `[[pool]]` with a `name` are
-//! required; the comments give the defaults):
+//! A graph is *aggregated* (every pool prefills and decodes its own requests) or *disaggregated*
+//! (prefill pools hand finished prefills off to decode pools over `[[link]]`s; no aggregated pool):
+//! a graph with a prefill pool needs a decode pool and the other way round, every prefill pool
+//! needs a link out and every decode pool a link in, and aggregated pools cannot be linked. A
+//! decode pool without a link in would never see a remote prefill, so it is an error, not an
+//! aggregated pool in disguise. New requests enter [`Graph::entry_pools`]: the decode pools of a
+//! disaggregated graph (each decides per request whether to prefill remotely), else every pool.
+//!
+//! A complete aggregated graph file, every key shown (only `[model]` and one `[[pool]]` with a
+//! `name` are required; the comments give the defaults):
 //!
 //! ```toml
 //! [model]
@@ -81,6 +91,45 @@
 //! out = "../out/quickstart"        # report.json, requests.jsonl (default: out/<graph file stem> from the working dir)
 //! ```
 //!
+//! A disaggregated graph: the keys above, and these (the `[workload]`, `[slo]` and `[report]`
+//! tables are left out here):
+//!
+//! ```toml
+//! [model]
+//! path = "../fixtures/hf/llama"
+//!
+//! [[pool]]
+//! name = "prefill"
+//! role = "prefill"                 # prefill pools need a [[link]] out
+//! ranks = 2
+//!
+//! [[pool]]
+//! name = "decode"
+//! role = "decode"                  # decode pools need a [[link]] in
+//! [pool.disaggregation]            # optional, decode pools only: when a request is prefilled remotely
+//! remote_prefill_min_tokens = 32   # remote only if the prompt's uncached length on the decode rank is more (default 0)
+//! max_prefill_queue = 16           # and fewer than this many wait for a prefill, at least 1 (default: no limit)
+//!
+//! [[link]]                         # a prefill pool handing off to a decode pool; each (from, to) once
+//! from = "prefill"                 # required: a prefill pool
+//! to = "decode"                    # required: a decode pool
+//! backend = "tcp"                  # inproc | tcp (default inproc: both pools in one process)
+//! endpoint = "127.0.0.1:0"         # tcp only: the consumer's listen address host:port, IPv6 as "[::1]:0";
+//!                                  # port 0: the kernel picks (default "127.0.0.1:0")
+//!
+//! [transfer]                       # optional, only in a graph with links
+//! deployment_token = "change-me"   # shared by a deployment's processes; 1 to 256 printable ASCII bytes (default: none)
+//! checksum = true                  # checksum every transfer, verified before the ack (default true)
+//!
+//! [faults]                         # optional: seeded faults on the transfer engine, for fault testing
+//! seed = 7                         # (default 0)
+//! drop_connection = 0.01           # chance a connection drops (default 0; every chance is finite, 0 to 1)
+//! delay_ms = 5.0                   # a delayed message waits this long, ≥ 0 (default 0) ...
+//! delay_probability = 0.1          # ... with this chance; set both or neither (default 0)
+//! corrupt = 0.001                  # chance a transfer's bytes are corrupted (default 0)
+//! duplicate_completion = 0.001     # chance a completion is delivered twice (default 0)
+//! ```
+//!
 //! Not checked here: whether the memory budget holds one request. That needs the model's bytes per
 //! token, which the runtime knows once the model is loaded.
 
@@ -93,9 +142,10 @@ mod validate;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 pub use error::{GraphError, Location};
-pub use rules::parse_byte_size;
+pub use rules::{parse_byte_size, parse_endpoint, MAX_DEPLOYMENT_TOKEN_BYTES};
 
 use error::toml_error;
 use raw::RawGraph;
@@ -136,8 +186,17 @@ pub struct Graph {
     pub model: PathBuf,
     pub memory: MemoryConfig,
     pub scheduler: SchedulerConfig,
-    /// At least one; names are unique.
+    /// At least one; names are unique. Either every pool is aggregated, or there are prefill and
+    /// decode pools (at least one of each) and no aggregated pool.
     pub pools: Vec<PoolConfig>,
+    /// Which prefill pools hand off to which decode pools (`[[link]]`), in file order: each from a
+    /// prefill pool to a decode pool of `pools`, no pair twice. Every prefill pool has a link out
+    /// and every decode pool a link in; empty when the pools are aggregated.
+    pub links: Vec<LinkConfig>,
+    /// `[transfer]`: what every link's transfers carry.
+    pub transfer: TransferConfig,
+    /// `[faults]`: seeded fault injection, for fault testing; none by default.
+    pub faults: FaultsConfig,
     pub workload: WorkloadConfig,
     pub slo: SloConfig,
     /// Where the report (report.json, requests.jsonl) is written.
@@ -226,6 +285,173 @@ pub struct PoolConfig {
     pub memory: MemoryConfig,
     /// The graph's `[scheduler]` with this pool's `[pool.scheduler]` over it.
     pub scheduler: SchedulerConfig,
+    /// A decode pool's `[pool.disaggregation]`; the defaults for every other role (which may not
+    /// set it).
+    pub disaggregation: DisaggregationConfig,
+}
+
+/// Conditional disaggregation of a decode pool (DESIGN §8, `[pool.disaggregation]`): a new
+/// request is first routed to one of the pool's decode ranks, which has it prefilled remotely (by
+/// a linked prefill pool) only when both hold, and otherwise prefills it locally.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DisaggregationConfig {
+    /// A remote prefill only when the prompt's uncached length on the chosen decode rank (the
+    /// tokens its prefix cache lacks) is more than this; 0 (the default): every prompt with
+    /// anything uncached is prefilled remotely.
+    pub remote_prefill_min_tokens: usize,
+    /// A remote prefill only while fewer than this many requests wait in the prefill queue (at
+    /// least 1); `None` (the default): no limit.
+    pub max_prefill_queue: Option<usize>,
+}
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        validate::DEFAULT_DISAGGREGATION
+    }
+}
+
+/// One `[[link]]`: a prefill pool handing finished prefills off to a decode pool (DESIGN §8).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinkConfig {
+    /// A prefill pool of the graph: the producer.
+    pub from: String,
+    /// A decode pool of the graph: the consumer.
+    pub to: String,
+    pub backend: TransferBackend,
+    /// The consumer's listen address: `Some` for `tcp` (default `127.0.0.1:0`), `None` for
+    /// `inproc`.
+    pub endpoint: Option<Endpoint>,
+}
+
+/// How a link moves handoffs (DESIGN §8; `link.backend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferBackend {
+    /// Both pools in one process: no serialization and no socket, one copy into the consumer's
+    /// own blocks.
+    Inproc,
+    /// A TCP connection to the consumer's endpoint, on loopback or across hosts.
+    Tcp,
+}
+
+impl TransferBackend {
+    /// Every backend, in the order errors list them.
+    pub const ALL: [TransferBackend; 2] = [TransferBackend::Inproc, TransferBackend::Tcp];
+
+    /// The name used in graph files.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransferBackend::Inproc => "inproc",
+            TransferBackend::Tcp => "tcp",
+        }
+    }
+
+    /// The backend a graph file's name stands for.
+    pub fn from_name(name: &str) -> Option<TransferBackend> {
+        TransferBackend::ALL.into_iter().find(|backend| backend.name() == name)
+    }
+}
+
+impl Default for TransferBackend {
+    fn default() -> Self {
+        validate::DEFAULT_TRANSFER_BACKEND
+    }
+}
+
+impl fmt::Display for TransferBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A listen address: a host name or IP address, and a port (0: the kernel picks one). Written
+/// `host:port`, an IPv6 address in brackets (`[::1]:0`); [`parse_endpoint`] reads it, `Display`
+/// writes it back the same way.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// A host name, an IPv4 address, or an IPv6 address without its brackets.
+    pub host: String,
+    pub port: u16,
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = String;
+
+    /// [`parse_endpoint`].
+    fn from_str(text: &str) -> Result<Endpoint, String> {
+        parse_endpoint(text)
+    }
+}
+
+/// What every transfer carries (`[transfer]`; only in a graph with links).
+#[derive(Clone, PartialEq, Eq)]
+pub struct TransferConfig {
+    /// Shared by the processes of one deployment: a peer that does not present it is refused.
+    /// 1 to [`MAX_DEPLOYMENT_TOKEN_BYTES`] bytes of printable ASCII when set; `None` (the
+    /// default): no token. `Debug` does not show it.
+    pub deployment_token: Option<String>,
+    /// Each transfer carries a checksum of its bytes, verified before the ack (default true).
+    pub checksum: bool,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        validate::DEFAULT_TRANSFER
+    }
+}
+
+impl fmt::Debug for TransferConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransferConfig")
+            .field("deployment_token", &self.deployment_token.as_ref().map(|_| "<set, not shown>"))
+            .field("checksum", &self.checksum)
+            .finish()
+    }
+}
+
+/// Seeded fault injection on the transfer engine (`[faults]`), for fault testing: every
+/// probability is finite and in [0, 1], every default 0 (no faults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FaultsConfig {
+    /// Seeds every fault draw, so a failing run can be replayed.
+    pub seed: u64,
+    /// Chance that a connection is dropped (its transfers fail; one retry on a new connection).
+    pub drop_connection: f64,
+    /// How long a delayed message is held, in milliseconds (≥ 0, finite).
+    pub delay_ms: f64,
+    /// Chance that a message is delayed by `delay_ms`.
+    pub delay_probability: f64,
+    /// Chance that a transfer's bytes are corrupted (the checksum must catch it).
+    pub corrupt: f64,
+    /// Chance that a completion is delivered twice (the second, stale, must be dropped).
+    pub duplicate_completion: f64,
+}
+
+impl Default for FaultsConfig {
+    fn default() -> Self {
+        validate::DEFAULT_FAULTS
+    }
+}
+
+impl FaultsConfig {
+    /// Whether any fault can happen.
+    pub fn any(&self) -> bool {
+        let FaultsConfig { seed: _, drop_connection, delay_ms, delay_probability, corrupt, duplicate_completion } =
+            *self;
+        drop_connection > 0.0
+            || (delay_ms > 0.0 && delay_probability > 0.0)
+            || corrupt > 0.0
+            || duplicate_completion > 0.0
+    }
 }
 
 /// How trace requests are released into the graph.
@@ -275,7 +501,8 @@ pub struct WorkloadConfig {
     /// to exercise cancellation.
     pub cancel_fraction: f64,
     pub cancel_after_ms: f64,
-    /// Which pool each request enters, when the run starts several.
+    /// Which pool each request enters, when the run starts several of the
+    /// [`Graph::entry_pools`].
     pub pool_choice: PoolChoice,
 }
 
@@ -392,31 +619,60 @@ impl Graph {
             known: self.pools.iter().map(|pool| pool.name.clone()).collect(),
         })
     }
+
+    /// Whether the graph has prefill and decode pools (then it has no aggregated pool).
+    pub fn is_disaggregated(&self) -> bool {
+        self.pools.iter().any(|pool| pool.role != PoolRole::Aggregated)
+    }
+
+    /// The links out of pool `pool` (a prefill pool's decode pools), in file order; empty for
+    /// another role or an unknown name.
+    pub fn links_from(&self, pool: &str) -> Vec<&LinkConfig> {
+        self.links.iter().filter(|link| link.from == pool).collect()
+    }
+
+    /// The links into pool `pool` (a decode pool's prefill pools), in file order; empty for
+    /// another role or an unknown name.
+    pub fn links_to(&self, pool: &str) -> Vec<&LinkConfig> {
+        self.links.iter().filter(|link| link.to == pool).collect()
+    }
+
+    /// The pools new requests enter, in file order: the decode pools when the graph is
+    /// disaggregated (a new request is first routed to a decode rank, which prefills it locally or
+    /// has a linked prefill pool do it: DESIGN §8), else every pool (all aggregated).
+    pub fn entry_pools(&self) -> Vec<&PoolConfig> {
+        let entry = if self.is_disaggregated() { PoolRole::Decode } else { PoolRole::Aggregated };
+        self.pools.iter().filter(|pool| pool.role == entry).collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::test_support::{minimal_plus, Fixture, MINIMAL};
+    use super::test_support::{linked_plus, minimal_plus, Fixture, MINIMAL};
     use super::*;
 
-    /// The TOML example in this module's documentation, so the docs cannot drift from the parser.
-    fn documented_example() -> String {
+    /// The TOML examples in this module's documentation, so the docs cannot drift from the parser.
+    fn documented_examples() -> Vec<String> {
         let source = include_str!("mod.rs");
-        let mut example = String::new();
-        let mut inside = false;
+        let mut examples = Vec::new();
+        let mut example: Option<String> = None;
         for line in source.lines().take_while(|line| line.starts_with("//!")) {
             let line = line.trim_start_matches("//!").strip_prefix(' ').unwrap_or("");
-            match (inside, line) {
-                (false, "```toml") => inside = true,
-                (true, "```") => break,
-                (true, _) => {
-                    example.push_str(line);
-                    example.push('\n');
+            match (&mut example, line) {
+                (None, "```toml") => example = Some(String::new()),
+                (Some(_), "```") => examples.extend(example.take()),
+                (Some(text), _) => {
+                    text.push_str(line);
+                    text.push('\n');
                 }
                 _ => {}
             }
         }
-        example
+        examples
+    }
+
+    fn documented_example() -> String {
+        documented_examples()[0].clone()
     }
 
     #[test]
@@ -474,6 +730,58 @@ mod tests {
     }
 
     #[test]
+    fn documented_disaggregated_example_parses_with_every_value() {
+        let examples = documented_examples();
+        assert_eq!(examples.len(), 2);
+        let root = tempfile::tempdir().expect("temp dir");
+        std::fs::create_dir_all(root.path().join("graphs")).expect("graphs");
+        std::fs::create_dir_all(root.path().join("fixtures/hf/llama")).expect("model");
+        let path = root.path().join("graphs/pd.toml");
+        std::fs::write(&path, &examples[1]).expect("graph file");
+
+        let graph = Graph::load(&path).unwrap_or_else(|error| panic!("{error}"));
+        assert_eq!(graph.model, root.path().join("graphs/../fixtures/hf/llama"));
+        let roles: Vec<_> = graph.pools.iter().map(|p| (p.name.as_str(), p.role, p.ranks)).collect();
+        assert_eq!(roles, [("prefill", PoolRole::Prefill, 2), ("decode", PoolRole::Decode, 1)]);
+        assert_eq!(graph.pools[0].disaggregation, DisaggregationConfig::default());
+        assert_eq!(
+            graph.pools[1].disaggregation,
+            DisaggregationConfig { remote_prefill_min_tokens: 32, max_prefill_queue: Some(16) }
+        );
+        assert_eq!(
+            graph.links,
+            [LinkConfig {
+                from: "prefill".to_string(),
+                to: "decode".to_string(),
+                backend: TransferBackend::Tcp,
+                endpoint: Some(Endpoint { host: "127.0.0.1".to_string(), port: 0 }),
+            }]
+        );
+        assert_eq!(graph.transfer, TransferConfig { deployment_token: Some("change-me".to_string()), checksum: true });
+        assert_eq!(
+            graph.faults,
+            FaultsConfig {
+                seed: 7,
+                drop_connection: 0.01,
+                delay_ms: 5.0,
+                delay_probability: 0.1,
+                corrupt: 0.001,
+                duplicate_completion: 0.001,
+            }
+        );
+    }
+
+    #[test]
+    fn transfer_backends_round_trip_their_names() {
+        for backend in TransferBackend::ALL {
+            assert_eq!(TransferBackend::from_name(backend.name()), Some(backend));
+            assert_eq!(backend.to_string(), backend.name());
+        }
+        assert_eq!(TransferBackend::from_name("rdma"), None);
+        assert_eq!(TransferBackend::default(), TransferBackend::Inproc);
+    }
+
+    #[test]
     fn load_names_a_missing_graph_file() {
         let error = Graph::load(Path::new("/nonexistent/kvflow/graph.toml")).expect_err("no such file");
         assert!(matches!(error, GraphError::Read { .. }));
@@ -483,10 +791,10 @@ mod tests {
     #[test]
     fn pool_lookup_lists_the_pools_it_has() {
         let fixture = Fixture::new();
-        let graph = fixture.graph(&minimal_plus("[[pool]]\nname = \"decode\"\nrole = \"decode\"\n"));
-        assert_eq!(graph.pool("decode").map(|pool| pool.role).ok(), Some(PoolRole::Decode));
+        let graph = fixture.graph(&linked_plus(""));
+        assert_eq!(graph.pool("d").map(|pool| pool.role).ok(), Some(PoolRole::Decode));
         let error = graph.pool("prefill").expect_err("no such pool");
-        assert!(error.to_string().contains("no pool named `prefill`; the pools are `main`, `decode`"), "{error}");
+        assert!(error.to_string().contains("no pool named `prefill`; the pools are `p`, `d`"), "{error}");
     }
 
     // --- overrides ---------------------------------------------------------------------------

@@ -17,6 +17,12 @@ pub(super) struct RawGraph {
     #[serde(default)]
     pub(super) pool: Vec<Spanned<RawPool>>,
     #[serde(default)]
+    pub(super) link: Vec<Spanned<RawLink>>,
+    /// Spanned so a `[transfer]` table in a graph without links can be named at its header.
+    pub(super) transfer: Option<Spanned<RawTransfer>>,
+    #[serde(default)]
+    pub(super) faults: RawFaults,
+    #[serde(default)]
     pub(super) workload: RawWorkload,
     #[serde(default)]
     pub(super) slo: RawSlo,
@@ -63,6 +69,43 @@ pub(super) struct RawPool {
     /// graph's top-level tables.
     pub(super) memory: Option<RawMemory>,
     pub(super) scheduler: Option<RawScheduler>,
+    /// `[pool.disaggregation]`: decode pools only; spanned so another role's can be named at its
+    /// header.
+    pub(super) disaggregation: Option<Spanned<RawDisaggregation>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDisaggregation {
+    pub(super) remote_prefill_min_tokens: Option<Spanned<usize>>,
+    pub(super) max_prefill_queue: Option<Spanned<usize>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLink {
+    pub(super) from: Option<Spanned<String>>,
+    pub(super) to: Option<Spanned<String>>,
+    pub(super) backend: Option<Spanned<String>>,
+    pub(super) endpoint: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTransfer {
+    pub(super) deployment_token: Option<Spanned<String>>,
+    pub(super) checksum: Option<bool>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawFaults {
+    pub(super) seed: Option<u64>,
+    pub(super) drop_connection: Option<Spanned<f64>>,
+    pub(super) delay_ms: Option<Spanned<f64>>,
+    pub(super) delay_probability: Option<Spanned<f64>>,
+    pub(super) corrupt: Option<Spanned<f64>>,
+    pub(super) duplicate_completion: Option<Spanned<f64>>,
 }
 
 #[derive(Default, Deserialize)]

@@ -2,9 +2,11 @@
 //! the command line (`Graph::apply_overrides`). Each returns the accepted value, or what is wrong
 //! with it (the caller adds where it came from).
 
+use std::net::Ipv6Addr;
 use std::path::PathBuf;
 
 use super::error::quoted_list;
+use super::Endpoint;
 
 const MAX_SNAPSHOT_FRACTION: f64 = 0.9;
 
@@ -61,6 +63,71 @@ pub(super) fn zero_or_more(value: f64) -> Result<f64, String> {
     } else {
         Err(format!("must be a number of at least 0, got {value}"))
     }
+}
+
+pub(super) fn probability(value: f64) -> Result<f64, String> {
+    if (0.0..=1.0).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!("must be a probability between 0 and 1, got {value}"))
+    }
+}
+
+/// Longest `transfer.deployment_token`, in bytes.
+pub const MAX_DEPLOYMENT_TOKEN_BYTES: usize = 256;
+
+/// A deployment token: 1 to [`MAX_DEPLOYMENT_TOKEN_BYTES`] bytes of printable ASCII (space to
+/// `~`). Messages never quote the token: it is a secret shared by a deployment's processes.
+pub(super) fn deployment_token(token: String) -> Result<String, String> {
+    if token.is_empty() {
+        return Err("must not be empty (leave the key out for no token)".to_string());
+    }
+    if token.len() > MAX_DEPLOYMENT_TOKEN_BYTES {
+        return Err(format!("must be at most {MAX_DEPLOYMENT_TOKEN_BYTES} bytes, got {} bytes", token.len()));
+    }
+    if let Some(position) = token.chars().position(|c| !(' '..='~').contains(&c)) {
+        return Err(format!(
+            "must be printable ASCII (space to '~'), but character {} is not (the token is not shown)",
+            position + 1
+        ));
+    }
+    Ok(token)
+}
+
+/// Parses a listen address `host:port`, as a link's `endpoint` and a `--endpoint` flag write it:
+/// a host name or IPv4 address, or an IPv6 address in brackets (`[::1]:0`, stored without them),
+/// and a port from 0 to 65535 (0: the kernel picks one, which the consumer publishes).
+pub fn parse_endpoint(text: &str) -> Result<Endpoint, String> {
+    let (host, port) = if let Some(bracketed) = text.strip_prefix('[') {
+        let Some((host, port)) = bracketed.split_once("]:") else {
+            return Err(format!("expected [IPv6 address]:port, got {text:?}"));
+        };
+        if host.parse::<Ipv6Addr>().is_err() {
+            return Err(format!("expected an IPv6 address in the brackets of [host]:port, got {host:?} in {text:?}"));
+        }
+        (host, port)
+    } else {
+        let Some((host, port)) = text.rsplit_once(':') else {
+            return Err(format!("expected host:port, got {text:?}"));
+        };
+        if host.contains(':') {
+            return Err(format!(
+                "expected host:port, got {text:?}: an IPv6 address goes in brackets, as in \"[::1]:0\""
+            ));
+        }
+        let allowed = |c: char| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_';
+        if host.is_empty() || !host.chars().all(allowed) {
+            return Err(format!("expected host:port with a host name or IP address before the colon, got {text:?}"));
+        }
+        (host, port)
+    };
+    if port.is_empty() || !port.chars().all(|c| c.is_ascii_digit()) {
+        return Err(format!("expected a port number from 0 to 65535 after the colon, got {port:?} in {text:?}"));
+    }
+    let port = port
+        .parse::<u16>()
+        .map_err(|_| format!("port {port} is out of range: ports are 0 to 65535 (0: the kernel picks), in {text:?}"))?;
+    Ok(Endpoint { host: host.to_string(), port })
 }
 
 pub(super) fn snapshot_fraction(value: f64) -> Result<f64, String> {
@@ -173,5 +240,70 @@ mod tests {
         assert!(parse_byte_size("1.2.3 MB").is_err());
         assert!(parse_byte_size("-1 MB").is_err());
         assert!(parse_byte_size("99999999999 TiB").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn endpoints_parse_host_names_ipv4_and_bracketed_ipv6() {
+        let endpoint = |host: &str, port| Endpoint { host: host.to_string(), port };
+        assert_eq!(parse_endpoint("127.0.0.1:0"), Ok(endpoint("127.0.0.1", 0)));
+        assert_eq!(parse_endpoint("[::1]:0"), Ok(endpoint("::1", 0)));
+        assert_eq!(parse_endpoint("localhost:7000"), Ok(endpoint("localhost", 7000)));
+        assert_eq!(parse_endpoint("decode-0.cluster.local:65535"), Ok(endpoint("decode-0.cluster.local", 65535)));
+        assert_eq!(parse_endpoint("[fe80::1:2]:9"), Ok(endpoint("fe80::1:2", 9)));
+    }
+
+    #[test]
+    fn endpoints_display_as_they_are_written() {
+        for text in ["127.0.0.1:0", "[::1]:0", "localhost:7000", "[2001:db8::5]:443"] {
+            let endpoint = parse_endpoint(text).expect(text);
+            assert_eq!(endpoint.to_string(), text);
+            assert_eq!(text.parse::<Endpoint>(), Ok(endpoint));
+        }
+    }
+
+    #[test]
+    fn endpoints_reject_what_is_not_host_colon_port() {
+        let error = |text: &str| parse_endpoint(text).expect_err(text);
+        let unbracketed = error("::1:0");
+        assert!(
+            unbracketed.contains("expected host:port, got \"::1:0\"") && unbracketed.contains("[::1]:0"),
+            "{unbracketed}"
+        );
+        assert_eq!(error("host"), "expected host:port, got \"host\"");
+        let out_of_range = error("host:99999");
+        assert!(
+            out_of_range.contains("port 99999 is out of range") && out_of_range.contains("0 to 65535"),
+            "{out_of_range}"
+        );
+        assert!(error(":80").contains("a host name or IP address before the colon, got \":80\""));
+        assert!(error("host:").contains("expected a port number"));
+        assert!(error("host:+80").contains("expected a port number"));
+        assert!(error("host:http").contains("expected a port number"));
+        assert!(error(" host:80").contains("before the colon"));
+        assert!(error("[::1]").contains("expected [IPv6 address]:port"));
+        assert!(error("[127.0.0.1]:80").contains("an IPv6 address in the brackets"));
+        assert!(error("[]:80").contains("an IPv6 address in the brackets"));
+        assert!(error("").contains("expected host:port"));
+    }
+
+    #[test]
+    fn probabilities_are_finite_and_between_zero_and_one() {
+        assert_eq!(probability(0.0), Ok(0.0));
+        assert_eq!(probability(1.0), Ok(1.0));
+        for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+            assert!(probability(bad).unwrap_err().contains("between 0 and 1"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn deployment_tokens_are_short_printable_ascii_and_never_shown() {
+        assert_eq!(deployment_token("s3cret token~".to_string()), Ok("s3cret token~".to_string()));
+        assert_eq!(deployment_token("x".repeat(256)).map(|t| t.len()), Ok(256));
+        assert!(deployment_token(String::new()).unwrap_err().contains("must not be empty"));
+        assert!(deployment_token("x".repeat(257)).unwrap_err().contains("at most 256 bytes, got 257"));
+        for bad in ["tab\there", "new\nline", "caf\u{e9}"] {
+            let message = deployment_token(bad.to_string()).unwrap_err();
+            assert!(message.contains("printable ASCII") && !message.contains(bad), "{message}");
+        }
     }
 }

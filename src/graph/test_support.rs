@@ -46,6 +46,29 @@ pub(super) fn minimal_plus(extra: &str) -> String {
     format!("{MINIMAL}{extra}")
 }
 
+/// A graph of the pools `(name, role)`, each written `[[pool]]`, `name`, `role` (pool `i`'s header
+/// is line `3 + 3 * i`, its role line `5 + 3 * i`), with `extra` appended (its first line is line
+/// `3 + 3 * pools.len()`).
+pub(super) fn pools_plus(pools: &[(&str, &str)], extra: &str) -> String {
+    let mut text = "[model]\npath = \"model\"\n".to_string();
+    for (name, role) in pools {
+        text.push_str(&format!("[[pool]]\nname = \"{name}\"\nrole = \"{role}\"\n"));
+    }
+    text.push_str(extra);
+    text
+}
+
+/// A `[[link]]` from `from` to `to`: three lines.
+pub(super) fn link(from: &str, to: &str) -> String {
+    format!("[[link]]\nfrom = \"{from}\"\nto = \"{to}\"\n")
+}
+
+/// Prefill pool `p` and decode pool `d`, linked, with `extra` appended: its first line is line
+/// 12, inside the `[[link]]` table (so `backend` and `endpoint` keys may follow), or a new table.
+pub(super) fn linked_plus(extra: &str) -> String {
+    pools_plus(&[("p", "prefill"), ("d", "decode")], &format!("{}{extra}", link("p", "d")))
+}
+
 /// The error names `key`, the `line` and the file, in the `FILE:LINE: key `KEY`:` form, and its
 /// message contains each of `fragments`.
 #[track_caller]

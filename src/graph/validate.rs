@@ -8,14 +8,17 @@ use std::path::{Path, PathBuf};
 use toml::Spanned;
 
 use super::error::{line_of, quoted_list};
-use super::raw::{RawGraph, RawMemory, RawPool, RawScheduler, RawSlo, RawWorkload};
+use super::raw::{
+    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawPool, RawScheduler, RawSlo, RawTransfer, RawWorkload,
+};
 use super::rules::{
-    at_least_one, byte_budget, existing_path, measured_limit, more_than_zero, one_of, pool_name, rank_count,
-    snapshot_fraction, token_count, zero_or_more,
+    at_least_one, byte_budget, deployment_token, existing_path, measured_limit, more_than_zero, one_of, parse_endpoint,
+    pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
 };
 use super::{
-    known_trace_formats, ComponentNames, Graph, GraphError, Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole,
-    SchedulerConfig, SloConfig, WorkloadConfig, WorkloadMode,
+    known_trace_formats, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph, GraphError, LinkConfig,
+    Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole, SchedulerConfig, SloConfig, TransferBackend,
+    TransferConfig, WorkloadConfig, WorkloadMode,
 };
 
 const DEFAULT_MEMORY: MemoryConfig = MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 };
@@ -31,6 +34,25 @@ const DEFAULT_ROUTER: &str = "least-outstanding";
 const DEFAULT_TRACE_FORMAT: &str = "mooncake";
 /// Tokens per hash block in the traces as published (DESIGN §11).
 const TRACE_BLOCK_TOKENS: usize = 512;
+/// Every remote-prefill condition open: a decode pool has every prompt with anything uncached
+/// prefilled remotely, however long the prefill queue.
+pub(super) const DEFAULT_DISAGGREGATION: DisaggregationConfig =
+    DisaggregationConfig { remote_prefill_min_tokens: 0, max_prefill_queue: None };
+pub(super) const DEFAULT_TRANSFER_BACKEND: TransferBackend = TransferBackend::Inproc;
+/// A tcp link's consumer listens on loopback, on a port the kernel picks, unless it names an
+/// endpoint.
+const DEFAULT_TCP_HOST: &str = "127.0.0.1";
+const DEFAULT_TCP_PORT: u16 = 0;
+pub(super) const DEFAULT_TRANSFER: TransferConfig = TransferConfig { deployment_token: None, checksum: true };
+/// No faults.
+pub(super) const DEFAULT_FAULTS: FaultsConfig = FaultsConfig {
+    seed: 0,
+    drop_connection: 0.0,
+    delay_ms: 0.0,
+    delay_probability: 0.0,
+    corrupt: 0.0,
+    duplicate_completion: 0.0,
+};
 
 const POOL_ROLES: &[&str] = &["aggregated", "prefill", "decode"];
 const POOL_CHOICES: &[&str] = &["seeded", "round-robin"];
@@ -108,10 +130,17 @@ impl<'a> Validator<'a> {
             self.field("report.out", raw.report.out.as_ref(), self.default_report_dir(), |out| Ok(self.resolve(&out)))?;
         let memory = self.memory(&raw.memory, "memory", &DEFAULT_MEMORY)?;
         let scheduler = self.scheduler(&raw.scheduler, &raw.memory, "", &DEFAULT_SCHEDULER)?;
+        let pools = self.pools(&raw.pool, &memory, &scheduler)?;
+        self.roles(&raw.pool, &pools)?;
+        let links = self.links(&raw.link, &pools)?;
+        self.every_pool_linked(&raw.pool, &pools, &links)?;
         Ok(Graph {
             path: self.file.to_path_buf(),
             model,
-            pools: self.pools(&raw.pool, &memory, &scheduler)?,
+            transfer: self.transfer(raw.transfer.as_ref(), &links)?,
+            faults: self.faults(&raw.faults)?,
+            pools,
+            links,
             memory,
             scheduler,
             workload: self.workload(&raw.workload)?,
@@ -251,11 +280,304 @@ impl<'a> Validator<'a> {
                 })?,
                 memory: self.memory(&pool_memory, "pool.memory", memory)?,
                 scheduler: self.scheduler(&pool_scheduler, &pool_memory, "pool.", scheduler)?,
+                disaggregation: self.disaggregation(&name_value, role, pool.disaggregation.as_ref())?,
                 name: name_value,
             });
             name_spans.push(name.span());
         }
         Ok(pools)
+    }
+
+    /// A pool's `[pool.disaggregation]`: decode pools only.
+    fn disaggregation(
+        &self,
+        pool: &str,
+        role: PoolRole,
+        raw: Option<&Spanned<RawDisaggregation>>,
+    ) -> Result<DisaggregationConfig, GraphError> {
+        let Some(spanned) = raw else { return Ok(DEFAULT_DISAGGREGATION) };
+        if role != PoolRole::Decode {
+            return Err(self.error(
+                "pool.disaggregation",
+                Some(spanned.span()),
+                format!(
+                    "only decode pools take [pool.disaggregation] (when a decode rank has its prefills done \
+                     remotely), but pool `{pool}` is {role}"
+                ),
+            ));
+        }
+        let raw = spanned.get_ref();
+        Ok(DisaggregationConfig {
+            remote_prefill_min_tokens: self.field(
+                "pool.disaggregation.remote_prefill_min_tokens",
+                raw.remote_prefill_min_tokens.as_ref(),
+                DEFAULT_DISAGGREGATION.remote_prefill_min_tokens,
+                Ok,
+            )?,
+            max_prefill_queue: self.optional_field(
+                "pool.disaggregation.max_prefill_queue",
+                raw.max_prefill_queue.as_ref(),
+                |queue| at_least_one(queue).map_err(|message| format!("{message} (leave it out for no limit)")),
+            )?,
+        })
+    }
+
+    /// The span of a pool's `role`, or of its header when the role is the default.
+    fn role_span(raw: &Spanned<RawPool>) -> Range<usize> {
+        raw.get_ref().role.as_ref().map_or(raw.span(), Spanned::span)
+    }
+
+    /// A graph is aggregated, or disaggregated with at least one prefill and one decode pool and
+    /// no aggregated pool.
+    fn roles(&self, raw: &[Spanned<RawPool>], pools: &[PoolConfig]) -> Result<(), GraphError> {
+        let linked: Vec<&str> =
+            pools.iter().filter(|p| p.role != PoolRole::Aggregated).map(|p| p.name.as_str()).collect();
+        if linked.is_empty() {
+            return Ok(());
+        }
+        let first = |role: PoolRole| pools.iter().position(|p| p.role == role);
+        if let Some(index) = first(PoolRole::Aggregated) {
+            let defaulted = if raw[index].get_ref().role.is_none() { " (the default role)" } else { "" };
+            return Err(self.error(
+                "pool.role",
+                Some(Self::role_span(&raw[index])),
+                format!(
+                    "pool `{}` is aggregated{defaulted}, but the graph also has prefill and decode pools ({}): a \
+                     graph's pools are all aggregated, or all prefill and decode pools joined by [[link]]",
+                    pools[index].name,
+                    quoted_list(&linked)
+                ),
+            ));
+        }
+        match (first(PoolRole::Prefill), first(PoolRole::Decode)) {
+            (Some(prefill), None) => Err(self.error(
+                "pool.role",
+                Some(Self::role_span(&raw[prefill])),
+                format!(
+                    "prefill pool `{}` has no decode pool to hand off to: a graph with prefill pools needs a pool \
+                     with role = \"decode\"",
+                    pools[prefill].name
+                ),
+            )),
+            (None, Some(decode)) => Err(self.error(
+                "pool.role",
+                Some(Self::role_span(&raw[decode])),
+                format!(
+                    "decode pool `{}` has no prefill pool to take prefills from: a graph with decode pools needs \
+                     a pool with role = \"prefill\" (a pool that prefills its own requests is role = \
+                     \"aggregated\")",
+                    pools[decode].name
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn links(&self, raw: &[Spanned<RawLink>], pools: &[PoolConfig]) -> Result<Vec<LinkConfig>, GraphError> {
+        let mut links: Vec<LinkConfig> = Vec::with_capacity(raw.len());
+        let mut header_spans: Vec<Range<usize>> = Vec::with_capacity(raw.len());
+        for spanned in raw {
+            let link = spanned.get_ref();
+            let from = self.linked_pool("link.from", spanned, link.from.as_ref(), PoolRole::Prefill, pools)?;
+            let to = self.linked_pool("link.to", spanned, link.to.as_ref(), PoolRole::Decode, pools)?;
+            let first_line = |index: usize| line_of(self.text, header_spans[index].start);
+            if let Some(first) = links.iter().position(|l| l.from == from && l.to == to) {
+                return Err(self.error(
+                    "link.to",
+                    link.to.as_ref().map(Spanned::span),
+                    format!("the link from `{from}` to `{to}` is already defined at line {}", first_line(first)),
+                ));
+            }
+            let backend = self.field("link.backend", link.backend.as_ref(), DEFAULT_TRANSFER_BACKEND, |backend| {
+                TransferBackend::from_name(&backend).ok_or_else(|| {
+                    let known: Vec<&str> = TransferBackend::ALL.iter().map(|b| b.name()).collect();
+                    format!("`{backend}` is not a transfer backend; known: {}", quoted_list(&known))
+                })
+            })?;
+            let endpoint = match (backend, &link.endpoint) {
+                (TransferBackend::Inproc, None) => None,
+                (TransferBackend::Inproc, Some(endpoint)) => {
+                    let defaulted = if link.backend.is_none() { " (the default)" } else { "" };
+                    return Err(self.error(
+                        "link.endpoint",
+                        Some(endpoint.span()),
+                        format!(
+                            "the backend is \"inproc\"{defaulted}, which has no endpoint: both pools run in one \
+                             process; remove it, or set backend = \"tcp\""
+                        ),
+                    ));
+                }
+                (TransferBackend::Tcp, endpoint) => {
+                    let default = Endpoint { host: DEFAULT_TCP_HOST.to_string(), port: DEFAULT_TCP_PORT };
+                    let endpoint = self.field("link.endpoint", endpoint.as_ref(), default, |e| parse_endpoint(&e))?;
+                    // The endpoint is the consumer's one listen address: every tcp link into a decode
+                    // pool names the same one.
+                    let listening = links.iter().position(|l| l.to == to && l.endpoint.is_some());
+                    if let Some(other) = listening.filter(|&other| links[other].endpoint.as_ref() != Some(&endpoint)) {
+                        let listens = links[other].endpoint.as_ref().map(Endpoint::to_string).unwrap_or_default();
+                        return Err(self.error(
+                            "link.endpoint",
+                            link.endpoint.as_ref().map(Spanned::span).or(link.backend.as_ref().map(Spanned::span)),
+                            format!(
+                                "`{endpoint}` differs from `{listens}`, where decode pool `{to}` listens for the \
+                                 link at line {}: every tcp link into one decode pool names the same endpoint",
+                                first_line(other)
+                            ),
+                        ));
+                    }
+                    // A fixed port is one consumer's listener: two decode pools cannot both bind it.
+                    let taken = links
+                        .iter()
+                        .position(|l| endpoint.port != 0 && l.to != to && l.endpoint.as_ref() == Some(&endpoint));
+                    if let Some(other) = taken {
+                        return Err(self.error(
+                            "link.endpoint",
+                            link.endpoint.as_ref().map(Spanned::span),
+                            format!(
+                                "`{endpoint}` is already where decode pool `{}` listens (the link at line {}); \
+                                 two decode pools cannot listen on one fixed port (port 0 lets the kernel pick)",
+                                links[other].to,
+                                first_line(other)
+                            ),
+                        ));
+                    }
+                    Some(endpoint)
+                }
+            };
+            links.push(LinkConfig { from, to, backend, endpoint });
+            header_spans.push(spanned.span());
+        }
+        Ok(links)
+    }
+
+    /// `link.from` or `link.to`: present, naming a pool of `role`.
+    fn linked_pool(
+        &self,
+        key: &str,
+        link: &Spanned<RawLink>,
+        raw: Option<&Spanned<String>>,
+        role: PoolRole,
+        pools: &[PoolConfig],
+    ) -> Result<String, GraphError> {
+        let end = key.trim_start_matches("link.");
+        let Some(name) = raw else {
+            let what = if role == PoolRole::Prefill { "that hands off" } else { "that takes the handoffs" };
+            return Err(self.error(
+                key,
+                Some(link.span()),
+                format!("missing: every [[link]] names in `{end}` the {role} pool {what}"),
+            ));
+        };
+        self.checked(key, name, |name| {
+            let Some(pool) = pools.iter().find(|pool| pool.name == name) else {
+                let known: Vec<&str> = pools.iter().map(|pool| pool.name.as_str()).collect();
+                return Err(format!("no pool named `{name}`; the pools are {}", quoted_list(&known)));
+            };
+            match pool.role {
+                actual if actual == role => Ok(name),
+                PoolRole::Aggregated => Err(format!(
+                    "pool `{name}` is aggregated: it prefills and decodes its own requests and cannot be linked; \
+                     `{end}` names a {role} pool"
+                )),
+                actual => Err(format!(
+                    "pool `{name}` is a {actual} pool, but `{end}` names a {role} pool (links run from prefill to \
+                     decode)"
+                )),
+            }
+        })
+    }
+
+    /// Every prefill pool has a link out and every decode pool a link in.
+    fn every_pool_linked(
+        &self,
+        raw: &[Spanned<RawPool>],
+        pools: &[PoolConfig],
+        links: &[LinkConfig],
+    ) -> Result<(), GraphError> {
+        let names = |role: PoolRole| {
+            let names: Vec<&str> = pools.iter().filter(|p| p.role == role).map(|p| p.name.as_str()).collect();
+            quoted_list(&names)
+        };
+        for (spanned, pool) in raw.iter().zip(pools) {
+            let name = &pool.name;
+            let message = match pool.role {
+                PoolRole::Prefill if !links.iter().any(|link| &link.from == name) => format!(
+                    "prefill pool `{name}` has no [[link]] out: add one with from = \"{name}\" and to = one of the \
+                     decode pools ({})",
+                    names(PoolRole::Decode)
+                ),
+                PoolRole::Decode if !links.iter().any(|link| &link.to == name) => format!(
+                    "decode pool `{name}` has no [[link]] in: add one with to = \"{name}\" and from = one of the \
+                     prefill pools ({})",
+                    names(PoolRole::Prefill)
+                ),
+                _ => continue,
+            };
+            return Err(self.error("pool.role", Some(Self::role_span(spanned)), message));
+        }
+        Ok(())
+    }
+
+    /// `[transfer]`: only in a graph with links.
+    fn transfer(&self, raw: Option<&Spanned<RawTransfer>>, links: &[LinkConfig]) -> Result<TransferConfig, GraphError> {
+        let Some(spanned) = raw else { return Ok(DEFAULT_TRANSFER) };
+        if links.is_empty() {
+            return Err(self.error(
+                "transfer",
+                Some(spanned.span()),
+                "the graph has no [[link]]: [transfer] configures the transfers from prefill to decode pools",
+            ));
+        }
+        let raw = spanned.get_ref();
+        Ok(TransferConfig {
+            deployment_token: self.optional_field(
+                "transfer.deployment_token",
+                raw.deployment_token.as_ref(),
+                deployment_token,
+            )?,
+            checksum: raw.checksum.unwrap_or(DEFAULT_TRANSFER.checksum),
+        })
+    }
+
+    /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so
+    /// one set without the other (which would delay nothing) is an error.
+    fn faults(&self, raw: &RawFaults) -> Result<FaultsConfig, GraphError> {
+        let chance = |key: &str, value: Option<&Spanned<f64>>, default: f64| {
+            self.field(&format!("faults.{key}"), value, default, probability)
+        };
+        let defaults = &DEFAULT_FAULTS;
+        let faults = FaultsConfig {
+            seed: raw.seed.unwrap_or(defaults.seed),
+            drop_connection: chance("drop_connection", raw.drop_connection.as_ref(), defaults.drop_connection)?,
+            delay_ms: self.field("faults.delay_ms", raw.delay_ms.as_ref(), defaults.delay_ms, zero_or_more)?,
+            delay_probability: chance("delay_probability", raw.delay_probability.as_ref(), defaults.delay_probability)?,
+            corrupt: chance("corrupt", raw.corrupt.as_ref(), defaults.corrupt)?,
+            duplicate_completion: chance(
+                "duplicate_completion",
+                raw.duplicate_completion.as_ref(),
+                defaults.duplicate_completion,
+            )?,
+        };
+        let alone = |key: &str, value: &Spanned<f64>, other: &str, other_value: f64| {
+            self.error(
+                &format!("faults.{key}"),
+                Some(value.span()),
+                format!(
+                    "{key} = {} delays nothing while faults.{other} is {other_value} (the default); set \
+                     faults.{other} too",
+                    value.get_ref()
+                ),
+            )
+        };
+        match (&raw.delay_ms, &raw.delay_probability) {
+            (Some(ms), None) if faults.delay_ms > 0.0 => {
+                Err(alone("delay_ms", ms, "delay_probability", faults.delay_probability))
+            }
+            (None, Some(chance)) if faults.delay_probability > 0.0 => {
+                Err(alone("delay_probability", chance, "delay_ms", faults.delay_ms))
+            }
+            _ => Ok(faults),
+        }
     }
 
     /// `[pool.executor_settings]`, checked by the executor it configures.
