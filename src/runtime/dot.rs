@@ -179,6 +179,8 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     dot.line("  node [shape=box, style=rounded, fontname=\"Helvetica\"];");
     dot.line("  edge [fontname=\"Helvetica\", fontsize=10];");
     dot.line(format!("  workload [shape=note, label={}];", quote(&workload_label(graph))));
+    // Each pool's admit and forward, for the links between pools.
+    let mut ends = std::collections::HashMap::new();
     for pool in &graph.pools {
         let built = build(pool, registry, extend.clone())?;
         let id = |node: usize| quote(&format!("{}/{node}", pool.name));
@@ -198,8 +200,19 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
             dot.line(format!("    {} -> {} [label={}{style}];", id(src), id(dst), quote(&label)));
         }
         dot.line("  }");
-        if let Some((&admit, _)) = built.operators.iter().find(|(_, n)| n.as_str() == "admit") {
-            dot.line(format!("  workload -> {} [label=\"requests (ingress)\"];", id(admit)));
+        let find = |name: &str| built.operators.iter().find(|(_, n)| n.as_str() == name).map(|(&node, _)| id(node));
+        if let (Some(admit), Some(forward)) = (find("admit"), find("forward")) {
+            if pool.role != crate::graph::PoolRole::Decode {
+                dot.line(format!("  workload -> {admit} [label=\"requests (ingress)\"];"));
+            }
+            ends.insert(pool.name.clone(), (admit, forward));
+        }
+    }
+    // Links: a prefill pool's forward hands off to a decode pool's admit (through its inbox).
+    for link in &graph.links {
+        if let (Some((_, forward)), Some((admit, _))) = (ends.get(&link.from), ends.get(&link.to)) {
+            let label = format!("handoff ({}): KV + state + T0", link.backend.name());
+            dot.line(format!("  {forward} -> {admit} [label={}, style=bold];", quote(&label)));
         }
     }
     dot.line("}");

@@ -173,7 +173,10 @@ fn run(job: DriverJob) {
                 collector.lock().unwrap_or_else(|e| e.into_inner()).refuse(req.id, &pool.name, EXCEEDS_CONTEXT, why);
                 return;
             }
-            placed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.id, (pool.ingress.clone(), pool.also_cancel.clone()));
+            placed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(req.id, (pool.ingress.clone(), pool.also_cancel.clone()));
             if cancel.picks(req.id) {
                 let at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;
                 due.lock().unwrap_or_else(|e| e.into_inner()).push(std::cmp::Reverse((at, req.id)));

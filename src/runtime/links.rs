@@ -71,7 +71,11 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model) -> Result<Wirin
                             link.to
                         );
                     };
-                    consumers.push(ConsumerPool { name: link.to.clone(), ingress: to_ingress.clone(), inbox: inbox.clone() });
+                    consumers.push(ConsumerPool {
+                        name: link.to.clone(),
+                        ingress: to_ingress.clone(),
+                        inbox: inbox.clone(),
+                    });
                 }
                 let fingerprint = model.layout_fingerprint(pool.memory.block_size);
                 for link in graph.links.iter().filter(|l| l.from == pool.name) {

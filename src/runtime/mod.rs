@@ -26,7 +26,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use collector::{spawn_collector_thread, Collector, CollectorSink};
 use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
 use kvflow_kernels::models::{self, Model};
-use kvflow_operators::admit::Ingress;
 use kvflow_operators::rank::{RankStats, TestSwitches};
 use pool::{start_pool, PoolJob, PoolResult};
 use serde_json::json;
@@ -94,6 +93,17 @@ pub fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g Po
              transfer engine across processes is not built yet)",
             graph.path.display()
         );
+    }
+    if let Some(pool) = pools.iter().find(|p| p.disaggregation != Default::default()) {
+        bail!(
+            "{}: pool `{}`: [pool.disaggregation] (local prefills on the decode rank) is not built yet; leave it \
+             out (every prefill is remote)",
+            graph.path.display(),
+            pool.name
+        );
+    }
+    if graph.faults.any() {
+        bail!("{}: [faults]: fault injection is not built yet; leave the table out", graph.path.display());
     }
     if let Some(link) = graph.links.iter().find(|l| l.backend != crate::graph::TransferBackend::Inproc) {
         bail!(

@@ -243,11 +243,11 @@ pub fn start_pool(
                 Box::new(Unavailable::new(reason))
             });
             let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
-        let rank = match &handoff {
-            PoolHandoff::None => rank,
-            PoolHandoff::Out { sink, fingerprint } => rank.with_handoff_out(sink.clone(), *fingerprint),
-            PoolHandoff::In(inbox) => rank.with_handoff_in(inbox.clone()),
-        };
+            let rank = match &handoff {
+                PoolHandoff::None => rank,
+                PoolHandoff::Out { sink, fingerprint } => rank.with_handoff_out(sink.clone(), *fingerprint),
+                PoolHandoff::In(inbox) => rank.with_handoff_in(inbox.clone()),
+            };
             let rank = Rc::new(RefCell::new(rank));
             let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };
             let parts = PoolParts {

@@ -45,7 +45,11 @@ fn one_prefill_and_one_decode_pool_give_the_reference_outputs_on_every_family() 
             assert_exact(&report, &what);
             assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{what}: {report}");
             let handed = report["handoff"]["count"].as_u64().unwrap();
-            assert_eq!(handed, report["requests"].as_u64().unwrap() + 2, "{what}: every request (warmup too) handed off");
+            assert_eq!(
+                handed,
+                report["requests"].as_u64().unwrap() + 2,
+                "{what}: every request (warmup too) handed off"
+            );
             assert_eq!(report["handoff"]["received"].as_u64().unwrap(), handed, "{what}");
             assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0, "{what}");
             for r in records(dir.path()) {
