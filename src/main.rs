@@ -145,6 +145,12 @@ struct RunArgs {
     /// generation (removes the generation check).
     #[arg(long, hide = true)]
     test_accept_stale_completions: bool,
+    /// Test only: prefill pools hand off without the state slot (the consumer must refuse it).
+    #[arg(long, hide = true)]
+    test_handoff_without_state: bool,
+    /// Test only: prefill pools export the state after feeding T0 (T0 is then applied twice).
+    #[arg(long, hide = true)]
+    test_export_state_after_t0: bool,
 }
 
 #[derive(Subcommand)]
@@ -256,6 +262,8 @@ fn run_graph(args: RunArgs, interrupts: kvflow::signals::Interrupts) -> Result<i
             swap_block_table_every: args.test_swap_block_table_every,
             leak_blocks_of: args.test_leak_blocks_of,
             accept_stale_completions: args.test_accept_stale_completions,
+            handoff_without_state: args.test_handoff_without_state,
+            export_state_after_t0: args.test_export_state_after_t0,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
             stuck_in_forward: match args.test_stuck_in_forward.as_deref() {

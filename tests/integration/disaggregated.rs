@@ -59,3 +59,55 @@ fn one_prefill_and_one_decode_pool_give_the_reference_outputs_on_every_family() 
         }
     }
 }
+
+fn run_pd_with(model: &str, switches: kvflow_operators::rank::TestSwitches) -> (tempfile::TempDir, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = write_graph_with(
+        dir.path(),
+        model,
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 0\nlimit = 8",
+        "32 MiB",
+        ONE_P_ONE_D,
+    );
+    let report = run_graph(&graph, Overrides::default(), switches);
+    (dir, report)
+}
+
+/// All-or-nothing state: a handoff without its state slot is refused by a consumer whose model
+/// has recurrent state (each request fails, naming why) — never run on a zeroed state.
+#[test]
+fn a_handoff_without_its_state_half_is_refused_on_recurrent_families() {
+    let switches = kvflow_operators::rank::TestSwitches { handoff_without_state: true, ..Default::default() };
+    for model in ["hf/qwen3_next", "hf/kimi_linear"] {
+        let (dir, report) = run_pd_with(model, switches.clone());
+        assert_eq!(report["completed"], 0, "{model}: {report}");
+        assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{model}: {report}");
+        for r in records(dir.path()) {
+            assert_eq!(r["failure"], "handoff", "{model}: {r}");
+            assert!(r["error"].as_str().unwrap().contains("all-or-nothing"), "{model}: {r}");
+        }
+    }
+    // A model without recurrent state has no state half: the switch changes nothing.
+    let (_, report) = run_pd_with("hf/llama", switches);
+    assert_exact(&report, "llama without a state half");
+}
+
+/// T0 exactly once: when the producer exports the state after feeding T0 itself (test switch),
+/// the consumer applies T0 a second time — outputs change on exactly the families with
+/// recurrent state; attention-only families recompute T0's KV row and stay exact.
+#[test]
+fn state_taken_after_t0_breaks_exactly_the_recurrent_families() {
+    let switches = kvflow_operators::rank::TestSwitches { export_state_after_t0: true, ..Default::default() };
+    for model in FIXTURES {
+        let recurrent = kvflow_kernels::models::load(&crate::common::fixture(model)).unwrap().needs_slots();
+        let (_, report) = run_pd_with(model, switches.clone());
+        assert_eq!(report["failed"], 0, "{model}: {report}");
+        let mismatched = report["verify"]["mismatched"].as_u64().unwrap();
+        if recurrent {
+            assert!(mismatched > 0, "{model}: T0 applied twice must change the output");
+        } else {
+            assert_eq!(mismatched, 0, "{model}: attention-only families are unaffected");
+        }
+    }
+}

@@ -101,6 +101,8 @@ pub struct Sequence {
     pub prompt_hashes: Vec<u64>,
     /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
     pub handoff_outputs: Option<usize>,
+    /// Its logits-hash chain through T0 (what a handoff carries).
+    pub t0_chain: Option<u64>,
     /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
     /// in (dropped if the request has to start over: it recomputes instead).
     pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
@@ -130,6 +132,7 @@ impl Sequence {
             token_times: TokenTimes::default(),
             prompt_hashes: Vec::new(),
             handoff_outputs: None,
+            t0_chain: None,
             import: None,
         }
     }

@@ -98,6 +98,9 @@ impl Rank {
             };
             seq.tokens.push(token);
             seq.logits_hash = hash::chain_row(seq.logits_hash, s.logits_hash);
+            if seq.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
+                seq.t0_chain = Some(seq.logits_hash);
+            }
             seq.token_times.record(now);
             if seq.finished() {
                 self.finish(s.seq.index as usize, c.step);

@@ -46,7 +46,9 @@ impl Rank {
         match a.kind {
             AdmissionKind::Whole => Some(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup)),
             AdmissionKind::PrefillOnly => {
-                let mut seq = Sequence::new(a.id, a.prompt, 1, a.warmup);
+                // T0 only (test switch: one more, so the state it exports has taken T0 in).
+                let outputs = if self.switches.export_state_after_t0 { 2 } else { 1 };
+                let mut seq = Sequence::new(a.id, a.prompt, outputs, a.warmup);
                 seq.handoff_outputs = Some(a.max_output_tokens);
                 Some(seq)
             }
@@ -59,6 +61,17 @@ impl Rank {
                     );
                     return None;
                 };
+                if self.memory.layout.keeps_state != h.state.is_some() {
+                    // All or nothing: KV without the recurrent state (or state this model does
+                    // not keep) is refused, never run on a zeroed half.
+                    let why = format!(
+                        "the handoff carries {} state slot, but this model {} one (all-or-nothing state)",
+                        if h.state.is_some() { "a" } else { "no" },
+                        if self.memory.layout.keeps_state { "needs" } else { "has no" }
+                    );
+                    self.fail_admission(a.id, "handoff", why);
+                    return None;
+                }
                 self.stats.handoffs_in += 1;
                 let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
                 // T0 is known: it is the first decode input, fed once, at the prompt boundary.
@@ -112,13 +125,13 @@ impl Rank {
             max_output_tokens: outputs,
             warmup: seq.warmup,
             t0: seq.tokens[seq.prompt_len],
-            logits_hash: seq.logits_hash,
+            logits_hash: seq.t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,
             skip_blocks: 0,
             kv_blocks,
             floats_per_block: exported.kv.len().checked_div(kv_blocks).unwrap_or(0),
             kv: exported.kv,
-            state: exported.state,
+            state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
         };

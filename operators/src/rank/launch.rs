@@ -64,7 +64,10 @@ impl Rank {
         let bs = self.memory.layout.block_size;
         for c in chunks {
             let seq = self.seqs.get_mut(c.seq);
-            if c.sample && seq.handoff_outputs.is_some() {
+            // The export follows the step that samples T0 — the prompt boundary (test switch:
+            // the step that feeds T0, so the state has taken it in).
+            let exports_here = if self.switches.export_state_after_t0 { c.start == seq.prompt_len } else { c.sample };
+            if exports_here && seq.handoff_outputs.is_some() {
                 let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
                 let blocks = seq.blocks.blocks()[..n.min(seq.blocks.len())].to_vec();
                 exports.push(KvExport { key: c.key, blocks, slot: seq.slot });

@@ -29,6 +29,13 @@ pub struct TestSwitches {
     /// any order (removes the generation check: a late token of a preempted or cancelled
     /// request lands in whatever holds its slot now).
     pub accept_stale_completions: bool,
+    /// A prefill pool's handoff leaves out the state slot (removes the all-or-nothing half of
+    /// the handoff type: the consumer must refuse it, never run on a zeroed state).
+    pub handoff_without_state: bool,
+    /// A prefill pool feeds T0 itself and exports the state after it (instead of at the prompt
+    /// boundary), so the consumer applies T0 to a state that already holds it (removes "T0
+    /// exactly once").
+    pub export_state_after_t0: bool,
 }
 
 impl TestSwitches {
