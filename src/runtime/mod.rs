@@ -105,15 +105,6 @@ pub fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g Po
     if graph.faults.any() {
         bail!("{}: [faults]: fault injection is not built yet; leave the table out", graph.path.display());
     }
-    if let Some(link) = graph.links.iter().find(|l| l.backend != crate::graph::TransferBackend::Inproc) {
-        bail!(
-            "{}: link {} → {}: backend `{}` is not built yet; use backend = \"inproc\"",
-            graph.path.display(),
-            link.from,
-            link.to,
-            link.backend.name()
-        );
-    }
     Ok(pools)
 }
 
@@ -330,6 +321,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     // and its watch. New requests enter the aggregated pools, or the prefill pools.
     let mut wiring = links::wire(graph, &pools, &model)?;
     let decode_ingresses = wiring.decode_ingresses(&pools);
+    // The listeners live until the run is over; the socket counter goes in the report.
+    let (_listeners, socket_bytes) = (std::mem::take(&mut wiring.listeners), wiring.socket_bytes.clone());
     let mut entries = Vec::new();
     let mut watches = Vec::new();
     let mut running = Vec::new();
@@ -447,6 +440,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         pools: &layouts,
         stats: &stats,
         accounting: &accounting,
+        socket_bytes: socket_bytes.load(Ordering::Relaxed),
     };
     let report = report::run_report(&records, &slo, &verify, &context);
     write_outputs(&graph.report_dir, &report, &records)

@@ -26,6 +26,8 @@ pub struct RunContext<'a> {
     pub stats: &'a [(String, Vec<RankStats>)],
     /// What the accounting checks found (empty when all is well).
     pub accounting: &'a [String],
+    /// Bytes handoffs moved over sockets (tcp links).
+    pub socket_bytes: u64,
 }
 
 fn memory(layout: &MemoryLayout) -> Value {
@@ -80,21 +82,23 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     }
     top.insert("pools".into(), Value::Object(pools));
     if !g.links.is_empty() {
-        top.insert("handoff".into(), handoff(records, &all_stats));
+        let backends: Vec<&str> = g.links.iter().map(|l| l.backend.name()).collect();
+        let backend = if backends.windows(2).all(|w| w[0] == w[1]) { backends[0].to_string() } else { "mixed".into() };
+        top.insert("handoff".into(), handoff(records, &all_stats, &backend, ctx.socket_bytes));
     }
     summarize(&records.iter().collect::<Vec<_>>(), slo, verify, extra)
 }
 
 /// What the handoffs of a P/D run moved.
-fn handoff(records: &[RequestRecord], stats: &[&RankStats]) -> Value {
+fn handoff(records: &[RequestRecord], stats: &[&RankStats], backend: &str, socket_bytes: u64) -> Value {
     let moved: Vec<&RequestRecord> = records.iter().filter(|r| r.t0_ms.is_some()).collect();
     let failed = records.iter().filter(|r| r.failure.as_deref().is_some_and(|c| c.starts_with("handoff"))).count();
     json!({
-        "backend": "inproc",
+        "backend": backend,
         "count": stats.iter().map(|s| s.handoffs_out).sum::<u64>(),
         "received": stats.iter().map(|s| s.handoffs_in).sum::<u64>(),
         "bytes": stats.iter().map(|s| s.handoff_bytes).sum::<u64>(),
-        "socket_bytes": 0,
+        "socket_bytes": socket_bytes,
         "saved_bytes": 0,
         "local_prefills": 0,
         "retries": 0,

@@ -111,3 +111,48 @@ fn state_taken_after_t0_breaks_exactly_the_recurrent_families() {
         }
     }
 }
+
+fn tcp_pools(endpoint: &str) -> String {
+    format!("{ONE_P_ONE_D}backend = \"tcp\"\nendpoint = \"{endpoint}\"\n")
+}
+
+/// Over a `tcp` link on loopback (port 0: the kernel picks; IPv6 too where the host has it) the
+/// outputs are the reference ones, and the handoff bytes really crossed a socket.
+#[test]
+fn a_tcp_link_on_loopback_gives_the_reference_outputs_and_its_bytes_cross_a_socket() {
+    let mut endpoints = vec!["127.0.0.1:0"];
+    if std::net::TcpListener::bind("[::1]:0").is_ok() {
+        endpoints.push("[::1]:0");
+    }
+    for model in ["hf/llama", "hf/kimi_linear"] {
+        for endpoint in &endpoints {
+            let what = format!("{model} over tcp {endpoint}");
+            let (dir, report) = run_pd(model, &tcp_pools(endpoint), "");
+            assert_exact(&report, &what);
+            let h = &report["handoff"];
+            assert_eq!(h["backend"], "tcp", "{what}");
+            assert!(h["socket_bytes"].as_u64().unwrap() >= h["bytes"].as_u64().unwrap(), "{what}: {h}");
+            assert!(h["bytes"].as_u64().unwrap() > 0, "{what}");
+            assert!(records(dir.path()).iter().all(|r| r["pools"] == serde_json::json!(["prefill", "decode"])));
+        }
+    }
+}
+
+/// Listener readiness: a decode pool whose endpoint cannot be bound fails the run before any
+/// producer registers, naming the endpoint.
+#[test]
+fn a_bind_failure_is_a_clear_error_naming_the_endpoint() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let graph = write_graph_with(
+        dir.path(),
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 2\nlimit = 2",
+        "32 MiB",
+        &tcp_pools(&endpoint),
+    );
+    let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+    crate::common::assert_clean_failure(&out, &["cannot listen on", &endpoint, "decode"]);
+}

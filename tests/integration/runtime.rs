@@ -290,17 +290,12 @@ fn check_prints_the_operator_graph() {
     for needle in ["digraph", "cluster_main", "align(t)", "forward(t)", "launched: LoopSignal", "sampled: Event"] {
         assert!(dot.contains(needle), "missing {needle}: {dot}");
     }
-    // Every graph the repository ships is valid (the tcp one is refused, by name, until the tcp
-    // backend is built); the two-pool one draws both pools.
+    // Every graph the repository ships is valid; the two-pool one draws both pools.
     for entry in std::fs::read_dir(repo().join("graphs")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_some_and(|e| e == "toml") {
             let out = kvflow(&["check", &path.to_string_lossy(), "--dot"]);
             let stderr = String::from_utf8_lossy(&out.stderr);
-            if path.ends_with("pd-1p1d-tcp.toml") {
-                assert!(stderr.contains("backend `tcp` is not built yet"), "{}: {stderr}", path.display());
-                continue;
-            }
             assert!(out.status.success(), "{}: {stderr}", path.display());
         }
     }

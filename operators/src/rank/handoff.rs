@@ -154,14 +154,24 @@ impl Rank {
     /// not await (a duplicate, or for an older generation) is dropped and counted.
     pub(super) fn apply_acks(&mut self) {
         let Some(out) = self.handoff_out.as_ref() else { return };
-        for (_, transfer) in out.acks.drain() {
+        for (_, transfer, outcome) in out.acks.drain() {
             let Some(key) = self.awaiting.get(&transfer.nonce).copied().filter(|k| k.generation == transfer.generation)
             else {
                 self.stats.stale_acks += 1;
                 continue;
             };
             self.awaiting.remove(&transfer.nonce);
-            self.release_handed_off(key);
+            match outcome {
+                Ok(()) => self.release_handed_off(key),
+                // The consumer refused it: the request fails here, naming why (its memory freed).
+                Err(why) if self.seqs.by_key_mut(key).is_some() => self.fail(
+                    key.index as usize,
+                    self.step,
+                    "handoff",
+                    format!("the decode pool refused the handoff: {why}"),
+                ),
+                Err(_) => {}
+            }
         }
     }
 

@@ -16,9 +16,18 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Where a consumer's answer to one handoff goes: `Ok` once it has the bytes, `Err` when it
+/// refused them (a bad checksum, a layout it cannot hold).
+pub trait Ack: Send + Sync {
+    fn ack(&self, request: u64, transfer: TransferId, outcome: Result<(), String>);
+}
+
+/// An ack as the producer rank reads it.
+pub type AckRecord = (u64, TransferId, Result<(), String>);
+
 /// Acks for one producer rank, raised by consumers; draining them releases what the rank held.
 pub struct AckQueue {
-    acks: Mutex<Vec<(u64, TransferId)>>,
+    acks: Mutex<Vec<AckRecord>>,
     waker: Arc<RankWaker>,
 }
 
@@ -27,15 +36,17 @@ impl AckQueue {
         Arc::new(AckQueue { acks: Mutex::new(Vec::new()), waker })
     }
 
-    /// The consumer has request `request`'s handoff `transfer`: wake the producer rank.
-    pub fn ack(&self, request: u64, transfer: TransferId) {
-        locked(&self.acks).push((request, transfer));
-        self.waker.wake();
-    }
-
     /// Every ack raised since the last call.
-    pub fn drain(&self) -> Vec<(u64, TransferId)> {
+    pub fn drain(&self) -> Vec<AckRecord> {
         std::mem::take(&mut *locked(&self.acks))
+    }
+}
+
+impl Ack for AckQueue {
+    /// The consumer answered request `request`'s handoff `transfer`: wake the producer rank.
+    fn ack(&self, request: u64, transfer: TransferId, outcome: Result<(), String>) {
+        locked(&self.acks).push((request, transfer, outcome));
+        self.waker.wake();
     }
 }
 
@@ -47,17 +58,18 @@ pub struct HandoffInbox {
 }
 
 /// A handoff waiting in an inbox, with where its ack goes.
-type Arrived = (Arc<Handoff>, Arc<AckQueue>);
+type Arrived = (Arc<Handoff>, Arc<dyn Ack>);
 
 impl HandoffInbox {
-    fn put(&self, h: Arc<Handoff>, ack: Arc<AckQueue>) {
+    /// A handoff arrived (its admission follows through the pool's ingress).
+    pub fn put(&self, h: Arc<Handoff>, ack: Arc<dyn Ack>) {
         locked(&self.arrived).insert(h.request, (h, ack));
     }
 
     /// Takes request `id`'s handoff and acks it (the taker owns the bytes now).
     pub fn take(&self, id: u64) -> Option<Arc<Handoff>> {
         let (h, ack) = locked(&self.arrived).remove(&id)?;
-        ack.ack(id, h.transfer);
+        ack.ack(id, h.transfer, Ok(()));
         Some(h)
     }
 
@@ -86,6 +98,17 @@ pub trait HandoffSink: Send + Sync {
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String>;
 }
 
+/// The admission a handoff enters its decode pool with.
+pub fn handoff_admission(h: &Handoff) -> Admission {
+    Admission {
+        id: h.request,
+        prompt: h.prompt.clone(),
+        max_output_tokens: h.max_output_tokens,
+        warmup: h.warmup,
+        kind: AdmissionKind::Handoff,
+    }
+}
+
 /// `inproc` links to decode pools of this process.
 pub struct InprocLinks {
     pub consumers: Vec<ConsumerPool>,
@@ -101,13 +124,7 @@ impl HandoffSink for InprocLinks {
         if to.ingress.is_closed() {
             return Err(format!("decode pool {} no longer takes handoffs", to.name));
         }
-        let admission = Admission {
-            id: h.request,
-            prompt: h.prompt.clone(),
-            max_output_tokens: h.max_output_tokens,
-            warmup: h.warmup,
-            kind: AdmissionKind::Handoff,
-        };
+        let admission = handoff_admission(&h);
         to.inbox.put(Arc::new(h), ack);
         to.ingress.push(admission);
         Ok(to.name.clone())

@@ -5,10 +5,12 @@
 
 pub mod checksum;
 pub mod inproc;
+pub mod tcp;
 pub mod wire;
 
 pub use checksum::Crc32c;
-pub use inproc::{AckQueue, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks};
+pub use inproc::{handoff_admission, Ack, AckQueue, AckRecord, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks};
+pub use tcp::{TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
 /// Names one transfer: a nonce unique per producer, and the generation of the request it moves.
@@ -41,8 +43,7 @@ pub struct Handoff {
     pub kv: Vec<f32>,
     /// The state slot at the prompt boundary (before T0), for families with recurrent state.
     pub state: Option<Vec<f32>>,
-    /// When the prefill's first chunk ran and when T0 became known (`wall_ms`; inproc only
-    /// for now, the wire form does not carry them).
+    /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
     pub started_ms: f64,
     pub t0_ms: f64,
 }

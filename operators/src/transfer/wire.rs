@@ -11,7 +11,7 @@ const VERSION: u16 = 1;
 const HAS_STATE: u16 = 1;
 const WARMUP: u16 = 2;
 /// Bytes of the fixed header.
-pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4;
+pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8;
 
 /// What the consumer's rank holds per block and per slot, and how long a prompt it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,7 +27,7 @@ pub struct ConsumerLayout {
 }
 
 /// A decoded header: everything but the payload, which follows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Descriptor {
     pub transfer: TransferId,
     pub request: u64,
@@ -43,6 +43,9 @@ pub struct Descriptor {
     pub has_state: bool,
     /// CRC32C of the payload bytes.
     pub checksum: u32,
+    /// When the prefill started and when T0 became known (`wall_ms`).
+    pub started_ms: f64,
+    pub t0_ms: f64,
 }
 
 impl Descriptor {
@@ -117,6 +120,8 @@ pub fn encode_descriptor(h: &Handoff, checksum: u32) -> Vec<u8> {
     out.extend_from_slice(&(h.floats_per_block as u32).to_le_bytes());
     out.extend_from_slice(&(h.state.as_ref().map_or(0, Vec::len) as u32).to_le_bytes());
     out.extend_from_slice(&checksum.to_le_bytes());
+    out.extend_from_slice(&h.started_ms.to_bits().to_le_bytes());
+    out.extend_from_slice(&h.t0_ms.to_bits().to_le_bytes());
     for t in &h.prompt {
         out.extend_from_slice(&t.to_le_bytes());
     }
@@ -154,6 +159,8 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
     let floats_per_block = r.u32() as usize;
     let state_floats = r.u32() as usize;
     let checksum = r.u32();
+    let started_ms = f64::from_bits(r.u64());
+    let t0_ms = f64::from_bits(r.u64());
     if prompt_len == 0 || prompt_len > layout.max_prompt {
         return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
     }
@@ -202,6 +209,8 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         kv_blocks,
         has_state,
         checksum,
+        started_ms,
+        t0_ms,
     };
     Ok((descriptor, needed))
 }
