@@ -167,6 +167,15 @@ enum BenchCommand {
         #[arg(long, default_value_t = 200, value_parser = flags::count)]
         steps: usize,
     },
+    /// Handoffs over tcp on loopback (GB/s) against a plain TCP stream of the same bytes.
+    Transfer {
+        /// Tokens of the request each handoff moves.
+        #[arg(long, default_value_t = 4096, value_parser = flags::count)]
+        tokens: usize,
+        /// Bytes to move (each measurement moves as many).
+        #[arg(long, default_value = "1 GiB", value_parser = parse_bytes)]
+        bytes: u64,
+    },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
         /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
@@ -208,6 +217,10 @@ fn error_chain(e: &anyhow::Error) -> String {
         text.push_str(&part);
     }
     text
+}
+
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    kvflow::graph::parse_byte_size(text)
 }
 
 fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
@@ -366,6 +379,9 @@ fn run() -> Result<()> {
         }
         Command::Bench { what: BenchCommand::Step { ranks, seqs, steps } } => {
             kvflow::bench::step::run(&kvflow::bench::step::StepBenchArgs { ranks, seqs, steps })?;
+        }
+        Command::Bench { what: BenchCommand::Transfer { tokens, bytes } } => {
+            kvflow::bench::transfer::run(&kvflow::bench::transfer::TransferBenchArgs { tokens, bytes })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
             bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;

@@ -131,7 +131,15 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model) -> Result<Wirin
                     let links = out
                         .iter()
                         .map(|l| {
-                            TcpLink::connect(&l.to, bound[&l.to], fingerprint, token.as_deref(), socket_bytes.clone())
+                            let mut link = TcpLink::connect(
+                                &l.to,
+                                bound[&l.to],
+                                fingerprint,
+                                token.as_deref(),
+                                socket_bytes.clone(),
+                            )?;
+                            link.checksum = graph.transfer.checksum;
+                            Ok(link)
                         })
                         .collect::<Result<Vec<_>, String>>()
                         .map_err(|e| anyhow::anyhow!("{}: prefill pool `{}`: {e}", graph.path.display(), pool.name))?;

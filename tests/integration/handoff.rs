@@ -119,6 +119,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             state: exported.state,
             started_ms: 0.0,
             t0_ms: 0.0,
+            recycle: None,
         });
         // Consumer: other block ids and another slot.
         let decode_from = |handoff: Arc<Handoff>| {
@@ -157,11 +158,13 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         // The state half matters exactly for the families that have it: without it (a zeroed
         // slot) the continuation differs; with KV zeroed it differs for every family with KV.
         if let Some(state) = &handoff.state {
-            let zeroed = Handoff { state: Some(vec![0.0; state.len()]), ..(*handoff).clone() };
+            let mut zeroed = (*handoff).clone();
+            zeroed.state = Some(vec![0.0; state.len()]);
             assert_ne!(decode_from(Arc::new(zeroed)).1, chain, "{name}: the state half is used");
         }
         if !handoff.kv.is_empty() {
-            let zeroed = Handoff { kv: vec![0.0; handoff.kv.len()], ..(*handoff).clone() };
+            let mut zeroed = (*handoff).clone();
+            zeroed.kv = vec![0.0; handoff.kv.len()];
             assert_ne!(decode_from(Arc::new(zeroed)).1, chain, "{name}: the KV half is used");
         }
         checked += 1;

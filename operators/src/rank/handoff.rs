@@ -134,6 +134,7 @@ impl Rank {
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
+            recycle: None,
         };
         let bytes = 4 * (handoff.kv.len() + handoff.state.as_ref().map_or(0, Vec::len)) as u64;
         let (id, started_ms, t0_ms) = (handoff.request, handoff.started_ms, handoff.t0_ms);

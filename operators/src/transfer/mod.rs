@@ -46,22 +46,109 @@ pub struct Handoff {
     /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
     pub started_ms: f64,
     pub t0_ms: f64,
+    /// Where `kv`'s buffer goes back when the handoff is dropped (a receiving side reuses its
+    /// buffers instead of faulting in fresh pages for every handoff).
+    pub recycle: Option<Recycler>,
+}
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        if let Some(r) = &self.recycle {
+            r.give_back(std::mem::take(&mut self.kv));
+        }
+    }
+}
+
+/// A few float buffers kept for reuse.
+#[derive(Clone, Default)]
+pub struct Recycler(std::sync::Arc<std::sync::Mutex<Vec<Vec<f32>>>>);
+
+impl Recycler {
+    /// Buffers kept at most (the rest are freed).
+    const KEEP: usize = 4;
+
+    /// A buffer of `len` floats (contents unspecified: the caller overwrites all of it).
+    pub fn take(&self, len: usize) -> Vec<f32> {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+        v.resize(len, 0.0);
+        v
+    }
+
+    fn give_back(&self, v: Vec<f32>) {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.len() < Self::KEEP && v.capacity() > 0 {
+            kept.push(v);
+        }
+    }
+}
+
+impl std::fmt::Debug for Recycler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Recycler")
+    }
+}
+
+impl PartialEq for Recycler {
+    fn eq(&self, _: &Self) -> bool {
+        true // where buffers go back is not part of what a handoff is
+    }
+}
+
+/// Floats per piece a payload is sent and received in (1 MiB).
+pub const PIECE_FLOATS: usize = 1 << 18;
+
+/// `floats` as little-endian bytes: the floats' own memory on a little-endian machine (no copy),
+/// a converted copy elsewhere.
+pub fn le_bytes(floats: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: f32 has no padding and every bit pattern is a valid u8; the byte slice covers
+        // exactly the floats' memory and borrows it for the same lifetime.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(floats.as_ptr().cast::<u8>(), floats.len() * 4)
+        })
+    } else {
+        std::borrow::Cow::Owned(floats.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+}
+
+/// Reads `floats.len()` little-endian floats from `r` into `floats`, in pieces, feeding each
+/// piece's bytes to `seen` as it arrives (the checksum).
+pub fn read_floats(r: &mut impl std::io::Read, floats: &mut [f32], mut seen: impl FnMut(&[u8])) -> std::io::Result<()> {
+    for chunk in floats.chunks_mut(PIECE_FLOATS) {
+        if cfg!(target_endian = "little") {
+            // SAFETY: as in `le_bytes`; any bytes read are a valid f32 bit pattern.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(chunk.as_mut_ptr().cast::<u8>(), chunk.len() * 4) };
+            r.read_exact(bytes)?;
+            seen(bytes);
+        } else {
+            let mut bytes = vec![0u8; chunk.len() * 4];
+            r.read_exact(&mut bytes)?;
+            seen(&bytes);
+            for (v, b) in chunk.iter_mut().zip(bytes.chunks_exact(4)) {
+                *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The payload of `h` as bytes (KV floats, then state floats, little endian), fed to `sink` in
-/// pieces while its checksum is computed — the same pass, never a second one over the bytes.
-pub fn stream_payload(h: &Handoff, mut sink: impl FnMut(&[u8])) -> u32 {
+/// pieces while its checksum is computed (when `checksum`) — the same pass, never a second one
+/// over the bytes. Returns the checksum (0 when not computed).
+pub fn stream_payload(h: &Handoff, checksum: bool, mut sink: impl FnMut(&[u8])) -> u32 {
     let mut crc = Crc32c::new();
-    let mut buf = Vec::with_capacity(1 << 16);
     for part in [&h.kv[..], h.state.as_deref().unwrap_or(&[])] {
-        for chunk in part.chunks(1 << 14) {
-            buf.clear();
-            for v in chunk {
-                buf.extend_from_slice(&v.to_le_bytes());
+        for chunk in part.chunks(PIECE_FLOATS) {
+            let bytes = le_bytes(chunk);
+            if checksum {
+                crc.update(&bytes);
             }
-            crc.update(&buf);
-            sink(&buf);
+            sink(&bytes);
         }
     }
-    crc.value()
+    if checksum {
+        crc.value()
+    } else {
+        0
+    }
 }

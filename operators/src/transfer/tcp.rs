@@ -3,14 +3,15 @@
 //! Each producer connects and registers with the layout fingerprint and the deployment token;
 //! the consumer refuses a mismatch. A handoff is then one frame: the descriptor's length, the
 //! descriptor (checked against the consumer's own layout before a byte of payload is read), and
-//! the payload — KV floats, then state floats — whose CRC32C the producer computes while
-//! serialising it and the consumer while receiving it, verified before the ack. Acks (or
+//! the payload — KV floats, then state floats — streamed in pieces, and its CRC32C, which the
+//! producer computes while sending and the consumer while receiving (so it follows the payload),
+//! verified before the ack. With `[transfer] checksum = false` none is computed. Acks (or
 //! refusals) come back on the same connection; a connection that drops fails every handoff still
 //! waiting on it, so nothing waits for a timeout.
 
 use super::inproc::{handoff_admission, Ack, AckQueue, ConsumerPool, HandoffSink};
 use super::wire::{decode_descriptor, encode_descriptor, ConsumerLayout, HEADER_BYTES};
-use super::{stream_payload, Crc32c, Handoff, TransferId};
+use super::{read_floats, stream_payload, Crc32c, Handoff, TransferId};
 use kvflow_kernels::hash;
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -152,6 +153,7 @@ fn serve(mut conn: TcpStream, pool: &ConsumerPool, layout: ConsumerLayout, token
     let Ok(back) = conn.try_clone() else { return };
     let acker: Arc<dyn Ack> = Arc::new(TcpAcker { stream: Mutex::new(back) });
     let max_descriptor = HEADER_BYTES + 4 * layout.max_prompt;
+    let recycler = super::Recycler::default();
     while let Ok(len) = read_u32(&mut conn) {
         let len = len as usize;
         if len > max_descriptor {
@@ -174,20 +176,20 @@ fn serve(mut conn: TcpStream, pool: &ConsumerPool, layout: ConsumerLayout, token
         let (kv_floats, state_floats) =
             (d.kv_blocks * layout.floats_per_block, if d.has_state { layout.state_floats } else { 0 });
         let mut crc = Crc32c::new();
-        let mut floats = Vec::with_capacity(kv_floats + state_floats);
-        let mut buf = vec![0u8; 1 << 16];
-        let mut left = 4 * (kv_floats + state_floats);
-        while left > 0 {
-            let n = left.min(buf.len());
-            if conn.read_exact(&mut buf[..n]).is_err() {
-                return;
+        let mut floats = recycler.take(kv_floats + state_floats);
+        let checked = d.checked;
+        if read_floats(&mut conn, &mut floats, |bytes| {
+            if checked {
+                crc.update(bytes)
             }
-            crc.update(&buf[..n]);
-            floats.extend(buf[..n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
-            left -= n;
+        })
+        .is_err()
+        {
+            return;
         }
-        if crc.value() != d.checksum {
-            let why = format!("checksum {:#010x}, expected {:#010x}: the bytes were damaged", crc.value(), d.checksum);
+        let Ok(sent_crc) = read_u32(&mut conn) else { return };
+        if d.checked && crc.value() != sent_crc {
+            let why = format!("checksum {:#010x}, expected {sent_crc:#010x}: the bytes were damaged", crc.value());
             acker.ack(d.request, d.transfer, Err(why));
             continue;
         }
@@ -208,6 +210,7 @@ fn serve(mut conn: TcpStream, pool: &ConsumerPool, layout: ConsumerLayout, token
             state,
             started_ms: d.started_ms,
             t0_ms: d.t0_ms,
+            recycle: Some(recycler.clone()),
         };
         let admission = handoff_admission(&h);
         pool.inbox.put(Arc::new(h), acker.clone());
@@ -218,6 +221,8 @@ fn serve(mut conn: TcpStream, pool: &ConsumerPool, layout: ConsumerLayout, token
 /// A prefill pool's connection to one decode pool.
 pub struct TcpLink {
     to: String,
+    /// Checksum every payload (`[transfer] checksum`).
+    pub checksum: bool,
     stream: Mutex<TcpStream>,
     /// Handoffs sent and not answered, by request id.
     pending: Arc<Mutex<HashMap<u64, Arc<AckQueue>>>>,
@@ -275,22 +280,26 @@ impl TcpLink {
                 }
             })
             .map_err(|e| format!("{where_}: {e}"))?;
-        Ok(TcpLink { to: to.to_string(), stream: Mutex::new(stream), pending, socket_bytes })
+        Ok(TcpLink { to: to.to_string(), checksum: true, stream: Mutex::new(stream), pending, socket_bytes })
     }
 
-    fn send_one(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
-        let mut payload = Vec::with_capacity(4 * (h.kv.len() + h.state.as_ref().map_or(0, Vec::len)));
-        let checksum = stream_payload(&h, |bytes| payload.extend_from_slice(bytes));
-        let descriptor = encode_descriptor(&h, checksum);
+    /// Sends `h`: descriptor, payload streamed in pieces (checksummed as it goes), checksum.
+    pub fn send_ref(&self, h: &Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
+        let descriptor = encode_descriptor(h, self.checksum.then_some(0));
         locked(&self.pending).insert(h.request, ack);
         let mut s = locked(&self.stream);
-        let sent = s
-            .write_all(&(descriptor.len() as u32).to_le_bytes())
-            .and_then(|_| s.write_all(&descriptor))
-            .and_then(|_| s.write_all(&payload));
+        let mut sent = s.write_all(&(descriptor.len() as u32).to_le_bytes()).and_then(|_| s.write_all(&descriptor));
+        let mut payload = 0;
+        let crc = stream_payload(h, self.checksum, |bytes| {
+            if sent.is_ok() {
+                sent = s.write_all(bytes);
+                payload += bytes.len();
+            }
+        });
+        let sent = sent.and_then(|_| s.write_all(&crc.to_le_bytes())).and_then(|_| s.flush());
         match sent {
             Ok(()) => {
-                self.socket_bytes.fetch_add((4 + descriptor.len() + payload.len()) as u64, Ordering::Relaxed);
+                self.socket_bytes.fetch_add((8 + descriptor.len() + payload) as u64, Ordering::Relaxed);
                 Ok(self.to.clone())
             }
             Err(e) => {
@@ -312,6 +321,6 @@ impl HandoffSink for TcpLinks {
             return Err("no decode pool is linked".into());
         }
         let pick = (hash::mix(hash::EMPTY, h.request) % self.links.len() as u64) as usize;
-        self.links[pick].send_one(h, ack)
+        self.links[pick].send_ref(&h, ack)
     }
 }

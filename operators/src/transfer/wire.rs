@@ -10,6 +10,7 @@ const MAGIC: u32 = u32::from_le_bytes(*b"KVFH");
 const VERSION: u16 = 1;
 const HAS_STATE: u16 = 1;
 const WARMUP: u16 = 2;
+const UNCHECKED: u16 = 4;
 /// Bytes of the fixed header.
 pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8;
 
@@ -41,8 +42,10 @@ pub struct Descriptor {
     /// Blocks whose KV the payload carries.
     pub kv_blocks: usize,
     pub has_state: bool,
-    /// CRC32C of the payload bytes.
+    /// CRC32C of the payload bytes (over tcp it follows the payload instead: this is 0).
     pub checksum: u32,
+    /// Whether the payload is checksummed.
+    pub checked: bool,
     /// When the prefill started and when T0 became known (`wall_ms`).
     pub started_ms: f64,
     pub t0_ms: f64,
@@ -101,9 +104,15 @@ impl Reader<'_> {
 }
 
 /// The header and prompt of `h` (the payload follows, see [`super::payload_bytes`]).
-pub fn encode_descriptor(h: &Handoff, checksum: u32) -> Vec<u8> {
+/// `checksum`: the payload's CRC32C, `Some(0)` when it follows the payload (a stream computes it
+/// while sending), or `None` when the transfer is not checksummed (`[transfer] checksum = false`).
+pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
+    let unchecked = checksum.is_none();
+    let checksum = checksum.unwrap_or(0);
     let mut out = Vec::with_capacity(HEADER_BYTES + 4 * h.prompt.len());
-    let flags = if h.state.is_some() { HAS_STATE } else { 0 } | if h.warmup { WARMUP } else { 0 };
+    let flags = if h.state.is_some() { HAS_STATE } else { 0 }
+        | if h.warmup { WARMUP } else { 0 }
+        | if unchecked { UNCHECKED } else { 0 };
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&flags.to_le_bytes());
@@ -209,6 +218,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         kv_blocks,
         has_state,
         checksum,
+        checked: flags & UNCHECKED == 0,
         started_ms,
         t0_ms,
     };
@@ -247,13 +257,14 @@ mod tests {
             state: Some(vec![1.0; 3]),
             started_ms: 0.0,
             t0_ms: 0.0,
+            recycle: None,
         }
     }
 
     #[test]
     fn a_descriptor_round_trips() {
         let h = handoff();
-        let bytes = encode_descriptor(&h, 123);
+        let bytes = encode_descriptor(&h, Some(123));
         let (d, used) = decode_descriptor(&bytes, &layout()).unwrap();
         assert_eq!(used, bytes.len());
         assert_eq!((d.request, d.t0, d.skip_blocks, d.kv_blocks, d.checksum), (41, 42, 1, 2, 123));
@@ -265,20 +276,26 @@ mod tests {
     #[test]
     fn every_size_is_checked_against_the_consumer() {
         let ok = handoff();
-        let refuse =
-            |h: Handoff, layout: ConsumerLayout| decode_descriptor(&encode_descriptor(&h, 0), &layout).unwrap_err();
+        let with = |edit: fn(&mut Handoff)| {
+            let mut h = handoff();
+            edit(&mut h);
+            h
+        };
+        let refuse = |h: Handoff, layout: ConsumerLayout| {
+            decode_descriptor(&encode_descriptor(&h, Some(0)), &layout).unwrap_err()
+        };
         assert!(matches!(
             refuse(ok.clone(), ConsumerLayout { fingerprint: 1, ..layout() }),
             WireError::LayoutMismatch { .. }
         ));
-        assert!(matches!(refuse(Handoff { kv_blocks: 3, ..ok.clone() }, layout()), WireError::Geometry { .. }));
-        assert!(matches!(refuse(Handoff { skip_blocks: 9, ..ok.clone() }, layout()), WireError::Geometry { .. }));
-        assert!(matches!(refuse(Handoff { state: None, ..ok.clone() }, layout()), WireError::MissingState));
+        assert!(matches!(refuse(with(|h| h.kv_blocks = 3), layout()), WireError::Geometry { .. }));
+        assert!(matches!(refuse(with(|h| h.skip_blocks = 9), layout()), WireError::Geometry { .. }));
+        assert!(matches!(refuse(with(|h| h.state = None), layout()), WireError::MissingState));
         assert!(matches!(
             refuse(ok.clone(), ConsumerLayout { state_floats: 0, ..layout() }),
             WireError::UnexpectedState
         ));
-        assert!(matches!(refuse(Handoff { t0: 100, ..ok.clone() }, layout()), WireError::Token { .. }));
+        assert!(matches!(refuse(with(|h| h.t0 = 100), layout()), WireError::Token { .. }));
         assert!(matches!(
             refuse(ok.clone(), ConsumerLayout { max_prompt: 8, ..layout() }),
             WireError::PromptLength { .. }
@@ -289,7 +306,7 @@ mod tests {
     /// what it was given).
     #[test]
     fn random_and_truncated_messages_never_panic() {
-        let valid = encode_descriptor(&handoff(), 5);
+        let valid = encode_descriptor(&handoff(), Some(5));
         let mut state = 0x1234_5678_9ABC_DEF0u64;
         let mut next = || {
             state ^= state << 13;

@@ -1,0 +1,179 @@
+//! `kvflow bench transfer`: handoffs over the tcp backend on loopback against a plain TCP stream
+//! of the same bytes, measured in the same run. Each handoff is one request of `--tokens` tokens
+//! of the default bench model (its prompt's KV, packed by layer), sent by a `TcpLink` to a
+//! `TcpConsumer` that checks the descriptor, receives and checksums the payload, and puts it in
+//! its inbox; a handoff counts when the consumer has taken it. The baseline writes the same
+//! total bytes over one TCP connection in 4 MiB `write_all` calls with TCP_NODELAY, timed until
+//! the reader has them all. Also printed, earlier: the handoff figure with checksums off, and
+//! the inproc cost (export + import of the same KV) per MiB beside a plain memcpy.
+
+use anyhow::{anyhow, Result};
+use kvflow_kernels::checkpoint::ModelSpec;
+use kvflow_kernels::kv::PagedKvCache;
+use kvflow_kernels::models;
+use kvflow_operators::admit::Ingress;
+use kvflow_operators::transfer::wire::ConsumerLayout;
+use kvflow_operators::transfer::{AckQueue, ConsumerPool, Handoff, HandoffInbox, TcpConsumer, TcpLink, TransferId};
+use kvflow_operators::wake::RankWaker;
+use std::io::{Read, Write};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct TransferBenchArgs {
+    pub tokens: usize,
+    /// Total bytes to move (each way of measuring moves the same).
+    pub bytes: u64,
+}
+
+const BLOCK: usize = 16;
+
+/// GB/s of handoffs of `h` until `total` bytes moved, checksummed or not.
+fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: bool) -> Result<f64> {
+    let inbox = Arc::new(HandoffInbox::default());
+    let pool = ConsumerPool { name: "bench".into(), ingress: Arc::new(Ingress::default()), inbox: inbox.clone() };
+    let consumer = TcpConsumer::bind("127.0.0.1:0", pool, layout, None).map_err(|e| anyhow!(e))?;
+    let mut link = TcpLink::connect("bench", consumer.addr(), layout.fingerprint, None, Arc::new(AtomicU64::new(0)))
+        .map_err(|e| anyhow!(e))?;
+    link.checksum = checksum;
+    let acks = AckQueue::new(Arc::new(RankWaker::default()));
+    let bytes = 4 * h.kv.len() as u64;
+    let count = total.div_ceil(bytes).max(1);
+    let mut h = h.clone();
+    let wait_for = |id: u64| loop {
+        if inbox.take(id).is_some() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    };
+    // One handoff to warm the connection, then the timed ones back to back, taken as they
+    // arrive (as a decode rank takes them), so the receiving side reuses its buffers.
+    h.request = u64::MAX;
+    link.send_ref(&h, acks.clone()).map_err(|e| anyhow!(e))?;
+    wait_for(u64::MAX);
+    let drainer = {
+        let inbox = inbox.clone();
+        std::thread::spawn(move || {
+            for i in 0..count {
+                while inbox.take(i).is_none() {
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+            }
+            Instant::now()
+        })
+    };
+    let started = Instant::now();
+    for i in 0..count {
+        h.request = i;
+        h.transfer.nonce = i;
+        link.send_ref(&h, acks.clone()).map_err(|e| anyhow!(e))?;
+    }
+    let done = drainer.join().map_err(|_| anyhow!("the draining thread panicked"))?;
+    let secs = done.duration_since(started).as_secs_f64();
+    drop(consumer);
+    Ok((count * bytes) as f64 / secs / 1e9)
+}
+
+/// GB/s of `total` bytes over one plain TCP connection, 4 MiB writes, TCP_NODELAY.
+fn plain_tcp_gb_per_s(total: u64) -> Result<f64> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let reader = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut conn, _) = listener.accept()?;
+        let mut buf = vec![0u8; 4 << 20];
+        let mut left = total + (4 << 20);
+        while left > 0 {
+            let n = conn.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            left = left.saturating_sub(n as u64);
+        }
+        conn.write_all(&[1])
+    });
+    let mut conn = std::net::TcpStream::connect(addr)?;
+    conn.set_nodelay(true)?;
+    let chunk = vec![7u8; 4 << 20];
+    conn.write_all(&chunk)?; // warm-up, like the handoff run's first one
+    let started = Instant::now();
+    let mut sent = 0;
+    while sent < total {
+        conn.write_all(&chunk)?;
+        sent += chunk.len() as u64;
+    }
+    let mut done = [0u8];
+    conn.read_exact(&mut done)?;
+    let secs = started.elapsed().as_secs_f64();
+    reader.join().map_err(|_| anyhow!("the baseline reader panicked"))??;
+    Ok(sent as f64 / secs / 1e9)
+}
+
+pub fn run(args: &TransferBenchArgs) -> Result<()> {
+    let spec = ModelSpec::parse("<default bench spec>".into(), super::model::DEFAULT_SPEC)?;
+    let model = models::build(&spec.config, &spec.weights)?;
+    let widths = model.kv_row_widths();
+    let blocks = args.tokens.div_ceil(BLOCK);
+    let floats_per_block = widths.iter().sum::<usize>() * BLOCK;
+    let kv: Vec<f32> = (0..blocks * floats_per_block).map(|i| (i % 1013) as f32 * 0.001).collect();
+    let prompt: Vec<u32> = (0..args.tokens as u32).map(|i| i % model.vocab_size as u32).collect();
+    let h = Handoff {
+        transfer: TransferId { nonce: 0, generation: 1 },
+        request: 0,
+        prompt,
+        max_output_tokens: 1,
+        warmup: false,
+        t0: 1,
+        logits_hash: 0,
+        fingerprint: model.layout_fingerprint(BLOCK),
+        skip_blocks: 0,
+        kv_blocks: blocks,
+        floats_per_block,
+        kv,
+        state: None,
+        started_ms: 0.0,
+        t0_ms: 0.0,
+        recycle: None,
+    };
+    let layout = ConsumerLayout {
+        fingerprint: h.fingerprint,
+        block_size: BLOCK,
+        floats_per_block,
+        state_floats: 0,
+        vocab_size: model.vocab_size,
+        max_prompt: args.tokens,
+    };
+    let mib = (4 * h.kv.len()) as f64 / (1 << 20) as f64;
+    println!(
+        "handoff      one request of {} tokens of the default bench model: {mib:.1} MiB of KV ({} blocks)",
+        args.tokens, blocks
+    );
+    // inproc: export from one cache, import into another, against a memcpy of the same bytes.
+    let mut a = PagedKvCache::new(BLOCK, blocks, &widths);
+    let mut b = PagedKvCache::new(BLOCK, blocks, &widths);
+    let ids: Vec<u32> = (0..blocks as u32).collect();
+    a.import_blocks(&ids, &h.kv).map_err(|e| anyhow!("{e}"))?;
+    let mut out = Vec::with_capacity(h.kv.len());
+    let started = Instant::now();
+    out.clear();
+    a.export_blocks(&ids, &mut out);
+    b.import_blocks(&ids, &out).map_err(|e| anyhow!("{e}"))?;
+    let inproc_ms = started.elapsed().as_secs_f64() * 1e3;
+    let mut copy = vec![0f32; h.kv.len()];
+    let started = Instant::now();
+    copy.copy_from_slice(std::hint::black_box(&h.kv));
+    let memcpy_ms = started.elapsed().as_secs_f64() * 1e3;
+    std::hint::black_box(&copy);
+    println!(
+        "inproc       export + import {:.3} ms per MiB; memcpy {:.3} ms per MiB",
+        inproc_ms / mib,
+        memcpy_ms / mib
+    );
+    let unchecked = handoffs_gb_per_s(&h, layout, args.bytes, false)?;
+    println!("handoff_unchecked_gb_per_s={unchecked:.3}");
+    let checked = handoffs_gb_per_s(&h, layout, args.bytes, true)?;
+    let plain = plain_tcp_gb_per_s(args.bytes)?;
+    println!("handoff_gb_per_s={checked:.3} (CRC32C on)");
+    println!("tcp_baseline_gb_per_s={plain:.3} (one connection, 4 MiB write_all, TCP_NODELAY)");
+    println!("ratio={:.3}", checked / plain);
+    Ok(())
+}
