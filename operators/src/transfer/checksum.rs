@@ -70,17 +70,76 @@ fn update_table(mut state: u32, bytes: &[u8]) -> u32 {
     state
 }
 
+/// Bytes per lane of the three-lane loop: a block of `3 × LANE` bytes runs as three independent
+/// chains of `crc32` instructions (one alone waits on its own latency), joined by shifting.
+const LANE: usize = 8192;
+
+/// A linear map on CRC states: the image of each of the 32 basis bits.
+type Shift = [u32; 32];
+
+fn apply(op: &Shift, v: u32) -> u32 {
+    let mut out = 0;
+    let mut bits = v;
+    while bits != 0 {
+        out ^= op[bits.trailing_zeros() as usize];
+        bits &= bits - 1;
+    }
+    out
+}
+
+/// `a` after `b`.
+fn compose(a: &Shift, b: &Shift) -> Shift {
+    std::array::from_fn(|i| apply(a, b[i]))
+}
+
+/// The state after `n` zero bytes, as a map (by squaring the one-byte map).
+fn shift_by(mut n: usize) -> Shift {
+    let mut byte: Shift = std::array::from_fn(|i| update_table(1 << i, &[0]));
+    let mut out: Shift = std::array::from_fn(|i| 1 << i);
+    while n > 0 {
+        if n & 1 == 1 {
+            out = compose(&byte, &out);
+        }
+        byte = compose(&byte, &byte);
+        n >>= 1;
+    }
+    out
+}
+
+/// The maps for one and two lanes.
+fn lane_shifts() -> &'static (Shift, Shift) {
+    static SHIFTS: std::sync::OnceLock<(Shift, Shift)> = std::sync::OnceLock::new();
+    SHIFTS.get_or_init(|| (shift_by(LANE), shift_by(2 * LANE)))
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sse4.2")]
 unsafe fn update_sse42(state: u32, bytes: &[u8]) -> u32 {
     use std::arch::x86_64::{_mm_crc32_u64, _mm_crc32_u8};
-    let mut s = state as u64;
-    let mut chunks = bytes.chunks_exact(8);
-    for c in &mut chunks {
-        let word = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-        s = _mm_crc32_u64(s, word);
+    let word = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+    let mut s = state;
+    let mut blocks = bytes.chunks_exact(3 * LANE);
+    if bytes.len() >= 3 * LANE {
+        let (one, two) = lane_shifts();
+        for block in &mut blocks {
+            let (mut a, mut b, mut c) = (s as u64, 0u64, 0u64);
+            let mut i = 0;
+            while i < LANE {
+                a = _mm_crc32_u64(a, word(block, i));
+                b = _mm_crc32_u64(b, word(block, LANE + i));
+                c = _mm_crc32_u64(c, word(block, 2 * LANE + i));
+                i += 8;
+            }
+            s = apply(two, a as u32) ^ apply(one, b as u32) ^ c as u32;
+        }
     }
-    let mut s = s as u32;
+    let rest = blocks.remainder();
+    let mut chunks = rest.chunks_exact(8);
+    let mut w = s as u64;
+    for c in &mut chunks {
+        w = _mm_crc32_u64(w, word(c, 0));
+    }
+    let mut s = w as u32;
     for &b in chunks.remainder() {
         s = _mm_crc32_u8(s, b);
     }
@@ -102,5 +161,10 @@ mod tests {
         split.update(&data[..333]);
         split.update(&data[333..]);
         assert_eq!(split.value(), Crc32c::of(&data), "streaming gives the same value");
+        // Long enough for the three-lane loop, at lengths around its block size.
+        let long: Vec<u8> = (0..200_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        for len in [3 * LANE - 1, 3 * LANE, 3 * LANE + 5, 6 * LANE + 17, long.len()] {
+            assert_eq!(Crc32c::of(&long[..len]), !update_table(!0, &long[..len]), "length {len}");
+        }
     }
 }
