@@ -46,6 +46,17 @@ enum Command {
     },
     /// Runs a graph: its pool serves the workload's trace; writes report.json and requests.jsonl.
     Run(Box<RunArgs>),
+    /// Replays the same trace and seed through each graph (aggregated against P/D, say) and
+    /// prints TTFT, TPOT, queueing, throughput and goodput side by side; every report is written
+    /// (with --out DIR, into DIR/<graph name>).
+    #[command(allow_negative_numbers = true)]
+    Compare {
+        /// Two or more graph files.
+        #[arg(required = true, num_args = 2..)]
+        graphs: Vec<PathBuf>,
+        #[command(flatten)]
+        flags: Box<RunFlags>,
+    },
     /// Validates a graph and prints the operator graph the runtime would build.
     Check {
         graph: PathBuf,
@@ -65,6 +76,13 @@ enum Command {
 struct RunArgs {
     /// The graph file (TOML).
     graph: PathBuf,
+    #[command(flatten)]
+    flags: RunFlags,
+}
+
+/// What `run` and `compare` take beside the graphs.
+#[derive(clap::Args, Clone)]
+struct RunFlags {
     /// Checkpoint folder or model spec (overrides model.path).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -236,11 +254,15 @@ fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
         .collect()
 }
 
-fn run_graph(args: RunArgs, interrupts: kvflow::signals::Interrupts) -> Result<i32> {
+fn run_graph(
+    graph_path: &std::path::Path,
+    args: RunFlags,
+    interrupts: &kvflow::signals::Interrupts,
+) -> Result<(i32, Option<serde_json::Value>)> {
     use kvflow::graph::{Graph, Overrides};
     use kvflow::runtime::{self, ClusterPlace, RunOptions};
     let registry = kvflow::registry::Registry::default();
-    let mut graph = Graph::load_with(&args.graph, &registry.names())?;
+    let mut graph = Graph::load_with(graph_path, &registry.names())?;
     graph.apply_overrides(&Overrides {
         model: args.model,
         trace: args.trace,
@@ -315,7 +337,76 @@ fn run_graph(args: RunArgs, interrupts: kvflow::signals::Interrupts) -> Result<i
         );
     }
     // An interrupted run did not serve its workload: 130 (SIGINT) or 143 (SIGTERM).
-    Ok(interrupts.exit_status().unwrap_or(outcome.exit_code))
+    Ok((interrupts.exit_status().unwrap_or(outcome.exit_code), outcome.report))
+}
+
+/// `kvflow compare`: each graph in turn, then the figures side by side.
+fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &kvflow::signals::Interrupts) -> Result<i32> {
+    let mut columns = Vec::new();
+    let mut worst = 0;
+    for (i, path) in graphs.iter().enumerate() {
+        let mut name = path.file_stem().map_or("graph".into(), |s| s.to_string_lossy().into_owned());
+        if columns.iter().any(|(n, _): &(String, serde_json::Value)| *n == name) {
+            name = format!("{name}-{}", i + 1); // two graphs of one name get their own reports
+        }
+        let mut flags = flags.clone();
+        flags.out = flags.out.as_ref().map(|dir| dir.join(&name));
+        eprintln!("== {}", path.display());
+        let (code, report) = run_graph(path, flags, interrupts)?;
+        worst = worst.max(code);
+        columns.push((name, report.unwrap_or_default()));
+        if interrupts.exit_status().is_some() {
+            break;
+        }
+    }
+    let figure =
+        |r: &serde_json::Value, path: &[&str]| -> String {
+            let mut v = r;
+            for k in path {
+                v = &v[*k];
+            }
+            match v {
+                serde_json::Value::Number(n) => n.as_f64().map_or(n.to_string(), |f| {
+                    if f.fract() == 0.0 {
+                        format!("{f:.0}")
+                    } else {
+                        format!("{f:.2}")
+                    }
+                }),
+                serde_json::Value::Null => "-".into(),
+                other => other.to_string(),
+            }
+        };
+    let rows: &[(&str, &[&str])] = &[
+        ("requests", &["requests"]),
+        ("completed", &["completed"]),
+        ("failed", &["failed"]),
+        ("TTFT p50 ms", &["ttft_ms", "p50"]),
+        ("TTFT p99 ms", &["ttft_ms", "p99"]),
+        ("TPOT p50 ms", &["tpot_ms", "p50"]),
+        ("TPOT p99 ms", &["tpot_ms", "p99"]),
+        ("queue p50 ms", &["queue_ms", "p50"]),
+        ("e2e p50 ms", &["e2e_ms", "p50"]),
+        ("output tokens/s", &["output_tokens_per_s"]),
+        ("goodput req/s", &["goodput_rps"]),
+        ("handoffs", &["handoff", "count"]),
+        ("handoff bytes", &["handoff", "bytes"]),
+        ("verify mismatched", &["verify", "mismatched"]),
+    ];
+    let width = columns.iter().map(|(n, _)| n.len()).max().unwrap_or(8).max(10);
+    let mut header = format!("{:<18}", "");
+    for (name, _) in &columns {
+        header.push_str(&format!(" {name:>width$}"));
+    }
+    println!("{header}");
+    for (label, path) in rows {
+        let mut line = format!("{label:<18}");
+        for (_, report) in &columns {
+            line.push_str(&format!(" {:>width$}", figure(report, path)));
+        }
+        println!("{line}");
+    }
+    Ok(worst)
 }
 
 fn run() -> Result<()> {
@@ -351,7 +442,15 @@ fn run() -> Result<()> {
         Command::Run(args) => {
             // Before any other thread starts: every thread inherits the blocked signals.
             let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
-            let code = run_graph(*args, interrupts)?;
+            let RunArgs { graph, flags } = *args;
+            let (code, _) = run_graph(&graph, flags, &interrupts)?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
+        Command::Compare { graphs, flags } => {
+            let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
+            let code = compare(&graphs, &flags, &interrupts)?;
             if code != 0 {
                 std::process::exit(code);
             }

@@ -156,3 +156,42 @@ fn a_bind_failure_is_a_clear_error_naming_the_endpoint() {
     let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
     crate::common::assert_clean_failure(&out, &["cannot listen on", &endpoint, "decode"]);
 }
+
+/// `kvflow compare` replays the same workload through an aggregated and a disaggregated graph,
+/// prints their figures side by side and writes both reports.
+#[test]
+fn compare_prints_aggregated_and_disaggregated_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let (agg_dir, pd_dir) = (dir.path().join("agg"), dir.path().join("pd"));
+    std::fs::create_dir_all(&agg_dir).unwrap();
+    std::fs::create_dir_all(&pd_dir).unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 6";
+    let agg = write_graph_with(
+        &agg_dir,
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        workload,
+        "32 MiB",
+        crate::runtime::ONE_POOL,
+    );
+    let pd = write_graph_with(&pd_dir, "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", ONE_P_ONE_D);
+    let out_dir = dir.path().join("out");
+    let out = crate::common::kvflow(&[
+        "compare",
+        &agg.to_string_lossy(),
+        &pd.to_string_lossy(),
+        "--out",
+        &out_dir.to_string_lossy(),
+        "--verify",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for row in ["TTFT p50 ms", "TPOT p50 ms", "queue p50 ms", "output tokens/s", "goodput req/s", "handoffs"] {
+        assert!(stdout.contains(row), "{row}: {stdout}");
+    }
+    let mismatched = stdout.lines().find(|l| l.starts_with("verify mismatched")).unwrap();
+    assert_eq!(mismatched.split_whitespace().filter(|w| *w == "0").count(), 2, "{stdout}");
+    for name in ["graph", "graph-2"] {
+        assert!(out_dir.join(name).join("report.json").exists(), "{name}'s report");
+    }
+}
