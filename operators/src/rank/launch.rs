@@ -2,7 +2,10 @@
 //! already booked it (each sequence's `computed` moved on, a sampled token counts as in flight);
 //! here, before any token of the step is known, the prompt blocks it completes are published in
 //! the prefix cache and a snapshot is asked for at each boundary it reaches: the executor applies
-//! the step's writes in launch order, so a later step that reads them runs after them.
+//! the step's writes in launch order, so a later step that reads them runs after them. Handoffs
+//! ride on the same order: an arrived one is imported before the step that feeds its T0, and a
+//! prefill-only request's blocks and slot are exported after the step that samples T0 (the
+//! export is part of that step, so its record pins what it reads).
 
 use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};

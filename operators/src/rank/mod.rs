@@ -3,8 +3,10 @@
 //! 1. `schedule` (at `schedule(t)`): apply the completions that arrived, decide the batch, report;
 //! 2. `launch` (at `forward(t)`): book the batch as launched — tokens in flight, prefix blocks
 //!    published, snapshots asked for — and hand it to the executor, one phase at a time;
-//! 3. `poll` (whenever the rank runs): apply completions — sampled tokens, finished requests —
-//!    in launch order, dropping (and counting) those for an older generation.
+//! 3. `poll` (whenever the rank runs): apply completions — sampled tokens, finished requests,
+//!    exported handoffs — in launch order, dropping (and counting) those for an older
+//!    generation, and the acks of handoffs it sent (a queue raised by the consumer, which wakes
+//!    the rank: an ack never gates a step).
 //!
 //! A step's record owns what the step reads until its completion returns it (see
 //! `RankMemory::release`). Shared by the `schedule` and `forward` operators of the rank's worker

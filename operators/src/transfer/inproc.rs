@@ -4,17 +4,13 @@
 //! takes it (it owns the bytes from then on); the producer holds the request's blocks and slot
 //! until that ack arrives.
 
-use super::{Handoff, TransferId};
+use super::{locked, Handoff, TransferId};
 use crate::admit::Ingress;
 use crate::messages::{Admission, AdmissionKind};
 use crate::wake::RankWaker;
 use kvflow_kernels::hash;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use std::sync::{Arc, Mutex};
 
 /// Where a consumer's answer to one handoff goes: `Ok` once it has the bytes, `Err` when it
 /// refused them (a bad checksum, a layout it cannot hold).

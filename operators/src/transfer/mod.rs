@@ -13,6 +13,11 @@ pub use inproc::{handoff_admission, Ack, AckQueue, AckRecord, ConsumerPool, Hand
 pub use tcp::{TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
+/// A lock, whether or not a holder panicked (the data is plain counters and queues).
+pub(crate) fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Names one transfer: a nonce unique per producer, and the generation of the request it moves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TransferId {

@@ -11,19 +11,15 @@
 
 use super::inproc::{handoff_admission, Ack, AckQueue, ConsumerPool, HandoffSink};
 use super::wire::{decode_descriptor, encode_descriptor, ConsumerLayout, HEADER_BYTES};
-use super::{read_floats, stream_payload, Crc32c, Handoff, TransferId};
+use super::{locked, read_floats, stream_payload, Crc32c, Handoff, TransferId};
 use kvflow_kernels::hash;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 const HELLO: u32 = u32::from_le_bytes(*b"KVFR");
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
     let mut b = [0; 4];
