@@ -116,6 +116,15 @@ struct RunFlags {
     /// Run only this pool of the graph (default: every pool).
     #[arg(long)]
     pool: Option<String>,
+    /// Run only these pools of a P/D graph (comma-separated); the others run in other processes,
+    /// joined to these over their tcp links. The process running the prefill pools replays the
+    /// workload and writes the report; one running only decode pools serves their handoffs.
+    #[arg(long, value_delimiter = ',', conflicts_with = "pool")]
+    pools: Option<Vec<String>>,
+    /// `POOL=HOST:PORT`: where decode pool POOL listens — bound there when it runs in this process,
+    /// reached there when it runs in another (whose process prints the address). Repeatable.
+    #[arg(long = "endpoint", value_parser = parse_endpoint_flag)]
+    endpoints: Vec<(String, String)>,
     /// After SIGINT (Ctrl-C) or SIGTERM, seconds in-flight requests may finish before they are
     /// cancelled (0: cancel them at once).
     #[arg(long, default_value = "10", value_parser = flags::seconds)]
@@ -151,8 +160,8 @@ struct RunFlags {
     /// entries swapped (shows that --verify catches it).
     #[arg(long, hide = true)]
     test_swap_block_table_every: Option<u64>,
-    /// Test only: `ID:STAGE,…` cancels request ID once its rank sees it queued, prefilling or
-    /// decoding.
+    /// Test only: `ID:STAGE,…` cancels request ID once its rank sees it queued, prefilling,
+    /// in transfer (a prefill pool's, awaiting the ack) or decoding.
     #[arg(long, hide = true)]
     test_cancel_at_stage: Option<String>,
     /// Test only: when request ID finishes, its rank forgets its KV blocks instead of releasing
@@ -241,15 +250,26 @@ fn parse_bytes(text: &str) -> Result<u64, String> {
     kvflow::graph::parse_byte_size(text)
 }
 
+fn parse_endpoint_flag(text: &str) -> Result<(String, String), String> {
+    let (pool, endpoint) = text
+        .split_once('=')
+        .ok_or_else(|| format!("expected POOL=HOST:PORT (e.g. decode=127.0.0.1:7000), got {text:?}"))?;
+    let endpoint: kvflow::graph::Endpoint = endpoint.parse()?;
+    if pool.is_empty() {
+        return Err(format!("expected POOL=HOST:PORT, got {text:?}: the pool name is empty"));
+    }
+    Ok((pool.to_string(), endpoint.to_string()))
+}
+
 fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
     let Some(text) = text else { return Ok(Vec::new()) };
     text.split(',')
         .map(|item| {
             let (id, stage) = item.split_once(':').ok_or_else(|| anyhow::anyhow!("expected ID:STAGE, got {item:?}"))?;
-            if !["queued", "prefilling", "decoding"].contains(&stage) {
-                anyhow::bail!("stage {stage:?} is not queued, prefilling or decoding");
+            if !["queued", "prefilling", "in-transfer", "decoding"].contains(&stage) {
+                anyhow::bail!("stage {stage:?} is not queued, prefilling, in-transfer or decoding");
             }
-            Ok((id.parse()?, stage.to_string()))
+            Ok((id.parse()?, stage.replace('-', " ")))
         })
         .collect()
 }
@@ -290,6 +310,8 @@ fn run_graph(
         stall_timeout: Some(args.stall_timeout),
         max_wait: Some(args.max_wait),
         pool: args.pool,
+        pools: args.pools,
+        endpoints: args.endpoints.into_iter().collect(),
         cluster,
         verify: args.verify,
         show_progress: true,

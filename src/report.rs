@@ -48,6 +48,19 @@ pub struct RequestRecord {
     pub t0_ms: Option<f64>,
     #[serde(skip_serializing_if = "is_zero")]
     pub handoff_bytes: u64,
+    /// When a decode rank took its handoff (ms since the run started).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub received_ms: Option<f64>,
+    /// Where the time to its first two tokens went (completed requests): `queue_ms` above
+    /// (arrival → first prefill chunk), then these. TTFT (to T0) is queue + prefill; a P/D
+    /// handoff adds transfer (T0 sampled → the decode rank took it) before the first decode
+    /// (T0 in hand → the token decoded from it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transfer_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_decode_ms: Option<f64>,
     /// When the run learnt that it ended — finished, failed or cancelled (ms since the run
     /// started).
     pub ended_ms: Option<f64>,
@@ -156,6 +169,12 @@ pub fn summarize(records: &[&RequestRecord], slo: &Slo, verify: &VerifySummary, 
         "tpot_ms": summary(&collect(|r| r.tpot_ms)),
         "e2e_ms": summary(&collect(|r| r.e2e_ms)),
         "queue_ms": summary(&collect(|r| r.queue_ms)),
+        "ttft_split_ms": {
+            "queue": summary(&collect(|r| r.queue_ms)),
+            "prefill": summary(&collect(|r| r.prefill_ms)),
+            "transfer": summary(&collect(|r| r.transfer_ms)),
+            "first_decode": summary(&collect(|r| r.first_decode_ms)),
+        },
         "output_tokens_per_s": per_s(output_tokens as f64),
         "goodput_rps": per_s(good as f64),
         "prefix_hit_rate": if prompt_tokens > 0 { cached as f64 / prompt_tokens as f64 } else { 0.0 },

@@ -98,12 +98,18 @@ pub enum LoopSignal {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TokenTimes {
     pub first: Option<f64>,
+    /// The second token: the first one decoded from T0 (the end of the TTFT split).
+    #[serde(default)]
+    pub second: Option<f64>,
     pub last: Option<f64>,
 }
 
 impl TokenTimes {
     /// A token became known at `now`.
     pub fn record(&mut self, now: f64) {
+        if self.first.is_some() && self.second.is_none() {
+            self.second = Some(now);
+        }
         self.first.get_or_insert(now);
         self.last = Some(now);
     }
@@ -135,6 +141,8 @@ pub enum Event {
     /// Its prefill finished and it moved on, to the decode pool `to` (not an end: that pool
     /// reports the end).
     HandedOff { id: u64, rank: usize, to: String, started_ms: f64, t0_ms: f64, bytes: u64 },
+    /// A decode rank took its handoff (`wall_ms`): the end of its transfer.
+    Received { id: u64, rank: usize, taken_ms: f64 },
     /// It cannot run (or was cancelled), with whatever it produced before.
     Failed {
         id: u64,
@@ -150,7 +158,10 @@ pub enum Event {
 impl Event {
     pub fn id(&self) -> u64 {
         match self {
-            Event::Finished { id, .. } | Event::Failed { id, .. } | Event::HandedOff { id, .. } => *id,
+            Event::Finished { id, .. }
+            | Event::Failed { id, .. }
+            | Event::HandedOff { id, .. }
+            | Event::Received { id, .. } => *id,
         }
     }
 }

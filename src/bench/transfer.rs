@@ -13,7 +13,9 @@ use kvflow_kernels::kv::PagedKvCache;
 use kvflow_kernels::models;
 use kvflow_operators::admit::Ingress;
 use kvflow_operators::transfer::wire::ConsumerLayout;
-use kvflow_operators::transfer::{AckQueue, ConsumerPool, Handoff, HandoffInbox, TcpConsumer, TcpLink, TransferId};
+use kvflow_operators::transfer::{
+    AckQueue, ConsumerPool, Handoff, HandoffInbox, LinkOptions, LinkTarget, Taken, TcpConsumer, TcpLink, TransferId,
+};
 use kvflow_operators::wake::RankWaker;
 use std::io::{Read, Write};
 use std::sync::atomic::AtomicU64;
@@ -32,41 +34,55 @@ const BLOCK: usize = 16;
 fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: bool) -> Result<f64> {
     let inbox = Arc::new(HandoffInbox::default());
     let pool = ConsumerPool { name: "bench".into(), ingress: Arc::new(Ingress::default()), inbox: inbox.clone() };
-    let consumer = TcpConsumer::bind("127.0.0.1:0", pool, layout, None).map_err(|e| anyhow!(e))?;
-    let mut link = TcpLink::connect("bench", consumer.addr(), layout.fingerprint, None, Arc::new(AtomicU64::new(0)))
-        .map_err(|e| anyhow!(e))?;
-    link.checksum = checksum;
+    let consumer = TcpConsumer::bind("127.0.0.1:0", pool, layout, Default::default()).map_err(|e| anyhow!(e))?;
+    let target = LinkTarget {
+        to: "bench".into(),
+        addr: consumer.addr(),
+        fingerprint: layout.fingerprint,
+        token: None,
+        link_id: 0,
+    };
+    let link = TcpLink::connect(target, LinkOptions { checksum, ..Default::default() }).map_err(|e| anyhow!(e))?;
     let acks = AckQueue::new(Arc::new(RankWaker::default()));
     let bytes = 4 * h.kv.len() as u64;
     let count = total.div_ceil(bytes).max(1);
-    let mut h = h.clone();
+    let taken = Arc::new(AtomicU64::new(0));
     let wait_for = |id: u64| loop {
-        if inbox.take(id).is_some() {
+        if matches!(inbox.take(id), Taken::Handoff(_)) {
             return;
         }
         std::thread::sleep(std::time::Duration::from_micros(100));
     };
-    // One handoff to warm the connection, then the timed ones back to back, taken as they
-    // arrive (as a decode rank takes them), so the receiving side reuses its buffers.
-    h.request = u64::MAX;
-    link.send_ref(&h, acks.clone()).map_err(|e| anyhow!(e))?;
+    let numbered = |id: u64| {
+        let mut h = h.clone();
+        h.request = id;
+        h.transfer.nonce = id;
+        Arc::new(h)
+    };
+    // One handoff to warm the connection, then the timed ones back to back (at most 4 queued
+    // on the link, as a rank's few prefills in flight), taken as they arrive (as a decode rank
+    // takes them), so the receiving side reuses its buffers.
+    link.send_arc(numbered(u64::MAX), acks.clone()).map_err(|e| anyhow!(e))?;
     wait_for(u64::MAX);
     let drainer = {
-        let inbox = inbox.clone();
+        let (inbox, taken) = (inbox.clone(), taken.clone());
         std::thread::spawn(move || {
             for i in 0..count {
-                while inbox.take(i).is_none() {
-                    std::thread::sleep(std::time::Duration::from_micros(100));
+                while !matches!(inbox.take(i), Taken::Handoff(_)) {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
                 }
+                taken.store(i + 1, std::sync::atomic::Ordering::Release);
             }
             Instant::now()
         })
     };
     let started = Instant::now();
     for i in 0..count {
-        h.request = i;
-        h.transfer.nonce = i;
-        link.send_ref(&h, acks.clone()).map_err(|e| anyhow!(e))?;
+        let next = numbered(i);
+        while i >= taken.load(std::sync::atomic::Ordering::Acquire) + 4 {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        link.send_arc(next, acks.clone()).map_err(|e| anyhow!(e))?;
     }
     let done = drainer.join().map_err(|_| anyhow!("the draining thread panicked"))?;
     let secs = done.duration_since(started).as_secs_f64();

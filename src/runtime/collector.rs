@@ -81,6 +81,10 @@ impl Collector {
             r.handoff_bytes = *bytes;
             return;
         }
+        if let Event::Received { taken_ms, .. } = &event {
+            r.received_ms = Some(taken_ms - start);
+            return;
+        }
         if r.ended_ms.is_some() {
             tracing::warn!(pool, request = id, "second end for a request: dropped");
             return;
@@ -106,11 +110,19 @@ impl Collector {
                 r.failure = Some(cause);
                 (tokens, token_times, started_ms)
             }
-            Event::HandedOff { .. } => unreachable!("handled above"),
+            Event::HandedOff { .. } | Event::Received { .. } => unreachable!("handled above"),
         };
         let arrival = r.arrival_ms;
         r.queue_ms = started_ms.map(|s| s - start - arrival);
         r.ttft_ms = times.first.map(|f| f - start - arrival);
+        // The TTFT split: T0 in hand on the decoding rank is when it took the handoff (P/D),
+        // or when it sampled T0 (aggregated).
+        let t0 = times.first.map(|f| f - start);
+        let started = started_ms.map(|s| s - start);
+        r.prefill_ms = started.zip(t0).map(|(s, f)| f - s);
+        let in_hand = if r.t0_ms.is_some() { r.received_ms } else { t0 };
+        r.transfer_ms = if r.t0_ms.is_some() { t0.zip(r.received_ms).map(|(f, got)| got - f) } else { Some(0.0) };
+        r.first_decode_ms = in_hand.zip(times.second.map(|s| s - start)).map(|(h, s)| s - h);
         r.e2e_ms = times.last.map(|l| l - start - arrival);
         r.tpot_ms = match (times.first, times.last) {
             (Some(f), Some(l)) if tokens.len() > 1 => Some((l - f) / (tokens.len() - 1) as f64),

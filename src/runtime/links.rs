@@ -1,30 +1,72 @@
 //! The handoff wiring of a run (DESIGN §2, §8): every pool's ingress, and for a P/D graph what
-//! each pool's ranks hand off to or take handoffs from — a prefill pool's `inproc` links to the
-//! decode pools its `[[link]]`s name, a decode pool's inbox. New requests enter the aggregated
-//! pools, or the prefill pools of a disaggregated graph.
+//! each pool's ranks hand off to or take handoffs from — a prefill pool's links to the decode
+//! pools its `[[link]]`s name, a decode pool's inbox. New requests enter the aggregated pools,
+//! or the prefill pools of a disaggregated graph.
+//!
+//! With `--pools`, a link may join a pool of this process to one in another: it must be `tcp`.
+//! A decode pool fed from other processes binds its endpoint (its address printed, for the
+//! producers' `--endpoint`), sends its requests' events back over the links, and closes its
+//! ingress once every producer link has closed. A prefill pool linked to a decode pool elsewhere
+//! connects to the address `--endpoint POOL=HOST:PORT` (or the link's fixed port) gives, and
+//! hands the events coming back to the collector.
 
-use crate::graph::{Graph, PoolConfig, PoolRole, TransferBackend};
+use crate::graph::{Graph, LinkConfig, PoolConfig, PoolRole, TransferBackend};
 use crate::runtime::pool::PoolHandoff;
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::admit::Ingress;
+use kvflow_operators::emit::EventSink;
 use kvflow_operators::messages::AdmissionKind;
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
-    ConsumerPool, HandoffInbox, HandoffSink, InprocLinks, TcpConsumer, TcpLink, TcpLinks,
+    ConsumerOptions, ConsumerPool, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkTarget,
+    TcpConsumer, TcpLink, TcpLinks, TransferCounters,
 };
 use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Each pool's ingress and handoff role.
 pub struct Wiring {
     pub ingress: HashMap<String, Arc<Ingress>>,
     pub handoff: HashMap<String, PoolHandoff>,
-    /// The decode pools' tcp listeners (they stop when dropped, after the run).
-    pub listeners: Vec<TcpConsumer>,
+    /// The decode pools' tcp listeners, by pool (they stop when dropped, after the run).
+    pub listeners: Vec<(String, TcpConsumer)>,
+    /// The decode pools of this process fed by producers in other processes.
+    pub served: Vec<String>,
+    /// Links to decode pools in other processes.
+    pub remote_links: Vec<Arc<TcpLink>>,
     /// Bytes that crossed a socket (tcp links).
     pub socket_bytes: Arc<AtomicU64>,
+    /// What the transfer engine counted (retries, failures, duplicates, aborts, faults).
+    pub counters: Arc<TransferCounters>,
+    /// The decode pools' inboxes (empty at the end of a run: every handoff taken or aborted).
+    pub inboxes: Vec<(String, Arc<HandoffInbox>)>,
+}
+
+/// What the wiring needs beyond the graph and the pools of this run.
+pub struct WireOptions<'a> {
+    /// `--endpoint POOL=HOST:PORT`: where a decode pool listens.
+    pub endpoints: &'a HashMap<String, String>,
+    /// Where the events of a decode pool in another process go (the collector).
+    pub remote_events: &'a dyn Fn(&str) -> Box<dyn EventSink + Send>,
+    /// How long a producer keeps trying to reach a decode pool in another process.
+    pub patience: Duration,
+}
+
+/// The graph's `[faults]` as the transfer engine draws them.
+fn faults(graph: &Graph) -> Faults {
+    let f = &graph.faults;
+    Faults {
+        seed: f.seed,
+        drop_connection: f.drop_connection,
+        delay: Duration::from_secs_f64(f.delay_ms / 1000.0),
+        delay_probability: f.delay_probability,
+        corrupt: f.corrupt,
+        duplicate_completion: f.duplicate_completion,
+    }
 }
 
 /// What a decode pool's rank holds per block and slot, as a tcp consumer checks descriptors.
@@ -50,61 +92,112 @@ impl Wiring {
         }
     }
 
-    /// The decode pools' ingresses (closed once every prefill pool has ended).
+    /// The local decode pools' ingresses that close once every prefill pool of this process has
+    /// ended (not those fed from other processes: their links close them).
     pub fn decode_ingresses(&self, pools: &[&PoolConfig]) -> Vec<Arc<Ingress>> {
-        pools.iter().filter(|p| p.role == PoolRole::Decode).map(|p| self.ingress[&p.name].clone()).collect()
+        pools
+            .iter()
+            .filter(|p| p.role == PoolRole::Decode && !self.served.contains(&p.name))
+            .map(|p| self.ingress[&p.name].clone())
+            .collect()
+    }
+
+    /// The listener of decode pool `pool`, if it has one.
+    pub fn listener(&self, pool: &str) -> Option<&TcpConsumer> {
+        self.listeners.iter().find(|(name, _)| name == pool).map(|(_, l)| l)
     }
 }
 
-/// Wires the pools this run starts. Every link must join two of them (a run of only some pools
-/// of a P/D graph needs the transfer engine across processes, which comes with `--pools`).
-pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model) -> Result<Wiring> {
+/// Where decode pool `to` listens: `--endpoint`, else the endpoint of a tcp link into it
+/// (default `127.0.0.1:0`).
+fn listen_endpoint(graph: &Graph, to: &str, endpoints: &HashMap<String, String>) -> Option<String> {
+    if let Some(e) = endpoints.get(to) {
+        return Some(e.clone());
+    }
+    let link = graph.links.iter().find(|l| l.to == to && l.backend == TransferBackend::Tcp)?;
+    Some(link.endpoint.as_ref().map_or("127.0.0.1:0".to_string(), ToString::to_string))
+}
+
+/// Where a producer of this process reaches decode pool `link.to`, which runs in another.
+fn remote_address(graph: &Graph, link: &LinkConfig, endpoints: &HashMap<String, String>) -> Result<SocketAddr> {
+    let place = format!("{}: link {} → {}", graph.path.display(), link.from, link.to);
+    if link.backend != TransferBackend::Tcp {
+        bail!(
+            "{place}: decode pool `{}` is not in this process (--pools), so the link must be backend = \"tcp\"",
+            link.to
+        );
+    }
+    let text = match (endpoints.get(&link.to), &link.endpoint) {
+        (Some(e), _) => e.clone(),
+        (None, Some(e)) if e.port != 0 => e.to_string(),
+        _ => bail!(
+            "{place}: decode pool `{}` runs in another process: give its address with --endpoint {}=HOST:PORT (its \
+             process prints it when it listens) or a fixed port in the link's endpoint",
+            link.to,
+            link.to
+        ),
+    };
+    text.to_socket_addrs()
+        .map_err(|e| anyhow!("{place}: cannot resolve {text}: {e}"))?
+        .next()
+        .ok_or_else(|| anyhow!("{place}: {text} resolves to no address"))
+}
+
+/// Wires the pools this run starts.
+pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireOptions) -> Result<Wiring> {
+    let local = |name: &str| pools.iter().any(|p| p.name == name);
     let ingress: HashMap<String, Arc<Ingress>> =
         pools.iter().map(|p| (p.name.clone(), Arc::new(Ingress::default()))).collect();
+    let (faults, counters) = (faults(graph), Arc::new(TransferCounters::default()));
     let inboxes: HashMap<String, Arc<HandoffInbox>> = pools
         .iter()
         .filter(|p| p.role == PoolRole::Decode)
-        .map(|p| (p.name.clone(), Arc::new(HandoffInbox::default())))
+        .map(|p| (p.name.clone(), Arc::new(HandoffInbox::new(faults, counters.clone()))))
         .collect();
     // The decode pools with tcp links in bind first; producers connect to the bound address.
     let token = graph.transfer.deployment_token.clone();
-    let mut listeners = Vec::new();
-    let mut bound: HashMap<String, std::net::SocketAddr> = HashMap::new();
+    let (mut listeners, mut served) = (Vec::new(), Vec::new());
+    let mut bound: HashMap<String, SocketAddr> = HashMap::new();
     for pool in pools.iter().filter(|p| p.role == PoolRole::Decode) {
-        let Some(link) = graph.links.iter().find(|l| l.to == pool.name && l.backend == TransferBackend::Tcp) else {
-            continue;
-        };
-        let endpoint = link.endpoint.as_ref().map_or("127.0.0.1:0".to_string(), ToString::to_string);
+        let into = graph.links_to(&pool.name);
+        let remote_producers = into.iter().filter(|l| !local(&l.from)).count();
+        if remote_producers > 0 && remote_producers < into.len() {
+            bail!(
+                "{}: decode pool `{}` takes handoffs from pools in this process and in others; run it in a \
+                 process with all of its prefill pools, or with none",
+                graph.path.display(),
+                pool.name
+            );
+        }
+        let Some(endpoint) = listen_endpoint(graph, &pool.name, options.endpoints) else { continue };
         let consumer = ConsumerPool {
             name: pool.name.clone(),
             ingress: ingress[&pool.name].clone(),
             inbox: inboxes[&pool.name].clone(),
         };
-        let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), token.clone())
-            .map_err(|e| anyhow::anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
+        let served_here = remote_producers > 0;
+        let consumer_options =
+            ConsumerOptions { token: token.clone(), expect_links: served_here.then_some(remote_producers) };
+        let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
+            .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
+        if served_here {
+            eprintln!("decode pool `{}` listening on {}", pool.name, listener.addr());
+            served.push(pool.name.clone());
+        }
         bound.insert(pool.name.clone(), listener.addr());
-        listeners.push(listener);
+        listeners.push((pool.name.clone(), listener));
     }
     let socket_bytes = Arc::new(AtomicU64::new(0));
-    let mut handoff = HashMap::new();
+    let (mut handoff, mut remote_links) = (HashMap::new(), Vec::new());
     for pool in pools {
         let role = match pool.role {
             PoolRole::Aggregated => PoolHandoff::None,
             PoolRole::Decode => PoolHandoff::In(inboxes[&pool.name].clone()),
             PoolRole::Prefill => {
-                let out: Vec<_> = graph.links.iter().filter(|l| l.from == pool.name).collect();
+                let out = graph.links_from(&pool.name);
                 let fingerprint = model.layout_fingerprint(pool.memory.block_size);
                 for link in &out {
                     let to = graph.pool(&link.to)?;
-                    if !ingress.contains_key(&link.to) {
-                        bail!(
-                            "{}: link {} → {}: pool `{}` is not part of this run",
-                            graph.path.display(),
-                            link.from,
-                            link.to,
-                            link.to
-                        );
-                    }
                     if model.layout_fingerprint(to.memory.block_size) != fingerprint {
                         bail!(
                             "{}: link {} → {}: the pools' memory layouts differ (block size {} against {}); a handoff \
@@ -118,6 +211,9 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model) -> Result<Wirin
                     }
                 }
                 let sink: Arc<dyn HandoffSink> = if out.iter().all(|l| l.backend == TransferBackend::Inproc) {
+                    if let Some(l) = out.iter().find(|l| !local(&l.to)) {
+                        remote_address(graph, l, options.endpoints)?; // fails: names the fix
+                    }
                     let consumers = out
                         .iter()
                         .map(|l| ConsumerPool {
@@ -126,23 +222,31 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model) -> Result<Wirin
                             inbox: inboxes[&l.to].clone(),
                         })
                         .collect();
-                    Arc::new(InprocLinks { consumers })
+                    Arc::new(InprocLinks { consumers, faults, counters: counters.clone() })
                 } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
-                    let links = out
-                        .iter()
-                        .map(|l| {
-                            let mut link = TcpLink::connect(
-                                &l.to,
-                                bound[&l.to],
-                                fingerprint,
-                                token.as_deref(),
-                                socket_bytes.clone(),
-                            )?;
-                            link.checksum = graph.transfer.checksum;
-                            Ok(link)
-                        })
-                        .collect::<Result<Vec<_>, String>>()
-                        .map_err(|e| anyhow::anyhow!("{}: prefill pool `{}`: {e}", graph.path.display(), pool.name))?;
+                    let mut links = Vec::new();
+                    for l in &out {
+                        let remote = !local(&l.to);
+                        let addr = if remote { remote_address(graph, l, options.endpoints)? } else { bound[&l.to] };
+                        let target =
+                            LinkTarget { to: l.to.clone(), addr, fingerprint, token: token.clone(), link_id: 0 };
+                        let link_options = LinkOptions {
+                            checksum: graph.transfer.checksum,
+                            faults,
+                            counters: counters.clone(),
+                            socket_bytes: socket_bytes.clone(),
+                            events: remote.then(|| (options.remote_events)(&l.to)),
+                            patience: if remote { options.patience } else { Duration::ZERO },
+                        };
+                        let link = Arc::new(
+                            TcpLink::connect(target, link_options)
+                                .map_err(|e| anyhow!("{}: prefill pool `{}`: {e}", graph.path.display(), pool.name))?,
+                        );
+                        if remote {
+                            remote_links.push(link.clone());
+                        }
+                        links.push(link);
+                    }
                     Arc::new(TcpLinks { links })
                 } else {
                     bail!(
@@ -156,5 +260,6 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model) -> Result<Wirin
         };
         handoff.insert(pool.name.clone(), role);
     }
-    Ok(Wiring { ingress, handoff, listeners, socket_bytes })
+    let inboxes = inboxes.into_iter().collect();
+    Ok(Wiring { ingress, handoff, listeners, served, remote_links, socket_bytes, counters, inboxes })
 }

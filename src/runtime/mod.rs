@@ -11,6 +11,7 @@ mod links;
 mod memory;
 pub(crate) mod pool;
 mod report;
+mod serve;
 mod verify;
 mod watchdog;
 
@@ -51,6 +52,11 @@ pub const EXIT_ACCOUNTING: i32 = 4;
 pub struct RunOptions {
     /// Run only this pool (default: every pool of the graph).
     pub pool: Option<String>,
+    /// `--pools`: run only these pools of the graph; the others run in other processes, joined
+    /// to these over their tcp links.
+    pub pools: Option<Vec<String>>,
+    /// `--endpoint POOL=HOST:PORT`: where a decode pool listens.
+    pub endpoints: std::collections::HashMap<String, String>,
     pub cluster: Option<ClusterPlace>,
     pub verify: bool,
     pub show_progress: bool,
@@ -89,11 +95,34 @@ pub fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g Po
     };
     if name.is_some() && pools.iter().any(|p| p.role != PoolRole::Aggregated) {
         bail!(
-            "{}: --pool runs one pool; a prefill or decode pool needs its linked pools in the same run (the \
-             transfer engine across processes is not built yet)",
+            "{}: --pool runs one aggregated pool; run a prefill or decode pool with --pools NAME[,NAME] (its \
+             linked pools in other processes)",
             graph.path.display()
         );
     }
+    check_pools(graph, &pools)?;
+    Ok(pools)
+}
+
+/// The pools `--pools` names, each once, checked as [`pick_pools`] checks them.
+pub fn pick_named_pools<'g>(graph: &'g Graph, names: &[String]) -> Result<Vec<&'g PoolConfig>> {
+    let mut pools: Vec<&PoolConfig> = Vec::new();
+    for name in names {
+        let pool = graph.pool(name).map_err(|e| anyhow!("--pools: {e}"))?;
+        if pools.iter().any(|p| p.name == pool.name) {
+            bail!("--pools names pool `{name}` twice");
+        }
+        pools.push(pool);
+    }
+    if pools.is_empty() {
+        bail!("--pools: name at least one pool of {}", graph.path.display());
+    }
+    check_pools(graph, &pools)?;
+    Ok(pools)
+}
+
+/// What no run of these pools takes yet.
+fn check_pools(graph: &Graph, pools: &[&PoolConfig]) -> Result<()> {
     if let Some(pool) = pools.iter().find(|p| p.disaggregation != Default::default()) {
         bail!(
             "{}: pool `{}`: [pool.disaggregation] (local prefills on the decode rank) is not built yet; leave it \
@@ -102,10 +131,25 @@ pub fn pick_pools<'g>(graph: &'g Graph, name: Option<&str>) -> Result<Vec<&'g Po
             pool.name
         );
     }
-    if graph.faults.any() {
-        bail!("{}: [faults]: fault injection is not built yet; leave the table out", graph.path.display());
+    if graph.faults.any() && !graph.is_disaggregated() {
+        bail!(
+            "{}: [faults]: faults strike the transfer engine, and this graph has no [[link]]s (a prefill and a \
+             decode pool joined by a link)",
+            graph.path.display()
+        );
     }
-    Ok(pools)
+    if graph.faults.corrupt > 0.0 {
+        if let Some(link) = graph.links.iter().find(|l| l.backend == crate::graph::TransferBackend::Inproc) {
+            bail!(
+                "{}: [faults] corrupt: link {} → {} is inproc, which moves no bytes to damage (and checksums \
+                 none); corruption applies to tcp links",
+                graph.path.display(),
+                link.from,
+                link.to
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The workload's requests, with the note when the trace is shorter than asked.
@@ -261,10 +305,18 @@ fn check_ranks(results: &[PoolResult]) -> (Vec<(String, Vec<RankStats>)>, Vec<St
 /// Runs a graph's pools over its workload.
 pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunOutcome> {
     let started = Instant::now();
-    let pools = pick_pools(graph, opts.pool.as_deref())?;
+    let pools = match &opts.pools {
+        Some(names) => pick_named_pools(graph, names)?,
+        None => pick_pools(graph, opts.pool.as_deref())?,
+    };
     check_machine(graph, &pools, opts.cluster.as_ref().map_or(1, |c| c.processes))?;
-    crate::report::check_output_dir(&graph.report_dir)
-        .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
+    // The process running the pools new requests enter drives the workload and reports; one
+    // running only decode pools serves the handoffs that come to it.
+    let drives = pools.iter().any(|p| links::Wiring::entry_kind(p).is_some());
+    if drives {
+        crate::report::check_output_dir(&graph.report_dir)
+            .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
+    }
     if !graph.workload.ignore_eos {
         bail!(
             "{}: workload.ignore_eos = false is not supported yet: outputs follow the trace's lengths",
@@ -297,6 +349,9 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
             jobs.iter().map(|j| j.name.as_str()).collect::<Vec<_>>().join(", ")
         );
     }
+    if !drives {
+        return serve::serve_handoffs(graph, opts, &pools, jobs, &model);
+    }
     let layouts: Vec<_> =
         jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
     if opts.cluster.as_ref().is_some_and(|c| c.process != 0) {
@@ -319,10 +374,22 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     // Start every pool, each with its ingress, its handoff links, its sink into the collector
     // and its watch. New requests enter the aggregated pools, or the prefill pools.
-    let mut wiring = links::wire(graph, &pools, &model)?;
+    let stall_timeout = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
+    let remote_batches = batches.clone();
+    let remote_events = move |to: &str| -> Box<dyn kvflow_operators::emit::EventSink + Send> {
+        Box::new(CollectorSink { pool: to.into(), batches: remote_batches.clone() })
+    };
+    let wire_options = links::WireOptions {
+        endpoints: &opts.endpoints,
+        remote_events: &remote_events,
+        patience: if stall_timeout.is_zero() { Duration::from_secs(3600) } else { stall_timeout },
+    };
+    let mut wiring = links::wire(graph, &pools, &model, &wire_options)?;
     let decode_ingresses = wiring.decode_ingresses(&pools);
+    let remote_links = std::mem::take(&mut wiring.remote_links);
     // The listeners live until the run is over; the socket counter goes in the report.
     let (_listeners, socket_bytes) = (std::mem::take(&mut wiring.listeners), wiring.socket_bytes.clone());
+    let (transfer_counters, inboxes) = (wiring.counters.clone(), std::mem::take(&mut wiring.inboxes));
     let mut entries = Vec::new();
     let mut watches = Vec::new();
     let mut running = Vec::new();
@@ -358,7 +425,6 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     })?;
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
-    let stall_timeout = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
     if stall_timeout.is_zero() {
         eprintln!("stall watchdog off (--stall-timeout 0)");
     }
@@ -396,11 +462,15 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         .map(|(role, pool)| {
             let collector = collector.clone();
             let (prefill_left, decode_ingresses) = (prefill_left.clone(), decode_ingresses.clone());
+            let remote_links = remote_links.clone();
             std::thread::spawn(move || {
                 let result = pool.join();
                 if role == PoolRole::Prefill && prefill_left.fetch_sub(1, Ordering::SeqCst) == 1 {
                     for ingress in &decode_ingresses {
                         ingress.close();
+                    }
+                    for link in &remote_links {
+                        link.close();
                     }
                 }
                 let message = format!("pool {} ended before the request did", result.name);
@@ -413,13 +483,17 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     for j in joiners {
         results.push(j.join().map_err(|_| anyhow!("a pool's joiner thread panicked"))?);
     }
+    drop(remote_events);
+    serve::await_remote_pools(&remote_links);
     collector_thread.join().map_err(|_| anyhow!("the collector thread panicked"))?;
     finished.store(true, Ordering::SeqCst);
     if let Some(w) = watchdog {
         let _ = w.join();
     }
     driver.join().map_err(|_| anyhow!("the workload driver panicked"))?;
-    let (stats, accounting) = check_ranks(&results);
+    let (stats, mut accounting) = check_ranks(&results);
+    accounting.extend(serve::unclaimed_handoffs(&inboxes));
+    accounting.extend(serve::remote_failures(&remote_links));
     let (records, interrupted_ms) = {
         let mut c = collector.lock().unwrap_or_else(|e| e.into_inner());
         (c.finish(), c.interrupted_ms)
@@ -441,6 +515,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         stats: &stats,
         accounting: &accounting,
         socket_bytes: socket_bytes.load(Ordering::Relaxed),
+        transfer: transfer_counters.snapshot().to_vec(),
     };
     let report = report::run_report(&records, &slo, &verify, &context);
     write_outputs(&graph.report_dir, &report, &records)

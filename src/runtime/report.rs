@@ -28,6 +28,8 @@ pub struct RunContext<'a> {
     pub accounting: &'a [String],
     /// Bytes handoffs moved over sockets (tcp links).
     pub socket_bytes: u64,
+    /// What the transfer engine counted (`TransferCounters::snapshot`).
+    pub transfer: Vec<(&'static str, u64)>,
 }
 
 fn memory(layout: &MemoryLayout) -> Value {
@@ -84,28 +86,40 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     if !g.links.is_empty() {
         let backends: Vec<&str> = g.links.iter().map(|l| l.backend.name()).collect();
         let backend = if backends.windows(2).all(|w| w[0] == w[1]) { backends[0].to_string() } else { "mixed".into() };
-        top.insert("handoff".into(), handoff(records, &all_stats, &backend, ctx.socket_bytes));
+        top.insert("handoff".into(), handoff(records, &all_stats, &backend, ctx));
     }
     summarize(&records.iter().collect::<Vec<_>>(), slo, verify, extra)
 }
 
 /// What the handoffs of a P/D run moved.
-fn handoff(records: &[RequestRecord], stats: &[&RankStats], backend: &str, socket_bytes: u64) -> Value {
+/// Per handoff, its transfer time (T0 sampled → the decode rank took it) and bytes.
+fn handoff(records: &[RequestRecord], stats: &[&RankStats], backend: &str, ctx: &RunContext) -> Value {
     let moved: Vec<&RequestRecord> = records.iter().filter(|r| r.t0_ms.is_some()).collect();
+    let timed: Vec<(f64, u64)> =
+        moved.iter().filter_map(|r| Some(((r.received_ms? - r.t0_ms?).max(0.0), r.handoff_bytes))).collect();
+    let times: Vec<f64> = timed.iter().map(|t| t.0).collect();
+    let (secs, bytes) = timed.iter().fold((0.0, 0u64), |(s, b), t| (s + t.0 / 1000.0, b + t.1));
     let failed = records.iter().filter(|r| r.failure.as_deref().is_some_and(|c| c.starts_with("handoff"))).count();
-    json!({
+    let mut v = json!({
         "backend": backend,
         "count": stats.iter().map(|s| s.handoffs_out).sum::<u64>(),
         "received": stats.iter().map(|s| s.handoffs_in).sum::<u64>(),
         "bytes": stats.iter().map(|s| s.handoff_bytes).sum::<u64>(),
-        "socket_bytes": socket_bytes,
+        "socket_bytes": ctx.socket_bytes,
         "saved_bytes": 0,
         "local_prefills": 0,
-        "retries": 0,
+        "mean_ms": crate::report::summary(&times)["mean"],
+        "p99_ms": crate::report::summary(&times)["p99"],
+        "gb_per_s": if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 },
         "failed": failed,
         "stale_acks": stats.iter().map(|s| s.stale_acks).sum::<u64>(),
         "requests_with_t0_from_prefill": moved.len(),
-    })
+    });
+    let obj = v.as_object_mut().expect("an object");
+    for (name, value) in &ctx.transfer {
+        obj.insert(if *name == "failed" { "transfer_failures".into() } else { name.to_string() }, json!(value));
+    }
+    v
 }
 
 /// KV, slot and snapshot utilization and batch size over the run: the per-step samples of the

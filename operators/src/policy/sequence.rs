@@ -106,6 +106,10 @@ pub struct Sequence {
     /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
     /// in (dropped if the request has to start over: it recomputes instead).
     pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
+    /// A prefill pool's request whose handoff was sent: the transfer it awaits the ack of, and
+    /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
+    pub in_transfer: Option<crate::transfer::TransferId>,
+    pub aborted: bool,
 }
 
 impl Sequence {
@@ -134,6 +138,8 @@ impl Sequence {
             handoff_outputs: None,
             t0_chain: None,
             import: None,
+            in_transfer: None,
+            aborted: false,
         }
     }
 

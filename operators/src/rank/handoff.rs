@@ -9,7 +9,7 @@ use super::Rank;
 use crate::messages::{wall_ms, Admission, Event};
 use crate::policy::sequence::Sequence;
 use crate::step::{Exported, SeqKey};
-use crate::transfer::{AckQueue, Handoff, HandoffInbox, HandoffSink, TransferId};
+use crate::transfer::{AckQueue, Handoff, HandoffInbox, HandoffSink, Taken, TransferId};
 use std::sync::Arc;
 
 /// What a prefill rank needs to hand off.
@@ -53,13 +53,20 @@ impl Rank {
                 Some(seq)
             }
             AdmissionKind::Handoff => {
-                let Some(h) = self.inbox.as_ref().and_then(|inbox| inbox.take(a.id)) else {
-                    self.fail_admission(
-                        a.id,
-                        "handoff-missing",
-                        "admitted as a handoff, but no handoff arrived".into(),
-                    );
-                    return None;
+                let taken = self.inbox.as_ref().map_or(Taken::Missing, |inbox| inbox.take(a.id));
+                let h = match taken {
+                    Taken::Handoff(h) => h,
+                    // Cancelled while in transfer: the producer reported it, and the abort
+                    // answered the transfer.
+                    Taken::Aborted => return None,
+                    Taken::Missing => {
+                        self.fail_admission(
+                            a.id,
+                            "handoff-missing",
+                            "admitted as a handoff, but no handoff arrived".into(),
+                        );
+                        return None;
+                    }
                 };
                 if self.memory.layout.keeps_state != h.state.is_some() {
                     // All or nothing: KV without the recurrent state (or state this model does
@@ -73,6 +80,7 @@ impl Rank {
                     return None;
                 }
                 self.stats.handoffs_in += 1;
+                self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
                 let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
                 // T0 is known: it is the first decode input, fed once, at the prompt boundary.
                 seq.tokens.push(h.t0);
@@ -116,10 +124,11 @@ impl Rank {
         };
         let nonce = out.next_nonce;
         out.next_nonce += 1;
+        let transfer = TransferId { nonce, generation: key.generation };
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
         let handoff = Handoff {
-            transfer: TransferId { nonce, generation: key.generation },
+            transfer,
             request: seq.id,
             prompt: seq.tokens[..seq.prompt_len].to_vec(),
             max_output_tokens: outputs,
@@ -141,6 +150,7 @@ impl Rank {
         match out.sink.send(handoff, out.acks.clone()) {
             Ok(to) => {
                 self.scheduler.forget(index);
+                self.seqs.get_mut(index).in_transfer = Some(transfer);
                 self.awaiting.insert(nonce, key);
                 self.stats.handoffs_out += 1;
                 self.stats.handoff_bytes += bytes;
@@ -162,8 +172,11 @@ impl Rank {
                 continue;
             };
             self.awaiting.remove(&transfer.nonce);
+            let aborted = self.seqs.by_key_mut(key).is_some_and(|s| s.aborted);
             match outcome {
                 Ok(()) => self.release_handed_off(key),
+                // Cancelled while in transfer: reported then; its memory goes now.
+                Err(_) if aborted => self.release_handed_off(key),
                 // The consumer refused it: the request fails here, naming why (its memory freed).
                 Err(why) if self.seqs.by_key_mut(key).is_some() => self.fail(
                     key.index as usize,
@@ -173,6 +186,39 @@ impl Rank {
                 ),
                 Err(_) => {}
             }
+        }
+    }
+
+    /// Request `index` was cancelled after its handoff was sent: it is reported cancelled now,
+    /// the consumer is asked to drop the transfer, and its memory stays held until that
+    /// transfer's answer (the abort's ack) comes back — the producer frees after the ack.
+    /// Returns false when it is not in transfer.
+    pub(super) fn abort_in_transfer(&mut self, index: usize) -> bool {
+        let seq = self.seqs.get_mut(index);
+        let (Some(transfer), false) = (seq.in_transfer, seq.aborted) else { return false };
+        seq.aborted = true;
+        let event = Event::Failed {
+            id: seq.id,
+            rank: self.index,
+            cause: "cancelled".into(),
+            message: "cancelled while in transfer".into(),
+            tokens: seq.tokens[seq.prompt_len..].to_vec(),
+            token_times: seq.token_times,
+            started_ms: seq.started_ms,
+        };
+        let id = seq.id;
+        self.events.push((self.step, event));
+        if let Some(out) = &self.handoff_out {
+            out.sink.abort(id, transfer);
+        }
+        true
+    }
+
+    /// A decode rank was asked to cancel a request it does not hold: a handoff of it waiting in
+    /// the inbox (or still on its way) is dropped and answered as aborted.
+    pub(super) fn abort_arriving(&mut self, id: u64) {
+        if let Some(inbox) = &self.inbox {
+            inbox.abort(id);
         }
     }
 

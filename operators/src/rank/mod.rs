@@ -172,10 +172,12 @@ impl Rank {
         std::mem::take(&mut self.events)
     }
 
-    /// Where a request it holds stands: "queued", "prefilling" or "decoding".
+    /// Where a request it holds stands: "queued", "prefilling", "in transfer" or "decoding".
     fn stage(&self, index: usize) -> &'static str {
         let seq = self.seqs.get(index);
-        if !self.scheduler.running().contains(&index) {
+        if seq.in_transfer.is_some() {
+            "in transfer"
+        } else if !self.scheduler.running().contains(&index) {
             "queued"
         } else if seq.computed < seq.prompt_len {
             "prefilling"
@@ -189,7 +191,13 @@ impl Rank {
     /// produced. Ids it does not hold are someone else's (or done).
     pub fn cancel(&mut self, ids: &[u64]) {
         for &id in ids {
-            let Some(index) = self.seqs.index_of(id) else { continue };
+            let Some(index) = self.seqs.index_of(id) else {
+                self.abort_arriving(id);
+                continue;
+            };
+            if self.seqs.get(index).aborted || self.abort_in_transfer(index) {
+                continue;
+            }
             let stage = self.stage(index);
             self.fail(index, self.step, "cancelled", format!("cancelled while {stage}"));
         }
@@ -222,7 +230,9 @@ impl Rank {
         self.poll();
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
         self.decided_for = Some(t);
-        if self.decided.is_empty() && self.in_flight.is_empty() && !self.scheduler.is_idle() {
+        // Handoffs awaiting their ack free memory when it comes: not stuck while any wait.
+        if self.decided.is_empty() && self.in_flight.is_empty() && self.awaiting.is_empty() && !self.scheduler.is_idle()
+        {
             self.fail_unschedulable();
         }
         let mut cancels = Vec::new();
@@ -267,7 +277,7 @@ impl Rank {
         }
     }
 
-    /// Nothing can run, nothing is in flight, yet requests are held: no completion will ever
+    /// Nothing can run, nothing is in flight or awaiting an ack, yet requests are held: no completion will ever
     /// change that, so they fail now with what the rank holds, instead of waiting in silence.
     fn fail_unschedulable(&mut self) {
         let m = &self.memory;

@@ -1,19 +1,22 @@
-//! The `inproc` transfer backend: producer and consumer pools in one process. A handoff moves as
-//! an `Arc` (no serialization, no socket): the consumer's executor copies it into the blocks and
-//! slot it allocated, before the step that first reads them. The consumer acks a handoff when it
-//! takes it (it owns the bytes from then on); the producer holds the request's blocks and slot
-//! until that ack arrives.
+//! The `inproc` transfer backend: producer and consumer pools in one process, and the consumer
+//! pool's inbox, which every backend delivers into. A handoff moves as an `Arc` (no
+//! serialization, no socket): the consumer's executor copies it into the blocks and slot it
+//! allocated, before the step that first reads them. The consumer acks a handoff when it takes
+//! it (it owns the bytes from then on); the producer holds the request's blocks and slot until
+//! that ack arrives. A cancelled request's transfer is aborted explicitly (the consumer drops
+//! it, or cancels what it began, and answers), never left to a timeout.
 
+use super::faults::{Fault, Faults, TransferCounters};
 use super::{locked, Handoff, TransferId};
 use crate::admit::Ingress;
 use crate::messages::{Admission, AdmissionKind};
 use crate::wake::RankWaker;
 use kvflow_kernels::hash;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// Where a consumer's answer to one handoff goes: `Ok` once it has the bytes, `Err` when it
-/// refused them (a bad checksum, a layout it cannot hold).
+/// refused them (a bad checksum, a layout it cannot hold) or the transfer was aborted.
 pub trait Ack: Send + Sync {
     fn ack(&self, request: u64, transfer: TransferId, outcome: Result<(), String>);
 }
@@ -46,32 +49,107 @@ impl Ack for AckQueue {
     }
 }
 
+/// The answer a transfer gets when its request was cancelled while it moved.
+pub const ABORTED: &str = "aborted: the request was cancelled while in transfer";
+
 /// Handoffs that reached a consumer pool, by request id, until the rank the router chose takes
-/// its one (every rank of the pool in this process shares the inbox).
+/// its one (every rank of the pool in this process shares the inbox). It also remembers which
+/// requests it handed to a rank (a second delivery of one is a duplicate: dropped, counted)
+/// and which were aborted (a delivery arriving after its abort is refused).
 #[derive(Default)]
 pub struct HandoffInbox {
-    arrived: Mutex<HashMap<u64, Arrived>>,
+    state: Mutex<InboxState>,
+    /// Faults on purpose: a taken handoff's ack may be sent twice (`duplicate_completion`).
+    pub faults: Faults,
+    pub counters: Arc<TransferCounters>,
+}
+
+#[derive(Default)]
+struct InboxState {
+    arrived: HashMap<u64, Arrived>,
+    taken: HashSet<u64>,
+    aborted: HashSet<u64>,
 }
 
 /// A handoff waiting in an inbox, with where its ack goes.
 type Arrived = (Arc<Handoff>, Arc<dyn Ack>);
 
+/// What a rank finds in the inbox for a handoff admission.
+pub enum Taken {
+    Handoff(Arc<Handoff>),
+    /// The transfer was aborted (its request was cancelled and reported so by the producer).
+    Aborted,
+    Missing,
+}
+
 impl HandoffInbox {
-    /// A handoff arrived (its admission follows through the pool's ingress).
-    pub fn put(&self, h: Arc<Handoff>, ack: Arc<dyn Ack>) {
-        locked(&self.arrived).insert(h.request, (h, ack));
+    pub fn new(faults: Faults, counters: Arc<TransferCounters>) -> Self {
+        HandoffInbox { state: Default::default(), faults, counters }
+    }
+
+    /// A handoff arrived. Returns whether its admission should follow through the pool's
+    /// ingress: not for a duplicate (acked again if it was already taken, so a producer whose
+    /// ack was lost hears it) or for an aborted transfer (refused).
+    pub fn put(&self, h: Arc<Handoff>, ack: Arc<dyn Ack>) -> bool {
+        let mut s = locked(&self.state);
+        let id = h.request;
+        if s.aborted.contains(&id) {
+            drop(s);
+            TransferCounters::bump(&self.counters.aborted);
+            ack.ack(id, h.transfer, Err(ABORTED.into()));
+            return false;
+        }
+        if s.taken.contains(&id) {
+            drop(s);
+            TransferCounters::bump(&self.counters.duplicates);
+            ack.ack(id, h.transfer, Ok(()));
+            return false;
+        }
+        if s.arrived.contains_key(&id) {
+            // Not taken yet: its one ack comes at the take (a tcp link's acks go to its newest
+            // connection).
+            TransferCounters::bump(&self.counters.duplicates);
+            return false;
+        }
+        s.arrived.insert(id, (h, ack));
+        true
     }
 
     /// Takes request `id`'s handoff and acks it (the taker owns the bytes now).
-    pub fn take(&self, id: u64) -> Option<Arc<Handoff>> {
-        let (h, ack) = locked(&self.arrived).remove(&id)?;
+    pub fn take(&self, id: u64) -> Taken {
+        let mut s = locked(&self.state);
+        let Some((h, ack)) = s.arrived.remove(&id) else {
+            return if s.aborted.contains(&id) { Taken::Aborted } else { Taken::Missing };
+        };
+        s.taken.insert(id);
+        drop(s);
         ack.ack(id, h.transfer, Ok(()));
-        Some(h)
+        if self.faults.strikes(Fault::Duplicate, id, 0) {
+            TransferCounters::bump(&self.counters.duplicated);
+            ack.ack(id, h.transfer, Ok(())); // the producer must drop the second
+        }
+        Taken::Handoff(h)
+    }
+
+    /// Request `id` was cancelled: a handoff of it that waits here is dropped and answered
+    /// [`ABORTED`], one still on its way will be. Returns whether one was waiting. (A handoff a
+    /// rank took is that rank's to cancel.)
+    pub fn abort(&self, id: u64) -> bool {
+        let mut s = locked(&self.state);
+        if s.taken.contains(&id) {
+            return false;
+        }
+        s.aborted.insert(id);
+        let Some((h, ack)) = s.arrived.remove(&id) else { return false };
+        drop(s);
+        TransferCounters::bump(&self.counters.aborted);
+        ack.ack(id, h.transfer, Err(ABORTED.into()));
+        true
     }
 
     /// Handoffs not taken yet.
     pub fn len(&self) -> usize {
-        locked(&self.arrived).len()
+        locked(&self.state).arrived.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -87,11 +165,33 @@ pub struct ConsumerPool {
     pub inbox: Arc<HandoffInbox>,
 }
 
+impl ConsumerPool {
+    /// Delivers a handoff: into the inbox, then (unless a duplicate or aborted) its admission.
+    pub fn deliver(&self, h: Arc<Handoff>, ack: Arc<dyn Ack>) {
+        let admission = handoff_admission(&h);
+        if self.inbox.put(h, ack) {
+            self.ingress.push(admission);
+        }
+    }
+
+    /// Aborts request `id`'s transfer here: drops a waiting handoff, cancels a taken one.
+    pub fn abort(&self, id: u64) {
+        if !self.inbox.abort(id) {
+            self.ingress.cancel(id);
+        }
+    }
+}
+
 /// Where a producer rank's finished prefills go: the decode pools its links name, one chosen
 /// per request (a seeded draw on its id, so a run is repeatable).
 pub trait HandoffSink: Send + Sync {
-    /// Sends `h`; `ack` is raised when the consumer has it. Returns the pool it went to.
+    /// Sends `h`; `ack` is raised when the consumer has it (or refused it, or the transfer
+    /// failed for good). Returns the pool it goes to.
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String>;
+
+    /// Request `request`, whose handoff `transfer` was sent, was cancelled: ask the consumer to
+    /// drop it (its answer is the transfer's ack).
+    fn abort(&self, request: u64, transfer: TransferId);
 }
 
 /// The admission a handoff enters its decode pool with.
@@ -105,9 +205,17 @@ pub fn handoff_admission(h: &Handoff) -> Admission {
     }
 }
 
+/// Which of `n` links request `request` goes over (seeded on its id, so a run is repeatable
+/// and an abort follows its handoff).
+pub fn pick_link(request: u64, n: usize) -> usize {
+    (hash::mix(hash::EMPTY, request) % n.max(1) as u64) as usize
+}
+
 /// `inproc` links to decode pools of this process.
 pub struct InprocLinks {
     pub consumers: Vec<ConsumerPool>,
+    pub faults: Faults,
+    pub counters: Arc<TransferCounters>,
 }
 
 impl HandoffSink for InprocLinks {
@@ -115,14 +223,52 @@ impl HandoffSink for InprocLinks {
         if self.consumers.is_empty() {
             return Err("no decode pool is linked".into());
         }
-        let pick = (hash::mix(hash::EMPTY, h.request) % self.consumers.len() as u64) as usize;
-        let to = &self.consumers[pick];
+        let to = &self.consumers[pick_link(h.request, self.consumers.len())];
         if to.ingress.is_closed() {
             return Err(format!("decode pool {} no longer takes handoffs", to.name));
         }
-        let admission = handoff_admission(&h);
-        to.inbox.put(Arc::new(h), ack);
-        to.ingress.push(admission);
+        // A dropped transfer is sent once more; lost twice, the request fails.
+        for attempt in 0..2 {
+            if !self.faults.strikes(Fault::Drop, h.request, attempt) {
+                break;
+            }
+            TransferCounters::bump(&self.counters.dropped);
+            if attempt == 1 {
+                TransferCounters::bump(&self.counters.failed);
+                return Err(format!("the transfer to decode pool {} was lost twice (faults.drop_connection)", to.name));
+            }
+            TransferCounters::bump(&self.counters.retries);
+        }
+        let (h, ack): (Arc<Handoff>, Arc<dyn Ack>) = (Arc::new(h), ack);
+        let copies = if self.faults.strikes(Fault::Duplicate, h.request, 1) {
+            TransferCounters::bump(&self.counters.duplicated);
+            2
+        } else {
+            1
+        };
+        if self.faults.strikes(Fault::Delay, h.request, 0) {
+            TransferCounters::bump(&self.counters.delayed);
+            let (to, delay) = (to.clone(), self.faults.delay);
+            std::thread::Builder::new()
+                .name("kvflow-delayed-handoff".into())
+                .spawn(move || {
+                    std::thread::sleep(delay);
+                    for _ in 0..copies {
+                        to.deliver(h.clone(), ack.clone());
+                    }
+                })
+                .map_err(|e| format!("cannot delay the transfer: {e}"))?;
+        } else {
+            for _ in 0..copies {
+                to.deliver(h.clone(), ack.clone());
+            }
+        }
         Ok(to.name.clone())
+    }
+
+    fn abort(&self, request: u64, _transfer: TransferId) {
+        if let Some(to) = self.consumers.get(pick_link(request, self.consumers.len())) {
+            to.abort(request);
+        }
     }
 }

@@ -4,13 +4,18 @@
 //! each carries a nonce and generation so a duplicate or late completion is dropped.
 
 pub mod checksum;
+pub mod faults;
 pub mod inproc;
 pub mod tcp;
 pub mod wire;
 
 pub use checksum::Crc32c;
-pub use inproc::{handoff_admission, Ack, AckQueue, AckRecord, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks};
-pub use tcp::{TcpConsumer, TcpLink, TcpLinks};
+pub use faults::{Fault, Faults, TransferCounters};
+pub use inproc::{
+    handoff_admission, pick_link, Ack, AckQueue, AckRecord, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks,
+    Taken, ABORTED,
+};
+pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
 /// A lock, whether or not a holder panicked (the data is plain counters and queues).

@@ -1,0 +1,575 @@
+//! A prefill pool's link to one decode pool over tcp: registers, then sends every handoff from a
+//! thread of its own and keeps it until its ack; reconnects when the connection drops and sends
+//! again what was unanswered; and, when the decode pool runs in another process, hands the events
+//! coming back to the run's collector, failing the requests a vanished peer still owed.
+
+use super::{
+    read_status, read_u32, read_u64, read_u8, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, MAX_EVENTS_BYTES,
+    TAG_ACK, TAG_DONE, TAG_EVENTS,
+};
+use crate::emit::EventSink;
+use crate::messages::Event;
+use crate::transfer::faults::{Fault, Faults, TransferCounters};
+use crate::transfer::inproc::{pick_link, Ack, AckQueue, HandoffSink};
+use crate::transfer::wire::encode_descriptor;
+use crate::transfer::{locked, stream_payload, Handoff, TransferId};
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A clock reading that differs between processes started apart (seeds link ids).
+fn messages_clock() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Where a producer connects and how it registers.
+#[derive(Clone, Debug)]
+pub struct LinkTarget {
+    /// The decode pool's name.
+    pub to: String,
+    pub addr: SocketAddr,
+    pub fingerprint: u64,
+    pub token: Option<String>,
+    /// Names this link to the consumer across its reconnections (set by [`TcpLink::connect`]).
+    pub link_id: u64,
+}
+
+impl LinkTarget {
+    fn describe(&self) -> String {
+        format!("decode pool {} at {}", self.to, self.addr)
+    }
+
+    /// Connects and registers (fingerprint, token); the error names the peer.
+    fn connect(&self) -> Result<TcpStream, String> {
+        let where_ = self.describe();
+        let mut stream = TcpStream::connect(self.addr).map_err(|e| format!("cannot connect to {where_}: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        let token = self.token.as_deref().unwrap_or("").as_bytes();
+        let mut hello = Vec::new();
+        hello.extend_from_slice(&HELLO.to_le_bytes());
+        hello.extend_from_slice(&self.fingerprint.to_le_bytes());
+        hello.extend_from_slice(&(token.len() as u16).to_le_bytes());
+        hello.extend_from_slice(token);
+        hello.extend_from_slice(&self.link_id.to_le_bytes());
+        stream.write_all(&hello).map_err(|e| format!("{where_}: {e}"))?;
+        read_status(&mut stream)
+            .map_err(|e| format!("{where_}: {e}"))?
+            .map_err(|why| format!("{where_} refused the registration: {why}"))?;
+        Ok(stream)
+    }
+}
+
+/// A handoff sent and not answered yet.
+struct Unanswered {
+    handoff: Arc<Handoff>,
+    ack: Arc<AckQueue>,
+    /// 0 for the first send, 1 for the retry.
+    attempt: u32,
+    /// The connection it was last written on (`None`: queued to be written).
+    sent_on: Option<u64>,
+    /// Whether the connection dropped while it was being written (it is the one retried once).
+    cut: bool,
+    /// Times it was sent again, whole, after a drop that cut another transfer (bounded too).
+    resends: u32,
+}
+
+/// How often a transfer that was written whole is sent again after drops that cut others.
+const MAX_RESENDS: u32 = 3;
+
+/// What the sending thread does next.
+enum Job {
+    Send(u64),
+    Abort(u64, TransferId),
+    Close,
+}
+
+/// The current connection's writing half.
+struct Conn {
+    stream: Option<TcpStream>,
+    epoch: u64,
+    /// Set when the peer is gone for good: later sends fail with it.
+    dead: Option<String>,
+}
+
+struct LinkShared {
+    target: LinkTarget,
+    checksum: bool,
+    faults: Faults,
+    counters: Arc<TransferCounters>,
+    socket_bytes: Arc<AtomicU64>,
+    conn: Mutex<Conn>,
+    unanswered: Mutex<HashMap<u64, Unanswered>>,
+    /// Where answered requests' acks went (a duplicate ack goes there too, to be dropped and
+    /// counted by the rank).
+    answered: Mutex<HashMap<u64, Arc<AckQueue>>>,
+    jobs: Mutex<Sender<Job>>,
+    /// A decode pool in another process: where its events go, and the requests it took whose
+    /// end has not come back yet (failed if the peer vanishes).
+    remote: Mutex<Option<RemoteEnd>>,
+    /// The remote pool's end-of-run check, once it sent it.
+    done: Mutex<Option<Result<(), String>>>,
+}
+
+struct RemoteEnd {
+    sink: Box<dyn EventSink + Send>,
+    owed: HashSet<u64>,
+}
+
+/// A prefill pool's connection to one decode pool.
+pub struct TcpLink {
+    shared: Arc<LinkShared>,
+}
+
+/// How a link is set up beyond its target.
+#[derive(Default)]
+pub struct LinkOptions {
+    /// Checksum every payload (`[transfer] checksum`).
+    pub checksum: bool,
+    pub faults: Faults,
+    pub counters: Arc<TransferCounters>,
+    pub socket_bytes: Arc<AtomicU64>,
+    /// The decode pool runs in another process: its requests' events come back over the link
+    /// and go here.
+    pub events: Option<Box<dyn EventSink + Send>>,
+    /// How long to keep trying to reach a consumer that is not listening yet (saying so every
+    /// 10 s); zero: one try.
+    pub patience: Duration,
+}
+
+/// How often a link waiting for its consumer says so.
+const CONNECT_NOTICE: Duration = Duration::from_secs(10);
+
+impl TcpLink {
+    /// Connects to `target` and registers, then starts the link's sending and ack threads.
+    pub fn connect(mut target: LinkTarget, options: LinkOptions) -> Result<TcpLink, String> {
+        static LINKS: AtomicU64 = AtomicU64::new(1);
+        let here = kvflow_kernels::hash::mix(u64::from(std::process::id()), messages_clock());
+        target.link_id = kvflow_kernels::hash::mix(here, LINKS.fetch_add(1, Ordering::Relaxed));
+        let stream = connect_patiently(&target, options.patience)?;
+        let reading = stream.try_clone().map_err(|e| format!("{}: {e}", target.describe()))?;
+        let (jobs, queue) = channel();
+        let shared = Arc::new(LinkShared {
+            target,
+            checksum: options.checksum,
+            faults: options.faults,
+            counters: options.counters,
+            socket_bytes: options.socket_bytes,
+            conn: Mutex::new(Conn { stream: Some(stream), epoch: 0, dead: None }),
+            unanswered: Default::default(),
+            answered: Default::default(),
+            jobs: Mutex::new(jobs),
+            remote: Mutex::new(options.events.map(|sink| RemoteEnd { sink, owed: HashSet::new() })),
+            done: Mutex::new(None),
+        });
+        let name = shared.target.to.clone();
+        let sending = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("kvflow-send-{name}"))
+            .spawn(move || send_loop(&sending, queue))
+            .map_err(|e| format!("cannot start the sending thread of link to {name}: {e}"))?;
+        let reader = shared.clone();
+        std::thread::Builder::new()
+            .name(format!("kvflow-acks-{name}"))
+            .spawn(move || ack_loop(&reader, reading, 0))
+            .map_err(|e| format!("cannot start the ack thread of link to {name}: {e}"))?;
+        Ok(TcpLink { shared })
+    }
+
+    /// Queues `h` for sending; `ack` hears the consumer's answer, or the failure.
+    pub fn send_arc(&self, h: Arc<Handoff>, ack: Arc<AckQueue>) -> Result<String, String> {
+        let s = &self.shared;
+        if let Some(why) = &locked(&s.conn).dead {
+            return Err(why.clone());
+        }
+        let request = h.request;
+        let u = Unanswered { handoff: h, ack, attempt: 0, sent_on: None, cut: false, resends: 0 };
+        locked(&s.unanswered).insert(request, u);
+        let _ = locked(&s.jobs).send(Job::Send(request));
+        Ok(s.target.to.clone())
+    }
+
+    /// This link's pool ended: tells the consumer no more handoffs come on it.
+    pub fn close(&self) {
+        let _ = locked(&self.shared.jobs).send(Job::Close);
+    }
+
+    /// The remote decode pool's end-of-run check, once it sent it (`None`: not yet, or it is
+    /// gone — then its requests were failed).
+    pub fn remote_outcome(&self) -> Option<Result<(), String>> {
+        locked(&self.shared.done).clone()
+    }
+
+    /// Whether a remote decode pool is done with this link: it sent its end-of-run check, or it
+    /// is gone (its requests failed). Always true for a pool of this process.
+    pub fn finished(&self) -> bool {
+        locked(&self.shared.remote).is_none()
+    }
+
+    /// The address it sends to.
+    pub fn addr(&self) -> SocketAddr {
+        self.shared.target.addr
+    }
+
+    /// The decode pool this link goes to.
+    pub fn to(&self) -> &str {
+        &self.shared.target.to
+    }
+}
+
+/// Connects and registers, trying again for up to `patience` while the consumer is not there.
+fn connect_patiently(target: &LinkTarget, patience: Duration) -> Result<TcpStream, String> {
+    let started = Instant::now();
+    let mut noticed = Instant::now();
+    loop {
+        match target.connect() {
+            Ok(stream) => return Ok(stream),
+            Err(e) if started.elapsed() >= patience => {
+                return Err(if patience.is_zero() {
+                    e
+                } else {
+                    format!("{e} (tried for {} s)", started.elapsed().as_secs())
+                })
+            }
+            Err(e) => {
+                if noticed.elapsed() >= CONNECT_NOTICE {
+                    eprintln!("still waiting for {} ({e})", target.describe());
+                    noticed = Instant::now();
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+impl LinkShared {
+    /// The transfer of `request` failed for good: its rank hears why.
+    fn fail(&self, request: u64, why: String) {
+        if let Some(u) = locked(&self.unanswered).remove(&request) {
+            TransferCounters::bump(&self.counters.failed);
+            u.ack.ack(request, u.handoff.transfer, Err(why));
+        }
+    }
+
+    /// Sends `request`'s handoff again after its connection dropped: once if the drop cut it
+    /// (or the consumer refused its damaged bytes), a few times if it had been written whole
+    /// (the consumer may well have it: a second copy is answered as a duplicate). Past that it
+    /// fails, and the consumer is asked to drop whatever it has of it.
+    fn retry(&self, request: u64, why: &str) {
+        let mut unanswered = locked(&self.unanswered);
+        let Some(u) = unanswered.get_mut(&request) else { return };
+        let again = if u.cut {
+            u.attempt += 1;
+            u.attempt == 1
+        } else {
+            u.resends += 1;
+            u.resends <= MAX_RESENDS
+        };
+        if again {
+            (u.sent_on, u.cut) = (None, false);
+            TransferCounters::bump(&self.counters.retries);
+            let _ = locked(&self.jobs).send(Job::Send(request));
+        } else {
+            let transfer = u.handoff.transfer;
+            drop(unanswered);
+            self.fail(request, format!("{why}, again on the retry"));
+            let _ = locked(&self.jobs).send(Job::Abort(request, transfer));
+        }
+    }
+}
+
+/// The link's sending thread: writes each queued handoff (descriptor, payload checksummed as it
+/// goes, checksum) or abort on the current connection. Faults strike here.
+fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
+    for job in queue {
+        let request = match job {
+            Job::Abort(request, transfer) => {
+                let mut frame = ABORT_FRAME.to_le_bytes().to_vec();
+                frame.extend_from_slice(&request.to_le_bytes());
+                frame.extend_from_slice(&transfer.nonce.to_le_bytes());
+                frame.extend_from_slice(&transfer.generation.to_le_bytes());
+                let mut conn = locked(&s.conn);
+                if let Some(stream) = conn.stream.as_mut() {
+                    // A connection that drops fails (or retries, then aborts) the transfer anyway.
+                    let _ = stream.write_all(&frame);
+                }
+                continue;
+            }
+            Job::Close => {
+                let mut conn = locked(&s.conn);
+                if let Some(stream) = conn.stream.as_mut() {
+                    let _ = stream.write_all(&CLOSE_FRAME.to_le_bytes()).and_then(|_| stream.flush());
+                }
+                continue;
+            }
+            Job::Send(request) => request,
+        };
+        let (h, attempt) = match locked(&s.unanswered).get(&request) {
+            Some(u) if u.sent_on.is_none() => (u.handoff.clone(), u.attempt),
+            _ => continue, // answered, failed or aborted meanwhile, or already sent
+        };
+        if s.faults.strikes(Fault::Delay, request, attempt) {
+            TransferCounters::bump(&s.counters.delayed);
+            std::thread::sleep(s.faults.delay);
+        }
+        let drop_midway = s.faults.strikes(Fault::Drop, request, attempt);
+        let corrupt = s.faults.strikes(Fault::Corrupt, request, attempt);
+        let copies = if s.faults.strikes(Fault::Duplicate, request, attempt + 2) { 2 } else { 1 };
+        let mut conn = locked(&s.conn);
+        let epoch = conn.epoch;
+        let Some(stream) = conn.stream.as_mut() else {
+            drop(conn);
+            s.fail(request, format!("{} is gone", s.target.describe()));
+            continue;
+        };
+        if let Some(u) = locked(&s.unanswered).get_mut(&request) {
+            u.sent_on = Some(epoch);
+        }
+        let mut written = 0u64;
+        let mut outcome = Ok(());
+        for copy in 0..copies {
+            outcome = write_handoff(stream, &h, s.checksum, drop_midway, corrupt && copy == 0, &mut written);
+            if outcome.is_err() {
+                break;
+            }
+        }
+        if copies == 2 {
+            TransferCounters::bump(&s.counters.duplicated);
+        }
+        if corrupt {
+            TransferCounters::bump(&s.counters.corrupted);
+        }
+        s.socket_bytes.fetch_add(written, Ordering::Relaxed);
+        if drop_midway {
+            TransferCounters::bump(&s.counters.dropped);
+        }
+        if outcome.is_err() || drop_midway {
+            // The ack thread sees the connection end and recovers (it retries this transfer).
+            if let Some(u) = locked(&s.unanswered).get_mut(&request) {
+                u.cut = true;
+            }
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Writes one handoff frame; `drop_midway` stops halfway through the payload, `corrupt`
+/// damages a byte after the checksum took it in. Adds the bytes written to `written`.
+fn write_handoff(
+    stream: &mut TcpStream,
+    h: &Handoff,
+    checksum: bool,
+    drop_midway: bool,
+    corrupt: bool,
+    written: &mut u64,
+) -> std::io::Result<()> {
+    let descriptor = encode_descriptor(h, checksum.then_some(0));
+    stream.write_all(&(descriptor.len() as u32).to_le_bytes())?;
+    stream.write_all(&descriptor)?;
+    *written += 4 + descriptor.len() as u64;
+    let total = 4 * (h.kv.len() + h.state.as_ref().map_or(0, Vec::len)) as u64;
+    let mut sent = Ok(());
+    let mut payload = 0u64;
+    let crc = stream_payload(h, checksum, |bytes| {
+        if sent.is_err() || (drop_midway && payload >= total / 2) {
+            return;
+        }
+        sent = if corrupt && payload == 0 {
+            let mut damaged = bytes.to_vec();
+            damaged[0] ^= 0x5a;
+            stream.write_all(&damaged)
+        } else {
+            stream.write_all(bytes)
+        };
+        payload += bytes.len() as u64;
+    });
+    *written += payload;
+    sent?;
+    if drop_midway {
+        return Ok(());
+    }
+    stream.write_all(&crc.to_le_bytes())?;
+    *written += 4;
+    stream.flush()
+}
+
+/// The link's ack thread: hands each answer to the rank that sent the handoff; when the
+/// connection ends, reconnects once and sends again what was unanswered, or fails it.
+fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
+    loop {
+        let reason = loop {
+            match read_frame(&mut reading) {
+                Ok(Frame::Ack(request, transfer, outcome)) => answer(s, request, transfer, outcome),
+                Ok(Frame::Events(events)) => forward_events(s, events),
+                Ok(Frame::Done(outcome)) => {
+                    // The remote pool ended: nothing more comes on this link.
+                    *locked(&s.done) = Some(outcome);
+                    locked(&s.remote).take();
+                    return;
+                }
+                Err(e) => break e.to_string(),
+            }
+        };
+        let why = format!("the connection to {} dropped ({reason})", s.target.describe());
+        // Reconnect under the connection's lock, so a send lands either in what is retried here
+        // or on the new connection.
+        let mut conn = locked(&s.conn);
+        if let Some(old) = conn.stream.take() {
+            let _ = old.shutdown(Shutdown::Both);
+        }
+        let dropped: Vec<u64> = locked(&s.unanswered)
+            .iter()
+            .filter(|(_, u)| u.sent_on == Some(epoch))
+            .map(|(&request, _)| request)
+            .collect();
+        match s.target.connect().and_then(|stream| {
+            let reader = stream.try_clone().map_err(|e| e.to_string())?;
+            Ok((stream, reader))
+        }) {
+            Ok((stream, reader)) => {
+                epoch += 1;
+                conn.stream = Some(stream);
+                conn.epoch = epoch;
+                drop(conn);
+                tracing::warn!(link = %s.target.to, "{why}; reconnected, {} transfer(s) sent again", dropped.len());
+                for request in dropped {
+                    s.retry(request, &why);
+                }
+                reading = reader;
+            }
+            Err(e) => {
+                let dead = format!("{why}, and reconnecting failed: {e}");
+                conn.dead = Some(dead.clone());
+                drop(conn);
+                tracing::error!(link = %s.target.to, "{dead}");
+                let all: Vec<u64> = locked(&s.unanswered).keys().copied().collect();
+                for request in all {
+                    s.fail(request, dead.clone());
+                }
+                fail_owed(s, &dead);
+                return;
+            }
+        }
+    }
+}
+
+/// The consumer answered `request`'s transfer. A damaged payload is sent once more; an answer
+/// for a request already answered goes to its rank, which drops it as stale.
+fn answer(s: &LinkShared, request: u64, transfer: TransferId, outcome: Result<(), String>) {
+    if let Err(why) = &outcome {
+        if why.starts_with(CHECKSUM_REFUSAL) {
+            if let Some(u) = locked(&s.unanswered).get_mut(&request) {
+                u.cut = true;
+            }
+            s.retry(request, why);
+            return;
+        }
+    }
+    let u = {
+        let mut unanswered = locked(&s.unanswered);
+        match unanswered.get(&request) {
+            Some(u) if u.handoff.transfer == transfer => unanswered.remove(&request),
+            _ => None,
+        }
+    };
+    match u {
+        Some(u) => {
+            if outcome.is_ok() {
+                if let Some(remote) = locked(&s.remote).as_mut() {
+                    remote.owed.insert(request);
+                }
+            }
+            locked(&s.answered).insert(request, u.ack.clone());
+            u.ack.ack(request, transfer, outcome);
+        }
+        None => {
+            if let Some(queue) = locked(&s.answered).get(&request).cloned() {
+                queue.ack(request, transfer, outcome);
+            }
+        }
+    }
+}
+
+/// A consumer → producer frame.
+enum Frame {
+    Ack(u64, TransferId, Result<(), String>),
+    Events(Vec<Event>),
+    Done(Result<(), String>),
+}
+
+fn read_frame(r: &mut TcpStream) -> std::io::Result<Frame> {
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    match read_u8(r)? {
+        TAG_ACK => {
+            let request = read_u64(r)?;
+            let nonce = read_u64(r)?;
+            let generation = read_u32(r)?;
+            Ok(Frame::Ack(request, TransferId { nonce, generation }, read_status(r)?))
+        }
+        TAG_EVENTS => {
+            let len = read_u32(r)? as usize;
+            if len > MAX_EVENTS_BYTES {
+                return Err(bad(format!("an events frame of {len} bytes (at most {MAX_EVENTS_BYTES})")));
+            }
+            let mut body = vec![0; len];
+            r.read_exact(&mut body)?;
+            serde_json::from_slice(&body).map(Frame::Events).map_err(|e| bad(format!("bad events frame: {e}")))
+        }
+        TAG_DONE => Ok(Frame::Done(read_status(r)?)),
+        tag => Err(bad(format!("unknown frame tag {tag}"))),
+    }
+}
+
+/// Events of requests the remote decode pool ran: to the collector (an end settles what it owed).
+fn forward_events(s: &LinkShared, events: Vec<Event>) {
+    let mut remote = locked(&s.remote);
+    let Some(remote) = remote.as_mut() else { return };
+    for e in &events {
+        if matches!(e, Event::Finished { .. } | Event::Failed { .. }) {
+            remote.owed.remove(&e.id());
+        }
+    }
+    remote.sink.events(0, events);
+}
+
+/// The remote decode pool is gone: every request it took and never ended fails, naming it.
+fn fail_owed(s: &LinkShared, why: &str) {
+    let Some(mut remote) = locked(&s.remote).take() else { return };
+    let mut owed: Vec<u64> = remote.owed.drain().collect();
+    owed.sort_unstable();
+    let events = owed
+        .into_iter()
+        .map(|id| Event::Failed {
+            id,
+            rank: usize::MAX,
+            cause: "handoff".into(),
+            message: format!("{why}: the request was decoding there"),
+            tokens: Vec::new(),
+            token_times: Default::default(),
+            started_ms: None,
+        })
+        .collect();
+    remote.sink.events(0, events);
+}
+
+/// `tcp` links of one prefill pool.
+pub struct TcpLinks {
+    pub links: Vec<Arc<TcpLink>>,
+}
+
+impl HandoffSink for TcpLinks {
+    fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
+        if self.links.is_empty() {
+            return Err("no decode pool is linked".into());
+        }
+        self.links[pick_link(h.request, self.links.len())].send_arc(Arc::new(h), ack)
+    }
+
+    fn abort(&self, request: u64, transfer: TransferId) {
+        let Some(link) = self.links.get(pick_link(request, self.links.len())) else { return };
+        let _ = locked(&link.shared.jobs).send(Job::Abort(request, transfer));
+    }
+}

@@ -1,0 +1,86 @@
+//! The `tcp` transfer backend (DESIGN §8). The consumer binds its endpoint first (port 0: the
+//! kernel picks), and only the bound address is published to producers (listener readiness).
+//! Each producer link connects and registers with the layout fingerprint, the deployment token
+//! and its link id; the consumer refuses a mismatch.
+//!
+//! Producer → consumer, one frame after another: a handoff (the descriptor's length, the
+//! descriptor — checked against the consumer's own layout before a byte of payload is read —,
+//! the payload streamed in pieces, KV floats then state floats, and its CRC32C, which the
+//! producer computes while sending and the consumer while receiving, verified before the ack;
+//! with `[transfer] checksum = false` none is computed); an abort (a request cancelled while in
+//! transfer, or after: the consumer drops or cancels it and answers); a close (the producer's
+//! pool ended: no more handoffs on this link).
+//!
+//! Consumer → producer: acks (or refusals); and when the decode pool runs in another process,
+//! the events of the requests that came over the link (their tokens, for the report) and, when
+//! the pool has ended, its end-of-run check.
+//!
+//! Each link sends from its own thread (a rank never waits on a socket) and keeps every handoff
+//! until its ack: when the connection drops, the link reconnects and sends what was unanswered
+//! again; a transfer cut twice, or a peer that is gone, fails at once — nothing waits for a
+//! timeout.
+
+mod consumer;
+mod link;
+
+pub use consumer::{ConsumerOptions, TcpConsumer};
+pub use link::{LinkOptions, LinkTarget, TcpLink, TcpLinks};
+
+use std::io::{Read, Write};
+
+const HELLO: u32 = u32::from_le_bytes(*b"KVFR");
+/// In place of a descriptor's length: an abort frame (request, nonce, generation) follows.
+const ABORT_FRAME: u32 = u32::MAX;
+/// In place of a descriptor's length: the producer's pool ended; nothing more on this link.
+const CLOSE_FRAME: u32 = u32::MAX - 1;
+/// How a consumer's refusal of a damaged payload begins (the producer sends it once more).
+const CHECKSUM_REFUSAL: &str = "checksum";
+
+/// What a consumer → producer frame carries (its first byte).
+const TAG_ACK: u8 = 0;
+const TAG_EVENTS: u8 = 1;
+const TAG_DONE: u8 = 2;
+/// The longest events frame a producer reads (a request's tokens are in it).
+const MAX_EVENTS_BYTES: usize = 64 << 20;
+
+fn read_u8(r: &mut impl Read) -> std::io::Result<u8> {
+    let mut b = [0; 1];
+    r.read_exact(&mut b)?;
+    Ok(b[0])
+}
+
+fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
+    let mut b = [0; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// A status and message frame (0 = ok), appended to `frame`.
+fn put_status(frame: &mut Vec<u8>, outcome: &Result<(), String>) {
+    let message = outcome.as_ref().err().map_or("", String::as_str);
+    let message = &message.as_bytes()[..message.len().min(u16::MAX as usize)];
+    frame.push(u8::from(outcome.is_err()));
+    frame.extend_from_slice(&(message.len() as u16).to_le_bytes());
+    frame.extend_from_slice(message);
+}
+
+fn write_status(w: &mut impl Write, outcome: &Result<(), String>) -> std::io::Result<()> {
+    let mut frame = Vec::new();
+    put_status(&mut frame, outcome);
+    w.write_all(&frame)?;
+    w.flush()
+}
+
+fn read_status(r: &mut impl Read) -> std::io::Result<Result<(), String>> {
+    let mut head = [0; 3];
+    r.read_exact(&mut head)?;
+    let mut message = vec![0; u16::from_le_bytes([head[1], head[2]]) as usize];
+    r.read_exact(&mut message)?;
+    Ok(if head[0] == 0 { Ok(()) } else { Err(String::from_utf8_lossy(&message).into_owned()) })
+}

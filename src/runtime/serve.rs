@@ -1,0 +1,160 @@
+//! Pools joined across processes (`--pools`): a process running only decode pools serves the
+//! handoffs its producers send (no workload, no report: its requests' events go back over the
+//! links, and its end-of-run check with them); the process driving the workload waits for each
+//! remote decode pool to say it is done, and puts what it found in the report.
+
+use super::links::{self, WireOptions};
+use super::pool::{start_pool, PoolJob};
+use super::{check_ranks, RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
+use crate::graph::{Graph, PoolConfig};
+use anyhow::{anyhow, bail, Result};
+use kvflow_kernels::models::Model;
+use kvflow_operators::emit::EventSink;
+use kvflow_operators::messages::Event;
+use kvflow_operators::transfer::{HandoffInbox, TcpLink};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often a process waiting on another says so.
+const NOTICE: Duration = Duration::from_secs(10);
+
+/// Events of a request that came by no link (none can: a served pool takes only handoffs).
+struct Nowhere;
+
+impl EventSink for Nowhere {
+    fn events(&mut self, _step: u64, events: Vec<Event>) {
+        tracing::warn!(count = events.len(), "events with nowhere to go: dropped");
+    }
+}
+
+/// Runs decode pools fed by producers in other processes until every producer link has closed
+/// (or none has been connected for the stall timeout), then sends each link the pool's
+/// end-of-run check and exits with it.
+pub(super) fn serve_handoffs(
+    graph: &Graph,
+    opts: &super::RunOptions,
+    pools: &[&PoolConfig],
+    jobs: Vec<PoolJob>,
+    model: &Model,
+) -> Result<RunOutcome> {
+    let nowhere = |_: &str| -> Box<dyn EventSink + Send> { Box::new(Nowhere) };
+    let stall = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
+    let options = WireOptions { endpoints: &opts.endpoints, remote_events: &nowhere, patience: Duration::ZERO };
+    let mut wiring = links::wire(graph, pools, model, &options)?;
+    if wiring.served.len() != pools.len() {
+        bail!(
+            "{}: --pools {}: a process that drives no workload runs only decode pools fed by prefill pools in other \
+             processes over tcp links",
+            graph.path.display(),
+            pools.iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(",")
+        );
+    }
+    let mut running = Vec::new();
+    for mut job in jobs {
+        let name = job.name.clone();
+        job.handoff = wiring.handoff.remove(&name).unwrap_or_default();
+        let listener = wiring.listener(&name).ok_or_else(|| anyhow!("decode pool {name} has no listener"))?;
+        let ingress = wiring.ingress[&name].clone();
+        let pool = start_pool(job, Some(ingress.clone()), Some(listener.events_sink()), None)?;
+        running.push((name, ingress, pool));
+    }
+    // Wait for the producers, saying so; close a pool whose producers are all gone.
+    let interrupted = opts.interrupt.clone().unwrap_or_default();
+    let (mut noticed, mut unconnected_since) = (Instant::now(), Instant::now());
+    while running.iter().any(|(_, ingress, _)| !ingress.is_closed()) {
+        std::thread::sleep(Duration::from_millis(100));
+        for (name, ingress, _) in &running {
+            let Some(listener) = wiring.listener(name) else { continue };
+            let (open, closed) = listener.links();
+            if open > 0 {
+                unconnected_since = Instant::now();
+            }
+            let expected = graph.links_to(name).len();
+            if interrupted.load(Ordering::SeqCst) {
+                eprintln!("decode pool `{name}`: interrupted; finishing what it holds");
+                ingress.close();
+            } else if !stall.is_zero() && open == 0 && unconnected_since.elapsed() >= stall {
+                eprintln!(
+                    "decode pool `{name}`: no producer connected for {} s ({closed} of {expected} link(s) closed); \
+                     ending (--stall-timeout)",
+                    stall.as_secs()
+                );
+                ingress.close();
+            } else if noticed.elapsed() >= NOTICE && !ingress.is_closed() {
+                eprintln!(
+                    "decode pool `{name}` on {}: {open} producer connection(s) open, {closed} of {expected} link(s) \
+                     closed; serving",
+                    listener.addr()
+                );
+            }
+        }
+        if noticed.elapsed() >= NOTICE {
+            noticed = Instant::now();
+        }
+    }
+    let mut exit_code = EXIT_OK;
+    for (name, _, pool) in running {
+        let result = pool.join();
+        let (stats, mut failures) = check_ranks(std::slice::from_ref(&result));
+        failures.extend(unclaimed_handoffs(&wiring.inboxes));
+        let took: u64 = stats.iter().flat_map(|(_, s)| s.iter()).map(|s| s.handoffs_in).sum();
+        let outcome = if failures.is_empty() { Ok(()) } else { Err(failures.join("\n")) };
+        match &outcome {
+            Ok(()) => eprintln!("decode pool `{name}`: took {took} handoff(s); every block and slot is free"),
+            Err(why) => {
+                eprintln!("decode pool `{name}`: end-of-run check failed:\n{why}");
+                exit_code = EXIT_ACCOUNTING;
+            }
+        }
+        if let Some(listener) = wiring.listener(&name) {
+            listener.finish(outcome);
+        }
+    }
+    Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code, note: None })
+}
+
+/// Handoffs left in a decode pool's inbox at the end: neither taken nor aborted.
+pub(super) fn unclaimed_handoffs(inboxes: &[(String, Arc<HandoffInbox>)]) -> Vec<String> {
+    inboxes
+        .iter()
+        .filter(|(_, inbox)| !inbox.is_empty())
+        .map(|(name, inbox)| {
+            format!("decode pool {name}: {} handoff(s) arrived and were never taken or aborted", inbox.len())
+        })
+        .collect()
+}
+
+/// Waits until every decode pool in another process is done with its link (it sent its
+/// end-of-run check, or it is gone), saying so every 10 s.
+pub(super) fn await_remote_pools(links: &[Arc<TcpLink>]) {
+    let started = Instant::now();
+    let mut noticed = Instant::now();
+    while links.iter().any(|l| !l.finished()) {
+        std::thread::sleep(Duration::from_millis(20));
+        if noticed.elapsed() >= NOTICE {
+            for l in links.iter().filter(|l| !l.finished()) {
+                eprintln!(
+                    "waited {} s for decode pool `{}` at {} to finish its requests",
+                    started.elapsed().as_secs(),
+                    l.to(),
+                    l.addr()
+                );
+            }
+            noticed = Instant::now();
+        }
+    }
+}
+
+/// What remote decode pools' end-of-run checks found.
+pub(super) fn remote_failures(links: &[Arc<TcpLink>]) -> Vec<String> {
+    let mut seen = std::collections::HashSet::new();
+    links
+        .iter()
+        .filter(|l| seen.insert(l.to().to_string()))
+        .filter_map(|l| match l.remote_outcome() {
+            Some(Err(why)) => Some(format!("decode pool {} (at {}): {why}", l.to(), l.addr())),
+            _ => None,
+        })
+        .collect()
+}

@@ -1,0 +1,150 @@
+//! Faults on purpose (`[faults]`) and cancellation across a P/D handoff: whatever strikes the
+//! transfer engine — a connection dropped mid-transfer, a delay, damaged bytes, a completion
+//! delivered twice — and wherever a request is cancelled, every request ends completed (and
+//! exact) or failed with a named cause, none hangs, and every block and slot is free on both
+//! sides at the end (the run checks it and reports `accounting_errors`).
+
+use crate::runtime::{run_graph, write_graph_with};
+use kvflow::graph::Overrides;
+use kvflow_operators::rank::TestSwitches;
+use serde_json::Value;
+use std::path::Path;
+
+fn pools(backend: &str, faults: &str) -> String {
+    let link = if backend == "tcp" { "backend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n" } else { "" };
+    format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n{link}\n[faults]\nseed = 11\n{faults}\n"
+    )
+}
+
+fn records(dir: &Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("out/requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn run(model: &str, backend: &str, faults: &str, switches: TestSwitches) -> (tempfile::TempDir, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = write_graph_with(
+        dir.path(),
+        model,
+        "mooncake_conversation_head.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 0\nlimit = 12",
+        "32 MiB",
+        &pools(backend, faults),
+    );
+    let report = run_graph(&graph, Overrides::default(), switches);
+    (dir, report)
+}
+
+/// Every request completed exactly or ended with a named cause; nothing leaked on either side.
+fn assert_all_accounted(report: &Value, dir: &Path, what: &str) {
+    assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{what}: {}", report["accounting_errors"]);
+    assert_eq!(report["verify"]["mismatched"], 0, "{what}: {}", report["verify"]);
+    let (requests, completed, failed, cancelled) = (
+        report["requests"].as_u64().unwrap(),
+        report["completed"].as_u64().unwrap(),
+        report["failed"].as_u64().unwrap(),
+        report["cancelled"].as_u64().unwrap(),
+    );
+    assert_eq!(completed + failed + cancelled, requests, "{what}");
+    assert_eq!(report["verify"]["checked"].as_u64().unwrap(), completed, "{what}: every completed request verified");
+    for r in records(dir) {
+        if !r["error"].is_null() {
+            assert!(r["failure"].is_string() && !r["error"].as_str().unwrap().is_empty(), "{what}: {r}");
+        }
+    }
+}
+
+#[test]
+fn the_fault_matrix_ends_every_request_completed_and_exact_or_failed_with_its_cause() {
+    // Each fault alone (often enough to strike several transfers of 12), then all together.
+    let matrix: [(&str, &str, &str); 8] = [
+        ("tcp", "drop_connection = 0.4", "faults_dropped"),
+        ("tcp", "corrupt = 0.4", "faults_corrupted"),
+        ("tcp", "duplicate_completion = 0.5", "faults_duplicated"),
+        ("tcp", "delay_ms = 20.0\ndelay_probability = 0.5", "faults_delayed"),
+        (
+            "tcp",
+            "drop_connection = 0.2\ncorrupt = 0.2\nduplicate_completion = 0.3\ndelay_ms = 5.0\ndelay_probability = 0.3",
+            "retries",
+        ),
+        ("inproc", "drop_connection = 0.4", "faults_dropped"),
+        ("inproc", "duplicate_completion = 0.5", "faults_duplicated"),
+        ("inproc", "delay_ms = 20.0\ndelay_probability = 0.5", "faults_delayed"),
+    ];
+    for model in ["hf/llama", "hf/qwen3_next"] {
+        for (backend, faults, struck) in matrix {
+            let what = format!("{model} over {backend} with {faults:?}");
+            let (dir, report) = run(model, backend, faults, TestSwitches::default());
+            assert_all_accounted(&report, dir.path(), &what);
+            let h = &report["handoff"];
+            assert!(h[struck].as_u64().unwrap() > 0, "{what}: the fault struck: {h}");
+            // A failure is the transfer's, and names it.
+            for (cause, _) in report["failures"].as_object().unwrap() {
+                assert_eq!(cause, "handoff", "{what}: {}", report["failures"]);
+            }
+            if faults.starts_with("drop") || faults.starts_with("corrupt") {
+                assert!(h["retries"].as_u64().unwrap() > 0, "{what}: a dropped or damaged transfer is retried: {h}");
+                // Retried once: some of those that struck twice fail, the rest complete.
+                assert!(report["completed"].as_u64().unwrap() > 0, "{what}");
+            }
+            if faults.starts_with("duplicate") {
+                assert_eq!(report["failed"], 0, "{what}: a duplicate harms nothing");
+                assert!(h["duplicates_dropped"].as_u64().unwrap() > 0, "{what}: the consumer dropped one: {h}");
+                assert!(h["stale_acks"].as_u64().unwrap() > 0, "{what}: the producer dropped one: {h}");
+            }
+            if faults.starts_with("delay") {
+                assert_eq!(report["failed"], 0, "{what}: a delay harms nothing");
+            }
+        }
+    }
+}
+
+#[test]
+fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
+    // Every transfer is held back 300 ms, so a request sits "in transfer" long enough for its
+    // prefill rank to cancel it there; the abort reaches the consumer before the handoff does.
+    let stages = [(7, "queued"), (0, "prefilling"), (2, "in transfer"), (4, "in transfer"), (1, "decoding")];
+    for backend in ["inproc", "tcp"] {
+        let switches = TestSwitches {
+            cancel_at_stage: stages.iter().map(|(id, s)| (*id, s.to_string())).collect(),
+            ..Default::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let graph = write_graph_with(
+            dir.path(),
+            "hf/qwen3_next",
+            "mooncake_conversation_head.jsonl",
+            "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 0\nlimit = 12",
+            "32 MiB",
+            &pools(backend, "delay_ms = 300.0\ndelay_probability = 1.0"),
+        );
+        let text = std::fs::read_to_string(&graph)
+            .unwrap()
+            .replace("max_running = 16", "max_running = 2")
+            .replace("chunk_tokens = 64", "chunk_tokens = 16");
+        std::fs::write(&graph, text).unwrap();
+        let report = run_graph(&graph, Overrides::default(), switches);
+        let what = format!("cancel at every stage over {backend}");
+        assert_all_accounted(&report, dir.path(), &what);
+        let mut errors: Vec<(u64, String)> = records(dir.path())
+            .iter()
+            .filter(|r| !r["error"].is_null())
+            .map(|r| (r["id"].as_u64().unwrap(), r["error"].as_str().unwrap().to_string()))
+            .collect();
+        errors.sort();
+        let mut expected: Vec<(u64, String)> =
+            stages.iter().map(|(id, s)| (*id, format!("cancelled while {s}"))).collect();
+        expected.sort();
+        assert_eq!(errors, expected, "{what}");
+        assert_eq!(report["cancelled"], 5, "{what}");
+        assert_eq!(report["failed"], 0, "{what}");
+        let h = &report["handoff"];
+        assert!(h["aborted"].as_u64().unwrap() >= 2, "{what}: the in-transfer cancels were aborted explicitly: {h}");
+    }
+}

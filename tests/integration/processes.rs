@@ -1,0 +1,135 @@
+//! Pools in separate OS processes (`--pools`): a decode pool's process binds (port 0), prints
+//! the address it listens on, and serves; the prefill pool's process connects there over tcp,
+//! replays the workload, gets every request's tokens back over the link and writes the report.
+//! The outputs are exact; the decode work really ran in the other process (this one took no
+//! handoff); and when that process is killed, every request it owed ends failed with a named
+//! cause, at once, and nothing is left held on this side.
+
+use crate::runtime::{write_graph_with, HEAVY};
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
+    [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+    [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n";
+
+/// A decode pool's process, with the address it printed and its stderr as it comes.
+struct DecodeProcess {
+    child: Child,
+    addr: String,
+    stderr: Arc<Mutex<String>>,
+}
+
+fn start_decode(graph: &std::path::Path) -> DecodeProcess {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .args(["run", &graph.to_string_lossy(), "--pools", "decode", "--stall-timeout", "30"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (pipe, sink) = (child.stderr.take().unwrap(), stderr.clone());
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if let Some(addr) = line.strip_prefix("decode pool `decode` listening on ") {
+                let _ = tx.send(addr.to_string());
+            }
+            sink.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+        let _ = child.kill();
+        panic!("the decode process printed no address: {}", stderr.lock().unwrap())
+    });
+    DecodeProcess { child, addr, stderr }
+}
+
+fn prefill(graph: &std::path::Path, addr: &str) -> std::process::Output {
+    let endpoint = format!("decode={addr}");
+    Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .args(["run", &graph.to_string_lossy(), "--pools", "prefill", "--endpoint", &endpoint, "--verify"])
+        .output()
+        .unwrap()
+}
+
+fn report(dir: &std::path::Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("out/report.json")).unwrap()).unwrap()
+}
+
+fn records(dir: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(dir.join("out/requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_prefill_and_a_decode_pool_in_two_processes_give_the_reference_outputs() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    for model in ["hf/llama", "hf/qwen3_next"] {
+        let dir = tempfile::tempdir().unwrap();
+        let workload = "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 2\nlimit = 12";
+        let graph =
+            write_graph_with(dir.path(), model, "mooncake_conversation_head.jsonl", workload, "32 MiB", TCP_1P1D);
+        let mut decode = start_decode(&graph);
+        let out = prefill(&graph, &decode.addr);
+        let status = decode.child.wait().unwrap();
+        let decode_log = decode.stderr.lock().unwrap().clone();
+        assert!(out.status.success(), "{model}: {}\n{decode_log}", String::from_utf8_lossy(&out.stderr));
+        assert!(status.success(), "{model}: the decode process: {decode_log}");
+        let r = report(dir.path());
+        assert_eq!(r["completed"], 12, "{model}: {r}");
+        assert_eq!(r["verify"]["checked"], 14, "{model}: warmup too");
+        assert_eq!(r["verify"]["mismatched"], 0, "{model}");
+        assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{model}");
+        let h = &r["handoff"];
+        assert_eq!(h["count"], 14, "{model}: {h}");
+        assert!(h["socket_bytes"].as_u64().unwrap() >= h["bytes"].as_u64().unwrap(), "{model}: {h}");
+        // The decode work ran in the other process: this one took no handoff, that one took all.
+        assert_eq!(h["received"], 0, "{model}: {h}");
+        assert!(decode_log.contains("took 14 handoff(s); every block and slot is free"), "{model}: {decode_log}");
+        for rec in records(dir.path()) {
+            assert_eq!(rec["pools"], serde_json::json!(["prefill", "decode"]), "{model}: {rec}");
+            assert!(rec["transfer_ms"].as_f64().is_some(), "{model}: the split has the transfer: {rec}");
+        }
+    }
+}
+
+#[test]
+fn a_decode_process_that_dies_fails_what_it_owed_at_once_and_frees_this_side() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    // Arrivals spread over a few seconds, so the decode process dies in the middle of them.
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", TCP_1P1D);
+    let mut decode = start_decode(&graph);
+    let endpoint = format!("decode={}", decode.addr);
+    let started = Instant::now();
+    let mut producer = Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .args(["run", &graph.to_string_lossy(), "--pools", "prefill", "--endpoint", &endpoint, "--verify"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    decode.child.kill().unwrap(); // SIGKILL: no goodbye on the link
+    let _ = decode.child.wait();
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    assert!(started.elapsed() < Duration::from_secs(120), "no wait for a timeout");
+    let r = report(dir.path());
+    assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{}", r["accounting_errors"]);
+    assert_eq!(r["verify"]["mismatched"], 0, "what completed is exact");
+    assert!(r["failed"].as_u64().unwrap() > 0 && r["completed"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), 30);
+    for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
+        assert_eq!(rec["failure"], "handoff", "{rec}");
+        assert!(rec["error"].as_str().unwrap().contains("decode pool decode"), "names the peer: {rec}");
+    }
+}
