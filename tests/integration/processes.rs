@@ -111,7 +111,7 @@ fn a_decode_process_that_dies_fails_what_it_owed_at_once_and_frees_this_side() {
     let mut decode = start_decode(&graph);
     let endpoint = format!("decode={}", decode.addr);
     let started = Instant::now();
-    let mut producer = Command::new(env!("CARGO_BIN_EXE_kvflow"))
+    let producer = Command::new(env!("CARGO_BIN_EXE_kvflow"))
         .args(["run", &graph.to_string_lossy(), "--pools", "prefill", "--endpoint", &endpoint, "--verify"])
         .stderr(Stdio::piped())
         .spawn()
