@@ -117,7 +117,11 @@ pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Route
     for a in admissions {
         let seed = if keys.keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
         let hashes = block_hashes(&a.prompt, keys.block_size, seed);
-        let rank = router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes }, &load);
+        let rank = match a.kind {
+            // Back to the decode rank that asked for the remote prefill (it may hold the prefix).
+            crate::messages::AdmissionKind::Handoff { rank: Some(r) } => r as usize,
+            _ => router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes }, &load),
+        };
         if rank >= load.len() {
             let why = format!("the router chose rank {rank} of a {}-rank pool", load.len());
             unroutable.push((a, why));

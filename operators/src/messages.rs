@@ -19,10 +19,25 @@ pub enum AdmissionKind {
     /// Serve it whole (an aggregated pool).
     #[default]
     Whole,
-    /// Prefill it, sample T0, and hand it off to a decode pool (a prefill pool).
-    PrefillOnly,
-    /// It arrives as a handoff (in the pool's inbox): continue from T0 (a decode pool).
-    Handoff,
+    /// Prefill it, sample T0, and hand it off to a decode pool (a prefill pool): back to the
+    /// decode rank that asked for it, or (`None`: it entered here) to one its links pick.
+    PrefillOnly { back_to: Option<BackTo> },
+    /// It arrives as a handoff (in the pool's inbox): continue from T0 (a decode pool), on
+    /// `rank` when a decode rank chose the remote prefill itself.
+    Handoff { rank: Option<u32> },
+    /// A new request at a decode pool with `[pool.disaggregation]`: the rank the router picks
+    /// prefills it locally or has a linked prefill pool do it (DESIGN §8).
+    Decide,
+}
+
+/// Where a remote prefill's handoff goes back to: the decode pool (its index among the prefill
+/// pool's links) and the rank that asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackTo {
+    pub link: u16,
+    pub rank: u32,
+    /// Leading prompt blocks that rank already holds: not sent (decode-side prefix reuse).
+    pub skip_blocks: u32,
 }
 
 /// What one rank scheduled for step `t`, broadcast to every rank by `align`. Rank 0 also carries

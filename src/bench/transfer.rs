@@ -148,6 +148,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         state: None,
         started_ms: 0.0,
         t0_ms: 0.0,
+        to: None,
         recycle: None,
     };
     let layout = ConsumerLayout {

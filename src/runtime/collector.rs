@@ -72,7 +72,12 @@ impl Collector {
             return;
         };
         if let Event::HandedOff { to, started_ms, t0_ms, bytes, .. } = &event {
-            // It moved on (the decode pool may even have reported its end already).
+            // It moved on (the decode pool may even have reported its end already); a request
+            // that entered its decode pool first lists the prefill pool before it.
+            if !r.pools.iter().any(|p| p == pool) {
+                let at = r.pools.iter().position(|p| p == to).unwrap_or(r.pools.len());
+                r.pools.insert(at, pool.to_string());
+            }
             if !r.pools.iter().any(|p| p == to) {
                 r.pools.push(to.clone());
             }

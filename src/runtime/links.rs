@@ -17,6 +17,7 @@ use kvflow_kernels::models::Model;
 use kvflow_operators::admit::Ingress;
 use kvflow_operators::emit::EventSink;
 use kvflow_operators::messages::AdmissionKind;
+use kvflow_operators::rank::{DisaggregationRule, PrefillTarget, RemotePrefill};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
     ConsumerOptions, ConsumerPool, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkTarget,
@@ -24,7 +25,7 @@ use kvflow_operators::transfer::{
 };
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,13 +83,32 @@ fn consumer_layout(model: &Model, pool: &PoolConfig) -> ConsumerLayout {
     }
 }
 
+/// Whether new requests of this graph enter its decode pools, whose ranks decide where each is
+/// prefilled (some decode pool sets `[pool.disaggregation]`); otherwise they enter its prefill
+/// pools and every prefill is remote.
+pub fn decode_first(graph: &Graph) -> bool {
+    graph.pools.iter().any(|p| p.role == PoolRole::Decode && p.disaggregation != Default::default())
+}
+
 impl Wiring {
     /// How new requests enter `pool`, if they do.
-    pub fn entry_kind(pool: &PoolConfig) -> Option<AdmissionKind> {
-        match pool.role {
-            PoolRole::Aggregated => Some(AdmissionKind::Whole),
-            PoolRole::Prefill => Some(AdmissionKind::PrefillOnly),
-            PoolRole::Decode => None,
+    pub fn entry_kind(graph: &Graph, pool: &PoolConfig) -> Option<AdmissionKind> {
+        match (pool.role, decode_first(graph)) {
+            (PoolRole::Aggregated, _) => Some(AdmissionKind::Whole),
+            (PoolRole::Prefill, false) => Some(AdmissionKind::PrefillOnly { back_to: None }),
+            (PoolRole::Decode, true) => Some(AdmissionKind::Decide),
+            _ => None,
+        }
+    }
+
+    /// The ingresses that close once every entry pool of this process has ended: the local
+    /// decode pools (not those fed from other processes: their links close them), or with
+    /// decode-first routing the prefill pools.
+    pub fn downstream_ingresses(&self, graph: &Graph, pools: &[&PoolConfig]) -> Vec<Arc<Ingress>> {
+        if decode_first(graph) {
+            pools.iter().filter(|p| p.role == PoolRole::Prefill).map(|p| self.ingress[&p.name].clone()).collect()
+        } else {
+            self.decode_ingresses(pools)
         }
     }
 
@@ -143,6 +163,36 @@ fn remote_address(graph: &Graph, link: &LinkConfig, endpoints: &HashMap<String, 
         .ok_or_else(|| anyhow!("{place}: {text} resolves to no address"))
 }
 
+/// What a decode pool's ranks decide with when new requests enter it (decode-first routing):
+/// its rule, and the linked prefill pools of this process.
+fn remote_prefill(
+    graph: &Graph,
+    pool: &PoolConfig,
+    ingress: &HashMap<String, Arc<Ingress>>,
+    queues: &HashMap<String, Arc<AtomicUsize>>,
+) -> Option<RemotePrefill> {
+    if !decode_first(graph) {
+        return None;
+    }
+    let d = pool.disaggregation;
+    let rule = DisaggregationRule {
+        remote_prefill_min_tokens: d.remote_prefill_min_tokens,
+        max_prefill_queue: d.max_prefill_queue,
+    };
+    let targets = graph
+        .links_to(&pool.name)
+        .into_iter()
+        .filter(|l| ingress.contains_key(&l.from))
+        .map(|l| PrefillTarget {
+            name: l.from.clone(),
+            ingress: ingress[&l.from].clone(),
+            link: graph.links_from(&l.from).iter().position(|o| o.to == pool.name).unwrap_or(0) as u16,
+            queue: queues[&l.from].clone(),
+        })
+        .collect();
+    Some(RemotePrefill { rule, targets })
+}
+
 /// Wires the pools this run starts.
 pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireOptions) -> Result<Wiring> {
     let local = |name: &str| pools.iter().any(|p| p.name == name);
@@ -189,10 +239,17 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
     }
     let socket_bytes = Arc::new(AtomicU64::new(0));
     let (mut handoff, mut remote_links) = (HashMap::new(), Vec::new());
+    let queues: HashMap<String, Arc<AtomicUsize>> = pools
+        .iter()
+        .filter(|p| p.role == PoolRole::Prefill)
+        .map(|p| (p.name.clone(), Arc::new(AtomicUsize::new(0))))
+        .collect();
     for pool in pools {
         let role = match pool.role {
             PoolRole::Aggregated => PoolHandoff::None,
-            PoolRole::Decode => PoolHandoff::In(inboxes[&pool.name].clone()),
+            PoolRole::Decode => {
+                PoolHandoff::In(inboxes[&pool.name].clone(), remote_prefill(graph, pool, &ingress, &queues))
+            }
             PoolRole::Prefill => {
                 let out = graph.links_from(&pool.name);
                 let fingerprint = model.layout_fingerprint(pool.memory.block_size);
@@ -255,7 +312,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
                         pool.name
                     );
                 };
-                PoolHandoff::Out { sink, fingerprint }
+                PoolHandoff::Out { sink, fingerprint, queue: queues[&pool.name].clone() }
             }
         };
         handoff.insert(pool.name.clone(), role);

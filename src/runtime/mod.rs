@@ -123,10 +123,11 @@ pub fn pick_named_pools<'g>(graph: &'g Graph, names: &[String]) -> Result<Vec<&'
 
 /// What no run of these pools takes yet.
 fn check_pools(graph: &Graph, pools: &[&PoolConfig]) -> Result<()> {
-    if let Some(pool) = pools.iter().find(|p| p.disaggregation != Default::default()) {
+    if links::decode_first(graph) && pools.len() < graph.pools.len() {
+        let pool = graph.pools.iter().find(|p| p.disaggregation != Default::default()).expect("decode-first");
         bail!(
-            "{}: pool `{}`: [pool.disaggregation] (local prefills on the decode rank) is not built yet; leave it \
-             out (every prefill is remote)",
+            "{}: pool `{}`: [pool.disaggregation] (a decode rank deciding where to prefill) runs its prefill and \
+             decode pools in one process; run them all (no --pool or --pools), or leave it out",
             graph.path.display(),
             pool.name
         );
@@ -312,7 +313,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     check_machine(graph, &pools, opts.cluster.as_ref().map_or(1, |c| c.processes))?;
     // The process running the pools new requests enter drives the workload and reports; one
     // running only decode pools serves the handoffs that come to it.
-    let drives = pools.iter().any(|p| links::Wiring::entry_kind(p).is_some());
+    let drives = pools.iter().any(|p| links::Wiring::entry_kind(graph, p).is_some());
     if drives {
         crate::report::check_output_dir(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
@@ -385,7 +386,12 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         patience: if stall_timeout.is_zero() { Duration::from_secs(3600) } else { stall_timeout },
     };
     let mut wiring = links::wire(graph, &pools, &model, &wire_options)?;
-    let decode_ingresses = wiring.decode_ingresses(&pools);
+    // New requests enter the entry pools; the pools downstream of them close once every entry
+    // pool has ended (cancels reach them through the entry pools' ranks, or directly).
+    let decode_first = links::decode_first(graph);
+    let upstream = if decode_first { PoolRole::Decode } else { PoolRole::Prefill };
+    let downstream = wiring.downstream_ingresses(graph, &pools);
+    let also_cancel = if decode_first { Vec::new() } else { downstream.clone() };
     let remote_links = std::mem::take(&mut wiring.remote_links);
     // The listeners live until the run is over; the socket counter goes in the report.
     let (_listeners, socket_bytes) = (std::mem::take(&mut wiring.listeners), wiring.socket_bytes.clone());
@@ -400,8 +406,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         let watch = Watch::default();
         let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
         running.push((pool.role, start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?));
-        if let Some(kind) = links::Wiring::entry_kind(pool) {
-            entries.push(EntryPool { name: name.clone(), ingress, kind, also_cancel: decode_ingresses.clone() });
+        if let Some(kind) = links::Wiring::entry_kind(graph, pool) {
+            entries.push(EntryPool { name: name.clone(), ingress, kind, also_cancel: also_cancel.clone() });
         }
         watches.push((name, watch));
     }
@@ -453,20 +459,20 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     };
     // Join the pools, each on its own thread: a pool that ends early fails what it still held,
     // so the driver (waiting for those requests) is never left waiting on it.
-    // Decode pools take handoffs until every prefill pool has ended.
-    let prefill_left = Arc::new(std::sync::atomic::AtomicUsize::new(
-        running.iter().filter(|(role, _)| *role == PoolRole::Prefill).count(),
-    ));
+    // Decode pools take handoffs until every prefill pool has ended (prefill pools take
+    // prefills until every decode pool has, with decode-first routing).
+    let upstream_left =
+        Arc::new(std::sync::atomic::AtomicUsize::new(running.iter().filter(|(role, _)| *role == upstream).count()));
     let joiners: Vec<_> = running
         .into_iter()
         .map(|(role, pool)| {
             let collector = collector.clone();
-            let (prefill_left, decode_ingresses) = (prefill_left.clone(), decode_ingresses.clone());
+            let (upstream_left, downstream) = (upstream_left.clone(), downstream.clone());
             let remote_links = remote_links.clone();
             std::thread::spawn(move || {
                 let result = pool.join();
-                if role == PoolRole::Prefill && prefill_left.fetch_sub(1, Ordering::SeqCst) == 1 {
-                    for ingress in &decode_ingresses {
+                if role == upstream && upstream_left.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    for ingress in &downstream {
                         ingress.close();
                     }
                     for link in &remote_links {

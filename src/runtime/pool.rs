@@ -22,7 +22,7 @@ use kvflow_operators::messages::{Event, LoopSignal, StepPlan};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
-use kvflow_operators::rank::{Rank, RankStats, TestSwitches};
+use kvflow_operators::rank::{Rank, RankStats, RemotePrefill, TestSwitches};
 use kvflow_operators::schedule::schedule;
 use kvflow_operators::transfer::{HandoffInbox, HandoffSink};
 use kvflow_operators::wake::RankWaker;
@@ -115,10 +115,12 @@ pub enum PoolHandoff {
     /// An aggregated pool.
     #[default]
     None,
-    /// A prefill pool: finished prefills go to `sink`.
-    Out { sink: Arc<dyn HandoffSink>, fingerprint: u64 },
-    /// A decode pool: handoffs arrive in this inbox.
-    In(Arc<HandoffInbox>),
+    /// A prefill pool: finished prefills go to `sink`; `queue` counts the prefills decode ranks
+    /// asked for and it has not handed off.
+    Out { sink: Arc<dyn HandoffSink>, fingerprint: u64, queue: Arc<std::sync::atomic::AtomicUsize> },
+    /// A decode pool: handoffs arrive in this inbox; with `[pool.disaggregation]` its ranks
+    /// decide where new requests are prefilled.
+    In(Arc<HandoffInbox>, Option<RemotePrefill>),
 }
 
 /// What the pool's ranks of this process hand back when it ends: per rank, its counters, or why
@@ -245,8 +247,13 @@ pub fn start_pool(
             let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
             let rank = match &handoff {
                 PoolHandoff::None => rank,
-                PoolHandoff::Out { sink, fingerprint } => rank.with_handoff_out(sink.clone(), *fingerprint),
-                PoolHandoff::In(inbox) => rank.with_handoff_in(inbox.clone()),
+                PoolHandoff::Out { sink, fingerprint, queue } => {
+                    rank.with_handoff_out(sink.clone(), *fingerprint, queue.clone())
+                }
+                PoolHandoff::In(inbox, None) => rank.with_handoff_in(inbox.clone()),
+                PoolHandoff::In(inbox, Some(remote)) => {
+                    rank.with_handoff_in(inbox.clone()).with_remote_prefill(remote.clone())
+                }
             };
             let rank = Rc::new(RefCell::new(rank));
             let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };

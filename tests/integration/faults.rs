@@ -145,6 +145,7 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
         assert_eq!(report["cancelled"], 5, "{what}");
         assert_eq!(report["failed"], 0, "{what}");
         let h = &report["handoff"];
-        assert!(h["aborted"].as_u64().unwrap() >= 2, "{what}: the in-transfer cancels were aborted explicitly: {h}");
+        // Over tcp an abort may land after the decode rank took the handoff: it cancels it there.
+        assert!(h["aborted"].as_u64().unwrap() >= 1, "{what}: an in-transfer cancel was aborted explicitly: {h}");
     }
 }

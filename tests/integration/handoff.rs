@@ -119,6 +119,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             state: exported.state,
             started_ms: 0.0,
             t0_ms: 0.0,
+            to: None,
             recycle: None,
         });
         // Consumer: other block ids and another slot.

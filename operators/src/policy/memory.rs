@@ -54,6 +54,9 @@ pub struct RankMemory {
     pub prefix: PrefixCache,
     /// By the step that must complete before the memory returns.
     pinned: BTreeMap<u64, Vec<Pinned>>,
+    /// Prefix blocks a decode rank keeps for requests whose remote prefill is out (it told the
+    /// producer not to send them), by request.
+    reserved: BTreeMap<u64, Vec<BlockId>>,
     /// The oldest step in flight (the rank keeps it current).
     in_flight_from: Option<u64>,
     /// Releases of pinned ids that named an older generation than the id's current one: dropped
@@ -69,6 +72,7 @@ impl RankMemory {
             snapshots: IdPool::new("state snapshots", layout.snapshots),
             prefix: PrefixCache::new(layout.keeps_kv, layout.keeps_state),
             pinned: BTreeMap::new(),
+            reserved: BTreeMap::new(),
             in_flight_from: None,
             stale_releases: 0,
             layout,
@@ -79,6 +83,43 @@ impl RankMemory {
     pub fn prompt_hashes(&self, seq: &Sequence) -> Vec<u64> {
         let seed = if self.layout.prefix_keyed_by_prompt_len { seq.prompt_len as u64 } else { 0 };
         block_hashes(&seq.tokens[..seq.prompt_len], self.layout.block_size, seed)
+    }
+
+    /// Prompt tokens of `seq` this rank's prefix cache would reuse now (at least one token is
+    /// always left to compute).
+    pub fn cached_prompt_tokens(&self, seq: &Sequence) -> usize {
+        let bs = self.layout.block_size;
+        let hashes = self.prompt_hashes(seq);
+        let cap = (seq.prompt_len - 1) / bs;
+        self.prefix.peek(&hashes[..cap.min(hashes.len())], self.in_flight_from) * bs
+    }
+
+    /// Takes a reference on the blocks of `seq`'s cached prefix (as a prefix hit does) and keeps
+    /// them for it until its handoff arrives. Returns how many blocks.
+    pub fn reserve_prefix(&mut self, seq: &Sequence) -> usize {
+        if !self.layout.keeps_kv {
+            return 0;
+        }
+        let hashes = self.prompt_hashes(seq);
+        let usable = hashes.len().min((seq.prompt_len - 1) / self.layout.block_size);
+        let hit = self.prefix.lookup(&hashes[..usable], &mut self.blocks, self.in_flight_from);
+        let n = hit.blocks.len();
+        if n > 0 {
+            self.reserved.insert(seq.id, hit.blocks);
+        }
+        n
+    }
+
+    /// The prefix blocks kept for request `id` (the caller owns their references now).
+    pub fn take_reserved(&mut self, id: u64) -> Vec<BlockId> {
+        self.reserved.remove(&id).unwrap_or_default()
+    }
+
+    /// Lets go of the prefix blocks kept for request `id`.
+    pub fn release_reserved(&mut self, id: u64) {
+        for b in self.take_reserved(id) {
+            self.blocks.release(b);
+        }
     }
 
     /// Blocks a sequence needs to hold `tokens` tokens.
@@ -198,6 +239,7 @@ impl RankMemory {
             seq.blocks.blocks().iter().for_each(|&b| *blocks.entry(b).or_default() += 1);
             seq.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
         }
+        self.reserved.values().flatten().for_each(|&b| *blocks.entry(b).or_default() += 1);
         for pin in self.pinned.values().flatten() {
             pin.blocks.iter().for_each(|&(b, _)| *blocks.entry(b).or_default() += 1);
             pin.slot.iter().for_each(|&(s, _)| *slots.entry(s).or_default() += 1);

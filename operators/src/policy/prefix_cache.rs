@@ -78,9 +78,31 @@ impl PrefixCache {
     pub fn lookup(&mut self, hashes: &[u64], pool: &mut BlockPool, in_flight_from: Option<u64>) -> PrefixHit {
         self.lookups += 1;
         self.tick += 1;
+        let (usable, snapshot) = self.usable(hashes, in_flight_from);
+        let mut hit = PrefixHit { matched: usable, blocks: Vec::with_capacity(usable), snapshot };
+        for h in &hashes[..usable] {
+            let e = self.entries.get_mut(h).expect("walked above");
+            e.last_used = self.tick;
+            if let Some(b) = e.block {
+                pool.share(b);
+                hit.blocks.push(b);
+            }
+        }
+        self.hit_blocks += usable as u64;
+        hit
+    }
+
+    /// How many leading blocks of `hashes` [`lookup`](Self::lookup) would reuse now, without
+    /// taking anything (a decode rank deciding where to prefill asks this).
+    pub fn peek(&self, hashes: &[u64], in_flight_from: Option<u64>) -> usize {
+        self.usable(hashes, in_flight_from).0
+    }
+
+    /// The reusable prefix of `hashes` — every block written, and for families with state a
+    /// snapshot at its end — and that snapshot.
+    fn usable(&self, hashes: &[u64], in_flight_from: Option<u64>) -> (usize, Option<SnapshotId>) {
         let written = |step: u64| in_flight_from.is_none_or(|oldest| step < oldest);
-        let mut usable = 0;
-        let mut snapshot = None;
+        let (mut usable, mut snapshot) = (0, None);
         for (i, h) in hashes.iter().enumerate() {
             let Some(e) = self.entries.get(h) else { break };
             if self.keeps_kv && !(e.block.is_some() && written(e.block_step)) {
@@ -95,17 +117,7 @@ impl PrefixCache {
                 usable = i + 1;
             }
         }
-        let mut hit = PrefixHit { matched: usable, blocks: Vec::with_capacity(usable), snapshot };
-        for h in &hashes[..usable] {
-            let e = self.entries.get_mut(h).expect("walked above");
-            e.last_used = self.tick;
-            if let Some(b) = e.block {
-                pool.share(b);
-                hit.blocks.push(b);
-            }
-        }
-        self.hit_blocks += usable as u64;
-        hit
+        (usable, snapshot)
     }
 
     /// Records that `block` holds (once step `step` has written it) the prompt block with

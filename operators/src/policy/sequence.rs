@@ -110,6 +110,10 @@ pub struct Sequence {
     /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
     pub in_transfer: Option<crate::transfer::TransferId>,
     pub aborted: bool,
+    /// A prefill pool's request a decode rank asked for: where its handoff goes back to, and
+    /// whether it still counts in the prefill pool's queue.
+    pub handoff_back: Option<crate::messages::BackTo>,
+    pub in_prefill_queue: bool,
 }
 
 impl Sequence {
@@ -140,6 +144,8 @@ impl Sequence {
             import: None,
             in_transfer: None,
             aborted: false,
+            handoff_back: None,
+            in_prefill_queue: false,
         }
     }
 

@@ -10,6 +10,7 @@ use crate::messages::{wall_ms, Admission, Event};
 use crate::policy::sequence::Sequence;
 use crate::step::{Exported, SeqKey};
 use crate::transfer::{AckQueue, Handoff, HandoffInbox, HandoffSink, Taken, TransferId};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 /// What a prefill rank needs to hand off.
@@ -19,13 +20,15 @@ pub struct HandoffOut {
     pub fingerprint: u64,
     acks: Arc<AckQueue>,
     next_nonce: u64,
+    /// The pool's queue of prefills decode ranks asked for (they weigh it when deciding).
+    queue: Arc<AtomicUsize>,
 }
 
 impl Rank {
     /// Makes this rank a producer: finished prefills go to `sink`.
-    pub fn with_handoff_out(mut self, sink: Arc<dyn HandoffSink>, fingerprint: u64) -> Self {
+    pub fn with_handoff_out(mut self, sink: Arc<dyn HandoffSink>, fingerprint: u64, queue: Arc<AtomicUsize>) -> Self {
         let acks = AckQueue::new(self.waker.clone());
-        self.handoff_out = Some(HandoffOut { sink, fingerprint, acks, next_nonce: 1 });
+        self.handoff_out = Some(HandoffOut { sink, fingerprint, acks, next_nonce: 1, queue });
         self
     }
 
@@ -45,14 +48,18 @@ impl Rank {
         use crate::messages::AdmissionKind;
         match a.kind {
             AdmissionKind::Whole => Some(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup)),
-            AdmissionKind::PrefillOnly => {
+            AdmissionKind::Decide => self.decide(a),
+            AdmissionKind::PrefillOnly { back_to } => {
                 // T0 only (test switch: one more, so the state it exports has taken T0 in).
                 let outputs = if self.switches.export_state_after_t0 { 2 } else { 1 };
                 let mut seq = Sequence::new(a.id, a.prompt, outputs, a.warmup);
                 seq.handoff_outputs = Some(a.max_output_tokens);
+                (seq.handoff_back, seq.in_prefill_queue) = (back_to, back_to.is_some());
                 Some(seq)
             }
-            AdmissionKind::Handoff => {
+            AdmissionKind::Handoff { .. } => {
+                self.awaiting_remote.remove(&a.id);
+                let cancelled = self.cancelled_remote.remove(&a.id);
                 let taken = self.inbox.as_ref().map_or(Taken::Missing, |inbox| inbox.take(a.id));
                 let h = match taken {
                     Taken::Handoff(h) => h,
@@ -76,12 +83,37 @@ impl Rank {
                         if h.state.is_some() { "a" } else { "no" },
                         if self.memory.layout.keeps_state { "needs" } else { "has no" }
                     );
+                    self.memory.release_reserved(a.id);
                     self.fail_admission(a.id, "handoff", why);
+                    return None;
+                }
+                let reserved = self.memory.take_reserved(a.id);
+                let kept = reserved.len();
+                if cancelled || h.skip_blocks != kept {
+                    for b in reserved {
+                        self.memory.blocks.release(b);
+                    }
+                    if cancelled {
+                        // Cancelled while its remote prefill was out; taking it freed the producer.
+                        self.fail_admission(a.id, "cancelled", "cancelled while in transfer".into());
+                    } else {
+                        let why = format!(
+                            "the handoff leaves out {} prompt block(s), but this rank kept {} for it",
+                            h.skip_blocks, kept
+                        );
+                        self.fail_admission(a.id, "handoff", why);
+                    }
                     return None;
                 }
                 self.stats.handoffs_in += 1;
                 self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
                 let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
+                // Its leading blocks are the prefix this rank kept for it; the rest arrive.
+                for b in reserved {
+                    seq.blocks.push(b);
+                }
+                seq.cached = kept * self.memory.layout.block_size;
+                seq.first_cached = seq.cached;
                 // T0 is known: it is the first decode input, fed once, at the prompt boundary.
                 seq.tokens.push(h.t0);
                 seq.computed = seq.prompt_len;
@@ -101,6 +133,7 @@ impl Rank {
                         preemptions: 0,
                     };
                     self.events.push((self.step, event));
+                    self.memory.release(&mut seq); // the prefix blocks it kept
                     return None;
                 }
                 seq.import = Some(h);
@@ -127,6 +160,8 @@ impl Rank {
         let transfer = TransferId { nonce, generation: key.generation };
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
+        let skip_blocks = seq.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
+        let kv_blocks = kv_blocks - skip_blocks;
         let handoff = Handoff {
             transfer,
             request: seq.id,
@@ -136,21 +171,27 @@ impl Rank {
             t0: seq.tokens[seq.prompt_len],
             logits_hash: seq.t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,
-            skip_blocks: 0,
+            skip_blocks,
             kv_blocks,
             floats_per_block: exported.kv.len().checked_div(kv_blocks).unwrap_or(0),
             kv: exported.kv,
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
+            to: seq.handoff_back,
             recycle: None,
         };
         let bytes = 4 * (handoff.kv.len() + handoff.state.as_ref().map_or(0, Vec::len)) as u64;
+        self.stats.handoff_saved_bytes += 4 * (skip_blocks * handoff.floats_per_block) as u64;
         let (id, started_ms, t0_ms) = (handoff.request, handoff.started_ms, handoff.t0_ms);
         match out.sink.send(handoff, out.acks.clone()) {
             Ok(to) => {
                 self.scheduler.forget(index);
-                self.seqs.get_mut(index).in_transfer = Some(transfer);
+                let seq = self.seqs.get_mut(index);
+                seq.in_transfer = Some(transfer);
+                if std::mem::take(&mut seq.in_prefill_queue) {
+                    super::leave_queue(&out.queue);
+                }
                 self.awaiting.insert(nonce, key);
                 self.stats.handoffs_out += 1;
                 self.stats.handoff_bytes += bytes;
@@ -206,12 +247,25 @@ impl Rank {
             token_times: seq.token_times,
             started_ms: seq.started_ms,
         };
-        let id = seq.id;
+        let (id, seq_back_to) = (seq.id, seq.handoff_back);
         self.events.push((self.step, event));
         if let Some(out) = &self.handoff_out {
-            out.sink.abort(id, transfer);
+            out.sink.abort(id, transfer, seq_back_to);
         }
         true
+    }
+
+    /// A prefill pool's request ends here (failed, cancelled): it leaves the pool's queue, and a
+    /// decode rank that asked for it hears of it (through the link's abort), so it stops waiting.
+    pub(super) fn remote_prefill_ended(&mut self, seq: &mut Sequence) {
+        let Some(out) = &self.handoff_out else { return };
+        if std::mem::take(&mut seq.in_prefill_queue) {
+            super::leave_queue(&out.queue);
+        }
+        if let Some(back_to) = seq.handoff_back {
+            let transfer = seq.in_transfer.unwrap_or(TransferId { nonce: 0, generation: 0 });
+            out.sink.abort(seq.id, transfer, Some(back_to));
+        }
     }
 
     /// A decode rank was asked to cancel a request it does not hold: a handoff of it waiting in

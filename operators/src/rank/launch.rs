@@ -72,12 +72,16 @@ impl Rank {
             let exports_here = if self.switches.export_state_after_t0 { c.start == seq.prompt_len } else { c.sample };
             if exports_here && seq.handoff_outputs.is_some() {
                 let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
-                let blocks = seq.blocks.blocks()[..n.min(seq.blocks.len())].to_vec();
+                let n = n.min(seq.blocks.len());
+                // Blocks the decode rank already holds are not exported (prefix reuse).
+                let skip = seq.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
+                let blocks = seq.blocks.blocks()[skip..n].to_vec();
                 exports.push(KvExport { key: c.key, blocks, slot: seq.slot });
             }
             if let Some(handoff) = seq.import.take() {
-                if c.start == seq.prompt_len && handoff.kv_blocks <= seq.blocks.len() {
-                    let blocks = seq.blocks.blocks()[..handoff.kv_blocks].to_vec();
+                let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
+                if c.start == seq.prompt_len && skip + kv <= seq.blocks.len() {
+                    let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
                     imports.push(KvImport { key: c.key, blocks, slot: seq.slot, handoff });
                 }
             }
@@ -139,6 +143,20 @@ impl Rank {
         // 1. what the prompt chunks complete: prefix entries and snapshots
         let mut after = Vec::new();
         let mut published = Vec::new();
+        // A handoff's prompt blocks, written by its import at this step, are this rank's to
+        // reuse too (decode-side prefix reuse: a later remote prefill need not send them).
+        for chunk in decided.chunks.iter().filter(|_| caching && self.memory.layout.keeps_kv) {
+            let seq = self.seqs.get(chunk.seq);
+            if seq.import.is_none() || chunk.start != seq.prompt_len {
+                continue;
+            }
+            let full = (seq.prompt_len / bs).min(seq.prompt_hashes.len()).min(seq.blocks.len());
+            for b in 0..full {
+                let (h, block) = (seq.prompt_hashes[b], seq.blocks.blocks()[b]);
+                self.memory.prefix.insert_block(h, Some(block), &mut self.memory.blocks, t);
+                published.push(h);
+            }
+        }
         for chunk in decided.chunks.iter().filter(|c| c.prefill && caching) {
             let seq = self.seqs.get(chunk.seq);
             let end = chunk.start + chunk.len;

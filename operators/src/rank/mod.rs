@@ -13,11 +13,13 @@
 //! (`Rc<RefCell<_>>`: same thread).
 
 mod complete;
+mod disaggregate;
 mod handoff;
 mod launch;
 mod stats;
 mod switches;
 
+pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
 pub use handoff::HandoffOut;
 pub use stats::{RankStats, UtilizationSamples};
 pub use switches::TestSwitches;
@@ -79,6 +81,11 @@ pub struct Rank {
     awaiting: std::collections::HashMap<u64, SeqKey>,
     /// A decode pool's rank: where arriving handoffs wait.
     inbox: Option<Arc<crate::transfer::HandoffInbox>>,
+    /// A decode rank deciding where its new requests are prefilled, the remote prefills it
+    /// awaits (by request, with the prefill pool's index), and those cancelled meanwhile.
+    remote_prefill: Option<RemotePrefill>,
+    awaiting_remote: std::collections::HashMap<u64, usize>,
+    cancelled_remote: std::collections::HashSet<u64>,
     /// What the last completion's exports copied out, by sequence, until its T0 is applied.
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
 }
@@ -115,6 +122,9 @@ impl Rank {
             handoff_out: None,
             awaiting: Default::default(),
             inbox: None,
+            remote_prefill: None,
+            awaiting_remote: Default::default(),
+            cancelled_remote: Default::default(),
             exported: Default::default(),
         }
     }
@@ -192,6 +202,7 @@ impl Rank {
     pub fn cancel(&mut self, ids: &[u64]) {
         for &id in ids {
             let Some(index) = self.seqs.index_of(id) else {
+                self.cancel_remote_prefill(id);
                 self.abort_arriving(id);
                 continue;
             };
@@ -207,6 +218,7 @@ impl Rank {
     fn fail(&mut self, index: usize, step: u64, cause: &str, message: String) {
         self.scheduler.forget(index);
         let mut seq = self.seqs.remove(index);
+        self.remote_prefill_ended(&mut seq);
         self.exported.remove(&seq.key);
         self.memory.release(&mut seq);
         self.events.push((
@@ -254,7 +266,7 @@ impl Rank {
             outstanding_tokens: self.outstanding_tokens(),
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
-            in_flight: self.in_flight.len() + self.awaiting.len(),
+            in_flight: self.in_flight.len() + self.awaiting.len() + self.awaiting_remote.len(),
             admissions: Vec::new(),
             cancels,
             closing: false,

@@ -20,7 +20,13 @@ pub struct RankStats {
     /// decode pool).
     pub handoffs_out: u64,
     pub handoff_bytes: u64,
+    /// Bytes a handoff did not send because the decode rank already held those blocks.
+    pub handoff_saved_bytes: u64,
     pub handoffs_in: u64,
+    /// A decode rank's new requests (`[pool.disaggregation]`) prefilled here, and by a prefill
+    /// pool.
+    pub local_prefills: u64,
+    pub remote_prefills: u64,
     /// Acks for a transfer this rank was not awaiting (duplicates, or an older generation):
     /// dropped.
     pub stale_acks: u64,

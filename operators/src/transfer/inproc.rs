@@ -9,7 +9,7 @@
 use super::faults::{Fault, Faults, TransferCounters};
 use super::{locked, Handoff, TransferId};
 use crate::admit::Ingress;
-use crate::messages::{Admission, AdmissionKind};
+use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::wake::RankWaker;
 use kvflow_kernels::hash;
 use std::collections::{HashMap, HashSet};
@@ -174,11 +174,11 @@ impl ConsumerPool {
         }
     }
 
-    /// Aborts request `id`'s transfer here: drops a waiting handoff, cancels a taken one.
+    /// Aborts request `id`'s transfer here: drops a waiting handoff, and cancels the request on
+    /// the rank that took it or waits for it.
     pub fn abort(&self, id: u64) {
-        if !self.inbox.abort(id) {
-            self.ingress.cancel(id);
-        }
+        self.inbox.abort(id);
+        self.ingress.cancel(id);
     }
 }
 
@@ -189,9 +189,10 @@ pub trait HandoffSink: Send + Sync {
     /// failed for good). Returns the pool it goes to.
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String>;
 
-    /// Request `request`, whose handoff `transfer` was sent, was cancelled: ask the consumer to
-    /// drop it (its answer is the transfer's ack).
-    fn abort(&self, request: u64, transfer: TransferId);
+    /// Request `request`, whose handoff `transfer` was sent (to `back_to`, when a decode rank
+    /// asked for it), was cancelled: ask the consumer to drop it (its answer is the transfer's
+    /// ack). Also how a decode rank waiting for a remote prefill that failed hears of it.
+    fn abort(&self, request: u64, transfer: TransferId, back_to: Option<BackTo>);
 }
 
 /// The admission a handoff enters its decode pool with.
@@ -201,7 +202,7 @@ pub fn handoff_admission(h: &Handoff) -> Admission {
         prompt: h.prompt.clone(),
         max_output_tokens: h.max_output_tokens,
         warmup: h.warmup,
-        kind: AdmissionKind::Handoff,
+        kind: AdmissionKind::Handoff { rank: h.to.map(|b| b.rank) },
     }
 }
 
@@ -209,6 +210,15 @@ pub fn handoff_admission(h: &Handoff) -> Admission {
 /// and an abort follows its handoff).
 pub fn pick_link(request: u64, n: usize) -> usize {
     (hash::mix(hash::EMPTY, request) % n.max(1) as u64) as usize
+}
+
+/// The link a request's handoff goes over: back to the decode pool that asked for it, else a
+/// seeded pick.
+pub fn link_of(request: u64, back_to: Option<BackTo>, n: usize) -> usize {
+    match back_to {
+        Some(b) if (b.link as usize) < n => b.link as usize,
+        _ => pick_link(request, n),
+    }
 }
 
 /// `inproc` links to decode pools of this process.
@@ -223,7 +233,7 @@ impl HandoffSink for InprocLinks {
         if self.consumers.is_empty() {
             return Err("no decode pool is linked".into());
         }
-        let to = &self.consumers[pick_link(h.request, self.consumers.len())];
+        let to = &self.consumers[link_of(h.request, h.to, self.consumers.len())];
         if to.ingress.is_closed() {
             return Err(format!("decode pool {} no longer takes handoffs", to.name));
         }
@@ -266,8 +276,8 @@ impl HandoffSink for InprocLinks {
         Ok(to.name.clone())
     }
 
-    fn abort(&self, request: u64, _transfer: TransferId) {
-        if let Some(to) = self.consumers.get(pick_link(request, self.consumers.len())) {
+    fn abort(&self, request: u64, _transfer: TransferId, back_to: Option<BackTo>) {
+        if let Some(to) = self.consumers.get(link_of(request, back_to, self.consumers.len())) {
             to.abort(request);
         }
     }

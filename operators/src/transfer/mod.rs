@@ -56,6 +56,8 @@ pub struct Handoff {
     /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
     pub started_ms: f64,
     pub t0_ms: f64,
+    /// The decode rank that asked for this prefill, if one did.
+    pub to: Option<crate::messages::BackTo>,
     /// Where `kv`'s buffer goes back when the handoff is dropped (a receiving side reuses its
     /// buffers instead of faulting in fresh pages for every handoff).
     pub recycle: Option<Recycler>,

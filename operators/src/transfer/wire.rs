@@ -12,7 +12,9 @@ const HAS_STATE: u16 = 1;
 const WARMUP: u16 = 2;
 const UNCHECKED: u16 = 4;
 /// Bytes of the fixed header.
-pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8;
+pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4;
+/// `to_rank` of a handoff no decode rank asked for.
+const NO_RANK: u32 = u32::MAX;
 
 /// What the consumer's rank holds per block and per slot, and how long a prompt it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,6 +51,8 @@ pub struct Descriptor {
     /// When the prefill started and when T0 became known (`wall_ms`).
     pub started_ms: f64,
     pub t0_ms: f64,
+    /// The consumer's rank that asked for this prefill (the router places it there), if one did.
+    pub to_rank: Option<u32>,
 }
 
 impl Descriptor {
@@ -131,6 +135,7 @@ pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
     out.extend_from_slice(&checksum.to_le_bytes());
     out.extend_from_slice(&h.started_ms.to_bits().to_le_bytes());
     out.extend_from_slice(&h.t0_ms.to_bits().to_le_bytes());
+    out.extend_from_slice(&h.to.map_or(NO_RANK, |b| b.rank).to_le_bytes());
     for t in &h.prompt {
         out.extend_from_slice(&t.to_le_bytes());
     }
@@ -170,6 +175,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
     let checksum = r.u32();
     let started_ms = f64::from_bits(r.u64());
     let t0_ms = f64::from_bits(r.u64());
+    let to_rank = Some(r.u32()).filter(|&rank| rank != NO_RANK);
     if prompt_len == 0 || prompt_len > layout.max_prompt {
         return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
     }
@@ -221,6 +227,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         checked: flags & UNCHECKED == 0,
         started_ms,
         t0_ms,
+        to_rank,
     };
     Ok((descriptor, needed))
 }
@@ -257,6 +264,7 @@ mod tests {
             state: Some(vec![1.0; 3]),
             started_ms: 0.0,
             t0_ms: 0.0,
+            to: None,
             recycle: None,
         }
     }

@@ -312,6 +312,7 @@ fn serve(
             state,
             started_ms: d.started_ms,
             t0_ms: d.t0_ms,
+            to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_blocks: d.skip_blocks as u32 }),
             recycle: Some(recycler.clone()),
         };
         locked(&shared.origin).insert(h.request, link);

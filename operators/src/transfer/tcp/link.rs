@@ -8,9 +8,10 @@ use super::{
     TAG_ACK, TAG_DONE, TAG_EVENTS,
 };
 use crate::emit::EventSink;
+use crate::messages::BackTo;
 use crate::messages::Event;
 use crate::transfer::faults::{Fault, Faults, TransferCounters};
-use crate::transfer::inproc::{pick_link, Ack, AckQueue, HandoffSink};
+use crate::transfer::inproc::{link_of, Ack, AckQueue, HandoffSink};
 use crate::transfer::wire::encode_descriptor;
 use crate::transfer::{locked, stream_payload, Handoff, TransferId};
 use std::collections::{HashMap, HashSet};
@@ -565,11 +566,11 @@ impl HandoffSink for TcpLinks {
         if self.links.is_empty() {
             return Err("no decode pool is linked".into());
         }
-        self.links[pick_link(h.request, self.links.len())].send_arc(Arc::new(h), ack)
+        self.links[link_of(h.request, h.to, self.links.len())].send_arc(Arc::new(h), ack)
     }
 
-    fn abort(&self, request: u64, transfer: TransferId) {
-        let Some(link) = self.links.get(pick_link(request, self.links.len())) else { return };
+    fn abort(&self, request: u64, transfer: TransferId, back_to: Option<BackTo>) {
+        let Some(link) = self.links.get(link_of(request, back_to, self.links.len())) else { return };
         let _ = locked(&link.shared.jobs).send(Job::Abort(request, transfer));
     }
 }
