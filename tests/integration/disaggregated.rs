@@ -22,16 +22,13 @@ fn records(dir: &Path) -> Vec<Value> {
 }
 
 fn run_pd(model: &str, pools: &str, executor: &str) -> (tempfile::TempDir, Value) {
+    run_pd_on(model, pools, executor, "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 2\nlimit = 12")
+}
+
+fn run_pd_on(model: &str, pools: &str, executor: &str, workload: &str) -> (tempfile::TempDir, Value) {
     let dir = tempfile::tempdir().unwrap();
     let pools = pools.replace("ranks = 1\n", &format!("ranks = 1\n{executor}"));
-    let graph = write_graph_with(
-        dir.path(),
-        model,
-        "mooncake_conversation_head.jsonl",
-        "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 2\nlimit = 12",
-        "32 MiB",
-        &pools,
-    );
+    let graph = write_graph_with(dir.path(), model, "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
     let report = run_graph(&graph, Overrides::default(), Default::default());
     (dir, report)
 }
@@ -193,5 +190,65 @@ fn compare_prints_aggregated_and_disaggregated_side_by_side() {
     assert_eq!(mismatched.split_whitespace().filter(|w| *w == "0").count(), 2, "{stdout}");
     for name in ["graph", "graph-2"] {
         assert!(out_dir.join(name).join("report.json").exists(), "{name}'s report");
+    }
+}
+
+/// `[pool.disaggregation]` on the decode pool: new requests enter it, and the decode rank the
+/// router picks prefills a short prompt itself and has the prefill pool do a long one.
+fn conditional(rule: &str) -> String {
+    ONE_P_ONE_D.replace("[[link]]", &format!("[pool.disaggregation]\n{rule}\n\n[[link]]"))
+}
+
+#[test]
+fn conditional_disaggregation_prefills_both_ways_and_stays_exact() {
+    for model in FIXTURES {
+        let what = format!("{model} with remote_prefill_min_tokens = 100");
+        let (dir, report) = run_pd(model, &conditional("remote_prefill_min_tokens = 100"), "");
+        assert_exact(&report, &what);
+        assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{what}");
+        let h = &report["handoff"];
+        let (local, remote) = (h["local_prefills"].as_u64().unwrap(), h["remote_prefills"].as_u64().unwrap());
+        assert!(local > 0 && remote > 0, "{what}: both kinds of prefill: {h}");
+        assert_eq!(local + remote, 14, "{what}: every request (warmup too) decided once");
+        assert_eq!(h["count"].as_u64().unwrap(), remote, "{what}: only remote prefills hand off");
+        let (mut saw_local, mut saw_remote) = (0, 0);
+        for r in records(dir.path()) {
+            assert_eq!(r["pool"], "decode", "{what}: new requests enter the decode pool: {r}");
+            if r["pools"] == serde_json::json!(["prefill", "decode"]) {
+                saw_remote += 1;
+                assert!(r["input_len"].as_u64().unwrap() > 100, "{what}: only long prompts go remote: {r}");
+            } else {
+                assert_eq!(r["pools"], serde_json::json!(["decode"]), "{what}: {r}");
+                saw_local += 1;
+            }
+        }
+        assert!(saw_local > 0 && saw_remote > 0, "{what}");
+    }
+}
+
+#[test]
+fn decode_side_prefix_reuse_sends_fewer_bytes_with_the_same_outputs() {
+    for model in ["hf/llama", "hf/deepseek_v32"] {
+        // Every prefill remote either way; with decode-first routing the decode rank keeps the
+        // prefix it already holds and the producer leaves it out.
+        // Turns of the trace's conversations share their history; two at a time, so a later
+        // turn often finds an earlier one's blocks on the decode rank.
+        let workload = "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 30";
+        let (_a, plain) = run_pd_on(model, ONE_P_ONE_D, "", workload);
+        let (_b, reuse) = run_pd_on(model, &conditional("max_prefill_queue = 1000"), "", workload);
+        for (r, what) in [(&plain, "plain"), (&reuse, "reuse")] {
+            assert_exact(r, &format!("{model} {what}"));
+            assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{model} {what}");
+        }
+        let (p, q) = (&plain["handoff"], &reuse["handoff"]);
+        assert_eq!(p["count"], q["count"], "{model}: every request handed off both times");
+        assert_eq!(q["local_prefills"], 0, "{model}");
+        let saved = q["saved_bytes"].as_u64().unwrap();
+        assert!(saved > 0, "{model}: the shared prefixes were not sent: {q}");
+        assert_eq!(
+            q["bytes"].as_u64().unwrap() + saved,
+            p["bytes"].as_u64().unwrap(),
+            "{model}: what was not sent is exactly what was saved"
+        );
     }
 }
