@@ -178,6 +178,9 @@ struct RunFlags {
     /// Test only: prefill pools export the state after feeding T0 (T0 is then applied twice).
     #[arg(long, hide = true)]
     test_export_state_after_t0: bool,
+    /// Test only: a decode pool's inbox delivers every copy of a handoff (no exactly-once take).
+    #[arg(long, hide = true)]
+    test_deliver_duplicate_handoffs: bool,
 }
 
 #[derive(Subcommand)]
@@ -321,6 +324,7 @@ fn run_graph(
             accept_stale_completions: args.test_accept_stale_completions,
             handoff_without_state: args.test_handoff_without_state,
             export_state_after_t0: args.test_export_state_after_t0,
+            deliver_duplicate_handoffs: args.test_deliver_duplicate_handoffs,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
             stuck_in_forward: match args.test_stuck_in_forward.as_deref() {

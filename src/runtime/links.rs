@@ -55,6 +55,8 @@ pub struct WireOptions<'a> {
     pub remote_events: &'a dyn Fn(&str) -> Box<dyn EventSink + Send>,
     /// How long a producer keeps trying to reach a decode pool in another process.
     pub patience: Duration,
+    /// Test switch: the inboxes deliver duplicate handoffs (`TestSwitches::deliver_duplicate_handoffs`).
+    pub deliver_duplicates: bool,
 }
 
 /// The graph's `[faults]` as the transfer engine draws them.
@@ -202,7 +204,11 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
     let inboxes: HashMap<String, Arc<HandoffInbox>> = pools
         .iter()
         .filter(|p| p.role == PoolRole::Decode)
-        .map(|p| (p.name.clone(), Arc::new(HandoffInbox::new(faults, counters.clone()))))
+        .map(|p| {
+            let mut inbox = HandoffInbox::new(faults, counters.clone());
+            inbox.deliver_duplicates = options.deliver_duplicates;
+            (p.name.clone(), Arc::new(inbox))
+        })
         .collect();
     // The decode pools with tcp links in bind first; producers connect to the bound address.
     let token = graph.transfer.deployment_token.clone();

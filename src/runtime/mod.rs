@@ -384,6 +384,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         endpoints: &opts.endpoints,
         remote_events: &remote_events,
         patience: if stall_timeout.is_zero() { Duration::from_secs(3600) } else { stall_timeout },
+        deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
     };
     let mut wiring = links::wire(graph, &pools, &model, &wire_options)?;
     // New requests enter the entry pools; the pools downstream of them close once every entry

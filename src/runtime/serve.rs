@@ -40,7 +40,12 @@ pub(super) fn serve_handoffs(
 ) -> Result<RunOutcome> {
     let nowhere = |_: &str| -> Box<dyn EventSink + Send> { Box::new(Nowhere) };
     let stall = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
-    let options = WireOptions { endpoints: &opts.endpoints, remote_events: &nowhere, patience: Duration::ZERO };
+    let options = WireOptions {
+        endpoints: &opts.endpoints,
+        remote_events: &nowhere,
+        patience: Duration::ZERO,
+        deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+    };
     let mut wiring = links::wire(graph, pools, model, &options)?;
     if wiring.served.len() != pools.len() {
         bail!(

@@ -156,3 +156,29 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
         assert!(h["aborted"].as_u64().unwrap() >= 1, "{what}: an in-transfer cancel was aborted explicitly: {h}");
     }
 }
+
+/// Exactly-once take: a handoff delivered twice (`duplicate_completion`) is taken by a decode
+/// rank once — each request handed off is received once, and none fails. Without the inbox's
+/// check (test switch) a duplicate reaches a rank a second time.
+#[test]
+fn a_duplicate_handoff_is_taken_once_and_without_the_check_reaches_a_rank_again() {
+    for backend in ["inproc", "tcp"] {
+        let faults = "duplicate_completion = 0.6";
+        let (_dir, with) = run("hf/llama", backend, faults, TestSwitches::default());
+        let h = &with["handoff"];
+        assert!(h["duplicates_dropped"].as_u64().unwrap() > 0, "{backend}: {h}");
+        assert_eq!(h["received"], h["count"], "{backend}: every handoff taken once: {h}");
+        assert_eq!(with["failed"], 0, "{backend}");
+        let switches = TestSwitches { deliver_duplicate_handoffs: true, ..Default::default() };
+        let (_dir, without) = run("hf/llama", backend, faults, switches);
+        let h = &without["handoff"];
+        // The second delivery reaches a rank: it runs the request again, or finds the handoff
+        // already taken and fails the request.
+        let twice = h["received"].as_u64().unwrap() > h["count"].as_u64().unwrap();
+        assert!(
+            twice || without["failed"].as_u64().unwrap() > 0,
+            "{backend}: without the check a duplicate reaches a rank: {h} {}",
+            without["failures"]
+        );
+    }
+}

@@ -36,6 +36,9 @@ pub struct TestSwitches {
     /// boundary), so the consumer applies T0 to a state that already holds it (removes "T0
     /// exactly once").
     pub export_state_after_t0: bool,
+    /// A decode pool's inbox delivers every copy of a handoff to a rank (removes its
+    /// exactly-once take: a duplicate delivery runs the request a second time).
+    pub deliver_duplicate_handoffs: bool,
 }
 
 impl TestSwitches {

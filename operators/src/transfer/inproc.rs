@@ -62,6 +62,8 @@ pub struct HandoffInbox {
     /// Faults on purpose: a taken handoff's ack may be sent twice (`duplicate_completion`).
     pub faults: Faults,
     pub counters: Arc<TransferCounters>,
+    /// Test switch (`TestSwitches::deliver_duplicate_handoffs`): every copy is delivered.
+    pub deliver_duplicates: bool,
 }
 
 #[derive(Default)]
@@ -84,7 +86,7 @@ pub enum Taken {
 
 impl HandoffInbox {
     pub fn new(faults: Faults, counters: Arc<TransferCounters>) -> Self {
-        HandoffInbox { state: Default::default(), faults, counters }
+        HandoffInbox { state: Default::default(), faults, counters, deliver_duplicates: false }
     }
 
     /// A handoff arrived. Returns whether its admission should follow through the pool's
@@ -98,6 +100,11 @@ impl HandoffInbox {
             TransferCounters::bump(&self.counters.aborted);
             ack.ack(id, h.transfer, Err(ABORTED.into()));
             return false;
+        }
+        if self.deliver_duplicates {
+            s.taken.remove(&id);
+            s.arrived.insert(id, (h, ack));
+            return true;
         }
         if s.taken.contains(&id) {
             drop(s);
