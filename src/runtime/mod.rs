@@ -311,6 +311,17 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         None => pick_pools(graph, opts.pool.as_deref())?,
     };
     check_machine(graph, &pools, opts.cluster.as_ref().map_or(1, |c| c.processes))?;
+    for name in opts.endpoints.keys() {
+        if !graph.pools.iter().any(|p| &p.name == name && p.role == PoolRole::Decode) {
+            let decode: Vec<&str> =
+                graph.pools.iter().filter(|p| p.role == PoolRole::Decode).map(|p| p.name.as_str()).collect();
+            bail!(
+                "--endpoint {name}=…: {} has no decode pool `{name}` (its decode pools: {})",
+                graph.path.display(),
+                if decode.is_empty() { "none".to_string() } else { decode.join(", ") }
+            );
+        }
+    }
     // The process running the pools new requests enter drives the workload and reports; one
     // running only decode pools serves the handoffs that come to it.
     let drives = pools.iter().any(|p| links::Wiring::entry_kind(graph, p).is_some());

@@ -133,3 +133,30 @@ fn a_decode_process_that_dies_fails_what_it_owed_at_once_and_frees_this_side() {
         assert!(rec["error"].as_str().unwrap().contains("decode pool decode"), "names the peer: {rec}");
     }
 }
+
+#[test]
+fn pools_and_endpoint_flags_that_cannot_work_are_clear_errors() {
+    use crate::common::{assert_clean_failure, kvflow};
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 2\nlimit = 2";
+    let tcp =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", TCP_1P1D);
+    let g = tcp.to_string_lossy().to_string();
+    let cases: [(&[&str], &[&str]); 4] = [
+        (&["--pools", "prefill"], &["decode pool `decode` runs in another process", "--endpoint decode=HOST:PORT"]),
+        (&["--pools", "nope"], &["--pools", "no pool named `nope`"]),
+        (&["--pools", "prefill", "--endpoint", "decod=127.0.0.1:9"], &["no decode pool `decod`", "decode"]),
+        (&["--pools", "prefill", "--endpoint", "decode"], &["expected POOL=HOST:PORT"]),
+    ];
+    for (flags, needles) in cases {
+        let mut args = vec!["run", g.as_str()];
+        args.extend_from_slice(flags);
+        assert_clean_failure(&kvflow(&args), needles);
+    }
+    // An inproc link cannot cross processes.
+    let inproc = tcp.with_file_name("inproc.toml");
+    let text = std::fs::read_to_string(&tcp).unwrap().replace("backend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n", "");
+    std::fs::write(&inproc, text).unwrap();
+    let out = kvflow(&["run", &inproc.to_string_lossy(), "--pools", "prefill"]);
+    assert_clean_failure(&out, &["is not in this process (--pools)", "backend = \"tcp\""]);
+}
