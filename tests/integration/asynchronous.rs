@@ -4,6 +4,7 @@
 //! for an older generation of a request is dropped and counted (and, without that check, corrupts
 //! another request's output); any rank wakes its parked pool.
 
+use crate::common::report;
 use crate::common::{repo, FIXTURES};
 use crate::runtime::{assert_exact, ranks_used, request_lines, run_graph, write_graph_with, HEAVY};
 use kvflow::graph::Overrides;
@@ -15,10 +16,6 @@ use std::path::Path;
 fn pool(ranks: usize, executor: &str, settings: &str) -> String {
     let table = if settings.is_empty() { String::new() } else { format!("[pool.executor_settings]\n{settings}\n") };
     format!("[[pool]]\nname = \"main\"\nranks = {ranks}\nexecutor = \"{executor}\"\n{table}")
-}
-
-fn report(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("out/report.json")).unwrap()).unwrap()
 }
 
 fn run_cli(args: &[&str]) -> std::process::Output {

@@ -125,3 +125,17 @@ pub fn assert_clean_failure(out: &Output, needles: &[&str]) -> String {
     }
     stderr
 }
+
+/// A run's requests.jsonl (in `dir/out`), a record per line.
+pub fn records(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("out/requests.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A run's report.json (in `dir/out`).
+pub fn report(dir: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("out/report.json")).unwrap()).unwrap()
+}

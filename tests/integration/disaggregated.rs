@@ -3,23 +3,15 @@
 //! outputs are bit-identical to the reference path (`--verify`), every request really passed
 //! through both pools, and every block and slot is free on both sides at the end.
 
+use crate::common::records;
 use crate::common::FIXTURES;
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use serde_json::Value;
-use std::path::Path;
 
 const ONE_P_ONE_D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
     [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
     [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n";
-
-fn records(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("out/requests.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
 
 fn run_pd(model: &str, pools: &str, executor: &str) -> (tempfile::TempDir, Value) {
     run_pd_on(model, pools, executor, "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 2\nlimit = 12")

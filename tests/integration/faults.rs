@@ -4,6 +4,7 @@
 //! exact) or failed with a named cause, none hangs, and every block and slot is free on both
 //! sides at the end (the run checks it and reports `accounting_errors`).
 
+use crate::common::records;
 use crate::runtime::{run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_operators::rank::TestSwitches;
@@ -17,14 +18,6 @@ fn pools(backend: &str, faults: &str) -> String {
          [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
          [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n{link}\n[faults]\nseed = 11\n{faults}\n"
     )
-}
-
-fn records(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("out/requests.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 fn run(model: &str, backend: &str, faults: &str, switches: TestSwitches) -> (tempfile::TempDir, Value) {

@@ -3,22 +3,10 @@
 //! within its grace period with a valid partial report.
 
 use crate::common::repo;
+use crate::common::{records, report};
 use crate::runtime::write_graph;
-use serde_json::Value;
 use std::path::Path;
 use std::time::{Duration, Instant};
-
-fn records(dir: &Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("out/requests.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
-fn report(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("out/report.json")).unwrap()).unwrap()
-}
 
 fn run_cli(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_kvflow")).args(args).output().unwrap()

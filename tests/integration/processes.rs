@@ -5,8 +5,8 @@
 //! handoff); and when that process is killed, every request it owed ends failed with a named
 //! cause, at once, and nothing is left held on this side.
 
+use crate::common::{records, report};
 use crate::runtime::{write_graph_with, HEAVY};
-use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -54,18 +54,6 @@ fn prefill(graph: &std::path::Path, addr: &str) -> std::process::Output {
         .args(["run", &graph.to_string_lossy(), "--pools", "prefill", "--endpoint", &endpoint, "--verify"])
         .output()
         .unwrap()
-}
-
-fn report(dir: &std::path::Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("out/report.json")).unwrap()).unwrap()
-}
-
-fn records(dir: &std::path::Path) -> Vec<Value> {
-    std::fs::read_to_string(dir.join("out/requests.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
 }
 
 #[test]
