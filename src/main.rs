@@ -181,6 +181,10 @@ struct RunFlags {
     /// Test only: a decode pool's inbox delivers every copy of a handoff (no exactly-once take).
     #[arg(long, hide = true)]
     test_deliver_duplicate_handoffs: bool,
+    /// Test only: prefill pools free a handed-off request's memory when they send the handoff,
+    /// not when the consumer's ack comes.
+    #[arg(long, hide = true)]
+    test_free_before_ack: bool,
 }
 
 #[derive(Subcommand)]
@@ -325,6 +329,7 @@ fn run_graph(
             handoff_without_state: args.test_handoff_without_state,
             export_state_after_t0: args.test_export_state_after_t0,
             deliver_duplicate_handoffs: args.test_deliver_duplicate_handoffs,
+            free_before_ack: args.test_free_before_ack,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
             stuck_in_forward: match args.test_stuck_in_forward.as_deref() {

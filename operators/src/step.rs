@@ -53,9 +53,43 @@ pub struct KvExport {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Exported {
     pub key: SeqKey,
-    /// KV of the blocks, packed by layer.
+    /// KV of the blocks, packed by layer — or, when `source` is set, nothing: the consumer
+    /// reads the blocks straight from the producer's cache.
     pub kv: Vec<f32>,
+    pub source: Option<KvSource>,
+    /// The state slot, read by the step (the handoff owns this copy).
     pub state: Option<Vec<f32>>,
+}
+
+/// Blocks of a producer rank's KV cache that a handoff reads in place (one copy, into the
+/// consumer's blocks, or onto a socket): the producer must hold them until the consumer's ack.
+#[derive(Clone)]
+pub struct KvSource {
+    pub cache: std::sync::Arc<std::sync::RwLock<kvflow_kernels::models::ModelCache>>,
+    pub blocks: Vec<u32>,
+    pub floats_per_block: usize,
+}
+
+impl KvSource {
+    /// The blocks' KV, packed by layer (a copy).
+    pub fn read(&self) -> Vec<f32> {
+        let mut kv = Vec::new();
+        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+        cache.kv.export_blocks(&self.blocks, &mut kv);
+        kv
+    }
+}
+
+impl std::fmt::Debug for KvSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KvSource({} blocks in place)", self.blocks.len())
+    }
+}
+
+impl PartialEq for KvSource {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.cache, &other.cache) && self.blocks == other.blocks
+    }
 }
 
 /// Before the forward (after the state copies): write an arriving handoff into the blocks and

@@ -145,11 +145,13 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         kv_blocks: blocks,
         floats_per_block,
         kv,
+        source: None,
         state: None,
         started_ms: 0.0,
         t0_ms: 0.0,
         to: None,
         recycle: None,
+        on_drop: Default::default(),
     };
     let layout = ConsumerLayout {
         fingerprint: h.fingerprint,

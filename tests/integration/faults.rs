@@ -175,3 +175,39 @@ fn a_duplicate_handoff_is_taken_once_and_without_the_check_reaches_a_rank_again(
         );
     }
 }
+
+/// Producer frees after ack: an inproc handoff is read in place, from the producer's blocks,
+/// by the consumer's import (one copy). Every transfer here waits 100 ms before it reaches the
+/// consumer, while the prefill pool goes on prefilling: with the mechanism the producer holds
+/// the blocks until the ack and every output is exact; without it (test switch) the blocks are
+/// reused by the next prefills before the consumer reads them, and outputs go wrong.
+#[test]
+fn the_producer_frees_after_the_ack_and_without_it_the_consumer_reads_reused_blocks() {
+    let faults = "delay_ms = 100.0\ndelay_probability = 1.0";
+    let run_with = |switches: TestSwitches| {
+        let dir = tempfile::tempdir().unwrap();
+        let graph = write_graph_with(
+            dir.path(),
+            "hf/llama",
+            "mooncake_conversation_head.jsonl",
+            "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 0\nlimit = 12",
+            "32 MiB",
+            &pools("inproc", faults),
+        );
+        // No prefix cache: a freed block is free at once (the cache would keep prompt blocks).
+        let text = std::fs::read_to_string(&graph)
+            .unwrap()
+            .replace("chunk_tokens = 64", "chunk_tokens = 64\nprefix_cache = false");
+        std::fs::write(&graph, text).unwrap();
+        run_graph(&graph, Overrides::default(), switches)
+    };
+    let with = run_with(TestSwitches::default());
+    assert_eq!(with["verify"]["mismatched"], 0, "{}", with["verify"]);
+    assert_eq!(with["completed"], 12);
+    let without = run_with(TestSwitches { free_before_ack: true, ..Default::default() });
+    assert!(
+        without["verify"]["mismatched"].as_u64().unwrap() > 0,
+        "freeing before the ack lets the consumer read reused blocks: {}",
+        without["verify"]
+    );
+}

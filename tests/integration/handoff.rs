@@ -114,13 +114,16 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             fingerprint: model.layout_fingerprint(BLOCK),
             skip_blocks: 0,
             kv_blocks: blocks.len(),
-            floats_per_block: exported.kv.len() / blocks.len().max(1),
+            floats_per_block: exported.source.as_ref().filter(|_| !blocks.is_empty()).map_or(0, |s| s.floats_per_block),
             kv: exported.kv,
+            // The producer's blocks, read in place by the consumer's import (one copy).
+            source: exported.source,
             state: exported.state,
             started_ms: 0.0,
             t0_ms: 0.0,
             to: None,
             recycle: None,
+            on_drop: Default::default(),
         });
         // Consumer: other block ids and another slot.
         let decode_from = |handoff: Arc<Handoff>| {
@@ -152,6 +155,12 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             (tokens, chain)
         };
         let (tokens, chain) = decode_from(handoff.clone());
+        // The same bytes read out of the producer's blocks (what a socket carries) continue the
+        // same way.
+        let mut read_out = (*handoff).clone();
+        (read_out.kv, read_out.source) = (handoff.kv_floats().into_owned(), None);
+        let handoff = Arc::new(read_out);
+        assert_eq!(decode_from(handoff.clone()), (tokens.clone(), chain), "{name}: in place and read out agree");
         let opts = GenerateOptions { max_new_tokens: outputs, ..Default::default() };
         let reference = generate(&model, std::slice::from_ref(&prompt), &opts).unwrap().remove(0);
         assert_eq!(tokens, reference.tokens, "{name}: tokens");

@@ -38,6 +38,38 @@ impl PagedKvCache {
         }
     }
 
+    /// Copies the KV of `from` in `source` (another rank's cache of the same geometry) into
+    /// `to` here: one copy, row by row. Every id and the geometry are checked first: on error
+    /// nothing is written.
+    pub fn copy_blocks_from(&mut self, source: &PagedKvCache, from: &[u32], to: &[u32]) -> Result<(), ImportError> {
+        if from.len() != to.len() {
+            return Err(ImportError::WrongSize { what: "KV blocks", got: from.len(), expected: to.len() });
+        }
+        if source.floats_per_block() != self.floats_per_block() || source.num_layers() != self.num_layers() {
+            return Err(ImportError::WrongSize {
+                what: "KV floats per block",
+                got: source.floats_per_block(),
+                expected: self.floats_per_block(),
+            });
+        }
+        if let Some(&block) = to.iter().find(|&&b| b as usize >= self.num_blocks()) {
+            return Err(ImportError::NoSuchBlock { block, blocks: self.num_blocks() });
+        }
+        if let Some(&block) = from.iter().find(|&&b| b as usize >= source.num_blocks()) {
+            return Err(ImportError::NoSuchBlock { block, blocks: source.num_blocks() });
+        }
+        let rows = self.block_size();
+        for l in 0..self.num_layers() {
+            let (src, dst) = (source.layer(l), self.layer_mut(l));
+            for (&f, &t) in from.iter().zip(to) {
+                for r in 0..rows {
+                    dst.row_mut(t as usize * rows + r).copy_from_slice(src.row(f as usize * rows + r));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Writes `data` (packed by layer, as [`Self::export_blocks`] gives it) into `blocks`. Every
     /// block id and the total size are checked first: on error nothing is written.
     pub fn import_blocks(&mut self, blocks: &[u32], data: &[f32]) -> Result<(), ImportError> {

@@ -7,14 +7,16 @@
 
 use super::gate::{CompletionGate, Delay};
 use super::{Executor, ExecutorContext};
-use crate::step::{ExecutorError, Exported, KvExport, KvImport, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch};
+use crate::step::{
+    ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
+};
 use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
 use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, SeqInput, StepActivations};
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 /// One sequence of an [`OwnedStep`]: ranges into its flat token and block-table buffers.
 #[derive(Clone, Debug)]
@@ -112,7 +114,8 @@ struct Running {
 /// The model, the rank's storage, and the tokens it sampled.
 pub struct CpuStepRunner {
     model: Arc<Model>,
-    cache: ModelCache,
+    /// Shared with the handoffs that read its blocks in place (`KvSource`).
+    cache: Arc<RwLock<ModelCache>>,
     /// Layers of each phase (from the model config).
     phases: Vec<Range<usize>>,
     /// The step whose phases are running.
@@ -125,7 +128,7 @@ impl CpuStepRunner {
     pub fn new(ctx: &ExecutorContext) -> Self {
         CpuStepRunner {
             phases: ctx.model.phases().into_iter().map(|p| p.layers).collect(),
-            cache: ctx.new_cache(),
+            cache: Arc::new(RwLock::new(ctx.new_cache())),
             model: ctx.model.clone(),
             current: None,
             sampled: HashMap::new(),
@@ -146,7 +149,7 @@ impl CpuStepRunner {
         let Self { model, cache, phases, current, .. } = self;
         let running = current.as_mut()?;
         if let (Ok(acts), Some(layers)) = (running.acts.as_mut(), phases.get(phase)) {
-            model.run_layers(acts, layers.clone(), cache);
+            model.run_layers(acts, layers.clone(), &mut write(cache));
         }
         if phase + 1 < phases.len() {
             return None;
@@ -174,10 +177,11 @@ impl CpuStepRunner {
         if let Some(applied) = step.applied_through {
             self.sampled.retain(|_, (when, _)| *when > applied);
         }
+        let mut cache = write(&self.cache);
         for op in &step.before {
             match *op {
-                StateOp::Zero { slot } => self.cache.states.zero_slot(slot),
-                StateOp::Restore { snapshot, slot } => self.cache.states.restore(snapshot, slot),
+                StateOp::Zero { slot } => cache.states.zero_slot(slot),
+                StateOp::Restore { snapshot, slot } => cache.states.restore(snapshot, slot),
                 StateOp::Snapshot { .. } => {}
             }
         }
@@ -186,13 +190,17 @@ impl CpuStepRunner {
         // and are checked again here so nothing is written outside what was allocated.
         for import in &step.imports {
             let h = &import.handoff;
-            self.cache
-                .kv
-                .import_blocks(&import.blocks, &h.kv)
-                .map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?;
+            let landed = match &h.source {
+                // In place: one copy from the producer's blocks (it holds them until our ack).
+                Some(source) => {
+                    let producer = source.cache.read().unwrap_or_else(|e| e.into_inner());
+                    cache.kv.copy_blocks_from(&producer.kv, &source.blocks, &import.blocks)
+                }
+                None => cache.kv.import_blocks(&import.blocks, &h.kv),
+            };
+            landed.map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?;
             match (import.slot, &h.state) {
-                (Some(slot), Some(state)) => self
-                    .cache
+                (Some(slot), Some(state)) => cache
                     .states
                     .import_slot(slot, state)
                     .map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?,
@@ -205,7 +213,7 @@ impl CpuStepRunner {
                 }
             }
         }
-        Ok(self.model.begin_step(&step.batch(), self.cache.kv.block_size()))
+        Ok(self.model.begin_step(&step.batch(), cache.kv.block_size()))
     }
 
     /// Samples (greedy) every sequence that asked for logits, and keeps the state snapshots the
@@ -222,26 +230,34 @@ impl CpuStepRunner {
                 sampled.push(Sampled { seq: s.key, token, logits_hash: hash::logits_row(logits) });
             }
         }
+        let mut cache = write(&self.cache);
         for op in &step.after {
             if let StateOp::Snapshot { slot, snapshot } = *op {
-                self.cache.states.snapshot_into(slot, snapshot);
+                cache.states.snapshot_into(slot, snapshot);
             }
         }
         sampled
     }
 
-    /// Copies out what the step's exports ask for (after its forward and snapshots).
+    /// What the step's exports ask for (after its forward and snapshots): the state slot,
+    /// copied now, and the blocks, to be read in place by the consumer.
     fn export(&self, exports: &[KvExport]) -> Vec<Exported> {
+        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+        let floats_per_block = cache.kv.floats_per_block();
         exports
             .iter()
             .map(|e| {
-                let mut kv = Vec::new();
-                self.cache.kv.export_blocks(&e.blocks, &mut kv);
-                let state = e.slot.map(|slot| self.cache.states.slot(slot).to_vec());
-                Exported { key: e.key, kv, state }
+                let state = e.slot.map(|slot| cache.states.slot(slot).to_vec());
+                let source = KvSource { cache: self.cache.clone(), blocks: e.blocks.clone(), floats_per_block };
+                Exported { key: e.key, kv: Vec::new(), source: Some(source), state }
             })
             .collect()
     }
+}
+
+/// The cache for writing (whether or not a reader panicked: it holds plain floats).
+fn write(cache: &RwLock<ModelCache>) -> std::sync::RwLockWriteGuard<'_, ModelCache> {
+    cache.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `cpu`: runs each step on the rank's own thread as it is launched.

@@ -173,15 +173,21 @@ impl Rank {
             fingerprint: out.fingerprint,
             skip_blocks,
             kv_blocks,
-            floats_per_block: exported.kv.len().checked_div(kv_blocks).unwrap_or(0),
+            floats_per_block: match (&exported.source, kv_blocks) {
+                (_, 0) => 0,
+                (Some(source), _) => source.floats_per_block,
+                (None, n) => exported.kv.len() / n,
+            },
             kv: exported.kv,
+            source: exported.source,
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
             to: seq.handoff_back,
             recycle: None,
+            on_drop: Default::default(),
         };
-        let bytes = 4 * (handoff.kv.len() + handoff.state.as_ref().map_or(0, Vec::len)) as u64;
+        let bytes = handoff.payload_bytes();
         self.stats.handoff_saved_bytes += 4 * (skip_blocks * handoff.floats_per_block) as u64;
         let (id, started_ms, t0_ms) = (handoff.request, handoff.started_ms, handoff.t0_ms);
         match out.sink.send(handoff, out.acks.clone()) {
@@ -191,6 +197,9 @@ impl Rank {
                 seq.in_transfer = Some(transfer);
                 if std::mem::take(&mut seq.in_prefill_queue) {
                     super::leave_queue(&out.queue);
+                }
+                if self.switches.free_before_ack {
+                    self.release_handed_off(key); // test switch: the ack, when it comes, finds nothing
                 }
                 self.awaiting.insert(nonce, key);
                 self.stats.handoffs_out += 1;

@@ -39,6 +39,10 @@ pub struct TestSwitches {
     /// A decode pool's inbox delivers every copy of a handoff to a rank (removes its
     /// exactly-once take: a duplicate delivery runs the request a second time).
     pub deliver_duplicate_handoffs: bool,
+    /// A prefill pool frees a handed-off request's blocks and slot as soon as the handoff is
+    /// sent, not when the consumer's ack comes (removes "producer frees after ack": the
+    /// consumer reads blocks in place that may already hold another request's KV).
+    pub free_before_ack: bool,
 }
 
 impl TestSwitches {

@@ -109,7 +109,11 @@ impl HandoffInbox {
         if s.taken.contains(&id) {
             drop(s);
             TransferCounters::bump(&self.counters.duplicates);
-            ack.ack(id, h.transfer, Ok(()));
+            // Answered again, so a producer whose ack was lost hears it — unless the taken copy
+            // reads the producer's blocks in place: its own ack comes when it is done with them.
+            if h.source.is_none() {
+                ack.ack(id, h.transfer, Ok(()));
+            }
             return false;
         }
         if s.arrived.contains_key(&id) {
@@ -130,10 +134,23 @@ impl HandoffInbox {
         };
         s.taken.insert(id);
         drop(s);
-        ack.ack(id, h.transfer, Ok(()));
-        if self.faults.strikes(Fault::Duplicate, id, 0) {
+        let twice = self.faults.strikes(Fault::Duplicate, id, 0);
+        if twice {
             TransferCounters::bump(&self.counters.duplicated);
-            ack.ack(id, h.transfer, Ok(())); // the producer must drop the second
+        }
+        let transfer = h.transfer;
+        let answer = move || {
+            ack.ack(id, transfer, Ok(()));
+            if twice {
+                ack.ack(id, transfer, Ok(())); // the producer must drop the second
+            }
+        };
+        if h.source.is_some() {
+            // Read in place: the ack goes when the last holder of the handoff lets go of it
+            // (after the import copied the blocks, or when the request no longer needs them).
+            h.on_drop.set(Box::new(answer));
+        } else {
+            answer();
         }
         Taken::Handoff(h)
     }

@@ -49,8 +49,10 @@ pub struct Handoff {
     /// Blocks whose KV `kv` carries.
     pub kv_blocks: usize,
     pub floats_per_block: usize,
-    /// KV of blocks `skip_blocks..`, packed by layer.
+    /// KV of blocks `skip_blocks..`, packed by layer — empty when `source` is set: then the
+    /// blocks are read in place from the producer's cache (which holds them until the ack).
     pub kv: Vec<f32>,
+    pub source: Option<crate::step::KvSource>,
     /// The state slot at the prompt boundary (before T0), for families with recurrent state.
     pub state: Option<Vec<f32>>,
     /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
@@ -61,6 +63,24 @@ pub struct Handoff {
     /// Where `kv`'s buffer goes back when the handoff is dropped (a receiving side reuses its
     /// buffers instead of faulting in fresh pages for every handoff).
     pub recycle: Option<Recycler>,
+    /// Runs when the handoff is dropped: a consumer reading `source` in place acks then — it
+    /// no longer needs the producer's blocks.
+    pub on_drop: OnDrop,
+}
+
+impl Handoff {
+    /// The KV floats it carries (read from the producer's blocks when in place).
+    pub fn kv_floats(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.source {
+            Some(source) => std::borrow::Cow::Owned(source.read()),
+            None => std::borrow::Cow::Borrowed(&self.kv),
+        }
+    }
+
+    /// Bytes of its payload (KV and state).
+    pub fn payload_bytes(&self) -> u64 {
+        4 * (self.kv_blocks * self.floats_per_block + self.state.as_ref().map_or(0, Vec::len)) as u64
+    }
 }
 
 impl Drop for Handoff {
@@ -68,6 +88,39 @@ impl Drop for Handoff {
         if let Some(r) = &self.recycle {
             r.give_back(std::mem::take(&mut self.kv));
         }
+        if let Some(f) = self.on_drop.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f();
+        }
+    }
+}
+
+/// Something to run once, when a handoff is dropped (not part of what the handoff is: a clone
+/// has none, and it is ignored by equality).
+#[derive(Default)]
+pub struct OnDrop(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+impl OnDrop {
+    /// Sets what runs at the drop.
+    pub fn set(&self, f: Box<dyn FnOnce() + Send>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+    }
+}
+
+impl Clone for OnDrop {
+    fn clone(&self) -> Self {
+        OnDrop::default()
+    }
+}
+
+impl PartialEq for OnDrop {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for OnDrop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnDrop")
     }
 }
 
@@ -149,7 +202,8 @@ pub fn read_floats(r: &mut impl std::io::Read, floats: &mut [f32], mut seen: imp
 /// over the bytes. Returns the checksum (0 when not computed).
 pub fn stream_payload(h: &Handoff, checksum: bool, mut sink: impl FnMut(&[u8])) -> u32 {
     let mut crc = Crc32c::new();
-    for part in [&h.kv[..], h.state.as_deref().unwrap_or(&[])] {
+    let kv = h.kv_floats();
+    for part in [&kv[..], h.state.as_deref().unwrap_or(&[])] {
         for chunk in part.chunks(PIECE_FLOATS) {
             let bytes = le_bytes(chunk);
             if checksum {

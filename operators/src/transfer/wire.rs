@@ -261,11 +261,13 @@ mod tests {
             kv_blocks: 2,
             floats_per_block: 6,
             kv: vec![0.5; 12],
+            source: None,
             state: Some(vec![1.0; 3]),
             started_ms: 0.0,
             t0_ms: 0.0,
             to: None,
             recycle: None,
+            on_drop: Default::default(),
         }
     }
 

@@ -309,11 +309,13 @@ fn serve(
             kv_blocks: d.kv_blocks,
             floats_per_block: layout.floats_per_block,
             kv: floats,
+            source: None,
             state,
             started_ms: d.started_ms,
             t0_ms: d.t0_ms,
             to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_blocks: d.skip_blocks as u32 }),
             recycle: Some(recycler.clone()),
+            on_drop: Default::default(),
         };
         locked(&shared.origin).insert(h.request, link);
         pool.deliver(Arc::new(h), acker.clone());

@@ -371,7 +371,7 @@ fn write_handoff(
     stream.write_all(&(descriptor.len() as u32).to_le_bytes())?;
     stream.write_all(&descriptor)?;
     *written += 4 + descriptor.len() as u64;
-    let total = 4 * (h.kv.len() + h.state.as_ref().map_or(0, Vec::len)) as u64;
+    let total = h.payload_bytes();
     let mut sent = Ok(());
     let mut payload = 0u64;
     let crc = stream_payload(h, checksum, |bytes| {
