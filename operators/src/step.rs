@@ -78,6 +78,30 @@ impl KvSource {
         cache.kv.export_blocks(&self.blocks, &mut kv);
         kv
     }
+
+    /// The blocks' KV, packed by layer, handed to `piece` in pieces of about `piece_floats`
+    /// through one staging buffer: the cache is locked one block at a time, never while
+    /// `piece` runs (a socket write does not hold back the producer's steps).
+    pub fn stream(&self, piece_floats: usize, mut piece: impl FnMut(&[f32])) {
+        let mut staging: Vec<f32> = Vec::with_capacity(piece_floats + self.floats_per_block);
+        let layers = self.cache.read().unwrap_or_else(|e| e.into_inner()).kv.num_layers();
+        for l in 0..layers {
+            for &b in &self.blocks {
+                {
+                    let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+                    let rows = cache.kv.block_size();
+                    staging.extend_from_slice(cache.kv.layer(l).rows(b as usize * rows, rows));
+                }
+                if staging.len() >= piece_floats {
+                    piece(&staging);
+                    staging.clear();
+                }
+            }
+        }
+        if !staging.is_empty() {
+            piece(&staging);
+        }
+    }
 }
 
 impl std::fmt::Debug for KvSource {

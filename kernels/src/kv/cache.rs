@@ -22,6 +22,11 @@ impl KvLayer {
     }
 
     #[inline]
+    /// Rows `first..first + n`, contiguous.
+    pub fn rows(&self, first: usize, n: usize) -> &[f32] {
+        &self.data[first * self.row_width..(first + n) * self.row_width]
+    }
+
     pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
         &mut self.data[r * self.row_width..(r + 1) * self.row_width]
     }

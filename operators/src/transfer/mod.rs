@@ -202,16 +202,19 @@ pub fn read_floats(r: &mut impl std::io::Read, floats: &mut [f32], mut seen: imp
 /// over the bytes. Returns the checksum (0 when not computed).
 pub fn stream_payload(h: &Handoff, checksum: bool, mut sink: impl FnMut(&[u8])) -> u32 {
     let mut crc = Crc32c::new();
-    let kv = h.kv_floats();
-    for part in [&kv[..], h.state.as_deref().unwrap_or(&[])] {
-        for chunk in part.chunks(PIECE_FLOATS) {
-            let bytes = le_bytes(chunk);
-            if checksum {
-                crc.update(&bytes);
-            }
-            sink(&bytes);
+    let mut send = |floats: &[f32]| {
+        let bytes = le_bytes(floats);
+        if checksum {
+            crc.update(&bytes);
         }
+        sink(&bytes);
+    };
+    match &h.source {
+        // Read in place from the producer's blocks, a staged piece at a time.
+        Some(source) => source.stream(PIECE_FLOATS, &mut send),
+        None => h.kv.chunks(PIECE_FLOATS).for_each(&mut send),
     }
+    h.state.as_deref().unwrap_or(&[]).chunks(PIECE_FLOATS).for_each(&mut send);
     if checksum {
         crc.value()
     } else {
