@@ -1,9 +1,10 @@
 //! The `inproc` transfer backend: producer and consumer pools in one process, and the consumer
 //! pool's inbox, which every backend delivers into. A handoff moves as an `Arc` (no
-//! serialization, no socket): the consumer's executor copies it into the blocks and slot it
-//! allocated, before the step that first reads them. The consumer acks a handoff when it takes
-//! it (it owns the bytes from then on); the producer holds the request's blocks and slot until
-//! that ack arrives. A cancelled request's transfer is aborted explicitly (the consumer drops
+//! serialization, no socket). It names the producer's blocks in place (`KvSource`), and the
+//! consumer's executor copies them straight into the blocks it allocated, before the step that
+//! first reads them: one copy. Such a handoff is acked when the consumer lets go of it, after that
+//! copy. One that carries its own bytes (tcp) is acked when it is taken. The producer holds the
+//! request's blocks and slot until the ack arrives. A cancelled request's transfer is aborted explicitly (the consumer drops
 //! it, or cancels what it began, and answers), never left to a timeout.
 
 use super::faults::{Fault, Faults, TransferCounters};
