@@ -32,6 +32,8 @@ pub struct TransferBenchArgs {
 }
 
 const BLOCK: usize = 16;
+/// Handoffs queued on the link at most (sent, not yet taken).
+const WINDOW: usize = 4;
 
 /// GB/s of handoffs of `h` until `total` bytes moved, checksummed or not.
 fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: bool) -> Result<f64> {
@@ -62,11 +64,17 @@ fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: 
         h.transfer.nonce = id;
         Arc::new(h)
     };
-    // One handoff to warm the connection, then the timed ones back to back (at most 4 queued
-    // on the link, as a rank's few prefills in flight), taken as they arrive (as a decode rank
+    // A window's worth of handoffs to warm the connection and the receiving side's buffers (a
+    // serving consumer's steady state), then the timed ones back to back (at most 4 queued on
+    // the link, as a rank's few prefills in flight), taken as they arrive (as a decode rank
     // takes them), so the receiving side reuses its buffers.
-    link.send_arc(numbered(u64::MAX), acks.clone()).map_err(|e| anyhow!(e))?;
-    wait_for(u64::MAX);
+    let warm: Vec<u64> = (0..WINDOW as u64 + 1).map(|k| u64::MAX - k).collect();
+    for &id in &warm {
+        link.send_arc(numbered(id), acks.clone()).map_err(|e| anyhow!(e))?;
+    }
+    for &id in &warm {
+        wait_for(id);
+    }
     let drainer = {
         let (inbox, taken) = (inbox.clone(), taken.clone());
         std::thread::spawn(move || {
@@ -82,7 +90,7 @@ fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: 
     let started = Instant::now();
     for i in 0..count {
         let next = numbered(i);
-        while i >= taken.load(std::sync::atomic::Ordering::Acquire) + 4 {
+        while i >= taken.load(std::sync::atomic::Ordering::Acquire) + WINDOW as u64 {
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
         link.send_arc(next, acks.clone()).map_err(|e| anyhow!(e))?;
