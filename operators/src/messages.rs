@@ -155,7 +155,7 @@ pub enum Event {
     },
     /// Its prefill finished and it moved on, to the decode pool `to` (not an end: that pool
     /// reports the end).
-    HandedOff { id: u64, rank: usize, to: String, started_ms: f64, t0_ms: f64, bytes: u64 },
+    HandedOff { id: u64, rank: usize, to: String, started_ms: f64, t0_ms: f64, bytes: u64, preemptions: usize },
     /// A decode rank took its handoff (`wall_ms`): the end of its transfer.
     Received { id: u64, rank: usize, taken_ms: f64 },
     /// It cannot run (or was cancelled), with whatever it produced before.

@@ -71,7 +71,7 @@ impl Collector {
             tracing::warn!(pool, request = id, "event for a request that was never released: dropped");
             return;
         };
-        if let Event::HandedOff { to, started_ms, t0_ms, bytes, .. } = &event {
+        if let Event::HandedOff { to, started_ms, t0_ms, bytes, preemptions, .. } = &event {
             // It moved on (the decode pool may even have reported its end already); a request
             // that entered its decode pool first lists the prefill pool before it.
             if !r.pools.iter().any(|p| p == pool) {
@@ -84,6 +84,11 @@ impl Collector {
             r.prefill_started_ms = Some(started_ms - start);
             r.t0_ms = Some(t0_ms - start);
             r.handoff_bytes = *bytes;
+            // The prefill side's preemptions, added to the decode side's (now, if that ended first).
+            r.prefill_preemptions = *preemptions;
+            if r.ended_ms.is_some() {
+                r.preemptions += *preemptions;
+            }
             return;
         }
         if let Event::Received { taken_ms, .. } = &event {
@@ -105,7 +110,7 @@ impl Collector {
                 r.rank = Some(rank);
                 r.cached_tokens = cached_tokens;
                 r.logits_hash = logits_hash;
-                r.preemptions = preemptions;
+                r.preemptions = preemptions + r.prefill_preemptions;
                 r.done_ms = token_times.last.map(|t| t - start);
                 (tokens, token_times, Some(started_ms))
             }

@@ -189,7 +189,8 @@ impl Rank {
         };
         let bytes = handoff.payload_bytes();
         self.stats.handoff_saved_bytes += 4 * (skip_blocks * handoff.floats_per_block) as u64;
-        let (id, started_ms, t0_ms) = (handoff.request, handoff.started_ms, handoff.t0_ms);
+        let (id, started_ms, t0_ms, preemptions) =
+            (handoff.request, handoff.started_ms, handoff.t0_ms, seq.preemptions);
         match out.sink.send(handoff, out.acks.clone()) {
             Ok(to) => {
                 self.scheduler.forget(index);
@@ -204,7 +205,8 @@ impl Rank {
                 self.awaiting.insert(nonce, key);
                 self.stats.handoffs_out += 1;
                 self.stats.handoff_bytes += bytes;
-                self.events.push((step, Event::HandedOff { id, rank: self.index, to, started_ms, t0_ms, bytes }));
+                self.events
+                    .push((step, Event::HandedOff { id, rank: self.index, to, started_ms, t0_ms, bytes, preemptions }));
             }
             Err(why) => self.fail(index, step, "handoff", format!("cannot hand off: {why}")),
         }
