@@ -290,25 +290,9 @@ pub struct PoolConfig {
     pub disaggregation: DisaggregationConfig,
 }
 
-/// Conditional disaggregation of a decode pool (DESIGN §8, `[pool.disaggregation]`): a new
-/// request is first routed to one of the pool's decode ranks, which has it prefilled remotely (by
-/// a linked prefill pool) only when both hold, and otherwise prefills it locally.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DisaggregationConfig {
-    /// A remote prefill only when the prompt's uncached length on the chosen decode rank (the
-    /// tokens its prefix cache lacks) is more than this; 0 (the default): every prompt with
-    /// anything uncached is prefilled remotely.
-    pub remote_prefill_min_tokens: usize,
-    /// A remote prefill only while fewer than this many requests wait in the prefill queue (at
-    /// least 1); `None` (the default): no limit.
-    pub max_prefill_queue: Option<usize>,
-}
-
-impl Default for DisaggregationConfig {
-    fn default() -> Self {
-        validate::DEFAULT_DISAGGREGATION
-    }
-}
+/// Conditional disaggregation of a decode pool (DESIGN §8, `[pool.disaggregation]`): the rule
+/// its ranks decide with, checked here (`max_prefill_queue` at least 1).
+pub use kvflow_operators::rank::DisaggregationRule as DisaggregationConfig;
 
 /// One `[[link]]`: a prefill pool handing finished prefills off to a decode pool (DESIGN §8).
 #[derive(Clone, Debug, PartialEq, Eq)]

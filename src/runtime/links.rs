@@ -17,7 +17,7 @@ use kvflow_kernels::models::Model;
 use kvflow_operators::admit::Ingress;
 use kvflow_operators::emit::EventSink;
 use kvflow_operators::messages::AdmissionKind;
-use kvflow_operators::rank::{DisaggregationRule, PrefillTarget, RemotePrefill};
+use kvflow_operators::rank::{PrefillTarget, RemotePrefill};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
     ConsumerOptions, ConsumerPool, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkTarget,
@@ -176,11 +176,7 @@ fn remote_prefill(
     if !decode_first(graph) {
         return None;
     }
-    let d = pool.disaggregation;
-    let rule = DisaggregationRule {
-        remote_prefill_min_tokens: d.remote_prefill_min_tokens,
-        max_prefill_queue: d.max_prefill_queue,
-    };
+    let rule = pool.disaggregation;
     let targets = graph
         .links_to(&pool.name)
         .into_iter()

@@ -2,7 +2,10 @@
 //! slots and snapshots) and runs a step phase by phase: state copies before, the model's layers,
 //! sampling (greedy) with the hash of each sampled logits row, snapshots after. A decode whose
 //! previous token was still in flight at launch names it by (sequence, step); the runner resolves
-//! it from the tokens it sampled itself. [`CpuExecutor`] runs it on the rank's own thread
+//! it from the tokens it sampled itself. The storage sits behind a `RwLock` shared with the
+//! handoffs that read a prefill's blocks in place (a consumer's import, a tcp link's send, one
+//! block at a time): such a reader waits while a phase of this rank holds the lock.
+//! [`CpuExecutor`] runs it on the rank's own thread
 //! (`cpu`); `DeferredExecutor` on a thread of its own (`cpu-deferred`).
 
 use super::gate::{CompletionGate, Delay};

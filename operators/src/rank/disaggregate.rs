@@ -15,10 +15,16 @@ use crate::transfer::pick_link;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-/// When a decode rank sends a prefill away.
+/// When a decode rank sends a prefill away (a decode pool's `[pool.disaggregation]`): remote
+/// only when both hold, otherwise it prefills locally.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DisaggregationRule {
+    /// A remote prefill only when the prompt's uncached length on the chosen decode rank (the
+    /// tokens its prefix cache lacks) is more than this; 0 (the default): every prompt with
+    /// anything uncached is prefilled remotely.
     pub remote_prefill_min_tokens: usize,
+    /// A remote prefill only while fewer than this many requests wait in the prefill queue (at
+    /// least 1); `None` (the default): no limit.
     pub max_prefill_queue: Option<usize>,
 }
 
