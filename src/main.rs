@@ -209,6 +209,12 @@ enum BenchCommand {
         /// Bytes to move (each measurement moves as many).
         #[arg(long, default_value = "1 GiB", value_parser = parse_bytes)]
         bytes: u64,
+        /// Tcp connections of the link (a graph's `[transfer] connections`, 1 to 16).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=16))]
+        connections: u64,
+        /// Rounds; each figure is their median.
+        #[arg(long, default_value_t = 3, value_parser = flags::count)]
+        rounds: usize,
     },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
@@ -510,8 +516,14 @@ fn run() -> Result<()> {
         Command::Bench { what: BenchCommand::Step { ranks, seqs, steps } } => {
             kvflow::bench::step::run(&kvflow::bench::step::StepBenchArgs { ranks, seqs, steps })?;
         }
-        Command::Bench { what: BenchCommand::Transfer { tokens, bytes } } => {
-            kvflow::bench::transfer::run(&kvflow::bench::transfer::TransferBenchArgs { tokens, bytes })?;
+        Command::Bench { what: BenchCommand::Transfer { tokens, bytes, connections, rounds } } => {
+            let connections = connections as usize;
+            kvflow::bench::transfer::run(&kvflow::bench::transfer::TransferBenchArgs {
+                tokens,
+                bytes,
+                connections,
+                rounds,
+            })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
             bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;

@@ -177,7 +177,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     if model.needs_blocks() {
         for t in tables.iter_mut() {
             t.grow_to(ctx + steps + 1, bs, &mut pool, 0)?;
-            if ctx % bs != 0 {
+            if !ctx.is_multiple_of(bs) {
                 // The partial last block is copied: each sequence writes its own tokens into it.
                 cache.kv.copy_block(shared.blocks()[full], t.blocks()[full]);
             }

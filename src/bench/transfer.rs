@@ -1,12 +1,15 @@
 //! `kvflow bench transfer`: handoffs over the tcp backend on loopback against a plain TCP stream
 //! of the same bytes, measured in the same run. Each handoff is one request of `--tokens` tokens
-//! of the default bench model (its prompt's KV, packed by layer), sent by a `TcpLink` to a
-//! `TcpConsumer` that checks the descriptor, receives and checksums the payload, and puts it in
-//! its inbox; a handoff counts when the consumer has taken it. The baseline writes the same
-//! total bytes over one TCP connection in 4 MiB `write_all` calls with TCP_NODELAY, timed until
-//! the reader has them all. Also printed, earlier: the handoff figure with checksums off, and
-//! the inproc cost (the consumer copying the producer's blocks in place into its own: one copy)
-//! per MiB beside a plain memcpy of the same bytes.
+//! of the default bench model (its prompt's KV, packed by layer, read in place from the producer's
+//! blocks), sent by a link of `--connections` tcp connections (a graph's `[transfer]
+//! connections`) to a `TcpConsumer` that checks the descriptor, receives and checksums the
+//! payload, and puts it in its inbox; a handoff counts when the consumer has taken it. The
+//! baseline writes the same total bytes over one TCP connection in 4 MiB `write_all` calls with
+//! TCP_NODELAY, timed until the reader has them all. Each figure is the median of `--rounds`
+//! rounds, the ways of measuring taking turns within a round (so a slow spell of the machine
+//! hits them alike); the ratio is the median of the rounds' own ratios. Also printed, earlier: the handoff figures with checksums off and over one
+//! connection, and the inproc cost (the consumer copying the producer's blocks in place into its
+//! own: one copy) per MiB beside a plain memcpy of the same bytes.
 
 use anyhow::{anyhow, Result};
 use kvflow_kernels::checkpoint::ModelSpec;
@@ -17,7 +20,8 @@ use kvflow_operators::admit::Ingress;
 use kvflow_operators::step::KvSource;
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
-    AckQueue, ConsumerPool, Handoff, HandoffInbox, LinkOptions, LinkTarget, Taken, TcpConsumer, TcpLink, TransferId,
+    AckQueue, ConsumerPool, Handoff, HandoffInbox, HandoffSink, LinkOptions, LinkTarget, Taken, TcpConsumer, TcpLink,
+    TcpLinks, TransferId,
 };
 use kvflow_operators::wake::RankWaker;
 use std::io::{Read, Write};
@@ -27,16 +31,26 @@ use std::time::Instant;
 
 pub struct TransferBenchArgs {
     pub tokens: usize,
-    /// Total bytes to move (each way of measuring moves the same).
+    /// Total bytes to move (each way of measuring moves the same, each round).
     pub bytes: u64,
+    /// Tcp connections of the link.
+    pub connections: usize,
+    pub rounds: usize,
 }
 
 const BLOCK: usize = 16;
 /// Handoffs queued on the link at most (sent, not yet taken).
 const WINDOW: usize = 4;
 
-/// GB/s of handoffs of `h` until `total` bytes moved, checksummed or not.
-fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: bool) -> Result<f64> {
+/// GB/s of handoffs of `h` over a link of `connections` until `total` bytes moved, checksummed
+/// or not.
+fn handoffs_gb_per_s(
+    h: &Handoff,
+    layout: ConsumerLayout,
+    total: u64,
+    checksum: bool,
+    connections: usize,
+) -> Result<f64> {
     let inbox = Arc::new(HandoffInbox::default());
     let pool = ConsumerPool { name: "bench".into(), ingress: Arc::new(Ingress::default()), inbox: inbox.clone() };
     let consumer = TcpConsumer::bind("127.0.0.1:0", pool, layout, Default::default()).map_err(|e| anyhow!(e))?;
@@ -47,7 +61,13 @@ fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: 
         token: None,
         link_id: 0,
     };
-    let link = TcpLink::connect(target, LinkOptions { checksum, ..Default::default() }).map_err(|e| anyhow!(e))?;
+    let links = (0..connections)
+        .map(|_| {
+            let link = TcpLink::connect(target.clone(), LinkOptions { checksum, ..Default::default() });
+            link.map(Arc::new).map_err(|e| anyhow!(e))
+        })
+        .collect::<Result<_>>()?;
+    let link = TcpLinks { links, connections };
     let acks = AckQueue::new(Arc::new(RankWaker::default()));
     let bytes = h.payload_bytes();
     let count = total.div_ceil(bytes).max(1);
@@ -62,7 +82,7 @@ fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: 
         let mut h = h.clone();
         h.request = id;
         h.transfer.nonce = id;
-        Arc::new(h)
+        h
     };
     // A window's worth of handoffs to warm the connection and the receiving side's buffers (a
     // serving consumer's steady state), then the timed ones back to back (at most 4 queued on
@@ -70,7 +90,7 @@ fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: 
     // takes them), so the receiving side reuses its buffers.
     let warm: Vec<u64> = (0..WINDOW as u64 + 1).map(|k| u64::MAX - k).collect();
     for &id in &warm {
-        link.send_arc(numbered(id), acks.clone()).map_err(|e| anyhow!(e))?;
+        link.send(numbered(id), acks.clone()).map_err(|e| anyhow!(e))?;
     }
     for &id in &warm {
         wait_for(id);
@@ -93,7 +113,7 @@ fn handoffs_gb_per_s(h: &Handoff, layout: ConsumerLayout, total: u64, checksum: 
         while i >= taken.load(std::sync::atomic::Ordering::Acquire) + WINDOW as u64 {
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
-        link.send_arc(next, acks.clone()).map_err(|e| anyhow!(e))?;
+        link.send(next, acks.clone()).map_err(|e| anyhow!(e))?;
     }
     let done = drainer.join().map_err(|_| anyhow!("the draining thread panicked"))?;
     let secs = done.duration_since(started).as_secs_f64();
@@ -203,12 +223,30 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
     let source = KvSource { cache: Arc::new(RwLock::new(cache)), blocks: ids, floats_per_block };
     let mut h = h;
     (h.kv, h.source) = (Vec::new(), Some(source));
-    let unchecked = handoffs_gb_per_s(&h, layout, args.bytes, false)?;
-    println!("handoff_unchecked_gb_per_s={unchecked:.3}");
-    let checked = handoffs_gb_per_s(&h, layout, args.bytes, true)?;
-    let plain = plain_tcp_gb_per_s(args.bytes)?;
-    println!("handoff_gb_per_s={checked:.3} (CRC32C on)");
+    let (n, total) = (args.connections, args.bytes);
+    let mut rounds: [Vec<f64>; 4] = Default::default();
+    let progress = indicatif::ProgressBar::new(args.rounds as u64);
+    progress.set_style(indicatif::ProgressStyle::with_template("rounds {bar:30} {pos}/{len}").expect("valid template"));
+    for _ in 0..args.rounds {
+        rounds[0].push(handoffs_gb_per_s(&h, layout, total, false, n)?);
+        rounds[1].push(handoffs_gb_per_s(&h, layout, total, true, 1)?);
+        rounds[2].push(handoffs_gb_per_s(&h, layout, total, true, n)?);
+        rounds[3].push(plain_tcp_gb_per_s(total)?);
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    // The ratio pairs each round's handoff figure with that round's baseline.
+    let paired: Vec<f64> = rounds[2].iter().zip(&rounds[3]).map(|(h, b)| h / b).collect();
+    let [unchecked, one_connection, checked, plain] = rounds.map(median);
+    println!("handoff_unchecked_gb_per_s={unchecked:.3} ({n} connection(s), checksums off)");
+    println!("handoff_one_connection_gb_per_s={one_connection:.3} (CRC32C on)");
+    println!("handoff_gb_per_s={checked:.3} ({n} connection(s), CRC32C on)");
     println!("tcp_baseline_gb_per_s={plain:.3} (one connection, 4 MiB write_all, TCP_NODELAY)");
-    println!("ratio={:.3}", checked / plain);
+    println!("ratio={:.3}", median(paired));
     Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }

@@ -120,6 +120,8 @@
 //! [transfer]                       # optional, only in a graph with links
 //! deployment_token = "change-me"   # shared by a deployment's processes; 1 to 256 printable ASCII bytes (default: none)
 //! checksum = true                  # checksum every transfer, verified before the ack (default true)
+//! connections = 2                  # tcp connections per link, 1 to 16; a link's handoffs spread over them
+//!                                  # by request, each carried whole by one (default 2)
 //!
 //! [faults]                         # optional: seeded faults on the transfer engine, for fault testing
 //! seed = 7                         # (default 0)
@@ -385,7 +387,15 @@ pub struct TransferConfig {
     pub deployment_token: Option<String>,
     /// Each transfer carries a checksum of its bytes, verified before the ack (default true).
     pub checksum: bool,
+    /// The tcp connections each link opens (1 to [`MAX_LINK_CONNECTIONS`], default 2): a link's
+    /// handoffs spread over them by request, each carried whole by one, so handoffs in flight
+    /// together move in parallel (one connection's sender and receiver leave a core idle part
+    /// of the time, measured by `kvflow bench transfer`).
+    pub connections: usize,
 }
+
+/// The most tcp connections a link opens.
+pub const MAX_LINK_CONNECTIONS: usize = 16;
 
 impl Default for TransferConfig {
     fn default() -> Self {
@@ -398,6 +408,7 @@ impl fmt::Debug for TransferConfig {
         f.debug_struct("TransferConfig")
             .field("deployment_token", &self.deployment_token.as_ref().map(|_| "<set, not shown>"))
             .field("checksum", &self.checksum)
+            .field("connections", &self.connections)
             .finish()
     }
 }
@@ -741,7 +752,10 @@ mod tests {
                 endpoint: Some(Endpoint { host: "127.0.0.1".to_string(), port: 0 }),
             }]
         );
-        assert_eq!(graph.transfer, TransferConfig { deployment_token: Some("change-me".to_string()), checksum: true });
+        assert_eq!(
+            graph.transfer,
+            TransferConfig { deployment_token: Some("change-me".to_string()), checksum: true, connections: 2 }
+        );
         assert_eq!(
             graph.faults,
             FaultsConfig {

@@ -95,6 +95,7 @@ pub(super) struct RawLink {
 pub(super) struct RawTransfer {
     pub(super) deployment_token: Option<Spanned<String>>,
     pub(super) checksum: Option<bool>,
+    pub(super) connections: Option<Spanned<i64>>,
 }
 
 #[derive(Default, Deserialize)]

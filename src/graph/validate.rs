@@ -43,7 +43,8 @@ pub(super) const DEFAULT_TRANSFER_BACKEND: TransferBackend = TransferBackend::In
 /// endpoint.
 const DEFAULT_TCP_HOST: &str = "127.0.0.1";
 const DEFAULT_TCP_PORT: u16 = 0;
-pub(super) const DEFAULT_TRANSFER: TransferConfig = TransferConfig { deployment_token: None, checksum: true };
+pub(super) const DEFAULT_TRANSFER: TransferConfig =
+    TransferConfig { deployment_token: None, checksum: true, connections: 2 };
 /// No faults.
 pub(super) const DEFAULT_FAULTS: FaultsConfig = FaultsConfig {
     seed: 0,
@@ -536,6 +537,16 @@ impl<'a> Validator<'a> {
                 deployment_token,
             )?,
             checksum: raw.checksum.unwrap_or(DEFAULT_TRANSFER.checksum),
+            connections: self.field(
+                "transfer.connections",
+                raw.connections.as_ref(),
+                DEFAULT_TRANSFER.connections,
+                |n| {
+                    usize::try_from(n).ok().filter(|n| (1..=super::MAX_LINK_CONNECTIONS).contains(n)).ok_or_else(|| {
+                        format!("{n} connections per link; expected 1 to {}", super::MAX_LINK_CONNECTIONS)
+                    })
+                },
+            )?,
         })
     }
 

@@ -228,8 +228,10 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
             inbox: inboxes[&pool.name].clone(),
         };
         let served_here = remote_producers > 0;
-        let consumer_options =
-            ConsumerOptions { token: token.clone(), expect_links: served_here.then_some(remote_producers) };
+        let consumer_options = ConsumerOptions {
+            token: token.clone(),
+            expect_links: served_here.then_some(remote_producers * graph.transfer.connections),
+        };
         let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
             .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
         if served_here {
@@ -284,7 +286,8 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
                     Arc::new(InprocLinks { consumers, faults, counters: counters.clone() })
                 } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
                     let mut links = Vec::new();
-                    for l in &out {
+                    let connections = graph.transfer.connections;
+                    for l in out.iter().flat_map(|l| std::iter::repeat_n(l, connections)) {
                         let remote = !local(&l.to);
                         let addr = if remote { remote_address(graph, l, options.endpoints)? } else { bound[&l.to] };
                         let target =
@@ -306,7 +309,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
                         }
                         links.push(link);
                     }
-                    Arc::new(TcpLinks { links })
+                    Arc::new(TcpLinks { links, connections })
                 } else {
                     bail!(
                         "{}: prefill pool `{}` has both inproc and tcp links; one backend per prefill pool",

@@ -153,7 +153,7 @@ fn timely_config(job: &PoolJob) -> Result<timely::Config> {
     Ok(match &job.cluster {
         None => timely::Config::process(job.ranks),
         Some(c) => {
-            if job.ranks % c.processes != 0 {
+            if !job.ranks.is_multiple_of(c.processes) {
                 return Err(anyhow!(
                     "pool {}: {} ranks do not split evenly over {} processes",
                     job.name,

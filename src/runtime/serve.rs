@@ -75,20 +75,20 @@ pub(super) fn serve_handoffs(
             if open > 0 {
                 unconnected_since = Instant::now();
             }
-            let expected = graph.links_to(name).len();
+            let expected = graph.links_to(name).len() * graph.transfer.connections;
             if interrupted.load(Ordering::SeqCst) {
                 eprintln!("decode pool `{name}`: interrupted; finishing what it holds");
                 ingress.close();
             } else if !stall.is_zero() && open == 0 && unconnected_since.elapsed() >= stall {
                 eprintln!(
-                    "decode pool `{name}`: no producer connected for {} s ({closed} of {expected} link(s) closed); \
+                    "decode pool `{name}`: no producer connected for {} s ({closed} of {expected} connection(s) closed); \
                      ending (--stall-timeout)",
                     stall.as_secs()
                 );
                 ingress.close();
             } else if noticed.elapsed() >= NOTICE && !ingress.is_closed() {
                 eprintln!(
-                    "decode pool `{name}` on {}: {open} producer connection(s) open, {closed} of {expected} link(s) \
+                    "decode pool `{name}` on {}: {open} producer connection(s) open, {closed} of {expected} \
                      closed; serving",
                     listener.addr()
                 );

@@ -45,7 +45,7 @@ impl ConfigSource {
 
     /// A size that must be even (rotated in pairs).
     pub fn even(&self, field: &str, v: usize) -> Result<usize, LoadError> {
-        if v % 2 == 0 {
+        if v.is_multiple_of(2) {
             Ok(v)
         } else {
             Err(self.error(field, format!("expected an even number (rotary dims rotate in pairs), found {v}")))
@@ -54,7 +54,7 @@ impl ConfigSource {
 
     /// `divisor` (of `field`) divides `of` (of `of_field`).
     pub fn divides(&self, field: &str, divisor: usize, of_field: &str, of: usize) -> Result<(), LoadError> {
-        if divisor > 0 && of % divisor == 0 {
+        if divisor > 0 && of.is_multiple_of(divisor) {
             Ok(())
         } else {
             Err(self.error(field, format!("expected a divisor of {of_field} = {of}, found {divisor}")))

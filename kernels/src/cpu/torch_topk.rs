@@ -94,7 +94,7 @@ fn adjust_heap<T: Copy, F: FnMut(&T, &T) -> bool>(v: &mut [T], mut hole: usize, 
         v[hole] = v[second];
         hole = second;
     }
-    if len % 2 == 0 && len >= 2 && second == (len - 2) / 2 {
+    if len.is_multiple_of(2) && len >= 2 && second == (len - 2) / 2 {
         second = 2 * (second + 1);
         v[hole] = v[second - 1];
         hole = second - 1;

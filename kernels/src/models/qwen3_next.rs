@@ -144,7 +144,7 @@ impl Config {
     /// Whether layer `l`'s feed-forward is the MoE.
     fn is_moe(&self, l: usize) -> bool {
         let mlp_only = self.mlp_only_layers.as_deref().unwrap_or_default();
-        !mlp_only.contains(&l) && self.num_experts > 0 && (l + 1) % self.decoder_sparse_step.max(1) == 0
+        !mlp_only.contains(&l) && self.num_experts > 0 && (l + 1).is_multiple_of(self.decoder_sparse_step.max(1))
     }
 
     fn moe_layers(&self, layers: usize) -> usize {

@@ -229,7 +229,7 @@ impl Rank {
             .filter_map(|c| {
                 let s = self.seqs.get(c.seq);
                 let decode = c.len == 1 && c.start >= s.prompt_len;
-                (s.id % every == 0 && decode && s.blocks.len() >= 3).then(|| {
+                (s.id.is_multiple_of(every) && decode && s.blocks.len() >= 3).then(|| {
                     let mut t = s.blocks.blocks().to_vec();
                     t.swap(0, 1);
                     (c.seq, t)

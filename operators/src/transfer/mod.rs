@@ -160,7 +160,7 @@ impl PartialEq for Recycler {
 }
 
 /// Floats per piece a payload is sent and received in (1 MiB).
-pub const PIECE_FLOATS: usize = 1 << 18;
+pub const PIECE_FLOATS: usize = 1 << 15;
 
 /// `floats` as little-endian bytes: the floats' own memory on a little-endian machine (no copy),
 /// a converted copy elsewhere.

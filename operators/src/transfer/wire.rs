@@ -233,10 +233,10 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn layout() -> ConsumerLayout {
+    pub(crate) fn layout() -> ConsumerLayout {
         ConsumerLayout {
             fingerprint: 77,
             block_size: 4,
@@ -247,7 +247,7 @@ mod tests {
         }
     }
 
-    fn handoff() -> Handoff {
+    pub(crate) fn handoff() -> Handoff {
         Handoff {
             transfer: TransferId { nonce: 9, generation: 2 },
             request: 41,

@@ -34,7 +34,7 @@ fn minimal_graph_gets_every_default() {
         }]
     );
     assert_eq!(graph.links, vec![]);
-    assert_eq!(graph.transfer, TransferConfig { deployment_token: None, checksum: true });
+    assert_eq!(graph.transfer, TransferConfig { deployment_token: None, checksum: true, connections: 2 });
     assert_eq!(graph.faults, FaultsConfig::default());
     assert_eq!(graph.faults.seed, 0);
     assert!(!graph.faults.any());
@@ -612,8 +612,12 @@ fn bad_disaggregation_values_name_the_key_and_line() {
 
 #[test]
 fn the_transfer_table_parses() {
-    let graph = Fixture::new().graph(&linked_plus("[transfer]\ndeployment_token = \"t0k3n\"\nchecksum = false\n"));
-    assert_eq!(graph.transfer, TransferConfig { deployment_token: Some("t0k3n".to_string()), checksum: false });
+    let graph = Fixture::new()
+        .graph(&linked_plus("[transfer]\ndeployment_token = \"t0k3n\"\nchecksum = false\nconnections = 3\n"));
+    assert_eq!(
+        graph.transfer,
+        TransferConfig { deployment_token: Some("t0k3n".to_string()), checksum: false, connections: 3 }
+    );
     let shown = format!("{graph:?}");
     assert!(!shown.contains("t0k3n"), "Debug shows the token: {shown}");
 }
@@ -632,6 +636,15 @@ fn bad_deployment_tokens_are_errors_that_do_not_show_them() {
     let error = token("\"secret\\u0007bell\"");
     assert_key_error(&error, "transfer.deployment_token", 13, &["printable ASCII", "character 7"]);
     assert!(!error.to_string().contains("secret"), "{error}");
+}
+
+#[test]
+fn connections_per_link_are_one_to_sixteen() {
+    let fixture = Fixture::new();
+    for bad in ["0", "17", "-2"] {
+        let error = fixture.error(&linked_plus(&format!("[transfer]\nconnections = {bad}\n")));
+        assert_key_error(&error, "transfer.connections", 13, &[bad, "expected 1 to 16"]);
+    }
 }
 
 #[test]

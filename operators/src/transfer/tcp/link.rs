@@ -556,21 +556,50 @@ fn fail_owed(s: &LinkShared, why: &str) {
     remote.sink.events(0, events);
 }
 
-/// `tcp` links of one prefill pool.
+/// `tcp` links of one prefill pool: `connections` of them to each decode pool, decode pool by
+/// decode pool (the ones to the first pool, then to the second, …).
 pub struct TcpLinks {
     pub links: Vec<Arc<TcpLink>>,
+    /// Connections to each decode pool (at least 1).
+    pub connections: usize,
+}
+
+impl TcpLinks {
+    /// The connections to the decode pool request `request` goes to (as [`link_of`] picks it).
+    fn connections_of(&self, request: u64, back_to: Option<BackTo>) -> &[Arc<TcpLink>] {
+        let per_pool = self.connections.max(1);
+        let pool = link_of(request, back_to, self.links.len() / per_pool);
+        self.links.get(pool * per_pool..(pool + 1) * per_pool).unwrap_or(&[])
+    }
+}
+
+impl TcpLink {
+    /// Handoffs sent and not answered yet.
+    pub(super) fn unanswered(&self) -> usize {
+        locked(&self.shared.unanswered).len()
+    }
+
+    fn holds(&self, request: u64) -> bool {
+        locked(&self.shared.unanswered).contains_key(&request)
+    }
 }
 
 impl HandoffSink for TcpLinks {
+    /// Sends over the pool's connection with the fewest handoffs unanswered (so handoffs in
+    /// flight together go over different connections).
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
-        if self.links.is_empty() {
+        let connections = self.connections_of(h.request, h.to);
+        let Some(link) = connections.iter().min_by_key(|link| link.unanswered()) else {
             return Err("no decode pool is linked".into());
-        }
-        self.links[link_of(h.request, h.to, self.links.len())].send_arc(Arc::new(h), ack)
+        };
+        link.send_arc(Arc::new(h), ack)
     }
 
+    /// Aborts over the connection that carries the transfer (behind it), else any of the pool's:
+    /// the consumer drops the request whichever of its connections the abort comes by.
     fn abort(&self, request: u64, transfer: TransferId, back_to: Option<BackTo>) {
-        let Some(link) = self.links.get(link_of(request, back_to, self.links.len())) else { return };
+        let connections = self.connections_of(request, back_to);
+        let Some(link) = connections.iter().find(|link| link.holds(request)).or(connections.first()) else { return };
         let _ = locked(&link.shared.jobs).send(Job::Abort(request, transfer));
     }
 }

@@ -22,6 +22,8 @@
 
 mod consumer;
 mod link;
+#[cfg(test)]
+mod tests;
 
 pub use consumer::{ConsumerOptions, TcpConsumer};
 pub use link::{LinkOptions, LinkTarget, TcpLink, TcpLinks};
