@@ -213,7 +213,7 @@ enum BenchCommand {
         #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=16))]
         connections: u64,
         /// Rounds; each figure is their median.
-        #[arg(long, default_value_t = 3, value_parser = flags::count)]
+        #[arg(long, default_value_t = 5, value_parser = flags::count)]
         rounds: usize,
     },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
