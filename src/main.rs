@@ -185,6 +185,10 @@ struct RunFlags {
     /// not when the consumer's ack comes.
     #[arg(long, hide = true)]
     test_free_before_ack: bool,
+    /// Test only: prefill pools hand off the state slot a request was first admitted with, not
+    /// the one it holds at T0.
+    #[arg(long, hide = true)]
+    test_export_admission_slot: bool,
 }
 
 #[derive(Subcommand)]
@@ -336,6 +340,7 @@ fn run_graph(
             export_state_after_t0: args.test_export_state_after_t0,
             deliver_duplicate_handoffs: args.test_deliver_duplicate_handoffs,
             free_before_ack: args.test_free_before_ack,
+            export_admission_slot: args.test_export_admission_slot,
             cancel_at_stage: parse_cancel_at_stage(args.test_cancel_at_stage.as_deref())?,
             align_without_waiting: args.test_align_without_waiting,
             stuck_in_forward: match args.test_stuck_in_forward.as_deref() {

@@ -101,6 +101,46 @@ fn state_taken_after_t0_breaks_exactly_the_recurrent_families() {
     }
 }
 
+/// Current slot: the handoff reads the state slot its request holds when the step that samples
+/// T0 runs. A prefill pool short of blocks preempts requests mid-prompt; one that comes back may
+/// get another slot. Reading the slot it was first admitted with instead (the switch) hands off
+/// what that slot holds now — another request's state — so recurrent families mismatch; an
+/// attention-only family has no slot and stays exact. (qwen3_next_gdn keeps no paged KV, so
+/// nothing preempts it and its slot never moves.)
+#[test]
+fn a_handoff_of_the_admission_time_slot_breaks_requests_that_moved() {
+    let pools = |budget: &str| {
+        format!(
+            "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n[pool.memory]\nbudget_bytes = \"{budget}\"\n\
+             [pool.scheduler]\nmax_batched_tokens = 512\nchunk_tokens = 32\n\n\
+             [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+             [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n"
+        )
+    };
+    // Budgets that hold the longest prompt but not the 16 in flight together.
+    for (model, budget, recurrent) in
+        [("hf/qwen3_next", "1250 KiB", true), ("hf/kimi_linear", "1250 KiB", true), ("hf/llama", "3 MiB", false)]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let workload = "mode = \"concurrency\"\nconcurrency = 16\nwarmup = 0\nlimit = 32";
+        let graph =
+            write_graph_with(dir.path(), model, "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools(budget));
+        let with = run_graph(&graph, Overrides::default(), Default::default());
+        assert_exact(&with, &format!("{model}, the slot held at T0"));
+        assert!(with["pools"]["prefill"]["preemptions"].as_u64().unwrap() > 0, "{model}: nothing was preempted");
+        let switches = kvflow_operators::rank::TestSwitches { export_admission_slot: true, ..Default::default() };
+        let without = run_graph(&graph, Overrides::default(), switches);
+        assert_eq!(without["failed"], 0, "{model}: {without}");
+        let mismatched = without["verify"]["mismatched"].as_u64().unwrap();
+        if recurrent {
+            assert!(mismatched > 0, "{model}: a stale slot handed off must change the output");
+        } else {
+            assert_eq!(mismatched, 0, "{model}: no slot, nothing stale");
+        }
+        assert!(without["accounting_errors"].as_array().unwrap().is_empty(), "{model}: {without}");
+    }
+}
+
 fn tcp_pools(endpoint: &str) -> String {
     format!("{ONE_P_ONE_D}backend = \"tcp\"\nendpoint = \"{endpoint}\"\n")
 }

@@ -76,7 +76,13 @@ impl Rank {
                 // Blocks the decode rank already holds are not exported (prefix reuse).
                 let skip = seq.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
                 let blocks = seq.blocks.blocks()[skip..n].to_vec();
-                exports.push(KvExport { key: c.key, blocks, slot: seq.slot });
+                // The slot it holds now, read by this step (test switch: the one it was
+                // first admitted with, which a preemption may have given to another request).
+                let slot = match self.admission_slots.remove(&seq.id) {
+                    Some(first) if self.switches.export_admission_slot => Some(first),
+                    _ => seq.slot,
+                };
+                exports.push(KvExport { key: c.key, blocks, slot });
             }
             if let Some(handoff) = seq.import.take() {
                 let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
@@ -126,6 +132,9 @@ impl Rank {
                 if seq.started_ms.is_none() {
                     seq.started_ms = Some(now);
                     seq.first_cached = cached;
+                    if let (true, Some(slot)) = (self.switches.export_admission_slot, seq.slot) {
+                        self.admission_slots.insert(id, slot);
+                    }
                 }
             }
         }

@@ -88,6 +88,8 @@ pub struct Rank {
     cancelled_remote: std::collections::HashSet<u64>,
     /// What the last completion's exports copied out, by sequence, until its T0 is applied.
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
+    /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
+    admission_slots: std::collections::HashMap<u64, kvflow_kernels::kv::SlotId>,
 }
 
 impl Rank {
@@ -126,6 +128,7 @@ impl Rank {
             awaiting_remote: Default::default(),
             cancelled_remote: Default::default(),
             exported: Default::default(),
+            admission_slots: Default::default(),
         }
     }
 

@@ -43,6 +43,10 @@ pub struct TestSwitches {
     /// sent, not when the consumer's ack comes (removes "producer frees after ack": the
     /// consumer reads blocks in place that may already hold another request's KV).
     pub free_before_ack: bool,
+    /// A prefill pool's handoff reads the state slot its request got when first admitted, not
+    /// the one it holds when the handoff is built (removes "current slot": a request that was
+    /// preempted and came back in another slot hands off whatever the old slot holds now).
+    pub export_admission_slot: bool,
 }
 
 impl TestSwitches {
