@@ -85,17 +85,24 @@ fn consumer_layout(model: &Model, pool: &PoolConfig) -> ConsumerLayout {
     }
 }
 
-/// Whether new requests of this graph enter its decode pools, whose ranks decide where each is
-/// prefilled (some decode pool sets `[pool.disaggregation]`); otherwise they enter its prefill
-/// pools and every prefill is remote.
-pub fn decode_first(graph: &Graph) -> bool {
+/// Whether new requests of a run of `pools` enter its decode pools, whose ranks pick up each
+/// request at arrival and decide where it is prefilled (by their pool's `[pool.disaggregation]`
+/// rule; the default: remotely) — every disaggregated graph run whole in one process. A run of
+/// some of the pools (`--pools`) takes new requests in its prefill pools instead, every prefill
+/// remote, each decode rank picked when its handoff arrives (a rule is refused there).
+pub fn decode_first(graph: &Graph, pools: &[&PoolConfig]) -> bool {
+    graph.is_disaggregated() && pools.len() == graph.pools.len()
+}
+
+/// Whether some decode pool sets a `[pool.disaggregation]` rule of its own.
+pub fn has_disaggregation_rule(graph: &Graph) -> bool {
     graph.pools.iter().any(|p| p.role == PoolRole::Decode && p.disaggregation != Default::default())
 }
 
 impl Wiring {
     /// How new requests enter `pool`, if they do.
-    pub fn entry_kind(graph: &Graph, pool: &PoolConfig) -> Option<AdmissionKind> {
-        match (pool.role, decode_first(graph)) {
+    pub fn entry_kind(graph: &Graph, pools: &[&PoolConfig], pool: &PoolConfig) -> Option<AdmissionKind> {
+        match (pool.role, decode_first(graph, pools)) {
             (PoolRole::Aggregated, _) => Some(AdmissionKind::Whole),
             (PoolRole::Prefill, false) => Some(AdmissionKind::PrefillOnly { back_to: None }),
             (PoolRole::Decode, true) => Some(AdmissionKind::Decide),
@@ -107,7 +114,7 @@ impl Wiring {
     /// decode pools (not those fed from other processes: their links close them), or with
     /// decode-first routing the prefill pools.
     pub fn downstream_ingresses(&self, graph: &Graph, pools: &[&PoolConfig]) -> Vec<Arc<Ingress>> {
-        if decode_first(graph) {
+        if decode_first(graph, pools) {
             pools.iter().filter(|p| p.role == PoolRole::Prefill).map(|p| self.ingress[&p.name].clone()).collect()
         } else {
             self.decode_ingresses(pools)
@@ -169,11 +176,12 @@ fn remote_address(graph: &Graph, link: &LinkConfig, endpoints: &HashMap<String, 
 /// its rule, and the linked prefill pools of this process.
 fn remote_prefill(
     graph: &Graph,
+    pools: &[&PoolConfig],
     pool: &PoolConfig,
     ingress: &HashMap<String, Arc<Ingress>>,
     queues: &HashMap<String, Arc<AtomicUsize>>,
 ) -> Option<RemotePrefill> {
-    if !decode_first(graph) {
+    if !decode_first(graph, pools) {
         return None;
     }
     let rule = pool.disaggregation;
@@ -252,7 +260,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
         let role = match pool.role {
             PoolRole::Aggregated => PoolHandoff::None,
             PoolRole::Decode => {
-                PoolHandoff::In(inboxes[&pool.name].clone(), remote_prefill(graph, pool, &ingress, &queues))
+                PoolHandoff::In(inboxes[&pool.name].clone(), remote_prefill(graph, pools, pool, &ingress, &queues))
             }
             PoolRole::Prefill => {
                 let out = graph.links_from(&pool.name);

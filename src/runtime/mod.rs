@@ -123,7 +123,7 @@ pub fn pick_named_pools<'g>(graph: &'g Graph, names: &[String]) -> Result<Vec<&'
 
 /// What no run of these pools takes yet.
 fn check_pools(graph: &Graph, pools: &[&PoolConfig]) -> Result<()> {
-    if links::decode_first(graph) && pools.len() < graph.pools.len() {
+    if links::has_disaggregation_rule(graph) && pools.len() < graph.pools.len() {
         let pool = graph.pools.iter().find(|p| p.disaggregation != Default::default()).expect("decode-first");
         bail!(
             "{}: pool `{}`: [pool.disaggregation] (a decode rank deciding where to prefill) runs its prefill and \
@@ -324,7 +324,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     // The process running the pools new requests enter drives the workload and reports; one
     // running only decode pools serves the handoffs that come to it.
-    let drives = pools.iter().any(|p| links::Wiring::entry_kind(graph, p).is_some());
+    let drives = pools.iter().any(|p| links::Wiring::entry_kind(graph, &pools, p).is_some());
     if drives {
         crate::report::check_output_dir(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
@@ -385,7 +385,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let collector = Collector::new(selection.requests.len(), tx, opts.show_progress);
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     // Start every pool, each with its ingress, its handoff links, its sink into the collector
-    // and its watch. New requests enter the aggregated pools, or the prefill pools.
+    // and its watch. New requests enter the aggregated pools, or the decode pools (a run of
+    // some pools: the prefill pools).
     let stall_timeout = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
     let remote_batches = batches.clone();
     let remote_events = move |to: &str| -> Box<dyn kvflow_operators::emit::EventSink + Send> {
@@ -400,7 +401,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let mut wiring = links::wire(graph, &pools, &model, &wire_options)?;
     // New requests enter the entry pools; the pools downstream of them close once every entry
     // pool has ended (cancels reach them through the entry pools' ranks, or directly).
-    let decode_first = links::decode_first(graph);
+    let decode_first = links::decode_first(graph, &pools);
     let upstream = if decode_first { PoolRole::Decode } else { PoolRole::Prefill };
     let downstream = wiring.downstream_ingresses(graph, &pools);
     let also_cancel = if decode_first { Vec::new() } else { downstream.clone() };
@@ -418,7 +419,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         let watch = Watch::default();
         let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
         running.push((pool.role, start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?));
-        if let Some(kind) = links::Wiring::entry_kind(graph, pool) {
+        if let Some(kind) = links::Wiring::entry_kind(graph, &pools, pool) {
             entries.push(EntryPool { name: name.clone(), ingress, kind, also_cancel: also_cancel.clone() });
         }
         watches.push((name, watch));

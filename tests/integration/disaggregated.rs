@@ -261,13 +261,19 @@ fn conditional_disaggregation_prefills_both_ways_and_stays_exact() {
 #[test]
 fn decode_side_prefix_reuse_sends_fewer_bytes_with_the_same_outputs() {
     for model in ["hf/llama", "hf/deepseek_v32"] {
-        // Every prefill remote either way; with decode-first routing the decode rank keeps the
-        // prefix it already holds and the producer leaves it out.
+        // Every prefill remote either way (the default rule); the decode rank keeps the prefix
+        // it already holds and the producer leaves it out — unless the decode pool keeps no
+        // prefix cache.
         // Turns of the trace's conversations share their history; two at a time, so a later
         // turn often finds an earlier one's blocks on the decode rank.
         let workload = "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 30";
-        let (_a, plain) = run_pd_on(model, ONE_P_ONE_D, "", workload);
-        let (_b, reuse) = run_pd_on(model, &conditional("max_prefill_queue = 1000"), "", workload);
+        let no_cache = ONE_P_ONE_D.replace(
+            "role = \"decode\"\nranks = 1\n",
+            "role = \"decode\"\nranks = 1\n[pool.scheduler]\nprefix_cache = false\n",
+        );
+        assert_ne!(no_cache, ONE_P_ONE_D);
+        let (_a, plain) = run_pd_on(model, &no_cache, "", workload);
+        let (_b, reuse) = run_pd_on(model, ONE_P_ONE_D, "", workload);
         for (r, what) in [(&plain, "plain"), (&reuse, "reuse")] {
             assert_exact(r, &format!("{model} {what}"));
             assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{model} {what}");

@@ -103,9 +103,9 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
     // Every transfer is held back 300 ms, so a request sits "in transfer" long enough for its
     // prefill rank to cancel it there; the abort reaches the consumer before the handoff does.
     let stages = [(7, "queued"), (0, "prefilling"), (2, "in transfer"), (4, "in transfer"), (1, "decoding")];
-    // Also with decode-first routing ([pool.disaggregation]): the decode rank asked for the
-    // prefill, and its cancel travels to the prefill pool.
-    for (backend, decode_first) in [("inproc", false), ("tcp", false), ("inproc", true)] {
+    // The decode rank asked for each prefill, and its cancel travels to the prefill pool; also
+    // with a rule of its own ([pool.disaggregation]).
+    for (backend, rule) in [("inproc", false), ("tcp", false), ("inproc", true)] {
         let switches = TestSwitches {
             cancel_at_stage: stages.iter().map(|(id, s)| (*id, s.to_string())).collect(),
             ..Default::default()
@@ -117,7 +117,7 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
             "mooncake_conversation_head.jsonl",
             "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 0\nlimit = 12",
             "32 MiB",
-            &if decode_first {
+            &if rule {
                 pools(backend, "delay_ms = 300.0\ndelay_probability = 1.0")
                     .replace("[[link]]", "[pool.disaggregation]\nmax_prefill_queue = 1000\n\n[[link]]")
             } else {
@@ -130,7 +130,7 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
             .replace("chunk_tokens = 64", "chunk_tokens = 16");
         std::fs::write(&graph, text).unwrap();
         let report = run_graph(&graph, Overrides::default(), switches);
-        let what = format!("cancel at every stage over {backend} (decode first: {decode_first})");
+        let what = format!("cancel at every stage over {backend} (a rule of its own: {rule})");
         assert_all_accounted(&report, dir.path(), &what);
         let mut errors: Vec<(u64, String)> = records(dir.path())
             .iter()
