@@ -181,6 +181,7 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     dot.line(format!("  workload [shape=note, label={}];", quote(&workload_label(graph))));
     // Each pool's admit and forward, for the links between pools.
     let mut ends = std::collections::HashMap::new();
+    let all: Vec<&PoolConfig> = graph.pools.iter().collect();
     for pool in &graph.pools {
         let built = build(pool, registry, extend.clone())?;
         let id = |node: usize| quote(&format!("{}/{node}", pool.name));
@@ -202,15 +203,21 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
         dot.line("  }");
         let find = |name: &str| built.operators.iter().find(|(_, n)| n.as_str() == name).map(|(&node, _)| id(node));
         if let (Some(admit), Some(forward)) = (find("admit"), find("forward")) {
-            if pool.role != crate::graph::PoolRole::Decode {
+            if super::links::Wiring::entry_kind(graph, &all, pool).is_some() {
                 dot.line(format!("  workload -> {admit} [label=\"requests (ingress)\"];"));
             }
             ends.insert(pool.name.clone(), (admit, forward));
         }
     }
-    // Links: a prefill pool's forward hands off to a decode pool's admit (through its inbox).
+    // Links: a decode rank sends a remote prefill to a prefill pool's admit (when requests enter
+    // the decode pools); the prefill pool's forward hands off back to the decode pool's admit
+    // (through its inbox).
+    let decode_first = super::links::decode_first(graph, &all);
     for link in &graph.links {
-        if let (Some((_, forward)), Some((admit, _))) = (ends.get(&link.from), ends.get(&link.to)) {
+        if let (Some((prefill_admit, forward)), Some((admit, _))) = (ends.get(&link.from), ends.get(&link.to)) {
+            if decode_first {
+                dot.line(format!("  {admit} -> {prefill_admit} [label=\"remote prefill\", style=dashed];"));
+            }
             let label = format!("handoff ({}): KV + state + T0", link.backend.name());
             dot.line(format!("  {forward} -> {admit} [label={}, style=bold];", quote(&label)));
         }

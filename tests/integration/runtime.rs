@@ -331,3 +331,20 @@ fn the_dot_picture_is_drawn_from_the_dataflow_the_runtime_builds() {
     assert!(extended.contains(&format!("{forward} -> {probe} [label=\"sampled: Event\"]")), "{extended}");
     assert_eq!(extended.lines().count(), plain.lines().count() + 2, "one node and one edge more");
 }
+
+#[test]
+fn the_dot_picture_of_a_pd_graph_shows_requests_entering_the_decode_pool() {
+    use kvflow::runtime::dot::render;
+    let registry = kvflow::registry::Registry::default();
+    let graph = Graph::load_with(&repo().join("graphs/pd-1p1d.toml"), &registry.names()).unwrap();
+    let dot = render(&graph, &registry, None).unwrap();
+    let edges = |label: &str| -> Vec<String> {
+        dot.lines().filter(|l| l.contains(&format!("label=\"{label}"))).map(|l| l.trim().to_string()).collect()
+    };
+    let entering = edges("requests (ingress)");
+    assert!(entering.len() == 1 && entering[0].starts_with("workload -> \"decode/"), "{dot}");
+    let asked = edges("remote prefill");
+    assert!(asked.len() == 1 && asked[0].starts_with("\"decode/") && asked[0].contains("-> \"prefill/"), "{dot}");
+    let handed = edges("handoff (inproc)");
+    assert!(handed.len() == 1 && handed[0].starts_with("\"prefill/") && handed[0].contains("-> \"decode/"), "{dot}");
+}
