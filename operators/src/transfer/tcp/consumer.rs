@@ -4,8 +4,8 @@
 //! back over the link it came by, and its end-of-run check at the end.
 
 use super::{
-    put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ACK, TAG_DONE,
-    TAG_EVENTS,
+    put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ABORT_SEEN,
+    TAG_ACK, TAG_DONE, TAG_EVENTS,
 };
 use crate::emit::EventSink;
 use crate::messages::Event;
@@ -246,6 +246,12 @@ fn serve(
                 return;
             }
             pool.abort(request);
+            // Said back, so the producer stops sending it again after a reconnection.
+            if let Some(back) = shared.acker(link) {
+                let mut frame = vec![TAG_ABORT_SEEN];
+                frame.extend_from_slice(&request.to_le_bytes());
+                back.write(&frame);
+            }
             continue;
         }
         if len == CLOSE_FRAME {

@@ -5,7 +5,7 @@
 
 use super::{
     read_status, read_u32, read_u64, read_u8, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, MAX_EVENTS_BYTES,
-    TAG_ACK, TAG_DONE, TAG_EVENTS,
+    TAG_ABORT_SEEN, TAG_ACK, TAG_DONE, TAG_EVENTS,
 };
 use crate::emit::EventSink;
 use crate::messages::BackTo;
@@ -108,6 +108,9 @@ struct LinkShared {
     /// counted by the rank).
     answered: Mutex<HashMap<u64, Arc<AckQueue>>>,
     jobs: Mutex<Sender<Job>>,
+    /// Aborts sent that the consumer has not said it has: sent again on a new connection (a
+    /// decode rank waiting for a remote prefill that failed hears of it only by its abort).
+    aborts: Mutex<HashMap<u64, TransferId>>,
     /// A decode pool in another process: where its events go, and the requests it took whose
     /// end has not come back yet (failed if the peer vanishes).
     remote: Mutex<Option<RemoteEnd>>,
@@ -163,6 +166,7 @@ impl TcpLink {
             unanswered: Default::default(),
             answered: Default::default(),
             jobs: Mutex::new(jobs),
+            aborts: Default::default(),
             remote: Mutex::new(options.events.map(|sink| RemoteEnd { sink, owed: HashSet::new() })),
             done: Mutex::new(None),
         });
@@ -288,13 +292,14 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
     for job in queue {
         let request = match job {
             Job::Abort(request, transfer) => {
+                locked(&s.aborts).insert(request, transfer);
                 let mut frame = ABORT_FRAME.to_le_bytes().to_vec();
                 frame.extend_from_slice(&request.to_le_bytes());
                 frame.extend_from_slice(&transfer.nonce.to_le_bytes());
                 frame.extend_from_slice(&transfer.generation.to_le_bytes());
                 let mut conn = locked(&s.conn);
                 if let Some(stream) = conn.stream.as_mut() {
-                    // A connection that drops fails (or retries, then aborts) the transfer anyway.
+                    // Lost with a connection that drops: sent again on the next one.
                     let _ = stream.write_all(&frame);
                 }
                 continue;
@@ -333,8 +338,8 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
         let mut outcome = Ok(());
         for copy in 0..copies {
             outcome = write_handoff(stream, &h, s.checksum, drop_midway, corrupt && copy == 0, &mut written);
-            if outcome.is_err() {
-                break;
+            if outcome.is_err() || drop_midway {
+                break; // a second copy after a cut one would be read as the rest of the first
             }
         }
         if copies == 2 {
@@ -405,6 +410,9 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
             match read_frame(&mut reading) {
                 Ok(Frame::Ack(request, transfer, outcome)) => answer(s, request, transfer, outcome),
                 Ok(Frame::Events(events)) => forward_events(s, events),
+                Ok(Frame::AbortSeen(request)) => {
+                    locked(&s.aborts).remove(&request);
+                }
                 Ok(Frame::Done(outcome)) => {
                     // The remote pool ended: nothing more comes on this link.
                     *locked(&s.done) = Some(outcome);
@@ -438,6 +446,10 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
                 tracing::warn!(link = %s.target.to, "{why}; reconnected, {} transfer(s) sent again", dropped.len());
                 for request in dropped {
                     s.retry(request, &why);
+                }
+                let aborts: Vec<(u64, TransferId)> = locked(&s.aborts).iter().map(|(&r, &t)| (r, t)).collect();
+                for (request, transfer) in aborts {
+                    let _ = locked(&s.jobs).send(Job::Abort(request, transfer));
                 }
                 reading = reader;
             }
@@ -499,6 +511,7 @@ enum Frame {
     Ack(u64, TransferId, Result<(), String>),
     Events(Vec<Event>),
     Done(Result<(), String>),
+    AbortSeen(u64),
 }
 
 fn read_frame(r: &mut TcpStream) -> std::io::Result<Frame> {
@@ -520,6 +533,7 @@ fn read_frame(r: &mut TcpStream) -> std::io::Result<Frame> {
             serde_json::from_slice(&body).map(Frame::Events).map_err(|e| bad(format!("bad events frame: {e}")))
         }
         TAG_DONE => Ok(Frame::Done(read_status(r)?)),
+        TAG_ABORT_SEEN => Ok(Frame::AbortSeen(read_u64(r)?)),
         tag => Err(bad(format!("unknown frame tag {tag}"))),
     }
 }

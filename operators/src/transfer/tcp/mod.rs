@@ -42,6 +42,8 @@ const CHECKSUM_REFUSAL: &str = "checksum";
 const TAG_ACK: u8 = 0;
 const TAG_EVENTS: u8 = 1;
 const TAG_DONE: u8 = 2;
+/// The consumer has an abort (so the producer stops sending it again after reconnecting).
+const TAG_ABORT_SEEN: u8 = 3;
 /// The longest events frame a producer reads (a request's tokens are in it).
 const MAX_EVENTS_BYTES: usize = 64 << 20;
 
