@@ -94,9 +94,9 @@ pub fn decode_first(graph: &Graph, pools: &[&PoolConfig]) -> bool {
     graph.is_disaggregated() && pools.len() == graph.pools.len()
 }
 
-/// Whether some decode pool sets a `[pool.disaggregation]` rule of its own.
-pub fn has_disaggregation_rule(graph: &Graph) -> bool {
-    graph.pools.iter().any(|p| p.role == PoolRole::Decode && p.disaggregation != Default::default())
+/// The first decode pool that sets a `[pool.disaggregation]` rule of its own, if any.
+pub fn pool_with_disaggregation_rule(graph: &Graph) -> Option<&PoolConfig> {
+    graph.pools.iter().find(|p| p.role == PoolRole::Decode && p.disaggregation != Default::default())
 }
 
 impl Wiring {

@@ -123,8 +123,7 @@ pub fn pick_named_pools<'g>(graph: &'g Graph, names: &[String]) -> Result<Vec<&'
 
 /// What no run of these pools takes yet.
 fn check_pools(graph: &Graph, pools: &[&PoolConfig]) -> Result<()> {
-    if links::has_disaggregation_rule(graph) && pools.len() < graph.pools.len() {
-        let pool = graph.pools.iter().find(|p| p.disaggregation != Default::default()).expect("decode-first");
+    if let Some(pool) = links::pool_with_disaggregation_rule(graph).filter(|_| pools.len() < graph.pools.len()) {
         bail!(
             "{}: pool `{}`: [pool.disaggregation] (a decode rank deciding where to prefill) runs its prefill and \
              decode pools in one process; run them all (no --pool or --pools), or leave it out",

@@ -91,13 +91,19 @@ fn state_taken_after_t0_breaks_exactly_the_recurrent_families() {
     for model in FIXTURES {
         let recurrent = kvflow_kernels::models::load(&crate::common::fixture(model)).unwrap().needs_slots();
         let (_, report) = run_pd_with(model, switches.clone());
-        assert_eq!(report["failed"], 0, "{model}: {report}");
-        let mismatched = report["verify"]["mismatched"].as_u64().unwrap();
-        if recurrent {
-            assert!(mismatched > 0, "{model}: T0 applied twice must change the output");
-        } else {
-            assert_eq!(mismatched, 0, "{model}: attention-only families are unaffected");
-        }
+        assert_only_recurrent_families_break(&report, model, recurrent, "T0 applied twice");
+    }
+}
+
+/// With a switch on: nothing failed, and outputs mismatch exactly when the family keeps
+/// recurrent state (`broken` says what the switch broke).
+fn assert_only_recurrent_families_break(report: &Value, model: &str, recurrent: bool, broken: &str) {
+    assert_eq!(report["failed"], 0, "{model}: {report}");
+    let mismatched = report["verify"]["mismatched"].as_u64().unwrap();
+    if recurrent {
+        assert!(mismatched > 0, "{model}: {broken} must change the output");
+    } else {
+        assert_eq!(mismatched, 0, "{model}: attention-only families are unaffected");
     }
 }
 
@@ -118,9 +124,8 @@ fn a_handoff_of_the_admission_time_slot_breaks_requests_that_moved() {
         )
     };
     // Budgets that hold the longest prompt but not the 16 in flight together.
-    for (model, budget, recurrent) in
-        [("hf/qwen3_next", "1250 KiB", true), ("hf/kimi_linear", "1250 KiB", true), ("hf/llama", "3 MiB", false)]
-    {
+    for (model, budget) in [("hf/qwen3_next", "1250 KiB"), ("hf/kimi_linear", "1250 KiB"), ("hf/llama", "3 MiB")] {
+        let recurrent = kvflow_kernels::models::load(&crate::common::fixture(model)).unwrap().needs_slots();
         let dir = tempfile::tempdir().unwrap();
         let workload = "mode = \"concurrency\"\nconcurrency = 16\nwarmup = 0\nlimit = 32";
         let graph =
@@ -130,13 +135,7 @@ fn a_handoff_of_the_admission_time_slot_breaks_requests_that_moved() {
         assert!(with["pools"]["prefill"]["preemptions"].as_u64().unwrap() > 0, "{model}: nothing was preempted");
         let switches = kvflow_operators::rank::TestSwitches { export_admission_slot: true, ..Default::default() };
         let without = run_graph(&graph, Overrides::default(), switches);
-        assert_eq!(without["failed"], 0, "{model}: {without}");
-        let mismatched = without["verify"]["mismatched"].as_u64().unwrap();
-        if recurrent {
-            assert!(mismatched > 0, "{model}: a stale slot handed off must change the output");
-        } else {
-            assert_eq!(mismatched, 0, "{model}: no slot, nothing stale");
-        }
+        assert_only_recurrent_families_break(&without, model, recurrent, "a stale slot handed off");
         assert!(without["accounting_errors"].as_array().unwrap().is_empty(), "{model}: {without}");
     }
 }

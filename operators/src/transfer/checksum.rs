@@ -154,6 +154,7 @@ unsafe fn update_sse42(state: u32, bytes: &[u8]) -> u32 {
 }
 
 /// Bytes below which folding does not pay (its set-up and final reduction).
+#[cfg(target_arch = "x86_64")]
 const FOLD_MIN: usize = 256;
 
 #[cfg(target_arch = "x86_64")]
@@ -163,6 +164,7 @@ fn has_vpclmulqdq() -> bool {
 }
 
 /// x^n mod P, with P the Castagnoli polynomial in its plain (not reflected) form.
+#[cfg(target_arch = "x86_64")]
 const fn x_pow_mod(n: u32) -> u32 {
     let mut r: u64 = 1;
     let mut i = 0;
@@ -180,6 +182,7 @@ const fn x_pow_mod(n: u32) -> u32 {
 /// domain: a register's low half holds the chunk's high-degree half, whose image is
 /// (that half)·x^(bits+64) ≡ (that half)·(x^(bits+32) mod P)·x^32, and a carry-less product of
 /// reflected operands supplies the ·x^32 when the constant is reflected in 33 bits.
+#[cfg(target_arch = "x86_64")]
 const fn fold_pair(bits: u32) -> [i64; 2] {
     [
         ((x_pow_mod(bits + 32).reverse_bits() as u64) << 1) as i64,
@@ -187,10 +190,15 @@ const fn fold_pair(bits: u32) -> [i64; 2] {
     ]
 }
 
+#[cfg(target_arch = "x86_64")]
 const FOLD_2048: [i64; 2] = fold_pair(2048);
+#[cfg(target_arch = "x86_64")]
 const FOLD_512: [i64; 2] = fold_pair(512);
+#[cfg(target_arch = "x86_64")]
 const FOLD_384: [i64; 2] = fold_pair(384);
+#[cfg(target_arch = "x86_64")]
 const FOLD_256: [i64; 2] = fold_pair(256);
+#[cfg(target_arch = "x86_64")]
 const FOLD_128: [i64; 2] = fold_pair(128);
 
 /// Four 512-bit accumulators (four 128-bit chunks each) fold 256 bytes a step onto the next

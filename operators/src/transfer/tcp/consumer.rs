@@ -1,7 +1,8 @@
 //! A decode pool's listening side: binds, accepts producer links, checks each handoff's
 //! descriptor against its own layout, receives and checksums the payload, and delivers it to the
-//! pool's inbox. When the pool runs in a process of its own it also sends each request's events
-//! back over the link it came by, and its end-of-run check at the end.
+//! pool's inbox; an abort goes to the pool and is answered as seen. When the pool runs in a process
+//! of its own it also sends each request's events back over the link it came by, and its
+//! end-of-run check at the end.
 
 use super::{
     put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ABORT_SEEN,

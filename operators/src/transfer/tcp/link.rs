@@ -1,7 +1,10 @@
-//! A prefill pool's link to one decode pool over tcp: registers, then sends every handoff from a
-//! thread of its own and keeps it until its ack; reconnects when the connection drops and sends
-//! again what was unanswered; and, when the decode pool runs in another process, hands the events
-//! coming back to the run's collector, failing the requests a vanished peer still owed.
+//! A prefill pool's link to one decode pool over tcp (one of the `[transfer] connections` a
+//! prefill pool opens to each decode pool): registers, then sends every handoff from a thread of
+//! its own and keeps it until its ack, and every abort until the consumer says it has it;
+//! reconnects when the connection drops and sends again what was unanswered and the aborts not
+//! yet seen; and, when the decode pool runs in another process, hands the events coming back to
+//! the run's collector, failing the requests a vanished peer still owed. Runs on its own threads,
+//! never on a rank's step; what it sends it owns (an `Arc` of the handoff).
 
 use super::{
     read_status, read_u32, read_u64, read_u8, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, MAX_EVENTS_BYTES,
