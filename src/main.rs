@@ -220,6 +220,19 @@ enum BenchCommand {
         #[arg(long, default_value_t = 5, value_parser = flags::count)]
         rounds: usize,
     },
+    /// The CUDA executor on one GPU: parity with the fixtures and the CPU executor, batch
+    /// invariance, pack/unpack against a device-to-device copy, decode with deferred output on
+    /// and off. Exits non-zero when a check fails.
+    Device {
+        /// The folder holding the llama, qwen3 and deepseek_v3 fixtures.
+        #[arg(long, default_value = "fixtures/hf")]
+        fixtures: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Writes the pack bench's block list here (one per line), for a baseline elsewhere.
+        #[arg(long)]
+        blocks_out: Option<PathBuf>,
+    },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
         /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
@@ -529,6 +542,9 @@ fn run() -> Result<()> {
                 connections,
                 rounds,
             })?;
+        }
+        Command::Bench { what: BenchCommand::Device { fixtures, gpu, blocks_out } } => {
+            kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs { fixtures, gpu, blocks_out })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
             bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod cpu;
+pub mod cuda;
 pub mod hash;
 pub mod kv;
 pub mod models;

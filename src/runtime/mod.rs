@@ -517,7 +517,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         (c.finish(), c.interrupted_ms)
     };
     let verify = if opts.verify && accounting.is_empty() {
-        verify::verify(&model, &records, graph.scheduler.chunk_tokens, opts.show_progress)?
+        let reference = verify::reference_for(graph)?;
+        verify::verify(&model, reference, &records, graph.scheduler.chunk_tokens, opts.show_progress)?
     } else {
         Default::default()
     };

@@ -2,19 +2,63 @@
 //! `kvflow generate` on that one request: no pools, no prefix cache, no transfer — and its tokens
 //! and the hash of the bit patterns of its logits at every sampled position are compared with the
 //! run's. Exact, because the executor is batch-invariant. Touches no report counter.
+//!
+//! The reference is the plain path of the executor the run used: the CPU reference math, or —
+//! for a graph whose pools run `cuda` — the CUDA executor's own plain path on the first pool's
+//! GPU (one request alone on the device, the host waiting for each step).
 
 use crate::generate::{generate, GenerateOptions};
 use crate::report::{RequestRecord, VerifySummary};
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvflow_kernels::cuda::{DeviceModel, Gpu, PlainRunner};
 use kvflow_kernels::models::Model;
+
+/// Which plain path a run is checked against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reference {
+    Cpu,
+    Cuda { gpu: usize, block_size: usize },
+}
+
+/// The reference of a graph's run: `cuda` when its pools run `cuda`; a graph that mixes `cuda`
+/// with another executor has none (the two compute different bits).
+pub fn reference_for(graph: &crate::graph::Graph) -> Result<Reference> {
+    let cuda: Vec<_> = graph.pools.iter().filter(|p| p.executor == "cuda").collect();
+    if cuda.is_empty() {
+        return Ok(Reference::Cpu);
+    }
+    if cuda.len() != graph.pools.len() {
+        anyhow::bail!(
+            "--verify compares a run with one executor's plain path, and this graph mixes `cuda` pools with others \
+             (their logits differ in the last bits); run --verify on a graph whose pools all use one executor"
+        );
+    }
+    let settings = kvflow_operators::executor::CudaSettings::read(&cuda[0].executor_settings)
+        .map_err(|e| anyhow::anyhow!("pool {}: {e}", cuda[0].name))?;
+    let gpu = settings.gpu_of(0)?;
+    Ok(Reference::Cuda { gpu, block_size: graph.memory.block_size })
+}
 
 pub fn verify(
     model: &Model,
+    reference: Reference,
     records: &[RequestRecord],
     chunk_tokens: usize,
     show_progress: bool,
 ) -> Result<VerifySummary> {
+    let device = match reference {
+        Reference::Cpu => None,
+        Reference::Cuda { gpu, block_size } => {
+            let g = Gpu::open(gpu)?;
+            let m = DeviceModel::upload(&g, model)?;
+            Some((g, m, block_size))
+        }
+    };
+    let runner = match &device {
+        Some((g, m, _)) => Some(PlainRunner::new(g, m)?),
+        None => None,
+    };
     let mut summary = VerifySummary::default();
     let bar = if show_progress { ProgressBar::new(records.len() as u64) } else { ProgressBar::hidden() };
     bar.set_style(ProgressStyle::with_template("verify {bar:30} {pos}/{len}").expect("valid template"));
@@ -23,10 +67,20 @@ pub fn verify(
         if r.error.is_some() || r.output_tokens.is_empty() {
             continue;
         }
-        let opts = GenerateOptions { max_new_tokens: r.output_tokens.len(), chunk_tokens, ..Default::default() };
-        let reference = generate(model, std::slice::from_ref(&r.prompt_tokens), &opts)?.remove(0);
+        let (tokens, logits_hash) = match (&runner, &device) {
+            (Some(runner), Some((_, _, block_size))) => {
+                let g = runner.generate(&r.prompt_tokens, r.output_tokens.len(), chunk_tokens, *block_size)?;
+                (g.tokens, g.logits_hash)
+            }
+            _ => {
+                let opts =
+                    GenerateOptions { max_new_tokens: r.output_tokens.len(), chunk_tokens, ..Default::default() };
+                let reference = generate(model, std::slice::from_ref(&r.prompt_tokens), &opts)?.remove(0);
+                (reference.tokens, reference.logits_hash)
+            }
+        };
         summary.checked += 1;
-        if reference.tokens != r.output_tokens || reference.logits_hash != r.logits_hash {
+        if tokens != r.output_tokens || logits_hash != r.logits_hash {
             summary.mismatched += 1;
             summary.mismatched_ids.push(r.id);
         }

@@ -57,6 +57,19 @@ impl PackedMatrix {
         Self::from_rows(&rows, n, k)
     }
 
+    /// The row-major `[n × k]` weight it was packed from.
+    pub fn to_rows(&self) -> Vec<f32> {
+        let mut rows = vec![0.0f32; self.n * self.k];
+        for (j, row) in rows.chunks_exact_mut(self.k.max(1)).enumerate().take(self.n) {
+            let (p, c) = (j / NR, j % NR);
+            let panel = &self.panels[p * self.k * NR..(p + 1) * self.k * NR];
+            for (kk, v) in row.iter_mut().enumerate() {
+                *v = panel[kk * NR + c];
+            }
+        }
+        rows
+    }
+
     /// Output width `n`.
     pub fn out_dim(&self) -> usize {
         self.n

@@ -180,9 +180,9 @@ impl RopeParams {
 /// Precomputed frequencies for one model; rotates heads in place.
 #[derive(Clone, Debug)]
 pub struct Rope {
-    inv_freq: Vec<f32>,
-    attention_scaling: f32,
-    style: RopeStyle,
+    pub(crate) inv_freq: Vec<f32>,
+    pub(crate) attention_scaling: f32,
+    pub(crate) style: RopeStyle,
 }
 
 impl Rope {

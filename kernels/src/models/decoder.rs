@@ -167,10 +167,10 @@ pub struct Model {
     /// The longest sequence (prompt + output) the model was trained for, from the config's
     /// `max_position_embeddings` (`None` when the config gives none).
     pub max_positions: Option<usize>,
-    embed: Vec<f32>,
-    layers: Vec<DecoderLayer>,
-    final_norm: RmsNorm,
-    lm_head: Linear,
+    pub(crate) embed: Vec<f32>,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) final_norm: RmsNorm,
+    pub(crate) lm_head: Linear,
     /// For each layer, where its per-request memory lives.
     bindings: Vec<CacheBinding>,
     state_width: usize,

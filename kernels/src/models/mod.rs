@@ -10,7 +10,7 @@
 
 mod batch;
 mod config;
-mod decoder;
+pub(crate) mod decoder;
 pub mod deepseek;
 mod family;
 pub mod kimi_linear;

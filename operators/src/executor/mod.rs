@@ -13,16 +13,20 @@
 //! - `cpu-deferred`: the same math on a thread of its own; a step completes after the rank's next
 //!   `delay_steps` launches (default 1, plus a seeded `jitter_steps`, default 0), or as soon as it
 //!   is computed once the rank has nothing more to launch. `delay_steps = 0` is synchronous.
+//! - `cuda`: the model on the rank's GPU, launched asynchronously and completed by CUDA events
+//!   (`cuda.rs`; families mha and mla).
 //! - `null`: no math, every sampled token is 0 (only for measuring coordination; `delay_steps`
 //!   as above).
 
 mod cpu;
+mod cuda;
 mod deferred;
 mod gate;
 mod null;
 mod settings;
 
 pub use cpu::{CpuExecutor, CpuStepRunner, OwnedStep};
+pub use cuda::{CudaExecutor, CudaSettings};
 pub use deferred::DeferredExecutor;
 pub use gate::{CompletionGate, Delay};
 pub use null::NullExecutor;
@@ -75,7 +79,7 @@ pub trait ExecutorKind: Send + Sync {
     fn build(&self, settings: &toml::Table, ctx: ExecutorContext) -> Result<Box<dyn Executor>, String>;
 }
 
-/// Executors by name. kvflow registers `cpu`, `cpu-deferred` and `null`.
+/// Executors by name. kvflow registers `cpu`, `cpu-deferred`, `null` and `cuda`.
 #[derive(Clone)]
 pub struct ExecutorRegistry {
     kinds: Vec<(String, Arc<dyn ExecutorKind>)>,
@@ -87,6 +91,7 @@ impl Default for ExecutorRegistry {
         r.register("cpu", CpuKind);
         r.register("cpu-deferred", DeferredKind);
         r.register("null", NullKind);
+        r.register("cuda", cuda::CudaKind);
         r
     }
 }

@@ -50,6 +50,39 @@ impl<'a> Settings<'a> {
     }
 }
 
+impl Settings<'_> {
+    /// A boolean, `default` when absent.
+    pub fn flag(&self, key: &str, default: bool) -> Result<bool, SettingError> {
+        match self.table.get(key) {
+            None => Ok(default),
+            Some(toml::Value::Boolean(b)) => Ok(*b),
+            Some(other) => {
+                Err(SettingError { key: key.to_string(), message: format!("expected true or false, got {other}") })
+            }
+        }
+    }
+
+    /// A list of non-negative integers, `None` when absent.
+    pub fn counts(&self, key: &str) -> Result<Option<Vec<usize>>, SettingError> {
+        let bad = |other: &toml::Value| SettingError {
+            key: key.to_string(),
+            message: format!("expected a list of integers of at least 0, got {other}"),
+        };
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(toml::Value::Array(items)) => items
+                .iter()
+                .map(|v| match v {
+                    toml::Value::Integer(n) if *n >= 0 => Ok(*n as usize),
+                    other => Err(bad(other)),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+            Some(other) => Err(bad(other)),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

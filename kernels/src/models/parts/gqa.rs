@@ -20,16 +20,16 @@ use crate::models::batch::BatchLayout;
 
 /// Grouped-query attention of one layer.
 pub struct GqaAttention {
-    qkv: Linear,
-    o: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    rope: Rope,
-    shape: AttentionShape,
-    sliding_window: Option<usize>,
+    pub(crate) qkv: Linear,
+    pub(crate) o: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) rope: Rope,
+    pub(crate) shape: AttentionShape,
+    pub(crate) sliding_window: Option<usize>,
     /// Qwen3-Next: `q_proj` yields `[query | gate]` per head and the attention output is
     /// multiplied by `sigmoid(gate)` before `o_proj`.
-    output_gate: bool,
+    pub(crate) output_gate: bool,
 }
 
 /// Per-head q/k RMSNorm of an attention layer, if any.

@@ -9,8 +9,8 @@ use crate::cpu::norm::rms_norm_inplace;
 /// `y = x·Wᵀ + b` on a packed weight; several HF projections may be fused into one (their rows
 /// stacked), which changes no value since each output column is its own reduction.
 pub struct Linear {
-    weight: PackedMatrix,
-    bias: Option<Vec<f32>>,
+    pub(crate) weight: PackedMatrix,
+    pub(crate) bias: Option<Vec<f32>>,
 }
 
 impl Linear {
@@ -107,9 +107,9 @@ impl RmsNorm {
 
 /// The SwiGLU MLP: `down(silu(gate(x)) · up(x))`, gate and up fused into one product.
 pub struct Mlp {
-    gate_up: Linear,
-    down: Linear,
-    inter: usize,
+    pub(crate) gate_up: Linear,
+    pub(crate) down: Linear,
+    pub(crate) inter: usize,
 }
 
 impl Mlp {

@@ -56,24 +56,24 @@ impl QueryProjection {
 
 /// Latent attention of one layer.
 pub struct MlaAttention {
-    q: QueryProjection,
-    kv_a: Linear,
-    kv_norm: RmsNorm,
+    pub(crate) q: QueryProjection,
+    pub(crate) kv_a: Linear,
+    pub(crate) kv_norm: RmsNorm,
     /// Per head, `W_ukᵀ`: q_nope (`qk_nope_head_dim`) → latent space (`kv_lora_rank`).
-    absorb_k: Vec<PackedMatrix>,
+    pub(crate) absorb_k: Vec<PackedMatrix>,
     /// Per head, `W_uv`: latent (`kv_lora_rank`) → value (`v_head_dim`).
-    absorb_v: Vec<PackedMatrix>,
-    o: Linear,
+    pub(crate) absorb_v: Vec<PackedMatrix>,
+    pub(crate) o: Linear,
     /// `None`: no positional encoding (Kimi Linear's MLA layers are NoPE).
-    rope: Option<Rope>,
+    pub(crate) rope: Option<Rope>,
     /// DeepSeek-V3.2's sparse-attention indexer: which keys each query attends to.
-    indexer: Option<Indexer>,
-    heads: usize,
-    nope: usize,
-    rope_dim: usize,
-    v_dim: usize,
-    kv_lora: usize,
-    scale: f32,
+    pub(crate) indexer: Option<Indexer>,
+    pub(crate) heads: usize,
+    pub(crate) nope: usize,
+    pub(crate) rope_dim: usize,
+    pub(crate) v_dim: usize,
+    pub(crate) kv_lora: usize,
+    pub(crate) scale: f32,
 }
 
 /// The sizes of an MLA layer.

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The CUDA executor's checks and benchmarks in one call on the device machine (see
+# benches/README.md): build here with `cargo build --release`, copy target/release/kvflow into
+# .device-bin/ (listed in .git/info/exclude), then through the device tool, carrying .device-bin:
+#     bash benches/device/run.sh
+# It runs `kvflow bench device` (parity with expected.json and the CPU executor, batch invariance,
+# pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
+# index_select gather of the same blocks against its own copy, and `--verify` on an aggregated
+# and a P/D graph with executor = "cuda" for each attention fixture. Raw output goes to
+# $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:-.}/device-run.txt"
+bin=.device-bin/kvflow
+status=0
+exec > >(tee "$out") 2>&1
+echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if ! ldconfig -p | grep -q libcuda.so; then echo "no libcuda.so on this machine"; fi
+echo "== kvflow bench device"
+"$bin" bench device --fixtures fixtures/hf --blocks-out /tmp/pack-blocks.txt || status=1
+echo "== PyTorch index_select of the same 16-token blocks vs its own copy"
+python3 benches/device/torch_gather.py /tmp/pack-blocks.txt || status=1
+for model in llama qwen3 deepseek_v3; do
+    for graph in cuda-aggregated pd-1p1d; do
+      g=/tmp/$graph-$model.toml
+      sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
+          -e "s#out/$graph#out/$graph-$model#" "graphs/$graph.toml" > "$g"
+      # the graph's relative paths are resolved from its folder
+      cp "$g" "graphs/.$graph-$model.toml"
+      echo "== kvflow run $graph ($model, executor = cuda) --verify"
+      "$bin" run "graphs/.$graph-$model.toml" --verify 2>&1 | tail -n 25 || status=1
+      rm -f "graphs/.$graph-$model.toml"
+    done
+done
+echo "exit status: $status"
+exit $status

@@ -1,0 +1,372 @@
+// The model kernels of the CUDA executor, compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
+//
+// Batch invariance (DESIGN §6): every value a row gets is reduced in an order fixed by the row's
+// own sizes (hidden width, head width, context length) and never by how many rows share the
+// launch, which tile a row falls in, or which kernel variant would be fastest at that batch size.
+// No split-K, no atomics, no choice of kernel by batch size: a prompt's logits are bit-identical
+// alone and in a batch of 64, which is what `--verify` relies on.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Where a fed token comes from: a literal id, or (high bit set) the slot of the sampled-token ring
+// that an earlier step's sampling wrote (deferred output, DESIGN §4: the host never waits for it).
+#define FROM_RING 0x80000000u
+
+// NVRTC has no <math.h>: infinity by its bits.
+#define KV_INFINITY __int_as_float(0x7f800000)
+
+// Dynamic shared memory (the CPU emulation of these kernels defines it otherwise).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// out[r, :] = table[token(r), :]
+extern "C" __global__ void embed_rows(float* out, const float* table, const u32* tokens, const u32* ring,
+                                      int hidden, int vocab) {
+    int r = blockIdx.x;
+    u32 t = tokens[r];
+    if (t & FROM_RING) t = ring[t & ~FROM_RING];
+    if (t >= (u32)vocab) t = 0;  // a placeholder the host already failed (never read past the table)
+    const float* src = table + (size_t)t * hidden;
+    float* dst = out + (size_t)r * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
+}
+
+// RMSNorm of `rows` vectors of `dim` floats, in place or not: vector j sits at
+// (j / per_row) * row_stride + offset + (j % per_row) * dim. Thread t sums squares of
+// t, t + blockDim, ... in order; a fixed shared-memory tree adds the partial sums.
+extern "C" __global__ void rms_norm(float* out, const float* in, const float* weight, int dim, int per_row,
+                                    long long row_stride, int offset, float eps) {
+    DYNAMIC_SHARED(float, partial);
+    int j = blockIdx.x;
+    size_t base = (size_t)(j / per_row) * row_stride + offset + (size_t)(j % per_row) * dim;
+    const float* x = in + base;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) s = fmaf(x[i], x[i], s);
+    partial[threadIdx.x] = s;
+    __syncthreads();
+    for (int step = blockDim.x / 2; step > 0; step /= 2) {
+        if (threadIdx.x < step) partial[threadIdx.x] += partial[threadIdx.x + step];
+        __syncthreads();
+    }
+    float inv = 1.0f / sqrtf(partial[0] / (float)dim + eps);
+    float* y = out + base;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) y[i] = weight[i] * (x[i] * inv);
+}
+
+// Rotary embedding of `heads` heads per row, head h of row r at r * row_stride + offset +
+// h * head_stride; rotates its first 2 * half values. neox: pairs (i, i + half). interleaved
+// (DeepSeek): pairs (2i, 2i + 1), written back de-interleaved as transformers does. One block
+// per (row, head), one thread per frequency; cos and sin carry the attention scaling.
+extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int half, float scaling,
+                                int interleaved, long long row_stride, int offset, int head_stride) {
+    int r = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
+    float* head = x + (size_t)r * row_stride + offset + (size_t)h * head_stride;
+    float a = 0.0f, b = 0.0f, c = 0.0f, s = 0.0f;
+    if (i < half) {
+        float angle = (float)positions[r] * inv_freq[i];
+        c = cosf(angle) * scaling;
+        s = sinf(angle) * scaling;
+        if (interleaved) { a = head[2 * i]; b = head[2 * i + 1]; }
+        else { a = head[i]; b = head[i + half]; }
+    }
+    __syncthreads();
+    if (i < half) {
+        head[i] = a * c - b * s;
+        head[i + half] = b * c + a * s;
+    }
+}
+
+// y[z][m, n] = (accumulate ? y : 0) + (Σ_k x[z][m, k] · W[z][n, k] + bias[n]), as one fused
+// multiply-add chain over k = 0, 1, … K−1 per element: a 64 × 64 tile per block, 4 × 4 per
+// thread. An element's chain depends on its row of x and of W only, never on M or on where the
+// row falls in a tile. z batches independent products (MLA's per-head absorptions).
+#define BM 64
+#define BN 64
+#define BK 16
+extern "C" __global__ void __launch_bounds__(256) linear(float* y, const float* x, const float* w, const float* bias,
+                                  int M, int N, int K, long long x_stride, long long y_stride,
+                                  long long x_batch, long long w_batch, long long y_batch, int accumulate) {
+    __shared__ float As[BK][BM + 4];
+    __shared__ float Bs[BK][BN + 4];
+    int z = blockIdx.z;
+    x += (size_t)z * x_batch;
+    w += (size_t)z * w_batch;
+    y += (size_t)z * y_batch;
+    int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    float acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        for (int q = 0; q < 4; q++) {
+            int idx = tid + 256 * q, rr = idx / BK, kk = idx % BK;
+            int m = m0 + rr, n = n0 + rr, k = k0 + kk;
+            As[kk][rr] = (m < M && k < K) ? x[(size_t)m * x_stride + k] : 0.0f;
+            Bs[kk][rr] = (n < N && k < K) ? w[(size_t)n * K + k] : 0.0f;
+        }
+        __syncthreads();
+        int kmax = min(BK, K - k0);
+        for (int kk = 0; kk < kmax; kk++) {
+            float a[4], b[4];
+            for (int i = 0; i < 4; i++) a[i] = As[kk][ty + 16 * i];
+            for (int j = 0; j < 4; j++) b[j] = Bs[kk][tx + 16 * j];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; i++) {
+        int m = m0 + ty + 16 * i;
+        if (m >= M) continue;
+        for (int j = 0; j < 4; j++) {
+            int n = n0 + tx + 16 * j;
+            if (n >= N) continue;
+            float v = acc[i][j];
+            if (bias) v += bias[n];
+            float* dst = y + (size_t)m * y_stride + n;
+            *dst = accumulate ? *dst + v : v;
+        }
+    }
+}
+
+// Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+// One routed expert product per (pair, output): y[p, n] = Σ_k x[p / x_per, k] · W[e(p)][n, k],
+// one warp per output (lanes take k = lane, lane + 32, … in order, then a fixed warp sum).
+extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* experts,
+                                         int pairs, int N, int K, int x_per) {
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+    if (warp >= pairs * N) return;
+    int p = warp / N, n = warp % N;
+    const float* xr = x + (size_t)(p / x_per) * K;
+    const float* wr = w + ((size_t)experts[p] * N + n) * K;
+    float s = 0.0f;
+    for (int k = lane; k < K; k += 32) s = fmaf(xr[k], wr[k], s);
+    s = warp_sum(s);
+    if (lane == 0) y[(size_t)p * N + n] = s;
+}
+
+// act[r, i] = silu(gu[r, i]) · gu[r, inter + i]
+extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int inter) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * inter) return;
+    size_t r = i / inter, c = i % inter;
+    act[i] = silu(gu[r * 2 * inter + c]) * gu[r * 2 * inter + inter + c];
+}
+
+// Causal attention over the paged cache, read through the block tables: one warp per (row,
+// query head); keys in position order with a running max and sum (fixed order per row). Row r
+// is at position positions[r] of sequence seqs[r], whose blocks start at tables[table_at[seq]];
+// it sees positions max(0, p + 1 − window) ..= p (window 0: all).
+extern "C" __global__ void paged_attention(float* out, const float* q, const float* cache, const u32* tables,
+                                           const u32* table_at, const int* positions, const int* seqs, int rows,
+                                           int q_heads, int kv_heads, int qk_dim, int v_dim, int k_offset,
+                                           int v_offset, int row_width, int block_size, int window, float scale,
+                                           long long q_stride) {
+    DYNAMIC_SHARED(float, smem);
+    int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int item = blockIdx.x * (blockDim.x / 32) + warp_in_block;
+    if (item >= rows * q_heads) return;
+    int r = item / q_heads, h = item % q_heads, g = h / (q_heads / kv_heads);
+    float* qs = smem + warp_in_block * (qk_dim + v_dim);
+    float* acc = qs + qk_dim;
+    const float* qh = q + (size_t)r * q_stride + (size_t)h * qk_dim;
+    for (int d = lane; d < qk_dim; d += 32) qs[d] = qh[d];
+    for (int d = lane; d < v_dim; d += 32) acc[d] = 0.0f;
+    __syncwarp();
+    int p = positions[r];
+    const u32* table = tables + table_at[seqs[r]];
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    float m = -KV_INFINITY, l = 0.0f;
+    for (int pos = lo; pos <= p; pos++) {
+        size_t row = (size_t)table[pos / block_size] * block_size + pos % block_size;
+        const float* kr = cache + row * row_width + k_offset + (size_t)g * qk_dim;
+        float s = 0.0f;
+        for (int d = lane; d < qk_dim; d += 32) s = fmaf(qs[d], kr[d], s);
+        s = warp_sum(s) * scale;
+        float m_new = fmaxf(m, s);
+        float corr = expf(m - m_new), e = expf(s - m_new);
+        l = l * corr + e;
+        const float* vr = cache + row * row_width + v_offset + (size_t)g * v_dim;
+        for (int d = lane; d < v_dim; d += 32) acc[d] = acc[d] * corr + e * vr[d];
+        m = m_new;
+    }
+    __syncwarp();
+    float* o = out + (size_t)r * q_heads * v_dim + (size_t)h * v_dim;
+    for (int d = lane; d < v_dim; d += 32) o[d] = acc[d] / l;
+}
+
+// dst[r * dst_stride + dst_offset + h * dst_head + i] = src[r * src_stride + src_offset + h * src_head + i]
+extern "C" __global__ void copy_heads(float* dst, const float* src, int width, long long dst_stride, int dst_offset,
+                                      int dst_head, long long src_stride, int src_offset, int src_head) {
+    int r = blockIdx.x, h = blockIdx.y;
+    float* d = dst + (size_t)r * dst_stride + dst_offset + (size_t)h * dst_head;
+    const float* s = src + (size_t)r * src_stride + src_offset + (size_t)h * src_head;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) d[i] = s[i];
+}
+
+// out[i, :] = src[rows[i], :]
+extern "C" __global__ void gather_rows(float* out, const float* src, const int* rows, int width) {
+    int i = blockIdx.x;
+    const float* s = src + (size_t)rows[i] * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) out[(size_t)i * width + c] = s[c];
+}
+
+// MoE routing of one token per thread, as kvflow_kernels::models::parts::moe::Routing::route:
+// scores (sigmoid or softmax), the correction bias for choosing only, group-limited top-k (ties
+// to the lower index), normalised and scaled weights, then the choice in ascending expert order.
+#define MAX_EXPERTS 512
+#define MAX_TOP_K 32
+extern "C" __global__ void route(int* experts_out, float* weights_out, const float* logits, const float* bias,
+                                 int tokens, int n, int top_k, int softmax_scoring, int n_group, int topk_group,
+                                 int norm_topk, float scaling) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= tokens) return;
+    const float* l = logits + (size_t)t * n;
+    float scores[MAX_EXPERTS], choice[MAX_EXPERTS];
+    if (softmax_scoring) {
+        float mx = -KV_INFINITY;
+        for (int e = 0; e < n; e++) mx = fmaxf(mx, l[e]);
+        float sum = 0.0f;
+        for (int e = 0; e < n; e++) { scores[e] = expf(l[e] - mx); sum += scores[e]; }
+        for (int e = 0; e < n; e++) scores[e] = scores[e] / sum;
+    } else {
+        for (int e = 0; e < n; e++) scores[e] = sigmoid(l[e]);
+    }
+    for (int e = 0; e < n; e++) choice[e] = bias ? scores[e] + bias[e] : scores[e];
+    if (n_group > 1) {
+        int per = n / n_group;
+        float group_score[MAX_EXPERTS];
+        for (int g = 0; g < n_group; g++) {
+            int b1 = -1, b2 = -1;
+            for (int i = 0; i < per; i++) {
+                float v = choice[g * per + i];
+                if (b1 < 0 || v > choice[g * per + b1]) { b2 = b1; b1 = i; }
+                else if (b2 < 0 || v > choice[g * per + b2]) { b2 = i; }
+            }
+            float s = 0.0f;
+            s += choice[g * per + b1];
+            if (b2 >= 0) s += choice[g * per + b2];
+            group_score[g] = s;
+        }
+        bool keep[MAX_EXPERTS];
+        for (int g = 0; g < n_group; g++) keep[g] = false;
+        for (int k = 0; k < topk_group; k++) {
+            int best = -1;
+            for (int g = 0; g < n_group; g++)
+                if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+            keep[best] = true;
+        }
+        for (int g = 0; g < n_group; g++)
+            if (!keep[g])
+                for (int i = 0; i < per; i++) choice[g * per + i] = -KV_INFINITY;
+    }
+    int chosen[MAX_TOP_K];
+    float w[MAX_TOP_K];
+    for (int k = 0; k < top_k; k++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            bool taken = false;
+            for (int j = 0; j < k; j++) taken |= chosen[j] == e;
+            if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
+        }
+        chosen[k] = best;
+        w[k] = scores[best];
+    }
+    if (norm_topk) {
+        float den = 0.0f;
+        for (int k = 0; k < top_k; k++) den += w[k];
+        if (!softmax_scoring) den += 1e-20f;
+        for (int k = 0; k < top_k; k++) w[k] = w[k] / den;
+    }
+    for (int k = 0; k < top_k; k++) w[k] = w[k] * scaling;
+    // ascending expert order (insertion sort: top_k is small)
+    for (int a = 1; a < top_k; a++)
+        for (int b = a; b > 0 && chosen[b - 1] > chosen[b]; b--) {
+            int e = chosen[b]; chosen[b] = chosen[b - 1]; chosen[b - 1] = e;
+            float v = w[b]; w[b] = w[b - 1]; w[b - 1] = v;
+        }
+    for (int k = 0; k < top_k; k++) {
+        experts_out[t * top_k + k] = chosen[k];
+        weights_out[t * top_k + k] = w[k];
+    }
+}
+
+// h[t, i] += (Σ_k expert_out[t·top_k + k, i] · weight[t·top_k + k]) + shared[t, i], experts in
+// ascending order, as the CPU block sums them.
+extern "C" __global__ void moe_combine(float* h, const float* expert_out, const float* weights, const float* shared,
+                                       int tokens, int top_k, int hidden) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)tokens * hidden) return;
+    size_t t = i / hidden, c = i % hidden;
+    float a = 0.0f;
+    for (int k = 0; k < top_k; k++) a += expert_out[(t * top_k + k) * hidden + c] * weights[t * top_k + k];
+    if (shared) a += shared[i];
+    h[i] += a;
+}
+
+__device__ __forceinline__ u64 mix(u64 state, u64 value) {
+    u64 z = state ^ (value + 0x9E3779B97F4A7C15ull + (state << 6) + (state >> 2));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Greedy sampling of each logits row, on the device: the argmax (first on a tie) written to the
+// token ring at ring_slots[i], whether the row is all finite, and kvflow_kernels::hash::logits_row
+// of its bit patterns (what --verify compares), into results[i] = {token, finite, hash lo, hash hi}.
+extern "C" __global__ void sample_greedy(u32* results, u32* ring, const int* ring_slots, const float* logits,
+                                         int vocab) {
+    __shared__ float best_v[256];
+    __shared__ int best_i[256];
+    __shared__ int all_finite[256];
+    int i = blockIdx.x;
+    const float* row = logits + (size_t)i * vocab;
+    float bv = -KV_INFINITY;
+    int bi = -1, finite = 1;
+    for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+        float v = row[c];
+        finite &= isfinite(v) ? 1 : 0;
+        if (bi < 0 || v > bv) { bv = v; bi = c; }
+    }
+    best_v[threadIdx.x] = bv;
+    best_i[threadIdx.x] = bi;
+    all_finite[threadIdx.x] = finite;
+    __syncthreads();
+    for (int step = blockDim.x / 2; step > 0; step /= 2) {
+        if (threadIdx.x < step) {
+            int o = threadIdx.x + step;
+            float v = best_v[o];
+            int j = best_i[o];
+            if (j >= 0 && (best_i[threadIdx.x] < 0 || v > best_v[threadIdx.x] ||
+                           (v == best_v[threadIdx.x] && j < best_i[threadIdx.x]))) {
+                best_v[threadIdx.x] = v;
+                best_i[threadIdx.x] = j;
+            }
+            all_finite[threadIdx.x] &= all_finite[o];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        u32 token = all_finite[0] ? (u32)best_i[0] : 0u;
+        ring[ring_slots[i]] = token;
+        u64 h = mix(0xcbf29ce484222325ull, (u64)vocab);
+        const u32* bits = (const u32*)row;
+        int c = 0;
+        for (; c + 1 < vocab; c += 2) h = mix(h, ((u64)bits[c] << 32) | (u64)bits[c + 1]);
+        if (c < vocab) h = mix(h, (u64)bits[c]);
+        results[4 * i] = token;
+        results[4 * i + 1] = (u32)all_finite[0];
+        results[4 * i + 2] = (u32)(h & 0xffffffffull);
+        results[4 * i + 3] = (u32)(h >> 32);
+    }
+}

@@ -1,0 +1,598 @@
+//! One step of the model on the device, enqueued on the rank's stream and never waited for:
+//! embeddings (a token still in flight is read from the sampled-token ring the step before
+//! wrote), then per layer `h += mixer(norm(h)); h += ffn(norm(h))` as the CPU decoder computes
+//! it, then the final norm, the LM head on the rows that sample, and greedy sampling on the
+//! device into the ring and a results buffer. Activations are stream-ordered allocations, freed
+//! (in stream order) as soon as the step is enqueued.
+
+use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
+use super::kv::DeviceKv;
+use super::weights::{
+    DevFfn, DevGqa, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope, DeviceModel,
+};
+
+/// The high bit of a fed token: the rest is a slot of the sampled-token ring.
+pub const FROM_RING: u32 = 0x8000_0000;
+
+/// u32 words of one sampled row in a step's results: token, finite flag, hash low, hash high.
+pub const RESULT_WORDS: usize = 4;
+
+/// A step's rows as the kernels read them (host side; uploaded as one array).
+#[derive(Clone, Debug, Default)]
+pub struct StepRows {
+    /// Per row: a token id, or `FROM_RING | slot`.
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// Per row: the sequence it belongs to.
+    pub seqs: Vec<u32>,
+    /// Per row: the cache row its own key and value go to.
+    pub write_rows: Vec<u32>,
+    /// Every sequence's block table, one after another.
+    pub tables: Vec<u32>,
+    /// Per sequence: where its table starts in `tables`.
+    pub table_at: Vec<u32>,
+    /// Rows that sample, and the ring slot each one's token goes to.
+    pub logit_rows: Vec<u32>,
+    pub ring_slots: Vec<u32>,
+}
+
+/// Device addresses of an uploaded [`StepRows`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowsOnDevice {
+    tokens: u64,
+    positions: u64,
+    seqs: u64,
+    write_rows: u64,
+    tables: u64,
+    table_at: u64,
+    logit_rows: u64,
+    ring_slots: u64,
+}
+
+impl StepRows {
+    /// Adds a sequence: its fed tokens (ring-encoded where in flight) from `start_pos`, its block
+    /// table, and the ring slot of its sample if it samples.
+    pub fn push_seq(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        table: &[u32],
+        block_size: usize,
+        sample: Option<u32>,
+    ) {
+        let seq = self.table_at.len() as u32;
+        self.table_at.push(self.tables.len() as u32);
+        self.tables.extend_from_slice(table);
+        for (i, &t) in tokens.iter().enumerate() {
+            let pos = start_pos + i;
+            self.tokens.push(t);
+            self.positions.push(pos as u32);
+            self.seqs.push(seq);
+            self.write_rows.push(table[pos / block_size] * block_size as u32 + (pos % block_size) as u32);
+        }
+        if let Some(slot) = sample {
+            self.logit_rows.push(self.tokens.len() as u32 - 1);
+            self.ring_slots.push(slot);
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn sampled(&self) -> usize {
+        self.logit_rows.len()
+    }
+
+    fn parts(&self) -> [&[u32]; 8] {
+        [
+            &self.tokens,
+            &self.positions,
+            &self.seqs,
+            &self.write_rows,
+            &self.tables,
+            &self.table_at,
+            &self.logit_rows,
+            &self.ring_slots,
+        ]
+    }
+
+    /// Words the rows take packed.
+    pub fn words(&self) -> usize {
+        self.parts().iter().map(|p| p.len()).sum()
+    }
+
+    /// Packs the rows into `out` (at least [`StepRows::words`] long) and returns where each part
+    /// will sit once `out` is copied to device address `base`.
+    pub fn pack(&self, out: &mut [u32], base: u64) -> RowsOnDevice {
+        let mut at = 0;
+        let mut addr = [0u64; 8];
+        for (i, part) in self.parts().iter().enumerate() {
+            out[at..at + part.len()].copy_from_slice(part);
+            addr[i] = base + 4 * at as u64;
+            at += part.len();
+        }
+        RowsOnDevice {
+            tokens: addr[0],
+            positions: addr[1],
+            seqs: addr[2],
+            write_rows: addr[3],
+            tables: addr[4],
+            table_at: addr[5],
+            logit_rows: addr[6],
+            ring_slots: addr[7],
+        }
+    }
+}
+
+/// Threads of a block that reduces `dim` values: a power of two from 32 to 256 fixed by `dim`
+/// alone (never by the batch), so a row's reduction tree is the same in every step.
+fn reduce_threads(dim: usize) -> u32 {
+    dim.next_power_of_two().clamp(32, 256) as u32
+}
+
+/// Query heads per attention block (one warp each).
+const HEADS_PER_BLOCK: usize = 4;
+
+struct Step<'a> {
+    gpu: &'a Gpu,
+    kv: &'a DeviceKv,
+    rows: usize,
+    at: RowsOnDevice,
+}
+
+impl Step<'_> {
+    fn linear(
+        &self,
+        y: u64,
+        x: u64,
+        l: &DevLinear,
+        m: usize,
+        x_stride: usize,
+        y_stride: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
+        self.gpu.launch(
+            "linear",
+            (blocks_for(l.n, 64), blocks_for(m, 64), 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(y),
+                Arg::Ptr(x),
+                Arg::Ptr(l.w.ptr()),
+                Arg::Ptr(l.bias.as_ref().map_or(0, DeviceBuf::ptr)),
+                Arg::I32(m as i32),
+                Arg::I32(l.n as i32),
+                Arg::I32(l.k as i32),
+                Arg::I64(x_stride as i64),
+                Arg::I64(y_stride as i64),
+                Arg::I64(0),
+                Arg::I64(0),
+                Arg::I64(0),
+                Arg::I32(accumulate as i32),
+            ],
+        )
+    }
+
+    /// `heads` independent products `y[z] = x[z] · W[z]ᵀ` (`W[z]` is `[n × k]`).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_per_head(
+        &self,
+        y: u64,
+        x: u64,
+        w: u64,
+        n: usize,
+        k: usize,
+        heads: usize,
+        x_stride: usize,
+        y_stride: usize,
+        x_head: usize,
+        y_head: usize,
+    ) -> Result<(), CudaError> {
+        self.gpu.launch(
+            "linear",
+            (blocks_for(n, 64), blocks_for(self.rows, 64), heads as u32),
+            256,
+            0,
+            &[
+                Arg::Ptr(y),
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(0),
+                Arg::I32(self.rows as i32),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I64(x_stride as i64),
+                Arg::I64(y_stride as i64),
+                Arg::I64(x_head as i64),
+                Arg::I64((n * k) as i64),
+                Arg::I64(y_head as i64),
+                Arg::I32(0),
+            ],
+        )
+    }
+
+    /// RMSNorm of `count` vectors, `per_row` per row of `row_stride` floats from `offset`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        &self,
+        out: u64,
+        x: u64,
+        n: &DevNorm,
+        count: usize,
+        per_row: usize,
+        row_stride: usize,
+        offset: usize,
+    ) -> Result<(), CudaError> {
+        let threads = reduce_threads(n.dim);
+        self.gpu.launch(
+            "rms_norm",
+            (count as u32, 1, 1),
+            threads,
+            threads * 4,
+            &[
+                Arg::Ptr(out),
+                Arg::Ptr(x),
+                Arg::Ptr(n.w.ptr()),
+                Arg::I32(n.dim as i32),
+                Arg::I32(per_row as i32),
+                Arg::I64(row_stride as i64),
+                Arg::I32(offset as i32),
+                Arg::F32(n.eps),
+            ],
+        )
+    }
+
+    fn rope(
+        &self,
+        x: u64,
+        r: &DevRope,
+        heads: usize,
+        row_stride: usize,
+        offset: usize,
+        head_stride: usize,
+    ) -> Result<(), CudaError> {
+        self.gpu.launch(
+            "rope",
+            (self.rows as u32, heads as u32, 1),
+            r.half as u32,
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::Ptr(self.at.positions),
+                Arg::Ptr(r.inv_freq.ptr()),
+                Arg::I32(r.half as i32),
+                Arg::F32(r.scaling),
+                Arg::I32(r.interleaved as i32),
+                Arg::I64(row_stride as i64),
+                Arg::I32(offset as i32),
+                Arg::I32(head_stride as i32),
+            ],
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        out: u64,
+        q: u64,
+        q_stride: usize,
+        kv_layer: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        qk: usize,
+        v: usize,
+        k_offset: usize,
+        v_offset: usize,
+        window: Option<usize>,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        let items = self.rows * q_heads;
+        self.gpu.launch(
+            "paged_attention",
+            (blocks_for(items, HEADS_PER_BLOCK), 1, 1),
+            (32 * HEADS_PER_BLOCK) as u32,
+            (HEADS_PER_BLOCK * (qk + v) * 4) as u32,
+            &[
+                Arg::Ptr(out),
+                Arg::Ptr(q),
+                Arg::Ptr(self.kv.layer(kv_layer)),
+                Arg::Ptr(self.at.tables),
+                Arg::Ptr(self.at.table_at),
+                Arg::Ptr(self.at.positions),
+                Arg::Ptr(self.at.seqs),
+                Arg::I32(self.rows as i32),
+                Arg::I32(q_heads as i32),
+                Arg::I32(kv_heads as i32),
+                Arg::I32(qk as i32),
+                Arg::I32(v as i32),
+                Arg::I32(k_offset as i32),
+                Arg::I32(v_offset as i32),
+                Arg::I32(self.kv.width(kv_layer) as i32),
+                Arg::I32(self.kv.block_size as i32),
+                Arg::I32(window.unwrap_or(0) as i32),
+                Arg::F32(scale),
+                Arg::I64(q_stride as i64),
+            ],
+        )
+    }
+
+    fn swiglu(&self, act: u64, gu: u64, rows: usize, inter: usize) -> Result<(), CudaError> {
+        self.gpu.launch(
+            "swiglu",
+            (blocks_for(rows * inter, 256), 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(act), Arg::Ptr(gu), Arg::I32(rows as i32), Arg::I32(inter as i32)],
+        )
+    }
+
+    fn gqa(&self, h: u64, x: u64, a: &DevGqa, kv_layer: usize, hidden: usize) -> Result<(), CudaError> {
+        let (t, d) = (self.rows, a.head_dim);
+        let (qw, kw) = (a.q_heads * d, a.kv_heads * d);
+        let width = qw + 2 * kw;
+        let qkv = self.gpu.scratch::<f32>(t * width)?;
+        self.linear(qkv.ptr(), x, &a.qkv, t, hidden, width, false)?;
+        if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+            self.norm(qkv.ptr(), qkv.ptr(), qn, t * a.q_heads, a.q_heads, width, 0)?;
+            self.norm(qkv.ptr(), qkv.ptr(), kn, t * a.kv_heads, a.kv_heads, width, qw)?;
+        }
+        self.rope(qkv.ptr(), &a.rope, a.q_heads, width, 0, d)?;
+        self.rope(qkv.ptr(), &a.rope, a.kv_heads, width, qw, d)?;
+        self.kv.write_rows(self.gpu, kv_layer, qkv.at(qw), width, self.at.write_rows, t)?;
+        let attn = self.gpu.scratch::<f32>(t * qw)?;
+        self.attention(attn.ptr(), qkv.ptr(), width, kv_layer, a.q_heads, a.kv_heads, d, d, 0, kw, a.window, a.scale)?;
+        self.linear(h, attn.ptr(), &a.o, t, qw, hidden, true)
+    }
+
+    fn mla(&self, h: u64, x: u64, a: &DevMla, kv_layer: usize, hidden: usize) -> Result<(), CudaError> {
+        let (t, heads, nope, rd, lora) = (self.rows, a.heads, a.nope, a.rope_dim, a.kv_lora);
+        let qk = nope + rd;
+        // 1. queries [t × heads·qk]
+        let q = self.gpu.scratch::<f32>(t * heads * qk)?;
+        match &a.q {
+            DevQuery::Lora { a: qa, norm, b } => {
+                let lat = self.gpu.scratch::<f32>(t * qa.n)?;
+                self.linear(lat.ptr(), x, qa, t, hidden, qa.n, false)?;
+                self.norm(lat.ptr(), lat.ptr(), norm, t, 1, qa.n, 0)?;
+                self.linear(q.ptr(), lat.ptr(), b, t, qa.n, heads * qk, false)?;
+            }
+            DevQuery::Plain(l) => self.linear(q.ptr(), x, l, t, hidden, heads * qk, false)?,
+        }
+        // 2. compressed kv: normalised latent, rotated rope key → the cache
+        let ckv_w = lora + rd;
+        let ckv = self.gpu.scratch::<f32>(t * ckv_w)?;
+        self.linear(ckv.ptr(), x, &a.kv_a, t, hidden, ckv_w, false)?;
+        self.norm(ckv.ptr(), ckv.ptr(), &a.kv_norm, t, 1, ckv_w, 0)?;
+        self.rope(ckv.ptr(), &a.rope, 1, ckv_w, lora, 0)?;
+        self.rope(q.ptr(), &a.rope, heads, heads * qk, nope, qk)?;
+        self.kv.write_rows(self.gpu, kv_layer, ckv.ptr(), ckv_w, self.at.write_rows, t)?;
+        // 3. absorbed queries [W_ukᵀ q_nope | q_rope] per head
+        let aq = lora + rd;
+        let absorbed = self.gpu.scratch::<f32>(t * heads * aq)?;
+        self.linear_per_head(
+            absorbed.ptr(),
+            q.ptr(),
+            a.absorb_k.ptr(),
+            lora,
+            nope,
+            heads,
+            heads * qk,
+            heads * aq,
+            qk,
+            aq,
+        )?;
+        self.gpu.launch(
+            "copy_heads",
+            (t as u32, heads as u32, 1),
+            32,
+            0,
+            &[
+                Arg::Ptr(absorbed.ptr()),
+                Arg::Ptr(q.ptr()),
+                Arg::I32(rd as i32),
+                Arg::I64((heads * aq) as i64),
+                Arg::I32(lora as i32),
+                Arg::I32(aq as i32),
+                Arg::I64((heads * qk) as i64),
+                Arg::I32(nope as i32),
+                Arg::I32(qk as i32),
+            ],
+        )?;
+        // 4. attention in latent space [t × heads·lora]
+        let o_lat = self.gpu.scratch::<f32>(t * heads * lora)?;
+        self.attention(o_lat.ptr(), absorbed.ptr(), heads * aq, kv_layer, heads, 1, aq, lora, 0, 0, None, a.scale)?;
+        // 5. values out of latent space, then the output projection
+        let attn = self.gpu.scratch::<f32>(t * heads * a.v_dim)?;
+        self.linear_per_head(
+            attn.ptr(),
+            o_lat.ptr(),
+            a.absorb_v.ptr(),
+            a.v_dim,
+            lora,
+            heads,
+            heads * lora,
+            heads * a.v_dim,
+            lora,
+            a.v_dim,
+        )?;
+        self.linear(h, attn.ptr(), &a.o, t, heads * a.v_dim, hidden, true)
+    }
+
+    /// `out (+)= down(silu(gate(x)) · up(x))` over `rows` rows.
+    fn mlp(&self, out: u64, x: u64, m: &DevMlp, rows: usize, hidden: usize, accumulate: bool) -> Result<(), CudaError> {
+        let gu = self.gpu.scratch::<f32>(rows * 2 * m.inter)?;
+        self.linear(gu.ptr(), x, &m.gate_up, rows, hidden, 2 * m.inter, false)?;
+        let act = self.gpu.scratch::<f32>(rows * m.inter)?;
+        self.swiglu(act.ptr(), gu.ptr(), rows, m.inter)?;
+        self.linear(out, act.ptr(), &m.down, rows, m.inter, hidden, accumulate)
+    }
+
+    fn expert_linear(
+        &self,
+        y: u64,
+        x: u64,
+        w: u64,
+        experts: u64,
+        pairs: usize,
+        n: usize,
+        k: usize,
+        x_per: usize,
+    ) -> Result<(), CudaError> {
+        self.gpu.launch(
+            "expert_linear",
+            (blocks_for(pairs * n * 32, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(y),
+                Arg::Ptr(x),
+                Arg::Ptr(w),
+                Arg::Ptr(experts),
+                Arg::I32(pairs as i32),
+                Arg::I32(n as i32),
+                Arg::I32(k as i32),
+                Arg::I32(x_per as i32),
+            ],
+        )
+    }
+
+    fn moe(&self, h: u64, x: u64, m: &DevMoe, hidden: usize) -> Result<(), CudaError> {
+        let (t, k, inter) = (self.rows, m.top_k, m.inter);
+        let logits = self.gpu.scratch::<f32>(t * m.num_experts)?;
+        self.linear(logits.ptr(), x, &m.router, t, hidden, m.num_experts, false)?;
+        let experts = self.gpu.scratch::<i32>(t * k)?;
+        let weights = self.gpu.scratch::<f32>(t * k)?;
+        self.gpu.launch(
+            "route",
+            (blocks_for(t, 64), 1, 1),
+            64,
+            0,
+            &[
+                Arg::Ptr(experts.ptr()),
+                Arg::Ptr(weights.ptr()),
+                Arg::Ptr(logits.ptr()),
+                Arg::Ptr(m.correction_bias.as_ref().map_or(0, DeviceBuf::ptr)),
+                Arg::I32(t as i32),
+                Arg::I32(m.num_experts as i32),
+                Arg::I32(k as i32),
+                Arg::I32(m.softmax as i32),
+                Arg::I32(m.n_group as i32),
+                Arg::I32(m.topk_group as i32),
+                Arg::I32(m.norm_topk_prob as i32),
+                Arg::F32(m.scaling),
+            ],
+        )?;
+        let pairs = t * k;
+        let gu = self.gpu.scratch::<f32>(pairs * 2 * inter)?;
+        self.expert_linear(gu.ptr(), x, m.gate_up.ptr(), experts.ptr(), pairs, 2 * inter, hidden, k)?;
+        let act = self.gpu.scratch::<f32>(pairs * inter)?;
+        self.swiglu(act.ptr(), gu.ptr(), pairs, inter)?;
+        let out = self.gpu.scratch::<f32>(pairs * hidden)?;
+        self.expert_linear(out.ptr(), act.ptr(), m.down.ptr(), experts.ptr(), pairs, hidden, inter, 1)?;
+        let shared = match &m.shared {
+            Some(s) => {
+                let y = self.gpu.scratch::<f32>(t * hidden)?;
+                self.mlp(y.ptr(), x, s, t, hidden, false)?;
+                Some(y)
+            }
+            None => None,
+        };
+        self.gpu.launch(
+            "moe_combine",
+            (blocks_for(t * hidden, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(h),
+                Arg::Ptr(out.ptr()),
+                Arg::Ptr(weights.ptr()),
+                Arg::Ptr(shared.as_ref().map_or(0, DeviceBuf::ptr)),
+                Arg::I32(t as i32),
+                Arg::I32(k as i32),
+                Arg::I32(hidden as i32),
+            ],
+        )
+    }
+}
+
+impl DeviceModel {
+    /// Enqueues one step over `rows` (already at `at` on the device) against `kv`: writes each
+    /// row's KV into its cache row, and for each sampling row its greedy token into `ring` at its
+    /// slot and `RESULT_WORDS` words into `results`. Returns the sampled rows' logits when
+    /// `keep_logits` (checks and tests only). Waits for nothing.
+    pub fn enqueue_step(
+        &self,
+        gpu: &Gpu,
+        kv: &DeviceKv,
+        rows: &StepRows,
+        at: RowsOnDevice,
+        ring: u64,
+        results: u64,
+        keep_logits: bool,
+    ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
+        let (t, hidden) = (rows.rows(), self.hidden);
+        if t == 0 {
+            return Ok(None);
+        }
+        let s = Step { gpu, kv, rows: t, at };
+        let h = gpu.scratch::<f32>(t * hidden)?;
+        gpu.launch(
+            "embed_rows",
+            (t as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(h.ptr()),
+                Arg::Ptr(self.embed.ptr()),
+                Arg::Ptr(at.tokens),
+                Arg::Ptr(ring),
+                Arg::I32(hidden as i32),
+                Arg::I32(self.vocab as i32),
+            ],
+        )?;
+        let x = gpu.scratch::<f32>(t * hidden)?;
+        for layer in &self.layers {
+            s.norm(x.ptr(), h.ptr(), &layer.input_norm, t, 1, hidden, 0)?;
+            match &layer.mixer {
+                DevMixer::Gqa(a) => s.gqa(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
+                DevMixer::Mla(a) => s.mla(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
+            }
+            s.norm(x.ptr(), h.ptr(), &layer.post_norm, t, 1, hidden, 0)?;
+            match &layer.ffn {
+                DevFfn::Dense(m) => s.mlp(h.ptr(), x.ptr(), m, t, hidden, true)?,
+                DevFfn::Moe(m) => s.moe(h.ptr(), x.ptr(), m, hidden)?,
+            }
+        }
+        let n = rows.sampled();
+        if n == 0 {
+            return Ok(None);
+        }
+        let last = gpu.scratch::<f32>(n * hidden)?;
+        gpu.launch(
+            "gather_rows",
+            (n as u32, 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(last.ptr()), Arg::Ptr(h.ptr()), Arg::Ptr(at.logit_rows), Arg::I32(hidden as i32)],
+        )?;
+        s.norm(last.ptr(), last.ptr(), &self.final_norm, n, 1, hidden, 0)?;
+        let logits = gpu.scratch::<f32>(n * self.vocab)?;
+        s.linear(logits.ptr(), last.ptr(), &self.lm_head, n, hidden, self.vocab, false)?;
+        gpu.launch(
+            "sample_greedy",
+            (n as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(results),
+                Arg::Ptr(ring),
+                Arg::Ptr(at.ring_slots),
+                Arg::Ptr(logits.ptr()),
+                Arg::I32(self.vocab as i32),
+            ],
+        )?;
+        Ok(keep_logits.then_some(logits))
+    }
+}

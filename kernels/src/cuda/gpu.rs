@@ -1,0 +1,453 @@
+//! One rank's GPU: the driver found (or an error naming what is missing, never a panic from
+//! cudarc), a stream of the rank's own on the device's primary context, the kernels of
+//! `kernels/cuda/*.cu` compiled by NVRTC for the device's own compute capability (once per
+//! process and device), launches, device and pinned host buffers, and the count of every time
+//! the host waits for the device (`host_waits`: the step path must never add to it).
+
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernel sources, compiled at run time (the build needs no CUDA).
+pub const SOURCES: &[(&str, &str)] =
+    &[("model.cu", include_str!("../../cuda/model.cu")), ("kv.cu", include_str!("../../cuda/kv.cu"))];
+
+/// What can go wrong bringing up or driving a GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "no CUDA driver: the library libcuda.so could not be loaded (is there an NVIDIA GPU and driver on this \
+         machine? is LD_LIBRARY_PATH right?)"
+    )]
+    NoDriver,
+    #[error(
+        "no NVRTC: the library libnvrtc.so (CUDA 13) could not be loaded, and the kernels are compiled at run time"
+    )]
+    NoNvrtc,
+    #[error("no GPU {asked}: this machine has {visible} visible (CUDA_VISIBLE_DEVICES)")]
+    NoSuchGpu { asked: usize, visible: usize },
+    #[error("GPU {gpu}: {what}: {message}")]
+    Driver { gpu: usize, what: String, message: String },
+    #[error("NVRTC could not compile kernels/cuda/{file} for {arch}: {log}")]
+    Compile { file: String, arch: String, log: String },
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// Whether the CUDA driver library can be loaded here (no GPU call is made).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of GPUs the driver shows, or why there are none.
+pub fn visible_gpus() -> Result<usize, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    guarded(0, "counting GPUs", || {
+        result::init()?;
+        CudaContext::device_count()
+    })
+    .map(|n| n.max(0) as usize)
+}
+
+/// Runs a driver call, turning its error — or a panic inside cudarc (a missing symbol) — into a
+/// [`CudaError`] that names the GPU and what was being done.
+fn guarded<T>(gpu: usize, what: &str, f: impl FnOnce() -> Result<T, result::DriverError>) -> Result<T, CudaError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(CudaError::Driver { gpu, what: what.to_string(), message: format!("{e:?}") }),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "cudarc panicked".to_string());
+            Err(CudaError::Driver { gpu, what: what.to_string(), message })
+        }
+    }
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    /// A device pointer (0: null).
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+/// The compiled kernels of one device, by name.
+struct Kernels {
+    functions: HashMap<String, CudaFunction>,
+    arch: String,
+}
+
+/// Kernels compiled per device ordinal, once per process.
+fn kernels_of(ctx: &Arc<CudaContext>, gpu: usize) -> Result<Arc<Kernels>, CudaError> {
+    static COMPILED: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
+    let mut compiled = COMPILED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(k) = compiled.get(&gpu) {
+        return Ok(k.clone());
+    }
+    let (major, minor) = guarded(gpu, "reading the compute capability", || ctx.compute_capability())?;
+    let arch = format!("compute_{major}{minor}");
+    let mut functions = HashMap::new();
+    for (file, ptx) in compile_sources(&arch)? {
+        let source = SOURCES.iter().find(|(f, _)| *f == file).map_or("", |(_, s)| s);
+        let module = guarded(gpu, &format!("loading kernels/cuda/{file}"), || ctx.load_module(ptx))?;
+        for name in kernel_names(source) {
+            let f = guarded(gpu, &format!("loading kernel {name}"), || module.load_function(&name))?;
+            functions.insert(name, f);
+        }
+    }
+    let k = Arc::new(Kernels { functions, arch });
+    compiled.insert(gpu, k.clone());
+    Ok(k)
+}
+
+/// Whether NVRTC can be loaded here (it needs no GPU).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compiles every source of [`SOURCES`] to PTX for `arch` (`compute_90`): needs NVRTC, not a GPU.
+pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>, CudaError> {
+    if !nvrtc_present() {
+        return Err(CudaError::NoNvrtc);
+    }
+    SOURCES
+        .iter()
+        .map(|(file, source)| {
+            let opts = cudarc::nvrtc::CompileOptions {
+                options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()],
+                name: Some(file.to_string()),
+                ..Default::default()
+            };
+            match std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts)) {
+                Ok(Ok(ptx)) => Ok((*file, ptx)),
+                Ok(Err(e)) => {
+                    Err(CudaError::Compile { file: file.to_string(), arch: arch.to_string(), log: format!("{e:?}") })
+                }
+                Err(_) => Err(CudaError::NoNvrtc),
+            }
+        })
+        .collect()
+}
+
+/// The `extern "C" __global__` functions a source defines, in order.
+pub fn kernel_names(source: &str) -> Vec<String> {
+    source
+        .split("extern \"C\" __global__ void ")
+        .skip(1)
+        .filter_map(|rest| {
+            let rest = rest.trim_start_matches("__launch_bounds__(256) ");
+            rest.split('(').next().map(|n| n.trim().to_string())
+        })
+        .collect()
+}
+
+/// One rank's view of its GPU.
+pub struct Gpu {
+    pub ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Arc<Kernels>,
+    host_waits: AtomicU64,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` with a stream of its own; compiles the kernels if this process has
+    /// not yet for that GPU.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
+        let visible = visible_gpus()?;
+        if ordinal >= visible {
+            return Err(CudaError::NoSuchGpu { asked: ordinal, visible });
+        }
+        let ctx = guarded(ordinal, "creating the context", || CudaContext::new(ordinal))?;
+        // One stream per rank and nothing shared across streams without an event the executor
+        // records itself: cudarc's per-buffer event tracking would only add work to each launch.
+        // SAFETY: called before any buffer of this context is allocated by kvflow.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = guarded(ordinal, "creating a stream", || ctx.new_stream())?;
+        let kernels = kernels_of(&ctx, ordinal)?;
+        Ok(Arc::new(Gpu { ordinal, ctx, stream, kernels, host_waits: AtomicU64::new(0) }))
+    }
+
+    /// The architecture the kernels were compiled for (`compute_90` on an H200).
+    pub fn arch(&self) -> &str {
+        &self.kernels.arch
+    }
+
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    fn err(&self, what: &str) -> impl FnOnce(result::DriverError) -> CudaError + '_ {
+        let what = what.to_string();
+        move |e| CudaError::Driver { gpu: self.ordinal, what, message: format!("{e:?}") }
+    }
+
+    /// Enqueues kernel `name` on the rank's stream.
+    pub fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &[Arg],
+    ) -> Result<(), CudaError> {
+        let f = self
+            .kernels
+            .functions
+            .get(name)
+            .ok_or_else(|| CudaError::Unsupported(format!("no kernel {name} in kernels/cuda")))?;
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        // SAFETY: every kernel's arguments are built by this crate against its signature.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))
+    }
+
+    /// A device buffer of `len` elements, zeroed (stream-ordered: usable by later launches).
+    pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<DeviceBuf<T>, CudaError> {
+        let slice = self.stream.alloc_zeros::<T>(len.max(1)).map_err(self.err("allocating device memory"))?;
+        Ok(DeviceBuf::wrap(slice, len, &self.stream))
+    }
+
+    /// A device buffer of `len` elements whose contents are unset (every use writes it first).
+    pub fn scratch<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuf<T>, CudaError> {
+        // SAFETY: callers write every element they later read.
+        let slice = unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(self.err("allocating device memory"))?;
+        Ok(DeviceBuf::wrap(slice, len, &self.stream))
+    }
+
+    /// A device copy of `data` (at load time: the host copy is staged by the driver).
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<DeviceBuf<T>, CudaError> {
+        let slice = self.stream.clone_htod(data).map_err(self.err("copying to the device"))?;
+        Ok(DeviceBuf::wrap(slice, data.len(), &self.stream))
+    }
+
+    /// Enqueues a copy of pinned host memory into device memory (never waits).
+    pub fn copy_to_device<T>(&self, dst: u64, src: &PinnedBuf<T>, len: usize) -> Result<(), CudaError> {
+        // SAFETY: `src` is pinned and outlives the copy (the caller keeps it until the step's event).
+        unsafe { result::memcpy_htod_async(dst, &src.as_slice()[..len], self.stream.cu_stream()) }
+            .map_err(self.err("copying to the device"))
+    }
+
+    /// Enqueues a copy of device memory into pinned host memory (never waits).
+    pub fn copy_to_host<T>(&self, dst: &mut PinnedBuf<T>, src: u64, len: usize) -> Result<(), CudaError> {
+        // SAFETY: as `copy_to_device`.
+        unsafe { result::memcpy_dtoh_async(&mut dst.as_mut_slice()[..len], src, self.stream.cu_stream()) }
+            .map_err(self.err("copying to the host"))
+    }
+
+    /// Enqueues a device-to-device copy of `bytes`.
+    pub fn copy_on_device(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: both ranges are device allocations of at least `bytes`.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(self.err("copying on the device"))
+    }
+
+    /// The first `len` elements of `src`, waiting for them (checks and benches only: counted).
+    pub fn download<T: Copy + Default>(&self, src: &DeviceBuf<T>, len: usize) -> Result<Vec<T>, CudaError> {
+        let mut host = self.pinned::<T>(len)?;
+        self.copy_to_host(&mut host, src.ptr(), len)?;
+        self.wait()?;
+        Ok(host.as_slice()[..len].to_vec())
+    }
+
+    /// Pinned host memory of `len` elements.
+    pub fn pinned<T: Copy + Default>(&self, len: usize) -> Result<PinnedBuf<T>, CudaError> {
+        PinnedBuf::new(self.ctx.clone(), len.max(1)).map_err(self.err("allocating pinned host memory"))
+    }
+
+    /// An event recorded on the stream after everything enqueued so far.
+    pub fn record(&self) -> Result<CudaEvent, CudaError> {
+        let event = self.ctx.new_event(None).map_err(self.err("creating an event"))?;
+        event.record(&self.stream).map_err(self.err("recording an event"))?;
+        Ok(event)
+    }
+
+    /// Whether the work before `event` has finished (never waits).
+    pub fn done(&self, event: &CudaEvent) -> Result<bool, CudaError> {
+        event.try_is_complete().map_err(self.err("a step on the GPU failed"))
+    }
+
+    /// Waits for everything enqueued so far: a host-device synchronisation, counted.
+    pub fn wait(&self) -> Result<(), CudaError> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        self.stream.synchronize().map_err(self.err("waiting for the GPU"))
+    }
+
+    /// Times the host waited for this rank's stream.
+    pub fn host_waits(&self) -> u64 {
+        self.host_waits.load(Ordering::Relaxed)
+    }
+
+    /// Runs `f` on a driver thread once the stream reaches this point (it must not call CUDA).
+    pub fn when_reached(&self, f: Box<dyn FnOnce() + Send>) -> Result<(), CudaError> {
+        unsafe extern "C" fn call(arg: *mut std::ffi::c_void) {
+            // SAFETY: `arg` is the box leaked below, called exactly once.
+            let f = unsafe { Box::from_raw(arg as *mut Box<dyn FnOnce() + Send>) };
+            f();
+        }
+        let arg = Box::into_raw(Box::new(f)) as *mut std::ffi::c_void;
+        // SAFETY: `call` takes back the box it is given.
+        unsafe { result::stream::launch_host_function(self.stream.cu_stream(), call, arg) }.map_err(|e| {
+            // SAFETY: the driver refused it, so the callback will never run: reclaim the box.
+            drop(unsafe { Box::from_raw(arg as *mut Box<dyn FnOnce() + Send>) });
+            CudaError::Driver { gpu: self.ordinal, what: "enqueuing a wake-up".into(), message: format!("{e:?}") }
+        })
+    }
+
+    /// Bytes free and total on the device.
+    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
+        self.ctx.mem_get_info().map_err(self.err("reading free memory"))
+    }
+}
+
+/// A device allocation and its raw address (kernels take raw pointers).
+pub struct DeviceBuf<T> {
+    _slice: CudaSlice<T>,
+    ptr: u64,
+    len: usize,
+}
+
+impl<T> DeviceBuf<T> {
+    fn wrap(slice: CudaSlice<T>, len: usize, stream: &Arc<CudaStream>) -> Self {
+        use cudarc::driver::DevicePtr;
+        let ptr = {
+            let (ptr, _sync) = slice.device_ptr(stream);
+            ptr
+        };
+        DeviceBuf { _slice: slice, ptr, len }
+    }
+
+    /// The device address of element `i`.
+    pub fn at(&self, i: usize) -> u64 {
+        self.ptr + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Page-locked host memory the driver copies to and from without staging.
+pub struct PinnedBuf<T> {
+    ctx: Arc<CudaContext>,
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: plain host memory, owned.
+unsafe impl<T: Send> Send for PinnedBuf<T> {}
+unsafe impl<T: Sync> Sync for PinnedBuf<T> {}
+
+impl<T: Copy + Default> PinnedBuf<T> {
+    fn new(ctx: Arc<CudaContext>, len: usize) -> Result<Self, result::DriverError> {
+        ctx.bind_to_thread()?;
+        // SAFETY: a fresh allocation of `len` elements, initialised below.
+        let ptr = unsafe { result::malloc_host(len * std::mem::size_of::<T>(), 0) }? as *mut T;
+        let mut buf = PinnedBuf { ctx, ptr, len };
+        buf.as_mut_slice().fill(T::default());
+        Ok(buf)
+    }
+}
+
+impl<T> PinnedBuf<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: `len` initialised elements, owned.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as above, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T> Drop for PinnedBuf<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `malloc_host`, freed once; nothing enqueued still uses it (its
+        // owner drops it only after the step that used it completed).
+        let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Kernel launch shapes shared by the model and KV code.
+pub(crate) fn blocks_for(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block).max(1) as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sources compile under NVRTC for Hopper (no GPU needed). Where NVRTC cannot be loaded
+    /// the check cannot run: it says so, and fails when `KVFLOW_REQUIRE_NVRTC` is set (CI sets
+    /// it, after installing NVRTC from PyPI).
+    #[test]
+    fn the_cuda_sources_compile_under_nvrtc_for_hopper() {
+        if !nvrtc_present() {
+            assert!(
+                std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),
+                "KVFLOW_REQUIRE_NVRTC is set and libnvrtc.so cannot be loaded (LD_LIBRARY_PATH?)"
+            );
+            eprintln!("NOT RUN: libnvrtc.so cannot be loaded here, so the CUDA sources were not compiled");
+            return;
+        }
+        let compiled = compile_sources("compute_90").unwrap_or_else(|e| panic!("{e}"));
+        for (file, ptx) in compiled {
+            let text = ptx.to_src();
+            let source = SOURCES.iter().find(|(f, _)| *f == file).map(|(_, s)| *s).unwrap();
+            for name in kernel_names(source) {
+                assert!(text.contains(&format!(".entry {name}(")), "{file}: no entry {name} in the PTX");
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_names_are_read_from_the_sources() {
+        let names: Vec<String> = SOURCES.iter().flat_map(|(_, s)| kernel_names(s)).collect();
+        for expected in ["linear", "paged_attention", "sample_greedy", "pack_blocks", "unpack_blocks", "route"] {
+            assert!(names.iter().any(|n| n == expected), "no kernel {expected} in {names:?}");
+        }
+    }
+}

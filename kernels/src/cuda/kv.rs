@@ -1,0 +1,141 @@
+//! A rank's paged KV cache in device memory: one buffer per KV layer of `num_blocks ×
+//! block_size` rows, and the kernels that move a request's blocks — pack into one contiguous
+//! buffer, unpack from one, copy between two caches on one GPU (DESIGN §7, the handoff; the
+//! offload tier reuses them). The packed layout is `PagedKvCache::export_blocks`'s: by layer,
+//! then block, then row, so a packed buffer is a handoff's `kv` as the CPU executor makes it.
+
+use super::gpu::{Arg, CudaError, DeviceBuf, Gpu};
+
+pub struct DeviceKv {
+    layers: Vec<DeviceBuf<f32>>,
+    widths: Vec<usize>,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Device copies of the layers' addresses and widths (for pack/unpack).
+    layer_ptrs: DeviceBuf<u64>,
+    widths_dev: DeviceBuf<i32>,
+}
+
+impl DeviceKv {
+    /// A zeroed cache of `num_blocks` blocks for KV layers of row widths `widths`.
+    pub fn new(gpu: &Gpu, widths: &[usize], block_size: usize, num_blocks: usize) -> Result<Self, CudaError> {
+        let layers =
+            widths.iter().map(|w| gpu.zeros::<f32>(num_blocks * block_size * w)).collect::<Result<Vec<_>, _>>()?;
+        let ptrs: Vec<u64> = layers.iter().map(DeviceBuf::ptr).collect();
+        let w32: Vec<i32> = widths.iter().map(|&w| w as i32).collect();
+        Ok(DeviceKv {
+            layer_ptrs: gpu.upload(&ptrs)?,
+            widths_dev: gpu.upload(&w32)?,
+            layers,
+            widths: widths.to_vec(),
+            block_size,
+            num_blocks,
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Floats of one block over every layer.
+    pub fn floats_per_block(&self) -> usize {
+        self.widths.iter().sum::<usize>() * self.block_size
+    }
+
+    /// Device address of layer `l`'s cache.
+    pub(crate) fn layer(&self, l: usize) -> u64 {
+        self.layers[l].ptr()
+    }
+
+    pub(crate) fn width(&self, l: usize) -> usize {
+        self.widths[l]
+    }
+
+    /// Overwrites layer `l` with `data` (checks and benches: waits for the copy).
+    pub fn fill_layer(&self, gpu: &Gpu, l: usize, data: &[f32]) -> Result<(), CudaError> {
+        if data.len() != self.num_blocks * self.block_size * self.widths[l] {
+            return Err(CudaError::Unsupported(format!("layer {l}: {} floats do not fill it", data.len())));
+        }
+        let staged = gpu.upload(data)?;
+        gpu.copy_on_device(self.layer(l), staged.ptr(), data.len() * 4)?;
+        gpu.wait()
+    }
+
+    /// `Err` naming the first block outside this cache.
+    pub fn check_blocks(&self, blocks: &[u32]) -> Result<(), CudaError> {
+        match blocks.iter().find(|&&b| b as usize >= self.num_blocks) {
+            Some(b) => {
+                Err(CudaError::Unsupported(format!("block {b} is outside the cache ({} blocks)", self.num_blocks)))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Enqueues the gather of `n` blocks (listed at device address `blocks`) into `packed`
+    /// (`n × floats_per_block` floats).
+    pub fn pack(&self, gpu: &Gpu, packed: u64, blocks: u64, n: usize) -> Result<(), CudaError> {
+        self.move_blocks(gpu, "pack_blocks", packed, blocks, n)
+    }
+
+    /// Enqueues the scatter of `packed` into `n` blocks (listed at device address `blocks`).
+    pub fn unpack(&self, gpu: &Gpu, packed: u64, blocks: u64, n: usize) -> Result<(), CudaError> {
+        self.move_blocks(gpu, "unpack_blocks", packed, blocks, n)
+    }
+
+    fn move_blocks(&self, gpu: &Gpu, kernel: &str, packed: u64, blocks: u64, n: usize) -> Result<(), CudaError> {
+        let args = [
+            Arg::Ptr(packed),
+            Arg::Ptr(self.layer_ptrs.ptr()),
+            Arg::Ptr(self.widths_dev.ptr()),
+            Arg::Ptr(blocks),
+            Arg::I32(n as i32),
+            Arg::I32(self.block_size as i32),
+        ];
+        gpu.launch(kernel, (n as u32, self.layers.len() as u32, 1), 256, 0, &args)
+    }
+
+    /// Enqueues the copy of `n` blocks of `from` (at device address `from_blocks`) into this
+    /// cache's blocks at `to_blocks`: both caches on `gpu`, of the same geometry.
+    pub fn copy_from(
+        &self,
+        gpu: &Gpu,
+        from: &DeviceKv,
+        to_blocks: u64,
+        from_blocks: u64,
+        n: usize,
+    ) -> Result<(), CudaError> {
+        if from.widths != self.widths || from.block_size != self.block_size {
+            return Err(CudaError::Unsupported("the two caches differ in layout".into()));
+        }
+        let args = [
+            Arg::Ptr(self.layer_ptrs.ptr()),
+            Arg::Ptr(from.layer_ptrs.ptr()),
+            Arg::Ptr(self.widths_dev.ptr()),
+            Arg::Ptr(to_blocks),
+            Arg::Ptr(from_blocks),
+            Arg::I32(self.block_size as i32),
+        ];
+        gpu.launch("copy_blocks", (n as u32, self.layers.len() as u32, 1), 256, 0, &args)
+    }
+
+    /// Enqueues the write of `rows` rows of `src` (stride `src_stride`) into layer `l`'s cache
+    /// rows listed at `write_rows`.
+    pub(crate) fn write_rows(
+        &self,
+        gpu: &Gpu,
+        l: usize,
+        src: u64,
+        src_stride: usize,
+        write_rows: u64,
+        rows: usize,
+    ) -> Result<(), CudaError> {
+        let args = [
+            Arg::Ptr(self.layer(l)),
+            Arg::Ptr(src),
+            Arg::Ptr(write_rows),
+            Arg::I32(self.widths[l] as i32),
+            Arg::I64(src_stride as i64),
+        ];
+        gpu.launch("write_cache_rows", (rows as u32, 1, 1), 128, 0, &args)
+    }
+}

@@ -1,0 +1,21 @@
+//! The CUDA side of the executor (DESIGN §4, §6): kernels in `kernels/cuda/*.cu` compiled at run
+//! time by NVRTC through cudarc (dynamic loading: the build needs no CUDA, and a machine without
+//! a driver gets an error naming what is missing), a model's weights and paged KV in device
+//! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
+//!
+//! - [`gpu`]: the device, its stream, compiled kernels, buffers, the host-wait counter.
+//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha and mla).
+//! - [`forward`]: one step enqueued, sampling on the device.
+//! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
+
+pub mod forward;
+pub mod gpu;
+pub mod kv;
+pub mod plain;
+pub mod weights;
+
+pub use forward::{RowsOnDevice, StepRows, FROM_RING, RESULT_WORDS};
+pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Gpu, PinnedBuf};
+pub use kv::DeviceKv;
+pub use plain::{PlainGeneration, PlainRunner, PlainSample};
+pub use weights::{unsupported, DeviceModel};

@@ -1,0 +1,282 @@
+//! A model's weights in device memory, uploaded once from the CPU model (the same checkpoint
+//! tensors, unpacked to row-major `[out × in]`), for the families the CUDA executor runs: `mha`
+//! (llama, qwen3) and `mla` (deepseek_v3, with its MoE). Anything else is refused by name.
+
+use super::gpu::{CudaError, DeviceBuf, Gpu};
+use crate::cpu::rope::{Rope, RopeStyle};
+use crate::models::decoder::{Ffn, Mixer};
+use crate::models::parts::gqa::GqaAttention;
+use crate::models::parts::layers::{Linear, Mlp, RmsNorm};
+use crate::models::parts::mla::{MlaAttention, QueryProjection};
+use crate::models::parts::moe::{MoeBlock, Scoring};
+use crate::models::{Family, Model};
+
+pub(crate) struct DevLinear {
+    pub w: DeviceBuf<f32>,
+    pub bias: Option<DeviceBuf<f32>>,
+    pub n: usize,
+    pub k: usize,
+}
+
+pub(crate) struct DevNorm {
+    pub w: DeviceBuf<f32>,
+    pub eps: f32,
+    pub dim: usize,
+}
+
+pub(crate) struct DevRope {
+    pub inv_freq: DeviceBuf<f32>,
+    pub half: usize,
+    pub scaling: f32,
+    pub interleaved: bool,
+}
+
+pub(crate) struct DevGqa {
+    pub qkv: DevLinear,
+    pub o: DevLinear,
+    pub q_norm: Option<DevNorm>,
+    pub k_norm: Option<DevNorm>,
+    pub rope: DevRope,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+pub(crate) enum DevQuery {
+    Lora { a: DevLinear, norm: DevNorm, b: DevLinear },
+    Plain(DevLinear),
+}
+
+pub(crate) struct DevMla {
+    pub q: DevQuery,
+    pub kv_a: DevLinear,
+    pub kv_norm: DevNorm,
+    /// Per head `[kv_lora × nope]`: q_nope → latent.
+    pub absorb_k: DeviceBuf<f32>,
+    /// Per head `[v_dim × kv_lora]`: latent → value.
+    pub absorb_v: DeviceBuf<f32>,
+    pub o: DevLinear,
+    pub rope: DevRope,
+    pub heads: usize,
+    pub nope: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+    pub kv_lora: usize,
+    pub scale: f32,
+}
+
+pub(crate) enum DevMixer {
+    Gqa(DevGqa),
+    Mla(DevMla),
+}
+
+pub(crate) struct DevMlp {
+    pub gate_up: DevLinear,
+    pub down: DevLinear,
+    pub inter: usize,
+}
+
+pub(crate) struct DevMoe {
+    pub router: DevLinear,
+    pub correction_bias: Option<DeviceBuf<f32>>,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub softmax: bool,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm_topk_prob: bool,
+    pub scaling: f32,
+    /// Every expert's `[gate; up]` rows, `[experts × 2·inter × hidden]`.
+    pub gate_up: DeviceBuf<f32>,
+    /// Every expert's down rows, `[experts × hidden × inter]`.
+    pub down: DeviceBuf<f32>,
+    pub inter: usize,
+    pub shared: Option<DevMlp>,
+}
+
+pub(crate) enum DevFfn {
+    Dense(DevMlp),
+    Moe(DevMoe),
+}
+
+pub(crate) struct DevLayer {
+    pub input_norm: DevNorm,
+    pub mixer: DevMixer,
+    /// Which layer of the paged cache this layer writes.
+    pub kv_layer: usize,
+    pub post_norm: DevNorm,
+    pub ffn: DevFfn,
+}
+
+/// A model on one GPU.
+pub struct DeviceModel {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub(crate) embed: DeviceBuf<f32>,
+    pub(crate) layers: Vec<DevLayer>,
+    pub(crate) final_norm: DevNorm,
+    pub(crate) lm_head: DevLinear,
+    /// Row width of each KV layer.
+    pub kv_widths: Vec<usize>,
+}
+
+/// Why the CUDA executor cannot run `model`, if it cannot.
+pub fn unsupported(model: &Model) -> Option<String> {
+    let family = model.family;
+    if !matches!(family, Family::Mha | Family::Mla) {
+        return Some(format!(
+            "the cuda executor runs the mha and mla families (llama, qwen3, deepseek_v3); model_type {} is family {family}",
+            model.model_type
+        ));
+    }
+    for (l, layer) in model.layers.iter().enumerate() {
+        match &layer.mixer {
+            Mixer::Gqa(a) if a.output_gate => return Some(format!("layer {l}: gated attention output (qwen3_next)")),
+            Mixer::Mla(a) if a.indexer.is_some() || a.rope.is_none() => {
+                return Some(format!("layer {l}: MLA with an indexer or without rope"))
+            }
+            _ => {}
+        }
+        if let Ffn::Moe(m) = &layer.ffn {
+            if m.shared_gate.is_some() || m.routing.num_experts > 512 || m.routing.top_k > 32 {
+                return Some(format!("layer {l}: MoE with a shared-expert gate, over 512 experts or over top-32"));
+            }
+        }
+    }
+    None
+}
+
+impl DeviceModel {
+    /// Uploads `model` to `gpu` (waits for the copies: this is load time, not a step).
+    pub fn upload(gpu: &Gpu, model: &Model) -> Result<DeviceModel, CudaError> {
+        if let Some(why) = unsupported(model) {
+            return Err(CudaError::Unsupported(why));
+        }
+        let mut layers = Vec::with_capacity(model.layers.len());
+        let mut kv_layer = 0;
+        for layer in &model.layers {
+            let mixer = match &layer.mixer {
+                Mixer::Gqa(a) => DevMixer::Gqa(gqa(gpu, a)?),
+                Mixer::Mla(a) => DevMixer::Mla(mla(gpu, a)?),
+                Mixer::Gdn(_) | Mixer::Kda(_) => unreachable!("refused by `unsupported`"),
+            };
+            let ffn = match &layer.ffn {
+                Ffn::Dense(m) => DevFfn::Dense(mlp(gpu, m)?),
+                Ffn::Moe(m) => DevFfn::Moe(moe(gpu, m)?),
+            };
+            layers.push(DevLayer {
+                input_norm: norm(gpu, &layer.input_norm)?,
+                mixer,
+                kv_layer,
+                post_norm: norm(gpu, &layer.post_norm)?,
+                ffn,
+            });
+            kv_layer += 1;
+        }
+        let dm = DeviceModel {
+            vocab: model.vocab_size,
+            hidden: model.hidden_size,
+            embed: gpu.upload(&model.embed)?,
+            layers,
+            final_norm: norm(gpu, &model.final_norm)?,
+            lm_head: linear(gpu, &model.lm_head)?,
+            kv_widths: model.kv_row_widths(),
+        };
+        gpu.wait()?;
+        Ok(dm)
+    }
+}
+
+fn linear(gpu: &Gpu, l: &Linear) -> Result<DevLinear, CudaError> {
+    Ok(DevLinear {
+        w: gpu.upload(&l.weight.to_rows())?,
+        bias: l.bias.as_ref().map(|b| gpu.upload(b)).transpose()?,
+        n: l.out_dim(),
+        k: l.in_dim(),
+    })
+}
+
+fn norm(gpu: &Gpu, n: &RmsNorm) -> Result<DevNorm, CudaError> {
+    Ok(DevNorm { w: gpu.upload(&n.weight)?, eps: n.eps, dim: n.weight.len() })
+}
+
+fn rope(gpu: &Gpu, r: &Rope) -> Result<DevRope, CudaError> {
+    Ok(DevRope {
+        inv_freq: gpu.upload(&r.inv_freq)?,
+        half: r.inv_freq.len(),
+        scaling: r.attention_scaling,
+        interleaved: r.style == RopeStyle::Interleaved,
+    })
+}
+
+fn mlp(gpu: &Gpu, m: &Mlp) -> Result<DevMlp, CudaError> {
+    Ok(DevMlp { gate_up: linear(gpu, &m.gate_up)?, down: linear(gpu, &m.down)?, inter: m.inter })
+}
+
+fn gqa(gpu: &Gpu, a: &GqaAttention) -> Result<DevGqa, CudaError> {
+    let s = a.shape;
+    Ok(DevGqa {
+        qkv: linear(gpu, &a.qkv)?,
+        o: linear(gpu, &a.o)?,
+        q_norm: a.q_norm.as_ref().map(|n| norm(gpu, n)).transpose()?,
+        k_norm: a.k_norm.as_ref().map(|n| norm(gpu, n)).transpose()?,
+        rope: rope(gpu, &a.rope)?,
+        q_heads: s.q_heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.qk_dim,
+        window: a.sliding_window,
+        scale: s.scale,
+    })
+}
+
+fn mla(gpu: &Gpu, a: &MlaAttention) -> Result<DevMla, CudaError> {
+    let q = match &a.q {
+        QueryProjection::Lora { a: qa, norm: n, b } => {
+            DevQuery::Lora { a: linear(gpu, qa)?, norm: norm(gpu, n)?, b: linear(gpu, b)? }
+        }
+        QueryProjection::Plain(l) => DevQuery::Plain(linear(gpu, l)?),
+    };
+    let stack = |ms: &[crate::cpu::gemm::PackedMatrix]| ms.iter().flat_map(|m| m.to_rows()).collect::<Vec<f32>>();
+    Ok(DevMla {
+        q,
+        kv_a: linear(gpu, &a.kv_a)?,
+        kv_norm: norm(gpu, &a.kv_norm)?,
+        absorb_k: gpu.upload(&stack(&a.absorb_k))?,
+        absorb_v: gpu.upload(&stack(&a.absorb_v))?,
+        o: linear(gpu, &a.o)?,
+        rope: rope(gpu, a.rope.as_ref().expect("refused by `unsupported`"))?,
+        heads: a.heads,
+        nope: a.nope,
+        rope_dim: a.rope_dim,
+        v_dim: a.v_dim,
+        kv_lora: a.kv_lora,
+        scale: a.scale,
+    })
+}
+
+fn moe(gpu: &Gpu, m: &MoeBlock) -> Result<DevMoe, CudaError> {
+    let r = &m.routing;
+    let inter = m.experts.first().map_or(0, |e| e.inter);
+    let gate_up: Vec<f32> = m.experts.iter().flat_map(|e| e.gate_up.weight.to_rows()).collect();
+    let down: Vec<f32> = m.experts.iter().flat_map(|e| e.down.weight.to_rows()).collect();
+    if m.experts.iter().any(|e| e.gate_up.bias.is_some() || e.down.bias.is_some()) {
+        return Err(CudaError::Unsupported("MoE experts with biases".into()));
+    }
+    Ok(DevMoe {
+        router: linear(gpu, &m.router)?,
+        correction_bias: r.correction_bias.as_ref().map(|b| gpu.upload(b)).transpose()?,
+        num_experts: r.num_experts,
+        top_k: r.top_k,
+        softmax: r.scoring == Scoring::Softmax,
+        n_group: r.n_group,
+        topk_group: r.topk_group,
+        norm_topk_prob: r.norm_topk_prob,
+        scaling: r.scaling,
+        gate_up: gpu.upload(&gate_up)?,
+        down: gpu.upload(&down)?,
+        inter,
+        shared: m.shared.as_ref().map(|s| mlp(gpu, s)).transpose()?,
+    })
+}

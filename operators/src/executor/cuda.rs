@@ -1,0 +1,334 @@
+//! `cuda`: a rank's steps on its GPU (one dataflow worker per GPU; DESIGN §4, §6). `launch`
+//! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
+//! handoffs unpacked into their blocks, the forward, greedy sampling, exports packed and copied
+//! to pinned memory — records a CUDA event and returns. `poll` asks each event, oldest first,
+//! whether it has passed (never waits). A decode whose previous token is still in flight is fed
+//! from the device ring slot the previous step's sampling writes, so the host never waits for
+//! sampled tokens to schedule the next step (deferred output on the device). Each in-flight
+//! record owns what the GPU still reads or writes: pinned metadata, result and export buffers,
+//! and the handoffs it imports (their producers hold the blocks until those drop).
+//!
+//! Settings: `gpus = [..]` (a rank uses `gpus[rank % len]`, else GPU `rank % visible`),
+//! `deferred_output = true` (false: the host waits for each step before the next launch —
+//! counted, for comparison). Which time it holds: the rank's step, from launch to completion.
+
+use super::settings::{SettingError, Settings};
+use super::{Executor, ExecutorContext, ExecutorKind};
+use crate::step::{ExecutorError, Exported, KvImport, Sampled, SeqKey, StepCompletion, StepLaunch};
+use kvflow_kernels::cuda::{visible_gpus, CudaError};
+use kvflow_kernels::cuda::{DeviceBuf, DeviceKv, DeviceModel, Gpu, PinnedBuf, StepRows, FROM_RING, RESULT_WORDS};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+/// Slots of the sampled-token ring: far more than the samples of the steps in flight.
+const RING_SLOTS: usize = 1 << 20;
+
+const KEYS: &[&str] = &["gpus", "deferred_output"];
+
+/// What a `cuda` pool's settings say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaSettings {
+    pub gpus: Option<Vec<usize>>,
+    pub deferred_output: bool,
+}
+
+impl CudaSettings {
+    pub fn read(table: &toml::Table) -> Result<Self, SettingError> {
+        let s = Settings::new(table, KEYS)?;
+        Ok(CudaSettings { gpus: s.counts("gpus")?, deferred_output: s.flag("deferred_output", true)? })
+    }
+
+    /// The GPU of rank `rank` of the pool.
+    pub fn gpu_of(&self, rank: usize) -> Result<usize, CudaError> {
+        match &self.gpus {
+            Some(list) => Ok(list[rank % list.len()]),
+            None => Ok(rank % visible_gpus()?.max(1)),
+        }
+    }
+}
+
+/// A step the GPU has been given and not finished.
+struct InFlight {
+    step: u64,
+    /// `None`: the step failed at launch (its completion is the error).
+    event: Option<cudarc_event::Event>,
+    error: Option<ExecutorError>,
+    sampling: Vec<SeqKey>,
+    _meta: Option<PinnedBuf<u32>>,
+    results: Option<PinnedBuf<u32>>,
+    exports: Vec<(SeqKey, PinnedBuf<f32>, usize)>,
+    /// Handoffs being unpacked (their producers keep the blocks until these drop) and the
+    /// pinned copies the GPU reads them from.
+    _imports: Vec<(KvImport, PinnedBuf<f32>)>,
+}
+
+mod cudarc_event {
+    /// A CUDA event (kept opaque: only `Gpu::done` reads it).
+    pub type Event = cudarc::driver::CudaEvent;
+}
+
+pub struct CudaExecutor {
+    gpu: Arc<Gpu>,
+    model: DeviceModel,
+    kv: DeviceKv,
+    ring: DeviceBuf<u32>,
+    next_slot: usize,
+    /// Each sequence's latest sample: the step and the ring slot it goes to.
+    sampled: HashMap<SeqKey, (u64, u32)>,
+    in_flight: VecDeque<InFlight>,
+    deferred_output: bool,
+    waker: Arc<crate::wake::RankWaker>,
+}
+
+impl CudaExecutor {
+    pub fn new(ctx: &ExecutorContext, settings: &CudaSettings) -> Result<Self, String> {
+        let ordinal = settings.gpu_of(ctx.rank).map_err(|e| e.to_string())?;
+        let gpu = Gpu::open(ordinal).map_err(|e| e.to_string())?;
+        let model = DeviceModel::upload(&gpu, &ctx.model).map_err(|e| e.to_string())?;
+        let l = &ctx.layout;
+        let blocks = if l.keeps_kv { l.blocks } else { 0 };
+        let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks).map_err(|e| e.to_string())?;
+        let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
+        gpu.wait().map_err(|e| e.to_string())?;
+        tracing::info!(pool = %ctx.pool, rank = ctx.rank, gpu = ordinal, name = %gpu.name(), arch = gpu.arch(), "cuda executor ready");
+        Ok(CudaExecutor {
+            gpu,
+            model,
+            kv,
+            ring,
+            next_slot: 0,
+            sampled: HashMap::new(),
+            in_flight: VecDeque::new(),
+            deferred_output: settings.deferred_output,
+            waker: ctx.waker.clone(),
+        })
+    }
+
+    /// Times the host waited for this rank's GPU (0 on the decode path with deferred output).
+    pub fn host_waits(&self) -> u64 {
+        self.gpu.host_waits()
+    }
+
+    fn slot(&mut self) -> u32 {
+        let s = self.next_slot;
+        self.next_slot = (self.next_slot + 1) % RING_SLOTS;
+        s as u32
+    }
+
+    /// Enqueues the step; `Err` when it cannot run (nothing it enqueued is waited for).
+    fn enqueue(&mut self, launch: &StepLaunch<'_>) -> Result<InFlight, ExecutorError> {
+        let fail = |e: CudaError| ExecutorError::Launch(e.to_string());
+        if !launch.before.is_empty() || !launch.after.is_empty() {
+            return Err(ExecutorError::Launch(
+                "the cuda executor keeps no recurrent state (state copies asked)".into(),
+            ));
+        }
+        if let Some(applied) = launch.applied_through {
+            self.sampled.retain(|_, (when, _)| *when > applied);
+        }
+        // 1. rows: literal tokens, or the ring slot of a token still in flight
+        let mut rows = StepRows::default();
+        let mut sampling = Vec::new();
+        let mut fed = Vec::new();
+        for s in launch.seqs() {
+            fed.clear();
+            fed.extend_from_slice(s.known);
+            if let Some(at) = s.deferred {
+                match self.sampled.get(&s.key) {
+                    Some(&(when, slot)) if when == at => fed.push(FROM_RING | slot),
+                    _ => return Err(ExecutorError::UnresolvedToken { seq: s.key, step: at }),
+                }
+            }
+            self.kv.check_blocks(s.block_table).map_err(fail)?;
+            if s.block_table.len() * self.kv.block_size < s.start_pos + fed.len() {
+                return Err(ExecutorError::Launch(format!(
+                    "sequence {}: its block table does not cover the step",
+                    s.key
+                )));
+            }
+            let slot = s.sample.then(|| self.slot());
+            rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.block_size, slot);
+            if let Some(slot) = slot {
+                sampling.push(s.key);
+                self.sampled.insert(s.key, (launch.step, slot));
+            }
+        }
+        let gpu = self.gpu.clone();
+        // 2. handoffs into their blocks
+        let fpb = self.kv.floats_per_block();
+        let mut imports = Vec::new();
+        let mut meta_words = rows.words();
+        for import in launch.imports {
+            meta_words += import.blocks.len();
+        }
+        for e in launch.exports {
+            meta_words += e.blocks.len();
+        }
+        let mut meta = gpu.pinned::<u32>(meta_words).map_err(fail)?;
+        let meta_dev = gpu.scratch::<u32>(meta_words).map_err(fail)?;
+        let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
+        let mut cursor = rows.words();
+        let mut block_lists = Vec::new();
+        for blocks in launch.imports.iter().map(|i| &i.blocks).chain(launch.exports.iter().map(|e| &e.blocks)) {
+            self.kv.check_blocks(blocks).map_err(fail)?;
+            meta.as_mut_slice()[cursor..cursor + blocks.len()].copy_from_slice(blocks);
+            block_lists.push(meta_dev.at(cursor));
+            cursor += blocks.len();
+        }
+        gpu.copy_to_device(meta_dev.ptr(), &meta, meta_words).map_err(fail)?;
+        for (i, import) in launch.imports.iter().enumerate() {
+            let h = &import.handoff;
+            let bad = |m: String| ExecutorError::Launch(format!("handoff of request {}: {m}", h.request));
+            if import.slot.is_some() || h.state.is_some() {
+                return Err(bad("the cuda executor keeps no recurrent state, and the handoff carries some".into()));
+            }
+            let kv = h.kv_floats();
+            let floats = import.blocks.len() * fpb;
+            if kv.len() != floats {
+                return Err(bad(format!("{} KV floats for {} blocks of {fpb}", kv.len(), import.blocks.len())));
+            }
+            let mut staged = gpu.pinned::<f32>(floats).map_err(fail)?;
+            staged.as_mut_slice()[..floats].copy_from_slice(&kv);
+            let packed = gpu.scratch::<f32>(floats).map_err(fail)?;
+            gpu.copy_to_device(packed.ptr(), &staged, floats).map_err(fail)?;
+            self.kv.unpack(&gpu, packed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
+            imports.push((import.clone(), staged));
+        }
+        // 3. the forward and sampling
+        let n = rows.sampled();
+        let results_dev = gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?;
+        self.model.enqueue_step(&gpu, &self.kv, &rows, at, self.ring.ptr(), results_dev.ptr(), false).map_err(fail)?;
+        let mut results = gpu.pinned::<u32>(n * RESULT_WORDS).map_err(fail)?;
+        if n > 0 {
+            gpu.copy_to_host(&mut results, results_dev.ptr(), n * RESULT_WORDS).map_err(fail)?;
+        }
+        // 4. exports packed and copied out after the forward
+        let mut exports = Vec::new();
+        for (j, e) in launch.exports.iter().enumerate() {
+            if e.slot.is_some() {
+                return Err(ExecutorError::Launch("the cuda executor keeps no recurrent state (a slot export)".into()));
+            }
+            let floats = e.blocks.len() * fpb;
+            let packed = gpu.scratch::<f32>(floats).map_err(fail)?;
+            self.kv.pack(&gpu, packed.ptr(), block_lists[launch.imports.len() + j], e.blocks.len()).map_err(fail)?;
+            let mut host = gpu.pinned::<f32>(floats).map_err(fail)?;
+            gpu.copy_to_host(&mut host, packed.ptr(), floats).map_err(fail)?;
+            exports.push((e.key, host, floats));
+        }
+        let event = gpu.record().map_err(fail)?;
+        Ok(InFlight {
+            step: launch.step,
+            event: Some(event),
+            error: None,
+            sampling,
+            _meta: Some(meta),
+            results: Some(results),
+            exports,
+            _imports: imports,
+        })
+    }
+
+    /// The completion of a finished record.
+    fn complete(&self, f: InFlight) -> StepCompletion {
+        if let Some(e) = f.error {
+            return StepCompletion::of(f.step, Err(e));
+        }
+        let words = f.results.as_ref().map_or(&[][..], |r| r.as_slice());
+        let sampled = f
+            .sampling
+            .iter()
+            .enumerate()
+            .map(|(i, &seq)| {
+                let r = &words[i * RESULT_WORDS..(i + 1) * RESULT_WORDS];
+                Sampled { seq, token: (r[1] != 0).then_some(r[0]), logits_hash: r[2] as u64 | (r[3] as u64) << 32 }
+            })
+            .collect();
+        let exports = f
+            .exports
+            .iter()
+            .map(|(key, host, floats)| Exported {
+                key: *key,
+                kv: host.as_slice()[..*floats].to_vec(),
+                source: None,
+                state: None,
+            })
+            .collect();
+        StepCompletion { step: f.step, result: Ok(sampled), exports }
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn phases(&self) -> usize {
+        1
+    }
+
+    fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
+        let record = self.enqueue(step).unwrap_or_else(|e| InFlight {
+            step: step.step,
+            event: None,
+            error: Some(e),
+            sampling: Vec::new(),
+            _meta: None,
+            results: None,
+            exports: Vec::new(),
+            _imports: Vec::new(),
+        });
+        self.in_flight.push_back(record);
+        if !self.deferred_output {
+            // For comparison only: the host waits for the step before the next is scheduled.
+            if let Err(e) = self.gpu.wait() {
+                tracing::error!("cuda: {e}");
+            }
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        while let Some(front) = self.in_flight.front() {
+            let done = match &front.event {
+                None => Ok(true),
+                Some(e) => self.gpu.done(e),
+            };
+            match done {
+                Ok(false) => break,
+                Ok(true) => {
+                    let f = self.in_flight.pop_front().expect("front exists");
+                    out.push(self.complete(f));
+                }
+                Err(e) => {
+                    let mut f = self.in_flight.pop_front().expect("front exists");
+                    f.error = Some(ExecutorError::Launch(e.to_string()));
+                    out.push(self.complete(f));
+                }
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        if self.in_flight.iter().any(|f| f.event.is_some()) {
+            let waker = self.waker.clone();
+            if let Err(e) = self.gpu.when_reached(Box::new(move || waker.wake())) {
+                tracing::error!("cuda: {e}");
+                self.waker.wake();
+            }
+        } else if !self.in_flight.is_empty() {
+            self.waker.wake();
+        }
+    }
+}
+
+pub(super) struct CudaKind;
+
+impl ExecutorKind for CudaKind {
+    fn check(&self, settings: &toml::Table) -> Result<(), SettingError> {
+        let s = CudaSettings::read(settings)?;
+        if s.gpus.as_ref().is_some_and(Vec::is_empty) {
+            return Err(SettingError { key: "gpus".into(), message: "expected at least one GPU index".into() });
+        }
+        Ok(())
+    }
+
+    fn build(&self, settings: &toml::Table, ctx: ExecutorContext) -> Result<Box<dyn Executor>, String> {
+        let s = CudaSettings::read(settings).map_err(|e| e.to_string())?;
+        Ok(Box::new(CudaExecutor::new(&ctx, &s)?))
+    }
+}

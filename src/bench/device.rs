@@ -1,0 +1,439 @@
+//! `kvflow bench device`: the CUDA executor's checks and figures in one run on one GPU (run by
+//! `benches/device/run.sh` through the device tool). Exits non-zero when a check fails.
+//!
+//! 1. Parity, per fixture (llama, qwen3, deepseek_v3): greedy tokens equal `expected.json`
+//!    (its near-tie rule), and the logits of every sampled row within 1e-3 relative of the CPU
+//!    executor's.
+//! 2. Batch invariance: a prompt's logits (prefill, and a decode after it) bit-identical alone,
+//!    in a batch of 64 and in other chunks.
+//! 3. Pack/unpack of one 4,096-token request of the default bench model (f32, 16-token blocks
+//!    scattered over the pool) in GB/s, beside a plain device-to-device copy of the same bytes.
+//! 4. Decode tokens/s through the executor with deferred output on and off, beside the count of
+//!    host-device waits on the decode path of each.
+
+use crate::bench::model::DEFAULT_SPEC;
+use crate::generate::{generate, GenerateOptions};
+use anyhow::{anyhow, bail, Context, Result};
+use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
+use kvflow_kernels::models::{self, Model};
+use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::step::{SeqKey, SeqSource, SeqStep, StepCompletion, StepLaunch};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct DeviceBenchArgs {
+    pub fixtures: PathBuf,
+    pub gpu: usize,
+    /// Where the pack bench writes its block list (for the PyTorch baseline), if anywhere.
+    pub blocks_out: Option<PathBuf>,
+}
+
+const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3"];
+
+pub fn run(args: &DeviceBenchArgs) -> Result<()> {
+    let gpu = Gpu::open(args.gpu)?;
+    println!("gpu          {} (GPU {}), kernels compiled by NVRTC for {}", gpu.name(), gpu.ordinal, gpu.arch());
+    let mut failures = Vec::new();
+    for family in FAMILIES {
+        let dir = args.fixtures.join(family);
+        let model = models::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
+        let dm = DeviceModel::upload(&gpu, &model)?;
+        failures.extend(parity(&gpu, &model, &dm, &dir, family)?);
+        failures.extend(invariance(&gpu, &dm, family)?);
+    }
+    let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
+    let bench_model = Arc::new(models::build(&spec.config, &spec.weights)?);
+    let dm = DeviceModel::upload(&gpu, &bench_model)?;
+    failures.extend(invariance(&gpu, &dm, "default bench model")?);
+    drop(dm);
+    failures.extend(pack_bench(&gpu, &bench_model, args.blocks_out.as_deref())?);
+    decode_bench(&bench_model, args.gpu)?;
+    if !failures.is_empty() {
+        for f in &failures {
+            println!("FAILED       {f}");
+        }
+        bail!("{} device check(s) failed", failures.len());
+    }
+    println!("checks       all passed");
+    Ok(())
+}
+
+#[derive(serde::Deserialize)]
+struct Expected {
+    cases: Vec<Case>,
+}
+
+#[derive(serde::Deserialize)]
+struct Case {
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+    greedy_gaps: Vec<f32>,
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += ((x - y) as f64).powi(2);
+        den += (*y as f64).powi(2);
+    }
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Greedy tokens against transformers (near ties allowed to diverge, then stop) and logits
+/// against the CPU executor.
+fn parity(gpu: &Gpu, model: &Model, dm: &DeviceModel, dir: &Path, family: &str) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(dir.join("expected.json"))?;
+    let expected: Expected = serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    let runner = PlainRunner::new(gpu, dm)?;
+    let mut failures = Vec::new();
+    let (mut worst, mut matched, mut total) = (0.0f64, 0usize, 0usize);
+    for (c, case) in expected.cases.iter().enumerate() {
+        let n = case.greedy.len();
+        let got = runner.generate(&case.prompt, n, 64, 16)?;
+        if let Some(e) = got.error {
+            failures.push(format!("{family} case {c}: {e}"));
+            continue;
+        }
+        total += n;
+        for j in 0..n {
+            if got.tokens[j] == case.greedy[j] {
+                matched += 1;
+                continue;
+            }
+            if case.greedy_gaps[j] >= 1e-3 {
+                failures.push(format!(
+                    "{family} case {c}: token {j} is {} where transformers has {} (gap {:.2e})",
+                    got.tokens[j], case.greedy[j], case.greedy_gaps[j]
+                ));
+            }
+            break;
+        }
+        let opts = GenerateOptions { max_new_tokens: n, decode_logits: 8, ..Default::default() };
+        let cpu = generate(model, std::slice::from_ref(&case.prompt), &opts)?.remove(0);
+        let mut cpu_rows = vec![cpu.last_logits.clone()];
+        cpu_rows.extend(cpu.decode_logits.clone().unwrap_or_default());
+        for (j, row) in cpu_rows.iter().enumerate() {
+            if j > 0 && got.tokens[..j] != cpu.tokens[..j] {
+                break; // a near tie took the other path: the rows are no longer comparable
+            }
+            let e = rel_err(&got.logits[j], row);
+            worst = worst.max(e);
+            if e.is_nan() || e > 1e-3 {
+                failures
+                    .push(format!("{family} case {c}: sampled row {j}: logits {e:.2e} relative from the CPU executor"));
+            }
+        }
+    }
+    println!(
+        "parity       {family:<12} greedy tokens {matched}/{total} equal expected.json; logits vs CPU executor: max relative error {worst:.2e} (limit 1e-3)"
+    );
+    Ok(failures)
+}
+
+/// A little seeded generator for prompts and block choices.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A prompt's logits alone vs in a batch of 64 vs chunked, then a decode after it alone vs in a
+/// batch of 64: each bit-identical.
+fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
+    const BS: usize = 16;
+    let runner = PlainRunner::new(gpu, dm)?;
+    let mut rng = Lcg(11);
+    let prompt: Vec<u32> = (0..41).map(|_| (rng.next() % dm.vocab as u64) as u32).collect();
+    let others: Vec<Vec<u32>> =
+        (0..63).map(|i| (0..1 + (i * 7) % 97).map(|_| (rng.next() % dm.vocab as u64) as u32).collect()).collect();
+    let per_seq = 128 / BS;
+    let kv = DeviceKv::new(gpu, &dm.kv_widths, BS, 64 * per_seq)?;
+    let table = |s: usize| -> Vec<u32> { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() };
+    let target = 17;
+    // alone, in one chunk
+    let mut alone = StepRows::default();
+    alone.push_seq(&prompt, 0, &table(target), BS, Some(0));
+    let a = runner.step(&kv, &alone)?.remove(0);
+    // chunked (7 tokens a step)
+    let mut chunked = None;
+    for start in (0..prompt.len()).step_by(7) {
+        let end = (start + 7).min(prompt.len());
+        let mut rows = StepRows::default();
+        rows.push_seq(&prompt[start..end], start, &table(target), BS, (end == prompt.len()).then_some(0));
+        chunked = runner.step(&kv, &rows)?.into_iter().next();
+    }
+    // in a batch of 64 (the target 18th)
+    let mut batch = StepRows::default();
+    let mut o = others.iter();
+    for s in 0..64 {
+        if s == target {
+            batch.push_seq(&prompt, 0, &table(s), BS, Some(s as u32));
+        } else {
+            batch.push_seq(o.next().expect("63 others"), 0, &table(s), BS, Some(s as u32));
+        }
+    }
+    let b = runner.step(&kv, &batch)?.remove(target);
+    let token = a.token.unwrap_or(0);
+    // a decode after it: alone, then among 64 decodes (the others after their prompts)
+    let mut d_alone = StepRows::default();
+    d_alone.push_seq(&[token], prompt.len(), &table(target), BS, Some(0));
+    let da = runner.step(&kv, &d_alone)?.remove(0);
+    let mut d_batch = StepRows::default();
+    let mut o = others.iter();
+    for s in 0..64 {
+        if s == target {
+            d_batch.push_seq(&[token], prompt.len(), &table(s), BS, Some(s as u32));
+        } else {
+            let p = o.next().expect("63 others");
+            d_batch.push_seq(&[p[0]], p.len(), &table(s), BS, Some(s as u32));
+        }
+    }
+    let db = runner.step(&kv, &d_batch)?.remove(target);
+    let mut failures = Vec::new();
+    let chunked = chunked.ok_or_else(|| anyhow!("the chunked prefill sampled nothing"))?;
+    for (what, x, y) in [
+        ("prefill alone vs in a batch of 64", &a.logits, &b.logits),
+        ("prefill in one chunk vs in chunks of 7", &a.logits, &chunked.logits),
+        ("decode alone vs in a batch of 64", &da.logits, &db.logits),
+    ] {
+        if bits(x) != bits(y) {
+            failures.push(format!("{name}: {what}: logits differ (relative {:.2e})", rel_err(x, y)));
+        }
+    }
+    println!(
+        "invariance   {name:<12} prefill alone = batch of 64 = chunks of 7, decode alone = batch of 64: {}",
+        if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
+    );
+    Ok(failures)
+}
+
+/// A bench step's sequences, as a launch reads them.
+struct Seqs<'a>(&'a [SeqStep<'a>]);
+
+impl SeqSource for Seqs<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn get(&self, i: usize) -> SeqStep<'_> {
+        self.0[i]
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Pack and unpack of one 4,096-token request against a device-to-device copy of its bytes.
+fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>) -> Result<Vec<String>> {
+    const BS: usize = 16;
+    const TOKENS: usize = 4096;
+    const POOL: usize = 4 * TOKENS / BS;
+    let n = TOKENS / BS;
+    let widths = model.kv_row_widths();
+    let kv = DeviceKv::new(gpu, &widths, BS, POOL)?;
+    // random contents, so nothing is measured on zeros
+    let mut rng = Lcg(5);
+    for (l, w) in widths.iter().enumerate() {
+        let data: Vec<f32> = (0..POOL * BS * w).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        kv.fill_layer(gpu, l, &data)?;
+    }
+    let mut order: Vec<u32> = (0..POOL as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    let blocks = &order[..n];
+    let back = &order[n..2 * n];
+    if let Some(path) = blocks_out {
+        let list: Vec<String> = blocks.iter().map(|b| b.to_string()).collect();
+        std::fs::write(path, list.join("\n")).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let floats = n * kv.floats_per_block();
+    let bytes = floats * 4;
+    let packed = gpu.scratch::<f32>(floats)?;
+    let copy_src = gpu.scratch::<f32>(floats)?;
+    let list = gpu.upload(blocks)?;
+    let back_list = gpu.upload(back)?;
+    // correctness: pack, unpack into other blocks, pack again: the same bits
+    kv.pack(gpu, packed.ptr(), list.ptr(), n)?;
+    let again = gpu.scratch::<f32>(floats)?;
+    kv.unpack(gpu, packed.ptr(), back_list.ptr(), n)?;
+    kv.pack(gpu, again.ptr(), back_list.ptr(), n)?;
+    let first = gpu.download(&packed, floats)?;
+    let second = gpu.download(&again, floats)?;
+    let mut failures = Vec::new();
+    if bits(&first) != bits(&second) || first.iter().all(|&v| v == 0.0) {
+        failures.push("pack → unpack → pack did not give back the same bits".to_string());
+    }
+    let reps = 50;
+    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+        gpu.wait()?;
+        let t = Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        gpu.wait()?;
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    let (mut pack_t, mut unpack_t, mut copy_t) = (Vec::new(), Vec::new(), Vec::new());
+    for _round in 0..5 {
+        copy_t.push(time(&|| Ok(gpu.copy_on_device(packed.ptr(), copy_src.ptr(), bytes)?))?);
+        pack_t.push(time(&|| Ok(kv.pack(gpu, packed.ptr(), list.ptr(), n)?))?);
+        unpack_t.push(time(&|| Ok(kv.unpack(gpu, packed.ptr(), back_list.ptr(), n)?))?);
+    }
+    let gbps = |t: f64| 2.0 * bytes as f64 / t / 1e9;
+    let (p, u, c) = (gbps(median(pack_t)), gbps(median(unpack_t)), gbps(median(copy_t)));
+    println!(
+        "pack         one {TOKENS}-token request of the default bench model: {} blocks of {BS} tokens over {} layers, {:.1} MiB f32, scattered over a pool of {POOL}",
+        n,
+        widths.len(),
+        bytes as f64 / (1 << 20) as f64
+    );
+    println!("pack         pack {p:.0} GB/s, unpack {u:.0} GB/s, device-to-device copy {c:.0} GB/s (read + write, median of 5 rounds of {reps})");
+    println!("pack         pack_ratio={:.3} unpack_ratio={:.3} (limit 0.85)", p / c, u / c);
+    for (what, r) in [("pack", p / c), ("unpack", u / c)] {
+        if r < 0.85 {
+            failures.push(format!("{what} reaches {r:.3} of device-to-device copy bandwidth (limit 0.85)"));
+        }
+    }
+    Ok(failures)
+}
+
+/// Decode tokens/s through the executor, deferred output on and off, and the host waits each
+/// did on the decode path.
+fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
+    const BATCH: usize = 64;
+    const PROMPT: usize = 128;
+    const STEPS: usize = 64;
+    const BS: usize = 16;
+    let per_seq = (PROMPT + STEPS + 1).div_ceil(BS);
+    let mut figures = Vec::new();
+    for deferred in [true, false] {
+        let layout = MemoryLayout {
+            block_size: BS,
+            blocks: BATCH * per_seq,
+            slots: 0,
+            snapshots: 0,
+            keeps_kv: true,
+            keeps_state: false,
+            prefix_keyed_by_prompt_len: false,
+        };
+        let ctx = ExecutorContext {
+            pool: "bench".into(),
+            rank: 0,
+            model: model.clone(),
+            layout,
+            waker: Arc::new(Default::default()),
+        };
+        let settings = CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred };
+        let mut ex = CudaExecutor::new(&ctx, &settings).map_err(|e| anyhow!(e))?;
+        let mut rng = Lcg(3);
+        let prompts: Vec<Vec<u32>> =
+            (0..BATCH).map(|_| (0..PROMPT).map(|_| (rng.next() % model.vocab_size as u64) as u32).collect()).collect();
+        let tables: Vec<Vec<u32>> =
+            (0..BATCH).map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect()).collect();
+        let keys: Vec<SeqKey> = (0..BATCH as u32).map(|i| SeqKey { index: i, generation: 0 }).collect();
+        let mut last: Vec<u32> = vec![0; BATCH];
+        let mut done: Vec<StepCompletion> = Vec::new();
+        let launch = |ex: &mut CudaExecutor, step: u64, seqs: &[SeqStep<'_>]| {
+            let l = StepLaunch {
+                step,
+                before: &[],
+                after: &[],
+                applied_through: None,
+                sampling: &keys,
+                batch: &Seqs(seqs),
+                imports: &[],
+                exports: &[],
+            };
+            ex.launch(&l, 0);
+        };
+        // prefill, waited for (not measured)
+        let seqs: Vec<SeqStep> = (0..BATCH)
+            .map(|i| SeqStep {
+                key: keys[i],
+                known: &prompts[i],
+                deferred: None,
+                start_pos: 0,
+                block_table: &tables[i],
+                slot: None,
+                prompt_len: PROMPT,
+                sample: true,
+            })
+            .collect();
+        launch(&mut ex, 0, &seqs);
+        while done.is_empty() {
+            ex.poll(&mut done);
+        }
+        for s in done.drain(..).flat_map(|c| c.result.map_err(|e| anyhow!("{e}")).unwrap_or_default()) {
+            last[s.seq.index as usize] = s.token.unwrap_or(0);
+        }
+        let waits_before = ex.host_waits();
+        let t = Instant::now();
+        let mut completed = 0;
+        for k in 1..=STEPS as u64 {
+            let pos = PROMPT + k as usize - 1;
+            let known: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
+            let seqs: Vec<SeqStep> = (0..BATCH)
+                .map(|i| SeqStep {
+                    key: keys[i],
+                    known: if deferred { &[] } else { &known[i] },
+                    deferred: deferred.then_some(k - 1),
+                    start_pos: pos,
+                    block_table: &tables[i],
+                    slot: None,
+                    prompt_len: PROMPT,
+                    sample: true,
+                })
+                .collect();
+            launch(&mut ex, k, &seqs);
+            // as a rank does: take what has completed, never wait; keep two steps in flight
+            loop {
+                ex.poll(&mut done);
+                for c in done.drain(..) {
+                    completed += 1;
+                    for s in c.result.map_err(|e| anyhow!("decode step {}: {e}", c.step))? {
+                        last[s.seq.index as usize] = s.token.unwrap_or(0);
+                    }
+                }
+                if k as usize - completed < 2 {
+                    break;
+                }
+            }
+        }
+        while completed < STEPS {
+            ex.poll(&mut done);
+            for c in done.drain(..) {
+                completed += 1;
+                c.result.map_err(|e| anyhow!("decode step {}: {e}", c.step))?;
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let waits = ex.host_waits() - waits_before;
+        figures.push((deferred, (BATCH * STEPS) as f64 / secs, waits));
+    }
+    for (deferred, tps, waits) in &figures {
+        println!(
+            "decode       deferred output {:<3}: {tps:>9.0} tokens/s, {waits} host-device waits over {STEPS} decode steps (batch {BATCH}, context {PROMPT})",
+            if *deferred { "on" } else { "off" }
+        );
+    }
+    println!("decode       deferred_ratio={:.3} (tokens/s on over off)", figures[0].1 / figures[1].1);
+    if figures[0].2 != 0 {
+        bail!("with deferred output on, the decode path waited for the GPU {} times", figures[0].2);
+    }
+    Ok(())
+}
