@@ -229,6 +229,10 @@ enum BenchCommand {
         fixtures: PathBuf,
         #[arg(long, default_value_t = 0)]
         gpu: usize,
+        /// Run the kernels on the CPU instead (the checks without a GPU; slow, and its speed
+        /// figures say nothing of a GPU's).
+        #[arg(long)]
+        emulate: bool,
         /// Writes the pack bench's block list here (one per line), for a baseline elsewhere.
         #[arg(long)]
         blocks_out: Option<PathBuf>,
@@ -543,8 +547,8 @@ fn run() -> Result<()> {
                 rounds,
             })?;
         }
-        Command::Bench { what: BenchCommand::Device { fixtures, gpu, blocks_out } } => {
-            kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs { fixtures, gpu, blocks_out })?;
+        Command::Bench { what: BenchCommand::Device { fixtures, gpu, emulate, blocks_out } } => {
+            kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
             bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;

@@ -26,6 +26,8 @@ use std::time::Instant;
 pub struct DeviceBenchArgs {
     pub fixtures: PathBuf,
     pub gpu: usize,
+    /// The kernels on the CPU (no GPU): the checks, without the speed figures' limits.
+    pub emulate: bool,
     /// Where the pack bench writes its block list (for the PyTorch baseline), if anywhere.
     pub blocks_out: Option<PathBuf>,
 }
@@ -33,7 +35,7 @@ pub struct DeviceBenchArgs {
 const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3"];
 
 pub fn run(args: &DeviceBenchArgs) -> Result<()> {
-    let gpu = Gpu::open(args.gpu)?;
+    let gpu = if args.emulate { Gpu::emulated()? } else { Gpu::open(args.gpu)? };
     println!("gpu          {} (GPU {}), kernels compiled by NVRTC for {}", gpu.name(), gpu.ordinal, gpu.arch());
     let mut failures = Vec::new();
     for family in FAMILIES {
@@ -45,11 +47,20 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     }
     let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
     let bench_model = Arc::new(models::build(&spec.config, &spec.weights)?);
-    let dm = DeviceModel::upload(&gpu, &bench_model)?;
-    failures.extend(invariance(&gpu, &dm, "default bench model")?);
-    drop(dm);
-    failures.extend(pack_bench(&gpu, &bench_model, args.blocks_out.as_deref())?);
-    decode_bench(&bench_model, args.gpu)?;
+    if !args.emulate {
+        let dm = DeviceModel::upload(&gpu, &bench_model)?;
+        failures.extend(invariance(&gpu, &dm, "default bench model")?);
+    }
+    let pack = pack_bench(&gpu, &bench_model, args.blocks_out.as_deref(), args.emulate)?;
+    // Emulated, the decode figures come from the llama fixture at a small batch.
+    let decode_model = if args.emulate { Arc::new(models::load(&args.fixtures.join("llama"))?) } else { bench_model };
+    decode_bench(&decode_model, args.gpu, args.emulate)?;
+    if args.emulate {
+        // emulated bandwidth says nothing of a GPU's: only the pack/unpack bits count
+        failures.extend(pack.into_iter().filter(|f| !f.contains("bandwidth")));
+    } else {
+        failures.extend(pack);
+    }
     if !failures.is_empty() {
         for f in &failures {
             println!("FAILED       {f}");
@@ -238,7 +249,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Pack and unpack of one 4,096-token request against a device-to-device copy of its bytes.
-fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>) -> Result<Vec<String>> {
+fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>, emulate: bool) -> Result<Vec<String>> {
     const BS: usize = 16;
     const TOKENS: usize = 4096;
     const POOL: usize = 4 * TOKENS / BS;
@@ -278,7 +289,7 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>) -> Result<Vec
     if bits(&first) != bits(&second) || first.iter().all(|&v| v == 0.0) {
         failures.push("pack → unpack → pack did not give back the same bits".to_string());
     }
-    let reps = 50;
+    let (reps, rounds) = if emulate { (1, 1) } else { (50, 5) };
     let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
         gpu.wait()?;
         let t = Instant::now();
@@ -289,7 +300,7 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>) -> Result<Vec
         Ok(t.elapsed().as_secs_f64() / reps as f64)
     };
     let (mut pack_t, mut unpack_t, mut copy_t) = (Vec::new(), Vec::new(), Vec::new());
-    for _round in 0..5 {
+    for _round in 0..rounds {
         copy_t.push(time(&|| Ok(gpu.copy_on_device(packed.ptr(), copy_src.ptr(), bytes)?))?);
         pack_t.push(time(&|| Ok(kv.pack(gpu, packed.ptr(), list.ptr(), n)?))?);
         unpack_t.push(time(&|| Ok(kv.unpack(gpu, packed.ptr(), back_list.ptr(), n)?))?);
@@ -302,7 +313,7 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>) -> Result<Vec
         widths.len(),
         bytes as f64 / (1 << 20) as f64
     );
-    println!("pack         pack {p:.0} GB/s, unpack {u:.0} GB/s, device-to-device copy {c:.0} GB/s (read + write, median of 5 rounds of {reps})");
+    println!("pack         pack {p:.0} GB/s, unpack {u:.0} GB/s, device-to-device copy {c:.0} GB/s (read + write, median of {rounds} rounds of {reps})");
     println!("pack         pack_ratio={:.3} unpack_ratio={:.3} (limit 0.85)", p / c, u / c);
     for (what, r) in [("pack", p / c), ("unpack", u / c)] {
         if r < 0.85 {
@@ -314,17 +325,15 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>) -> Result<Vec
 
 /// Decode tokens/s through the executor, deferred output on and off, and the host waits each
 /// did on the decode path.
-fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
-    const BATCH: usize = 64;
-    const PROMPT: usize = 128;
-    const STEPS: usize = 64;
+fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
+    let (batch, prompt_len, steps): (usize, usize, usize) = if emulate { (4, 16, 8) } else { (64, 128, 64) };
     const BS: usize = 16;
-    let per_seq = (PROMPT + STEPS + 1).div_ceil(BS);
+    let per_seq = (prompt_len + steps + 1).div_ceil(BS);
     let mut figures = Vec::new();
     for deferred in [true, false] {
         let layout = MemoryLayout {
             block_size: BS,
-            blocks: BATCH * per_seq,
+            blocks: batch * per_seq,
             slots: 0,
             snapshots: 0,
             keeps_kv: true,
@@ -338,15 +347,16 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
             layout,
             waker: Arc::new(Default::default()),
         };
-        let settings = CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred };
+        let settings = CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred, emulate };
         let mut ex = CudaExecutor::new(&ctx, &settings).map_err(|e| anyhow!(e))?;
         let mut rng = Lcg(3);
-        let prompts: Vec<Vec<u32>> =
-            (0..BATCH).map(|_| (0..PROMPT).map(|_| (rng.next() % model.vocab_size as u64) as u32).collect()).collect();
+        let prompts: Vec<Vec<u32>> = (0..batch)
+            .map(|_| (0..prompt_len).map(|_| (rng.next() % model.vocab_size as u64) as u32).collect())
+            .collect();
         let tables: Vec<Vec<u32>> =
-            (0..BATCH).map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect()).collect();
-        let keys: Vec<SeqKey> = (0..BATCH as u32).map(|i| SeqKey { index: i, generation: 0 }).collect();
-        let mut last: Vec<u32> = vec![0; BATCH];
+            (0..batch).map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect()).collect();
+        let keys: Vec<SeqKey> = (0..batch as u32).map(|i| SeqKey { index: i, generation: 0 }).collect();
+        let mut last: Vec<u32> = vec![0; batch];
         let mut done: Vec<StepCompletion> = Vec::new();
         let launch = |ex: &mut CudaExecutor, step: u64, seqs: &[SeqStep<'_>]| {
             let l = StepLaunch {
@@ -362,7 +372,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
             ex.launch(&l, 0);
         };
         // prefill, waited for (not measured)
-        let seqs: Vec<SeqStep> = (0..BATCH)
+        let seqs: Vec<SeqStep> = (0..batch)
             .map(|i| SeqStep {
                 key: keys[i],
                 known: &prompts[i],
@@ -370,7 +380,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
                 start_pos: 0,
                 block_table: &tables[i],
                 slot: None,
-                prompt_len: PROMPT,
+                prompt_len: prompt_len,
                 sample: true,
             })
             .collect();
@@ -384,10 +394,10 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
         let waits_before = ex.host_waits();
         let t = Instant::now();
         let mut completed = 0;
-        for k in 1..=STEPS as u64 {
-            let pos = PROMPT + k as usize - 1;
+        for k in 1..=steps as u64 {
+            let pos = prompt_len + k as usize - 1;
             let known: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
-            let seqs: Vec<SeqStep> = (0..BATCH)
+            let seqs: Vec<SeqStep> = (0..batch)
                 .map(|i| SeqStep {
                     key: keys[i],
                     known: if deferred { &[] } else { &known[i] },
@@ -395,7 +405,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
                     start_pos: pos,
                     block_table: &tables[i],
                     slot: None,
-                    prompt_len: PROMPT,
+                    prompt_len: prompt_len,
                     sample: true,
                 })
                 .collect();
@@ -414,7 +424,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
                 }
             }
         }
-        while completed < STEPS {
+        while completed < steps {
             ex.poll(&mut done);
             for c in done.drain(..) {
                 completed += 1;
@@ -423,11 +433,11 @@ fn decode_bench(model: &Arc<Model>, gpu: usize) -> Result<()> {
         }
         let secs = t.elapsed().as_secs_f64();
         let waits = ex.host_waits() - waits_before;
-        figures.push((deferred, (BATCH * STEPS) as f64 / secs, waits));
+        figures.push((deferred, (batch * steps) as f64 / secs, waits));
     }
     for (deferred, tps, waits) in &figures {
         println!(
-            "decode       deferred output {:<3}: {tps:>9.0} tokens/s, {waits} host-device waits over {STEPS} decode steps (batch {BATCH}, context {PROMPT})",
+            "decode       deferred output {:<3}: {tps:>9.0} tokens/s, {waits} host-device waits over {steps} decode steps (batch {batch}, context {prompt_len})",
             if *deferred { "on" } else { "off" }
         );
     }

@@ -11,14 +11,14 @@ use crate::generate::{generate, GenerateOptions};
 use crate::report::{RequestRecord, VerifySummary};
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvflow_kernels::cuda::{DeviceModel, Gpu, PlainRunner};
+use kvflow_kernels::cuda::{DeviceModel, PlainRunner};
 use kvflow_kernels::models::Model;
 
 /// Which plain path a run is checked against.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reference {
     Cpu,
-    Cuda { gpu: usize, block_size: usize },
+    Cuda { settings: kvflow_operators::executor::CudaSettings, block_size: usize },
 }
 
 /// The reference of a graph's run: `cuda` when its pools run `cuda`; a graph that mixes `cuda`
@@ -36,8 +36,7 @@ pub fn reference_for(graph: &crate::graph::Graph) -> Result<Reference> {
     }
     let settings = kvflow_operators::executor::CudaSettings::read(&cuda[0].executor_settings)
         .map_err(|e| anyhow::anyhow!("pool {}: {e}", cuda[0].name))?;
-    let gpu = settings.gpu_of(0)?;
-    Ok(Reference::Cuda { gpu, block_size: graph.memory.block_size })
+    Ok(Reference::Cuda { settings, block_size: graph.memory.block_size })
 }
 
 pub fn verify(
@@ -49,8 +48,8 @@ pub fn verify(
 ) -> Result<VerifySummary> {
     let device = match reference {
         Reference::Cpu => None,
-        Reference::Cuda { gpu, block_size } => {
-            let g = Gpu::open(gpu)?;
+        Reference::Cuda { settings, block_size } => {
+            let g = settings.open(0)?;
             let m = DeviceModel::upload(&g, model)?;
             Some((g, m, block_size))
         }

@@ -4,6 +4,7 @@ mod asynchronous;
 mod bad_input;
 mod batch_invariance;
 mod common;
+mod cuda_emulated;
 mod disaggregated;
 mod faults;
 mod fuzz;

@@ -4,6 +4,7 @@
 //! process and device), launches, device and pinned host buffers, and the count of every time
 //! the host waits for the device (`host_waits`: the step path must never add to it).
 
+use super::emulate::Emulator;
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
@@ -152,14 +153,26 @@ pub fn kernel_names(source: &str) -> Vec<String> {
         .collect()
 }
 
+/// Where a [`Gpu`]'s work runs.
+enum Backend {
+    Cuda {
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        kernels: Arc<Kernels>,
+    },
+    /// The kernels on the CPU (`emulate.rs`): synchronous, device memory is host memory.
+    Host(Arc<Emulator>),
+}
+
 /// One rank's view of its GPU.
 pub struct Gpu {
     pub ordinal: usize,
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
-    kernels: Arc<Kernels>,
+    backend: Backend,
     host_waits: AtomicU64,
 }
+
+/// A point in a stream's work (`None`: emulated work, done when enqueued).
+pub struct Event(Option<CudaEvent>);
 
 impl Gpu {
     /// Opens GPU `ordinal` with a stream of its own; compiles the kernels if this process has
@@ -176,16 +189,31 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = guarded(ordinal, "creating a stream", || ctx.new_stream())?;
         let kernels = kernels_of(&ctx, ordinal)?;
-        Ok(Arc::new(Gpu { ordinal, ctx, stream, kernels, host_waits: AtomicU64::new(0) }))
+        Ok(Arc::new(Gpu { ordinal, backend: Backend::Cuda { ctx, stream, kernels }, host_waits: AtomicU64::new(0) }))
+    }
+
+    /// The same kernels emulated on the CPU (checks without a GPU; slow).
+    pub fn emulated() -> Result<Arc<Gpu>, CudaError> {
+        Ok(Arc::new(Gpu { ordinal: 0, backend: Backend::Host(Emulator::get()?), host_waits: AtomicU64::new(0) }))
+    }
+
+    pub fn is_emulated(&self) -> bool {
+        matches!(self.backend, Backend::Host(_))
     }
 
     /// The architecture the kernels were compiled for (`compute_90` on an H200).
     pub fn arch(&self) -> &str {
-        &self.kernels.arch
+        match &self.backend {
+            Backend::Cuda { kernels, .. } => &kernels.arch,
+            Backend::Host(_) => "the host CPU (emulated)",
+        }
     }
 
     pub fn name(&self) -> String {
-        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+        match &self.backend {
+            Backend::Cuda { ctx, .. } => ctx.name().unwrap_or_else(|_| "unknown GPU".into()),
+            Backend::Host(_) => "CPU emulation of the CUDA kernels".into(),
+        }
     }
 
     fn err(&self, what: &str) -> impl FnOnce(result::DriverError) -> CudaError + '_ {
@@ -202,26 +230,47 @@ impl Gpu {
         smem: u32,
         args: &[Arg],
     ) -> Result<(), CudaError> {
-        let f = self
-            .kernels
-            .functions
-            .get(name)
-            .ok_or_else(|| CudaError::Unsupported(format!("no kernel {name} in kernels/cuda")))?;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::Ptr(p) => b.arg(p),
-                Arg::I32(v) => b.arg(v),
-                Arg::I64(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
+        match &self.backend {
+            Backend::Cuda { stream, kernels, .. } => {
+                let f = kernels
+                    .functions
+                    .get(name)
+                    .ok_or_else(|| CudaError::Unsupported(format!("no kernel {name} in kernels/cuda")))?;
+                let mut b = stream.launch_builder(f);
+                for a in args {
+                    match a {
+                        Arg::Ptr(p) => b.arg(p),
+                        Arg::I32(v) => b.arg(v),
+                        Arg::I64(v) => b.arg(v),
+                        Arg::F32(v) => b.arg(v),
+                    };
+                }
+                let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+                // SAFETY: every kernel's arguments are built by this crate against its signature.
+                unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))
+            }
+            Backend::Host(emu) => {
+                let mut values: Vec<[u8; 8]> = args
+                    .iter()
+                    .map(|a| {
+                        let mut v = [0u8; 8];
+                        match a {
+                            Arg::Ptr(p) => v.copy_from_slice(&p.to_ne_bytes()),
+                            Arg::I64(x) => v.copy_from_slice(&x.to_ne_bytes()),
+                            Arg::I32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                            Arg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
+                        }
+                        v
+                    })
+                    .collect();
+                let mut ptrs: Vec<*mut std::ffi::c_void> =
+                    values.iter_mut().map(|v| v.as_mut_ptr() as *mut std::ffi::c_void).collect();
+                emu.launch(name, grid, block, smem, &mut ptrs)
+            }
         }
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
-        // SAFETY: every kernel's arguments are built by this crate against its signature.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))
     }
 
     /// A device buffer of `len` elements, zeroed (stream-ordered: usable by later launches).
@@ -229,42 +278,85 @@ impl Gpu {
         &self,
         len: usize,
     ) -> Result<DeviceBuf<T>, CudaError> {
-        let slice = self.stream.alloc_zeros::<T>(len.max(1)).map_err(self.err("allocating device memory"))?;
-        Ok(DeviceBuf::wrap(slice, len, &self.stream))
+        match &self.backend {
+            Backend::Cuda { stream, .. } => {
+                let slice = stream.alloc_zeros::<T>(len.max(1)).map_err(self.err("allocating device memory"))?;
+                Ok(DeviceBuf::wrap(slice, len, stream))
+            }
+            Backend::Host(_) => Ok(DeviceBuf::host(len)),
+        }
     }
 
     /// A device buffer of `len` elements whose contents are unset (every use writes it first).
     pub fn scratch<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuf<T>, CudaError> {
-        // SAFETY: callers write every element they later read.
-        let slice = unsafe { self.stream.alloc::<T>(len.max(1)) }.map_err(self.err("allocating device memory"))?;
-        Ok(DeviceBuf::wrap(slice, len, &self.stream))
+        match &self.backend {
+            Backend::Cuda { stream, .. } => {
+                // SAFETY: callers write every element they later read.
+                let slice = unsafe { stream.alloc::<T>(len.max(1)) }.map_err(self.err("allocating device memory"))?;
+                Ok(DeviceBuf::wrap(slice, len, stream))
+            }
+            Backend::Host(_) => Ok(DeviceBuf::host(len)),
+        }
     }
 
     /// A device copy of `data` (at load time: the host copy is staged by the driver).
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<DeviceBuf<T>, CudaError> {
-        let slice = self.stream.clone_htod(data).map_err(self.err("copying to the device"))?;
-        Ok(DeviceBuf::wrap(slice, data.len(), &self.stream))
+        match &self.backend {
+            Backend::Cuda { stream, .. } => {
+                let slice = stream.clone_htod(data).map_err(self.err("copying to the device"))?;
+                Ok(DeviceBuf::wrap(slice, data.len(), stream))
+            }
+            Backend::Host(_) => {
+                let buf = DeviceBuf::host(data.len());
+                // SAFETY: a fresh allocation of `data.len()` elements.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr as *mut T, data.len()) };
+                Ok(buf)
+            }
+        }
     }
 
     /// Enqueues a copy of pinned host memory into device memory (never waits).
     pub fn copy_to_device<T>(&self, dst: u64, src: &PinnedBuf<T>, len: usize) -> Result<(), CudaError> {
-        // SAFETY: `src` is pinned and outlives the copy (the caller keeps it until the step's event).
-        unsafe { result::memcpy_htod_async(dst, &src.as_slice()[..len], self.stream.cu_stream()) }
-            .map_err(self.err("copying to the device"))
+        let src = &src.as_slice()[..len];
+        match &self.backend {
+            // SAFETY: `src` is pinned and outlives the copy (the caller keeps it until the step's event).
+            Backend::Cuda { stream, .. } => unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
+                .map_err(self.err("copying to the device")),
+            Backend::Host(_) => {
+                // SAFETY: `dst` is a host allocation of at least `len` elements.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut T, len) };
+                Ok(())
+            }
+        }
     }
 
     /// Enqueues a copy of device memory into pinned host memory (never waits).
     pub fn copy_to_host<T>(&self, dst: &mut PinnedBuf<T>, src: u64, len: usize) -> Result<(), CudaError> {
-        // SAFETY: as `copy_to_device`.
-        unsafe { result::memcpy_dtoh_async(&mut dst.as_mut_slice()[..len], src, self.stream.cu_stream()) }
-            .map_err(self.err("copying to the host"))
+        let dst = &mut dst.as_mut_slice()[..len];
+        match &self.backend {
+            // SAFETY: as `copy_to_device`.
+            Backend::Cuda { stream, .. } => unsafe { result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
+                .map_err(self.err("copying to the host")),
+            Backend::Host(_) => {
+                // SAFETY: `src` is a host allocation of at least `len` elements.
+                unsafe { std::ptr::copy_nonoverlapping(src as *const T, dst.as_mut_ptr(), len) };
+                Ok(())
+            }
+        }
     }
 
     /// Enqueues a device-to-device copy of `bytes`.
     pub fn copy_on_device(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
-        // SAFETY: both ranges are device allocations of at least `bytes`.
-        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
-            .map_err(self.err("copying on the device"))
+        match &self.backend {
+            // SAFETY: both ranges are device allocations of at least `bytes`.
+            Backend::Cuda { stream, .. } => unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
+                .map_err(self.err("copying on the device")),
+            Backend::Host(_) => {
+                // SAFETY: both are host allocations of at least `bytes`.
+                unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+                Ok(())
+            }
+        }
     }
 
     /// The first `len` elements of `src`, waiting for them (checks and benches only: counted).
@@ -277,25 +369,41 @@ impl Gpu {
 
     /// Pinned host memory of `len` elements.
     pub fn pinned<T: Copy + Default>(&self, len: usize) -> Result<PinnedBuf<T>, CudaError> {
-        PinnedBuf::new(self.ctx.clone(), len.max(1)).map_err(self.err("allocating pinned host memory"))
+        match &self.backend {
+            Backend::Cuda { ctx, .. } => {
+                PinnedBuf::new(ctx.clone(), len.max(1)).map_err(self.err("allocating pinned host memory"))
+            }
+            Backend::Host(_) => Ok(PinnedBuf::host(len.max(1))),
+        }
     }
 
     /// An event recorded on the stream after everything enqueued so far.
-    pub fn record(&self) -> Result<CudaEvent, CudaError> {
-        let event = self.ctx.new_event(None).map_err(self.err("creating an event"))?;
-        event.record(&self.stream).map_err(self.err("recording an event"))?;
-        Ok(event)
+    pub fn record(&self) -> Result<Event, CudaError> {
+        match &self.backend {
+            Backend::Cuda { ctx, stream, .. } => {
+                let event = ctx.new_event(None).map_err(self.err("creating an event"))?;
+                event.record(stream).map_err(self.err("recording an event"))?;
+                Ok(Event(Some(event)))
+            }
+            Backend::Host(_) => Ok(Event(None)),
+        }
     }
 
     /// Whether the work before `event` has finished (never waits).
-    pub fn done(&self, event: &CudaEvent) -> Result<bool, CudaError> {
-        event.try_is_complete().map_err(self.err("a step on the GPU failed"))
+    pub fn done(&self, event: &Event) -> Result<bool, CudaError> {
+        match &event.0 {
+            Some(e) => e.try_is_complete().map_err(self.err("a step on the GPU failed")),
+            None => Ok(true),
+        }
     }
 
     /// Waits for everything enqueued so far: a host-device synchronisation, counted.
     pub fn wait(&self) -> Result<(), CudaError> {
         self.host_waits.fetch_add(1, Ordering::Relaxed);
-        self.stream.synchronize().map_err(self.err("waiting for the GPU"))
+        match &self.backend {
+            Backend::Cuda { stream, .. } => stream.synchronize().map_err(self.err("waiting for the GPU")),
+            Backend::Host(_) => Ok(()),
+        }
     }
 
     /// Times the host waited for this rank's stream.
@@ -305,6 +413,10 @@ impl Gpu {
 
     /// Runs `f` on a driver thread once the stream reaches this point (it must not call CUDA).
     pub fn when_reached(&self, f: Box<dyn FnOnce() + Send>) -> Result<(), CudaError> {
+        let Backend::Cuda { stream, .. } = &self.backend else {
+            f();
+            return Ok(());
+        };
         unsafe extern "C" fn call(arg: *mut std::ffi::c_void) {
             // SAFETY: `arg` is the box leaked below, called exactly once.
             let f = unsafe { Box::from_raw(arg as *mut Box<dyn FnOnce() + Send>) };
@@ -312,24 +424,25 @@ impl Gpu {
         }
         let arg = Box::into_raw(Box::new(f)) as *mut std::ffi::c_void;
         // SAFETY: `call` takes back the box it is given.
-        unsafe { result::stream::launch_host_function(self.stream.cu_stream(), call, arg) }.map_err(|e| {
+        unsafe { result::stream::launch_host_function(stream.cu_stream(), call, arg) }.map_err(|e| {
             // SAFETY: the driver refused it, so the callback will never run: reclaim the box.
             drop(unsafe { Box::from_raw(arg as *mut Box<dyn FnOnce() + Send>) });
             CudaError::Driver { gpu: self.ordinal, what: "enqueuing a wake-up".into(), message: format!("{e:?}") }
         })
     }
-
-    /// Bytes free and total on the device.
-    pub fn memory(&self) -> Result<(usize, usize), CudaError> {
-        self.ctx.mem_get_info().map_err(self.err("reading free memory"))
-    }
 }
 
 /// A device allocation and its raw address (kernels take raw pointers).
 pub struct DeviceBuf<T> {
-    _slice: CudaSlice<T>,
+    _storage: Storage<T>,
     ptr: u64,
     len: usize,
+}
+
+enum Storage<T> {
+    Cuda(#[allow(dead_code)] CudaSlice<T>),
+    /// 16-byte aligned host memory (the emulation's device memory).
+    Host(#[allow(dead_code)] Vec<u128>),
 }
 
 impl<T> DeviceBuf<T> {
@@ -339,7 +452,14 @@ impl<T> DeviceBuf<T> {
             let (ptr, _sync) = slice.device_ptr(stream);
             ptr
         };
-        DeviceBuf { _slice: slice, ptr, len }
+        DeviceBuf { _storage: Storage::Cuda(slice), ptr, len }
+    }
+
+    fn host(len: usize) -> DeviceBuf<T> {
+        let words = (len * std::mem::size_of::<T>()).div_ceil(16).max(1);
+        let v = vec![0u128; words];
+        let ptr = v.as_ptr() as u64;
+        DeviceBuf { _storage: Storage::Host(v), ptr, len }
     }
 
     /// The device address of element `i`.
@@ -360,11 +480,13 @@ impl<T> DeviceBuf<T> {
     }
 }
 
-/// Page-locked host memory the driver copies to and from without staging.
+/// Page-locked host memory the driver copies to and from without staging (plain host memory
+/// under emulation).
 pub struct PinnedBuf<T> {
-    ctx: Arc<CudaContext>,
+    ctx: Option<Arc<CudaContext>>,
     ptr: *mut T,
     len: usize,
+    host: Vec<T>,
 }
 
 // SAFETY: plain host memory, owned.
@@ -376,9 +498,14 @@ impl<T: Copy + Default> PinnedBuf<T> {
         ctx.bind_to_thread()?;
         // SAFETY: a fresh allocation of `len` elements, initialised below.
         let ptr = unsafe { result::malloc_host(len * std::mem::size_of::<T>(), 0) }? as *mut T;
-        let mut buf = PinnedBuf { ctx, ptr, len };
+        let mut buf = PinnedBuf { ctx: Some(ctx), ptr, len, host: Vec::new() };
         buf.as_mut_slice().fill(T::default());
         Ok(buf)
+    }
+
+    fn host(len: usize) -> Self {
+        let mut host = vec![T::default(); len];
+        PinnedBuf { ctx: None, ptr: host.as_mut_ptr(), len, host }
     }
 }
 
@@ -404,10 +531,12 @@ impl<T> PinnedBuf<T> {
 
 impl<T> Drop for PinnedBuf<T> {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let Some(ctx) = &self.ctx else { return };
+        let _ = ctx.bind_to_thread();
         // SAFETY: allocated by `malloc_host`, freed once; nothing enqueued still uses it (its
         // owner drops it only after the step that used it completed).
         let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+        let _ = &self.host;
     }
 }
 

@@ -6,8 +6,10 @@
 //! - [`gpu`]: the device, its stream, compiled kernels, buffers, the host-wait counter.
 //! - [`weights`]: a [`crate::models::Model`] uploaded (families mha and mla).
 //! - [`forward`]: one step enqueued, sampling on the device.
+//! - [`emulate`]: the same kernels on the CPU, for checks without a GPU.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
 
+pub mod emulate;
 pub mod forward;
 pub mod gpu;
 pub mod kv;
@@ -15,7 +17,7 @@ pub mod plain;
 pub mod weights;
 
 pub use forward::{RowsOnDevice, StepRows, FROM_RING, RESULT_WORDS};
-pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Gpu, PinnedBuf};
+pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gpu, PinnedBuf};
 pub use kv::DeviceKv;
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
 pub use weights::{unsupported, DeviceModel};

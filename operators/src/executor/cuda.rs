@@ -10,35 +10,52 @@
 //!
 //! Settings: `gpus = [..]` (a rank uses `gpus[rank % len]`, else GPU `rank % visible`),
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
-//! counted, for comparison). Which time it holds: the rank's step, from launch to completion.
+//! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
+//! on machines without a GPU). Which time it holds: the rank's step, from launch to completion.
 
 use super::settings::{SettingError, Settings};
 use super::{Executor, ExecutorContext, ExecutorKind};
 use crate::step::{ExecutorError, Exported, KvImport, Sampled, SeqKey, StepCompletion, StepLaunch};
 use kvflow_kernels::cuda::{visible_gpus, CudaError};
-use kvflow_kernels::cuda::{DeviceBuf, DeviceKv, DeviceModel, Gpu, PinnedBuf, StepRows, FROM_RING, RESULT_WORDS};
+use kvflow_kernels::cuda::{
+    DeviceBuf, DeviceKv, DeviceModel, Event, Gpu, PinnedBuf, StepRows, FROM_RING, RESULT_WORDS,
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
 
-const KEYS: &[&str] = &["gpus", "deferred_output"];
+const KEYS: &[&str] = &["gpus", "deferred_output", "emulate"];
 
 /// What a `cuda` pool's settings say.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaSettings {
     pub gpus: Option<Vec<usize>>,
     pub deferred_output: bool,
+    /// Run the kernels on the CPU (checks without a GPU; slow).
+    pub emulate: bool,
 }
 
 impl CudaSettings {
     pub fn read(table: &toml::Table) -> Result<Self, SettingError> {
         let s = Settings::new(table, KEYS)?;
-        Ok(CudaSettings { gpus: s.counts("gpus")?, deferred_output: s.flag("deferred_output", true)? })
+        Ok(CudaSettings {
+            gpus: s.counts("gpus")?,
+            deferred_output: s.flag("deferred_output", true)?,
+            emulate: s.flag("emulate", false)?,
+        })
     }
 
     /// The GPU of rank `rank` of the pool.
+    /// The GPU rank `rank` of the pool runs on (or the CPU emulation).
+    pub fn open(&self, rank: usize) -> Result<Arc<Gpu>, CudaError> {
+        if self.emulate {
+            return Gpu::emulated();
+        }
+        Gpu::open(self.gpu_of(rank)?)
+    }
+
     pub fn gpu_of(&self, rank: usize) -> Result<usize, CudaError> {
         match &self.gpus {
             Some(list) => Ok(list[rank % list.len()]),
@@ -51,7 +68,7 @@ impl CudaSettings {
 struct InFlight {
     step: u64,
     /// `None`: the step failed at launch (its completion is the error).
-    event: Option<cudarc_event::Event>,
+    event: Option<Event>,
     error: Option<ExecutorError>,
     sampling: Vec<SeqKey>,
     _meta: Option<PinnedBuf<u32>>,
@@ -60,11 +77,6 @@ struct InFlight {
     /// Handoffs being unpacked (their producers keep the blocks until these drop) and the
     /// pinned copies the GPU reads them from.
     _imports: Vec<(KvImport, PinnedBuf<f32>)>,
-}
-
-mod cudarc_event {
-    /// A CUDA event (kept opaque: only `Gpu::done` reads it).
-    pub type Event = cudarc::driver::CudaEvent;
 }
 
 pub struct CudaExecutor {
@@ -82,8 +94,8 @@ pub struct CudaExecutor {
 
 impl CudaExecutor {
     pub fn new(ctx: &ExecutorContext, settings: &CudaSettings) -> Result<Self, String> {
-        let ordinal = settings.gpu_of(ctx.rank).map_err(|e| e.to_string())?;
-        let gpu = Gpu::open(ordinal).map_err(|e| e.to_string())?;
+        let gpu = settings.open(ctx.rank).map_err(|e| e.to_string())?;
+        let ordinal = gpu.ordinal;
         let model = DeviceModel::upload(&gpu, &ctx.model).map_err(|e| e.to_string())?;
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };

@@ -1,0 +1,213 @@
+// Runs the kernels of kernels/cuda/*.cu on the CPU, for checks on machines without a GPU
+// (kernels/src/cuda/emulate.rs compiles this header, the sources and a table of launchers with the
+// host C++ compiler). The semantics are CUDA's: a grid of blocks, run one block at a time; a
+// block's threads are fibers on one OS thread, switched at __syncthreads (every thread of the
+// block) and at warp operations (every thread of the warp); __shared__ memory is one copy per
+// kernel, shared by the running block. Arithmetic is the host's (libm's expf, cosf; fmaf), so
+// the bits differ from a GPU's in the last places; the order of every reduction is the kernel's.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#if !defined(__x86_64__)
+#error "the CPU emulation of the CUDA kernels switches fibers in x86-64 assembly"
+#endif
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+#define __shared__ static
+#define DYNAMIC_SHARED(type, name) type* name = (type*)kvflow_dynamic_shared
+
+struct uint3 { unsigned x, y, z; };
+struct float4 { float x, y, z, w; };
+
+static uint3 threadIdx, blockIdx, blockDim, gridDim;
+static void* kvflow_dynamic_shared;
+
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+using std::isfinite;
+
+// ---- fibers ----
+asm(R"(
+.text
+.p2align 4
+kvflow_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
+extern "C" void kvflow_switch(void** save_sp, void* load_sp) __asm__("kvflow_switch");
+
+enum FiberState { RUNNABLE, AT_BLOCK_BARRIER, AT_WARP_BARRIER, FINISHED };
+
+struct Fiber {
+    void* sp;
+    char* stack;
+    FiberState state;
+};
+
+static const size_t STACK_BYTES = 128 * 1024;
+static const int MAX_THREADS = 1024;
+static Fiber fibers[MAX_THREADS];
+static int block_threads;
+static int current;
+static void* scheduler_sp;
+static void (*current_kernel)(void**);
+static void** current_args;
+static float warp_slots[MAX_THREADS / 32][32];
+
+// Counts kept as fibers arrive, so the scheduler never scans for a released barrier.
+static int finished, at_block_barrier;
+static int warp_waiting[MAX_THREADS / 32], warp_finished[MAX_THREADS / 32];
+
+static int lanes_of_warp(int warp) { return min(32, block_threads - warp * 32); }
+
+static void fiber_entry() {
+    current_kernel(current_args);
+    fibers[current].state = FINISHED;
+    finished++;
+    warp_finished[current / 32]++;
+    kvflow_switch(&fibers[current].sp, scheduler_sp);
+    std::abort();  // a finished fiber is never resumed
+}
+
+static void yield_at(FiberState state) {
+    fibers[current].state = state;
+    if (state == AT_BLOCK_BARRIER) at_block_barrier++;
+    if (state == AT_WARP_BARRIER) warp_waiting[current / 32]++;
+    kvflow_switch(&fibers[current].sp, scheduler_sp);
+}
+
+static void __syncthreads() { yield_at(AT_BLOCK_BARRIER); }
+static void __syncwarp(unsigned = 0xffffffffu) { yield_at(AT_WARP_BARRIER); }
+
+static float __shfl_down_sync(unsigned, float v, int offset) {
+    int warp = current / 32, lane = current % 32;
+    warp_slots[warp][lane] = v;
+    __syncwarp();
+    int src = lane + offset;
+    float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
+    __syncwarp();
+    return r;
+}
+
+static float __shfl_sync(unsigned, float v, int src) {
+    int warp = current / 32, lane = current % 32;
+    warp_slots[warp][lane] = v;
+    __syncwarp();
+    float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
+    __syncwarp();
+    return r;
+}
+
+static void start_fiber(int t) {
+    Fiber& f = fibers[t];
+    if (!f.stack) f.stack = (char*)std::malloc(STACK_BYTES);
+    uintptr_t top = ((uintptr_t)(f.stack + STACK_BYTES)) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;                    // fiber_entry's return address (it never returns)
+    *--sp = (void*)&fiber_entry;        // where the first switch returns to
+    for (int i = 0; i < 6; i++) *--sp = nullptr;  // rbp rbx r12 r13 r14 r15
+    f.sp = sp;
+    f.state = RUNNABLE;
+}
+
+// Runs fiber t until it reaches a barrier or its end.
+static void resume(int t) {
+    current = t;
+    threadIdx = {(unsigned)t, 0, 0};
+    kvflow_switch(&scheduler_sp, fibers[t].sp);
+}
+
+// Runs one block to the end; returns 0, or 1 when its threads deadlock at a barrier.
+static int run_block() {
+    int warps = (block_threads + 31) / 32;
+    finished = at_block_barrier = 0;
+    for (int w = 0; w < warps; w++) warp_waiting[w] = warp_finished[w] = 0;
+    for (int t = 0; t < block_threads; t++) start_fiber(t);
+    while (finished < block_threads) {
+        bool progress = false;
+        for (int w = 0; w < warps; w++) {
+            int lo = w * 32, hi = lo + lanes_of_warp(w);
+            // run the warp's lanes; release its warp barrier whenever all its live lanes are there
+            for (;;) {
+                bool ran = false;
+                for (int t = lo; t < hi; t++)
+                    if (fibers[t].state == RUNNABLE) { resume(t); ran = true; }
+                progress |= ran;
+                if (warp_waiting[w] > 0 && warp_waiting[w] + warp_finished[w] == hi - lo) {
+                    for (int t = lo; t < hi; t++)
+                        if (fibers[t].state == AT_WARP_BARRIER) fibers[t].state = RUNNABLE;
+                    warp_waiting[w] = 0;
+                    continue;
+                }
+                break;
+            }
+        }
+        if (at_block_barrier > 0 && at_block_barrier + finished == block_threads) {
+            for (int t = 0; t < block_threads; t++)
+                if (fibers[t].state == AT_BLOCK_BARRIER) fibers[t].state = RUNNABLE;
+            at_block_barrier = 0;
+            continue;
+        }
+        if (!progress) return 1;
+    }
+    return 0;
+}
+
+struct KernelEntry {
+    const char* name;
+    void (*launch)(void**);
+};
+
+static std::mutex launch_lock;
+
+// Runs kernel `name` over the grid; writes why into `err` and returns non-zero on failure.
+static int emulate_launch(const KernelEntry* table, const char* name, unsigned gx, unsigned gy, unsigned gz,
+                          unsigned bx, unsigned smem, void** args, char* err, int err_len) {
+    std::lock_guard<std::mutex> guard(launch_lock);
+    const KernelEntry* k = nullptr;
+    for (const KernelEntry* e = table; e->name; e++)
+        if (std::strcmp(e->name, name) == 0) k = e;
+    if (!k) { std::snprintf(err, err_len, "no kernel %s", name); return 1; }
+    if (bx == 0 || bx > (unsigned)MAX_THREADS) { std::snprintf(err, err_len, "%s: %u threads a block", name, bx); return 1; }
+    std::vector<char> shared(smem + 16);
+    kvflow_dynamic_shared = shared.data();
+    current_kernel = k->launch;
+    current_args = args;
+    block_threads = (int)bx;
+    blockDim = {bx, 1, 1};
+    gridDim = {gx, gy, gz};
+    for (unsigned z = 0; z < gz; z++)
+        for (unsigned y = 0; y < gy; y++)
+            for (unsigned x = 0; x < gx; x++) {
+                blockIdx = {x, y, z};
+                if (run_block()) {
+                    std::snprintf(err, err_len, "%s: block (%u, %u, %u) deadlocked at a barrier", name, x, y, z);
+                    return 1;
+                }
+            }
+    return 0;
+}

@@ -1,0 +1,282 @@
+//! The CUDA executor without a GPU: its kernels (`kernels/cuda/*.cu`) run on the CPU through the
+//! emulation (`executor_settings.emulate = true`; the host compiler builds them, fibers stand in
+//! for threads), so everything but the device itself is checked here and in CI — the kernels'
+//! math against transformers and the CPU executor, batch invariance, the executor's launch path
+//! (metadata, block tables, deferred tokens from the ring, pack/unpack of handoffs) and
+//! `--verify` against the cuda plain path on aggregated and P/D graphs. What only a GPU shows
+//! (speed, asynchrony on a real stream) is `benches/device/run.sh`'s.
+
+use crate::common::{expected, fixture, load, records, rel_err};
+use crate::runtime::{assert_exact, run_graph, write_graph_with};
+use kvflow::generate::{generate, GenerateOptions};
+use kvflow::graph::Overrides;
+use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
+use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::step::{SeqKey, SeqSource, SeqStep, StepCompletion, StepLaunch};
+use std::sync::Arc;
+
+const ATTENTION_FIXTURES: [&str; 3] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3"];
+
+fn emulated() -> Arc<Gpu> {
+    Gpu::emulated().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Greedy tokens equal transformers' and every sampled row's logits are within 1e-3 of the CPU
+/// executor's (the first, 7-token, case of each fixture: the emulation is slow).
+#[test]
+fn emulated_cuda_kernels_reproduce_the_fixtures_and_the_cpu_executor() {
+    let gpu = emulated();
+    for name in ATTENTION_FIXTURES {
+        let dir = fixture(name);
+        let model = load(&dir);
+        let dm = DeviceModel::upload(&gpu, &model).unwrap();
+        let runner = PlainRunner::new(&gpu, &dm).unwrap();
+        let case = &expected(&dir).cases[0];
+        let n = 12;
+        let got = runner.generate(&case.prompt, n, 4, 16).unwrap();
+        assert_eq!(got.error, None, "{name}");
+        assert_eq!(got.tokens, case.greedy[..n], "{name}: greedy tokens");
+        let opts = GenerateOptions { max_new_tokens: n, decode_logits: n, ..Default::default() };
+        let cpu = generate(&model, std::slice::from_ref(&case.prompt), &opts).unwrap().remove(0);
+        let mut rows = vec![cpu.last_logits.clone()];
+        rows.extend(cpu.decode_logits.unwrap());
+        for (j, row) in rows.iter().take(n).enumerate() {
+            let e = rel_err(&got.logits[j], row);
+            assert!(e < 1e-3, "{name}: sampled row {j}: {e:.2e} relative from the CPU executor");
+        }
+        assert!(rel_err(&got.logits[0], &case.last_logits) < 1e-3, "{name}: last prompt logits vs transformers");
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A prompt's logits are bit-identical alone and in a batch of 64 (other lengths around it).
+#[test]
+fn emulated_cuda_logits_are_the_same_bits_alone_and_in_a_batch_of_64() {
+    let gpu = emulated();
+    let model = load(&fixture("hf/deepseek_v3"));
+    let dm = DeviceModel::upload(&gpu, &model).unwrap();
+    let runner = PlainRunner::new(&gpu, &dm).unwrap();
+    let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 64).unwrap();
+    let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 512).collect();
+    let mut alone = StepRows::default();
+    alone.push_seq(&prompt, 0, &[20], 16, Some(0));
+    let a = runner.step(&kv, &alone).unwrap().remove(0);
+    let mut batch = StepRows::default();
+    for s in 0..64u32 {
+        if s == 20 {
+            batch.push_seq(&prompt, 0, &[20], 16, Some(s));
+        } else {
+            let other: Vec<u32> = (0..1 + s % 6).map(|i| (s * 11 + i * 3) % 512).collect();
+            batch.push_seq(&other, 0, &[s], 16, Some(s));
+        }
+    }
+    let b = runner.step(&kv, &batch).unwrap().remove(20);
+    assert_eq!(bits(&a.logits), bits(&b.logits), "alone vs in a batch of 64");
+    assert_eq!(a.logits_hash, b.logits_hash);
+}
+
+struct Seqs<'a>(&'a [SeqStep<'a>]);
+
+impl SeqSource for Seqs<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn get(&self, i: usize) -> SeqStep<'_> {
+        self.0[i]
+    }
+}
+
+/// Deferred output on the device: a decode launched before the step that samples its input has
+/// completed names that token by (sequence, step), and the executor feeds it from the ring slot
+/// the earlier step's sampling writes. The tokens equal the ones the host-resolved path gives,
+/// and only the host-resolved path waits for the device.
+#[test]
+fn a_decode_launched_before_its_input_is_sampled_reads_it_on_the_device() {
+    let model = Arc::new(load(&fixture("hf/llama")));
+    let prompt: Vec<u32> = vec![1, 17, 300, 45, 9, 88, 211];
+    let mut outputs = Vec::new();
+    for deferred in [true, false] {
+        let layout = MemoryLayout {
+            block_size: 16,
+            blocks: 4,
+            slots: 0,
+            snapshots: 0,
+            keeps_kv: true,
+            keeps_state: false,
+            prefix_keyed_by_prompt_len: false,
+        };
+        let ctx = ExecutorContext {
+            pool: "t".into(),
+            rank: 0,
+            model: model.clone(),
+            layout,
+            waker: Arc::new(Default::default()),
+        };
+        let settings = CudaSettings { gpus: None, deferred_output: deferred, emulate: true };
+        let mut ex = CudaExecutor::new(&ctx, &settings).unwrap();
+        let key = SeqKey { index: 0, generation: 1 };
+        let table = [2u32, 3];
+        let mut tokens = Vec::new();
+        let mut done: Vec<StepCompletion> = Vec::new();
+        let mut launch = |ex: &mut CudaExecutor, step: u64, s: SeqStep<'_>| {
+            let seqs = [s];
+            let l = StepLaunch {
+                step,
+                before: &[],
+                after: &[],
+                applied_through: None,
+                sampling: &[key],
+                batch: &Seqs(&seqs),
+                imports: &[],
+                exports: &[],
+            };
+            ex.launch(&l, 0);
+        };
+        let base = SeqStep {
+            key,
+            known: &prompt,
+            deferred: None,
+            start_pos: 0,
+            block_table: &table,
+            slot: None,
+            prompt_len: prompt.len(),
+            sample: true,
+        };
+        launch(&mut ex, 0, base);
+        let waits = ex.host_waits();
+        for k in 1..6u64 {
+            let last;
+            let s = if deferred {
+                // launched before step k-1's completion is taken
+                SeqStep { known: &[], deferred: Some(k - 1), start_pos: prompt.len() + k as usize - 1, ..base }
+            } else {
+                ex.poll(&mut done);
+                for c in done.drain(..) {
+                    tokens.extend(c.result.unwrap().iter().map(|s| s.token.unwrap()));
+                }
+                last = [*tokens.last().unwrap()];
+                SeqStep { known: &last, start_pos: prompt.len() + k as usize - 1, ..base }
+            };
+            launch(&mut ex, k, s);
+        }
+        ex.poll(&mut done);
+        for c in done.drain(..) {
+            tokens.extend(c.result.unwrap().iter().map(|s| s.token.unwrap()));
+        }
+        let waited = ex.host_waits() - waits;
+        if deferred {
+            assert_eq!(waited, 0, "the deferred decode path waited for the device");
+        } else {
+            assert_eq!(waited, 5, "the host-resolved path waits once a step");
+        }
+        outputs.push(tokens);
+    }
+    assert_eq!(outputs[0].len(), 6);
+    assert_eq!(outputs[0], outputs[1], "tokens read on the device = tokens resolved on the host");
+    let expected_greedy = &expected(&fixture("hf/llama")).cases[0].greedy;
+    assert_eq!(outputs[0], expected_greedy[..6]);
+}
+
+/// A trace of short prompts (10 to 30 tokens once scaled), so emulated runs stay quick.
+fn short_trace(dir: &std::path::Path) -> String {
+    let path = dir.join("short.jsonl");
+    let lines: Vec<String> = (0..10)
+        .map(|i| {
+            let len = 320 + 64 * i;
+            let ids: Vec<String> = (0..len / 512 + 1).map(|b| (i * 10 + b).to_string()).collect();
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": {len}, \"output_length\": 8, \"hash_ids\": [{}]}}",
+                i * 5,
+                ids.join(", ")
+            )
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path.display().to_string()
+}
+
+const EMULATED: &str = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate = true\n";
+
+/// `--verify` on an aggregated graph of two cuda ranks (against the cuda plain path): every
+/// request exact, and both ranks served some.
+#[test]
+fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
+    for model in ["hf/llama", "hf/deepseek_v3"] {
+        let dir = tempfile::tempdir().unwrap();
+        let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
+        let trace = short_trace(dir.path());
+        let graph = write_graph_with(
+            dir.path(),
+            model,
+            &trace,
+            "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
+            "32 MiB",
+            &pools,
+        );
+        let report = run_graph(&graph, Overrides::default(), Default::default());
+        assert_exact(&report, model);
+        let ranks: std::collections::HashSet<u64> =
+            records(dir.path()).iter().map(|r| r["rank"].as_u64().unwrap()).collect();
+        assert_eq!(ranks.len(), 2, "{model}: both cuda ranks served requests");
+    }
+}
+
+/// `--verify` on a 1P1D graph of cuda pools: every handoff packed on the prefill rank's device,
+/// unpacked on the decode rank's, and the outputs exact.
+#[test]
+fn a_pd_cuda_graph_hands_off_packed_kv_and_verifies() {
+    let dir = tempfile::tempdir().unwrap();
+    let pools = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n"
+    );
+    let trace = short_trace(dir.path());
+    let graph = write_graph_with(
+        dir.path(),
+        "hf/qwen3",
+        &trace,
+        "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
+        "32 MiB",
+        &pools,
+    );
+    let report = run_graph(&graph, Overrides::default(), Default::default());
+    assert_exact(&report, "qwen3 1P1D cuda");
+    assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{report}");
+    assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0);
+    for r in records(dir.path()) {
+        assert_eq!(r["pools"], serde_json::json!(["prefill", "decode"]), "{r}");
+    }
+}
+
+/// Without a driver, a cuda pool's requests fail naming what is missing; nothing panics.
+#[test]
+fn a_cuda_pool_without_a_driver_fails_its_requests_naming_the_driver() {
+    if kvflow_kernels::cuda::driver_present() {
+        eprintln!("NOT RUN: this machine has a CUDA driver");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pools = "[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 1\nexecutor = \"cuda\"\n";
+    let trace = short_trace(dir.path());
+    let graph = write_graph_with(
+        dir.path(),
+        "hf/llama",
+        &trace,
+        "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 3",
+        "32 MiB",
+        pools,
+    );
+    let mut g = kvflow::graph::Graph::load(&graph).unwrap();
+    g.apply_overrides(&Overrides::default()).unwrap();
+    let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default()).unwrap();
+    let report = outcome.report.unwrap();
+    assert_eq!(report["failed"], 3, "{report}");
+    for r in records(dir.path()) {
+        assert!(r["error"].as_str().unwrap().contains("no CUDA driver"), "{r}");
+    }
+}
