@@ -347,7 +347,8 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
             layout,
             waker: Arc::new(Default::default()),
         };
-        let settings = CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred, emulate };
+        let settings =
+            CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred, emulate, test_stale_ring_slot: false };
         let mut ex = CudaExecutor::new(&ctx, &settings).map_err(|e| anyhow!(e))?;
         let mut rng = Lcg(3);
         let prompts: Vec<Vec<u32>> = (0..batch)
@@ -380,7 +381,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
                 start_pos: 0,
                 block_table: &tables[i],
                 slot: None,
-                prompt_len: prompt_len,
+                prompt_len,
                 sample: true,
             })
             .collect();
@@ -405,7 +406,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
                     start_pos: pos,
                     block_table: &tables[i],
                     slot: None,
-                    prompt_len: prompt_len,
+                    prompt_len,
                     sample: true,
                 })
                 .collect();

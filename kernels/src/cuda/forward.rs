@@ -142,6 +142,7 @@ struct Step<'a> {
 }
 
 impl Step<'_> {
+    #[allow(clippy::too_many_arguments)]
     fn linear(
         &self,
         y: u64,
@@ -429,6 +430,7 @@ impl Step<'_> {
         self.linear(out, act.ptr(), &m.down, rows, m.inter, hidden, accumulate)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn expert_linear(
         &self,
         y: u64,
@@ -522,6 +524,7 @@ impl DeviceModel {
     /// row's KV into its cache row, and for each sampling row its greedy token into `ring` at its
     /// slot and `RESULT_WORDS` words into `results`. Returns the sampled rows' logits when
     /// `keep_logits` (checks and tests only). Waits for nothing.
+    #[allow(clippy::too_many_arguments)]
     pub fn enqueue_step(
         &self,
         gpu: &Gpu,

@@ -44,6 +44,8 @@ pub(crate) struct DevGqa {
     pub scale: f32,
 }
 
+// Built once per layer at load: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum DevQuery {
     Lora { a: DevLinear, norm: DevNorm, b: DevLinear },
     Plain(DevLinear),
@@ -67,6 +69,8 @@ pub(crate) struct DevMla {
     pub scale: f32,
 }
 
+// Built once per layer at load: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum DevMixer {
     Gqa(DevGqa),
     Mla(DevMla),
@@ -96,6 +100,8 @@ pub(crate) struct DevMoe {
     pub shared: Option<DevMlp>,
 }
 
+// Built once per layer at load: the size of a variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum DevFfn {
     Dense(DevMlp),
     Moe(DevMoe),
@@ -155,8 +161,7 @@ impl DeviceModel {
             return Err(CudaError::Unsupported(why));
         }
         let mut layers = Vec::with_capacity(model.layers.len());
-        let mut kv_layer = 0;
-        for layer in &model.layers {
+        for (kv_layer, layer) in model.layers.iter().enumerate() {
             let mixer = match &layer.mixer {
                 Mixer::Gqa(a) => DevMixer::Gqa(gqa(gpu, a)?),
                 Mixer::Mla(a) => DevMixer::Mla(mla(gpu, a)?),
@@ -173,7 +178,6 @@ impl DeviceModel {
                 post_norm: norm(gpu, &layer.post_norm)?,
                 ffn,
             });
-            kv_layer += 1;
         }
         let dm = DeviceModel {
             vocab: model.vocab_size,

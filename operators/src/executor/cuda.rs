@@ -35,6 +35,9 @@ pub struct CudaSettings {
     pub deferred_output: bool,
     /// Run the kernels on the CPU (checks without a GPU; slow).
     pub emulate: bool,
+    /// Test only (no graph key sets it): a token in flight is fed from the ring slot of the
+    /// sequence's sample before the one it names — deferred output without its mechanism.
+    pub test_stale_ring_slot: bool,
 }
 
 impl CudaSettings {
@@ -44,10 +47,10 @@ impl CudaSettings {
             gpus: s.counts("gpus")?,
             deferred_output: s.flag("deferred_output", true)?,
             emulate: s.flag("emulate", false)?,
+            test_stale_ring_slot: false,
         })
     }
 
-    /// The GPU of rank `rank` of the pool.
     /// The GPU rank `rank` of the pool runs on (or the CPU emulation).
     pub fn open(&self, rank: usize) -> Result<Arc<Gpu>, CudaError> {
         if self.emulate {
@@ -56,6 +59,7 @@ impl CudaSettings {
         Gpu::open(self.gpu_of(rank)?)
     }
 
+    /// The GPU of rank `rank` of the pool.
     pub fn gpu_of(&self, rank: usize) -> Result<usize, CudaError> {
         match &self.gpus {
             Some(list) => Ok(list[rank % list.len()]),
@@ -89,6 +93,8 @@ pub struct CudaExecutor {
     sampled: HashMap<SeqKey, (u64, u32)>,
     in_flight: VecDeque<InFlight>,
     deferred_output: bool,
+    /// With `test_stale_ring_slot`: each sequence's sample before its latest.
+    older: Option<HashMap<SeqKey, u32>>,
     waker: Arc<crate::wake::RankWaker>,
 }
 
@@ -112,6 +118,7 @@ impl CudaExecutor {
             sampled: HashMap::new(),
             in_flight: VecDeque::new(),
             deferred_output: settings.deferred_output,
+            older: settings.test_stale_ring_slot.then(HashMap::new),
             waker: ctx.waker.clone(),
         })
     }
@@ -147,7 +154,10 @@ impl CudaExecutor {
             fed.extend_from_slice(s.known);
             if let Some(at) = s.deferred {
                 match self.sampled.get(&s.key) {
-                    Some(&(when, slot)) if when == at => fed.push(FROM_RING | slot),
+                    Some(&(when, slot)) if when == at => {
+                        let stale = self.older.as_ref().and_then(|o| o.get(&s.key).copied());
+                        fed.push(FROM_RING | stale.unwrap_or(slot))
+                    }
                     _ => return Err(ExecutorError::UnresolvedToken { seq: s.key, step: at }),
                 }
             }
@@ -162,7 +172,11 @@ impl CudaExecutor {
             rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.block_size, slot);
             if let Some(slot) = slot {
                 sampling.push(s.key);
-                self.sampled.insert(s.key, (launch.step, slot));
+                if let Some(previous) = self.sampled.insert(s.key, (launch.step, slot)) {
+                    if let Some(older) = self.older.as_mut() {
+                        older.insert(s.key, previous.1);
+                    }
+                }
             }
         }
         let gpu = self.gpu.clone();
