@@ -65,30 +65,57 @@ pub struct Exported {
 /// consumer's blocks, or onto a socket): the producer must hold them until the consumer's ack.
 #[derive(Clone)]
 pub struct KvSource {
-    pub cache: std::sync::Arc<std::sync::RwLock<kvflow_kernels::models::ModelCache>>,
+    pub store: BlockStore,
     pub blocks: Vec<u32>,
     pub floats_per_block: usize,
 }
 
+/// Where the blocks of a [`KvSource`] live.
+#[derive(Clone)]
+pub enum BlockStore {
+    /// A CPU rank's cache.
+    Host(std::sync::Arc<std::sync::RwLock<kvflow_kernels::models::ModelCache>>),
+    /// A GPU rank's device cache: a `cuda` consumer on the same device copies the blocks device
+    /// to device; everyone else reads them through a stream of their own.
+    Device(std::sync::Arc<kvflow_kernels::cuda::SharedKv>),
+}
+
 impl KvSource {
-    /// The blocks' KV, packed by layer (a copy).
+    /// The blocks' KV, packed by layer (a copy; empty when a device read fails, which the
+    /// import then refuses by its size).
     pub fn read(&self) -> Vec<f32> {
-        let mut kv = Vec::new();
-        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
-        cache.kv.export_blocks(&self.blocks, &mut kv);
-        kv
+        match &self.store {
+            BlockStore::Host(cache) => {
+                let mut kv = Vec::new();
+                let cache = cache.read().unwrap_or_else(|e| e.into_inner());
+                cache.kv.export_blocks(&self.blocks, &mut kv);
+                kv
+            }
+            BlockStore::Device(shared) => shared.read(&self.blocks).unwrap_or_else(|e| {
+                tracing::error!("reading a handoff's blocks from the GPU: {e}");
+                Vec::new()
+            }),
+        }
     }
 
     /// The blocks' KV, packed by layer, handed to `piece` in pieces of about `piece_floats`
-    /// through one staging buffer: the cache is locked one block at a time, never while
-    /// `piece` runs (a socket write does not hold back the producer's steps).
+    /// through one staging buffer: a host cache is locked one block at a time, never while
+    /// `piece` runs (a socket write does not hold back the producer's steps); device blocks are
+    /// copied out first, on a stream of the reader's own.
     pub fn stream(&self, piece_floats: usize, mut piece: impl FnMut(&[f32])) {
+        let cache = match &self.store {
+            BlockStore::Host(cache) => cache,
+            BlockStore::Device(_) => {
+                self.read().chunks(piece_floats.max(1)).for_each(piece);
+                return;
+            }
+        };
         let mut staging: Vec<f32> = Vec::with_capacity(piece_floats + self.floats_per_block);
-        let layers = self.cache.read().unwrap_or_else(|e| e.into_inner()).kv.num_layers();
+        let layers = cache.read().unwrap_or_else(|e| e.into_inner()).kv.num_layers();
         for l in 0..layers {
             for &b in &self.blocks {
                 {
-                    let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+                    let cache = cache.read().unwrap_or_else(|e| e.into_inner());
                     let rows = cache.kv.block_size();
                     staging.extend_from_slice(cache.kv.layer(l).rows(b as usize * rows, rows));
                 }
@@ -112,7 +139,12 @@ impl std::fmt::Debug for KvSource {
 
 impl PartialEq for KvSource {
     fn eq(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(&self.cache, &other.cache) && self.blocks == other.blocks
+        let same = match (&self.store, &other.store) {
+            (BlockStore::Host(a), BlockStore::Host(b)) => std::sync::Arc::ptr_eq(a, b),
+            (BlockStore::Device(a), BlockStore::Device(b)) => std::sync::Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        same && self.blocks == other.blocks
     }
 }
 

@@ -36,7 +36,11 @@ const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3"];
 
 pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     let gpu = if args.emulate { Gpu::emulated()? } else { Gpu::open(args.gpu)? };
-    println!("gpu          {} (GPU {}), kernels compiled by NVRTC for {}", gpu.name(), gpu.ordinal, gpu.arch());
+    if gpu.is_emulated() {
+        println!("gpu          none: {} (kernels/cuda built by the host C++ compiler)", gpu.name());
+    } else {
+        println!("gpu          {} (GPU {}), kernels compiled by NVRTC for {}", gpu.name(), gpu.ordinal, gpu.arch());
+    }
     let mut failures = Vec::new();
     for family in FAMILIES {
         let dir = args.fixtures.join(family);

@@ -17,7 +17,7 @@ use kvflow_kernels::kv::{PagedKvCache, StatePool};
 use kvflow_kernels::models;
 use kvflow_kernels::models::ModelCache;
 use kvflow_operators::admit::Ingress;
-use kvflow_operators::step::KvSource;
+use kvflow_operators::step::{BlockStore, KvSource};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
     AckQueue, ConsumerPool, Handoff, HandoffInbox, HandoffSink, LinkOptions, LinkTarget, Taken, TcpConsumer, TcpLink,
@@ -220,7 +220,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
     );
     // Over tcp the handoffs read the producer's blocks in place, as a prefill rank's do.
     let cache = ModelCache { kv: a, states: StatePool::new(0, 0, 0) };
-    let source = KvSource { cache: Arc::new(RwLock::new(cache)), blocks: ids, floats_per_block };
+    let source = KvSource { store: BlockStore::Host(Arc::new(RwLock::new(cache))), blocks: ids, floats_per_block };
     let mut h = h;
     (h.kv, h.source) = (Vec::new(), Some(source));
     let (n, total) = (args.connections, args.bytes);

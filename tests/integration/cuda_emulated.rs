@@ -2,7 +2,8 @@
 //! emulation (`executor_settings.emulate = true`; the host compiler builds them, fibers stand in
 //! for threads), so everything but the device itself is checked here and in CI — the kernels'
 //! math against transformers and the CPU executor, batch invariance, the executor's launch path
-//! (metadata, block tables, deferred tokens from the ring, pack/unpack of handoffs) and
+//! (metadata, block tables, deferred tokens from the ring, handoffs device to device and through
+//! the host) and
 //! `--verify` against the cuda plain path on aggregated and P/D graphs. What only a GPU shows
 //! (speed, asynchrony on a real stream) is `benches/device/run.sh`'s.
 
@@ -13,7 +14,8 @@ use kvflow::graph::Overrides;
 use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::step::{SeqKey, SeqSource, SeqStep, StepCompletion, StepLaunch};
+use kvflow_operators::step::{BlockStore, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StepCompletion, StepLaunch};
+use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
 const ATTENTION_FIXTURES: [&str; 3] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3"];
@@ -235,31 +237,28 @@ fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
     }
 }
 
-/// `--verify` on a 1P1D graph of cuda pools: every handoff packed on the prefill rank's device,
-/// unpacked on the decode rank's, and the outputs exact.
+/// `--verify` on a 1P1D graph of cuda pools, over `inproc` (the decode rank copies the prefill
+/// rank's blocks device to device) and over `tcp` (read out on a stream of the link's own, sent
+/// over loopback, unpacked on the decode rank's device): every request handed off, outputs exact.
 #[test]
-fn a_pd_cuda_graph_hands_off_packed_kv_and_verifies() {
-    let dir = tempfile::tempdir().unwrap();
-    let pools = format!(
-        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
-         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
-         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n"
-    );
-    let trace = short_trace(dir.path());
-    let graph = write_graph_with(
-        dir.path(),
-        "hf/qwen3",
-        &trace,
-        "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
-        "32 MiB",
-        &pools,
-    );
-    let report = run_graph(&graph, Overrides::default(), Default::default());
-    assert_exact(&report, "qwen3 1P1D cuda");
-    assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{report}");
-    assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0);
-    for r in records(dir.path()) {
-        assert_eq!(r["pools"], serde_json::json!(["prefill", "decode"]), "{r}");
+fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
+    for backend in ["inproc", "tcp"] {
+        let dir = tempfile::tempdir().unwrap();
+        let pools = format!(
+            "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
+             [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+             [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
+        );
+        let trace = short_trace(dir.path());
+        let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+        let graph = write_graph_with(dir.path(), "hf/qwen3", &trace, workload, "32 MiB", &pools);
+        let report = run_graph(&graph, Overrides::default(), Default::default());
+        assert_exact(&report, &format!("qwen3 1P1D cuda over {backend}"));
+        assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{backend}: {report}");
+        assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0);
+        for r in records(dir.path()) {
+            assert_eq!(r["pools"], serde_json::json!(["prefill", "decode"]), "{backend}: {r}");
+        }
     }
 }
 
@@ -289,4 +288,120 @@ fn a_cuda_pool_without_a_driver_fails_its_requests_naming_the_driver() {
     for r in records(dir.path()) {
         assert!(r["error"].as_str().unwrap().contains("no CUDA driver"), "{r}");
     }
+}
+
+fn layout(blocks: usize) -> MemoryLayout {
+    MemoryLayout {
+        block_size: 16,
+        blocks,
+        slots: 0,
+        snapshots: 0,
+        keeps_kv: true,
+        keeps_state: false,
+        prefix_keyed_by_prompt_len: false,
+    }
+}
+
+fn cuda_rank(model: &Arc<kvflow_kernels::models::Model>) -> CudaExecutor {
+    let ctx = ExecutorContext {
+        pool: "t".into(),
+        rank: 0,
+        model: model.clone(),
+        layout: layout(4),
+        waker: Arc::new(Default::default()),
+    };
+    let settings = CudaSettings { gpus: None, deferred_output: true, emulate: true, test_stale_ring_slot: false };
+    CudaExecutor::new(&ctx, &settings).unwrap()
+}
+
+/// Runs one step on `ex` and returns its completion.
+fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], exports: &[KvExport]) -> StepCompletion {
+    let seqs = [seq];
+    let launch = StepLaunch {
+        step: 0,
+        before: &[],
+        after: &[],
+        applied_through: None,
+        sampling: &[seq.key],
+        batch: &Seqs(&seqs),
+        imports,
+        exports,
+    };
+    ex.launch(&launch, 0);
+    let mut done = Vec::new();
+    while done.is_empty() {
+        ex.poll(&mut done);
+    }
+    done.remove(0)
+}
+
+/// A handoff between two cuda pools on one device goes device to device: the producer's export
+/// is its blocks in place, and the consumer copies them into its own with a kernel — no host
+/// staging — then continues from T0 exactly. A CPU consumer of the same handoff reads the blocks
+/// through the host and continues the same way.
+#[test]
+fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
+    let model = Arc::new(load(&fixture("hf/llama")));
+    let case = &expected(&fixture("hf/llama")).cases[0];
+    let key = SeqKey { index: 0, generation: 1 };
+    let mut producer = cuda_rank(&model);
+    let prefill = SeqStep {
+        key,
+        known: &case.prompt,
+        deferred: None,
+        start_pos: 0,
+        block_table: &[0],
+        slot: None,
+        prompt_len: case.prompt.len(),
+        sample: true,
+    };
+    let export = KvExport { key, blocks: vec![0], slot: None };
+    let done = one_step(&mut producer, prefill, &[], &[export]);
+    let t0 = done.result.unwrap()[0].token.unwrap();
+    assert_eq!(t0, case.greedy[0]);
+    let exported = done.exports.into_iter().next().unwrap();
+    assert!(exported.kv.is_empty(), "the export is the blocks in place, not a copy");
+    let source = exported.source.clone().unwrap();
+    assert!(matches!(source.store, BlockStore::Device(_)));
+    let handoff = Arc::new(Handoff {
+        transfer: TransferId { nonce: 1, generation: 1 },
+        request: 7,
+        prompt: case.prompt.clone(),
+        max_output_tokens: 4,
+        warmup: false,
+        t0,
+        logits_hash: 0,
+        fingerprint: model.layout_fingerprint(16),
+        skip_blocks: 0,
+        kv_blocks: 1,
+        floats_per_block: source.floats_per_block,
+        kv: Vec::new(),
+        source: Some(source),
+        state: None,
+        started_ms: 0.0,
+        t0_ms: 0.0,
+        to: None,
+        recycle: None,
+        on_drop: Default::default(),
+    });
+    let decode = SeqStep { known: &[t0], start_pos: case.prompt.len(), block_table: &[2], ..prefill };
+    let import = KvImport { key, blocks: vec![2], slot: None, handoff: handoff.clone() };
+    let mut consumer = cuda_rank(&model);
+    let next = one_step(&mut consumer, decode, std::slice::from_ref(&import), &[]);
+    assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "the consumer continues from T0");
+    assert_eq!(consumer.imports(), (1, 0), "imported device to device, nothing staged through the host");
+    // a CPU rank reads the same blocks through the host
+    let ctx = ExecutorContext {
+        pool: "c".into(),
+        rank: 0,
+        model: model.clone(),
+        layout: layout(4),
+        waker: Arc::new(Default::default()),
+    };
+    let mut cpu = kvflow_operators::executor::CpuExecutor::new(
+        kvflow_operators::executor::CpuStepRunner::new(&ctx),
+        Default::default(),
+    );
+    let next = one_step(&mut cpu, decode, &[import], &[]);
+    assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "a CPU consumer of a GPU producer");
 }

@@ -5,6 +5,7 @@
 //! then block, then row, so a packed buffer is a handoff's `kv` as the CPU executor makes it.
 
 use super::gpu::{Arg, CudaError, DeviceBuf, Gpu};
+use std::sync::Arc;
 
 pub struct DeviceKv {
     layers: Vec<DeviceBuf<f32>>,
@@ -137,5 +138,38 @@ impl DeviceKv {
             Arg::I64(src_stride as i64),
         ];
         gpu.launch("write_cache_rows", (rows as u32, 1, 1), 128, 0, &args)
+    }
+}
+
+/// A rank's device cache as a handoff reads it in place: a consumer on the same device copies
+/// the blocks device to device (`DeviceKv::copy_from` on its own stream); anyone else reads them
+/// through a stream of its own here (never the producer rank's, whose steps it would wait for).
+pub struct SharedKv {
+    pub kv: DeviceKv,
+    /// The GPU the blocks live on (its own stream and host-wait count: not the rank's).
+    reader: Arc<Gpu>,
+}
+
+impl SharedKv {
+    /// Shares `kv`, which lives on `gpu`'s device.
+    pub fn new(kv: DeviceKv, gpu: &Gpu) -> Result<Self, CudaError> {
+        let reader = if gpu.is_emulated() { Gpu::emulated()? } else { Gpu::open(gpu.ordinal)? };
+        Ok(SharedKv { kv, reader })
+    }
+
+    /// Whether `gpu` can read these blocks with its own kernels (the same device, or both
+    /// emulated in this process).
+    pub fn same_device(&self, gpu: &Gpu) -> bool {
+        self.reader.is_emulated() == gpu.is_emulated() && self.reader.ordinal == gpu.ordinal
+    }
+
+    /// The KV of `blocks`, packed by layer, copied to the host (waits, on the reader's stream).
+    pub fn read(&self, blocks: &[u32]) -> Result<Vec<f32>, CudaError> {
+        self.kv.check_blocks(blocks)?;
+        let floats = blocks.len() * self.kv.floats_per_block();
+        let list = self.reader.upload(blocks)?;
+        let packed = self.reader.scratch::<f32>(floats)?;
+        self.kv.pack(&self.reader, packed.ptr(), list.ptr(), blocks.len())?;
+        self.reader.download(&packed, floats)
     }
 }

@@ -18,6 +18,6 @@ pub mod weights;
 
 pub use forward::{RowsOnDevice, StepRows, FROM_RING, RESULT_WORDS};
 pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gpu, PinnedBuf};
-pub use kv::DeviceKv;
+pub use kv::{DeviceKv, SharedKv};
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
 pub use weights::{unsupported, DeviceModel};

@@ -11,7 +11,8 @@
 use super::gate::{CompletionGate, Delay};
 use super::{Executor, ExecutorContext};
 use crate::step::{
-    ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
+    BlockStore, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
+    StepLaunch,
 };
 use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
@@ -195,10 +196,12 @@ impl CpuStepRunner {
             let h = &import.handoff;
             let landed = match &h.source {
                 // In place: one copy from the producer's blocks (it holds them until our ack).
-                Some(source) => {
-                    let producer = source.cache.read().unwrap_or_else(|e| e.into_inner());
-                    cache.kv.copy_blocks_from(&producer.kv, &source.blocks, &import.blocks)
+                Some(KvSource { store: BlockStore::Host(producer), blocks, .. }) => {
+                    let producer = producer.read().unwrap_or_else(|e| e.into_inner());
+                    cache.kv.copy_blocks_from(&producer.kv, blocks, &import.blocks)
                 }
+                // A GPU producer's blocks: copied out through a stream of their own.
+                Some(source) => cache.kv.import_blocks(&import.blocks, &source.read()),
                 None => cache.kv.import_blocks(&import.blocks, &h.kv),
             };
             landed.map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?;
@@ -251,7 +254,11 @@ impl CpuStepRunner {
             .iter()
             .map(|e| {
                 let state = e.slot.map(|slot| cache.states.slot(slot).to_vec());
-                let source = KvSource { cache: self.cache.clone(), blocks: e.blocks.clone(), floats_per_block };
+                let source = KvSource {
+                    store: BlockStore::Host(self.cache.clone()),
+                    blocks: e.blocks.clone(),
+                    floats_per_block,
+                };
                 Exported { key: e.key, kv: Vec::new(), source: Some(source), state }
             })
             .collect()

@@ -1,12 +1,13 @@
 //! `cuda`: a rank's steps on its GPU (one dataflow worker per GPU; DESIGN §4, §6). `launch`
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
-//! handoffs unpacked into their blocks, the forward, greedy sampling, exports packed and copied
-//! to pinned memory — records a CUDA event and returns. `poll` asks each event, oldest first,
+//! handoffs written into their blocks (device to device from a producer on this GPU, else
+//! unpacked from pinned memory), the forward, greedy sampling — records a CUDA event and
+//! returns. An export is the blocks themselves, read in place after the step (`SharedKv`). `poll` asks each event, oldest first,
 //! whether it has passed (never waits). A decode whose previous token is still in flight is fed
 //! from the device ring slot the previous step's sampling writes, so the host never waits for
 //! sampled tokens to schedule the next step (deferred output on the device). Each in-flight
-//! record owns what the GPU still reads or writes: pinned metadata, result and export buffers,
-//! and the handoffs it imports (their producers hold the blocks until those drop).
+//! record owns what the GPU still reads or writes: pinned metadata and result buffers, and the
+//! handoffs it imports (their producers hold the blocks until those drop).
 //!
 //! Settings: `gpus = [..]` (a rank uses `gpus[rank % len]`, else GPU `rank % visible`),
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
@@ -15,10 +16,12 @@
 
 use super::settings::{SettingError, Settings};
 use super::{Executor, ExecutorContext, ExecutorKind};
-use crate::step::{ExecutorError, Exported, KvImport, Sampled, SeqKey, StepCompletion, StepLaunch};
+use crate::step::{
+    BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StepCompletion, StepLaunch,
+};
 use kvflow_kernels::cuda::{visible_gpus, CudaError};
 use kvflow_kernels::cuda::{
-    DeviceBuf, DeviceKv, DeviceModel, Event, Gpu, PinnedBuf, StepRows, FROM_RING, RESULT_WORDS,
+    DeviceBuf, DeviceKv, DeviceModel, Event, Gpu, PinnedBuf, SharedKv, StepRows, FROM_RING, RESULT_WORDS,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -75,24 +78,32 @@ struct InFlight {
     event: Option<Event>,
     error: Option<ExecutorError>,
     sampling: Vec<SeqKey>,
-    _meta: Option<PinnedBuf<u32>>,
+    meta: Option<PinnedBuf<u32>>,
     results: Option<PinnedBuf<u32>>,
-    exports: Vec<(SeqKey, PinnedBuf<f32>, usize)>,
+    exports: Vec<Exported>,
     /// Handoffs being unpacked (their producers keep the blocks until these drop) and the
     /// pinned copies the GPU reads them from.
-    _imports: Vec<(KvImport, PinnedBuf<f32>)>,
+    imports: Vec<(KvImport, Option<PinnedBuf<f32>>)>,
 }
 
 pub struct CudaExecutor {
     gpu: Arc<Gpu>,
     model: DeviceModel,
-    kv: DeviceKv,
+    /// The rank's paged KV, shared with the handoffs that read its blocks in place.
+    kv: Arc<SharedKv>,
+    /// Handoffs imported device to device (from a producer on this GPU) and through the host.
+    imported_on_device: u64,
+    imported_through_host: u64,
     ring: DeviceBuf<u32>,
     next_slot: usize,
     /// Each sequence's latest sample: the step and the ring slot it goes to.
     sampled: HashMap<SeqKey, (u64, u32)>,
     in_flight: VecDeque<InFlight>,
     deferred_output: bool,
+    /// Pinned buffers of completed steps, for the next ones (page-locking memory is slow, and
+    /// freeing it may wait for the device).
+    pinned_words: PinnedPool<u32>,
+    pinned_floats: PinnedPool<f32>,
     /// With `test_stale_ring_slot`: each sequence's sample before its latest.
     older: Option<HashMap<SeqKey, u32>>,
     waker: Arc<crate::wake::RankWaker>,
@@ -106,6 +117,7 @@ impl CudaExecutor {
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
         let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks).map_err(|e| e.to_string())?;
+        let kv = Arc::new(SharedKv::new(kv, &gpu).map_err(|e| e.to_string())?);
         let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
         gpu.wait().map_err(|e| e.to_string())?;
         tracing::info!(pool = %ctx.pool, rank = ctx.rank, gpu = ordinal, name = %gpu.name(), arch = gpu.arch(), "cuda executor ready");
@@ -113,12 +125,16 @@ impl CudaExecutor {
             gpu,
             model,
             kv,
+            imported_on_device: 0,
+            imported_through_host: 0,
             ring,
             next_slot: 0,
             sampled: HashMap::new(),
             in_flight: VecDeque::new(),
             deferred_output: settings.deferred_output,
             older: settings.test_stale_ring_slot.then(HashMap::new),
+            pinned_words: PinnedPool::default(),
+            pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
         })
     }
@@ -126,6 +142,11 @@ impl CudaExecutor {
     /// Times the host waited for this rank's GPU (0 on the decode path with deferred output).
     pub fn host_waits(&self) -> u64 {
         self.gpu.host_waits()
+    }
+
+    /// Handoffs imported so far: (device to device, through the host).
+    pub fn imports(&self) -> (u64, u64) {
+        (self.imported_on_device, self.imported_through_host)
     }
 
     fn slot(&mut self) -> u32 {
@@ -161,15 +182,15 @@ impl CudaExecutor {
                     _ => return Err(ExecutorError::UnresolvedToken { seq: s.key, step: at }),
                 }
             }
-            self.kv.check_blocks(s.block_table).map_err(fail)?;
-            if s.block_table.len() * self.kv.block_size < s.start_pos + fed.len() {
+            self.kv.kv.check_blocks(s.block_table).map_err(fail)?;
+            if s.block_table.len() * self.kv.kv.block_size < s.start_pos + fed.len() {
                 return Err(ExecutorError::Launch(format!(
                     "sequence {}: its block table does not cover the step",
                     s.key
                 )));
             }
             let slot = s.sample.then(|| self.slot());
-            rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.block_size, slot);
+            rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, slot);
             if let Some(slot) = slot {
                 sampling.push(s.key);
                 if let Some(previous) = self.sampled.insert(s.key, (launch.step, slot)) {
@@ -181,22 +202,28 @@ impl CudaExecutor {
         }
         let gpu = self.gpu.clone();
         // 2. handoffs into their blocks
-        let fpb = self.kv.floats_per_block();
+        let fpb = self.kv.kv.floats_per_block();
         let mut imports = Vec::new();
-        let mut meta_words = rows.words();
-        for import in launch.imports {
-            meta_words += import.blocks.len();
-        }
-        for e in launch.exports {
-            meta_words += e.blocks.len();
-        }
-        let mut meta = gpu.pinned::<u32>(meta_words).map_err(fail)?;
+        // block lists: the imports' own blocks, then the exports', then the blocks each
+        // in-place import reads
+        let sources = launch.imports.iter().map(|i| i.handoff.source.as_ref().map_or(&[][..], |s| &s.blocks[..]));
+        let lists: Vec<&[u32]> = launch
+            .imports
+            .iter()
+            .map(|i| &i.blocks[..])
+            .chain(launch.exports.iter().map(|e| &e.blocks[..]))
+            .chain(sources)
+            .collect();
+        let meta_words = rows.words() + lists.iter().map(|l| l.len()).sum::<usize>();
+        let mut meta = self.pinned_words.take(&gpu, meta_words).map_err(fail)?;
         let meta_dev = gpu.scratch::<u32>(meta_words).map_err(fail)?;
         let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
         let mut cursor = rows.words();
         let mut block_lists = Vec::new();
-        for blocks in launch.imports.iter().map(|i| &i.blocks).chain(launch.exports.iter().map(|e| &e.blocks)) {
-            self.kv.check_blocks(blocks).map_err(fail)?;
+        for (i, blocks) in lists.into_iter().enumerate() {
+            if i < launch.imports.len() + launch.exports.len() {
+                self.kv.kv.check_blocks(blocks).map_err(fail)?;
+            }
             meta.as_mut_slice()[cursor..cursor + blocks.len()].copy_from_slice(blocks);
             block_lists.push(meta_dev.at(cursor));
             cursor += blocks.len();
@@ -208,38 +235,61 @@ impl CudaExecutor {
             if import.slot.is_some() || h.state.is_some() {
                 return Err(bad("the cuda executor keeps no recurrent state, and the handoff carries some".into()));
             }
+            let from = block_lists[launch.imports.len() + launch.exports.len() + i];
+            if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = &h.source {
+                if producer.same_device(&gpu) {
+                    // device to device, on this rank's stream: the producer holds the blocks
+                    // until the record (which owns the handoff) lets go of it
+                    if blocks.len() != import.blocks.len() {
+                        return Err(bad(format!("{} blocks for {}", blocks.len(), import.blocks.len())));
+                    }
+                    producer.kv.check_blocks(blocks).map_err(fail)?;
+                    self.kv.kv.copy_from(&gpu, &producer.kv, block_lists[i], from, blocks.len()).map_err(fail)?;
+                    self.imported_on_device += 1;
+                    imports.push((import.clone(), None));
+                    continue;
+                }
+            }
             let kv = h.kv_floats();
             let floats = import.blocks.len() * fpb;
             if kv.len() != floats {
                 return Err(bad(format!("{} KV floats for {} blocks of {fpb}", kv.len(), import.blocks.len())));
             }
-            let mut staged = gpu.pinned::<f32>(floats).map_err(fail)?;
+            let mut staged = self.pinned_floats.take(&gpu, floats).map_err(fail)?;
             staged.as_mut_slice()[..floats].copy_from_slice(&kv);
             let packed = gpu.scratch::<f32>(floats).map_err(fail)?;
             gpu.copy_to_device(packed.ptr(), &staged, floats).map_err(fail)?;
-            self.kv.unpack(&gpu, packed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
-            imports.push((import.clone(), staged));
+            self.kv.kv.unpack(&gpu, packed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
+            self.imported_through_host += 1;
+            imports.push((import.clone(), Some(staged)));
         }
         // 3. the forward and sampling
         let n = rows.sampled();
         let results_dev = gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?;
-        self.model.enqueue_step(&gpu, &self.kv, &rows, at, self.ring.ptr(), results_dev.ptr(), false).map_err(fail)?;
-        let mut results = gpu.pinned::<u32>(n * RESULT_WORDS).map_err(fail)?;
+        self.model
+            .enqueue_step(&gpu, &self.kv.kv, &rows, at, self.ring.ptr(), results_dev.ptr(), false)
+            .map_err(fail)?;
+        let mut results = self.pinned_words.take(&gpu, n * RESULT_WORDS).map_err(fail)?;
         if n > 0 {
             gpu.copy_to_host(&mut results, results_dev.ptr(), n * RESULT_WORDS).map_err(fail)?;
         }
-        // 4. exports packed and copied out after the forward
+        // 4. exports: the blocks, read in place once this step has completed (the producer
+        //    holds them until the consumer's ack)
         let mut exports = Vec::new();
-        for (j, e) in launch.exports.iter().enumerate() {
+        for e in launch.exports {
             if e.slot.is_some() {
                 return Err(ExecutorError::Launch("the cuda executor keeps no recurrent state (a slot export)".into()));
             }
-            let floats = e.blocks.len() * fpb;
-            let packed = gpu.scratch::<f32>(floats).map_err(fail)?;
-            self.kv.pack(&gpu, packed.ptr(), block_lists[launch.imports.len() + j], e.blocks.len()).map_err(fail)?;
-            let mut host = gpu.pinned::<f32>(floats).map_err(fail)?;
-            gpu.copy_to_host(&mut host, packed.ptr(), floats).map_err(fail)?;
-            exports.push((e.key, host, floats));
+            exports.push(Exported {
+                key: e.key,
+                kv: Vec::new(),
+                source: Some(KvSource {
+                    store: BlockStore::Device(self.kv.clone()),
+                    blocks: e.blocks.clone(),
+                    floats_per_block: fpb,
+                }),
+                state: None,
+            });
         }
         let event = gpu.record().map_err(fail)?;
         Ok(InFlight {
@@ -247,16 +297,26 @@ impl CudaExecutor {
             event: Some(event),
             error: None,
             sampling,
-            _meta: Some(meta),
+            meta: Some(meta),
             results: Some(results),
             exports,
-            _imports: imports,
+            imports,
         })
     }
 
-    /// The completion of a finished record.
-    fn complete(&self, f: InFlight) -> StepCompletion {
-        if let Some(e) = f.error {
+    /// The completion of a finished record; its pinned buffers go back to the pools.
+    fn complete(&mut self, mut f: InFlight) -> StepCompletion {
+        let completion = Self::completion_of(&mut f);
+        self.pinned_words.give_back(f.meta.take());
+        self.pinned_words.give_back(f.results.take());
+        for (_, staged) in f.imports.drain(..) {
+            self.pinned_floats.give_back(staged);
+        }
+        completion
+    }
+
+    fn completion_of(f: &mut InFlight) -> StepCompletion {
+        if let Some(e) = f.error.take() {
             return StepCompletion::of(f.step, Err(e));
         }
         let words = f.results.as_ref().map_or(&[][..], |r| r.as_slice());
@@ -269,17 +329,7 @@ impl CudaExecutor {
                 Sampled { seq, token: (r[1] != 0).then_some(r[0]), logits_hash: r[2] as u64 | (r[3] as u64) << 32 }
             })
             .collect();
-        let exports = f
-            .exports
-            .iter()
-            .map(|(key, host, floats)| Exported {
-                key: *key,
-                kv: host.as_slice()[..*floats].to_vec(),
-                source: None,
-                state: None,
-            })
-            .collect();
-        StepCompletion { step: f.step, result: Ok(sampled), exports }
+        StepCompletion { step: f.step, result: Ok(sampled), exports: std::mem::take(&mut f.exports) }
     }
 }
 
@@ -294,10 +344,10 @@ impl Executor for CudaExecutor {
             event: None,
             error: Some(e),
             sampling: Vec::new(),
-            _meta: None,
+            meta: None,
             results: None,
             exports: Vec::new(),
-            _imports: Vec::new(),
+            imports: Vec::new(),
         });
         self.in_flight.push_back(record);
         if !self.deferred_output {
@@ -338,6 +388,37 @@ impl Executor for CudaExecutor {
             }
         } else if !self.in_flight.is_empty() {
             self.waker.wake();
+        }
+    }
+}
+
+/// Pinned host buffers for reuse, smallest first.
+struct PinnedPool<T> {
+    spare: Vec<PinnedBuf<T>>,
+}
+
+impl<T> Default for PinnedPool<T> {
+    fn default() -> Self {
+        PinnedPool { spare: Vec::new() }
+    }
+}
+
+impl<T: Copy + Default> PinnedPool<T> {
+    /// A buffer of at least `len` elements: a spare one, else a new one (sized to a power of two).
+    fn take(&mut self, gpu: &Gpu, len: usize) -> Result<PinnedBuf<T>, CudaError> {
+        match self.spare.iter().position(|b| b.len() >= len) {
+            Some(i) => Ok(self.spare.remove(i)),
+            None => gpu.pinned(len.next_power_of_two().max(1024)),
+        }
+    }
+
+    fn give_back(&mut self, buf: Option<PinnedBuf<T>>) {
+        if let Some(buf) = buf {
+            let at = self.spare.partition_point(|b| b.len() <= buf.len());
+            self.spare.insert(at, buf);
+            if self.spare.len() > 64 {
+                self.spare.remove(0);
+            }
         }
     }
 }
