@@ -236,6 +236,29 @@ fn arrival_mode(graph: &Graph) -> ArrivalMode {
 }
 
 /// Loads the graph's model.
+/// A `cuda` pool that cannot start is refused before the run: a model of another family, or no
+/// driver on this machine (unless the pool emulates the kernels).
+fn check_cuda_pools(graph: &Graph, model: &Model) -> Result<()> {
+    for pool in graph.pools.iter().filter(|p| p.executor == "cuda") {
+        let settings = kvflow_operators::executor::CudaSettings::read(&pool.executor_settings)
+            .map_err(|e| anyhow!("{}: pool {}: {e}", graph.path.display(), pool.name))?;
+        if let Some(why) = kvflow_kernels::cuda::unsupported(model) {
+            bail!("{}: pool {}: {why}", graph.path.display(), pool.name);
+        }
+        if !settings.emulate {
+            kvflow_kernels::cuda::visible_gpus().map_err(|e| {
+                anyhow!(
+                    "{}: pool {}: executor `cuda`: {e} (`emulate = true` in [pool.executor_settings] runs the kernels \
+                     on the CPU instead)",
+                    graph.path.display(),
+                    pool.name
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
 pub fn load_model(graph: &Graph) -> Result<Arc<Model>> {
     let model = models::load(&graph.model).with_context(|| format!("cannot load model {}", graph.model.display()))?;
     Ok(Arc::new(model))
@@ -335,6 +358,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         );
     }
     let model = load_model(graph)?;
+    check_cuda_pools(graph, &model)?;
     let selection = load_workload(graph, model.vocab_size)?;
     let max_wait = opts.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
     if let Some(why) = crate::workload::longest_wait_over(&selection, &arrival_mode(graph), max_wait) {

@@ -262,32 +262,30 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
     }
 }
 
-/// Without a driver, a cuda pool's requests fail naming what is missing; nothing panics.
+/// Without a driver, a run with a cuda pool is refused before it starts, naming the pool and
+/// what is missing; a model the cuda executor does not run is refused naming its family.
 #[test]
-fn a_cuda_pool_without_a_driver_fails_its_requests_naming_the_driver() {
+fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
+    let run = |model: &str, settings: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let pools =
+            format!("[[pool]]\nname = \"gpu\"\nrole = \"aggregated\"\nranks = 1\nexecutor = \"cuda\"\n{settings}");
+        let trace = short_trace(dir.path());
+        let workload = "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 3";
+        let graph = write_graph_with(dir.path(), model, &trace, workload, "32 MiB", &pools);
+        let mut g = kvflow::graph::Graph::load(&graph).unwrap();
+        g.apply_overrides(&Overrides::default()).unwrap();
+        let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default());
+        format!("{:#}", outcome.err().expect("the run is refused"))
+    };
+    let e = run("hf/qwen3_next", "\n[pool.executor_settings]\nemulate = true\n");
+    assert!(e.contains("pool gpu") && e.contains("family hybrid_gdn"), "{e}");
     if kvflow_kernels::cuda::driver_present() {
-        eprintln!("NOT RUN: this machine has a CUDA driver");
+        eprintln!("NOT RUN (the no-driver half): this machine has a CUDA driver");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let pools = "[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 1\nexecutor = \"cuda\"\n";
-    let trace = short_trace(dir.path());
-    let graph = write_graph_with(
-        dir.path(),
-        "hf/llama",
-        &trace,
-        "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 3",
-        "32 MiB",
-        pools,
-    );
-    let mut g = kvflow::graph::Graph::load(&graph).unwrap();
-    g.apply_overrides(&Overrides::default()).unwrap();
-    let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default()).unwrap();
-    let report = outcome.report.unwrap();
-    assert_eq!(report["failed"], 3, "{report}");
-    for r in records(dir.path()) {
-        assert!(r["error"].as_str().unwrap().contains("no CUDA driver"), "{r}");
-    }
+    let e = run("hf/llama", "");
+    assert!(e.contains("pool gpu") && e.contains("no CUDA driver") && e.contains("emulate = true"), "{e}");
 }
 
 fn layout(blocks: usize) -> MemoryLayout {
