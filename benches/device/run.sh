@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA executor's checks and benchmarks in one call on the device machine (see
-# benches/README.md): build here with `cargo build --release`, copy target/release/kvflow into
-# .device-bin/ (listed in .git/info/exclude), then through the device tool, carrying .device-bin:
+# benches/README.md): `bash benches/device/prepare.sh` here (builds the release binary into
+# .device-bin/, listed in .git/info/exclude), then through the device tool, carrying .device-bin:
 #     bash benches/device/run.sh
 # It runs `kvflow bench device` (parity with expected.json and the CPU executor, batch invariance,
 # pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
@@ -12,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}/device-run.txt"
 bin=.device-bin/kvflow
+if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

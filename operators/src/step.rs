@@ -225,6 +225,19 @@ impl<'a> StepLaunch<'a> {
     }
 }
 
+/// A launch's sequences held in a slice (benches, tests, programs driving an executor directly).
+pub struct SeqSlice<'a>(pub &'a [SeqStep<'a>]);
+
+impl SeqSource for SeqSlice<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn get(&self, i: usize) -> SeqStep<'_> {
+        self.0[i]
+    }
+}
+
 impl SeqSource for [SeqStep<'_>] {
     fn len(&self) -> usize {
         <[SeqStep]>::len(self)

@@ -18,7 +18,7 @@ use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::step::{SeqKey, SeqSource, SeqStep, StepCompletion, StepLaunch};
+use kvflow_operators::step::{SeqKey, SeqSlice, SeqStep, StepCompletion, StepLaunch};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -234,19 +234,6 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
     Ok(failures)
 }
 
-/// A bench step's sequences, as a launch reads them.
-struct Seqs<'a>(&'a [SeqStep<'a>]);
-
-impl SeqSource for Seqs<'_> {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    fn get(&self, i: usize) -> SeqStep<'_> {
-        self.0[i]
-    }
-}
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -335,22 +322,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
     let per_seq = (prompt_len + steps + 1).div_ceil(BS);
     let mut figures = Vec::new();
     for deferred in [true, false] {
-        let layout = MemoryLayout {
-            block_size: BS,
-            blocks: batch * per_seq,
-            slots: 0,
-            snapshots: 0,
-            keeps_kv: true,
-            keeps_state: false,
-            prefix_keyed_by_prompt_len: false,
-        };
-        let ctx = ExecutorContext {
-            pool: "bench".into(),
-            rank: 0,
-            model: model.clone(),
-            layout,
-            waker: Arc::new(Default::default()),
-        };
+        let ctx = ExecutorContext::standalone("bench", model.clone(), MemoryLayout::kv_only(BS, batch * per_seq));
         let settings =
             CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred, emulate, test_stale_ring_slot: false };
         let mut ex = CudaExecutor::new(&ctx, &settings).map_err(|e| anyhow!(e))?;
@@ -370,7 +342,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
                 after: &[],
                 applied_through: None,
                 sampling: &keys,
-                batch: &Seqs(seqs),
+                batch: &SeqSlice(seqs),
                 imports: &[],
                 exports: &[],
             };

@@ -67,15 +67,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
     let block_size = 16;
     let context = 512;
     let blocks = seqs * (context + steps + 16).div_ceil(block_size);
-    let layout = MemoryLayout {
-        block_size,
-        blocks,
-        slots: 0,
-        snapshots: 0,
-        keeps_kv: true,
-        keeps_state: false,
-        prefix_keyed_by_prompt_len: false,
-    };
+    let layout = MemoryLayout::kv_only(block_size, blocks);
     let mut rank_state: Vec<(Scheduler, Sequences, RankMemory)> = (0..ranks)
         .map(|r| {
             let mut mem = RankMemory::new(layout);

@@ -245,15 +245,27 @@ fn check_cuda_pools(graph: &Graph, model: &Model) -> Result<()> {
         if let Some(why) = kvflow_kernels::cuda::unsupported(model) {
             bail!("{}: pool {}: {why}", graph.path.display(), pool.name);
         }
-        if !settings.emulate {
-            kvflow_kernels::cuda::visible_gpus().map_err(|e| {
-                anyhow!(
-                    "{}: pool {}: executor `cuda`: {e} (`emulate = true` in [pool.executor_settings] runs the kernels \
-                     on the CPU instead)",
-                    graph.path.display(),
-                    pool.name
-                )
-            })?;
+        if settings.emulate {
+            continue;
+        }
+        let visible = kvflow_kernels::cuda::visible_gpus().map_err(|e| {
+            anyhow!(
+                "{}: pool {}: executor `cuda`: {e} (`emulate = true` in [pool.executor_settings] runs the kernels on \
+                 the CPU instead)",
+                graph.path.display(),
+                pool.name
+            )
+        })?;
+        if visible == 0 {
+            bail!("{}: pool {}: executor `cuda`: the driver shows no GPU", graph.path.display(), pool.name);
+        }
+        if let Some(asked) = settings.gpus.iter().flatten().find(|&&g| g >= visible) {
+            bail!(
+                "{}: pool {}: executor_settings.gpus names GPU {asked}, and this machine has {visible} visible \
+                 (CUDA_VISIBLE_DEVICES)",
+                graph.path.display(),
+                pool.name
+            );
         }
     }
     Ok(())

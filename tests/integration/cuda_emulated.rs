@@ -14,7 +14,7 @@ use kvflow::graph::Overrides;
 use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::step::{BlockStore, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StepCompletion, StepLaunch};
+use kvflow_operators::step::{BlockStore, KvExport, KvImport, SeqKey, SeqSlice, SeqStep, StepCompletion, StepLaunch};
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
@@ -81,17 +81,6 @@ fn emulated_cuda_logits_are_the_same_bits_alone_and_in_a_batch_of_64() {
     assert_eq!(a.logits_hash, b.logits_hash);
 }
 
-struct Seqs<'a>(&'a [SeqStep<'a>]);
-
-impl SeqSource for Seqs<'_> {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn get(&self, i: usize) -> SeqStep<'_> {
-        self.0[i]
-    }
-}
-
 /// Deferred output on the device: a decode launched before the step that samples its input has
 /// completed names that token by (sequence, step), and the executor feeds it from the ring slot
 /// the earlier step's sampling writes. The tokens equal the ones the host-resolved path gives,
@@ -115,25 +104,9 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
     let model = Arc::new(load(&fixture("hf/llama")));
     let prompt: Vec<u32> = vec![1, 17, 300, 45, 9, 88, 211];
     {
-        let layout = MemoryLayout {
-            block_size: 16,
-            blocks: 4,
-            slots: 0,
-            snapshots: 0,
-            keeps_kv: true,
-            keeps_state: false,
-            prefix_keyed_by_prompt_len: false,
-        };
-        let ctx = ExecutorContext {
-            pool: "t".into(),
-            rank: 0,
-            model: model.clone(),
-            layout,
-            waker: Arc::new(Default::default()),
-        };
         let settings =
             CudaSettings { gpus: None, deferred_output: deferred, emulate: true, test_stale_ring_slot: stale };
-        let mut ex = CudaExecutor::new(&ctx, &settings).unwrap();
+        let mut ex = cuda_rank(&model, &settings);
         let key = SeqKey { index: 0, generation: 1 };
         let table = [2u32, 3];
         let mut tokens = Vec::new();
@@ -146,7 +119,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
                 after: &[],
                 applied_through: None,
                 sampling: &[key],
-                batch: &Seqs(&seqs),
+                batch: &SeqSlice(&seqs),
                 imports: &[],
                 exports: &[],
             };
@@ -288,29 +261,13 @@ fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
     assert!(e.contains("pool gpu") && e.contains("no CUDA driver") && e.contains("emulate = true"), "{e}");
 }
 
-fn layout(blocks: usize) -> MemoryLayout {
-    MemoryLayout {
-        block_size: 16,
-        blocks,
-        slots: 0,
-        snapshots: 0,
-        keeps_kv: true,
-        keeps_state: false,
-        prefix_keyed_by_prompt_len: false,
-    }
+/// An emulated cuda rank with 4 blocks of 16 tokens.
+fn cuda_rank(model: &Arc<kvflow_kernels::models::Model>, settings: &CudaSettings) -> CudaExecutor {
+    CudaExecutor::new(&ExecutorContext::standalone("t", model.clone(), MemoryLayout::kv_only(16, 4)), settings).unwrap()
 }
 
-fn cuda_rank(model: &Arc<kvflow_kernels::models::Model>) -> CudaExecutor {
-    let ctx = ExecutorContext {
-        pool: "t".into(),
-        rank: 0,
-        model: model.clone(),
-        layout: layout(4),
-        waker: Arc::new(Default::default()),
-    };
-    let settings = CudaSettings { gpus: None, deferred_output: true, emulate: true, test_stale_ring_slot: false };
-    CudaExecutor::new(&ctx, &settings).unwrap()
-}
+const EMULATE: CudaSettings =
+    CudaSettings { gpus: None, deferred_output: true, emulate: true, test_stale_ring_slot: false };
 
 /// Runs one step on `ex` and returns its completion.
 fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], exports: &[KvExport]) -> StepCompletion {
@@ -321,7 +278,7 @@ fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], expor
         after: &[],
         applied_through: None,
         sampling: &[seq.key],
-        batch: &Seqs(&seqs),
+        batch: &SeqSlice(&seqs),
         imports,
         exports,
     };
@@ -342,7 +299,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let model = Arc::new(load(&fixture("hf/llama")));
     let case = &expected(&fixture("hf/llama")).cases[0];
     let key = SeqKey { index: 0, generation: 1 };
-    let mut producer = cuda_rank(&model);
+    let mut producer = cuda_rank(&model, &EMULATE);
     let prefill = SeqStep {
         key,
         known: &case.prompt,
@@ -384,18 +341,12 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     });
     let decode = SeqStep { known: &[t0], start_pos: case.prompt.len(), block_table: &[2], ..prefill };
     let import = KvImport { key, blocks: vec![2], slot: None, handoff: handoff.clone() };
-    let mut consumer = cuda_rank(&model);
+    let mut consumer = cuda_rank(&model, &EMULATE);
     let next = one_step(&mut consumer, decode, std::slice::from_ref(&import), &[]);
     assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "the consumer continues from T0");
     assert_eq!(consumer.imports(), (1, 0), "imported device to device, nothing staged through the host");
     // a CPU rank reads the same blocks through the host
-    let ctx = ExecutorContext {
-        pool: "c".into(),
-        rank: 0,
-        model: model.clone(),
-        layout: layout(4),
-        waker: Arc::new(Default::default()),
-    };
+    let ctx = ExecutorContext::standalone("c", model.clone(), MemoryLayout::kv_only(16, 4));
     let mut cpu = kvflow_operators::executor::CpuExecutor::new(
         kvflow_operators::executor::CpuStepRunner::new(&ctx),
         Default::default(),

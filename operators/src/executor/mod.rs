@@ -63,6 +63,11 @@ pub struct ExecutorContext {
 }
 
 impl ExecutorContext {
+    /// Rank 0 of a pool called `pool` that nothing wakes (an executor driven outside a pool).
+    pub fn standalone(pool: &str, model: Arc<Model>, layout: MemoryLayout) -> Self {
+        ExecutorContext { pool: pool.to_string(), rank: 0, model, layout, waker: Arc::new(RankWaker::default()) }
+    }
+
     /// The model's storage for this rank's layout: paged KV and state slots/snapshots.
     pub fn new_cache(&self) -> kvflow_kernels::models::ModelCache {
         let l = &self.layout;

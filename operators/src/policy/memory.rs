@@ -30,6 +30,22 @@ pub struct MemoryLayout {
     pub prefix_keyed_by_prompt_len: bool,
 }
 
+impl MemoryLayout {
+    /// `blocks` blocks of `block_size` tokens of paged KV, no state slots (families without
+    /// recurrent state, driven outside a pool: benches, tests).
+    pub fn kv_only(block_size: usize, blocks: usize) -> Self {
+        MemoryLayout {
+            block_size,
+            blocks,
+            slots: 0,
+            snapshots: 0,
+            keeps_kv: true,
+            keeps_state: false,
+            prefix_keyed_by_prompt_len: false,
+        }
+    }
+}
+
 /// What a request let go of while a step that read it was in flight, each id with the
 /// generation it was held at.
 #[derive(Debug)]

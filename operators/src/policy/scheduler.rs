@@ -359,15 +359,7 @@ mod policy_tests {
     use crate::policy::memory::MemoryLayout;
 
     fn memory(blocks: usize) -> RankMemory {
-        RankMemory::new(MemoryLayout {
-            block_size: 4,
-            blocks,
-            slots: 0,
-            snapshots: 0,
-            keeps_kv: true,
-            keeps_state: false,
-            prefix_keyed_by_prompt_len: false,
-        })
+        RankMemory::new(MemoryLayout::kv_only(4, blocks))
     }
 
     fn config(max_batched_tokens: usize, chunk_tokens: usize) -> SchedulerConfig {
