@@ -2,10 +2,11 @@
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
 //! handoffs written into their blocks (device to device from a producer on this GPU, else
 //! unpacked from pinned memory), the forward, greedy sampling — records a CUDA event and
-//! returns. An export is the blocks themselves, read in place after the step (`SharedKv`). `poll` asks each event, oldest first,
-//! whether it has passed (never waits). A decode whose previous token is still in flight is fed
-//! from the device ring slot the previous step's sampling writes, so the host never waits for
-//! sampled tokens to schedule the next step (deferred output on the device). Each in-flight
+//! returns. An export is the blocks themselves, read in place after the step (`SharedKv`).
+//! `poll` asks each event, oldest first, whether it has passed (never waits). A decode whose
+//! previous token is still in flight is fed from the device ring slot the previous step's
+//! sampling writes, so the host never waits for sampled tokens to schedule the next step
+//! (deferred output on the device). Each in-flight
 //! record owns what the GPU still reads or writes: pinned metadata and result buffers, and the
 //! handoffs it imports (their producers hold the blocks until those drop).
 //!
@@ -13,6 +14,8 @@
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
 //! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
 //! on machines without a GPU). Which time it holds: the rank's step, from launch to completion.
+//! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
+//! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
 
 use super::settings::{SettingError, Settings};
 use super::{Executor, ExecutorContext, ExecutorKind};
@@ -388,6 +391,16 @@ impl Executor for CudaExecutor {
             }
         } else if !self.in_flight.is_empty() {
             self.waker.wake();
+        }
+    }
+}
+
+impl Drop for CudaExecutor {
+    /// Nothing the GPU may still use is freed under it (a run ends with no step in flight; this
+    /// is for one that did not).
+    fn drop(&mut self) {
+        if self.in_flight.iter().any(|f| f.event.is_some()) {
+            let _ = self.gpu.wait();
         }
     }
 }
