@@ -73,9 +73,11 @@ fn decoding_with_a_deferred_executor_takes_one_step_per_token() {
             "{executor} {settings}: launched steps for {prompt} prompt and {output} output tokens"
         );
         // Around them only the pool's own steps: the first wake, the park once all is launched
-        // (flushing the executor), the wake when the last tokens land, the ending step.
+        // (flushing the executor), the wake when the last tokens land, the ending step — and on a
+        // loaded machine, where the executor thread can land a token after the pool parked, a
+        // park and wake more (seen: 6 on CI's 2 cores). Empty steps between tokens would be ~20.
         let all = report["steps"][0].as_u64().unwrap();
-        assert!(all - steps <= 4, "{executor} {settings}: {all} steps for {steps} launches: the pool ran empty steps");
+        assert!(all - steps <= 8, "{executor} {settings}: {all} steps for {steps} launches: the pool ran empty steps");
         launched.push(steps);
     }
     assert!(launched.windows(2).all(|w| w[0] == w[1]), "{launched:?}");
