@@ -11,6 +11,7 @@
 //! 4. Decode tokens/s through the executor with deferred output on and off, beside the count of
 //!    host-device waits on the decode path of each.
 
+use crate::bench::median;
 use crate::bench::model::DEFAULT_SPEC;
 use crate::generate::{generate, GenerateOptions};
 use anyhow::{anyhow, bail, Context, Result};
@@ -150,13 +151,13 @@ fn parity(gpu: &Gpu, model: &Model, dm: &DeviceModel, dir: &Path, family: &str) 
     Ok(failures)
 }
 
-/// A little seeded generator for prompts and block choices.
+/// A seeded stream for prompts and block choices (the trace synthesiser's splitmix64).
 struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        self.0 >> 33
+        self.0 = self.0.wrapping_add(1);
+        crate::trace::splitmix64(self.0)
     }
 }
 
@@ -232,11 +233,6 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
         if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
     );
     Ok(failures)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Pack and unpack of one 4,096-token request against a device-to-device copy of its bytes.

@@ -11,6 +11,7 @@
 //! connection, and the inproc cost (the consumer copying the producer's blocks in place into its
 //! own: one copy) per MiB beside a plain memcpy of the same bytes.
 
+use super::median;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::checkpoint::ModelSpec;
 use kvflow_kernels::kv::{PagedKvCache, StatePool};
@@ -244,9 +245,4 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
     println!("tcp_baseline_gb_per_s={plain:.3} (one connection, 4 MiB write_all, TCP_NODELAY)");
     println!("ratio={:.3}", median(paired));
     Ok(())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
