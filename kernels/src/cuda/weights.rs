@@ -137,6 +137,9 @@ pub fn unsupported(model: &Model) -> Option<String> {
             model.model_type
         ));
     }
+    if !model.holds_every_expert() {
+        return Some("the model holds only one rank's experts (expert parallelism runs on the cpu executor)".into());
+    }
     for (l, layer) in model.layers.iter().enumerate() {
         match &layer.mixer {
             Mixer::Gqa(a) if a.output_gate => return Some(format!("layer {l}: gated attention output (qwen3_next)")),

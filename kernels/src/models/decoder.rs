@@ -7,6 +7,12 @@
 //! [`StepActivations`], [`Model::run_layers`] advances them through each phase's layers in order,
 //! and [`Model::finish_step`] applies the final norm and the LM head. [`Model::forward`] is the
 //! three in a row and computes the same bits.
+//!
+//! Expert parallel, a step stops at every MoE layer instead: [`Model::run_to_experts`] runs on to
+//! the next MoE layer's routing and leaves its routed rows in the activations
+//! ([`Model::routed`]), the ranks owning the experts run them ([`Model::run_expert`]), and
+//! [`Model::combine_experts`] sums their outputs into the hidden state — the same arithmetic, in
+//! the same order, as the layer run whole.
 
 use super::batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
 use super::family::Family;
@@ -139,6 +145,25 @@ pub struct StepActivations {
     block_size: usize,
     /// Layers `0..layers_done` have run (phases run in order, each layer once).
     layers_done: usize,
+    /// Expert parallel: layer `layers_done`'s mixer has run and its MoE rows await their experts.
+    pending: Option<PendingMoe>,
+}
+
+/// A MoE layer's rows waiting for their experts: the normed input and each row's routes.
+struct PendingMoe {
+    x: Vec<f32>,
+    routes: Vec<Vec<(usize, f32)>>,
+}
+
+/// The rows of one step routed at a MoE layer (expert parallel): what dispatch sends.
+#[derive(Clone, Copy, Debug)]
+pub struct RoutedRows<'a> {
+    pub layer: usize,
+    pub hidden: usize,
+    /// The layer's normed input `[rows × hidden]`.
+    pub x: &'a [f32],
+    /// Each row's `(expert, weight)` pairs, ascending by expert.
+    pub routes: &'a [Vec<(usize, f32)>],
 }
 
 impl StepActivations {
@@ -344,7 +369,7 @@ impl Model {
         if self.needs_slots() {
             assert!(batch.iter().all(|s| s.slot.is_some()), "{} needs a state slot for every sequence", self.family);
         }
-        StepActivations { layout, hidden: h, block_size, layers_done: 0 }
+        StepActivations { layout, hidden: h, block_size, layers_done: 0, pending: None }
     }
 
     /// Runs decoder layers `layers` over the step, in order, reading and writing `cache`. Phases
@@ -357,6 +382,7 @@ impl Model {
             acts.layers_done,
             self.layers.len()
         );
+        assert!(acts.pending.is_none(), "layer {} awaits its experts", acts.layers_done);
         if self.needs_blocks() {
             assert_eq!(acts.block_size, cache.kv.block_size(), "the step was laid out for another block size");
         }
@@ -373,10 +399,91 @@ impl Model {
         acts.layers_done = layers.end;
     }
 
+    /// Expert parallel: runs the step on from where it stands, through dense layers whole, up to
+    /// the next MoE layer's routing (its mixer, post-attention norm and router), whose rows then
+    /// await their experts ([`Model::routed`]). Returns `false` when it ran to the last layer.
+    pub fn run_to_experts(&self, acts: &mut StepActivations, cache: &mut ModelCache) -> bool {
+        assert!(acts.pending.is_none(), "layer {} awaits its experts", acts.layers_done);
+        if self.needs_blocks() {
+            assert_eq!(acts.block_size, cache.kv.block_size(), "the step was laid out for another block size");
+        }
+        let t = acts.layout.rows;
+        while acts.layers_done < self.layers.len() {
+            let (layer, binding) = (&self.layers[acts.layers_done], &self.bindings[acts.layers_done]);
+            let h = &mut acts.hidden;
+            let x = layer.input_norm.forward(h);
+            add_into(h, &layer.mixer.forward(&x, &acts.layout, cache, binding));
+            let x = layer.post_norm.forward(h);
+            match &layer.ffn {
+                Ffn::Dense(m) => add_into(h, &m.forward(&x, t)),
+                Ffn::Moe(m) => {
+                    let routes = m.route_rows(&x, t);
+                    acts.pending = Some(PendingMoe { x, routes });
+                    return true;
+                }
+            }
+            acts.layers_done += 1;
+        }
+        false
+    }
+
+    /// The rows awaiting their experts after [`Model::run_to_experts`] stopped at a MoE layer.
+    pub fn routed<'a>(&self, acts: &'a StepActivations) -> Option<RoutedRows<'a>> {
+        let p = acts.pending.as_ref()?;
+        Some(RoutedRows { layer: acts.layers_done, hidden: self.hidden_size, x: &p.x, routes: &p.routes })
+    }
+
+    /// Runs routed expert `expert` of layer `layer` over `n` rows `[n × hidden]`; `None` when
+    /// the layer is dense or this model does not hold that expert (another rank's).
+    pub fn run_expert(&self, layer: usize, expert: usize, rows: &[f32], n: usize) -> Option<Vec<f32>> {
+        match &self.layers.get(layer)?.ffn {
+            Ffn::Moe(m) => m.run_expert(expert, rows, n),
+            Ffn::Dense(_) => None,
+        }
+    }
+
+    /// Ends the MoE layer the step stopped at: `expert_out(r, k)` is the output of row `r`'s
+    /// `k`-th expert (ascending); each row sums them weighted, adds its shared experts, and the
+    /// result is added to the hidden state. The step then stands at the next layer.
+    pub fn combine_experts<'y>(&self, acts: &mut StepActivations, expert_out: impl Fn(usize, usize) -> &'y [f32]) {
+        let p = acts.pending.take().expect("combine_experts follows run_to_experts");
+        let Ffn::Moe(m) = &self.layers[acts.layers_done].ffn else { unreachable!("a pending layer is a MoE layer") };
+        let out = m.combine(&p.x, acts.layout.rows, &p.routes, expert_out);
+        add_into(&mut acts.hidden, &out);
+        acts.layers_done += 1;
+    }
+
+    /// The layers whose feed-forward is a MoE block, with their routed expert counts.
+    pub fn moe_layers(&self) -> Vec<(usize, usize)> {
+        let moe = |(i, l): (usize, &DecoderLayer)| match &l.ffn {
+            Ffn::Moe(m) => Some((i, m.routing.num_experts)),
+            Ffn::Dense(_) => None,
+        };
+        self.layers.iter().enumerate().filter_map(moe).collect()
+    }
+
+    /// Bytes of the routed experts' weights this model holds (one rank's share when it was
+    /// loaded for an expert-parallel rank).
+    pub fn expert_bytes(&self) -> usize {
+        let bytes = |l: &DecoderLayer| match &l.ffn {
+            Ffn::Moe(m) => m.expert_bytes(),
+            Ffn::Dense(_) => 0,
+        };
+        self.layers.iter().map(bytes).sum()
+    }
+
+    /// Whether every MoE layer holds all its routed experts (a model loaded whole).
+    pub fn holds_every_expert(&self) -> bool {
+        self.layers.iter().all(|l| !matches!(&l.ffn, Ffn::Moe(m) if !m.holds_every_expert()))
+    }
+
     /// Ends a step once every layer has run: the final norm and the LM head on the rows of
     /// `batch` (the batch the step began with) that asked for logits.
     pub fn finish_step(&self, batch: &[SeqInput], acts: StepActivations) -> ForwardOutput {
-        assert_eq!(acts.layers_done, self.layers.len(), "finish_step before every layer has run");
+        assert!(
+            acts.layers_done == self.layers.len() && acts.pending.is_none(),
+            "finish_step before every layer has run"
+        );
         assert_eq!(
             batch.iter().map(|s| s.tokens.len()).sum::<usize>(),
             acts.layout.rows,

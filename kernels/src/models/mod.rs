@@ -12,6 +12,8 @@ mod batch;
 mod config;
 pub(crate) mod decoder;
 pub mod deepseek;
+#[cfg(test)]
+mod expert_parallel_tests;
 mod family;
 pub mod kimi_linear;
 #[cfg(test)]
@@ -22,11 +24,11 @@ pub mod qwen3_next;
 mod size;
 
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-pub use decoder::{check_context, Model, ModelCache, Phase, StepActivations};
+pub use decoder::{check_context, Model, ModelCache, Phase, RoutedRows, StepActivations};
 pub use family::{Family, FamilyInfo, FAMILIES};
 pub use size::{available_memory, human_bytes, ModelSize};
 
-use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
+use crate::checkpoint::{ConfigSource, ExpertShard, LoadError, ModelSpec, SafetensorsDir, WeightSource};
 use std::path::Path;
 
 /// The family of a config's `model_type`.
@@ -92,6 +94,26 @@ fn max_positions(cfg: &ConfigSource) -> Result<Option<usize>, LoadError> {
 /// Loads a model from a Hugging Face checkpoint folder (or its `config.json`), or builds a
 /// seeded random one when `source` is a TOML model spec file.
 pub fn load(source: &Path) -> Result<Model, LoadError> {
+    load_for(source, None)
+}
+
+/// [`load`] for rank `rank` of an expert-parallel pool of `ranks`: every MoE layer holds only
+/// that rank's routed experts ([`parts::moe::expert_range`]); the rest of the model is whole.
+pub fn load_expert_shard(source: &Path, rank: usize, ranks: usize) -> Result<Model, LoadError> {
+    load_for(source, Some((rank, ranks)))
+}
+
+fn load_for(source: &Path, shard: Option<(usize, usize)>) -> Result<Model, LoadError> {
+    let build_from = |cfg: &ConfigSource, weights: &dyn WeightSource| match shard {
+        None => build(cfg, weights),
+        Some((rank, ranks)) => build(cfg, &ExpertShard { inner: weights, rank, ranks }),
+    };
+    let load_checkpoint = |dir: &Path| -> Result<Model, LoadError> {
+        let cfg = ConfigSource::read(dir)?;
+        check(&cfg)?;
+        let weights = SafetensorsDir::open(dir)?;
+        build_from(&cfg, &weights)
+    };
     if source.is_file() {
         if source.file_name().is_some_and(|n| n == "config.json") {
             // The checkpoint is the folder the config sits in.
@@ -107,15 +129,8 @@ pub fn load(source: &Path) -> Result<Model, LoadError> {
             });
         }
         let spec = ModelSpec::read(source)?;
-        return build(&spec.config, &spec.weights);
+        return build_from(&spec.config, &spec.weights);
     }
+    // A checkpoint folder: its config is checked in full before a safetensors file is opened.
     load_checkpoint(source)
-}
-
-/// Loads a checkpoint folder: its config is checked in full before a safetensors file is opened.
-fn load_checkpoint(dir: &Path) -> Result<Model, LoadError> {
-    let cfg = ConfigSource::read(dir)?;
-    check(&cfg)?;
-    let weights = SafetensorsDir::open(dir)?;
-    build(&cfg, &weights)
 }

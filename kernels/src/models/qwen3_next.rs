@@ -259,6 +259,7 @@ fn qwen_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, 
             norm_topk_prob: c.norm_topk_prob,
             scaling: 1.0,
         },
+        first_expert: w.experts_to_load(n).start,
         experts: load_experts(
             w,
             &format!("{prefix}.experts"),

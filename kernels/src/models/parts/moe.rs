@@ -4,10 +4,30 @@
 //! batch-invariant product per expert over the tokens routed to it; each token then sums its
 //! experts' outputs in ascending expert order (as transformers' `index_add_` loop does) and adds
 //! the shared experts. A token's result therefore never depends on the other tokens.
+//!
+//! Expert parallelism splits the same block three ways without changing a bit: the token's own
+//! rank routes it ([`MoeBlock::route_rows`]) and computes its shared experts, the ranks owning its
+//! experts run them ([`MoeBlock::run_expert`], a block may hold only a contiguous range of its
+//! experts, [`expert_range`]), and the token's rank sums what comes back ([`MoeBlock::combine`])
+//! in ascending expert order — the order [`MoeBlock::forward`] uses, through the same code.
 
 use super::layers::{Linear, Mlp};
 use crate::checkpoint::{LoadError, WeightSource};
 use crate::cpu::activation::sigmoid;
+use std::ops::Range;
+
+/// The experts rank `rank` of `ranks` owns: the contiguous range `rank·n/ranks .. (rank+1)·n/ranks`,
+/// so ranges differ by at most one expert when the count does not divide (a rank owns none when
+/// there are fewer experts than ranks).
+pub fn expert_range(num_experts: usize, rank: usize, ranks: usize) -> Range<usize> {
+    let ranks = ranks.max(1);
+    rank * num_experts / ranks..(rank + 1) * num_experts / ranks
+}
+
+/// The rank of `ranks` owning `expert` (the inverse of [`expert_range`]).
+pub fn expert_owner(num_experts: usize, expert: usize, ranks: usize) -> usize {
+    (0..ranks).find(|&r| expert_range(num_experts, r, ranks).contains(&expert)).unwrap_or(0)
+}
 
 /// How router logits become expert scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,7 +109,11 @@ impl Routing {
 pub struct MoeBlock {
     pub router: Linear,
     pub routing: Routing,
+    /// The experts this block holds: `first_expert..first_expert + experts.len()` of
+    /// `routing.num_experts` (all of them, unless it was loaded for one rank of an
+    /// expert-parallel pool).
     pub experts: Vec<Mlp>,
+    pub first_expert: usize,
     pub shared: Option<Mlp>,
     /// Qwen-style scalar gate on the shared expert: `sigmoid(x·g) · shared(x)`.
     pub shared_gate: Option<Linear>,
@@ -97,11 +121,10 @@ pub struct MoeBlock {
 
 impl MoeBlock {
     pub fn forward(&self, x: &[f32], t: usize) -> Vec<f32> {
+        assert!(self.holds_every_expert(), "a block holding experts {:?} runs only expert parallel", self.held());
         let hidden = self.router.in_dim();
         // 1. router logits and per-token routes                    [t × experts]
-        let logits = self.router.forward(x, t);
-        let routes: Vec<Vec<(usize, f32)>> =
-            logits.chunks_exact(self.routing.num_experts).map(|l| self.routing.route(l)).collect();
+        let routes = self.route_rows(x, t);
         // 2. each expert runs once over the tokens routed to it
         let mut tokens_of: Vec<Vec<usize>> = vec![Vec::new(); self.experts.len()];
         for (r, route) in routes.iter().enumerate() {
@@ -122,15 +145,54 @@ impl MoeBlock {
             })
             .collect();
         // 3. each token sums its experts in ascending order, then adds the shared experts
-        let mut out = vec![0.0f32; t * hidden];
         let mut cursor = vec![0usize; self.experts.len()];
+        let mut at = Vec::with_capacity(routes.len());
+        for route in &routes {
+            at.push(
+                route
+                    .iter()
+                    .map(|&(e, _)| {
+                        cursor[e] += 1;
+                        cursor[e] - 1
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
+        self.combine(x, t, &routes, |r, k| {
+            let (e, i) = (routes[r][k].0, at[r][k]);
+            &outputs[e][i * hidden..(i + 1) * hidden]
+        })
+    }
+
+    /// Each row's `(expert, weight)` pairs, ascending by expert (the router on the row alone).
+    pub fn route_rows(&self, x: &[f32], t: usize) -> Vec<Vec<(usize, f32)>> {
+        let logits = self.router.forward(x, t);
+        logits.chunks_exact(self.routing.num_experts).map(|l| self.routing.route(l)).collect()
+    }
+
+    /// Runs expert `expert` over `n` rows `[n × hidden]`, or `None` when this block does not hold
+    /// it. A row's output does not depend on the other rows.
+    pub fn run_expert(&self, expert: usize, rows: &[f32], n: usize) -> Option<Vec<f32>> {
+        let mlp = self.experts.get(expert.checked_sub(self.first_expert)?)?;
+        Some(mlp.forward(rows, n))
+    }
+
+    /// The block's output for `t` rows `x` routed as `routes`, given each row's expert outputs:
+    /// `expert_out(r, k)` is the output `[hidden]` of row `r`'s `k`-th expert (ascending order).
+    /// Each row sums `weight · output` in ascending expert order, then adds the shared experts.
+    pub fn combine<'y>(
+        &self,
+        x: &[f32],
+        t: usize,
+        routes: &[Vec<(usize, f32)>],
+        expert_out: impl Fn(usize, usize) -> &'y [f32],
+    ) -> Vec<f32> {
+        let hidden = self.router.in_dim();
+        let mut out = vec![0.0f32; t * hidden];
         for (r, route) in routes.iter().enumerate() {
             let acc = &mut out[r * hidden..(r + 1) * hidden];
-            for &(e, w) in route {
-                let i = cursor[e];
-                cursor[e] += 1;
-                let y = &outputs[e][i * hidden..(i + 1) * hidden];
-                for (a, v) in acc.iter_mut().zip(y) {
+            for (k, &(_, w)) in route.iter().enumerate() {
+                for (a, v) in acc.iter_mut().zip(expert_out(r, k)) {
                     *a += v * w;
                 }
             }
@@ -146,6 +208,20 @@ impl MoeBlock {
             }
         }
         out
+    }
+
+    /// The experts this block holds.
+    pub fn held(&self) -> Range<usize> {
+        self.first_expert..self.first_expert + self.experts.len()
+    }
+
+    pub fn holds_every_expert(&self) -> bool {
+        self.held() == (0..self.routing.num_experts)
+    }
+
+    /// Bytes of the routed experts' weights this block holds.
+    pub fn expert_bytes(&self) -> usize {
+        self.experts.iter().map(|e| e.macs_per_row() * std::mem::size_of::<f32>()).sum()
     }
 
     /// Multiply-adds per token: router, the `top_k` routed experts, shared experts.
@@ -185,6 +261,7 @@ impl SigmoidMoe<'_> {
                 correction_bias: Some(w.tensor(&format!("{p}.gate.e_score_correction_bias"), &[n])?),
                 ..self.routing
             },
+            first_expert: w.experts_to_load(n).start,
             experts: load_experts(w, &format!("{p}.experts"), self.expert_names, n, hidden, self.inter)?,
             shared,
             shared_gate: None,
@@ -199,9 +276,11 @@ pub(crate) fn moe_params(hidden: usize, experts: usize, inter: usize, shared_int
     n * 3 * h * i + h * n + n + 3 * h * s + h
 }
 
-/// Loads `num_experts` SwiGLU experts under `prefix`, stored either one module per expert
-/// (`{prefix}.{e}.{gate}.weight`, …) or fused as transformers 5 holds them in memory
-/// (`{prefix}.gate_up_proj` `[E × 2I × H]`, `{prefix}.down_proj` `[E × H × I]`).
+/// Loads the SwiGLU experts of `num_experts` under `prefix` that `w` serves
+/// ([`WeightSource::experts_to_load`]: all of them, or one rank's range), stored either one module
+/// per expert (`{prefix}.{e}.{gate}.weight`, …; only those are read) or fused as transformers 5
+/// holds them in memory (`{prefix}.gate_up_proj` `[E × 2I × H]`, `{prefix}.down_proj`
+/// `[E × H × I]`; read whole, the range kept).
 pub fn load_experts(
     w: &dyn WeightSource,
     prefix: &str,
@@ -210,14 +289,13 @@ pub fn load_experts(
     hidden: usize,
     inter: usize,
 ) -> Result<Vec<Mlp>, LoadError> {
+    let range = w.experts_to_load(num_experts);
     if w.contains(&format!("{prefix}.0.{}.weight", names[0])) || !w.contains(&format!("{prefix}.gate_up_proj")) {
-        return (0..num_experts)
-            .map(|e| Mlp::load_named(w, &format!("{prefix}.{e}"), names, hidden, inter, false))
-            .collect();
+        return range.map(|e| Mlp::load_named(w, &format!("{prefix}.{e}"), names, hidden, inter, false)).collect();
     }
     let gate_up = w.tensor(&format!("{prefix}.gate_up_proj"), &[num_experts, 2 * inter, hidden])?;
     let down = w.tensor(&format!("{prefix}.down_proj"), &[num_experts, hidden, inter])?;
-    Ok((0..num_experts)
+    Ok(range
         .map(|e| {
             let gu = &gate_up[e * 2 * inter * hidden..(e + 1) * 2 * inter * hidden];
             let d = &down[e * hidden * inter..(e + 1) * hidden * inter];
