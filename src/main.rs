@@ -378,6 +378,7 @@ fn run_graph(
                     Some((op.to_string(), rank.parse()?, step.parse()?))
                 }
             },
+            ..Default::default()
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

@@ -14,7 +14,7 @@
 //! the complete set of reports, and every rank derives the same plan from it, so any collective
 //! a forward runs is a pure function of the plan and no rank can be one short.
 
-use crate::messages::{RankReport, StepPlan};
+use crate::messages::{RankReport, StepPlan, StepShape};
 use crate::policy::prefix_cache::block_hashes;
 use crate::policy::router::{RouteRequest, Router};
 use std::collections::BTreeMap;
@@ -31,11 +31,22 @@ pub struct RoutingKeys {
     pub keyed_by_prompt_len: bool,
 }
 
+/// What a pool's forward does collectively, from its config and model: the plan's shape
+/// decisions read it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Collectives {
+    /// The model layers with MoE dispatch and combine (empty without expert parallelism).
+    pub moe_layers: Vec<usize>,
+    /// The scheduler's spec width: rows per request in a decode step (1 + drafts).
+    pub spec_width: usize,
+}
+
 pub fn align<'scope>(
     reports: StreamVec<'scope, u64, RankReport>,
     ranks: usize,
     mut router: Box<dyn Router>,
     keys: RoutingKeys,
+    collectives: Collectives,
     hold_at: Option<u64>,
     without_waiting: bool,
 ) -> StreamVec<'scope, u64, StepPlan> {
@@ -59,7 +70,7 @@ pub fn align<'scope>(
                         if planned_partially.insert(t) {
                             let mut got = got;
                             got.sort_by_key(|r| r.rank);
-                            let plan = derive_plan(t, got, router.as_mut(), keys);
+                            let plan = derive_plan(t, got, router.as_mut(), keys, &collectives);
                             output.session(&cap).give(plan);
                         }
                     }
@@ -72,8 +83,8 @@ pub fn align<'scope>(
                     let Some((cap, mut got)) = stash.remove(&t) else { break };
                     got.sort_by_key(|r| r.rank);
                     let plan = match complete_set(t, &got, ranks) {
-                        Ok(()) => derive_plan(t, got, router.as_mut(), keys),
-                        Err(fault) => faulted_plan(t, got, fault),
+                        Ok(()) => derive_plan(t, got, router.as_mut(), keys, &collectives),
+                        Err(fault) => faulted_plan(t, got, fault, &collectives),
                     };
                     output.session(&cap).give(plan);
                     if hold_at == Some(t) {
@@ -97,17 +108,52 @@ fn complete_set(t: u64, got: &[RankReport], ranks: usize) -> Result<(), String> 
 /// The plan of a step whose reports are not one per rank: nothing new is admitted — those
 /// requests fail with the fault — cancellations go through, and the pool neither parks nor ends
 /// on it (it cannot tell that every rank is idle).
-fn faulted_plan(step: u64, mut ranks: Vec<RankReport>, fault: String) -> StepPlan {
+fn faulted_plan(step: u64, mut ranks: Vec<RankReport>, fault: String, collectives: &Collectives) -> StepPlan {
     tracing::error!("{fault}");
     eprintln!("runtime fault: {fault}");
     let unroutable =
         ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.admissions)).map(|a| (a, fault.clone())).collect();
     let cancels = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.cancels)).collect();
-    StepPlan { step, ranks, routed: Vec::new(), unroutable, cancels, idle: false, park: false, end: false }
+    // Which ranks run cannot be told: every MoE layer keeps its exchange (a rank that launched
+    // nothing sends nothing through it).
+    let shape = StepShape {
+        tokens_per_rank: tokens_per_rank(&ranks),
+        idle_dummy_rows: idle_dummy_rows(collectives, true),
+        exchange_layers: collectives.moe_layers.clone(),
+    };
+    StepPlan { step, ranks, routed: Vec::new(), unroutable, cancels, idle: false, park: false, end: false, shape }
+}
+
+/// Decision: the tokens each rank runs at `t` — read from each report's `scheduled_tokens`.
+pub fn tokens_per_rank(ranks: &[RankReport]) -> Vec<usize> {
+    ranks.iter().map(|r| r.scheduled_tokens).collect()
+}
+
+/// Decision: what an idle rank keeps for the collectives of `t` — read from whether the pool
+/// has collectives (MoE layers exchanging) and whether some rank runs tokens at `t`; its width
+/// is the scheduler's spec width.
+pub fn idle_dummy_rows(collectives: &Collectives, some_rank_runs: bool) -> Option<usize> {
+    (!collectives.moe_layers.is_empty() && some_rank_runs).then_some(collectives.spec_width.max(1))
+}
+
+/// Decision: the layers whose dispatch and combine exchange rows at `t` — every MoE layer when
+/// some rank runs tokens at `t`, none otherwise.
+pub fn exchange_layers(collectives: &Collectives, some_rank_runs: bool) -> Vec<usize> {
+    if some_rank_runs {
+        collectives.moe_layers.clone()
+    } else {
+        Vec::new()
+    }
 }
 
 /// `StepPlan(t)` from the complete, rank-ordered reports of `t`.
-pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Router, keys: RoutingKeys) -> StepPlan {
+pub fn derive_plan(
+    step: u64,
+    mut ranks: Vec<RankReport>,
+    router: &mut dyn Router,
+    keys: RoutingKeys,
+    collectives: &Collectives,
+) -> StepPlan {
     // (With a partial set of reports — only under the test switch — ranks are missing here.)
     let admissions: Vec<_> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.admissions)).collect();
     let cancels: Vec<u64> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.cancels)).collect();
@@ -134,7 +180,12 @@ pub fn derive_plan(step: u64, mut ranks: Vec<RankReport>, router: &mut dyn Route
     let idle = !launches && routed.is_empty() && unroutable.is_empty() && cancels.is_empty();
     let park = idle && ranks.iter().all(RankReport::idle);
     let end = park && ranks.first().is_some_and(|r| r.closing);
-    StepPlan { step, ranks, routed, unroutable, cancels, idle, park, end }
+    let shape = StepShape {
+        tokens_per_rank: tokens_per_rank(&ranks),
+        idle_dummy_rows: idle_dummy_rows(collectives, launches),
+        exchange_layers: exchange_layers(collectives, launches),
+    };
+    StepPlan { step, ranks, routed, unroutable, cancels, idle, park, end, shape }
 }
 
 #[cfg(test)]
@@ -159,7 +210,13 @@ mod tests {
     }
 
     fn plan(reports: Vec<RankReport>) -> StepPlan {
-        derive_plan(7, reports, &mut RoundRobin::default(), RoutingKeys { block_size: 4, keyed_by_prompt_len: false })
+        derive_plan(
+            7,
+            reports,
+            &mut RoundRobin::default(),
+            RoutingKeys { block_size: 4, keyed_by_prompt_len: false },
+            &Collectives::default(),
+        )
     }
 
     #[test]
@@ -239,7 +296,13 @@ mod tests {
             warmup: false,
             kind: Default::default(),
         });
-        let p = derive_plan(1, r, &mut Beyond, RoutingKeys { block_size: 4, keyed_by_prompt_len: false });
+        let p = derive_plan(
+            1,
+            r,
+            &mut Beyond,
+            RoutingKeys { block_size: 4, keyed_by_prompt_len: false },
+            &Collectives::default(),
+        );
         assert!(p.routed.is_empty());
         assert_eq!(p.unroutable.len(), 1);
         assert!(p.unroutable[0].1.contains("rank 2 of a 2-rank pool"), "{:?}", p.unroutable);
@@ -262,7 +325,7 @@ mod tests {
             kind: Default::default(),
         });
         r.cancels.push(3);
-        let p = faulted_plan(4, vec![r], e.clone());
+        let p = faulted_plan(4, vec![r], e.clone(), &Collectives::default());
         assert_eq!(p.unroutable.len(), 1);
         assert_eq!((p.unroutable[0].0.id, p.unroutable[0].1.as_str()), (8, e.as_str()));
         assert_eq!(p.cancels, vec![3]);

@@ -16,9 +16,13 @@
 //! Whenever the pool idles — it parks (nothing held, nothing in flight) or waits on steps in
 //! flight — every rank checks its accounting.
 //!
+//! With expert parallelism (`crate::experts`) the launch runs to the first MoE layer's routing and
+//! the signal travels on, through each MoE layer's dispatch, experts and combine, to the
+//! feedback edge: `t + 1` is scheduled once the whole step has launched on this rank.
+//!
 //! Guarantee carried: only `Launched(t)` gates `t + 1` (DESIGN §4).
 
-use crate::messages::{Event, LoopSignal, StepPlan};
+use crate::messages::{Event, LoopSignal, StageToken, StepPlan};
 use crate::rank::Rank;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -33,19 +37,25 @@ use timely::dataflow::StreamVec;
 pub struct ForwardOutputs<'scope> {
     pub signals: StreamVec<'scope, u64, LoopSignal>,
     pub sampled: StreamVec<'scope, u64, Event>,
+    /// With expert parallelism the step runs on through the MoE layers (`crate::experts`): the
+    /// signal rides on the token they pass along, and `signals` stays empty.
+    pub stages: StreamVec<'scope, u64, StageToken>,
 }
 
 pub fn forward<'scope>(
     plans: StreamVec<'scope, u64, StepPlan>,
     rank: Rc<RefCell<Rank>>,
+    expert_parallel: bool,
     hold_at: Option<u64>,
 ) -> ForwardOutputs<'scope> {
     let mut builder = OperatorBuilder::new("forward".to_string(), plans.scope());
     let mut input = builder.new_input(plans, Pipeline);
     let (signal_out, signals) = builder.new_output();
     let (sampled_out, sampled) = builder.new_output();
+    let (stage_out, stages) = builder.new_output();
     let mut signal_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<LoopSignal>>>::from(signal_out);
     let mut sampled_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<Event>>>::from(sampled_out);
+    let mut stage_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<StageToken>>>::from(stage_out);
     builder.build(move |_caps| {
         // Capabilities on the sampled output, per step in flight on this rank.
         let mut in_flight: BTreeMap<u64, Capability<u64>> = BTreeMap::new();
@@ -53,9 +63,11 @@ pub fn forward<'scope>(
         move |_frontiers| {
             let mut signal_session = signal_out.activate();
             let mut sampled_session = sampled_out.activate();
+            let mut stage_session = stage_out.activate();
             input.for_each_stamp(|stamp, data| {
                 let Some(signal_cap) = stamp.retain_least(0) else { return };
                 let Some(sampled_cap) = stamp.retain_least(1) else { return };
+                let Some(stage_cap) = stamp.retain_least(2) else { return };
                 let t = *signal_cap.time();
                 for plans in data {
                     for plan in plans.drain(..) {
@@ -79,7 +91,13 @@ pub fn forward<'scope>(
                         } else {
                             LoopSignal::Launched
                         };
-                        signal_session.session(&signal_cap).give(signal);
+                        if expert_parallel {
+                            let exchange = !plan.shape.exchange_layers.is_empty();
+                            let token = StageToken { signal, exchange, dispatched: Vec::new() };
+                            stage_session.session(&stage_cap).give(token);
+                        } else {
+                            signal_session.session(&signal_cap).give(signal);
+                        }
                         if plan.park {
                             rank.check_accounting(&format!("at park after step {t}"));
                         } else if plan.idle {
@@ -93,12 +111,12 @@ pub fn forward<'scope>(
                     in_flight.insert(t, sampled_cap);
                 }
                 if hold_at == Some(t) {
-                    held.push(signal_cap);
+                    held.push((signal_cap, stage_cap));
                 }
             });
         }
     });
-    ForwardOutputs { signals, sampled }
+    ForwardOutputs { signals, sampled, stages }
 }
 
 /// Emits the requests that ended, each at the step whose completion ended it, and lets go of the

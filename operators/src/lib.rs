@@ -7,6 +7,7 @@ pub mod admit;
 pub mod align;
 pub mod emit;
 pub mod executor;
+pub mod experts;
 pub mod forward;
 pub mod messages;
 pub mod policy;

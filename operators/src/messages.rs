@@ -91,6 +91,24 @@ pub struct StepPlan {
     pub park: bool,
     /// Parked, and the workload is done (rank 0's ingress is closed): the pool ends.
     pub end: bool,
+    /// The per-step decisions beyond the batch that every rank must agree on.
+    pub shape: StepShape,
+}
+
+/// Decisions of `StepPlan(t)` that fix what every rank's forward does collectively (DESIGN §4;
+/// each reads the one fact it names, §5 "named conditions").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Tokens each rank runs at `t`, by rank (what `DPMetadata` all-reduces elsewhere).
+    pub tokens_per_rank: Vec<usize>,
+    /// The batch an idle rank keeps at `t` so its collectives match its peers': the scheduler's
+    /// spec width in rows (1 + drafts per request; 1 without speculative decoding, q = 1 on a
+    /// producer). `None` when nothing is collective at `t`. An idle rank here sends nothing and
+    /// lets time pass, so the CPU executor runs no dummy; a GPU backend replaying captured
+    /// graphs runs this shape.
+    pub idle_dummy_rows: Option<usize>,
+    /// The model layers whose dispatch and combine exchange rows at `t`.
+    pub exchange_layers: Vec<usize>,
 }
 
 /// What `forward(t)` tells the next step through the feedback edge.
@@ -179,4 +197,68 @@ impl Event {
             | Event::Received { id, .. } => *id,
         }
     }
+}
+
+/// Rows of one rank's step crossing to another at a MoE layer (expert parallel, DESIGN §4): at
+/// dispatch, token rows a rank sends to the rank owning some of their experts; at combine, those
+/// experts' outputs coming back. Timely carries the addressing and the (row, expert) list; the
+/// floats are a [`Payload`] only executors read.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExpertRows {
+    /// Which MoE layer (its index among the model's MoE layers).
+    pub moe: usize,
+    pub from: usize,
+    pub to: usize,
+    /// One entry per (token row, expert), ascending: the row's index in the batch of the rank
+    /// whose token it is (the sender at dispatch, the receiver at combine).
+    pub pairs: Vec<(u32, u32)>,
+    /// `pairs.len()` rows of the model's hidden size: the token's normed input at dispatch, the
+    /// expert's output at combine.
+    pub payload: Payload,
+}
+
+/// The floats an expert exchange moves. Today they travel with the message (host memory); a
+/// GPU backend adds a variant naming device memory the receiver copies from, while timely
+/// still carries the counts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Payload {
+    Host(Vec<f32>),
+}
+
+impl Payload {
+    /// Bytes the payload moves.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Payload::Host(v) => std::mem::size_of_val(&v[..]),
+        }
+    }
+}
+
+impl ExpertRows {
+    /// Bytes this message moves between ranks: its payload and its (row, expert) list.
+    pub fn bytes(&self) -> usize {
+        self.payload.bytes() + std::mem::size_of_val(&self.pairs[..])
+    }
+}
+
+/// A (row, expert) pair a rank dispatched at a MoE layer: what `combine` must get a result for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertPair {
+    pub row: u32,
+    pub expert: u32,
+    /// The rank that owns the expert.
+    pub owner: usize,
+}
+
+/// What passes along one rank's expert-parallel chain at step `t`, from `forward` through each
+/// MoE layer's `dispatch` and `combine` (a pipeline: it never leaves the rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StageToken {
+    /// What the last `combine` tells the next step (the feedback edge).
+    pub signal: LoopSignal,
+    /// `StepPlan(t)`: whether the MoE layers exchange at `t` (some rank has tokens).
+    pub exchange: bool,
+    /// Set by `dispatch`: the (row, expert) pairs this rank sent at the current layer, with the
+    /// rank owning each expert — what `combine` must get back.
+    pub dispatched: Vec<ExpertPair>,
 }

@@ -277,11 +277,15 @@ pub struct StepCompletion {
     pub result: Result<Vec<Sampled>, ExecutorError>,
     /// What the step's exports copied out, in the order asked.
     pub exports: Vec<Exported>,
+    /// Sequences of the step that failed while the rest of it ran (a MoE row that got no
+    /// expert result), with why: their requests fail, and whatever was sampled for them is not
+    /// taken.
+    pub failed: Vec<(SeqKey, String)>,
 }
 
 impl StepCompletion {
     /// A completion with no exports.
     pub fn of(step: u64, result: Result<Vec<Sampled>, ExecutorError>) -> Self {
-        StepCompletion { step, result, exports: Vec::new() }
+        StepCompletion { step, result, exports: Vec::new(), failed: Vec::new() }
     }
 }

@@ -24,12 +24,12 @@ use anyhow::{bail, Result};
 use kvflow_kernels::checkpoint::ModelSpec;
 use kvflow_kernels::models;
 use kvflow_operators::admit::Ingress;
-use kvflow_operators::align::{derive_plan, RoutingKeys};
+use kvflow_operators::align::{derive_plan, Collectives, RoutingKeys};
 use kvflow_operators::executor::ExecutorRegistry;
 use kvflow_operators::messages::RankReport;
 use kvflow_operators::policy::memory::{MemoryLayout, RankMemory};
 use kvflow_operators::policy::router::{RouterContext, RouterRegistry};
-use kvflow_operators::policy::scheduler::{Scheduler, SchedulerConfig, StepDecision};
+use kvflow_operators::policy::scheduler::{AdmissionPolicy, Scheduler, SchedulerConfig, StepDecision};
 use kvflow_operators::policy::sequence::{Sequence, Sequences};
 use kvflow_operators::rank::TestSwitches;
 use std::sync::Arc;
@@ -58,6 +58,7 @@ fn scheduler_config(seqs: usize) -> SchedulerConfig {
         chunk_tokens: 64,
         prefix_cache: true,
         snapshot_interval_blocks: 4,
+        admission: AdmissionPolicy::Optimistic,
     }
 }
 
@@ -128,7 +129,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
                 closing: false,
             });
         }
-        std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys));
+        std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys, &Collectives::default()));
     }
     (thread_cpu_s() - started) * 1e6 / steps as f64
 }
@@ -251,6 +252,7 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
         executor_settings,
         cluster: None,
         switches: TestSwitches::default(),
+        experts: None,
     };
     let ingress = Arc::new(Ingress::default());
     let sink = CollectorSink { pool: "bench".into(), batches };

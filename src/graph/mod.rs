@@ -55,6 +55,9 @@
 //! ranks = 2                        # default 1
 //! executor = "cpu"                 # cpu | cpu-deferred | null, or one registered by a program (default "cpu")
 //! router = "least-outstanding"     # a name from the router registry (default "least-outstanding")
+//! expert_parallel = false          # MoE experts split over the ranks, dispatch/combine per MoE layer (cpu executor; default false)
+//! admission = "optimistic"         # optimistic: admit, preempt by recompute when memory runs out;
+//!                                  # reserve: admit only what the rank can hold to its end (default optimistic)
 //!
 //! [[pool]]                         # a second pool of the same run: its own timely computation
 //! name = "second"
@@ -220,7 +223,7 @@ pub struct MemoryConfig {
 /// Per-rank batching limits of `schedule(t)`: the policy's own config (`[scheduler]`, with
 /// `memory.snapshot_interval_blocks`), checked here: every limit at least 1 and `chunk_tokens`
 /// at most `max_batched_tokens`.
-pub use kvflow_operators::policy::scheduler::SchedulerConfig;
+pub use kvflow_operators::policy::scheduler::{AdmissionPolicy, SchedulerConfig};
 
 /// Which of a run's pools a new request enters (`workload.pool_choice`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,6 +293,9 @@ pub struct PoolConfig {
     /// A decode pool's `[pool.disaggregation]`; the defaults for every other role (which may not
     /// set it).
     pub disaggregation: DisaggregationConfig,
+    /// `expert_parallel = true`: the MoE experts are split over the pool's ranks, each MoE layer
+    /// a dispatch and a combine between them (DESIGN §4; cpu executor, MoE models).
+    pub expert_parallel: bool,
 }
 
 /// Conditional disaggregation of a decode pool (DESIGN §8, `[pool.disaggregation]`): the rule
@@ -690,6 +696,7 @@ mod tests {
             chunk_tokens: 64,
             prefix_cache: true,
             snapshot_interval_blocks: 4,
+            admission: AdmissionPolicy::Optimistic,
         };
         assert_eq!(graph.scheduler, scheduler);
         assert_eq!(graph.pools.len(), 2);

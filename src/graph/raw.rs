@@ -65,6 +65,8 @@ pub(super) struct RawPool {
     /// The executor's own settings; which keys it takes is the executor's business.
     pub(super) executor_settings: Option<Spanned<toml::Table>>,
     pub(super) router: Option<Spanned<String>>,
+    pub(super) expert_parallel: Option<Spanned<bool>>,
+    pub(super) admission: Option<Spanned<String>>,
     /// This pool's own `[pool.memory]` and `[pool.scheduler]`: keys set here override the
     /// graph's top-level tables.
     pub(super) memory: Option<RawMemory>,

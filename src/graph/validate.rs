@@ -16,9 +16,9 @@ use super::rules::{
     pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
 };
 use super::{
-    known_trace_formats, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph, GraphError, LinkConfig,
-    Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole, SchedulerConfig, SloConfig, TransferBackend,
-    TransferConfig, WorkloadConfig, WorkloadMode,
+    known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph,
+    GraphError, LinkConfig, Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole, SchedulerConfig, SloConfig,
+    TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
 };
 
 const DEFAULT_MEMORY: MemoryConfig = MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 };
@@ -28,6 +28,7 @@ const DEFAULT_SCHEDULER: SchedulerConfig = SchedulerConfig {
     chunk_tokens: 64,
     prefix_cache: true,
     snapshot_interval_blocks: 4,
+    admission: AdmissionPolicy::Optimistic,
 };
 const DEFAULT_EXECUTOR: &str = "cpu";
 const DEFAULT_ROUTER: &str = "least-outstanding";
@@ -230,6 +231,7 @@ impl<'a> Validator<'a> {
                 base.snapshot_interval_blocks,
                 at_least_one,
             )?,
+            admission: base.admission,
         })
     }
 
@@ -271,6 +273,27 @@ impl<'a> Validator<'a> {
             })?;
             let (pool_memory, pool_scheduler) =
                 (pool.memory.clone().unwrap_or_default(), pool.scheduler.clone().unwrap_or_default());
+            let expert_parallel = pool.expert_parallel.as_ref().is_some_and(|e| *e.get_ref());
+            if let (true, Some(e)) = (expert_parallel, &pool.expert_parallel) {
+                if executor != "cpu" {
+                    return Err(self.error(
+                        "pool.expert_parallel",
+                        Some(e.span()),
+                        format!(
+                            "expert_parallel = true runs on the \"cpu\" executor (it alone has dispatch, experts and \
+                             combine phases); pool `{name_value}` uses \"{executor}\""
+                        ),
+                    ));
+                }
+            }
+            let admission =
+                self.field("pool.admission", pool.admission.as_ref(), AdmissionPolicy::Optimistic, |a| {
+                    AdmissionPolicy::from_name(&a).ok_or_else(|| {
+                        format!("`{a}` is not an admission policy; known: {}", quoted_list(AdmissionPolicy::NAMES))
+                    })
+                })?;
+            let mut pool_scheduler_config = self.scheduler(&pool_scheduler, &pool_memory, "pool.", scheduler)?;
+            pool_scheduler_config.admission = admission;
             pools.push(PoolConfig {
                 role,
                 ranks: self.field("pool.ranks", pool.ranks.as_ref(), 1, rank_count)?,
@@ -280,8 +303,9 @@ impl<'a> Validator<'a> {
                     one_of(&r, &self.names.routers, "router")
                 })?,
                 memory: self.memory(&pool_memory, "pool.memory", memory)?,
-                scheduler: self.scheduler(&pool_scheduler, &pool_memory, "pool.", scheduler)?,
+                scheduler: pool_scheduler_config,
                 disaggregation: self.disaggregation(&name_value, role, pool.disaggregation.as_ref())?,
+                expert_parallel,
                 name: name_value,
             });
             name_spans.push(name.span());

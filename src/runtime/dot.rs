@@ -12,7 +12,7 @@ use super::pool::{build_pool_graph, PoolParts, PoolStreams};
 use crate::graph::{Graph, PoolConfig, WorkloadMode};
 use crate::registry::Registry;
 use anyhow::{anyhow, Result};
-use kvflow_operators::align::RoutingKeys;
+use kvflow_operators::align::{Collectives, RoutingKeys};
 use kvflow_operators::executor::{Delay, NullExecutor};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::RouterContext;
@@ -39,7 +39,7 @@ struct Built {
 }
 
 /// Builds one rank of `pool` on a worker of its own and records what timely built.
-fn build(pool: &PoolConfig, registry: &Registry, extend: Option<Extension>) -> Result<Built> {
+fn build(pool: &PoolConfig, collectives: Collectives, registry: &Registry, extend: Option<Extension>) -> Result<Built> {
     let router =
         registry.routers.get(&pool.router).ok_or_else(|| anyhow!("router {:?} is not registered", pool.router))?;
     let (ranks, scheduler, name) = (pool.ranks, pool.scheduler, pool.name.clone());
@@ -71,6 +71,7 @@ fn build(pool: &PoolConfig, registry: &Registry, extend: Option<Extension>) -> R
             ingress: None,
             router: router(RouterContext { ranks, max_batched_tokens: scheduler.max_batched_tokens }),
             keys: RoutingKeys { block_size: 16, keyed_by_prompt_len: false },
+            collectives: collectives.clone(),
             ranks,
             sink: None,
             switches: TestSwitches::default(),
@@ -152,6 +153,9 @@ fn label(name: &str, pool: &PoolConfig) -> String {
         "align" => format!("align(t)\nbroadcast × {}\nrouter: {}", pool.ranks, pool.router),
         "forward" => format!("forward(t)\nexecutor: {}", pool.executor),
         "emit" => "emit(t)\nto the collector".to_string(),
+        other if other.starts_with("dispatch[") => format!("{other}(t)\nrows to expert owners"),
+        other if other.starts_with("experts[") => format!("{other}(t)\nthis rank's experts"),
+        other if other.starts_with("combine[") => format!("{other}(t)\nsum by expert, check every result"),
         "Feedback" => "feedback\n(t+1)".to_string(),
         other => other.to_string(),
     }
@@ -182,8 +186,17 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     // Each pool's admit and forward, for the links between pools.
     let mut ends = std::collections::HashMap::new();
     let all: Vec<&PoolConfig> = graph.pools.iter().collect();
+    // An expert-parallel pool's chain follows the model's MoE layers.
+    let moe_layers = if graph.pools.iter().any(|p| p.expert_parallel) {
+        let model = kvflow_kernels::models::load(&graph.model)
+            .map_err(|e| anyhow!("cannot load model {} (for its MoE layers): {e}", graph.model.display()))?;
+        model.moe_layers().into_iter().map(|(layer, _)| layer).collect()
+    } else {
+        Vec::new()
+    };
     for pool in &graph.pools {
-        let built = build(pool, registry, extend.clone())?;
+        let moe_layers = if pool.expert_parallel { moe_layers.clone() } else { Vec::new() };
+        let built = build(pool, Collectives { moe_layers, spec_width: 1 }, registry, extend.clone())?;
         let id = |node: usize| quote(&format!("{}/{node}", pool.name));
         let ranks = if pool.ranks == 1 { "1 rank".to_string() } else { format!("{} ranks", pool.ranks) };
         dot.line("");

@@ -16,7 +16,7 @@ mod verify;
 mod watchdog;
 
 pub use memory::plan_memory;
-pub use pool::{build_pool_graph, ClusterPlace, PoolParts, PoolStreams};
+pub use pool::{build_pool_graph, ClusterPlace, ExpertParallelJob, PoolParts, PoolStreams};
 
 use crate::graph::{Graph, PoolConfig, PoolRole, WorkloadMode};
 use crate::registry::Registry;
@@ -305,6 +305,20 @@ fn pool_job(
         .ok_or_else(|| named("executor", &pool.executor, registry.executors.names()))?;
     let executor_settings = pool.executor_settings.clone();
     executor.check(&executor_settings).map_err(|e| anyhow!("{}: pool `{}`: {e}", graph.path.display(), pool.name))?;
+    let experts = if pool.expert_parallel {
+        let moe_layers: Vec<usize> = model.moe_layers().into_iter().map(|(layer, _)| layer).collect();
+        if moe_layers.is_empty() {
+            return Err(anyhow!(
+                "{}: pool `{}`: expert_parallel = true needs a MoE model; model_type {} has no MoE layer",
+                graph.path.display(),
+                pool.name,
+                model.model_type
+            ));
+        }
+        Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers })
+    } else {
+        None
+    };
     Ok(PoolJob {
         name: pool.name.clone(),
         ranks: pool.ranks,
@@ -317,6 +331,7 @@ fn pool_job(
         cluster: opts.cluster.clone(),
         switches: opts.switches.clone(),
         handoff: Default::default(),
+        experts,
     })
 }
 

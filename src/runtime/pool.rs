@@ -14,9 +14,10 @@ use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::admit::{admit, Ingress, Pending};
-use kvflow_operators::align::{align, RoutingKeys};
+use kvflow_operators::align::{align, Collectives, RoutingKeys};
 use kvflow_operators::emit::{emit, EventSink};
-use kvflow_operators::executor::{ExecutorContext, ExecutorKind, Unavailable};
+use kvflow_operators::executor::{ExecutorContext, ExecutorKind, ExpertPlacement, Unavailable};
+use kvflow_operators::experts::{moe_layer, MoeLayer};
 use kvflow_operators::forward::forward;
 use kvflow_operators::messages::{Event, LoopSignal, StepPlan};
 use kvflow_operators::policy::memory::MemoryLayout;
@@ -29,6 +30,7 @@ use kvflow_operators::wake::RankWaker;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
+use timely::dataflow::operators::vec::Map;
 use timely::dataflow::operators::{ConnectLoop, Feedback};
 use timely::dataflow::{Scope, StreamVec};
 
@@ -107,6 +109,16 @@ pub struct PoolJob {
     pub switches: TestSwitches,
     /// What its ranks hand off to, or take handoffs from (P/D).
     pub handoff: PoolHandoff,
+    /// `expert_parallel = true`: each rank loads its own experts from the checkpoint.
+    pub experts: Option<ExpertParallelJob>,
+}
+
+/// An expert-parallel pool's model: where each rank loads its share of the experts from, and
+/// the model's MoE layers (each a dispatch and a combine).
+#[derive(Clone, Debug)]
+pub struct ExpertParallelJob {
+    pub checkpoint: std::path::PathBuf,
+    pub moe_layers: Vec<usize>,
 }
 
 /// A pool's part in handoffs.
@@ -183,6 +195,8 @@ pub struct PoolParts {
     pub ingress: Option<Arc<Ingress>>,
     pub router: Box<dyn Router>,
     pub keys: RoutingKeys,
+    /// The MoE layers that exchange (expert parallelism) and the spec width.
+    pub collectives: Collectives,
     pub ranks: usize,
     /// Worker 0 only.
     pub sink: Option<Box<dyn EventSink>>,
@@ -199,7 +213,7 @@ pub struct PoolStreams<'scope> {
 /// Builds the per-pool graph of DESIGN §4 on one rank. The same function builds what runs and
 /// what `kvflow check --dot` draws.
 pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<'_> {
-    let PoolParts { rank, waker, ingress, router, keys, ranks, sink, switches } = parts;
+    let PoolParts { rank, waker, ingress, router, keys, collectives, ranks, sink, switches } = parts;
     let index = rank.borrow().index;
     let hold = |op: &str| switches.hold_at(op, index);
     let pending: Pending = Rc::new(RefCell::new(Default::default()));
@@ -208,9 +222,21 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
     let wakes = admit(feedback.clone(), woken, ingress, pending.clone(), waker, hold("admit"));
     wakes.clone().connect_loop(wake_loop);
     let reports = schedule(feedback, wakes, rank.clone(), pending, hold("schedule"));
-    let plans = align(reports, ranks, router, keys, hold("align"), switches.align_without_waiting);
-    let out = forward(plans.clone(), rank, hold("forward"));
-    out.signals.connect_loop(signal_loop);
+    let plans = align(reports, ranks, router, keys, collectives.clone(), hold("align"), switches.align_without_waiting);
+    let expert_parallel = !collectives.moe_layers.is_empty();
+    let out = forward(plans.clone(), rank.clone(), expert_parallel, hold("forward"));
+    if expert_parallel {
+        // forward(t), then dispatch → experts → combine per MoE layer, the last to the feedback.
+        let mut stages = out.stages;
+        let count = collectives.moe_layers.len();
+        for (moe, &layer) in collectives.moe_layers.iter().enumerate() {
+            let at = MoeLayer { moe, layer, last: moe + 1 == count };
+            stages = moe_layer(stages, rank.clone(), at, switches.exchange_switches(index, moe));
+        }
+        stages.map(|token| token.signal).connect_loop(signal_loop);
+    } else {
+        out.signals.connect_loop(signal_loop);
+    }
     emit(out.sampled.clone(), sink);
     PoolStreams { plans, sampled: out.sampled }
 }
@@ -226,7 +252,11 @@ pub fn start_pool(
 ) -> Result<RunningPool> {
     let config = timely_config(&job)?;
     let job_cluster = job.cluster.clone();
-    let PoolJob { name, model, layout, scheduler, router, executor, executor_settings, switches, handoff, .. } = job;
+    let PoolJob {
+        name, model, layout, scheduler, router, executor, executor_settings, switches, handoff, experts, ..
+    } = job;
+    let collectives =
+        Collectives { moe_layers: experts.as_ref().map(|e| e.moe_layers.clone()).unwrap_or_default(), spec_width: 1 };
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let sink = Mutex::new(sink);
     let pool = name.clone();
@@ -238,13 +268,33 @@ pub fn start_pool(
             }
             let (index, peers) = (worker.index(), worker.peers());
             let waker = Arc::new(RankWaker::default());
-            let ctx =
-                ExecutorContext { pool: pool.clone(), rank: index, model: model.clone(), layout, waker: waker.clone() };
-            let exec = executor.build(&executor_settings, ctx).unwrap_or_else(|reason| {
+            // An expert-parallel rank holds only its own experts.
+            let rank_model = match &experts {
+                None => Ok(model.clone()),
+                Some(e) => kvflow_kernels::models::load_expert_shard(&e.checkpoint, index, peers)
+                    .map(Arc::new)
+                    .map_err(|err| format!("loading rank {index}'s experts from {}: {err}", e.checkpoint.display())),
+            };
+            let placement = experts.as_ref().map(|_| ExpertPlacement { rank: index, ranks: peers });
+            let expert_bytes = rank_model.as_ref().map_or(0, |m| m.expert_bytes() as u64);
+            let exec = rank_model.and_then(|model| {
+                let ctx = ExecutorContext {
+                    pool: pool.clone(),
+                    rank: index,
+                    model,
+                    layout,
+                    waker: waker.clone(),
+                    experts: placement,
+                };
+                executor.build(&executor_settings, ctx)
+            });
+            let exec = exec.unwrap_or_else(|reason| {
                 tracing::error!(pool = %pool, rank = index, "executor: {reason}");
                 Box::new(Unavailable::new(reason))
             });
-            let rank = Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
+            let mut rank =
+                Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
+            rank.stats.expert_bytes = expert_bytes;
             let rank = match &handoff {
                 PoolHandoff::None => rank,
                 PoolHandoff::Out { sink, fingerprint, queue } => {
@@ -263,6 +313,7 @@ pub fn start_pool(
                 ingress: if index == 0 { ingress.clone() } else { None },
                 router: router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens }),
                 keys,
+                collectives: collectives.clone(),
                 ranks: peers,
                 sink: sink.map(|s| s as Box<dyn EventSink>),
                 switches: switches.clone(),

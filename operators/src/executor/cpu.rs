@@ -9,7 +9,8 @@
 //! (`cpu`); `DeferredExecutor` on a thread of its own (`cpu-deferred`).
 
 use super::gate::{CompletionGate, Delay};
-use super::{Executor, ExecutorContext};
+use super::{Executor, ExecutorContext, ExpertParallel, ExpertPlacement};
+use crate::messages::{ExpertPair, ExpertRows, Payload};
 use crate::step::{
     BlockStore, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
     StepLaunch,
@@ -17,6 +18,7 @@ use crate::step::{
 use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
+use kvflow_kernels::models::parts::moe::{expert_owner, expert_range};
 use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, SeqInput, StepActivations};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -113,6 +115,8 @@ struct Running {
     step: OwnedStep,
     /// `Err` when the step cannot run (then no phase computes anything).
     acts: Result<StepActivations, ExecutorError>,
+    /// Expert parallel: the sequences (batch indices) that lost an expert result, with why.
+    failed: Vec<(usize, String)>,
 }
 
 /// The model, the rank's storage, and the tokens it sampled.
@@ -126,6 +130,9 @@ pub struct CpuStepRunner {
     current: Option<Running>,
     /// The latest token each sequence sampled, and at which step.
     sampled: HashMap<SeqKey, (u64, u32)>,
+    /// Expert parallel: this rank's place, and the model's MoE layers `(layer, experts)`.
+    experts: Option<ExpertPlacement>,
+    moe_layers: Vec<(usize, usize)>,
 }
 
 impl CpuStepRunner {
@@ -136,6 +143,8 @@ impl CpuStepRunner {
             model: ctx.model.clone(),
             current: None,
             sampled: HashMap::new(),
+            experts: ctx.experts,
+            moe_layers: ctx.model.moe_layers(),
         }
     }
 
@@ -148,23 +157,137 @@ impl CpuStepRunner {
     pub fn run_phase(&mut self, phase: usize, step: Option<OwnedStep>) -> Option<StepCompletion> {
         if let Some(mut step) = step {
             let acts = self.begin(&mut step);
-            self.current = Some(Running { step, acts });
+            self.current = Some(Running { step, acts, failed: Vec::new() });
         }
         let Self { model, cache, phases, current, .. } = self;
         let running = current.as_mut()?;
+        if self.experts.is_some() && !self.moe_layers.is_empty() {
+            // Expert parallel: on to the first MoE layer's routing; `combine` runs the rest.
+            if let Ok(acts) = running.acts.as_mut() {
+                model.run_to_experts(acts, &mut write(cache));
+            }
+            return None;
+        }
         if let (Ok(acts), Some(layers)) = (running.acts.as_mut(), phases.get(phase)) {
             model.run_layers(acts, layers.clone(), &mut write(cache));
         }
         if phase + 1 < phases.len() {
             return None;
         }
-        let Running { step, acts } = current.take()?;
+        self.complete()
+    }
+
+    /// Ends the step in progress: the LM head, sampling, snapshots and exports.
+    fn complete(&mut self) -> Option<StepCompletion> {
+        let Running { step, acts, failed, .. } = self.current.take()?;
         let result = acts.map(|acts| {
             let out = self.model.finish_step(&step.batch(), acts);
             self.finish(&step, &out)
         });
         let exports = if result.is_ok() { self.export(&step.exports) } else { Vec::new() };
-        Some(StepCompletion { step: step.step, result, exports })
+        let failed = failed.into_iter().map(|(i, why)| (step.seqs[i].key, why)).collect();
+        Some(StepCompletion { step: step.step, result, exports, failed })
+    }
+
+    /// The rows the step in progress routed at MoE layer `moe`, one message per owning rank.
+    pub fn dispatch(&self, moe: usize) -> Vec<ExpertRows> {
+        let (Some(place), Some(running)) = (self.experts, self.current.as_ref()) else { return Vec::new() };
+        let Some(routed) = running.acts.as_ref().ok().and_then(|a| self.model.routed(a)) else { return Vec::new() };
+        let (h, experts) = (routed.hidden, self.moe_layers[moe].1);
+        let mut out: Vec<ExpertRows> = (0..place.ranks)
+            .map(|to| ExpertRows { moe, from: place.rank, to, pairs: Vec::new(), payload: Payload::Host(Vec::new()) })
+            .collect();
+        for (r, route) in routed.routes.iter().enumerate() {
+            for &(e, _) in route {
+                let msg = &mut out[expert_owner(experts, e, place.ranks)];
+                msg.pairs.push((r as u32, e as u32));
+                let Payload::Host(x) = &mut msg.payload;
+                x.extend_from_slice(&routed.x[r * h..(r + 1) * h]);
+            }
+        }
+        out.retain(|m| !m.pairs.is_empty());
+        out
+    }
+
+    /// Runs this rank's experts of MoE layer `moe` over the rows dispatched to it: each expert
+    /// once, over its rows from every sender in sender order.
+    pub fn run_experts(&self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
+        let Some(place) = self.experts else { return Vec::new() };
+        let ((layer, experts), h) = (self.moe_layers[moe], self.model.hidden_size);
+        let mut results: Vec<Vec<f32>> = rows.iter().map(|m| vec![0.0; m.pairs.len() * h]).collect();
+        for e in expert_range(experts, place.rank, place.ranks) {
+            let at: Vec<(usize, usize)> = rows
+                .iter()
+                .enumerate()
+                .flat_map(|(m, msg)| {
+                    msg.pairs.iter().enumerate().filter(|p| p.1 .1 as usize == e).map(move |(i, _)| (m, i))
+                })
+                .collect();
+            if at.is_empty() {
+                continue;
+            }
+            let x: Vec<f32> = at
+                .iter()
+                .flat_map(|&(m, i)| {
+                    let Payload::Host(x) = &rows[m].payload;
+                    x[i * h..(i + 1) * h].iter().copied()
+                })
+                .collect();
+            let Some(y) = self.model.run_expert(layer, e, &x, at.len()) else { continue };
+            for (j, &(m, i)) in at.iter().enumerate() {
+                results[m][i * h..(i + 1) * h].copy_from_slice(&y[j * h..(j + 1) * h]);
+            }
+        }
+        rows.iter()
+            .zip(results)
+            .map(|(m, y)| ExpertRows {
+                moe,
+                from: place.rank,
+                to: m.from,
+                pairs: m.pairs.clone(),
+                payload: Payload::Host(y),
+            })
+            .collect()
+    }
+
+    /// Sums the expert results of MoE layer `moe` into the step in progress (a row that got none
+    /// fails its request) and runs on to the next MoE layer's routing, or completes the step.
+    pub fn combine(&mut self, moe: usize, results: &[ExpertRows], missing: &[ExpertPair]) -> Option<StepCompletion> {
+        let Self { model, cache, current, moe_layers, .. } = self;
+        let running = current.as_mut()?;
+        if let Ok(acts) = running.acts.as_mut() {
+            let h = model.hidden_size;
+            let mut found: HashMap<(u32, u32), &[f32]> = HashMap::new();
+            for m in results {
+                let Payload::Host(y) = &m.payload;
+                for (i, &pair) in m.pairs.iter().enumerate() {
+                    found.insert(pair, &y[i * h..(i + 1) * h]);
+                }
+            }
+            for miss in missing {
+                let seq = acts.layout().seq_of_row[miss.row as usize];
+                if !running.failed.iter().any(|(s, _)| *s == seq) {
+                    let why = format!(
+                        "MoE layer {} (model layer {}) of step {}: expert {} on rank {} returned no result for this \
+                         request's token (row {}); its output would be wrong, so the request fails",
+                        moe, moe_layers[moe].0, running.step.step, miss.expert, miss.owner, miss.row
+                    );
+                    running.failed.push((seq, why));
+                }
+            }
+            let zeros = vec![0.0f32; h];
+            let routes: Vec<Vec<u32>> = model
+                .routed(acts)
+                .map(|r| r.routes.iter().map(|route| route.iter().map(|p| p.0 as u32).collect()).collect())
+                .unwrap_or_default();
+            model.combine_experts(acts, |r, k| found.get(&(r as u32, routes[r][k])).copied().unwrap_or(&zeros));
+            if model.run_to_experts(acts, &mut write(cache)) {
+                return None;
+            }
+        } else if moe + 1 < moe_layers.len() {
+            return None;
+        }
+        self.complete()
     }
 
     /// Resolves the tokens still in flight at launch, applies the state copies asked for before
@@ -305,5 +428,25 @@ impl Executor for CpuExecutor {
 
     fn flush(&mut self) {
         self.gate.flush();
+    }
+
+    fn expert_parallel(&mut self) -> Option<&mut dyn ExpertParallel> {
+        self.runner.experts.is_some().then_some(self as &mut dyn ExpertParallel)
+    }
+}
+
+impl ExpertParallel for CpuExecutor {
+    fn dispatch(&mut self, moe: usize) -> Vec<ExpertRows> {
+        self.runner.dispatch(moe)
+    }
+
+    fn run_experts(&mut self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
+        self.runner.run_experts(moe, rows)
+    }
+
+    fn combine(&mut self, moe: usize, results: Vec<ExpertRows>, missing: &[ExpertPair]) {
+        if let Some(done) = self.runner.combine(moe, &results, missing) {
+            self.gate.hold(self.due, done);
+        }
     }
 }

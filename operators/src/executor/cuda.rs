@@ -332,7 +332,12 @@ impl CudaExecutor {
                 Sampled { seq, token: (r[1] != 0).then_some(r[0]), logits_hash: r[2] as u64 | (r[3] as u64) << 32 }
             })
             .collect();
-        StepCompletion { step: f.step, result: Ok(sampled), exports: std::mem::take(&mut f.exports) }
+        StepCompletion {
+            step: f.step,
+            result: Ok(sampled),
+            exports: std::mem::take(&mut f.exports),
+            failed: Vec::new(),
+        }
     }
 }
 

@@ -29,6 +29,33 @@ pub struct SchedulerConfig {
     pub chunk_tokens: usize,
     pub prefix_cache: bool,
     pub snapshot_interval_blocks: usize,
+    /// When a waiting request may start (a pool's `admission`).
+    pub admission: AdmissionPolicy,
+}
+
+/// When a rank starts a waiting request (a pool's `admission` key).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AdmissionPolicy {
+    /// Start it once its first chunk fits; when memory runs out later, the youngest running
+    /// request is preempted and recomputed (the default).
+    #[default]
+    Optimistic,
+    /// Start it only when the rank's KV blocks and slots can hold it to its end (prompt and every
+    /// output token), counting what the requests it already runs will still need: no request
+    /// is ever preempted, and the router sends work only to ranks that can hold it.
+    Reserve,
+}
+
+impl AdmissionPolicy {
+    pub const NAMES: &'static [&'static str] = &["optimistic", "reserve"];
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "optimistic" => Some(AdmissionPolicy::Optimistic),
+            "reserve" => Some(AdmissionPolicy::Reserve),
+            _ => None,
+        }
+    }
 }
 
 /// One sequence's work in a step (`seq` is its index in the rank's [`Sequences`]).
@@ -369,6 +396,7 @@ mod policy_tests {
             chunk_tokens,
             prefix_cache: true,
             snapshot_interval_blocks: 4,
+            admission: AdmissionPolicy::Optimistic,
         }
     }
 

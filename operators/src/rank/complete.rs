@@ -69,13 +69,23 @@ impl Rank {
             }
         };
         self.spare_keys.push(record.seqs);
+        if !c.failed.is_empty() {
+            // What the step published may hold KV computed from a failed row's wrong hidden state.
+            let m = &mut self.memory;
+            m.prefix.forget(&record.published, &mut m.blocks, &mut m.snapshots);
+        }
+        for (key, why) in &c.failed {
+            if self.seqs.by_key_mut(*key).is_some() {
+                self.fail(key.index as usize, c.step, "expert-combine", why.clone());
+            }
+        }
         if sampled.len() != record.sampling.len() || sampled.iter().zip(&record.sampling).any(|(s, k)| s.seq != *k) {
             self.missing_samples(c.step, &record.sampling, &sampled);
         }
         self.spare_keys.push(record.sampling);
         let now = wall_ms();
         let check = !self.switches.accept_stale_completions;
-        for s in sampled {
+        for s in sampled.into_iter().filter(|s| !c.failed.iter().any(|(k, _)| *k == s.seq)) {
             let held = if check { self.seqs.by_key_mut(s.seq) } else { self.seqs.held_at_mut(s.seq.index as usize) };
             let Some(seq) = held else {
                 self.stats.stale_completions += 1;

@@ -14,6 +14,7 @@
 
 mod complete;
 mod disaggregate;
+mod experts;
 mod handoff;
 mod launch;
 mod stats;

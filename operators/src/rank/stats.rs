@@ -35,6 +35,12 @@ pub struct RankStats {
     pub stale_releases: u64,
     /// Completions for a step or sequence the rank never launched or no longer knows.
     pub unknown_completions: u64,
+    /// Expert parallel: bytes of routed-expert weights this rank holds (its own share; every
+    /// expert without expert parallelism), bytes it sent to other ranks through dispatch and
+    /// combine, and (row, expert) pairs its experts computed.
+    pub expert_bytes: u64,
+    pub exchange_bytes: u64,
+    pub expert_rows: u64,
     /// Times this rank woke its parked pool (new work on rank 0, a completion on any rank).
     pub pool_wakes: u64,
     /// Times the accounting check ran (each time the pool parked with nothing in flight, and at

@@ -47,9 +47,26 @@ pub struct TestSwitches {
     /// the one it holds when the handoff is built (removes "current slot": a request that was
     /// preempted and came back in another slot hands off whatever the old slot holds now).
     pub export_admission_slot: bool,
+    /// `(rank, step, moe)`: that rank's `dispatch` at that MoE layer (its index among the
+    /// model's MoE layers) sends nothing at that step and keeps its capability forever (a rank
+    /// withholding its part of an exchange: the watchdog must name it).
+    pub withhold_dispatch: Option<(usize, u64, usize)>,
+    /// `(rank, step, moe)`: that rank's `experts` at that MoE layer computes and sends nothing at
+    /// that step and lets it pass (removes the results: `combine` must fail the requests that
+    /// lose them, never add a silent zero).
+    pub send_no_expert_results: Option<(usize, u64, usize)>,
 }
 
 impl TestSwitches {
+    /// The expert-exchange switches of `rank` at MoE layer `moe`.
+    pub fn exchange_switches(&self, rank: usize, moe: usize) -> crate::experts::ExchangeSwitches {
+        let at = |s: Option<(usize, u64, usize)>| s.filter(|&(r, _, m)| r == rank && m == moe).map(|(_, t, _)| t);
+        crate::experts::ExchangeSwitches {
+            withhold_dispatch_at: at(self.withhold_dispatch),
+            send_no_results_at: at(self.send_no_expert_results),
+        }
+    }
+
     /// The step at which `operator` on `rank` must hold its capability, if any.
     pub fn hold_at(&self, operator: &str, rank: usize) -> Option<u64> {
         self.hold_capability.as_ref().filter(|(o, r, _)| o == operator && *r == rank).map(|(_, _, t)| *t)

@@ -17,6 +17,7 @@ fn minimal_graph_gets_every_default() {
         chunk_tokens: 64,
         prefix_cache: true,
         snapshot_interval_blocks: 4,
+        admission: AdmissionPolicy::Optimistic,
     };
     assert_eq!(graph.scheduler, scheduler);
     assert_eq!(
@@ -31,6 +32,7 @@ fn minimal_graph_gets_every_default() {
             memory: graph.memory.clone(),
             scheduler,
             disaggregation: DisaggregationConfig { remote_prefill_min_tokens: 0, max_prefill_queue: None },
+            expert_parallel: false,
         }]
     );
     assert_eq!(graph.links, vec![]);
