@@ -148,6 +148,14 @@ struct RunFlags {
     /// Test only: `RANK:STEP` makes that rank's forward sleep inside that step.
     #[arg(long, hide = true)]
     test_stuck_in_forward: Option<String>,
+    /// Test only: `RANK:STEP:MOE` makes that rank's dispatch at that MoE layer send nothing at
+    /// that step and keep its capability.
+    #[arg(long, hide = true)]
+    test_withhold_dispatch: Option<String>,
+    /// Test only: `RANK:STEP:MOE` makes that rank's experts at that MoE layer send no results at
+    /// that step and let it pass.
+    #[arg(long, hide = true)]
+    test_send_no_expert_results: Option<String>,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -295,6 +303,14 @@ fn parse_endpoint_flag(text: &str) -> Result<(String, String), String> {
     Ok((pool.to_string(), endpoint.to_string()))
 }
 
+/// A test switch's `RANK:STEP:MOE`.
+fn rank_step_moe(text: Option<&str>) -> Result<Option<(usize, u64, usize)>> {
+    let Some(text) = text else { return Ok(None) };
+    let parts: Vec<&str> = text.split(':').collect();
+    let [rank, step, moe] = parts[..] else { anyhow::bail!("expected RANK:STEP:MOE, got {text:?}") };
+    Ok(Some((rank.parse()?, step.parse()?, moe.parse()?)))
+}
+
 fn parse_cancel_at_stage(text: Option<&str>) -> Result<Vec<(u64, String)>> {
     let Some(text) = text else { return Ok(Vec::new()) };
     text.split(',')
@@ -378,6 +394,8 @@ fn run_graph(
                     Some((op.to_string(), rank.parse()?, step.parse()?))
                 }
             },
+            withhold_dispatch: rank_step_moe(args.test_withhold_dispatch.as_deref())?,
+            send_no_expert_results: rank_step_moe(args.test_send_no_expert_results.as_deref())?,
             ..Default::default()
         },
     };

@@ -121,7 +121,18 @@ fn faulted_plan(step: u64, mut ranks: Vec<RankReport>, fault: String, collective
         idle_dummy_rows: idle_dummy_rows(collectives, true),
         exchange_layers: collectives.moe_layers.clone(),
     };
-    StepPlan { step, ranks, routed: Vec::new(), unroutable, cancels, idle: false, park: false, end: false, shape }
+    StepPlan {
+        step,
+        ranks,
+        routed: Vec::new(),
+        unroutable,
+        cancels,
+        deferred: Vec::new(),
+        idle: false,
+        park: false,
+        end: false,
+        shape,
+    }
 }
 
 /// Decision: the tokens each rank runs at `t` — read from each report's `scheduled_tokens`.
@@ -158,12 +169,24 @@ pub fn derive_plan(
     let admissions: Vec<_> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.admissions)).collect();
     let cancels: Vec<u64> = ranks.iter_mut().flat_map(|r| std::mem::take(&mut r.cancels)).collect();
     let mut load: Vec<usize> = ranks.iter().map(|r| r.outstanding_tokens).collect();
+    // `admission = "reserve"` (every rank reports its capacity): only ranks that can hold a
+    // request to its end take it; when none can yet, it waits (deferred), in order.
+    let mut capacity: Option<Vec<crate::messages::Capacity>> = ranks.iter().map(|r| r.capacity).collect();
     let mut routed = Vec::with_capacity(admissions.len());
     let mut unroutable = Vec::new();
+    let mut deferred = Vec::new();
     for a in admissions {
+        let tokens = a.prompt.len() + a.max_output_tokens;
+        if let Some(caps) = &capacity {
+            let ever = caps.iter().any(|c| c.blocks_for(tokens) <= c.total_blocks);
+            if ever && (!deferred.is_empty() || !caps.iter().any(|c| c.holds(tokens))) {
+                deferred.push(a);
+                continue;
+            }
+        }
         let seed = if keys.keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
         let hashes = block_hashes(&a.prompt, keys.block_size, seed);
-        let rank = match a.kind {
+        let mut rank = match a.kind {
             // Back to the decode rank that asked for the remote prefill (it may hold the prefix).
             crate::messages::AdmissionKind::Handoff { rank: Some(r) } => r as usize,
             _ => router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes }, &load),
@@ -173,11 +196,21 @@ pub fn derive_plan(
             unroutable.push((a, why));
             continue;
         }
-        load[rank] += a.prompt.len() + a.max_output_tokens;
+        if let Some(caps) = capacity.as_mut() {
+            let pinned = matches!(a.kind, crate::messages::AdmissionKind::Handoff { rank: Some(_) });
+            if !pinned && !caps[rank].holds(tokens) {
+                // The router's choice cannot hold it: the least loaded rank that can.
+                if let Some(r) = (0..caps.len()).filter(|&r| caps[r].holds(tokens)).min_by_key(|&r| (load[r], r)) {
+                    rank = r;
+                }
+            }
+            caps[rank].take(tokens);
+        }
+        load[rank] += tokens;
         routed.push((a, rank));
     }
     let launches = ranks.iter().any(|r| r.scheduled_tokens > 0);
-    let idle = !launches && routed.is_empty() && unroutable.is_empty() && cancels.is_empty();
+    let idle = !launches && routed.is_empty() && unroutable.is_empty() && cancels.is_empty() && deferred.is_empty();
     let park = idle && ranks.iter().all(RankReport::idle);
     let end = park && ranks.first().is_some_and(|r| r.closing);
     let shape = StepShape {
@@ -185,7 +218,7 @@ pub fn derive_plan(
         idle_dummy_rows: idle_dummy_rows(collectives, launches),
         exchange_layers: exchange_layers(collectives, launches),
     };
-    StepPlan { step, ranks, routed, unroutable, cancels, idle, park, end, shape }
+    StepPlan { step, ranks, routed, unroutable, cancels, deferred, idle, park, end, shape }
 }
 
 #[cfg(test)]
@@ -206,6 +239,7 @@ mod tests {
             admissions: vec![],
             cancels: vec![],
             closing: false,
+            capacity: None,
         }
     }
 

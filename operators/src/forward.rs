@@ -80,6 +80,7 @@ pub fn forward<'scope>(
                         }
                         if rank.index == 0 {
                             rank.reject_unroutable(&plan.unroutable);
+                            rank.defer(&plan.deferred);
                         }
                         rank.cancel(&plan.cancels);
                         let signal = if plan.end {

@@ -60,6 +60,46 @@ pub struct RankReport {
     pub cancels: Vec<u64>,
     /// Rank 0: the ingress is closed and everything it received has been reported.
     pub closing: bool,
+    /// With `admission = "reserve"`: what the rank can still promise new requests.
+    pub capacity: Option<Capacity>,
+}
+
+/// What a rank under `admission = "reserve"` can still hold to the end for new requests: its free
+/// KV blocks and state slots less what the requests it holds will still need (each to its last
+/// output token), and its totals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub blocks: usize,
+    pub slots: usize,
+    pub total_blocks: usize,
+    /// Tokens per block (0: the model keeps no paged KV).
+    pub block_size: usize,
+    /// Whether a request needs a state slot.
+    pub needs_slot: bool,
+}
+
+impl Capacity {
+    /// Blocks a request of `tokens` tokens (prompt and outputs) needs to its end.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        if self.block_size == 0 {
+            0
+        } else {
+            tokens.div_ceil(self.block_size)
+        }
+    }
+
+    /// Whether a request of `tokens` tokens fits now.
+    pub fn holds(&self, tokens: usize) -> bool {
+        self.blocks_for(tokens) <= self.blocks && (!self.needs_slot || self.slots > 0)
+    }
+
+    /// Books a request of `tokens` tokens.
+    pub fn take(&mut self, tokens: usize) {
+        self.blocks = self.blocks.saturating_sub(self.blocks_for(tokens));
+        if self.needs_slot {
+            self.slots = self.slots.saturating_sub(1);
+        }
+    }
 }
 
 impl RankReport {
@@ -82,6 +122,9 @@ pub struct StepPlan {
     pub unroutable: Vec<(Admission, String)>,
     /// Requests cancelled at `t`: whichever rank holds one frees it.
     pub cancels: Vec<u64>,
+    /// `admission = "reserve"`: admissions no rank can hold to their end yet; rank 0 reports them
+    /// again at its next step (in order, before newer ones).
+    pub deferred: Vec<Admission>,
     /// No rank launches anything and nothing was admitted or cancelled: the pool stops stepping
     /// after this step until something wakes it. With steps in flight (or requests held that wait
     /// on them) it *waits* — the completion that lands on some rank wakes it; otherwise it parks.

@@ -127,6 +127,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
                 admissions: Vec::new(),
                 cancels: Vec::new(),
                 closing: false,
+                capacity: None,
             });
         }
         std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys, &Collectives::default()));

@@ -51,6 +51,16 @@ fn rank_figures(stats: &[&RankStats]) -> Map<String, Value> {
     m
 }
 
+/// One entry per rank of every pool: its steps, the steps it launched nothing in, the bytes of
+/// routed-expert weights it holds and the bytes it sent through expert exchanges.
+fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
+    let entry = |pool: &String, s: &RankStats| {
+        json!({"pool": pool, "rank": s.rank, "steps": s.steps, "empty_steps": s.empty_steps,
+               "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows})
+    };
+    Value::Array(stats.iter().flat_map(|(pool, ranks)| ranks.iter().map(move |s| entry(pool, s))).collect())
+}
+
 /// The whole report.
 pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, ctx: &RunContext) -> Value {
     let g = ctx.graph;
@@ -74,6 +84,7 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     });
     let top = extra.as_object_mut().expect("an object");
     top.extend(rank_figures(&all_stats));
+    top.insert("rank_stats".into(), rank_stats(ctx.stats));
     let mut pools = Map::new();
     for (name, ranks, layout, executor) in ctx.pools {
         let mine: Vec<&RequestRecord> = records.iter().filter(|r| r.pools.contains(name)).collect();

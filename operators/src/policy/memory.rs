@@ -147,6 +147,11 @@ impl RankMemory {
         }
     }
 
+    /// Blocks `seq` will still need beyond those it holds, to reach its last output token.
+    pub fn blocks_to_end(&self, seq: &Sequence) -> usize {
+        self.blocks_for(seq.prompt_len + seq.max_output_tokens).saturating_sub(seq.blocks.len())
+    }
+
     /// Grows the sequence's blocks to cover `tokens`, evicting prefix-cache blocks if needed.
     /// All or nothing; returns whether it succeeded.
     pub fn ensure_blocks(&mut self, seq: &mut Sequence, tokens: usize) -> bool {

@@ -152,6 +152,11 @@ impl PrefixCache {
         }
     }
 
+    /// Blocks only the cache references (what [`PrefixCache::evict_blocks`] could free).
+    pub fn evictable_blocks(&self, pool: &BlockPool) -> usize {
+        self.entries.values().filter(|e| e.block.is_some_and(|b| pool.ref_count(b) == 1)).count()
+    }
+
     /// Frees up to `needed` blocks that only the cache references, least recently used first.
     /// Returns how many it freed.
     pub fn evict_blocks(&mut self, needed: usize, pool: &mut BlockPool) -> usize {

@@ -249,6 +249,15 @@ impl Scheduler {
                 seqs.remove(index);
                 continue;
             }
+            if self.config.admission == AdmissionPolicy::Reserve {
+                // Only what the rank can hold to the end: the running requests' own ends first.
+                let promised: usize = self.running.iter().map(|&r| mem.blocks_to_end(seqs.get(r))).sum();
+                let seq = seqs.get(index);
+                if mem.blocks_to_end(seq) + promised > mem.blocks.num_free() + mem.prefix.evictable_blocks(&mem.blocks) {
+                    break;
+                }
+            }
+            let seq = seqs.get_mut(index);
             if mem.layout.keeps_state {
                 match mem.slots.allocate_for(seq.id) {
                     Ok(slot) => seq.slot = Some(slot),

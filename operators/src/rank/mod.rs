@@ -89,6 +89,8 @@ pub struct Rank {
     cancelled_remote: std::collections::HashSet<u64>,
     /// What the last completion's exports copied out, by sequence, until its T0 is applied.
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
+    /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
+    deferred: Vec<Admission>,
     /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
     admission_slots: std::collections::HashMap<u64, kvflow_kernels::kv::SlotId>,
 }
@@ -121,7 +123,7 @@ impl Rank {
             sampling: Vec::new(),
             spare_keys: Vec::new(),
             accounting: Vec::new(),
-            stats: RankStats::default(),
+            stats: RankStats { rank: index, ..RankStats::default() },
             handoff_out: None,
             awaiting: Default::default(),
             inbox: None,
@@ -130,6 +132,7 @@ impl Rank {
             cancelled_remote: Default::default(),
             exported: Default::default(),
             admission_slots: Default::default(),
+            deferred: Vec::new(),
         }
     }
 
@@ -271,10 +274,34 @@ impl Rank {
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
             in_flight: self.in_flight.len() + self.awaiting.len() + self.awaiting_remote.len(),
-            admissions: Vec::new(),
+            admissions: std::mem::take(&mut self.deferred),
             cancels,
             closing: false,
+            capacity: self.capacity(),
         }
+    }
+
+    /// Under `admission = "reserve"`: what this rank can still hold to the end for new requests
+    /// (free blocks and slots less what the requests it holds will still need).
+    fn capacity(&self) -> Option<crate::messages::Capacity> {
+        if self.scheduler.config.admission != crate::policy::scheduler::AdmissionPolicy::Reserve {
+            return None;
+        }
+        let m = &self.memory;
+        let promised_blocks: usize = self.seqs.iter().map(|s| m.blocks_to_end(s)).sum();
+        let slotless = self.seqs.iter().filter(|s| s.slot.is_none()).count();
+        Some(crate::messages::Capacity {
+            blocks: (m.blocks.num_free() + m.prefix.evictable_blocks(&m.blocks)).saturating_sub(promised_blocks),
+            slots: if m.layout.keeps_state { m.slots.num_free().saturating_sub(slotless) } else { 0 },
+            total_blocks: if m.layout.keeps_kv { m.blocks.num_ids() } else { 0 },
+            block_size: if m.layout.keeps_kv { m.layout.block_size } else { 0 },
+            needs_slot: m.layout.keeps_state,
+        })
+    }
+
+    /// Rank 0: admissions no rank could hold yet, reported again at its next step.
+    pub fn defer(&mut self, admissions: &[Admission]) {
+        self.deferred.extend_from_slice(admissions);
     }
 
     /// Fails (on rank 0) the admissions the router could not place.

@@ -3,6 +3,8 @@
 /// Counters of one rank.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RankStats {
+    /// The rank these are the counters of.
+    pub rank: usize,
     /// Steps of the pool's clock this rank took part in.
     pub steps: u64,
     /// Of those, steps in which it launched nothing.
