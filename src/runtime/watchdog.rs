@@ -145,9 +145,17 @@ impl Watch {
         // The operator holding the pool back: it holds the earliest time, and is not downstream
         // (through operators that do not advance time) of another holder of that time.
         let earliest = held.iter().map(|h| h.2).min();
-        let downstream_of = |from: usize| -> HashSet<usize> {
+        // What a capability on output `port` of `from` holds back: the operators that output
+        // feeds, and everything downstream of them.
+        let downstream_of = |from: usize, port: usize| -> HashSet<usize> {
             let mut reached = HashSet::new();
-            let mut todo = vec![from];
+            let mut todo: Vec<usize> = s
+                .edges
+                .iter()
+                .filter(|&&((src, p), _)| src == from && p == port)
+                .map(|&(_, dst)| dst)
+                .filter(|&dst| reached.insert(dst))
+                .collect();
             while let Some(n) = todo.pop() {
                 for &((src, _), dst) in &s.edges {
                     let advances_time = s.names.get(&src).is_some_and(|n| n.contains("Feedback"));
@@ -159,9 +167,15 @@ impl Watch {
             reached
         };
         let at_earliest: Vec<&(usize, usize, u64)> = held.iter().filter(|h| Some(h.2) == earliest).collect();
-        let blocked: HashSet<usize> = at_earliest.iter().flat_map(|h| downstream_of(h.0)).collect();
+        let blocked: HashSet<usize> = at_earliest.iter().flat_map(|h| downstream_of(h.0, h.1)).collect();
+        // `forward`'s sampled output (port 1) holds a step while it is in flight: that is the
+        // cause only when nothing else holds the step (with expert parallelism, a step stays in
+        // flight until its last `combine`, so a held exchange shows there too).
+        let is_in_flight_hold =
+            |node: usize, port: usize| port == 1 && s.names.get(&node).is_some_and(|n| n == "forward");
+        let others = at_earliest.iter().any(|h| !blocked.contains(&h.0) && !is_in_flight_hold(h.0, h.1));
         for &&(node, port, time) in &at_earliest {
-            if blocked.contains(&node) {
+            if blocked.contains(&node) || (others && is_in_flight_hold(node, port)) {
                 continue;
             }
             let ranks = holders(node, port, time);

@@ -32,6 +32,7 @@ fn runner(model: &Arc<Model>) -> CpuStepRunner {
         model: model.clone(),
         layout,
         waker: Arc::new(RankWaker::default()),
+        experts: None,
     };
     CpuStepRunner::new(&ctx)
 }

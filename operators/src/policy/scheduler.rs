@@ -253,7 +253,8 @@ impl Scheduler {
                 // Only what the rank can hold to the end: the running requests' own ends first.
                 let promised: usize = self.running.iter().map(|&r| mem.blocks_to_end(seqs.get(r))).sum();
                 let seq = seqs.get(index);
-                if mem.blocks_to_end(seq) + promised > mem.blocks.num_free() + mem.prefix.evictable_blocks(&mem.blocks) {
+                if mem.blocks_to_end(seq) + promised > mem.blocks.num_free() + mem.prefix.evictable_blocks(&mem.blocks)
+                {
                     break;
                 }
             }
