@@ -212,6 +212,10 @@ enum BenchCommand {
         /// Output tokens per request in the pool run (≈ steps measured).
         #[arg(long, default_value_t = 200, value_parser = flags::count)]
         steps: usize,
+        /// Measure align and the MoE exchanges of an expert-parallel pool instead (cpu executor,
+        /// a seeded MoE model), beside the same pool on 1 rank.
+        #[arg(long)]
+        expert_parallel: bool,
     },
     /// Handoffs over tcp on loopback (GB/s) against a plain TCP stream of the same bytes.
     Transfer {
@@ -554,7 +558,10 @@ fn run() -> Result<()> {
                 );
             }
         }
-        Command::Bench { what: BenchCommand::Step { ranks, seqs, steps } } => {
+        Command::Bench { what: BenchCommand::Step { ranks, seqs, steps, expert_parallel: true } } => {
+            kvflow::bench::experts::run(ranks, seqs, steps)?;
+        }
+        Command::Bench { what: BenchCommand::Step { ranks, seqs, steps, expert_parallel: false } } => {
             kvflow::bench::step::run(&kvflow::bench::step::StepBenchArgs { ranks, seqs, steps })?;
         }
         Command::Bench { what: BenchCommand::Transfer { tokens, bytes, connections, rounds } } => {

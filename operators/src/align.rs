@@ -384,4 +384,90 @@ mod tests {
         assert!(p.ranks.iter().all(|r| r.admissions.is_empty()));
         assert_eq!(p.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), vec![0, 1, 2]);
     }
+
+    /// Every fact a report carries, flipped one at a time (what a shape decision must not read
+    /// unless it names it).
+    fn flips() -> Vec<(&'static str, RankReport)> {
+        let mut all = Vec::new();
+        let mut flip = |name: &'static str, f: &dyn Fn(&mut RankReport)| {
+            let mut r = report(1);
+            f(&mut r);
+            all.push((name, r));
+        };
+        flip("scheduled_seqs", &|r| r.scheduled_seqs = 3);
+        flip("outstanding_tokens", &|r| r.outstanding_tokens = 500);
+        flip("waiting", &|r| r.waiting = 2);
+        flip("running", &|r| r.running = 2);
+        flip("in_flight", &|r| r.in_flight = 1);
+        flip("cancels", &|r| r.cancels.push(9));
+        flip("closing", &|r| r.closing = true);
+        flip("capacity", &|r| {
+            r.capacity = Some(crate::messages::Capacity {
+                blocks: 0,
+                slots: 0,
+                total_blocks: 4,
+                block_size: 16,
+                needs_slot: true,
+            })
+        });
+        all
+    }
+
+    #[test]
+    fn each_shape_decision_reads_the_fact_it_names_and_no_other() {
+        let ep = Collectives { moe_layers: vec![1, 2, 3], spec_width: 1 };
+        let keys = RoutingKeys { block_size: 4, keyed_by_prompt_len: false };
+        let shape = |r1: RankReport, collectives: &Collectives| {
+            let mut r0 = report(0);
+            r0.scheduled_tokens = 5; // rank 0 runs tokens; rank 1 is idle
+            derive_plan(3, vec![r0, r1], &mut RoundRobin::default(), keys, collectives).shape
+        };
+        let base = shape(report(1), &ep);
+        assert_eq!(base.tokens_per_rank, vec![5, 0]);
+        assert_eq!(base.idle_dummy_rows, Some(1), "the idle rank keeps the spec width");
+        assert_eq!(base.exchange_layers, vec![1, 2, 3]);
+        for (name, r1) in flips() {
+            assert_eq!(shape(r1, &ep), base, "{name} moved a shape decision");
+        }
+        // The facts each decision names do move it.
+        let mut busy = report(1);
+        busy.scheduled_tokens = 2;
+        assert_eq!(shape(busy, &ep).tokens_per_rank, vec![5, 2]);
+        let wider = Collectives { spec_width: 4, ..ep.clone() };
+        assert_eq!(shape(report(1), &wider).idle_dummy_rows, Some(4));
+        let dense = shape(report(1), &Collectives::default());
+        assert_eq!((dense.idle_dummy_rows, dense.exchange_layers), (None, vec![]), "no MoE exchange, no collective");
+        let nobody = derive_plan(3, vec![report(0), report(1)], &mut RoundRobin::default(), keys, &ep).shape;
+        assert_eq!((nobody.idle_dummy_rows, nobody.exchange_layers), (None, vec![]), "no rank runs: nothing exchanges");
+    }
+
+    #[test]
+    fn under_reserve_an_admission_goes_only_to_a_rank_that_can_hold_it_or_waits_in_order() {
+        let cap = |blocks| {
+            Some(crate::messages::Capacity { blocks, slots: 4, total_blocks: 8, block_size: 4, needs_slot: false })
+        };
+        let admission = |id, len| Admission {
+            id,
+            prompt: vec![1; len],
+            max_output_tokens: 4,
+            warmup: false,
+            kind: Default::default(),
+        };
+        let mut r = vec![report(0), report(1)];
+        (r[0].capacity, r[1].capacity) = (cap(1), cap(3));
+        // 8 + 4 tokens = 3 blocks: only rank 1 holds it, whatever the router says; the next (3
+        // blocks again) fits nowhere now and waits, and the one after it waits behind it.
+        r[0].admissions = vec![admission(1, 8), admission(2, 8), admission(3, 1)];
+        let keys = RoutingKeys { block_size: 4, keyed_by_prompt_len: false };
+        let p = derive_plan(5, r, &mut RoundRobin::default(), keys, &Collectives::default());
+        assert_eq!(p.routed.iter().map(|(a, r)| (a.id, *r)).collect::<Vec<_>>(), vec![(1, 1)]);
+        assert_eq!(p.deferred.iter().map(|a| a.id).collect::<Vec<_>>(), vec![2, 3]);
+        assert!(!p.idle, "deferred work keeps the pool stepping");
+        // A request larger than any rank is routed anyway: the rank fails it, naming its size.
+        let mut r = vec![report(0), report(1)];
+        (r[0].capacity, r[1].capacity) = (cap(8), cap(8));
+        r[0].admissions = vec![admission(4, 60)];
+        let p = derive_plan(6, r, &mut RoundRobin::default(), keys, &Collectives::default());
+        assert_eq!(p.routed.len(), 1);
+    }
 }

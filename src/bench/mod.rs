@@ -1,6 +1,7 @@
 //! `kvflow bench …`: benchmarks that print figures beside a baseline measured in the same run.
 
 pub mod device;
+pub mod experts;
 pub mod model;
 pub mod step;
 pub mod transfer;

@@ -215,6 +215,25 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
 fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Result<(f64, u64)> {
     let spec = ModelSpec::parse("<bench step model>".into(), SPEC)?;
     let model = Arc::new(models::build(&spec.config, &spec.weights)?);
+    let mut settings = toml::Table::new();
+    settings.insert("delay_steps".into(), toml::Value::Integer(delay as i64));
+    pool_run(PoolRun { ranks, seqs, outputs, model, executor: "null", settings, experts: None })
+}
+
+/// One bench pool: `ranks` ranks of `seqs` decoding requests of `outputs` tokens each.
+pub(crate) struct PoolRun {
+    pub ranks: usize,
+    pub seqs: usize,
+    pub outputs: usize,
+    pub model: Arc<models::Model>,
+    pub executor: &'static str,
+    pub settings: toml::Table,
+    pub experts: Option<crate::runtime::ExpertParallelJob>,
+}
+
+/// Wall time per step of a bench pool (ms, steady state) and its step count.
+pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
+    let PoolRun { ranks, seqs, outputs, model, executor, settings: executor_settings, experts } = run;
     let block_size = 16;
     let layout = MemoryLayout {
         block_size,
@@ -239,8 +258,6 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
     let (tx, rx) = std::sync::mpsc::channel();
     let collector = Collector::new(n, tx, false);
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
-    let mut executor_settings = toml::Table::new();
-    executor_settings.insert("delay_steps".into(), toml::Value::Integer(delay as i64));
     let job = PoolJob {
         handoff: Default::default(),
         name: "bench".into(),
@@ -249,11 +266,11 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
         layout,
         scheduler: scheduler_config(seqs),
         router: RouterRegistry::default().get("least-outstanding").expect("built in"),
-        executor: ExecutorRegistry::default().get("null").expect("built in"),
+        executor: ExecutorRegistry::default().get(executor).expect("built in"),
         executor_settings,
         cluster: None,
         switches: TestSwitches::default(),
-        experts: None,
+        experts,
     };
     let ingress = Arc::new(Ingress::default());
     let sink = CollectorSink { pool: "bench".into(), batches };

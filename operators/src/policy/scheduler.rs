@@ -434,6 +434,39 @@ mod policy_tests {
     }
 
     #[test]
+    fn reserve_admits_only_what_the_rank_can_hold_to_the_end_and_never_preempts() {
+        // 8 blocks of 4 tokens. Each request needs 3 blocks to its end (8 prompt + 4 outputs).
+        for (policy, admitted_at_first) in [(AdmissionPolicy::Optimistic, 3), (AdmissionPolicy::Reserve, 2)] {
+            let config = SchedulerConfig { admission: policy, ..config(64, 4) };
+            let (mut s, mut seqs, mut mem) = (Scheduler::new(config), Sequences::default(), memory(8));
+            for id in 0..3 {
+                add(&mut s, &mut seqs, id, (id as u32 * 10..id as u32 * 10 + 8).collect(), 4);
+            }
+            let mut preempted = 0;
+            for t in 1..40 {
+                let d = s.schedule(&mut seqs, &mut mem, t);
+                if t == 1 {
+                    assert_eq!(d.admitted.len(), admitted_at_first, "{policy:?}: first chunks fit for 3");
+                }
+                preempted += d.preempted.len();
+                run(&d, &mut seqs, t);
+                for id in 0..3 {
+                    let Some(i) = seqs.index_of(id).filter(|&i| seqs.get(i).finished()) else { continue };
+                    s.forget(i);
+                    mem.release(seqs.get_mut(i));
+                    seqs.remove(i);
+                }
+            }
+            assert!(seqs.is_empty(), "{policy:?}: every request finished");
+            if policy == AdmissionPolicy::Reserve {
+                assert_eq!(preempted, 0, "reserve never preempts");
+            } else {
+                assert!(preempted > 0, "optimistic admission runs out and preempts");
+            }
+        }
+    }
+
+    #[test]
     fn prefill_is_chunked_and_the_budget_holds() {
         let (mut s, mut seqs, mut mem) = (Scheduler::new(config(6, 4)), Sequences::default(), memory(16));
         let a = add(&mut s, &mut seqs, 1, (0..10).collect(), 2);
