@@ -400,7 +400,6 @@ fn run_graph(
             },
             withhold_dispatch: rank_step_moe(args.test_withhold_dispatch.as_deref())?,
             send_no_expert_results: rank_step_moe(args.test_send_no_expert_results.as_deref())?,
-            ..Default::default()
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

@@ -97,7 +97,7 @@ struct Skewed {
 
 impl Router for Skewed {
     fn route(&mut self, req: &RouteRequest, _outstanding: &[usize]) -> usize {
-        if req.id % 7 == 0 {
+        if req.id.is_multiple_of(7) {
             req.id as usize % self.ranks
         } else {
             0
@@ -212,4 +212,42 @@ fn the_regression_configuration_completes_its_warmup_and_every_request() {
     assert_eq!(report["verify"]["checked"], 182, "warmup requests are verified too");
     assert_eq!(report["rank_stats"].as_array().unwrap().len(), 16);
     assert_expert_shares(&report, "hf/kimi_linear", 8, "regression configuration");
+}
+
+#[test]
+fn check_dot_draws_dispatch_experts_and_combine_for_every_moe_layer() {
+    let graph = repo().join("graphs/regress-1p1d-dpa8.toml");
+    let out = crate::common::kvflow(&["check", &graph.to_string_lossy(), "--dot"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let dot = String::from_utf8_lossy(&out.stdout);
+    // kimi_linear: layer 0 dense, layers 1..=3 MoE; both pools are expert parallel.
+    for layer in 1..=3 {
+        for op in ["dispatch", "experts", "combine"] {
+            let label = format!("{op}[{layer}](t)");
+            assert_eq!(dot.matches(&label).count(), 2, "{label} once per pool in:\n{dot}");
+        }
+    }
+    assert_eq!(dot.matches("label=\"ExpertRows\"").count(), 2 * 3 * 2, "two exchanges per MoE layer per pool");
+    assert!(!dot.contains("dispatch[0]"), "the dense layer exchanges nothing");
+}
+
+#[test]
+fn bad_expert_parallel_settings_are_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "hf/deepseek_v3",
+            "expert_parallel = true\nexecutor = \"null\"",
+            vec!["pool.expert_parallel", "\"cpu\" executor", "\"null\""],
+        ),
+        ("hf/deepseek_v3", "admission = \"maybe\"", vec!["pool.admission", "`maybe`", "`optimistic`, `reserve`"]),
+        ("hf/llama", "expert_parallel = true", vec!["pool `main`", "needs a MoE model", "llama"]),
+    ];
+    for (model, keys, needles) in cases {
+        let pools = format!("[[pool]]\nname = \"main\"\nranks = 2\n{keys}\n");
+        let graph =
+            write_graph_with(dir.path(), model, "mooncake_conversation_head.jsonl", "limit = 2", "32 MiB", &pools);
+        let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+        crate::common::assert_clean_failure(&out, &needles);
+    }
 }
