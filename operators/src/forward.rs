@@ -112,7 +112,7 @@ pub fn forward<'scope>(
                     in_flight.insert(t, sampled_cap);
                 }
                 if hold_at == Some(t) {
-                    held.push((signal_cap, stage_cap));
+                    held.push(if expert_parallel { stage_cap } else { signal_cap });
                 }
             });
         }
