@@ -10,6 +10,7 @@ pub mod executor;
 pub mod experts;
 pub mod forward;
 pub mod messages;
+pub mod offload;
 pub mod policy;
 pub mod rank;
 pub mod schedule;

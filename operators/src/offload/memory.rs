@@ -1,0 +1,130 @@
+//! `memory`: the default store — objects in this process's memory, least recently used evicted
+//! first once their bytes pass the capacity. A chunk's shard objects are evicted together.
+
+use super::{ChunkKey, Digest, ObjectStore, StoreError};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+/// Objects by key, with a use clock per chunk (namespace and digest: all its shards).
+pub struct MemoryStore {
+    capacity: u64,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    objects: HashMap<ChunkKey, Vec<u8>>,
+    /// Per chunk: its last use and its shard keys.
+    chunks: HashMap<(u64, Digest), (u64, Vec<ChunkKey>)>,
+    /// Chunks by last use.
+    by_use: BTreeMap<u64, (u64, Digest)>,
+    clock: u64,
+    bytes: u64,
+}
+
+impl Inner {
+    fn touch(&mut self, key: &ChunkKey) {
+        self.clock += 1;
+        let chunk = (key.namespace.0, key.digest);
+        let entry = self.chunks.entry(chunk).or_insert_with(|| (0, Vec::new()));
+        self.by_use.remove(&entry.0);
+        entry.0 = self.clock;
+        if !entry.1.contains(key) {
+            entry.1.push(*key);
+        }
+        self.by_use.insert(self.clock, chunk);
+    }
+
+    /// Evicts the least recently used chunk other than `keep`; returns whether one went.
+    fn evict_one(&mut self, keep: (u64, Digest)) -> bool {
+        let Some((&used, &chunk)) = self.by_use.iter().find(|(_, c)| **c != keep) else { return false };
+        self.by_use.remove(&used);
+        if let Some((_, keys)) = self.chunks.remove(&chunk) {
+            for k in keys {
+                if let Some(v) = self.objects.remove(&k) {
+                    self.bytes -= v.len() as u64;
+                }
+            }
+        }
+        true
+    }
+}
+
+impl MemoryStore {
+    /// A store holding at most `capacity` bytes of objects.
+    pub fn new(capacity: u64) -> Self {
+        MemoryStore { capacity, inner: Mutex::new(Inner::default()) }
+    }
+}
+
+impl ObjectStore for MemoryStore {
+    fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
+        let size = object.len() as u64;
+        if size > self.capacity {
+            return Err(StoreError::Full(format!(
+                "an object of {size} bytes is larger than the store ({} bytes)",
+                self.capacity
+            )));
+        }
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = s.objects.remove(key) {
+            s.bytes -= old.len() as u64;
+        }
+        let chunk = (key.namespace.0, key.digest);
+        while s.bytes + size > self.capacity {
+            if !s.evict_one(chunk) {
+                return Err(StoreError::Full(format!(
+                    "{} of {} bytes are this chunk's other shards",
+                    s.bytes, self.capacity
+                )));
+            }
+        }
+        s.objects.insert(*key, object.to_vec());
+        s.bytes += size;
+        s.touch(key);
+        Ok(())
+    }
+
+    fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let found = s.objects.get(key).cloned();
+        if found.is_some() {
+            s.touch(key);
+        }
+        Ok(found)
+    }
+
+    fn contains(&self, key: &ChunkKey) -> bool {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).objects.contains_key(key)
+    }
+
+    fn bytes(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{chunk_digests, Namespace};
+    use super::*;
+
+    #[test]
+    fn the_least_recently_used_chunk_goes_first_with_all_its_shards() {
+        let ns = Namespace::of(&[("family", "mha")]);
+        let d = chunk_digests(&(0..32).collect::<Vec<u32>>(), 8);
+        let key = |c: usize, shard| ChunkKey { namespace: ns, shard, shards: 2, digest: d[c] };
+        let store = MemoryStore::new(40);
+        for c in 0..2 {
+            store.put(&key(c, 0), &[0; 10]).unwrap();
+            store.put(&key(c, 1), &[0; 10]).unwrap();
+        }
+        assert_eq!(store.bytes(), 40);
+        store.get(&key(0, 1)).unwrap(); // chunk 0 used last
+        store.put(&key(2, 0), &[0; 10]).unwrap();
+        assert!(!store.contains(&key(1, 0)) && !store.contains(&key(1, 1)), "chunk 1 went whole");
+        assert!(store.contains(&key(0, 0)) && store.contains(&key(0, 1)) && store.contains(&key(2, 0)));
+        assert_eq!(store.bytes(), 30);
+        assert!(matches!(store.put(&key(3, 0), &[0; 41]), Err(StoreError::Full(_))));
+        assert_eq!(store.get(&key(1, 0)), Ok(None));
+    }
+}

@@ -1,0 +1,79 @@
+//! The KV offload tier's storage side (DESIGN §9): chunk keys, the stored object and its checks,
+//! and the stores a pool saves prefixes to and loads them from. The `save` and `load` operators
+//! that use them, fenced by the dataflow, come with the runtime side of the tier.
+//!
+//! A chunk is `chunk_tokens` prompt tokens. Its key is `kvflow1-<namespace>/s<shard>of<shards>/<digest>`:
+//! the namespace hashes everything that changes the stored bytes (family, geometry, dtype, block
+//! size, chunk size, layer split), the digest chains the previous chunk's digest with this chunk's
+//! tokens, so one key names one prefix in one layout — whichever rank or pool saved it.
+
+mod disk;
+mod key;
+mod memory;
+mod object;
+
+pub use disk::DiskStore;
+pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
+pub use memory::MemoryStore;
+pub use object::{decode_object, encode_object, ChunkObject, ObjectError};
+
+/// Why a store could not do what it was asked.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The object does not fit (larger than the store, or the store is full of objects it may
+    /// not evict).
+    #[error("the store is full: {0}")]
+    Full(String),
+    /// The backing medium failed (a disk error, a refused connection).
+    #[error("{0}")]
+    Io(String),
+}
+
+/// Where saved chunks live. Objects are whole (a put is all or nothing); a get of a missing,
+/// corrupt or truncated object is a miss (`Ok(None)`), never an error the caller must handle
+/// differently from a miss. Implementations are shared by the ranks of a run (and may be
+/// remote), so every method takes `&self`.
+pub trait ObjectStore: Send + Sync {
+    /// Stores `object` under `key`, replacing what was there.
+    fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError>;
+    /// The object under `key`, if the store holds a sound one.
+    fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Whether the store holds an object under `key` (a cheap check; `get` may still miss).
+    fn contains(&self, key: &ChunkKey) -> bool;
+    /// Bytes of the objects it holds.
+    fn bytes(&self) -> u64;
+}
+
+/// How many leading chunks of a prefix the store holds for every shard: `chunks[i]` lists chunk
+/// `i`'s keys, one per shard. A chunk counts only when every shard's object is there, and the
+/// prefix stops at the first chunk that does not.
+pub fn longest_prefix(store: &dyn ObjectStore, chunks: &[Vec<ChunkKey>]) -> usize {
+    chunks.iter().take_while(|shards| !shards.is_empty() && shards.iter().all(|k| store.contains(k))).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longest_prefix_needs_every_shard_of_every_chunk_up_to_it() {
+        let ns = Namespace::of(&[("family", "mha"), ("block_size", "16")]);
+        let digests = chunk_digests(&(0..40).collect::<Vec<u32>>(), 8);
+        let keys: Vec<Vec<ChunkKey>> = digests
+            .iter()
+            .map(|&d| (0..2).map(|s| ChunkKey { namespace: ns, shard: s, shards: 2, digest: d }).collect())
+            .collect();
+        let store = MemoryStore::new(1 << 20);
+        for chunk in &keys[..3] {
+            for k in chunk {
+                store.put(k, b"x").unwrap();
+            }
+        }
+        store.put(&keys[4][0], b"x").unwrap();
+        store.put(&keys[4][1], b"x").unwrap();
+        assert_eq!(longest_prefix(&store, &keys), 3, "chunk 3 is missing: chunk 4 does not count");
+        let store = MemoryStore::new(1 << 20);
+        store.put(&keys[0][0], b"x").unwrap();
+        assert_eq!(longest_prefix(&store, &keys), 0, "one shard of chunk 0 is not a prefix");
+    }
+}

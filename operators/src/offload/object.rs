@@ -1,0 +1,98 @@
+//! A stored chunk: its KV (packed by layer, as `export_blocks` lays it out) and, for recurrent
+//! families, the state snapshot at the chunk's end — one object, so a load restores both or
+//! neither. On the wire: a magic, the lengths, the floats, and a CRC32C of everything before it.
+
+use crate::transfer::Crc32c;
+
+const MAGIC: &[u8; 8] = b"kvflowc1";
+const HEADER: usize = 8 + 8 + 8;
+
+/// What one chunk's object holds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChunkObject {
+    pub kv: Vec<f32>,
+    pub state: Option<Vec<f32>>,
+}
+
+/// Why bytes are not a sound object.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ObjectError {
+    #[error("{0} bytes are too few for an object")]
+    Truncated(usize),
+    #[error("not a kvflow chunk object (bad magic)")]
+    Magic,
+    #[error("the lengths say {expected} bytes, the object has {got}")]
+    Length { expected: usize, got: usize },
+    #[error("checksum mismatch: stored {stored:08x}, computed {computed:08x}")]
+    Checksum { stored: u32, computed: u32 },
+}
+
+/// The bytes of `object`.
+pub fn encode_object(object: &ChunkObject) -> Vec<u8> {
+    let state = object.state.as_deref().unwrap_or(&[]);
+    let mut out = Vec::with_capacity(HEADER + 4 * (object.kv.len() + state.len()) + 4);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(object.kv.len() as u64).to_le_bytes());
+    let state_len = object.state.as_ref().map_or(u64::MAX, |s| s.len() as u64);
+    out.extend_from_slice(&state_len.to_le_bytes());
+    for v in object.kv.iter().chain(state) {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    let crc = Crc32c::of(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The object in `bytes`, checked: magic, lengths and checksum.
+pub fn decode_object(bytes: &[u8]) -> Result<ChunkObject, ObjectError> {
+    if bytes.len() < HEADER + 4 {
+        return Err(ObjectError::Truncated(bytes.len()));
+    }
+    if &bytes[..8] != MAGIC {
+        return Err(ObjectError::Magic);
+    }
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
+    let (kv_len, state_len) = (word(8), word(16));
+    let floats = kv_len.checked_add(if state_len == u64::MAX { 0 } else { state_len });
+    let expected = floats.and_then(|f| f.checked_mul(4)).and_then(|b| b.checked_add((HEADER + 4) as u64));
+    if expected != Some(bytes.len() as u64) {
+        let expected = expected.map_or(usize::MAX, |e| e.min(usize::MAX as u64) as usize);
+        return Err(ObjectError::Length { expected, got: bytes.len() });
+    }
+    let body = bytes.len() - 4;
+    let stored = u32::from_le_bytes(bytes[body..].try_into().expect("4 bytes"));
+    let computed = Crc32c::of(&bytes[..body]);
+    if stored != computed {
+        return Err(ObjectError::Checksum { stored, computed });
+    }
+    let mut floats = bytes[HEADER..body].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")));
+    let kv: Vec<f32> = floats.by_ref().take(kv_len as usize).collect();
+    let state = (state_len != u64::MAX).then(|| floats.collect());
+    Ok(ChunkObject { kv, state })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_object_round_trips_and_any_damage_is_named() {
+        for state in [None, Some(vec![]), Some(vec![1.5, -2.0])] {
+            let object = ChunkObject { kv: vec![0.25, f32::MIN_POSITIVE, -0.0], state };
+            let bytes = encode_object(&object);
+            assert_eq!(decode_object(&bytes).unwrap(), object);
+            for cut in [0, 10, bytes.len() - 1] {
+                assert!(decode_object(&bytes[..cut]).is_err(), "truncated at {cut}");
+            }
+            let mut flipped = bytes.clone();
+            flipped[HEADER + 1] ^= 0x10;
+            assert!(matches!(decode_object(&flipped), Err(ObjectError::Checksum { .. })));
+            let mut lengths = bytes.clone();
+            lengths[8] = 200;
+            assert!(matches!(decode_object(&lengths), Err(ObjectError::Length { .. })));
+            let mut magic = bytes.clone();
+            magic[0] = b'X';
+            assert_eq!(decode_object(&magic), Err(ObjectError::Magic));
+        }
+    }
+}
