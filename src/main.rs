@@ -156,6 +156,12 @@ struct RunFlags {
     /// that step and let it pass.
     #[arg(long, hide = true)]
     test_send_no_expert_results: Option<String>,
+    /// Test only: offload saves give their blocks back before the save has read them.
+    #[arg(long, hide = true)]
+    test_release_saves_early: bool,
+    /// Test only: the save thread waits this many ms before reading a save's blocks.
+    #[arg(long, hide = true, default_value_t = 0)]
+    test_slow_saves_ms: u64,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -400,6 +406,8 @@ fn run_graph(
             },
             withhold_dispatch: rank_step_moe(args.test_withhold_dispatch.as_deref())?,
             send_no_expert_results: rank_step_moe(args.test_send_no_expert_results.as_deref())?,
+            release_saves_early: args.test_release_saves_early,
+            slow_saves_ms: args.test_slow_saves_ms,
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

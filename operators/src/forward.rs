@@ -23,6 +23,7 @@
 //! Guarantee carried: only `Launched(t)` gates `t + 1` (DESIGN §4).
 
 use crate::messages::{Event, LoopSignal, StageToken, StepPlan};
+use crate::offload::SaveJob;
 use crate::rank::Rank;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -40,6 +41,9 @@ pub struct ForwardOutputs<'scope> {
     /// With expert parallelism the step runs on through the MoE layers (`crate::experts`): the
     /// signal rides on the token they pass along, and `signals` stays empty.
     pub stages: StreamVec<'scope, u64, StageToken>,
+    /// *saved*: offload save jobs, each given once the step that wrote its blocks has completed
+    /// (for the `save` operator).
+    pub saved: StreamVec<'scope, u64, SaveJob>,
 }
 
 pub fn forward<'scope>(
@@ -53,9 +57,11 @@ pub fn forward<'scope>(
     let (signal_out, signals) = builder.new_output();
     let (sampled_out, sampled) = builder.new_output();
     let (stage_out, stages) = builder.new_output();
+    let (saved_out, saved) = builder.new_output();
     let mut signal_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<LoopSignal>>>::from(signal_out);
     let mut sampled_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<Event>>>::from(sampled_out);
     let mut stage_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<StageToken>>>::from(stage_out);
+    let mut saved_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<SaveJob>>>::from(saved_out);
     builder.build(move |_caps| {
         // Capabilities on the sampled output, per step in flight on this rank.
         let mut in_flight: BTreeMap<u64, Capability<u64>> = BTreeMap::new();
@@ -64,10 +70,12 @@ pub fn forward<'scope>(
             let mut signal_session = signal_out.activate();
             let mut sampled_session = sampled_out.activate();
             let mut stage_session = stage_out.activate();
+            let mut saved_session = saved_out.activate();
             input.for_each_stamp(|stamp, data| {
                 let Some(signal_cap) = stamp.retain_least(0) else { return };
                 let Some(sampled_cap) = stamp.retain_least(1) else { return };
                 let Some(stage_cap) = stamp.retain_least(2) else { return };
+                let Some(saved_cap) = stamp.retain_least(3) else { return };
                 let t = *signal_cap.time();
                 for plans in data {
                     for plan in plans.drain(..) {
@@ -108,6 +116,9 @@ pub fn forward<'scope>(
                 }
                 let mut rank = rank.borrow_mut();
                 emit_ended(&mut rank, &mut in_flight, &sampled_cap, &mut sampled_session);
+                // Saves whose step has completed (the completion was applied just now, or at
+                // this step's schedule).
+                saved_session.session(&saved_cap).give_iterator(rank.take_save_jobs().into_iter());
                 if rank.is_in_flight(t) {
                     in_flight.insert(t, sampled_cap);
                 }
@@ -117,7 +128,7 @@ pub fn forward<'scope>(
             });
         }
     });
-    ForwardOutputs { signals, sampled, stages }
+    ForwardOutputs { signals, sampled, stages, saved }
 }
 
 /// Emits the requests that ended, each at the step whose completion ended it, and lets go of the

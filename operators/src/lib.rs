@@ -13,6 +13,7 @@ pub mod messages;
 pub mod offload;
 pub mod policy;
 pub mod rank;
+pub mod save;
 pub mod schedule;
 pub mod step;
 pub mod transfer;

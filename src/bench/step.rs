@@ -271,6 +271,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         cluster: None,
         switches: TestSwitches::default(),
         experts,
+        offload: None,
     };
     let ingress = Arc::new(Ingress::default());
     let sink = CollectorSink { pool: "bench".into(), batches };

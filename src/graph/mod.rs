@@ -86,6 +86,13 @@
 //! ignore_eos = true                # outputs follow the trace (default true)
 //! pool_choice = "seeded"           # with several pools: seeded | round-robin (default seeded)
 //!
+//! [offload]                        # optional: the KV offload tier (default: none)
+//! store = "memory"                 # memory | disk
+//! chunk_tokens = 256               # tokens per saved chunk, a multiple of memory.block_size (default 256)
+//! capacity_bytes = "1 GiB"         # memory store: least recently used chunks go past this (default "1 GiB")
+//! # path = "../out/kv-store"       # disk store: its folder, created if missing (required for disk)
+//! max_retries = 3                  # a failed save is tried again this many times, then dropped (default 3)
+//!
 //! [slo]
 //! ttft_ms = 2000.0                 # default: none
 //! tpot_ms = 200.0                  # default: none
@@ -202,6 +209,8 @@ pub struct Graph {
     pub transfer: TransferConfig,
     /// `[faults]`: seeded fault injection, for fault testing; none by default.
     pub faults: FaultsConfig,
+    /// `[offload]`: the KV offload tier's store; none by default.
+    pub offload: Option<OffloadConfig>,
     pub workload: WorkloadConfig,
     pub slo: SloConfig,
     /// Where the report (report.json, requests.jsonl) is written.
@@ -382,6 +391,25 @@ impl FromStr for Endpoint {
     fn from_str(text: &str) -> Result<Endpoint, String> {
         parse_endpoint(text)
     }
+}
+
+/// The KV offload tier (`[offload]`, DESIGN §9): where full prompt chunks are saved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffloadConfig {
+    pub store: OffloadStore,
+    /// Tokens per chunk: a positive multiple of the block size (default 256).
+    pub chunk_tokens: usize,
+    /// A failed save is tried again this many times, then dropped (default 3).
+    pub max_retries: usize,
+}
+
+/// Which store the offload tier uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OffloadStore {
+    /// In this process's memory, least recently used evicted first past `capacity_bytes`.
+    Memory { capacity_bytes: u64 },
+    /// One file per object under `path` (relative to the graph file's folder); it outlives the run.
+    Disk { path: PathBuf },
 }
 
 /// What every transfer carries (`[transfer]`; only in a graph with links).

@@ -22,6 +22,7 @@ pub(super) struct RawGraph {
     pub(super) transfer: Option<Spanned<RawTransfer>>,
     #[serde(default)]
     pub(super) faults: RawFaults,
+    pub(super) offload: Option<Spanned<RawOffload>>,
     #[serde(default)]
     pub(super) workload: RawWorkload,
     #[serde(default)]
@@ -98,6 +99,17 @@ pub(super) struct RawTransfer {
     pub(super) deployment_token: Option<Spanned<String>>,
     pub(super) checksum: Option<bool>,
     pub(super) connections: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOffload {
+    pub(super) store: Option<Spanned<String>>,
+    pub(super) chunk_tokens: Option<Spanned<usize>>,
+    /// An integer, or a string with a unit.
+    pub(super) capacity_bytes: Option<Spanned<toml::Value>>,
+    pub(super) path: Option<Spanned<String>>,
+    pub(super) max_retries: Option<Spanned<usize>>,
 }
 
 #[derive(Default, Deserialize)]

@@ -9,7 +9,8 @@ use toml::Spanned;
 
 use super::error::{line_of, quoted_list};
 use super::raw::{
-    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawPool, RawScheduler, RawSlo, RawTransfer, RawWorkload,
+    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawScheduler, RawSlo, RawTransfer,
+    RawWorkload,
 };
 use super::rules::{
     at_least_one, byte_budget, deployment_token, existing_path, measured_limit, more_than_zero, one_of, parse_endpoint,
@@ -17,8 +18,8 @@ use super::rules::{
 };
 use super::{
     known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph,
-    GraphError, LinkConfig, Location, MemoryConfig, PoolChoice, PoolConfig, PoolRole, SchedulerConfig, SloConfig,
-    TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
+    GraphError, LinkConfig, Location, MemoryConfig, OffloadConfig, OffloadStore, PoolChoice, PoolConfig, PoolRole,
+    SchedulerConfig, SloConfig, TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
 };
 
 const DEFAULT_MEMORY: MemoryConfig = MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 };
@@ -141,6 +142,7 @@ impl<'a> Validator<'a> {
             model,
             transfer: self.transfer(raw.transfer.as_ref(), &links)?,
             faults: self.faults(&raw.faults)?,
+            offload: self.offload(raw.offload.as_ref(), &memory)?,
             pools,
             links,
             memory,
@@ -572,6 +574,57 @@ impl<'a> Validator<'a> {
                 },
             )?,
         })
+    }
+
+    /// `[offload]`: the store and its settings; `chunk_tokens` a multiple of the block size.
+    fn offload(
+        &self,
+        raw: Option<&Spanned<RawOffload>>,
+        memory: &MemoryConfig,
+    ) -> Result<Option<OffloadConfig>, GraphError> {
+        let Some(spanned) = raw else { return Ok(None) };
+        let raw = spanned.get_ref();
+        let bs = memory.block_size;
+        let chunk_tokens = self.field("offload.chunk_tokens", raw.chunk_tokens.as_ref(), 256, |n| {
+            if n == 0 || n % bs != 0 {
+                Err(format!("{n} tokens per chunk; expected a positive multiple of memory.block_size ({bs})"))
+            } else {
+                Ok(n)
+            }
+        })?;
+        let kind = self.field("offload.store", raw.store.as_ref(), "memory".to_string(), |s| {
+            if ["memory", "disk"].contains(&s.as_str()) {
+                Ok(s)
+            } else {
+                Err(format!("`{s}` is not an offload store; known: `memory`, `disk`"))
+            }
+        })?;
+        let store = if kind == "disk" {
+            let Some(path) = &raw.path else {
+                return Err(self.error(
+                    "offload.path",
+                    Some(spanned.span()),
+                    "missing: store = \"disk\" needs a folder",
+                ));
+            };
+            if let Some(c) = &raw.capacity_bytes {
+                return Err(self.error(
+                    "offload.capacity_bytes",
+                    Some(c.span()),
+                    "only the memory store has a capacity",
+                ));
+            }
+            OffloadStore::Disk { path: self.resolve(path.get_ref()) }
+        } else {
+            if let Some(p) = &raw.path {
+                return Err(self.error("offload.path", Some(p.span()), "only the disk store has a folder"));
+            }
+            let capacity_bytes =
+                self.field("offload.capacity_bytes", raw.capacity_bytes.as_ref(), 1 << 30, |v| byte_budget(&v))?;
+            OffloadStore::Memory { capacity_bytes }
+        };
+        let max_retries = raw.max_retries.as_ref().map_or(3, |r| *r.get_ref());
+        Ok(Some(OffloadConfig { store, chunk_tokens, max_retries }))
     }
 
     /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so

@@ -39,7 +39,14 @@ struct Built {
 }
 
 /// Builds one rank of `pool` on a worker of its own and records what timely built.
-fn build(pool: &PoolConfig, collectives: Collectives, registry: &Registry, extend: Option<Extension>) -> Result<Built> {
+fn build(
+    pool: &PoolConfig,
+    collectives: Collectives,
+    offload: Option<&crate::graph::OffloadConfig>,
+    registry: &Registry,
+    extend: Option<Extension>,
+) -> Result<Built> {
+    let offload = offload.cloned();
     let router =
         registry.routers.get(&pool.router).ok_or_else(|| anyhow!("router {:?} is not registered", pool.router))?;
     let (ranks, scheduler, name) = (pool.ranks, pool.scheduler, pool.name.clone());
@@ -72,6 +79,7 @@ fn build(pool: &PoolConfig, collectives: Collectives, registry: &Registry, exten
             router: router(RouterContext { ranks, max_batched_tokens: scheduler.max_batched_tokens }),
             keys: RoutingKeys { block_size: 16, keyed_by_prompt_len: false },
             collectives: collectives.clone(),
+            offload: offload.is_some(),
             ranks,
             sink: None,
             switches: TestSwitches::default(),
@@ -153,6 +161,7 @@ fn label(name: &str, pool: &PoolConfig) -> String {
         "align" => format!("align(t)\nbroadcast × {}\nrouter: {}", pool.ranks, pool.router),
         "forward" => format!("forward(t)\nexecutor: {}", pool.executor),
         "emit" => "emit(t)\nto the collector".to_string(),
+        "save" => "save(t)\nafter the step completed; blocks held until stored".to_string(),
         other if other.starts_with("dispatch[") => format!("{other}(t)\nrows to expert owners"),
         other if other.starts_with("experts[") => format!("{other}(t)\nthis rank's experts"),
         other if other.starts_with("combine[") => format!("{other}(t)\nsum by expert, check every result"),
@@ -166,6 +175,7 @@ fn edge_label(source: &str, port: usize, typ: &str) -> String {
     match (source, port) {
         ("forward", 0) => format!("launched: {typ}"),
         ("forward", 1) => format!("sampled: {typ}"),
+        ("forward", 3) => format!("saved: {typ}"),
         ("admit", _) => format!("wake: {typ}"),
         _ => typ.to_string(),
     }
@@ -196,7 +206,8 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     };
     for pool in &graph.pools {
         let moe_layers = if pool.expert_parallel { moe_layers.clone() } else { Vec::new() };
-        let built = build(pool, Collectives { moe_layers, spec_width: 1 }, registry, extend.clone())?;
+        let built =
+            build(pool, Collectives { moe_layers, spec_width: 1 }, graph.offload.as_ref(), registry, extend.clone())?;
         let id = |node: usize| quote(&format!("{}/{node}", pool.name));
         let ranks = if pool.ranks == 1 { "1 rank".to_string() } else { format!("{} ranks", pool.ranks) };
         dot.line("");

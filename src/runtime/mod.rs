@@ -9,6 +9,7 @@ pub(crate) mod driver;
 mod hostfile;
 mod links;
 mod memory;
+mod offload;
 pub(crate) mod pool;
 mod report;
 mod serve;
@@ -27,6 +28,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use collector::{spawn_collector_thread, Collector, CollectorSink};
 use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
 use kvflow_kernels::models::{self, Model};
+use kvflow_operators::offload::ObjectStore;
 use kvflow_operators::rank::{RankStats, TestSwitches};
 use pool::{start_pool, PoolJob, PoolResult};
 use serde_json::json;
@@ -285,6 +287,7 @@ fn pool_job(
     largest_request: usize,
     opts: &RunOptions,
     registry: &Registry,
+    store: Option<&Arc<dyn ObjectStore>>,
 ) -> Result<PoolJob> {
     let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request)
         .with_context(|| format!("{}: pool `{}`", graph.path.display(), pool.name))?;
@@ -332,6 +335,10 @@ fn pool_job(
         switches: opts.switches.clone(),
         handoff: Default::default(),
         experts,
+        offload: match (store, &graph.offload) {
+            (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
+            _ => None,
+        },
     })
 }
 
@@ -400,8 +407,11 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         .filter(|&len| model.max_positions.is_none_or(|max| len <= max)) // the others are refused
         .max()
         .unwrap_or(1);
-    let jobs: Vec<PoolJob> =
-        pools.iter().map(|p| pool_job(graph, p, &model, largest, opts, registry)).collect::<Result<_>>()?;
+    let store = offload::open_store(graph)?;
+    let jobs: Vec<PoolJob> = pools
+        .iter()
+        .map(|p| pool_job(graph, p, &model, largest, opts, registry, store.as_ref()))
+        .collect::<Result<_>>()?;
 
     if opts.cluster.is_some() && jobs.len() > 1 {
         bail!(

@@ -23,7 +23,8 @@ use kvflow_operators::messages::{Event, LoopSignal, StepPlan};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
-use kvflow_operators::rank::{Rank, RankStats, RemotePrefill, TestSwitches};
+use kvflow_operators::rank::{OffloadSetup, Rank, RankStats, RemotePrefill, TestSwitches};
+use kvflow_operators::save::save;
 use kvflow_operators::schedule::schedule;
 use kvflow_operators::transfer::{HandoffInbox, HandoffSink};
 use kvflow_operators::wake::RankWaker;
@@ -111,6 +112,8 @@ pub struct PoolJob {
     pub handoff: PoolHandoff,
     /// `expert_parallel = true`: each rank loads its own experts from the checkpoint.
     pub experts: Option<ExpertParallelJob>,
+    /// `[offload]`: the store its ranks save full prompt chunks to.
+    pub offload: Option<OffloadSetup>,
 }
 
 /// An expert-parallel pool's model: where each rank loads its share of the experts from, and
@@ -197,6 +200,8 @@ pub struct PoolParts {
     pub keys: RoutingKeys,
     /// The MoE layers that exchange (expert parallelism) and the spec width.
     pub collectives: Collectives,
+    /// Whether its ranks save to an offload store (a `save` operator after `forward`).
+    pub offload: bool,
     pub ranks: usize,
     /// Worker 0 only.
     pub sink: Option<Box<dyn EventSink>>,
@@ -213,7 +218,7 @@ pub struct PoolStreams<'scope> {
 /// Builds the per-pool graph of DESIGN §4 on one rank. The same function builds what runs and
 /// what `kvflow check --dot` draws.
 pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<'_> {
-    let PoolParts { rank, waker, ingress, router, keys, collectives, ranks, sink, switches } = parts;
+    let PoolParts { rank, waker, ingress, router, keys, collectives, offload, ranks, sink, switches } = parts;
     let index = rank.borrow().index;
     let hold = |op: &str| switches.hold_at(op, index);
     let pending: Pending = Rc::new(RefCell::new(Default::default()));
@@ -238,6 +243,9 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
         out.signals.connect_loop(signal_loop);
     }
     emit(out.sampled.clone(), sink);
+    if offload {
+        save(out.saved, rank);
+    }
     PoolStreams { plans, sampled: out.sampled }
 }
 
@@ -253,7 +261,18 @@ pub fn start_pool(
     let config = timely_config(&job)?;
     let job_cluster = job.cluster.clone();
     let PoolJob {
-        name, model, layout, scheduler, router, executor, executor_settings, switches, handoff, experts, ..
+        name,
+        model,
+        layout,
+        scheduler,
+        router,
+        executor,
+        executor_settings,
+        switches,
+        handoff,
+        experts,
+        offload,
+        ..
     } = job;
     let collectives =
         Collectives { moe_layers: experts.as_ref().map(|e| e.moe_layers.clone()).unwrap_or_default(), spec_width: 1 };
@@ -294,6 +313,9 @@ pub fn start_pool(
             });
             let mut rank =
                 Rank::new(index, &pool, layout, scheduler, exec, waker.clone()).with_switches(switches.clone());
+            if let Some(setup) = &offload {
+                rank = rank.with_offload(setup.clone());
+            }
             rank.stats.expert_bytes = expert_bytes;
             let rank = match &handoff {
                 PoolHandoff::None => rank,
@@ -314,6 +336,7 @@ pub fn start_pool(
                 router: router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens }),
                 keys,
                 collectives: collectives.clone(),
+                offload: offload.is_some(),
                 ranks: peers,
                 sink: sink.map(|s| s as Box<dyn EventSink>),
                 switches: switches.clone(),

@@ -61,6 +61,19 @@ fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
     Value::Array(stats.iter().flat_map(|(pool, ranks)| ranks.iter().map(move |s| entry(pool, s))).collect())
 }
 
+/// What the offload tier saved (loads are not built yet).
+fn offload(stats: &[&RankStats]) -> Value {
+    let bytes: u64 = stats.iter().map(|s| s.offload.saved_bytes).sum();
+    let seconds: f64 = stats.iter().map(|s| s.offload.save_seconds).sum();
+    json!({
+        "saved_chunks": stats.iter().map(|s| s.offload.saved_chunks).sum::<u64>(),
+        "saved_bytes": bytes,
+        "dropped_saves": stats.iter().map(|s| s.offload.dropped_saves).sum::<u64>(),
+        "found_in_store": stats.iter().map(|s| s.offload.found_in_store).sum::<u64>(),
+        "save_gb_per_s": if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
+    })
+}
+
 /// The whole report.
 pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, ctx: &RunContext) -> Value {
     let g = ctx.graph;
@@ -85,6 +98,9 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     let top = extra.as_object_mut().expect("an object");
     top.extend(rank_figures(&all_stats));
     top.insert("rank_stats".into(), rank_stats(ctx.stats));
+    if g.offload.is_some() {
+        top.insert("offload".into(), offload(&all_stats));
+    }
     let mut pools = Map::new();
     for (name, ranks, layout, executor) in ctx.pools {
         let mine: Vec<&RequestRecord> = records.iter().filter(|r| r.pools.contains(name)).collect();

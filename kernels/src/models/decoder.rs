@@ -453,6 +453,13 @@ impl Model {
         acts.layers_done += 1;
     }
 
+    /// A fingerprint of the weights (a sample of the embeddings and the final norm): stored KV
+    /// computed by one checkpoint is not another's, even of the same geometry.
+    pub fn weights_fingerprint(&self) -> u64 {
+        let sample = &self.embed[..self.embed.len().min(1 << 14)];
+        crate::hash::logits_bits(crate::hash::logits_bits(0, sample), &self.final_norm.weight)
+    }
+
     /// The layers whose feed-forward is a MoE block, with their routed expert counts.
     pub fn moe_layers(&self) -> Vec<(usize, usize)> {
         let moe = |(i, l): (usize, &DecoderLayer)| match &l.ffn {

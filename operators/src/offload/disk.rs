@@ -95,7 +95,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("kvflow-disk-store-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let ns = Namespace::of(&[("family", "hybrid_kda")]);
-        let d = chunk_digests(&(0..16).collect::<Vec<u32>>(), 8);
+        let d = chunk_digests(&(0..16).collect::<Vec<u32>>(), 8, 0);
         let key = |c: usize| ChunkKey { namespace: ns, shard: 0, shards: 1, digest: d[c] };
         let object = encode_object(&ChunkObject { kv: vec![1.0, 2.0], state: Some(vec![3.0]) });
         {

@@ -35,9 +35,11 @@ fn bytes(state: u64, b: &[u8]) -> u64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Digest(pub [u64; 2]);
 
-/// The digests of the full chunks of `tokens` (`chunk_tokens` each), each chaining the one before.
-pub fn chunk_digests(tokens: &[u32], chunk_tokens: usize) -> Vec<Digest> {
-    let mut d = [hash::mix(hash::EMPTY, 1), hash::mix(hash::EMPTY, 2)];
+/// The digests of the full chunks of `tokens` (`chunk_tokens` each), each chaining the one before;
+/// `seed` separates prompts whose rows depend on more than their tokens (DeepSeek-V3.2's prompt
+/// length), as the prefix cache's keys do.
+pub fn chunk_digests(tokens: &[u32], chunk_tokens: usize, seed: u64) -> Vec<Digest> {
+    let mut d = [hash::mix(hash::mix(hash::EMPTY, 1), seed), hash::mix(hash::mix(hash::EMPTY, 2), seed)];
     tokens
         .chunks_exact(chunk_tokens.max(1))
         .map(|chunk| {
@@ -75,10 +77,10 @@ mod tests {
         let a: Vec<u32> = (0..32).collect();
         let mut b = a.clone();
         b[3] = 99; // differs in the first chunk only
-        let (da, db) = (chunk_digests(&a, 8), chunk_digests(&b, 8));
+        let (da, db) = (chunk_digests(&a, 8, 0), chunk_digests(&b, 8, 0));
         assert_eq!(da.len(), 4);
         assert!(da.iter().zip(&db).all(|(x, y)| x != y), "a change early changes every later digest");
-        assert_eq!(chunk_digests(&a[..20], 8), da[..2], "a prefix has the same digests (partial chunks none)");
+        assert_eq!(chunk_digests(&a[..20], 8, 0), da[..2], "a prefix has the same digests (partial chunks none)");
         let ns = Namespace::of(&[("family", "mla"), ("block_size", "16"), ("chunk_tokens", "64")]);
         assert_eq!(ns, Namespace::of(&[("chunk_tokens", "64"), ("family", "mla"), ("block_size", "16")]));
         assert_ne!(ns, Namespace::of(&[("family", "mla"), ("block_size", "32"), ("chunk_tokens", "64")]));

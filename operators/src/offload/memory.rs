@@ -111,7 +111,7 @@ mod tests {
     #[test]
     fn the_least_recently_used_chunk_goes_first_with_all_its_shards() {
         let ns = Namespace::of(&[("family", "mha")]);
-        let d = chunk_digests(&(0..32).collect::<Vec<u32>>(), 8);
+        let d = chunk_digests(&(0..32).collect::<Vec<u32>>(), 8, 0);
         let key = |c: usize, shard| ChunkKey { namespace: ns, shard, shards: 2, digest: d[c] };
         let store = MemoryStore::new(40);
         for c in 0..2 {

@@ -11,11 +11,13 @@ mod disk;
 mod key;
 mod memory;
 mod object;
+mod saver;
 
 pub use disk::DiskStore;
 pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
 pub use memory::MemoryStore;
 pub use object::{decode_object, encode_object, ChunkObject, ObjectError};
+pub use saver::{SaveDone, SaveJob, SaveOutcome, SaveReturns, Saver};
 
 /// Why a store could not do what it was asked.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -58,7 +60,7 @@ mod tests {
     #[test]
     fn the_longest_prefix_needs_every_shard_of_every_chunk_up_to_it() {
         let ns = Namespace::of(&[("family", "mha"), ("block_size", "16")]);
-        let digests = chunk_digests(&(0..40).collect::<Vec<u32>>(), 8);
+        let digests = chunk_digests(&(0..40).collect::<Vec<u32>>(), 8, 0);
         let keys: Vec<Vec<ChunkKey>> = digests
             .iter()
             .map(|&d| (0..2).map(|s| ChunkKey { namespace: ns, shard: s, shards: 2, digest: d }).collect())

@@ -73,6 +73,9 @@ pub struct RankMemory {
     /// Prefix blocks a decode rank keeps for requests whose remote prefill is out (it told the
     /// producer not to send them), by request.
     reserved: BTreeMap<u64, Vec<BlockId>>,
+    /// Blocks an offload save reads in place, by save: held until that save's completion record
+    /// (with each block's generation) returns them (DESIGN §5, save fencing).
+    saving: BTreeMap<u64, Vec<(BlockId, u32)>>,
     /// The oldest step in flight (the rank keeps it current).
     in_flight_from: Option<u64>,
     /// Releases of pinned ids that named an older generation than the id's current one: dropped
@@ -89,6 +92,7 @@ impl RankMemory {
             prefix: PrefixCache::new(layout.keeps_kv, layout.keeps_state),
             pinned: BTreeMap::new(),
             reserved: BTreeMap::new(),
+            saving: BTreeMap::new(),
             in_flight_from: None,
             stale_releases: 0,
             layout,
@@ -136,6 +140,30 @@ impl RankMemory {
         for b in self.take_reserved(id) {
             self.blocks.release(b);
         }
+    }
+
+    /// Takes a reference on `blocks` for save `save`, which reads them in place.
+    pub fn pin_for_save(&mut self, save: u64, blocks: &[BlockId]) {
+        let pinned = blocks
+            .iter()
+            .map(|&b| {
+                self.blocks.share(b);
+                (b, self.blocks.generation(b))
+            })
+            .collect();
+        self.saving.insert(save, pinned);
+    }
+
+    /// Save `save` is done (stored or dropped): its blocks' references return.
+    pub fn release_save(&mut self, save: u64) {
+        for (b, generation) in self.saving.remove(&save).unwrap_or_default() {
+            self.release_held(Held::Block, b, generation);
+        }
+    }
+
+    /// Saves whose blocks are still held.
+    pub fn saves_holding_blocks(&self) -> usize {
+        self.saving.len()
     }
 
     /// Blocks a sequence needs to hold `tokens` tokens.
@@ -261,6 +289,7 @@ impl RankMemory {
             seq.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
         }
         self.reserved.values().flatten().for_each(|&b| *blocks.entry(b).or_default() += 1);
+        self.saving.values().flatten().for_each(|&(b, _)| *blocks.entry(b).or_default() += 1);
         for pin in self.pinned.values().flatten() {
             pin.blocks.iter().for_each(|&(b, _)| *blocks.entry(b).or_default() += 1);
             pin.slot.iter().for_each(|&(s, _)| *slots.entry(s).or_default() += 1);

@@ -14,6 +14,7 @@ impl Rank {
     /// Applies every completion the executor has ready; returns how many.
     pub fn poll(&mut self) -> usize {
         self.apply_acks();
+        self.apply_saves();
         let mut ready = std::mem::take(&mut self.completions);
         self.executor.poll(&mut ready);
         let n = ready.len();
@@ -51,7 +52,10 @@ impl Rank {
             self.memory.release_held(Held::Snapshot, snapshot, generation);
         }
         self.applied_through = Some(self.applied_through.map_or(c.step, |a| a.max(c.step)));
-        for e in c.exports {
+        let mut exports = c.exports;
+        let saved = exports.split_off(record.handoff_exports.min(exports.len()));
+        self.offload_completed(c.step, c.result.is_ok(), saved);
+        for e in exports {
             self.exported.insert(e.key, e);
         }
         let sampled = match c.result {

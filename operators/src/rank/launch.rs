@@ -193,8 +193,11 @@ impl Rank {
         }
         // 2. handoffs: exported after the step that samples T0 (a prefill pool), written in
         //    before the step that feeds it (a decode pool)
-        let (imports, exports) = self.handoff_ops(&decided.chunks);
-        // 3. the launch the executor sees, read in place
+        let (imports, mut exports) = self.handoff_ops(&decided.chunks);
+        // 3. offload saves: after the step's forward too, the handoffs' exports first
+        let handoff_exports = exports.len();
+        exports.extend(self.offload_saves(t, &decided.chunks));
+        // 4. the launch the executor sees, read in place
         let swapped = self.swapped_tables(&decided.chunks);
         let batch = Batch { chunks: &decided.chunks, seqs: &self.seqs, swapped: swapped.as_ref() };
         let mut sampling = std::mem::take(&mut self.sampling);
@@ -221,7 +224,14 @@ impl Rank {
         record_sampling.clear();
         record_sampling.extend_from_slice(&sampling);
         self.sampling = sampling;
-        self.in_flight.push_back(StepRecord { step: t, seqs: keys, sampling: record_sampling, restoring, published });
+        self.in_flight.push_back(StepRecord {
+            step: t,
+            seqs: keys,
+            sampling: record_sampling,
+            restoring,
+            published,
+            handoff_exports,
+        });
         self.memory.steps_in_flight_from(self.oldest_in_flight());
         self.stats.launched_steps += 1;
         self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();

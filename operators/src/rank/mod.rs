@@ -17,11 +17,13 @@ mod disaggregate;
 mod experts;
 mod handoff;
 mod launch;
+mod offload;
 mod stats;
 mod switches;
 
 pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
 pub use handoff::HandoffOut;
+pub use offload::{OffloadSetup, OffloadStats, RankOffload};
 pub use stats::{RankStats, UtilizationSamples};
 pub use switches::TestSwitches;
 
@@ -48,6 +50,8 @@ struct StepRecord {
     restoring: Vec<(SnapshotId, u32)>,
     /// Prefix-cache entries it publishes (dropped if the step fails).
     published: Vec<u64>,
+    /// Its exports that are handoffs; the ones after them are offload saves.
+    handoff_exports: usize,
 }
 
 pub struct Rank {
@@ -91,6 +95,8 @@ pub struct Rank {
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
     /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
     deferred: Vec<Admission>,
+    /// The offload tier, when the graph has one.
+    offload: Option<RankOffload>,
     /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
     admission_slots: std::collections::HashMap<u64, kvflow_kernels::kv::SlotId>,
 }
@@ -133,7 +139,25 @@ impl Rank {
             exported: Default::default(),
             admission_slots: Default::default(),
             deferred: Vec::new(),
+            offload: None,
         }
+    }
+
+    /// Saves full prompt chunks to the offload tier's store through a save thread of its own
+    /// (the tier is a cache: if the thread cannot start, this rank saves nothing, and says so).
+    pub fn with_offload(mut self, setup: OffloadSetup) -> Self {
+        let delay = std::time::Duration::from_millis(self.switches.slow_saves_ms);
+        let name = format!("kvflow-save-{}-{}", self.pool, self.index);
+        match crate::offload::Saver::spawn(setup.store.clone(), setup.max_retries, self.waker.clone(), delay, name) {
+            Ok(saver) => self.offload = Some(RankOffload::new(setup, saver)),
+            Err(e) => tracing::error!(pool = %self.pool, rank = self.index, "offload off on this rank: {e}"),
+        }
+        self
+    }
+
+    /// The offload tier's counters (zero without one).
+    pub fn offload_stats(&self) -> OffloadStats {
+        self.offload.as_ref().map(|o| o.stats.clone()).unwrap_or_default()
     }
 
     pub fn with_switches(mut self, switches: TestSwitches) -> Self {
@@ -273,7 +297,10 @@ impl Rank {
             outstanding_tokens: self.outstanding_tokens(),
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
-            in_flight: self.in_flight.len() + self.awaiting.len() + self.awaiting_remote.len(),
+            in_flight: self.in_flight.len()
+                + self.awaiting.len()
+                + self.awaiting_remote.len()
+                + self.offload.as_ref().map_or(0, RankOffload::in_flight),
             admissions: std::mem::take(&mut self.deferred),
             cancels,
             closing: false,
@@ -362,6 +389,18 @@ impl Rank {
     /// End of run: completes what is in flight, checks the accounting, drops the prefix cache's
     /// references and checks that every block, slot and snapshot is free and no request is left.
     pub fn finish_run(&mut self) -> Result<RankStats, String> {
+        // Saves still being written return their blocks when they end (bounded: a store call
+        // that never returns is reported below as blocks still held).
+        for _ in 0..30_000 {
+            if self.offload.as_ref().is_none_or(|o| o.in_flight() == 0) {
+                break;
+            }
+            let jobs = self.take_save_jobs();
+            self.submit_saves(jobs);
+            if self.apply_saves() == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
         if !self.in_flight.is_empty() {
             self.executor.flush();
             for _ in 0..10_000 {
@@ -374,6 +413,7 @@ impl Rank {
             }
         }
         self.check_accounting("at the end of the run");
+        self.stats.offload = self.offload_stats();
         self.stats.pool_wakes = self.waker.pool_wakes();
         self.stats.stale_releases = self.memory.stale_releases;
         self.stats.prefix_lookups = self.memory.prefix.lookups;

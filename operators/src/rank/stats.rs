@@ -43,6 +43,8 @@ pub struct RankStats {
     pub expert_bytes: u64,
     pub exchange_bytes: u64,
     pub expert_rows: u64,
+    /// The offload tier's counters.
+    pub offload: super::OffloadStats,
     /// Times this rank woke its parked pool (new work on rank 0, a completion on any rank).
     pub pool_wakes: u64,
     /// Times the accounting check ran (each time the pool parked with nothing in flight, and at

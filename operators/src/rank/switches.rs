@@ -55,6 +55,11 @@ pub struct TestSwitches {
     /// that step and lets it pass (removes the results: `combine` must fail the requests that
     /// lose them, never add a silent zero).
     pub send_no_expert_results: Option<(usize, u64, usize)>,
+    /// Offload saves give their blocks back when they are handed to the save thread, before it
+    /// has read them (removes save fencing's hold: the next prefill may overwrite them first).
+    pub release_saves_early: bool,
+    /// The save thread waits this long before it reads a save's blocks (a slow store).
+    pub slow_saves_ms: u64,
 }
 
 impl TestSwitches {

@@ -1,0 +1,148 @@
+//! A rank's save thread: it takes save jobs the `save` operator hands it (each emitted only after
+//! the step that wrote its blocks completed), reads the blocks in place, writes the chunk object
+//! to the store, and returns a completion record — with the save's id, which the rank's memory
+//! holds the blocks under — on a queue the rank drains when its waker fires. A failed put is
+//! tried again up to `max_retries` times, then the save is dropped (the tier is a cache). While a
+//! store keeps failing, new saves are dropped at once for a back-off that starts at 1 s and
+//! doubles to 30 s: a failing store never holds blocks or steps.
+
+use super::{encode_object, ChunkKey, ChunkObject, ObjectStore};
+use crate::step::KvSource;
+use crate::wake::RankWaker;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// One chunk to save: its key, the blocks it reads in place, and the state at its end.
+#[derive(Clone)]
+pub struct SaveJob {
+    pub id: u64,
+    pub key: ChunkKey,
+    pub source: KvSource,
+    pub state: Option<Vec<f32>>,
+}
+
+/// How a save ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SaveOutcome {
+    Stored { bytes: u64, seconds: f64 },
+    Dropped { why: String },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SaveDone {
+    pub id: u64,
+    pub key: ChunkKey,
+    pub outcome: SaveOutcome,
+}
+
+/// What a save thread hands back, and how it wakes the rank.
+#[derive(Default)]
+pub struct SaveReturns {
+    done: Mutex<Vec<SaveDone>>,
+}
+
+impl SaveReturns {
+    pub fn take(&self) -> Vec<SaveDone> {
+        std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The back-off after a dropped save: 1 s, doubling to 30 s; a stored save resets it.
+#[derive(Clone, Copy, Debug)]
+struct Backoff {
+    until: Option<Instant>,
+    next: Duration,
+}
+
+const FIRST_BACKOFF: Duration = Duration::from_secs(1);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+pub struct Saver {
+    jobs: Option<Sender<SaveJob>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    pub returns: Arc<SaveReturns>,
+}
+
+impl Saver {
+    /// Starts the save thread of one rank. `read_delay` (test only: a slow store) is waited
+    /// before a job reads its blocks.
+    pub fn spawn(
+        store: Arc<dyn ObjectStore>,
+        max_retries: usize,
+        waker: Arc<RankWaker>,
+        read_delay: Duration,
+        name: String,
+    ) -> Result<Self, String> {
+        let (tx, rx) = channel::<SaveJob>();
+        let returns = Arc::new(SaveReturns::default());
+        let back = returns.clone();
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                let mut backoff = Backoff { until: None, next: FIRST_BACKOFF };
+                for job in rx {
+                    let outcome = save_one(&*store, &job, max_retries, read_delay, &mut backoff);
+                    back.done.lock().unwrap_or_else(|e| e.into_inner()).push(SaveDone {
+                        id: job.id,
+                        key: job.key,
+                        outcome,
+                    });
+                    drop(job); // the source's cache handle goes before the rank is told
+                    waker.wake();
+                }
+            })
+            .map_err(|e| format!("cannot start the offload save thread: {e}"))?;
+        Ok(Saver { jobs: Some(tx), thread: Some(thread), returns })
+    }
+
+    /// Hands a job to the thread; `false` if the thread is gone (the caller drops the save).
+    pub fn submit(&self, job: SaveJob) -> bool {
+        self.jobs.as_ref().is_some_and(|j| j.send(job).is_ok())
+    }
+}
+
+impl Drop for Saver {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn save_one(
+    store: &dyn ObjectStore,
+    job: &SaveJob,
+    max_retries: usize,
+    read_delay: Duration,
+    backoff: &mut Backoff,
+) -> SaveOutcome {
+    if let Some(until) = backoff.until.filter(|&u| Instant::now() < u) {
+        let left = until.saturating_duration_since(Instant::now()).as_secs_f64();
+        return SaveOutcome::Dropped { why: format!("the store is backing off after failures ({left:.1} s left)") };
+    }
+    if !read_delay.is_zero() {
+        std::thread::sleep(read_delay);
+    }
+    let started = Instant::now();
+    let kv = job.source.read();
+    if kv.is_empty() && !job.source.blocks.is_empty() {
+        return SaveOutcome::Dropped { why: "its blocks could not be read".into() };
+    }
+    let object = encode_object(&ChunkObject { kv, state: job.state.clone() });
+    let mut last = String::new();
+    for _ in 0..=max_retries {
+        match store.put(&job.key, &object) {
+            Ok(()) => {
+                *backoff = Backoff { until: None, next: FIRST_BACKOFF };
+                return SaveOutcome::Stored { bytes: object.len() as u64, seconds: started.elapsed().as_secs_f64() };
+            }
+            Err(e) => last = e.to_string(),
+        }
+    }
+    tracing::warn!("offload: saving {} failed {} times ({last}); dropped", job.key, max_retries + 1);
+    backoff.until = Some(Instant::now() + backoff.next);
+    backoff.next = (backoff.next * 2).min(MAX_BACKOFF);
+    SaveOutcome::Dropped { why: format!("{} tries failed: {last}", max_retries + 1) }
+}

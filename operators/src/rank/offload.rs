@@ -1,0 +1,205 @@
+//! A rank's side of the offload tier (DESIGN §9): which prompt chunks a step completes and saves,
+//! the blocks each save holds until its completion record returns them, and the figures.
+//!
+//! Save fencing (DESIGN §5): a save is asked for with the step that completes its chunk (an
+//! export after that step's forward, in launch order) and its blocks are pinned under the save's
+//! id at launch. Its job is made only when that step's completion is applied, reaches the `save`
+//! operator on `forward`'s *saved* output, and is read in place by the rank's save thread; the
+//! blocks return to the pool only when the save's completion record comes back. One save is in
+//! flight per request; a chunk is saved once by this rank (whichever request filled it first).
+
+use super::Rank;
+use crate::offload::{chunk_digests, ChunkKey, Digest, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
+use crate::policy::scheduler::Chunk;
+use crate::step::{Exported, KvExport, SeqKey};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// What a pool's ranks save to, and how.
+#[derive(Clone)]
+pub struct OffloadSetup {
+    pub store: Arc<dyn ObjectStore>,
+    pub namespace: Namespace,
+    pub chunk_tokens: usize,
+    pub max_retries: usize,
+}
+
+/// The tier's counters of one rank.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OffloadStats {
+    pub saved_chunks: u64,
+    pub saved_bytes: u64,
+    pub save_seconds: f64,
+    pub dropped_saves: u64,
+    /// Chunks not saved because the store already held them (saved by another rank, pool or run).
+    pub found_in_store: u64,
+}
+
+/// A save asked for with a launched step, until that step completes.
+#[derive(Debug)]
+struct Launched {
+    step: u64,
+    id: u64,
+    seq: SeqKey,
+    request: u64,
+    key: ChunkKey,
+}
+
+pub struct RankOffload {
+    setup: OffloadSetup,
+    saver: Saver,
+    next_id: u64,
+    launched: Vec<Launched>,
+    /// Jobs made from completed steps, for the `save` operator.
+    ready: Vec<SaveJob>,
+    /// Saves handed to the thread (or about to be): id → (request, digest).
+    writing: HashMap<u64, (u64, Digest)>,
+    known: HashSet<Digest>,
+    busy: HashSet<u64>,
+    pub stats: OffloadStats,
+}
+
+impl RankOffload {
+    pub fn new(setup: OffloadSetup, saver: Saver) -> Self {
+        RankOffload {
+            setup,
+            saver,
+            next_id: 0,
+            launched: Vec::new(),
+            ready: Vec::new(),
+            writing: HashMap::new(),
+            known: HashSet::new(),
+            busy: HashSet::new(),
+            stats: OffloadStats::default(),
+        }
+    }
+
+    /// Saves launched, ready or being written.
+    pub fn in_flight(&self) -> usize {
+        self.launched.len() + self.ready.len() + self.writing.len()
+    }
+}
+
+impl Rank {
+    /// The saves of step `t`: one per prompt chunk a prefill chunk of the step completes that
+    /// this rank has not saved, for a request with no save in flight — for families with state,
+    /// only when the step ends exactly at the chunk's end (the state the object carries). Their
+    /// blocks are pinned under each save's id.
+    pub(super) fn offload_saves(&mut self, t: u64, chunks: &[Chunk]) -> Vec<KvExport> {
+        let Some(off) = self.offload.as_mut() else { return Vec::new() };
+        let (bs, keeps_state) = (self.memory.layout.block_size, self.memory.layout.keeps_state);
+        let c_tokens = off.setup.chunk_tokens;
+        let mut saves = Vec::new();
+        for c in chunks.iter().filter(|c| c.prefill) {
+            let seq = self.seqs.get(c.seq);
+            let end = (c.start + c.len).min(seq.prompt_len);
+            let (first, last) = (c.start / c_tokens, end / c_tokens); // chunks [first, last) end in this step
+            if first >= last || off.busy.contains(&seq.id) || !self.memory.layout.keeps_kv {
+                continue;
+            }
+            let k = last - 1; // the deepest chunk this step completes (one save per request)
+            if keeps_state && (k + 1) * c_tokens != end {
+                continue;
+            }
+            let seed = if self.memory.layout.prefix_keyed_by_prompt_len { seq.prompt_len as u64 } else { 0 };
+            let digest = chunk_digests(&seq.tokens[..(k + 1) * c_tokens], c_tokens, seed)[k];
+            let key = ChunkKey { namespace: off.setup.namespace, shard: 0, shards: 1, digest };
+            if off.known.contains(&digest) {
+                continue;
+            }
+            if off.setup.store.contains(&key) {
+                off.known.insert(digest);
+                off.stats.found_in_store += 1;
+                continue;
+            }
+            let blocks = seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec();
+            let id = off.next_id;
+            off.next_id += 1;
+            self.memory.pin_for_save(id, &blocks);
+            off.known.insert(digest);
+            off.busy.insert(seq.id);
+            off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key });
+            saves.push(KvExport { key: c.key, blocks, slot: if keeps_state { seq.slot } else { None } });
+        }
+        saves
+    }
+
+    /// Step `step` completed (`ok`: its forward ran) with `saved`, what its save exports copied
+    /// out, in launch order: each becomes a job for the `save` operator, or — when the step
+    /// failed or the executor exported nothing — a dropped save whose blocks return now.
+    pub(super) fn offload_completed(&mut self, step: u64, ok: bool, saved: Vec<Exported>) {
+        let Some(off) = self.offload.as_mut() else { return };
+        let (mine, rest): (Vec<Launched>, Vec<Launched>) = off.launched.drain(..).partition(|l| l.step == step);
+        off.launched = rest;
+        let mut saved = saved.into_iter();
+        for l in mine {
+            let export = if ok { saved.next() } else { None };
+            match export.and_then(|e| e.source.map(|s| (s, e.state))) {
+                Some((source, state)) => {
+                    off.writing.insert(l.id, (l.request, l.key.digest));
+                    off.ready.push(SaveJob { id: l.id, key: l.key, source, state });
+                }
+                None => {
+                    tracing::warn!(pool = %self.pool, rank = self.index, step, "offload: step {step} gave no copy of {} (seq {}); save dropped", l.key, l.seq);
+                    off.stats.dropped_saves += 1;
+                    off.known.remove(&l.key.digest);
+                    off.busy.remove(&l.request);
+                    self.memory.release_save(l.id);
+                }
+            }
+        }
+    }
+
+    /// Jobs for the `save` operator.
+    pub fn take_save_jobs(&mut self) -> Vec<SaveJob> {
+        self.offload.as_mut().map(|o| std::mem::take(&mut o.ready)).unwrap_or_default()
+    }
+
+    /// The `save` operator hands the jobs of a completed step to the save thread.
+    pub fn submit_saves(&mut self, jobs: Vec<SaveJob>) {
+        let release_early = self.switches.release_saves_early;
+        let Some(off) = self.offload.as_mut() else { return };
+        for job in jobs {
+            let id = job.id;
+            if release_early {
+                // Test switch: the blocks go back before the save has read them.
+                self.memory.release_save(id);
+            }
+            if !off.saver.submit(job) {
+                off.stats.dropped_saves += 1;
+                if let Some((request, digest)) = off.writing.remove(&id) {
+                    off.busy.remove(&request);
+                    off.known.remove(&digest);
+                }
+                self.memory.release_save(id);
+            }
+        }
+    }
+
+    /// Applies the save thread's completion records: each returns its save's blocks.
+    pub(super) fn apply_saves(&mut self) -> usize {
+        let Some(off) = self.offload.as_mut() else { return 0 };
+        let done: Vec<SaveDone> = off.saver.returns.take();
+        for d in &done {
+            let Some((request, digest)) = off.writing.remove(&d.id) else {
+                tracing::error!(pool = %self.pool, rank = self.index, "offload: a completion for save {} it does not await", d.id);
+                continue;
+            };
+            off.busy.remove(&request);
+            match &d.outcome {
+                SaveOutcome::Stored { bytes, seconds } => {
+                    off.stats.saved_chunks += 1;
+                    off.stats.saved_bytes += bytes;
+                    off.stats.save_seconds += seconds;
+                }
+                SaveOutcome::Dropped { why } => {
+                    tracing::warn!(pool = %self.pool, rank = self.index, "offload: save of {} dropped: {why}", d.key);
+                    off.stats.dropped_saves += 1;
+                    off.known.remove(&digest);
+                }
+            }
+            self.memory.release_save(d.id);
+        }
+        done.len()
+    }
+}

@@ -1,0 +1,70 @@
+//! The run's offload store (`[offload]`, DESIGN §9) and each pool's part in it: the namespace its
+//! chunks are keyed under, checked against the pool's layout before the run.
+
+use crate::graph::{Graph, OffloadConfig, OffloadStore, PoolConfig};
+use anyhow::{anyhow, Result};
+use kvflow_kernels::models::Model;
+use kvflow_operators::offload::{DiskStore, MemoryStore, Namespace, ObjectStore};
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::rank::OffloadSetup;
+use std::sync::Arc;
+
+/// Opens the graph's store, shared by every pool and rank of the run.
+pub fn open_store(graph: &Graph) -> Result<Option<Arc<dyn ObjectStore>>> {
+    let Some(config) = &graph.offload else { return Ok(None) };
+    Ok(Some(match &config.store {
+        OffloadStore::Memory { capacity_bytes } => Arc::new(MemoryStore::new(*capacity_bytes)),
+        OffloadStore::Disk { path } => {
+            Arc::new(DiskStore::open(path).map_err(|e| anyhow!("{}: offload.path: {e}", graph.path.display()))?)
+        }
+    }))
+}
+
+/// The namespace of a pool's chunks: everything that changes their bytes.
+pub fn namespace(model: &Model, layout: &MemoryLayout, chunk_tokens: usize) -> Namespace {
+    let facts = [
+        ("model_type", model.model_type.clone()),
+        ("weights", format!("{:016x}", model.weights_fingerprint())),
+        ("layout", format!("{:016x}", model.layout_fingerprint(layout.block_size))),
+        ("block_size", layout.block_size.to_string()),
+        ("chunk_tokens", chunk_tokens.to_string()),
+        ("dtype", "f32".to_string()),
+        ("layer_split", "whole".to_string()),
+        ("keyed_by_prompt_len", layout.prefix_keyed_by_prompt_len.to_string()),
+    ];
+    let facts: Vec<(&str, &str)> = facts.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Namespace::of(&facts)
+}
+
+/// A pool's offload setup. A model with recurrent state saves a chunk only with the state at its
+/// end, so its chunks must end where prefill chunks stop: at snapshot boundaries, which need the
+/// prefix cache.
+pub fn setup(
+    graph: &Graph,
+    pool: &PoolConfig,
+    model: &Model,
+    layout: &MemoryLayout,
+    config: &OffloadConfig,
+    store: Arc<dyn ObjectStore>,
+) -> Result<OffloadSetup> {
+    if layout.keeps_state {
+        let every = pool.scheduler.snapshot_interval_blocks * layout.block_size;
+        if !pool.scheduler.prefix_cache || !config.chunk_tokens.is_multiple_of(every) {
+            return Err(anyhow!(
+                "{}: offload.chunk_tokens: pool `{}` serves {} (recurrent state), whose saved chunks carry the state \
+                 at their end: chunk_tokens ({}) must be a multiple of memory.snapshot_interval_blocks × \
+                 memory.block_size ({every}), with scheduler.prefix_cache on",
+                graph.path.display(),
+                pool.name,
+                model.model_type,
+                config.chunk_tokens
+            ));
+        }
+    }
+    Ok(OffloadSetup {
+        store,
+        namespace: namespace(model, layout, config.chunk_tokens),
+        chunk_tokens: config.chunk_tokens,
+        max_retries: config.max_retries,
+    })
+}
