@@ -223,6 +223,22 @@ enum BenchCommand {
         #[arg(long)]
         expert_parallel: bool,
     },
+    /// Offload chunk objects saved to and loaded from the memory and disk stores (GB/s), beside
+    /// memcpy and plain file writes and reads of the same bytes.
+    Offload {
+        /// Bytes of KV per chunk.
+        #[arg(long, default_value = "4 MiB", value_parser = parse_bytes)]
+        chunk_bytes: u64,
+        /// Chunks per round.
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        chunks: usize,
+        /// Rounds; each figure is their median.
+        #[arg(long, default_value_t = 5, value_parser = flags::count)]
+        rounds: usize,
+        /// Folder for the disk store (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+    },
     /// Handoffs over tcp on loopback (GB/s) against a plain TCP stream of the same bytes.
     Transfer {
         /// Tokens of the request each handoff moves.
@@ -570,6 +586,15 @@ fn run() -> Result<()> {
         }
         Command::Bench { what: BenchCommand::Step { ranks, seqs, steps, expert_parallel: false } } => {
             kvflow::bench::step::run(&kvflow::bench::step::StepBenchArgs { ranks, seqs, steps })?;
+        }
+        Command::Bench { what: BenchCommand::Offload { chunk_bytes, chunks, rounds, dir } } => {
+            let chunk_bytes = usize::try_from(chunk_bytes).context("--chunk-bytes is too large")?;
+            kvflow::bench::offload::run(&kvflow::bench::offload::OffloadBenchArgs {
+                chunk_bytes,
+                chunks,
+                rounds,
+                dir,
+            })?;
         }
         Command::Bench { what: BenchCommand::Transfer { tokens, bytes, connections, rounds } } => {
             let connections = connections as usize;

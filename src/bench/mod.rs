@@ -3,6 +3,7 @@
 pub mod device;
 pub mod experts;
 pub mod model;
+pub mod offload;
 pub mod step;
 pub mod transfer;
 

@@ -4,7 +4,7 @@
 //! the file is removed — never a crash. What is on disk outlives the run: a second run over the
 //! same folder finds it.
 
-use super::{decode_object, ChunkKey, ObjectStore, StoreError};
+use super::{check_object, ChunkKey, ObjectStore, StoreError};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,7 +68,7 @@ impl ObjectStore for DiskStore {
                 return Ok(None);
             }
         };
-        if let Err(e) = decode_object(&bytes) {
+        if let Err(e) = check_object(&bytes) {
             tracing::warn!("offload store: {} is not a sound object ({e}); removed, treated as a miss", path.display());
             let _ = std::fs::remove_file(&path);
             return Ok(None);

@@ -16,7 +16,7 @@ mod saver;
 pub use disk::DiskStore;
 pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
 pub use memory::MemoryStore;
-pub use object::{decode_object, encode_object, ChunkObject, ObjectError};
+pub use object::{check_object, decode_object, encode_object, ChunkObject, ObjectError};
 pub use saver::{SaveDone, SaveJob, SaveOutcome, SaveReturns, Saver};
 
 /// Why a store could not do what it was asked.

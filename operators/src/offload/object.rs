@@ -35,9 +35,8 @@ pub fn encode_object(object: &ChunkObject) -> Vec<u8> {
     out.extend_from_slice(&(object.kv.len() as u64).to_le_bytes());
     let state_len = object.state.as_ref().map_or(u64::MAX, |s| s.len() as u64);
     out.extend_from_slice(&state_len.to_le_bytes());
-    for v in object.kv.iter().chain(state) {
-        out.extend_from_slice(&v.to_le_bytes());
-    }
+    out.extend_from_slice(&le_bytes(&object.kv));
+    out.extend_from_slice(&le_bytes(state));
     let crc = Crc32c::of(&out);
     out.extend_from_slice(&crc.to_le_bytes());
     out
@@ -45,6 +44,17 @@ pub fn encode_object(object: &ChunkObject) -> Vec<u8> {
 
 /// The object in `bytes`, checked: magic, lengths and checksum.
 pub fn decode_object(bytes: &[u8]) -> Result<ChunkObject, ObjectError> {
+    let (kv_len, state_len) = check_object(bytes)?;
+    let body = bytes.len() - 4;
+    let split = HEADER + kv_len * 4;
+    let kv = from_le_bytes(&bytes[HEADER..split]);
+    let state = state_len.map(|_| from_le_bytes(&bytes[split..body]));
+    Ok(ChunkObject { kv, state })
+}
+
+/// Checks `bytes` (magic, lengths, checksum) without copying them out; returns the KV's and
+/// the state's float counts.
+pub fn check_object(bytes: &[u8]) -> Result<(usize, Option<usize>), ObjectError> {
     if bytes.len() < HEADER + 4 {
         return Err(ObjectError::Truncated(bytes.len()));
     }
@@ -65,10 +75,39 @@ pub fn decode_object(bytes: &[u8]) -> Result<ChunkObject, ObjectError> {
     if stored != computed {
         return Err(ObjectError::Checksum { stored, computed });
     }
-    let mut floats = bytes[HEADER..body].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")));
-    let kv: Vec<f32> = floats.by_ref().take(kv_len as usize).collect();
-    let state = (state_len != u64::MAX).then(|| floats.collect());
-    Ok(ChunkObject { kv, state })
+    Ok((kv_len as usize, (state_len != u64::MAX).then_some(state_len as usize)))
+}
+
+/// The little-endian bytes of `v` (one copy).
+fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: f32 has no padding and every bit pattern is a valid u8 sequence; the slice
+        // covers exactly the floats' bytes and lives as long as `v`.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        })
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+}
+
+/// The floats of little-endian `bytes` (a multiple of 4 long), in one copy.
+fn from_le_bytes(bytes: &[u8]) -> Vec<f32> {
+    let mut out = vec![0f32; bytes.len() / 4];
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: `out` holds exactly `bytes.len()` bytes (a multiple of 4, checked by the
+        // caller's lengths) and any bit pattern is a valid f32.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr().cast::<u8>(), bytes.len()) };
+    }
+    #[cfg(not(target_endian = "little"))]
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+    }
+    out
 }
 
 #[cfg(test)]
