@@ -138,7 +138,7 @@ fn experts<'scope>(
                     }
                     let Some((cap, mut got)) = stash.remove(&t) else { break };
                     if send_nothing_at == Some(t) {
-                        tracing::warn!(step = t, "test switch: {} sends no results", at.layer);
+                        tracing::warn!(step = t, "test switch: experts[{}] sends no results", at.layer);
                         continue;
                     }
                     got.sort_by_key(|m| m.from);

@@ -9,6 +9,11 @@
 //!              │ └── feedback: Launched / Waiting / Parked / Ended (t+1) ◀──────┘
 //!              └── RankWaker (completions landing on this rank)
 //! ```
+//!
+//! With `expert_parallel = true`, `forward(t)` is followed per MoE layer ℓ of the model by
+//! `dispatch[ℓ] ─(exchange)▶ experts[ℓ] ─(exchange)▶ combine[ℓ]`, and the last `combine` feeds the
+//! feedback edge (`kvflow_operators::experts`). With `[offload]`, `save(t)` consumes `forward`'s
+//! *saved* output (jobs of completed steps) and hands them to the rank's save thread.
 
 use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
