@@ -1,7 +1,8 @@
 //! `kvflow bench offload`: saving and loading chunk objects through each store, beside the plain
 //! operation on the same bytes, measured in the same run. A save is what the save thread does
 //! after reading a chunk's blocks: encode the object (magic, lengths, floats, CRC32C) and put it;
-//! a load is get and decode (checksum checked). The memory store is set beside a copy of the
+//! a load is `get_object` (the object read and decoded, checksum checked; the disk store reads
+//! the file straight into the floats). The memory store is set beside a copy of the
 //! same bytes into fresh buffers (what a put and a get each must do at least once); the disk
 //! store beside writing the same bytes to files with one `write_all` and `sync_data` each (save)
 //! and reading them back (load). Each figure is the median of
@@ -11,7 +12,7 @@
 use super::median;
 use anyhow::{Context, Result};
 use kvflow_operators::offload::{
-    chunk_digests, decode_object, encode_object, ChunkKey, ChunkObject, DiskStore, MemoryStore, Namespace, ObjectStore,
+    chunk_digests, encode_object, ChunkKey, ChunkObject, DiskStore, MemoryStore, Namespace, ObjectStore,
 };
 use std::io::Write;
 use std::time::Instant;
@@ -37,8 +38,9 @@ fn through(store: &dyn ObjectStore, keys: &[ChunkKey], objects: &[ChunkObject]) 
     let started = Instant::now();
     let mut floats = 0usize;
     for k in keys {
-        let raw = store.get(k).map_err(|e| anyhow::anyhow!("{e}"))?.context("a chunk just stored is missing")?;
-        floats += decode_object(&raw).map_err(|e| anyhow::anyhow!("{e}"))?.kv.len();
+        let object =
+            store.get_object(k).map_err(|e| anyhow::anyhow!("{e}"))?.context("a chunk just stored is missing")?;
+        floats += object.kv.len();
     }
     let load = bytes as f64 / started.elapsed().as_secs_f64() / 1e9;
     anyhow::ensure!(floats * 4 == bytes, "loaded {} of {bytes} bytes", floats * 4);

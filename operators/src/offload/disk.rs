@@ -4,7 +4,7 @@
 //! the file is removed — never a crash. What is on disk outlives the run: a second run over the
 //! same folder finds it.
 
-use super::{check_object, ChunkKey, ObjectStore, StoreError};
+use super::{check_object, read_object, ChunkKey, ChunkObject, ObjectStore, StoreError};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -80,6 +80,31 @@ impl ObjectStore for DiskStore {
         self.path(key).is_file()
     }
 
+    fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {
+        let path = self.path(key);
+        let opened = std::fs::File::open(&path).and_then(|f| f.metadata().map(|m| (f, m.len())));
+        let (file, len) = match opened {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                tracing::warn!("offload store: opening {}: {e}; treated as a miss", path.display());
+                return Ok(None);
+            }
+        };
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        match read_object(&mut std::io::BufReader::with_capacity(1 << 16, file), len) {
+            Ok(object) => Ok(Some(object)),
+            Err(e) => {
+                tracing::warn!(
+                    "offload store: {} is not a sound object ({e}); removed, treated as a miss",
+                    path.display()
+                );
+                let _ = std::fs::remove_file(&path);
+                Ok(None)
+            }
+        }
+    }
+
     fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
@@ -106,6 +131,7 @@ mod tests {
         let store = DiskStore::open(&dir).unwrap();
         assert_eq!(store.bytes(), 2 * object.len() as u64, "a second run finds what the first wrote");
         assert_eq!(store.get(&key(0)).unwrap().as_deref(), Some(&object[..]));
+        assert_eq!(store.get_object(&key(0)).unwrap().map(|o| o.state), Some(Some(vec![3.0])));
         // Truncate one file: a miss, and the file is gone.
         let path = store.path(&key(1));
         std::fs::write(&path, &object[..object.len() - 3]).unwrap();

@@ -16,7 +16,7 @@ mod saver;
 pub use disk::DiskStore;
 pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
 pub use memory::MemoryStore;
-pub use object::{check_object, decode_object, encode_object, ChunkObject, ObjectError};
+pub use object::{check_object, decode_object, encode_object, read_object, ChunkObject, ObjectError};
 pub use saver::{SaveDone, SaveJob, SaveOutcome, SaveReturns, Saver};
 
 /// Why a store could not do what it was asked.
@@ -44,6 +44,11 @@ pub trait ObjectStore: Send + Sync {
     fn contains(&self, key: &ChunkKey) -> bool;
     /// Bytes of the objects it holds.
     fn bytes(&self) -> u64;
+    /// The decoded object under `key`, if the store holds a sound one (a damaged one is a miss).
+    /// A store may read it straight into the floats, without a copy of the bytes in between.
+    fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {
+        Ok(self.get(key)?.and_then(|bytes| decode_object(&bytes).ok()))
+    }
 }
 
 /// How many leading chunks of a prefix the store holds for every shard: `chunks[i]` lists chunk

@@ -78,6 +78,56 @@ pub fn check_object(bytes: &[u8]) -> Result<(usize, Option<usize>), ObjectError>
     Ok((kv_len as usize, (state_len != u64::MAX).then_some(state_len as usize)))
 }
 
+/// The object read from `r`, `len` bytes long, checked like [`decode_object`], its floats read
+/// straight into their vectors (no copy of the whole object in between).
+pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<ChunkObject, ObjectError> {
+    if len < HEADER + 4 {
+        return Err(ObjectError::Truncated(len));
+    }
+    let mut header = [0u8; HEADER];
+    r.read_exact(&mut header).map_err(|_| ObjectError::Truncated(len))?;
+    if &header[..8] != MAGIC {
+        return Err(ObjectError::Magic);
+    }
+    let word = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().expect("8 bytes"));
+    let (kv_len, state_len) = (word(8), word(16));
+    let floats = kv_len.checked_add(if state_len == u64::MAX { 0 } else { state_len });
+    let expected = floats.and_then(|f| f.checked_mul(4)).and_then(|b| b.checked_add((HEADER + 4) as u64));
+    if expected != Some(len as u64) {
+        let expected = expected.map_or(usize::MAX, |e| e.min(usize::MAX as u64) as usize);
+        return Err(ObjectError::Length { expected, got: len });
+    }
+    let mut crc = Crc32c::new();
+    crc.update(&header);
+    let mut read_floats = |n: usize| -> Result<Vec<f32>, ObjectError> {
+        let mut v = vec![0f32; n];
+        let bytes = floats_as_bytes_mut(&mut v);
+        r.read_exact(bytes).map_err(|_| ObjectError::Truncated(len))?;
+        crc.update(bytes);
+        #[cfg(not(target_endian = "little"))]
+        for x in v.iter_mut() {
+            *x = f32::from_le_bytes(x.to_ne_bytes());
+        }
+        Ok(v)
+    };
+    let kv = read_floats(kv_len as usize)?;
+    let state = if state_len == u64::MAX { None } else { Some(read_floats(state_len as usize)?) };
+    let mut stored = [0u8; 4];
+    r.read_exact(&mut stored).map_err(|_| ObjectError::Truncated(len))?;
+    let (stored, computed) = (u32::from_le_bytes(stored), crc.value());
+    if stored != computed {
+        return Err(ObjectError::Checksum { stored, computed });
+    }
+    Ok(ChunkObject { kv, state })
+}
+
+/// The bytes of `v`, writable.
+fn floats_as_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: f32 has no padding and any bit pattern is a valid f32; the slice covers exactly
+    // the floats' bytes and borrows `v` mutably for its lifetime.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
 /// The little-endian bytes of `v` (one copy).
 fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
@@ -132,6 +182,11 @@ mod tests {
             let mut magic = bytes.clone();
             magic[0] = b'X';
             assert_eq!(decode_object(&magic), Err(ObjectError::Magic));
+            // Read from a stream, the same checks.
+            assert_eq!(read_object(&mut &bytes[..], bytes.len()).unwrap(), object);
+            assert!(matches!(read_object(&mut &flipped[..], flipped.len()), Err(ObjectError::Checksum { .. })));
+            assert!(read_object(&mut &bytes[..bytes.len() - 2], bytes.len()).is_err(), "a short stream");
+            assert_eq!(read_object(&mut &magic[..], magic.len()), Err(ObjectError::Magic));
         }
     }
 }
