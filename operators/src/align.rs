@@ -1,8 +1,10 @@
 //! `align(t)`: gathers every rank's report for step `t` (a broadcast exchange) and, once the
 //! frontier has passed `t` — every rank has reported — derives `StepPlan(t)`, the same on every
 //! rank: the reports in rank order, each admission of `t` routed to a rank by the pool's router
-//! (every rank runs the same router over the same inputs, so all agree), and whether the pool
-//! parks.
+//! (every rank runs the same router over the same inputs, so all agree; under `admission =
+//! "reserve"` only to a rank whose reported capacity holds it, else deferred in order), whether
+//! the pool parks, and the step's shape (tokens per rank, idle ranks' dummy rows, the layers that
+//! exchange).
 //!
 //! Holds a capability for `t` from the first report of `t` until the plan is emitted.
 //!

@@ -3,7 +3,7 @@
 //! steps in flight), then queues the admissions the plan routed to this rank and frees the
 //! requests it cancels.
 //!
-//! Two outputs, two completions (DESIGN §4):
+//! Two completions (DESIGN §4), on these outputs:
 //! - *launched*, on the feedback edge: `Launched` as soon as the batch is launched (or `Waiting`
 //!   / `Parked` / `Ended` when the plan says the pool idles, parks or ends), delivered to
 //!   `schedule(t + 1)` and `admit` — all the next step needs;
@@ -11,7 +11,11 @@
 //!   step whose completion ended it. This output holds a capability for every step of this rank
 //!   still in flight, from its launch until its completion is applied, so whatever consumes it
 //!   sees step `t`'s frontier pass only once step `t` has completed. Nothing downstream of it
-//!   feeds back into the step loop.
+//!   feeds back into the step loop;
+//! - *stages* (expert parallelism only, instead of *launched*): the signal and the plan's
+//!   exchange decision, along the rank's MoE chain (below);
+//! - *saved*, to `save`: offload save jobs, each given only once the step that wrote its blocks
+//!   has completed (holds no capability of its own).
 //!
 //! Whenever the pool idles — it parks (nothing held, nothing in flight) or waits on steps in
 //! flight — every rank checks its accounting.

@@ -58,22 +58,29 @@ pub fn check_object(bytes: &[u8]) -> Result<(usize, Option<usize>), ObjectError>
     if bytes.len() < HEADER + 4 {
         return Err(ObjectError::Truncated(bytes.len()));
     }
-    if &bytes[..8] != MAGIC {
-        return Err(ObjectError::Magic);
-    }
-    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"));
-    let (kv_len, state_len) = (word(8), word(16));
-    let floats = kv_len.checked_add(if state_len == u64::MAX { 0 } else { state_len });
-    let expected = floats.and_then(|f| f.checked_mul(4)).and_then(|b| b.checked_add((HEADER + 4) as u64));
-    if expected != Some(bytes.len() as u64) {
-        let expected = expected.map_or(usize::MAX, |e| e.min(usize::MAX as u64) as usize);
-        return Err(ObjectError::Length { expected, got: bytes.len() });
-    }
+    let (kv_len, state_len) = parse_header(bytes[..HEADER].try_into().expect("HEADER bytes"), bytes.len())?;
     let body = bytes.len() - 4;
     let stored = u32::from_le_bytes(bytes[body..].try_into().expect("4 bytes"));
     let computed = Crc32c::of(&bytes[..body]);
     if stored != computed {
         return Err(ObjectError::Checksum { stored, computed });
+    }
+    Ok((kv_len, state_len))
+}
+
+/// The float counts a header gives (KV, and the state's if it has one), checked against the
+/// object's length `len`.
+fn parse_header(header: &[u8; HEADER], len: usize) -> Result<(usize, Option<usize>), ObjectError> {
+    if &header[..8] != MAGIC {
+        return Err(ObjectError::Magic);
+    }
+    let word = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().expect("8 bytes"));
+    let (kv_len, state_len) = (word(8), word(16));
+    let floats = kv_len.checked_add(if state_len == u64::MAX { 0 } else { state_len });
+    let expected = floats.and_then(|f| f.checked_mul(4)).and_then(|b| b.checked_add((HEADER + 4) as u64));
+    if expected != Some(len as u64) {
+        let expected = expected.map_or(usize::MAX, |e| e.min(usize::MAX as u64) as usize);
+        return Err(ObjectError::Length { expected, got: len });
     }
     Ok((kv_len as usize, (state_len != u64::MAX).then_some(state_len as usize)))
 }
@@ -86,17 +93,7 @@ pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<ChunkObject
     }
     let mut header = [0u8; HEADER];
     r.read_exact(&mut header).map_err(|_| ObjectError::Truncated(len))?;
-    if &header[..8] != MAGIC {
-        return Err(ObjectError::Magic);
-    }
-    let word = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().expect("8 bytes"));
-    let (kv_len, state_len) = (word(8), word(16));
-    let floats = kv_len.checked_add(if state_len == u64::MAX { 0 } else { state_len });
-    let expected = floats.and_then(|f| f.checked_mul(4)).and_then(|b| b.checked_add((HEADER + 4) as u64));
-    if expected != Some(len as u64) {
-        let expected = expected.map_or(usize::MAX, |e| e.min(usize::MAX as u64) as usize);
-        return Err(ObjectError::Length { expected, got: len });
-    }
+    let (kv_len, state_len) = parse_header(&header, len)?;
     let mut crc = Crc32c::new();
     crc.update(&header);
     let mut read_floats = |n: usize| -> Result<Vec<f32>, ObjectError> {
@@ -110,8 +107,8 @@ pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<ChunkObject
         }
         Ok(v)
     };
-    let kv = read_floats(kv_len as usize)?;
-    let state = if state_len == u64::MAX { None } else { Some(read_floats(state_len as usize)?) };
+    let kv = read_floats(kv_len)?;
+    let state = state_len.map(&mut read_floats).transpose()?;
     let mut stored = [0u8; 4];
     r.read_exact(&mut stored).map_err(|_| ObjectError::Truncated(len))?;
     let (stored, computed) = (u32::from_le_bytes(stored), crc.value());
