@@ -162,6 +162,12 @@ struct RunFlags {
     /// Test only: the save thread waits this many ms before reading a save's blocks.
     #[arg(long, hide = true, default_value_t = 0)]
     test_slow_saves_ms: u64,
+    /// Test only: the load thread waits this many ms before each load.
+    #[arg(long, hide = true, default_value_t = 0)]
+    test_slow_loads_ms: u64,
+    /// Test only: prefixes loaded from the offload store are not published in the prefix cache.
+    #[arg(long, hide = true)]
+    test_skip_publishing_restored: bool,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -424,6 +430,8 @@ fn run_graph(
             send_no_expert_results: rank_step_moe(args.test_send_no_expert_results.as_deref())?,
             release_saves_early: args.test_release_saves_early,
             slow_saves_ms: args.test_slow_saves_ms,
+            slow_loads_ms: args.test_slow_loads_ms,
+            skip_publishing_restored: args.test_skip_publishing_restored,
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

@@ -148,14 +148,69 @@ impl PartialEq for KvSource {
     }
 }
 
-/// Before the forward (after the state copies): write an arriving handoff into the blocks and
-/// slot allocated for it — `blocks` are the ones the handoff carries KV for.
+/// Before the forward (after the state copies): write KV into the blocks and state into the slot
+/// allocated for it — an arriving handoff, or a chunk loaded from the offload store. `blocks`
+/// are the ones `from` carries KV for; `snapshot`, when set, also keeps the written state there
+/// (a restored prefix published with the state at its end).
 #[derive(Clone, Debug)]
 pub struct KvImport {
     pub key: SeqKey,
     pub blocks: Vec<u32>,
     pub slot: Option<SlotId>,
-    pub handoff: Arc<Handoff>,
+    pub snapshot: Option<SnapshotId>,
+    pub from: ImportFrom,
+}
+
+/// What an import writes.
+#[derive(Clone, Debug)]
+pub enum ImportFrom {
+    /// A finished prefill from another pool (its KV carried, or read in place from the producer).
+    Handoff(Arc<Handoff>),
+    /// One chunk of a prefix loaded from the offload store, for request `request`; the state at
+    /// its end is written only for the prefix's last chunk (`writes_state`).
+    Store { request: u64, object: Arc<crate::offload::ChunkObject>, writes_state: bool },
+}
+
+impl ImportFrom {
+    /// The request it writes for.
+    pub fn request(&self) -> u64 {
+        match self {
+            ImportFrom::Handoff(h) => h.request,
+            ImportFrom::Store { request, .. } => *request,
+        }
+    }
+
+    /// A producer's blocks it reads in place, if it does.
+    pub fn source(&self) -> Option<&KvSource> {
+        match self {
+            ImportFrom::Handoff(h) => h.source.as_ref(),
+            ImportFrom::Store { .. } => None,
+        }
+    }
+
+    /// The KV floats it writes, packed by layer (read from the producer's blocks when in place).
+    pub fn kv_floats(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            ImportFrom::Handoff(h) => h.kv_floats(),
+            ImportFrom::Store { object, .. } => std::borrow::Cow::Borrowed(&object.kv),
+        }
+    }
+
+    /// The state it writes into the slot.
+    pub fn state(&self) -> Option<&[f32]> {
+        match self {
+            ImportFrom::Handoff(h) => h.state.as_deref(),
+            ImportFrom::Store { object, writes_state, .. } => object.state.as_deref().filter(|_| *writes_state),
+        }
+    }
+
+    /// What it is, for errors: "handoff of request 7", "offload load of request 7".
+    pub fn describe(&self) -> String {
+        match self {
+            ImportFrom::Handoff(h) => format!("handoff of request {}", h.request),
+            ImportFrom::Store { request, .. } => format!("offload load of request {request}"),
+        }
+    }
 }
 
 /// One sequence's part of a launched step.
@@ -211,7 +266,7 @@ pub struct StepLaunch<'a> {
     /// The sequences the step samples, in batch order (what its completion reports on).
     pub sampling: &'a [SeqKey],
     pub batch: &'a dyn SeqSource,
-    /// Handoffs written in before the forward.
+    /// Handoffs and offload loads written in before the forward.
     pub imports: &'a [KvImport],
     /// Sequences copied out after the forward.
     pub exports: &'a [KvExport],

@@ -72,8 +72,9 @@ fn faults(graph: &Graph) -> Faults {
     }
 }
 
-/// What a decode pool's rank holds per block and slot, as a tcp consumer checks descriptors.
-fn consumer_layout(model: &Model, pool: &PoolConfig) -> ConsumerLayout {
+/// What a decode pool's rank holds per block and slot, as a tcp consumer checks descriptors (and
+/// an offload load checks the chunks it brings).
+pub(crate) fn consumer_layout(model: &Model, pool: &PoolConfig) -> ConsumerLayout {
     let bs = pool.memory.block_size;
     ConsumerLayout {
         fingerprint: model.layout_fingerprint(bs),

@@ -61,10 +61,13 @@ pub fn setup(
             ));
         }
     }
+    let per_block = super::links::consumer_layout(model, pool);
     Ok(OffloadSetup {
         store,
         namespace: namespace(model, layout, config.chunk_tokens),
         chunk_tokens: config.chunk_tokens,
         max_retries: config.max_retries,
+        chunk_kv_floats: per_block.floats_per_block * config.chunk_tokens / layout.block_size,
+        state_floats: if layout.keeps_state { per_block.state_floats } else { 0 },
     })
 }

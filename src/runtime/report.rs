@@ -52,25 +52,39 @@ fn rank_figures(stats: &[&RankStats]) -> Map<String, Value> {
 }
 
 /// One entry per rank of every pool: its steps, the steps it launched nothing in, the bytes of
-/// routed-expert weights it holds and the bytes it sent through expert exchanges.
+/// routed-expert weights it holds, the bytes it sent through expert exchanges, and the chunks it
+/// saved to and loaded from the offload store.
 fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
     let entry = |pool: &String, s: &RankStats| {
         json!({"pool": pool, "rank": s.rank, "steps": s.steps, "empty_steps": s.empty_steps,
-               "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows})
+               "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows,
+               "saved_chunks": s.offload.saved_chunks, "loaded_chunks": s.offload.loaded_chunks,
+               "offload_hit_tokens": s.offload.offload_hit_tokens})
     };
     Value::Array(stats.iter().flat_map(|(pool, ranks)| ranks.iter().map(move |s| entry(pool, s))).collect())
 }
 
-/// What the offload tier saved (loads are not built yet).
+/// What the offload tier saved and loaded, and the prompt tokens each tier gave back.
 fn offload(stats: &[&RankStats]) -> Value {
-    let bytes: u64 = stats.iter().map(|s| s.offload.saved_bytes).sum();
-    let seconds: f64 = stats.iter().map(|s| s.offload.save_seconds).sum();
+    let sum = |f: fn(&kvflow_operators::rank::OffloadStats) -> u64| stats.iter().map(|s| f(&s.offload)).sum::<u64>();
+    let seconds = |f: fn(&kvflow_operators::rank::OffloadStats) -> f64| stats.iter().map(|s| f(&s.offload)).sum::<f64>();
+    let rate = |bytes: u64, s: f64| if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 };
+    let (saved, loaded) = (sum(|o| o.saved_bytes), sum(|o| o.loaded_bytes));
     json!({
-        "saved_chunks": stats.iter().map(|s| s.offload.saved_chunks).sum::<u64>(),
-        "saved_bytes": bytes,
-        "dropped_saves": stats.iter().map(|s| s.offload.dropped_saves).sum::<u64>(),
-        "found_in_store": stats.iter().map(|s| s.offload.found_in_store).sum::<u64>(),
-        "save_gb_per_s": if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 },
+        "offload_hit_tokens": sum(|o| o.offload_hit_tokens),
+        "hbm_hit_tokens": sum(|o| o.hbm_hit_tokens),
+        "saved_chunks": sum(|o| o.saved_chunks),
+        "saved_bytes": saved,
+        "loaded_chunks": sum(|o| o.loaded_chunks),
+        "loaded_bytes": loaded,
+        "save_gb_per_s": rate(saved, seconds(|o| o.save_seconds)),
+        "load_gb_per_s": rate(loaded, seconds(|o| o.load_seconds)),
+        "dropped_saves": sum(|o| o.dropped_saves),
+        "found_in_store": sum(|o| o.found_in_store),
+        "loads": sum(|o| o.loads),
+        "failed_loads": sum(|o| o.failed_loads),
+        "stale_loads": sum(|o| o.stale_loads),
+        "steps_during_loads": sum(|o| o.steps_during_loads),
     })
 }
 
@@ -107,6 +121,9 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
         let stats: Vec<&RankStats> = ctx.stats.iter().filter(|(n, _)| n == name).flat_map(|(_, s)| s.iter()).collect();
         let mut figures = json!({"ranks": ranks, "executor": executor, "memory": memory(layout)});
         figures.as_object_mut().expect("an object").extend(rank_figures(&stats));
+        if g.offload.is_some() {
+            figures.as_object_mut().expect("an object").insert("offload".into(), offload(&stats));
+        }
         pools.insert(name.clone(), summarize(&mine, slo, &verify.restricted_to(&mine), figures));
     }
     top.insert("pools".into(), Value::Object(pools));

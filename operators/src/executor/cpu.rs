@@ -316,8 +316,9 @@ impl CpuStepRunner {
         // forward that reads them; their sizes were checked against this layout on arrival,
         // and are checked again here so nothing is written outside what was allocated.
         for import in &step.imports {
-            let h = &import.handoff;
-            let landed = match &h.source {
+            let from = &import.from;
+            let bad = |e: String| ExecutorError::Launch(format!("{}: {e}", from.describe()));
+            let landed = match from.source() {
                 // In place: one copy from the producer's blocks (it holds them until our ack).
                 Some(KvSource { store: BlockStore::Host(producer), blocks, .. }) => {
                     let producer = producer.read().unwrap_or_else(|e| e.into_inner());
@@ -325,21 +326,18 @@ impl CpuStepRunner {
                 }
                 // A GPU producer's blocks: copied out through a stream of their own.
                 Some(source) => cache.kv.import_blocks(&import.blocks, &source.read()),
-                None => cache.kv.import_blocks(&import.blocks, &h.kv),
+                None => cache.kv.import_blocks(&import.blocks, &from.kv_floats()),
             };
-            landed.map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?;
-            match (import.slot, &h.state) {
-                (Some(slot), Some(state)) => cache
-                    .states
-                    .import_slot(slot, state)
-                    .map_err(|e| ExecutorError::Launch(format!("handoff of request {}: {e}", h.request)))?,
-                (None, None) => {}
-                _ => {
-                    return Err(ExecutorError::Launch(format!(
-                        "handoff of request {}: the slot and the state it carries do not match (all-or-nothing state)",
-                        h.request
-                    )))
+            landed.map_err(|e| bad(e.to_string()))?;
+            match (import.slot, from.state()) {
+                (Some(slot), Some(state)) => {
+                    cache.states.import_slot(slot, state).map_err(|e| bad(e.to_string()))?;
+                    if let Some(snapshot) = import.snapshot {
+                        cache.states.snapshot_into(slot, snapshot);
+                    }
                 }
+                (None, None) => {}
+                _ => return Err(bad("the slot and the state it carries do not match (all-or-nothing state)".into())),
             }
         }
         Ok(self.model.begin_step(&step.batch(), cache.kv.block_size()))

@@ -209,7 +209,7 @@ impl CudaExecutor {
         let mut imports = Vec::new();
         // block lists: the imports' own blocks, then the exports', then the blocks each
         // in-place import reads
-        let sources = launch.imports.iter().map(|i| i.handoff.source.as_ref().map_or(&[][..], |s| &s.blocks[..]));
+        let sources = launch.imports.iter().map(|i| i.from.source().map_or(&[][..], |s| &s.blocks[..]));
         let lists: Vec<&[u32]> = launch
             .imports
             .iter()
@@ -233,13 +233,13 @@ impl CudaExecutor {
         }
         gpu.copy_to_device(meta_dev.ptr(), &meta, meta_words).map_err(fail)?;
         for (i, import) in launch.imports.iter().enumerate() {
-            let h = &import.handoff;
-            let bad = |m: String| ExecutorError::Launch(format!("handoff of request {}: {m}", h.request));
-            if import.slot.is_some() || h.state.is_some() {
-                return Err(bad("the cuda executor keeps no recurrent state, and the handoff carries some".into()));
+            let h = &import.from;
+            let bad = |m: String| ExecutorError::Launch(format!("{}: {m}", h.describe()));
+            if import.slot.is_some() || h.state().is_some() {
+                return Err(bad("the cuda executor keeps no recurrent state, and the import carries some".into()));
             }
             let from = block_lists[launch.imports.len() + launch.exports.len() + i];
-            if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = &h.source {
+            if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = h.source() {
                 if producer.same_device(&gpu) {
                     // device to device, on this rank's stream: the producer holds the blocks
                     // until the record (which owns the handoff) lets go of it

@@ -1,6 +1,7 @@
 //! The KV offload tier's storage side (DESIGN §9): chunk keys, the stored object and its checks,
-//! and the stores a pool saves prefixes to and loads them from. The `save` and `load` operators
-//! that use them, fenced by the dataflow, come with the runtime side of the tier.
+//! the stores a pool saves prefixes to and loads them from, and the rank's save and load threads.
+//! How a rank uses them — saves fenced by the dataflow, loads admitted when they complete — is in
+//! `rank/offload.rs` and `rank/load.rs`.
 //!
 //! A chunk is `chunk_tokens` prompt tokens. Its key is `kvflow1-<namespace>/s<shard>of<shards>/<digest>`:
 //! the namespace hashes everything that changes the stored bytes (family, geometry, dtype, block
@@ -9,15 +10,18 @@
 
 mod disk;
 mod key;
+mod loader;
 mod memory;
 mod object;
 mod saver;
+mod worker;
 
 pub use disk::DiskStore;
 pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
 pub use memory::MemoryStore;
 pub use object::{check_object, decode_object, encode_object, read_object, ChunkObject, ObjectError};
-pub use saver::{SaveDone, SaveJob, SaveOutcome, SaveReturns, Saver};
+pub use loader::{spawn_loader, LoadDone, LoadJob, Loaded, Loader, RestoredPrefix};
+pub use saver::{spawn_saver, SaveDone, SaveJob, SaveOutcome, Saver};
 
 /// Why a store could not do what it was asked.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

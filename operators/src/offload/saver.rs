@@ -6,11 +6,11 @@
 //! store keeps failing, new saves are dropped at once for a back-off that starts at 1 s and
 //! doubles to 30 s: a failing store never holds blocks or steps.
 
+use super::worker::Worker;
 use super::{encode_object, ChunkKey, ChunkObject, ObjectStore};
 use crate::step::KvSource;
 use crate::wake::RankWaker;
-use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One chunk to save: its key, the blocks it reads in place, and the state at its end.
@@ -36,18 +36,6 @@ pub struct SaveDone {
     pub outcome: SaveOutcome,
 }
 
-/// What a save thread hands back, and how it wakes the rank.
-#[derive(Default)]
-pub struct SaveReturns {
-    done: Mutex<Vec<SaveDone>>,
-}
-
-impl SaveReturns {
-    pub fn take(&self) -> Vec<SaveDone> {
-        std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-}
-
 /// The back-off after a dropped save: 1 s, doubling to 30 s; a stored save resets it.
 #[derive(Clone, Copy, Debug)]
 struct Backoff {
@@ -58,57 +46,24 @@ struct Backoff {
 const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
-pub struct Saver {
-    jobs: Option<Sender<SaveJob>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    pub returns: Arc<SaveReturns>,
-}
+/// A rank's save thread.
+pub type Saver = Worker<SaveJob, SaveDone>;
 
-impl Saver {
-    /// Starts the save thread of one rank. `read_delay` (test only: a slow store) is waited
-    /// before a job reads its blocks.
-    pub fn spawn(
-        store: Arc<dyn ObjectStore>,
-        max_retries: usize,
-        waker: Arc<RankWaker>,
-        read_delay: Duration,
-        name: String,
-    ) -> Result<Self, String> {
-        let (tx, rx) = channel::<SaveJob>();
-        let returns = Arc::new(SaveReturns::default());
-        let back = returns.clone();
-        let thread = std::thread::Builder::new()
-            .name(name)
-            .spawn(move || {
-                let mut backoff = Backoff { until: None, next: FIRST_BACKOFF };
-                for job in rx {
-                    let outcome = save_one(&*store, &job, max_retries, read_delay, &mut backoff);
-                    back.done.lock().unwrap_or_else(|e| e.into_inner()).push(SaveDone {
-                        id: job.id,
-                        key: job.key,
-                        outcome,
-                    });
-                    drop(job); // the source's cache handle goes before the rank is told
-                    waker.wake();
-                }
-            })
-            .map_err(|e| format!("cannot start the offload save thread: {e}"))?;
-        Ok(Saver { jobs: Some(tx), thread: Some(thread), returns })
-    }
-
-    /// Hands a job to the thread; `false` if the thread is gone (the caller drops the save).
-    pub fn submit(&self, job: SaveJob) -> bool {
-        self.jobs.as_ref().is_some_and(|j| j.send(job).is_ok())
-    }
-}
-
-impl Drop for Saver {
-    fn drop(&mut self) {
-        self.jobs.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
+/// Starts the save thread of one rank. `read_delay` (test only: a slow store) is waited before a
+/// job reads its blocks.
+pub fn spawn_saver(
+    store: Arc<dyn ObjectStore>,
+    max_retries: usize,
+    waker: Arc<RankWaker>,
+    read_delay: Duration,
+    name: String,
+) -> Result<Saver, String> {
+    let mut backoff = Backoff { until: None, next: FIRST_BACKOFF };
+    Worker::spawn(name, waker, move |job: SaveJob| {
+        let outcome = save_one(&*store, &job, max_retries, read_delay, &mut backoff);
+        SaveDone { id: job.id, key: job.key, outcome }
+        // the job (and the source's cache handle) goes before the rank is told
+    })
 }
 
 fn save_one(

@@ -166,6 +166,22 @@ impl RankMemory {
         self.saving.len()
     }
 
+    /// Keeps a snapshot (allocated for request `request`, evicting the least recently used one
+    /// if none is free) as the state at the boundary after block `h`, written by step `t`;
+    /// returns it for the step to fill. `None` when the boundary has one already or none can be
+    /// had.
+    pub fn publish_snapshot(&mut self, h: u64, request: u64, t: u64) -> Option<SnapshotId> {
+        if self.layout.snapshots == 0 || self.prefix.has_snapshot(h) {
+            return None;
+        }
+        if self.snapshots.num_free() == 0 {
+            self.prefix.evict_snapshot(&mut self.snapshots);
+        }
+        let snapshot = self.snapshots.allocate_for(request).ok()?;
+        self.prefix.insert_snapshot(h, snapshot, &mut self.snapshots, t);
+        Some(snapshot)
+    }
+
     /// Blocks a sequence needs to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
         if self.layout.keeps_kv {
@@ -211,6 +227,9 @@ impl RankMemory {
         seq.computed = 0;
         seq.cached = 0;
         seq.pending.clear();
+        // A prefix loaded for it lived in the blocks it just let go of: it recomputes.
+        seq.restored = None;
+        seq.loaded_tokens = 0;
     }
 
     fn free(&mut self, blocks: Vec<BlockId>, slot: Option<SlotId>) {

@@ -120,6 +120,23 @@ impl PrefixCache {
         (usable, snapshot)
     }
 
+    /// The leading blocks of `hashes` that are cached and written, whatever the snapshots (a
+    /// prefix loaded from the offload store brings the state at its own end), each with a
+    /// reference taken for the caller. Empty for families without paged KV.
+    pub fn take_blocks(&mut self, hashes: &[u64], pool: &mut BlockPool, in_flight_from: Option<u64>) -> Vec<BlockId> {
+        let written = |step: u64| in_flight_from.is_none_or(|oldest| step < oldest);
+        self.tick += 1;
+        let mut blocks = Vec::new();
+        for h in hashes.iter().take_while(|_| self.keeps_kv) {
+            let Some(e) = self.entries.get_mut(h) else { break };
+            let Some(b) = e.block.filter(|_| written(e.block_step)) else { break };
+            e.last_used = self.tick;
+            pool.share(b);
+            blocks.push(b);
+        }
+        blocks
+    }
+
     /// Records that `block` holds (once step `step` has written it) the prompt block with
     /// chained hash `h`.
     pub fn insert_block(&mut self, h: u64, block: Option<BlockId>, pool: &mut BlockPool, step: u64) {

@@ -265,11 +265,18 @@ impl Scheduler {
                     Err(_) => break, // every slot is held (or pinned by a step in flight)
                 }
             }
-            // (A handoff brings its prompt's memory; it looks nothing up.)
+            // (A handoff or a loaded prefix brings its prompt's memory; it looks nothing up.)
             let snapshot =
-                if self.config.prefix_cache && seq.import.is_none() { restore_prefix(seq, mem) } else { None };
+                if self.config.prefix_cache && !seq.brings_prefix() { restore_prefix(seq, mem) } else { None };
             let len = self.chunk_len(seq, budget, mem.layout.block_size);
             if !mem.ensure_blocks(seq, seq.computed + len) {
+                if seq.restored.is_some() {
+                    // Keep the loaded prefix and its blocks; only the slot goes back.
+                    if let Some(slot) = seq.slot.take() {
+                        mem.slots.release(slot);
+                    }
+                    break;
+                }
                 mem.release(seq); // undo the prefix hit and the slot; try again next step
                 if let Some(s) = snapshot {
                     mem.snapshots.release(s);

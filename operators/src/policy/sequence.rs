@@ -114,6 +114,13 @@ pub struct Sequence {
     /// whether it still counts in the prefill pool's queue.
     pub handoff_back: Option<crate::messages::BackTo>,
     pub in_prefill_queue: bool,
+    /// With an offload tier: the digests of the prompt's full chunks (the store's keys), set
+    /// when the rank queues the request.
+    pub chunk_digests: Vec<crate::offload::Digest>,
+    /// A prefix loaded from the offload store, until the step that admits it writes it in.
+    pub restored: Option<crate::offload::RestoredPrefix>,
+    /// Tokens of `cached` restored from the offload store (counted when it is admitted).
+    pub loaded_tokens: usize,
 }
 
 impl Sequence {
@@ -146,7 +153,16 @@ impl Sequence {
             aborted: false,
             handoff_back: None,
             in_prefill_queue: false,
+            chunk_digests: Vec::new(),
+            restored: None,
+            loaded_tokens: 0,
         }
+    }
+
+    /// Whether it brings its prompt's first blocks with it (a handoff, or a prefix loaded from
+    /// the offload store): an admission then looks nothing up in the prefix cache.
+    pub fn brings_prefix(&self) -> bool {
+        self.import.is_some() || self.restored.is_some()
     }
 
     /// The last step launched that feeds it.

@@ -15,6 +15,7 @@ impl Rank {
     pub fn poll(&mut self) -> usize {
         self.apply_acks();
         self.apply_saves();
+        self.apply_loads();
         let mut ready = std::mem::take(&mut self.completions);
         self.executor.poll(&mut ready);
         let n = ready.len();

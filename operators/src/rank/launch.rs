@@ -12,7 +12,7 @@ use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
 use crate::policy::scheduler::Chunk;
 use crate::policy::sequence::Sequences;
-use crate::step::{KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
+use crate::step::{ImportFrom, KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
 use std::collections::HashMap;
 
 /// A decided batch as the executor sees it: each chunk with its sequence's tokens, blocks and
@@ -88,7 +88,8 @@ impl Rank {
                 let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
                 if c.start == seq.prompt_len && skip + kv <= seq.blocks.len() {
                     let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
-                    imports.push(KvImport { key: c.key, blocks, slot: seq.slot, handoff });
+                    let from = ImportFrom::Handoff(handoff);
+                    imports.push(KvImport { key: c.key, blocks, slot: seq.slot, snapshot: None, from });
                 }
             }
         }
@@ -129,6 +130,11 @@ impl Rank {
         let now = wall_ms();
         for &(id, cached) in &decided.admitted {
             if let Some(seq) = self.seqs.index_of(id).map(|i| self.seqs.get_mut(i)) {
+                if let Some(off) = self.offload.as_mut() {
+                    let loaded = std::mem::take(&mut seq.loaded_tokens);
+                    off.stats.offload_hit_tokens += loaded as u64;
+                    off.stats.hbm_hit_tokens += cached.saturating_sub(loaded) as u64;
+                }
                 if seq.started_ms.is_none() {
                     seq.started_ms = Some(now);
                     seq.first_cached = cached;
@@ -146,6 +152,9 @@ impl Rank {
             return;
         }
         self.sample_utilization(&decided.chunks);
+        if let Some(off) = self.offload.as_mut().filter(|o| !o.loading.is_empty()) {
+            off.stats.steps_during_loads += 1;
+        }
         let bs = self.memory.layout.block_size;
         let interval = self.scheduler.config.snapshot_interval_blocks;
         let caching = self.scheduler.config.prefix_cache;
@@ -180,20 +189,15 @@ impl Rank {
                 continue;
             }
             let h = seq.prompt_hashes[end / bs - 1];
-            if self.memory.prefix.has_snapshot(h) {
-                continue;
-            }
-            if self.memory.snapshots.num_free() == 0 {
-                self.memory.prefix.evict_snapshot(&mut self.memory.snapshots);
-            }
-            if let Ok(snapshot) = self.memory.snapshots.allocate_for(seq.id) {
+            if let Some(snapshot) = self.memory.publish_snapshot(h, seq.id, t) {
                 after.push(StateOp::Snapshot { slot, snapshot });
-                self.memory.prefix.insert_snapshot(h, snapshot, &mut self.memory.snapshots, t);
             }
         }
         // 2. handoffs: exported after the step that samples T0 (a prefill pool), written in
-        //    before the step that feeds it (a decode pool)
-        let (imports, mut exports) = self.handoff_ops(&decided.chunks);
+        //    before the step that feeds it (a decode pool); prefixes loaded from the offload
+        //    store written in (and published) before the step that admits them
+        let (mut imports, mut exports) = self.handoff_ops(&decided.chunks);
+        imports.extend(self.restore_imports(t, &decided.chunks, &mut published));
         // 3. offload saves: after the step's forward too, the handoffs' exports first
         let handoff_exports = exports.len();
         exports.extend(self.offload_saves(t, &decided.chunks));

@@ -17,6 +17,7 @@ mod disaggregate;
 mod experts;
 mod handoff;
 mod launch;
+mod load;
 mod offload;
 mod stats;
 mod switches;
@@ -146,10 +147,21 @@ impl Rank {
     /// Saves full prompt chunks to the offload tier's store through a save thread of its own
     /// (the tier is a cache: if the thread cannot start, this rank saves nothing, and says so).
     pub fn with_offload(mut self, setup: OffloadSetup) -> Self {
-        let delay = std::time::Duration::from_millis(self.switches.slow_saves_ms);
-        let name = format!("kvflow-save-{}-{}", self.pool, self.index);
-        match crate::offload::Saver::spawn(setup.store.clone(), setup.max_retries, self.waker.clone(), delay, name) {
-            Ok(saver) => self.offload = Some(RankOffload::new(setup, saver)),
+        use crate::offload::{spawn_loader, spawn_saver};
+        use std::time::Duration;
+        let (pool, index, waker) = (&self.pool, self.index, &self.waker);
+        let save_delay = Duration::from_millis(self.switches.slow_saves_ms);
+        let load_delay = Duration::from_millis(self.switches.slow_loads_ms);
+        let saver = spawn_saver(
+            setup.store.clone(),
+            setup.max_retries,
+            waker.clone(),
+            save_delay,
+            format!("kvflow-save-{pool}-{index}"),
+        );
+        let loader = spawn_loader(setup.store.clone(), waker.clone(), load_delay, format!("kvflow-load-{pool}-{index}"));
+        match saver.and_then(|s| loader.map(|l| (s, l))) {
+            Ok((saver, loader)) => self.offload = Some(RankOffload::new(setup, saver, loader)),
             Err(e) => tracing::error!(pool = %self.pool, rank = self.index, "offload off on this rank: {e}"),
         }
         self
@@ -185,8 +197,15 @@ impl Rank {
         if self.scheduler.config.prefix_cache {
             seq.prompt_hashes = self.memory.prompt_hashes(&seq);
         }
+        if let Some(off) = &self.offload {
+            seq.chunk_digests = off.chunk_digests(&seq, &self.memory.layout);
+        }
         let index = self.seqs.insert(seq);
-        self.scheduler.enqueue(index);
+        // A prefix the store holds beyond what this rank's cache does is loaded first; the
+        // request is queued when its load completes.
+        if !self.start_load(index) {
+            self.scheduler.enqueue(index);
+        }
     }
 
     pub fn outstanding_tokens(&self) -> usize {
@@ -213,11 +232,14 @@ impl Rank {
         std::mem::take(&mut self.events)
     }
 
-    /// Where a request it holds stands: "queued", "prefilling", "in transfer" or "decoding".
+    /// Where a request it holds stands: "loading", "queued", "prefilling", "in transfer" or
+    /// "decoding".
     fn stage(&self, index: usize) -> &'static str {
         let seq = self.seqs.get(index);
         if seq.in_transfer.is_some() {
             "in transfer"
+        } else if self.is_loading(seq.key) {
+            "loading"
         } else if !self.scheduler.running().contains(&index) {
             "queued"
         } else if seq.computed < seq.prompt_len {
@@ -274,7 +296,12 @@ impl Rank {
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
         self.decided_for = Some(t);
         // Handoffs awaiting their ack free memory when it comes: not stuck while any wait.
-        if self.decided.is_empty() && self.in_flight.is_empty() && self.awaiting.is_empty() && !self.scheduler.is_idle()
+        let loading = self.offload.as_ref().is_some_and(|o| !o.loading.is_empty());
+        if self.decided.is_empty()
+            && self.in_flight.is_empty()
+            && self.awaiting.is_empty()
+            && !loading
+            && !self.scheduler.is_idle()
         {
             self.fail_unschedulable();
         }
@@ -389,15 +416,16 @@ impl Rank {
     /// End of run: completes what is in flight, checks the accounting, drops the prefix cache's
     /// references and checks that every block, slot and snapshot is free and no request is left.
     pub fn finish_run(&mut self) -> Result<RankStats, String> {
-        // Saves still being written return their blocks when they end (bounded: a store call
-        // that never returns is reported below as blocks still held).
+        // Saves still being written return their blocks when they end, and loads of requests
+        // cancelled while loading end too (bounded: a store call that never returns is reported
+        // below as blocks still held).
         for _ in 0..30_000 {
             if self.offload.as_ref().is_none_or(|o| o.in_flight() == 0) {
                 break;
             }
             let jobs = self.take_save_jobs();
             self.submit_saves(jobs);
-            if self.apply_saves() == 0 {
+            if self.apply_saves() + self.apply_loads() == 0 {
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }

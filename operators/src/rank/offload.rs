@@ -1,5 +1,6 @@
-//! A rank's side of the offload tier (DESIGN §9): which prompt chunks a step completes and saves,
-//! the blocks each save holds until its completion record returns them, and the figures.
+//! A rank's side of the offload tier (DESIGN §9), saves: which prompt chunks a step completes and
+//! saves, the blocks each save holds until its completion record returns them, and the figures.
+//! (Loads are in `load.rs`.)
 //!
 //! Save fencing (DESIGN §5): a save is asked for with the step that completes its chunk (an
 //! export after that step's forward, in launch order) and its blocks are pinned under the save's
@@ -9,19 +10,23 @@
 //! flight per request; a chunk is saved once by this rank (whichever request filled it first).
 
 use super::Rank;
-use crate::offload::{chunk_digests, ChunkKey, Digest, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
+use crate::offload::{ChunkKey, Digest, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
 use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport, SeqKey};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-/// What a pool's ranks save to, and how.
+/// What a pool's ranks save to and load from, and how.
 #[derive(Clone)]
 pub struct OffloadSetup {
     pub store: Arc<dyn ObjectStore>,
     pub namespace: Namespace,
     pub chunk_tokens: usize,
     pub max_retries: usize,
+    /// What one chunk's object holds in this layout: KV floats, and state floats (0: none). A
+    /// loaded object of another shape is refused (the request recomputes).
+    pub chunk_kv_floats: usize,
+    pub state_floats: usize,
 }
 
 /// The tier's counters of one rank.
@@ -33,6 +38,18 @@ pub struct OffloadStats {
     pub dropped_saves: u64,
     /// Chunks not saved because the store already held them (saved by another rank, pool or run).
     pub found_in_store: u64,
+    /// Loads started, and those that failed (the request recomputed) or whose request had gone.
+    pub loads: u64,
+    pub failed_loads: u64,
+    pub stale_loads: u64,
+    pub loaded_chunks: u64,
+    pub loaded_bytes: u64,
+    pub load_seconds: f64,
+    /// Prompt tokens admitted from the store, and from this rank's own prefix cache.
+    pub offload_hit_tokens: u64,
+    pub hbm_hit_tokens: u64,
+    /// Steps launched with work while a load was in flight (loads never hold the pool).
+    pub steps_during_loads: u64,
 }
 
 /// A save asked for with a launched step, until that step completes.
@@ -45,10 +62,19 @@ struct Launched {
     key: ChunkKey,
 }
 
+/// A load in flight: the request (in the generation it was started for) and its chunks.
+#[derive(Debug)]
+pub(super) struct Loading {
+    pub key: SeqKey,
+    pub first_chunk: usize,
+    pub chunks: usize,
+}
+
 pub struct RankOffload {
-    setup: OffloadSetup,
+    pub(super) setup: OffloadSetup,
     saver: Saver,
-    next_id: u64,
+    pub(super) loader: Loader,
+    pub(super) next_id: u64,
     launched: Vec<Launched>,
     /// Jobs made from completed steps, for the `save` operator.
     ready: Vec<SaveJob>,
@@ -56,27 +82,31 @@ pub struct RankOffload {
     writing: HashMap<u64, (u64, Digest)>,
     known: HashSet<Digest>,
     busy: HashSet<u64>,
+    /// Loads in flight, by id.
+    pub(super) loading: HashMap<u64, Loading>,
     pub stats: OffloadStats,
 }
 
 impl RankOffload {
-    pub fn new(setup: OffloadSetup, saver: Saver) -> Self {
+    pub fn new(setup: OffloadSetup, saver: Saver, loader: Loader) -> Self {
         RankOffload {
             setup,
             saver,
+            loader,
             next_id: 0,
             launched: Vec::new(),
             ready: Vec::new(),
             writing: HashMap::new(),
             known: HashSet::new(),
             busy: HashSet::new(),
+            loading: HashMap::new(),
             stats: OffloadStats::default(),
         }
     }
 
-    /// Saves launched, ready or being written.
+    /// Saves launched, ready or being written, and loads in flight.
     pub fn in_flight(&self) -> usize {
-        self.launched.len() + self.ready.len() + self.writing.len()
+        self.launched.len() + self.ready.len() + self.writing.len() + self.loading.len()
     }
 }
 
@@ -94,15 +124,14 @@ impl Rank {
             let seq = self.seqs.get(c.seq);
             let end = (c.start + c.len).min(seq.prompt_len);
             let (first, last) = (c.start / c_tokens, end / c_tokens); // chunks [first, last) end in this step
-            if first >= last || off.busy.contains(&seq.id) || !self.memory.layout.keeps_kv {
+            if first >= last || off.busy.contains(&seq.id) {
                 continue;
             }
             let k = last - 1; // the deepest chunk this step completes (one save per request)
             if keeps_state && (k + 1) * c_tokens != end {
                 continue;
             }
-            let seed = if self.memory.layout.prefix_keyed_by_prompt_len { seq.prompt_len as u64 } else { 0 };
-            let digest = chunk_digests(&seq.tokens[..(k + 1) * c_tokens], c_tokens, seed)[k];
+            let Some(&digest) = seq.chunk_digests.get(k) else { continue };
             let key = ChunkKey { namespace: off.setup.namespace, shard: 0, shards: 1, digest };
             if off.known.contains(&digest) {
                 continue;
@@ -112,7 +141,11 @@ impl Rank {
                 off.stats.found_in_store += 1;
                 continue;
             }
-            let blocks = seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec();
+            let blocks = if self.memory.layout.keeps_kv {
+                seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec()
+            } else {
+                Vec::new() // a family with state only: the object is the state at the chunk's end
+            };
             let id = off.next_id;
             off.next_id += 1;
             self.memory.pin_for_save(id, &blocks);

@@ -60,6 +60,12 @@ pub struct TestSwitches {
     pub release_saves_early: bool,
     /// The save thread waits this long before it reads a save's blocks (a slow store).
     pub slow_saves_ms: u64,
+    /// The load thread waits this long before each load (a slow store).
+    pub slow_loads_ms: u64,
+    /// A prefix loaded from the offload store is written into its blocks but not published in
+    /// the rank's prefix cache (removes "restored prefixes published": the next request with
+    /// the same prefix loads it again instead of hitting in HBM).
+    pub skip_publishing_restored: bool,
 }
 
 impl TestSwitches {
