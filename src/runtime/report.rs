@@ -58,7 +58,7 @@ fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
     let entry = |pool: &String, s: &RankStats| {
         json!({"pool": pool, "rank": s.rank, "steps": s.steps, "empty_steps": s.empty_steps,
                "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows,
-               "saved_chunks": s.offload.saved_chunks, "loaded_chunks": s.offload.loaded_chunks,
+               "forward_tokens": s.forward_tokens, "saved_chunks": s.offload.saved_chunks, "loaded_chunks": s.offload.loaded_chunks,
                "offload_hit_tokens": s.offload.offload_hit_tokens})
     };
     Value::Array(stats.iter().flat_map(|(pool, ranks)| ranks.iter().map(move |s| entry(pool, s))).collect())

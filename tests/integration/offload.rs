@@ -1,17 +1,18 @@
-//! The offload tier's save side (DESIGN §9): full prompt chunks are saved, fenced — a save reads
-//! its blocks only after the step that wrote them completed and holds them until it is stored —
-//! to a memory or disk store; a failing store drops saves and keeps every block accounted for.
-//! (Loads from the store are not built yet.)
+//! The offload tier (DESIGN §9): full prompt chunks are saved, fenced — a save reads its blocks
+//! only after the step that wrote them completed and holds them until it is stored — to a memory
+//! or disk store, and a request whose prefix left a rank's KV memory loads it back, exactly, on
+//! any rank of any pool of the same layout; a restored prefix is published in the rank's prefix
+//! cache; a failing or damaged store never loses a request or a block.
 
 use crate::common::{load, repo};
-use crate::runtime::{request_lines, run_graph, write_graph_with};
+use crate::runtime::{assert_exact, request_lines, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
 use kvflow_operators::offload::{chunk_digests, decode_object};
 use kvflow_operators::rank::TestSwitches;
 use serde_json::Value;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const CHUNK: usize = 32;
 const BLOCK: usize = 16;
@@ -22,10 +23,10 @@ fn offload_graph(dir: &Path, model: &str, store: &str, budget: &str) -> std::pat
     write_graph_with(dir, model, "mooncake_conversation_first5min.jsonl", workload, budget, &pools)
 }
 
-/// The KV of chunk `k` of `prompt`, computed alone by the reference path, packed by layer as a
-/// save stores it.
-fn recomputed_chunk(model: &Model, prompt: &[u32], k: usize) -> Vec<f32> {
-    let n = (k + 1) * CHUNK;
+/// The KV of `prompt`'s first `chunks` chunks, computed alone by the reference path, each packed
+/// by layer as a save stores it.
+fn recomputed_chunks(model: &Model, prompt: &[u32], chunks: usize) -> Vec<Vec<f32>> {
+    let n = chunks * CHUNK;
     let blocks = n / BLOCK;
     let mut cache = model.new_cache(BLOCK, blocks, 1, 0);
     let table: Vec<u32> = (0..blocks as u32).collect();
@@ -38,9 +39,14 @@ fn recomputed_chunk(model: &Model, prompt: &[u32], k: usize) -> Vec<f32> {
         logits: LogitsWanted::Last,
     };
     model.forward(&[seq], &mut cache);
-    let mut out = Vec::new();
-    cache.kv.export_blocks(&table[k * CHUNK / BLOCK..], &mut out);
-    out
+    let per_chunk = CHUNK / BLOCK;
+    (0..chunks)
+        .map(|k| {
+            let mut out = Vec::new();
+            cache.kv.export_blocks(&table[k * per_chunk..(k + 1) * per_chunk], &mut out);
+            out
+        })
+        .collect()
 }
 
 /// (objects checked, objects whose KV differs from the reference) over every stored chunk of
@@ -60,17 +66,22 @@ fn compare_store(dir: &Path, store: &Path, model: &Model) -> (usize, usize) {
     for line in request_lines(&dir.join("out")) {
         let prompt: Vec<u32> =
             line["prompt_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
-        for (k, d) in chunk_digests(&prompt, CHUNK, 0).iter().enumerate() {
-            let hex = format!("{:016x}{:016x}", d.0[0], d.0[1]);
-            let Some(path) = files.get(&hex) else { continue };
-            if !seen.insert(hex) {
-                continue;
-            }
+        let stored: Vec<(usize, &PathBuf)> = chunk_digests(&prompt, CHUNK, 0)
+            .iter()
+            .enumerate()
+            .filter_map(|(k, d)| {
+                let hex = format!("{:016x}{:016x}", d.0[0], d.0[1]);
+                let path = files.get(&hex)?;
+                seen.insert(hex).then_some((k, path))
+            })
+            .collect();
+        let Some(deepest) = stored.iter().map(|(k, _)| k + 1).max() else { continue };
+        let expected = recomputed_chunks(model, &prompt, deepest);
+        for (k, path) in stored {
             let object = decode_object(&std::fs::read(path).unwrap()).unwrap();
             checked += 1;
-            let expected = recomputed_chunk(model, &prompt, k);
-            if object.kv.len() != expected.len()
-                || object.kv.iter().zip(&expected).any(|(a, b)| a.to_bits() != b.to_bits())
+            if object.kv.len() != expected[k].len()
+                || object.kv.iter().zip(&expected[k]).any(|(a, b)| a.to_bits() != b.to_bits())
             {
                 differ += 1;
             }
@@ -80,26 +91,34 @@ fn compare_store(dir: &Path, store: &Path, model: &Model) -> (usize, usize) {
 }
 
 #[test]
-fn saves_are_fenced_and_without_the_fence_the_stored_kv_is_another_requests() {
-    // Guarantee "save fencing" (tests/GUARANTEES.md). A slow store (each save waits 30 ms before
-    // it reads) and little KV memory: blocks are reused soon after a request lets them go.
+fn saves_are_fenced_and_without_the_fence_stored_kv_is_another_requests_and_loads_change_tokens() {
+    // Guarantee "save fencing" (tests/GUARANTEES.md). A slow store (each save waits 10 ms before
+    // it reads) and little KV memory: blocks are reused soon after a request lets them go. A
+    // second run over the same store starts with empty KV memory, so it loads every prefix the
+    // first one saved.
     let model = load(&repo().join("fixtures/hf/llama"));
     for fenced in [true, false] {
         let dir = tempfile::tempdir().unwrap();
         let store = dir.path().join("store");
         let spec = format!("store = \"disk\"\npath = \"{}\"", store.display());
         let graph = offload_graph(dir.path(), "hf/llama", &spec, "3 MiB");
-        let switches = TestSwitches { slow_saves_ms: 30, release_saves_early: !fenced, ..Default::default() };
+        let switches = TestSwitches { slow_saves_ms: 10, release_saves_early: !fenced, ..Default::default() };
         let report = run_graph(&graph, Overrides::default(), switches);
-        assert_eq!(report["failed"], 0);
-        assert_eq!(report["verify"]["mismatched"], 0, "saves never change what is computed");
+        assert_eq!(report["failed"], 0, "fenced {fenced}: {}", report["failures"]);
         assert!(report["offload"]["saved_chunks"].as_u64().unwrap() > 10, "{}", report["offload"]);
         let (checked, differ) = compare_store(dir.path(), &store, &model);
         assert!(checked > 10, "stored chunks were checked: {checked}");
+        let again = run_graph(&graph, Overrides { limit: Some(20), ..Default::default() }, TestSwitches::default());
+        let o = &again["offload"];
+        assert!(o["offload_hit_tokens"].as_u64().unwrap() > 0, "the second run loads what the first saved: {o}");
+        let mismatched = again["verify"]["mismatched"].as_u64().unwrap();
         if fenced {
             assert_eq!(differ, 0, "with the fence every stored chunk is the KV its tokens give");
+            assert_eq!(report["verify"]["mismatched"], 0, "saves never change what is computed");
+            assert_eq!(mismatched, 0, "and every load gives the tokens recomputing would");
         } else {
             assert!(differ > 0, "without the fence some stored chunk holds blocks another request overwrote");
+            assert!(mismatched > 0, "and a request that loads one gets other tokens: {}", again["verify"]);
         }
     }
 }
@@ -166,4 +185,82 @@ fn a_recurrent_family_saves_only_chunks_that_end_at_a_snapshot_boundary() {
     let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
     assert_eq!(report["verify"]["mismatched"], 0);
     assert!(report["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", report["offload"]);
+}
+
+/// A Mooncake trace of `(timestamp ms, hash ids)` requests (16 tokens per hash id once scaled by
+/// the graphs' `block_tokens = 16`), written into `dir`.
+fn write_trace(dir: &Path, requests: &[(u64, &[u64])]) -> PathBuf {
+    let lines: Vec<String> = requests
+        .iter()
+        .map(|(at, ids)| {
+            let ids: Vec<String> = ids.iter().map(u64::to_string).collect();
+            format!(
+                "{{\"timestamp\": {at}, \"input_length\": {}, \"output_length\": 100, \"hash_ids\": [{}]}}",
+                ids.len() * 512,
+                ids.join(", ")
+            )
+        })
+        .collect();
+    let path = dir.join("trace.jsonl");
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    path
+}
+
+/// Summed over `report`'s ranks: `field` of rank_stats.
+fn ranks_sum(report: &Value, field: &str) -> u64 {
+    report["rank_stats"].as_array().unwrap().iter().map(|r| r[field].as_u64().unwrap()).sum()
+}
+
+/// A one-rank pool over a disk store at `dir/store`, replaying `trace` at its timestamps.
+fn disk_graph(dir: &Path, model: &str, trace: &Path, chunk: usize) -> PathBuf {
+    let pools = format!(
+        "[[pool]]\nname = \"main\"\nranks = 1\n\n[offload]\nstore = \"disk\"\npath = \"{}\"\nchunk_tokens = {chunk}\n",
+        dir.join("store").display()
+    );
+    let workload = "mode = \"timestamps\"\ntime_scale = 1.0";
+    write_graph_with(dir, model, &trace.to_string_lossy(), workload, "8 MiB", &pools)
+}
+
+#[test]
+fn a_restarted_run_loads_its_prefixes_from_disk_and_publishes_them_in_hbm() {
+    // Guarantee "restored prefixes published" (tests/GUARANTEES.md). Request A (112 tokens:
+    // chunks 0-2 of 32 are full) and, a second later, C (80 tokens) share their first 64 tokens.
+    let dir = tempfile::tempdir().unwrap();
+    let trace = write_trace(dir.path(), &[(0, &[1, 2, 3, 4, 5, 6, 7]), (1000, &[1, 2, 3, 4, 9])]);
+    let graph = disk_graph(dir.path(), "hf/llama", &trace, 32);
+    let first = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    assert_exact(&first, "first run");
+    assert_eq!(first["offload"]["loads"], 0, "an empty store: {}", first["offload"]);
+    assert_eq!(first["offload"]["hbm_hit_tokens"], 64, "C reuses A's blocks: {}", first["offload"]);
+    // A second process over the same folder: its KV memory starts empty.
+    let second = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    assert_exact(&second, "second run");
+    let o = &second["offload"];
+    assert_eq!((o["loads"].as_u64(), o["offload_hit_tokens"].as_u64()), (Some(1), Some(96)), "A loads 3 chunks: {o}");
+    assert_eq!(o["hbm_hit_tokens"], 64, "C hits A's restored blocks in HBM: {o}");
+    assert_eq!(o["failed_loads"], 0);
+    assert!(o["load_gb_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(
+        ranks_sum(&first, "forward_tokens") - ranks_sum(&second, "forward_tokens"),
+        96,
+        "the loaded tokens are not recomputed"
+    );
+    // Without publication, C finds nothing in HBM and loads the prefix again.
+    let switches = TestSwitches { skip_publishing_restored: true, ..Default::default() };
+    let unpublished = run_graph(&graph, Overrides::default(), switches);
+    assert_exact(&unpublished, "unpublished");
+    let o = &unpublished["offload"];
+    assert_eq!((o["loads"].as_u64(), o["hbm_hit_tokens"].as_u64()), (Some(2), Some(0)), "C loads again: {o}");
+    // Cancelled while its load is in flight: nothing it held is left, and C loads instead.
+    let switches = TestSwitches {
+        slow_loads_ms: 300,
+        cancel_at_stage: vec![(0, "loading".to_string())],
+        ..Default::default()
+    };
+    let cancelled = run_graph(&graph, Overrides::default(), switches);
+    assert_eq!(cancelled["cancelled"], 1, "A is cancelled: {cancelled}");
+    assert_eq!(cancelled["verify"]["mismatched"], 0);
+    assert_eq!(cancelled["offload"]["stale_loads"], 1, "its load's completion finds it gone: {}", cancelled["offload"]);
+    assert_eq!(cancelled["offload"]["loads"], 2, "{}", cancelled["offload"]);
+    assert_eq!(cancelled["accounting_errors"].as_array().unwrap().len(), 0);
 }

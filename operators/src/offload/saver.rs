@@ -26,6 +26,8 @@ pub struct SaveJob {
 #[derive(Clone, Debug, PartialEq)]
 pub enum SaveOutcome {
     Stored { bytes: u64, seconds: f64 },
+    /// The store held the chunk already (saved by another rank, pool or run): nothing written.
+    Found,
     Dropped { why: String },
 }
 
@@ -76,6 +78,9 @@ fn save_one(
     if let Some(until) = backoff.until.filter(|&u| Instant::now() < u) {
         let left = until.saturating_duration_since(Instant::now()).as_secs_f64();
         return SaveOutcome::Dropped { why: format!("the store is backing off after failures ({left:.1} s left)") };
+    }
+    if store.contains(&job.key) {
+        return SaveOutcome::Found;
     }
     if !read_delay.is_zero() {
         std::thread::sleep(read_delay);

@@ -296,12 +296,14 @@ impl Rank {
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
         self.decided_for = Some(t);
         // Handoffs awaiting their ack free memory when it comes: not stuck while any wait.
-        let loading = self.offload.as_ref().is_some_and(|o| !o.loading.is_empty());
+        // Saves and loads return memory when they complete.
+        let offload_busy = self.offload.as_ref().is_some_and(|o| o.in_flight() > 0);
         if self.decided.is_empty()
             && self.in_flight.is_empty()
             && self.awaiting.is_empty()
-            && !loading
+            && !offload_busy
             && !self.scheduler.is_idle()
+            && !self.drop_waiting_prefixes()
         {
             self.fail_unschedulable();
         }
@@ -372,6 +374,20 @@ impl Rank {
             };
             self.events.push((self.step, event));
         }
+    }
+
+    /// Nothing can run and nothing is in flight: waiting requests that hold prefixes loaded from
+    /// the offload store give them back (they recompute), so the head of the queue can start.
+    /// Returns whether any did.
+    fn drop_waiting_prefixes(&mut self) -> bool {
+        let holding: Vec<usize> =
+            self.scheduler.waiting().filter(|&i| !self.seqs.get(i).blocks.blocks().is_empty()).collect();
+        for &index in &holding {
+            let seq = self.seqs.get_mut(index);
+            tracing::warn!(pool = %self.pool, rank = self.index, "request {} gives back its loaded prefix (memory is short): it recomputes", seq.id);
+            self.memory.release(seq);
+        }
+        !holding.is_empty()
     }
 
     /// Nothing can run, nothing is in flight or awaiting an ack, yet requests are held: no completion will ever

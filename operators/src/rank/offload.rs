@@ -7,13 +7,15 @@
 //! id at launch. Its job is made only when that step's completion is applied, reaches the `save`
 //! operator on `forward`'s *saved* output, and is read in place by the rank's save thread; the
 //! blocks return to the pool only when the save's completion record comes back. One save is in
-//! flight per request; a chunk is saved once by this rank (whichever request filled it first).
+//! the thread per request (its later jobs wait behind it, pinned); a chunk is saved once by this
+//! rank (whichever request filled it first), and not at all when the store already holds it
+//! (the save thread asks, off the step path).
 
 use super::Rank;
 use crate::offload::{ChunkKey, Digest, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
 use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport, SeqKey};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 /// What a pool's ranks save to and load from, and how.
@@ -81,7 +83,9 @@ pub struct RankOffload {
     /// Saves handed to the thread (or about to be): id → (request, digest).
     writing: HashMap<u64, (u64, Digest)>,
     known: HashSet<Digest>,
+    /// Requests with a save in the thread, and their next jobs (one save in flight per request).
     busy: HashSet<u64>,
+    queued: HashMap<u64, VecDeque<SaveJob>>,
     /// Loads in flight, by id.
     pub(super) loading: HashMap<u64, Loading>,
     pub stats: OffloadStats,
@@ -99,6 +103,7 @@ impl RankOffload {
             writing: HashMap::new(),
             known: HashSet::new(),
             busy: HashSet::new(),
+            queued: HashMap::new(),
             loading: HashMap::new(),
             stats: OffloadStats::default(),
         }
@@ -112,47 +117,39 @@ impl RankOffload {
 
 impl Rank {
     /// The saves of step `t`: one per prompt chunk a prefill chunk of the step completes that
-    /// this rank has not saved, for a request with no save in flight — for families with state,
-    /// only when the step ends exactly at the chunk's end (the state the object carries). Their
+    /// this rank has not saved (write-through: whichever request fills a chunk first saves it) —
+    /// for families with state, only a chunk that ends exactly where the step ends (the state
+    /// the object carries; chunks end at snapshot boundaries, where prefill chunks stop). Their
     /// blocks are pinned under each save's id.
     pub(super) fn offload_saves(&mut self, t: u64, chunks: &[Chunk]) -> Vec<KvExport> {
         let Some(off) = self.offload.as_mut() else { return Vec::new() };
-        let (bs, keeps_state) = (self.memory.layout.block_size, self.memory.layout.keeps_state);
-        let c_tokens = off.setup.chunk_tokens;
+        let layout = self.memory.layout;
+        let (bs, c_tokens) = (layout.block_size, off.setup.chunk_tokens);
         let mut saves = Vec::new();
         for c in chunks.iter().filter(|c| c.prefill) {
             let seq = self.seqs.get(c.seq);
             let end = (c.start + c.len).min(seq.prompt_len);
-            let (first, last) = (c.start / c_tokens, end / c_tokens); // chunks [first, last) end in this step
-            if first >= last || off.busy.contains(&seq.id) {
-                continue;
+            for k in c.start / c_tokens..end / c_tokens {
+                // chunk k ends in this step
+                if layout.keeps_state && (k + 1) * c_tokens != end {
+                    continue;
+                }
+                let Some(&digest) = seq.chunk_digests.get(k) else { continue };
+                if !off.known.insert(digest) {
+                    continue;
+                }
+                let key = ChunkKey { namespace: off.setup.namespace, shard: 0, shards: 1, digest };
+                let blocks = if layout.keeps_kv {
+                    seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec()
+                } else {
+                    Vec::new() // a family with state only: the object is the state at the chunk's end
+                };
+                let id = off.next_id;
+                off.next_id += 1;
+                self.memory.pin_for_save(id, &blocks);
+                off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key });
+                saves.push(KvExport { key: c.key, blocks, slot: if layout.keeps_state { seq.slot } else { None } });
             }
-            let k = last - 1; // the deepest chunk this step completes (one save per request)
-            if keeps_state && (k + 1) * c_tokens != end {
-                continue;
-            }
-            let Some(&digest) = seq.chunk_digests.get(k) else { continue };
-            let key = ChunkKey { namespace: off.setup.namespace, shard: 0, shards: 1, digest };
-            if off.known.contains(&digest) {
-                continue;
-            }
-            if off.setup.store.contains(&key) {
-                off.known.insert(digest);
-                off.stats.found_in_store += 1;
-                continue;
-            }
-            let blocks = if self.memory.layout.keeps_kv {
-                seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec()
-            } else {
-                Vec::new() // a family with state only: the object is the state at the chunk's end
-            };
-            let id = off.next_id;
-            off.next_id += 1;
-            self.memory.pin_for_save(id, &blocks);
-            off.known.insert(digest);
-            off.busy.insert(seq.id);
-            off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key });
-            saves.push(KvExport { key: c.key, blocks, slot: if keeps_state { seq.slot } else { None } });
         }
         saves
     }
@@ -176,7 +173,6 @@ impl Rank {
                     tracing::warn!(pool = %self.pool, rank = self.index, step, "offload: step {step} gave no copy of {} (seq {}); save dropped", l.key, l.seq);
                     off.stats.dropped_saves += 1;
                     off.known.remove(&l.key.digest);
-                    off.busy.remove(&l.request);
                     self.memory.release_save(l.id);
                 }
             }
@@ -188,43 +184,65 @@ impl Rank {
         self.offload.as_mut().map(|o| std::mem::take(&mut o.ready)).unwrap_or_default()
     }
 
-    /// The `save` operator hands the jobs of a completed step to the save thread.
+    /// The `save` operator hands the jobs of a completed step to the save thread — one save in
+    /// flight per request: a request's later jobs wait, their blocks pinned, until the one
+    /// before returns.
     pub fn submit_saves(&mut self, jobs: Vec<SaveJob>) {
         let release_early = self.switches.release_saves_early;
-        let Some(off) = self.offload.as_mut() else { return };
         for job in jobs {
-            let id = job.id;
             if release_early {
                 // Test switch: the blocks go back before the save has read them.
-                self.memory.release_save(id);
+                self.memory.release_save(job.id);
             }
-            if !off.saver.submit(job) {
-                off.stats.dropped_saves += 1;
-                if let Some((request, digest)) = off.writing.remove(&id) {
-                    off.busy.remove(&request);
-                    off.known.remove(&digest);
-                }
-                self.memory.release_save(id);
+            let Some(off) = self.offload.as_mut() else { return };
+            let Some(&(request, _)) = off.writing.get(&job.id) else { continue };
+            if off.busy.insert(request) {
+                self.send_save(request, job);
+            } else {
+                off.queued.entry(request).or_default().push_back(job);
             }
         }
     }
 
-    /// Applies the save thread's completion records: each returns its save's blocks.
+    /// Hands request `request`'s job to the save thread (the request is busy until it returns);
+    /// if the thread is gone the save is dropped, and the request's next job goes instead.
+    fn send_save(&mut self, request: u64, job: SaveJob) {
+        let Some(off) = self.offload.as_mut() else { return };
+        let mut next = Some(job);
+        while let Some(job) = next.take() {
+            let id = job.id;
+            if off.saver.submit(job) {
+                return;
+            }
+            off.stats.dropped_saves += 1;
+            if let Some((_, digest)) = off.writing.remove(&id) {
+                off.known.remove(&digest);
+            }
+            self.memory.release_save(id);
+            next = off.queued.get_mut(&request).and_then(VecDeque::pop_front);
+        }
+        off.queued.remove(&request);
+        off.busy.remove(&request);
+    }
+
+    /// Applies the save thread's completion records: each returns its save's blocks, and sends
+    /// its request's next job.
     pub(super) fn apply_saves(&mut self) -> usize {
         let Some(off) = self.offload.as_mut() else { return 0 };
         let done: Vec<SaveDone> = off.saver.returns.take();
         for d in &done {
+            let Some(off) = self.offload.as_mut() else { break };
             let Some((request, digest)) = off.writing.remove(&d.id) else {
                 tracing::error!(pool = %self.pool, rank = self.index, "offload: a completion for save {} it does not await", d.id);
                 continue;
             };
-            off.busy.remove(&request);
             match &d.outcome {
                 SaveOutcome::Stored { bytes, seconds } => {
                     off.stats.saved_chunks += 1;
                     off.stats.saved_bytes += bytes;
                     off.stats.save_seconds += seconds;
                 }
+                SaveOutcome::Found => off.stats.found_in_store += 1,
                 SaveOutcome::Dropped { why } => {
                     tracing::warn!(pool = %self.pool, rank = self.index, "offload: save of {} dropped: {why}", d.key);
                     off.stats.dropped_saves += 1;
@@ -232,6 +250,14 @@ impl Rank {
                 }
             }
             self.memory.release_save(d.id);
+            let off = self.offload.as_mut().expect("checked above");
+            match off.queued.get_mut(&request).and_then(VecDeque::pop_front) {
+                Some(next) => self.send_save(request, next),
+                None => {
+                    off.queued.remove(&request);
+                    off.busy.remove(&request);
+                }
+            }
         }
         done.len()
     }
