@@ -173,18 +173,29 @@ fn a_store_that_refuses_every_put_drops_the_saves_and_the_run_ends_with_every_bl
 }
 
 #[test]
-fn a_recurrent_family_saves_only_chunks_that_end_at_a_snapshot_boundary() {
-    let dir = tempfile::tempdir().unwrap();
-    // kimi_linear: the chunk size must be a multiple of 4 blocks of 16 (the snapshot interval).
-    let graph = offload_graph(dir.path(), "hf/kimi_linear", "store = \"memory\"", "16 MiB");
-    let mut graph_text = std::fs::read_to_string(&graph).unwrap();
-    let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
-    crate::common::assert_clean_failure(&out, &["offload.chunk_tokens", "multiple of", "(64)"]);
-    graph_text = graph_text.replace(&format!("chunk_tokens = {CHUNK}\n"), "chunk_tokens = 64\n");
-    std::fs::write(&graph, graph_text).unwrap();
-    let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
-    assert_eq!(report["verify"]["mismatched"], 0);
-    assert!(report["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", report["offload"]);
+fn recurrent_families_reuse_prefixes_from_the_store_with_the_state_at_their_end() {
+    for model in ["hf/kimi_linear", "hf/qwen3_next_gdn"] {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = format!("store = \"disk\"\npath = \"{}\"", dir.path().join("store").display());
+        let graph = offload_graph(dir.path(), model, &spec, "16 MiB");
+        // Their chunks carry the state at their end: the chunk size must be a multiple of 4 blocks
+        // of 16 (the snapshot interval).
+        let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+        crate::common::assert_clean_failure(&out, &["offload.chunk_tokens", "multiple of", "(64)"]);
+        let text = std::fs::read_to_string(&graph).unwrap();
+        std::fs::write(&graph, text.replace(&format!("chunk_tokens = {CHUNK}\n"), "chunk_tokens = 64\n")).unwrap();
+        let fewer = Overrides { limit: Some(16), ..Default::default() };
+        let first = run_graph(&graph, fewer.clone(), TestSwitches::default());
+        assert_exact(&first, model);
+        assert!(first["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{model}: {}", first["offload"]);
+        // Empty KV memory: the second run's prefixes come from the store, KV and state together.
+        let second = run_graph(&graph, fewer, TestSwitches::default());
+        assert_exact(&second, model);
+        let o = &second["offload"];
+        assert!(o["loaded_chunks"].as_u64().unwrap() > 0, "{model}: {o}");
+        assert!(o["offload_hit_tokens"].as_u64().unwrap() >= 64, "{model}: {o}");
+        assert_eq!(o["failed_loads"], 0, "{model}: {o}");
+    }
 }
 
 /// A Mooncake trace of `(timestamp ms, hash ids)` requests (16 tokens per hash id once scaled by
@@ -263,4 +274,86 @@ fn a_restarted_run_loads_its_prefixes_from_disk_and_publishes_them_in_hbm() {
     assert_eq!(cancelled["offload"]["stale_loads"], 1, "its load's completion finds it gone: {}", cancelled["offload"]);
     assert_eq!(cancelled["offload"]["loads"], 2, "{}", cancelled["offload"]);
     assert_eq!(cancelled["accounting_errors"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn a_prefix_saved_by_one_rank_is_loaded_by_another_rank_and_by_another_pool() {
+    // Pool a (2 ranks, round-robin) and pool b (1 rank) share one store; requests alternate
+    // between the pools. Request 0 (pool a, rank 0) saves the 64-token prefix; request 1 (pool b)
+    // and request 2 (pool a, rank 1) find none of it in their KV memory and load it.
+    let dir = tempfile::tempdir().unwrap();
+    let trace = write_trace(dir.path(), &[(0, &[1, 2, 3, 4, 5, 6]), (800, &[1, 2, 3, 4, 7]), (1600, &[1, 2, 3, 4, 8, 9])]);
+    let pools = format!(
+        "[[pool]]\nname = \"a\"\nranks = 2\nrouter = \"round-robin\"\n\n[[pool]]\nname = \"b\"\nranks = 1\n\n\
+         [offload]\nstore = \"memory\"\nchunk_tokens = {CHUNK}\n"
+    );
+    let workload = "mode = \"timestamps\"\ntime_scale = 1.0\npool_choice = \"round-robin\"";
+    let graph = write_graph_with(dir.path(), "hf/qwen3", &trace.to_string_lossy(), workload, "8 MiB", &pools);
+    let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    assert_exact(&report, "two pools");
+    let rank = |pool: &str, rank: u64| -> Value {
+        let ranks = report["rank_stats"].as_array().unwrap();
+        ranks.iter().find(|r| r["pool"] == pool && r["rank"] == rank).unwrap().clone()
+    };
+    let (saver, other_rank, other_pool) = (rank("a", 0), rank("a", 1), rank("b", 0));
+    assert!(saver["saved_chunks"].as_u64().unwrap() >= 2, "{saver}");
+    assert_eq!(saver["loaded_chunks"], 0, "{saver}");
+    for loader in [&other_rank, &other_pool] {
+        assert_eq!(loader["loaded_chunks"], 2, "{loader}");
+        assert_eq!(loader["offload_hit_tokens"], 64, "{loader}");
+    }
+    assert_eq!(report["pools"]["b"]["offload"]["loads"], 1, "{}", report["pools"]["b"]["offload"]);
+}
+
+#[test]
+fn damaged_objects_are_misses_and_their_requests_recompute() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let spec = format!("store = \"disk\"\npath = \"{}\"", store.display());
+    let graph = offload_graph(dir.path(), "hf/llama", &spec, "8 MiB");
+    let fewer = Overrides { limit: Some(16), ..Default::default() };
+    let first = run_graph(&graph, fewer.clone(), TestSwitches::default());
+    assert_exact(&first, "first run");
+    // Every object damaged: one in three truncated, the others with a flipped byte.
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&store).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    assert!(files.len() > 10, "{} objects", files.len());
+    for (i, f) in files.iter().enumerate() {
+        let mut bytes = std::fs::read(f).unwrap();
+        if i % 3 == 0 {
+            bytes.truncate(bytes.len() / 2);
+        } else {
+            let middle = bytes.len() / 2;
+            bytes[middle] ^= 0x40;
+        }
+        std::fs::write(f, bytes).unwrap();
+    }
+    let second = run_graph(&graph, fewer, TestSwitches::default());
+    assert_exact(&second, "over a damaged store");
+    let o = &second["offload"];
+    assert!(o["failed_loads"].as_u64().unwrap() > 0, "{o}");
+    assert_eq!(o["loaded_chunks"], 0, "no damaged chunk is ever loaded: {o}");
+    assert_eq!(second["accounting_errors"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn a_prefill_pool_loads_its_prefixes_from_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let pools = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"inproc\"\n\n\
+         [offload]\nstore = \"disk\"\npath = \"{}\"\nchunk_tokens = 64\n",
+        dir.path().join("store").display()
+    );
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 12";
+    let graph = write_graph_with(dir.path(), "hf/kimi_linear", "mooncake_conversation_head.jsonl", workload, "16 MiB", &pools);
+    let first = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    assert_exact(&first, "first P/D run");
+    assert!(first["pools"]["prefill"]["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", first["offload"]);
+    let second = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    assert_exact(&second, "second P/D run");
+    let o = &second["pools"]["prefill"]["offload"];
+    assert!(o["offload_hit_tokens"].as_u64().unwrap() > 0, "the producer loads: {o}");
+    assert!(second["handoff"]["count"].as_u64().unwrap() > 0, "{}", second["handoff"]);
 }
