@@ -15,7 +15,9 @@
 //! - *stages* (expert parallelism only, instead of *launched*): the signal and the plan's
 //!   exchange decision, along the rank's MoE chain (below);
 //! - *saved*, to `save`: offload save jobs, each given only once the step that wrote its blocks
-//!   has completed (holds no capability of its own).
+//!   has completed (holds no capability of its own);
+//! - *loads*, to `load`: offload load jobs of the requests admitted at this step whose prefix the
+//!   store holds further than the rank's cache (no capability of its own either).
 //!
 //! Whenever the pool idles — it parks (nothing held, nothing in flight) or waits on steps in
 //! flight — every rank checks its accounting.
@@ -27,7 +29,7 @@
 //! Guarantee carried: only `Launched(t)` gates `t + 1` (DESIGN §4).
 
 use crate::messages::{Event, LoopSignal, StageToken, StepPlan};
-use crate::offload::SaveJob;
+use crate::offload::{LoadJob, SaveJob};
 use crate::rank::Rank;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -48,6 +50,8 @@ pub struct ForwardOutputs<'scope> {
     /// *saved*: offload save jobs, each given once the step that wrote its blocks has completed
     /// (for the `save` operator).
     pub saved: StreamVec<'scope, u64, SaveJob>,
+    /// *loads*: offload load jobs of requests admitted at the step (for the `load` operator).
+    pub loads: StreamVec<'scope, u64, LoadJob>,
 }
 
 pub fn forward<'scope>(
@@ -62,10 +66,12 @@ pub fn forward<'scope>(
     let (sampled_out, sampled) = builder.new_output();
     let (stage_out, stages) = builder.new_output();
     let (saved_out, saved) = builder.new_output();
+    let (loads_out, loads) = builder.new_output();
     let mut signal_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<LoopSignal>>>::from(signal_out);
     let mut sampled_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<Event>>>::from(sampled_out);
     let mut stage_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<StageToken>>>::from(stage_out);
     let mut saved_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<SaveJob>>>::from(saved_out);
+    let mut loads_out = OutputBuilder::<_, CapacityContainerBuilder<Vec<LoadJob>>>::from(loads_out);
     builder.build(move |_caps| {
         // Capabilities on the sampled output, per step in flight on this rank.
         let mut in_flight: BTreeMap<u64, Capability<u64>> = BTreeMap::new();
@@ -75,11 +81,13 @@ pub fn forward<'scope>(
             let mut sampled_session = sampled_out.activate();
             let mut stage_session = stage_out.activate();
             let mut saved_session = saved_out.activate();
+            let mut loads_session = loads_out.activate();
             input.for_each_stamp(|stamp, data| {
                 let Some(signal_cap) = stamp.retain_least(0) else { return };
                 let Some(sampled_cap) = stamp.retain_least(1) else { return };
                 let Some(stage_cap) = stamp.retain_least(2) else { return };
                 let Some(saved_cap) = stamp.retain_least(3) else { return };
+                let Some(loads_cap) = stamp.retain_least(4) else { return };
                 let t = *signal_cap.time();
                 for plans in data {
                     for plan in plans.drain(..) {
@@ -123,6 +131,7 @@ pub fn forward<'scope>(
                 // Saves whose step has completed (the completion was applied just now, or at
                 // this step's schedule).
                 saved_session.session(&saved_cap).give_iterator(rank.take_save_jobs().into_iter());
+                loads_session.session(&loads_cap).give_iterator(rank.take_load_jobs().into_iter());
                 if rank.is_in_flight(t) {
                     in_flight.insert(t, sampled_cap);
                 }
@@ -132,7 +141,7 @@ pub fn forward<'scope>(
             });
         }
     });
-    ForwardOutputs { signals, sampled, stages, saved }
+    ForwardOutputs { signals, sampled, stages, saved, loads }
 }
 
 /// Emits the requests that ended, each at the step whose completion ended it, and lets go of the

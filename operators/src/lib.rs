@@ -1,4 +1,5 @@
-//! kvflow's timely operators (admit, schedule, align, forward, emit), one per file, the per-rank
+//! kvflow's timely operators (admit, schedule, align, forward, the expert exchanges, save, load,
+//! emit), one per file, the per-rank
 //! state each owns (`rank`), the executors that run a rank's steps (`executor`) and the
 //! vocabulary of a step between them (`step`), built around the plain scheduling policy in
 //! `policy`. See DESIGN.md §4 for the per-pool graph they form; `kvflow::runtime` wires them.
@@ -9,6 +10,7 @@ pub mod emit;
 pub mod executor;
 pub mod experts;
 pub mod forward;
+pub mod load;
 pub mod messages;
 pub mod offload;
 pub mod policy;

@@ -86,7 +86,7 @@
 //! ignore_eos = true                # outputs follow the trace (default true)
 //! pool_choice = "seeded"           # with several pools: seeded | round-robin (default seeded)
 //!
-//! [offload]                        # optional: the KV offload tier (default: none)
+//! [offload]                        # optional: the KV offload tier, saves and loads (default: none)
 //! store = "memory"                 # memory | disk
 //! chunk_tokens = 256               # tokens per saved chunk, a multiple of memory.block_size (default 256)
 //! capacity_bytes = "1 GiB"         # memory store: least recently used chunks go past this (default "1 GiB")
@@ -393,7 +393,8 @@ impl FromStr for Endpoint {
     }
 }
 
-/// The KV offload tier (`[offload]`, DESIGN §9): where full prompt chunks are saved.
+/// The KV offload tier (`[offload]`, DESIGN §9): where full prompt chunks are saved, and loaded
+/// back from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OffloadConfig {
     pub store: OffloadStore,

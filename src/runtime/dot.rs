@@ -162,6 +162,7 @@ fn label(name: &str, pool: &PoolConfig) -> String {
         "forward" => format!("forward(t)\nexecutor: {}", pool.executor),
         "emit" => "emit(t)\nto the collector".to_string(),
         "save" => "save(t)\nafter the step completed; blocks held until stored".to_string(),
+        "load" => "load(t)\nadmitted requests' prefixes from the store; completion admits to prefill".to_string(),
         other if other.starts_with("dispatch[") => format!("{other}(t)\nrows to expert owners"),
         other if other.starts_with("experts[") => format!("{other}(t)\nthis rank's experts"),
         other if other.starts_with("combine[") => format!("{other}(t)\nsum by expert, check every result"),
@@ -176,6 +177,7 @@ fn edge_label(source: &str, port: usize, typ: &str) -> String {
         ("forward", 0) => format!("launched: {typ}"),
         ("forward", 1) => format!("sampled: {typ}"),
         ("forward", 3) => format!("saved: {typ}"),
+        ("forward", 4) => format!("loads: {typ}"),
         ("admit", _) => format!("wake: {typ}"),
         _ => typ.to_string(),
     }

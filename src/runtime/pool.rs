@@ -13,7 +13,8 @@
 //! With `expert_parallel = true`, `forward(t)` is followed per MoE layer ℓ of the model by
 //! `dispatch[ℓ] ─(exchange)▶ experts[ℓ] ─(exchange)▶ combine[ℓ]`, and the last `combine` feeds the
 //! feedback edge (`kvflow_operators::experts`). With `[offload]`, `save(t)` consumes `forward`'s
-//! *saved* output (jobs of completed steps) and hands them to the rank's save thread.
+//! *saved* output (jobs of completed steps) and hands them to the rank's save thread, and
+//! `load(t)` its *loads* output (jobs of requests admitted at `t`) to the rank's load thread.
 
 use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
@@ -29,6 +30,7 @@ use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
 use kvflow_operators::rank::{OffloadSetup, Rank, RankStats, RemotePrefill, TestSwitches};
+use kvflow_operators::load::load;
 use kvflow_operators::save::save;
 use kvflow_operators::schedule::schedule;
 use kvflow_operators::transfer::{HandoffInbox, HandoffSink};
@@ -205,7 +207,7 @@ pub struct PoolParts {
     pub keys: RoutingKeys,
     /// The MoE layers that exchange (expert parallelism) and the spec width.
     pub collectives: Collectives,
-    /// Whether its ranks save to an offload store (a `save` operator after `forward`).
+    /// Whether its ranks use an offload store (`save` and `load` operators after `forward`).
     pub offload: bool,
     pub ranks: usize,
     /// Worker 0 only.
@@ -249,7 +251,8 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
     }
     emit(out.sampled.clone(), sink);
     if offload {
-        save(out.saved, rank);
+        save(out.saved, rank.clone());
+        load(out.loads, rank);
     }
     PoolStreams { plans, sampled: out.sampled }
 }

@@ -6,6 +6,8 @@ use crate::transfer::Crc32c;
 
 const MAGIC: &[u8; 8] = b"kvflowc1";
 const HEADER: usize = 8 + 8 + 8;
+/// Bytes read (and checksummed) at a time by [`read_object`].
+const READ_PIECE: usize = 128 << 10;
 
 /// What one chunk's object holds.
 #[derive(Clone, Debug, PartialEq)]
@@ -98,9 +100,11 @@ pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<ChunkObject
     crc.update(&header);
     let mut read_floats = |n: usize| -> Result<Vec<f32>, ObjectError> {
         let mut v = vec![0f32; n];
-        let bytes = floats_as_bytes_mut(&mut v);
-        r.read_exact(bytes).map_err(|_| ObjectError::Truncated(len))?;
-        crc.update(bytes);
+        // In pieces that stay in the core's cache between the read and the checksum.
+        for piece in floats_as_bytes_mut(&mut v).chunks_mut(READ_PIECE) {
+            r.read_exact(piece).map_err(|_| ObjectError::Truncated(len))?;
+            crc.update(piece);
+        }
         #[cfg(not(target_endian = "little"))]
         for x in v.iter_mut() {
             *x = f32::from_le_bytes(x.to_ne_bytes());

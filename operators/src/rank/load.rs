@@ -2,7 +2,9 @@
 //! holds further than this rank's prefix cache does starts a load instead of queueing: it takes
 //! references on the prefix blocks the cache has, allocates blocks for the chunks to load, and
 //! waits in the `loading` stage (its load named by an id and its sequence's generation) while
-//! the pool keeps stepping. The rank's load thread gets every chunk or fails the load; its
+//! the pool keeps stepping. The `load` operator hands the job to the rank's load thread, which
+//! asks the store's `contains` only here, at admission, and gets the objects off the step path.
+//! The thread gets every chunk or fails the load; its
 //! completion record, drained when the rank's waker fires, queues the request — with the prefix
 //! as computed, or from scratch when the load failed (it recomputes). The step that admits it
 //! writes the chunks into its blocks (and the last chunk's state into its slot) before its
@@ -71,16 +73,34 @@ impl Rank {
         for b in kept {
             seq.blocks.push(b);
         }
-        let keys: Vec<ChunkKey> = (first..first + held).map(|k| off.key(seq.chunk_digests[k])).collect();
-        let id = off.next_id;
-        off.next_id += 1;
-        if !m.ensure_blocks(seq, (first + held) * c) || !off.loader.submit(LoadJob { id, keys }) {
+        if !m.ensure_blocks(seq, (first + held) * c) {
             m.release(seq); // nothing ran on them: freed at once
             return false;
         }
+        let keys: Vec<ChunkKey> = (first..first + held).map(|k| off.key(seq.chunk_digests[k])).collect();
+        let id = off.next_id;
+        off.next_id += 1;
         off.loading.insert(id, Loading { key: seq.key, first_chunk: first, chunks: held });
+        off.load_jobs.push(LoadJob { id, keys });
         off.stats.loads += 1;
         true
+    }
+
+    /// Load jobs for the `load` operator.
+    pub fn take_load_jobs(&mut self) -> Vec<LoadJob> {
+        self.offload.as_mut().map(|o| std::mem::take(&mut o.load_jobs)).unwrap_or_default()
+    }
+
+    /// The `load` operator hands jobs to the load thread (if it is gone, the load fails at once
+    /// and its request recomputes).
+    pub fn submit_loads(&mut self, jobs: Vec<LoadJob>) {
+        let Some(off) = self.offload.as_mut() else { return };
+        for job in jobs {
+            let id = job.id;
+            if !off.loader.submit(job) {
+                off.failed_now.push(LoadDone { id, outcome: Err("the load thread is gone".into()) });
+            }
+        }
     }
 
     /// Applies the load thread's completion records: each queues its request, its prefix
@@ -88,7 +108,8 @@ impl Rank {
     /// went meanwhile (cancelled: its blocks went with it) is dropped and counted.
     pub(super) fn apply_loads(&mut self) -> usize {
         let Some(off) = self.offload.as_mut() else { return 0 };
-        let done: Vec<LoadDone> = off.loader.returns.take();
+        let mut done: Vec<LoadDone> = std::mem::take(&mut off.failed_now);
+        done.extend(off.loader.returns.take());
         for d in &done {
             let Some(loading) = off.loading.remove(&d.id) else {
                 tracing::error!(pool = %self.pool, rank = self.index, "offload: a completion for load {} it does not await", d.id);

@@ -12,7 +12,7 @@
 //! (the save thread asks, off the step path).
 
 use super::Rank;
-use crate::offload::{ChunkKey, Digest, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
+use crate::offload::{ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
 use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport, SeqKey};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -86,8 +86,10 @@ pub struct RankOffload {
     /// Requests with a save in the thread, and their next jobs (one save in flight per request).
     busy: HashSet<u64>,
     queued: HashMap<u64, VecDeque<SaveJob>>,
-    /// Loads in flight, by id.
+    /// Loads in flight, by id; jobs for the `load` operator; loads failed before the thread.
     pub(super) loading: HashMap<u64, Loading>,
+    pub(super) load_jobs: Vec<LoadJob>,
+    pub(super) failed_now: Vec<LoadDone>,
     pub stats: OffloadStats,
 }
 
@@ -105,6 +107,8 @@ impl RankOffload {
             busy: HashSet::new(),
             queued: HashMap::new(),
             loading: HashMap::new(),
+            load_jobs: Vec::new(),
+            failed_now: Vec::new(),
             stats: OffloadStats::default(),
         }
     }
