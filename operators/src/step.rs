@@ -84,17 +84,28 @@ impl KvSource {
     /// The blocks' KV, packed by layer (a copy; empty when a device read fails, which the
     /// import then refuses by its size).
     pub fn read(&self) -> Vec<f32> {
+        self.read_waiting().0
+    }
+
+    /// [`read`](Self::read), and how long it waited for the owner's cache (a host cache is
+    /// locked while its rank's step runs).
+    pub fn read_waiting(&self) -> (Vec<f32>, std::time::Duration) {
         match &self.store {
             BlockStore::Host(cache) => {
                 let mut kv = Vec::new();
+                let asked = std::time::Instant::now();
                 let cache = cache.read().unwrap_or_else(|e| e.into_inner());
+                let waited = asked.elapsed();
                 cache.kv.export_blocks(&self.blocks, &mut kv);
-                kv
+                (kv, waited)
             }
-            BlockStore::Device(shared) => shared.read(&self.blocks).unwrap_or_else(|e| {
-                tracing::error!("reading a handoff's blocks from the GPU: {e}");
-                Vec::new()
-            }),
+            BlockStore::Device(shared) => {
+                let kv = shared.read(&self.blocks).unwrap_or_else(|e| {
+                    tracing::error!("reading a handoff's blocks from the GPU: {e}");
+                    Vec::new()
+                });
+                (kv, std::time::Duration::ZERO)
+            }
         }
     }
 

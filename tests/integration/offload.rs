@@ -277,19 +277,25 @@ fn a_restarted_run_loads_its_prefixes_from_disk_and_publishes_them_in_hbm() {
 }
 
 #[test]
-fn a_prefix_saved_by_one_rank_is_loaded_by_another_rank_and_by_another_pool() {
+fn a_prefix_saved_by_one_rank_is_loaded_by_another_rank_and_by_another_pool_while_they_step() {
     // Pool a (2 ranks, round-robin) and pool b (1 rank) share one store; requests alternate
-    // between the pools. Request 0 (pool a, rank 0) saves the 64-token prefix; request 1 (pool b)
-    // and request 2 (pool a, rank 1) find none of it in their KV memory and load it.
+    // between the pools. Request 0 (pool a, rank 0) saves the 64-token prefix; request 2 (pool
+    // a, rank 1) and request 3 (pool b) find none of it in their KV memory and load it — slowly
+    // (200 ms), while pool b decodes request 1.
     let dir = tempfile::tempdir().unwrap();
-    let trace = write_trace(dir.path(), &[(0, &[1, 2, 3, 4, 5, 6]), (800, &[1, 2, 3, 4, 7]), (1600, &[1, 2, 3, 4, 8, 9])]);
+    let long: Vec<u64> = (100..120).collect();
+    let trace = write_trace(
+        dir.path(),
+        &[(0, &[1, 2, 3, 4, 5, 6]), (800, &long), (805, &[1, 2, 3, 4, 8, 9]), (810, &[1, 2, 3, 4, 7])],
+    );
     let pools = format!(
         "[[pool]]\nname = \"a\"\nranks = 2\nrouter = \"round-robin\"\n\n[[pool]]\nname = \"b\"\nranks = 1\n\n\
          [offload]\nstore = \"memory\"\nchunk_tokens = {CHUNK}\n"
     );
     let workload = "mode = \"timestamps\"\ntime_scale = 1.0\npool_choice = \"round-robin\"";
     let graph = write_graph_with(dir.path(), "hf/qwen3", &trace.to_string_lossy(), workload, "8 MiB", &pools);
-    let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    let longer = Overrides { max_output_tokens: Some(80), ..Default::default() };
+    let report = run_graph(&graph, longer, TestSwitches { slow_loads_ms: 200, ..Default::default() });
     assert_exact(&report, "two pools");
     let rank = |pool: &str, rank: u64| -> Value {
         let ranks = report["rank_stats"].as_array().unwrap();
@@ -302,7 +308,9 @@ fn a_prefix_saved_by_one_rank_is_loaded_by_another_rank_and_by_another_pool() {
         assert_eq!(loader["loaded_chunks"], 2, "{loader}");
         assert_eq!(loader["offload_hit_tokens"], 64, "{loader}");
     }
-    assert_eq!(report["pools"]["b"]["offload"]["loads"], 1, "{}", report["pools"]["b"]["offload"]);
+    let b = &report["pools"]["b"]["offload"];
+    assert_eq!(b["loads"], 1, "{b}");
+    assert!(b["steps_during_loads"].as_u64().unwrap() > 0, "pool b decodes request 1 while it loads: {b}");
 }
 
 #[test]

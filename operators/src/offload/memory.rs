@@ -1,9 +1,9 @@
 //! `memory`: the default store — objects in this process's memory, least recently used evicted
 //! first once their bytes pass the capacity. A chunk's shard objects are evicted together.
 
-use super::{ChunkKey, Digest, ObjectStore, StoreError};
+use super::{decode_object, ChunkKey, ChunkObject, Digest, ObjectStore, StoreError};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Objects by key, with a use clock per chunk (namespace and digest: all its shards).
 pub struct MemoryStore {
@@ -13,7 +13,8 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    objects: HashMap<ChunkKey, Vec<u8>>,
+    /// Shared, so a load decodes outside the lock.
+    objects: HashMap<ChunkKey, Arc<[u8]>>,
     /// Per chunk: its last use and its shard keys.
     chunks: HashMap<(u64, Digest), (u64, Vec<ChunkKey>)>,
     /// Chunks by last use.
@@ -57,6 +58,18 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// The object under `key`, shared, marked as used.
+    fn shared(&self, key: &ChunkKey) -> Option<Arc<[u8]>> {
+        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let found = s.objects.get(key).cloned();
+        if found.is_some() {
+            s.touch(key);
+        }
+        found
+    }
+}
+
 impl ObjectStore for MemoryStore {
     fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
         let size = object.len() as u64;
@@ -79,19 +92,26 @@ impl ObjectStore for MemoryStore {
                 )));
             }
         }
-        s.objects.insert(*key, object.to_vec());
+        s.objects.insert(*key, Arc::from(object));
         s.bytes += size;
         s.touch(key);
         Ok(())
     }
 
     fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError> {
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let found = s.objects.get(key).cloned();
-        if found.is_some() {
-            s.touch(key);
+        Ok(self.shared(key).map(|bytes| bytes.to_vec()))
+    }
+
+    /// Decoded straight from the stored bytes (one copy, outside the lock).
+    fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {
+        let Some(bytes) = self.shared(key) else { return Ok(None) };
+        match decode_object(&bytes) {
+            Ok(object) => Ok(Some(object)),
+            Err(e) => {
+                tracing::warn!("offload store: {key} is not a sound object ({e}); treated as a miss");
+                Ok(None)
+            }
         }
-        Ok(found)
     }
 
     fn contains(&self, key: &ChunkKey) -> bool {

@@ -54,9 +54,12 @@ impl Rank {
             return false;
         }
         let caching = self.scheduler.config.prefix_cache;
-        let hit = if caching { m.cached_prompt_tokens(seq) } else { 0 };
-        // The cache's own blocks cover the chunks before `first`; the store must hold the rest.
         let in_flight_from = m.in_flight_from();
+        let usable = seq.prompt_hashes.len().min((seq.prompt_len - 1) / bs);
+        // What an admission would reuse from the cache now (for recurrent families, up to a
+        // snapshot); the cache's blocks cover the chunks before `first`; the store must hold
+        // chunks from there on.
+        let hit = if caching { m.prefix.peek(&seq.prompt_hashes[..usable], in_flight_from) * bs } else { 0 };
         let mut kept =
             if caching { m.prefix.take_blocks(&seq.prompt_hashes[..most * c / bs], &mut m.blocks, in_flight_from) } else { Vec::new() };
         let first = kept.len() * bs / c;
@@ -175,7 +178,8 @@ impl Rank {
             let last = restored.objects.len() - 1;
             let mut snapshot = None;
             if publish {
-                for b in 0..end_blocks.min(seq.prompt_hashes.len()) {
+                // (The blocks before the first loaded chunk came from the cache: published.)
+                for b in restored.first_chunk * per_chunk..end_blocks.min(seq.prompt_hashes.len()) {
                     let block = layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
                     self.memory.prefix.insert_block(seq.prompt_hashes[b], block, &mut self.memory.blocks, t);
                     published.push(seq.prompt_hashes[b]);

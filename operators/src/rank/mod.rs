@@ -380,8 +380,7 @@ impl Rank {
     /// the offload store give them back (they recompute), so the head of the queue can start.
     /// Returns whether any did.
     fn drop_waiting_prefixes(&mut self) -> bool {
-        let holding: Vec<usize> =
-            self.scheduler.waiting().filter(|&i| !self.seqs.get(i).blocks.blocks().is_empty()).collect();
+        let holding: Vec<usize> = self.scheduler.waiting().filter(|&i| self.seqs.get(i).restored.is_some()).collect();
         for &index in &holding {
             let seq = self.seqs.get_mut(index);
             tracing::warn!(pool = %self.pool, rank = self.index, "request {} gives back its loaded prefix (memory is short): it recomputes", seq.id);
