@@ -67,7 +67,8 @@ fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
 /// What the offload tier saved and loaded, and the prompt tokens each tier gave back.
 fn offload(stats: &[&RankStats]) -> Value {
     let sum = |f: fn(&kvflow_operators::rank::OffloadStats) -> u64| stats.iter().map(|s| f(&s.offload)).sum::<u64>();
-    let seconds = |f: fn(&kvflow_operators::rank::OffloadStats) -> f64| stats.iter().map(|s| f(&s.offload)).sum::<f64>();
+    let seconds =
+        |f: fn(&kvflow_operators::rank::OffloadStats) -> f64| stats.iter().map(|s| f(&s.offload)).sum::<f64>();
     let rate = |bytes: u64, s: f64| if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 };
     let (saved, loaded) = (sum(|o| o.saved_bytes), sum(|o| o.loaded_bytes));
     json!({

@@ -14,7 +14,9 @@ use kvflow::graph::Overrides;
 use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::step::{BlockStore, ImportFrom, KvExport, KvImport, SeqKey, SeqSlice, SeqStep, StepCompletion, StepLaunch};
+use kvflow_operators::step::{
+    BlockStore, ImportFrom, KvExport, KvImport, SeqKey, SeqSlice, SeqStep, StepCompletion, StepLaunch,
+};
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
@@ -340,7 +342,8 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         on_drop: Default::default(),
     });
     let decode = SeqStep { known: &[t0], start_pos: case.prompt.len(), block_table: &[2], ..prefill };
-    let import = KvImport { key, blocks: vec![2], slot: None, snapshot: None, from: ImportFrom::Handoff(handoff.clone()) };
+    let import =
+        KvImport { key, blocks: vec![2], slot: None, snapshot: None, from: ImportFrom::Handoff(handoff.clone()) };
     let mut consumer = cuda_rank(&model, &EMULATE);
     let next = one_step(&mut consumer, decode, std::slice::from_ref(&import), &[]);
     assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "the consumer continues from T0");

@@ -9,7 +9,9 @@ use kvflow_kernels::hash;
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::executor::{CpuStepRunner, ExecutorContext, OwnedStep};
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::step::{ImportFrom, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StateOp, StepCompletion, StepLaunch};
+use kvflow_operators::step::{
+    ImportFrom, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StateOp, StepCompletion, StepLaunch,
+};
 use kvflow_operators::transfer::{Handoff, TransferId};
 use kvflow_operators::wake::RankWaker;
 use std::sync::Arc;
@@ -133,8 +135,13 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
                 if model.needs_blocks() { (20..20 + (p + outputs).div_ceil(BLOCK) as u32).collect() } else { vec![] };
             let cslot = model.needs_slots().then_some(3);
             let czero: Vec<StateOp> = cslot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
-            let import =
-                [KvImport { key, blocks: table[..blocks.len()].to_vec(), slot: cslot, snapshot: None, from: ImportFrom::Handoff(handoff.clone()) }];
+            let import = [KvImport {
+                key,
+                blocks: table[..blocks.len()].to_vec(),
+                slot: cslot,
+                snapshot: None,
+                from: ImportFrom::Handoff(handoff.clone()),
+            }];
             let (mut tokens, mut chain) = (vec![handoff.t0], handoff.logits_hash);
             for i in 0..outputs - 1 {
                 let last = [*tokens.last().unwrap()];

@@ -18,9 +18,9 @@ mod worker;
 
 pub use disk::DiskStore;
 pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
+pub use loader::{spawn_loader, LoadDone, LoadJob, Loaded, Loader, RestoredPrefix};
 pub use memory::MemoryStore;
 pub use object::{check_object, decode_object, encode_object, read_object, ChunkObject, ObjectError};
-pub use loader::{spawn_loader, LoadDone, LoadJob, Loaded, Loader, RestoredPrefix};
 pub use saver::{spawn_saver, SaveDone, SaveJob, SaveOutcome, Saver};
 
 /// Why a store could not do what it was asked.

@@ -25,10 +25,15 @@ pub struct SaveJob {
 /// How a save ended.
 #[derive(Clone, Debug, PartialEq)]
 pub enum SaveOutcome {
-    Stored { bytes: u64, seconds: f64 },
+    Stored {
+        bytes: u64,
+        seconds: f64,
+    },
     /// The store held the chunk already (saved by another rank, pool or run): nothing written.
     Found,
-    Dropped { why: String },
+    Dropped {
+        why: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]

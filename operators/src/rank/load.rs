@@ -16,7 +16,7 @@
 
 use super::offload::{Loading, RankOffload};
 use super::Rank;
-use crate::offload::{chunk_digests, ChunkKey, Digest, LoadDone, LoadJob, RestoredPrefix};
+use crate::offload::{chunk_digests, longest_prefix, ChunkKey, Digest, LoadDone, LoadJob, RestoredPrefix};
 use crate::policy::memory::MemoryLayout;
 use crate::policy::scheduler::Chunk;
 use crate::policy::sequence::Sequence;
@@ -50,7 +50,8 @@ impl Rank {
         let seq = self.seqs.get_mut(index);
         let (bs, c) = (m.layout.block_size, off.setup.chunk_tokens);
         let most = ((seq.prompt_len - 1) / c).min(seq.chunk_digests.len());
-        if most == 0 || seq.brings_prefix() || m.blocks_for(seq.prompt_len + seq.max_output_tokens) > m.blocks.num_ids() {
+        if most == 0 || seq.brings_prefix() || m.blocks_for(seq.prompt_len + seq.max_output_tokens) > m.blocks.num_ids()
+        {
             return false;
         }
         let caching = self.scheduler.config.prefix_cache;
@@ -60,13 +61,17 @@ impl Rank {
         // snapshot); the cache's blocks cover the chunks before `first`; the store must hold
         // chunks from there on.
         let hit = if caching { m.prefix.peek(&seq.prompt_hashes[..usable], in_flight_from) * bs } else { 0 };
-        let mut kept =
-            if caching { m.prefix.take_blocks(&seq.prompt_hashes[..most * c / bs], &mut m.blocks, in_flight_from) } else { Vec::new() };
+        let mut kept = if caching {
+            m.prefix.take_blocks(&seq.prompt_hashes[..most * c / bs], &mut m.blocks, in_flight_from)
+        } else {
+            Vec::new()
+        };
         let first = kept.len() * bs / c;
         for b in kept.drain(first * c / bs..) {
             m.blocks.release(b);
         }
-        let held = (first..most).take_while(|&k| off.setup.store.contains(&off.key(seq.chunk_digests[k]))).count();
+        let wanted: Vec<Vec<ChunkKey>> = (first..most).map(|k| vec![off.key(seq.chunk_digests[k])]).collect();
+        let held = longest_prefix(&*off.setup.store, &wanted);
         if held == 0 || (first + held) * c <= hit {
             for b in kept {
                 m.blocks.release(b);
@@ -80,7 +85,7 @@ impl Rank {
             m.release(seq); // nothing ran on them: freed at once
             return false;
         }
-        let keys: Vec<ChunkKey> = (first..first + held).map(|k| off.key(seq.chunk_digests[k])).collect();
+        let keys: Vec<ChunkKey> = wanted.into_iter().take(held).flatten().collect();
         let id = off.next_id;
         off.next_id += 1;
         off.loading.insert(id, Loading { key: seq.key, first_chunk: first, chunks: held });
@@ -126,10 +131,14 @@ impl Rank {
             let outcome = d.outcome.clone().and_then(|loaded| {
                 let (kv, state) = (off.setup.chunk_kv_floats, off.setup.state_floats);
                 let fits = |o: &crate::offload::ChunkObject| {
-                    o.kv.len() == kv && o.state.as_ref().map_or(0, Vec::len) == state && o.state.is_some() == (state > 0)
+                    o.kv.len() == kv
+                        && o.state.as_ref().map_or(0, Vec::len) == state
+                        && o.state.is_some() == (state > 0)
                 };
                 match loaded.objects.iter().position(|o| !fits(o)) {
-                    Some(i) => Err(format!("chunk {i} does not have this layout's shape ({kv} KV and {state} state floats)")),
+                    Some(i) => {
+                        Err(format!("chunk {i} does not have this layout's shape ({kv} KV and {state} state floats)"))
+                    }
                     None => Ok(loaded),
                 }
             });

@@ -159,7 +159,8 @@ impl Rank {
             save_delay,
             format!("kvflow-save-{pool}-{index}"),
         );
-        let loader = spawn_loader(setup.store.clone(), waker.clone(), load_delay, format!("kvflow-load-{pool}-{index}"));
+        let loader =
+            spawn_loader(setup.store.clone(), waker.clone(), load_delay, format!("kvflow-load-{pool}-{index}"));
         match saver.and_then(|s| loader.map(|l| (s, l))) {
             Ok((saver, loader)) => self.offload = Some(RankOffload::new(setup, saver, loader)),
             Err(e) => tracing::error!(pool = %self.pool, rank = self.index, "offload off on this rank: {e}"),

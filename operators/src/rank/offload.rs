@@ -12,7 +12,9 @@
 //! (the save thread asks, off the step path).
 
 use super::Rank;
-use crate::offload::{ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver};
+use crate::offload::{
+    ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver,
+};
 use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport, SeqKey};
 use std::collections::{HashMap, HashSet, VecDeque};
