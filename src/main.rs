@@ -168,6 +168,9 @@ struct RunFlags {
     /// Test only: prefixes loaded from the offload store are not published in the prefix cache.
     #[arg(long, hide = true)]
     test_skip_publishing_restored: bool,
+    /// Test only: a verification that rejects drafts keeps the recurrent state after every draft.
+    #[arg(long, hide = true)]
+    test_keep_rejected_state: bool,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -432,6 +435,7 @@ fn run_graph(
             slow_saves_ms: args.test_slow_saves_ms,
             slow_loads_ms: args.test_slow_loads_ms,
             skip_publishing_restored: args.test_skip_publishing_restored,
+            keep_rejected_state: args.test_keep_rejected_state,
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

@@ -233,6 +233,9 @@ pub struct SeqStep<'a> {
     /// `Some(step)`: one more token is fed after `known`, the one this sequence sampled at `step`
     /// and whose completion the rank has not applied yet; the executor resolves it.
     pub deferred: Option<u64>,
+    /// Drafts fed after the known (and deferred) tokens, to verify: the step samples after the
+    /// last known token and after each draft, and keeps the drafts greedy decoding agrees with.
+    pub drafts: &'a [u32],
     /// Position of the first token fed.
     pub start_pos: usize,
     /// Blocks covering every position up to the last fed (empty for families without KV).
@@ -246,7 +249,7 @@ pub struct SeqStep<'a> {
 impl SeqStep<'_> {
     /// Tokens fed in this step.
     pub fn len(&self) -> usize {
-        self.known.len() + usize::from(self.deferred.is_some())
+        self.known.len() + usize::from(self.deferred.is_some()) + self.drafts.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -269,6 +272,9 @@ pub trait SeqSource {
 #[derive(Clone, Copy)]
 pub struct StepLaunch<'a> {
     pub step: u64,
+    /// Test switch `keep_rejected_state`: a verification that rejects drafts leaves the
+    /// recurrent state as after every draft (removes the rollback).
+    pub keep_rejected_state: bool,
     pub before: &'a [StateOp],
     pub after: &'a [StateOp],
     /// The newest step whose completion the rank has applied: tokens sampled at or before it are
@@ -315,7 +321,7 @@ impl SeqSource for [SeqStep<'_>] {
 }
 
 /// A token a step sampled for a sequence.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Sampled {
     pub seq: SeqKey,
     /// The token, or `None` when the logits row held a NaN or an infinity (no token is sampled
@@ -323,6 +329,17 @@ pub struct Sampled {
     pub token: Option<u32>,
     /// `kvflow_kernels::hash::logits_row` of the logits row it was sampled from.
     pub logits_hash: u64,
+    /// A step that verified drafts: the tokens after `token`, one per draft the verification
+    /// kept (each the token sampled after that draft), with their rows' hashes. `token` equal to
+    /// the first draft keeps it, and so on; the last token here is the one no draft matched.
+    pub accepted: Vec<(Option<u32>, u64)>,
+}
+
+impl Sampled {
+    /// One token, no drafts.
+    pub fn one(seq: SeqKey, token: Option<u32>, logits_hash: u64) -> Self {
+        Sampled { seq, token, logits_hash, accepted: Vec::new() }
+    }
 }
 
 /// Why a step could not complete.

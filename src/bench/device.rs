@@ -334,6 +334,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
         let launch = |ex: &mut CudaExecutor, step: u64, seqs: &[SeqStep<'_>]| {
             let l = StepLaunch {
                 step,
+                keep_rejected_state: false,
                 before: &[],
                 after: &[],
                 applied_through: None,
@@ -350,6 +351,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
                 key: keys[i],
                 known: &prompts[i],
                 deferred: None,
+                drafts: &[],
                 start_pos: 0,
                 block_table: &tables[i],
                 slot: None,
@@ -375,6 +377,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
                     key: keys[i],
                     known: if deferred { &[] } else { &known[i] },
                     deferred: deferred.then_some(k - 1),
+                    drafts: &[],
                     start_pos: pos,
                     block_table: &tables[i],
                     slot: None,

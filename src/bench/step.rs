@@ -59,6 +59,7 @@ fn scheduler_config(seqs: usize) -> SchedulerConfig {
         prefix_cache: true,
         snapshot_interval_blocks: 4,
         admission: AdmissionPolicy::Optimistic,
+        spec: None,
     }
 }
 

@@ -86,6 +86,12 @@
 //! ignore_eos = true                # outputs follow the trace (default true)
 //! pool_choice = "seeded"           # with several pools: seeded | round-robin (default seeded)
 //!
+//! [speculative]                    # optional: speculative decoding (default: none)
+//! drafter = "ngram"                # prompt lookup: what followed the last earlier match of the suffix
+//! draft_tokens = 4                 # drafts a decode carries (1 to 16; fewer near the request's end)
+//! ngram_min = 1                    # the shortest suffix matched (default 1)
+//! ngram_max = 3                    # the longest suffix matched (default 3)
+//!
 //! [offload]                        # optional: the KV offload tier, saves and loads (default: none)
 //! store = "memory"                 # memory | disk
 //! chunk_tokens = 256               # tokens per saved chunk, a multiple of memory.block_size (default 256)
@@ -726,6 +732,10 @@ mod tests {
             prefix_cache: true,
             snapshot_interval_blocks: 4,
             admission: AdmissionPolicy::Optimistic,
+            spec: Some(kvflow_operators::policy::scheduler::SpecConfig {
+                draft_tokens: 4,
+                drafter: kvflow_operators::policy::drafter::NgramDrafter { min_n: 1, max_n: 3 },
+            }),
         };
         assert_eq!(graph.scheduler, scheduler);
         assert_eq!(graph.pools.len(), 2);

@@ -23,6 +23,7 @@ pub(super) struct RawGraph {
     #[serde(default)]
     pub(super) faults: RawFaults,
     pub(super) offload: Option<Spanned<RawOffload>>,
+    pub(super) speculative: Option<Spanned<RawSpeculative>>,
     #[serde(default)]
     pub(super) workload: RawWorkload,
     #[serde(default)]
@@ -110,6 +111,15 @@ pub(super) struct RawOffload {
     pub(super) capacity_bytes: Option<Spanned<toml::Value>>,
     pub(super) path: Option<Spanned<String>>,
     pub(super) max_retries: Option<Spanned<usize>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSpeculative {
+    pub(super) drafter: Option<Spanned<String>>,
+    pub(super) draft_tokens: Option<Spanned<usize>>,
+    pub(super) ngram_min: Option<Spanned<usize>>,
+    pub(super) ngram_max: Option<Spanned<usize>>,
 }
 
 #[derive(Default, Deserialize)]

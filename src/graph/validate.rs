@@ -9,8 +9,8 @@ use toml::Spanned;
 
 use super::error::{line_of, quoted_list};
 use super::raw::{
-    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawScheduler, RawSlo, RawTransfer,
-    RawWorkload,
+    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawScheduler, RawSlo,
+    RawSpeculative, RawTransfer, RawWorkload,
 };
 use super::rules::{
     at_least_one, byte_budget, deployment_token, existing_path, measured_limit, more_than_zero, one_of, parse_endpoint,
@@ -21,6 +21,8 @@ use super::{
     GraphError, LinkConfig, Location, MemoryConfig, OffloadConfig, OffloadStore, PoolChoice, PoolConfig, PoolRole,
     SchedulerConfig, SloConfig, TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
 };
+use kvflow_operators::policy::drafter::NgramDrafter;
+use kvflow_operators::policy::scheduler::SpecConfig;
 
 const DEFAULT_MEMORY: MemoryConfig = MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 };
 const DEFAULT_SCHEDULER: SchedulerConfig = SchedulerConfig {
@@ -30,7 +32,10 @@ const DEFAULT_SCHEDULER: SchedulerConfig = SchedulerConfig {
     prefix_cache: true,
     snapshot_interval_blocks: 4,
     admission: AdmissionPolicy::Optimistic,
+    spec: None,
 };
+/// The most drafts one decode may carry.
+const MAX_DRAFT_TOKENS: usize = 16;
 const DEFAULT_EXECUTOR: &str = "cpu";
 const DEFAULT_ROUTER: &str = "least-outstanding";
 const DEFAULT_TRACE_FORMAT: &str = "mooncake";
@@ -132,8 +137,15 @@ impl<'a> Validator<'a> {
         let report_dir =
             self.field("report.out", raw.report.out.as_ref(), self.default_report_dir(), |out| Ok(self.resolve(&out)))?;
         let memory = self.memory(&raw.memory, "memory", &DEFAULT_MEMORY)?;
-        let scheduler = self.scheduler(&raw.scheduler, &raw.memory, "", &DEFAULT_SCHEDULER)?;
-        let pools = self.pools(&raw.pool, &memory, &scheduler)?;
+        let mut scheduler = self.scheduler(&raw.scheduler, &raw.memory, "", &DEFAULT_SCHEDULER)?;
+        let mut pools = self.pools(&raw.pool, &memory, &scheduler)?;
+        if let Some(spanned) = &raw.speculative {
+            let spec = self.speculative(spanned, &pools)?;
+            scheduler.spec = Some(spec);
+            for pool in &mut pools {
+                pool.scheduler.spec = Some(spec);
+            }
+        }
         self.roles(&raw.pool, &pools)?;
         let links = self.links(&raw.link, &pools)?;
         self.every_pool_linked(&raw.pool, &pools, &links)?;
@@ -234,6 +246,7 @@ impl<'a> Validator<'a> {
                 at_least_one,
             )?,
             admission: base.admission,
+            spec: base.spec,
         })
     }
 
@@ -625,6 +638,47 @@ impl<'a> Validator<'a> {
         };
         let max_retries = raw.max_retries.as_ref().map_or(3, |r| *r.get_ref());
         Ok(Some(OffloadConfig { store, chunk_tokens, max_retries }))
+    }
+
+    /// `[speculative]`: the drafter and how many drafts a decode carries; every pool's decodes
+    /// draft (a prefill pool's requests never decode, so never draft).
+    fn speculative(&self, spanned: &Spanned<RawSpeculative>, pools: &[PoolConfig]) -> Result<SpecConfig, GraphError> {
+        let raw = spanned.get_ref();
+        let drafter =
+            self.field("speculative.drafter", raw.drafter.as_ref(), "ngram".to_string(), |d| match d.as_str() {
+                "ngram" => Ok(d),
+                "mtp" => Err("the `mtp` drafter is not built yet; known: `ngram`".to_string()),
+                _ => Err(format!("`{d}` is not a drafter; known: `ngram`")),
+            })?;
+        let draft_tokens = self.field("speculative.draft_tokens", raw.draft_tokens.as_ref(), 4, |k| {
+            if (1..=MAX_DRAFT_TOKENS).contains(&k) {
+                Ok(k)
+            } else {
+                Err(format!("{k} drafts per decode; expected 1 to {MAX_DRAFT_TOKENS}"))
+            }
+        })?;
+        let ngram_min = self.field("speculative.ngram_min", raw.ngram_min.as_ref(), 1, at_least_one)?;
+        let ngram_max = self.field("speculative.ngram_max", raw.ngram_max.as_ref(), 3, |n| {
+            if n >= ngram_min && n <= 64 {
+                Ok(n)
+            } else {
+                Err(format!("{n}; expected ngram_min ({ngram_min}) to 64"))
+            }
+        })?;
+        debug_assert_eq!(drafter, "ngram");
+        if let Some(pool) = pools.iter().find(|p| p.executor == "cuda" || p.expert_parallel) {
+            let what = if pool.expert_parallel { "expert_parallel = true" } else { "executor = \"cuda\"" };
+            return Err(self.error(
+                "speculative",
+                Some(spanned.span()),
+                format!(
+                    "speculative decoding runs on the cpu executors without expert parallelism for now; pool `{}` \
+                     has {what}",
+                    pool.name
+                ),
+            ));
+        }
+        Ok(SpecConfig { draft_tokens, drafter: NgramDrafter { min_n: ngram_min, max_n: ngram_max } })
     }
 
     /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so

@@ -89,6 +89,20 @@ fn offload(stats: &[&RankStats]) -> Value {
     })
 }
 
+/// Speculative decoding: the share of drafts the verifications kept, and the tokens a
+/// verification step gave on average (the drafts it kept and the one after them).
+fn spec(stats: &[&RankStats]) -> Value {
+    let sum = |f: fn(&kvflow_operators::rank::SpecStats) -> u64| stats.iter().map(|s| f(&s.spec)).sum::<u64>();
+    let (steps, drafted, accepted) = (sum(|s| s.verify_steps), sum(|s| s.drafted_tokens), sum(|s| s.accepted_tokens));
+    json!({
+        "acceptance_rate": if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
+        "mean_accepted_len": if steps > 0 { (accepted + steps) as f64 / steps as f64 } else { 0.0 },
+        "verify_steps": steps,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+    })
+}
+
 /// The whole report.
 pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, ctx: &RunContext) -> Value {
     let g = ctx.graph;
@@ -115,6 +129,9 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     top.insert("rank_stats".into(), rank_stats(ctx.stats));
     if g.offload.is_some() {
         top.insert("offload".into(), offload(&all_stats));
+    }
+    if g.scheduler.spec.is_some() {
+        top.insert("spec".into(), spec(&all_stats));
     }
     let mut pools = Map::new();
     for (name, ranks, layout, executor) in ctx.pools {

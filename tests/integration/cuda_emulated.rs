@@ -116,6 +116,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
         let launch = |ex: &mut CudaExecutor, step: u64, s: SeqStep<'_>| {
             let seqs = [s];
             let l = StepLaunch {
+                keep_rejected_state: false,
                 step,
                 before: &[],
                 after: &[],
@@ -128,6 +129,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
             ex.launch(&l, 0);
         };
         let base = SeqStep {
+            drafts: &[],
             key,
             known: &prompt,
             deferred: None,
@@ -276,6 +278,7 @@ fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], expor
     let seqs = [seq];
     let launch = StepLaunch {
         step: 0,
+        keep_rejected_state: false,
         before: &[],
         after: &[],
         applied_through: None,
@@ -303,6 +306,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let key = SeqKey { index: 0, generation: 1 };
     let mut producer = cuda_rank(&model, &EMULATE);
     let prefill = SeqStep {
+        drafts: &[],
         key,
         known: &case.prompt,
         deferred: None,

@@ -16,9 +16,9 @@ use kvflow_operators::transfer::{Handoff, TransferId};
 use kvflow_operators::wake::RankWaker;
 use std::sync::Arc;
 
-const BLOCK: usize = 16;
+pub(crate) const BLOCK: usize = 16;
 
-fn runner(model: &Arc<Model>) -> CpuStepRunner {
+pub(crate) fn runner(model: &Arc<Model>) -> CpuStepRunner {
     let layout = MemoryLayout {
         block_size: BLOCK,
         blocks: 64,
@@ -52,8 +52,7 @@ impl SeqSource for One<'_> {
 }
 
 /// Runs one step of one sequence through every phase.
-#[allow(clippy::too_many_arguments)]
-fn step(
+pub(crate) fn step(
     r: &mut CpuStepRunner,
     t: u64,
     seq: SeqStep<'_>,
@@ -61,10 +60,25 @@ fn step(
     imports: &[KvImport],
     exports: &[KvExport],
 ) -> StepCompletion {
+    step_keeping(r, t, seq, before, imports, exports, false)
+}
+
+/// [`step`], with the test switch `keep_rejected_state` set as asked.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn step_keeping(
+    r: &mut CpuStepRunner,
+    t: u64,
+    seq: SeqStep<'_>,
+    before: &[StateOp],
+    imports: &[KvImport],
+    exports: &[KvExport],
+    keep_rejected_state: bool,
+) -> StepCompletion {
     let batch = One(seq);
     let sampling = [seq.key];
     let launch = StepLaunch {
         step: t,
+        keep_rejected_state,
         before,
         after: &[],
         applied_through: None,
@@ -93,6 +107,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
         let export = [KvExport { key, blocks: blocks.clone(), slot }];
         let prefill = SeqStep {
+            drafts: &[],
             key,
             known: &prompt,
             deferred: None,
@@ -146,6 +161,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             for i in 0..outputs - 1 {
                 let last = [*tokens.last().unwrap()];
                 let decode = SeqStep {
+                    drafts: &[],
                     key,
                     known: &last,
                     deferred: None,

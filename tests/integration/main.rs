@@ -18,3 +18,4 @@ mod recurrent_state;
 mod registry;
 mod runtime;
 mod seeded_models;
+mod spec;

@@ -36,6 +36,8 @@ struct OwnedSeq {
     slot: Option<SlotId>,
     prompt_len: usize,
     sample: bool,
+    /// Drafts at the end of `tokens`, to verify.
+    drafts: usize,
 }
 
 /// A launch copied out of the rank's state, so it can run after the rank has moved on.
@@ -50,6 +52,10 @@ pub struct OwnedStep {
     applied_through: Option<u64>,
     imports: Vec<KvImport>,
     exports: Vec<KvExport>,
+    /// The state slot of each sequence that verifies drafts, as before the forward (batch
+    /// index, state): a rejection rolls back to it and re-runs the accepted tokens.
+    before_drafts: Vec<(usize, Vec<f32>)>,
+    keep_rejected_state: bool,
 }
 
 impl OwnedStep {
@@ -63,6 +69,7 @@ impl OwnedStep {
                 if s.deferred.is_some() {
                     tokens.push(u32::MAX); // resolved when the step runs
                 }
+                tokens.extend_from_slice(s.drafts);
                 let b0 = tables.len();
                 tables.extend_from_slice(s.block_table);
                 OwnedSeq {
@@ -74,6 +81,7 @@ impl OwnedStep {
                     slot: s.slot,
                     prompt_len: s.prompt_len,
                     sample: s.sample,
+                    drafts: s.drafts.len(),
                 }
             })
             .collect();
@@ -87,6 +95,8 @@ impl OwnedStep {
             applied_through: launch.applied_through,
             imports: launch.imports.to_vec(),
             exports: launch.exports.to_vec(),
+            before_drafts: Vec::new(),
+            keep_rejected_state: launch.keep_rejected_state,
         }
     }
 
@@ -104,7 +114,11 @@ impl OwnedStep {
                 block_table: &self.tables[s.table.clone()],
                 slot: s.slot,
                 prompt_len: s.prompt_len,
-                logits: if s.sample { LogitsWanted::Last } else { LogitsWanted::None },
+                logits: match (s.sample, s.drafts) {
+                    (false, _) => LogitsWanted::None,
+                    (true, 0) => LogitsWanted::Last,
+                    (true, _) => LogitsWanted::All, // a row after the last known token and each draft
+                },
             })
             .collect()
     }
@@ -340,6 +354,13 @@ impl CpuStepRunner {
                 _ => return Err(bad("the slot and the state it carries do not match (all-or-nothing state)".into())),
             }
         }
+        // What a rejected draft must not leave behind: the state before the drafts.
+        step.before_drafts = step
+            .seqs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, cache.states.slot(s.slot.filter(|_| s.drafts > 0)?).to_vec())))
+            .collect();
         Ok(self.model.begin_step(&step.batch(), cache.kv.block_size()))
     }
 
@@ -347,23 +368,62 @@ impl CpuStepRunner {
     /// step asked for after its forward.
     fn finish(&mut self, step: &OwnedStep, out: &ForwardOutput) -> Vec<Sampled> {
         let mut sampled = Vec::with_capacity(step.seqs.len());
+        let mut rejected = Vec::new();
         for (i, s) in step.seqs.iter().enumerate() {
-            if let Some(logits) = out.last(i) {
+            if s.drafts > 0 {
+                let (verified, kept) = verify(step, i, out);
+                let last = verified.accepted.last().map_or(verified.token, |&(t, _)| t);
+                self.sampled.insert(s.key, (step.step, last.unwrap_or(0)));
+                if kept < s.drafts {
+                    rejected.push((i, kept));
+                }
+                sampled.push(verified);
+            } else if let Some(logits) = out.last(i) {
                 let token = finite_argmax(logits);
                 // A step already launched behind this one may name the token: it is fed a
                 // placeholder (the request fails when this completion lands, and what that step
                 // computes for it is dropped), so the others in its batch are not failed too.
                 self.sampled.insert(s.key, (step.step, token.unwrap_or(0)));
-                sampled.push(Sampled { seq: s.key, token, logits_hash: hash::logits_row(logits) });
+                sampled.push(Sampled::one(s.key, token, hash::logits_row(logits)));
             }
         }
         let mut cache = write(&self.cache);
+        if !step.keep_rejected_state {
+            self.roll_back(step, &rejected, &mut cache);
+        }
         for op in &step.after {
             if let StateOp::Snapshot { slot, snapshot } = *op {
                 cache.states.snapshot_into(slot, snapshot);
             }
         }
         sampled
+    }
+
+    /// Sequences whose drafts were rejected from the `kept`-th on: their state slot goes back to
+    /// before the drafts and the tokens that held are fed again (the same rows, written again
+    /// bit for bit: the executor is batch-invariant), so the state is as after the last accepted
+    /// token (DESIGN §10). Families without state keep their KV: positions past the accepted
+    /// ones are written again before anything reads them.
+    fn roll_back(&self, step: &OwnedStep, rejected: &[(usize, usize)], cache: &mut ModelCache) {
+        for &(i, kept) in rejected {
+            let (s, Some((_, before))) = (&step.seqs[i], step.before_drafts.iter().find(|(j, _)| *j == i)) else {
+                continue;
+            };
+            let Some(slot) = s.slot else { continue };
+            if cache.states.import_slot(slot, before).is_err() {
+                continue; // the same slot it was copied from: cannot happen
+            }
+            let fed = s.tokens.end - s.drafts + kept;
+            let again = SeqInput {
+                tokens: &step.tokens[s.tokens.start..fed],
+                start_pos: s.start_pos,
+                block_table: &step.tables[s.table.clone()],
+                slot: s.slot,
+                prompt_len: s.prompt_len,
+                logits: LogitsWanted::None,
+            };
+            self.model.forward(&[again], cache);
+        }
     }
 
     /// What the step's exports ask for (after its forward and snapshots): the state slot,
@@ -447,4 +507,25 @@ impl ExpertParallel for CpuExecutor {
             self.gate.hold(self.due, done);
         }
     }
+}
+
+/// Greedy verification of sequence `i` of `step`: the token after its last known token, then one
+/// after each draft while the draft before it equals the token sampled there. Returns what it
+/// sampled and how many drafts it kept.
+fn verify(step: &OwnedStep, i: usize, out: &ForwardOutput) -> (Sampled, usize) {
+    let s = &step.seqs[i];
+    let drafts = &step.tokens[s.tokens.end - s.drafts..s.tokens.end];
+    let mut rows = out.seq(i);
+    let mut next = || rows.next().map(|row| (finite_argmax(row), hash::logits_row(row)));
+    let (token, logits_hash) = next().unwrap_or((None, 0));
+    let mut verified = Sampled::one(s.key, token, logits_hash);
+    let mut kept = 0;
+    let mut last = token;
+    while kept < drafts.len() && last == Some(drafts[kept]) {
+        let Some((t, h)) = next() else { break };
+        kept += 1;
+        verified.accepted.push((t, h));
+        last = t;
+    }
+    (verified, kept)
 }

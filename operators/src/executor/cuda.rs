@@ -174,6 +174,9 @@ impl CudaExecutor {
         let mut sampling = Vec::new();
         let mut fed = Vec::new();
         for s in launch.seqs() {
+            if !s.drafts.is_empty() {
+                return Err(ExecutorError::Launch("speculative decoding runs on the cpu executors only".into()));
+            }
             fed.clear();
             fed.extend_from_slice(s.known);
             if let Some(at) = s.deferred {
@@ -329,7 +332,7 @@ impl CudaExecutor {
             .enumerate()
             .map(|(i, &seq)| {
                 let r = &words[i * RESULT_WORDS..(i + 1) * RESULT_WORDS];
-                Sampled { seq, token: (r[1] != 0).then_some(r[0]), logits_hash: r[2] as u64 | (r[3] as u64) << 32 }
+                Sampled::one(seq, (r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32)
             })
             .collect();
         StepCompletion {

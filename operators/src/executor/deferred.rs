@@ -21,7 +21,7 @@ use std::sync::Arc;
 enum Job {
     Phase {
         phase: usize,
-        step: Option<OwnedStep>,
+        step: Option<Box<OwnedStep>>,
     },
     /// Every step launched before this is handed back: wake the rank.
     Flush,
@@ -112,7 +112,7 @@ fn run(mut runner: CpuStepRunner, inbox: Receiver<Job>, outbox: Sender<StepCompl
     for job in inbox {
         match job {
             Job::Phase { phase, step } => {
-                if let Some(done) = runner.run_phase(phase, step) {
+                if let Some(done) = runner.run_phase(phase, step.map(|s| *s)) {
                     if outbox.send(done).is_err() {
                         return; // the rank is gone
                     }
@@ -133,7 +133,7 @@ impl Executor for DeferredExecutor {
         let owned = (phase == 0).then(|| {
             let due = self.gate.launched();
             self.computing.push_back((step.step, due));
-            OwnedStep::copy_of(step)
+            Box::new(OwnedStep::copy_of(step))
         });
         // A send fails only when the thread is gone; its steps fail then.
         let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(Job::Phase { phase, step: owned }).is_ok());

@@ -25,8 +25,7 @@ impl Executor for NullExecutor {
 
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
         let due = self.gate.launched();
-        let sampled =
-            step.sampling.iter().map(|&seq| Sampled { seq, token: Some(0), logits_hash: self.zero_row }).collect();
+        let sampled = step.sampling.iter().map(|&seq| Sampled::one(seq, Some(0), self.zero_row)).collect();
         self.gate.hold(due, StepCompletion::of(step.step, Ok(sampled)));
     }
 

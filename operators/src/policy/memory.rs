@@ -230,6 +230,7 @@ impl RankMemory {
         // A prefix loaded for it lived in the blocks it just let go of: it recomputes.
         seq.restored = None;
         seq.loaded_tokens = 0;
+        seq.drafts.clear();
     }
 
     fn free(&mut self, blocks: Vec<BlockId>, slot: Option<SlotId>) {

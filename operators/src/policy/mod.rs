@@ -2,6 +2,7 @@
 //! memory, the prefix cache, the batch policy, and the router in front of the ranks. The timely
 //! operators are thin adapters around these.
 
+pub mod drafter;
 pub mod memory;
 pub mod prefix_cache;
 pub mod router;

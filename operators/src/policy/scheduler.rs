@@ -31,6 +31,17 @@ pub struct SchedulerConfig {
     pub snapshot_interval_blocks: usize,
     /// When a waiting request may start (a pool's `admission`).
     pub admission: AdmissionPolicy,
+    /// Speculative decoding (`[speculative]`): decodes carry drafts to verify.
+    pub spec: Option<SpecConfig>,
+}
+
+/// Speculative decoding: a decoding sequence with nothing in flight feeds its last token and up
+/// to `draft_tokens` drafts, which the step verifies (the width is fixed here, when the blocks
+/// for it are reserved; nothing later may widen it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpecConfig {
+    pub draft_tokens: usize,
+    pub drafter: super::drafter::NgramDrafter,
 }
 
 /// When a rank starts a waiting request (a pool's `admission` key).
@@ -72,6 +83,9 @@ pub struct Chunk {
     pub deferred: Option<u64>,
     /// The chunk feeds prompt tokens (prefix blocks and snapshots may follow from it).
     pub prefill: bool,
+    /// Drafts fed after the chunk's last known token (`Sequence::drafts`), to verify: the
+    /// chunk is `len - drafts` known tokens and then these.
+    pub drafts: usize,
 }
 
 /// What `schedule` decided, beyond the chunks.
@@ -203,6 +217,19 @@ impl Scheduler {
                         prefilling.push(index);
                     }
                     continue;
+                }
+                if !seq.drafts.is_empty() {
+                    continue; // its drafts are being verified: where it goes on is not known yet
+                }
+                if remaining == 1 && budget > 1 {
+                    if let Some(spec) = self.config.spec {
+                        let fed = draft_into(seq, mem, spec, budget - 1);
+                        if fed > 1 {
+                            book(out, index, seq, fed, t);
+                            budget -= fed;
+                            continue;
+                        }
+                    }
                 }
                 // The common case: a decode whose next token fits in the blocks it holds.
                 if remaining == 1 && (!mem.layout.keeps_kv || seq.computed < seq.blocks.len() * bs) {
@@ -338,18 +365,42 @@ impl Scheduler {
     }
 }
 
-/// Adds `seq`'s chunk of `len` tokens to the step and books it as launched at `t`.
+/// Adds `seq`'s chunk of `len` tokens to the step and books it as launched at `t`. A chunk with
+/// drafts (`Sequence::drafts`) feeds its last known token and them: it samples after each, and
+/// only the known token counts as computed until the verification says how many drafts held.
 fn book(out: &mut StepDecision, index: usize, seq: &mut Sequence, len: usize, t: u64) {
-    let (start, end) = (seq.computed, seq.computed + len);
+    let drafts = seq.drafts.len();
+    let (start, end) = (seq.computed, seq.computed + len - drafts);
     let sample = end == seq.known_len();
     let deferred = if end > seq.tokens.len() { seq.pending_step(end - 1) } else { None };
     let prefill = start < seq.prompt_len;
-    out.chunks.push(Chunk { seq: index, key: seq.key, start, len, sample, deferred, prefill });
+    out.chunks.push(Chunk { seq: index, key: seq.key, start, len, sample, deferred, prefill, drafts });
     seq.computed = end;
     seq.launched_at(t);
     if sample {
         seq.pending.push(t);
     }
+}
+
+/// A decode with nothing in flight: asks the drafter for up to `spec.draft_tokens` drafts (fewer
+/// when the request has fewer outputs left, or `room` tokens of the step's budget) and reserves
+/// blocks for the last token and all of them. Returns the tokens the chunk feeds (1 when it
+/// drafts nothing: no blocks for them, or no proposal); the drafts are in `seq.drafts`.
+fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: usize) -> usize {
+    let outputs_left = seq.max_output_tokens.saturating_sub(seq.output_len() + seq.pending.len());
+    let width = spec.draft_tokens.min(outputs_left.saturating_sub(1)).min(room);
+    if width == 0 || !seq.pending.is_empty() || seq.computed < seq.prompt_len {
+        return 1;
+    }
+    let mut drafts = std::mem::take(&mut seq.drafts);
+    spec.drafter.propose(&seq.tokens, width, &mut drafts);
+    // Blocks for every position the chunk writes; without them it decodes plainly (a draft never
+    // preempts anyone).
+    if drafts.is_empty() || !mem.ensure_blocks(seq, seq.computed + 1 + drafts.len()) {
+        drafts.clear();
+    }
+    seq.drafts = drafts;
+    1 + seq.drafts.len()
 }
 
 /// Token counts after which a request's state is snapshotted for prefix reuse: every
@@ -414,6 +465,7 @@ mod policy_tests {
             prefix_cache: true,
             snapshot_interval_blocks: 4,
             admission: AdmissionPolicy::Optimistic,
+            spec: None,
         }
     }
 
@@ -437,7 +489,7 @@ mod policy_tests {
     }
 
     fn chunk(seqs: &Sequences, seq: usize, start: usize, len: usize, sample: bool, prefill: bool) -> Chunk {
-        Chunk { seq, key: seqs.get(seq).key, start, len, sample, deferred: None, prefill }
+        Chunk { seq, key: seqs.get(seq).key, start, len, sample, deferred: None, prefill, drafts: 0 }
     }
 
     #[test]

@@ -121,6 +121,9 @@ pub struct Sequence {
     pub restored: Option<crate::offload::RestoredPrefix>,
     /// Tokens of `cached` restored from the offload store (counted when it is admitted).
     pub loaded_tokens: usize,
+    /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
+    /// token); empty when it has none in flight.
+    pub drafts: Vec<u32>,
 }
 
 impl Sequence {
@@ -156,6 +159,7 @@ impl Sequence {
             chunk_digests: Vec::new(),
             restored: None,
             loaded_tokens: 0,
+            drafts: Vec::new(),
         }
     }
 

@@ -102,23 +102,36 @@ impl Rank {
                 self.fail(s.seq.index as usize, c.step, "executor", message);
                 continue;
             }
-            let Some(token) = s.token else {
-                let message = format!(
-                    "step {}: the logits it sampled from hold NaN or infinite values (the model's weights or config \
-                     give non-finite numbers); no token was sampled",
-                    c.step
-                );
-                self.fail(s.seq.index as usize, c.step, "non-finite-logits", message);
-                continue;
-            };
-            seq.tokens.push(token);
-            seq.logits_hash = hash::chain_row(seq.logits_hash, s.logits_hash);
-            if seq.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
-                seq.t0_chain = Some(seq.logits_hash);
+            // A verification: the drafts it kept now count as computed (their KV holds).
+            let drafted = std::mem::take(&mut seq.drafts).len();
+            if drafted > 0 {
+                let kept = s.accepted.len().min(drafted);
+                seq.computed += kept;
+                self.stats.spec.verify_steps += 1;
+                self.stats.spec.drafted_tokens += drafted as u64;
+                self.stats.spec.accepted_tokens += kept as u64;
             }
-            seq.token_times.record(now);
-            if seq.finished() {
-                self.finish(s.seq.index as usize, c.step);
+            for (token, logits_hash) in std::iter::once((s.token, s.logits_hash)).chain(s.accepted.iter().copied()) {
+                let Some(token) = token else {
+                    let message = format!(
+                        "step {}: the logits it sampled from hold NaN or infinite values (the model's weights or \
+                         config give non-finite numbers); no token was sampled",
+                        c.step
+                    );
+                    self.fail(s.seq.index as usize, c.step, "non-finite-logits", message);
+                    break;
+                };
+                let seq = self.seqs.get_mut(s.seq.index as usize);
+                seq.tokens.push(token);
+                seq.logits_hash = hash::chain_row(seq.logits_hash, logits_hash);
+                if seq.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
+                    seq.t0_chain = Some(seq.logits_hash);
+                }
+                seq.token_times.record(now);
+                if seq.finished() {
+                    self.finish(s.seq.index as usize, c.step);
+                    break;
+                }
             }
         }
     }

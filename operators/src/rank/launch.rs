@@ -35,7 +35,7 @@ impl SeqSource for Batch<'_> {
         // With tokens in flight the chunk may start past the known ones (then it feeds only the
         // one it names; with a delay above 1 an older one may still be in flight too, its KV
         // already written).
-        let known_end = c.start + c.len - usize::from(c.deferred.is_some());
+        let known_end = c.start + c.len - c.drafts - usize::from(c.deferred.is_some());
         debug_assert!(
             known_end <= c.start || known_end <= s.tokens.len(),
             "a chunk feeds at most one token in flight, its last: {c:?}, {} tokens, {:?}, computed {}",
@@ -48,6 +48,7 @@ impl SeqSource for Batch<'_> {
             key: c.key,
             known: &s.tokens[c.start.min(known_end)..known_end],
             deferred: c.deferred,
+            drafts: if c.drafts > 0 { &s.drafts } else { &[] },
             start_pos: c.start,
             block_table: self.swapped.and_then(|m| m.get(&c.seq)).map_or(s.blocks.blocks(), |t| &t[..]),
             slot: s.slot,
@@ -209,6 +210,7 @@ impl Rank {
         sampling.extend(decided.chunks.iter().filter(|c| c.sample).map(|c| c.key));
         let launch = StepLaunch {
             step: t,
+            keep_rejected_state: self.switches.keep_rejected_state,
             before: &decided.state_ops,
             after: &after,
             applied_through: self.applied_through,

@@ -25,7 +25,7 @@ mod switches;
 pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
 pub use handoff::HandoffOut;
 pub use offload::{OffloadSetup, OffloadStats, RankOffload};
-pub use stats::{RankStats, UtilizationSamples};
+pub use stats::{RankStats, SpecStats, UtilizationSamples};
 pub use switches::TestSwitches;
 
 use crate::executor::Executor;

@@ -55,6 +55,8 @@ pub struct RankStats {
     /// Sampled at every step with work: fraction of KV blocks, state slots and snapshots in use,
     /// and the batch (sequences, tokens).
     pub samples: UtilizationSamples,
+    /// Speculative decoding: verification steps, drafts fed and drafts kept.
+    pub spec: SpecStats,
 }
 
 /// Per-step samples of a rank's memory use and batch size.
@@ -65,4 +67,12 @@ pub struct UtilizationSamples {
     pub snapshots: Vec<f32>,
     pub batch_seqs: Vec<u32>,
     pub batch_tokens: Vec<u32>,
+}
+
+/// A rank's speculative decoding.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    pub verify_steps: u64,
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }

@@ -66,6 +66,9 @@ pub struct TestSwitches {
     /// the rank's prefix cache (removes "restored prefixes published": the next request with
     /// the same prefix loads it again instead of hitting in HBM).
     pub skip_publishing_restored: bool,
+    /// A verification that rejects drafts leaves the recurrent and conv state as after every
+    /// draft instead of after the last accepted token (removes the rollback).
+    pub keep_rejected_state: bool,
 }
 
 impl TestSwitches {

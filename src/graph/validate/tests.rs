@@ -18,6 +18,7 @@ fn minimal_graph_gets_every_default() {
         prefix_cache: true,
         snapshot_interval_blocks: 4,
         admission: AdmissionPolicy::Optimistic,
+        spec: None,
     };
     assert_eq!(graph.scheduler, scheduler);
     assert_eq!(
