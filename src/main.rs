@@ -232,6 +232,24 @@ enum BenchCommand {
         #[arg(long)]
         expert_parallel: bool,
     },
+    /// Decode tokens/s with n-gram drafting beside the same repetitive workload without it, with
+    /// the acceptance rate and mean accepted length.
+    Spec {
+        /// A checkpoint folder or a TOML model spec.
+        #[arg(long, default_value = "fixtures/hf/llama")]
+        model: std::path::PathBuf,
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        requests: usize,
+        /// Output tokens per request.
+        #[arg(long, default_value_t = 128, value_parser = flags::count)]
+        outputs: usize,
+        /// Drafts a decode carries (1 to 16).
+        #[arg(long, default_value_t = 4, value_parser = flags::count)]
+        draft_tokens: usize,
+        /// Rounds; each figure is their median.
+        #[arg(long, default_value_t = 3, value_parser = flags::count)]
+        rounds: usize,
+    },
     /// Offload chunk objects saved to and loaded from the memory and disk stores (GB/s), beside
     /// memcpy and plain file writes and reads of the same bytes.
     Offload {
@@ -598,6 +616,15 @@ fn run() -> Result<()> {
         }
         Command::Bench { what: BenchCommand::Step { ranks, seqs, steps, expert_parallel: false } } => {
             kvflow::bench::step::run(&kvflow::bench::step::StepBenchArgs { ranks, seqs, steps })?;
+        }
+        Command::Bench { what: BenchCommand::Spec { model, requests, outputs, draft_tokens, rounds } } => {
+            kvflow::bench::spec::run(&kvflow::bench::spec::SpecBenchArgs {
+                model,
+                requests,
+                outputs,
+                draft_tokens,
+                rounds,
+            })?;
         }
         Command::Bench { what: BenchCommand::Offload { chunk_bytes, chunks, rounds, dir } } => {
             let chunk_bytes = usize::try_from(chunk_bytes).context("--chunk-bytes is too large")?;

@@ -4,6 +4,7 @@ pub mod device;
 pub mod experts;
 pub mod model;
 pub mod offload;
+pub mod spec;
 pub mod step;
 pub mod transfer;
 

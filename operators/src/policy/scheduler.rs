@@ -7,6 +7,10 @@
 //! boundaries (every `snapshot_interval_blocks` blocks, and the prompt's last full block) so the
 //! state there can be kept.
 //!
+//! Speculative decoding: a decoding sequence with nothing in flight may carry drafts (up to the
+//! configured width, blocks reserved for each, never preempting for them); it is not scheduled
+//! again until their verification completes.
+//!
 //! Deferred output: a sequence whose last sampled token is still in flight can be scheduled at
 //! once — its next decode names that token (`Sequence::remaining` counts tokens in flight), so a
 //! pool whose executor completes later still decodes one token per step.
@@ -592,6 +596,40 @@ mod policy_tests {
         assert_eq!(d.failed.len(), 1);
         assert!(d.failed[0].1.contains("KV blocks"));
         assert!(s.is_idle());
+    }
+
+    #[test]
+    fn a_decode_carries_drafts_only_with_nothing_in_flight_and_blocks_for_them() {
+        let spec = SpecConfig { draft_tokens: 3, drafter: crate::policy::drafter::NgramDrafter { min_n: 1, max_n: 2 } };
+        let config = SchedulerConfig { spec: Some(spec), ..config(64, 64) };
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config), Sequences::default(), memory(16));
+        let a = add(&mut s, &mut seqs, 1, vec![5, 6, 7, 5, 6], 8);
+        let d = s.schedule(&mut seqs, &mut mem, 1);
+        assert_eq!(d.chunks, vec![chunk(&seqs, a, 0, 5, true, true)], "the prompt first");
+        run(&d, &mut seqs, 1); // samples 7: tokens 5 6 7 5 6 7
+        let d = s.schedule(&mut seqs, &mut mem, 2);
+        assert_eq!(d.chunks, vec![Chunk { drafts: 3, ..chunk(&seqs, a, 5, 4, true, false) }]);
+        assert_eq!(seqs.get(a).drafts, vec![5, 6, 7], "what followed the last 7 6... match");
+        assert_eq!(seqs.get(a).computed, 6, "only the known token counts until the verification");
+        assert!(seqs.get(a).blocks.len() * 4 >= 6 + 3, "blocks for every position the chunk writes");
+        assert!(s.schedule(&mut seqs, &mut mem, 3).is_empty(), "not again while its drafts are verified");
+        // The verification kept 1 draft (what `Rank::apply` does): on it goes, drafting again.
+        let seq = seqs.get_mut(a);
+        assert!(seq.pending.pop(2));
+        seq.drafts.clear();
+        seq.computed += 1;
+        seq.tokens.extend([5, 9]);
+        let d = s.schedule(&mut seqs, &mut mem, 4);
+        assert_eq!(d.chunks[0].start, 7);
+        assert!(d.chunks[0].drafts <= 1, "one output left after this token: at most one draft");
+        // No free block for drafts: a plain decode, nobody preempted.
+        let (mut s, mut seqs, mut mem) = (Scheduler::new(config), Sequences::default(), memory(3));
+        let b = add(&mut s, &mut seqs, 2, vec![1, 2, 1, 2, 1, 2], 6); // 2 blocks now, 3 to its end
+        add(&mut s, &mut seqs, 3, vec![9, 9, 9], 1); // holds the third block
+        run(&s.schedule(&mut seqs, &mut mem, 1), &mut seqs, 1);
+        let d = s.schedule(&mut seqs, &mut mem, 2);
+        assert_eq!((d.chunks[0].len, d.chunks[0].drafts, d.preempted.len()), (1, 0, 0), "{:?}", d.chunks);
+        assert!(seqs.get(b).drafts.is_empty());
     }
 
     #[test]
