@@ -666,16 +666,11 @@ impl<'a> Validator<'a> {
             }
         })?;
         debug_assert_eq!(drafter, "ngram");
-        if let Some(pool) = pools.iter().find(|p| p.executor == "cuda" || p.expert_parallel) {
-            let what = if pool.expert_parallel { "expert_parallel = true" } else { "executor = \"cuda\"" };
+        if let Some(pool) = pools.iter().find(|p| p.executor == "cuda") {
             return Err(self.error(
                 "speculative",
                 Some(spanned.span()),
-                format!(
-                    "speculative decoding runs on the cpu executors without expert parallelism for now; pool `{}` \
-                     has {what}",
-                    pool.name
-                ),
+                format!("speculative decoding runs on the cpu executors for now; pool `{}` is on \"cuda\"", pool.name),
             ));
         }
         Ok(SpecConfig { draft_tokens, drafter: NgramDrafter { min_n: ngram_min, max_n: ngram_max } })

@@ -105,8 +105,25 @@ fn bad_speculative_settings_are_refused_naming_the_key() {
         assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &needles);
     }
     let ep = "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n";
-    let graph = spec_graph(dir.path(), "hf/deepseek_v3", ep);
-    assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &["speculative", "expert_parallel = true"]);
+    let graph = spec_graph(dir.path(), "hf/kimi_linear", ep);
+    let refused = kvflow(&["run", &graph.to_string_lossy()]);
+    assert_clean_failure(&refused, &["speculative", "expert_parallel = true", "recurrent state"]);
+    let cuda = "[[pool]]\nname = \"main\"\nranks = 1\nexecutor = \"cuda\"\n";
+    let graph = spec_graph(dir.path(), "hf/llama", cuda);
+    assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &["speculative", "cuda"]);
+}
+
+#[test]
+fn expert_parallel_pools_draft_exactly_on_the_moe_families_without_state() {
+    let ep = "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n";
+    for model in ["hf/deepseek_v3", "hf/deepseek_v32"] {
+        let dir = tempfile::tempdir().unwrap();
+        let report = run_graph(&spec_graph(dir.path(), model, ep), long_outputs(), TestSwitches::default());
+        assert_exact(&report, model);
+        assert!(spec_of(&report).0 > 0, "{model}: {}", report["spec"]);
+        let ranks = report["rank_stats"].as_array().unwrap();
+        assert!(ranks.iter().all(|r| r["exchange_bytes"].as_u64().unwrap() > 0), "experts really exchanged: {ranks:?}");
+    }
 }
 
 #[test]
