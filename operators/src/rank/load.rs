@@ -1,14 +1,13 @@
 //! A rank's side of the offload tier (DESIGN §9), loads. A new request whose prompt the store
-//! holds further than this rank's prefix cache does starts a load instead of queueing: it takes
-//! references on the prefix blocks the cache has, allocates blocks for the chunks to load, and
-//! waits in the `loading` stage (its load named by an id and its sequence's generation) while
-//! the pool keeps stepping. The `load` operator hands the job to the rank's load thread, which
-//! asks the store's `contains` only here, at admission, and gets the objects off the step path.
-//! The thread gets every chunk or fails the load; its
-//! completion record, drained when the rank's waker fires, queues the request — with the prefix
-//! as computed, or from scratch when the load failed (it recomputes). The step that admits it
-//! writes the chunks into its blocks (and the last chunk's state into its slot) before its
-//! forward.
+//! holds further than this rank's prefix cache does starts a load instead of queueing (the rank
+//! asks the store's `contains` here, at admission): it takes references on the prefix blocks the
+//! cache has, allocates blocks for the chunks to load, and waits in the `loading` stage (its
+//! load named by an id and its sequence's generation) while the pool keeps stepping. The `load`
+//! operator hands the job to the rank's load thread, which gets every chunk off the step path,
+//! or fails the load. Its completion record, drained when the rank's waker fires, queues the
+//! request — with the prefix as computed, or from scratch when the load failed (it recomputes).
+//! The step that admits it writes the chunks into its blocks (and the last chunk's state into
+//! its slot) before its forward.
 //!
 //! Guarantee carried: restored prefixes published (DESIGN §5) — that step also publishes the
 //! restored blocks, and for recurrent families a snapshot of the restored state, in the prefix
