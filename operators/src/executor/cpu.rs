@@ -1,6 +1,8 @@
 //! The CPU reference executor. [`CpuStepRunner`] owns the rank's model storage (paged KV, state
 //! slots and snapshots) and runs a step phase by phase: state copies before, the model's layers,
-//! sampling (greedy) with the hash of each sampled logits row, snapshots after. A decode whose
+//! sampling (greedy) with the hash of each sampled logits row, snapshots after. A sequence that
+//! feeds drafts is verified: a row after each token fed, each draft kept while the row before it
+//! agrees, and a rejected draft's recurrent state rolled back (`verify`, `roll_back`). A decode whose
 //! previous token was still in flight at launch names it by (sequence, step); the runner resolves
 //! it from the tokens it sampled itself. The storage sits behind a `RwLock` shared with the
 //! handoffs that read a prefill's blocks in place (a consumer's import, a tcp link's send, one
