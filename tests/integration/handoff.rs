@@ -51,21 +51,10 @@ impl SeqSource for One<'_> {
     }
 }
 
-/// Runs one step of one sequence through every phase.
-pub(crate) fn step(
-    r: &mut CpuStepRunner,
-    t: u64,
-    seq: SeqStep<'_>,
-    before: &[StateOp],
-    imports: &[KvImport],
-    exports: &[KvExport],
-) -> StepCompletion {
-    step_keeping(r, t, seq, before, imports, exports, false)
-}
-
-/// [`step`], with the test switch `keep_rejected_state` set as asked.
+/// Runs one step of one sequence through every phase (`keep_rejected_state`: the test switch
+/// that leaves a rejected draft's state in place).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn step_keeping(
+pub(crate) fn step(
     r: &mut CpuStepRunner,
     t: u64,
     seq: SeqStep<'_>,
@@ -117,7 +106,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             prompt_len: p,
             sample: true,
         };
-        let done = step(&mut producer, 0, prefill, &zero, &[], &export);
+        let done = step(&mut producer, 0, prefill, &zero, &[], &export, false);
         let sampled = done.result.unwrap();
         let t0 = sampled[0].token.unwrap();
         let exported = done.exports.into_iter().next().unwrap();
@@ -172,7 +161,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
                     sample: true,
                 };
                 let (before, imports) = if i == 0 { (&czero[..], &import[..]) } else { (&[][..], &[][..]) };
-                let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[]).result.unwrap();
+                let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[], false).result.unwrap();
                 tokens.push(s[0].token.unwrap());
                 chain = hash::chain_row(chain, s[0].logits_hash);
             }

@@ -5,7 +5,7 @@
 //! accepted token.
 
 use crate::common::{assert_clean_failure, fixture, kvflow, FIXTURES};
-use crate::handoff::{runner, step_keeping, BLOCK};
+use crate::handoff::{runner, step, BLOCK};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_kernels::models;
@@ -156,7 +156,7 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
                 sample: true,
             };
             let before: &[StateOp] = if t == 0 { &zero } else { &[] };
-            step_keeping(r, t, s, before, &[], &[], keep).result.unwrap().remove(0)
+            step(r, t, s, before, &[], &[], keep).result.unwrap().remove(0)
         };
         let mut plain = runner(&model);
         let mut oracle = vec![run(&mut plain, 0, &prompt, 0, &[], false)];
