@@ -48,6 +48,26 @@ pub struct SpecConfig {
     pub drafter: super::drafter::NgramDrafter,
 }
 
+impl SpecConfig {
+    /// The widths a decode may draft at: powers of two up to `draft_tokens`, and it (for 4:
+    /// 1, 2, 4).
+    pub fn buckets(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..).map(|i| 1usize << i).take_while(|&w| w < self.draft_tokens).chain([self.draft_tokens])
+    }
+
+    /// Dynamic width from recent acceptance (`recent`: the share of its drafts a request's last
+    /// verifications kept): the largest bucket within `limit` (what the request can still use)
+    /// that is at most about what it would keep — 0 when it keeps next to nothing. Never more
+    /// than `limit`: bucketing only shrinks.
+    pub fn width(&self, recent: f32, limit: usize) -> usize {
+        let want = (recent * self.draft_tokens as f32).ceil() as usize;
+        if recent * (self.draft_tokens as f32) < 0.5 {
+            return 0;
+        }
+        self.buckets().filter(|&w| w <= want.max(1).min(limit)).max().unwrap_or(0)
+    }
+}
+
 /// When a rank starts a waiting request (a pool's `admission` key).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AdmissionPolicy {
@@ -386,14 +406,20 @@ fn book(out: &mut StepDecision, index: usize, seq: &mut Sequence, len: usize, t:
     }
 }
 
-/// A decode with nothing in flight: asks the drafter for up to `spec.draft_tokens` drafts (fewer
-/// when the request has fewer outputs left, or `room` tokens of the step's budget) and reserves
-/// blocks for the last token and all of them. Returns the tokens the chunk feeds (1 when it
+/// A decode with nothing in flight: asks the drafter for drafts at the width its recent
+/// acceptance earns (`SpecConfig::width`, within `spec.draft_tokens`, the outputs it has left and
+/// `room` tokens of the step's budget) and reserves blocks for the last token and all of them. Returns the tokens the chunk feeds (1 when it
 /// drafts nothing: no blocks for them, or no proposal); the drafts are in `seq.drafts`.
 fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: usize) -> usize {
     let outputs_left = seq.max_output_tokens.saturating_sub(seq.output_len() + seq.pending.len());
-    let width = spec.draft_tokens.min(outputs_left.saturating_sub(1)).min(room);
-    if width == 0 || !seq.pending.is_empty() || seq.computed < seq.prompt_len {
+    let limit = spec.draft_tokens.min(outputs_left.saturating_sub(1)).min(room);
+    if !seq.pending.is_empty() || seq.computed < seq.prompt_len {
+        return 1;
+    }
+    let width = spec.width(seq.draft_acceptance, limit);
+    if width == 0 {
+        // Not drafting while it keeps next to nothing; hope returns slowly, so it tries again.
+        seq.draft_acceptance = (seq.draft_acceptance + 0.05).min(1.0);
         return 1;
     }
     let mut drafts = std::mem::take(&mut seq.drafts);
@@ -630,6 +656,60 @@ mod policy_tests {
         let d = s.schedule(&mut seqs, &mut mem, 2);
         assert_eq!((d.chunks[0].len, d.chunks[0].drafts, d.preempted.len()), (1, 0, 0), "{:?}", d.chunks);
         assert!(seqs.get(b).drafts.is_empty());
+    }
+
+    #[test]
+    fn the_draft_width_is_a_bucket_that_never_exceeds_what_the_request_can_use() {
+        // A property over random schedules: whatever the recent acceptance and the outputs left,
+        // a chunk carries at most the scheduler's limit of drafts, at a configured width, with
+        // blocks for every position it writes.
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (rng >> 33) % n
+        };
+        for _ in 0..300 {
+            let k = 1 + next(8) as usize;
+            let spec =
+                SpecConfig { draft_tokens: k, drafter: crate::policy::drafter::NgramDrafter { min_n: 1, max_n: 2 } };
+            let buckets: Vec<usize> = spec.buckets().collect();
+            for recent in [0.0, 0.05, 0.3, 0.6, 1.0] {
+                let limit = next(10) as usize;
+                let w = spec.width(recent, limit);
+                assert!(
+                    w <= limit && w <= k && (w == 0 || buckets.contains(&w)),
+                    "k {k} recent {recent} limit {limit}: {w}"
+                );
+                if recent == 1.0 && limit >= k {
+                    assert_eq!(w, k, "full acceptance drafts at full width");
+                }
+            }
+            let config = SchedulerConfig { spec: Some(spec), ..config(1 + next(40) as usize, 64) };
+            let (mut s, mut seqs, mut mem) =
+                (Scheduler::new(config), Sequences::default(), memory(8 + next(24) as usize));
+            let outputs = 1 + next(12) as usize;
+            let a = add(&mut s, &mut seqs, 1, (0..6).map(|i| (i % 2) as u32).collect(), outputs);
+            for t in 1..30 {
+                seqs.get_mut(a).draft_acceptance = next(11) as f32 / 10.0;
+                let d = s.schedule(&mut seqs, &mut mem, t);
+                for c in &d.chunks {
+                    let seq = seqs.get(c.seq);
+                    let left = seq.max_output_tokens - seq.output_len();
+                    assert!(c.drafts <= k && c.drafts < left.max(1), "{c:?}: {left} outputs left");
+                    assert!(seq.blocks.len() * 4 >= c.start + c.len, "blocks for every position: {c:?}");
+                    assert!(c.len <= config.max_batched_tokens, "{c:?}");
+                }
+                // The step completed: no draft kept, the token after the known one arrives.
+                let Some(seq) = seqs.index_of(1).map(|i| seqs.get_mut(i)) else { break };
+                if seq.pending.pop(t) {
+                    seq.drafts.clear();
+                    seq.tokens.push(1);
+                }
+                if seq.finished() {
+                    break;
+                }
+            }
+        }
     }
 
     #[test]

@@ -124,6 +124,9 @@ pub struct Sequence {
     /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
     /// token); empty when it has none in flight.
     pub drafts: Vec<u32>,
+    /// The share of its drafts its recent verifications kept (1 until it has drafted): the
+    /// width it drafts at follows it.
+    pub draft_acceptance: f32,
 }
 
 impl Sequence {
@@ -160,6 +163,7 @@ impl Sequence {
             restored: None,
             loaded_tokens: 0,
             drafts: Vec::new(),
+            draft_acceptance: 1.0,
         }
     }
 

@@ -107,6 +107,7 @@ impl Rank {
             if drafted > 0 {
                 let kept = s.accepted.len().min(drafted);
                 seq.computed += kept;
+                seq.draft_acceptance = 0.5 * seq.draft_acceptance + 0.5 * kept as f32 / drafted as f32;
                 self.stats.spec.verify_steps += 1;
                 self.stats.spec.drafted_tokens += drafted as u64;
                 self.stats.spec.accepted_tokens += kept as u64;
