@@ -31,6 +31,16 @@ pub struct MemoryLayout {
 }
 
 impl MemoryLayout {
+    /// What a prompt's chained keys (prefix-cache block hashes, offload chunk digests) start
+    /// from: its length where the rows depend on it (DeepSeek-V3.2), else 0.
+    pub fn prompt_seed(&self, prompt_len: usize) -> u64 {
+        if self.prefix_keyed_by_prompt_len {
+            prompt_len as u64
+        } else {
+            0
+        }
+    }
+
     /// `blocks` blocks of `block_size` tokens of paged KV, no state slots (families without
     /// recurrent state, driven outside a pool: benches, tests).
     pub fn kv_only(block_size: usize, blocks: usize) -> Self {
@@ -101,8 +111,7 @@ impl RankMemory {
 
     /// Chained hashes of a prompt's full blocks.
     pub fn prompt_hashes(&self, seq: &Sequence) -> Vec<u64> {
-        let seed = if self.layout.prefix_keyed_by_prompt_len { seq.prompt_len as u64 } else { 0 };
-        block_hashes(&seq.tokens[..seq.prompt_len], self.layout.block_size, seed)
+        block_hashes(&seq.tokens[..seq.prompt_len], self.layout.block_size, self.layout.prompt_seed(seq.prompt_len))
     }
 
     /// Prompt tokens of `seq` this rank's prefix cache would reuse now (at least one token is

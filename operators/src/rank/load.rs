@@ -25,11 +25,11 @@ use std::sync::Arc;
 impl RankOffload {
     /// The store's keys of a prompt's full chunks (chained digests).
     pub fn chunk_digests(&self, seq: &Sequence, layout: &MemoryLayout) -> Vec<Digest> {
-        let seed = if layout.prefix_keyed_by_prompt_len { seq.prompt_len as u64 } else { 0 };
-        chunk_digests(&seq.tokens[..seq.prompt_len], self.setup.chunk_tokens, seed)
+        chunk_digests(&seq.tokens[..seq.prompt_len], self.setup.chunk_tokens, layout.prompt_seed(seq.prompt_len))
     }
 
-    fn key(&self, digest: Digest) -> ChunkKey {
+    /// The key of one chunk (one shard until tensor or pipeline parallelism exists).
+    pub(super) fn key(&self, digest: Digest) -> ChunkKey {
         ChunkKey { namespace: self.setup.namespace, shard: 0, shards: 1, digest }
     }
 }

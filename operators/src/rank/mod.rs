@@ -5,8 +5,9 @@
 //!    published, snapshots asked for — and hand it to the executor, one phase at a time;
 //! 3. `poll` (whenever the rank runs): apply completions — sampled tokens, finished requests,
 //!    exported handoffs — in launch order, dropping (and counting) those for an older
-//!    generation, and the acks of handoffs it sent (a queue raised by the consumer, which wakes
-//!    the rank: an ack never gates a step).
+//!    generation, and the acks of handoffs it sent and the completions of its offload saves and
+//!    loads (queues raised by the consumer and the rank's save and load threads, which wake the
+//!    rank: none of them gates a step).
 //!
 //! A step's record owns what the step reads until its completion returns it (see
 //! `RankMemory::release`). Shared by the `schedule` and `forward` operators of the rank's worker
@@ -144,8 +145,9 @@ impl Rank {
         }
     }
 
-    /// Saves full prompt chunks to the offload tier's store through a save thread of its own
-    /// (the tier is a cache: if the thread cannot start, this rank saves nothing, and says so).
+    /// Saves full prompt chunks to the offload tier's store, and loads prefixes back, through a
+    /// save thread and a load thread of its own (the tier is a cache: if a thread cannot start,
+    /// this rank uses no store, and says so).
     pub fn with_offload(mut self, setup: OffloadSetup) -> Self {
         use crate::offload::{spawn_loader, spawn_saver};
         use std::time::Duration;

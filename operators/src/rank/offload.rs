@@ -144,7 +144,7 @@ impl Rank {
                 if !off.known.insert(digest) {
                     continue;
                 }
-                let key = ChunkKey { namespace: off.setup.namespace, shard: 0, shards: 1, digest };
+                let key = off.key(digest);
                 let blocks = if layout.keeps_kv {
                     seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec()
                 } else {
