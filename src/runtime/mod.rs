@@ -318,17 +318,6 @@ fn pool_job(
                 model.model_type
             ));
         }
-        if pool.scheduler.spec.is_some() && model.needs_slots() {
-            // A rejected draft's rollback feeds the kept tokens again, through this rank's own
-            // experts only.
-            return Err(anyhow!(
-                "{}: speculative: pool `{}` has expert_parallel = true and model_type {} keeps recurrent state; \
-                 drafting there (its rollback through every rank's experts) is not built yet",
-                graph.path.display(),
-                pool.name,
-                model.model_type
-            ));
-        }
         Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers })
     } else {
         None

@@ -104,19 +104,17 @@ fn bad_speculative_settings_are_refused_naming_the_key() {
         std::fs::write(&graph, text).unwrap();
         assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &needles);
     }
-    let ep = "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n";
-    let graph = spec_graph(dir.path(), "hf/kimi_linear", ep);
-    let refused = kvflow(&["run", &graph.to_string_lossy()]);
-    assert_clean_failure(&refused, &["speculative", "expert_parallel = true", "recurrent state"]);
     let cuda = "[[pool]]\nname = \"main\"\nranks = 1\nexecutor = \"cuda\"\n";
     let graph = spec_graph(dir.path(), "hf/llama", cuda);
     assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &["speculative", "cuda"]);
 }
 
 #[test]
-fn expert_parallel_pools_draft_exactly_on_the_moe_families_without_state() {
+fn expert_parallel_pools_draft_exactly_on_every_moe_family() {
+    // The recurrent ones too: a rejected draft rolls back by a copy, with no second forward
+    // through the experts of one rank.
     let ep = "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n";
-    for model in ["hf/deepseek_v3", "hf/deepseek_v32"] {
+    for model in ["hf/deepseek_v3", "hf/deepseek_v32", "hf/qwen3_next", "hf/kimi_linear"] {
         let dir = tempfile::tempdir().unwrap();
         let report = run_graph(&spec_graph(dir.path(), model, ep), long_outputs(), TestSwitches::default());
         assert_exact(&report, model);
@@ -184,6 +182,28 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
             } else {
                 assert!(!exact, "{name}: without the rollback the state after the rejected drafts shows");
             }
+        }
+    }
+}
+
+#[test]
+fn the_regression_configuration_with_drafting_is_exact_with_drafts_on_every_decode_rank() {
+    // graphs/regress-1p1d-dpa8-spec.toml at reduced size: 8 + 8 expert-parallel Kimi Linear ranks
+    // (KDA and conv state rolled back by a copy), drafts verified on decode ranks while other
+    // ranks run middle chunks or idle, every rank joining every exchange.
+    let dir = tempfile::tempdir().unwrap();
+    let overrides = Overrides { limit: Some(40), out: Some(dir.path().join("out")), ..Default::default() };
+    let graph = Path::new(env!("CARGO_MANIFEST_DIR")).join("graphs/regress-1p1d-dpa8-spec.toml");
+    let report = run_graph(&graph, overrides, TestSwitches::default());
+    assert_exact(&report, "regression configuration with drafting");
+    assert_ne!(report["stalled"], true, "the watchdog never fired");
+    assert_eq!(report["verify"]["checked"], 182, "warmup requests are verified too");
+    for r in report["rank_stats"].as_array().unwrap() {
+        let drafted = r["drafted_tokens"].as_u64().unwrap();
+        if r["pool"] == "decode" {
+            assert!(drafted > 0 && r["exchange_bytes"].as_u64().unwrap() > 0, "every decode rank drafts: {r}");
+        } else {
+            assert_eq!(drafted, 0, "a prefill rank never verifies: {r}");
         }
     }
 }

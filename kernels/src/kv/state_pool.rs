@@ -19,12 +19,29 @@ pub struct StatePool {
     width: usize,
     slots: Vec<f32>,
     snapshots: Vec<f32>,
+    rows: Vec<RowStates>,
+}
+
+/// The state of one slot after each of a run of its positions, kept while a step verifies drafts:
+/// a rejected draft rolls the slot back by one copy ([`StatePool::rewind`]), with no second
+/// forward (which, with expert parallelism, would run collectives no other rank joins).
+#[derive(Debug)]
+struct RowStates {
+    slot: SlotId,
+    first: usize,
+    /// `width` floats per position from `first`, each layer writing its own section.
+    states: Vec<f32>,
 }
 
 impl StatePool {
     /// `width` floats per entry (0 for families without recurrent state).
     pub fn new(width: usize, num_slots: usize, num_snapshots: usize) -> Self {
-        StatePool { width, slots: vec![0.0; width * num_slots], snapshots: vec![0.0; width * num_snapshots] }
+        StatePool {
+            width,
+            slots: vec![0.0; width * num_slots],
+            snapshots: vec![0.0; width * num_snapshots],
+            rows: Vec::new(),
+        }
     }
 
     pub(super) fn slot_count(&self) -> usize {
@@ -75,6 +92,46 @@ impl StatePool {
     pub fn snapshot_data(&self, id: SnapshotId) -> &[f32] {
         &self.snapshots[self.range(id)]
     }
+
+    /// From now until [`StatePool::forget_rows`], keep `slot`'s state after each of the positions
+    /// `first..first + count` (the layers call [`StatePool::keep_row`] as they advance it).
+    pub fn track_rows(&mut self, slot: SlotId, first: usize, count: usize) {
+        self.rows.retain(|r| r.slot != slot);
+        self.rows.push(RowStates { slot, first, states: vec![0.0; count * self.width] });
+    }
+
+    /// A layer has advanced `slot` over `position`: if that position is tracked, its section
+    /// `section` of the slot is kept.
+    pub fn keep_row(&mut self, slot: SlotId, position: usize, section: std::ops::Range<usize>) {
+        if self.rows.is_empty() {
+            return;
+        }
+        let from = self.range(slot);
+        let Some(rows) = self.rows.iter_mut().find(|r| r.slot == slot) else { return };
+        let Some(i) = position.checked_sub(rows.first).filter(|i| (i + 1) * self.width <= rows.states.len()) else {
+            return;
+        };
+        let at = i * self.width;
+        rows.states[at + section.start..at + section.end]
+            .copy_from_slice(&self.slots[from.start + section.start..from.start + section.end]);
+    }
+
+    /// Sets `slot` to its state just after `position`, kept since [`StatePool::track_rows`].
+    /// False when that position was not tracked (the slot is unchanged).
+    pub fn rewind(&mut self, slot: SlotId, position: usize) -> bool {
+        let to = self.range(slot);
+        let Some(rows) = self.rows.iter().find(|r| r.slot == slot) else { return false };
+        let Some(i) = position.checked_sub(rows.first).filter(|i| (i + 1) * self.width <= rows.states.len()) else {
+            return false;
+        };
+        self.slots[to].copy_from_slice(&rows.states[i * self.width..(i + 1) * self.width]);
+        true
+    }
+
+    /// Drops every tracked position (at the end of the step that asked for them).
+    pub fn forget_rows(&mut self) {
+        self.rows.clear();
+    }
 }
 
 #[cfg(test)]
@@ -92,5 +149,26 @@ mod tests {
         assert_eq!(pool.snapshot_data(0), &[1.0, 2.0, 3.0]);
         pool.zero_slot(1);
         assert_eq!(pool.slot(1), &[0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn a_rewound_slot_holds_the_state_kept_after_that_position() {
+        let mut pool = StatePool::new(4, 2, 0);
+        pool.track_rows(1, 10, 3);
+        for position in 10..13 {
+            // two layers, each advancing and keeping its own half
+            for section in [0..2, 2..4] {
+                pool.slot_mut(1)[section.clone()].iter_mut().for_each(|v| *v += 1.0);
+                pool.keep_row(1, position, section);
+            }
+        }
+        assert_eq!(pool.slot(1), &[3.0; 4]);
+        assert!(pool.rewind(1, 10));
+        assert_eq!(pool.slot(1), &[1.0; 4]);
+        assert!(!pool.rewind(1, 13), "an untracked position leaves the slot alone");
+        assert!(!pool.rewind(0, 10));
+        pool.forget_rows();
+        assert!(!pool.rewind(1, 11));
+        assert_eq!(pool.slot(1), &[1.0; 4]);
     }
 }

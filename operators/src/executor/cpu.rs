@@ -2,7 +2,8 @@
 //! slots and snapshots) and runs a step phase by phase: state copies before, the model's layers,
 //! sampling (greedy) with the hash of each sampled logits row, snapshots after. A sequence that
 //! feeds drafts is verified: a row after each token fed, each draft kept while the row before it
-//! agrees, and a rejected draft's recurrent state rolled back (`verify`, `roll_back`). A decode whose
+//! agrees, and a rejected draft's recurrent state rolled back to the copy kept after the last token
+//! that held (`verify`, `roll_back`). A decode whose
 //! previous token was still in flight at launch names it by (sequence, step); the runner resolves
 //! it from the tokens it sampled itself. The storage sits behind a `RwLock` shared with the
 //! handoffs that read a prefill's blocks in place (a consumer's import, a tcp link's send, one
@@ -54,9 +55,6 @@ pub struct OwnedStep {
     applied_through: Option<u64>,
     imports: Vec<KvImport>,
     exports: Vec<KvExport>,
-    /// The state slot of each sequence that verifies drafts, as before the forward (batch
-    /// index, state): a rejection rolls back to it and re-runs the accepted tokens.
-    before_drafts: Vec<(usize, Vec<f32>)>,
     keep_rejected_state: bool,
 }
 
@@ -97,7 +95,6 @@ impl OwnedStep {
             applied_through: launch.applied_through,
             imports: launch.imports.to_vec(),
             exports: launch.exports.to_vec(),
-            before_drafts: Vec::new(),
             keep_rejected_state: launch.keep_rejected_state,
         }
     }
@@ -356,13 +353,13 @@ impl CpuStepRunner {
                 _ => return Err(bad("the slot and the state it carries do not match (all-or-nothing state)".into())),
             }
         }
-        // What a rejected draft must not leave behind: the state before the drafts.
-        step.before_drafts = step
-            .seqs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| Some((i, cache.states.slot(s.slot.filter(|_| s.drafts > 0)?).to_vec())))
-            .collect();
+        // What a rejected draft must not leave behind: the state after each position it feeds is
+        // kept, so a rejection rolls back by a copy.
+        for s in step.seqs.iter().filter(|s| s.drafts > 0) {
+            if let Some(slot) = s.slot {
+                cache.states.track_rows(slot, s.start_pos, s.tokens.len());
+            }
+        }
         Ok(self.model.begin_step(&step.batch(), cache.kv.block_size()))
     }
 
@@ -390,7 +387,9 @@ impl CpuStepRunner {
             }
         }
         let mut cache = write(&self.cache);
-        if !step.keep_rejected_state {
+        if step.keep_rejected_state {
+            cache.states.forget_rows();
+        } else {
             self.roll_back(step, &rejected, &mut cache);
         }
         for op in &step.after {
@@ -402,30 +401,18 @@ impl CpuStepRunner {
     }
 
     /// Sequences whose drafts were rejected from the `kept`-th on: their state slot goes back to
-    /// before the drafts and the tokens that held are fed again (the same rows, written again
-    /// bit for bit: the executor is batch-invariant), so the state is as after the last accepted
-    /// token (DESIGN §10). Families without state keep their KV: positions past the accepted
-    /// ones are written again before anything reads them.
+    /// the state kept after the last token that held (DESIGN §10), a copy with no second forward,
+    /// so nothing runs a collective the other ranks do not join. Families without state keep
+    /// their KV: positions past the accepted ones are written again before anything reads them.
     fn roll_back(&self, step: &OwnedStep, rejected: &[(usize, usize)], cache: &mut ModelCache) {
         for &(i, kept) in rejected {
-            let (s, Some((_, before))) = (&step.seqs[i], step.before_drafts.iter().find(|(j, _)| *j == i)) else {
-                continue;
-            };
-            let Some(slot) = s.slot else { continue };
-            if cache.states.import_slot(slot, before).is_err() {
-                continue; // the same slot it was copied from: cannot happen
+            let s = &step.seqs[i];
+            if let Some(slot) = s.slot {
+                let fed = s.tokens.len() - s.drafts + kept;
+                cache.states.rewind(slot, s.start_pos + fed - 1);
             }
-            let fed = s.tokens.end - s.drafts + kept;
-            let again = SeqInput {
-                tokens: &step.tokens[s.tokens.start..fed],
-                start_pos: s.start_pos,
-                block_table: &step.tables[s.table.clone()],
-                slot: s.slot,
-                prompt_len: s.prompt_len,
-                logits: LogitsWanted::None,
-            };
-            self.model.forward(&[again], cache);
         }
+        cache.states.forget_rows();
     }
 
     /// What the step's exports ask for (after its forward and snapshots): the state slot,

@@ -118,6 +118,7 @@ impl GatedDeltaNet {
                     *d = self.norm.weight[i] * (o[i] * inv) * silu(z[h * dv + i]);
                 }
             }
+            states.keep_row(layout.slot(r), layout.positions[r], offset..offset + self.state_width());
         }
         // 3. output projection                                        [t × hidden]
         self.out_proj.forward(&out, t)

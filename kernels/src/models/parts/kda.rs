@@ -96,6 +96,7 @@ impl KimiDeltaAttention {
                     *v = self.o_norm.weight[i] * (o[i] * inv) * sigmoid(gate[r * hd + head * d + i]);
                 }
             }
+            states.keep_row(layout.slot(r), layout.positions[r], offset..offset + self.state_width());
         }
         // 3. output projection                                        [t × hidden]
         self.o_proj.forward(&out, t)
