@@ -1,10 +1,10 @@
-//! `kvflow generate`: greedy generation for a list of prompts, all run together as one
+//! `kvflow generate`: generation (greedy, or seeded sampling) for a list of prompts, all run together as one
 //! continuous batch (prefill in chunks, decodes batched), on one CPU executor with no pools, no
 //! prefix cache and no transfer. This is also the reference path of `--verify`.
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvflow_kernels::cpu::sampling::finite_argmax;
+use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler};
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
 use kvflow_kernels::models::{available_memory, human_bytes, LogitsWanted, Model, SeqInput};
@@ -23,11 +23,23 @@ pub struct GenerateOptions {
     pub decode_logits: usize,
     pub block_size: usize,
     pub show_progress: bool,
+    /// How tokens are picked (greedy by default); prompt i's draws are keyed on request id
+    /// `first_request_id + i`, so `--verify` reproduces a run's seeded sampling.
+    pub sampling: RequestSampling,
+    pub first_request_id: u64,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new_tokens: 16, chunk_tokens: 64, decode_logits: 0, block_size: 16, show_progress: false }
+        GenerateOptions {
+            max_new_tokens: 16,
+            chunk_tokens: 64,
+            decode_logits: 0,
+            block_size: 16,
+            show_progress: false,
+            sampling: RequestSampling::default(),
+            first_request_id: 0,
+        }
     }
 }
 
@@ -97,6 +109,7 @@ struct Running {
     fed: usize,
     blocks: BlockTable,
     slot: Option<SlotId>,
+    sampler: Sampler,
     out: Generation,
 }
 
@@ -105,9 +118,9 @@ impl Running {
         self.out.error.is_some() || (self.out.tokens.len() >= n && self.fed >= self.prompt.len())
     }
 
-    /// Samples from `logits` (greedy), or fails the prompt when they are not all finite.
+    /// Picks the next token from `logits`, or fails the prompt when they are not all finite.
     fn sample(&mut self, index: usize, logits: &[f32]) {
-        match finite_argmax(logits) {
+        match self.sampler.pick(logits, self.prompt.len() + self.out.tokens.len()) {
             Some(token) => {
                 self.out.logits_hash = hash::chain_row(self.out.logits_hash, hash::logits_row(logits));
                 self.out.tokens.push(token);
@@ -176,7 +189,8 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
             }
             // Prompt i owns slot i; a new store holds the zero state.
             let slot = model.needs_slots().then_some(i as SlotId);
-            Ok(Running { prompt: p.clone(), fed: 0, blocks, slot, out })
+            let sampler = Sampler::new(opts.sampling, opts.first_request_id + i as u64);
+            Ok(Running { prompt: p.clone(), fed: 0, blocks, slot, sampler, out })
         })
         .collect::<Result<_>>()?;
     let total_steps =

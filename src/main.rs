@@ -171,6 +171,12 @@ struct RunFlags {
     /// Test only: a verification that rejects drafts keeps the recurrent state after every draft.
     #[arg(long, hide = true)]
     test_keep_rejected_state: bool,
+    /// Test only: the drafter gets a chunk's sampled token only when the chunk verifies drafts.
+    #[arg(long, hide = true)]
+    test_drafter_successors_only_when_verifying: bool,
+    /// Test only: draft-width bucketing rounds up past the width the scheduler fixed.
+    #[arg(long, hide = true)]
+    test_widen_draft_buckets: bool,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -454,6 +460,8 @@ fn run_graph(
             slow_loads_ms: args.test_slow_loads_ms,
             skip_publishing_restored: args.test_skip_publishing_restored,
             keep_rejected_state: args.test_keep_rejected_state,
+            drafter_successors_only_when_verifying: args.test_drafter_successors_only_when_verifying,
+            widen_draft_buckets: args.test_widen_draft_buckets,
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;
@@ -558,7 +566,14 @@ fn run() -> Result<()> {
             let model = kvflow_kernels::models::load(&model)
                 .with_context(|| format!("cannot load model {}", model.display()))?;
             let prompts = read_prompts(&prompts, &model)?;
-            let opts = GenerateOptions { max_new_tokens, chunk_tokens, decode_logits, block_size, show_progress: true };
+            let opts = GenerateOptions {
+                max_new_tokens,
+                chunk_tokens,
+                decode_logits,
+                block_size,
+                show_progress: true,
+                ..Default::default()
+            };
             let results = generate(&model, &prompts, &opts)?;
             write_jsonl(&mut sink, &results)?;
             let refused: Vec<&str> = results.iter().filter_map(|r| r.error.as_deref()).collect();

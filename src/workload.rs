@@ -339,7 +339,14 @@ mod tests {
     use std::thread;
 
     fn request(id: u64, arrival_ms: f64) -> Request {
-        Request { id, arrival_ms, prompt: vec![1, 2, 3], max_output_tokens: 4, trace_line: id as usize + 1 }
+        Request {
+            id,
+            arrival_ms,
+            prompt: vec![1, 2, 3],
+            max_output_tokens: 4,
+            trace_line: id as usize + 1,
+            sampling: None,
+        }
     }
 
     fn selection(arrivals_ms: &[f64]) -> Selection {

@@ -271,6 +271,7 @@ mod tests {
                     max_output_tokens: 1,
                     warmup: false,
                     kind: Default::default(),
+                    sampling: Default::default(),
                 }),
             }
             with_work.push(plan(r).idle);
@@ -331,6 +332,7 @@ mod tests {
             max_output_tokens: 1,
             warmup: false,
             kind: Default::default(),
+            sampling: Default::default(),
         });
         let p = derive_plan(
             1,
@@ -359,6 +361,7 @@ mod tests {
             max_output_tokens: 1,
             warmup: false,
             kind: Default::default(),
+            sampling: Default::default(),
         });
         r.cancels.push(3);
         let p = faulted_plan(4, vec![r], e.clone(), &Collectives::default());
@@ -378,6 +381,7 @@ mod tests {
                 max_output_tokens: 2,
                 warmup: false,
                 kind: Default::default(),
+                sampling: Default::default(),
             })
             .collect();
         let p = plan(r);
@@ -454,6 +458,7 @@ mod tests {
             max_output_tokens: 4,
             warmup: false,
             kind: Default::default(),
+            sampling: Default::default(),
         };
         let mut r = vec![report(0), report(1)];
         (r[0].capacity, r[1].capacity) = (cap(1), cap(3));

@@ -1,6 +1,7 @@
 //! Records that travel between the operators of a pool. Those that cross ranks (and processes,
 //! in cluster mode) are serde types: timely exchanges need it even within one process.
 
+use kvflow_kernels::cpu::sampling::RequestSampling;
 use serde::{Deserialize, Serialize};
 
 /// A request entering a pool.
@@ -11,6 +12,8 @@ pub struct Admission {
     pub max_output_tokens: usize,
     pub warmup: bool,
     pub kind: AdmissionKind,
+    /// How it picks its tokens (greedy, or seeded sampling keyed on its id).
+    pub sampling: RequestSampling,
 }
 
 /// What a pool does with an admitted request.

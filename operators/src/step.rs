@@ -244,6 +244,8 @@ pub struct SeqStep<'a> {
     pub prompt_len: usize,
     /// Sample a token after the last token fed.
     pub sample: bool,
+    /// How its tokens are picked (and its drafts checked).
+    pub sampler: kvflow_kernels::cpu::sampling::Sampler,
 }
 
 impl SeqStep<'_> {

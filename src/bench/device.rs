@@ -348,6 +348,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
         // prefill, waited for (not measured)
         let seqs: Vec<SeqStep> = (0..batch)
             .map(|i| SeqStep {
+                sampler: Default::default(),
                 key: keys[i],
                 known: &prompts[i],
                 deferred: None,
@@ -374,6 +375,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
             let known: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
             let seqs: Vec<SeqStep> = (0..batch)
                 .map(|i| SeqStep {
+                    sampler: Default::default(),
                     key: keys[i],
                     known: if deferred { &[] } else { &known[i] },
                     deferred: deferred.then_some(k - 1),

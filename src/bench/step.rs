@@ -252,6 +252,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
             prompt: vec![(i % 64) as u32],
             max_output_tokens: outputs,
             trace_line: i + 1,
+            sampling: None,
         })
         .collect();
     let n = requests.len();
@@ -288,6 +289,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         interrupted: Default::default(),
         grace: std::time::Duration::from_secs(1),
         max_context: None,
+        sampling: Default::default(),
     })?;
     let result = pool.join();
     let _ = collector_thread.join();

@@ -165,6 +165,8 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
     let kv: Vec<f32> = (0..blocks * floats_per_block).map(|i| (i % 1013) as f32 * 0.001).collect();
     let prompt: Vec<u32> = (0..args.tokens as u32).map(|i| i % model.vocab_size as u32).collect();
     let h = Handoff {
+        sampling: Default::default(),
+        drafts: Vec::new(),
         transfer: TransferId { nonce: 0, generation: 1 },
         request: 0,
         prompt,

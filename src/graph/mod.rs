@@ -92,6 +92,12 @@
 //! ngram_min = 1                    # the shortest suffix matched (default 1)
 //! ngram_max = 3                    # the longest suffix matched (default 3)
 //!
+//! [sampling]                       # how requests pick tokens (a trace line's "sampling" overrides it)
+//! temperature = 0.0                # 0: greedy (default); above 0: seeded sampling
+//! top_k = 0                        # keep the k most likely tokens (default 0: all)
+//! top_p = 1.0                      # keep the smallest set reaching this probability (default 1.0)
+//! seed = 0                         # draws are keyed on (seed, request id, position) (default 0)
+//!
 //! [offload]                        # optional: the KV offload tier, saves and loads (default: none)
 //! store = "memory"                 # memory | disk
 //! chunk_tokens = 256               # tokens per saved chunk, a multiple of memory.block_size (default 256)
@@ -217,6 +223,9 @@ pub struct Graph {
     pub faults: FaultsConfig,
     /// `[offload]`: the KV offload tier's store; none by default.
     pub offload: Option<OffloadConfig>,
+    /// `[sampling]`: how a request picks its tokens unless its trace line says otherwise
+    /// (greedy by default).
+    pub sampling: kvflow_kernels::cpu::sampling::RequestSampling,
     pub workload: WorkloadConfig,
     pub slo: SloConfig,
     /// Where the report (report.json, requests.jsonl) is written.
@@ -735,6 +744,7 @@ mod tests {
             spec: Some(kvflow_operators::policy::scheduler::SpecConfig {
                 draft_tokens: 4,
                 drafter: kvflow_operators::policy::drafter::NgramDrafter { min_n: 1, max_n: 3 },
+                widen_buckets: false,
             }),
         };
         assert_eq!(graph.scheduler, scheduler);

@@ -25,6 +25,8 @@ pub(super) struct RawGraph {
     pub(super) offload: Option<Spanned<RawOffload>>,
     pub(super) speculative: Option<Spanned<RawSpeculative>>,
     #[serde(default)]
+    pub(super) sampling: RawSampling,
+    #[serde(default)]
     pub(super) workload: RawWorkload,
     #[serde(default)]
     pub(super) slo: RawSlo,
@@ -120,6 +122,15 @@ pub(super) struct RawSpeculative {
     pub(super) draft_tokens: Option<Spanned<usize>>,
     pub(super) ngram_min: Option<Spanned<usize>>,
     pub(super) ngram_max: Option<Spanned<usize>>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSampling {
+    pub(super) temperature: Option<Spanned<f64>>,
+    pub(super) top_k: Option<Spanned<usize>>,
+    pub(super) top_p: Option<Spanned<f64>>,
+    pub(super) seed: Option<u64>,
 }
 
 #[derive(Default, Deserialize)]

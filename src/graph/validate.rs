@@ -9,7 +9,7 @@ use toml::Spanned;
 
 use super::error::{line_of, quoted_list};
 use super::raw::{
-    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawScheduler, RawSlo,
+    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawSampling, RawScheduler, RawSlo,
     RawSpeculative, RawTransfer, RawWorkload,
 };
 use super::rules::{
@@ -21,6 +21,7 @@ use super::{
     GraphError, LinkConfig, Location, MemoryConfig, OffloadConfig, OffloadStore, PoolChoice, PoolConfig, PoolRole,
     SchedulerConfig, SloConfig, TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
 };
+use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 use kvflow_operators::policy::drafter::NgramDrafter;
 use kvflow_operators::policy::scheduler::SpecConfig;
 
@@ -155,6 +156,7 @@ impl<'a> Validator<'a> {
             transfer: self.transfer(raw.transfer.as_ref(), &links)?,
             faults: self.faults(&raw.faults)?,
             offload: self.offload(raw.offload.as_ref(), &memory)?,
+            sampling: self.sampling(&raw.sampling, &pools)?,
             pools,
             links,
             memory,
@@ -673,7 +675,45 @@ impl<'a> Validator<'a> {
                 format!("speculative decoding runs on the cpu executors for now; pool `{}` is on \"cuda\"", pool.name),
             ));
         }
-        Ok(SpecConfig { draft_tokens, drafter: NgramDrafter { min_n: ngram_min, max_n: ngram_max } })
+        Ok(SpecConfig {
+            draft_tokens,
+            drafter: NgramDrafter { min_n: ngram_min, max_n: ngram_max },
+            widen_buckets: false,
+        })
+    }
+
+    /// `[sampling]`: temperature at least 0 (0 is greedy), top_p in (0, 1]. Sampling runs on the
+    /// cpu executors (the cuda executor picks greedily).
+    fn sampling(&self, raw: &RawSampling, pools: &[PoolConfig]) -> Result<RequestSampling, GraphError> {
+        let temperature = self.field("sampling.temperature", raw.temperature.as_ref(), 0.0, |t| {
+            if t.is_finite() && (0.0..=100.0).contains(&t) {
+                Ok(t as f32)
+            } else {
+                Err(format!("{t}; expected 0 (greedy) to 100"))
+            }
+        })?;
+        let top_k = raw.top_k.as_ref().map_or(0, |k| *k.get_ref());
+        let top_p = self.field("sampling.top_p", raw.top_p.as_ref(), 1.0, |p| {
+            if p > 0.0 && p <= 1.0 {
+                Ok(p as f32)
+            } else {
+                Err(format!("{p}; expected more than 0 and at most 1"))
+            }
+        })?;
+        let params = SamplingParams { temperature, top_k, top_p };
+        if !params.is_greedy() {
+            if let Some(pool) = pools.iter().find(|p| p.executor == "cuda") {
+                return Err(self.error(
+                    "sampling.temperature",
+                    raw.temperature.as_ref().map(|t| t.span()),
+                    format!(
+                        "sampling with temperature runs on the cpu executors for now; pool `{}` is on \"cuda\"",
+                        pool.name
+                    ),
+                ));
+            }
+        }
+        Ok(RequestSampling { params, seed: raw.seed.unwrap_or(0) })
     }
 
     /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so

@@ -96,6 +96,8 @@ pub struct DriverJob {
     /// The model's context (prompt + output tokens), when it has one: a longer request is
     /// refused at release, with its cause, and never enters a pool.
     pub max_context: Option<usize>,
+    /// `[sampling]`: how requests pick tokens unless their trace line says otherwise.
+    pub sampling: kvflow_kernels::cpu::sampling::RequestSampling,
 }
 
 /// The failure cause of a request longer than the model's context.
@@ -121,6 +123,7 @@ fn run(job: DriverJob) {
         interrupted,
         grace,
         max_context,
+        sampling,
     } = job;
     let warmup = selection.warmup;
     let placed: Placed = Default::default();
@@ -181,12 +184,14 @@ fn run(job: DriverJob) {
                 let at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;
                 due.lock().unwrap_or_else(|e| e.into_inner()).push(std::cmp::Reverse((at, req.id)));
             }
+            let sampling = req.sampling(sampling);
             pool.ingress.push(Admission {
                 id: req.id,
                 prompt: req.prompt,
                 max_output_tokens: req.max_output_tokens,
                 warmup: is_warmup,
                 kind: pool.kind,
+                sampling,
             });
         },
         &completions,

@@ -394,6 +394,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let model = load_model(graph)?;
     check_cuda_pools(graph, &model)?;
     let selection = load_workload(graph, model.vocab_size)?;
+    let sampling = verify::sampling_of_requests(graph, &selection.requests, opts.verify)?;
     let max_wait = opts.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
     if let Some(why) = crate::workload::longest_wait_over(&selection, &arrival_mode(graph), max_wait) {
         bail!("{}: {why}", graph.path.display());
@@ -501,6 +502,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         interrupted: interrupted.clone(),
         grace: opts.grace.unwrap_or(Duration::from_secs(10)),
         max_context: model.max_positions,
+        sampling: graph.sampling,
     })?;
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
@@ -579,7 +581,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     };
     let verify = if opts.verify && accounting.is_empty() {
         let reference = verify::reference_for(graph)?;
-        verify::verify(&model, reference, &records, graph.scheduler.chunk_tokens, opts.show_progress)?
+        verify::verify(&model, reference, &records, &sampling, graph.scheduler.chunk_tokens, opts.show_progress)?
     } else {
         Default::default()
     };

@@ -100,6 +100,9 @@ fn spec(stats: &[&RankStats]) -> Value {
         "verify_steps": steps,
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
+        "handed_off_drafts": sum(|s| s.handed_off_drafts),
+        "first_decodes": sum(|s| s.first_decodes),
+        "first_decode_drafts": sum(|s| s.first_decode_drafts),
     })
 }
 

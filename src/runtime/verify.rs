@@ -11,8 +11,10 @@ use crate::generate::{generate, GenerateOptions};
 use crate::report::{RequestRecord, VerifySummary};
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::cuda::{DeviceModel, PlainRunner};
 use kvflow_kernels::models::Model;
+use std::collections::HashMap;
 
 /// Which plain path a run is checked against.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,10 +41,47 @@ pub fn reference_for(graph: &crate::graph::Graph) -> Result<Reference> {
     Ok(Reference::Cuda { settings, block_size: graph.memory.block_size })
 }
 
+/// How each request picks its tokens (by id), checked against what the graph runs: sampling with
+/// temperature runs on the cpu executors, and `--verify` has an exact reference for greedy runs
+/// and for seeded sampling without drafting — speculative sampling keeps the target
+/// distribution but not the plain path's draws, so with drafting it is refused (the statistical
+/// test `tests/integration/spec.rs::sampled_drafting_keeps_the_target_distribution` stands in).
+pub fn sampling_of_requests(
+    graph: &crate::graph::Graph,
+    requests: &[crate::trace::Request],
+    verify: bool,
+) -> Result<HashMap<u64, RequestSampling>> {
+    let sampling: HashMap<u64, RequestSampling> = requests.iter().map(|r| (r.id, r.sampling(graph.sampling))).collect();
+    let Some(sampled) = requests.iter().find(|r| !sampling[&r.id].params.is_greedy()) else { return Ok(sampling) };
+    let source = if sampled.sampling.is_some() {
+        format!("request {} (trace line {}) samples with its own \"sampling\"", sampled.id, sampled.trace_line)
+    } else {
+        format!("[sampling] temperature = {}", graph.sampling.params.temperature)
+    };
+    if let Some(pool) = graph.pools.iter().find(|p| p.executor == "cuda") {
+        anyhow::bail!(
+            "{}: {source}, but pool `{}` runs \"cuda\", which picks greedily; sampling with temperature runs on the \
+             cpu executors for now",
+            graph.path.display(),
+            pool.name
+        );
+    }
+    if verify && graph.scheduler.spec.is_some() {
+        anyhow::bail!(
+            "{}: --verify: {source} and [speculative] drafts: speculative sampling keeps the target's distribution \
+             but not the plain path's draws, so there is no exact reference to compare with; verify the same graph \
+             without [speculative] (seeded sampling is exact there) or with temperature = 0",
+            graph.path.display()
+        );
+    }
+    Ok(sampling)
+}
+
 pub fn verify(
     model: &Model,
     reference: Reference,
     records: &[RequestRecord],
+    sampling: &HashMap<u64, RequestSampling>,
     chunk_tokens: usize,
     show_progress: bool,
 ) -> Result<VerifySummary> {
@@ -72,8 +111,13 @@ pub fn verify(
                 (g.tokens, g.logits_hash)
             }
             _ => {
-                let opts =
-                    GenerateOptions { max_new_tokens: r.output_tokens.len(), chunk_tokens, ..Default::default() };
+                let opts = GenerateOptions {
+                    max_new_tokens: r.output_tokens.len(),
+                    chunk_tokens,
+                    sampling: sampling.get(&r.id).copied().unwrap_or_default(),
+                    first_request_id: r.id,
+                    ..Default::default()
+                };
                 let reference = generate(model, std::slice::from_ref(&r.prompt_tokens), &opts)?.remove(0);
                 (reference.tokens, reference.logits_hash)
             }

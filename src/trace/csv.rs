@@ -132,6 +132,7 @@ pub(super) fn read_azure(path: &Path) -> Result<Vec<TraceRecord>, TraceError> {
             input_len: csv_count(path, line, COLUMNS[1], fields[1])?,
             output_len: csv_count(path, line, COLUMNS[2], fields[2])?,
             hash_ids: None,
+            sampling: None,
         });
         Ok(())
     })?;
@@ -159,6 +160,7 @@ pub(super) fn read_vidur(path: &Path) -> Result<Vec<TraceRecord>, TraceError> {
             input_len: csv_count(path, line, COLUMNS[1], fields[1])?,
             output_len: csv_count(path, line, COLUMNS[2], fields[2])?,
             hash_ids: None,
+            sampling: None,
         });
         Ok(())
     })?;

@@ -106,6 +106,9 @@ pub struct TraceRecord {
     pub output_len: usize,
     /// Mooncake only: one hash id per 512-token prompt block (at least `ceil(input_len / 512)`).
     pub hash_ids: Option<Vec<u64>>,
+    /// Mooncake only: the line's `"sampling"` object (`temperature`, `top_k`, `top_p`), which
+    /// overrides the graph's `[sampling]` for this request.
+    pub sampling: Option<kvflow_kernels::cpu::sampling::SamplingParams>,
 }
 
 /// Everything that can go wrong reading a trace or synthesising requests from it.
@@ -223,6 +226,7 @@ struct StampedRecord<Stamp> {
     input_len: usize,
     output_len: usize,
     hash_ids: Option<Vec<u64>>,
+    sampling: Option<kvflow_kernels::cpu::sampling::SamplingParams>,
 }
 
 /// Makes arrivals relative to the first record, rejecting records stamped before it.
@@ -256,6 +260,7 @@ fn relative_to_first<Stamp: Copy>(
                 input_len: record.input_len,
                 output_len: record.output_len,
                 hash_ids: record.hash_ids,
+                sampling: record.sampling,
             })
         })
         .collect()

@@ -1,6 +1,7 @@
 //! Mooncake JSONL traces: one JSON object per line with `timestamp` (milliseconds),
 //! `input_length`, `output_length` and `hash_ids`, one id per 512-token prompt block (equal ids are
-//! equal blocks). Extra keys are ignored; every missing or ill-typed field is a [`TraceError`]
+//! equal blocks), and optionally `sampling` (`{"temperature": 0.8, "top_k": 0, "top_p": 1.0}`:
+//! this request's sampling, over the graph's `[sampling]`). Extra keys are ignored; every missing or ill-typed field is a [`TraceError`]
 //! naming the line and the field.
 
 use std::io::BufRead;
@@ -97,7 +98,24 @@ fn parse_mooncake_line(path: &Path, line: usize, text: &str) -> Result<StampedRe
             found: hash_ids.len().to_string(),
         });
     }
-    Ok(StampedRecord { line, stamp: timestamp, input_len, output_len, hash_ids: Some(hash_ids) })
+    const EXPECTED_SAMPLING: &str =
+        "an object with temperature (0 to 100), top_k (0: all) and top_p (more than 0, at most 1)";
+    let sampling = match object.get("sampling") {
+        None => None,
+        Some(value) => {
+            let params: kvflow_kernels::cpu::sampling::SamplingParams =
+                serde_json::from_value(value.clone()).map_err(|_| bad_field("sampling", EXPECTED_SAMPLING, value))?;
+            let valid = params.temperature.is_finite()
+                && (0.0..=100.0).contains(&params.temperature)
+                && params.top_p > 0.0
+                && params.top_p <= 1.0;
+            if !valid {
+                return Err(bad_field("sampling", EXPECTED_SAMPLING, value));
+            }
+            Some(params)
+        }
+    };
+    Ok(StampedRecord { line, stamp: timestamp, input_len, output_len, hash_ids: Some(hash_ids), sampling })
 }
 
 /// A JSON number that is a non-negative integer (`7` or `7.0`), as a `usize`.

@@ -4,6 +4,7 @@
 //! equal Mooncake hash ids give equal blocks.
 
 use super::{TraceError, TraceRecord, TRACE_BLOCK_TOKENS};
+use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 
 /// How [`synthesize`] scales lengths and makes tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +33,16 @@ pub struct Request {
     pub max_output_tokens: usize,
     /// The record's 1-based line in the trace file.
     pub trace_line: usize,
+    /// Its trace line's sampling, over the graph's `[sampling]`.
+    pub sampling: Option<SamplingParams>,
+}
+
+impl Request {
+    /// How it picks its tokens: its trace line's sampling, or else the graph's `default`, keyed
+    /// on the graph's seed.
+    pub fn sampling(&self, default: RequestSampling) -> RequestSampling {
+        RequestSampling { params: self.sampling.unwrap_or(default.params), seed: default.seed }
+    }
 }
 
 /// Scales a recorded length to `block_tokens` N per 512-token block: `max(1, ceil(len·N / 512))`,
@@ -88,6 +99,7 @@ pub fn synthesize(records: &[TraceRecord], opts: &SynthOptions) -> Result<Vec<Re
             prompt,
             max_output_tokens,
             trace_line: record.line,
+            sampling: record.sampling,
         });
     }
     Ok(requests)
@@ -179,6 +191,7 @@ mod tests {
             input_len: 512 * hash_ids.len(),
             output_len: 10,
             hash_ids: Some(hash_ids),
+            sampling: None,
         };
         let requests = synthesize(&[record(1, vec![5, 9]), record(2, vec![9, 5])], &options(8)).unwrap();
         assert_eq!(requests[0].prompt[..8], requests[1].prompt[8..]);
@@ -189,8 +202,14 @@ mod tests {
     #[test]
     fn last_hash_block_is_cut_at_the_scaled_prompt_length() {
         // 600 tokens at N = 16: ceil(600·16/512) = 19 tokens, one full block and 3 tokens of the next.
-        let record =
-            TraceRecord { line: 1, arrival_ms: 0.0, input_len: 600, output_len: 1, hash_ids: Some(vec![1, 2]) };
+        let record = TraceRecord {
+            line: 1,
+            arrival_ms: 0.0,
+            input_len: 600,
+            output_len: 1,
+            hash_ids: Some(vec![1, 2]),
+            sampling: None,
+        };
         let request = &synthesize(&[record], &options(16)).unwrap()[0];
         assert_eq!(request.prompt.len(), 19);
         let block_two_start: Vec<u32> =
@@ -200,7 +219,14 @@ mod tests {
 
     #[test]
     fn requests_without_hash_ids_get_distinct_deterministic_tokens() {
-        let record = |line| TraceRecord { line, arrival_ms: 0.0, input_len: 512, output_len: 512, hash_ids: None };
+        let record = |line| TraceRecord {
+            line,
+            arrival_ms: 0.0,
+            input_len: 512,
+            output_len: 512,
+            hash_ids: None,
+            sampling: None,
+        };
         let records = [record(2), record(3)];
         let first = synthesize(&records, &options(32)).unwrap();
         let again = synthesize(&records, &options(32)).unwrap();
@@ -215,7 +241,8 @@ mod tests {
 
     #[test]
     fn tokens_stay_inside_the_vocabulary() {
-        let record = TraceRecord { line: 1, arrival_ms: 0.0, input_len: 4096, output_len: 1, hash_ids: None };
+        let record =
+            TraceRecord { line: 1, arrival_ms: 0.0, input_len: 4096, output_len: 1, hash_ids: None, sampling: None };
         for vocab_size in [1, 2, 3, 1000] {
             let request =
                 &synthesize(std::slice::from_ref(&record), &SynthOptions { vocab_size, ..options(512) }).unwrap()[0];
@@ -241,7 +268,14 @@ mod tests {
 
     #[test]
     fn output_length_is_scaled_then_capped_and_never_zero() {
-        let record = |output_len| TraceRecord { line: 1, arrival_ms: 0.0, input_len: 0, output_len, hash_ids: None };
+        let record = |output_len| TraceRecord {
+            line: 1,
+            arrival_ms: 0.0,
+            input_len: 0,
+            output_len,
+            hash_ids: None,
+            sampling: None,
+        };
         let capped = SynthOptions { max_output_tokens: Some(20), ..options(16) };
         let requests = synthesize(&[record(0), record(512), record(5120)], &capped).unwrap();
         let outputs: Vec<usize> = requests.iter().map(|request| request.max_output_tokens).collect();
@@ -251,7 +285,8 @@ mod tests {
 
     #[test]
     fn invalid_synthesis_options_are_rejected() {
-        let records = [TraceRecord { line: 1, arrival_ms: 0.0, input_len: 5, output_len: 5, hash_ids: None }];
+        let records =
+            [TraceRecord { line: 1, arrival_ms: 0.0, input_len: 5, output_len: 5, hash_ids: None, sampling: None }];
         for bad in [
             SynthOptions { block_tokens: 0, ..options(16) },
             SynthOptions { vocab_size: 0, ..options(16) },
@@ -263,8 +298,14 @@ mod tests {
 
     #[test]
     fn synthesis_rejects_records_with_too_few_hash_ids() {
-        let record =
-            TraceRecord { line: 4, arrival_ms: 0.0, input_len: 1500, output_len: 5, hash_ids: Some(vec![1, 2]) };
+        let record = TraceRecord {
+            line: 4,
+            arrival_ms: 0.0,
+            input_len: 1500,
+            output_len: 5,
+            hash_ids: Some(vec![1, 2]),
+            sampling: None,
+        };
         let error = synthesize(&[record], &options(16)).unwrap_err();
         let message = error.to_string();
         assert!(matches!(error, TraceError::NotEnoughHashIds { line: 4, needed: 3, available: 2, .. }), "{message}");

@@ -138,6 +138,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
             slot: None,
             prompt_len: prompt.len(),
             sample: true,
+            sampler: Default::default(),
         };
         launch(&mut ex, 0, base);
         let waits = ex.host_waits();
@@ -315,6 +316,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         slot: None,
         prompt_len: case.prompt.len(),
         sample: true,
+        sampler: Default::default(),
     };
     let export = KvExport { key, blocks: vec![0], slot: None };
     let done = one_step(&mut producer, prefill, &[], &[export]);
@@ -325,6 +327,8 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let source = exported.source.clone().unwrap();
     assert!(matches!(source.store, BlockStore::Device(_)));
     let handoff = Arc::new(Handoff {
+        sampling: Default::default(),
+        drafts: Vec::new(),
         transfer: TransferId { nonce: 1, generation: 1 },
         request: 7,
         prompt: case.prompt.clone(),

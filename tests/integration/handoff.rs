@@ -105,12 +105,15 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             slot,
             prompt_len: p,
             sample: true,
+            sampler: Default::default(),
         };
         let done = step(&mut producer, 0, prefill, &zero, &[], &export, false);
         let sampled = done.result.unwrap();
         let t0 = sampled[0].token.unwrap();
         let exported = done.exports.into_iter().next().unwrap();
         let handoff = Arc::new(Handoff {
+            sampling: Default::default(),
+            drafts: Vec::new(),
             transfer: TransferId { nonce: 1, generation: 1 },
             request: 0,
             prompt: prompt.clone(),
@@ -159,6 +162,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
                     slot: cslot,
                     prompt_len: p,
                     sample: true,
+                    sampler: Default::default(),
                 };
                 let (before, imports) = if i == 0 { (&czero[..], &import[..]) } else { (&[][..], &[][..]) };
                 let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[], false).result.unwrap();

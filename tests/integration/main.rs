@@ -17,5 +17,6 @@ mod processes;
 mod recurrent_state;
 mod registry;
 mod runtime;
+mod sampling;
 mod seeded_models;
 mod spec;

@@ -8,7 +8,8 @@ use crate::common::{assert_clean_failure, fixture, kvflow, FIXTURES};
 use crate::handoff::{runner, step, BLOCK};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
-use kvflow_kernels::models;
+use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler, SamplingParams};
+use kvflow_kernels::models::{self, LogitsWanted, SeqInput};
 use kvflow_operators::executor::CpuStepRunner;
 use kvflow_operators::rank::TestSwitches;
 use kvflow_operators::step::{SeqKey, SeqStep, StateOp};
@@ -152,6 +153,7 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
                 slot,
                 prompt_len: p,
                 sample: true,
+                sampler: Sampler::default(),
             };
             let before: &[StateOp] = if t == 0 { &zero } else { &[] };
             step(r, t, s, before, &[], &[], keep).result.unwrap().remove(0)
@@ -205,5 +207,160 @@ fn the_regression_configuration_with_drafting_is_exact_with_drafts_on_every_deco
         } else {
             assert_eq!(drafted, 0, "a prefill rank never verifies: {r}");
         }
+    }
+}
+
+/// The target distribution at the position after `tokens` (temperature `t`), from a plain
+/// forward of `tokens` on a fresh cache.
+fn target_after(model: &models::Model, tokens: &[u32], t: f64) -> Vec<f64> {
+    let blocks: Vec<u32> = (0..tokens.len().div_ceil(BLOCK) as u32).collect();
+    let mut cache = model.new_cache(BLOCK, blocks.len(), usize::from(model.needs_slots()), 0);
+    let seq = SeqInput {
+        tokens,
+        start_pos: 0,
+        block_table: if model.needs_blocks() { &blocks } else { &[] },
+        slot: model.needs_slots().then_some(0),
+        prompt_len: tokens.len(),
+        logits: LogitsWanted::Last,
+    };
+    let out = model.forward(&[seq], &mut cache);
+    let logits = out.last(0).unwrap();
+    let max = logits.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
+    let weights: Vec<f64> = logits.iter().map(|&v| ((v as f64 - max) / t).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    weights.iter().map(|w| w / total).collect()
+}
+
+/// Pearson's chi-square of `counts` against `probs` over bins of at least 20 expected draws (the
+/// likeliest tokens alone, the rest pooled in probability order); returns (statistic, the 0.1%
+/// critical value for its degrees of freedom by the Wilson–Hilferty approximation).
+fn chi_square(counts: &[usize], probs: &[f64]) -> (f64, f64) {
+    let n: usize = counts.iter().sum();
+    assert!(n as f64 >= 40.0, "too few draws for a chi-square");
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let (mut bins, mut expected, mut seen) = (Vec::new(), 0.0, 0usize);
+    for t in order {
+        expected += probs[t] * n as f64;
+        seen += counts[t];
+        if expected >= 20.0 {
+            bins.push((seen as f64, expected));
+            (expected, seen) = (0.0, 0);
+        }
+    }
+    if let Some(last) = bins.last_mut() {
+        (last.0, last.1) = (last.0 + seen as f64, last.1 + expected);
+    }
+    let statistic = bins.iter().map(|(o, e)| (o - e).powi(2) / e).sum();
+    let k = (bins.len() - 1) as f64;
+    let critical = k * (1.0 - 2.0 / (9.0 * k) + 3.09 * (2.0 / (9.0 * k)).sqrt()).powi(3);
+    (statistic, critical)
+}
+
+#[test]
+fn sampled_drafting_keeps_the_target_distribution() {
+    // Speculative sampling through the CPU executor (the llama fixture, temperature 0.05: its random weights give flat logits): after a
+    // prompt, one verification per trial feeds T0 and drafts [d1, d2] at the same positions with
+    // a different request id (so different seeded draws). The token chosen at p + 1 must follow
+    // the target distribution there, whichever draft stood; among trials that kept d1, the
+    // token at p + 2 must follow the target given d1 — and d1 is kept at the rate p(d1).
+    let model = Arc::new(models::load(&fixture("hf/llama")).unwrap());
+    let vocab = model.vocab_size as u32;
+    let prompt: Vec<u32> = (0..29u32).map(|i| (i * 11 + 5) % vocab).collect();
+    let p = prompt.len();
+    let temperature = 0.05;
+    let t0 = 17u32;
+    let with_t0: Vec<u32> = prompt.iter().copied().chain([t0]).collect();
+    let first = target_after(&model, &with_t0, temperature);
+    let mut by_probability: Vec<u32> = (0..vocab).collect();
+    by_probability.sort_by(|&a, &b| first[b as usize].total_cmp(&first[a as usize]));
+    let blocks: Vec<u32> = (0..(p + 8).div_ceil(BLOCK) as u32).collect();
+    let key = SeqKey { index: 0, generation: 1 };
+    let sampling =
+        RequestSampling { params: SamplingParams { temperature: temperature as f32, top_k: 0, top_p: 1.0 }, seed: 9 };
+    let trials = 6000u64;
+    // The likeliest token, the runner-up, and one the target never picks.
+    for d1 in [by_probability[0], by_probability[1], by_probability[vocab as usize - 1]] {
+        let d2 = (d1 * 3 + 1) % vocab;
+        let with_d1: Vec<u32> = with_t0.iter().copied().chain([d1]).collect();
+        let second = target_after(&model, &with_d1, temperature);
+        let mut r = runner(&model);
+        let prefill = SeqStep {
+            key,
+            known: &prompt,
+            drafts: &[],
+            deferred: None,
+            start_pos: 0,
+            block_table: &blocks,
+            slot: None,
+            prompt_len: p,
+            sample: true,
+            sampler: Sampler::default(),
+        };
+        step(&mut r, 0, prefill, &[], &[], &[], false).result.unwrap();
+        let (mut at_first, mut at_second) = (vec![0usize; vocab as usize], vec![0usize; vocab as usize]);
+        let mut kept = 0;
+        for trial in 0..trials {
+            let s = SeqStep {
+                known: &[t0],
+                drafts: &[d1, d2],
+                start_pos: p,
+                sampler: Sampler::new(sampling, trial),
+                ..prefill
+            };
+            let verified = step(&mut r, 1 + trial, s, &[], &[], &[], false).result.unwrap().remove(0);
+            let token = verified.token.unwrap();
+            at_first[token as usize] += 1;
+            if let Some(&(Some(next), _)) = verified.accepted.first() {
+                assert_eq!(token, d1, "a token follows only a kept draft");
+                at_second[next as usize] += 1;
+                kept += 1;
+            } else {
+                assert!(verified.accepted.is_empty());
+            }
+        }
+        let (statistic, critical) = chi_square(&at_first, &first);
+        assert!(statistic < critical, "d1 {d1}: position p+1: chi-square {statistic} over critical {critical}");
+        if kept >= 500 {
+            let (statistic, critical) = chi_square(&at_second, &second);
+            assert!(
+                statistic < critical,
+                "d1 {d1}: position p+2 given d1: chi-square {statistic} over critical {critical}"
+            );
+        }
+        let rate = kept as f64 / trials as f64;
+        let expected = first[d1 as usize];
+        let sd = (expected * (1.0 - expected) / trials as f64).sqrt();
+        assert!((rate - expected).abs() < 4.0 * sd + 1e-3, "d1 {d1}: kept at {rate}, p(d1) {expected}");
+        eprintln!("d1 {d1}: kept at {rate:.4} (p(d1) {expected:.4}), {kept} trials reached p+2");
+    }
+}
+
+#[test]
+fn a_producer_drafts_from_t0_and_the_consumers_first_decode_verifies_those_drafts() {
+    // Guarantee-style check for "drafter inputs explicit" (tests/GUARANTEES.md): the producer
+    // never verifies, yet its T0 chunk tells the drafter to propose from T0; the handoff carries
+    // the drafts (inproc, and over tcp on the wire) and the consumer's first decode feeds T0 and
+    // exactly those. With the test switch the drafter hears of a sampled token only when the
+    // chunk verifies drafts: the producer makes none and first decodes feed T0 alone.
+    let pd = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n[[pool]]\nname = \"decode\"\n\
+              role = \"decode\"\nranks = 2\n\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\n";
+    let tcp = format!("{pd}backend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n");
+    let inproc = format!("{pd}backend = \"inproc\"\n");
+    for (model, pools) in [("hf/llama", &tcp), ("hf/kimi_linear", &inproc), ("hf/qwen3", &inproc)] {
+        let dir = tempfile::tempdir().unwrap();
+        let graph = spec_graph(dir.path(), model, pools);
+        let report = run_graph(&graph, long_outputs(), TestSwitches::default());
+        assert_exact(&report, model);
+        let spec = &report["spec"];
+        let (sent, fed) = (spec["handed_off_drafts"].as_u64().unwrap(), spec["first_decode_drafts"].as_u64().unwrap());
+        assert!(sent > 0 && fed == sent, "{model}: the first decodes verify the producer's drafts: {spec}");
+        assert!(spec["first_decodes"].as_u64().unwrap() > 0);
+        let switches = TestSwitches { drafter_successors_only_when_verifying: true, ..Default::default() };
+        let without = run_graph(&graph, long_outputs(), switches);
+        assert_exact(&without, model);
+        let spec = &without["spec"];
+        assert_eq!(spec["handed_off_drafts"], 0, "{model}: without the field the producer drafts nothing: {spec}");
+        assert_eq!(spec["first_decode_drafts"], 0, "{model}: {spec}");
     }
 }

@@ -80,11 +80,9 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// Picks a token from `logits` under `params`, with the randomness of `key`.
-pub fn sample(logits: &[f32], params: &SamplingParams, key: SampleKey) -> u32 {
-    if params.is_greedy() {
-        return argmax(logits);
-    }
+/// The tokens `params` may pick from `logits`, most likely first (ties by id), with their
+/// probabilities after temperature, top-k and top-p (summing to 1).
+fn candidates(logits: &[f32], params: &SamplingParams) -> (Vec<u32>, Vec<f64>) {
     let t = params.temperature as f64;
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
@@ -107,17 +105,98 @@ pub fn sample(logits: &[f32], params: &SamplingParams, key: SampleKey) -> u32 {
         }
         probs.truncate(keep);
         order.truncate(keep);
+        let total: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
     }
-    let total: f64 = probs.iter().sum();
-    let target = key.uniform() * total;
+    (order, probs)
+}
+
+/// The candidate at which the cumulative probability passes `target` (the last one when
+/// rounding leaves `target` past the sum).
+fn inverse_cdf(order: &[u32], probs: &[f64], target: f64) -> u32 {
     let mut cumulative = 0.0;
-    for (&tok, p) in order.iter().zip(&probs) {
+    for (&tok, p) in order.iter().zip(probs) {
         cumulative += p;
         if target < cumulative {
             return tok;
         }
     }
     *order.last().expect("at least one candidate")
+}
+
+/// Picks a token from `logits` under `params`, with the randomness of `key`.
+pub fn sample(logits: &[f32], params: &SamplingParams, key: SampleKey) -> u32 {
+    if params.is_greedy() {
+        return argmax(logits);
+    }
+    let (order, probs) = candidates(logits, params);
+    inverse_cdf(&order, &probs, key.uniform())
+}
+
+/// A request's sampling: its parameters and the seed its draws are keyed on (with its id).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestSampling {
+    pub params: SamplingParams,
+    pub seed: u64,
+}
+
+/// What picks one request's tokens: every draw is keyed on (seed, request id, position), so a
+/// request samples the same tokens in any batch, rank or pool, and on the reference path.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Sampler {
+    pub sampling: RequestSampling,
+    pub request_id: u64,
+}
+
+/// Mixed into the seed for the draw that accepts or rejects a draft (so it is independent of
+/// the draw that picks a token at the same position).
+const ACCEPT_STREAM: u64 = 0x5EC5_A11D_D4AF_7000;
+
+impl Sampler {
+    pub fn new(sampling: RequestSampling, request_id: u64) -> Self {
+        Sampler { sampling, request_id }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.sampling.params.is_greedy()
+    }
+
+    fn key(&self, position: usize, stream: u64) -> SampleKey {
+        SampleKey { seed: self.sampling.seed ^ stream, request_id: self.request_id, position: position as u64 }
+    }
+
+    /// The token at `position` from the logits row before it, or `None` when the row holds a
+    /// NaN or an infinity (no token can be trusted).
+    pub fn pick(&self, logits: &[f32], position: usize) -> Option<u32> {
+        finite_argmax(logits)?;
+        Some(sample(logits, &self.sampling.params, self.key(position, 0)))
+    }
+
+    /// Speculative sampling of `draft`, proposed for `position` with certainty (the n-gram
+    /// drafter, or any greedy drafter): the draft is kept with probability p(draft) under this
+    /// request's parameters; otherwise a token is drawn from p with the draft removed,
+    /// renormalised — the standard acceptance rule min(1, p/q) with residual max(0, p − q) for
+    /// q = 1 at the draft. The token at `position` is distributed as p either way. Greedy keeps
+    /// the draft exactly when it is the argmax. Returns the token and whether it is the draft;
+    /// `None` when the row is not finite.
+    pub fn check_draft(&self, logits: &[f32], position: usize, draft: u32) -> Option<(u32, bool)> {
+        if self.is_greedy() {
+            let token = finite_argmax(logits)?;
+            return Some((token, token == draft));
+        }
+        finite_argmax(logits)?;
+        let (order, probs) = candidates(logits, &self.sampling.params);
+        let p_draft = order.iter().position(|&t| t == draft).map_or(0.0, |i| probs[i]);
+        if self.key(position, ACCEPT_STREAM).uniform() < p_draft {
+            return Some((draft, true));
+        }
+        let (order, probs): (Vec<u32>, Vec<f64>) = order.iter().zip(&probs).filter(|(&t, _)| t != draft).unzip();
+        if order.is_empty() {
+            return Some((draft, true));
+        }
+        let target = self.key(position, 0).uniform() * probs.iter().sum::<f64>();
+        Some((inverse_cdf(&order, &probs, target), false))
+    }
 }
 
 #[cfg(test)]
@@ -153,6 +232,45 @@ mod tests {
             assert!(sample(&logits, &k2, key(i)) <= 1);
             assert_eq!(sample(&logits, &p_small, key(i)), 0);
         }
+    }
+
+    #[test]
+    fn a_checked_draft_leaves_the_token_distributed_as_the_target() {
+        // Speculative sampling with a certain draft: over many request ids the token at the
+        // position is distributed as p (chi-square over every candidate, 5 degrees of freedom,
+        // far below the 0.1% critical value 20.5), whichever draft is proposed.
+        let logits = [1.0f32, 0.2, -0.5, 0.7, 1.3, -2.0];
+        let params = SamplingParams { temperature: 0.8, top_k: 0, top_p: 1.0 };
+        let (order, probs) = candidates(&logits, &params);
+        let n = 40_000;
+        for draft in [4u32, 2, 5] {
+            let mut counts = [0usize; 6];
+            let mut kept = 0;
+            for request_id in 0..n {
+                let sampler = Sampler::new(RequestSampling { params, seed: 11 }, request_id);
+                let (token, accepted) = sampler.check_draft(&logits, 9, draft).unwrap();
+                counts[token as usize] += 1;
+                kept += usize::from(accepted);
+            }
+            let chi2: f64 = order
+                .iter()
+                .zip(&probs)
+                .map(|(&t, &p)| (counts[t as usize] as f64 - p * n as f64).powi(2) / (p * n as f64))
+                .sum();
+            assert!(chi2 < 20.5, "draft {draft}: chi-square {chi2}, counts {counts:?}, p {probs:?}");
+            let p_draft = probs[order.iter().position(|&t| t == draft).unwrap()];
+            let rate = kept as f64 / n as f64;
+            assert!((rate - p_draft).abs() < 0.01, "draft {draft} kept at {rate}, p {p_draft}");
+        }
+    }
+
+    #[test]
+    fn greedy_checks_keep_the_draft_only_when_it_is_the_argmax() {
+        let sampler = Sampler::default();
+        assert_eq!(sampler.check_draft(&[0.0, 3.0, 1.0], 4, 1), Some((1, true)));
+        assert_eq!(sampler.check_draft(&[0.0, 3.0, 1.0], 4, 2), Some((1, false)));
+        assert_eq!(sampler.check_draft(&[0.0, f32::NAN, 1.0], 4, 2), None);
+        assert_eq!(sampler.pick(&[0.0, f32::INFINITY], 4), None);
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::step::{
     BlockStore, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
     StepLaunch,
 };
-use kvflow_kernels::cpu::sampling::finite_argmax;
+use kvflow_kernels::cpu::sampling::Sampler;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
 use kvflow_kernels::models::parts::moe::{expert_owner, expert_range};
@@ -41,6 +41,7 @@ struct OwnedSeq {
     sample: bool,
     /// Drafts at the end of `tokens`, to verify.
     drafts: usize,
+    sampler: Sampler,
 }
 
 /// A launch copied out of the rank's state, so it can run after the rank has moved on.
@@ -82,6 +83,7 @@ impl OwnedStep {
                     prompt_len: s.prompt_len,
                     sample: s.sample,
                     drafts: s.drafts.len(),
+                    sampler: s.sampler,
                 }
             })
             .collect();
@@ -378,7 +380,7 @@ impl CpuStepRunner {
                 }
                 sampled.push(verified);
             } else if let Some(logits) = out.last(i) {
-                let token = finite_argmax(logits);
+                let token = s.sampler.pick(logits, s.start_pos + s.tokens.len());
                 // A step already launched behind this one may name the token: it is fed a
                 // placeholder (the request fails when this completion lands, and what that step
                 // computes for it is dropped), so the others in its batch are not failed too.
@@ -498,23 +500,34 @@ impl ExpertParallel for CpuExecutor {
     }
 }
 
-/// Greedy verification of sequence `i` of `step`: the token after its last known token, then one
-/// after each draft while the draft before it equals the token sampled there. Returns what it
-/// sampled and how many drafts it kept.
+/// Verification of sequence `i` of `step`: the token after its last known token, then one after
+/// each draft while the draft before it was kept — greedy keeps a draft equal to the argmax, and
+/// sampling keeps it by the speculative-sampling rule ([`Sampler::check_draft`]), drawing the
+/// token there from what remains when it does not. Returns what it sampled and how many drafts it
+/// kept.
 fn verify(step: &OwnedStep, i: usize, out: &ForwardOutput) -> (Sampled, usize) {
     let s = &step.seqs[i];
     let drafts = &step.tokens[s.tokens.end - s.drafts..s.tokens.end];
+    // The row after the last known token chooses this position; each row after it, the next.
+    let first = s.start_pos + s.tokens.len() - s.drafts;
     let mut rows = out.seq(i);
-    let mut next = || rows.next().map(|row| (finite_argmax(row), hash::logits_row(row)));
-    let (token, logits_hash) = next().unwrap_or((None, 0));
-    let mut verified = Sampled::one(s.key, token, logits_hash);
+    let mut check = |k: usize| {
+        let row = rows.next()?;
+        let picked = match drafts.get(k) {
+            Some(&draft) => s.sampler.check_draft(row, first + k, draft),
+            None => s.sampler.pick(row, first + k).map(|t| (t, false)),
+        };
+        Some((picked, hash::logits_row(row)))
+    };
+    let Some((picked, logits_hash)) = check(0) else { return (Sampled::one(s.key, None, 0), 0) };
+    let mut verified = Sampled::one(s.key, picked.map(|(t, _)| t), logits_hash);
     let mut kept = 0;
-    let mut last = token;
-    while kept < drafts.len() && last == Some(drafts[kept]) {
-        let Some((t, h)) = next() else { break };
+    let mut held = picked.is_some_and(|(_, kept_draft)| kept_draft);
+    while held && kept < drafts.len() {
         kept += 1;
-        verified.accepted.push((t, h));
-        last = t;
+        let Some((picked, h)) = check(kept) else { break };
+        verified.accepted.push((picked.map(|(t, _)| t), h));
+        held = picked.is_some_and(|(_, kept_draft)| kept_draft);
     }
     (verified, kept)
 }

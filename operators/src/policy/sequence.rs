@@ -11,6 +11,7 @@
 
 use crate::messages::TokenTimes;
 use crate::step::SeqKey;
+use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::kv::{BlockTable, SlotId};
 use std::collections::HashMap;
 
@@ -85,6 +86,8 @@ pub struct Sequence {
     pub key: SeqKey,
     pub warmup: bool,
     pub id: u64,
+    /// How it picks its tokens.
+    pub sampling: RequestSampling,
     /// Tokens restored from the prefix cache at the last admission.
     pub cached: usize,
     pub preemptions: usize,
@@ -127,6 +130,9 @@ pub struct Sequence {
     /// The share of its drafts its recent verifications kept (1 until it has drafted): the
     /// width it drafts at follows it.
     pub draft_acceptance: f32,
+    /// Drafts made from T0 by a producer's drafter: on the producer, what its handoff carries;
+    /// on the consumer, what its first decode verifies.
+    pub handed_drafts: Vec<u32>,
 }
 
 impl Sequence {
@@ -135,6 +141,7 @@ impl Sequence {
         prompt.reserve_exact(max_output_tokens); // outputs are pushed one per step: no regrowth
         Sequence {
             id,
+            sampling: RequestSampling::default(),
             key: SeqKey { index: u32::MAX, generation: VACANT },
             tokens: prompt,
             prompt_len,
@@ -164,6 +171,7 @@ impl Sequence {
             loaded_tokens: 0,
             drafts: Vec::new(),
             draft_acceptance: 1.0,
+            handed_drafts: Vec::new(),
         }
     }
 

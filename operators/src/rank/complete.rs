@@ -129,12 +129,31 @@ impl Rank {
                     seq.t0_chain = Some(seq.logits_hash);
                 }
                 seq.token_times.record(now);
-                if seq.finished() {
+                if record.draft_from.contains(&s.seq) {
+                    self.draft_from_successor(s.seq.index as usize);
+                }
+                if self.seqs.get(s.seq.index as usize).finished() {
                     self.finish(s.seq.index as usize, c.step);
                     break;
                 }
             }
         }
+    }
+
+    /// A producer's request sampled T0: its drafter proposes from it now, for the handoff (the
+    /// consumer's first decode verifies them at full width).
+    fn draft_from_successor(&mut self, index: usize) {
+        let Some(spec) = self.scheduler.config.spec else { return };
+        let seq = self.seqs.get_mut(index);
+        // The consumer decodes outputs − 1 more tokens; its last one is never a draft.
+        let room = seq.handoff_outputs.unwrap_or(0).saturating_sub(2).min(spec.draft_tokens);
+        let mut drafts = std::mem::take(&mut seq.handed_drafts);
+        drafts.clear();
+        if room > 0 {
+            spec.drafter.propose(&seq.tokens, room, &mut drafts);
+        }
+        self.stats.spec.handed_off_drafts += drafts.len() as u64;
+        seq.handed_drafts = drafts;
     }
 
     /// The executor broke its contract: step `step` was to sample `expected` (in batch order) but

@@ -43,8 +43,16 @@ impl Rank {
         self.awaiting.len()
     }
 
-    /// A new sequence for admission `a`: a prefill pool's samples T0 only.
+    /// A new sequence for admission `a`, picking tokens as it asks: a prefill pool's samples T0
+    /// only.
     pub(super) fn new_sequence(&mut self, a: Admission) -> Option<Sequence> {
+        let sampling = a.sampling;
+        let mut seq = self.sequence_for(a)?;
+        seq.sampling = sampling;
+        Some(seq)
+    }
+
+    fn sequence_for(&mut self, a: Admission) -> Option<Sequence> {
         use crate::messages::AdmissionKind;
         match a.kind {
             AdmissionKind::Whole => Some(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup)),
@@ -116,6 +124,7 @@ impl Rank {
                 seq.first_cached = seq.cached;
                 // T0 is known: it is the first decode input, fed once, at the prompt boundary.
                 seq.tokens.push(h.t0);
+                seq.handed_drafts = h.drafts.clone();
                 seq.computed = seq.prompt_len;
                 seq.logits_hash = h.logits_hash;
                 seq.token_times.record(h.t0_ms);
@@ -168,6 +177,8 @@ impl Rank {
             prompt: seq.tokens[..seq.prompt_len].to_vec(),
             max_output_tokens: outputs,
             warmup: seq.warmup,
+            sampling: seq.sampling,
+            drafts: std::mem::take(&mut seq.handed_drafts),
             t0: seq.tokens[seq.prompt_len],
             logits_hash: seq.t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,

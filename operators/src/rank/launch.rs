@@ -13,6 +13,7 @@ use crate::policy::scheduler::snapshot_boundaries;
 use crate::policy::scheduler::Chunk;
 use crate::policy::sequence::Sequences;
 use crate::step::{ImportFrom, KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
+use kvflow_kernels::cpu::sampling::Sampler;
 use std::collections::HashMap;
 
 /// A decided batch as the executor sees it: each chunk with its sequence's tokens, blocks and
@@ -54,6 +55,7 @@ impl SeqSource for Batch<'_> {
             slot: s.slot,
             prompt_len: s.prompt_len,
             sample: c.sample,
+            sampler: Sampler::new(s.sampling, s.id),
         }
     }
 }
@@ -91,6 +93,8 @@ impl Rank {
                     let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
                     let from = ImportFrom::Handoff(handoff);
                     imports.push(KvImport { key: c.key, blocks, slot: seq.slot, snapshot: None, from });
+                    self.stats.spec.first_decodes += 1;
+                    self.stats.spec.first_decode_drafts += c.drafts as u64;
                 }
             }
         }
@@ -237,6 +241,7 @@ impl Rank {
             restoring,
             published,
             handoff_exports,
+            draft_from: decided.chunks.iter().filter(|c| c.drafter_successors).map(|c| c.key).collect(),
         });
         self.memory.steps_in_flight_from(self.oldest_in_flight());
         self.stats.launched_steps += 1;

@@ -54,6 +54,8 @@ struct StepRecord {
     published: Vec<u64>,
     /// Its exports that are handoffs; the ones after them are offload saves.
     handoff_exports: usize,
+    /// Those whose drafter proposes from the token the step samples (`Chunk::drafter_successors`).
+    draft_from: Vec<SeqKey>,
 }
 
 pub struct Rank {
@@ -176,6 +178,9 @@ impl Rank {
     }
 
     pub fn with_switches(mut self, switches: TestSwitches) -> Self {
+        if let Some(spec) = self.scheduler.config.spec.as_mut() {
+            spec.widen_buckets = switches.widen_draft_buckets;
+        }
         self.switches = switches;
         self
     }
@@ -297,6 +302,12 @@ impl Rank {
         self.waker.take(); // what raised it is polled now
         self.poll();
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
+        self.scheduler.mark_drafter_successors(&self.seqs, &mut self.decided);
+        if self.switches.drafter_successors_only_when_verifying {
+            for c in &mut self.decided.chunks {
+                c.drafter_successors = c.drafts > 0;
+            }
+        }
         self.decided_for = Some(t);
         // Handoffs awaiting their ack free memory when it comes: not stuck while any wait.
         // Saves and loads return memory when they complete.

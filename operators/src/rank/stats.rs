@@ -75,4 +75,9 @@ pub struct SpecStats {
     pub verify_steps: u64,
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
+    /// A producer: drafts made from T0 and sent with handoffs.
+    pub handed_off_drafts: u64,
+    /// A consumer: handed-off requests' first decodes, and the drafts they fed.
+    pub first_decodes: u64,
+    pub first_decode_drafts: u64,
 }

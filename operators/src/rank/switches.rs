@@ -69,6 +69,14 @@ pub struct TestSwitches {
     /// A verification that rejects drafts leaves the recurrent and conv state as after every
     /// draft instead of after the last accepted token (removes the rollback).
     pub keep_rejected_state: bool,
+    /// The drafter is handed a chunk's sampled token only when the chunk verifies drafts
+    /// (removes "drafter inputs explicit": a producer, which never verifies, makes no drafts
+    /// from T0 and its handoffs carry none).
+    pub drafter_successors_only_when_verifying: bool,
+    /// Dynamic q-bucketing rounds a request's draft width up to a bucket past what the
+    /// scheduler fixed for it — the room left in the step's token budget and the outputs the
+    /// request has left (removes "scheduled width").
+    pub widen_draft_buckets: bool,
 }
 
 impl TestSwitches {

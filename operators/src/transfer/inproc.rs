@@ -228,6 +228,7 @@ pub fn handoff_admission(h: &Handoff) -> Admission {
         max_output_tokens: h.max_output_tokens,
         warmup: h.warmup,
         kind: AdmissionKind::Handoff { rank: h.to.map(|b| b.rank) },
+        sampling: h.sampling,
     }
 }
 

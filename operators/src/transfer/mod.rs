@@ -38,6 +38,11 @@ pub struct Handoff {
     pub prompt: Vec<u32>,
     pub max_output_tokens: usize,
     pub warmup: bool,
+    /// How the request picks its tokens (the consumer samples on with it).
+    pub sampling: kvflow_kernels::cpu::sampling::RequestSampling,
+    /// Drafts the producer's drafter made from T0: the consumer's first decode feeds T0 and
+    /// these (DESIGN §10).
+    pub drafts: Vec<u32>,
     /// The first sampled token: the consumer's first decode input, applied exactly once.
     pub t0: u32,
     /// The request's logits hash chain through T0 (so `--verify` compares the whole output).

@@ -5,14 +5,20 @@
 //! allocated for that request.
 
 use super::{Handoff, TransferId};
+use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVFH");
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
+/// The most drafts a handoff carries (`[speculative] draft_tokens` is at most 16).
+pub const MAX_HANDOFF_DRAFTS: usize = 16;
 const HAS_STATE: u16 = 1;
 const WARMUP: u16 = 2;
 const UNCHECKED: u16 = 4;
 /// Bytes of the fixed header.
-pub const HEADER_BYTES: usize = 4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4;
+pub const HEADER_BYTES: usize =
+    4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + SAMPLING_BYTES;
+/// Temperature, top-k, top-p, seed and the count of drafts (which follow the prompt).
+const SAMPLING_BYTES: usize = 4 + 4 + 4 + 8 + 4;
 /// `to_rank` of a handoff no decode rank asked for.
 const NO_RANK: u32 = u32::MAX;
 
@@ -37,6 +43,8 @@ pub struct Descriptor {
     pub prompt: Vec<u32>,
     pub max_output_tokens: usize,
     pub warmup: bool,
+    pub sampling: RequestSampling,
+    pub drafts: Vec<u32>,
     pub t0: u32,
     pub logits_hash: u64,
     /// Prompt blocks the consumer already holds (not sent).
@@ -77,12 +85,16 @@ pub enum WireError {
     Geometry { what: &'static str, got: usize, expected: usize },
     #[error("prompt of {got} tokens: this pool takes 1 to {max}")]
     PromptLength { got: usize, max: usize },
-    #[error("token {token} at prompt position {position} (or T0) is outside the vocabulary of {vocab}")]
+    #[error(
+        "token {token} at prompt position {position} (or T0, or a draft after it) is outside the vocabulary of {vocab}"
+    )]
     Token { token: u32, position: usize, vocab: usize },
     #[error("the model has recurrent state but the handoff carries none (all-or-nothing state)")]
     MissingState,
     #[error("the handoff carries state for a model without recurrent state")]
     UnexpectedState,
+    #[error("sampling {0}: expected a finite temperature >= 0 and top_p in (0, 1]")]
+    Sampling(String),
 }
 
 struct Reader<'a> {
@@ -113,7 +125,7 @@ impl Reader<'_> {
 pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
     let unchecked = checksum.is_none();
     let checksum = checksum.unwrap_or(0);
-    let mut out = Vec::with_capacity(HEADER_BYTES + 4 * h.prompt.len());
+    let mut out = Vec::with_capacity(HEADER_BYTES + 4 * (h.prompt.len() + h.drafts.len()));
     let flags = if h.state.is_some() { HAS_STATE } else { 0 }
         | if h.warmup { WARMUP } else { 0 }
         | if unchecked { UNCHECKED } else { 0 };
@@ -136,7 +148,13 @@ pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
     out.extend_from_slice(&h.started_ms.to_bits().to_le_bytes());
     out.extend_from_slice(&h.t0_ms.to_bits().to_le_bytes());
     out.extend_from_slice(&h.to.map_or(NO_RANK, |b| b.rank).to_le_bytes());
-    for t in &h.prompt {
+    let sampling = &h.sampling.params;
+    out.extend_from_slice(&sampling.temperature.to_bits().to_le_bytes());
+    out.extend_from_slice(&u32::try_from(sampling.top_k).unwrap_or(u32::MAX).to_le_bytes());
+    out.extend_from_slice(&sampling.top_p.to_bits().to_le_bytes());
+    out.extend_from_slice(&h.sampling.seed.to_le_bytes());
+    out.extend_from_slice(&(h.drafts.len() as u32).to_le_bytes());
+    for t in h.prompt.iter().chain(&h.drafts) {
         out.extend_from_slice(&t.to_le_bytes());
     }
     out
@@ -176,6 +194,15 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
     let started_ms = f64::from_bits(r.u64());
     let t0_ms = f64::from_bits(r.u64());
     let to_rank = Some(r.u32()).filter(|&rank| rank != NO_RANK);
+    let (temperature, top_k, top_p) = (f32::from_bits(r.u32()), r.u32() as usize, f32::from_bits(r.u32()));
+    let sampling = RequestSampling { params: SamplingParams { temperature, top_k, top_p }, seed: r.u64() };
+    let draft_count = r.u32() as usize;
+    if draft_count > MAX_HANDOFF_DRAFTS {
+        return Err(WireError::Geometry { what: "drafts", got: draft_count, expected: MAX_HANDOFF_DRAFTS });
+    }
+    if !(temperature.is_finite() && temperature >= 0.0 && top_p > 0.0 && top_p <= 1.0) {
+        return Err(WireError::Sampling(format!("temperature {temperature}, top_p {top_p}")));
+    }
     if prompt_len == 0 || prompt_len > layout.max_prompt {
         return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
     }
@@ -203,13 +230,15 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         }
         _ => {}
     }
-    let needed = HEADER_BYTES + 4 * prompt_len;
+    let needed = HEADER_BYTES + 4 * (prompt_len + draft_count);
     if bytes.len() < needed {
         return Err(WireError::Truncated { got: bytes.len(), needed });
     }
     let prompt: Vec<u32> = (0..prompt_len).map(|_| r.u32()).collect();
+    let drafts: Vec<u32> = (0..draft_count).map(|_| r.u32()).collect();
     let vocab = layout.vocab_size;
-    if let Some((position, &token)) = prompt.iter().chain([&t0]).enumerate().find(|(_, &t)| t as usize >= vocab) {
+    let tokens = prompt.iter().chain([&t0]).chain(&drafts);
+    if let Some((position, &token)) = tokens.enumerate().find(|(_, &t)| t as usize >= vocab) {
         return Err(WireError::Token { token, position, vocab });
     }
     let descriptor = Descriptor {
@@ -218,6 +247,8 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         prompt,
         max_output_tokens,
         warmup: flags & WARMUP != 0,
+        sampling,
+        drafts,
         t0,
         logits_hash,
         skip_blocks,
@@ -254,6 +285,8 @@ pub(crate) mod tests {
             prompt: vec![1, 2, 3, 4, 5, 6, 7, 8, 9],
             max_output_tokens: 5,
             warmup: true,
+            sampling: RequestSampling { params: SamplingParams { temperature: 0.7, top_k: 5, top_p: 0.9 }, seed: 3 },
+            drafts: vec![7, 8, 9],
             t0: 42,
             logits_hash: 0xABCD,
             fingerprint: 77,
@@ -279,6 +312,7 @@ pub(crate) mod tests {
         assert_eq!(used, bytes.len());
         assert_eq!((d.request, d.t0, d.skip_blocks, d.kv_blocks, d.checksum), (41, 42, 1, 2, 123));
         assert_eq!(d.prompt, h.prompt);
+        assert_eq!((d.sampling, &d.drafts), (h.sampling, &h.drafts));
         assert!(d.warmup && d.has_state);
         assert_eq!(d.payload_bytes(&layout()), 4 * (12 + 3));
     }

@@ -11,7 +11,7 @@ use super::{
 use crate::emit::EventSink;
 use crate::messages::Event;
 use crate::transfer::inproc::{Ack, ConsumerPool};
-use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES};
+use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
 use crate::transfer::{locked, read_floats, Crc32c, Handoff, Recycler, TransferId};
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -238,7 +238,7 @@ fn serve(
     let Ok(back) = conn.try_clone() else { return };
     locked(&shared.ackers).insert(link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
     let acker: Arc<dyn Ack> = Arc::new(LinkAck { link, shared: shared.clone() });
-    let max_descriptor = HEADER_BYTES + 4 * layout.max_prompt;
+    let max_descriptor = HEADER_BYTES + 4 * (layout.max_prompt + MAX_HANDOFF_DRAFTS);
     let recycler = Recycler::default();
     while let Ok(len) = read_u32(&mut conn) {
         if len == ABORT_FRAME {
@@ -309,6 +309,8 @@ fn serve(
             prompt: d.prompt,
             max_output_tokens: d.max_output_tokens,
             warmup: d.warmup,
+            sampling: d.sampling,
+            drafts: d.drafts,
             t0: d.t0,
             logits_hash: d.logits_hash,
             fingerprint: layout.fingerprint,
