@@ -46,6 +46,15 @@ enum Command {
     },
     /// Runs a graph: its pool serves the workload's trace; writes report.json and requests.jsonl.
     Run(Box<RunArgs>),
+    /// Writes the seeded model of a TOML model spec as a checkpoint folder (config.json and
+    /// model.safetensors in f32, under the family's tensor names — a DeepSeek spec with
+    /// num_nextn_predict_layers = 1 includes its MTP layer).
+    SeedCheckpoint {
+        /// The TOML model spec.
+        spec: PathBuf,
+        /// The checkpoint folder to write (created if missing).
+        out: PathBuf,
+    },
     /// Replays the same trace and seed through each graph (aggregated against P/D, say) and
     /// prints TTFT, TPOT, queueing, throughput and goodput side by side; every report is written
     /// (with --out DIR, into DIR/<graph name>).
@@ -555,6 +564,11 @@ fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &kvflow::signals::I
 fn run() -> Result<()> {
     kvflow_kernels::cpu::simd::check_cpu_supports_build().map_err(anyhow::Error::msg)?;
     match Cli::parse().command {
+        Command::SeedCheckpoint { spec, out } => {
+            let names = kvflow_kernels::models::write_seeded_checkpoint(&spec, &out)
+                .with_context(|| format!("cannot write the seeded checkpoint of {}", spec.display()))?;
+            println!("{}: {} tensors written", out.display(), names.len());
+        }
         Command::Generate { model, prompts, max_new_tokens, chunk_tokens, decode_logits, block_size, out } => {
             // The output file first: an unwritable --out is found before any work.
             let mut sink: Box<dyn std::io::Write> = match &out {

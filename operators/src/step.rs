@@ -246,6 +246,9 @@ pub struct SeqStep<'a> {
     pub sample: bool,
     /// How its tokens are picked (and its drafts checked).
     pub sampler: kvflow_kernels::cpu::sampling::Sampler,
+    /// A prompt chunk that ends before the prompt does: the prompt token after it (what the MTP
+    /// drafter pairs with the chunk's last position).
+    pub next_prompt_token: Option<u32>,
 }
 
 impl SeqStep<'_> {
@@ -335,12 +338,14 @@ pub struct Sampled {
     /// kept (each the token sampled after that draft), with their rows' hashes. `token` equal to
     /// the first draft keeps it, and so on; the last token here is the one no draft matched.
     pub accepted: Vec<(Option<u32>, u64)>,
+    /// With the `mtp` drafter: drafts for the next step, proposed after the last token here.
+    pub drafts: Vec<u32>,
 }
 
 impl Sampled {
     /// One token, no drafts.
     pub fn one(seq: SeqKey, token: Option<u32>, logits_hash: u64) -> Self {
-        Sampled { seq, token, logits_hash, accepted: Vec::new() }
+        Sampled { seq, token, logits_hash, accepted: Vec::new(), drafts: Vec::new() }
     }
 }
 

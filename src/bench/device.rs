@@ -349,6 +349,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
         let seqs: Vec<SeqStep> = (0..batch)
             .map(|i| SeqStep {
                 sampler: Default::default(),
+                next_prompt_token: None,
                 key: keys[i],
                 known: &prompts[i],
                 deferred: None,
@@ -376,6 +377,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
             let seqs: Vec<SeqStep> = (0..batch)
                 .map(|i| SeqStep {
                     sampler: Default::default(),
+                    next_prompt_token: None,
                     key: keys[i],
                     known: if deferred { &[] } else { &known[i] },
                     deferred: deferred.then_some(k - 1),

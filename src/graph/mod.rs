@@ -87,7 +87,8 @@
 //! pool_choice = "seeded"           # with several pools: seeded | round-robin (default seeded)
 //!
 //! [speculative]                    # optional: speculative decoding (default: none)
-//! drafter = "ngram"                # prompt lookup: what followed the last earlier match of the suffix
+//! drafter = "ngram"                # ngram: prompt lookup (what followed the last earlier match of the
+//!                                  # suffix); mtp: the checkpoint's MTP layer (DeepSeek, cpu, no EP)
 //! draft_tokens = 4                 # drafts a decode carries (1 to 16; fewer near the request's end)
 //! ngram_min = 1                    # the shortest suffix matched (default 1)
 //! ngram_max = 3                    # the longest suffix matched (default 3)
@@ -743,7 +744,9 @@ mod tests {
             admission: AdmissionPolicy::Optimistic,
             spec: Some(kvflow_operators::policy::scheduler::SpecConfig {
                 draft_tokens: 4,
-                drafter: kvflow_operators::policy::drafter::NgramDrafter { min_n: 1, max_n: 3 },
+                drafter: kvflow_operators::policy::drafter::Drafter::Ngram(
+                    kvflow_operators::policy::drafter::NgramDrafter { min_n: 1, max_n: 3 },
+                ),
                 widen_buckets: false,
             }),
         };

@@ -22,7 +22,7 @@ use super::{
     SchedulerConfig, SloConfig, TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
 };
 use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
-use kvflow_operators::policy::drafter::NgramDrafter;
+use kvflow_operators::policy::drafter::{Drafter, NgramDrafter};
 use kvflow_operators::policy::scheduler::SpecConfig;
 
 const DEFAULT_MEMORY: MemoryConfig = MemoryConfig { budget_bytes: 256 << 20, block_size: 16, snapshot_fraction: 0.25 };
@@ -648,9 +648,8 @@ impl<'a> Validator<'a> {
         let raw = spanned.get_ref();
         let drafter =
             self.field("speculative.drafter", raw.drafter.as_ref(), "ngram".to_string(), |d| match d.as_str() {
-                "ngram" => Ok(d),
-                "mtp" => Err("the `mtp` drafter is not built yet; known: `ngram`".to_string()),
-                _ => Err(format!("`{d}` is not a drafter; known: `ngram`")),
+                "ngram" | "mtp" => Ok(d),
+                _ => Err(format!("`{d}` is not a drafter; known: `ngram`, `mtp`")),
             })?;
         let draft_tokens = self.field("speculative.draft_tokens", raw.draft_tokens.as_ref(), 4, |k| {
             if (1..=MAX_DRAFT_TOKENS).contains(&k) {
@@ -667,7 +666,6 @@ impl<'a> Validator<'a> {
                 Err(format!("{n}; expected ngram_min ({ngram_min}) to 64"))
             }
         })?;
-        debug_assert_eq!(drafter, "ngram");
         if let Some(pool) = pools.iter().find(|p| p.executor == "cuda") {
             return Err(self.error(
                 "speculative",
@@ -677,7 +675,10 @@ impl<'a> Validator<'a> {
         }
         Ok(SpecConfig {
             draft_tokens,
-            drafter: NgramDrafter { min_n: ngram_min, max_n: ngram_max },
+            drafter: match drafter.as_str() {
+                "mtp" => Drafter::Mtp,
+                _ => Drafter::Ngram(NgramDrafter { min_n: ngram_min, max_n: ngram_max }),
+            },
             widen_buckets: false,
         })
     }

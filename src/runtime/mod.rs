@@ -308,6 +308,25 @@ fn pool_job(
         .ok_or_else(|| named("executor", &pool.executor, registry.executors.names()))?;
     let executor_settings = pool.executor_settings.clone();
     executor.check(&executor_settings).map_err(|e| anyhow!("{}: pool `{}`: {e}", graph.path.display(), pool.name))?;
+    if pool.scheduler.spec.is_some_and(|s| s.drafter.runs_in_executor()) {
+        if model.mtp().is_none() {
+            return Err(anyhow!(
+                "{}: speculative.drafter = \"mtp\": the model {} holds no MTP layer (a DeepSeek checkpoint's \
+                 `model.layers.{{num_hidden_layers}}.eh_proj`, `.enorm`, `.hnorm`, `.shared_head` tensors, with \
+                 num_nextn_predict_layers >= 1); use drafter = \"ngram\"",
+                graph.path.display(),
+                graph.model.display()
+            ));
+        }
+        if pool.expert_parallel {
+            return Err(anyhow!(
+                "{}: speculative.drafter = \"mtp\": pool `{}` has expert_parallel = true, and the MTP layer's \
+                 experts across ranks are not built yet; use drafter = \"ngram\" there",
+                graph.path.display(),
+                pool.name
+            ));
+        }
+    }
     let experts = if pool.expert_parallel {
         let moe_layers: Vec<usize> = model.moe_layers().into_iter().map(|(layer, _)| layer).collect();
         if moe_layers.is_empty() {

@@ -312,6 +312,7 @@ pub fn start_pool(
                     layout,
                     waker: waker.clone(),
                     experts: placement,
+                    mtp_drafts: scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens),
                 };
                 executor.build(&executor_settings, ctx)
             });

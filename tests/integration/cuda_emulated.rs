@@ -139,6 +139,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
             prompt_len: prompt.len(),
             sample: true,
             sampler: Default::default(),
+            next_prompt_token: None,
         };
         launch(&mut ex, 0, base);
         let waits = ex.host_waits();
@@ -317,6 +318,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         prompt_len: case.prompt.len(),
         sample: true,
         sampler: Default::default(),
+        next_prompt_token: None,
     };
     let export = KvExport { key, blocks: vec![0], slot: None };
     let done = one_step(&mut producer, prefill, &[], &[export]);

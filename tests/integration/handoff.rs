@@ -19,6 +19,11 @@ use std::sync::Arc;
 pub(crate) const BLOCK: usize = 16;
 
 pub(crate) fn runner(model: &Arc<Model>) -> CpuStepRunner {
+    runner_drafting(model, 0)
+}
+
+/// [`runner`] whose MTP pass proposes `mtp_drafts` drafts after each sampled token.
+pub(crate) fn runner_drafting(model: &Arc<Model>, mtp_drafts: usize) -> CpuStepRunner {
     let layout = MemoryLayout {
         block_size: BLOCK,
         blocks: 64,
@@ -35,6 +40,7 @@ pub(crate) fn runner(model: &Arc<Model>) -> CpuStepRunner {
         layout,
         waker: Arc::new(RankWaker::default()),
         experts: None,
+        mtp_drafts,
     };
     CpuStepRunner::new(&ctx)
 }
@@ -106,6 +112,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             prompt_len: p,
             sample: true,
             sampler: Default::default(),
+            next_prompt_token: None,
         };
         let done = step(&mut producer, 0, prefill, &zero, &[], &export, false);
         let sampled = done.result.unwrap();
@@ -163,6 +170,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
                     prompt_len: p,
                     sample: true,
                     sampler: Default::default(),
+                    next_prompt_token: None,
                 };
                 let (before, imports) = if i == 0 { (&czero[..], &import[..]) } else { (&[][..], &[][..]) };
                 let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[], false).result.unwrap();

@@ -5,7 +5,7 @@
 //! accepted token.
 
 use crate::common::{assert_clean_failure, fixture, kvflow, FIXTURES};
-use crate::handoff::{runner, step, BLOCK};
+use crate::handoff::{runner, runner_drafting, step, BLOCK};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler, SamplingParams};
@@ -95,8 +95,7 @@ fn bad_speculative_settings_are_refused_naming_the_key() {
     let pool = "[[pool]]\nname = \"main\"\nranks = 1\n";
     let cases = [
         ("draft_tokens = 4", "draft_tokens = 0", vec!["speculative.draft_tokens", "1 to 16"]),
-        ("drafter = \"ngram\"", "drafter = \"mtp\"", vec!["speculative.drafter", "not built yet"]),
-        ("drafter = \"ngram\"", "drafter = \"eagle\"", vec!["speculative.drafter", "`eagle`"]),
+        ("drafter = \"ngram\"", "drafter = \"eagle\"", vec!["speculative.drafter", "`eagle`", "`mtp`"]),
         ("draft_tokens = 4", "draft_tokens = 4\nngram_min = 3\nngram_max = 2", vec!["speculative.ngram_max"]),
     ];
     for (from, to, needles) in cases {
@@ -154,6 +153,7 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
                 prompt_len: p,
                 sample: true,
                 sampler: Sampler::default(),
+                next_prompt_token: None,
             };
             let before: &[StateOp] = if t == 0 { &zero } else { &[] };
             step(r, t, s, before, &[], &[], keep).result.unwrap().remove(0)
@@ -296,6 +296,7 @@ fn sampled_drafting_keeps_the_target_distribution() {
             prompt_len: p,
             sample: true,
             sampler: Sampler::default(),
+            next_prompt_token: None,
         };
         step(&mut r, 0, prefill, &[], &[], &[], false).result.unwrap();
         let (mut at_first, mut at_second) = (vec![0usize; vocab as usize], vec![0usize; vocab as usize]);
@@ -363,4 +364,136 @@ fn a_producer_drafts_from_t0_and_the_consumers_first_decode_verifies_those_draft
         assert_eq!(spec["handed_off_drafts"], 0, "{model}: without the field the producer drafts nothing: {spec}");
         assert_eq!(spec["first_decode_drafts"], 0, "{model}: {spec}");
     }
+}
+
+/// A seeded DeepSeek-V3 checkpoint with an MTP layer, written under DeepSeek's tensor names
+/// (`model.layers.3.enorm`, `.hnorm`, `.eh_proj`, `.shared_head.*` and the layer's decoder
+/// tensors) into `dir/ckpt`.
+fn mtp_checkpoint(dir: &Path) -> std::path::PathBuf {
+    let spec = "model_type = \"deepseek_v3\"\nseed = 21\nvocab_size = 512\nhidden_size = 64\n\
+                intermediate_size = 128\nmoe_intermediate_size = 32\nnum_hidden_layers = 3\n\
+                num_attention_heads = 4\nq_lora_rank = 48\nkv_lora_rank = 32\nqk_nope_head_dim = 16\n\
+                qk_rope_head_dim = 8\nv_head_dim = 16\nn_routed_experts = 8\nnum_experts_per_tok = 2\n\
+                n_shared_experts = 1\nn_group = 2\ntopk_group = 1\nfirst_k_dense_replace = 1\n\
+                num_nextn_predict_layers = 1\n";
+    std::fs::write(dir.join("mtp.toml"), spec).unwrap();
+    let ckpt = dir.join("ckpt");
+    let names = models::write_seeded_checkpoint(&dir.join("mtp.toml"), &ckpt).unwrap();
+    assert!(names.iter().any(|n| n == "model.layers.3.eh_proj.weight"), "{names:?}");
+    ckpt
+}
+
+#[test]
+fn the_mtp_drafter_is_exact_and_a_producer_hands_its_mtp_drafts_off() {
+    // MTP drafts from the seeded checkpoint's MTP layer, run in the executor after each step:
+    // greedy verification keeps outputs exactly the plain ones (aggregated, deferred, and P/D
+    // over inproc and tcp, where the MTP layer's KV travels with the rest and the producer's
+    // drafts made from T0 are the consumer's first draft).
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = mtp_checkpoint(dir.path());
+    let link = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n[[pool]]\nname = \"decode\"\n\
+                role = \"decode\"\nranks = 2\n\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\n";
+    let cases = [
+        ("aggregated", "[[pool]]\nname = \"main\"\nranks = 2\n".to_string()),
+        ("cpu-deferred", "[[pool]]\nname = \"main\"\nranks = 1\nexecutor = \"cpu-deferred\"\n".to_string()),
+        ("1P2D inproc", format!("{link}backend = \"inproc\"\n")),
+        ("1P2D tcp", format!("{link}backend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n")),
+    ];
+    for (what, pools) in cases {
+        let run_dir = dir.path().join(what.replace(' ', "-"));
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let graph = spec_graph(&run_dir, &ckpt.to_string_lossy(), &pools);
+        let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
+        std::fs::write(&graph, text).unwrap();
+        let report = run_graph(&graph, long_outputs(), TestSwitches::default());
+        assert_exact(&report, what);
+        let spec = &report["spec"];
+        if what != "cpu-deferred" {
+            assert!(spec["drafted_tokens"].as_u64().unwrap() > 0, "{what}: MTP drafts were fed: {spec}");
+        }
+        if what.starts_with("1P2D") {
+            let sent = spec["handed_off_drafts"].as_u64().unwrap();
+            assert!(sent > 0 && spec["first_decode_drafts"] == sent, "{what}: {spec}");
+        }
+    }
+    // Refused where it cannot run: a checkpoint without an MTP layer, an expert-parallel pool.
+    let graph = spec_graph(dir.path(), "hf/llama", "[[pool]]\nname = \"main\"\nranks = 1\n");
+    let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
+    std::fs::write(&graph, text).unwrap();
+    assert_clean_failure(&kvflow(&["run", &graph.to_string_lossy()]), &["speculative.drafter", "holds no MTP layer"]);
+    let ep = "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n";
+    let graph = spec_graph(dir.path(), &ckpt.to_string_lossy(), ep);
+    let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
+    std::fs::write(&graph, text).unwrap();
+    assert_clean_failure(&kvflow(&["run", &graph.to_string_lossy()]), &["speculative.drafter", "expert_parallel"]);
+}
+
+#[test]
+fn mtp_kv_a_producer_hands_off_equals_the_mtp_kv_recomputed_in_one_pass() {
+    // Drafter KV self-consistency: a producer runs the prompt in chunks of 16 (each middle chunk's
+    // last MTP row pairs with the next prompt token, `SeqStep::next_prompt_token`) and samples T0;
+    // another executor runs the whole prompt as one chunk. The MTP layer's KV in the blocks the
+    // producer exports (what its handoff carries) equals the one-pass KV bit for bit, and both
+    // propose the same drafts from T0.
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(models::load(&mtp_checkpoint(dir.path())).unwrap());
+    let prompt: Vec<u32> = (0..45u32).map(|i| (i * 29 + 7) % 512).collect();
+    let p = prompt.len();
+    let blocks: Vec<u32> = (0..(p + 8).div_ceil(BLOCK) as u32).collect();
+    let key = SeqKey { index: 0, generation: 1 };
+    let seq = |known: &'static [u32], start_pos: usize, sample: bool| SeqStep {
+        key,
+        known,
+        drafts: &[],
+        deferred: None,
+        start_pos,
+        block_table: Box::leak(blocks.clone().into_boxed_slice()),
+        slot: None,
+        prompt_len: p,
+        sample,
+        sampler: Sampler::default(),
+        next_prompt_token: prompt.get(start_pos + known.len()).copied().filter(|_| !sample),
+    };
+    let leak = |v: &[u32]| -> &'static [u32] { Box::leak(v.to_vec().into_boxed_slice()) };
+    let export = [kvflow_operators::step::KvExport { key, blocks: blocks.clone(), slot: None }];
+    let mut whole = runner_drafting(&model, 4);
+    let one = step(&mut whole, 0, seq(leak(&prompt), 0, true), &[], &[], &export, false);
+    let mut producer = runner_drafting(&model, 4);
+    let mut last = None;
+    for (t, start) in (0..p).step_by(16).enumerate() {
+        let end = (start + 16).min(p);
+        let exports: &[_] = if end == p { &export } else { &[] };
+        last = Some(step(
+            &mut producer,
+            t as u64,
+            seq(leak(&prompt[start..end]), start, end == p),
+            &[],
+            &[],
+            exports,
+            false,
+        ));
+    }
+    let chunked = last.unwrap();
+    let (a, b) = (one.result.as_ref().unwrap(), chunked.result.as_ref().unwrap());
+    assert_eq!((a[0].token, a[0].logits_hash), (b[0].token, b[0].logits_hash), "the same T0");
+    assert_eq!(a[0].drafts, b[0].drafts, "the same drafts from T0");
+    assert_eq!(a[0].drafts.len(), 4, "drafts at full width: {:?}", a[0].drafts);
+    let mtp_layer = model.kv_row_widths().len() - 1;
+    let rows = |c: &kvflow_operators::step::StepCompletion| -> Vec<f32> {
+        let Some(kvflow_operators::step::KvSource { store: kvflow_operators::step::BlockStore::Host(cache), .. }) =
+            &c.exports[0].source
+        else {
+            panic!("a CPU export reads in place")
+        };
+        let cache = cache.read().unwrap();
+        let layer = cache.kv.layer(mtp_layer);
+        blocks
+            .iter()
+            .flat_map(|&b| layer.rows(b as usize * BLOCK, BLOCK).to_vec())
+            .take(p * layer.row_width())
+            .collect()
+    };
+    let (handed, recomputed) = (rows(&chunked), rows(&one));
+    assert!(handed.iter().any(|&v| v != 0.0), "the MTP layer wrote its KV");
+    assert_eq!(handed, recomputed, "the MTP KV handed off is the MTP KV recomputed");
 }

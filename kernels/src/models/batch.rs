@@ -45,6 +45,28 @@ pub struct ForwardOutput {
     pub logits: Vec<f32>,
     /// For sequence `i` of the batch, its rows of `logits` (position order).
     pub rows: Vec<Range<usize>>,
+    /// Only when asked for ([`crate::models::Model::finish_step_keeping_hidden`]): every row's
+    /// final-normed hidden state `[rows × hidden]`, in batch order (what an MTP drafter reads).
+    pub hidden: Vec<f32>,
+}
+
+/// Which rows of a step want logits: per sequence its range in the wanted list, and the wanted
+/// rows' indices in the step.
+pub(crate) fn wanted_rows(batch: &[SeqInput]) -> (Vec<Range<usize>>, Vec<usize>) {
+    let mut wanted = Vec::new();
+    let mut rows = Vec::with_capacity(batch.len());
+    let mut first_row = 0;
+    for s in batch {
+        let start = wanted.len();
+        match s.logits {
+            LogitsWanted::None => {}
+            LogitsWanted::Last => wanted.push(first_row + s.tokens.len() - 1),
+            LogitsWanted::All => wanted.extend(first_row..first_row + s.tokens.len()),
+        }
+        rows.push(start..wanted.len());
+        first_row += s.tokens.len();
+    }
+    (rows, wanted)
 }
 
 impl ForwardOutput {

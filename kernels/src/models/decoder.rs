@@ -14,7 +14,7 @@
 //! [`Model::combine_experts`] sums their outputs into the hidden state — the same arithmetic, in
 //! the same order, as the layer run whole.
 
-use super::batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
+use super::batch::{BatchLayout, ForwardOutput, SeqInput};
 use super::family::Family;
 use super::parts::gated_delta::GatedDeltaNet;
 use super::parts::gqa::GqaAttention;
@@ -85,9 +85,9 @@ impl Mixer {
 /// Where a layer keeps its per-request memory: a layer of the paged cache, or a range of the
 /// state slot.
 #[derive(Clone, Copy, Debug)]
-struct CacheBinding {
-    kv_layer: Option<usize>,
-    state_offset: usize,
+pub(crate) struct CacheBinding {
+    pub(crate) kv_layer: Option<usize>,
+    pub(crate) state_offset: usize,
 }
 
 /// A layer's feed-forward.
@@ -199,6 +199,9 @@ pub struct Model {
     /// For each layer, where its per-request memory lives.
     bindings: Vec<CacheBinding>,
     state_width: usize,
+    /// DeepSeek's multi-token-prediction layer, when the checkpoint holds one (its KV is the
+    /// paged cache's last layer).
+    pub(crate) mtp: Option<super::mtp::MtpLayer>,
 }
 
 impl Model {
@@ -262,16 +265,46 @@ impl Model {
             layers,
             bindings,
             state_width,
+            mtp: None,
         })
+    }
+
+    /// Loads the MTP layer stored as layer `layer` around `block` (that layer's decoder
+    /// tensors), when the checkpoint holds it; its attention gets the paged cache's last layer.
+    pub(crate) fn attach_mtp(
+        &mut self,
+        w: &dyn WeightSource,
+        layer: usize,
+        eps: f32,
+        block: impl FnOnce() -> Result<DecoderLayer, LoadError>,
+    ) -> Result<(), LoadError> {
+        if !super::mtp::MtpLayer::present(w, layer) {
+            return Ok(());
+        }
+        let binding = CacheBinding { kv_layer: Some(self.kv_row_widths().len()), state_offset: 0 };
+        let (hidden, vocab) = (self.hidden_size, self.vocab_size);
+        self.mtp = Some(super::mtp::MtpLayer::load(w, layer, hidden, vocab, eps, block()?, binding)?);
+        Ok(())
+    }
+
+    /// The MTP drafter layer, when the checkpoint holds one.
+    pub fn mtp(&self) -> Option<&super::mtp::MtpLayer> {
+        self.mtp.as_ref()
+    }
+
+    /// The token embeddings `[vocab × hidden]`.
+    pub fn embeddings(&self) -> &[f32] {
+        &self.embed
     }
 
     pub fn num_layers(&self) -> usize {
         self.layers.len()
     }
 
-    /// Row widths of the paged cache, one per layer that keeps KV.
+    /// Row widths of the paged cache, one per layer that keeps KV (the MTP layer's last).
     pub fn kv_row_widths(&self) -> Vec<usize> {
-        self.layers.iter().filter_map(|l| l.mixer.kv_row_width()).collect()
+        let mtp = self.mtp.as_ref().and_then(|m| m.kv_row_width());
+        self.layers.iter().filter_map(|l| l.mixer.kv_row_width()).chain(mtp).collect()
     }
 
     /// A cache of `num_blocks` blocks of `block_size` tokens for this model.
@@ -386,15 +419,9 @@ impl Model {
         if self.needs_blocks() {
             assert_eq!(acts.block_size, cache.kv.block_size(), "the step was laid out for another block size");
         }
-        let t = acts.layout.rows;
-        let h = &mut acts.hidden;
         // 2. layers
         for (layer, binding) in self.layers[layers.clone()].iter().zip(&self.bindings[layers.clone()]) {
-            let x = layer.input_norm.forward(h);
-            let mixed = layer.mixer.forward(&x, &acts.layout, cache, binding);
-            add_into(h, &mixed);
-            let x = layer.post_norm.forward(h);
-            add_into(h, &layer.ffn.forward(&x, t));
+            run_layer(layer, binding, &mut acts.hidden, &acts.layout, cache);
         }
         acts.layers_done = layers.end;
     }
@@ -487,6 +514,16 @@ impl Model {
     /// Ends a step once every layer has run: the final norm and the LM head on the rows of
     /// `batch` (the batch the step began with) that asked for logits.
     pub fn finish_step(&self, batch: &[SeqInput], acts: StepActivations) -> ForwardOutput {
+        self.finish(batch, acts, false)
+    }
+
+    /// [`Model::finish_step`], also returning every row's final-normed hidden state
+    /// (`ForwardOutput::hidden`: what the MTP drafter reads).
+    pub fn finish_step_keeping_hidden(&self, batch: &[SeqInput], acts: StepActivations) -> ForwardOutput {
+        self.finish(batch, acts, true)
+    }
+
+    fn finish(&self, batch: &[SeqInput], acts: StepActivations, keep_hidden: bool) -> ForwardOutput {
         assert!(
             acts.layers_done == self.layers.len() && acts.pending.is_none(),
             "finish_step before every layer has run"
@@ -497,28 +534,23 @@ impl Model {
             "finish_step with another batch than the step began with"
         );
         let hidden = self.hidden_size;
-        let h = acts.hidden;
+        let mut h = acts.hidden;
         // 3. final norm and LM head on the rows that want logits
-        let mut wanted = Vec::new();
-        let mut rows = Vec::with_capacity(batch.len());
-        let mut first_row = 0;
-        for s in batch {
-            let start = wanted.len();
-            match s.logits {
-                LogitsWanted::None => {}
-                LogitsWanted::Last => wanted.push(first_row + s.tokens.len() - 1),
-                LogitsWanted::All => wanted.extend(first_row..first_row + s.tokens.len()),
-            }
-            rows.push(start..wanted.len());
-            first_row += s.tokens.len();
-        }
+        let (rows, wanted) = super::batch::wanted_rows(batch);
         let mut selected = Vec::with_capacity(wanted.len() * hidden);
         for &r in &wanted {
             selected.extend_from_slice(&h[r * hidden..(r + 1) * hidden]);
         }
         self.final_norm.forward_inplace(&mut selected);
         let logits = self.lm_head.forward(&selected, wanted.len());
-        ForwardOutput { vocab: self.vocab_size, logits, rows }
+        let hidden = if keep_hidden {
+            // Row by row, the same norm as the selected rows got: the same bits.
+            self.final_norm.forward_inplace(&mut h);
+            h
+        } else {
+            Vec::new()
+        };
+        ForwardOutput { vocab: self.vocab_size, logits, rows, hidden }
     }
 
     /// Multiply-adds per token in the weights (routed MoE counts its `top_k` experts), excluding
@@ -541,6 +573,21 @@ impl Model {
     pub fn largest_weight_shape(&self) -> (usize, usize) {
         (self.lm_head.out_dim(), self.lm_head.in_dim())
     }
+}
+
+/// One decoder layer over the step's hidden state: `h += mixer(norm(h)); h += ffn(norm(h))`.
+pub(crate) fn run_layer(
+    layer: &DecoderLayer,
+    binding: &CacheBinding,
+    h: &mut [f32],
+    layout: &BatchLayout,
+    cache: &mut ModelCache,
+) {
+    let x = layer.input_norm.forward(h);
+    let mixed = layer.mixer.forward(&x, layout, cache, binding);
+    add_into(h, &mixed);
+    let x = layer.post_norm.forward(h);
+    add_into(h, &layer.ffn.forward(&x, layout.rows));
 }
 
 fn add_into(h: &mut [f32], delta: &[f32]) {
@@ -567,6 +614,7 @@ mod tests {
     use super::*;
     use crate::checkpoint::ModelSpec;
     use crate::kv::SlotId;
+    use crate::models::LogitsWanted;
 
     /// Grouped-query attention only.
     const LLAMA: &str = r#"

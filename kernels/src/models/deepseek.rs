@@ -48,6 +48,10 @@ pub struct Config {
     pub routed_scaling_factor: f64,
     #[serde(default)]
     pub first_k_dense_replace: usize,
+    /// MTP layers stored after the decoder stack (the first is loaded as a drafter when its
+    /// tensors are present).
+    #[serde(default)]
+    pub num_nextn_predict_layers: usize,
     #[serde(default = "super::config::yes")]
     pub rope_interleave: bool,
     #[serde(default = "super::config::rms_norm_eps")]
@@ -160,8 +164,7 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
     let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5) * rope_params.softmax_scale_correction();
     let index_dims = if sparse { Some(indexer_dims(cfg, &c)?) } else { None };
     let dense = mlp_is_dense(cfg, &c, sparse)?;
-    let mut layers = Vec::with_capacity(c.num_hidden_layers);
-    for (l, &is_dense) in dense.iter().enumerate() {
+    let layer = |l: usize, is_dense: bool| -> Result<DecoderLayer, LoadError> {
         let p = format!("model.layers.{l}");
         let indexer = match index_dims {
             Some(d) => {
@@ -178,15 +181,23 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
         } else {
             Ffn::Moe(Box::new(deepseek_moe(w, &format!("{p}.mlp"), &c)?))
         };
-        layers.push(DecoderLayer {
+        Ok(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer: Mixer::Mla(Box::new(attn)),
             post_norm: RmsNorm::load(w, &format!("{p}.post_attention_layernorm.weight"), hidden, eps)?,
             ffn,
-        });
-    }
+        })
+    };
+    let layers = dense.iter().enumerate().map(|(l, &is_dense)| layer(l, is_dense)).collect::<Result<_, _>>()?;
     let family = if sparse { Family::SparseMla } else { Family::Mla };
-    Model::assemble(family, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
+    let mut model =
+        Model::assemble(family, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)?;
+    if c.num_nextn_predict_layers > 0 {
+        // The MTP layer's block is built like layer L of the stack (MoE past the dense ones).
+        let l = c.num_hidden_layers;
+        model.attach_mtp(w, l, eps, || layer(l, l < c.first_k_dense_replace || c.n_routed_experts == 0))?;
+    }
+    Ok(model)
 }
 
 fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError> {

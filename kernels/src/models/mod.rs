@@ -19,6 +19,7 @@ pub mod kimi_linear;
 #[cfg(test)]
 mod load_tests;
 pub mod mha;
+pub mod mtp;
 pub mod parts;
 pub mod qwen3_next;
 mod size;
@@ -133,4 +134,60 @@ fn load_for(source: &Path, shard: Option<(usize, usize)>) -> Result<Model, LoadE
     }
     // A checkpoint folder: its config is checked in full before a safetensors file is opened.
     load_checkpoint(source)
+}
+
+/// Writes the seeded model of the spec at `spec` as a Hugging Face checkpoint in `dir`:
+/// `config.json` (the spec's fields) and `model.safetensors` holding, in f32 under their
+/// checkpoint names, exactly the tensors the model reads (with a DeepSeek spec of
+/// `num_nextn_predict_layers = 1`, the MTP layer's too). Returns their names.
+pub fn write_seeded_checkpoint(spec: &Path, dir: &Path) -> Result<Vec<String>, LoadError> {
+    use std::cell::RefCell;
+    /// A tensor read: its name, shape and values.
+    type Read = (String, Vec<usize>, Vec<f32>);
+    /// Hands out the spec's weights and keeps a copy of each.
+    struct Recording<'a> {
+        inner: &'a dyn WeightSource,
+        seen: RefCell<Vec<Read>>,
+    }
+    impl WeightSource for Recording<'_> {
+        fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
+            let values = self.inner.tensor(name, shape)?;
+            self.seen.borrow_mut().push((name.to_string(), shape.to_vec(), values.clone()));
+            Ok(values)
+        }
+        fn contains(&self, name: &str) -> bool {
+            self.inner.contains(name)
+        }
+    }
+    let spec = ModelSpec::read(spec)?;
+    let recording = Recording { inner: &spec.weights, seen: RefCell::new(Vec::new()) };
+    build(&spec.config, &recording)?;
+    let mut tensors = recording.seen.into_inner();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    tensors.dedup_by(|a, b| a.0 == b.0);
+    fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LoadError + '_ {
+        move |source| LoadError::Io { path: path.to_path_buf(), source }
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, shape, values) in &tensors {
+        let end = offset + 4 * values.len();
+        header.insert(name.clone(), serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]}));
+        offset = end;
+    }
+    let mut head = serde_json::Value::Object(header).to_string().into_bytes();
+    head.resize(head.len().next_multiple_of(8), b' ');
+    let mut bytes = Vec::with_capacity(8 + head.len() + offset);
+    bytes.extend_from_slice(&(head.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&head);
+    for (_, _, values) in &tensors {
+        bytes.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    let weights = dir.join("model.safetensors");
+    std::fs::write(&weights, bytes).map_err(io(&weights))?;
+    let config = dir.join("config.json");
+    let text = serde_json::to_string_pretty(&spec.config.value).expect("a JSON value prints");
+    std::fs::write(&config, text).map_err(io(&config))?;
+    Ok(tensors.into_iter().map(|t| t.0).collect())
 }

@@ -29,34 +29,35 @@ use std::sync::{Arc, RwLock};
 
 /// One sequence of an [`OwnedStep`]: ranges into its flat token and block-table buffers.
 #[derive(Clone, Debug)]
-struct OwnedSeq {
-    key: SeqKey,
-    tokens: Range<usize>,
+pub(super) struct OwnedSeq {
+    pub(super) key: SeqKey,
+    pub(super) tokens: Range<usize>,
     /// The step whose sample fills the last token of `tokens`.
-    deferred: Option<u64>,
-    start_pos: usize,
-    table: Range<usize>,
-    slot: Option<SlotId>,
-    prompt_len: usize,
-    sample: bool,
+    pub(super) deferred: Option<u64>,
+    pub(super) start_pos: usize,
+    pub(super) table: Range<usize>,
+    pub(super) slot: Option<SlotId>,
+    pub(super) prompt_len: usize,
+    pub(super) sample: bool,
     /// Drafts at the end of `tokens`, to verify.
-    drafts: usize,
-    sampler: Sampler,
+    pub(super) drafts: usize,
+    pub(super) sampler: Sampler,
+    pub(super) next_prompt_token: Option<u32>,
 }
 
 /// A launch copied out of the rank's state, so it can run after the rank has moved on.
 #[derive(Clone, Debug)]
 pub struct OwnedStep {
-    step: u64,
-    before: Vec<StateOp>,
-    after: Vec<StateOp>,
-    seqs: Vec<OwnedSeq>,
-    tokens: Vec<u32>,
-    tables: Vec<u32>,
-    applied_through: Option<u64>,
-    imports: Vec<KvImport>,
-    exports: Vec<KvExport>,
-    keep_rejected_state: bool,
+    pub(super) step: u64,
+    pub(super) before: Vec<StateOp>,
+    pub(super) after: Vec<StateOp>,
+    pub(super) seqs: Vec<OwnedSeq>,
+    pub(super) tokens: Vec<u32>,
+    pub(super) tables: Vec<u32>,
+    pub(super) applied_through: Option<u64>,
+    pub(super) imports: Vec<KvImport>,
+    pub(super) exports: Vec<KvExport>,
+    pub(super) keep_rejected_state: bool,
 }
 
 impl OwnedStep {
@@ -84,6 +85,7 @@ impl OwnedStep {
                     sample: s.sample,
                     drafts: s.drafts.len(),
                     sampler: s.sampler,
+                    next_prompt_token: s.next_prompt_token,
                 }
             })
             .collect();
@@ -148,6 +150,8 @@ pub struct CpuStepRunner {
     /// Expert parallel: this rank's place, and the model's MoE layers `(layer, experts)`.
     experts: Option<ExpertPlacement>,
     moe_layers: Vec<(usize, usize)>,
+    /// The `mtp` drafter: drafts proposed after each sampled token (0: no MTP pass).
+    mtp_drafts: usize,
 }
 
 impl CpuStepRunner {
@@ -160,6 +164,7 @@ impl CpuStepRunner {
             sampled: HashMap::new(),
             experts: ctx.experts,
             moe_layers: ctx.model.moe_layers(),
+            mtp_drafts: if ctx.model.mtp().is_some() { ctx.mtp_drafts } else { 0 },
         }
     }
 
@@ -196,8 +201,21 @@ impl CpuStepRunner {
     fn complete(&mut self) -> Option<StepCompletion> {
         let Running { step, acts, failed, .. } = self.current.take()?;
         let result = acts.map(|acts| {
-            let out = self.model.finish_step(&step.batch(), acts);
-            self.finish(&step, &out)
+            if self.mtp_drafts == 0 {
+                let out = self.model.finish_step(&step.batch(), acts);
+                return self.finish(&step, &out);
+            }
+            let out = self.model.finish_step_keeping_hidden(&step.batch(), acts);
+            let mut sampled = self.finish(&step, &out);
+            super::mtp::propose(
+                &self.model,
+                &mut write(&self.cache),
+                &step,
+                &out.hidden,
+                &mut sampled,
+                self.mtp_drafts,
+            );
+            sampled
         });
         let exports = if result.is_ok() { self.export(&step.exports) } else { Vec::new() };
         let failed = failed.into_iter().map(|(i, why)| (step.seqs[i].key, why)).collect();

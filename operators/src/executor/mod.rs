@@ -22,6 +22,7 @@ mod cpu;
 mod cuda;
 mod deferred;
 mod gate;
+mod mtp;
 mod null;
 mod settings;
 
@@ -94,6 +95,8 @@ pub struct ExecutorContext {
     pub waker: Arc<RankWaker>,
     /// Set in a pool with `expert_parallel = true` (then `model` holds this rank's experts).
     pub experts: Option<ExpertPlacement>,
+    /// With the `mtp` drafter: drafts the executor proposes after each sampled token (0: none).
+    pub mtp_drafts: usize,
 }
 
 impl ExecutorContext {
@@ -106,6 +109,7 @@ impl ExecutorContext {
             layout,
             waker: Arc::new(RankWaker::default()),
             experts: None,
+            mtp_drafts: 0,
         }
     }
 

@@ -3,6 +3,34 @@
 //! width it reserved; the target model then checks every proposed token in one forward
 //! (`verify`), and greedy verification keeps exactly the tokens plain decoding would give.
 
+/// The drafter a pool runs: prompt lookup, or the checkpoint's MTP layer — which runs in the
+/// executor, after the target's forward, on the hidden state of each token it fed, and hands the
+/// drafts for the next step back with the sampled token (`Sampled::drafts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drafter {
+    Ngram(NgramDrafter),
+    Mtp,
+}
+
+impl Drafter {
+    /// Up to `k` drafts after `tokens` into `out` (emptied first): prompt lookup over `tokens`, or
+    /// the first `k` of `from_model`, what the MTP pass proposed when the last token was sampled.
+    pub fn propose(&self, tokens: &[u32], from_model: &[u32], k: usize, out: &mut Vec<u32>) {
+        match self {
+            Drafter::Ngram(n) => n.propose(tokens, k, out),
+            Drafter::Mtp => {
+                out.clear();
+                out.extend(from_model.iter().take(k));
+            }
+        }
+    }
+
+    /// Whether it runs in the executor (the MTP layer), which then needs to be told.
+    pub fn runs_in_executor(&self) -> bool {
+        matches!(self, Drafter::Mtp)
+    }
+}
+
 /// Prompt lookup: find the most recent earlier occurrence of the sequence's last `n` tokens
 /// (the longest `n` from `max_n` down to `min_n` that occurs) and propose the `k` tokens that
 /// followed it. Needs no model: a request that repeats itself (code, retrieval, multi-turn

@@ -45,7 +45,7 @@ pub struct SchedulerConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpecConfig {
     pub draft_tokens: usize,
-    pub drafter: super::drafter::NgramDrafter,
+    pub drafter: super::drafter::Drafter,
     /// Test switch `widen_draft_buckets`: bucketing rounds a request's width up to a bucket,
     /// past what the scheduler fixed for it (removes "scheduled width").
     pub widen_buckets: bool,
@@ -473,7 +473,7 @@ fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: 
         return 1;
     }
     let mut drafts = std::mem::take(&mut seq.drafts);
-    spec.drafter.propose(&seq.tokens, width, &mut drafts);
+    spec.drafter.propose(&seq.tokens, &seq.model_drafts, width, &mut drafts);
     // Blocks for every position the chunk writes; without them it decodes plainly (a draft never
     // preempts anyone).
     if drafts.is_empty() || !mem.ensure_blocks(seq, seq.computed + 1 + drafts.len()) {
@@ -688,7 +688,10 @@ mod policy_tests {
     fn a_decode_carries_drafts_only_with_nothing_in_flight_and_blocks_for_them() {
         let spec = SpecConfig {
             draft_tokens: 3,
-            drafter: crate::policy::drafter::NgramDrafter { min_n: 1, max_n: 2 },
+            drafter: crate::policy::drafter::Drafter::Ngram(crate::policy::drafter::NgramDrafter {
+                min_n: 1,
+                max_n: 2,
+            }),
             widen_buckets: false,
         };
         let config = SchedulerConfig { spec: Some(spec), ..config(64, 64) };
@@ -742,7 +745,8 @@ mod policy_tests {
         };
         for _ in 0..300 {
             let k = 1 + next(8) as usize;
-            let drafter = crate::policy::drafter::NgramDrafter { min_n: 1, max_n: 2 };
+            let drafter =
+                crate::policy::drafter::Drafter::Ngram(crate::policy::drafter::NgramDrafter { min_n: 1, max_n: 2 });
             let spec = SpecConfig { draft_tokens: k, drafter, widen_buckets };
             let buckets: Vec<usize> = spec.buckets().collect();
             for recent in [0.0, 0.05, 0.3, 0.6, 1.0] {

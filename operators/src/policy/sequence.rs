@@ -133,6 +133,9 @@ pub struct Sequence {
     /// Drafts made from T0 by a producer's drafter: on the producer, what its handoff carries;
     /// on the consumer, what its first decode verifies.
     pub handed_drafts: Vec<u32>,
+    /// Drafts the executor's MTP pass proposed when it sampled the last known token (the `mtp`
+    /// drafter), for the next step.
+    pub model_drafts: Vec<u32>,
 }
 
 impl Sequence {
@@ -172,6 +175,7 @@ impl Sequence {
             drafts: Vec::new(),
             draft_acceptance: 1.0,
             handed_drafts: Vec::new(),
+            model_drafts: Vec::new(),
         }
     }
 

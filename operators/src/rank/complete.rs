@@ -90,7 +90,7 @@ impl Rank {
         self.spare_keys.push(record.sampling);
         let now = wall_ms();
         let check = !self.switches.accept_stale_completions;
-        for s in sampled.into_iter().filter(|s| !c.failed.iter().any(|(k, _)| *k == s.seq)) {
+        for mut s in sampled.into_iter().filter(|s| !c.failed.iter().any(|(k, _)| *k == s.seq)) {
             let held = if check { self.seqs.by_key_mut(s.seq) } else { self.seqs.held_at_mut(s.seq.index as usize) };
             let Some(seq) = held else {
                 self.stats.stale_completions += 1;
@@ -102,6 +102,8 @@ impl Rank {
                 self.fail(s.seq.index as usize, c.step, "executor", message);
                 continue;
             }
+            // The MTP drafter's proposal for the next step, made after this step's last token.
+            seq.model_drafts = std::mem::take(&mut s.drafts);
             // A verification: the drafts it kept now count as computed (their KV holds).
             let drafted = std::mem::take(&mut seq.drafts).len();
             if drafted > 0 {
@@ -150,7 +152,7 @@ impl Rank {
         let mut drafts = std::mem::take(&mut seq.handed_drafts);
         drafts.clear();
         if room > 0 {
-            spec.drafter.propose(&seq.tokens, room, &mut drafts);
+            spec.drafter.propose(&seq.tokens, &seq.model_drafts, room, &mut drafts);
         }
         self.stats.spec.handed_off_drafts += drafts.len() as u64;
         seq.handed_drafts = drafts;

@@ -56,6 +56,7 @@ impl SeqSource for Batch<'_> {
             prompt_len: s.prompt_len,
             sample: c.sample,
             sampler: Sampler::new(s.sampling, s.id),
+            next_prompt_token: s.tokens.get(c.start + c.len).copied().filter(|_| c.start + c.len < s.prompt_len),
         }
     }
 }
