@@ -186,6 +186,9 @@ struct RunFlags {
     /// Test only: draft-width bucketing rounds up past the width the scheduler fixed.
     #[arg(long, hide = true)]
     test_widen_draft_buckets: bool,
+    /// Test only: a rank whose step samples nothing skips the step's draft passes.
+    #[arg(long, hide = true)]
+    test_skip_draft_passes_without_samples: bool,
     /// This process's index in a pool spread over several processes (with --processes, --hostfile).
     #[arg(long, requires_all = ["processes", "hostfile"])]
     process: Option<usize>,
@@ -471,6 +474,7 @@ fn run_graph(
             keep_rejected_state: args.test_keep_rejected_state,
             drafter_successors_only_when_verifying: args.test_drafter_successors_only_when_verifying,
             widen_draft_buckets: args.test_widen_draft_buckets,
+            skip_draft_passes_without_samples: args.test_skip_draft_passes_without_samples,
         },
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

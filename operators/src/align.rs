@@ -39,8 +39,14 @@ pub struct RoutingKeys {
 pub struct Collectives {
     /// The model layers with MoE dispatch and combine (empty without expert parallelism).
     pub moe_layers: Vec<usize>,
-    /// The scheduler's spec width: rows per request in a decode step (1 + drafts).
+    /// The scheduler's spec width: rows per request in a decode step (1 + drafts; 1 on a
+    /// producer, which never verifies).
     pub spec_width: usize,
+    /// The MTP drafter under expert parallelism: the draft passes after the model's MoE layers,
+    /// each an exchange of the MTP layer's experts (0 otherwise).
+    pub draft_passes: usize,
+    /// The MTP layer's index (naming its passes).
+    pub mtp_layer: usize,
 }
 
 pub fn align<'scope>(
@@ -122,6 +128,7 @@ fn faulted_plan(step: u64, mut ranks: Vec<RankReport>, fault: String, collective
         tokens_per_rank: tokens_per_rank(&ranks),
         idle_dummy_rows: idle_dummy_rows(collectives, true),
         exchange_layers: collectives.moe_layers.clone(),
+        draft_passes: draft_passes(collectives, true),
     };
     StepPlan {
         step,
@@ -147,6 +154,17 @@ pub fn tokens_per_rank(ranks: &[RankReport]) -> Vec<usize> {
 /// is the scheduler's spec width.
 pub fn idle_dummy_rows(collectives: &Collectives, some_rank_runs: bool) -> Option<usize> {
     (!collectives.moe_layers.is_empty() && some_rank_runs).then_some(collectives.spec_width.max(1))
+}
+
+/// Decision: the draft passes every rank joins at `t` — read from the pool's draft passes and
+/// whether some rank runs tokens at `t`. A rank with only a middle prompt chunk, or with nothing
+/// to draft, joins them all the same (DESIGN §5, collective alignment).
+pub fn draft_passes(collectives: &Collectives, some_rank_runs: bool) -> usize {
+    if some_rank_runs {
+        collectives.draft_passes
+    } else {
+        0
+    }
 }
 
 /// Decision: the layers whose dispatch and combine exchange rows at `t` — every MoE layer when
@@ -219,6 +237,7 @@ pub fn derive_plan(
         tokens_per_rank: tokens_per_rank(&ranks),
         idle_dummy_rows: idle_dummy_rows(collectives, launches),
         exchange_layers: exchange_layers(collectives, launches),
+        draft_passes: draft_passes(collectives, launches),
     };
     StepPlan { step, ranks, routed, unroutable, cancels, deferred, idle, park, end, shape }
 }
@@ -421,7 +440,7 @@ mod tests {
 
     #[test]
     fn each_shape_decision_reads_the_fact_it_names_and_no_other() {
-        let ep = Collectives { moe_layers: vec![1, 2, 3], spec_width: 1 };
+        let ep = Collectives { moe_layers: vec![1, 2, 3], spec_width: 1, draft_passes: 2, mtp_layer: 4 };
         let keys = RoutingKeys { block_size: 4, keyed_by_prompt_len: false };
         let shape = |r1: RankReport, collectives: &Collectives| {
             let mut r0 = report(0);
@@ -432,6 +451,7 @@ mod tests {
         assert_eq!(base.tokens_per_rank, vec![5, 0]);
         assert_eq!(base.idle_dummy_rows, Some(1), "the idle rank keeps the spec width");
         assert_eq!(base.exchange_layers, vec![1, 2, 3]);
+        assert_eq!(base.draft_passes, 2, "some rank runs: every rank joins the draft passes");
         for (name, r1) in flips() {
             assert_eq!(shape(r1, &ep), base, "{name} moved a shape decision");
         }
@@ -445,6 +465,9 @@ mod tests {
         assert_eq!((dense.idle_dummy_rows, dense.exchange_layers), (None, vec![]), "no MoE exchange, no collective");
         let nobody = derive_plan(3, vec![report(0), report(1)], &mut RoundRobin::default(), keys, &ep).shape;
         assert_eq!((nobody.idle_dummy_rows, nobody.exchange_layers), (None, vec![]), "no rank runs: nothing exchanges");
+        assert_eq!(nobody.draft_passes, 0, "no rank runs: no draft pass");
+        let no_mtp = Collectives { draft_passes: 0, ..ep.clone() };
+        assert_eq!(shape(report(1), &no_mtp).draft_passes, 0);
     }
 
     #[test]

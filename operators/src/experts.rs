@@ -33,8 +33,18 @@ use timely::dataflow::StreamVec;
 pub struct MoeLayer {
     pub moe: usize,
     pub layer: usize,
-    /// The last MoE layer of the model: its `combine` runs the step to its end.
-    pub last: bool,
+    /// A draft pass of the MTP drafter (its MoE block's experts): which one.
+    pub draft_pass: Option<usize>,
+}
+
+impl MoeLayer {
+    /// How its operators are named: `dispatch[ℓ]`, or `dispatch[mtp.c]` for draft pass `c`.
+    pub fn label(&self) -> String {
+        match self.draft_pass {
+            Some(c) => format!("mtp.{c}"),
+            None => self.layer.to_string(),
+        }
+    }
 }
 
 /// Test switches of the expert exchanges (see `TestSwitches`).
@@ -44,6 +54,9 @@ pub struct ExchangeSwitches {
     pub withhold_dispatch_at: Option<u64>,
     /// `experts` at this step computes nothing and sends nothing, and lets the step pass.
     pub send_no_results_at: Option<u64>,
+    /// A draft pass's `dispatch` on a rank whose step samples nothing sends nothing and keeps
+    /// its capability forever.
+    pub skip_draft_without_samples: bool,
 }
 
 /// Builds `dispatch[ℓ] → experts[ℓ] → combine[ℓ]` on this rank; returns the tokens `combine`
@@ -54,7 +67,7 @@ pub fn moe_layer<'scope>(
     at: MoeLayer,
     switches: ExchangeSwitches,
 ) -> StreamVec<'scope, u64, StageToken> {
-    let (rows, tokens) = dispatch(stages, rank.clone(), at, switches.withhold_dispatch_at);
+    let (rows, tokens) = dispatch(stages, rank.clone(), at, switches);
     let results = experts(rows, rank.clone(), at, switches.send_no_results_at);
     combine(results, tokens, rank, at)
 }
@@ -63,9 +76,9 @@ fn dispatch<'scope>(
     stages: StreamVec<'scope, u64, StageToken>,
     rank: Rc<RefCell<Rank>>,
     at: MoeLayer,
-    withhold_at: Option<u64>,
+    switches: ExchangeSwitches,
 ) -> (StreamVec<'scope, u64, ExpertRows>, StreamVec<'scope, u64, StageToken>) {
-    let mut builder = OperatorBuilder::new(format!("dispatch[{}]", at.layer), stages.scope());
+    let mut builder = OperatorBuilder::new(format!("dispatch[{}]", at.label()), stages.scope());
     let mut input = builder.new_input(stages, Pipeline);
     let (rows_out, rows) = builder.new_output();
     let (token_out, tokens) = builder.new_output();
@@ -92,12 +105,17 @@ fn dispatch<'scope>(
                             .iter()
                             .flat_map(|m| m.pairs.iter().map(|&(row, expert)| ExpertPair { row, expert, owner: m.to }))
                             .collect();
-                        if withhold_at == Some(t) {
+                        let without_samples = at.draft_pass.is_some() && rank.is_in_flight(t) && !rank.samples_at(t);
+                        if without_samples && at.draft_pass == Some(0) && token.exchange {
+                            rank.stats.spec.draft_passes_without_samples += 1;
+                        }
+                        let skips_draft = switches.skip_draft_without_samples && without_samples;
+                        if switches.withhold_dispatch_at == Some(t) || skips_draft {
                             tracing::warn!(
                                 rank = rank.index,
                                 step = t,
                                 "test switch: dispatch[{}] withholds its rows",
-                                at.layer
+                                at.label()
                             );
                             withheld.push(rows_cap.clone());
                         } else {
@@ -120,7 +138,7 @@ fn experts<'scope>(
     at: MoeLayer,
     send_nothing_at: Option<u64>,
 ) -> StreamVec<'scope, u64, ExpertRows> {
-    let name = format!("experts[{}]", at.layer);
+    let name = format!("experts[{}]", at.label());
     rows.unary_frontier::<CapacityContainerBuilder<Vec<ExpertRows>>, _, _, _>(
         Exchange::new(|m: &ExpertRows| m.to as u64),
         &name,
@@ -138,7 +156,7 @@ fn experts<'scope>(
                     }
                     let Some((cap, mut got)) = stash.remove(&t) else { break };
                     if send_nothing_at == Some(t) {
-                        tracing::warn!(step = t, "test switch: experts[{}] sends no results", at.layer);
+                        tracing::warn!(step = t, "test switch: experts[{}] sends no results", at.label());
                         continue;
                     }
                     got.sort_by_key(|m| m.from);
@@ -159,7 +177,7 @@ fn combine<'scope>(
     rank: Rc<RefCell<Rank>>,
     at: MoeLayer,
 ) -> StreamVec<'scope, u64, StageToken> {
-    let name = format!("combine[{}]", at.layer);
+    let name = format!("combine[{}]", at.label());
     results.binary_frontier::<_, CapacityContainerBuilder<Vec<StageToken>>, _, _, _, _>(
         tokens,
         Exchange::new(|m: &ExpertRows| m.to as u64),
@@ -195,7 +213,7 @@ fn combine<'scope>(
                                 rank = rank.index,
                                 step = t,
                                 "combine[{}]: {} expert results missing",
-                                at.layer,
+                                at.label(),
                                 missing.len()
                             );
                         }

@@ -155,6 +155,8 @@ pub struct StepShape {
     pub idle_dummy_rows: Option<usize>,
     /// The model layers whose dispatch and combine exchange rows at `t`.
     pub exchange_layers: Vec<usize>,
+    /// The MTP drafter's passes every rank joins at `t` (their exchanges follow the MoE layers').
+    pub draft_passes: usize,
 }
 
 /// What `forward(t)` tells the next step through the feedback edge.

@@ -39,7 +39,12 @@ const RUNS: usize = 3;
 fn one(spec: &std::path::Path, ranks: usize, seqs: usize, outputs: usize, expert_parallel: bool) -> Result<(f64, u64)> {
     let model = Arc::new(models::load(spec)?);
     let moe_layers = model.moe_layers().into_iter().map(|(layer, _)| layer).collect();
-    let experts = expert_parallel.then(|| ExpertParallelJob { checkpoint: spec.to_path_buf(), moe_layers });
+    let experts = expert_parallel.then(|| ExpertParallelJob {
+        checkpoint: spec.to_path_buf(),
+        moe_layers,
+        draft_passes: 0,
+        mtp_layer: 0,
+    });
     pool_run(PoolRun { ranks, seqs, outputs, model, executor: "cpu", settings: toml::Table::new(), experts })
 }
 

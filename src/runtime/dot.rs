@@ -198,18 +198,22 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     // Each pool's admit and forward, for the links between pools.
     let mut ends = std::collections::HashMap::new();
     let all: Vec<&PoolConfig> = graph.pools.iter().collect();
-    // An expert-parallel pool's chain follows the model's MoE layers.
-    let moe_layers = if graph.pools.iter().any(|p| p.expert_parallel) {
-        let model = kvflow_kernels::models::load(&graph.model)
-            .map_err(|e| anyhow!("cannot load model {} (for its MoE layers): {e}", graph.model.display()))?;
-        model.moe_layers().into_iter().map(|(layer, _)| layer).collect()
+    // An expert-parallel pool's chain follows the model's MoE layers (and the MTP drafter's passes).
+    let model = if graph.pools.iter().any(|p| p.expert_parallel) {
+        Some(
+            kvflow_kernels::models::load(&graph.model)
+                .map_err(|e| anyhow!("cannot load model {} (for its MoE layers): {e}", graph.model.display()))?,
+        )
     } else {
-        Vec::new()
+        None
     };
     for pool in &graph.pools {
-        let moe_layers = if pool.expert_parallel { moe_layers.clone() } else { Vec::new() };
-        let built =
-            build(pool, Collectives { moe_layers, spec_width: 1 }, graph.offload.as_ref(), registry, extend.clone())?;
+        let job = match &model {
+            Some(model) => super::expert_parallel_job(graph, pool, model)?,
+            None => None,
+        };
+        let collectives = super::pool::collectives(job.as_ref());
+        let built = build(pool, collectives, graph.offload.as_ref(), registry, extend.clone())?;
         let id = |node: usize| quote(&format!("{}/{node}", pool.name));
         let ranks = if pool.ranks == 1 { "1 rank".to_string() } else { format!("{} ranks", pool.ranks) };
         dot.line("");

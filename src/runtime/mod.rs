@@ -280,6 +280,31 @@ pub fn load_model(graph: &Graph) -> Result<Arc<Model>> {
 
 /// One pool's job: its memory layout for the model and workload, its scheduler, router and
 /// executor.
+/// An expert-parallel pool's model: its MoE layers (each a dispatch and a combine) and, with the
+/// MTP drafter, its draft passes after them; `None` without expert parallelism.
+pub(crate) fn expert_parallel_job(
+    graph: &Graph,
+    pool: &PoolConfig,
+    model: &Model,
+) -> Result<Option<ExpertParallelJob>> {
+    if !pool.expert_parallel {
+        return Ok(None);
+    }
+    let moe_layers: Vec<usize> = model.moe_layers().into_iter().map(|(layer, _)| layer).collect();
+    if moe_layers.is_empty() {
+        return Err(anyhow!(
+            "{}: pool `{}`: expert_parallel = true needs a MoE model; model_type {} has no MoE layer",
+            graph.path.display(),
+            pool.name,
+            model.model_type
+        ));
+    }
+    let mtp_drafts = pool.scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens);
+    let draft_passes = kvflow_operators::executor::draft_passes(model, true, mtp_drafts);
+    let mtp_layer = model.num_layers();
+    Ok(Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers, draft_passes, mtp_layer }))
+}
+
 fn pool_job(
     graph: &Graph,
     pool: &PoolConfig,
@@ -308,39 +333,16 @@ fn pool_job(
         .ok_or_else(|| named("executor", &pool.executor, registry.executors.names()))?;
     let executor_settings = pool.executor_settings.clone();
     executor.check(&executor_settings).map_err(|e| anyhow!("{}: pool `{}`: {e}", graph.path.display(), pool.name))?;
-    if pool.scheduler.spec.is_some_and(|s| s.drafter.runs_in_executor()) {
-        if model.mtp().is_none() {
-            return Err(anyhow!(
-                "{}: speculative.drafter = \"mtp\": the model {} holds no MTP layer (a DeepSeek checkpoint's \
-                 `model.layers.{{num_hidden_layers}}.eh_proj`, `.enorm`, `.hnorm`, `.shared_head` tensors, with \
-                 num_nextn_predict_layers >= 1); use drafter = \"ngram\"",
-                graph.path.display(),
-                graph.model.display()
-            ));
-        }
-        if pool.expert_parallel {
-            return Err(anyhow!(
-                "{}: speculative.drafter = \"mtp\": pool `{}` has expert_parallel = true, and the MTP layer's \
-                 experts across ranks are not built yet; use drafter = \"ngram\" there",
-                graph.path.display(),
-                pool.name
-            ));
-        }
+    if pool.scheduler.spec.is_some_and(|s| s.drafter.runs_in_executor()) && model.mtp().is_none() {
+        return Err(anyhow!(
+            "{}: speculative.drafter = \"mtp\": the model {} holds no MTP layer (a DeepSeek checkpoint's \
+             `model.layers.{{num_hidden_layers}}.eh_proj`, `.enorm`, `.hnorm`, `.shared_head` tensors, with \
+             num_nextn_predict_layers >= 1); use drafter = \"ngram\"",
+            graph.path.display(),
+            graph.model.display()
+        ));
     }
-    let experts = if pool.expert_parallel {
-        let moe_layers: Vec<usize> = model.moe_layers().into_iter().map(|(layer, _)| layer).collect();
-        if moe_layers.is_empty() {
-            return Err(anyhow!(
-                "{}: pool `{}`: expert_parallel = true needs a MoE model; model_type {} has no MoE layer",
-                graph.path.display(),
-                pool.name,
-                model.model_type
-            ));
-        }
-        Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers })
-    } else {
-        None
-    };
+    let experts = expert_parallel_job(graph, pool, model)?;
     Ok(PoolJob {
         name: pool.name.clone(),
         ranks: pool.ranks,
@@ -536,7 +538,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         Some(spawn_watchdog(
             watches,
             stall_timeout,
-            move |pool| pending_in.lock().unwrap_or_else(|e| e.into_inner()).in_flight_in(pool),
+            move |pool| {
+                let collector = pending_in.lock().unwrap_or_else(|e| e.into_inner());
+                pool.map_or_else(|| collector.in_flight().len(), |pool| collector.in_flight_in(pool))
+            },
             finished.clone(),
             move |diagnosis| {
                 eprintln!("{diagnosis}");

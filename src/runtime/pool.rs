@@ -129,6 +129,10 @@ pub struct PoolJob {
 pub struct ExpertParallelJob {
     pub checkpoint: std::path::PathBuf,
     pub moe_layers: Vec<usize>,
+    /// The MTP drafter's passes after them (each an exchange of the MTP layer's experts), and
+    /// the MTP layer's index.
+    pub draft_passes: usize,
+    pub mtp_layer: usize,
 }
 
 /// A pool's part in handoffs.
@@ -238,11 +242,14 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
     let expert_parallel = !collectives.moe_layers.is_empty();
     let out = forward(plans.clone(), rank.clone(), expert_parallel, hold("forward"));
     if expert_parallel {
-        // forward(t), then dispatch → experts → combine per MoE layer, the last to the feedback.
+        // forward(t), then dispatch → experts → combine per MoE layer, then per draft pass of
+        // the MTP drafter, the last to the feedback.
         let mut stages = out.stages;
         let count = collectives.moe_layers.len();
-        for (moe, &layer) in collectives.moe_layers.iter().enumerate() {
-            let at = MoeLayer { moe, layer, last: moe + 1 == count };
+        let passes = (0..collectives.draft_passes).map(|c| (count + c, collectives.mtp_layer, Some(c)));
+        let layers = collectives.moe_layers.iter().enumerate().map(|(moe, &layer)| (moe, layer, None));
+        for (moe, layer, draft_pass) in layers.chain(passes) {
+            let at = MoeLayer { moe, layer, draft_pass };
             stages = moe_layer(stages, rank.clone(), at, switches.exchange_switches(index, moe));
         }
         stages.map(|token| token.signal).connect_loop(signal_loop);
@@ -255,6 +262,16 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
         load(out.loads, rank);
     }
     PoolStreams { plans, sampled: out.sampled }
+}
+
+/// What a pool's forward does collectively: its MoE layers' exchanges and its draft passes.
+pub fn collectives(experts: Option<&ExpertParallelJob>) -> Collectives {
+    Collectives {
+        moe_layers: experts.map(|e| e.moe_layers.clone()).unwrap_or_default(),
+        spec_width: 1,
+        draft_passes: experts.map_or(0, |e| e.draft_passes),
+        mtp_layer: experts.map_or(0, |e| e.mtp_layer),
+    }
 }
 
 /// Starts the pool's workers and returns at once. `ingress` feeds rank 0 (the process that
@@ -282,8 +299,7 @@ pub fn start_pool(
         offload,
         ..
     } = job;
-    let collectives =
-        Collectives { moe_layers: experts.as_ref().map(|e| e.moe_layers.clone()).unwrap_or_default(), spec_width: 1 };
+    let collectives = collectives(experts.as_ref());
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let sink = Mutex::new(sink);
     let pool = name.clone();

@@ -59,7 +59,9 @@ fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
         json!({"pool": pool, "rank": s.rank, "steps": s.steps, "empty_steps": s.empty_steps,
                "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows,
                "forward_tokens": s.forward_tokens, "saved_chunks": s.offload.saved_chunks, "loaded_chunks": s.offload.loaded_chunks,
-               "offload_hit_tokens": s.offload.offload_hit_tokens, "drafted_tokens": s.spec.drafted_tokens})
+               "offload_hit_tokens": s.offload.offload_hit_tokens, "drafted_tokens": s.spec.drafted_tokens,
+               "handed_off_drafts": s.spec.handed_off_drafts,
+               "draft_passes_without_samples": s.spec.draft_passes_without_samples})
     };
     Value::Array(stats.iter().flat_map(|(pool, ranks)| ranks.iter().map(move |s| entry(pool, s))).collect())
 }

@@ -114,6 +114,15 @@ impl Watch {
         self.seen.lock().expect("watch lock").last_change
     }
 
+    /// Whether the pool is in the middle of a step: an operator other than `admit` (which holds
+    /// a parked pool's next step) holds a capability.
+    fn mid_step(&self) -> bool {
+        let s = self.seen.lock().expect("watch lock");
+        s.capabilities
+            .iter()
+            .any(|(&(node, _, _), &count)| count > 0 && s.names.get(&node).is_none_or(|n| n != "admit"))
+    }
+
     /// Who holds the pool back, in words.
     pub fn diagnose(&self, stalled_for: Duration, timeout: Duration) -> String {
         let s = self.seen.lock().expect("watch lock");
@@ -211,13 +220,15 @@ impl Watch {
     }
 }
 
-/// Watches every pool of a run on a thread: when a pool has requests pending (`pending(name)`)
-/// and none of its capabilities changed for `timeout`, calls `on_stall` with the diagnosis of
-/// every such pool (`on_stall` is expected to end the process). Ends when `done` is set.
+/// Watches every pool of a run on a thread: when a pool has requests pending (`pending(Some(name))`)
+/// — or is in the middle of a step while the run has requests pending (`pending(None)`: a prefill
+/// pool works for requests its decode pool holds) — and none of its capabilities changed for
+/// `timeout`, calls `on_stall` with the diagnosis of every such pool (`on_stall` is expected to
+/// end the process). Ends when `done` is set.
 pub fn spawn_watchdog(
     pools: Vec<(String, Watch)>,
     timeout: Duration,
-    pending: impl Fn(&str) -> usize + Send + 'static,
+    pending: impl Fn(Option<&str>) -> usize + Send + 'static,
     done: Arc<std::sync::atomic::AtomicBool>,
     on_stall: impl FnOnce(String) + Send + 'static,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
@@ -230,7 +241,8 @@ pub fn spawn_watchdog(
             let mut stalled = Vec::new();
             for ((name, watch), (since, seen)) in pools.iter().zip(quiet.iter_mut()) {
                 let change = watch.last_change();
-                if change != *seen || pending(name) == 0 {
+                let waited_on = pending(Some(name)) > 0 || (pending(None) > 0 && watch.mid_step());
+                if change != *seen || !waited_on {
                     *seen = change;
                     *since = Instant::now();
                     continue;

@@ -396,6 +396,7 @@ fn the_mtp_drafter_is_exact_and_a_producer_hands_its_mtp_drafts_off() {
     let cases = [
         ("aggregated", "[[pool]]\nname = \"main\"\nranks = 2\n".to_string()),
         ("cpu-deferred", "[[pool]]\nname = \"main\"\nranks = 1\nexecutor = \"cpu-deferred\"\n".to_string()),
+        ("expert parallel", "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n".to_string()),
         ("1P2D inproc", format!("{link}backend = \"inproc\"\n")),
         ("1P2D tcp", format!("{link}backend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n")),
     ];
@@ -416,16 +417,11 @@ fn the_mtp_drafter_is_exact_and_a_producer_hands_its_mtp_drafts_off() {
             assert!(sent > 0 && spec["first_decode_drafts"] == sent, "{what}: {spec}");
         }
     }
-    // Refused where it cannot run: a checkpoint without an MTP layer, an expert-parallel pool.
+    // Refused where it cannot run: a checkpoint without an MTP layer.
     let graph = spec_graph(dir.path(), "hf/llama", "[[pool]]\nname = \"main\"\nranks = 1\n");
     let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
     std::fs::write(&graph, text).unwrap();
     assert_clean_failure(&kvflow(&["run", &graph.to_string_lossy()]), &["speculative.drafter", "holds no MTP layer"]);
-    let ep = "[[pool]]\nname = \"main\"\nranks = 2\nexpert_parallel = true\n";
-    let graph = spec_graph(dir.path(), &ckpt.to_string_lossy(), ep);
-    let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
-    std::fs::write(&graph, text).unwrap();
-    assert_clean_failure(&kvflow(&["run", &graph.to_string_lossy()]), &["speculative.drafter", "expert_parallel"]);
 }
 
 #[test]
@@ -496,4 +492,49 @@ fn mtp_kv_a_producer_hands_off_equals_the_mtp_kv_recomputed_in_one_pass() {
     let (handed, recomputed) = (rows(&chunked), rows(&one));
     assert!(handed.iter().any(|&v| v != 0.0), "the MTP layer wrote its KV");
     assert_eq!(handed, recomputed, "the MTP KV handed off is the MTP KV recomputed");
+}
+
+#[test]
+fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_watchdog() {
+    // The seed's hang, reproduced: P/D pools of 2 expert-parallel ranks with the MTP drafter,
+    // whose MoE block makes each draft pass an expert exchange; prompt chunks of 16 tokens, so a
+    // producer rank often runs only a middle chunk (nothing sampled, nothing to draft) while its
+    // peer samples T0 and drafts. It still joins every draft pass: the run ends exact. With the
+    // test switch a rank that samples nothing skips them — its `dispatch[mtp.0]` never lets the
+    // step pass — and the watchdog names that operator in the producer pool.
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = mtp_checkpoint(dir.path());
+    let pools = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 2\nexpert_parallel = true\n\n\
+                 [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 2\nexpert_parallel = true\n\n\
+                 [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"inproc\"\n";
+    let graph = spec_graph(dir.path(), &ckpt.to_string_lossy(), pools);
+    let text = std::fs::read_to_string(&graph)
+        .unwrap()
+        .replace("drafter = \"ngram\"", "drafter = \"mtp\"")
+        .replace("draft_tokens = 4", "draft_tokens = 3")
+        .replace("chunk_tokens = 64", "chunk_tokens = 16");
+    std::fs::write(&graph, text).unwrap();
+    let report = run_graph(&graph, long_outputs(), TestSwitches::default());
+    assert_exact(&report, "P/D expert parallel with MTP draft passes");
+    let ranks = report["rank_stats"].as_array().unwrap();
+    let prefill: Vec<&Value> = ranks.iter().filter(|r| r["pool"] == "prefill").collect();
+    let joined_idle: u64 = prefill.iter().map(|r| r["draft_passes_without_samples"].as_u64().unwrap()).sum();
+    let drafted: u64 = prefill.iter().map(|r| r["handed_off_drafts"].as_u64().unwrap()).sum();
+    assert!(joined_idle > 0 && drafted > 0, "producer ranks joined draft passes with nothing sampled: {prefill:?}");
+    assert!(ranks.iter().all(|r| r["exchange_bytes"].as_u64().unwrap() > 0), "experts really exchanged: {ranks:?}");
+    let dot = kvflow(&["check", &graph.to_string_lossy(), "--dot"]);
+    let dot = String::from_utf8_lossy(&dot.stdout);
+    for op in ["dispatch[mtp.0]", "experts[mtp.1]", "combine[mtp.2]"] {
+        assert_eq!(dot.matches(op).count(), 2, "{op} once per pool in:\n{dot}");
+    }
+
+    let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "2", "--test-skip-draft-passes-without-samples"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
+    let culprit = stderr.lines().skip_while(|l| !l.starts_with("pool prefill: stall")).nth(1).unwrap_or_default();
+    assert!(culprit.contains("holding the pool back: operator `dispatch[mtp.0]`"), "in:\n{stderr}");
 }

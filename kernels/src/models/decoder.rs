@@ -53,7 +53,13 @@ impl Mixer {
         }
     }
 
-    fn forward(&self, x: &[f32], layout: &BatchLayout, cache: &mut ModelCache, at: &CacheBinding) -> Vec<f32> {
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        layout: &BatchLayout,
+        cache: &mut ModelCache,
+        at: &CacheBinding,
+    ) -> Vec<f32> {
         match (self, at.kv_layer) {
             (Mixer::Gqa(a), Some(k)) => a.forward(x, layout, cache.kv.layer_mut(k)),
             (Mixer::Mla(a), Some(k)) => a.forward(x, layout, cache.kv.layer_mut(k)),
@@ -590,7 +596,7 @@ pub(crate) fn run_layer(
     add_into(h, &layer.ffn.forward(&x, layout.rows));
 }
 
-fn add_into(h: &mut [f32], delta: &[f32]) {
+pub(crate) fn add_into(h: &mut [f32], delta: &[f32]) {
     for (a, b) in h.iter_mut().zip(delta) {
         *a += b;
     }

@@ -12,7 +12,7 @@
 //! feed the layer's own output hidden state back as `h`.
 
 use super::batch::{BatchLayout, ForwardOutput, SeqInput};
-use super::decoder::{run_layer, CacheBinding, DecoderLayer, ModelCache};
+use super::decoder::{add_into, CacheBinding, DecoderLayer, Ffn, ModelCache, RoutedRows};
 use super::parts::layers::{Linear, RmsNorm};
 use crate::checkpoint::{LoadError, WeightSource};
 
@@ -71,11 +71,32 @@ impl MtpLayer {
     /// positions `start_pos..` (the token at `i + 1` for position `i`), and `hidden` holds the
     /// matching rows of `h` `[rows × hidden]`, in batch order. Writes the layer's KV at those
     /// positions; returns the logits the batch asks for and every row's output hidden state.
+    /// The same arithmetic as [`MtpLayer::begin`], the experts, then [`MtpLayer::finish`].
     pub fn forward(&self, embed: &[f32], batch: &[SeqInput], hidden: &[f32], cache: &mut ModelCache) -> MtpOutput {
+        let acts = self.begin(embed, batch, hidden, cache);
+        self.finish_local(acts)
+    }
+
+    /// [`MtpLayer::finish`] with this model's own experts (it holds them all).
+    pub fn finish_local(&self, mut acts: MtpActs) -> MtpOutput {
+        if let (Some(p), Ffn::Moe(m)) = (acts.pending.take(), &self.block.ffn) {
+            add_into(&mut acts.h, &m.forward(&p.x, acts.rows));
+        }
+        self.finish(acts, |_, _| &[])
+    }
+
+    /// Starts a pass (see [`MtpLayer::forward`]) and runs it up to its feed-forward: a dense one
+    /// runs whole; a MoE one stops at its routing, its rows awaiting their experts
+    /// ([`MtpLayer::routed`]).
+    pub fn begin(&self, embed: &[f32], batch: &[SeqInput], hidden: &[f32], cache: &mut ModelCache) -> MtpActs {
         let d = self.enorm.weight.len();
         let layout = BatchLayout::new(batch, cache.kv.block_size(), true);
         let t = layout.rows;
         assert_eq!(hidden.len(), t * d, "one hidden row per successor token");
+        let (logit_rows, wanted) = super::batch::wanted_rows(batch);
+        if t == 0 {
+            return MtpActs { rows: 0, h: Vec::new(), pending: None, logit_rows, wanted };
+        }
         let mut joined = Vec::with_capacity(t * 2 * d);
         let mut r = 0;
         for s in batch {
@@ -90,16 +111,86 @@ impl MtpLayer {
             }
         }
         let mut h = self.eh_proj.forward(&joined, t);
-        run_layer(&self.block, &self.binding, &mut h, &layout, cache);
-        let (rows, wanted) = super::batch::wanted_rows(batch);
-        let mut selected = Vec::with_capacity(wanted.len() * d);
-        for &r in &wanted {
+        let block = &self.block;
+        let x = block.input_norm.forward(&h);
+        add_into(&mut h, &block.mixer.forward(&x, &layout, cache, &self.binding));
+        let x = block.post_norm.forward(&h);
+        let pending = match &block.ffn {
+            Ffn::Dense(m) => {
+                add_into(&mut h, &m.forward(&x, t));
+                None
+            }
+            Ffn::Moe(m) => {
+                let routes = m.route_rows(&x, t);
+                Some(MtpPending { x, routes })
+            }
+        };
+        MtpActs { rows: t, h, pending, logit_rows, wanted }
+    }
+
+    /// The rows of a pass awaiting their experts (expert parallel), as [`Model::routed`] gives
+    /// a decoder layer's; `layer` names the MTP layer.
+    pub fn routed<'a>(&self, acts: &'a MtpActs, layer: usize) -> Option<RoutedRows<'a>> {
+        let p = acts.pending.as_ref()?;
+        Some(RoutedRows { layer, hidden: self.enorm.weight.len(), x: &p.x, routes: &p.routes })
+    }
+
+    /// Runs routed expert `expert` of the MTP layer over `n` rows; `None` when this model does not
+    /// hold it.
+    pub fn run_expert(&self, expert: usize, rows: &[f32], n: usize) -> Option<Vec<f32>> {
+        match &self.block.ffn {
+            Ffn::Moe(m) => m.run_expert(expert, rows, n),
+            Ffn::Dense(_) => None,
+        }
+    }
+
+    /// Routed experts of the MTP layer's MoE block (0 when dense).
+    pub fn num_experts(&self) -> usize {
+        match &self.block.ffn {
+            Ffn::Moe(m) => m.routing.num_experts,
+            Ffn::Dense(_) => 0,
+        }
+    }
+
+    /// Ends a pass: a MoE block sums `expert_out(r, k)` (row `r`'s `k`-th expert, ascending) as
+    /// [`Model::combine_experts`] does, then the shared head gives the logits asked for.
+    pub fn finish<'y>(&self, mut acts: MtpActs, expert_out: impl Fn(usize, usize) -> &'y [f32]) -> MtpOutput {
+        let d = self.enorm.weight.len();
+        if let (Some(p), Ffn::Moe(m)) = (acts.pending.take(), &self.block.ffn) {
+            let out = m.combine(&p.x, acts.rows, &p.routes, expert_out);
+            add_into(&mut acts.h, &out);
+        }
+        let h = acts.h;
+        let mut selected = Vec::with_capacity(acts.wanted.len() * d);
+        for &r in &acts.wanted {
             selected.extend_from_slice(&h[r * d..(r + 1) * d]);
         }
         self.head_norm.forward_inplace(&mut selected);
-        let logits = self.head.forward(&selected, wanted.len());
-        MtpOutput { logits: ForwardOutput { vocab: self.head.out_dim(), logits, rows, hidden: Vec::new() }, hidden: h }
+        let logits = if acts.wanted.is_empty() { Vec::new() } else { self.head.forward(&selected, acts.wanted.len()) };
+        let logits = ForwardOutput { vocab: self.head.out_dim(), logits, rows: acts.logit_rows, hidden: Vec::new() };
+        MtpOutput { logits, hidden: h }
     }
+}
+
+/// A pass of the MTP layer between [`MtpLayer::begin`] and [`MtpLayer::finish`].
+pub struct MtpActs {
+    rows: usize,
+    h: Vec<f32>,
+    pending: Option<MtpPending>,
+    logit_rows: Vec<std::ops::Range<usize>>,
+    wanted: Vec<usize>,
+}
+
+impl MtpActs {
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// The MoE block's normed input and each row's routes, awaiting the experts.
+struct MtpPending {
+    x: Vec<f32>,
+    routes: Vec<Vec<(usize, f32)>>,
 }
 
 #[cfg(test)]

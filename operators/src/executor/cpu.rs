@@ -108,7 +108,7 @@ impl OwnedStep {
     }
 
     /// The model's view of the batch.
-    fn batch(&self) -> Vec<SeqInput<'_>> {
+    pub(super) fn batch(&self) -> Vec<SeqInput<'_>> {
         self.seqs
             .iter()
             .map(|s| SeqInput {
@@ -128,30 +128,35 @@ impl OwnedStep {
 }
 
 /// A step between its phases.
-struct Running {
-    step: OwnedStep,
+pub(super) struct Running {
+    pub(super) step: OwnedStep,
     /// `Err` when the step cannot run (then no phase computes anything).
-    acts: Result<StepActivations, ExecutorError>,
+    pub(super) acts: Result<StepActivations, ExecutorError>,
     /// Expert parallel: the sequences (batch indices) that lost an expert result, with why.
-    failed: Vec<(usize, String)>,
+    pub(super) failed: Vec<(usize, String)>,
+    /// Expert parallel with the MTP drafter: the step sampled, its draft passes under way.
+    pub(super) drafting: Option<super::mtp::Drafting>,
 }
 
 /// The model, the rank's storage, and the tokens it sampled.
 pub struct CpuStepRunner {
-    model: Arc<Model>,
+    pub(super) model: Arc<Model>,
     /// Shared with the handoffs that read its blocks in place (`KvSource`).
-    cache: Arc<RwLock<ModelCache>>,
+    pub(super) cache: Arc<RwLock<ModelCache>>,
     /// Layers of each phase (from the model config).
-    phases: Vec<Range<usize>>,
+    pub(super) phases: Vec<Range<usize>>,
     /// The step whose phases are running.
-    current: Option<Running>,
+    pub(super) current: Option<Running>,
     /// The latest token each sequence sampled, and at which step.
-    sampled: HashMap<SeqKey, (u64, u32)>,
+    pub(super) sampled: HashMap<SeqKey, (u64, u32)>,
     /// Expert parallel: this rank's place, and the model's MoE layers `(layer, experts)`.
-    experts: Option<ExpertPlacement>,
-    moe_layers: Vec<(usize, usize)>,
+    pub(super) experts: Option<ExpertPlacement>,
+    pub(super) moe_layers: Vec<(usize, usize)>,
     /// The `mtp` drafter: drafts proposed after each sampled token (0: no MTP pass).
-    mtp_drafts: usize,
+    pub(super) mtp_drafts: usize,
+    /// Expert parallel with the `mtp` drafter: the draft passes every step runs after its MoE
+    /// layers (each an exchange of the MTP layer's experts), `mtp_drafts` or 0.
+    pub(super) draft_passes: usize,
 }
 
 impl CpuStepRunner {
@@ -165,6 +170,7 @@ impl CpuStepRunner {
             experts: ctx.experts,
             moe_layers: ctx.model.moe_layers(),
             mtp_drafts: if ctx.model.mtp().is_some() { ctx.mtp_drafts } else { 0 },
+            draft_passes: super::mtp::draft_passes(&ctx.model, ctx.experts.is_some(), ctx.mtp_drafts),
         }
     }
 
@@ -177,7 +183,7 @@ impl CpuStepRunner {
     pub fn run_phase(&mut self, phase: usize, step: Option<OwnedStep>) -> Option<StepCompletion> {
         if let Some(mut step) = step {
             let acts = self.begin(&mut step);
-            self.current = Some(Running { step, acts, failed: Vec::new() });
+            self.current = Some(Running { step, acts, failed: Vec::new(), drafting: None });
         }
         let Self { model, cache, phases, current, .. } = self;
         let running = current.as_mut()?;
@@ -198,35 +204,43 @@ impl CpuStepRunner {
     }
 
     /// Ends the step in progress: the LM head, sampling, snapshots and exports.
-    fn complete(&mut self) -> Option<StepCompletion> {
-        let Running { step, acts, failed, .. } = self.current.take()?;
-        let result = acts.map(|acts| {
-            if self.mtp_drafts == 0 {
-                let out = self.model.finish_step(&step.batch(), acts);
-                return self.finish(&step, &out);
-            }
-            let out = self.model.finish_step_keeping_hidden(&step.batch(), acts);
-            let mut sampled = self.finish(&step, &out);
-            super::mtp::propose(
-                &self.model,
-                &mut write(&self.cache),
-                &step,
-                &out.hidden,
-                &mut sampled,
-                self.mtp_drafts,
-            );
-            sampled
-        });
+    pub(super) fn complete(&mut self) -> Option<StepCompletion> {
+        let Running { step, acts, failed, drafting } = self.current.take()?;
+        let result = match (drafting, acts) {
+            // With draft passes the step sampled before them.
+            (Some(drafting), _) => Ok(drafting.into_sampled()),
+            (None, Err(e)) => Err(e),
+            (None, Ok(acts)) => Ok(self.sample(&step, acts)),
+        };
         let exports = if result.is_ok() { self.export(&step.exports) } else { Vec::new() };
         let failed = failed.into_iter().map(|(i, why)| (step.seqs[i].key, why)).collect();
         Some(StepCompletion { step: step.step, result, exports, failed })
     }
 
-    /// The rows the step in progress routed at MoE layer `moe`, one message per owning rank.
+    /// The LM head and sampling of a step whose layers have run; with the `mtp` drafter (on this
+    /// rank alone), its draft passes too.
+    fn sample(&mut self, step: &OwnedStep, acts: StepActivations) -> Vec<Sampled> {
+        if self.mtp_drafts == 0 {
+            let out = self.model.finish_step(&step.batch(), acts);
+            return self.finish(step, &out);
+        }
+        let out = self.model.finish_step_keeping_hidden(&step.batch(), acts);
+        let mut sampled = self.finish(step, &out);
+        let k = self.mtp_drafts;
+        super::mtp::propose(&self.model, &mut write(&self.cache), step, &out.hidden, &mut sampled, k);
+        sampled
+    }
+
+    /// The rows the step in progress routed at MoE layer `moe` (past the model's MoE layers: a
+    /// draft pass's), one message per owning rank.
     pub fn dispatch(&self, moe: usize) -> Vec<ExpertRows> {
         let (Some(place), Some(running)) = (self.experts, self.current.as_ref()) else { return Vec::new() };
-        let Some(routed) = running.acts.as_ref().ok().and_then(|a| self.model.routed(a)) else { return Vec::new() };
-        let (h, experts) = (routed.hidden, self.moe_layers[moe].1);
+        let routed = match moe.checked_sub(self.moe_layers.len()) {
+            None => running.acts.as_ref().ok().and_then(|a| self.model.routed(a)).map(|r| (r, self.moe_layers[moe].1)),
+            Some(_) => super::mtp::routed(&self.model, running),
+        };
+        let Some((routed, experts)) = routed else { return Vec::new() };
+        let h = routed.hidden;
         let mut out: Vec<ExpertRows> = (0..place.ranks)
             .map(|to| ExpertRows { moe, from: place.rank, to, pairs: Vec::new(), payload: Payload::Host(Vec::new()) })
             .collect();
@@ -242,11 +256,20 @@ impl CpuStepRunner {
         out
     }
 
-    /// Runs this rank's experts of MoE layer `moe` over the rows dispatched to it: each expert
-    /// once, over its rows from every sender in sender order.
+    /// Runs this rank's experts of MoE layer `moe` (or of a draft pass: the MTP layer's) over the
+    /// rows dispatched to it: each expert once, over its rows from every sender in sender order.
     pub fn run_experts(&self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
         let Some(place) = self.experts else { return Vec::new() };
-        let ((layer, experts), h) = (self.moe_layers[moe], self.model.hidden_size);
+        let h = self.model.hidden_size;
+        let mtp = self.model.mtp();
+        let (experts, run): (usize, Box<RunExpert>) = match (moe.checked_sub(self.moe_layers.len()), mtp) {
+            (None, _) => {
+                let (layer, experts) = self.moe_layers[moe];
+                (experts, Box::new(move |e, x, n| self.model.run_expert(layer, e, x, n)))
+            }
+            (Some(_), Some(mtp)) => (mtp.num_experts(), Box::new(move |e, x, n| mtp.run_expert(e, x, n))),
+            (Some(_), None) => return Vec::new(),
+        };
         let mut results: Vec<Vec<f32>> = rows.iter().map(|m| vec![0.0; m.pairs.len() * h]).collect();
         for e in expert_range(experts, place.rank, place.ranks) {
             let at: Vec<(usize, usize)> = rows
@@ -266,7 +289,7 @@ impl CpuStepRunner {
                     x[i * h..(i + 1) * h].iter().copied()
                 })
                 .collect();
-            let Some(y) = self.model.run_expert(layer, e, &x, at.len()) else { continue };
+            let Some(y) = run(e, &x, at.len()) else { continue };
             for (j, &(m, i)) in at.iter().enumerate() {
                 results[m][i * h..(i + 1) * h].copy_from_slice(&y[j * h..(j + 1) * h]);
             }
@@ -286,17 +309,14 @@ impl CpuStepRunner {
     /// Sums the expert results of MoE layer `moe` into the step in progress (a row that got none
     /// fails its request) and runs on to the next MoE layer's routing, or completes the step.
     pub fn combine(&mut self, moe: usize, results: &[ExpertRows], missing: &[ExpertPair]) -> Option<StepCompletion> {
-        let Self { model, cache, current, moe_layers, .. } = self;
+        if moe >= self.moe_layers.len() {
+            return self.combine_draft_pass(moe, results, missing);
+        }
+        let Self { model, cache, current, moe_layers, draft_passes, .. } = self;
         let running = current.as_mut()?;
         if let Ok(acts) = running.acts.as_mut() {
             let h = model.hidden_size;
-            let mut found: HashMap<(u32, u32), &[f32]> = HashMap::new();
-            for m in results {
-                let Payload::Host(y) = &m.payload;
-                for (i, &pair) in m.pairs.iter().enumerate() {
-                    found.insert(pair, &y[i * h..(i + 1) * h]);
-                }
-            }
+            let found = results_by_pair(results, h);
             for miss in missing {
                 let seq = acts.layout().seq_of_row[miss.row as usize];
                 if !running.failed.iter().any(|(s, _)| *s == seq) {
@@ -317,7 +337,10 @@ impl CpuStepRunner {
             if model.run_to_experts(acts, &mut write(cache)) {
                 return None;
             }
-        } else if moe + 1 < moe_layers.len() {
+            if *draft_passes > 0 {
+                return self.start_draft_passes(); // sample, then pass 0's rows to their experts
+            }
+        } else if moe + 1 < moe_layers.len() + *draft_passes {
             return None;
         }
         self.complete()
@@ -385,7 +408,7 @@ impl CpuStepRunner {
 
     /// Samples (greedy) every sequence that asked for logits, and keeps the state snapshots the
     /// step asked for after its forward.
-    fn finish(&mut self, step: &OwnedStep, out: &ForwardOutput) -> Vec<Sampled> {
+    pub(super) fn finish(&mut self, step: &OwnedStep, out: &ForwardOutput) -> Vec<Sampled> {
         let mut sampled = Vec::with_capacity(step.seqs.len());
         let mut rejected = Vec::new();
         for (i, s) in step.seqs.iter().enumerate() {
@@ -455,8 +478,23 @@ impl CpuStepRunner {
     }
 }
 
+/// Runs one expert over `n` rows: `(expert, rows, n)`, `None` when this rank does not hold it.
+type RunExpert<'a> = dyn Fn(usize, &[f32], usize) -> Option<Vec<f32>> + 'a;
+
+/// Each (row, expert) pair's result among `results` (rows of `h` floats).
+pub(super) fn results_by_pair(results: &[ExpertRows], h: usize) -> HashMap<(u32, u32), &[f32]> {
+    let mut found: HashMap<(u32, u32), &[f32]> = HashMap::new();
+    for m in results {
+        let Payload::Host(y) = &m.payload;
+        for (i, &pair) in m.pairs.iter().enumerate() {
+            found.insert(pair, &y[i * h..(i + 1) * h]);
+        }
+    }
+    found
+}
+
 /// The cache for writing (whether or not a reader panicked: it holds plain floats).
-fn write(cache: &RwLock<ModelCache>) -> std::sync::RwLockWriteGuard<'_, ModelCache> {
+pub(super) fn write(cache: &RwLock<ModelCache>) -> std::sync::RwLockWriteGuard<'_, ModelCache> {
     cache.write().unwrap_or_else(|e| e.into_inner())
 }
 

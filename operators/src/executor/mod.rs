@@ -23,6 +23,7 @@ mod cuda;
 mod deferred;
 mod gate;
 mod mtp;
+pub use mtp::draft_passes;
 mod null;
 mod settings;
 

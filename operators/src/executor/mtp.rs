@@ -1,32 +1,172 @@
-//! The MTP drafter's pass, run by the CPU executor after a step's forward and sampling (DESIGN
-//! §10): for each sequence, the MTP layer runs over every position the step fed whose successor
-//! token is now known — the next token fed, the token sampled (or the last draft kept), or, for a
-//! prompt chunk that ends before the prompt does, the prompt's next token — writing its own layer
-//! of the paged cache; a sequence that sampled then chains the layer on its own output for up to
-//! `k` drafts, handed back with the sampled token (`Sampled::drafts`). Drafts only propose: the
-//! next step's verification keeps what the target agrees with, so outputs never depend on them.
+//! The MTP drafter's passes, run by the CPU executor after a step's forward and sampling (DESIGN
+//! §10). Pass 0: for each sequence, the MTP layer runs over every position the step fed whose
+//! successor token is now known — the next token fed, the token sampled (or the last draft kept),
+//! or, for a prompt chunk that ends before the prompt does, the prompt's next token — writing its
+//! own layer of the paged cache; a sequence that sampled gets its first draft. Passes 1..k chain
+//! the layer on its own output for the next drafts, handed back with the sampled token
+//! (`Sampled::drafts`). Drafts only propose: the next step's verification keeps what the target
+//! agrees with, so outputs never depend on them.
 //!
-//! Chained positions write MTP KV past the last accepted token; the next step's pass writes those
-//! positions again from the target's hidden states before any MTP row reads them.
+//! With expert parallelism every rank runs all `k` passes at every step (each a dispatch, experts
+//! and combine of the MTP layer's MoE block), rows or not: the draft passes are part of the step's
+//! collectives, so a rank with only a middle prompt chunk, or nothing to draft, still joins them.
+//!
+//! Chained positions write MTP KV past the last accepted token; the next step's pass 0 writes
+//! those positions again from the target's hidden states before any MTP row reads them.
 
 use super::cpu::OwnedStep;
 use crate::step::Sampled;
 use kvflow_kernels::cpu::sampling::finite_argmax;
+use kvflow_kernels::models::mtp::{MtpActs, MtpOutput};
 use kvflow_kernels::models::{LogitsWanted, Model, ModelCache, SeqInput};
 
-/// One sequence's part of the pass: the successor tokens of its positions from `start_pos`, and
-/// which of `sampled` (if any) it proposes for.
+/// One sequence's part of pass 0: the successor tokens of its positions from `start_pos`, their
+/// hidden rows, and which of the step's `Sampled` (if any) it proposes for.
 struct MtpRows {
     seq: usize,
     successors: Vec<u32>,
     start_pos: usize,
-    /// Rows of the step's hidden state, `first..first + successors.len()`.
-    first_row: usize,
+    hidden: Vec<f32>,
     proposes: Option<usize>,
 }
 
-/// Runs the MTP pass over `step` (its forward gave `out_hidden`, every row's final-normed hidden
-/// state) and puts up to `k` drafts into each sampling sequence's `Sampled::drafts`.
+/// A chained draft in progress: the part it continues, the position its row writes, the draft
+/// it feeds and the hidden row it feeds back.
+struct Chain {
+    part: usize,
+    at: usize,
+    draft: u32,
+    hidden: Vec<f32>,
+}
+
+/// The drafting of one step, pass by pass.
+pub(super) struct MtpDrafting {
+    k: usize,
+    parts: Vec<MtpRows>,
+    chains: Vec<Chain>,
+    /// The pass to run next.
+    pass: usize,
+}
+
+impl MtpDrafting {
+    /// The drafting of `step`, whose forward gave `out_hidden` (every row's final-normed hidden
+    /// state) and whose sampling gave `sampled`; `k` drafts at most.
+    pub(super) fn new(step: &OwnedStep, out_hidden: &[f32], sampled: &[Sampled], d: usize, k: usize) -> Self {
+        let mut parts = Vec::new();
+        let mut first_row = 0;
+        for (i, s) in step.seqs.iter().enumerate() {
+            let fed = &step.tokens[s.tokens.clone()];
+            let here = first_row;
+            first_row += fed.len();
+            let proposes = sampled.iter().position(|x| x.seq == s.key);
+            // The tokens that now hold at the fed positions, then the one after the last of them.
+            let (valid, next) = match proposes.map(|j| &sampled[j]) {
+                Some(x) => {
+                    let kept = x.accepted.len().min(s.drafts);
+                    (fed.len() - s.drafts + kept, x.accepted.last().map_or(x.token, |&(t, _)| t))
+                }
+                None => (fed.len(), s.next_prompt_token),
+            };
+            let mut successors: Vec<u32> = fed[1..valid].to_vec();
+            match next {
+                Some(next) => successors.push(next),
+                None if proposes.is_some() => continue, // a non-finite sample: nothing to draft from
+                None => {}
+            }
+            if successors.is_empty() {
+                continue;
+            }
+            let hidden = out_hidden[here * d..(here + successors.len()) * d].to_vec();
+            parts.push(MtpRows { seq: i, successors, start_pos: s.start_pos, hidden, proposes });
+        }
+        MtpDrafting { k, parts, chains: Vec::new(), pass: 0 }
+    }
+
+    /// Passes every rank runs (expert parallel): `k`.
+    pub(super) fn passes(&self) -> usize {
+        self.k
+    }
+
+    /// Starts the next pass: its rows through the MTP layer up to its experts.
+    pub(super) fn begin_pass(&mut self, model: &Model, step: &OwnedStep, cache: &mut ModelCache) -> MtpActs {
+        let mtp = model.mtp().expect("drafting runs on a model with an MTP layer");
+        let bs = cache.kv.block_size();
+        let table = |seq: usize| &step.tables[step.seqs[seq].table.clone()];
+        if self.pass == 0 {
+            let batch: Vec<SeqInput> = self
+                .parts
+                .iter()
+                .map(|p| SeqInput {
+                    tokens: &p.successors,
+                    start_pos: p.start_pos,
+                    block_table: table(p.seq),
+                    slot: None,
+                    prompt_len: step.seqs[p.seq].prompt_len,
+                    logits: if p.proposes.is_some() { LogitsWanted::Last } else { LogitsWanted::None },
+                })
+                .collect();
+            let hidden: Vec<f32> = self.parts.iter().flat_map(|p| p.hidden.iter().copied()).collect();
+            return mtp.begin(model.embeddings(), &batch, &hidden, cache);
+        }
+        // A chained row writes where the step's blocks reach, or the chain stops.
+        let parts = &self.parts;
+        self.chains.retain(|c| table(parts[c.part].seq).len() * bs > c.at);
+        let tokens: Vec<[u32; 1]> = self.chains.iter().map(|c| [c.draft]).collect();
+        let batch: Vec<SeqInput> = self
+            .chains
+            .iter()
+            .zip(&tokens)
+            .map(|(c, token)| SeqInput {
+                tokens: token,
+                start_pos: c.at,
+                block_table: table(parts[c.part].seq),
+                slot: None,
+                prompt_len: step.seqs[parts[c.part].seq].prompt_len,
+                logits: LogitsWanted::Last,
+            })
+            .collect();
+        let hidden: Vec<f32> = self.chains.iter().flat_map(|c| c.hidden.iter().copied()).collect();
+        mtp.begin(model.embeddings(), &batch, &hidden, cache)
+    }
+
+    /// Ends the pass begun last: each proposing row's draft goes into `sampled` and chains on.
+    pub(super) fn end_pass(&mut self, out: MtpOutput, sampled: &mut [Sampled], d: usize) {
+        let mut chains = Vec::new();
+        if self.pass == 0 {
+            let mut row = 0;
+            for (b, p) in self.parts.iter().enumerate() {
+                row += p.successors.len();
+                let Some(j) = p.proposes else { continue };
+                let Some(draft) = out.logits.last(b).and_then(finite_argmax) else { continue };
+                sampled[j].drafts.push(draft);
+                let at = p.start_pos + p.successors.len(); // the position after the last one run
+                chains.push(Chain { part: b, at, draft, hidden: out.hidden[(row - 1) * d..row * d].to_vec() });
+            }
+        } else {
+            for (c, chain) in self.chains.drain(..).enumerate() {
+                let Some(draft) = out.logits.last(c).and_then(finite_argmax) else { continue };
+                let j = self.parts[chain.part].proposes.expect("chains are proposing sequences");
+                sampled[j].drafts.push(draft);
+                let hidden = out.hidden[c * d..(c + 1) * d].to_vec();
+                chains.push(Chain { part: chain.part, at: chain.at + 1, draft, hidden });
+            }
+        }
+        self.chains = chains;
+        self.pass += 1;
+    }
+
+    /// Whether a later pass has rows on this rank (without expert parallelism, the passes stop
+    /// when none has).
+    fn has_work(&self) -> bool {
+        if self.pass == 0 {
+            !self.parts.is_empty()
+        } else {
+            !self.chains.is_empty()
+        }
+    }
+}
+
+/// Every pass of `step`'s drafting on this rank alone (no expert parallelism).
 pub(super) fn propose(
     model: &Model,
     cache: &mut ModelCache,
@@ -37,101 +177,112 @@ pub(super) fn propose(
 ) {
     let Some(mtp) = model.mtp() else { return };
     let d = model.hidden_size;
-    let mut parts = Vec::new();
-    let mut first_row = 0;
-    for (i, s) in step.seqs.iter().enumerate() {
-        let fed = &step.tokens[s.tokens.clone()];
-        let rows = fed.len();
-        let here = first_row;
-        first_row += rows;
-        let proposes = sampled.iter().position(|x| x.seq == s.key);
-        // The tokens that now hold at the fed positions, then the one after the last of them.
-        let (valid, next) = match proposes.map(|j| &sampled[j]) {
-            Some(x) => {
-                let kept = x.accepted.len().min(s.drafts);
-                let last = x.accepted.last().map_or(x.token, |&(t, _)| t);
-                (rows - s.drafts + kept, last)
-            }
-            None => (rows, s.next_prompt_token),
+    let mut drafting = MtpDrafting::new(step, out_hidden, sampled, d, k);
+    while drafting.pass < drafting.passes() && drafting.has_work() {
+        let acts = drafting.begin_pass(model, step, cache);
+        let out = mtp.finish_local(acts);
+        drafting.end_pass(out, sampled, d);
+    }
+}
+
+/// The draft passes an expert-parallel rank runs after its model's MoE layers: `mtp_drafts` when
+/// the model's MTP layer is a MoE block (its experts spread over the ranks), else 0 (a dense MTP
+/// layer drafts on each rank alone, after sampling).
+pub fn draft_passes(model: &Model, expert_parallel: bool, mtp_drafts: usize) -> usize {
+    let moe = model.mtp().is_some_and(|m| m.num_experts() > 0);
+    if expert_parallel && moe {
+        mtp_drafts
+    } else {
+        0
+    }
+}
+
+/// Expert parallel: a step's sampling, done before its draft passes, and the pass in progress.
+pub(super) struct Drafting {
+    sampled: Vec<Sampled>,
+    mtp: MtpDrafting,
+    acts: Option<MtpActs>,
+    /// A draft pass lost an expert result: its drafts are dropped (they only propose, so no
+    /// request fails).
+    lost: bool,
+}
+
+impl Drafting {
+    pub(super) fn into_sampled(mut self) -> Vec<Sampled> {
+        if self.lost {
+            self.sampled.iter_mut().for_each(|s| s.drafts.clear());
+        }
+        self.sampled
+    }
+}
+
+/// The rows the draft pass in progress routed, and the MTP layer's expert count.
+pub(super) fn routed<'a>(
+    model: &'a Model,
+    running: &'a super::cpu::Running,
+) -> Option<(kvflow_kernels::models::RoutedRows<'a>, usize)> {
+    let mtp = model.mtp()?;
+    let acts = running.drafting.as_ref()?.acts.as_ref()?;
+    Some((mtp.routed(acts, model.num_layers())?, mtp.num_experts()))
+}
+
+impl super::cpu::CpuStepRunner {
+    /// The model's MoE layers are done: the LM head and sampling run now, and draft pass 0 starts
+    /// (its rows wait for the MTP layer's experts). Every rank starts it, rows or not.
+    pub(super) fn start_draft_passes(&mut self) -> Option<crate::step::StepCompletion> {
+        let mut running = self.current.take()?;
+        let placeholder = Err(crate::step::ExecutorError::Launch("sampled before its draft passes".into()));
+        let Ok(acts) = std::mem::replace(&mut running.acts, placeholder) else { return None };
+        let out = self.model.finish_step_keeping_hidden(&running.step.batch(), acts);
+        let sampled = self.finish(&running.step, &out);
+        let (d, k) = (self.model.hidden_size, self.draft_passes);
+        let mut mtp = MtpDrafting::new(&running.step, &out.hidden, &sampled, d, k);
+        let acts = mtp.begin_pass(&self.model, &running.step, &mut super::cpu::write(&self.cache));
+        running.drafting = Some(Drafting { sampled, mtp, acts: Some(acts), lost: false });
+        self.current = Some(running);
+        None
+    }
+
+    /// Ends draft pass `moe − (model's MoE layers)`: its experts' results summed, its drafts
+    /// taken; then the next pass starts, or the step completes after the last.
+    pub(super) fn combine_draft_pass(
+        &mut self,
+        moe: usize,
+        results: &[crate::messages::ExpertRows],
+        missing: &[crate::messages::ExpertPair],
+    ) -> Option<crate::step::StepCompletion> {
+        let last = moe + 1 >= self.moe_layers.len() + self.draft_passes;
+        let Some(mtp) = self.model.mtp() else { return if last { self.complete() } else { None } };
+        let running = self.current.as_mut()?;
+        let Some(drafting) = running.drafting.as_mut() else {
+            return if last { self.complete() } else { None }; // the step could not run
         };
-        let mut successors: Vec<u32> = fed[1..valid].to_vec();
-        if let Some(next) = next {
-            successors.push(next);
-        } else if proposes.is_some() {
-            continue; // a non-finite sample: the request fails, nothing to draft
-        }
-        if successors.is_empty() {
-            continue;
-        }
-        parts.push(MtpRows { seq: i, successors, start_pos: s.start_pos, first_row: here, proposes });
-    }
-    if parts.is_empty() {
-        return;
-    }
-    let batch: Vec<SeqInput> = parts
-        .iter()
-        .map(|p| {
-            let s = &step.seqs[p.seq];
-            SeqInput {
-                tokens: &p.successors,
-                start_pos: p.start_pos,
-                block_table: &step.tables[s.table.clone()],
-                slot: None,
-                prompt_len: s.prompt_len,
-                logits: if p.proposes.is_some() && k > 0 { LogitsWanted::Last } else { LogitsWanted::None },
+        let d = self.model.hidden_size;
+        if let Some(acts) = drafting.acts.take() {
+            if !missing.is_empty() {
+                tracing::error!(
+                    step = running.step.step,
+                    pass = moe - self.moe_layers.len(),
+                    "draft pass: {} expert results missing; this step's drafts are dropped",
+                    missing.len()
+                );
+                drafting.lost = true;
             }
-        })
-        .collect();
-    let mut hidden = Vec::with_capacity(parts.iter().map(|p| p.successors.len()).sum::<usize>() * d);
-    for p in &parts {
-        hidden.extend_from_slice(&out_hidden[p.first_row * d..(p.first_row + p.successors.len()) * d]);
-    }
-    let first = mtp.forward(model.embeddings(), &batch, &hidden, cache);
-    // Chains: (part, next position, last draft, its hidden row)
-    let mut chains: Vec<(usize, usize, u32, Vec<f32>)> = Vec::new();
-    let mut row = 0;
-    for (b, p) in parts.iter().enumerate() {
-        row += p.successors.len();
-        let Some(j) = p.proposes.filter(|_| k > 0) else { continue };
-        let Some(draft) = first.logits.last(b).and_then(finite_argmax) else { continue };
-        sampled[j].drafts.push(draft);
-        let at = p.start_pos + p.successors.len(); // the position after the last one run
-        chains.push((b, at, draft, first.hidden[(row - 1) * d..row * d].to_vec()));
-    }
-    for _ in 1..k {
-        // Only where the step's blocks cover the position the chained row writes.
-        chains.retain(|(b, at, _, _)| {
-            let s = &step.seqs[parts[*b].seq];
-            step.tables[s.table.clone()].len() * cache.kv.block_size() > *at
-        });
-        if chains.is_empty() {
-            break;
+            let found = super::cpu::results_by_pair(results, d);
+            let zeros = vec![0.0f32; d];
+            let routes: Vec<Vec<u32>> = mtp
+                .routed(&acts, self.model.num_layers())
+                .map(|r| r.routes.iter().map(|route| route.iter().map(|p| p.0 as u32).collect()).collect())
+                .unwrap_or_default();
+            let out = mtp.finish(acts, |r, k| found.get(&(r as u32, routes[r][k])).copied().unwrap_or(&zeros));
+            drafting.mtp.end_pass(out, &mut drafting.sampled, d);
         }
-        let tokens: Vec<[u32; 1]> = chains.iter().map(|c| [c.2]).collect();
-        let batch: Vec<SeqInput> = chains
-            .iter()
-            .zip(&tokens)
-            .map(|((b, at, _, _), token)| {
-                let s = &step.seqs[parts[*b].seq];
-                SeqInput {
-                    tokens: token,
-                    start_pos: *at,
-                    block_table: &step.tables[s.table.clone()],
-                    slot: None,
-                    prompt_len: s.prompt_len,
-                    logits: LogitsWanted::Last,
-                }
-            })
-            .collect();
-        let hidden: Vec<f32> = chains.iter().flat_map(|c| c.3.iter().copied()).collect();
-        let next = mtp.forward(model.embeddings(), &batch, &hidden, cache);
-        let mut still = Vec::with_capacity(chains.len());
-        for (c, (b, at, _, _)) in chains.into_iter().enumerate() {
-            let Some(draft) = next.logits.last(c).and_then(finite_argmax) else { continue };
-            let j = parts[b].proposes.expect("chains are proposing sequences");
-            sampled[j].drafts.push(draft);
-            still.push((b, at + 1, draft, next.hidden[c * d..(c + 1) * d].to_vec()));
+        if last {
+            return self.complete();
         }
-        chains = still;
+        let running = self.current.as_mut()?;
+        let drafting = running.drafting.as_mut()?;
+        drafting.acts = Some(drafting.mtp.begin_pass(&self.model, &running.step, &mut super::cpu::write(&self.cache)));
+        None
     }
 }

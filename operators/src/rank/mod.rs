@@ -235,6 +235,12 @@ impl Rank {
         self.in_flight.iter().any(|r| r.step == t)
     }
 
+    /// Whether this rank's step `t` (in flight) samples a token for some request: a step of
+    /// middle prompt chunks only samples none, so it has nothing to draft from.
+    pub fn samples_at(&self, t: u64) -> bool {
+        self.in_flight.iter().any(|r| r.step == t && !r.sampling.is_empty())
+    }
+
     /// Events to emit, each with the step whose output carries it.
     pub fn take_events(&mut self) -> Vec<(u64, Event)> {
         std::mem::take(&mut self.events)

@@ -80,4 +80,7 @@ pub struct SpecStats {
     /// A consumer: handed-off requests' first decodes, and the drafts they fed.
     pub first_decodes: u64,
     pub first_decode_drafts: u64,
+    /// Expert parallel with the MTP drafter: steps whose draft passes this rank joined with
+    /// nothing sampled (only middle prompt chunks), as its peers drafted.
+    pub draft_passes_without_samples: u64,
 }

@@ -77,6 +77,11 @@ pub struct TestSwitches {
     /// scheduler fixed for it — the room left in the step's token budget and the outputs the
     /// request has left (removes "scheduled width").
     pub widen_draft_buckets: bool,
+    /// A rank whose step samples nothing (only middle prompt chunks: nothing to draft from)
+    /// skips the step's draft passes: its `dispatch[mtp.c]` sends nothing and never lets the
+    /// step pass (removes "collective alignment" for draft passes — the seed's hang: peers
+    /// wait in the draft exchanges for a rank that never joins them).
+    pub skip_draft_passes_without_samples: bool,
 }
 
 impl TestSwitches {
@@ -86,6 +91,7 @@ impl TestSwitches {
         crate::experts::ExchangeSwitches {
             withhold_dispatch_at: at(self.withhold_dispatch),
             send_no_results_at: at(self.send_no_expert_results),
+            skip_draft_without_samples: self.skip_draft_passes_without_samples,
         }
     }
 
