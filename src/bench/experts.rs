@@ -44,6 +44,7 @@ fn one(spec: &std::path::Path, ranks: usize, seqs: usize, outputs: usize, expert
         moe_layers,
         draft_passes: 0,
         mtp_layer: 0,
+        spec_width: 1,
     });
     pool_run(PoolRun { ranks, seqs, outputs, model, executor: "cpu", settings: toml::Table::new(), experts })
 }

@@ -302,7 +302,9 @@ pub(crate) fn expert_parallel_job(
     let mtp_drafts = pool.scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens);
     let draft_passes = kvflow_operators::executor::draft_passes(model, true, mtp_drafts);
     let mtp_layer = model.num_layers();
-    Ok(Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers, draft_passes, mtp_layer }))
+    let verifies = pool.role != crate::graph::PoolRole::Prefill;
+    let spec_width = 1 + pool.scheduler.spec.filter(|_| verifies).map_or(0, |s| s.draft_tokens);
+    Ok(Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers, draft_passes, mtp_layer, spec_width }))
 }
 
 fn pool_job(
@@ -649,4 +651,34 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
 
 fn pools_executor(graph: &Graph, name: &str) -> String {
     graph.pools.iter().find(|p| p.name == name).map(|p| p.executor.clone()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_expert_parallel_pool_with_the_mtp_drafter_plans_its_draft_passes_and_spec_width() {
+        // A producer never verifies: its idle ranks keep width 1; a decode pool's keep 1 + k.
+        // Both run k draft passes (the MTP layer's experts), the same on every rank.
+        let dir = tempfile::tempdir().unwrap();
+        let spec =
+            "model_type = \"deepseek_v3\"\nseed = 3\nvocab_size = 64\nhidden_size = 16\nintermediate_size = 32\n\
+                    moe_intermediate_size = 8\nnum_hidden_layers = 2\nnum_attention_heads = 2\nkv_lora_rank = 8\n\
+                    qk_nope_head_dim = 4\nqk_rope_head_dim = 4\nv_head_dim = 4\nn_routed_experts = 4\n\
+                    num_experts_per_tok = 2\nfirst_k_dense_replace = 1\nnum_nextn_predict_layers = 1\n";
+        std::fs::write(dir.path().join("model.toml"), spec).unwrap();
+        let graph = "[model]\npath = \"model.toml\"\n\n[[pool]]\nname = \"p\"\nrole = \"prefill\"\nranks = 2\n\
+                     expert_parallel = true\n\n[[pool]]\nname = \"d\"\nrole = \"decode\"\nranks = 2\n\
+                     expert_parallel = true\n\n[[link]]\nfrom = \"p\"\nto = \"d\"\n\n[speculative]\ndrafter = \"mtp\"\n\
+                     draft_tokens = 3\n";
+        std::fs::write(dir.path().join("graph.toml"), graph).unwrap();
+        let graph = Graph::load(&dir.path().join("graph.toml")).unwrap();
+        let model = load_model(&graph).unwrap();
+        let jobs: Vec<ExpertParallelJob> =
+            graph.pools.iter().map(|p| expert_parallel_job(&graph, p, &model).unwrap().unwrap()).collect();
+        assert_eq!((jobs[0].spec_width, jobs[0].draft_passes, jobs[0].mtp_layer), (1, 3, 2), "the producer");
+        assert_eq!((jobs[1].spec_width, jobs[1].draft_passes), (4, 3), "the consumer");
+        assert_eq!(pool::collectives(Some(&jobs[1])).spec_width, 4);
+    }
 }

@@ -133,6 +133,9 @@ pub struct ExpertParallelJob {
     /// the MTP layer's index.
     pub draft_passes: usize,
     pub mtp_layer: usize,
+    /// Rows per request of a decode step: 1 + `draft_tokens` with drafting, 1 without — and
+    /// on a prefill pool, which never verifies.
+    pub spec_width: usize,
 }
 
 /// A pool's part in handoffs.
@@ -268,7 +271,7 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
 pub fn collectives(experts: Option<&ExpertParallelJob>) -> Collectives {
     Collectives {
         moe_layers: experts.map(|e| e.moe_layers.clone()).unwrap_or_default(),
-        spec_width: 1,
+        spec_width: experts.map_or(1, |e| e.spec_width),
         draft_passes: experts.map_or(0, |e| e.draft_passes),
         mtp_layer: experts.map_or(0, |e| e.mtp_layer),
     }
