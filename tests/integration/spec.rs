@@ -368,19 +368,14 @@ fn a_producer_drafts_from_t0_and_the_consumers_first_decode_verifies_those_draft
     }
 }
 
-/// A seeded DeepSeek-V3 checkpoint with an MTP layer, written under DeepSeek's tensor names
+/// The seeded DeepSeek-V3 of `benches/specs/deepseek_mtp.toml`, with its MTP layer, written as a
+/// checkpoint under DeepSeek's tensor names
 /// (`model.layers.3.enorm`, `.hnorm`, `.eh_proj`, `.shared_head.*` and the layer's decoder
 /// tensors) into `dir/ckpt`.
 fn mtp_checkpoint(dir: &Path) -> std::path::PathBuf {
-    let spec = "model_type = \"deepseek_v3\"\nseed = 21\nvocab_size = 512\nhidden_size = 64\n\
-                intermediate_size = 128\nmoe_intermediate_size = 32\nnum_hidden_layers = 3\n\
-                num_attention_heads = 4\nq_lora_rank = 48\nkv_lora_rank = 32\nqk_nope_head_dim = 16\n\
-                qk_rope_head_dim = 8\nv_head_dim = 16\nn_routed_experts = 8\nnum_experts_per_tok = 2\n\
-                n_shared_experts = 1\nn_group = 2\ntopk_group = 1\nfirst_k_dense_replace = 1\n\
-                num_nextn_predict_layers = 1\n";
-    std::fs::write(dir.join("mtp.toml"), spec).unwrap();
     let ckpt = dir.join("ckpt");
-    let names = models::write_seeded_checkpoint(&dir.join("mtp.toml"), &ckpt).unwrap();
+    let spec = crate::common::repo().join("benches/specs/deepseek_mtp.toml");
+    let names = models::write_seeded_checkpoint(&spec, &ckpt).unwrap();
     assert!(names.iter().any(|n| n == "model.layers.3.eh_proj.weight"), "{names:?}");
     ckpt
 }

@@ -28,7 +28,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 /// A fresh folder under the system temp dir, removed first if a previous run left it.
-fn scratch(name: &str) -> PathBuf {
+pub(crate) fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("kvflow-kernels-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -198,43 +198,15 @@ mod tests {
     use crate::models::{self, LogitsWanted, Model, ModelCache, SeqInput};
     use std::path::PathBuf;
 
-    /// A small DeepSeek-V3 with one MTP layer (MoE: 8 experts, top 2).
-    pub(crate) const DEEPSEEK_MTP_SPEC: &str = r#"
-model_type = "deepseek_v3"
-seed = 21
-vocab_size = 512
-hidden_size = 64
-intermediate_size = 128
-moe_intermediate_size = 32
-num_hidden_layers = 3
-num_attention_heads = 4
-q_lora_rank = 48
-kv_lora_rank = 32
-qk_nope_head_dim = 16
-qk_rope_head_dim = 8
-v_head_dim = 16
-n_routed_experts = 8
-num_experts_per_tok = 2
-n_shared_experts = 1
-n_group = 2
-topk_group = 1
-first_k_dense_replace = 1
-routed_scaling_factor = 2.5
-num_nextn_predict_layers = 1
-"#;
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvflow-mtp-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// A small DeepSeek-V3 with one MTP layer (MoE: 8 experts, top 2): the repository's spec.
+    fn spec_path() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../benches/specs/deepseek_mtp.toml")
     }
 
     /// The seeded checkpoint, written with DeepSeek's MTP tensor names and loaded back.
     fn checkpoint(name: &str) -> (PathBuf, Model) {
-        let dir = scratch(name);
-        std::fs::write(dir.join("spec.toml"), DEEPSEEK_MTP_SPEC).unwrap();
-        let names = models::write_seeded_checkpoint(&dir.join("spec.toml"), &dir.join("ckpt")).unwrap();
+        let dir = crate::models::load_tests::scratch(&format!("mtp-{name}"));
+        let names = models::write_seeded_checkpoint(&spec_path(), &dir.join("ckpt")).unwrap();
         for suffix in
             ["enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight"]
         {
