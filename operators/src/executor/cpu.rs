@@ -1,15 +1,17 @@
 //! The CPU reference executor. [`CpuStepRunner`] owns the rank's model storage (paged KV, state
 //! slots and snapshots) and runs a step phase by phase: state copies before, the model's layers,
-//! sampling (greedy) with the hash of each sampled logits row, snapshots after. A sequence that
-//! feeds drafts is verified: a row after each token fed, each draft kept while the row before it
-//! agrees, and a rejected draft's recurrent state rolled back to the copy kept after the last token
-//! that held (`verify`, `roll_back`). A decode whose
+//! sampling (greedy, or seeded: each sequence's `Sampler`) with the hash of each sampled logits
+//! row, snapshots after. A sequence that feeds drafts is verified: a row after each token fed,
+//! each draft kept while the row before it agrees (greedy) or by the speculative-sampling rule,
+//! and a rejected draft's recurrent state rolled back to the copy kept after the last token that
+//! held (`verify`, `roll_back`). With the `mtp` drafter the MTP layer's passes follow sampling
+//! (`super::mtp`; under expert parallelism as draft passes every rank joins). A decode whose
 //! previous token was still in flight at launch names it by (sequence, step); the runner resolves
 //! it from the tokens it sampled itself. The storage sits behind a `RwLock` shared with the
 //! handoffs that read a prefill's blocks in place (a consumer's import, a tcp link's send, one
 //! block at a time): such a reader waits while a phase of this rank holds the lock.
-//! [`CpuExecutor`] runs it on the rank's own thread
-//! (`cpu`); `DeferredExecutor` on a thread of its own (`cpu-deferred`).
+//! [`CpuExecutor`] runs it on the rank's own thread (`cpu`); `DeferredExecutor` on a thread of
+//! its own (`cpu-deferred`).
 
 use super::gate::{CompletionGate, Delay};
 use super::{Executor, ExecutorContext, ExpertParallel, ExpertPlacement};
