@@ -3,8 +3,8 @@
 //! rank: the reports in rank order, each admission of `t` routed to a rank by the pool's router
 //! (every rank runs the same router over the same inputs, so all agree; under `admission =
 //! "reserve"` only to a rank whose reported capacity holds it, else deferred in order), whether
-//! the pool parks, and the step's shape (tokens per rank, idle ranks' dummy rows, the layers that
-//! exchange).
+//! the pool parks, and the step's shape (tokens per rank, idle ranks' dummy rows at the spec
+//! width, the layers that exchange, the draft passes every rank joins).
 //!
 //! Holds a capability for `t` from the first report of `t` until the plan is emitted.
 //!

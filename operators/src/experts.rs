@@ -2,7 +2,10 @@
 //! rows this rank's step routed at layer ℓ to the ranks owning their experts, `experts[ℓ]` runs
 //! this rank's experts over every rank's rows, and `combine[ℓ]` sums the results back into the
 //! step and runs it on to the next MoE layer (or to its end). A pool's `forward` is `forward(t)`
-//! followed by these three per MoE layer, built from the model config.
+//! followed by these three per MoE layer, built from the model config, and — with the MTP drafter,
+//! whose layer is a MoE block — by the same three per draft pass (`dispatch[mtp.c]`: the step
+//! samples at the end of the model's layers, and each pass drafts one more token), which every
+//! rank joins whether or not it has rows in them.
 //!
 //! Time: each acts at step `t`. `dispatch` passes the rank's [`StageToken`] along and holds
 //! nothing. `experts` holds a capability for `t` from the first rows of `t` until its input
@@ -13,7 +16,8 @@
 //! passes `t`, not when a count of peers has arrived: a rank with no tokens sends nothing and lets
 //! time pass, so no rank can be one short, and nothing outside the dataflow synchronises ranks.
 //! `combine` checks that every (row, expert) pair it dispatched got its result; a missing one
-//! fails that request with the layer, expert and rank named — never a silent zero.
+//! fails that request with the layer, expert and rank named — never a silent zero (in a draft
+//! pass it drops the step's drafts instead, logged: drafts only propose).
 
 use crate::messages::{ExpertPair, ExpertRows, StageToken};
 use crate::rank::Rank;

@@ -21,7 +21,7 @@ use super::{
     GraphError, LinkConfig, Location, MemoryConfig, OffloadConfig, OffloadStore, PoolChoice, PoolConfig, PoolRole,
     SchedulerConfig, SloConfig, TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
 };
-use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
+use kvflow_kernels::cpu::sampling::{check_temperature, check_top_p, RequestSampling, SamplingParams};
 use kvflow_operators::policy::drafter::{Drafter, NgramDrafter};
 use kvflow_operators::policy::scheduler::SpecConfig;
 
@@ -686,21 +686,9 @@ impl<'a> Validator<'a> {
     /// `[sampling]`: temperature at least 0 (0 is greedy), top_p in (0, 1]. Sampling runs on the
     /// cpu executors (the cuda executor picks greedily).
     fn sampling(&self, raw: &RawSampling, pools: &[PoolConfig]) -> Result<RequestSampling, GraphError> {
-        let temperature = self.field("sampling.temperature", raw.temperature.as_ref(), 0.0, |t| {
-            if t.is_finite() && (0.0..=100.0).contains(&t) {
-                Ok(t as f32)
-            } else {
-                Err(format!("{t}; expected 0 (greedy) to 100"))
-            }
-        })?;
+        let temperature = self.field("sampling.temperature", raw.temperature.as_ref(), 0.0, check_temperature)?;
         let top_k = raw.top_k.as_ref().map_or(0, |k| *k.get_ref());
-        let top_p = self.field("sampling.top_p", raw.top_p.as_ref(), 1.0, |p| {
-            if p > 0.0 && p <= 1.0 {
-                Ok(p as f32)
-            } else {
-                Err(format!("{p}; expected more than 0 and at most 1"))
-            }
-        })?;
+        let top_p = self.field("sampling.top_p", raw.top_p.as_ref(), 1.0, check_top_p)?;
         let params = SamplingParams { temperature, top_k, top_p };
         if !params.is_greedy() {
             if let Some(pool) = pools.iter().find(|p| p.executor == "cuda") {

@@ -11,8 +11,9 @@
 //! ```
 //!
 //! With `expert_parallel = true`, `forward(t)` is followed per MoE layer ℓ of the model by
-//! `dispatch[ℓ] ─(exchange)▶ experts[ℓ] ─(exchange)▶ combine[ℓ]`, and the last `combine` feeds the
-//! feedback edge (`kvflow_operators::experts`). With `[offload]`, `save(t)` consumes `forward`'s
+//! `dispatch[ℓ] ─(exchange)▶ experts[ℓ] ─(exchange)▶ combine[ℓ]` — then, with the MTP drafter, by
+//! the same three per draft pass (`dispatch[mtp.c]`) — and the last `combine` feeds the feedback
+//! edge (`kvflow_operators::experts`). With `[offload]`, `save(t)` consumes `forward`'s
 //! *saved* output (jobs of completed steps) and hands them to the rank's save thread, and
 //! `load(t)` its *loads* output (jobs of requests admitted at `t`) to the rank's load thread.
 

@@ -1,7 +1,9 @@
 //! The stall watchdog. Each worker of every pool registers timely's own log streams before
 //! building its dataflow; one thread on process 0 watches every pool of the run, and when no
 //! capability in a pool changes for `--stall-timeout` seconds while requests released into it are
-//! pending it prints who holds that pool back and the run ends with status 3.
+//! pending — or while it is mid-step (an operator past `admit` holds a capability) and the run has
+//! requests pending: a prefill pool works for requests its decode pool holds — it prints who
+//! holds that pool back and the run ends with status 3.
 //!
 //! The diagnosis is built from timely's logging, not from kvflow's bookkeeping:
 //! - `timely/reachability/u64` (worker 0): the tracker's source pointstamps, i.e. every

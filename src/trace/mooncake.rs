@@ -105,11 +105,7 @@ fn parse_mooncake_line(path: &Path, line: usize, text: &str) -> Result<StampedRe
         Some(value) => {
             let params: kvflow_kernels::cpu::sampling::SamplingParams =
                 serde_json::from_value(value.clone()).map_err(|_| bad_field("sampling", EXPECTED_SAMPLING, value))?;
-            let valid = params.temperature.is_finite()
-                && (0.0..=100.0).contains(&params.temperature)
-                && params.top_p > 0.0
-                && params.top_p <= 1.0;
-            if !valid {
+            if params.check().is_err() {
                 return Err(bad_field("sampling", EXPECTED_SAMPLING, value));
             }
             Some(params)

@@ -380,6 +380,17 @@ fn mtp_checkpoint(dir: &Path) -> std::path::PathBuf {
     ckpt
 }
 
+/// [`spec_graph`] with `drafter = "mtp"` and `edits` (from, to) applied to its text.
+fn mtp_graph(dir: &Path, model: &str, pools: &str, edits: &[(&str, &str)]) -> std::path::PathBuf {
+    let graph = spec_graph(dir, model, pools);
+    let mut text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
+    for (from, to) in edits {
+        text = text.replace(from, to);
+    }
+    std::fs::write(&graph, text).unwrap();
+    graph
+}
+
 #[test]
 fn the_mtp_drafter_is_exact_and_a_producer_hands_its_mtp_drafts_off() {
     // MTP drafts from the seeded checkpoint's MTP layer, run in the executor after each step:
@@ -400,9 +411,7 @@ fn the_mtp_drafter_is_exact_and_a_producer_hands_its_mtp_drafts_off() {
     for (what, pools) in cases {
         let run_dir = dir.path().join(what.replace(' ', "-"));
         std::fs::create_dir_all(&run_dir).unwrap();
-        let graph = spec_graph(&run_dir, &ckpt.to_string_lossy(), &pools);
-        let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
-        std::fs::write(&graph, text).unwrap();
+        let graph = mtp_graph(&run_dir, &ckpt.to_string_lossy(), &pools, &[]);
         let report = run_graph(&graph, long_outputs(), TestSwitches::default());
         assert_exact(&report, what);
         let spec = &report["spec"];
@@ -415,9 +424,7 @@ fn the_mtp_drafter_is_exact_and_a_producer_hands_its_mtp_drafts_off() {
         }
     }
     // Refused where it cannot run: a checkpoint without an MTP layer.
-    let graph = spec_graph(dir.path(), "hf/llama", "[[pool]]\nname = \"main\"\nranks = 1\n");
-    let text = std::fs::read_to_string(&graph).unwrap().replace("drafter = \"ngram\"", "drafter = \"mtp\"");
-    std::fs::write(&graph, text).unwrap();
+    let graph = mtp_graph(dir.path(), "hf/llama", "[[pool]]\nname = \"main\"\nranks = 1\n", &[]);
     assert_clean_failure(&kvflow(&["run", &graph.to_string_lossy()]), &["speculative.drafter", "holds no MTP layer"]);
 }
 
@@ -504,13 +511,8 @@ fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_
     let pools = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 2\nexpert_parallel = true\n\n\
                  [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 2\nexpert_parallel = true\n\n\
                  [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"inproc\"\n";
-    let graph = spec_graph(dir.path(), &ckpt.to_string_lossy(), pools);
-    let text = std::fs::read_to_string(&graph)
-        .unwrap()
-        .replace("drafter = \"ngram\"", "drafter = \"mtp\"")
-        .replace("draft_tokens = 4", "draft_tokens = 3")
-        .replace("chunk_tokens = 64", "chunk_tokens = 16");
-    std::fs::write(&graph, text).unwrap();
+    let edits = [("draft_tokens = 4", "draft_tokens = 3"), ("chunk_tokens = 64", "chunk_tokens = 16")];
+    let graph = mtp_graph(dir.path(), &ckpt.to_string_lossy(), pools, &edits);
     let report = run_graph(&graph, long_outputs(), TestSwitches::default());
     assert_exact(&report, "P/D expert parallel with MTP draft passes");
     let ranks = report["rank_stats"].as_array().unwrap();

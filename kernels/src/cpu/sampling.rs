@@ -36,7 +36,36 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == 1
     }
+
+    /// `Err` naming the first setting out of range (what a graph, a trace line and a handoff
+    /// are checked against).
+    pub fn check(&self) -> Result<(), String> {
+        check_temperature(self.temperature as f64)?;
+        check_top_p(self.top_p as f64)?;
+        Ok(())
+    }
 }
+
+/// A temperature from 0 (greedy) to [`MAX_TEMPERATURE`].
+pub fn check_temperature(t: f64) -> Result<f32, String> {
+    if t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t) {
+        Ok(t as f32)
+    } else {
+        Err(format!("temperature {t}; expected 0 (greedy) to {MAX_TEMPERATURE}"))
+    }
+}
+
+/// A top-p in (0, 1].
+pub fn check_top_p(p: f64) -> Result<f32, String> {
+    if p > 0.0 && p <= 1.0 {
+        Ok(p as f32)
+    } else {
+        Err(format!("top_p {p}; expected more than 0 and at most 1"))
+    }
+}
+
+/// The highest temperature accepted.
+pub const MAX_TEMPERATURE: f64 = 100.0;
 
 /// What keys a sampled token's randomness.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

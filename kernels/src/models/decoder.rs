@@ -53,13 +53,7 @@ impl Mixer {
         }
     }
 
-    pub(crate) fn forward(
-        &self,
-        x: &[f32],
-        layout: &BatchLayout,
-        cache: &mut ModelCache,
-        at: &CacheBinding,
-    ) -> Vec<f32> {
+    fn forward(&self, x: &[f32], layout: &BatchLayout, cache: &mut ModelCache, at: &CacheBinding) -> Vec<f32> {
         match (self, at.kv_layer) {
             (Mixer::Gqa(a), Some(k)) => a.forward(x, layout, cache.kv.layer_mut(k)),
             (Mixer::Mla(a), Some(k)) => a.forward(x, layout, cache.kv.layer_mut(k)),
@@ -156,9 +150,9 @@ pub struct StepActivations {
 }
 
 /// A MoE layer's rows waiting for their experts: the normed input and each row's routes.
-struct PendingMoe {
-    x: Vec<f32>,
-    routes: Vec<Vec<(usize, f32)>>,
+pub(crate) struct PendingMoe {
+    pub(crate) x: Vec<f32>,
+    pub(crate) routes: Vec<Vec<(usize, f32)>>,
 }
 
 /// The rows of one step routed at a MoE layer (expert parallel): what dispatch sends.
@@ -440,20 +434,11 @@ impl Model {
         if self.needs_blocks() {
             assert_eq!(acts.block_size, cache.kv.block_size(), "the step was laid out for another block size");
         }
-        let t = acts.layout.rows;
         while acts.layers_done < self.layers.len() {
             let (layer, binding) = (&self.layers[acts.layers_done], &self.bindings[acts.layers_done]);
-            let h = &mut acts.hidden;
-            let x = layer.input_norm.forward(h);
-            add_into(h, &layer.mixer.forward(&x, &acts.layout, cache, binding));
-            let x = layer.post_norm.forward(h);
-            match &layer.ffn {
-                Ffn::Dense(m) => add_into(h, &m.forward(&x, t)),
-                Ffn::Moe(m) => {
-                    let routes = m.route_rows(&x, t);
-                    acts.pending = Some(PendingMoe { x, routes });
-                    return true;
-                }
+            acts.pending = layer.run_to_routing(binding, &mut acts.hidden, &acts.layout, cache);
+            if acts.pending.is_some() {
+                return true;
             }
             acts.layers_done += 1;
         }
@@ -582,18 +567,46 @@ impl Model {
 }
 
 /// One decoder layer over the step's hidden state: `h += mixer(norm(h)); h += ffn(norm(h))`.
-pub(crate) fn run_layer(
+fn run_layer(
     layer: &DecoderLayer,
     binding: &CacheBinding,
     h: &mut [f32],
     layout: &BatchLayout,
     cache: &mut ModelCache,
 ) {
-    let x = layer.input_norm.forward(h);
-    let mixed = layer.mixer.forward(&x, layout, cache, binding);
-    add_into(h, &mixed);
-    let x = layer.post_norm.forward(h);
+    let x = layer.attend(binding, h, layout, cache);
     add_into(h, &layer.ffn.forward(&x, layout.rows));
+}
+
+impl DecoderLayer {
+    /// `h += mixer(norm(h))`; returns the feed-forward's input, `post_norm(h)`.
+    fn attend(&self, binding: &CacheBinding, h: &mut [f32], layout: &BatchLayout, cache: &mut ModelCache) -> Vec<f32> {
+        let x = self.input_norm.forward(h);
+        add_into(h, &self.mixer.forward(&x, layout, cache, binding));
+        self.post_norm.forward(h)
+    }
+
+    /// The layer up to its experts: a dense feed-forward runs whole (`None`); a MoE block stops
+    /// at its routing and returns its input and each row's routes, awaiting the experts.
+    pub(crate) fn run_to_routing(
+        &self,
+        binding: &CacheBinding,
+        h: &mut [f32],
+        layout: &BatchLayout,
+        cache: &mut ModelCache,
+    ) -> Option<PendingMoe> {
+        let x = self.attend(binding, h, layout, cache);
+        match &self.ffn {
+            Ffn::Dense(m) => {
+                add_into(h, &m.forward(&x, layout.rows));
+                None
+            }
+            Ffn::Moe(m) => {
+                let routes = m.route_rows(&x, layout.rows);
+                Some(PendingMoe { x, routes })
+            }
+        }
+    }
 }
 
 pub(crate) fn add_into(h: &mut [f32], delta: &[f32]) {

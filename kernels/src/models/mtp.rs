@@ -12,7 +12,7 @@
 //! feed the layer's own output hidden state back as `h`.
 
 use super::batch::{BatchLayout, ForwardOutput, SeqInput};
-use super::decoder::{add_into, CacheBinding, DecoderLayer, Ffn, ModelCache, RoutedRows};
+use super::decoder::{add_into, CacheBinding, DecoderLayer, Ffn, ModelCache, PendingMoe, RoutedRows};
 use super::parts::layers::{Linear, RmsNorm};
 use crate::checkpoint::{LoadError, WeightSource};
 
@@ -111,20 +111,7 @@ impl MtpLayer {
             }
         }
         let mut h = self.eh_proj.forward(&joined, t);
-        let block = &self.block;
-        let x = block.input_norm.forward(&h);
-        add_into(&mut h, &block.mixer.forward(&x, &layout, cache, &self.binding));
-        let x = block.post_norm.forward(&h);
-        let pending = match &block.ffn {
-            Ffn::Dense(m) => {
-                add_into(&mut h, &m.forward(&x, t));
-                None
-            }
-            Ffn::Moe(m) => {
-                let routes = m.route_rows(&x, t);
-                Some(MtpPending { x, routes })
-            }
-        };
+        let pending = self.block.run_to_routing(&self.binding, &mut h, &layout, cache);
         MtpActs { rows: t, h, pending, logit_rows, wanted }
     }
 
@@ -176,7 +163,7 @@ impl MtpLayer {
 pub struct MtpActs {
     rows: usize,
     h: Vec<f32>,
-    pending: Option<MtpPending>,
+    pending: Option<PendingMoe>,
     logit_rows: Vec<std::ops::Range<usize>>,
     wanted: Vec<usize>,
 }
@@ -185,12 +172,6 @@ impl MtpActs {
     pub fn rows(&self) -> usize {
         self.rows
     }
-}
-
-/// The MoE block's normed input and each row's routes, awaiting the experts.
-struct MtpPending {
-    x: Vec<f32>,
-    routes: Vec<Vec<(usize, f32)>>,
 }
 
 #[cfg(test)]

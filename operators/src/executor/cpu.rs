@@ -24,7 +24,7 @@ use kvflow_kernels::cpu::sampling::Sampler;
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
 use kvflow_kernels::models::parts::moe::{expert_owner, expert_range};
-use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, SeqInput, StepActivations};
+use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, RoutedRows, SeqInput, StepActivations};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, RwLock};
@@ -317,8 +317,7 @@ impl CpuStepRunner {
         let Self { model, cache, current, moe_layers, draft_passes, .. } = self;
         let running = current.as_mut()?;
         if let Ok(acts) = running.acts.as_mut() {
-            let h = model.hidden_size;
-            let found = results_by_pair(results, h);
+            let found = ExpertResults::new(results, model.routed(acts), model.hidden_size);
             for miss in missing {
                 let seq = acts.layout().seq_of_row[miss.row as usize];
                 if !running.failed.iter().any(|(s, _)| *s == seq) {
@@ -330,12 +329,7 @@ impl CpuStepRunner {
                     running.failed.push((seq, why));
                 }
             }
-            let zeros = vec![0.0f32; h];
-            let routes: Vec<Vec<u32>> = model
-                .routed(acts)
-                .map(|r| r.routes.iter().map(|route| route.iter().map(|p| p.0 as u32).collect()).collect())
-                .unwrap_or_default();
-            model.combine_experts(acts, |r, k| found.get(&(r as u32, routes[r][k])).copied().unwrap_or(&zeros));
+            model.combine_experts(acts, |r, k| found.get(r, k));
             if model.run_to_experts(acts, &mut write(cache)) {
                 return None;
             }
@@ -483,16 +477,35 @@ impl CpuStepRunner {
 /// Runs one expert over `n` rows: `(expert, rows, n)`, `None` when this rank does not hold it.
 type RunExpert<'a> = dyn Fn(usize, &[f32], usize) -> Option<Vec<f32>> + 'a;
 
-/// Each (row, expert) pair's result among `results` (rows of `h` floats).
-pub(super) fn results_by_pair(results: &[ExpertRows], h: usize) -> HashMap<(u32, u32), &[f32]> {
-    let mut found: HashMap<(u32, u32), &[f32]> = HashMap::new();
-    for m in results {
-        let Payload::Host(y) = &m.payload;
-        for (i, &pair) in m.pairs.iter().enumerate() {
-            found.insert(pair, &y[i * h..(i + 1) * h]);
+/// A MoE layer's expert results, by row and route: what `combine` sums. A pair that got no
+/// result reads zeros — its request fails (a model layer) or the step's drafts are dropped (a
+/// draft pass), so a zero is never silent.
+pub(super) struct ExpertResults<'a> {
+    found: HashMap<(u32, u32), &'a [f32]>,
+    /// Each routed row's experts, ascending (its `k`-th route is `routes[r][k]`).
+    routes: Vec<Vec<u32>>,
+    zeros: Vec<f32>,
+}
+
+impl<'a> ExpertResults<'a> {
+    pub(super) fn new(results: &'a [ExpertRows], routed: Option<RoutedRows<'_>>, h: usize) -> Self {
+        let mut found = HashMap::new();
+        for m in results {
+            let Payload::Host(y) = &m.payload;
+            for (i, &pair) in m.pairs.iter().enumerate() {
+                found.insert(pair, &y[i * h..(i + 1) * h]);
+            }
         }
+        let routes = routed
+            .map(|r| r.routes.iter().map(|route| route.iter().map(|p| p.0 as u32).collect()).collect())
+            .unwrap_or_default();
+        ExpertResults { found, routes, zeros: vec![0.0; h] }
     }
-    found
+
+    /// Row `r`'s result from its `k`-th expert.
+    pub(super) fn get(&self, r: usize, k: usize) -> &[f32] {
+        self.found.get(&(r as u32, self.routes[r][k])).copied().unwrap_or(&self.zeros)
+    }
 }
 
 /// The cache for writing (whether or not a reader panicked: it holds plain floats).

@@ -268,13 +268,8 @@ impl super::cpu::CpuStepRunner {
                 );
                 drafting.lost = true;
             }
-            let found = super::cpu::results_by_pair(results, d);
-            let zeros = vec![0.0f32; d];
-            let routes: Vec<Vec<u32>> = mtp
-                .routed(&acts, self.model.num_layers())
-                .map(|r| r.routes.iter().map(|route| route.iter().map(|p| p.0 as u32).collect()).collect())
-                .unwrap_or_default();
-            let out = mtp.finish(acts, |r, k| found.get(&(r as u32, routes[r][k])).copied().unwrap_or(&zeros));
+            let found = super::cpu::ExpertResults::new(results, mtp.routed(&acts, self.model.num_layers()), d);
+            let out = mtp.finish(acts, |r, k| found.get(r, k));
             drafting.mtp.end_pass(out, &mut drafting.sampled, d);
         }
         if last {

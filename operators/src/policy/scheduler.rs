@@ -8,8 +8,11 @@
 //! state there can be kept.
 //!
 //! Speculative decoding: a decoding sequence with nothing in flight may carry drafts (up to the
-//! configured width, blocks reserved for each, never preempting for them); it is not scheduled
-//! again until their verification completes.
+//! limit fixed here — `draft_tokens`, its outputs left, the step's room — at a bucketed width
+//! that only shrinks it, blocks reserved for each, never preempting for them); it is not
+//! scheduled again until their verification completes. A handed-off request's first decode
+//! carries the producer's drafts. Chunks state "verifies drafts" (`Chunk::drafts`) and "drafter
+//! needs successor tokens" (`Chunk::drafter_successors`) separately.
 //!
 //! Deferred output: a sequence whose last sampled token is still in flight can be scheduled at
 //! once — its next decode names that token (`Sequence::remaining` counts tokens in flight), so a

@@ -2,7 +2,10 @@
 //! returns what its step's record pinned; each sampled token reaches its sequence only if that
 //! sequence is still in the generation the step was launched for (else it is dropped and
 //! counted: the request was preempted or cancelled meanwhile). A request whose last token
-//! arrives ends here; a failed step fails the requests it fed.
+//! arrives ends here; a failed step fails the requests it fed. A verification's kept drafts count
+//! as computed; the MTP drafter's proposal for the next step is kept on the sequence
+//! (`Sequence::model_drafts`, a copy); a producer's request whose step sampled T0 with
+//! "drafter needs successor tokens" set drafts from T0 for its handoff now.
 
 use super::Rank;
 use crate::messages::{wall_ms, Event};

@@ -1,9 +1,10 @@
 //! A rank's side of P/D handoffs (DESIGN §2, §8). On a prefill pool: a request admitted
 //! `PrefillOnly` samples T0 only; the step that reaches its prompt boundary copies its state slot
 //! (read then — the state before T0) and names its KV blocks in place; when T0 arrives the handoff is built
-//! and sent, and the request stays held, blocks and slot with it, until the consumer's ack for
+//! and sent (with the drafts its drafter made from T0), and the request stays held, blocks and slot with it, until the consumer's ack for
 //! that transfer comes back (producer frees after ack). On a decode pool: a `Handoff` admission
-//! takes its handoff from the pool's inbox and continues from T0, its first decode input.
+//! takes its handoff from the pool's inbox and continues from T0, its first decode input (with
+//! the producer's drafts after it).
 
 use super::Rank;
 use crate::messages::{wall_ms, Admission, Event};

@@ -1,5 +1,5 @@
-//! The handoff descriptor on the wire (DESIGN §8): a fixed little-endian header, the prompt's
-//! tokens, then the payload — KV floats packed by layer, then the state slot's floats. The
+//! The handoff descriptor on the wire (DESIGN §8): a fixed little-endian header (with the
+//! request's sampling), the prompt's tokens and the producer's drafts, then the payload — KV floats packed by layer, then the state slot's floats. The
 //! consumer decodes the header against what *it* allocates ([`ConsumerLayout`]) before a byte of
 //! payload is read, so a descriptor can never make it write outside the blocks and the slot it
 //! allocated for that request.
@@ -93,7 +93,7 @@ pub enum WireError {
     MissingState,
     #[error("the handoff carries state for a model without recurrent state")]
     UnexpectedState,
-    #[error("sampling {0}: expected a finite temperature >= 0 and top_p in (0, 1]")]
+    #[error("sampling: {0}")]
     Sampling(String),
 }
 
@@ -200,9 +200,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
     if draft_count > MAX_HANDOFF_DRAFTS {
         return Err(WireError::Geometry { what: "drafts", got: draft_count, expected: MAX_HANDOFF_DRAFTS });
     }
-    if !(temperature.is_finite() && temperature >= 0.0 && top_p > 0.0 && top_p <= 1.0) {
-        return Err(WireError::Sampling(format!("temperature {temperature}, top_p {top_p}")));
-    }
+    sampling.params.check().map_err(WireError::Sampling)?;
     if prompt_len == 0 || prompt_len > layout.max_prompt {
         return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
     }
