@@ -197,7 +197,10 @@ impl Sampler {
     /// The token at `position` from the logits row before it, or `None` when the row holds a
     /// NaN or an infinity (no token can be trusted).
     pub fn pick(&self, logits: &[f32], position: usize) -> Option<u32> {
-        finite_argmax(logits)?;
+        let greedy = finite_argmax(logits)?;
+        if self.is_greedy() {
+            return Some(greedy); // one pass over the row, as before sampling existed
+        }
         Some(sample(logits, &self.sampling.params, self.key(position, 0)))
     }
 
