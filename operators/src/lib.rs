@@ -1,5 +1,5 @@
-//! kvflow's timely operators (admit, schedule, align, forward, the expert exchanges, save, load,
-//! emit), one per file, the per-rank
+//! kvflow's timely operators (admit, schedule, align, forward, the expert exchanges, verify,
+//! propose, save, load, emit), one per file, the per-rank
 //! state each owns (`rank`), the executors that run a rank's steps (`executor`) and the
 //! vocabulary of a step between them (`step`), built around the plain scheduling policy in
 //! `policy`. See DESIGN.md §4 for the per-pool graph they form; `kvflow::runtime` wires them.
@@ -14,9 +14,11 @@ pub mod load;
 pub mod messages;
 pub mod offload;
 pub mod policy;
+pub mod propose;
 pub mod rank;
 pub mod save;
 pub mod schedule;
 pub mod step;
 pub mod transfer;
+pub mod verify;
 pub mod wake;

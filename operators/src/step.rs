@@ -35,6 +35,9 @@ pub enum StateOp {
     Zero { slot: SlotId },
     /// Before the forward: a prefix hit starts from the state kept at the prefix boundary.
     Restore { snapshot: SnapshotId, slot: SlotId },
+    /// Before the forward: a verification that rejected drafts sets the slot back to its state
+    /// just after `position`, the last token that held (kept by the step that verified it).
+    Rewind { slot: SlotId, position: usize },
     /// After the forward: keep the state at a boundary the step just reached.
     Snapshot { slot: SlotId, snapshot: SnapshotId },
 }
@@ -277,9 +280,6 @@ pub trait SeqSource {
 #[derive(Clone, Copy)]
 pub struct StepLaunch<'a> {
     pub step: u64,
-    /// Test switch `keep_rejected_state`: a verification that rejects drafts leaves the
-    /// recurrent state as after every draft (removes the rollback).
-    pub keep_rejected_state: bool,
     pub before: &'a [StateOp],
     pub after: &'a [StateOp],
     /// The newest step whose completion the rank has applied: tokens sampled at or before it are
@@ -334,18 +334,50 @@ pub struct Sampled {
     pub token: Option<u32>,
     /// `kvflow_kernels::hash::logits_row` of the logits row it was sampled from.
     pub logits_hash: u64,
-    /// A step that verified drafts: the tokens after `token`, one per draft the verification
-    /// kept (each the token sampled after that draft), with their rows' hashes. `token` equal to
-    /// the first draft keeps it, and so on; the last token here is the one no draft matched.
-    pub accepted: Vec<(Option<u32>, u64)>,
-    /// With the `mtp` drafter: drafts for the next step, proposed after the last token here.
+    /// A step that fed drafts: the executor's check of each, in order (one per draft). The
+    /// executor scores every row; which of them hold is `verify`'s to decide
+    /// ([`Sampled::kept_drafts`]).
+    pub checks: Vec<DraftCheck>,
+    /// With the `mtp` drafter: drafts for the next step, proposed after the last token that
+    /// holds.
     pub drafts: Vec<u32>,
+}
+
+/// The executor's check of one draft: whether the token its position's row chose (`token`, or
+/// the row before it for the first draft) is the draft fed there, and the token the row after
+/// the draft chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftCheck {
+    /// The row before the draft chose it (greedy: it is the argmax; sampling: the
+    /// speculative-sampling rule kept it).
+    pub kept: bool,
+    /// The token the row after the draft chose (`None`: non-finite logits), and that row's hash.
+    pub next: Option<u32>,
+    pub next_hash: u64,
 }
 
 impl Sampled {
     /// One token, no drafts.
     pub fn one(seq: SeqKey, token: Option<u32>, logits_hash: u64) -> Self {
-        Sampled { seq, token, logits_hash, accepted: Vec::new(), drafts: Vec::new() }
+        Sampled { seq, token, logits_hash, checks: Vec::new(), drafts: Vec::new() }
+    }
+
+    /// How many drafts hold: each while every draft before it held (the rows past the first
+    /// rejection were scored on a prefix that no longer holds, and count for nothing).
+    pub fn kept_drafts(&self) -> usize {
+        self.checks.iter().take_while(|c| c.kept).count()
+    }
+
+    /// The tokens that hold, in order, with their rows' hashes: `token`, then the token after
+    /// each kept draft (the last one chosen where no draft held, or after the last draft).
+    pub fn verified(&self) -> impl Iterator<Item = (Option<u32>, u64)> + '_ {
+        let after = self.checks[..self.kept_drafts()].iter().map(|c| (c.next, c.next_hash));
+        std::iter::once((self.token, self.logits_hash)).chain(after)
+    }
+
+    /// The last token that holds.
+    pub fn last_verified(&self) -> Option<u32> {
+        self.verified().last().and_then(|(t, _)| t)
     }
 }
 

@@ -334,7 +334,6 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
         let launch = |ex: &mut CudaExecutor, step: u64, seqs: &[SeqStep<'_>]| {
             let l = StepLaunch {
                 step,
-                keep_rejected_state: false,
                 before: &[],
                 after: &[],
                 applied_through: None,

@@ -6,7 +6,8 @@
 //!
 //! Operators kvflow knows get a label saying which step they work at and what they carry
 //! (`forward(t)` and its executor, `align(t)` and its broadcast, the router inside it); edges
-//! are labelled with the record type they carry and, for `forward`, which completion.
+//! are labelled with the record type they carry and, for `forward` and `verify`, which
+//! completion.
 
 use super::pool::{build_pool_graph, PoolParts, PoolStreams};
 use crate::graph::{Graph, PoolConfig, WorkloadMode};
@@ -160,6 +161,8 @@ fn label(name: &str, pool: &PoolConfig) -> String {
         "schedule" => "schedule(t)".to_string(),
         "align" => format!("align(t)\nbroadcast × {}\nrouter: {}", pool.ranks, pool.router),
         "forward" => format!("forward(t)\nexecutor: {}", pool.executor),
+        "verify" => "verify(t)\napplies sampled tokens; decides which drafts hold".to_string(),
+        "propose" => format!("propose(t)\ndrafter: {}", pool_drafter(pool)),
         "emit" => "emit(t)\nto the collector".to_string(),
         "save" => "save(t)\nafter the step completed; blocks held until stored".to_string(),
         "load" => "load(t)\nadmitted requests' prefixes from the store; completion admits to prefill".to_string(),
@@ -171,13 +174,29 @@ fn label(name: &str, pool: &PoolConfig) -> String {
     }
 }
 
+/// The pool's drafter and its draft width, for `propose`'s label.
+fn pool_drafter(pool: &PoolConfig) -> String {
+    use kvflow_operators::policy::drafter::Drafter;
+    match pool.scheduler.spec {
+        Some(spec) => {
+            let name = match spec.drafter {
+                Drafter::Ngram(_) => "ngram",
+                Drafter::Mtp => "mtp",
+            };
+            format!("{name}, k = {}", spec.draft_tokens)
+        }
+        None => "none".to_string(),
+    }
+}
+
 /// What an edge out of `source`'s `port` carries.
 fn edge_label(source: &str, port: usize, typ: &str) -> String {
     match (source, port) {
         ("forward", 0) => format!("launched: {typ}"),
-        ("forward", 1) => format!("sampled: {typ}"),
-        ("forward", 3) => format!("saved: {typ}"),
-        ("forward", 4) => format!("loads: {typ}"),
+        ("forward", 2) => format!("loads: {typ}"),
+        ("verify", 0) => format!("launched: {typ}"),
+        ("verify", 1) => format!("sampled: {typ}"),
+        ("verify", 2) => format!("saved: {typ}"),
         ("admit", _) => format!("wake: {typ}"),
         _ => typ.to_string(),
     }
@@ -232,7 +251,8 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
         }
         dot.line("  }");
         let find = |name: &str| built.operators.iter().find(|(_, n)| n.as_str() == name).map(|(&node, _)| id(node));
-        if let (Some(admit), Some(forward)) = (find("admit"), find("forward")) {
+        // Handoffs leave as T0 is applied: from `verify`.
+        if let (Some(admit), Some(forward)) = (find("admit"), find("verify")) {
             if super::links::Wiring::entry_kind(graph, &all, pool).is_some() {
                 dot.line(format!("  workload -> {admit} [label=\"requests (ingress)\"];"));
             }
@@ -240,7 +260,7 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
         }
     }
     // Links: a decode rank sends a remote prefill to a prefill pool's admit (when requests enter
-    // the decode pools); the prefill pool's forward hands off back to the decode pool's admit
+    // the decode pools); the prefill pool's verify hands off back to the decode pool's admit
     // (through its inbox).
     let decode_first = super::links::decode_first(graph, &all);
     for link in &graph.links {

@@ -4,18 +4,19 @@
 //! once) and joins them when the workload is done.
 //!
 //! ```text
-//! ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─┬▶ emit(t) ─▶ collector
-//!              ▲ ▲ └─ wake loop (t+1) ─┘     ▲        (broadcast)               │ (sampled: held per step in flight)
-//!              │ └── feedback: Launched / Waiting / Parked / Ended (t+1) ◀──────┘
+//! ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─▶ verify(t) ─┬▶ emit(t) ─▶ collector
+//!              ▲ ▲ └─ wake loop (t+1) ─┘     ▲        (broadcast)                           │ (sampled: held per step in flight)
+//!              │ └── feedback: Launched / Waiting / Parked / Ended (t+1) ◀── propose(t) ◀───┘
 //!              └── RankWaker (completions landing on this rank)
 //! ```
 //!
-//! With `expert_parallel = true`, `forward(t)` is followed per MoE layer ℓ of the model by
+//! `propose(t)` is built in pools with `[speculative]`; without it `verify(t)` feeds the feedback
+//! edge. With `expert_parallel = true`, `forward(t)` is followed per MoE layer ℓ of the model by
 //! `dispatch[ℓ] ─(exchange)▶ experts[ℓ] ─(exchange)▶ combine[ℓ]` — then, with the MTP drafter, by
-//! the same three per draft pass (`dispatch[mtp.c]`) — and the last `combine` feeds the feedback
-//! edge (`kvflow_operators::experts`). With `[offload]`, `save(t)` consumes `forward`'s
-//! *saved* output (jobs of completed steps) and hands them to the rank's save thread, and
-//! `load(t)` its *loads* output (jobs of requests admitted at `t`) to the rank's load thread.
+//! the same three per draft pass (`dispatch[mtp.c]`) — and the last `combine` feeds `verify(t)`
+//! (`kvflow_operators::experts`). With `[offload]`, `save(t)` consumes `verify`'s *saved* output
+//! (jobs of completed steps) and hands them to the rank's save thread, and `load(t)` `forward`'s
+//! *loads* output (jobs of requests admitted at `t`) to the rank's load thread.
 
 use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
@@ -31,10 +32,12 @@ use kvflow_operators::messages::{Event, LoopSignal, StepPlan};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
+use kvflow_operators::propose::propose;
 use kvflow_operators::rank::{OffloadSetup, Rank, RankStats, RemotePrefill, TestSwitches};
 use kvflow_operators::save::save;
 use kvflow_operators::schedule::schedule;
 use kvflow_operators::transfer::{HandoffInbox, HandoffSink};
+use kvflow_operators::verify::verify;
 use kvflow_operators::wake::RankWaker;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -245,9 +248,9 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
     let plans = align(reports, ranks, router, keys, collectives.clone(), hold("align"), switches.align_without_waiting);
     let expert_parallel = !collectives.moe_layers.is_empty();
     let out = forward(plans.clone(), rank.clone(), expert_parallel, hold("forward"));
-    if expert_parallel {
+    let launched = if expert_parallel {
         // forward(t), then dispatch → experts → combine per MoE layer, then per draft pass of
-        // the MTP drafter, the last to the feedback.
+        // the MTP drafter, the last to verify.
         let mut stages = out.stages;
         let count = collectives.moe_layers.len();
         let passes = (0..collectives.draft_passes).map(|c| (count + c, collectives.mtp_layer, Some(c)));
@@ -256,16 +259,22 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
             let at = MoeLayer { moe, layer, draft_pass };
             stages = moe_layer(stages, rank.clone(), at, switches.exchange_switches(index, moe));
         }
-        stages.map(|token| token.signal).connect_loop(signal_loop);
+        stages.map(|token| token.signal)
     } else {
-        out.signals.connect_loop(signal_loop);
+        out.signals
+    };
+    let verified = verify(launched, rank.clone(), hold("verify"));
+    if rank.borrow().scheduler.config.spec.is_some() {
+        propose(verified.signals, rank.clone(), hold("propose")).connect_loop(signal_loop);
+    } else {
+        verified.signals.connect_loop(signal_loop);
     }
-    emit(out.sampled.clone(), sink);
+    emit(verified.sampled.clone(), sink);
     if offload {
-        save(out.saved, rank.clone());
+        save(verified.saved, rank.clone());
         load(out.loads, rank);
     }
-    PoolStreams { plans, sampled: out.sampled }
+    PoolStreams { plans, sampled: verified.sampled }
 }
 
 /// What a pool's forward does collectively: its MoE layers' exchanges and its draft passes.

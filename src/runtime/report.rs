@@ -59,7 +59,8 @@ fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
         json!({"pool": pool, "rank": s.rank, "steps": s.steps, "empty_steps": s.empty_steps,
                "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows,
                "forward_tokens": s.forward_tokens, "saved_chunks": s.offload.saved_chunks, "loaded_chunks": s.offload.loaded_chunks,
-               "offload_hit_tokens": s.offload.offload_hit_tokens, "drafted_tokens": s.spec.drafted_tokens,
+               "offload_hit_tokens": s.offload.offload_hit_tokens, "proposed_tokens": s.spec.proposed_tokens,
+               "drafted_tokens": s.spec.drafted_tokens,
                "handed_off_drafts": s.spec.handed_off_drafts,
                "draft_passes_without_samples": s.spec.draft_passes_without_samples})
     };
@@ -99,6 +100,7 @@ fn spec(stats: &[&RankStats]) -> Value {
     json!({
         "acceptance_rate": if drafted > 0 { accepted as f64 / drafted as f64 } else { 0.0 },
         "mean_accepted_len": if steps > 0 { (accepted + steps) as f64 / steps as f64 } else { 0.0 },
+        "proposed_tokens": sum(|s| s.proposed_tokens),
         "verify_steps": steps,
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,

@@ -179,11 +179,11 @@ impl Watch {
         };
         let at_earliest: Vec<&(usize, usize, u64)> = held.iter().filter(|h| Some(h.2) == earliest).collect();
         let blocked: HashSet<usize> = at_earliest.iter().flat_map(|h| downstream_of(h.0, h.1)).collect();
-        // `forward`'s sampled output (port 1) holds a step while it is in flight: that is the
+        // `verify`'s sampled output (port 1) holds a step while it is in flight: that is the
         // cause only when nothing else holds the step (with expert parallelism, a step stays in
         // flight until its last `combine`, so a held exchange shows there too).
         let is_in_flight_hold =
-            |node: usize, port: usize| port == 1 && s.names.get(&node).is_some_and(|n| n == "forward");
+            |node: usize, port: usize| port == 1 && s.names.get(&node).is_some_and(|n| n == "verify");
         let others = at_earliest.iter().any(|h| !blocked.contains(&h.0) && !is_in_flight_hold(h.0, h.1));
         for &&(node, port, time) in &at_earliest {
             if blocked.contains(&node) || (others && is_in_flight_hold(node, port)) {

@@ -116,7 +116,6 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
         let launch = |ex: &mut CudaExecutor, step: u64, s: SeqStep<'_>| {
             let seqs = [s];
             let l = StepLaunch {
-                keep_rejected_state: false,
                 step,
                 before: &[],
                 after: &[],
@@ -280,7 +279,6 @@ fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], expor
     let seqs = [seq];
     let launch = StepLaunch {
         step: 0,
-        keep_rejected_state: false,
         before: &[],
         after: &[],
         applied_through: None,

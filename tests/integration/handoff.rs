@@ -57,9 +57,7 @@ impl SeqSource for One<'_> {
     }
 }
 
-/// Runs one step of one sequence through every phase (`keep_rejected_state`: the test switch
-/// that leaves a rejected draft's state in place).
-#[allow(clippy::too_many_arguments)]
+/// Runs one step of one sequence through every phase.
 pub(crate) fn step(
     r: &mut CpuStepRunner,
     t: u64,
@@ -67,13 +65,11 @@ pub(crate) fn step(
     before: &[StateOp],
     imports: &[KvImport],
     exports: &[KvExport],
-    keep_rejected_state: bool,
 ) -> StepCompletion {
     let batch = One(seq);
     let sampling = [seq.key];
     let launch = StepLaunch {
         step: t,
-        keep_rejected_state,
         before,
         after: &[],
         applied_through: None,
@@ -114,7 +110,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             sampler: Default::default(),
             next_prompt_token: None,
         };
-        let done = step(&mut producer, 0, prefill, &zero, &[], &export, false);
+        let done = step(&mut producer, 0, prefill, &zero, &[], &export);
         let sampled = done.result.unwrap();
         let t0 = sampled[0].token.unwrap();
         let exported = done.exports.into_iter().next().unwrap();
@@ -173,7 +169,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
                     next_prompt_token: None,
                 };
                 let (before, imports) = if i == 0 { (&czero[..], &import[..]) } else { (&[][..], &[][..]) };
-                let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[], false).result.unwrap();
+                let s = step(&mut consumer, 1 + i as u64, decode, before, imports, &[]).result.unwrap();
                 tokens.push(s[0].token.unwrap());
                 chain = hash::chain_row(chain, s[0].logits_hash);
             }

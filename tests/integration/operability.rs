@@ -165,7 +165,9 @@ fn stall_graph(dir: &Path) -> std::path::PathBuf {
 #[test]
 fn the_stall_diagnosis_names_the_operator_rank_and_step_holding_the_pool() {
     // Every operator that can hold the pool back, each on a fixed rank and step.
-    for (operator, rank, step) in [("admit", 0, 4), ("schedule", 1, 5), ("align", 2, 6), ("forward", 1, 8)] {
+    for (operator, rank, step) in
+        [("admit", 0, 4), ("schedule", 1, 5), ("align", 2, 6), ("forward", 1, 8), ("verify", 2, 7)]
+    {
         let dir = tempfile::tempdir().unwrap();
         let graph = stall_graph(dir.path());
         let hold = format!("{operator}:{rank}:{step}");

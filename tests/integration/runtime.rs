@@ -326,9 +326,9 @@ fn the_dot_picture_is_drawn_from_the_dataflow_the_runtime_builds() {
             .find(|l| l.contains(&format!("label=\"{name}")) && l.contains('['))
             .map(|l| l.split_whitespace().next().unwrap().to_string())
     };
-    let (forward, probe) =
-        (node("forward(t)", &extended).unwrap(), node("probe", &extended).expect("the probe is drawn"));
-    assert!(extended.contains(&format!("{forward} -> {probe} [label=\"sampled: Event\"]")), "{extended}");
+    let (verify, probe) =
+        (node("verify(t)", &extended).unwrap(), node("probe", &extended).expect("the probe is drawn"));
+    assert!(extended.contains(&format!("{verify} -> {probe} [label=\"sampled: Event\"]")), "{extended}");
     assert_eq!(extended.lines().count(), plain.lines().count() + 2, "one node and one edge more");
 }
 

@@ -141,7 +141,10 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
             if model.needs_blocks() { (0..(p + 16).div_ceil(BLOCK) as u32).collect() } else { vec![] };
         let slot = model.needs_slots().then_some(0);
         let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
-        let run = |r: &mut CpuStepRunner, t: u64, known: &[u32], start_pos: usize, drafts: &[u32], keep: bool| {
+        // What `verify` asks of the sequence's next launch after a rejection (the rollback):
+        // its slot back to the state after the last token that held, fed at p + 2.
+        let rewind: Vec<StateOp> = slot.map(|slot| StateOp::Rewind { slot, position: p + 2 }).into_iter().collect();
+        let run = |r: &mut CpuStepRunner, t: u64, known: &[u32], start_pos: usize, drafts: &[u32], rewinds: bool| {
             let s = SeqStep {
                 key,
                 known,
@@ -155,8 +158,12 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
                 sampler: Sampler::default(),
                 next_prompt_token: None,
             };
-            let before: &[StateOp] = if t == 0 { &zero } else { &[] };
-            step(r, t, s, before, &[], &[], keep).result.unwrap().remove(0)
+            let before: &[StateOp] = match t {
+                0 => &zero,
+                _ if rewinds => &rewind,
+                _ => &[],
+            };
+            step(r, t, s, before, &[], &[]).result.unwrap().remove(0)
         };
         let mut plain = runner(&model);
         let mut oracle = vec![run(&mut plain, 0, &prompt, 0, &[], false)];
@@ -167,17 +174,18 @@ fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_th
         let token = |i: usize| oracle[i].token.unwrap();
         for keep in [false, true] {
             let mut spec = runner(&model);
-            assert_eq!(run(&mut spec, 0, &prompt, 0, &[], keep), oracle[0], "{name}: the prompt's row");
+            assert_eq!(run(&mut spec, 0, &prompt, 0, &[], false), oracle[0], "{name}: the prompt's row");
             let drafts = [token(1), token(2), (token(3) + 1) % vocab, token(4)];
-            let verified = run(&mut spec, 1, &[token(0)], p, &drafts, keep);
+            let verified = run(&mut spec, 1, &[token(0)], p, &drafts, false);
             assert_eq!((verified.token, verified.logits_hash), (oracle[1].token, oracle[1].logits_hash), "{name}");
+            assert_eq!(verified.kept_drafts(), 2, "{name}: the first two drafts hold");
             assert_eq!(
-                verified.accepted,
+                verified.verified().skip(1).collect::<Vec<_>>(),
                 vec![(oracle[2].token, oracle[2].logits_hash), (oracle[3].token, oracle[3].logits_hash)],
                 "{name}: two drafts kept, then the oracle's token where the wrong draft stood"
             );
-            let next = run(&mut spec, 2, &[token(3)], p + 3, &[], keep);
-            let after = run(&mut spec, 3, &[token(4)], p + 4, &[], keep);
+            let next = run(&mut spec, 2, &[token(3)], p + 3, &[], !keep);
+            let after = run(&mut spec, 3, &[token(4)], p + 4, &[], false);
             let exact = next == oracle[4] && after == oracle[5];
             if !keep || slot.is_none() {
                 assert!(exact, "{name} (rollback {}): the decodes after it are the oracle's", !keep);
@@ -298,7 +306,7 @@ fn sampled_drafting_keeps_the_target_distribution() {
             sampler: Sampler::default(),
             next_prompt_token: None,
         };
-        step(&mut r, 0, prefill, &[], &[], &[], false).result.unwrap();
+        step(&mut r, 0, prefill, &[], &[], &[]).result.unwrap();
         let (mut at_first, mut at_second) = (vec![0usize; vocab as usize], vec![0usize; vocab as usize]);
         let mut kept = 0;
         for trial in 0..trials {
@@ -309,15 +317,16 @@ fn sampled_drafting_keeps_the_target_distribution() {
                 sampler: Sampler::new(sampling, trial),
                 ..prefill
             };
-            let verified = step(&mut r, 1 + trial, s, &[], &[], &[], false).result.unwrap().remove(0);
+            let verified = step(&mut r, 1 + trial, s, &[], &[], &[]).result.unwrap().remove(0);
             let token = verified.token.unwrap();
             at_first[token as usize] += 1;
-            if let Some(&(Some(next), _)) = verified.accepted.first() {
+            let holds: Vec<_> = verified.verified().collect();
+            if let Some(&(Some(next), _)) = holds.get(1) {
                 assert_eq!(token, d1, "a token follows only a kept draft");
                 at_second[next as usize] += 1;
                 kept += 1;
             } else {
-                assert!(verified.accepted.is_empty());
+                assert_eq!(verified.kept_drafts(), 0);
             }
         }
         let (statistic, critical) = chi_square(&at_first, &first);
@@ -457,21 +466,13 @@ fn mtp_kv_a_producer_hands_off_equals_the_mtp_kv_recomputed_in_one_pass() {
     let leak = |v: &[u32]| -> &'static [u32] { Box::leak(v.to_vec().into_boxed_slice()) };
     let export = [kvflow_operators::step::KvExport { key, blocks: blocks.clone(), slot: None }];
     let mut whole = runner_drafting(&model, 4);
-    let one = step(&mut whole, 0, seq(leak(&prompt), 0, true), &[], &[], &export, false);
+    let one = step(&mut whole, 0, seq(leak(&prompt), 0, true), &[], &[], &export);
     let mut producer = runner_drafting(&model, 4);
     let mut last = None;
     for (t, start) in (0..p).step_by(16).enumerate() {
         let end = (start + 16).min(p);
         let exports: &[_] = if end == p { &export } else { &[] };
-        last = Some(step(
-            &mut producer,
-            t as u64,
-            seq(leak(&prompt[start..end]), start, end == p),
-            &[],
-            &[],
-            exports,
-            false,
-        ));
+        last = Some(step(&mut producer, t as u64, seq(leak(&prompt[start..end]), start, end == p), &[], &[], exports));
     }
     let chunked = last.unwrap();
     let (a, b) = (one.result.as_ref().unwrap(), chunked.result.as_ref().unwrap());
@@ -536,4 +537,46 @@ fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_
     assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
     let culprit = stderr.lines().skip_while(|l| !l.starts_with("pool prefill: stall")).nth(1).unwrap_or_default();
     assert!(culprit.contains("holding the pool back: operator `dispatch[mtp.0]`"), "in:\n{stderr}");
+}
+
+#[test]
+fn propose_and_verify_are_operators_of_the_step_loop() {
+    // DESIGN §4: forward(t) → verify(t) → propose(t) → feedback (t + 1) → schedule(t + 1), as the
+    // runtime builds it (the picture is drawn from the built dataflow).
+    let dir = tempfile::tempdir().unwrap();
+    let graph = spec_graph(dir.path(), "hf/llama", "[[pool]]\nname = \"main\"\nranks = 2\n");
+    let out = kvflow(&["check", &graph.to_string_lossy(), "--dot"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let dot = String::from_utf8_lossy(&out.stdout).to_string();
+    let node = |label: &str| {
+        dot.lines()
+            .find(|l| l.contains(&format!("label=\"{label}")) && l.contains('[') && !l.contains("->"))
+            .map(|l| l.split_whitespace().next().unwrap().to_string())
+            .unwrap_or_else(|| panic!("no {label} node in:\n{dot}"))
+    };
+    let (forward, verify, propose) =
+        (node("forward(t)"), node("verify(t)"), node("propose(t)\\ndrafter: ngram, k = 4"));
+    for (from, to) in [(&forward, &verify), (&verify, &propose)] {
+        let edge = format!("{from} -> {to} [label=\"launched: LoopSignal\"]");
+        assert!(dot.contains(&edge), "{edge} in:\n{dot}");
+    }
+    assert!(dot.contains(&format!("{propose} -> ")), "propose feeds the feedback edge:\n{dot}");
+    assert!(dot.contains(&format!("{verify} -> ")) && dot.contains("sampled: Event"), "{dot}");
+
+    // Every draft the scheduler booked was proposed by `propose` first.
+    let report = run_graph(&graph, long_outputs(), TestSwitches::default());
+    assert_exact(&report, "aggregated, drafting");
+    let proposed = report["spec"]["proposed_tokens"].as_u64().unwrap();
+    let (drafted, _) = spec_of(&report);
+    assert!(drafted > 0 && proposed >= drafted, "proposed {proposed}, drafted {drafted}: {}", report["spec"]);
+
+    // The step loop runs through it: `propose` holding step 6 on rank 1 holds the pool back, and
+    // the watchdog names it.
+    let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let g = graph.to_string_lossy();
+    let out = kvflow(&["run", &g, "--stall-timeout", "2", "--test-hold-capability", "propose:1:6"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
+    let expected = "holding the pool back: operator `propose` on rank 1 holds step 6 ";
+    assert!(stderr.contains(expected), "expected {expected:?} in:\n{stderr}");
 }

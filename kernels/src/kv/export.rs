@@ -111,6 +111,7 @@ impl StatePool {
         if data.len() != self.width() {
             return Err(ImportError::WrongSize { what: "state", got: data.len(), expected: self.width() });
         }
+        self.forget_rows(slot);
         self.slot_mut(slot).copy_from_slice(data);
         Ok(())
     }

@@ -64,6 +64,7 @@ impl StatePool {
 
     /// Sets a slot to the zero state (a request before its first token).
     pub fn zero_slot(&mut self, id: SlotId) {
+        self.forget_rows(id);
         let r = self.range(id);
         self.slots[r].fill(0.0);
     }
@@ -85,6 +86,7 @@ impl StatePool {
 
     /// Overwrites `slot` with the state kept in `snapshot` (the snapshot is unchanged).
     pub fn restore(&mut self, snapshot: SnapshotId, slot: SlotId) {
+        self.forget_rows(slot);
         let (s, d) = (self.range(snapshot), self.range(slot));
         self.slots[d].copy_from_slice(&self.snapshots[s]);
     }
@@ -93,8 +95,10 @@ impl StatePool {
         &self.snapshots[self.range(id)]
     }
 
-    /// From now until [`StatePool::forget_rows`], keep `slot`'s state after each of the positions
-    /// `first..first + count` (the layers call [`StatePool::keep_row`] as they advance it).
+    /// From now on, keep `slot`'s state after each of the positions `first..first + count` (the
+    /// layers call [`StatePool::keep_row`] as they advance it) — until the slot is rewound,
+    /// tracked again, zeroed, restored or imported: the rows outlive the step that verifies, so
+    /// the rewind can come with the sequence's next launch, once `verify` has decided.
     pub fn track_rows(&mut self, slot: SlotId, first: usize, count: usize) {
         self.rows.retain(|r| r.slot != slot);
         self.rows.push(RowStates { slot, first, states: vec![0.0; count * self.width] });
@@ -116,11 +120,13 @@ impl StatePool {
             .copy_from_slice(&self.slots[from.start + section.start..from.start + section.end]);
     }
 
-    /// Sets `slot` to its state just after `position`, kept since [`StatePool::track_rows`].
-    /// False when that position was not tracked (the slot is unchanged).
+    /// Sets `slot` to its state just after `position`, kept since [`StatePool::track_rows`], and
+    /// drops the slot's kept rows. False when that position was not tracked (the slot is
+    /// unchanged).
     pub fn rewind(&mut self, slot: SlotId, position: usize) -> bool {
         let to = self.range(slot);
-        let Some(rows) = self.rows.iter().find(|r| r.slot == slot) else { return false };
+        let Some(at) = self.rows.iter().position(|r| r.slot == slot) else { return false };
+        let rows = self.rows.swap_remove(at);
         let Some(i) = position.checked_sub(rows.first).filter(|i| (i + 1) * self.width <= rows.states.len()) else {
             return false;
         };
@@ -128,9 +134,14 @@ impl StatePool {
         true
     }
 
-    /// Drops every tracked position (at the end of the step that asked for them).
-    pub fn forget_rows(&mut self) {
-        self.rows.clear();
+    /// Drops the rows kept for `slot` (it starts over).
+    pub fn forget_rows(&mut self, slot: SlotId) {
+        self.rows.retain(|r| r.slot != slot);
+    }
+
+    /// How many slots have rows kept.
+    pub fn slots_with_rows(&self) -> usize {
+        self.rows.len()
     }
 }
 
@@ -163,12 +174,16 @@ mod tests {
             }
         }
         assert_eq!(pool.slot(1), &[3.0; 4]);
+        assert!(!pool.rewind(0, 10), "slot 0 kept nothing");
+        pool.track_rows(0, 4, 1);
+        pool.zero_slot(0);
+        assert_eq!(pool.slots_with_rows(), 1, "a zeroed slot starts over: its rows go");
         assert!(pool.rewind(1, 10));
         assert_eq!(pool.slot(1), &[1.0; 4]);
-        assert!(!pool.rewind(1, 13), "an untracked position leaves the slot alone");
-        assert!(!pool.rewind(0, 10));
-        pool.forget_rows();
-        assert!(!pool.rewind(1, 11));
+        assert!(!pool.rewind(1, 11), "a rewind uses the rows up");
         assert_eq!(pool.slot(1), &[1.0; 4]);
+        assert_eq!(pool.slots_with_rows(), 0);
+        pool.track_rows(1, 10, 3);
+        assert!(!pool.rewind(1, 13), "an untracked position leaves the slot alone");
     }
 }

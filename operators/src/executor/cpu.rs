@@ -1,10 +1,11 @@
 //! The CPU reference executor. [`CpuStepRunner`] owns the rank's model storage (paged KV, state
 //! slots and snapshots) and runs a step phase by phase: state copies before, the model's layers,
 //! sampling (greedy, or seeded: each sequence's `Sampler`) with the hash of each sampled logits
-//! row, snapshots after. A sequence that feeds drafts is verified: a row after each token fed,
-//! each draft kept while the row before it agrees (greedy) or by the speculative-sampling rule,
-//! and a rejected draft's recurrent state rolled back to the copy kept after the last token that
-//! held (`verify`, `roll_back`). With the `mtp` drafter the MTP layer's passes follow sampling
+//! row, snapshots after. A sequence that feeds drafts is scored: a row after each token fed, each
+//! draft checked against the row before it (greedy: the argmax; sampling: the speculative-sampling
+//! rule) and the state after each position kept (`score_drafts`); `verify(t)` decides which hold,
+//! and a rejection's rollback comes with the sequence's next launch (`StateOp::Rewind`, a copy of
+//! the kept state). With the `mtp` drafter the MTP layer's passes follow sampling
 //! (`super::mtp`; under expert parallelism as draft passes every rank joins). A decode whose
 //! previous token was still in flight at launch names it by (sequence, step); the runner resolves
 //! it from the tokens it sampled itself. The storage sits behind a `RwLock` shared with the
@@ -17,8 +18,8 @@ use super::gate::{CompletionGate, Delay};
 use super::{Executor, ExecutorContext, ExpertParallel, ExpertPlacement};
 use crate::messages::{ExpertPair, ExpertRows, Payload};
 use crate::step::{
-    BlockStore, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
-    StepLaunch,
+    BlockStore, DraftCheck, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp,
+    StepCompletion, StepLaunch,
 };
 use kvflow_kernels::cpu::sampling::Sampler;
 use kvflow_kernels::hash;
@@ -59,7 +60,6 @@ pub struct OwnedStep {
     pub(super) applied_through: Option<u64>,
     pub(super) imports: Vec<KvImport>,
     pub(super) exports: Vec<KvExport>,
-    pub(super) keep_rejected_state: bool,
 }
 
 impl OwnedStep {
@@ -101,7 +101,6 @@ impl OwnedStep {
             applied_through: launch.applied_through,
             imports: launch.imports.to_vec(),
             exports: launch.exports.to_vec(),
-            keep_rejected_state: launch.keep_rejected_state,
         }
     }
 
@@ -361,6 +360,12 @@ impl CpuStepRunner {
             match *op {
                 StateOp::Zero { slot } => cache.states.zero_slot(slot),
                 StateOp::Restore { snapshot, slot } => cache.states.restore(snapshot, slot),
+                StateOp::Rewind { slot, position } => {
+                    if !cache.states.rewind(slot, position) {
+                        let why = format!("slot {slot} kept no state after position {position} to roll back to");
+                        return Err(ExecutorError::Launch(why));
+                    }
+                }
                 StateOp::Snapshot { .. } => {}
             }
         }
@@ -402,56 +407,32 @@ impl CpuStepRunner {
         Ok(self.model.begin_step(&step.batch(), cache.kv.block_size()))
     }
 
-    /// Samples (greedy) every sequence that asked for logits, and keeps the state snapshots the
-    /// step asked for after its forward.
+    /// Samples every sequence that asked for logits (a verifying one: scores each draft,
+    /// [`score_drafts`]), and keeps the state snapshots the step asked for after its forward.
     pub(super) fn finish(&mut self, step: &OwnedStep, out: &ForwardOutput) -> Vec<Sampled> {
         let mut sampled = Vec::with_capacity(step.seqs.len());
-        let mut rejected = Vec::new();
         for (i, s) in step.seqs.iter().enumerate() {
-            if s.drafts > 0 {
-                let (verified, kept) = verify(step, i, out);
-                let last = verified.accepted.last().map_or(verified.token, |&(t, _)| t);
-                self.sampled.insert(s.key, (step.step, last.unwrap_or(0)));
-                if kept < s.drafts {
-                    rejected.push((i, kept));
-                }
-                sampled.push(verified);
+            let scored = if s.drafts > 0 {
+                score_drafts(step, i, out)
             } else if let Some(logits) = out.last(i) {
                 let token = s.sampler.pick(logits, s.start_pos + s.tokens.len());
-                // A step already launched behind this one may name the token: it is fed a
-                // placeholder (the request fails when this completion lands, and what that step
-                // computes for it is dropped), so the others in its batch are not failed too.
-                self.sampled.insert(s.key, (step.step, token.unwrap_or(0)));
-                sampled.push(Sampled::one(s.key, token, hash::logits_row(logits)));
-            }
+                Sampled::one(s.key, token, hash::logits_row(logits))
+            } else {
+                continue;
+            };
+            // A step already launched behind this one may name the token: it is fed a
+            // placeholder (the request fails when this completion lands, and what that step
+            // computes for it is dropped), so the others in its batch are not failed too.
+            self.sampled.insert(s.key, (step.step, scored.last_verified().unwrap_or(0)));
+            sampled.push(scored);
         }
         let mut cache = write(&self.cache);
-        if step.keep_rejected_state {
-            cache.states.forget_rows();
-        } else {
-            self.roll_back(step, &rejected, &mut cache);
-        }
         for op in &step.after {
             if let StateOp::Snapshot { slot, snapshot } = *op {
                 cache.states.snapshot_into(slot, snapshot);
             }
         }
         sampled
-    }
-
-    /// Sequences whose drafts were rejected from the `kept`-th on: their state slot goes back to
-    /// the state kept after the last token that held (DESIGN §10), a copy with no second forward,
-    /// so nothing runs a collective the other ranks do not join. Families without state keep
-    /// their KV: positions past the accepted ones are written again before anything reads them.
-    fn roll_back(&self, step: &OwnedStep, rejected: &[(usize, usize)], cache: &mut ModelCache) {
-        for &(i, kept) in rejected {
-            let s = &step.seqs[i];
-            if let Some(slot) = s.slot {
-                let fed = s.tokens.len() - s.drafts + kept;
-                cache.states.rewind(slot, s.start_pos + fed - 1);
-            }
-        }
-        cache.states.forget_rows();
     }
 
     /// What the step's exports ask for (after its forward and snapshots): the state slot,
@@ -571,34 +552,33 @@ impl ExpertParallel for CpuExecutor {
     }
 }
 
-/// Verification of sequence `i` of `step`: the token after its last known token, then one after
-/// each draft while the draft before it was kept — greedy keeps a draft equal to the argmax, and
-/// sampling keeps it by the speculative-sampling rule ([`Sampler::check_draft`]), drawing the
-/// token there from what remains when it does not. Returns what it sampled and how many drafts it
-/// kept.
-fn verify(step: &OwnedStep, i: usize, out: &ForwardOutput) -> (Sampled, usize) {
+/// Scores a verifying sequence's drafts: the row after its last known token chooses the first
+/// draft's position, and each row after a draft the next — greedy by the argmax, sampling by the
+/// speculative-sampling rule ([`Sampler::check_draft`]: a draft is kept with probability
+/// p(draft), else the token there is drawn from what remains), every draw keyed on its
+/// position, so each row's choice is its own whatever the rows before it chose. Which drafts
+/// hold (each while every one before it held) is `verify`'s decision
+/// ([`Sampled::kept_drafts`]); the state after each position is kept for its rewind.
+fn score_drafts(step: &OwnedStep, i: usize, out: &ForwardOutput) -> Sampled {
     let s = &step.seqs[i];
     let drafts = &step.tokens[s.tokens.end - s.drafts..s.tokens.end];
-    // The row after the last known token chooses this position; each row after it, the next.
     let first = s.start_pos + s.tokens.len() - s.drafts;
     let mut rows = out.seq(i);
-    let mut check = |k: usize| {
+    let mut choose = |k: usize| {
         let row = rows.next()?;
-        let picked = match drafts.get(k) {
+        let chosen = match drafts.get(k) {
             Some(&draft) => s.sampler.check_draft(row, first + k, draft),
             None => s.sampler.pick(row, first + k).map(|t| (t, false)),
         };
-        Some((picked, hash::logits_row(row)))
+        Some((chosen, hash::logits_row(row)))
     };
-    let Some((picked, logits_hash)) = check(0) else { return (Sampled::one(s.key, None, 0), 0) };
-    let mut verified = Sampled::one(s.key, picked.map(|(t, _)| t), logits_hash);
-    let mut kept = 0;
-    let mut held = picked.is_some_and(|(_, kept_draft)| kept_draft);
-    while held && kept < drafts.len() {
-        kept += 1;
-        let Some((picked, h)) = check(kept) else { break };
-        verified.accepted.push((picked.map(|(t, _)| t), h));
-        held = picked.is_some_and(|(_, kept_draft)| kept_draft);
+    let Some((chosen, logits_hash)) = choose(0) else { return Sampled::one(s.key, None, 0) };
+    let mut scored = Sampled::one(s.key, chosen.map(|(t, _)| t), logits_hash);
+    let mut kept = chosen.is_some_and(|(_, kept)| kept);
+    for k in 1..=drafts.len() {
+        let Some((next, next_hash)) = choose(k) else { break };
+        scored.checks.push(DraftCheck { kept, next: next.map(|(t, _)| t), next_hash });
+        kept = next.is_some_and(|(_, kept)| kept);
     }
-    (verified, kept)
+    scored
 }

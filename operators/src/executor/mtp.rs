@@ -59,12 +59,11 @@ impl MtpDrafting {
             let here = first_row;
             first_row += fed.len();
             let proposes = sampled.iter().position(|x| x.seq == s.key);
-            // The tokens that now hold at the fed positions, then the one after the last of them.
+            // The tokens that hold at the fed positions, then the one after the last of them (the
+            // drafts that hold by the rule `verify` applies to the same scores, `kept_drafts`:
+            // the layer must run on what holds, in this step).
             let (valid, next) = match proposes.map(|j| &sampled[j]) {
-                Some(x) => {
-                    let kept = x.accepted.len().min(s.drafts);
-                    (fed.len() - s.drafts + kept, x.accepted.last().map_or(x.token, |&(t, _)| t))
-                }
+                Some(x) => (fed.len() - s.drafts + x.kept_drafts().min(s.drafts), x.last_verified()),
                 None => (fed.len(), s.next_prompt_token),
             };
             let mut successors: Vec<u32> = fed[1..valid].to_vec();

@@ -1,9 +1,10 @@
 //! Drafters for speculative decoding (DESIGN §10): what a sequence's next tokens probably are.
-//! The scheduler asks for up to the width it reserved — prompt lookup runs there, on the tokens
-//! the rank holds; the MTP drafter's drafts were made by the executor after the step that sampled
-//! the last token, and are handed over here. The target model then checks every proposed token
-//! in one forward (`verify`), and greedy verification keeps exactly the tokens plain decoding
-//! would give.
+//! `propose(t)` asks for up to `draft_tokens` after a sequence's last token once it is applied —
+//! prompt lookup runs there, on the tokens the rank holds; the MTP drafter's drafts were made by
+//! the executor after the step that sampled the last token, and are handed over here. The
+//! scheduler books as many as the request's width allows, the target model checks every booked
+//! token in one forward, and `verify(t)` keeps what it agrees with: greedy verification keeps
+//! exactly the tokens plain decoding would give.
 
 /// The drafter a pool runs: prompt lookup, or the checkpoint's MTP layer — which runs in the
 /// executor, after the target's forward, on the hidden state of each token it fed, and hands the

@@ -240,6 +240,8 @@ impl RankMemory {
         seq.restored = None;
         seq.loaded_tokens = 0;
         seq.drafts.clear();
+        seq.proposed.clear();
+        seq.rewind_to = None;
     }
 
     fn free(&mut self, blocks: Vec<BlockId>, slot: Option<SlotId>) {

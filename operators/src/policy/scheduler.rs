@@ -423,6 +423,8 @@ impl Scheduler {
 /// drafts (`Sequence::drafts`) feeds its last known token and them: it samples after each, and
 /// only the known token counts as computed until the verification says how many drafts held.
 fn book(out: &mut StepDecision, index: usize, seq: &mut Sequence, len: usize, t: u64) {
+    // What `propose` drafted after its last token is used (in `seq.drafts`) or stale now.
+    seq.proposed.clear();
     let drafts = seq.drafts.len();
     let (start, end) = (seq.computed, seq.computed + len - drafts);
     let sample = end == seq.known_len();
@@ -447,13 +449,37 @@ fn book(out: &mut StepDecision, index: usize, seq: &mut Sequence, len: usize, t:
     }
 }
 
-/// A decode with nothing in flight: asks the drafter for drafts at the width its recent
-/// acceptance earns (`SpecConfig::width`, within `spec.draft_tokens`, the outputs it has left and
-/// `room` tokens of the step's budget) and reserves blocks for the last token and all of them. Returns the tokens the chunk feeds (1 when it
-/// drafts nothing: no blocks for them, or no proposal); the drafts are in `seq.drafts`.
-fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: usize) -> usize {
+/// Drafts a decode may still feed: up to `spec.draft_tokens`, within the outputs it has left
+/// (its last output is never a draft) and not counting tokens in flight.
+fn draft_limit(seq: &Sequence, spec: &SpecConfig) -> usize {
     let outputs_left = seq.max_output_tokens.saturating_sub(seq.output_len() + seq.pending.len());
-    let limit = spec.draft_tokens.min(outputs_left.saturating_sub(1)).min(room);
+    spec.draft_tokens.min(outputs_left.saturating_sub(1))
+}
+
+/// `propose(t)` for one sequence: when it decodes next with nothing in flight and has nothing
+/// proposed, the drafter's proposal after its last token (`draft_limit` tokens at most) goes
+/// into `seq.proposed`, for the scheduler to book at the width it earns. Returns how many.
+pub fn propose_into(seq: &mut Sequence, spec: &SpecConfig) -> usize {
+    let decodes = seq.computed >= seq.prompt_len && seq.handoff_outputs.is_none() && seq.import.is_none();
+    if !decodes || !seq.pending.is_empty() || !seq.drafts.is_empty() || !seq.proposed.is_empty() || seq.finished() {
+        return 0;
+    }
+    let limit = draft_limit(seq, spec);
+    if limit > 0 {
+        spec.drafter.propose(&seq.tokens, &seq.model_drafts, limit, &mut seq.proposed);
+    }
+    seq.proposed.len()
+}
+
+/// A decode with nothing in flight: books the drafts `propose` made for it at the width its
+/// recent acceptance earns (`SpecConfig::width`, within `spec.draft_tokens`, the outputs it has
+/// left and `room` tokens of the step's budget — the proposal's first ones: a shorter proposal
+/// is its prefix) and reserves blocks for the last token and all of them. Returns the tokens the
+/// chunk feeds (1 when it drafts nothing: no blocks for them, or no proposal); the drafts are in
+/// `seq.drafts`.
+fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: usize) -> usize {
+    let limit = draft_limit(seq, &spec).min(room);
+    let mut drafts = std::mem::take(&mut seq.proposed);
     if !seq.pending.is_empty() || seq.computed < seq.prompt_len {
         return 1;
     }
@@ -461,7 +487,7 @@ fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: 
         // A handed-off request's first decode: T0 and the producer's drafts made from it, at
         // full width (the drafter that made them saw what this rank's may not: with MTP, the
         // producer's last hidden state).
-        let mut drafts = std::mem::take(&mut seq.handed_drafts);
+        drafts = std::mem::take(&mut seq.handed_drafts);
         drafts.truncate(limit);
         if !drafts.is_empty() && !mem.ensure_blocks(seq, seq.computed + 1 + drafts.len()) {
             drafts.clear();
@@ -475,8 +501,7 @@ fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: 
         seq.draft_acceptance = (seq.draft_acceptance + 0.05).min(1.0);
         return 1;
     }
-    let mut drafts = std::mem::take(&mut seq.drafts);
-    spec.drafter.propose(&seq.tokens, &seq.model_drafts, width, &mut drafts);
+    drafts.truncate(width);
     // Blocks for every position the chunk writes; without them it decodes plainly (a draft never
     // preempts anyone).
     if drafts.is_empty() || !mem.ensure_blocks(seq, seq.computed + 1 + drafts.len()) {
@@ -703,11 +728,13 @@ mod policy_tests {
         let d = s.schedule(&mut seqs, &mut mem, 1);
         assert_eq!(d.chunks, vec![chunk(&seqs, a, 0, 5, true, true)], "the prompt first");
         run(&d, &mut seqs, 1); // samples 7: tokens 5 6 7 5 6 7
+        assert_eq!(propose_into(seqs.get_mut(a), &spec), 3, "propose(1)");
         let d = s.schedule(&mut seqs, &mut mem, 2);
         assert_eq!(d.chunks, vec![Chunk { drafts: 3, ..chunk(&seqs, a, 5, 4, true, false) }]);
         assert_eq!(seqs.get(a).drafts, vec![5, 6, 7], "what followed the last 7 6... match");
         assert_eq!(seqs.get(a).computed, 6, "only the known token counts until the verification");
         assert!(seqs.get(a).blocks.len() * 4 >= 6 + 3, "blocks for every position the chunk writes");
+        assert_eq!(propose_into(seqs.get_mut(a), &spec), 0, "nothing proposed while its drafts are verified");
         assert!(s.schedule(&mut seqs, &mut mem, 3).is_empty(), "not again while its drafts are verified");
         // The verification kept 1 draft (what `Rank::apply` does): on it goes, drafting again.
         let seq = seqs.get_mut(a);
@@ -715,6 +742,7 @@ mod policy_tests {
         seq.drafts.clear();
         seq.computed += 1;
         seq.tokens.extend([5, 9]);
+        propose_into(seqs.get_mut(a), &spec);
         let d = s.schedule(&mut seqs, &mut mem, 4);
         assert_eq!(d.chunks[0].start, 7);
         assert!(d.chunks[0].drafts <= 1, "one output left after this token: at most one draft");
@@ -723,8 +751,10 @@ mod policy_tests {
         let b = add(&mut s, &mut seqs, 2, vec![1, 2, 1, 2, 1, 2], 6); // 2 blocks now, 3 to its end
         add(&mut s, &mut seqs, 3, vec![9, 9, 9], 1); // holds the third block
         run(&s.schedule(&mut seqs, &mut mem, 1), &mut seqs, 1);
+        propose_into(seqs.get_mut(b), &spec);
         let d = s.schedule(&mut seqs, &mut mem, 2);
         assert_eq!((d.chunks[0].len, d.chunks[0].drafts, d.preempted.len()), (1, 0, 0), "{:?}", d.chunks);
+        assert!(seqs.get(b).proposed.is_empty(), "a proposal is used or dropped when the decode is booked");
         assert!(seqs.get(b).drafts.is_empty());
     }
 
@@ -769,6 +799,7 @@ mod policy_tests {
             let a = add(&mut s, &mut seqs, 1, (0..6).map(|i| (i % 2) as u32).collect(), outputs);
             for t in 1..30 {
                 seqs.get_mut(a).draft_acceptance = next(11) as f32 / 10.0;
+                propose_into(seqs.get_mut(a), &spec);
                 let d = s.schedule(&mut seqs, &mut mem, t);
                 for c in &d.chunks {
                     let seq = seqs.get(c.seq);

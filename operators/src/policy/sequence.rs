@@ -124,6 +124,12 @@ pub struct Sequence {
     pub restored: Option<crate::offload::RestoredPrefix>,
     /// Tokens of `cached` restored from the offload store (counted when it is admitted).
     pub loaded_tokens: usize,
+    /// Speculative decoding: what `propose(t)` drafted after its last token, for the scheduler to
+    /// book as many of as the width it earns allows (empty until then, and once booked).
+    pub proposed: Vec<u32>,
+    /// A verification rejected drafts: the position after which its state slot holds (its last
+    /// token that held), restored from the copy the verifying step kept, before its next forward.
+    pub rewind_to: Option<usize>,
     /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
     /// token); empty when it has none in flight.
     pub drafts: Vec<u32>,
@@ -172,6 +178,8 @@ impl Sequence {
             chunk_digests: Vec::new(),
             restored: None,
             loaded_tokens: 0,
+            proposed: Vec::new(),
+            rewind_to: None,
             drafts: Vec::new(),
             draft_acceptance: 1.0,
             handed_drafts: Vec::new(),
@@ -367,6 +375,10 @@ impl Sequences {
 
     pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
         self.slots.iter().filter(|s| s.key.generation != VACANT)
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Sequence> {
+        self.slots.iter_mut().filter(|s| s.key.generation != VACANT)
     }
 }
 

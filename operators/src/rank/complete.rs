@@ -107,17 +107,12 @@ impl Rank {
             }
             // The MTP drafter's proposal for the next step, made after this step's last token.
             seq.model_drafts = std::mem::take(&mut s.drafts);
-            // A verification: the drafts it kept now count as computed (their KV holds).
+            // A verification (`verify`'s decision): the drafts that hold count as computed.
             let drafted = std::mem::take(&mut seq.drafts).len();
             if drafted > 0 {
-                let kept = s.accepted.len().min(drafted);
-                seq.computed += kept;
-                seq.draft_acceptance = 0.5 * seq.draft_acceptance + 0.5 * kept as f32 / drafted as f32;
-                self.stats.spec.verify_steps += 1;
-                self.stats.spec.drafted_tokens += drafted as u64;
-                self.stats.spec.accepted_tokens += kept as u64;
+                self.verify_drafts(s.seq.index as usize, drafted, &s);
             }
-            for (token, logits_hash) in std::iter::once((s.token, s.logits_hash)).chain(s.accepted.iter().copied()) {
+            for (token, logits_hash) in s.verified() {
                 let Some(token) = token else {
                     let message = format!(
                         "step {}: the logits it sampled from hold NaN or infinite values (the model's weights or \
@@ -143,22 +138,6 @@ impl Rank {
                 }
             }
         }
-    }
-
-    /// A producer's request sampled T0: its drafter proposes from it now, for the handoff (the
-    /// consumer's first decode verifies them at full width).
-    fn draft_from_successor(&mut self, index: usize) {
-        let Some(spec) = self.scheduler.config.spec else { return };
-        let seq = self.seqs.get_mut(index);
-        // The consumer decodes outputs − 1 more tokens; its last one is never a draft.
-        let room = seq.handoff_outputs.unwrap_or(0).saturating_sub(2).min(spec.draft_tokens);
-        let mut drafts = std::mem::take(&mut seq.handed_drafts);
-        drafts.clear();
-        if room > 0 {
-            spec.drafter.propose(&seq.tokens, &seq.model_drafts, room, &mut drafts);
-        }
-        self.stats.spec.handed_off_drafts += drafts.len() as u64;
-        seq.handed_drafts = drafts;
     }
 
     /// The executor broke its contract: step `step` was to sample `expected` (in batch order) but

@@ -207,7 +207,15 @@ impl Rank {
         // 3. offload saves: after the step's forward too, the handoffs' exports first
         let handoff_exports = exports.len();
         exports.extend(self.offload_saves(t, &decided.chunks));
-        // 4. the launch the executor sees, read in place
+        // 4. a verification that rejected drafts: the slot goes back to the state after the last
+        //    token that held, before the sequence's next forward reads it
+        for c in &decided.chunks {
+            let seq = self.seqs.get_mut(c.seq);
+            if let (Some(position), Some(slot)) = (seq.rewind_to.take(), seq.slot) {
+                decided.state_ops.push(StateOp::Rewind { slot, position });
+            }
+        }
+        // 5. the launch the executor sees, read in place
         let swapped = self.swapped_tables(&decided.chunks);
         let batch = Batch { chunks: &decided.chunks, seqs: &self.seqs, swapped: swapped.as_ref() };
         let mut sampling = std::mem::take(&mut self.sampling);
@@ -215,7 +223,6 @@ impl Rank {
         sampling.extend(decided.chunks.iter().filter(|c| c.sample).map(|c| c.key));
         let launch = StepLaunch {
             step: t,
-            keep_rejected_state: self.switches.keep_rejected_state,
             before: &decided.state_ops,
             after: &after,
             applied_through: self.applied_through,

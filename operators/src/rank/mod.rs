@@ -3,15 +3,17 @@
 //! 1. `schedule` (at `schedule(t)`): apply the completions that arrived, decide the batch, report;
 //! 2. `launch` (at `forward(t)`): book the batch as launched — tokens in flight, prefix blocks
 //!    published, snapshots asked for — and hand it to the executor, one phase at a time;
-//! 3. `poll` (whenever the rank runs): apply completions — sampled tokens, finished requests,
-//!    exported handoffs — in launch order, dropping (and counting) those for an older
-//!    generation, and the acks of handoffs it sent and the completions of its offload saves and
-//!    loads (queues raised by the consumer and the rank's save and load threads, which wake the
-//!    rank: none of them gates a step).
+//! 3. `poll` (at `verify(t)`, and at `schedule` for what landed since): apply completions —
+//!    sampled tokens and verifications (`spec`), finished requests, exported handoffs — in
+//!    launch order, dropping (and counting) those for an older generation, and the acks of
+//!    handoffs it sent and the completions of its offload saves and loads (queues raised by the
+//!    consumer and the rank's save and load threads, which wake the rank: none of them gates a
+//!    step);
+//! 4. `propose` (at `propose(t)`, with `[speculative]`): drafts for the next step (`spec`).
 //!
 //! A step's record owns what the step reads until its completion returns it (see
-//! `RankMemory::release`). Shared by the `schedule` and `forward` operators of the rank's worker
-//! (`Rc<RefCell<_>>`: same thread).
+//! `RankMemory::release`). Shared by the `schedule`, `forward`, `verify` and `propose` operators
+//! of the rank's worker (`Rc<RefCell<_>>`: same thread).
 
 mod complete;
 mod disaggregate;
@@ -20,6 +22,7 @@ mod handoff;
 mod launch;
 mod load;
 mod offload;
+mod spec;
 mod stats;
 mod switches;
 

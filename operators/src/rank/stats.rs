@@ -72,6 +72,8 @@ pub struct UtilizationSamples {
 /// A rank's speculative decoding.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SpecStats {
+    /// Drafts `propose` made (the scheduler books as many as each request's width allows).
+    pub proposed_tokens: u64,
     pub verify_steps: u64,
     pub drafted_tokens: u64,
     pub accepted_tokens: u64,
