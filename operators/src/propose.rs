@@ -9,8 +9,13 @@
 //! run inside the step, as operators of their own before `verify` (`crate::experts`,
 //! `dispatch/experts/combine[mtp.c]`); what they propose is picked up here.
 //!
-//! Time held: none beyond the signal it passes on. Guarantee carried: drafter inputs explicit —
-//! a proposal is made from tokens the rank holds, never from a token still in flight.
+//! Completions that land after `verify(t)` (an asynchronous executor's, or one that woke a
+//! waiting pool) are applied at `schedule`, which proposes for them there (`Rank::schedule`), so a
+//! request never decodes without drafts only because of where its token landed.
+//!
+//! Time held: none beyond the signal it passes on. It carries no guarantee of DESIGN §5 by
+//! itself: a proposal is made only from tokens the rank holds, never from one in flight, and
+//! outputs never depend on it (`verify` keeps only what the target agrees with).
 
 use crate::messages::LoopSignal;
 use crate::rank::Rank;

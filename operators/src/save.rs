@@ -1,4 +1,4 @@
-//! `save(t)`: hands offload save jobs to the rank's save thread. It consumes `forward`'s *saved*
+//! `save(t)`: hands offload save jobs to the rank's save thread. It consumes `verify`'s *saved*
 //! output, on which a job appears only once the step that wrote its blocks has completed, and
 //! holds no capability: nothing it does flows back into the step loop, and a slow or failing
 //! store pins only its own saves' blocks (DESIGN §4, §9).

@@ -236,8 +236,9 @@ pub struct SeqStep<'a> {
     /// `Some(step)`: one more token is fed after `known`, the one this sequence sampled at `step`
     /// and whose completion the rank has not applied yet; the executor resolves it.
     pub deferred: Option<u64>,
-    /// Drafts fed after the known (and deferred) tokens, to verify: the step samples after the
-    /// last known token and after each draft, and keeps the drafts greedy decoding agrees with.
+    /// Drafts fed after the known (and deferred) tokens, to verify: the step scores the row after
+    /// the last known token and after each draft (`Sampled::checks`); `verify` keeps the drafts
+    /// the scores agree with.
     pub drafts: &'a [u32],
     /// Position of the first token fed.
     pub start_pos: usize,

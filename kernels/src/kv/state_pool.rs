@@ -6,7 +6,7 @@
 //! Like [`super::PagedKvCache`], this type only stores values: which slot and snapshot ids are in
 //! use is the business of the rank's [`super::IdPool`]s, and the executor that owns this storage
 //! applies the copies a step asks for ([`StatePool::zero_slot`], [`StatePool::snapshot_into`],
-//! [`StatePool::restore`]) in step order.
+//! [`StatePool::restore`], [`StatePool::rewind`]) in step order.
 
 /// Index of a state slot.
 pub type SlotId = u32;
@@ -22,7 +22,8 @@ pub struct StatePool {
     rows: Vec<RowStates>,
 }
 
-/// The state of one slot after each of a run of its positions, kept while a step verifies drafts:
+/// The state of one slot after each of a run of its positions, kept from a step that verifies
+/// drafts until the slot's next launch:
 /// a rejected draft rolls the slot back by one copy ([`StatePool::rewind`]), with no second
 /// forward (which, with expert parallelism, would run collectives no other rank joins).
 #[derive(Debug)]

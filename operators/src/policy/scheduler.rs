@@ -461,7 +461,8 @@ fn draft_limit(seq: &Sequence, spec: &SpecConfig) -> usize {
 /// into `seq.proposed`, for the scheduler to book at the width it earns. Returns how many.
 pub fn propose_into(seq: &mut Sequence, spec: &SpecConfig) -> usize {
     let decodes = seq.computed >= seq.prompt_len && seq.handoff_outputs.is_none() && seq.import.is_none();
-    if !decodes || !seq.pending.is_empty() || !seq.drafts.is_empty() || !seq.proposed.is_empty() || seq.finished() {
+    let idle = seq.pending.is_empty() && seq.drafts.is_empty() && seq.proposed.is_empty();
+    if !decodes || !idle || seq.remaining() != 1 || seq.finished() {
         return 0;
     }
     let limit = draft_limit(seq, spec);

@@ -309,7 +309,10 @@ impl Rank {
     pub fn schedule(&mut self, t: u64) -> RankReport {
         self.step = t;
         self.waker.take(); // what raised it is polled now
-        self.poll();
+        if self.poll() > 0 {
+            // Landed since `verify(t − 1)`: proposed for here (what `propose(t − 1)` would have).
+            self.propose();
+        }
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
         self.scheduler.mark_drafter_successors(&self.seqs, &mut self.decided);
         if self.switches.drafter_successors_only_when_verifying {

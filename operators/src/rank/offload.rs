@@ -5,7 +5,7 @@
 //! Save fencing (DESIGN §5): a save is asked for with the step that completes its chunk (an
 //! export after that step's forward, in launch order) and its blocks are pinned under the save's
 //! id at launch. Its job is made only when that step's completion is applied, reaches the `save`
-//! operator on `forward`'s *saved* output, and is read in place by the rank's save thread; the
+//! operator on `verify`'s *saved* output, and is read in place by the rank's save thread; the
 //! blocks return to the pool only when the save's completion record comes back. One save is in
 //! the thread per request (its later jobs wait behind it, pinned); a chunk is saved once by this
 //! rank (whichever request filled it first), and not at all when the store already holds it

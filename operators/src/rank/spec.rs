@@ -24,8 +24,9 @@ impl Rank {
         let kept = scored.kept_drafts().min(drafted);
         seq.computed += kept;
         seq.draft_acceptance = 0.5 * seq.draft_acceptance + 0.5 * kept as f32 / drafted as f32;
-        if kept < drafted && seq.slot.is_some() && !keep_rejected_state {
-            // The last token that holds was fed at `computed − 1`.
+        // The last token that holds was fed at `computed − 1`. With every draft kept the copy
+        // equals the slot; it is asked for anyway, so the kept rows go with it.
+        if seq.slot.is_some() && (kept == drafted || !keep_rejected_state) {
             seq.rewind_to = Some(seq.computed - 1);
         }
         self.stats.spec.verify_steps += 1;
