@@ -302,15 +302,16 @@ extern "C" __global__ void route(int* experts_out, float* weights_out, const flo
 }
 
 // h[t, i] += (Σ_k expert_out[t·top_k + k, i] · weight[t·top_k + k]) + shared[t, i], experts in
-// ascending order, as the CPU block sums them.
+// ascending order, as the CPU block sums them; with `shared_gate` (Qwen's gated shared expert)
+// the shared term is sigmoid(shared_gate[t]) · shared[t, i].
 extern "C" __global__ void moe_combine(float* h, const float* expert_out, const float* weights, const float* shared,
-                                       int tokens, int top_k, int hidden) {
+                                       const float* shared_gate, int tokens, int top_k, int hidden) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * hidden) return;
     size_t t = i / hidden, c = i % hidden;
     float a = 0.0f;
     for (int k = 0; k < top_k; k++) a += expert_out[(t * top_k + k) * hidden + c] * weights[t * top_k + k];
-    if (shared) a += shared[i];
+    if (shared) a += shared_gate ? sigmoid(shared_gate[t]) * shared[i] : shared[i];
     h[i] += a;
 }
 

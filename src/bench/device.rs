@@ -15,7 +15,7 @@ use crate::bench::median;
 use crate::bench::model::DEFAULT_SPEC;
 use crate::generate::{generate, GenerateOptions};
 use anyhow::{anyhow, bail, Context, Result};
-use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
+use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows, NO_SLOT};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
@@ -33,7 +33,7 @@ pub struct DeviceBenchArgs {
     pub blocks_out: Option<PathBuf>,
 }
 
-const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3"];
+const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3", "qwen3_next_gdn"];
 
 pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     let gpu = if args.emulate { Gpu::emulated()? } else { Gpu::open(args.gpu)? };
@@ -178,45 +178,66 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
     let kv = DeviceKv::new(gpu, &dm.kv_widths, BS, 64 * per_seq)?;
     let table = |s: usize| -> Vec<u32> { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() };
     let target = 17;
+    // A family with recurrent state: sequence s in slot s, started from zero for each prefill.
+    let state = match dm.state_width {
+        0 => None,
+        width => Some(DeviceState::new(gpu, width, 64, 1)?),
+    };
+    let slot = |s: usize| if state.is_some() { s as u32 } else { NO_SLOT };
+    let zero = |slots: std::ops::Range<usize>| -> Result<()> {
+        if let Some(st) = &state {
+            slots.into_iter().try_for_each(|s| st.zero_slot(gpu, s as u32))?;
+        }
+        Ok(())
+    };
+    let step = |rows: &StepRows| runner.step_in(&kv, state.as_ref(), rows);
     // alone, in one chunk
+    zero(target..target + 1)?;
     let mut alone = StepRows::default();
-    alone.push_seq(&prompt, 0, &table(target), BS, Some(0));
-    let a = runner.step(&kv, &alone)?.remove(0);
+    alone.push_seq(&prompt, 0, &table(target), BS, Some(0)).in_slot(slot(target));
+    let a = step(&alone)?.remove(0);
     // chunked (7 tokens a step)
+    zero(target..target + 1)?;
     let mut chunked = None;
     for start in (0..prompt.len()).step_by(7) {
         let end = (start + 7).min(prompt.len());
         let mut rows = StepRows::default();
         rows.push_seq(&prompt[start..end], start, &table(target), BS, (end == prompt.len()).then_some(0));
-        chunked = runner.step(&kv, &rows)?.into_iter().next();
+        rows.in_slot(slot(target));
+        chunked = step(&rows)?.into_iter().next();
     }
     // in a batch of 64 (the target 18th)
+    zero(0..64)?;
     let mut batch = StepRows::default();
     let mut o = others.iter();
     for s in 0..64 {
-        if s == target {
-            batch.push_seq(&prompt, 0, &table(s), BS, Some(s as u32));
-        } else {
-            batch.push_seq(o.next().expect("63 others"), 0, &table(s), BS, Some(s as u32));
-        }
+        let tokens = if s == target { &prompt } else { o.next().expect("63 others") };
+        batch.push_seq(tokens, 0, &table(s), BS, Some(s as u32)).in_slot(slot(s));
     }
-    let b = runner.step(&kv, &batch)?.remove(target);
+    let b = step(&batch)?.remove(target);
     let token = a.token.unwrap_or(0);
-    // a decode after it: alone, then among 64 decodes (the others after their prompts)
+    // a decode after it: alone, then among 64 decodes (the others after their prompts); the
+    // target's state after its prompt is kept for the second
+    if let Some(st) = &state {
+        st.snapshot(gpu, slot(target), 0)?;
+    }
     let mut d_alone = StepRows::default();
-    d_alone.push_seq(&[token], prompt.len(), &table(target), BS, Some(0));
-    let da = runner.step(&kv, &d_alone)?.remove(0);
+    d_alone.push_seq(&[token], prompt.len(), &table(target), BS, Some(0)).in_slot(slot(target));
+    let da = step(&d_alone)?.remove(0);
+    if let Some(st) = &state {
+        st.restore(gpu, 0, slot(target))?;
+    }
     let mut d_batch = StepRows::default();
     let mut o = others.iter();
     for s in 0..64 {
         if s == target {
-            d_batch.push_seq(&[token], prompt.len(), &table(s), BS, Some(s as u32));
+            d_batch.push_seq(&[token], prompt.len(), &table(s), BS, Some(s as u32)).in_slot(slot(s));
         } else {
             let p = o.next().expect("63 others");
-            d_batch.push_seq(&[p[0]], p.len(), &table(s), BS, Some(s as u32));
+            d_batch.push_seq(&[p[0]], p.len(), &table(s), BS, Some(s as u32)).in_slot(slot(s));
         }
     }
-    let db = runner.step(&kv, &d_batch)?.remove(target);
+    let db = step(&d_batch)?.remove(target);
     let mut failures = Vec::new();
     let chunked = chunked.ok_or_else(|| anyhow!("the chunked prefill sampled nothing"))?;
     for (what, x, y) in [

@@ -11,7 +11,7 @@ use crate::common::{expected, fixture, load, records, rel_err};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::generate::{generate, GenerateOptions};
 use kvflow::graph::Overrides;
-use kvflow_kernels::cuda::{DeviceKv, DeviceModel, Gpu, PlainRunner, StepRows};
+use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::step::{
@@ -20,7 +20,8 @@ use kvflow_operators::step::{
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
-const ATTENTION_FIXTURES: [&str; 3] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3"];
+/// The fixtures of the families the CUDA executor runs (mha, mla, gdn).
+const CUDA_FIXTURES: [&str; 4] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3", "hf/qwen3_next_gdn"];
 
 fn emulated() -> Arc<Gpu> {
     Gpu::emulated().unwrap_or_else(|e| panic!("{e}"))
@@ -31,7 +32,7 @@ fn emulated() -> Arc<Gpu> {
 #[test]
 fn emulated_cuda_kernels_reproduce_the_fixtures_and_the_cpu_executor() {
     let gpu = emulated();
-    for name in ATTENTION_FIXTURES {
+    for name in CUDA_FIXTURES {
         let dir = fixture(name);
         let model = load(&dir);
         let dm = DeviceModel::upload(&gpu, &model).unwrap();
@@ -81,6 +82,57 @@ fn emulated_cuda_logits_are_the_same_bits_alone_and_in_a_batch_of_64() {
     let b = runner.step(&kv, &batch).unwrap().remove(20);
     assert_eq!(bits(&a.logits), bits(&b.logits), "alone vs in a batch of 64");
     assert_eq!(a.logits_hash, b.logits_hash);
+}
+
+/// Gated DeltaNet on the device (qwen3_next_gdn): a sequence's logits are the same bits alone in
+/// its slot and in a batch of 8 sequences in 8 slots; and a prompt continued from a snapshot
+/// restored into another slot gives the same bits as the one that ran through.
+#[test]
+fn a_gdn_sequence_is_batch_invariant_and_resumes_from_a_device_snapshot() {
+    let gpu = emulated();
+    let model = load(&fixture("hf/qwen3_next_gdn"));
+    let dm = DeviceModel::upload(&gpu, &model).unwrap();
+    assert!(dm.state_width > 0 && dm.kv_widths.is_empty(), "gdn keeps state and no paged KV");
+    let runner = PlainRunner::new(&gpu, &dm).unwrap();
+    let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 1).unwrap();
+    let state = DeviceState::new(&gpu, dm.state_width, 8, 1).unwrap();
+    let vocab = model.vocab_size as u32;
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % vocab).collect();
+    let zero_all = || (0..8).for_each(|s| state.zero_slot(&gpu, s).unwrap());
+    zero_all();
+    let mut alone = StepRows::default();
+    alone.push_seq(&prompt, 0, &[], 16, Some(0)).in_slot(3);
+    let a = runner.step_in(&kv, Some(&state), &alone).unwrap().remove(0);
+    zero_all();
+    let mut batch = StepRows::default();
+    for s in 0..8u32 {
+        if s == 3 {
+            batch.push_seq(&prompt, 0, &[], 16, Some(s)).in_slot(s);
+        } else {
+            let other: Vec<u32> = (0..1 + s % 5).map(|i| (s * 11 + i * 3) % vocab).collect();
+            batch.push_seq(&other, 0, &[], 16, Some(s)).in_slot(s);
+        }
+    }
+    let b = runner.step_in(&kv, Some(&state), &batch).unwrap().remove(3);
+    assert_eq!(bits(&a.logits), bits(&b.logits), "alone vs in a batch of 8");
+    // Through in one slot, against: the first 6 tokens, a snapshot, restored into another slot,
+    // then the rest there.
+    zero_all();
+    let mut through = StepRows::default();
+    through.push_seq(&prompt, 0, &[], 16, Some(0)).in_slot(0);
+    let whole = runner.step_in(&kv, Some(&state), &through).unwrap().remove(0);
+    zero_all();
+    let mut head = StepRows::default();
+    head.push_seq(&prompt[..6], 0, &[], 16, None).in_slot(1);
+    runner.step_in(&kv, Some(&state), &head).unwrap();
+    state.snapshot(&gpu, 1, 0).unwrap();
+    state.restore(&gpu, 0, 5).unwrap();
+    assert_eq!(state.read_slot(&gpu, 5).unwrap(), state.read_slot(&gpu, 1).unwrap(), "the restored slot");
+    let mut tail = StepRows::default();
+    tail.push_seq(&prompt[6..], 6, &[], 16, Some(0)).in_slot(5);
+    let resumed = runner.step_in(&kv, Some(&state), &tail).unwrap().remove(0);
+    assert_eq!(bits(&whole.logits), bits(&resumed.logits), "resumed from the snapshot");
+    assert_eq!(whole.token, resumed.token);
 }
 
 /// Deferred output on the device: a decode launched before the step that samples its input has
@@ -195,7 +247,7 @@ const EMULATED: &str = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate
 /// request exact, and both ranks served some.
 #[test]
 fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
-    for model in ["hf/llama", "hf/deepseek_v3"] {
+    for model in ["hf/llama", "hf/deepseek_v3", "hf/qwen3_next_gdn"] {
         let dir = tempfile::tempdir().unwrap();
         let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
         let trace = short_trace(dir.path());
@@ -213,6 +265,33 @@ fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
             records(dir.path()).iter().map(|r| r["rank"].as_u64().unwrap()).collect();
         assert_eq!(ranks.len(), 2, "{model}: both cuda ranks served requests");
     }
+}
+
+/// Recurrent state on the device through the runtime (qwen3_next_gdn on two cuda ranks): the
+/// requests share their first 512 prompt tokens, so later ones start from a state snapshot the
+/// device kept at a block boundary (`StateOp::Snapshot`, then `Restore` into a new slot) — every
+/// request exact against the cuda plain path, with prefix hits.
+#[test]
+fn a_gdn_cuda_graph_restores_device_snapshots_on_prefix_hits_and_verifies() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared.jsonl");
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            let len = 560 + 16 * i;
+            format!(
+                "{{\"timestamp\": {}, \"input_length\": {len}, \"output_length\": 6, \"hash_ids\": [7, {}]}}",
+                i * 40,
+                100 + i
+            )
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n") + "\n").unwrap();
+    let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
+    let workload = "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 8";
+    let graph = write_graph_with(dir.path(), "hf/qwen3_next_gdn", &path.to_string_lossy(), workload, "32 MiB", &pools);
+    let report = run_graph(&graph, Overrides::default(), Default::default());
+    assert_exact(&report, "qwen3_next_gdn on cuda ranks");
+    assert!(report["prefix_hit_rate"].as_f64().unwrap() > 0.0, "prefix hits restored device snapshots: {report}");
 }
 
 /// `--verify` on a 1P1D graph of cuda pools, over `inproc` (the decode rank copies the prefill

@@ -7,8 +7,9 @@
 
 use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
 use super::kv::DeviceKv;
+use super::state::DeviceState;
 use super::weights::{
-    DevFfn, DevGqa, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope, DeviceModel,
+    DevFfn, DevGdn, DevGqa, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope, DeviceModel,
 };
 
 /// The high bit of a fed token: the rest is a slot of the sampled-token ring.
@@ -34,7 +35,14 @@ pub struct StepRows {
     /// Rows that sample, and the ring slot each one's token goes to.
     pub logit_rows: Vec<u32>,
     pub ring_slots: Vec<u32>,
+    /// Per sequence: its first row (its rows are contiguous, in position order) and its state
+    /// slot ([`NO_SLOT`]: none).
+    pub row_at: Vec<u32>,
+    pub slots: Vec<u32>,
 }
+
+/// A sequence without a state slot.
+pub const NO_SLOT: u32 = u32::MAX;
 
 /// Device addresses of an uploaded [`StepRows`].
 #[derive(Clone, Copy, Debug)]
@@ -47,6 +55,8 @@ pub struct RowsOnDevice {
     table_at: u64,
     logit_rows: u64,
     ring_slots: u64,
+    row_at: u64,
+    slots: u64,
 }
 
 impl StepRows {
@@ -59,32 +69,49 @@ impl StepRows {
         table: &[u32],
         block_size: usize,
         sample: Option<u32>,
-    ) {
+    ) -> &mut Self {
         let seq = self.table_at.len() as u32;
         self.table_at.push(self.tables.len() as u32);
         self.tables.extend_from_slice(table);
+        self.row_at.push(self.tokens.len() as u32);
+        self.slots.push(NO_SLOT);
         for (i, &t) in tokens.iter().enumerate() {
             let pos = start_pos + i;
             self.tokens.push(t);
             self.positions.push(pos as u32);
             self.seqs.push(seq);
-            self.write_rows.push(table[pos / block_size] * block_size as u32 + (pos % block_size) as u32);
+            // A family without paged KV has no table: nothing is written.
+            let row = table.get(pos / block_size).map_or(0, |b| b * block_size as u32 + (pos % block_size) as u32);
+            self.write_rows.push(row);
         }
         if let Some(slot) = sample {
             self.logit_rows.push(self.tokens.len() as u32 - 1);
             self.ring_slots.push(slot);
         }
+        self
+    }
+
+    /// Gives the sequence pushed last the state slot `slot`.
+    pub fn in_slot(&mut self, slot: u32) -> &mut Self {
+        if let Some(last) = self.slots.last_mut() {
+            *last = slot;
+        }
+        self
     }
 
     pub fn rows(&self) -> usize {
         self.tokens.len()
     }
 
+    pub fn num_seqs(&self) -> usize {
+        self.row_at.len()
+    }
+
     pub fn sampled(&self) -> usize {
         self.logit_rows.len()
     }
 
-    fn parts(&self) -> [&[u32]; 8] {
+    fn parts(&self) -> [&[u32]; 10] {
         [
             &self.tokens,
             &self.positions,
@@ -94,6 +121,8 @@ impl StepRows {
             &self.table_at,
             &self.logit_rows,
             &self.ring_slots,
+            &self.row_at,
+            &self.slots,
         ]
     }
 
@@ -106,7 +135,7 @@ impl StepRows {
     /// will sit once `out` is copied to device address `base`.
     pub fn pack(&self, out: &mut [u32], base: u64) -> RowsOnDevice {
         let mut at = 0;
-        let mut addr = [0u64; 8];
+        let mut addr = [0u64; 10];
         for (i, part) in self.parts().iter().enumerate() {
             out[at..at + part.len()].copy_from_slice(part);
             addr[i] = base + 4 * at as u64;
@@ -121,6 +150,8 @@ impl StepRows {
             table_at: addr[5],
             logit_rows: addr[6],
             ring_slots: addr[7],
+            row_at: addr[8],
+            slots: addr[9],
         }
     }
 }
@@ -137,7 +168,9 @@ const HEADS_PER_BLOCK: usize = 4;
 struct Step<'a> {
     gpu: &'a Gpu,
     kv: &'a DeviceKv,
+    state: Option<&'a DeviceState>,
     rows: usize,
+    seqs: usize,
     at: RowsOnDevice,
 }
 
@@ -421,6 +454,58 @@ impl Step<'_> {
         self.linear(h, attn.ptr(), &a.o, t, heads * a.v_dim, hidden, true)
     }
 
+    /// Gated DeltaNet (`kernels/cuda/linear.cu`): the fused input projection, the causal conv
+    /// and the delta rule over each sequence's rows in order against its slot, the gated
+    /// RMSNorm, then `h += out_proj(·)`.
+    fn gdn(&self, h: u64, x: u64, g: &DevGdn, state_offset: usize, hidden: usize) -> Result<(), CudaError> {
+        let state = self.state.ok_or_else(|| CudaError::Unsupported("a gdn layer runs with device state".into()))?;
+        let (t, nk, nv, dk, dv) = (self.rows, g.k_heads, g.v_heads, g.dk, g.dv);
+        let proj_width = g.in_proj.n;
+        let proj = self.gpu.scratch::<f32>(t * proj_width)?;
+        self.linear(proj.ptr(), x, &g.in_proj, t, hidden, proj_width, false)?;
+        let channels = 2 * nk * dk + nv * dv;
+        let conv = self.gpu.scratch::<f32>(t * channels)?;
+        let common = [Arg::Ptr(state.base()), Arg::I64(state.width as i64), Arg::I32(state_offset as i32)];
+        let mut args = vec![Arg::Ptr(conv.ptr()), Arg::Ptr(proj.ptr()), Arg::I32(proj_width as i32)];
+        args.push(Arg::Ptr(g.conv_weight.ptr()));
+        args.extend(common);
+        args.extend([
+            Arg::Ptr(self.at.slots),
+            Arg::Ptr(self.at.row_at),
+            Arg::I32(self.seqs as i32),
+            Arg::I32(t as i32),
+            Arg::I32(nk as i32),
+            Arg::I32(dk as i32),
+            Arg::I32((nv / nk) as i32),
+            Arg::I32(dv as i32),
+            Arg::I32(g.kernel as i32),
+        ]);
+        self.gpu.launch("gdn_conv", (self.seqs as u32, blocks_for(channels, 128), 1), 128, 0, &args)?;
+        let out = self.gpu.scratch::<f32>(t * nv * dv)?;
+        let threads = reduce_threads(dv);
+        let mut args =
+            vec![Arg::Ptr(out.ptr()), Arg::Ptr(conv.ptr()), Arg::Ptr(proj.ptr()), Arg::I32(proj_width as i32)];
+        args.extend(common);
+        args.extend([
+            Arg::I32(g.conv_width as i32),
+            Arg::Ptr(self.at.slots),
+            Arg::Ptr(self.at.row_at),
+            Arg::I32(self.seqs as i32),
+            Arg::I32(t as i32),
+            Arg::Ptr(g.neg_a.ptr()),
+            Arg::Ptr(g.dt_bias.ptr()),
+            Arg::Ptr(g.norm.w.ptr()),
+            Arg::F32(g.norm.eps),
+            Arg::F32(crate::models::parts::gated_delta::L2_NORM_EPS),
+            Arg::I32(nk as i32),
+            Arg::I32(nv as i32),
+            Arg::I32(dk as i32),
+            Arg::I32(dv as i32),
+        ]);
+        self.gpu.launch("gdn_recurrent", (self.seqs as u32, nv as u32, 1), threads, threads * 4, &args)?;
+        self.linear(h, out.ptr(), &g.out_proj, t, nv * dv, hidden, true)
+    }
+
     /// `out (+)= down(silu(gate(x)) · up(x))` over `rows` rows.
     fn mlp(&self, out: u64, x: u64, m: &DevMlp, rows: usize, hidden: usize, accumulate: bool) -> Result<(), CudaError> {
         let gu = self.gpu.scratch::<f32>(rows * 2 * m.inter)?;
@@ -501,6 +586,14 @@ impl Step<'_> {
             }
             None => None,
         };
+        let shared_gate = match &m.shared_gate {
+            Some(g) => {
+                let logits = self.gpu.scratch::<f32>(t)?;
+                self.linear(logits.ptr(), x, g, t, hidden, 1, false)?;
+                Some(logits)
+            }
+            None => None,
+        };
         self.gpu.launch(
             "moe_combine",
             (blocks_for(t * hidden, 256), 1, 1),
@@ -511,6 +604,7 @@ impl Step<'_> {
                 Arg::Ptr(out.ptr()),
                 Arg::Ptr(weights.ptr()),
                 Arg::Ptr(shared.as_ref().map_or(0, DeviceBuf::ptr)),
+                Arg::Ptr(shared_gate.as_ref().map_or(0, DeviceBuf::ptr)),
                 Arg::I32(t as i32),
                 Arg::I32(k as i32),
                 Arg::I32(hidden as i32),
@@ -529,6 +623,7 @@ impl DeviceModel {
         &self,
         gpu: &Gpu,
         kv: &DeviceKv,
+        state: Option<&DeviceState>,
         rows: &StepRows,
         at: RowsOnDevice,
         ring: u64,
@@ -539,7 +634,7 @@ impl DeviceModel {
         if t == 0 {
             return Ok(None);
         }
-        let s = Step { gpu, kv, rows: t, at };
+        let s = Step { gpu, kv, state, rows: t, seqs: rows.num_seqs(), at };
         let h = gpu.scratch::<f32>(t * hidden)?;
         gpu.launch(
             "embed_rows",
@@ -561,6 +656,7 @@ impl DeviceModel {
             match &layer.mixer {
                 DevMixer::Gqa(a) => s.gqa(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
                 DevMixer::Mla(a) => s.mla(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
+                DevMixer::Gdn(g) => s.gdn(h.ptr(), x.ptr(), g, layer.state_offset, hidden)?,
             }
             s.norm(x.ptr(), h.ptr(), &layer.post_norm, t, 1, hidden, 0)?;
             match &layer.ffn {

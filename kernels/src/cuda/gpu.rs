@@ -12,8 +12,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled at run time (the build needs no CUDA).
-pub const SOURCES: &[(&str, &str)] =
-    &[("model.cu", include_str!("../../cuda/model.cu")), ("kv.cu", include_str!("../../cuda/kv.cu"))];
+pub const SOURCES: &[(&str, &str)] = &[
+    ("model.cu", include_str!("../../cuda/model.cu")),
+    ("kv.cu", include_str!("../../cuda/kv.cu")),
+    ("linear.cu", include_str!("../../cuda/linear.cu")),
+];
 
 /// What can go wrong bringing up or driving a GPU.
 #[derive(Debug, thiserror::Error)]

@@ -4,20 +4,23 @@
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
 //! - [`gpu`]: the device, its stream, compiled kernels, buffers, the host-wait counter.
-//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha and mla).
+//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha, mla and gdn).
 //! - [`forward`]: one step enqueued, sampling on the device.
 //! - [`emulate`]: the same kernels on the CPU, for checks without a GPU.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
+//! - [`state`]: recurrent state slots and snapshots.
 
 pub mod emulate;
 pub mod forward;
 pub mod gpu;
 pub mod kv;
 pub mod plain;
+pub mod state;
 pub mod weights;
 
-pub use forward::{RowsOnDevice, StepRows, FROM_RING, RESULT_WORDS};
+pub use forward::{RowsOnDevice, StepRows, FROM_RING, NO_SLOT, RESULT_WORDS};
 pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gpu, PinnedBuf};
 pub use kv::{DeviceKv, SharedKv};
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
+pub use state::DeviceState;
 pub use weights::{unsupported, DeviceModel};

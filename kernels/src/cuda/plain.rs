@@ -3,9 +3,10 @@
 //! token a step — the CUDA executor's own reference), and what the parity checks read logits
 //! from. Never a rank's step path.
 
-use super::forward::{StepRows, RESULT_WORDS};
+use super::forward::{StepRows, NO_SLOT, RESULT_WORDS};
 use super::gpu::{CudaError, DeviceBuf, Gpu};
 use super::kv::DeviceKv;
+use super::state::DeviceState;
 use super::weights::DeviceModel;
 use crate::hash;
 
@@ -43,13 +44,23 @@ impl<'a> PlainRunner<'a> {
     /// Runs one step and waits for it: each sampling row's token, hash and logits. Ring slots of
     /// `rows` must be below 65,536.
     pub fn step(&self, kv: &DeviceKv, rows: &StepRows) -> Result<Vec<PlainSample>, CudaError> {
+        self.step_in(kv, None, rows)
+    }
+
+    /// [`PlainRunner::step`] for a family with recurrent state: the rows' slots are in `state`.
+    pub fn step_in(
+        &self,
+        kv: &DeviceKv,
+        state: Option<&DeviceState>,
+        rows: &StepRows,
+    ) -> Result<Vec<PlainSample>, CudaError> {
         let n = rows.sampled();
         let mut meta = self.gpu.pinned::<u32>(rows.words())?;
         let meta_dev = self.gpu.scratch::<u32>(rows.words())?;
         let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
         self.gpu.copy_to_device(meta_dev.ptr(), &meta, rows.words())?;
         let results = self.gpu.scratch::<u32>(n * RESULT_WORDS)?;
-        let logits = self.model.enqueue_step(self.gpu, kv, rows, at, self.ring.ptr(), results.ptr(), true)?;
+        let logits = self.model.enqueue_step(self.gpu, kv, state, rows, at, self.ring.ptr(), results.ptr(), true)?;
         let mut host_results = self.gpu.pinned::<u32>(n * RESULT_WORDS)?;
         let mut host_logits = self.gpu.pinned::<f32>(n * self.model.vocab)?;
         if let Some(l) = &logits {
@@ -86,12 +97,19 @@ impl<'a> PlainRunner<'a> {
         let blocks = (prompt.len() + max_new).div_ceil(block_size);
         let kv = DeviceKv::new(self.gpu, &self.model.kv_widths, block_size, blocks)?;
         let table: Vec<u32> = (0..blocks as u32).collect();
+        // One slot of its own, zeroed, when the family keeps recurrent state.
+        let state = match self.model.state_width {
+            0 => None,
+            width => Some(DeviceState::new(self.gpu, width, 1, 0)?),
+        };
+        let slot = state.as_ref().map(|_| 0);
         let mut fed = 0;
         while fed < prompt.len() {
             let end = (fed + chunk.max(1)).min(prompt.len());
             let mut rows = StepRows::default();
             rows.push_seq(&prompt[fed..end], fed, &table, block_size, (end == prompt.len()).then_some(0));
-            let samples = self.step(&kv, &rows)?;
+            rows.in_slot(slot.unwrap_or(NO_SLOT));
+            let samples = self.step_in(&kv, state.as_ref(), &rows)?;
             fed = end;
             if let Some(s) = samples.into_iter().next() {
                 if !self.take(&mut out, s) {
@@ -103,7 +121,8 @@ impl<'a> PlainRunner<'a> {
             let pos = prompt.len() + out.tokens.len() - 1;
             let mut rows = StepRows::default();
             rows.push_seq(&[*out.tokens.last().expect("a token was sampled")], pos, &table, block_size, Some(0));
-            let s = self.step(&kv, &rows)?.remove(0);
+            rows.in_slot(slot.unwrap_or(NO_SLOT));
+            let s = self.step_in(&kv, state.as_ref(), &rows)?.remove(0);
             if !self.take(&mut out, s) {
                 break;
             }

@@ -1,10 +1,12 @@
 //! A model's weights in device memory, uploaded once from the CPU model (the same checkpoint
 //! tensors, unpacked to row-major `[out × in]`), for the families the CUDA executor runs: `mha`
-//! (llama, qwen3) and `mla` (deepseek_v3, with its MoE). Anything else is refused by name.
+//! (llama, qwen3), `mla` (deepseek_v3, with its MoE) and `gdn` (qwen3_next whose layers are all
+//! Gated DeltaNet, with its gated shared expert). Anything else is refused by name.
 
 use super::gpu::{CudaError, DeviceBuf, Gpu};
 use crate::cpu::rope::{Rope, RopeStyle};
 use crate::models::decoder::{Ffn, Mixer};
+use crate::models::parts::gated_delta::GatedDeltaNet;
 use crate::models::parts::gqa::GqaAttention;
 use crate::models::parts::layers::{Linear, Mlp, RmsNorm};
 use crate::models::parts::mla::{MlaAttention, QueryProjection};
@@ -69,11 +71,32 @@ pub(crate) struct DevMla {
     pub scale: f32,
 }
 
+/// A Gated DeltaNet layer (`kernels/cuda/linear.cu`).
+pub(crate) struct DevGdn {
+    /// `[in_proj_qkvz; in_proj_ba]`.
+    pub in_proj: DevLinear,
+    /// `[channels × kernel]`.
+    pub conv_weight: DeviceBuf<f32>,
+    pub neg_a: DeviceBuf<f32>,
+    pub dt_bias: DeviceBuf<f32>,
+    /// The gated RMSNorm of each head's output.
+    pub norm: DevNorm,
+    pub out_proj: DevLinear,
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub dk: usize,
+    pub dv: usize,
+    pub kernel: usize,
+    /// Floats of the conv window at the start of the layer's state.
+    pub conv_width: usize,
+}
+
 // Built once per layer at load: the size of a variant costs nothing.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum DevMixer {
     Gqa(DevGqa),
     Mla(DevMla),
+    Gdn(DevGdn),
 }
 
 pub(crate) struct DevMlp {
@@ -98,6 +121,8 @@ pub(crate) struct DevMoe {
     pub down: DeviceBuf<f32>,
     pub inter: usize,
     pub shared: Option<DevMlp>,
+    /// Qwen-style gate on the shared expert: `sigmoid(x·g)` per row.
+    pub shared_gate: Option<DevLinear>,
 }
 
 // Built once per layer at load: the size of a variant costs nothing.
@@ -110,8 +135,10 @@ pub(crate) enum DevFfn {
 pub(crate) struct DevLayer {
     pub input_norm: DevNorm,
     pub mixer: DevMixer,
-    /// Which layer of the paged cache this layer writes.
+    /// Which layer of the paged cache this layer writes (attention layers).
     pub kv_layer: usize,
+    /// Where its state starts in a slot (linear layers).
+    pub state_offset: usize,
     pub post_norm: DevNorm,
     pub ffn: DevFfn,
 }
@@ -126,14 +153,17 @@ pub struct DeviceModel {
     pub(crate) lm_head: DevLinear,
     /// Row width of each KV layer.
     pub kv_widths: Vec<usize>,
+    /// Floats of recurrent state per request (0: the family keeps none).
+    pub state_width: usize,
 }
 
 /// Why the CUDA executor cannot run `model`, if it cannot.
 pub fn unsupported(model: &Model) -> Option<String> {
     let family = model.family;
-    if !matches!(family, Family::Mha | Family::Mla) {
+    if !matches!(family, Family::Mha | Family::Mla | Family::Gdn) {
         return Some(format!(
-            "the cuda executor runs the mha and mla families (llama, qwen3, deepseek_v3); model_type {} is family {family}",
+            "the cuda executor runs the mha, mla and gdn families (llama, qwen3, deepseek_v3, qwen3_next with only \
+             linear-attention layers); model_type {} is family {family}",
             model.model_type
         ));
     }
@@ -149,8 +179,8 @@ pub fn unsupported(model: &Model) -> Option<String> {
             _ => {}
         }
         if let Ffn::Moe(m) = &layer.ffn {
-            if m.shared_gate.is_some() || m.routing.num_experts > 512 || m.routing.top_k > 32 {
-                return Some(format!("layer {l}: MoE with a shared-expert gate, over 512 experts or over top-32"));
+            if m.routing.num_experts > 512 || m.routing.top_k > 32 {
+                return Some(format!("layer {l}: MoE over 512 experts or over top-32"));
             }
         }
     }
@@ -164,11 +194,13 @@ impl DeviceModel {
             return Err(CudaError::Unsupported(why));
         }
         let mut layers = Vec::with_capacity(model.layers.len());
-        for (kv_layer, layer) in model.layers.iter().enumerate() {
+        for (l, layer) in model.layers.iter().enumerate() {
+            let (kv_layer, state_offset) = model.binding(l);
             let mixer = match &layer.mixer {
                 Mixer::Gqa(a) => DevMixer::Gqa(gqa(gpu, a)?),
                 Mixer::Mla(a) => DevMixer::Mla(mla(gpu, a)?),
-                Mixer::Gdn(_) | Mixer::Kda(_) => unreachable!("refused by `unsupported`"),
+                Mixer::Gdn(g) => DevMixer::Gdn(gdn(gpu, g)?),
+                Mixer::Kda(_) => unreachable!("refused by `unsupported`"),
             };
             let ffn = match &layer.ffn {
                 Ffn::Dense(m) => DevFfn::Dense(mlp(gpu, m)?),
@@ -177,7 +209,8 @@ impl DeviceModel {
             layers.push(DevLayer {
                 input_norm: norm(gpu, &layer.input_norm)?,
                 mixer,
-                kv_layer,
+                kv_layer: kv_layer.unwrap_or(0),
+                state_offset,
                 post_norm: norm(gpu, &layer.post_norm)?,
                 ffn,
             });
@@ -190,6 +223,7 @@ impl DeviceModel {
             final_norm: norm(gpu, &model.final_norm)?,
             lm_head: linear(gpu, &model.lm_head)?,
             kv_widths: model.kv_row_widths(),
+            state_width: model.state_width(),
         };
         gpu.wait()?;
         Ok(dm)
@@ -263,6 +297,23 @@ fn mla(gpu: &Gpu, a: &MlaAttention) -> Result<DevMla, CudaError> {
     })
 }
 
+fn gdn(gpu: &Gpu, g: &GatedDeltaNet) -> Result<DevGdn, CudaError> {
+    Ok(DevGdn {
+        in_proj: linear(gpu, &g.in_proj)?,
+        conv_weight: gpu.upload(&g.conv_weight)?,
+        neg_a: gpu.upload(&g.neg_a)?,
+        dt_bias: gpu.upload(&g.dt_bias)?,
+        norm: norm(gpu, &g.norm)?,
+        out_proj: linear(gpu, &g.out_proj)?,
+        k_heads: g.k_heads,
+        v_heads: g.v_heads,
+        dk: g.dk,
+        dv: g.dv,
+        kernel: g.kernel,
+        conv_width: g.conv_state_width(),
+    })
+}
+
 fn moe(gpu: &Gpu, m: &MoeBlock) -> Result<DevMoe, CudaError> {
     let r = &m.routing;
     let inter = m.experts.first().map_or(0, |e| e.inter);
@@ -285,5 +336,6 @@ fn moe(gpu: &Gpu, m: &MoeBlock) -> Result<DevMoe, CudaError> {
         down: gpu.upload(&down)?,
         inter,
         shared: m.shared.as_ref().map(|s| mlp(gpu, s)).transpose()?,
+        shared_gate: m.shared_gate.as_ref().map(|g| linear(gpu, g)).transpose()?,
     })
 }

@@ -326,6 +326,13 @@ impl Model {
         self.state_width
     }
 
+    /// Layer `l`'s place in the cache: its paged-KV layer, if it keeps one, and the offset of
+    /// its state in a slot.
+    pub(crate) fn binding(&self, l: usize) -> (Option<usize>, usize) {
+        let b = &self.bindings[l];
+        (b.kv_layer, b.state_offset)
+    }
+
     /// Whether requests of this model need a state slot.
     pub fn needs_slots(&self) -> bool {
         self.state_width > 0

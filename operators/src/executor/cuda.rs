@@ -20,11 +20,11 @@
 use super::settings::{SettingError, Settings};
 use super::{Executor, ExecutorContext, ExecutorKind};
 use crate::step::{
-    BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StepCompletion, StepLaunch,
+    BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
 };
 use kvflow_kernels::cuda::{visible_gpus, CudaError};
 use kvflow_kernels::cuda::{
-    DeviceBuf, DeviceKv, DeviceModel, Event, Gpu, PinnedBuf, SharedKv, StepRows, FROM_RING, RESULT_WORDS,
+    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, PinnedBuf, SharedKv, StepRows, FROM_RING, RESULT_WORDS,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -94,6 +94,8 @@ pub struct CudaExecutor {
     model: DeviceModel,
     /// The rank's paged KV, shared with the handoffs that read its blocks in place.
     kv: Arc<SharedKv>,
+    /// Its recurrent state slots and snapshots (families with linear-attention layers).
+    state: Option<DeviceState>,
     /// Handoffs imported device to device (from a producer on this GPU) and through the host.
     imported_on_device: u64,
     imported_through_host: u64,
@@ -121,6 +123,10 @@ impl CudaExecutor {
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
         let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks).map_err(|e| e.to_string())?;
         let kv = Arc::new(SharedKv::new(kv, &gpu).map_err(|e| e.to_string())?);
+        let state = match model.state_width {
+            0 => None,
+            width => Some(DeviceState::new(&gpu, width, l.slots, l.snapshots).map_err(|e| e.to_string())?),
+        };
         let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
         gpu.wait().map_err(|e| e.to_string())?;
         tracing::info!(pool = %ctx.pool, rank = ctx.rank, gpu = ordinal, name = %gpu.name(), arch = gpu.arch(), "cuda executor ready");
@@ -128,6 +134,7 @@ impl CudaExecutor {
             gpu,
             model,
             kv,
+            state,
             imported_on_device: 0,
             imported_through_host: 0,
             ring,
@@ -161,9 +168,9 @@ impl CudaExecutor {
     /// Enqueues the step; `Err` when it cannot run (nothing it enqueued is waited for).
     fn enqueue(&mut self, launch: &StepLaunch<'_>) -> Result<InFlight, ExecutorError> {
         let fail = |e: CudaError| ExecutorError::Launch(e.to_string());
-        if !launch.before.is_empty() || !launch.after.is_empty() {
+        if self.state.is_none() && (!launch.before.is_empty() || !launch.after.is_empty()) {
             return Err(ExecutorError::Launch(
-                "the cuda executor keeps no recurrent state (state copies asked)".into(),
+                "the model keeps no recurrent state, and state copies were asked".into(),
             ));
         }
         if let Some(applied) = launch.applied_through {
@@ -189,7 +196,8 @@ impl CudaExecutor {
                 }
             }
             self.kv.kv.check_blocks(s.block_table).map_err(fail)?;
-            if s.block_table.len() * self.kv.kv.block_size < s.start_pos + fed.len() {
+            let keeps_kv = !self.model.kv_widths.is_empty();
+            if keeps_kv && s.block_table.len() * self.kv.kv.block_size < s.start_pos + fed.len() {
                 return Err(ExecutorError::Launch(format!(
                     "sequence {}: its block table does not cover the step",
                     s.key
@@ -197,6 +205,9 @@ impl CudaExecutor {
             }
             let slot = s.sample.then(|| self.slot());
             rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, slot);
+            if let Some(state_slot) = s.slot {
+                rows.in_slot(state_slot);
+            }
             if let Some(slot) = slot {
                 sampling.push(s.key);
                 if let Some(previous) = self.sampled.insert(s.key, (launch.step, slot)) {
@@ -207,7 +218,19 @@ impl CudaExecutor {
             }
         }
         let gpu = self.gpu.clone();
-        // 2. handoffs into their blocks
+        // 2. state copies before the forward (then handoffs into their blocks), in step order
+        if let Some(state) = &self.state {
+            for op in launch.before {
+                match *op {
+                    StateOp::Zero { slot } => state.zero_slot(&gpu, slot).map_err(fail)?,
+                    StateOp::Restore { snapshot, slot } => state.restore(&gpu, snapshot, slot).map_err(fail)?,
+                    StateOp::Rewind { .. } => {
+                        return Err(ExecutorError::Launch("speculative decoding runs on the cpu executors only".into()))
+                    }
+                    StateOp::Snapshot { .. } => {}
+                }
+            }
+        }
         let fpb = self.kv.kv.floats_per_block();
         let mut imports = Vec::new();
         // block lists: the imports' own blocks, then the exports', then the blocks each
@@ -239,7 +262,7 @@ impl CudaExecutor {
             let h = &import.from;
             let bad = |m: String| ExecutorError::Launch(format!("{}: {m}", h.describe()));
             if import.slot.is_some() || h.state().is_some() {
-                return Err(bad("the cuda executor keeps no recurrent state, and the import carries some".into()));
+                return Err(bad("a handoff of recurrent state into a cuda rank is not built yet".into()));
             }
             let from = block_lists[launch.imports.len() + launch.exports.len() + i];
             if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = h.source() {
@@ -273,8 +296,16 @@ impl CudaExecutor {
         let n = rows.sampled();
         let results_dev = gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?;
         self.model
-            .enqueue_step(&gpu, &self.kv.kv, &rows, at, self.ring.ptr(), results_dev.ptr(), false)
+            .enqueue_step(&gpu, &self.kv.kv, self.state.as_ref(), &rows, at, self.ring.ptr(), results_dev.ptr(), false)
             .map_err(fail)?;
+        // snapshots of the boundaries the step reached, after its forward
+        if let Some(state) = &self.state {
+            for op in launch.after {
+                if let StateOp::Snapshot { slot, snapshot } = *op {
+                    state.snapshot(&gpu, slot, snapshot).map_err(fail)?;
+                }
+            }
+        }
         let mut results = self.pinned_words.take(&gpu, n * RESULT_WORDS).map_err(fail)?;
         if n > 0 {
             gpu.copy_to_host(&mut results, results_dev.ptr(), n * RESULT_WORDS).map_err(fail)?;
@@ -284,7 +315,9 @@ impl CudaExecutor {
         let mut exports = Vec::new();
         for e in launch.exports {
             if e.slot.is_some() {
-                return Err(ExecutorError::Launch("the cuda executor keeps no recurrent state (a slot export)".into()));
+                return Err(ExecutorError::Launch(
+                    "a handoff of recurrent state from a cuda rank is not built yet (a slot export)".into(),
+                ));
             }
             exports.push(Exported {
                 key: e.key,

@@ -29,26 +29,26 @@ pub(crate) const L2_NORM_EPS: f32 = 1e-6;
 /// One Gated DeltaNet layer.
 pub struct GatedDeltaNet {
     /// `[in_proj_qkvz; in_proj_ba]`, one product.
-    in_proj: Linear,
-    conv_weight: Vec<f32>,
+    pub(crate) in_proj: Linear,
+    pub(crate) conv_weight: Vec<f32>,
     /// `−exp(A_log)` per value head.
-    neg_a: Vec<f32>,
-    dt_bias: Vec<f32>,
-    norm: RmsNorm,
-    out_proj: Linear,
-    k_heads: usize,
-    v_heads: usize,
-    dk: usize,
-    dv: usize,
-    kernel: usize,
+    pub(crate) neg_a: Vec<f32>,
+    pub(crate) dt_bias: Vec<f32>,
+    pub(crate) norm: RmsNorm,
+    pub(crate) out_proj: Linear,
+    pub(crate) k_heads: usize,
+    pub(crate) v_heads: usize,
+    pub(crate) dk: usize,
+    pub(crate) dv: usize,
+    pub(crate) kernel: usize,
 }
 
 impl GatedDeltaNet {
-    fn conv_channels(&self) -> usize {
+    pub(crate) fn conv_channels(&self) -> usize {
         2 * self.k_heads * self.dk + self.v_heads * self.dv
     }
 
-    fn conv_state_width(&self) -> usize {
+    pub(crate) fn conv_state_width(&self) -> usize {
         self.conv_channels() * (self.kernel - 1)
     }
 

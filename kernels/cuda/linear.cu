@@ -1,0 +1,128 @@
+// Linear-attention kernels of the CUDA executor: Gated DeltaNet (Qwen3-Next's linear attention)
+// token by token, as the CPU executor computes it (kernels/src/models/parts/gated_delta.rs,
+// kernels/src/cpu/recurrent.rs), against each sequence's state slot in device memory. A
+// sequence's rows advance its state in row order (its rows are contiguous, in position order);
+// every value a row gets is reduced in an order fixed by the layer's sizes, never by the batch
+// (DESIGN §6). Compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
+//
+// A slot holds, per linear layer from its offset: the conv window [channels × (K − 1)], oldest
+// input first, then S per value head [v_heads × d_k × d_v] (row = key channel).
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+#define NO_SLOT 0xffffffffu
+
+__device__ __forceinline__ float la_silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float la_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// torch's softplus (threshold 20)
+__device__ __forceinline__ float la_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// The rows of sequence s: [row_at[s], row_at[s + 1]) (the last one ends at `rows`).
+__device__ __forceinline__ int seq_end(const u32* row_at, int s, int seqs, int rows) {
+    return s + 1 < seqs ? (int)row_at[s + 1] : rows;
+}
+
+// Where channel c of the conv input [q | k | v] sits in a row of the fused projection, grouped per
+// key head as [q (d_k) | k (d_k) | v (r·d_v) | z (r·d_v)] (r = v_heads / k_heads).
+__device__ __forceinline__ int gdn_channel(int c, int nk, int dk, int r, int dv) {
+    int group = 2 * dk + 2 * r * dv;
+    if (c < nk * dk) return (c / dk) * group + c % dk;
+    c -= nk * dk;
+    if (c < nk * dk) return (c / dk) * group + dk + c % dk;
+    c -= nk * dk;
+    return (c / (r * dv)) * group + 2 * dk + c % (r * dv);
+}
+
+// Zeroes n floats (a slot that starts from the zero state).
+extern "C" __global__ void zero_floats(float* p, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = 0.0f;
+}
+
+// Depthwise causal conv1d of kernel K, then SiLU, over each sequence's rows in order: one thread
+// per (sequence, channel), reading and shifting the window kept in the sequence's slot.
+// out[r, c] = silu(Σ_j<K−1 w[c, j]·window[c, j] + w[c, K − 1]·x[r, c]).
+extern "C" __global__ void gdn_conv(float* out, const float* proj, int proj_width, const float* weight, float* states,
+                                    long long state_width, int layer_offset, const u32* slots, const u32* row_at,
+                                    int seqs, int rows, int nk, int dk, int r, int dv, int K) {
+    int s = blockIdx.x;
+    int channels = 2 * nk * dk + nk * r * dv;
+    int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= channels || slots[s] == NO_SLOT) return;
+    float* window = states + (size_t)slots[s] * state_width + layer_offset + (size_t)c * (K - 1);
+    const float* w = weight + (size_t)c * K;
+    int at = gdn_channel(c, nk, dk, r, dv);
+    for (int row = row_at[s]; row < seq_end(row_at, s, seqs, rows); row++) {
+        float x = proj[(size_t)row * proj_width + at];
+        float acc = 0.0f;
+        for (int j = 0; j < K - 1; j++) acc += w[j] * window[j];
+        acc += w[K - 1] * x;
+        out[(size_t)row * channels + c] = la_silu(acc);
+        for (int j = 0; j + 1 < K - 1; j++) window[j] = window[j + 1];
+        if (K > 1) window[K - 2] = x;
+    }
+}
+
+// The gated delta rule of one value head of one sequence over its rows in order, then the gated
+// RMSNorm of its output: one block per (sequence, value head), thread j owning column j of the
+// head's state S [d_k × d_v] (no two threads write one value). Per row: q and k (of key head
+// h / r) L2-normalised (q also × d_k^−½), β = sigmoid(b), decay = exp(−exp(A_log)·softplus(a +
+// dt_bias)); S ← decay·S; mem = Sᵀk; S += k ⊗ β(v − mem); o = Sᵀq; out = w·rmsnorm(o)·silu(z).
+// Every thread sums the norms of q and k itself, in the same order; the RMSNorm of o reduces
+// over a fixed shared-memory tree of blockDim (a power of two ≥ d_v) partial sums.
+extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const float* proj, int proj_width,
+                                         float* states, long long state_width, int layer_offset, int conv_width,
+                                         const u32* slots, const u32* row_at, int seqs, int rows, const float* neg_a,
+                                         const float* dt_bias, const float* norm_w, float norm_eps, float l2_eps,
+                                         int nk, int nv, int dk, int dv) {
+    DYNAMIC_SHARED(float, partial);
+    int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    if (slots[s] == NO_SLOT) return;
+    int r = nv / nk, kh = h / r, g = h / r, jl = h % r;
+    int channels = 2 * nk * dk + nv * dv;
+    int group = 2 * dk + 2 * r * dv;
+    int qkvz_width = nk * group;
+    float* S = states + (size_t)slots[s] * state_width + layer_offset + conv_width + (size_t)h * dk * dv;
+    float q_scale = 1.0f / sqrtf((float)dk);
+    for (int row = row_at[s]; row < seq_end(row_at, s, seqs, rows); row++) {
+        const float* c = conv + (size_t)row * channels;
+        const float* q = c + kh * dk;
+        const float* k = c + nk * dk + kh * dk;
+        const float* p = proj + (size_t)row * proj_width;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = 0; i < dk; i++) sq += q[i] * q[i];
+        for (int i = 0; i < dk; i++) sk += k[i] * k[i];
+        float iq = 1.0f / sqrtf(sq + l2_eps), ik = 1.0f / sqrtf(sk + l2_eps);
+        float beta = la_sigmoid(p[qkvz_width + g * 2 * r + jl]);
+        float decay = expf(neg_a[h] * la_softplus(p[qkvz_width + g * 2 * r + r + jl] + dt_bias[h]));
+        float o = 0.0f;
+        if (j < dv) {
+            float v = c[2 * nk * dk + h * dv + j];
+            float mem = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                S[i * dv + j] *= decay;
+                mem += S[i * dv + j] * (k[i] * ik);
+            }
+            float delta = (v - mem) * beta;
+            for (int i = 0; i < dk; i++) S[i * dv + j] += (k[i] * ik) * delta;
+            for (int i = 0; i < dk; i++) o += S[i * dv + j] * ((q[i] * iq) * q_scale);
+        }
+        partial[j] = o * o;
+        __syncthreads();
+        for (int step = blockDim.x / 2; step > 0; step /= 2) {
+            if (j < step) partial[j] += partial[j + step];
+            __syncthreads();
+        }
+        float inv = 1.0f / sqrtf(partial[0] / (float)dv + norm_eps);
+        __syncthreads();
+        if (j < dv) {
+            float z = p[g * group + 2 * dk + r * dv + jl * dv + j];
+            out[((size_t)row * nv + h) * dv + j] = norm_w[j] * (o * inv) * la_silu(z);
+        }
+    }
+}

@@ -1,0 +1,84 @@
+//! A rank's recurrent state in device memory (DESIGN §6): `slots` state slots and `snapshots`
+//! snapshots of `width` floats each, laid out as the CPU `StatePool` lays them out (per linear
+//! layer from its offset: the conv window, then the recurrent matrix of each head), so a slot
+//! read from the device is a handoff's state as the CPU executor makes it. The copies a step
+//! asks for — zero a slot, restore a snapshot into one, snapshot one — are enqueued on the rank's
+//! stream in step order, like the step itself.
+
+use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
+
+pub struct DeviceState {
+    slots: DeviceBuf<f32>,
+    snapshots: DeviceBuf<f32>,
+    pub width: usize,
+    pub num_slots: usize,
+    pub num_snapshots: usize,
+}
+
+impl DeviceState {
+    /// Zeroed storage for `num_slots` slots and `num_snapshots` snapshots of `width` floats.
+    pub fn new(gpu: &Gpu, width: usize, num_slots: usize, num_snapshots: usize) -> Result<Self, CudaError> {
+        Ok(DeviceState {
+            slots: gpu.zeros::<f32>(width * num_slots)?,
+            snapshots: gpu.zeros::<f32>(width * num_snapshots)?,
+            width,
+            num_slots,
+            num_snapshots,
+        })
+    }
+
+    /// Device address of the first slot (slot `s` starts `s × width` floats on).
+    pub(crate) fn base(&self) -> u64 {
+        self.slots.ptr()
+    }
+
+    fn check(&self, what: &str, id: u32, count: usize) -> Result<(), CudaError> {
+        if id as usize >= count {
+            return Err(CudaError::Unsupported(format!("{what} {id} is outside the device state ({count})")));
+        }
+        Ok(())
+    }
+
+    fn slot_at(&self, slot: u32) -> u64 {
+        self.slots.at(slot as usize * self.width)
+    }
+
+    fn snapshot_at(&self, snapshot: u32) -> u64 {
+        self.snapshots.at(snapshot as usize * self.width)
+    }
+
+    /// Enqueues zeroing `slot` (a request before its first token).
+    pub fn zero_slot(&self, gpu: &Gpu, slot: u32) -> Result<(), CudaError> {
+        self.check("slot", slot, self.num_slots)?;
+        let n = self.width;
+        gpu.launch(
+            "zero_floats",
+            (blocks_for(n, 256), 1, 1),
+            256,
+            0,
+            &[Arg::Ptr(self.slot_at(slot)), Arg::I64(n as i64)],
+        )
+    }
+
+    /// Enqueues copying `snapshot` into `slot` (a prefix hit starts from it).
+    pub fn restore(&self, gpu: &Gpu, snapshot: u32, slot: u32) -> Result<(), CudaError> {
+        self.check("slot", slot, self.num_slots)?;
+        self.check("snapshot", snapshot, self.num_snapshots)?;
+        gpu.copy_on_device(self.slot_at(slot), self.snapshot_at(snapshot), self.width * 4)
+    }
+
+    /// Enqueues copying `slot` into `snapshot` (a boundary the step reached).
+    pub fn snapshot(&self, gpu: &Gpu, slot: u32, snapshot: u32) -> Result<(), CudaError> {
+        self.check("slot", slot, self.num_slots)?;
+        self.check("snapshot", snapshot, self.num_snapshots)?;
+        gpu.copy_on_device(self.snapshot_at(snapshot), self.slot_at(slot), self.width * 4)
+    }
+
+    /// The slot's state, waiting for it (checks only: counted as a host wait).
+    pub fn read_slot(&self, gpu: &Gpu, slot: u32) -> Result<Vec<f32>, CudaError> {
+        self.check("slot", slot, self.num_slots)?;
+        let staged = gpu.scratch::<f32>(self.width)?;
+        gpu.copy_on_device(staged.ptr(), self.slot_at(slot), self.width * 4)?;
+        gpu.download(&staged, self.width)
+    }
+}
