@@ -7,7 +7,7 @@
 # pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
 # index_select gather of the same blocks against its own copy, and `--verify` on an aggregated
 # and a P/D graph with executor = "cuda" for each attention fixture (aggregated only for
-# qwen3_next_gdn: the state handoff on the device is not built yet). Raw output goes to
+# qwen3_next and qwen3_next_gdn: the state handoff on the device is not built yet). Raw output goes to
 # $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,10 +24,10 @@ echo "== kvflow bench device"
 "$bin" bench device --fixtures fixtures/hf --blocks-out /tmp/pack-blocks.txt || status=1
 echo "== PyTorch index_select of the same 16-token blocks vs its own copy"
 python3 benches/device/torch_gather.py /tmp/pack-blocks.txt || status=1
-for model in llama qwen3 deepseek_v3 qwen3_next_gdn; do
+for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next; do
     graphs="cuda-aggregated pd-1p1d"
     # a handoff of recurrent state from or into a cuda rank is not built yet
-    [ "$model" = qwen3_next_gdn ] && graphs="cuda-aggregated"
+    case "$model" in qwen3_next*) graphs="cuda-aggregated" ;; esac
     for graph in $graphs; do
       g=/tmp/$graph-$model.toml
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \

@@ -301,6 +301,24 @@ extern "C" __global__ void route(int* experts_out, float* weights_out, const flo
     }
 }
 
+// Qwen3-Next's gated attention: q_proj yields [query (d) | gate (d)] per head. Splits a row's
+// first 2·heads·d values of `qkv` (rows of `width`) into q [rows × heads·d] and gate.
+extern "C" __global__ void split_query_gate(float* q, float* gate, const float* qkv, int width, int heads, int d) {
+    int r = blockIdx.x, n = blockIdx.y;
+    const float* src = qkv + (size_t)r * width + (size_t)n * 2 * d;
+    size_t dst = (size_t)r * heads * d + (size_t)n * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        q[dst + i] = src[i];
+        gate[dst + i] = src[d + i];
+    }
+}
+
+// x[i] *= sigmoid(gate[i]) (the attention output of a gated layer, before o_proj)
+extern "C" __global__ void apply_sigmoid_gate(float* x, const float* gate, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= sigmoid(gate[i]);
+}
+
 // h[t, i] += (Σ_k expert_out[t·top_k + k, i] · weight[t·top_k + k]) + shared[t, i], experts in
 // ascending order, as the CPU block sums them; with `shared_gate` (Qwen's gated shared expert)
 // the shared term is sigmoid(shared_gate[t]) · shared[t, i].

@@ -20,8 +20,8 @@ use kvflow_operators::step::{
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
-/// The fixtures of the families the CUDA executor runs (mha, mla, gdn).
-const CUDA_FIXTURES: [&str; 4] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3", "hf/qwen3_next_gdn"];
+/// The fixtures of the families the CUDA executor runs (mha, mla, gdn, hybrid_gdn).
+const CUDA_FIXTURES: [&str; 5] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next"];
 
 fn emulated() -> Arc<Gpu> {
     Gpu::emulated().unwrap_or_else(|e| panic!("{e}"))
@@ -247,7 +247,7 @@ const EMULATED: &str = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate
 /// request exact, and both ranks served some.
 #[test]
 fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
-    for model in ["hf/llama", "hf/deepseek_v3", "hf/qwen3_next_gdn"] {
+    for model in ["hf/llama", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next"] {
         let dir = tempfile::tempdir().unwrap();
         let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
         let trace = short_trace(dir.path());
@@ -335,8 +335,8 @@ fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
         let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default());
         format!("{:#}", outcome.err().expect("the run is refused"))
     };
-    let e = run("hf/qwen3_next", "\n[pool.executor_settings]\nemulate = true\n");
-    assert!(e.contains("pool gpu") && e.contains("family hybrid_gdn"), "{e}");
+    let e = run("hf/kimi_linear", "\n[pool.executor_settings]\nemulate = true\n");
+    assert!(e.contains("pool gpu") && e.contains("family hybrid_kda"), "{e}");
     if kvflow_kernels::cuda::driver_present() {
         eprintln!("NOT RUN (the no-driver half): this machine has a CUDA driver");
         return;

@@ -145,8 +145,14 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
         assert_eq!(report["cancelled"], 5, "{what}");
         assert_eq!(report["failed"], 0, "{what}");
         let h = &report["handoff"];
-        // Over tcp an abort may land after the decode rank took the handoff: it cancels it there.
-        assert!(h["aborted"].as_u64().unwrap() >= 1, "{what}: an in-transfer cancel was aborted explicitly: {h}");
+        // In process the abort reaches the inbox while the delivery is held back, so it is
+        // aborted there. Over tcp the abort travels behind the delivery on the same connection:
+        // whether the decode rank took the handoff in between (then it cancels it there) is a
+        // race — measured at dbe21ac, before this check changed, 1 run in 6 had neither in-transfer
+        // cancel aborted in the inbox. Both ways end in the errors and accounting checked above.
+        if backend == "inproc" {
+            assert!(h["aborted"].as_u64().unwrap() >= 1, "{what}: an in-transfer cancel was aborted explicitly: {h}");
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! A model's weights in device memory, uploaded once from the CPU model (the same checkpoint
 //! tensors, unpacked to row-major `[out × in]`), for the families the CUDA executor runs: `mha`
-//! (llama, qwen3), `mla` (deepseek_v3, with its MoE) and `gdn` (qwen3_next whose layers are all
-//! Gated DeltaNet, with its gated shared expert). Anything else is refused by name.
+//! (llama, qwen3), `mla` (deepseek_v3, with its MoE), `gdn` and `hybrid_gdn` (qwen3_next: Gated
+//! DeltaNet layers, gated attention, the gated shared expert). Anything else is refused by name.
 
 use super::gpu::{CudaError, DeviceBuf, Gpu};
 use crate::cpu::rope::{Rope, RopeStyle};
@@ -44,6 +44,8 @@ pub(crate) struct DevGqa {
     pub head_dim: usize,
     pub window: Option<usize>,
     pub scale: f32,
+    /// Qwen3-Next: q_proj yields `[query | gate]` per head; the output is × sigmoid(gate).
+    pub output_gate: bool,
 }
 
 // Built once per layer at load: the size of a variant costs nothing.
@@ -160,10 +162,10 @@ pub struct DeviceModel {
 /// Why the CUDA executor cannot run `model`, if it cannot.
 pub fn unsupported(model: &Model) -> Option<String> {
     let family = model.family;
-    if !matches!(family, Family::Mha | Family::Mla | Family::Gdn) {
+    if !matches!(family, Family::Mha | Family::Mla | Family::Gdn | Family::HybridGdn) {
         return Some(format!(
-            "the cuda executor runs the mha, mla and gdn families (llama, qwen3, deepseek_v3, qwen3_next with only \
-             linear-attention layers); model_type {} is family {family}",
+            "the cuda executor runs the mha, mla, gdn and hybrid_gdn families (llama, qwen3, deepseek_v3, \
+             qwen3_next); model_type {} is family {family}",
             model.model_type
         ));
     }
@@ -172,7 +174,6 @@ pub fn unsupported(model: &Model) -> Option<String> {
     }
     for (l, layer) in model.layers.iter().enumerate() {
         match &layer.mixer {
-            Mixer::Gqa(a) if a.output_gate => return Some(format!("layer {l}: gated attention output (qwen3_next)")),
             Mixer::Mla(a) if a.indexer.is_some() || a.rope.is_none() => {
                 return Some(format!("layer {l}: MLA with an indexer or without rope"))
             }
@@ -269,6 +270,7 @@ fn gqa(gpu: &Gpu, a: &GqaAttention) -> Result<DevGqa, CudaError> {
         head_dim: s.qk_dim,
         window: a.sliding_window,
         scale: s.scale,
+        output_gate: a.output_gate,
     })
 }
 
