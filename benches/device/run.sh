@@ -6,8 +6,7 @@
 # It runs `kvflow bench device` (parity with expected.json and the CPU executor, batch invariance,
 # pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
 # index_select gather of the same blocks against its own copy, and `--verify` on an aggregated
-# and a P/D graph with executor = "cuda" for each attention fixture (aggregated only for
-# qwen3_next and qwen3_next_gdn: the state handoff on the device is not built yet). Raw output goes to
+# and a P/D graph with executor = "cuda" for each fixture the cuda executor runs. Raw output goes to
 # $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,10 +24,7 @@ echo "== kvflow bench device"
 echo "== PyTorch index_select of the same 16-token blocks vs its own copy"
 python3 benches/device/torch_gather.py /tmp/pack-blocks.txt || status=1
 for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next; do
-    graphs="cuda-aggregated pd-1p1d"
-    # a handoff of recurrent state from or into a cuda rank is not built yet
-    case "$model" in qwen3_next*) graphs="cuda-aggregated" ;; esac
-    for graph in $graphs; do
+    for graph in cuda-aggregated pd-1p1d; do
       g=/tmp/$graph-$model.toml
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
           -e "s#out/$graph#out/$graph-$model#" "graphs/$graph.toml" > "$g"

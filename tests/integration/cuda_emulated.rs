@@ -294,6 +294,30 @@ fn a_gdn_cuda_graph_restores_device_snapshots_on_prefix_hits_and_verifies() {
     assert!(report["prefix_hit_rate"].as_f64().unwrap() > 0.0, "prefix hits restored device snapshots: {report}");
 }
 
+/// The recurrent families in P/D on cuda pools (qwen3_next: KV and state; qwen3_next_gdn: state
+/// only), over `inproc` and `tcp`: the prefill rank's slot is copied out after the step that
+/// reaches the prompt boundary and into the decode rank's slot before the step that feeds T0 —
+/// every request handed off with its state, outputs exact against the cuda plain path.
+#[test]
+fn recurrent_families_hand_off_their_device_state_between_cuda_pools() {
+    for (model, backend) in [("hf/qwen3_next", "inproc"), ("hf/qwen3_next_gdn", "tcp"), ("hf/qwen3_next", "tcp")] {
+        let dir = tempfile::tempdir().unwrap();
+        let pools = format!(
+            "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
+             [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+             [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
+        );
+        let trace = short_trace(dir.path());
+        let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+        let graph = write_graph_with(dir.path(), model, &trace, workload, "32 MiB", &pools);
+        let report = run_graph(&graph, Overrides::default(), Default::default());
+        let what = format!("{model} 1P1D cuda over {backend}");
+        assert_exact(&report, &what);
+        assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{what}: {report}");
+        assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0, "{what}");
+    }
+}
+
 /// `--verify` on a 1P1D graph of cuda pools, over `inproc` (the decode rank copies the prefill
 /// rank's blocks device to device) and over `tcp` (read out on a stream of the link's own, sent
 /// over loopback, unpacked on the decode rank's device): every request handed off, outputs exact.

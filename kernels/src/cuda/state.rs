@@ -3,9 +3,10 @@
 //! layer from its offset: the conv window, then the recurrent matrix of each head), so a slot
 //! read from the device is a handoff's state as the CPU executor makes it. The copies a step
 //! asks for — zero a slot, restore a snapshot into one, snapshot one — are enqueued on the rank's
-//! stream in step order, like the step itself.
+//! stream in step order, like the step itself, and so are a handoff's copies of a slot out (after
+//! the step that reaches the prompt boundary) and in (before the step that feeds T0).
 
-use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
+use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu, PinnedBuf};
 
 pub struct DeviceState {
     slots: DeviceBuf<f32>,
@@ -72,6 +73,20 @@ impl DeviceState {
         self.check("slot", slot, self.num_slots)?;
         self.check("snapshot", snapshot, self.num_snapshots)?;
         gpu.copy_on_device(self.snapshot_at(snapshot), self.slot_at(slot), self.width * 4)
+    }
+
+    /// Enqueues copying `slot` out into `dst` (pinned, at least `width` floats): a handoff's state,
+    /// read after the step that reached the prompt boundary. `dst` must outlive the copy.
+    pub fn copy_out(&self, gpu: &Gpu, slot: u32, dst: &mut PinnedBuf<f32>) -> Result<(), CudaError> {
+        self.check("slot", slot, self.num_slots)?;
+        gpu.copy_to_host(dst, self.slot_at(slot), self.width)
+    }
+
+    /// Enqueues writing `src` (pinned, `width` floats) into `slot`: an arriving handoff's state.
+    /// `src` must outlive the copy.
+    pub fn copy_in(&self, gpu: &Gpu, slot: u32, src: &PinnedBuf<f32>) -> Result<(), CudaError> {
+        self.check("slot", slot, self.num_slots)?;
+        gpu.copy_to_device(self.slot_at(slot), src, self.width)
     }
 
     /// The slot's state, waiting for it (checks only: counted as a host wait).

@@ -2,7 +2,10 @@
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
 //! handoffs written into their blocks (device to device from a producer on this GPU, else
 //! unpacked from pinned memory), the forward, greedy sampling — records a CUDA event and
-//! returns. An export is the blocks themselves, read in place after the step (`SharedKv`).
+//! returns. An export is the blocks themselves, read in place after the step (`SharedKv`), and,
+//! for a family with recurrent state, the slot copied out to pinned memory after the forward
+//! (`DeviceState`); an arriving handoff's state is copied into its slot before the forward. State
+//! copies a step asks for (zero, restore, snapshot) are enqueued in step order.
 //! `poll` asks each event, oldest first, whether it has passed (never waits). A decode whose
 //! previous token is still in flight is fed from the device ring slot the previous step's
 //! sampling writes, so the host never waits for sampled tokens to schedule the next step
@@ -87,6 +90,10 @@ struct InFlight {
     /// Handoffs being unpacked (their producers keep the blocks until these drop) and the
     /// pinned copies the GPU reads them from.
     imports: Vec<(KvImport, Option<PinnedBuf<f32>>)>,
+    /// Pinned copies of arriving handoffs' state, read by the GPU into their slots.
+    states_in: Vec<PinnedBuf<f32>>,
+    /// Exports' state slots, copied out after the forward: (export index, floats, pinned copy).
+    states_out: Vec<(usize, usize, PinnedBuf<f32>)>,
 }
 
 pub struct CudaExecutor {
@@ -233,6 +240,7 @@ impl CudaExecutor {
         }
         let fpb = self.kv.kv.floats_per_block();
         let mut imports = Vec::new();
+        let mut states_in = Vec::new();
         // block lists: the imports' own blocks, then the exports', then the blocks each
         // in-place import reads
         let sources = launch.imports.iter().map(|i| i.from.source().map_or(&[][..], |s| &s.blocks[..]));
@@ -261,8 +269,23 @@ impl CudaExecutor {
         for (i, import) in launch.imports.iter().enumerate() {
             let h = &import.from;
             let bad = |m: String| ExecutorError::Launch(format!("{}: {m}", h.describe()));
-            if import.slot.is_some() || h.state().is_some() {
-                return Err(bad("a handoff of recurrent state into a cuda rank is not built yet".into()));
+            match (import.slot, h.state(), &self.state) {
+                (None, None, _) => {}
+                (Some(slot), Some(floats), Some(state)) => {
+                    // the state after the prompt, into the request's slot (after the step's own
+                    // state copies, before its forward)
+                    if floats.len() != state.width {
+                        return Err(bad(format!("{} state floats for a slot of {}", floats.len(), state.width)));
+                    }
+                    let mut staged = self.pinned_floats.take(&gpu, floats.len()).map_err(fail)?;
+                    staged.as_mut_slice()[..floats.len()].copy_from_slice(floats);
+                    state.copy_in(&gpu, slot, &staged).map_err(fail)?;
+                    if let Some(snapshot) = import.snapshot {
+                        state.snapshot(&gpu, slot, snapshot).map_err(fail)?;
+                    }
+                    states_in.push(staged);
+                }
+                _ => return Err(bad("the slot and the state it carries do not match (all-or-nothing state)".into())),
             }
             let from = block_lists[launch.imports.len() + launch.exports.len() + i];
             if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = h.source() {
@@ -313,11 +336,17 @@ impl CudaExecutor {
         // 4. exports: the blocks, read in place once this step has completed (the producer
         //    holds them until the consumer's ack)
         let mut exports = Vec::new();
+        let mut states_out = Vec::new();
         for e in launch.exports {
-            if e.slot.is_some() {
-                return Err(ExecutorError::Launch(
-                    "a handoff of recurrent state from a cuda rank is not built yet (a slot export)".into(),
-                ));
+            if let Some(slot) = e.slot {
+                // the slot as this step leaves it (the state at the prompt boundary), copied out
+                // in stream order after the forward; the record holds the copy until completion
+                let state = self.state.as_ref().ok_or_else(|| {
+                    ExecutorError::Launch("a slot export from a model that keeps no recurrent state".into())
+                })?;
+                let mut out = self.pinned_floats.take(&gpu, state.width).map_err(fail)?;
+                state.copy_out(&gpu, slot, &mut out).map_err(fail)?;
+                states_out.push((exports.len(), state.width, out));
             }
             exports.push(Exported {
                 key: e.key,
@@ -340,6 +369,8 @@ impl CudaExecutor {
             results: Some(results),
             exports,
             imports,
+            states_in,
+            states_out,
         })
     }
 
@@ -350,6 +381,9 @@ impl CudaExecutor {
         self.pinned_words.give_back(f.results.take());
         for (_, staged) in f.imports.drain(..) {
             self.pinned_floats.give_back(staged);
+        }
+        for staged in f.states_in.drain(..).chain(f.states_out.drain(..).map(|(_, _, b)| b)) {
+            self.pinned_floats.give_back(Some(staged));
         }
         completion
     }
@@ -368,12 +402,14 @@ impl CudaExecutor {
                 Sampled::one(seq, (r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32)
             })
             .collect();
-        StepCompletion {
-            step: f.step,
-            result: Ok(sampled),
-            exports: std::mem::take(&mut f.exports),
-            failed: Vec::new(),
+        let mut exports = std::mem::take(&mut f.exports);
+        for (i, floats, copy) in &f.states_out {
+            // the step's event has passed: the copy out is complete
+            if let Some(e) = exports.get_mut(*i) {
+                e.state = Some(copy.as_slice()[..*floats].to_vec());
+            }
         }
+        StepCompletion { step: f.step, result: Ok(sampled), exports, failed: Vec::new() }
     }
 }
 
@@ -392,6 +428,8 @@ impl Executor for CudaExecutor {
             results: None,
             exports: Vec::new(),
             imports: Vec::new(),
+            states_in: Vec::new(),
+            states_out: Vec::new(),
         });
         self.in_flight.push_back(record);
         if !self.deferred_output {
