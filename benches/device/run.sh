@@ -23,7 +23,7 @@ echo "== kvflow bench device"
 "$bin" bench device --fixtures fixtures/hf --blocks-out /tmp/pack-blocks.txt || status=1
 echo "== PyTorch index_select of the same 16-token blocks vs its own copy"
 python3 benches/device/torch_gather.py /tmp/pack-blocks.txt || status=1
-for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next; do
+for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next kimi_linear; do
     for graph in cuda-aggregated pd-1p1d; do
       g=/tmp/$graph-$model.toml
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
@@ -37,11 +37,11 @@ for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next; do
 done
 # the offload tier with cuda ranks: saves read from device blocks (and slots), loads written into
 # them (300 requests: enough for prefixes to leave the small KV memory and come back from the store)
-for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next; do
+for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next kimi_linear; do
     sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
         -e "s#out/offload#out/offload-$model#" graphs/offload.toml > "graphs/.offload-$model.toml"
     # a family with recurrent state saves chunks that end where a snapshot is kept (64 tokens)
-    case "$model" in qwen3_next*) sed -i 's/^chunk_tokens = 32/chunk_tokens = 64/' "graphs/.offload-$model.toml" ;; esac
+    case "$model" in qwen3_next*|kimi_linear) sed -i 's/^chunk_tokens = 32/chunk_tokens = 64/' "graphs/.offload-$model.toml" ;; esac
     echo "== kvflow run offload ($model, executor = cuda, 300 requests) --verify"
     "$bin" run "graphs/.offload-$model.toml" --verify --limit 300 2>&1 | tail -n 25 || status=1
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('offload', json.dumps(r.get('offload')))" \

@@ -1,5 +1,5 @@
 // Linear-attention kernels of the CUDA executor: Gated DeltaNet (Qwen3-Next's linear attention)
-// token by token, as the CPU executor computes it (kernels/src/models/parts/gated_delta.rs,
+// and Kimi Delta Attention (Kimi Linear's) token by token, as the CPU executor computes it (kernels/src/models/parts/gated_delta.rs,
 // kernels/src/cpu/recurrent.rs), against each sequence's state slot in device memory. A
 // sequence's rows advance its state in row order (its rows are contiguous, in position order);
 // every value a row gets is reduced in an order fixed by the layer's sizes, never by the batch
@@ -46,17 +46,19 @@ extern "C" __global__ void zero_floats(float* p, long long n) {
 
 // Depthwise causal conv1d of kernel K, then SiLU, over each sequence's rows in order: one thread
 // per (sequence, channel), reading and shifting the window kept in the sequence's slot.
-// out[r, c] = silu(Σ_j<K−1 w[c, j]·window[c, j] + w[c, K − 1]·x[r, c]).
+// out[r, c] = silu(Σ_j<K−1 w[c, j]·window[c, j] + w[c, K − 1]·x[r, c]). The input channels are
+// grouped per key head in the projection (`grouped`, Gated DeltaNet) or its first ones in order
+// (KDA: [q | k | v], nk = heads, r = 1).
 extern "C" __global__ void gdn_conv(float* out, const float* proj, int proj_width, const float* weight, float* states,
                                     long long state_width, int layer_offset, const u32* slots, const u32* row_at,
-                                    int seqs, int rows, int nk, int dk, int r, int dv, int K) {
+                                    int seqs, int rows, int nk, int dk, int r, int dv, int K, int grouped) {
     int s = blockIdx.x;
     int channels = 2 * nk * dk + nk * r * dv;
     int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= channels || slots[s] == NO_SLOT) return;
     float* window = states + (size_t)slots[s] * state_width + layer_offset + (size_t)c * (K - 1);
     const float* w = weight + (size_t)c * K;
-    int at = gdn_channel(c, nk, dk, r, dv);
+    int at = grouped ? gdn_channel(c, nk, dk, r, dv) : c;
     for (int row = row_at[s]; row < seq_end(row_at, s, seqs, rows); row++) {
         float x = proj[(size_t)row * proj_width + at];
         float acc = 0.0f;
@@ -123,6 +125,59 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
         if (j < dv) {
             float z = p[g * group + 2 * dk + r * dv + jl * dv + j];
             out[((size_t)row * nv + h) * dv + j] = norm_w[j] * (o * inv) * la_silu(z);
+        }
+    }
+}
+
+// Kimi Delta Attention of one head of one sequence over its rows in order, then its gated RMSNorm
+// (kernels/src/models/parts/kda.rs): as gdn_recurrent, with q, k, v of head h at h·d in the
+// conv output [q | k | v], a decay per key channel i — exp(−exp(A_log[h])·softplus(forget[r,
+// h·d + i] + dt_bias[h·d + i])) — β = sigmoid(proj[r, 3·h·d + 2·d + h]) and the output gated by
+// sigmoid(gate[r, h·d + j]).
+extern "C" __global__ void kda_recurrent(float* out, const float* conv, const float* proj, int proj_width,
+                                         const float* forget, const float* gate, float* states, long long state_width,
+                                         int layer_offset, int conv_width, const u32* slots, const u32* row_at,
+                                         int seqs, int rows, const float* neg_a, const float* dt_bias,
+                                         const float* norm_w, float norm_eps, float l2_eps, int heads, int d) {
+    DYNAMIC_SHARED(float, partial);
+    int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    if (slots[s] == NO_SLOT) return;
+    int hd = heads * d;
+    float* S = states + (size_t)slots[s] * state_width + layer_offset + conv_width + (size_t)h * d * d;
+    float q_scale = 1.0f / sqrtf((float)d);
+    for (int row = row_at[s]; row < seq_end(row_at, s, seqs, rows); row++) {
+        const float* c = conv + (size_t)row * 3 * hd;
+        const float* q = c + h * d;
+        const float* k = c + hd + h * d;
+        const float* f = forget + (size_t)row * hd + h * d;
+        float sq = 0.0f, sk = 0.0f;
+        for (int i = 0; i < d; i++) sq += q[i] * q[i];
+        for (int i = 0; i < d; i++) sk += k[i] * k[i];
+        float iq = 1.0f / sqrtf(sq + l2_eps), ik = 1.0f / sqrtf(sk + l2_eps);
+        float beta = la_sigmoid(proj[(size_t)row * proj_width + 3 * hd + 2 * d + h]);
+        float o = 0.0f;
+        if (j < d) {
+            float v = c[2 * hd + h * d + j];
+            float mem = 0.0f;
+            for (int i = 0; i < d; i++) {
+                S[i * d + j] *= expf(neg_a[h] * la_softplus(f[i] + dt_bias[h * d + i]));
+                mem += S[i * d + j] * (k[i] * ik);
+            }
+            float delta = (v - mem) * beta;
+            for (int i = 0; i < d; i++) S[i * d + j] += (k[i] * ik) * delta;
+            for (int i = 0; i < d; i++) o += S[i * d + j] * ((q[i] * iq) * q_scale);
+        }
+        partial[j] = o * o;
+        __syncthreads();
+        for (int step = blockDim.x / 2; step > 0; step /= 2) {
+            if (j < step) partial[j] += partial[j + step];
+            __syncthreads();
+        }
+        float inv = 1.0f / sqrtf(partial[0] / (float)d + norm_eps);
+        __syncthreads();
+        if (j < d) {
+            float g = gate[(size_t)row * hd + h * d + j];
+            out[(size_t)row * hd + h * d + j] = norm_w[j] * (o * inv) * la_sigmoid(g);
         }
     }
 }

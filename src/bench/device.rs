@@ -33,7 +33,7 @@ pub struct DeviceBenchArgs {
     pub blocks_out: Option<PathBuf>,
 }
 
-const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3", "qwen3_next_gdn", "qwen3_next"];
+const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3", "qwen3_next_gdn", "qwen3_next", "kimi_linear"];
 
 pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     let gpu = if args.emulate { Gpu::emulated()? } else { Gpu::open(args.gpu)? };

@@ -20,8 +20,9 @@ use kvflow_operators::step::{
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
-/// The fixtures of the families the CUDA executor runs (mha, mla, gdn, hybrid_gdn).
-const CUDA_FIXTURES: [&str; 5] = ["hf/llama", "hf/qwen3", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next"];
+/// The fixtures of the families the CUDA executor runs (mha, mla, gdn, hybrid_gdn, hybrid_kda).
+const CUDA_FIXTURES: [&str; 6] =
+    ["hf/llama", "hf/qwen3", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next", "hf/kimi_linear"];
 
 fn emulated() -> Arc<Gpu> {
     Gpu::emulated().unwrap_or_else(|e| panic!("{e}"))
@@ -247,7 +248,7 @@ const EMULATED: &str = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate
 /// request exact, and both ranks served some.
 #[test]
 fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
-    for model in ["hf/llama", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next"] {
+    for model in ["hf/llama", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next", "hf/kimi_linear"] {
         let dir = tempfile::tempdir().unwrap();
         let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
         let trace = short_trace(dir.path());
@@ -294,13 +295,19 @@ fn a_gdn_cuda_graph_restores_device_snapshots_on_prefix_hits_and_verifies() {
     assert!(report["prefix_hit_rate"].as_f64().unwrap() > 0.0, "prefix hits restored device snapshots: {report}");
 }
 
-/// The recurrent families in P/D on cuda pools (qwen3_next: KV and state; qwen3_next_gdn: state
-/// only), over `inproc` and `tcp`: the prefill rank's slot is copied out after the step that
+/// The recurrent families in P/D on cuda pools (qwen3_next and kimi_linear: KV and state;
+/// qwen3_next_gdn: state only), over `inproc` and `tcp`: the prefill rank's slot is copied out after the step that
 /// reaches the prompt boundary and into the decode rank's slot before the step that feeds T0 —
 /// every request handed off with its state, outputs exact against the cuda plain path.
 #[test]
 fn recurrent_families_hand_off_their_device_state_between_cuda_pools() {
-    for (model, backend) in [("hf/qwen3_next", "inproc"), ("hf/qwen3_next_gdn", "tcp"), ("hf/qwen3_next", "tcp")] {
+    let cases = [
+        ("hf/qwen3_next", "inproc"),
+        ("hf/qwen3_next_gdn", "tcp"),
+        ("hf/qwen3_next", "tcp"),
+        ("hf/kimi_linear", "inproc"),
+    ];
+    for (model, backend) in cases {
         let dir = tempfile::tempdir().unwrap();
         let pools = format!(
             "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
@@ -359,8 +366,8 @@ fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
         let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default());
         format!("{:#}", outcome.err().expect("the run is refused"))
     };
-    let e = run("hf/kimi_linear", "\n[pool.executor_settings]\nemulate = true\n");
-    assert!(e.contains("pool gpu") && e.contains("family hybrid_kda"), "{e}");
+    let e = run("hf/deepseek_v32", "\n[pool.executor_settings]\nemulate = true\n");
+    assert!(e.contains("pool gpu") && e.contains("family sparse_mla"), "{e}");
     if kvflow_kernels::cuda::driver_present() {
         eprintln!("NOT RUN (the no-driver half): this machine has a CUDA driver");
         return;

@@ -9,7 +9,8 @@ use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
 use super::kv::DeviceKv;
 use super::state::DeviceState;
 use super::weights::{
-    DevFfn, DevGdn, DevGqa, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope, DeviceModel,
+    DevFfn, DevGdn, DevGqa, DevKda, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope,
+    DeviceModel,
 };
 
 /// The high bit of a fed token: the rest is a slot of the sampled-token ring.
@@ -436,8 +437,10 @@ impl Step<'_> {
         let ckv = self.gpu.scratch::<f32>(t * ckv_w)?;
         self.linear(ckv.ptr(), x, &a.kv_a, t, hidden, ckv_w, false)?;
         self.norm(ckv.ptr(), ckv.ptr(), &a.kv_norm, t, 1, ckv_w, 0)?;
-        self.rope(ckv.ptr(), &a.rope, 1, ckv_w, lora, 0)?;
-        self.rope(q.ptr(), &a.rope, heads, heads * qk, nope, qk)?;
+        if let Some(rope) = &a.rope {
+            self.rope(ckv.ptr(), rope, 1, ckv_w, lora, 0)?;
+            self.rope(q.ptr(), rope, heads, heads * qk, nope, qk)?;
+        }
         self.kv.write_rows(self.gpu, kv_layer, ckv.ptr(), ckv_w, self.at.write_rows, t)?;
         // 3. absorbed queries [W_ukᵀ q_nope | q_rope] per head
         let aq = lora + rd;
@@ -516,6 +519,7 @@ impl Step<'_> {
             Arg::I32((nv / nk) as i32),
             Arg::I32(dv as i32),
             Arg::I32(g.kernel as i32),
+            Arg::I32(1),
         ]);
         self.gpu.launch("gdn_conv", (self.seqs as u32, blocks_for(channels, 128), 1), 128, 0, &args)?;
         let out = self.gpu.scratch::<f32>(t * nv * dv)?;
@@ -541,6 +545,71 @@ impl Step<'_> {
         ]);
         self.gpu.launch("gdn_recurrent", (self.seqs as u32, nv as u32, 1), threads, threads * 4, &args)?;
         self.linear(h, out.ptr(), &g.out_proj, t, nv * dv, hidden, true)
+    }
+
+    /// Kimi Delta Attention (`kernels/cuda/linear.cu`): the fused projection, the low-rank forget
+    /// and output gates, the causal conv of `[q | k | v]` and the per-channel-decay delta rule
+    /// over each sequence's rows in order against its slot, the gated RMSNorm, then
+    /// `h += o_proj(·)`.
+    fn kda(&self, h: u64, x: u64, k: &DevKda, state_offset: usize, hidden: usize) -> Result<(), CudaError> {
+        let state = self.state.ok_or_else(|| CudaError::Unsupported("a kda layer runs with device state".into()))?;
+        let (t, heads, d) = (self.rows, k.heads, k.head_dim);
+        let hd = heads * d;
+        let width = k.in_proj.n;
+        let proj = self.gpu.scratch::<f32>(t * width)?;
+        self.linear(proj.ptr(), x, &k.in_proj, t, hidden, width, false)?;
+        let forget = self.gpu.scratch::<f32>(t * hd)?;
+        self.linear(forget.ptr(), proj.at(3 * hd), &k.f_b, t, width, hd, false)?;
+        let gate = self.gpu.scratch::<f32>(t * hd)?;
+        self.linear(gate.ptr(), proj.at(3 * hd + d), &k.g_b, t, width, hd, false)?;
+        let conv = self.gpu.scratch::<f32>(t * 3 * hd)?;
+        let args = [
+            Arg::Ptr(conv.ptr()),
+            Arg::Ptr(proj.ptr()),
+            Arg::I32(width as i32),
+            Arg::Ptr(k.conv_weight.ptr()),
+            Arg::Ptr(state.base()),
+            Arg::I64(state.width as i64),
+            Arg::I32(state_offset as i32),
+            Arg::Ptr(self.at.slots),
+            Arg::Ptr(self.at.row_at),
+            Arg::I32(self.seqs as i32),
+            Arg::I32(t as i32),
+            Arg::I32(heads as i32),
+            Arg::I32(d as i32),
+            Arg::I32(1),
+            Arg::I32(d as i32),
+            Arg::I32(k.kernel as i32),
+            Arg::I32(0),
+        ];
+        self.gpu.launch("gdn_conv", (self.seqs as u32, blocks_for(3 * hd, 128), 1), 128, 0, &args)?;
+        let out = self.gpu.scratch::<f32>(t * hd)?;
+        let threads = reduce_threads(d);
+        let args = [
+            Arg::Ptr(out.ptr()),
+            Arg::Ptr(conv.ptr()),
+            Arg::Ptr(proj.ptr()),
+            Arg::I32(width as i32),
+            Arg::Ptr(forget.ptr()),
+            Arg::Ptr(gate.ptr()),
+            Arg::Ptr(state.base()),
+            Arg::I64(state.width as i64),
+            Arg::I32(state_offset as i32),
+            Arg::I32(k.conv_width as i32),
+            Arg::Ptr(self.at.slots),
+            Arg::Ptr(self.at.row_at),
+            Arg::I32(self.seqs as i32),
+            Arg::I32(t as i32),
+            Arg::Ptr(k.neg_a.ptr()),
+            Arg::Ptr(k.dt_bias.ptr()),
+            Arg::Ptr(k.o_norm.w.ptr()),
+            Arg::F32(k.o_norm.eps),
+            Arg::F32(crate::models::parts::gated_delta::L2_NORM_EPS),
+            Arg::I32(heads as i32),
+            Arg::I32(d as i32),
+        ];
+        self.gpu.launch("kda_recurrent", (self.seqs as u32, heads as u32, 1), threads, threads * 4, &args)?;
+        self.linear(h, out.ptr(), &k.o_proj, t, hd, hidden, true)
     }
 
     /// `out (+)= down(silu(gate(x)) · up(x))` over `rows` rows.
@@ -694,6 +763,7 @@ impl DeviceModel {
                 DevMixer::Gqa(a) => s.gqa(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
                 DevMixer::Mla(a) => s.mla(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
                 DevMixer::Gdn(g) => s.gdn(h.ptr(), x.ptr(), g, layer.state_offset, hidden)?,
+                DevMixer::Kda(k) => s.kda(h.ptr(), x.ptr(), k, layer.state_offset, hidden)?,
             }
             s.norm(x.ptr(), h.ptr(), &layer.post_norm, t, 1, hidden, 0)?;
             match &layer.ffn {

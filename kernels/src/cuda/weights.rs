@@ -1,13 +1,16 @@
 //! A model's weights in device memory, uploaded once from the CPU model (the same checkpoint
 //! tensors, unpacked to row-major `[out × in]`), for the families the CUDA executor runs: `mha`
 //! (llama, qwen3), `mla` (deepseek_v3, with its MoE), `gdn` and `hybrid_gdn` (qwen3_next: Gated
-//! DeltaNet layers, gated attention, the gated shared expert). Anything else is refused by name.
+//! DeltaNet layers, gated attention, the gated shared expert) and `hybrid_kda` (kimi_linear: Kimi
+//! Delta Attention and MLA without rope). Anything else (deepseek_v32's indexer) is refused by
+//! name.
 
 use super::gpu::{CudaError, DeviceBuf, Gpu};
 use crate::cpu::rope::{Rope, RopeStyle};
 use crate::models::decoder::{Ffn, Mixer};
 use crate::models::parts::gated_delta::GatedDeltaNet;
 use crate::models::parts::gqa::GqaAttention;
+use crate::models::parts::kda::KimiDeltaAttention;
 use crate::models::parts::layers::{Linear, Mlp, RmsNorm};
 use crate::models::parts::mla::{MlaAttention, QueryProjection};
 use crate::models::parts::moe::{MoeBlock, Scoring};
@@ -64,7 +67,8 @@ pub(crate) struct DevMla {
     /// Per head `[v_dim × kv_lora]`: latent → value.
     pub absorb_v: DeviceBuf<f32>,
     pub o: DevLinear,
-    pub rope: DevRope,
+    /// `None`: Kimi Linear's MLA, whose rope dims are left unrotated.
+    pub rope: Option<DevRope>,
     pub heads: usize,
     pub nope: usize,
     pub rope_dim: usize,
@@ -93,12 +97,31 @@ pub(crate) struct DevGdn {
     pub conv_width: usize,
 }
 
+/// A Kimi Delta Attention layer (`kernels/cuda/linear.cu`).
+pub(crate) struct DevKda {
+    /// `[q; k; v; f_a; g_a; b]`.
+    pub in_proj: DevLinear,
+    pub f_b: DevLinear,
+    pub g_b: DevLinear,
+    /// `[3·heads·d × kernel]`.
+    pub conv_weight: DeviceBuf<f32>,
+    pub neg_a: DeviceBuf<f32>,
+    pub dt_bias: DeviceBuf<f32>,
+    pub o_norm: DevNorm,
+    pub o_proj: DevLinear,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub kernel: usize,
+    pub conv_width: usize,
+}
+
 // Built once per layer at load: the size of a variant costs nothing.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum DevMixer {
     Gqa(DevGqa),
     Mla(DevMla),
     Gdn(DevGdn),
+    Kda(DevKda),
 }
 
 pub(crate) struct DevMlp {
@@ -162,10 +185,10 @@ pub struct DeviceModel {
 /// Why the CUDA executor cannot run `model`, if it cannot.
 pub fn unsupported(model: &Model) -> Option<String> {
     let family = model.family;
-    if !matches!(family, Family::Mha | Family::Mla | Family::Gdn | Family::HybridGdn) {
+    if !matches!(family, Family::Mha | Family::Mla | Family::Gdn | Family::HybridGdn | Family::HybridKda) {
         return Some(format!(
-            "the cuda executor runs the mha, mla, gdn and hybrid_gdn families (llama, qwen3, deepseek_v3, \
-             qwen3_next); model_type {} is family {family}",
+            "the cuda executor runs the mha, mla, gdn, hybrid_gdn and hybrid_kda families (llama, qwen3, \
+             deepseek_v3, qwen3_next, kimi_linear); model_type {} is family {family}",
             model.model_type
         ));
     }
@@ -174,8 +197,8 @@ pub fn unsupported(model: &Model) -> Option<String> {
     }
     for (l, layer) in model.layers.iter().enumerate() {
         match &layer.mixer {
-            Mixer::Mla(a) if a.indexer.is_some() || a.rope.is_none() => {
-                return Some(format!("layer {l}: MLA with an indexer or without rope"))
+            Mixer::Mla(a) if a.indexer.is_some() => {
+                return Some(format!("layer {l}: MLA with an indexer (deepseek_v32)"))
             }
             _ => {}
         }
@@ -201,7 +224,7 @@ impl DeviceModel {
                 Mixer::Gqa(a) => DevMixer::Gqa(gqa(gpu, a)?),
                 Mixer::Mla(a) => DevMixer::Mla(mla(gpu, a)?),
                 Mixer::Gdn(g) => DevMixer::Gdn(gdn(gpu, g)?),
-                Mixer::Kda(_) => unreachable!("refused by `unsupported`"),
+                Mixer::Kda(k) => DevMixer::Kda(kda(gpu, k)?),
             };
             let ffn = match &layer.ffn {
                 Ffn::Dense(m) => DevFfn::Dense(mlp(gpu, m)?),
@@ -289,7 +312,7 @@ fn mla(gpu: &Gpu, a: &MlaAttention) -> Result<DevMla, CudaError> {
         absorb_k: gpu.upload(&stack(&a.absorb_k))?,
         absorb_v: gpu.upload(&stack(&a.absorb_v))?,
         o: linear(gpu, &a.o)?,
-        rope: rope(gpu, a.rope.as_ref().expect("refused by `unsupported`"))?,
+        rope: a.rope.as_ref().map(|r| rope(gpu, r)).transpose()?,
         heads: a.heads,
         nope: a.nope,
         rope_dim: a.rope_dim,
@@ -313,6 +336,23 @@ fn gdn(gpu: &Gpu, g: &GatedDeltaNet) -> Result<DevGdn, CudaError> {
         dv: g.dv,
         kernel: g.kernel,
         conv_width: g.conv_state_width(),
+    })
+}
+
+fn kda(gpu: &Gpu, k: &KimiDeltaAttention) -> Result<DevKda, CudaError> {
+    Ok(DevKda {
+        in_proj: linear(gpu, &k.in_proj)?,
+        f_b: linear(gpu, &k.f_b)?,
+        g_b: linear(gpu, &k.g_b)?,
+        conv_weight: gpu.upload(&k.conv_weight)?,
+        neg_a: gpu.upload(&k.neg_a)?,
+        dt_bias: gpu.upload(&k.dt_bias)?,
+        o_norm: norm(gpu, &k.o_norm)?,
+        o_proj: linear(gpu, &k.o_proj)?,
+        heads: k.heads,
+        head_dim: k.head_dim,
+        kernel: k.kernel,
+        conv_width: k.conv_state_width(),
     })
 }
 

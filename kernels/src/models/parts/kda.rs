@@ -22,24 +22,24 @@ use crate::models::batch::BatchLayout;
 /// One Kimi Delta Attention layer.
 pub struct KimiDeltaAttention {
     /// `[q; k; v; f_a; g_a; b]`, one product.
-    in_proj: Linear,
-    f_b: Linear,
-    g_b: Linear,
+    pub(crate) in_proj: Linear,
+    pub(crate) f_b: Linear,
+    pub(crate) g_b: Linear,
     /// `[q | k | v]` conv kernels, `[3·H·D × K]`.
-    conv_weight: Vec<f32>,
+    pub(crate) conv_weight: Vec<f32>,
     /// `−exp(A_log)` per head.
-    neg_a: Vec<f32>,
+    pub(crate) neg_a: Vec<f32>,
     /// Per channel `[H·D]`.
-    dt_bias: Vec<f32>,
-    o_norm: RmsNorm,
-    o_proj: Linear,
-    heads: usize,
-    head_dim: usize,
-    kernel: usize,
+    pub(crate) dt_bias: Vec<f32>,
+    pub(crate) o_norm: RmsNorm,
+    pub(crate) o_proj: Linear,
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) kernel: usize,
 }
 
 impl KimiDeltaAttention {
-    fn conv_state_width(&self) -> usize {
+    pub(crate) fn conv_state_width(&self) -> usize {
         3 * self.heads * self.head_dim * (self.kernel - 1)
     }
 
