@@ -38,6 +38,46 @@ __device__ __forceinline__ int gdn_channel(int c, int nk, int dk, int r, int dv)
     return (c / (r * dv)) * group + 2 * dk + c % (r * dv);
 }
 
+// One row's delta-rule step on column j of a head's state S [d_k × d_v] (row = key channel), with
+// q and k scaled by qs and ks (their L2 normalisation, q's also × d_k^−½): each row i decays by
+// decays[i]; mem = Σ_i S[i, j]·k_i; S[i, j] += k_i·β(v − mem); returns o_j = Σ_i S[i, j]·q_i.
+__device__ float la_delta_column(float* S, int dk, int dv, int j, const float* q, float qs, const float* k, float ks,
+                                 float v, float beta, const float* decays) {
+    float mem = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        S[i * dv + j] *= decays[i];
+        mem += S[i * dv + j] * (k[i] * ks);
+    }
+    float delta = (v - mem) * beta;
+    for (int i = 0; i < dk; i++) S[i * dv + j] += (k[i] * ks) * delta;
+    float o = 0.0f;
+    for (int i = 0; i < dk; i++) o += S[i * dv + j] * (q[i] * qs);
+    return o;
+}
+
+// 1 / rms of the block's values o (thread j < n holds o_j, the others 0), summed over a fixed
+// shared-memory tree of blockDim (a power of two ≥ n) partial sums; every thread gets it.
+__device__ float la_inverse_rms(float* partial, int j, float o, int n, float eps) {
+    partial[j] = o * o;
+    __syncthreads();
+    for (int step = blockDim.x / 2; step > 0; step /= 2) {
+        if (j < step) partial[j] += partial[j + step];
+        __syncthreads();
+    }
+    float inv = 1.0f / sqrtf(partial[0] / (float)n + eps);
+    __syncthreads();
+    return inv;
+}
+
+// The L2 norm inverses of q and k (d values each), summed in order by every thread alike.
+__device__ void la_l2_inverses(const float* q, const float* k, int d, float eps, float* iq, float* ik) {
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = 0; i < d; i++) sq += q[i] * q[i];
+    for (int i = 0; i < d; i++) sk += k[i] * k[i];
+    *iq = 1.0f / sqrtf(sq + eps);
+    *ik = 1.0f / sqrtf(sk + eps);
+}
+
 // Zeroes n floats (a slot that starts from the zero state).
 extern "C" __global__ void zero_floats(float* p, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -82,7 +122,8 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
                                          const u32* slots, const u32* row_at, int seqs, int rows, const float* neg_a,
                                          const float* dt_bias, const float* norm_w, float norm_eps, float l2_eps,
                                          int nk, int nv, int dk, int dv) {
-    DYNAMIC_SHARED(float, partial);
+    DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d_k decays
+    float* decays = partial + blockDim.x;
     int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
     if (slots[s] == NO_SLOT) return;
     int r = nv / nk, kh = h / r, g = h / r, jl = h % r;
@@ -96,32 +137,15 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
         const float* q = c + kh * dk;
         const float* k = c + nk * dk + kh * dk;
         const float* p = proj + (size_t)row * proj_width;
-        float sq = 0.0f, sk = 0.0f;
-        for (int i = 0; i < dk; i++) sq += q[i] * q[i];
-        for (int i = 0; i < dk; i++) sk += k[i] * k[i];
-        float iq = 1.0f / sqrtf(sq + l2_eps), ik = 1.0f / sqrtf(sk + l2_eps);
+        float iq, ik;
+        la_l2_inverses(q, k, dk, l2_eps, &iq, &ik);
         float beta = la_sigmoid(p[qkvz_width + g * 2 * r + jl]);
         float decay = expf(neg_a[h] * la_softplus(p[qkvz_width + g * 2 * r + r + jl] + dt_bias[h]));
+        for (int i = j; i < dk; i += blockDim.x) decays[i] = decay;
+        __syncthreads();
         float o = 0.0f;
-        if (j < dv) {
-            float v = c[2 * nk * dk + h * dv + j];
-            float mem = 0.0f;
-            for (int i = 0; i < dk; i++) {
-                S[i * dv + j] *= decay;
-                mem += S[i * dv + j] * (k[i] * ik);
-            }
-            float delta = (v - mem) * beta;
-            for (int i = 0; i < dk; i++) S[i * dv + j] += (k[i] * ik) * delta;
-            for (int i = 0; i < dk; i++) o += S[i * dv + j] * ((q[i] * iq) * q_scale);
-        }
-        partial[j] = o * o;
-        __syncthreads();
-        for (int step = blockDim.x / 2; step > 0; step /= 2) {
-            if (j < step) partial[j] += partial[j + step];
-            __syncthreads();
-        }
-        float inv = 1.0f / sqrtf(partial[0] / (float)dv + norm_eps);
-        __syncthreads();
+        if (j < dv) o = la_delta_column(S, dk, dv, j, q, iq * q_scale, k, ik, c[2 * nk * dk + h * dv + j], beta, decays);
+        float inv = la_inverse_rms(partial, j, o, dv, norm_eps);
         if (j < dv) {
             float z = p[g * group + 2 * dk + r * dv + jl * dv + j];
             out[((size_t)row * nv + h) * dv + j] = norm_w[j] * (o * inv) * la_silu(z);
@@ -139,7 +163,8 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
                                          int layer_offset, int conv_width, const u32* slots, const u32* row_at,
                                          int seqs, int rows, const float* neg_a, const float* dt_bias,
                                          const float* norm_w, float norm_eps, float l2_eps, int heads, int d) {
-    DYNAMIC_SHARED(float, partial);
+    DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d decays
+    float* decays = partial + blockDim.x;
     int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
     if (slots[s] == NO_SLOT) return;
     int hd = heads * d;
@@ -150,31 +175,14 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
         const float* q = c + h * d;
         const float* k = c + hd + h * d;
         const float* f = forget + (size_t)row * hd + h * d;
-        float sq = 0.0f, sk = 0.0f;
-        for (int i = 0; i < d; i++) sq += q[i] * q[i];
-        for (int i = 0; i < d; i++) sk += k[i] * k[i];
-        float iq = 1.0f / sqrtf(sq + l2_eps), ik = 1.0f / sqrtf(sk + l2_eps);
+        float iq, ik;
+        la_l2_inverses(q, k, d, l2_eps, &iq, &ik);
         float beta = la_sigmoid(proj[(size_t)row * proj_width + 3 * hd + 2 * d + h]);
+        for (int i = j; i < d; i += blockDim.x) decays[i] = expf(neg_a[h] * la_softplus(f[i] + dt_bias[h * d + i]));
+        __syncthreads();
         float o = 0.0f;
-        if (j < d) {
-            float v = c[2 * hd + h * d + j];
-            float mem = 0.0f;
-            for (int i = 0; i < d; i++) {
-                S[i * d + j] *= expf(neg_a[h] * la_softplus(f[i] + dt_bias[h * d + i]));
-                mem += S[i * d + j] * (k[i] * ik);
-            }
-            float delta = (v - mem) * beta;
-            for (int i = 0; i < d; i++) S[i * d + j] += (k[i] * ik) * delta;
-            for (int i = 0; i < d; i++) o += S[i * d + j] * ((q[i] * iq) * q_scale);
-        }
-        partial[j] = o * o;
-        __syncthreads();
-        for (int step = blockDim.x / 2; step > 0; step /= 2) {
-            if (j < step) partial[j] += partial[j + step];
-            __syncthreads();
-        }
-        float inv = 1.0f / sqrtf(partial[0] / (float)d + norm_eps);
-        __syncthreads();
+        if (j < d) o = la_delta_column(S, d, d, j, q, iq * q_scale, k, ik, c[2 * hd + h * d + j], beta, decays);
+        float inv = la_inverse_rms(partial, j, o, d, norm_eps);
         if (j < d) {
             float g = gate[(size_t)row * hd + h * d + j];
             out[(size_t)row * hd + h * d + j] = norm_w[j] * (o * inv) * la_sigmoid(g);

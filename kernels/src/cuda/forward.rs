@@ -543,7 +543,9 @@ impl Step<'_> {
             Arg::I32(dk as i32),
             Arg::I32(dv as i32),
         ]);
-        self.gpu.launch("gdn_recurrent", (self.seqs as u32, nv as u32, 1), threads, threads * 4, &args)?;
+        // shared: the norm's partial sums, then a decay per key channel
+        let smem = (threads as usize + dk) * 4;
+        self.gpu.launch("gdn_recurrent", (self.seqs as u32, nv as u32, 1), threads, smem as u32, &args)?;
         self.linear(h, out.ptr(), &g.out_proj, t, nv * dv, hidden, true)
     }
 
@@ -608,7 +610,8 @@ impl Step<'_> {
             Arg::I32(heads as i32),
             Arg::I32(d as i32),
         ];
-        self.gpu.launch("kda_recurrent", (self.seqs as u32, heads as u32, 1), threads, threads * 4, &args)?;
+        let smem = (threads as usize + d) * 4;
+        self.gpu.launch("kda_recurrent", (self.seqs as u32, heads as u32, 1), threads, smem as u32, &args)?;
         self.linear(h, out.ptr(), &k.o_proj, t, hd, hidden, true)
     }
 

@@ -4,7 +4,7 @@
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
 //! - [`gpu`]: the device, its stream, compiled kernels, buffers, the host-wait counter.
-//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha, mla, gdn, hybrid_gdn).
+//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha, mla, gdn, hybrid_gdn, hybrid_kda).
 //! - [`forward`]: one step enqueued, sampling on the device.
 //! - [`emulate`]: the same kernels on the CPU, for checks without a GPU.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.

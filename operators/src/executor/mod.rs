@@ -14,7 +14,7 @@
 //!   `delay_steps` launches (default 1, plus a seeded `jitter_steps`, default 0), or as soon as it
 //!   is computed once the rank has nothing more to launch. `delay_steps = 0` is synchronous.
 //! - `cuda`: the model on the rank's GPU, launched asynchronously and completed by CUDA events
-//!   (`cuda.rs`; families mha, mla, gdn and hybrid_gdn).
+//!   (`cuda.rs`; families mha, mla, gdn, hybrid_gdn and hybrid_kda).
 //! - `null`: no math, every sampled token is 0 (only for measuring coordination; `delay_steps`
 //!   as above).
 
