@@ -475,3 +475,20 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let next = one_step(&mut cpu, decode, &[import], &[]);
     assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "a CPU consumer of a GPU producer");
 }
+
+/// A linear-attention head wider than the recurrent kernels' block is refused by name, not run
+/// with some of its values never computed (a seeded kimi_linear with 512-wide KDA heads).
+#[test]
+fn a_linear_attention_head_too_wide_for_the_cuda_kernels_is_refused_naming_it() {
+    let text = "model_type = \"kimi_linear\"\nseed = 1\nvocab_size = 64\nhidden_size = 64\n\
+                intermediate_size = 64\nnum_hidden_layers = 1\nnum_attention_heads = 2\n\
+                num_key_value_heads = 2\nkv_lora_rank = 16\nqk_nope_head_dim = 8\nqk_rope_head_dim = 8\n\
+                v_head_dim = 8\nnum_experts = 2\nnum_experts_per_token = 1\nnum_shared_experts = 1\n\
+                moe_intermediate_size = 16\nfirst_k_dense_replace = 1\nlayer_types = [\"linear_attention\"]\n\n\
+                [linear_attn_config]\nnum_heads = 1\n\
+                head_dim = 512\nshort_conv_kernel_size = 4\n";
+    let spec = kvflow_kernels::checkpoint::ModelSpec::parse("wide.toml".into(), text).unwrap();
+    let model = kvflow_kernels::models::build(&spec.config, &spec.weights).unwrap();
+    let why = kvflow_kernels::cuda::unsupported(&model).expect("refused");
+    assert!(why.contains("head_dim 512 over 256"), "{why}");
+}

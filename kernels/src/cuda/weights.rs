@@ -182,6 +182,9 @@ pub struct DeviceModel {
     pub state_width: usize,
 }
 
+/// The widest linear-attention head the recurrent kernels take (threads of one block).
+pub const MAX_LINEAR_HEAD: usize = 256;
+
 /// Why the CUDA executor cannot run `model`, if it cannot.
 pub fn unsupported(model: &Model) -> Option<String> {
     let family = model.family;
@@ -199,6 +202,13 @@ pub fn unsupported(model: &Model) -> Option<String> {
         match &layer.mixer {
             Mixer::Mla(a) if a.indexer.is_some() => {
                 return Some(format!("layer {l}: MLA with an indexer (deepseek_v32)"))
+            }
+            // one thread per value of a head's output, in one block (`kernels/cuda/linear.cu`)
+            Mixer::Gdn(g) if g.dv > MAX_LINEAR_HEAD => {
+                return Some(format!("layer {l}: linear_value_head_dim {} over {MAX_LINEAR_HEAD}", g.dv))
+            }
+            Mixer::Kda(k) if k.head_dim > MAX_LINEAR_HEAD => {
+                return Some(format!("layer {l}: linear-attention head_dim {} over {MAX_LINEAR_HEAD}", k.head_dim))
             }
             _ => {}
         }
