@@ -295,6 +295,21 @@ fn a_gdn_cuda_graph_restores_device_snapshots_on_prefix_hits_and_verifies() {
     assert!(report["prefix_hit_rate"].as_f64().unwrap() > 0.0, "prefix hits restored device snapshots: {report}");
 }
 
+/// 10 short requests through a 1P1D graph of emulated cuda pools over `backend`, verified.
+fn run_pd_cuda(model: &str, backend: &str) -> (tempfile::TempDir, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let pools = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
+    );
+    let trace = short_trace(dir.path());
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+    let graph = write_graph_with(dir.path(), model, &trace, workload, "32 MiB", &pools);
+    let report = run_graph(&graph, Overrides::default(), Default::default());
+    (dir, report)
+}
+
 /// The recurrent families in P/D on cuda pools (qwen3_next and kimi_linear: KV and state;
 /// qwen3_next_gdn: state only), over `inproc` and `tcp`: the prefill rank's slot is copied out after the step that
 /// reaches the prompt boundary and into the decode rank's slot before the step that feeds T0 —
@@ -308,16 +323,7 @@ fn recurrent_families_hand_off_their_device_state_between_cuda_pools() {
         ("hf/kimi_linear", "inproc"),
     ];
     for (model, backend) in cases {
-        let dir = tempfile::tempdir().unwrap();
-        let pools = format!(
-            "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
-             [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
-             [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
-        );
-        let trace = short_trace(dir.path());
-        let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
-        let graph = write_graph_with(dir.path(), model, &trace, workload, "32 MiB", &pools);
-        let report = run_graph(&graph, Overrides::default(), Default::default());
+        let (_dir, report) = run_pd_cuda(model, backend);
         let what = format!("{model} 1P1D cuda over {backend}");
         assert_exact(&report, &what);
         assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{what}: {report}");
@@ -331,16 +337,7 @@ fn recurrent_families_hand_off_their_device_state_between_cuda_pools() {
 #[test]
 fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
     for backend in ["inproc", "tcp"] {
-        let dir = tempfile::tempdir().unwrap();
-        let pools = format!(
-            "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
-             [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
-             [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
-        );
-        let trace = short_trace(dir.path());
-        let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
-        let graph = write_graph_with(dir.path(), "hf/qwen3", &trace, workload, "32 MiB", &pools);
-        let report = run_graph(&graph, Overrides::default(), Default::default());
+        let (dir, report) = run_pd_cuda("hf/qwen3", backend);
         assert_exact(&report, &format!("qwen3 1P1D cuda over {backend}"));
         assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{backend}: {report}");
         assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0);
