@@ -23,7 +23,7 @@ echo "== kvflow bench device"
 "$bin" bench device --fixtures fixtures/hf --blocks-out /tmp/pack-blocks.txt || status=1
 echo "== PyTorch index_select of the same 16-token blocks vs its own copy"
 python3 benches/device/torch_gather.py /tmp/pack-blocks.txt || status=1
-for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next kimi_linear; do
+for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
     for graph in cuda-aggregated pd-1p1d; do
       g=/tmp/$graph-$model.toml
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
@@ -37,7 +37,7 @@ for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next kimi_linear; do
 done
 # the offload tier with cuda ranks: saves read from device blocks (and slots), loads written into
 # them (300 requests: enough for prefixes to leave the small KV memory and come back from the store)
-for model in llama qwen3 deepseek_v3 qwen3_next_gdn qwen3_next kimi_linear; do
+for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
     sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
         -e "s#out/offload#out/offload-$model#" graphs/offload.toml > "graphs/.offload-$model.toml"
     # a family with recurrent state saves chunks that end where a snapshot is kept (64 tokens)

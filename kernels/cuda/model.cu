@@ -166,12 +166,15 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 // Causal attention over the paged cache, read through the block tables: one warp per (row,
 // query head); keys in position order with a running max and sum (fixed order per row). Row r
 // is at position positions[r] of sequence seqs[r], whose blocks start at tables[table_at[seq]];
-// it sees positions max(0, p + 1 − window) ..= p (window 0: all).
+// it sees positions max(0, p + 1 − window) ..= p (window 0: all), or, where `selected` is given
+// and counts[r] ≥ 0 (DeepSeek-V3.2's indexer, kernels/cuda/indexer.cu), the counts[r] positions
+// at selected[r * selected_stride ..], ascending.
 extern "C" __global__ void paged_attention(float* out, const float* q, const float* cache, const u32* tables,
                                            const u32* table_at, const int* positions, const int* seqs, int rows,
                                            int q_heads, int kv_heads, int qk_dim, int v_dim, int k_offset,
                                            int v_offset, int row_width, int block_size, int window, float scale,
-                                           long long q_stride) {
+                                           long long q_stride, const int* selected, const int* counts,
+                                           int selected_stride) {
     DYNAMIC_SHARED(float, smem);
     int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
     int item = blockIdx.x * (blockDim.x / 32) + warp_in_block;
@@ -187,7 +190,11 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     const u32* table = tables + table_at[seqs[r]];
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     float m = -KV_INFINITY, l = 0.0f;
-    for (int pos = lo; pos <= p; pos++) {
+    int picked = selected ? counts[r] : -1;
+    const int* keys = picked >= 0 ? selected + (size_t)r * selected_stride : nullptr;
+    int n_keys = picked >= 0 ? picked : p + 1 - lo;
+    for (int i = 0; i < n_keys; i++) {
+        int pos = keys ? keys[i] : lo + i;
         size_t row = (size_t)table[pos / block_size] * block_size + pos % block_size;
         const float* kr = cache + row * row_width + k_offset + (size_t)g * qk_dim;
         float s = 0.0f;

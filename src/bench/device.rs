@@ -1,9 +1,11 @@
 //! `kvflow bench device`: the CUDA executor's checks and figures in one run on one GPU (run by
 //! `benches/device/run.sh` through the device tool). Exits non-zero when a check fails.
 //!
-//! 1. Parity, per fixture (llama, qwen3, deepseek_v3): greedy tokens equal `expected.json`
-//!    (its near-tie rule), and the logits of every sampled row within 1e-3 relative of the CPU
-//!    executor's.
+//! 1. Parity, per fixture (each family the cuda executor runs; deepseek_v32 also with top-32):
+//!    greedy tokens equal `expected.json` (`expected_cached.json` where there is one: V3.2's
+//!    oracle), its near-tie rule, and the logits of every sampled row within 1e-3 relative of the
+//!    CPU executor's. Then the V3.2 indexer's top-k on the device against torch's recorded
+//!    choices and the CPU executor's (ties included).
 //! 2. Batch invariance: a prompt's logits (prefill, and a decode after it) bit-identical alone,
 //!    in a batch of 64 and in other chunks.
 //! 3. Pack/unpack of one 4,096-token request of the default bench model (f32, 16-token blocks
@@ -33,7 +35,17 @@ pub struct DeviceBenchArgs {
     pub blocks_out: Option<PathBuf>,
 }
 
-const FAMILIES: &[&str] = &["llama", "qwen3", "deepseek_v3", "qwen3_next_gdn", "qwen3_next", "kimi_linear"];
+/// Fixture folders under `--fixtures` (`fixtures/hf`).
+const FAMILIES: &[&str] = &[
+    "llama",
+    "qwen3",
+    "deepseek_v3",
+    "deepseek_v32",
+    "../hf-extra/deepseek_v32_topk32",
+    "qwen3_next_gdn",
+    "qwen3_next",
+    "kimi_linear",
+];
 
 pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     let gpu = if args.emulate { Gpu::emulated()? } else { Gpu::open(args.gpu)? };
@@ -43,13 +55,15 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
         println!("gpu          {} (GPU {}), kernels compiled by NVRTC for {}", gpu.name(), gpu.ordinal, gpu.arch());
     }
     let mut failures = Vec::new();
-    for family in FAMILIES {
-        let dir = args.fixtures.join(family);
+    for folder in FAMILIES {
+        let dir = args.fixtures.join(folder);
+        let family = folder.rsplit('/').next().unwrap_or(folder);
         let model = models::load(&dir).with_context(|| format!("loading {}", dir.display()))?;
         let dm = DeviceModel::upload(&gpu, &model)?;
         failures.extend(parity(&gpu, &model, &dm, &dir, family)?);
         failures.extend(invariance(&gpu, &dm, family)?);
     }
+    failures.extend(topk_check(&gpu)?);
     let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
     let bench_model = Arc::new(models::build(&spec.config, &spec.weights)?);
     if !args.emulate {
@@ -103,7 +117,9 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 /// Greedy tokens against transformers (near ties allowed to diverge, then stop) and logits
 /// against the CPU executor.
 fn parity(gpu: &Gpu, model: &Model, dm: &DeviceModel, dir: &Path, family: &str) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(dir.join("expected.json"))?;
+    let oracle = ["expected_cached.json", "expected.json"].into_iter().find(|f| dir.join(f).exists());
+    let oracle = oracle.ok_or_else(|| anyhow!("{}: no expected.json", dir.display()))?;
+    let text = std::fs::read_to_string(dir.join(oracle))?;
     let expected: Expected = serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
     let runner = PlainRunner::new(gpu, dm)?;
     let mut failures = Vec::new();
@@ -146,7 +162,46 @@ fn parity(gpu: &Gpu, model: &Model, dm: &DeviceModel, dir: &Path, family: &str) 
         }
     }
     println!(
-        "parity       {family:<12} greedy tokens {matched}/{total} equal expected.json; logits vs CPU executor: max relative error {worst:.2e} (limit 1e-3)"
+        "parity       {family:<12} greedy tokens {matched}/{total} equal {oracle}; logits vs CPU executor: max relative error {worst:.2e} (limit 1e-3)"
+    );
+    Ok(failures)
+}
+
+/// The indexer's top-k on the device (`index_topk`) picks the positions torch.topk picked in its
+/// recorded cases, and the CPU executor's port picks on seeded rows full of exact ties (zeros,
+/// repeated values, −inf) on both of torch's paths (k · 64 ≤ n and not).
+pub fn topk_check(gpu: &Gpu) -> Result<Vec<String>> {
+    use kvflow_kernels::cpu::torch_topk::{recorded_cases, torch_topk_indices};
+    use kvflow_kernels::cuda::indexer::torch_topk_on_device;
+    let mut failures = Vec::new();
+    let mut rows: Vec<(Vec<f32>, usize, Vec<usize>)> =
+        recorded_cases().into_iter().filter(|(v, k, _)| *k < v.len()).collect();
+    let mut rng = Lcg(5);
+    for &(n, k) in &[(300, 4), (1000, 3), (2048, 32), (700, 64), (200, 90), (129, 64), (4096, 64), (999, 500)] {
+        for levels in [2u64, 5, 40] {
+            let row: Vec<f32> = (0..n)
+                .map(|_| match rng.next() % levels {
+                    0 => 0.0,
+                    1 if levels > 2 => f32::NEG_INFINITY,
+                    v => (v % 7) as f32 * 0.25,
+                })
+                .collect();
+            let torch = torch_topk_indices(&row, k);
+            rows.push((row, k, torch));
+        }
+    }
+    for (c, (row, k, torch)) in rows.iter().enumerate() {
+        let mut want = torch.clone();
+        want.sort_unstable();
+        let got = torch_topk_on_device(gpu, row, *k)?;
+        if got != want {
+            failures.push(format!("top-k row {c} (n {}, k {k}): the device picked other positions", row.len()));
+        }
+    }
+    println!(
+        "topk         {} rows: device choices equal torch's, ties included ({} differ)",
+        rows.len(),
+        failures.len()
     );
     Ok(failures)
 }
@@ -203,7 +258,7 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
         let end = (start + 7).min(prompt.len());
         let mut rows = StepRows::default();
         rows.push_seq(&prompt[start..end], start, &table(target), BS, (end == prompt.len()).then_some(0));
-        rows.in_slot(slot(target));
+        rows.in_slot(slot(target)).prompt_len(prompt.len());
         chunked = step(&rows)?.into_iter().next();
     }
     // in a batch of 64 (the target 18th)

@@ -20,7 +20,8 @@ use kvflow_operators::step::{
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
 
-/// The fixtures of the families the CUDA executor runs (mha, mla, gdn, hybrid_gdn, hybrid_kda).
+/// The fixtures of the families the CUDA executor runs (mha, mla, gdn, hybrid_gdn, hybrid_kda;
+/// sparse_mla's has a test of its own, whose prompts are long enough for the indexer to choose).
 const CUDA_FIXTURES: [&str; 6] =
     ["hf/llama", "hf/qwen3", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next", "hf/kimi_linear"];
 
@@ -53,6 +54,55 @@ fn emulated_cuda_kernels_reproduce_the_fixtures_and_the_cpu_executor() {
         }
         assert!(rel_err(&got.logits[0], &case.last_logits) < 1e-3, "{name}: last prompt logits vs transformers");
     }
+}
+
+/// DeepSeek-V3.2 on the device: the indexer's keys, scores and top-k (`kernels/cuda/indexer.cu`).
+/// On the top-32 fixture's 97- and 300-token prompts and the top-64 fixture's 131-token prompt
+/// (queries past the top-k pick their keys), prefilled whole and in chunks of 16 (a prompt row
+/// ranks its keys in a row as long as the prompt): greedy tokens equal transformers' cached
+/// generation (`expected_cached.json`, V3.2's oracle; its near-tie rule), the logits within 1e-3
+/// of the CPU executor's, and the same bits whole and chunked.
+#[test]
+fn emulated_cuda_indexer_reproduces_deepseek_v32_cached_generation() {
+    let gpu = emulated();
+    for (name, cases) in [("hf-extra/deepseek_v32_topk32", &[1, 2][..]), ("hf/deepseek_v32", &[2][..])] {
+        let dir = fixture(name);
+        let model = load(&dir);
+        let dm = DeviceModel::upload(&gpu, &model).unwrap();
+        let runner = PlainRunner::new(&gpu, &dm).unwrap();
+        let cached = crate::common::expected_named(&dir, "expected_cached.json");
+        for &c in cases {
+            let case = &cached.cases[c];
+            let n = 6;
+            let whole = runner.generate(&case.prompt, n, 1024, 16).unwrap();
+            let chunked = runner.generate(&case.prompt, n, 16, 16).unwrap();
+            assert_eq!(whole.error, None, "{name} case {c}");
+            let what = format!("{name} case {c} ({} prompt tokens)", case.prompt.len());
+            for (j, (&got, &want)) in whole.tokens.iter().zip(&case.greedy).enumerate() {
+                if got != want {
+                    assert!(case.greedy_gaps[j] < 1e-3, "{what}: token {j} is {got}, transformers' cached has {want}");
+                    break;
+                }
+            }
+            assert_eq!(bits(&whole.logits.concat()), bits(&chunked.logits.concat()), "{what}: whole vs chunks of 16");
+            let opts = GenerateOptions { max_new_tokens: n, decode_logits: n, ..Default::default() };
+            let cpu = generate(&model, std::slice::from_ref(&case.prompt), &opts).unwrap().remove(0);
+            let mut rows = vec![cpu.last_logits.clone()];
+            rows.extend(cpu.decode_logits.unwrap());
+            for (j, row) in rows.iter().take(n).enumerate() {
+                let e = rel_err(&whole.logits[j], row);
+                assert!(e < 1e-3, "{what}: sampled row {j}: {e:.2e} relative from the CPU executor");
+            }
+        }
+    }
+}
+
+/// The indexer's top-k on the device picks what torch.topk picks on CPU (its recorded choices)
+/// and what the CPU executor's port picks on seeded rows of exact ties, on both of torch's paths.
+#[test]
+fn the_device_top_k_picks_the_keys_torch_picks_ties_included() {
+    let failures = kvflow::bench::device::topk_check(&emulated()).unwrap();
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -248,7 +298,9 @@ const EMULATED: &str = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate
 /// request exact, and both ranks served some.
 #[test]
 fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
-    for model in ["hf/llama", "hf/deepseek_v3", "hf/qwen3_next_gdn", "hf/qwen3_next", "hf/kimi_linear"] {
+    let models =
+        ["hf/llama", "hf/deepseek_v3", "hf/deepseek_v32", "hf/qwen3_next_gdn", "hf/qwen3_next", "hf/kimi_linear"];
+    for model in models {
         let dir = tempfile::tempdir().unwrap();
         let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
         let trace = short_trace(dir.path());
@@ -334,11 +386,13 @@ fn recurrent_families_hand_off_their_device_state_between_cuda_pools() {
 /// `--verify` on a 1P1D graph of cuda pools, over `inproc` (the decode rank copies the prefill
 /// rank's blocks device to device) and over `tcp` (read out on a stream of the link's own, sent
 /// over loopback, unpacked on the decode rank's device): every request handed off, outputs exact.
+/// deepseek_v32's cache rows carry its index keys: the decode rank's indexer ranks the prompt's keys
+/// the prefill rank wrote.
 #[test]
 fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
-    for backend in ["inproc", "tcp"] {
-        let (dir, report) = run_pd_cuda("hf/qwen3", backend);
-        assert_exact(&report, &format!("qwen3 1P1D cuda over {backend}"));
+    for (model, backend) in [("hf/qwen3", "inproc"), ("hf/qwen3", "tcp"), ("hf/deepseek_v32", "tcp")] {
+        let (dir, report) = run_pd_cuda(model, backend);
+        assert_exact(&report, &format!("{model} 1P1D cuda over {backend}"));
         assert_eq!(report["handoff"]["count"].as_u64().unwrap(), 10, "{backend}: {report}");
         assert!(report["handoff"]["bytes"].as_u64().unwrap() > 0);
         for r in records(dir.path()) {
@@ -348,9 +402,12 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
 }
 
 /// Without a driver, a run with a cuda pool is refused before it starts, naming the pool and
-/// what is missing; a model the cuda executor does not run is refused naming its family.
+/// what is missing; a model the cuda kernels cannot run is refused naming its layer and why.
 #[test]
 fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
+    let specs = tempfile::tempdir().unwrap();
+    let wide = specs.path().join("wide.toml");
+    std::fs::write(&wide, WIDE_KIMI).unwrap();
     let run = |model: &str, settings: &str| {
         let dir = tempfile::tempdir().unwrap();
         let pools =
@@ -363,8 +420,8 @@ fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
         let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default());
         format!("{:#}", outcome.err().expect("the run is refused"))
     };
-    let e = run("hf/deepseek_v32", "\n[pool.executor_settings]\nemulate = true\n");
-    assert!(e.contains("pool gpu") && e.contains("family sparse_mla"), "{e}");
+    let e = run(&wide.display().to_string(), "\n[pool.executor_settings]\nemulate = true\n");
+    assert!(e.contains("pool gpu") && e.contains("layer 0") && e.contains("head_dim 512 over 256"), "{e}");
     if kvflow_kernels::cuda::driver_present() {
         eprintln!("NOT RUN (the no-driver half): this machine has a CUDA driver");
         return;
@@ -475,16 +532,18 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
 
 /// A linear-attention head wider than the recurrent kernels' block is refused by name, not run
 /// with some of its values never computed (a seeded kimi_linear with 512-wide KDA heads).
-#[test]
-fn a_linear_attention_head_too_wide_for_the_cuda_kernels_is_refused_naming_it() {
-    let text = "model_type = \"kimi_linear\"\nseed = 1\nvocab_size = 64\nhidden_size = 64\n\
+/// A seeded kimi_linear whose linear-attention heads are 512 wide (the kernels take 256).
+const WIDE_KIMI: &str = "model_type = \"kimi_linear\"\nseed = 1\nvocab_size = 64\nhidden_size = 64\n\
                 intermediate_size = 64\nnum_hidden_layers = 1\nnum_attention_heads = 2\n\
                 num_key_value_heads = 2\nkv_lora_rank = 16\nqk_nope_head_dim = 8\nqk_rope_head_dim = 8\n\
                 v_head_dim = 8\nnum_experts = 2\nnum_experts_per_token = 1\nnum_shared_experts = 1\n\
                 moe_intermediate_size = 16\nfirst_k_dense_replace = 1\nlayer_types = [\"linear_attention\"]\n\n\
                 [linear_attn_config]\nnum_heads = 1\n\
                 head_dim = 512\nshort_conv_kernel_size = 4\n";
-    let spec = kvflow_kernels::checkpoint::ModelSpec::parse("wide.toml".into(), text).unwrap();
+
+#[test]
+fn a_linear_attention_head_too_wide_for_the_cuda_kernels_is_refused_naming_it() {
+    let spec = kvflow_kernels::checkpoint::ModelSpec::parse("wide.toml".into(), WIDE_KIMI).unwrap();
     let model = kvflow_kernels::models::build(&spec.config, &spec.weights).unwrap();
     let why = kvflow_kernels::cuda::unsupported(&model).expect("refused");
     assert!(why.contains("head_dim 512 over 256"), "{why}");

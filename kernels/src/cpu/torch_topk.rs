@@ -54,6 +54,26 @@ pub fn torch_topk_indices(values: &[f32], k: usize) -> Vec<usize> {
     queue.into_iter().map(|(_, i)| i).collect()
 }
 
+/// torch 2.11's own choices on CPU, recorded (`torch_topk_cases.json`): per case the row, `k`
+/// and the indices torch.topk returned, in its order.
+pub fn recorded_cases() -> Vec<(Vec<f32>, usize, Vec<usize>)> {
+    #[derive(serde::Deserialize)]
+    struct Case {
+        k: usize,
+        values: String,
+        indices: Vec<usize>,
+    }
+    let cases: Vec<Case> =
+        serde_json::from_str(include_str!("torch_topk_cases.json")).expect("the recorded cases parse");
+    cases
+        .into_iter()
+        .map(|c| {
+            let values = c.values.split_whitespace().map(|s| s.parse::<f32>().expect("a recorded float")).collect();
+            (values, c.k, c.indices)
+        })
+        .collect()
+}
+
 /// torch's `largest=True` comparator: `x` goes before `y` when `x` is NaN and `y` is not, or
 /// `x > y`. (torch compares in `acc_type<float> = double`; widening f32 → f64 is exact, so
 /// comparing the f32s directly gives the same answers.)
@@ -368,28 +388,12 @@ mod tests {
         assert_eq!(torch_topk_indices(&values, 2), vec![1, 2]);
     }
 
-    #[derive(serde::Deserialize)]
-    struct Case {
-        k: usize,
-        /// Space-separated float32 values ("-inf", "nan" allowed).
-        values: String,
-        /// What torch 2.11 `torch.topk(x, k).indices` returned on CPU.
-        indices: Vec<usize>,
-    }
-
     #[test]
     fn torch_topk_matches_recorded_torch_outputs() {
-        let cases: Vec<Case> = serde_json::from_str(include_str!("torch_topk_cases.json")).unwrap();
+        let cases = recorded_cases();
         assert!(!cases.is_empty());
-        for (c, case) in cases.iter().enumerate() {
-            let values: Vec<f32> = case.values.split_whitespace().map(|s| s.parse::<f32>().unwrap()).collect();
-            assert_eq!(
-                torch_topk_indices(&values, case.k),
-                case.indices,
-                "case {c}: n = {}, k = {}",
-                values.len(),
-                case.k
-            );
+        for (c, (values, k, indices)) in cases.iter().enumerate() {
+            assert_eq!(torch_topk_indices(values, *k), *indices, "case {c}: n = {}, k = {k}", values.len());
         }
     }
 }

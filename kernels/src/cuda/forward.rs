@@ -6,6 +6,7 @@
 //! (in stream order) as soon as the step is enqueued.
 
 use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
+use super::indexer::Selection;
 use super::kv::DeviceKv;
 use super::state::DeviceState;
 use super::weights::{
@@ -40,6 +41,9 @@ pub struct StepRows {
     /// slot ([`NO_SLOT`]: none).
     pub row_at: Vec<u32>,
     pub slots: Vec<u32>,
+    /// Per sequence: its request's prompt length (DeepSeek-V3.2's indexer ranks a prompt row's
+    /// keys in a row as long as the prompt; see `kernels/cuda/indexer.cu`).
+    pub prompt_lens: Vec<u32>,
 }
 
 /// A sequence without a state slot.
@@ -48,21 +52,23 @@ pub const NO_SLOT: u32 = u32::MAX;
 /// Device addresses of an uploaded [`StepRows`].
 #[derive(Clone, Copy, Debug)]
 pub struct RowsOnDevice {
-    tokens: u64,
-    positions: u64,
-    seqs: u64,
-    write_rows: u64,
-    tables: u64,
-    table_at: u64,
-    logit_rows: u64,
-    ring_slots: u64,
-    row_at: u64,
-    slots: u64,
+    pub(super) tokens: u64,
+    pub(super) positions: u64,
+    pub(super) seqs: u64,
+    pub(super) write_rows: u64,
+    pub(super) tables: u64,
+    pub(super) table_at: u64,
+    pub(super) logit_rows: u64,
+    pub(super) ring_slots: u64,
+    pub(super) row_at: u64,
+    pub(super) slots: u64,
+    pub(super) prompt_lens: u64,
 }
 
 impl StepRows {
     /// Adds a sequence: its fed tokens (ring-encoded where in flight) from `start_pos`, its block
-    /// table, and the ring slot of its sample if it samples.
+    /// table, and the ring slot of its sample if it samples. Its prompt is taken to end with
+    /// these tokens unless [`StepRows::prompt_len`] says otherwise (a prompt fed in chunks).
     pub fn push_seq(
         &mut self,
         tokens: &[u32],
@@ -76,6 +82,7 @@ impl StepRows {
         self.tables.extend_from_slice(table);
         self.row_at.push(self.tokens.len() as u32);
         self.slots.push(NO_SLOT);
+        self.prompt_lens.push((start_pos + tokens.len()) as u32);
         for (i, &t) in tokens.iter().enumerate() {
             let pos = start_pos + i;
             self.tokens.push(t);
@@ -100,6 +107,21 @@ impl StepRows {
         self
     }
 
+    /// Gives the sequence pushed last a prompt of `len` tokens.
+    pub fn prompt_len(&mut self, len: usize) -> &mut Self {
+        if let Some(last) = self.prompt_lens.last_mut() {
+            *last = len as u32;
+        }
+        self
+    }
+
+    /// The longest index row of the step (the indexer's scores per row): max(prompt length,
+    /// position + 1) over the rows.
+    fn index_row_len(&self) -> usize {
+        let seq_len = |r: usize| self.prompt_lens[self.seqs[r] as usize] as usize;
+        (0..self.rows()).map(|r| seq_len(r).max(self.positions[r] as usize + 1)).max().unwrap_or(0)
+    }
+
     pub fn rows(&self) -> usize {
         self.tokens.len()
     }
@@ -112,7 +134,7 @@ impl StepRows {
         self.logit_rows.len()
     }
 
-    fn parts(&self) -> [&[u32]; 10] {
+    fn parts(&self) -> [&[u32]; 11] {
         [
             &self.tokens,
             &self.positions,
@@ -124,6 +146,7 @@ impl StepRows {
             &self.ring_slots,
             &self.row_at,
             &self.slots,
+            &self.prompt_lens,
         ]
     }
 
@@ -136,7 +159,7 @@ impl StepRows {
     /// will sit once `out` is copied to device address `base`.
     pub fn pack(&self, out: &mut [u32], base: u64) -> RowsOnDevice {
         let mut at = 0;
-        let mut addr = [0u64; 10];
+        let mut addr = [0u64; 11];
         for (i, part) in self.parts().iter().enumerate() {
             out[at..at + part.len()].copy_from_slice(part);
             addr[i] = base + 4 * at as u64;
@@ -153,31 +176,34 @@ impl StepRows {
             ring_slots: addr[7],
             row_at: addr[8],
             slots: addr[9],
+            prompt_lens: addr[10],
         }
     }
 }
 
 /// Threads of a block that reduces `dim` values: a power of two from 32 to 256 fixed by `dim`
 /// alone (never by the batch), so a row's reduction tree is the same in every step.
-fn reduce_threads(dim: usize) -> u32 {
+pub(super) fn reduce_threads(dim: usize) -> u32 {
     dim.next_power_of_two().clamp(32, 256) as u32
 }
 
 /// Query heads per attention block (one warp each).
 const HEADS_PER_BLOCK: usize = 4;
 
-struct Step<'a> {
-    gpu: &'a Gpu,
-    kv: &'a DeviceKv,
+pub(super) struct Step<'a> {
+    pub(super) gpu: &'a Gpu,
+    pub(super) kv: &'a DeviceKv,
     state: Option<&'a DeviceState>,
-    rows: usize,
+    pub(super) rows: usize,
     seqs: usize,
-    at: RowsOnDevice,
+    pub(super) at: RowsOnDevice,
+    /// The longest index row (DeepSeek-V3.2's indexer scores): max(prompt, position + 1).
+    pub(super) index_row: usize,
 }
 
 impl Step<'_> {
     #[allow(clippy::too_many_arguments)]
-    fn linear(
+    pub(super) fn linear(
         &self,
         y: u64,
         x: u64,
@@ -279,7 +305,7 @@ impl Step<'_> {
         )
     }
 
-    fn rope(
+    pub(super) fn rope(
         &self,
         x: u64,
         r: &DevRope,
@@ -322,6 +348,7 @@ impl Step<'_> {
         v_offset: usize,
         window: Option<usize>,
         scale: f32,
+        sparse: Option<&Selection>,
     ) -> Result<(), CudaError> {
         let items = self.rows * q_heads;
         self.gpu.launch(
@@ -349,6 +376,9 @@ impl Step<'_> {
                 Arg::I32(window.unwrap_or(0) as i32),
                 Arg::F32(scale),
                 Arg::I64(q_stride as i64),
+                Arg::Ptr(sparse.map_or(0, |s| s.selected.ptr())),
+                Arg::Ptr(sparse.map_or(0, |s| s.counts.ptr())),
+                Arg::I32(sparse.map_or(0, |s| s.stride) as i32),
             ],
         )
     }
@@ -404,7 +434,7 @@ impl Step<'_> {
         self.rope(qkv.ptr(), &a.rope, a.kv_heads, width, qp, d)?;
         self.kv.write_rows(self.gpu, kv_layer, qkv.at(qp), width, self.at.write_rows, t)?;
         let attn = self.gpu.scratch::<f32>(t * qw)?;
-        self.attention(attn.ptr(), q, q_stride, kv_layer, a.q_heads, a.kv_heads, d, d, 0, kw, a.window, a.scale)?;
+        self.attention(attn.ptr(), q, q_stride, kv_layer, a.q_heads, a.kv_heads, d, d, 0, kw, a.window, a.scale, None)?;
         if let Some((_, gate)) = &split {
             let n = t * qw;
             self.gpu.launch(
@@ -421,27 +451,43 @@ impl Step<'_> {
     fn mla(&self, h: u64, x: u64, a: &DevMla, kv_layer: usize, hidden: usize) -> Result<(), CudaError> {
         let (t, heads, nope, rd, lora) = (self.rows, a.heads, a.nope, a.rope_dim, a.kv_lora);
         let qk = nope + rd;
-        // 1. queries [t × heads·qk]
+        // 1. queries [t × heads·qk] (and the normalised LoRA latent: V3.2's indexer reads it)
         let q = self.gpu.scratch::<f32>(t * heads * qk)?;
-        match &a.q {
+        let q_latent = match &a.q {
             DevQuery::Lora { a: qa, norm, b } => {
                 let lat = self.gpu.scratch::<f32>(t * qa.n)?;
                 self.linear(lat.ptr(), x, qa, t, hidden, qa.n, false)?;
                 self.norm(lat.ptr(), lat.ptr(), norm, t, 1, qa.n, 0)?;
                 self.linear(q.ptr(), lat.ptr(), b, t, qa.n, heads * qk, false)?;
+                Some((lat, qa.n))
             }
-            DevQuery::Plain(l) => self.linear(q.ptr(), x, l, t, hidden, heads * qk, false)?,
-        }
-        // 2. compressed kv: normalised latent, rotated rope key → the cache
+            DevQuery::Plain(l) => {
+                self.linear(q.ptr(), x, l, t, hidden, heads * qk, false)?;
+                None
+            }
+        };
+        // 2. the cache row: normalised latent, rotated rope key (and V3.2's index key)
         let ckv_w = lora + rd;
-        let ckv = self.gpu.scratch::<f32>(t * ckv_w)?;
-        self.linear(ckv.ptr(), x, &a.kv_a, t, hidden, ckv_w, false)?;
-        self.norm(ckv.ptr(), ckv.ptr(), &a.kv_norm, t, 1, ckv_w, 0)?;
+        let row_w = ckv_w + a.indexer.as_ref().map_or(0, |ix| ix.head_dim);
+        let ckv = self.gpu.scratch::<f32>(t * row_w)?;
+        self.linear(ckv.ptr(), x, &a.kv_a, t, hidden, row_w, false)?;
+        self.norm(ckv.ptr(), ckv.ptr(), &a.kv_norm, t, 1, row_w, 0)?;
         if let Some(rope) = &a.rope {
-            self.rope(ckv.ptr(), rope, 1, ckv_w, lora, 0)?;
+            self.rope(ckv.ptr(), rope, 1, row_w, lora, 0)?;
             self.rope(q.ptr(), rope, heads, heads * qk, nope, qk)?;
         }
-        self.kv.write_rows(self.gpu, kv_layer, ckv.ptr(), ckv_w, self.at.write_rows, t)?;
+        if let Some(ix) = &a.indexer {
+            self.index_keys(ckv.at(ckv_w), x, ix, row_w, hidden)?;
+        }
+        self.kv.write_rows(self.gpu, kv_layer, ckv.ptr(), row_w, self.at.write_rows, t)?;
+        // 2b. V3.2: the keys each query attends to
+        let selection = match (&a.indexer, &q_latent) {
+            (Some(ix), Some((lat, rank))) => {
+                Some(self.index_select(ix, lat.ptr(), *rank, x, hidden, kv_layer, ckv_w)?)
+            }
+            (Some(_), None) => return Err(CudaError::Unsupported("the V3.2 indexer needs the q LoRA latent".into())),
+            _ => None,
+        };
         // 3. absorbed queries [W_ukᵀ q_nope | q_rope] per head
         let aq = lora + rd;
         let absorbed = self.gpu.scratch::<f32>(t * heads * aq)?;
@@ -476,7 +522,21 @@ impl Step<'_> {
         )?;
         // 4. attention in latent space [t × heads·lora]
         let o_lat = self.gpu.scratch::<f32>(t * heads * lora)?;
-        self.attention(o_lat.ptr(), absorbed.ptr(), heads * aq, kv_layer, heads, 1, aq, lora, 0, 0, None, a.scale)?;
+        self.attention(
+            o_lat.ptr(),
+            absorbed.ptr(),
+            heads * aq,
+            kv_layer,
+            heads,
+            1,
+            aq,
+            lora,
+            0,
+            0,
+            None,
+            a.scale,
+            selection.as_ref(),
+        )?;
         // 5. values out of latent space, then the output projection
         let attn = self.gpu.scratch::<f32>(t * heads * a.v_dim)?;
         self.linear_per_head(
@@ -743,7 +803,7 @@ impl DeviceModel {
         if t == 0 {
             return Ok(None);
         }
-        let s = Step { gpu, kv, state, rows: t, seqs: rows.num_seqs(), at };
+        let s = Step { gpu, kv, state, rows: t, seqs: rows.num_seqs(), at, index_row: rows.index_row_len() };
         let h = gpu.scratch::<f32>(t * hidden)?;
         gpu.launch(
             "embed_rows",

@@ -16,6 +16,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("model.cu", include_str!("../../cuda/model.cu")),
     ("kv.cu", include_str!("../../cuda/kv.cu")),
     ("linear.cu", include_str!("../../cuda/linear.cu")),
+    ("indexer.cu", include_str!("../../cuda/indexer.cu")),
 ];
 
 /// What can go wrong bringing up or driving a GPU.

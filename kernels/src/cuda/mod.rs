@@ -4,8 +4,9 @@
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
 //! - [`gpu`]: the device, its stream, compiled kernels, buffers, the host-wait counter.
-//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha, mla, gdn, hybrid_gdn, hybrid_kda).
+//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha, mla, sparse_mla, gdn, hybrid_gdn, hybrid_kda).
 //! - [`forward`]: one step enqueued, sampling on the device.
+//! - [`indexer`]: DeepSeek-V3.2's key selection within a step.
 //! - [`emulate`]: the same kernels on the CPU, for checks without a GPU.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
 //! - [`state`]: recurrent state slots and snapshots.
@@ -13,6 +14,7 @@
 pub mod emulate;
 pub mod forward;
 pub mod gpu;
+pub mod indexer;
 pub mod kv;
 pub mod plain;
 pub mod state;

@@ -108,7 +108,7 @@ impl<'a> PlainRunner<'a> {
             let end = (fed + chunk.max(1)).min(prompt.len());
             let mut rows = StepRows::default();
             rows.push_seq(&prompt[fed..end], fed, &table, block_size, (end == prompt.len()).then_some(0));
-            rows.in_slot(slot.unwrap_or(NO_SLOT));
+            rows.in_slot(slot.unwrap_or(NO_SLOT)).prompt_len(prompt.len());
             let samples = self.step_in(&kv, state.as_ref(), &rows)?;
             fed = end;
             if let Some(s) = samples.into_iter().next() {

@@ -1,15 +1,16 @@
 //! A model's weights in device memory, uploaded once from the CPU model (the same checkpoint
 //! tensors, unpacked to row-major `[out × in]`), for the families the CUDA executor runs: `mha`
 //! (llama, qwen3), `mla` (deepseek_v3, with its MoE), `gdn` and `hybrid_gdn` (qwen3_next: Gated
-//! DeltaNet layers, gated attention, the gated shared expert) and `hybrid_kda` (kimi_linear: Kimi
-//! Delta Attention and MLA without rope). Anything else (deepseek_v32's indexer) is refused by
-//! name.
+//! DeltaNet layers, gated attention, the gated shared expert), `hybrid_kda` (kimi_linear: Kimi
+//! Delta Attention and MLA without rope) and `sparse_mla` (deepseek_v32: MLA whose keys the DSA
+//! indexer picks). Anything else is refused by name.
 
 use super::gpu::{CudaError, DeviceBuf, Gpu};
 use crate::cpu::rope::{Rope, RopeStyle};
 use crate::models::decoder::{Ffn, Mixer};
 use crate::models::parts::gated_delta::GatedDeltaNet;
 use crate::models::parts::gqa::GqaAttention;
+use crate::models::parts::indexer::Indexer;
 use crate::models::parts::kda::KimiDeltaAttention;
 use crate::models::parts::layers::{Linear, Mlp, RmsNorm};
 use crate::models::parts::mla::{MlaAttention, QueryProjection};
@@ -69,12 +70,29 @@ pub(crate) struct DevMla {
     pub o: DevLinear,
     /// `None`: Kimi Linear's MLA, whose rope dims are left unrotated.
     pub rope: Option<DevRope>,
+    /// DeepSeek-V3.2: the indexer picking each query's keys (`kernels/cuda/indexer.cu`).
+    pub indexer: Option<DevIndexer>,
     pub heads: usize,
     pub nope: usize,
     pub rope_dim: usize,
     pub v_dim: usize,
     pub kv_lora: usize,
     pub scale: f32,
+}
+
+/// DeepSeek-V3.2's DSA indexer of one layer. Its index key sits after the latent and rope key
+/// in each cache row.
+pub(crate) struct DevIndexer {
+    pub wq_b: DevLinear,
+    pub wk: DevLinear,
+    pub k_norm_weight: DeviceBuf<f32>,
+    pub k_norm_bias: DeviceBuf<f32>,
+    pub weights_proj: DevLinear,
+    /// Rotate-half, on the first `qk_rope_head_dim` dims of index queries and keys.
+    pub rope: DevRope,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub topk: usize,
 }
 
 /// A Gated DeltaNet layer (`kernels/cuda/linear.cu`).
@@ -188,10 +206,13 @@ pub const MAX_LINEAR_HEAD: usize = 256;
 /// Why the CUDA executor cannot run `model`, if it cannot.
 pub fn unsupported(model: &Model) -> Option<String> {
     let family = model.family;
-    if !matches!(family, Family::Mha | Family::Mla | Family::Gdn | Family::HybridGdn | Family::HybridKda) {
+    if !matches!(
+        family,
+        Family::Mha | Family::Mla | Family::SparseMla | Family::Gdn | Family::HybridGdn | Family::HybridKda
+    ) {
         return Some(format!(
-            "the cuda executor runs the mha, mla, gdn, hybrid_gdn and hybrid_kda families (llama, qwen3, \
-             deepseek_v3, qwen3_next, kimi_linear); model_type {} is family {family}",
+            "the cuda executor runs the mha, mla, sparse_mla, gdn, hybrid_gdn and hybrid_kda families (llama, \
+             qwen3, deepseek_v3, deepseek_v32, qwen3_next, kimi_linear); model_type {} is family {family}",
             model.model_type
         ));
     }
@@ -200,9 +221,6 @@ pub fn unsupported(model: &Model) -> Option<String> {
     }
     for (l, layer) in model.layers.iter().enumerate() {
         match &layer.mixer {
-            Mixer::Mla(a) if a.indexer.is_some() => {
-                return Some(format!("layer {l}: MLA with an indexer (deepseek_v32)"))
-            }
             // one thread per value of a head's output, in one block (`kernels/cuda/linear.cu`)
             Mixer::Gdn(g) if g.dv > MAX_LINEAR_HEAD => {
                 return Some(format!("layer {l}: linear_value_head_dim {} over {MAX_LINEAR_HEAD}", g.dv))
@@ -323,12 +341,27 @@ fn mla(gpu: &Gpu, a: &MlaAttention) -> Result<DevMla, CudaError> {
         absorb_v: gpu.upload(&stack(&a.absorb_v))?,
         o: linear(gpu, &a.o)?,
         rope: a.rope.as_ref().map(|r| rope(gpu, r)).transpose()?,
+        indexer: a.indexer.as_ref().map(|ix| indexer(gpu, ix)).transpose()?,
         heads: a.heads,
         nope: a.nope,
         rope_dim: a.rope_dim,
         v_dim: a.v_dim,
         kv_lora: a.kv_lora,
         scale: a.scale,
+    })
+}
+
+fn indexer(gpu: &Gpu, ix: &Indexer) -> Result<DevIndexer, CudaError> {
+    Ok(DevIndexer {
+        wq_b: linear(gpu, &ix.wq_b)?,
+        wk: linear(gpu, &ix.wk)?,
+        k_norm_weight: gpu.upload(&ix.k_norm_weight)?,
+        k_norm_bias: gpu.upload(&ix.k_norm_bias)?,
+        weights_proj: linear(gpu, &ix.weights_proj)?,
+        rope: rope(gpu, &ix.rope)?,
+        heads: ix.heads,
+        head_dim: ix.head_dim,
+        topk: ix.topk,
     })
 }
 

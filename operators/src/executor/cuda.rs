@@ -211,7 +211,7 @@ impl CudaExecutor {
                 )));
             }
             let slot = s.sample.then(|| self.slot());
-            rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, slot);
+            rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, slot).prompt_len(s.prompt_len);
             if let Some(state_slot) = s.slot {
                 rows.in_slot(state_slot);
             }

@@ -21,19 +21,19 @@ use crate::kv::KvLayer;
 use crate::models::batch::BatchLayout;
 
 /// `nn.LayerNorm(eps=1e-6)` of the index keys.
-const INDEX_KEY_NORM_EPS: f32 = 1e-6;
+pub(crate) const INDEX_KEY_NORM_EPS: f32 = 1e-6;
 
 /// The DSA indexer of one layer.
 pub struct Indexer {
-    wq_b: Linear,
-    wk: Linear,
-    k_norm_weight: Vec<f32>,
-    k_norm_bias: Vec<f32>,
-    weights_proj: Linear,
-    heads: usize,
-    head_dim: usize,
-    topk: usize,
-    rope: Rope,
+    pub(crate) wq_b: Linear,
+    pub(crate) wk: Linear,
+    pub(crate) k_norm_weight: Vec<f32>,
+    pub(crate) k_norm_bias: Vec<f32>,
+    pub(crate) weights_proj: Linear,
+    pub(crate) heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) topk: usize,
+    pub(crate) rope: Rope,
 }
 
 /// The indexer's sizes, from the config.
