@@ -29,6 +29,25 @@ fn emulated() -> Arc<Gpu> {
     Gpu::emulated().unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// Each of `sampled` (the device's logits after `prompt`, then after each greedy token) is within
+/// 1e-3 relative of the CPU executor's at the same step.
+fn assert_near_the_cpu_executor(
+    model: &kvflow_kernels::models::Model,
+    prompt: &[u32],
+    sampled: &[Vec<f32>],
+    what: &str,
+) {
+    let n = sampled.len();
+    let opts = GenerateOptions { max_new_tokens: n, decode_logits: n, ..Default::default() };
+    let cpu = generate(model, &[prompt.to_vec()], &opts).unwrap().remove(0);
+    let mut rows = vec![cpu.last_logits.clone()];
+    rows.extend(cpu.decode_logits.unwrap());
+    for (j, (got, row)) in sampled.iter().zip(&rows).enumerate() {
+        let e = rel_err(got, row);
+        assert!(e < 1e-3, "{what}: sampled row {j}: {e:.2e} relative from the CPU executor");
+    }
+}
+
 /// Greedy tokens equal transformers' and every sampled row's logits are within 1e-3 of the CPU
 /// executor's (the first, 7-token, case of each fixture: the emulation is slow).
 #[test]
@@ -44,14 +63,7 @@ fn emulated_cuda_kernels_reproduce_the_fixtures_and_the_cpu_executor() {
         let got = runner.generate(&case.prompt, n, 4, 16).unwrap();
         assert_eq!(got.error, None, "{name}");
         assert_eq!(got.tokens, case.greedy[..n], "{name}: greedy tokens");
-        let opts = GenerateOptions { max_new_tokens: n, decode_logits: n, ..Default::default() };
-        let cpu = generate(&model, std::slice::from_ref(&case.prompt), &opts).unwrap().remove(0);
-        let mut rows = vec![cpu.last_logits.clone()];
-        rows.extend(cpu.decode_logits.unwrap());
-        for (j, row) in rows.iter().take(n).enumerate() {
-            let e = rel_err(&got.logits[j], row);
-            assert!(e < 1e-3, "{name}: sampled row {j}: {e:.2e} relative from the CPU executor");
-        }
+        assert_near_the_cpu_executor(&model, &case.prompt, &got.logits, name);
         assert!(rel_err(&got.logits[0], &case.last_logits) < 1e-3, "{name}: last prompt logits vs transformers");
     }
 }
@@ -85,14 +97,7 @@ fn emulated_cuda_indexer_reproduces_deepseek_v32_cached_generation() {
                 }
             }
             assert_eq!(bits(&whole.logits.concat()), bits(&chunked.logits.concat()), "{what}: whole vs chunks of 16");
-            let opts = GenerateOptions { max_new_tokens: n, decode_logits: n, ..Default::default() };
-            let cpu = generate(&model, std::slice::from_ref(&case.prompt), &opts).unwrap().remove(0);
-            let mut rows = vec![cpu.last_logits.clone()];
-            rows.extend(cpu.decode_logits.unwrap());
-            for (j, row) in rows.iter().take(n).enumerate() {
-                let e = rel_err(&whole.logits[j], row);
-                assert!(e < 1e-3, "{what}: sampled row {j}: {e:.2e} relative from the CPU executor");
-            }
+            assert_near_the_cpu_executor(&model, &case.prompt, &whole.logits, &what);
         }
     }
 }
