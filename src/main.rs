@@ -316,6 +316,31 @@ enum BenchCommand {
         #[arg(long)]
         blocks_out: Option<PathBuf>,
     },
+    /// The cuda executor's prefill and decode tokens/s on one GPU beside transformers' (measured
+    /// in the same device run by benches/device/speed.sh) and beside the step's lower bound
+    /// from the copy and matrix rates, then the decode step's device time kernel by kernel.
+    Speed {
+        /// A checkpoint folder or a TOML model spec.
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        batch: usize,
+        /// Prompt tokens per request.
+        #[arg(long, default_value_t = 256, value_parser = flags::count)]
+        prompt: usize,
+        /// Timed decode steps.
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        steps: usize,
+        /// transformers' figures (JSON written by benches/device/transformers_speed.py).
+        #[arg(long)]
+        baseline: Option<PathBuf>,
+        /// Run the kernels on the CPU instead (a check of the bench itself; its figures say
+        /// nothing of a GPU's).
+        #[arg(long)]
+        emulate: bool,
+    },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
         /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
@@ -679,6 +704,17 @@ fn run() -> Result<()> {
         }
         Command::Bench { what: BenchCommand::Device { fixtures, gpu, emulate, blocks_out } } => {
             kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out })?;
+        }
+        Command::Bench { what: BenchCommand::Speed { model, gpu, batch, prompt, steps, baseline, emulate } } => {
+            kvflow::bench::speed::run(&kvflow::bench::speed::SpeedBenchArgs {
+                model,
+                gpu,
+                batch,
+                prompt,
+                steps,
+                baseline,
+                emulate,
+            })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {
             bench_model::run(&ModelBenchArgs { model, batch, context, decode_steps })?;

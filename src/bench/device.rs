@@ -13,15 +13,14 @@
 //! 4. Decode tokens/s through the executor with deferred output on and off, beside the count of
 //!    host-device waits on the decode path of each.
 
+use crate::bench::cuda_batch::CudaBatch;
 use crate::bench::median;
 use crate::bench::model::DEFAULT_SPEC;
 use crate::generate::{generate, GenerateOptions};
 use anyhow::{anyhow, bail, Context, Result};
 use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows, NO_SLOT};
 use kvflow_kernels::models::{self, Model};
-use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
-use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::step::{SeqKey, SeqSlice, SeqStep, StepCompletion, StepLaunch};
+use kvflow_operators::executor::CudaSettings;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -207,10 +206,10 @@ pub fn topk_check(gpu: &Gpu) -> Result<Vec<String>> {
 }
 
 /// A seeded stream for prompts and block choices (the trace synthesiser's splitmix64).
-struct Lcg(u64);
+pub(crate) struct Lcg(pub(crate) u64);
 
 impl Lcg {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(1);
         crate::trace::splitmix64(self.0)
     }
@@ -390,104 +389,13 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>, emulate: bool
 /// did on the decode path.
 fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
     let (batch, prompt_len, steps): (usize, usize, usize) = if emulate { (4, 16, 8) } else { (64, 128, 64) };
-    const BS: usize = 16;
-    let per_seq = (prompt_len + steps + 1).div_ceil(BS);
     let mut figures = Vec::new();
     for deferred in [true, false] {
-        let ctx = ExecutorContext::standalone("bench", model.clone(), MemoryLayout::kv_only(BS, batch * per_seq));
         let settings =
             CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred, emulate, test_stale_ring_slot: false };
-        let mut ex = CudaExecutor::new(&ctx, &settings).map_err(|e| anyhow!(e))?;
-        let mut rng = Lcg(3);
-        let prompts: Vec<Vec<u32>> = (0..batch)
-            .map(|_| (0..prompt_len).map(|_| (rng.next() % model.vocab_size as u64) as u32).collect())
-            .collect();
-        let tables: Vec<Vec<u32>> =
-            (0..batch).map(|s| (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect()).collect();
-        let keys: Vec<SeqKey> = (0..batch as u32).map(|i| SeqKey { index: i, generation: 0 }).collect();
-        let mut last: Vec<u32> = vec![0; batch];
-        let mut done: Vec<StepCompletion> = Vec::new();
-        let launch = |ex: &mut CudaExecutor, step: u64, seqs: &[SeqStep<'_>]| {
-            let l = StepLaunch {
-                step,
-                before: &[],
-                after: &[],
-                applied_through: None,
-                sampling: &keys,
-                batch: &SeqSlice(seqs),
-                imports: &[],
-                exports: &[],
-            };
-            ex.launch(&l, 0);
-        };
-        // prefill, waited for (not measured)
-        let seqs: Vec<SeqStep> = (0..batch)
-            .map(|i| SeqStep {
-                sampler: Default::default(),
-                next_prompt_token: None,
-                key: keys[i],
-                known: &prompts[i],
-                deferred: None,
-                drafts: &[],
-                start_pos: 0,
-                block_table: &tables[i],
-                slot: None,
-                prompt_len,
-                sample: true,
-            })
-            .collect();
-        launch(&mut ex, 0, &seqs);
-        while done.is_empty() {
-            ex.poll(&mut done);
-        }
-        for s in done.drain(..).flat_map(|c| c.result.map_err(|e| anyhow!("{e}")).unwrap_or_default()) {
-            last[s.seq.index as usize] = s.token.unwrap_or(0);
-        }
-        let waits_before = ex.host_waits();
-        let t = Instant::now();
-        let mut completed = 0;
-        for k in 1..=steps as u64 {
-            let pos = prompt_len + k as usize - 1;
-            let known: Vec<[u32; 1]> = last.iter().map(|&t| [t]).collect();
-            let seqs: Vec<SeqStep> = (0..batch)
-                .map(|i| SeqStep {
-                    sampler: Default::default(),
-                    next_prompt_token: None,
-                    key: keys[i],
-                    known: if deferred { &[] } else { &known[i] },
-                    deferred: deferred.then_some(k - 1),
-                    drafts: &[],
-                    start_pos: pos,
-                    block_table: &tables[i],
-                    slot: None,
-                    prompt_len,
-                    sample: true,
-                })
-                .collect();
-            launch(&mut ex, k, &seqs);
-            // as a rank does: take what has completed, never wait; keep two steps in flight
-            loop {
-                ex.poll(&mut done);
-                for c in done.drain(..) {
-                    completed += 1;
-                    for s in c.result.map_err(|e| anyhow!("decode step {}: {e}", c.step))? {
-                        last[s.seq.index as usize] = s.token.unwrap_or(0);
-                    }
-                }
-                if k as usize - completed < 2 {
-                    break;
-                }
-            }
-        }
-        while completed < steps {
-            ex.poll(&mut done);
-            for c in done.drain(..) {
-                completed += 1;
-                c.result.map_err(|e| anyhow!("decode step {}: {e}", c.step))?;
-            }
-        }
-        let secs = t.elapsed().as_secs_f64();
-        let waits = ex.host_waits() - waits_before;
+        let mut b = CudaBatch::new(model, &settings, batch, prompt_len, steps)?;
+        b.prefill()?;
+        let (secs, waits) = b.decode(steps, deferred)?;
         figures.push((deferred, (batch * steps) as f64 / secs, waits));
     }
     for (deferred, tps, waits) in &figures {

@@ -1,10 +1,12 @@
 //! `kvflow bench …`: benchmarks that print figures beside a baseline measured in the same run.
 
+pub mod cuda_batch;
 pub mod device;
 pub mod experts;
 pub mod model;
 pub mod offload;
 pub mod spec;
+pub mod speed;
 pub mod step;
 pub mod transfer;
 

@@ -173,7 +173,14 @@ pub struct Gpu {
     pub ordinal: usize,
     backend: Backend,
     host_waits: AtomicU64,
+    /// Bytes copied to the device by [`Gpu::upload`] (weights, at load).
+    uploaded: AtomicU64,
+    /// While profiling (benches only): each launch's kernel and its start and end events.
+    profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
 }
+
+/// Device time per kernel over a profiled stretch: name, launches, milliseconds.
+pub type KernelTimes = Vec<(String, usize, f64)>;
 
 /// A point in a stream's work (`None`: emulated work, done when enqueued).
 pub struct Event(Option<CudaEvent>);
@@ -193,12 +200,24 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = guarded(ordinal, "creating a stream", || ctx.new_stream())?;
         let kernels = kernels_of(&ctx, ordinal)?;
-        Ok(Arc::new(Gpu { ordinal, backend: Backend::Cuda { ctx, stream, kernels }, host_waits: AtomicU64::new(0) }))
+        Ok(Arc::new(Gpu {
+            ordinal,
+            backend: Backend::Cuda { ctx, stream, kernels },
+            host_waits: AtomicU64::new(0),
+            uploaded: AtomicU64::new(0),
+            profile: Mutex::new(None),
+        }))
     }
 
     /// The same kernels emulated on the CPU (checks without a GPU; slow).
     pub fn emulated() -> Result<Arc<Gpu>, CudaError> {
-        Ok(Arc::new(Gpu { ordinal: 0, backend: Backend::Host(Emulator::get()?), host_waits: AtomicU64::new(0) }))
+        Ok(Arc::new(Gpu {
+            ordinal: 0,
+            backend: Backend::Host(Emulator::get()?),
+            host_waits: AtomicU64::new(0),
+            uploaded: AtomicU64::new(0),
+            profile: Mutex::new(None),
+        }))
     }
 
     pub fn is_emulated(&self) -> bool {
@@ -238,11 +257,22 @@ impl Gpu {
             return Ok(());
         }
         match &self.backend {
-            Backend::Cuda { stream, kernels, .. } => {
+            Backend::Cuda { ctx, stream, kernels } => {
                 let f = kernels
                     .functions
                     .get(name)
                     .ok_or_else(|| CudaError::Unsupported(format!("no kernel {name} in kernels/cuda")))?;
+                let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
+                let timed = match profile.as_mut() {
+                    Some(launches) => {
+                        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                        let start = ctx.new_event(timing).map_err(self.err("creating an event"))?;
+                        let end = ctx.new_event(timing).map_err(self.err("creating an event"))?;
+                        start.record(stream).map_err(self.err("recording an event"))?;
+                        Some((launches, start, end))
+                    }
+                    None => None,
+                };
                 let mut b = stream.launch_builder(f);
                 for a in args {
                     match a {
@@ -254,7 +284,12 @@ impl Gpu {
                 }
                 let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
                 // SAFETY: every kernel's arguments are built by this crate against its signature.
-                unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))
+                unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))?;
+                if let Some((launches, start, end)) = timed {
+                    end.record(stream).map_err(self.err("recording an event"))?;
+                    launches.push((name.to_string(), start, end));
+                }
+                Ok(())
             }
             Backend::Host(emu) => {
                 let mut values: Vec<[u8; 8]> = args
@@ -305,6 +340,7 @@ impl Gpu {
 
     /// A device copy of `data` (at load time: the host copy is staged by the driver).
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<DeviceBuf<T>, CudaError> {
+        self.uploaded.fetch_add(std::mem::size_of_val(data) as u64, Ordering::Relaxed);
         match &self.backend {
             Backend::Cuda { stream, .. } => {
                 let slice = stream.clone_htod(data).map_err(self.err("copying to the device"))?;
@@ -408,6 +444,32 @@ impl Gpu {
             Backend::Cuda { stream, .. } => stream.synchronize().map_err(self.err("waiting for the GPU")),
             Backend::Host(_) => Ok(()),
         }
+    }
+
+    /// Starts timing every launch on the device (benches only: two events a launch).
+    pub fn start_profile(&self) {
+        *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stops timing and returns each kernel's launches and device milliseconds since
+    /// [`Gpu::start_profile`], most time first (waits for the stream; empty when emulated).
+    pub fn take_profile(&self) -> Result<KernelTimes, CudaError> {
+        let launches = self.profile.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        let mut by_name: HashMap<String, (usize, f64)> = HashMap::new();
+        for (name, start, end) in launches {
+            let ms = start.elapsed_ms(&end).map_err(self.err("timing a kernel"))?;
+            let entry = by_name.entry(name).or_default();
+            entry.0 += 1;
+            entry.1 += ms as f64;
+        }
+        let mut times: KernelTimes = by_name.into_iter().map(|(n, (c, ms))| (n, c, ms)).collect();
+        times.sort_by(|a, b| b.2.total_cmp(&a.2));
+        Ok(times)
+    }
+
+    /// Bytes [`Gpu::upload`] has copied to the device so far.
+    pub fn uploaded_bytes(&self) -> u64 {
+        self.uploaded.load(Ordering::Relaxed)
     }
 
     /// Times the host waited for this rank's stream.

@@ -21,7 +21,7 @@ pub mod state;
 pub mod weights;
 
 pub use forward::{RowsOnDevice, StepRows, FROM_RING, NO_SLOT, RESULT_WORDS};
-pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gpu, PinnedBuf};
+pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
 pub use kv::{DeviceKv, SharedKv};
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
 pub use state::DeviceState;

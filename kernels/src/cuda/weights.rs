@@ -198,6 +198,9 @@ pub struct DeviceModel {
     pub kv_widths: Vec<usize>,
     /// Floats of recurrent state per request (0: the family keeps none).
     pub state_width: usize,
+    /// Bytes of the weights a step reads whole (all but the embedding table, of which a step
+    /// reads only its tokens' rows).
+    pub weight_bytes: usize,
 }
 
 /// The widest linear-attention head the recurrent kernels take (threads of one block).
@@ -245,6 +248,7 @@ impl DeviceModel {
         if let Some(why) = unsupported(model) {
             return Err(CudaError::Unsupported(why));
         }
+        let uploaded_before = gpu.uploaded_bytes();
         let mut layers = Vec::with_capacity(model.layers.len());
         for (l, layer) in model.layers.iter().enumerate() {
             let (kv_layer, state_offset) = model.binding(l);
@@ -267,15 +271,19 @@ impl DeviceModel {
                 ffn,
             });
         }
+        let final_norm = norm(gpu, &model.final_norm)?;
+        let lm_head = linear(gpu, &model.lm_head)?;
+        let weight_bytes = (gpu.uploaded_bytes() - uploaded_before) as usize;
         let dm = DeviceModel {
             vocab: model.vocab_size,
             hidden: model.hidden_size,
             embed: gpu.upload(&model.embed)?,
             layers,
-            final_norm: norm(gpu, &model.final_norm)?,
-            lm_head: linear(gpu, &model.lm_head)?,
+            final_norm,
+            lm_head,
             kv_widths: model.kv_row_widths(),
             state_width: model.state_width(),
+            weight_bytes,
         };
         gpu.wait()?;
         Ok(dm)

@@ -156,6 +156,16 @@ impl CudaExecutor {
         })
     }
 
+    /// The model as it sits on the device (its sizes, for benches).
+    pub fn device_model(&self) -> &DeviceModel {
+        &self.model
+    }
+
+    /// The rank's GPU.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Times the host waited for this rank's GPU (0 on the decode path with deferred output).
     pub fn host_waits(&self) -> u64 {
         self.gpu.host_waits()

@@ -1,0 +1,176 @@
+//! A batch of requests on one cuda executor, driven as a rank drives it (for `kvflow bench
+//! device` and `kvflow bench speed`): every prompt prefilled in one step, then decode steps
+//! launched without waiting, two in flight, each feeding the token the one before samples
+//! (with deferred output, straight from the device's ring).
+
+use crate::bench::device::Lcg;
+use anyhow::{anyhow, Result};
+use kvflow_kernels::models::Model;
+use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
+use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::step::{SeqKey, SeqSlice, SeqStep, StateOp, StepCompletion, StepLaunch};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Paged KV block size of the benches.
+const BS: usize = 16;
+
+/// The batch's requests: what each step's sequences are built from.
+struct Requests {
+    keys: Vec<SeqKey>,
+    prompts: Vec<Vec<u32>>,
+    tables: Vec<Vec<u32>>,
+    /// Each sequence's state slot (families with recurrent state).
+    slots: Option<Vec<u32>>,
+}
+
+impl Requests {
+    fn seq<'a>(&'a self, i: usize, known: &'a [u32], deferred: Option<u64>, start_pos: usize) -> SeqStep<'a> {
+        SeqStep {
+            sampler: Default::default(),
+            next_prompt_token: None,
+            key: self.keys[i],
+            known,
+            deferred,
+            drafts: &[],
+            start_pos,
+            block_table: &self.tables[i],
+            slot: self.slots.as_ref().map(|s| s[i] as _),
+            prompt_len: self.prompts[i].len(),
+            sample: true,
+        }
+    }
+}
+
+pub struct CudaBatch {
+    pub ex: CudaExecutor,
+    reqs: Requests,
+    /// Each sequence's latest token, and how many decode steps followed its prefill.
+    last: Vec<u32>,
+    decoded: usize,
+    max_decode: usize,
+    step: u64,
+}
+
+impl CudaBatch {
+    /// `batch` seeded prompts of `prompt_len` tokens with room for `max_decode` decode steps.
+    pub fn new(
+        model: &Arc<Model>,
+        settings: &CudaSettings,
+        batch: usize,
+        prompt_len: usize,
+        max_decode: usize,
+    ) -> Result<Self> {
+        let per_seq = (prompt_len + max_decode + 1).div_ceil(BS);
+        let (keeps_kv, keeps_state) = (model.needs_blocks(), model.needs_slots());
+        let layout = MemoryLayout {
+            block_size: BS,
+            blocks: if keeps_kv { batch * per_seq } else { 0 },
+            slots: if keeps_state { batch } else { 0 },
+            snapshots: 0,
+            keeps_kv,
+            keeps_state,
+            prefix_keyed_by_prompt_len: false,
+        };
+        let ctx = ExecutorContext::standalone("bench", model.clone(), layout);
+        let ex = CudaExecutor::new(&ctx, settings).map_err(|e| anyhow!(e))?;
+        let mut rng = Lcg(3);
+        let prompts = (0..batch)
+            .map(|_| (0..prompt_len).map(|_| (rng.next() % model.vocab_size as u64) as u32).collect())
+            .collect();
+        let table =
+            |s: usize| if keeps_kv { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() } else { vec![] };
+        let reqs = Requests {
+            keys: (0..batch as u32).map(|i| SeqKey { index: i, generation: 0 }).collect(),
+            prompts,
+            tables: (0..batch).map(table).collect(),
+            slots: keeps_state.then(|| (0..batch as u32).collect()),
+        };
+        Ok(CudaBatch { ex, reqs, last: vec![0; batch], decoded: 0, max_decode, step: 0 })
+    }
+
+    /// Launches the next step over `seqs` (built from the batch's requests).
+    fn launch(ex: &mut CudaExecutor, reqs: &Requests, step: u64, seqs: &[SeqStep<'_>], before: &[StateOp]) {
+        let l = StepLaunch {
+            step,
+            before,
+            after: &[],
+            applied_through: None,
+            sampling: &reqs.keys,
+            batch: &SeqSlice(seqs),
+            imports: &[],
+            exports: &[],
+        };
+        ex.launch(&l, 0);
+    }
+
+    /// Takes what has completed (never waits); returns how many steps completed.
+    fn take(&mut self, done: &mut Vec<StepCompletion>) -> Result<usize> {
+        self.ex.poll(done);
+        let n = done.len();
+        for c in done.drain(..) {
+            for s in c.result.map_err(|e| anyhow!("step {}: {e}", c.step))? {
+                self.last[s.seq.index as usize] = s.token.unwrap_or(0);
+            }
+        }
+        Ok(n)
+    }
+
+    /// Prefills every prompt in one step (their slots zeroed first) and waits for its tokens;
+    /// returns the seconds from launch to the last token.
+    pub fn prefill(&mut self) -> Result<f64> {
+        let t = Instant::now();
+        let reqs = &self.reqs;
+        let zero: Vec<StateOp> = reqs.slots.iter().flatten().map(|&slot| StateOp::Zero { slot: slot as _ }).collect();
+        let seqs: Vec<SeqStep<'_>> = (0..reqs.keys.len()).map(|i| reqs.seq(i, &reqs.prompts[i], None, 0)).collect();
+        self.step += 1;
+        Self::launch(&mut self.ex, reqs, self.step, &seqs, &zero);
+        drop(seqs);
+        let mut done = Vec::new();
+        while self.take(&mut done)? == 0 {
+            std::hint::spin_loop();
+        }
+        self.decoded = 0;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// `steps` decode steps as a rank runs them: launched without waiting, the tokens fed from
+    /// the device's ring (`deferred`, two steps in flight) or from the host (each step waits for
+    /// the one before). Returns the seconds and the host-device waits they took.
+    pub fn decode(&mut self, steps: usize, deferred: bool) -> Result<(f64, u64)> {
+        if self.decoded + steps > self.max_decode {
+            return Err(anyhow!("{steps} more decode steps than the batch has room for"));
+        }
+        let waits_before = self.ex.host_waits();
+        let t = Instant::now();
+        let mut done = Vec::new();
+        let in_flight = if deferred { 2 } else { 1 };
+        let (mut launched, mut completed) = (0, 0);
+        while launched < steps {
+            let pos = self.reqs.prompts[0].len() + self.decoded;
+            let known: Vec<[u32; 1]> = self.last.iter().map(|&t| [t]).collect();
+            let (prev, reqs) = (self.step, &self.reqs);
+            let seqs: Vec<SeqStep<'_>> = (0..reqs.keys.len())
+                .map(|i| {
+                    let fed: &[u32] = if deferred { &[] } else { &known[i] };
+                    reqs.seq(i, fed, deferred.then_some(prev), pos)
+                })
+                .collect();
+            self.step += 1;
+            Self::launch(&mut self.ex, reqs, self.step, &seqs, &[]);
+            drop(seqs);
+            self.decoded += 1;
+            launched += 1;
+            loop {
+                completed += self.take(&mut done)?;
+                if launched - completed < in_flight {
+                    break;
+                }
+            }
+        }
+        while completed < steps {
+            completed += self.take(&mut done)?;
+        }
+        Ok((t.elapsed().as_secs_f64(), self.ex.host_waits() - waits_before))
+    }
+}

@@ -1,0 +1,201 @@
+//! `kvflow bench speed`: the CUDA executor's prefill and decode speed on one model, beside
+//! transformers' on the same GPU, weights and dtype measured in the same device run
+//! (`benches/device/speed.sh` writes its figures with `benches/device/transformers_speed.py`),
+//! and beside the step's lower bound: max(bytes a decode step must move / the device-to-device
+//! copy rate, its FLOPs / the dtype's matrix rate), both rates measured in the same run.
+//! Ends with where a decode step's device time goes, kernel by kernel.
+
+use crate::bench::cuda_batch::CudaBatch;
+use crate::bench::median;
+use anyhow::{anyhow, Context, Result};
+use kvflow_kernels::cuda::Gpu;
+use kvflow_kernels::models;
+use kvflow_operators::executor::CudaSettings;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct SpeedBenchArgs {
+    /// A checkpoint folder or a TOML model spec.
+    pub model: PathBuf,
+    pub gpu: usize,
+    pub batch: usize,
+    pub prompt: usize,
+    pub steps: usize,
+    /// transformers' figures (JSON from `benches/device/transformers_speed.py`), if measured.
+    pub baseline: Option<PathBuf>,
+    pub emulate: bool,
+}
+
+/// transformers' figures for one dtype.
+#[derive(serde::Deserialize, Default)]
+struct TorchFigures {
+    prefill_tokens_per_s: f64,
+    decode_ms_per_step: f64,
+}
+
+/// `benches/device/transformers_speed.py`'s output.
+#[derive(serde::Deserialize)]
+struct Baseline {
+    transformers: String,
+    torch: String,
+    float32: TorchFigures,
+    bfloat16: TorchFigures,
+    /// torch.matmul of two 8192² matrices, TFLOP/s (float32 without TF32; bfloat16).
+    matmul_tflops_float32: f64,
+    matmul_tflops_bfloat16: f64,
+}
+
+pub fn run(args: &SpeedBenchArgs) -> Result<()> {
+    if args.batch == 0 || args.prompt == 0 || args.steps == 0 {
+        return Err(anyhow!("--batch, --prompt and --steps must be positive"));
+    }
+    let baseline: Option<Baseline> = match &args.baseline {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            Some(
+                serde_json::from_str(&text)
+                    .with_context(|| format!("{}: not transformers_speed.py's JSON", path.display()))?,
+            )
+        }
+        None => None,
+    };
+    let t0 = Instant::now();
+    let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
+    let settings = CudaSettings {
+        gpus: Some(vec![args.gpu]),
+        deferred_output: true,
+        emulate: args.emulate,
+        test_stale_ring_slot: false,
+    };
+    let warmup = 4;
+    let profiled = 8;
+    let mut b = CudaBatch::new(&model, &settings, args.batch, args.prompt, warmup + args.steps + profiled)?;
+    let gpu = b.ex.gpu().clone();
+    let weight_bytes = b.ex.device_model().weight_bytes;
+    println!("gpu          {} ({})", gpu.name(), gpu.arch());
+    println!(
+        "model        {}: family {}, {} layers, hidden {}, vocab {}; {:.2} GB of f32 weights read whole each step (loaded in {:.1} s)",
+        args.model.display(),
+        model.family,
+        model.num_layers(),
+        model.hidden_size,
+        model.vocab_size,
+        weight_bytes as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
+    let copy_gbps = copy_rate(&gpu)?;
+    println!("limits       device-to-device copy {copy_gbps:.0} GB/s (read + write, median of 5 rounds)");
+    if let Some(bl) = &baseline {
+        println!(
+            "limits       torch.matmul 8192²: float32 {:.1} TFLOP/s, bfloat16 {:.1} TFLOP/s [transformers {}, torch {}]",
+            bl.matmul_tflops_float32, bl.matmul_tflops_bfloat16, bl.transformers, bl.torch
+        );
+    }
+
+    // prefill: every prompt in one step, the second of two timed
+    b.prefill()?;
+    let prefill_s = b.prefill()?;
+    let prefill_tps = (args.batch * args.prompt) as f64 / prefill_s;
+    let torch = |f: fn(&Baseline) -> &TorchFigures| baseline.as_ref().map(f);
+    let side = |ours: f64, theirs: Option<f64>| match theirs {
+        Some(t) if t > 0.0 => format!("transformers {t:.0} tokens/s, ratio={:.2}", ours / t),
+        _ => "transformers not measured".to_string(),
+    };
+    println!(
+        "prefill      kvflow float32: {} × {} tokens in {:.1} ms = {prefill_tps:.0} tokens/s; {}; (transformers bfloat16 {})",
+        args.batch,
+        args.prompt,
+        prefill_s * 1e3,
+        side(prefill_tps, torch(|b| &b.float32).map(|f| f.prefill_tokens_per_s)),
+        torch(|b| &b.bfloat16).map_or("-".into(), |f| format!("{:.0} tokens/s", f.prefill_tokens_per_s)),
+    );
+
+    // decode: warm-up, then the timed steps
+    b.decode(warmup, true)?;
+    let (secs, waits) = b.decode(args.steps, true)?;
+    let step_ms = secs * 1e3 / args.steps as f64;
+    let tps = (args.batch * args.steps) as f64 / secs;
+    let vs = |f: Option<&TorchFigures>| match f {
+        Some(f) if f.decode_ms_per_step > 0.0 => {
+            let theirs = args.batch as f64 * 1e3 / f.decode_ms_per_step;
+            format!(
+                "transformers {theirs:.0} tokens/s ({:.1} ms/step), ratio={:.2}",
+                f.decode_ms_per_step,
+                tps / theirs
+            )
+        }
+        _ => "transformers not measured".into(),
+    };
+    println!(
+        "decode       kvflow float32: {step_ms:.2} ms/step = {tps:.0} tokens/s (batch {}, context {}..{}, {waits} host waits); {}",
+        args.batch,
+        args.prompt + warmup,
+        args.prompt + warmup + args.steps,
+        vs(torch(|b| &b.float32))
+    );
+    if let Some(f) = torch(|b| &b.bfloat16) {
+        println!(
+            "decode       (transformers bfloat16: {:.1} ms/step; kvflow has no bfloat16 path yet)",
+            f.decode_ms_per_step
+        );
+    }
+
+    // the decode step's lower bound at the mean context of the timed steps
+    let ctx = args.prompt + warmup + args.steps / 2;
+    let kv_bytes = ctx * model.kv_row_widths().iter().sum::<usize>() * 4;
+    let state_bytes = 2 * model.state_width() * 4; // read and written
+    let bytes = (weight_bytes + args.batch * (kv_bytes + state_bytes)) as f64;
+    let flops = 2.0
+        * args.batch as f64
+        * (model.body_macs_per_token() + model.lm_head_macs() + model.attention_macs(ctx)) as f64;
+    let bytes_ms = bytes / (copy_gbps * 1e9) * 1e3;
+    let flops_ms = baseline.as_ref().map(|bl| flops / (bl.matmul_tflops_float32 * 1e12) * 1e3);
+    let bound = bytes_ms.max(flops_ms.unwrap_or(0.0));
+    println!(
+        "bound        float32 decode step: {:.2} GB moved (weights {:.2}, KV {:.2}, state {:.2}) / copy rate = {bytes_ms:.2} ms; {:.1} GFLOP / matmul rate = {}; bound {bound:.2} ms, reached {:.3} of it",
+        bytes / 1e9,
+        weight_bytes as f64 / 1e9,
+        (args.batch * kv_bytes) as f64 / 1e9,
+        (args.batch * state_bytes) as f64 / 1e9,
+        flops / 1e9,
+        flops_ms.map_or("not measured".into(), |ms| format!("{ms:.2} ms")),
+        bound / step_ms,
+    );
+
+    // where a decode step's device time goes
+    if !gpu.is_emulated() {
+        gpu.start_profile();
+        b.decode(profiled, true)?;
+        let times = gpu.take_profile()?;
+        let total: f64 = times.iter().map(|t| t.2).sum();
+        println!("profile      {profiled} decode steps: {:.2} ms of kernel time per step", total / profiled as f64);
+        for (name, launches, ms) in times.iter().take(12) {
+            println!(
+                "profile      {name:<22} {:>5} launches/step {:>8.3} ms/step {:>5.1}%",
+                launches / profiled,
+                ms / profiled as f64,
+                100.0 * ms / total
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Device-to-device copy of 1 GiB (16 MiB emulated), GB/s counting read and write.
+fn copy_rate(gpu: &Arc<Gpu>) -> Result<f64> {
+    let bytes = if gpu.is_emulated() { 1 << 24 } else { 1 << 30 };
+    let (src, dst) = (gpu.zeros::<f32>(bytes / 4)?, gpu.zeros::<f32>(bytes / 4)?);
+    let reps = if gpu.is_emulated() { 1 } else { 20 };
+    let mut times = Vec::new();
+    for _round in 0..5 {
+        gpu.wait()?;
+        let t = Instant::now();
+        for _ in 0..reps {
+            gpu.copy_on_device(dst.ptr(), src.ptr(), bytes)?;
+        }
+        gpu.wait()?;
+        times.push(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    Ok(2.0 * bytes as f64 / median(times) / 1e9)
+}
