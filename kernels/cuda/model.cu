@@ -82,28 +82,31 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
 }
 
 // y[z][m, n] = (accumulate ? y : 0) + (Σ_k x[z][m, k] · W[z][n, k] + bias[n]), as one fused
-// multiply-add chain over k = 0, 1, … K−1 per element: a 64 × 64 tile per block, 4 × 4 per
-// thread. An element's chain depends on its row of x and of W only, never on M or on where the
-// row falls in a tile. z batches independent products (MLA's per-head absorptions).
-#define BM 64
-#define BN 64
+// multiply-add chain over k = 0, 1, … K−1 per element. A block of 16 × 16 threads computes a
+// 16T × 16T tile, T × T elements per thread (T = 4, 2 or 1: `linear`, `linear_t2`, `linear_t1`).
+// An element's chain depends on its row of x and of W only — never on M, on the tile size or on
+// where the row falls in a tile — so the host may pick the tile by the launch's shape (smaller
+// tiles when the big ones would leave SMs idle) and every variant gives the same bits.
+// z batches independent products (MLA's per-head absorptions).
 #define BK 16
-extern "C" __global__ void __launch_bounds__(256) linear(float* y, const float* x, const float* w, const float* bias,
-                                  int M, int N, int K, long long x_stride, long long y_stride,
-                                  long long x_batch, long long w_batch, long long y_batch, int accumulate) {
-    __shared__ float As[BK][BM + 4];
-    __shared__ float Bs[BK][BN + 4];
+template <int T>
+__device__ __forceinline__ void linear_tile(float* y, const float* x, const float* w, const float* bias, int M, int N,
+                                            int K, long long x_stride, long long y_stride, long long x_batch,
+                                            long long w_batch, long long y_batch, int accumulate) {
+    constexpr int TILE = 16 * T;
+    __shared__ float As[BK][TILE + 4];
+    __shared__ float Bs[BK][TILE + 4];
     int z = blockIdx.z;
     x += (size_t)z * x_batch;
     w += (size_t)z * w_batch;
     y += (size_t)z * y_batch;
-    int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    int m0 = blockIdx.y * TILE, n0 = blockIdx.x * TILE;
     int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    float acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    float acc[T][T];
+    for (int i = 0; i < T; i++)
+        for (int j = 0; j < T; j++) acc[i][j] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += BK) {
-        for (int q = 0; q < 4; q++) {
+        for (int q = 0; q < T; q++) {
             int idx = tid + 256 * q, rr = idx / BK, kk = idx % BK;
             int m = m0 + rr, n = n0 + rr, k = k0 + kk;
             As[kk][rr] = (m < M && k < K) ? x[(size_t)m * x_stride + k] : 0.0f;
@@ -111,19 +114,30 @@ extern "C" __global__ void __launch_bounds__(256) linear(float* y, const float* 
         }
         __syncthreads();
         int kmax = min(BK, K - k0);
-        for (int kk = 0; kk < kmax; kk++) {
-            float a[4], b[4];
-            for (int i = 0; i < 4; i++) a[i] = As[kk][ty + 16 * i];
-            for (int j = 0; j < 4; j++) b[j] = Bs[kk][tx + 16 * j];
-            for (int i = 0; i < 4; i++)
-                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        if (kmax == BK) {
+#pragma unroll
+            for (int kk = 0; kk < BK; kk++) {
+                float a[T], b[T];
+                for (int i = 0; i < T; i++) a[i] = As[kk][ty + 16 * i];
+                for (int j = 0; j < T; j++) b[j] = Bs[kk][tx + 16 * j];
+                for (int i = 0; i < T; i++)
+                    for (int j = 0; j < T; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+            }
+        } else {
+            for (int kk = 0; kk < kmax; kk++) {
+                float a[T], b[T];
+                for (int i = 0; i < T; i++) a[i] = As[kk][ty + 16 * i];
+                for (int j = 0; j < T; j++) b[j] = Bs[kk][tx + 16 * j];
+                for (int i = 0; i < T; i++)
+                    for (int j = 0; j < T; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+            }
         }
         __syncthreads();
     }
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < T; i++) {
         int m = m0 + ty + 16 * i;
         if (m >= M) continue;
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < T; j++) {
             int n = n0 + tx + 16 * j;
             if (n >= N) continue;
             float v = acc[i][j];
@@ -134,25 +148,85 @@ extern "C" __global__ void __launch_bounds__(256) linear(float* y, const float* 
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256) linear(float* y, const float* x, const float* w, const float* bias,
+                                  int M, int N, int K, long long x_stride, long long y_stride,
+                                  long long x_batch, long long w_batch, long long y_batch, int accumulate) {
+    linear_tile<4>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(256) linear_t2(float* y, const float* x, const float* w, const float* bias,
+                                  int M, int N, int K, long long x_stride, long long y_stride,
+                                  long long x_batch, long long w_batch, long long y_batch, int accumulate) {
+    linear_tile<2>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(256) linear_t1(float* y, const float* x, const float* w, const float* bias,
+                                  int M, int N, int K, long long x_stride, long long y_stride,
+                                  long long x_batch, long long w_batch, long long y_batch, int accumulate) {
+    linear_tile<1>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
+}
+
 // Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
     return __shfl_sync(0xffffffffu, v, 0);
 }
 
-// One routed expert product per (pair, output): y[p, n] = Σ_k x[p / x_per, k] · W[e(p)][n, k],
-// one warp per output (lanes take k = lane, lane + 32, … in order, then a fixed warp sum).
-extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* experts,
-                                         int pairs, int N, int K, int x_per) {
-    int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-    if (warp >= pairs * N) return;
-    int p = warp / N, n = warp % N;
-    const float* xr = x + (size_t)(p / x_per) * K;
-    const float* wr = w + ((size_t)experts[p] * N + n) * K;
-    float s = 0.0f;
-    for (int k = lane; k < K; k += 32) s = fmaf(xr[k], wr[k], s);
-    s = warp_sum(s);
-    if (lane == 0) y[(size_t)p * N + n] = s;
+// The routed pairs grouped by expert: order[offsets[e] .. offsets[e + 1]] are the pairs routed to
+// expert e, ascending. One block; thread e counts and then lists expert e's pairs.
+extern "C" __global__ void group_pairs(int* order, int* offsets, const int* experts, int pairs, int n_experts) {
+    DYNAMIC_SHARED(int, counts);
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+        int c = 0;
+        for (int p = 0; p < pairs; p++) c += experts[p] == e;
+        counts[e] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0;
+        for (int e = 0; e < n_experts; e++) {
+            offsets[e] = at;
+            at += counts[e];
+        }
+        offsets[n_experts] = at;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+        int at = offsets[e];
+        for (int p = 0; p < pairs; p++)
+            if (experts[p] == e) order[at++] = p;
+    }
+}
+
+// Routed expert products, expert by expert: y[p, n] = Σ_k x[p / x_per, k] · W[e][n, k] for the
+// pairs p routed to expert e (`group_pairs`). Block (e, n / 8), one warp per output n; the
+// expert's pairs in chunks of 8, so each weight row is read once per chunk, not once per pair.
+// A pair's value is its own: lanes take k = lane, lane + 32, … in order, then a fixed warp sum,
+// whichever pairs share the chunk.
+#define PAIRS_PER_PASS 8
+extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* order,
+                                         const int* offsets, int N, int K, int x_per) {
+    int e = blockIdx.x, n = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (n >= N) return;
+    const float* wr = w + ((size_t)e * N + n) * K;
+    int first = offsets[e], end = offsets[e + 1];
+    for (int c0 = first; c0 < end; c0 += PAIRS_PER_PASS) {
+        int count = min(PAIRS_PER_PASS, end - c0);
+        float s[PAIRS_PER_PASS];
+        const float* xr[PAIRS_PER_PASS];
+        for (int c = 0; c < PAIRS_PER_PASS; c++) {
+            s[c] = 0.0f;
+            xr[c] = x + (size_t)(order[c0 + min(c, count - 1)] / x_per) * K;
+        }
+        for (int k = lane; k < K; k += 32) {
+            float wv = wr[k];
+            for (int c = 0; c < PAIRS_PER_PASS; c++) s[c] = fmaf(xr[c][k], wv, s[c]);
+        }
+        for (int c = 0; c < PAIRS_PER_PASS; c++) {
+            float v = warp_sum(s[c]);
+            if (lane == 0 && c < count) y[(size_t)order[c0 + c] * N + n] = v;
+        }
+    }
 }
 
 // act[r, i] = silu(gu[r, i]) · gu[r, inter + i]

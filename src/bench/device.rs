@@ -206,10 +206,10 @@ pub fn topk_check(gpu: &Gpu) -> Result<Vec<String>> {
 }
 
 /// A seeded stream for prompts and block choices (the trace synthesiser's splitmix64).
-pub(crate) struct Lcg(pub(crate) u64);
+pub struct Lcg(pub u64);
 
 impl Lcg {
-    pub(crate) fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(1);
         crate::trace::splitmix64(self.0)
     }

@@ -11,7 +11,7 @@ use crate::common::{expected, fixture, load, records, rel_err};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::generate::{generate, GenerateOptions};
 use kvflow::graph::Overrides;
-use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows};
+use kvflow_kernels::cuda::{Arg, DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::step::{
@@ -108,6 +108,51 @@ fn emulated_cuda_indexer_reproduces_deepseek_v32_cached_generation() {
 fn the_device_top_k_picks_the_keys_torch_picks_ties_included() {
     let failures = kvflow::bench::device::topk_check(&emulated()).unwrap();
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Every tile variant of the `linear` kernel (64, 32 and 16 square; the executor picks one by
+/// the launch's shape) gives each element the bits of one fused multiply-add chain over k in
+/// order, then the bias, then the accumulation: the bits never depend on the tile, so neither on
+/// the batch. Shapes with tails in every dimension.
+#[test]
+fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
+    let gpu = emulated();
+    let (m, n, k) = (37usize, 50usize, 70usize);
+    let mut rng = kvflow::bench::device::Lcg(9);
+    let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect() };
+    let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
+    let mut want = vec![0.0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut acc = 0.0f32;
+            for i in 0..k {
+                acc = x[r * k + i].mul_add(w[c * k + i], acc);
+            }
+            want[r * n + c] = y0[r * n + c] + (acc + bias[c]);
+        }
+    }
+    let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
+    for (kernel, tile) in [("linear", 64), ("linear_t2", 32), ("linear_t1", 16)] {
+        let y = gpu.upload(&y0).unwrap();
+        let grid = (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1);
+        let args = [
+            Arg::Ptr(y.ptr()),
+            Arg::Ptr(xd.ptr()),
+            Arg::Ptr(wd.ptr()),
+            Arg::Ptr(bd.ptr()),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I64(k as i64),
+            Arg::I64(n as i64),
+            Arg::I64(0),
+            Arg::I64(0),
+            Arg::I64(0),
+            Arg::I32(1),
+        ];
+        gpu.launch(kernel, grid, 256, 0, &args).unwrap();
+        assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "{kernel}");
+    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

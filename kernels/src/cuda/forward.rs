@@ -187,6 +187,17 @@ pub(super) fn reduce_threads(dim: usize) -> u32 {
     dim.next_power_of_two().clamp(32, 256) as u32
 }
 
+/// The `linear` kernel for an `m × n` product (`z` of them): the largest tile (64, 32 or 16
+/// square) that still gives every SM two blocks, else the smallest. Each element's chain over k
+/// is the same in every variant, so the choice never changes a bit (`kernels/cuda/model.cu`).
+fn linear_variant(gpu: &Gpu, m: usize, n: usize, z: usize) -> (&'static str, usize) {
+    let blocks = |tile: usize| m.div_ceil(tile) * n.div_ceil(tile) * z;
+    [("linear", 64), ("linear_t2", 32)]
+        .into_iter()
+        .find(|&(_, tile)| blocks(tile) >= 2 * gpu.sms)
+        .unwrap_or(("linear_t1", 16))
+}
+
 /// Query heads per attention block (one warp each).
 const HEADS_PER_BLOCK: usize = 4;
 
@@ -213,9 +224,10 @@ impl Step<'_> {
         y_stride: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        let (kernel, tile) = linear_variant(self.gpu, m, l.n, 1);
         self.gpu.launch(
-            "linear",
-            (blocks_for(l.n, 64), blocks_for(m, 64), 1),
+            kernel,
+            (blocks_for(l.n, tile), blocks_for(m, tile), 1),
             256,
             0,
             &[
@@ -251,9 +263,10 @@ impl Step<'_> {
         x_head: usize,
         y_head: usize,
     ) -> Result<(), CudaError> {
+        let (kernel, tile) = linear_variant(self.gpu, self.rows, n, heads);
         self.gpu.launch(
-            "linear",
-            (blocks_for(n, 64), blocks_for(self.rows, 64), heads as u32),
+            kernel,
+            (blocks_for(n, tile), blocks_for(self.rows, tile), heads as u32),
             256,
             0,
             &[
@@ -685,28 +698,30 @@ impl Step<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// Routed expert products over the pairs grouped by expert (`order`, `offsets`).
+    #[allow(clippy::too_many_arguments)]
     fn expert_linear(
         &self,
         y: u64,
         x: u64,
         w: u64,
-        experts: u64,
-        pairs: usize,
+        grouped: (&DeviceBuf<i32>, &DeviceBuf<i32>),
+        experts: usize,
         n: usize,
         k: usize,
         x_per: usize,
     ) -> Result<(), CudaError> {
         self.gpu.launch(
             "expert_linear",
-            (blocks_for(pairs * n * 32, 256), 1, 1),
+            (experts as u32, blocks_for(n, 8), 1),
             256,
             0,
             &[
                 Arg::Ptr(y),
                 Arg::Ptr(x),
                 Arg::Ptr(w),
-                Arg::Ptr(experts),
-                Arg::I32(pairs as i32),
+                Arg::Ptr(grouped.0.ptr()),
+                Arg::Ptr(grouped.1.ptr()),
                 Arg::I32(n as i32),
                 Arg::I32(k as i32),
                 Arg::I32(x_per as i32),
@@ -741,12 +756,28 @@ impl Step<'_> {
             ],
         )?;
         let pairs = t * k;
+        let ne = m.num_experts;
+        let (order, offsets) = (self.gpu.scratch::<i32>(pairs)?, self.gpu.scratch::<i32>(ne + 1)?);
+        self.gpu.launch(
+            "group_pairs",
+            (1, 1, 1),
+            256,
+            (ne * 4) as u32,
+            &[
+                Arg::Ptr(order.ptr()),
+                Arg::Ptr(offsets.ptr()),
+                Arg::Ptr(experts.ptr()),
+                Arg::I32(pairs as i32),
+                Arg::I32(ne as i32),
+            ],
+        )?;
+        let grouped = (&order, &offsets);
         let gu = self.gpu.scratch::<f32>(pairs * 2 * inter)?;
-        self.expert_linear(gu.ptr(), x, m.gate_up.ptr(), experts.ptr(), pairs, 2 * inter, hidden, k)?;
+        self.expert_linear(gu.ptr(), x, m.gate_up.ptr(), grouped, ne, 2 * inter, hidden, k)?;
         let act = self.gpu.scratch::<f32>(pairs * inter)?;
         self.swiglu(act.ptr(), gu.ptr(), pairs, inter)?;
         let out = self.gpu.scratch::<f32>(pairs * hidden)?;
-        self.expert_linear(out.ptr(), act.ptr(), m.down.ptr(), experts.ptr(), pairs, hidden, inter, 1)?;
+        self.expert_linear(out.ptr(), act.ptr(), m.down.ptr(), grouped, ne, hidden, inter, 1)?;
         let shared = match &m.shared {
             Some(s) => {
                 let y = self.gpu.scratch::<f32>(t * hidden)?;

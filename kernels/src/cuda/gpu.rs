@@ -175,6 +175,8 @@ pub struct Gpu {
     host_waits: AtomicU64,
     /// Bytes copied to the device by [`Gpu::upload`] (weights, at load).
     uploaded: AtomicU64,
+    /// Streaming multiprocessors (what a launch's blocks spread over).
+    pub sms: usize,
     /// While profiling (benches only): each launch's kernel and its start and end events.
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
 }
@@ -200,8 +202,12 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = guarded(ordinal, "creating a stream", || ctx.new_stream())?;
         let kernels = kernels_of(&ctx, ordinal)?;
+        let sms = guarded(ordinal, "reading the SM count", || {
+            ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        })?;
         Ok(Arc::new(Gpu {
             ordinal,
+            sms: sms.max(1) as usize,
             backend: Backend::Cuda { ctx, stream, kernels },
             host_waits: AtomicU64::new(0),
             uploaded: AtomicU64::new(0),
@@ -213,6 +219,8 @@ impl Gpu {
     pub fn emulated() -> Result<Arc<Gpu>, CudaError> {
         Ok(Arc::new(Gpu {
             ordinal: 0,
+            // as an H200 has (the tile choices then match a GPU's; the bits do not depend on them)
+            sms: 132,
             backend: Backend::Host(Emulator::get()?),
             host_waits: AtomicU64::new(0),
             uploaded: AtomicU64::new(0),
