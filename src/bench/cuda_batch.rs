@@ -76,7 +76,7 @@ impl CudaBatch {
         let ex = CudaExecutor::new(&ctx, settings).map_err(|e| anyhow!(e))?;
         let mut rng = Lcg(3);
         let prompts = (0..batch)
-            .map(|_| (0..prompt_len).map(|_| (rng.next() % model.vocab_size as u64) as u32).collect())
+            .map(|_| (0..prompt_len).map(|_| (rng.draw() % model.vocab_size as u64) as u32).collect())
             .collect();
         let table =
             |s: usize| if keeps_kv { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() } else { vec![] };

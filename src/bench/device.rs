@@ -179,7 +179,7 @@ pub fn topk_check(gpu: &Gpu) -> Result<Vec<String>> {
     for &(n, k) in &[(300, 4), (1000, 3), (2048, 32), (700, 64), (200, 90), (129, 64), (4096, 64), (999, 500)] {
         for levels in [2u64, 5, 40] {
             let row: Vec<f32> = (0..n)
-                .map(|_| match rng.next() % levels {
+                .map(|_| match rng.draw() % levels {
                     0 => 0.0,
                     1 if levels > 2 => f32::NEG_INFINITY,
                     v => (v % 7) as f32 * 0.25,
@@ -209,7 +209,7 @@ pub fn topk_check(gpu: &Gpu) -> Result<Vec<String>> {
 pub struct Lcg(pub u64);
 
 impl Lcg {
-    pub fn next(&mut self) -> u64 {
+    pub fn draw(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(1);
         crate::trace::splitmix64(self.0)
     }
@@ -225,9 +225,9 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
     const BS: usize = 16;
     let runner = PlainRunner::new(gpu, dm)?;
     let mut rng = Lcg(11);
-    let prompt: Vec<u32> = (0..41).map(|_| (rng.next() % dm.vocab as u64) as u32).collect();
+    let prompt: Vec<u32> = (0..41).map(|_| (rng.draw() % dm.vocab as u64) as u32).collect();
     let others: Vec<Vec<u32>> =
-        (0..63).map(|i| (0..1 + (i * 7) % 97).map(|_| (rng.next() % dm.vocab as u64) as u32).collect()).collect();
+        (0..63).map(|i| (0..1 + (i * 7) % 97).map(|_| (rng.draw() % dm.vocab as u64) as u32).collect()).collect();
     let per_seq = 128 / BS;
     let kv = DeviceKv::new(gpu, &dm.kv_widths, BS, 64 * per_seq)?;
     let table = |s: usize| -> Vec<u32> { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() };
@@ -321,12 +321,12 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>, emulate: bool
     // random contents, so nothing is measured on zeros
     let mut rng = Lcg(5);
     for (l, w) in widths.iter().enumerate() {
-        let data: Vec<f32> = (0..POOL * BS * w).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        let data: Vec<f32> = (0..POOL * BS * w).map(|_| (rng.draw() % 2001) as f32 / 1000.0 - 1.0).collect();
         kv.fill_layer(gpu, l, &data)?;
     }
     let mut order: Vec<u32> = (0..POOL as u32).collect();
     for i in (1..order.len()).rev() {
-        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        order.swap(i, (rng.draw() % (i as u64 + 1)) as usize);
     }
     let blocks = &order[..n];
     let back = &order[n..2 * n];

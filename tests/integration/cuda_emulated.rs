@@ -119,7 +119,7 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     let gpu = emulated();
     let (m, n, k) = (37usize, 50usize, 70usize);
     let mut rng = kvflow::bench::device::Lcg(9);
-    let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0).collect() };
+    let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 1000.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
     let mut want = vec![0.0f32; m * n];
     for r in 0..m {
