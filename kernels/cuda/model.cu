@@ -94,8 +94,10 @@ __device__ __forceinline__ void linear_tile(float* y, const float* x, const floa
                                             int K, long long x_stride, long long y_stride, long long x_batch,
                                             long long w_batch, long long y_batch, int accumulate) {
     constexpr int TILE = 16 * T;
-    __shared__ float As[BK][TILE + 4];
-    __shared__ float Bs[BK][TILE + 4];
+    // two k-tiles in shared memory: the next one is fetched from global memory into registers
+    // while this one is multiplied, then stored into the other buffer
+    __shared__ float As[2][BK][TILE + 4];
+    __shared__ float Bs[2][BK][TILE + 4];
     int z = blockIdx.z;
     x += (size_t)z * x_batch;
     w += (size_t)z * w_batch;
@@ -105,34 +107,52 @@ __device__ __forceinline__ void linear_tile(float* y, const float* x, const floa
     float acc[T][T];
     for (int i = 0; i < T; i++)
         for (int j = 0; j < T; j++) acc[i][j] = 0.0f;
-    for (int k0 = 0; k0 < K; k0 += BK) {
+    float xa[T], wb[T];
+    // this thread's share of k-tile k0: T values of x and T of W (zero past the edges)
+    auto fetch = [&](int k0) {
         for (int q = 0; q < T; q++) {
             int idx = tid + 256 * q, rr = idx / BK, kk = idx % BK;
             int m = m0 + rr, n = n0 + rr, k = k0 + kk;
-            As[kk][rr] = (m < M && k < K) ? x[(size_t)m * x_stride + k] : 0.0f;
-            Bs[kk][rr] = (n < N && k < K) ? w[(size_t)n * K + k] : 0.0f;
+            xa[q] = (m < M && k < K) ? x[(size_t)m * x_stride + k] : 0.0f;
+            wb[q] = (n < N && k < K) ? w[(size_t)n * K + k] : 0.0f;
         }
-        __syncthreads();
+    };
+    auto store = [&](int buf) {
+        for (int q = 0; q < T; q++) {
+            int idx = tid + 256 * q, rr = idx / BK, kk = idx % BK;
+            As[buf][kk][rr] = xa[q];
+            Bs[buf][kk][rr] = wb[q];
+        }
+    };
+    fetch(0);
+    store(0);
+    __syncthreads();
+    int buf = 0;
+    for (int k0 = 0; k0 < K; k0 += BK) {
+        bool more = k0 + BK < K;
+        if (more) fetch(k0 + BK);
         int kmax = min(BK, K - k0);
         if (kmax == BK) {
 #pragma unroll
             for (int kk = 0; kk < BK; kk++) {
                 float a[T], b[T];
-                for (int i = 0; i < T; i++) a[i] = As[kk][ty + 16 * i];
-                for (int j = 0; j < T; j++) b[j] = Bs[kk][tx + 16 * j];
+                for (int i = 0; i < T; i++) a[i] = As[buf][kk][ty + 16 * i];
+                for (int j = 0; j < T; j++) b[j] = Bs[buf][kk][tx + 16 * j];
                 for (int i = 0; i < T; i++)
                     for (int j = 0; j < T; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
             }
         } else {
             for (int kk = 0; kk < kmax; kk++) {
                 float a[T], b[T];
-                for (int i = 0; i < T; i++) a[i] = As[kk][ty + 16 * i];
-                for (int j = 0; j < T; j++) b[j] = Bs[kk][tx + 16 * j];
+                for (int i = 0; i < T; i++) a[i] = As[buf][kk][ty + 16 * i];
+                for (int j = 0; j < T; j++) b[j] = Bs[buf][kk][tx + 16 * j];
                 for (int i = 0; i < T; i++)
                     for (int j = 0; j < T; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
             }
         }
+        if (more) store(buf ^ 1);
         __syncthreads();
+        buf ^= 1;
     }
     for (int i = 0; i < T; i++) {
         int m = m0 + ty + 16 * i;
@@ -201,7 +221,8 @@ extern "C" __global__ void group_pairs(int* order, int* offsets, const int* expe
 // Routed expert products, expert by expert: y[p, n] = Σ_k x[p / x_per, k] · W[e][n, k] for the
 // pairs p routed to expert e (`group_pairs`). Block (e, n / 8), one warp per output n; the
 // expert's pairs in chunks of 8, so each weight row is read once per chunk, not once per pair.
-// A pair's value is its own: lanes take k = lane, lane + 32, … in order, then a fixed warp sum,
+// A pair's value is its own: each lane takes its k in order (four consecutive ones at a time,
+// 4·lane + 128·i + j, when K is a multiple of 4; else lane + 32·i), then a fixed warp sum,
 // whichever pairs share the chunk.
 #define PAIRS_PER_PASS 8
 extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* order,
@@ -218,9 +239,24 @@ extern "C" __global__ void expert_linear(float* y, const float* x, const float* 
             s[c] = 0.0f;
             xr[c] = x + (size_t)(order[c0 + min(c, count - 1)] / x_per) * K;
         }
-        for (int k = lane; k < K; k += 32) {
-            float wv = wr[k];
-            for (int c = 0; c < PAIRS_PER_PASS; c++) s[c] = fmaf(xr[c][k], wv, s[c]);
+        if (K % 4 == 0) {
+            // four consecutive k per lane and load (rows are 16-byte aligned when K is a multiple of 4)
+            const float4* w4 = (const float4*)wr;
+            for (int k4 = lane; k4 < K / 4; k4 += 32) {
+                float4 wv = w4[k4];
+                for (int c = 0; c < PAIRS_PER_PASS; c++) {
+                    float4 xv = ((const float4*)xr[c])[k4];
+                    s[c] = fmaf(xv.x, wv.x, s[c]);
+                    s[c] = fmaf(xv.y, wv.y, s[c]);
+                    s[c] = fmaf(xv.z, wv.z, s[c]);
+                    s[c] = fmaf(xv.w, wv.w, s[c]);
+                }
+            }
+        } else {
+            for (int k = lane; k < K; k += 32) {
+                float wv = wr[k];
+                for (int c = 0; c < PAIRS_PER_PASS; c++) s[c] = fmaf(xr[c][k], wv, s[c]);
+            }
         }
         for (int c = 0; c < PAIRS_PER_PASS; c++) {
             float v = warp_sum(s[c]);
@@ -237,6 +273,7 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
     act[i] = silu(gu[r * 2 * inter + c]) * gu[r * 2 * inter + inter + c];
 }
 
+#define KEYS_AT_ONCE 4
 // Causal attention over the paged cache, read through the block tables: one warp per (row,
 // query head); keys in position order with a running max and sum (fixed order per row). Row r
 // is at position positions[r] of sequence seqs[r], whose blocks start at tables[table_at[seq]];
@@ -267,19 +304,33 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     int picked = selected ? counts[r] : -1;
     const int* keys = picked >= 0 ? selected + (size_t)r * selected_stride : nullptr;
     int n_keys = picked >= 0 ? picked : p + 1 - lo;
-    for (int i = 0; i < n_keys; i++) {
-        int pos = keys ? keys[i] : lo + i;
-        size_t row = (size_t)table[pos / block_size] * block_size + pos % block_size;
-        const float* kr = cache + row * row_width + k_offset + (size_t)g * qk_dim;
-        float s = 0.0f;
-        for (int d = lane; d < qk_dim; d += 32) s = fmaf(qs[d], kr[d], s);
-        s = warp_sum(s) * scale;
-        float m_new = fmaxf(m, s);
-        float corr = expf(m - m_new), e = expf(s - m_new);
-        l = l * corr + e;
-        const float* vr = cache + row * row_width + v_offset + (size_t)g * v_dim;
-        for (int d = lane; d < v_dim; d += 32) acc[d] = acc[d] * corr + e * vr[d];
-        m = m_new;
+    // Keys in groups of KEYS_AT_ONCE: their dot products are loaded and summed together (so the
+    // loads overlap), then folded into the running softmax one by one in position order — each
+    // key's score and update exactly as one at a time.
+    const float* k_base = cache + k_offset + (size_t)g * qk_dim;
+    const float* v_base = cache + v_offset + (size_t)g * v_dim;
+    for (int i0 = 0; i0 < n_keys; i0 += KEYS_AT_ONCE) {
+        int group = min(KEYS_AT_ONCE, n_keys - i0);
+        size_t row[KEYS_AT_ONCE];
+        float s[KEYS_AT_ONCE];
+        for (int u = 0; u < KEYS_AT_ONCE; u++) {
+            int pos = keys ? keys[i0 + min(u, group - 1)] : lo + i0 + min(u, group - 1);
+            row[u] = ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_width;
+            s[u] = 0.0f;
+        }
+        for (int d = lane; d < qk_dim; d += 32) {
+            float qd = qs[d];
+            for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = fmaf(qd, k_base[row[u] + d], s[u]);
+        }
+        for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = warp_sum(s[u]) * scale;
+        for (int u = 0; u < group; u++) {
+            float m_new = fmaxf(m, s[u]);
+            float corr = expf(m - m_new), e = expf(s[u] - m_new);
+            l = l * corr + e;
+            const float* vr = v_base + row[u];
+            for (int d = lane; d < v_dim; d += 32) acc[d] = acc[d] * corr + e * vr[d];
+            m = m_new;
+        }
     }
     __syncwarp();
     float* o = out + (size_t)r * q_heads * v_dim + (size_t)h * v_dim;
