@@ -330,8 +330,8 @@ enum BenchCommand {
         /// Prompt tokens per request.
         #[arg(long, default_value_t = 256, value_parser = flags::count)]
         prompt: usize,
-        /// Timed decode steps.
-        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        /// Decode steps per timed round (three rounds; each figure is their median).
+        #[arg(long, default_value_t = 16, value_parser = flags::count)]
         steps: usize,
         /// transformers' figures (JSON written by benches/device/transformers_speed.py).
         #[arg(long)]

@@ -4,17 +4,21 @@
     python3 transformers_speed.py CHECKPOINT OUT.json [--batch 64] [--prompt 256] [--steps 32]
 
 For float32 and bfloat16: the checkpoint loaded with AutoModelForCausalLM in that dtype, a batch
-of seeded prompts prefilled in one forward (the second of two timed), then greedy decode steps
-with the cache (four warm-up steps, then the timed ones). Also torch.matmul's rate on two 8192²
+of seeded prompts prefilled in one forward (median of three after a warm-up), then greedy decode
+steps with the cache (four warm-up steps, then three timed rounds; the median round per step). Also torch.matmul's rate on two 8192²
 matrices in each dtype (float32 without TF32): the matrix rates of the step's lower bound.
 """
 import argparse
 import json
+import statistics
 import time
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
+
+# timed rounds; each figure is their median
+ROUNDS = 3
 
 
 def synced():
@@ -51,26 +55,33 @@ def speed(path, dtype, batch, prompt, steps):
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype).cuda().eval()
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(3)).cuda()
-    forward(model, ids)
-    t = synced()
-    past, token = forward(model, ids)
-    prefill_s = synced() - t
+    prefills = []
+    for _ in range(ROUNDS + 1):  # the first is a warm-up
+        t = synced()
+        past, token = forward(model, ids)
+        prefills.append(synced() - t)
+    prefill_s = statistics.median(prefills[1:])
     for _ in range(4):
         past, token = forward(model, token, past)
-    t = synced()
-    for _ in range(steps):
-        past, token = forward(model, token, past)
-    decode_s = synced() - t
+    rounds = []
+    for _ in range(ROUNDS):
+        t = synced()
+        for _ in range(steps):
+            past, token = forward(model, token, past)
+        rounds.append((synced() - t) * 1e3 / steps)
+    decode_ms = statistics.median(rounds)
     del model, past
     torch.cuda.empty_cache()
     figures = {
         "prefill_tokens_per_s": batch * prompt / prefill_s,
-        "decode_ms_per_step": decode_s * 1e3 / steps,
-        "decode_tokens_per_s": batch * steps / decode_s,
+        "decode_ms_per_step": decode_ms,
+        "decode_tokens_per_s": batch * 1e3 / decode_ms,
+        "decode_ms_per_step_rounds": rounds,
     }
     print(f"transformers {str(dtype):<15} prefill {figures['prefill_tokens_per_s']:.0f} tokens/s, "
-          f"decode {figures['decode_ms_per_step']:.1f} ms/step = {figures['decode_tokens_per_s']:.0f} tokens/s "
-          f"(batch {batch}, prompt {prompt})", flush=True)
+          f"decode {decode_ms:.1f} ms/step = {figures['decode_tokens_per_s']:.0f} tokens/s "
+          f"(batch {batch}, prompt {prompt}; median of {ROUNDS} rounds of {steps} steps: "
+          f"{', '.join(f'{r:.1f}' for r in rounds)} ms)", flush=True)
     return figures
 
 
@@ -80,7 +91,7 @@ def main():
     p.add_argument("out")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt", type=int, default=256)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per timed round")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -68,9 +68,8 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         emulate: args.emulate,
         test_stale_ring_slot: false,
     };
-    let warmup = 4;
-    let profiled = 8;
-    let mut b = CudaBatch::new(&model, &settings, args.batch, args.prompt, warmup + args.steps + profiled)?;
+    let (warmup, rounds, profiled) = (4, 3, 8);
+    let mut b = CudaBatch::new(&model, &settings, args.batch, args.prompt, warmup + rounds * args.steps + profiled)?;
     let gpu = b.ex.gpu().clone();
     let weight_bytes = b.ex.device_model().weight_bytes;
     println!("gpu          {} ({})", gpu.name(), gpu.arch());
@@ -93,9 +92,9 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         );
     }
 
-    // prefill: every prompt in one step, the second of two timed
+    // prefill: every prompt in one step, the median of three after a warm-up
     b.prefill()?;
-    let prefill_s = b.prefill()?;
+    let prefill_s = median((0..rounds).map(|_| b.prefill()).collect::<Result<Vec<f64>>>()?);
     let prefill_tps = (args.batch * args.prompt) as f64 / prefill_s;
     let torch = |f: fn(&Baseline) -> &TorchFigures| baseline.as_ref().map(f);
     let side = |ours: f64, theirs: Option<f64>| match theirs {
@@ -111,11 +110,17 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         torch(|b| &b.bfloat16).map_or("-".into(), |f| format!("{:.0} tokens/s", f.prefill_tokens_per_s)),
     );
 
-    // decode: warm-up, then the timed steps
+    // decode: warm-up, then the timed rounds
     b.decode(warmup, true)?;
-    let (secs, waits) = b.decode(args.steps, true)?;
-    let step_ms = secs * 1e3 / args.steps as f64;
-    let tps = (args.batch * args.steps) as f64 / secs;
+    let (mut round_ms, mut waits) = (Vec::new(), 0);
+    for _ in 0..rounds {
+        let (secs, w) = b.decode(args.steps, true)?;
+        round_ms.push(secs * 1e3 / args.steps as f64);
+        waits += w;
+    }
+    let shown: Vec<String> = round_ms.iter().map(|ms| format!("{ms:.2}")).collect();
+    let step_ms = median(round_ms);
+    let tps = args.batch as f64 * 1e3 / step_ms;
     let vs = |f: Option<&TorchFigures>| match f {
         Some(f) if f.decode_ms_per_step > 0.0 => {
             let theirs = args.batch as f64 * 1e3 / f.decode_ms_per_step;
@@ -128,10 +133,12 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         _ => "transformers not measured".into(),
     };
     println!(
-        "decode       kvflow float32: {step_ms:.2} ms/step = {tps:.0} tokens/s (batch {}, context {}..{}, {waits} host waits); {}",
+        "decode       kvflow float32: {step_ms:.2} ms/step = {tps:.0} tokens/s (batch {}, context {}..{}, median of {rounds} rounds of {} steps: {} ms; {waits} host waits); {}",
         args.batch,
         args.prompt + warmup,
-        args.prompt + warmup + args.steps,
+        args.prompt + warmup + rounds * args.steps,
+        args.steps,
+        shown.join(", "),
         vs(torch(|b| &b.float32))
     );
     if let Some(f) = torch(|b| &b.bfloat16) {
@@ -142,7 +149,7 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
     }
 
     // the decode step's lower bound at the mean context of the timed steps
-    let ctx = args.prompt + warmup + args.steps / 2;
+    let ctx = args.prompt + warmup + rounds * args.steps / 2;
     let kv_bytes = ctx * model.kv_row_widths().iter().sum::<usize>() * 4;
     let state_bytes = 2 * model.state_width() * 4; // read and written
     let bytes = (weight_bytes + args.batch * (kv_bytes + state_bytes)) as f64;

@@ -598,3 +598,54 @@ fn a_linear_attention_head_too_wide_for_the_cuda_kernels_is_refused_naming_it() 
     let why = kvflow_kernels::cuda::unsupported(&model).expect("refused");
     assert!(why.contains("head_dim 512 over 256"), "{why}");
 }
+
+/// `kvflow bench speed` end to end on the emulated kernels, on the 2.0 B spec of
+/// benches/device/kimi-2b.toml shrunk to a tiny width (same layout: KDA and MLA layers, experts):
+/// the prefill and decode figures, the step's bound and its parts.
+#[test]
+fn the_speed_bench_runs_the_kimi_spec_through_the_cuda_executor() {
+    let spec = std::fs::read_to_string(crate::common::repo().join("benches/device/kimi-2b.toml")).unwrap();
+    let mut tiny = spec;
+    for (from, to) in [
+        ("hidden_size = 2048", "hidden_size = 64"),
+        ("intermediate_size = 5632", "intermediate_size = 96"),
+        ("vocab_size = 32000", "vocab_size = 256"),
+        ("kv_lora_rank = 512", "kv_lora_rank = 16"),
+        ("qk_nope_head_dim = 128", "qk_nope_head_dim = 8"),
+        ("qk_rope_head_dim = 64", "qk_rope_head_dim = 8"),
+        ("v_head_dim = 128", "v_head_dim = 8"),
+        ("moe_intermediate_size = 512", "moe_intermediate_size = 16"),
+        ("head_dim = 128", "head_dim = 16"),
+    ] {
+        assert!(tiny.contains(from), "{from}");
+        tiny = tiny.replace(from, to);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kimi-tiny.toml");
+    std::fs::write(&path, tiny).unwrap();
+    let p = path.display().to_string();
+    let out = crate::common::kvflow(&[
+        "bench",
+        "speed",
+        "--model",
+        &p,
+        "--batch",
+        "2",
+        "--prompt",
+        "4",
+        "--steps",
+        "1",
+        "--emulate",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for needle in [
+        "family hybrid_kda, 16 layers",
+        "prefill      kvflow float32: 2 × 4 tokens",
+        "decode       kvflow float32",
+        "0 host waits",
+        "bound        float32 decode step",
+    ] {
+        assert!(stdout.contains(needle), "{needle}: {stdout}");
+    }
+}
