@@ -5,7 +5,8 @@
 #     bash benches/device/speed.sh
 # Writes the seeded 2.0 B hybrid_kda model of benches/device/kimi-2b.toml as a checkpoint, times
 # transformers on it (benches/device/transformers_speed.py), then `kvflow bench speed` beside
-# those figures. Raw output goes to $OUT/speed-run.txt (or ./speed-run.txt).
+# those figures, then the P/D graph against the aggregated one on this GPU (kvflow compare). Raw
+# output goes to $OUT/speed-run.txt (or ./speed-run.txt).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}/speed-run.txt"
@@ -28,5 +29,13 @@ echo "== kvflow bench speed [$(( $(date +%s) - start )) s]"
 baseline=()
 [ -f /tmp/transformers-speed.json ] && baseline=(--baseline /tmp/transformers-speed.json)
 "$bin" bench speed --model "$ckpt" "${baseline[@]}" || status=1
+# P/D against aggregated on the one GPU (both graphs with executor = "cuda", the same trace, seed
+# and 40 requests), side by side through kvflow compare
+for graph in cuda-aggregated pd-1p1d; do
+    sed -e 's/^executor = "cpu"/executor = "cuda"/' -e "s#out/$graph#out/compare-$graph#" "graphs/$graph.toml" > "graphs/.compare-$graph.toml"
+done
+echo "== kvflow compare cuda-aggregated pd-1p1d (executor = cuda, both on this GPU) --limit 40 --verify [$(( $(date +%s) - start )) s]"
+"$bin" compare graphs/.compare-cuda-aggregated.toml graphs/.compare-pd-1p1d.toml --limit 40 --verify 2>&1 | tail -n 30 || status=1
+rm -f graphs/.compare-cuda-aggregated.toml graphs/.compare-pd-1p1d.toml
 echo "== done in $(( $(date +%s) - start )) s, status $status"
 exit $status

@@ -81,6 +81,12 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
     }
 }
 
+// Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
 // y[z][m, n] = (accumulate ? y : 0) + (Σ_k x[z][m, k] · W[z][n, k] + bias[n]), as one fused
 // multiply-add chain over k = 0, 1, … K−1 per element. A block of 16 × 16 threads computes a
 // 16T × 16T tile, T × T elements per thread (T = 4, 2 or 1: `linear`, `linear_t2`, `linear_t1`).
@@ -186,11 +192,30 @@ extern "C" __global__ void __launch_bounds__(256) linear_t1(float* y, const floa
     linear_tile<1>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
 }
 
-// Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-    return __shfl_sync(0xffffffffu, v, 0);
+// The same product for narrow outputs over long inputs (N ≤ 256 and K ≥ 512: low-rank
+// projections, routers), whose long chains the tiles would run on too few blocks: one warp per
+// element, lanes taking k = lane, lane + 32, … in order, then a fixed warp sum. The host picks
+// this kernel by N and K alone (forward.rs, `linear_launch`), so a layer's elements are summed
+// the same way in every step, whatever its batch.
+extern "C" __global__ void linear_narrow(float* y, const float* x, const float* w, const float* bias, int M, int N,
+                                         int K, long long x_stride, long long y_stride, long long x_batch,
+                                         long long w_batch, long long y_batch, int accumulate) {
+    int m = blockIdx.x, n = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (n >= N || m >= M) return;
+    int z = blockIdx.z;
+    const float* xr = x + (size_t)z * x_batch + (size_t)m * x_stride;
+    const float* wr = w + (size_t)z * w_batch + (size_t)n * K;
+    float s = 0.0f;
+    for (int k = lane; k < K; k += 32) s = fmaf(xr[k], wr[k], s);
+    s = warp_sum(s);
+    if (lane == 0) {
+        float v = s;
+        if (bias) v += bias[n];
+        float* dst = y + (size_t)z * y_batch + (size_t)m * y_stride + n;
+        *dst = accumulate ? *dst + v : v;
+    }
 }
+
 
 // The routed pairs grouped by expert: order[offsets[e] .. offsets[e + 1]] are the pairs routed to
 // expert e, ascending. One block; thread e counts and then lists expert e's pairs.

@@ -113,7 +113,8 @@ fn the_device_top_k_picks_the_keys_torch_picks_ties_included() {
 /// Every tile variant of the `linear` kernel (64, 32 and 16 square; the executor picks one by
 /// the launch's shape) gives each element the bits of one fused multiply-add chain over k in
 /// order, then the bias, then the accumulation: the bits never depend on the tile, so neither on
-/// the batch. Shapes with tails in every dimension.
+/// the batch. `linear_narrow` (picked by the output width alone) gives the bits of its own
+/// fixed order. Shapes with tails in every dimension.
 #[test]
 fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     let gpu = emulated();
@@ -132,10 +133,8 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
         }
     }
     let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
-    for (kernel, tile) in [("linear", 64), ("linear_t2", 32), ("linear_t1", 16)] {
-        let y = gpu.upload(&y0).unwrap();
-        let grid = (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1);
-        let args = [
+    let args_for = |y: &kvflow_kernels::cuda::DeviceBuf<f32>| {
+        [
             Arg::Ptr(y.ptr()),
             Arg::Ptr(xd.ptr()),
             Arg::Ptr(wd.ptr()),
@@ -149,10 +148,37 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
             Arg::I64(0),
             Arg::I64(0),
             Arg::I32(1),
-        ];
-        gpu.launch(kernel, grid, 256, 0, &args).unwrap();
+        ]
+    };
+    for (kernel, tile) in [("linear", 64), ("linear_t2", 32), ("linear_t1", 16)] {
+        let y = gpu.upload(&y0).unwrap();
+        let grid = (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1);
+        gpu.launch(kernel, grid, 256, 0, &args_for(&y)).unwrap();
         assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "{kernel}");
     }
+    // linear_narrow (outputs at most 256 wide): per element, lane l sums k = l, l + 32, … in
+    // order, then the warp's shuffle-down tree adds the 32 partial sums
+    let mut want = vec![0.0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut lanes = [0.0f32; 32];
+            for (l, lane) in lanes.iter_mut().enumerate() {
+                for i in (l..k).step_by(32) {
+                    *lane = x[r * k + i].mul_add(w[c * k + i], *lane);
+                }
+            }
+            for o in [16, 8, 4, 2, 1] {
+                let before = lanes;
+                for l in 0..32 {
+                    lanes[l] = before[l] + if l + o < 32 { before[l + o] } else { before[l] };
+                }
+            }
+            want[r * n + c] = y0[r * n + c] + (lanes[0] + bias[c]);
+        }
+    }
+    let y = gpu.upload(&y0).unwrap();
+    gpu.launch("linear_narrow", (m as u32, n.div_ceil(8) as u32, 1), 256, 0, &args_for(&y)).unwrap();
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_narrow");
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -187,15 +187,26 @@ pub(super) fn reduce_threads(dim: usize) -> u32 {
     dim.next_power_of_two().clamp(32, 256) as u32
 }
 
-/// The `linear` kernel for an `m × n` product (`z` of them): the largest tile (64, 32 or 16
-/// square) that still gives every SM two blocks, else the smallest. Each element's chain over k
-/// is the same in every variant, so the choice never changes a bit (`kernels/cuda/model.cu`).
-fn linear_variant(gpu: &Gpu, m: usize, n: usize, z: usize) -> (&'static str, usize) {
+/// Outputs at most this wide (`kernels/cuda/model.cu`'s NARROW_N) summed over at least
+/// [`NARROW_MIN_K`] inputs take `linear_narrow`: long chains on few blocks are what it avoids.
+const NARROW_N: usize = 256;
+const NARROW_MIN_K: usize = 512;
+
+/// How an `m × n` product over `k` (`z` of them) is launched: its kernel and grid. Narrow
+/// outputs over long inputs take `linear_narrow` (one warp per element; chosen by `n` and `k`
+/// alone, so a layer sums its elements one way whatever the batch). Wider ones take the largest tile (64, 32 or 16
+/// square) that still gives every SM two blocks, else the smallest: each tile gives an element
+/// the same fma chain over k, so that choice never changes a bit.
+fn linear_launch(gpu: &Gpu, m: usize, n: usize, k: usize, z: usize) -> (&'static str, (u32, u32, u32)) {
+    if n <= NARROW_N && k >= NARROW_MIN_K {
+        return ("linear_narrow", (m.max(1) as u32, blocks_for(n, 8), z as u32));
+    }
     let blocks = |tile: usize| m.div_ceil(tile) * n.div_ceil(tile) * z;
-    [("linear", 64), ("linear_t2", 32)]
+    let (kernel, tile) = [("linear", 64), ("linear_t2", 32)]
         .into_iter()
         .find(|&(_, tile)| blocks(tile) >= 2 * gpu.sms)
-        .unwrap_or(("linear_t1", 16))
+        .unwrap_or(("linear_t1", 16));
+    (kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
 /// Query heads per attention block (one warp each).
@@ -224,10 +235,10 @@ impl Step<'_> {
         y_stride: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let (kernel, tile) = linear_variant(self.gpu, m, l.n, 1);
+        let (kernel, grid) = linear_launch(self.gpu, m, l.n, l.k, 1);
         self.gpu.launch(
             kernel,
-            (blocks_for(l.n, tile), blocks_for(m, tile), 1),
+            grid,
             256,
             0,
             &[
@@ -263,10 +274,10 @@ impl Step<'_> {
         x_head: usize,
         y_head: usize,
     ) -> Result<(), CudaError> {
-        let (kernel, tile) = linear_variant(self.gpu, self.rows, n, heads);
+        let (kernel, grid) = linear_launch(self.gpu, self.rows, n, k, heads);
         self.gpu.launch(
             kernel,
-            (blocks_for(n, tile), blocks_for(self.rows, tile), heads as u32),
+            grid,
             256,
             0,
             &[
