@@ -244,49 +244,58 @@ extern "C" __global__ void group_pairs(int* order, int* offsets, const int* expe
 }
 
 // Routed expert products, expert by expert: y[p, n] = Σ_k x[p / x_per, k] · W[e][n, k] for the
-// pairs p routed to expert e (`group_pairs`). Block (e, n / 8), one warp per output n; the
-// expert's pairs in chunks of 8, so each weight row is read once per chunk, not once per pair.
-// A pair's value is its own: each lane takes its k in order (four consecutive ones at a time,
-// 4·lane + 128·i + j, when K is a multiple of 4; else lane + 32·i), then a fixed warp sum,
-// whichever pairs share the chunk.
+// pairs p routed to expert e (`group_pairs`). Block (e, n / 32): 8 warps of OUTPUTS_PER_WARP
+// outputs each; the expert's pairs in chunks of PAIRS_PER_PASS, so a lane's loads of x serve
+// four outputs and its loads of W eight pairs. A pair's value is its own: each lane takes its k
+// in order (four consecutive ones at a time, 4·lane + 128·i + j, when K is a multiple of 4; else
+// lane + 32·i), then a fixed warp sum, whichever pairs and outputs share the warp.
 #define PAIRS_PER_PASS 8
+#define OUTPUTS_PER_WARP 4
 extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* order,
                                          const int* offsets, int N, int K, int x_per) {
-    int e = blockIdx.x, n = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (n >= N) return;
-    const float* wr = w + ((size_t)e * N + n) * K;
+    int e = blockIdx.x, lane = threadIdx.x % 32;
+    int n0 = (blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32) * OUTPUTS_PER_WARP;
+    if (n0 >= N) return;
+    int outputs = min(OUTPUTS_PER_WARP, N - n0);
+    const float* wr[OUTPUTS_PER_WARP];
+    for (int j = 0; j < OUTPUTS_PER_WARP; j++) wr[j] = w + ((size_t)e * N + n0 + min(j, outputs - 1)) * K;
     int first = offsets[e], end = offsets[e + 1];
     for (int c0 = first; c0 < end; c0 += PAIRS_PER_PASS) {
         int count = min(PAIRS_PER_PASS, end - c0);
-        float s[PAIRS_PER_PASS];
+        float s[PAIRS_PER_PASS][OUTPUTS_PER_WARP];
         const float* xr[PAIRS_PER_PASS];
         for (int c = 0; c < PAIRS_PER_PASS; c++) {
-            s[c] = 0.0f;
+            for (int j = 0; j < OUTPUTS_PER_WARP; j++) s[c][j] = 0.0f;
             xr[c] = x + (size_t)(order[c0 + min(c, count - 1)] / x_per) * K;
         }
         if (K % 4 == 0) {
-            // four consecutive k per lane and load (rows are 16-byte aligned when K is a multiple of 4)
-            const float4* w4 = (const float4*)wr;
+            // rows are 16-byte aligned when K is a multiple of 4
             for (int k4 = lane; k4 < K / 4; k4 += 32) {
-                float4 wv = w4[k4];
+                float4 wv[OUTPUTS_PER_WARP];
+                for (int j = 0; j < OUTPUTS_PER_WARP; j++) wv[j] = ((const float4*)wr[j])[k4];
                 for (int c = 0; c < PAIRS_PER_PASS; c++) {
                     float4 xv = ((const float4*)xr[c])[k4];
-                    s[c] = fmaf(xv.x, wv.x, s[c]);
-                    s[c] = fmaf(xv.y, wv.y, s[c]);
-                    s[c] = fmaf(xv.z, wv.z, s[c]);
-                    s[c] = fmaf(xv.w, wv.w, s[c]);
+                    for (int j = 0; j < OUTPUTS_PER_WARP; j++) {
+                        s[c][j] = fmaf(xv.x, wv[j].x, s[c][j]);
+                        s[c][j] = fmaf(xv.y, wv[j].y, s[c][j]);
+                        s[c][j] = fmaf(xv.z, wv[j].z, s[c][j]);
+                        s[c][j] = fmaf(xv.w, wv[j].w, s[c][j]);
+                    }
                 }
             }
         } else {
             for (int k = lane; k < K; k += 32) {
-                float wv = wr[k];
-                for (int c = 0; c < PAIRS_PER_PASS; c++) s[c] = fmaf(xr[c][k], wv, s[c]);
+                for (int c = 0; c < PAIRS_PER_PASS; c++) {
+                    float xv = xr[c][k];
+                    for (int j = 0; j < OUTPUTS_PER_WARP; j++) s[c][j] = fmaf(xv, wr[j][k], s[c][j]);
+                }
             }
         }
-        for (int c = 0; c < PAIRS_PER_PASS; c++) {
-            float v = warp_sum(s[c]);
-            if (lane == 0 && c < count) y[(size_t)order[c0 + c] * N + n] = v;
-        }
+        for (int c = 0; c < PAIRS_PER_PASS; c++)
+            for (int j = 0; j < OUTPUTS_PER_WARP; j++) {
+                float v = warp_sum(s[c][j]);
+                if (lane == 0 && c < count && j < outputs) y[(size_t)order[c0 + c] * N + n0 + j] = v;
+            }
     }
 }
 

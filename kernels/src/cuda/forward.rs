@@ -724,7 +724,8 @@ impl Step<'_> {
     ) -> Result<(), CudaError> {
         self.gpu.launch(
             "expert_linear",
-            (experts as u32, blocks_for(n, 8), 1),
+            // 8 warps of 4 outputs a block (`kernels/cuda/model.cu`)
+            (experts as u32, blocks_for(n, 32), 1),
             256,
             0,
             &[
