@@ -2,9 +2,10 @@
 //
 // Batch invariance (DESIGN §6): every value a row gets is reduced in an order fixed by the row's
 // own sizes (hidden width, head width, context length) and never by how many rows share the
-// launch, which tile a row falls in, or which kernel variant would be fastest at that batch size.
-// No split-K, no atomics, no choice of kernel by batch size: a prompt's logits are bit-identical
-// alone and in a batch of 64, which is what `--verify` relies on.
+// launch or which tile a row falls in. No split-K, no atomics. The host picks a `linear` tile by
+// the launch's shape, batch included, only because every tile gives an element the same chain;
+// kernels whose orders differ (`linear_narrow`) are picked by the layer's sizes alone. So a
+// prompt's logits are bit-identical alone and in a batch of 64, which is what `--verify` relies on.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
