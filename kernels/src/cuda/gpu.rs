@@ -177,7 +177,9 @@ pub struct Gpu {
     uploaded: AtomicU64,
     /// Streaming multiprocessors (what a launch's blocks spread over).
     pub sms: usize,
-    /// While profiling (benches only): each launch's kernel and its start and end events.
+    /// While profiling (benches only): each launch's kernel and its start and end events. The
+    /// flag keeps the lock off every other launch.
+    profiling: std::sync::atomic::AtomicBool,
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
 }
 
@@ -211,6 +213,7 @@ impl Gpu {
             backend: Backend::Cuda { ctx, stream, kernels },
             host_waits: AtomicU64::new(0),
             uploaded: AtomicU64::new(0),
+            profiling: std::sync::atomic::AtomicBool::new(false),
             profile: Mutex::new(None),
         }))
     }
@@ -224,6 +227,7 @@ impl Gpu {
             backend: Backend::Host(Emulator::get()?),
             host_waits: AtomicU64::new(0),
             uploaded: AtomicU64::new(0),
+            profiling: std::sync::atomic::AtomicBool::new(false),
             profile: Mutex::new(None),
         }))
     }
@@ -270,8 +274,11 @@ impl Gpu {
                     .functions
                     .get(name)
                     .ok_or_else(|| CudaError::Unsupported(format!("no kernel {name} in kernels/cuda")))?;
-                let mut profile = self.profile.lock().unwrap_or_else(|e| e.into_inner());
-                let timed = match profile.as_mut() {
+                let mut profile = self
+                    .profiling
+                    .load(Ordering::Relaxed)
+                    .then(|| self.profile.lock().unwrap_or_else(|e| e.into_inner()));
+                let timed = match profile.as_mut().and_then(|p| p.as_mut()) {
                     Some(launches) => {
                         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
                         let start = ctx.new_event(timing).map_err(self.err("creating an event"))?;
@@ -457,11 +464,13 @@ impl Gpu {
     /// Starts timing every launch on the device (benches only: two events a launch).
     pub fn start_profile(&self) {
         *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        self.profiling.store(true, Ordering::Relaxed);
     }
 
     /// Stops timing and returns each kernel's launches and device milliseconds since
     /// [`Gpu::start_profile`], most time first (waits for the stream; empty when emulated).
     pub fn take_profile(&self) -> Result<KernelTimes, CudaError> {
+        self.profiling.store(false, Ordering::Relaxed);
         let launches = self.profile.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
         let mut by_name: HashMap<String, (usize, f64)> = HashMap::new();
         for (name, start, end) in launches {
