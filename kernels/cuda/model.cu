@@ -88,40 +88,43 @@ __device__ __forceinline__ float warp_sum(float v) {
     return __shfl_sync(0xffffffffu, v, 0);
 }
 
-// y[z][m, n] = (accumulate ? y : 0) + (Σ_k x[z][m, k] · W[z][n, k] + bias[n]), as one fused
-// multiply-add chain over k = 0, 1, … K−1 per element. A block of 16 × 16 threads computes a
-// 16T × 16T tile, T × T elements per thread (T = 4, 2 or 1: `linear`, `linear_t2`, `linear_t1`).
-// An element's chain depends on its row of x and of W only — never on M, on the tile size or on
-// where the row falls in a tile — so the host may pick the tile by the launch's shape (smaller
-// tiles when the big ones would leave SMs idle) and every variant gives the same bits.
+// y[z][m, n] = (accumulate ? y : 0) + (Σ_c chain_c + bias[n]): k in chunks of LINEAR_CHUNK,
+// each chunk one fused multiply-add chain over its k in order (from 0), the chunks' chains added
+// in order (from 0). A block of 16 × 16 threads computes a 16T × 16T tile, T × T elements per
+// thread (T = 4, 2 or 1: `linear`, `linear_t2`, `linear_t1`), or one chunk of a 64 × 64 tile
+// whose chains `linear_chunks_sum` then adds (`linear_split`: skinny products whose tiles alone
+// would leave SMs idle). An element's value depends on its row of x and of W only — never on M,
+// on the kernel or on where the row falls in a tile — so the host may pick the kernel by the
+// launch's shape, batch included, and every choice gives the same bits.
 // z batches independent products (MLA's per-head absorptions).
 #define BK 16
+#define LINEAR_CHUNK 256
 template <int T>
 __device__ __forceinline__ void linear_tile(float* y, const float* x, const float* w, const float* bias, int M, int N,
                                             int K, long long x_stride, long long y_stride, long long x_batch,
-                                            long long w_batch, long long y_batch, int accumulate) {
+                                            long long w_batch, long long y_batch, int accumulate, int z, int k_lo,
+                                            int k_hi, float* chunk_out) {
     constexpr int TILE = 16 * T;
     // two k-tiles in shared memory: the next one is fetched from global memory into registers
     // while this one is multiplied, then stored into the other buffer
     __shared__ float As[2][BK][TILE + 4];
     __shared__ float Bs[2][BK][TILE + 4];
-    int z = blockIdx.z;
     x += (size_t)z * x_batch;
     w += (size_t)z * w_batch;
     y += (size_t)z * y_batch;
     int m0 = blockIdx.y * TILE, n0 = blockIdx.x * TILE;
     int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-    float acc[T][T];
+    float acc[T][T], total[T][T];
     for (int i = 0; i < T; i++)
-        for (int j = 0; j < T; j++) acc[i][j] = 0.0f;
+        for (int j = 0; j < T; j++) acc[i][j] = total[i][j] = 0.0f;
     float xa[T], wb[T];
     // this thread's share of k-tile k0: T values of x and T of W (zero past the edges)
     auto fetch = [&](int k0) {
         for (int q = 0; q < T; q++) {
             int idx = tid + 256 * q, rr = idx / BK, kk = idx % BK;
             int m = m0 + rr, n = n0 + rr, k = k0 + kk;
-            xa[q] = (m < M && k < K) ? x[(size_t)m * x_stride + k] : 0.0f;
-            wb[q] = (n < N && k < K) ? w[(size_t)n * K + k] : 0.0f;
+            xa[q] = (m < M && k < k_hi) ? x[(size_t)m * x_stride + k] : 0.0f;
+            wb[q] = (n < N && k < k_hi) ? w[(size_t)n * K + k] : 0.0f;
         }
     };
     auto store = [&](int buf) {
@@ -131,14 +134,20 @@ __device__ __forceinline__ void linear_tile(float* y, const float* x, const floa
             Bs[buf][kk][rr] = wb[q];
         }
     };
-    fetch(0);
+    fetch(k_lo);
     store(0);
     __syncthreads();
     int buf = 0;
-    for (int k0 = 0; k0 < K; k0 += BK) {
-        bool more = k0 + BK < K;
+    for (int k0 = k_lo; k0 < k_hi; k0 += BK) {
+        if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0)
+            for (int i = 0; i < T; i++)
+                for (int j = 0; j < T; j++) {
+                    total[i][j] += acc[i][j];
+                    acc[i][j] = 0.0f;
+                }
+        bool more = k0 + BK < k_hi;
         if (more) fetch(k0 + BK);
-        int kmax = min(BK, K - k0);
+        int kmax = min(BK, k_hi - k0);
         if (kmax == BK) {
 #pragma unroll
             for (int kk = 0; kk < BK; kk++) {
@@ -167,7 +176,11 @@ __device__ __forceinline__ void linear_tile(float* y, const float* x, const floa
         for (int j = 0; j < T; j++) {
             int n = n0 + tx + 16 * j;
             if (n >= N) continue;
-            float v = acc[i][j];
+            if (chunk_out) {
+                chunk_out[(size_t)m * N + n] = acc[i][j];
+                continue;
+            }
+            float v = total[i][j] + acc[i][j];
             if (bias) v += bias[n];
             float* dst = y + (size_t)m * y_stride + n;
             *dst = accumulate ? *dst + v : v;
@@ -178,19 +191,47 @@ __device__ __forceinline__ void linear_tile(float* y, const float* x, const floa
 extern "C" __global__ void __launch_bounds__(256) linear(float* y, const float* x, const float* w, const float* bias,
                                   int M, int N, int K, long long x_stride, long long y_stride,
                                   long long x_batch, long long w_batch, long long y_batch, int accumulate) {
-    linear_tile<4>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
+    linear_tile<4>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate, blockIdx.z, 0, K,
+                   nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) linear_t2(float* y, const float* x, const float* w, const float* bias,
                                   int M, int N, int K, long long x_stride, long long y_stride,
                                   long long x_batch, long long w_batch, long long y_batch, int accumulate) {
-    linear_tile<2>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
+    linear_tile<2>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate, blockIdx.z, 0, K,
+                   nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(256) linear_t1(float* y, const float* x, const float* w, const float* bias,
                                   int M, int N, int K, long long x_stride, long long y_stride,
                                   long long x_batch, long long w_batch, long long y_batch, int accumulate) {
-    linear_tile<1>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate);
+    linear_tile<1>(y, x, w, bias, M, N, K, x_stride, y_stride, x_batch, w_batch, y_batch, accumulate, blockIdx.z, 0, K,
+                   nullptr);
+}
+
+// One chunk's chains of a 64 × 64 tile: blockIdx.z = product · chunks + chunk; the chains go to
+// partial[(product · chunks + chunk) · M · N + m · N + n].
+extern "C" __global__ void __launch_bounds__(256) linear_split(float* partial, const float* x, const float* w, int M,
+                                  int N, int K, long long x_stride, long long x_batch, long long w_batch, int chunks) {
+    int z = blockIdx.z / chunks, c = blockIdx.z % chunks;
+    int k_lo = c * LINEAR_CHUNK, k_hi = min(K, k_lo + LINEAR_CHUNK);
+    linear_tile<4>(nullptr, x, w, nullptr, M, N, K, x_stride, 0, x_batch, w_batch, 0, 0, z, k_lo, k_hi,
+                   partial + (size_t)blockIdx.z * M * N);
+}
+
+// y[z][m, n] = (accumulate ? y : 0) + (Σ_c partial[z][c][m, n] + bias[n]), chunks in order.
+extern "C" __global__ void linear_chunks_sum(float* y, const float* partial, const float* bias, int M, int N,
+                                             int chunks, long long y_stride, long long y_batch, int accumulate) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    int z = blockIdx.y;
+    if (i >= (size_t)M * N) return;
+    int m = i / N, n = i % N;
+    const float* p = partial + (size_t)z * chunks * M * N + i;
+    float v = 0.0f;
+    for (int c = 0; c < chunks; c++) v += p[(size_t)c * M * N];
+    if (bias) v += bias[n];
+    float* dst = y + (size_t)z * y_batch + (size_t)m * y_stride + n;
+    *dst = accumulate ? *dst + v : v;
 }
 
 // The same product for narrow outputs over long inputs (N ≤ 256 and K ≥ 512: low-rank
@@ -309,29 +350,43 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 }
 
 #define KEYS_AT_ONCE 4
-// Causal attention over the paged cache, read through the block tables: one warp per (row,
-// query head); keys in position order with a running max and sum (fixed order per row). Row r
-// is at position positions[r] of sequence seqs[r], whose blocks start at tables[table_at[seq]];
-// it sees positions max(0, p + 1 − window) ..= p (window 0: all), or, where `selected` is given
-// and counts[r] ≥ 0 (DeepSeek-V3.2's indexer, kernels/cuda/indexer.cu), the counts[r] positions
-// at selected[r * selected_stride ..], ascending.
+#define HEADS_PER_BLOCK 4
+#define STAGED_KEYS 8
+#define MAX_QK_PER_LANE 24  // head widths up to 768 for scores
+#define MAX_V_PER_LANE 16   // and 512 for values (forward.rs checks both)
+// Causal attention over the paged cache, read through the block tables. Block (row, kv head g,
+// part): up to HEADS_PER_BLOCK of g's query heads, one warp each, sharing the keys and values
+// the block stages in shared memory STAGED_KEYS at a time. Row r is at position positions[r] of
+// sequence seqs[r], whose blocks start at tables[table_at[seq]]; it sees positions max(0, p + 1 −
+// window) ..= p (window 0: all), or, where `selected` is given and counts[r] ≥ 0 (DeepSeek-V3.2's
+// indexer, kernels/cuda/indexer.cu), the counts[r] positions at selected[r * selected_stride ..],
+// ascending. A head's keys go in position order with a running max and sum: lane l holds q and
+// the output at d = l, l + 32, …; a key's score is the lane's fma chain over its d in order, then
+// a fixed warp sum — an order fixed by the row alone, whatever the batch and the block.
 extern "C" __global__ void paged_attention(float* out, const float* q, const float* cache, const u32* tables,
                                            const u32* table_at, const int* positions, const int* seqs, int rows,
                                            int q_heads, int kv_heads, int qk_dim, int v_dim, int k_offset,
                                            int v_offset, int row_width, int block_size, int window, float scale,
                                            long long q_stride, const int* selected, const int* counts,
                                            int selected_stride) {
-    DYNAMIC_SHARED(float, smem);
-    int warp_in_block = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int item = blockIdx.x * (blockDim.x / 32) + warp_in_block;
-    if (item >= rows * q_heads) return;
-    int r = item / q_heads, h = item % q_heads, g = h / (q_heads / kv_heads);
-    float* qs = smem + warp_in_block * (qk_dim + v_dim);
-    float* acc = qs + qk_dim;
+    DYNAMIC_SHARED(float, staged);  // STAGED_KEYS × [k (qk_dim) | v (v_dim)]
+    __shared__ size_t key_row[STAGED_KEYS];
+    int group = q_heads / kv_heads, parts = (group + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    int r = blockIdx.x / (kv_heads * parts), g = blockIdx.x / parts % kv_heads, part = blockIdx.x % parts;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= rows) return;
+    // a warp past the group's last head only helps to stage
+    bool active = part * HEADS_PER_BLOCK + warp < group;
+    int h = g * group + part * HEADS_PER_BLOCK + warp;
+    float qr[MAX_QK_PER_LANE], acc[MAX_V_PER_LANE];
     const float* qh = q + (size_t)r * q_stride + (size_t)h * qk_dim;
-    for (int d = lane; d < qk_dim; d += 32) qs[d] = qh[d];
-    for (int d = lane; d < v_dim; d += 32) acc[d] = 0.0f;
-    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < MAX_QK_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        qr[i] = active && d < qk_dim ? qh[d] : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < MAX_V_PER_LANE; i++) acc[i] = 0.0f;
     int p = positions[r];
     const u32* table = tables + table_at[seqs[r]];
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
@@ -339,37 +394,57 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     int picked = selected ? counts[r] : -1;
     const int* keys = picked >= 0 ? selected + (size_t)r * selected_stride : nullptr;
     int n_keys = picked >= 0 ? picked : p + 1 - lo;
-    // Keys in groups of KEYS_AT_ONCE: their dot products are loaded and summed together (so the
-    // loads overlap), then folded into the running softmax one by one in position order — each
-    // key's score and update exactly as one at a time.
+    int width = qk_dim + v_dim;
     const float* k_base = cache + k_offset + (size_t)g * qk_dim;
     const float* v_base = cache + v_offset + (size_t)g * v_dim;
-    for (int i0 = 0; i0 < n_keys; i0 += KEYS_AT_ONCE) {
-        int group = min(KEYS_AT_ONCE, n_keys - i0);
-        size_t row[KEYS_AT_ONCE];
-        float s[KEYS_AT_ONCE];
-        for (int u = 0; u < KEYS_AT_ONCE; u++) {
-            int pos = keys ? keys[i0 + min(u, group - 1)] : lo + i0 + min(u, group - 1);
-            row[u] = ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_width;
-            s[u] = 0.0f;
+    for (int s0 = 0; s0 < n_keys; s0 += STAGED_KEYS) {
+        int count = min(STAGED_KEYS, n_keys - s0);
+        __syncthreads();  // every warp is done with the previous stage
+        if (threadIdx.x < count) {
+            int pos = keys ? keys[s0 + threadIdx.x] : lo + s0 + threadIdx.x;
+            key_row[threadIdx.x] = ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_width;
         }
-        for (int d = lane; d < qk_dim; d += 32) {
-            float qd = qs[d];
-            for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = fmaf(qd, k_base[row[u] + d], s[u]);
-        }
-        for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = warp_sum(s[u]) * scale;
-        for (int u = 0; u < group; u++) {
-            float m_new = fmaxf(m, s[u]);
-            float corr = expf(m - m_new), e = expf(s[u] - m_new);
-            l = l * corr + e;
-            const float* vr = v_base + row[u];
-            for (int d = lane; d < v_dim; d += 32) acc[d] = acc[d] * corr + e * vr[d];
-            m = m_new;
+        __syncthreads();
+        for (int u = 0; u < count; u++)
+            for (int d = threadIdx.x; d < width; d += blockDim.x)
+                staged[u * width + d] = d < qk_dim ? k_base[key_row[u] + d] : v_base[key_row[u] + d - qk_dim];
+        __syncthreads();
+        if (!active) continue;
+        // KEYS_AT_ONCE scores summed together, then folded into the running softmax one by one
+        // in position order — each key's score and update exactly as one at a time
+        for (int i0 = 0; i0 < count; i0 += KEYS_AT_ONCE) {
+            int keys_now = min(KEYS_AT_ONCE, count - i0);
+            float s[KEYS_AT_ONCE];
+            for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MAX_QK_PER_LANE; i++) {
+                int d = lane + 32 * i;
+                if (d < qk_dim)
+                    for (int u = 0; u < KEYS_AT_ONCE; u++)
+                        s[u] = fmaf(qr[i], staged[(i0 + min(u, keys_now - 1)) * width + d], s[u]);
+            }
+            for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = warp_sum(s[u]) * scale;
+            for (int u = 0; u < keys_now; u++) {
+                float m_new = fmaxf(m, s[u]);
+                float corr = expf(m - m_new), e = expf(s[u] - m_new);
+                l = l * corr + e;
+                const float* vr = staged + (i0 + u) * width + qk_dim;
+#pragma unroll
+                for (int i = 0; i < MAX_V_PER_LANE; i++) {
+                    int d = lane + 32 * i;
+                    if (d < v_dim) acc[i] = acc[i] * corr + e * vr[d];
+                }
+                m = m_new;
+            }
         }
     }
-    __syncwarp();
+    if (!active) return;
     float* o = out + (size_t)r * q_heads * v_dim + (size_t)h * v_dim;
-    for (int d = lane; d < v_dim; d += 32) o[d] = acc[d] / l;
+#pragma unroll
+    for (int i = 0; i < MAX_V_PER_LANE; i++) {
+        int d = lane + 32 * i;
+        if (d < v_dim) o[d] = acc[i] / l;
+    }
 }
 
 // dst[r * dst_stride + dst_offset + h * dst_head + i] = src[r * src_stride + src_offset + h * src_head + i]
@@ -510,11 +585,15 @@ __device__ __forceinline__ u64 mix(u64 state, u64 value) {
 // Greedy sampling of each logits row, on the device: the argmax (first on a tie) written to the
 // token ring at ring_slots[i], whether the row is all finite, and kvflow_kernels::hash::logits_row
 // of its bit patterns (what --verify compares), into results[i] = {token, finite, hash lo, hash hi}.
+// The hash: each LOGITS_SEGMENT values hashed by one thread, then thread 0 chains the segments'
+// hashes in order, blockDim of them at a time.
+#define LOGITS_SEGMENT 256
 extern "C" __global__ void sample_greedy(u32* results, u32* ring, const int* ring_slots, const float* logits,
                                          int vocab) {
     __shared__ float best_v[256];
     __shared__ int best_i[256];
     __shared__ int all_finite[256];
+    __shared__ u64 segment_hash[256];
     int i = blockIdx.x;
     const float* row = logits + (size_t)i * vocab;
     float bv = -KV_INFINITY;
@@ -542,14 +621,26 @@ extern "C" __global__ void sample_greedy(u32* results, u32* ring, const int* rin
         }
         __syncthreads();
     }
+    const u32* bits = (const u32*)row;
+    int segments = (vocab + LOGITS_SEGMENT - 1) / LOGITS_SEGMENT;
+    u64 h = mix(0xcbf29ce484222325ull, (u64)vocab);
+    for (int s0 = 0; s0 < segments; s0 += blockDim.x) {
+        int s = s0 + threadIdx.x;
+        if (s < segments) {
+            int c = s * LOGITS_SEGMENT, end = min(vocab, c + LOGITS_SEGMENT);
+            u64 sh = 0xcbf29ce484222325ull;
+            for (; c + 1 < end; c += 2) sh = mix(sh, ((u64)bits[c] << 32) | (u64)bits[c + 1]);
+            if (c < end) sh = mix(sh, (u64)bits[c]);
+            segment_hash[threadIdx.x] = sh;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int j = 0; j < min((int)blockDim.x, segments - s0); j++) h = mix(h, segment_hash[j]);
+        __syncthreads();
+    }
     if (threadIdx.x == 0) {
         u32 token = all_finite[0] ? (u32)best_i[0] : 0u;
         ring[ring_slots[i]] = token;
-        u64 h = mix(0xcbf29ce484222325ull, (u64)vocab);
-        const u32* bits = (const u32*)row;
-        int c = 0;
-        for (; c + 1 < vocab; c += 2) h = mix(h, ((u64)bits[c] << 32) | (u64)bits[c + 1]);
-        if (c < vocab) h = mix(h, (u64)bits[c]);
         results[4 * i] = token;
         results[4 * i + 1] = (u32)all_finite[0];
         results[4 * i + 2] = (u32)(h & 0xffffffffull);

@@ -30,11 +30,22 @@ pub fn chain_row(state: u64, row: u64) -> u64 {
     mix(state, row)
 }
 
-/// Hash of the bit patterns of a logits row, continuing from `state`.
+/// Values per segment of a logits row's hash: each segment is hashed on its own and the row's
+/// hash chains the segments' hashes, so a GPU hashes a row's segments in parallel
+/// (`kernels/cuda/model.cu`'s sample_greedy).
+pub const LOGITS_SEGMENT: usize = 256;
+
+/// Hash of the bit patterns of a logits row, continuing from `state`: its length, then the hash
+/// of each [`LOGITS_SEGMENT`] values in order.
 pub fn logits_bits(state: u64, logits: &[f32]) -> u64 {
-    // Pack two f32 bit patterns per mix: the row is long.
-    let mut h = mix(state, logits.len() as u64);
-    let mut pairs = logits.chunks_exact(2);
+    let h = mix(state, logits.len() as u64);
+    logits.chunks(LOGITS_SEGMENT).fold(h, |h, segment| mix(h, segment_bits(segment)))
+}
+
+/// Hash of one segment: two f32 bit patterns per mix (a lone last one by itself), from [`EMPTY`].
+fn segment_bits(segment: &[f32]) -> u64 {
+    let mut h = EMPTY;
+    let mut pairs = segment.chunks_exact(2);
     for p in &mut pairs {
         h = mix(h, (p[0].to_bits() as u64) << 32 | p[1].to_bits() as u64);
     }

@@ -118,18 +118,24 @@ fn the_device_top_k_picks_the_keys_torch_picks_ties_included() {
 #[test]
 fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     let gpu = emulated();
-    let (m, n, k) = (37usize, 50usize, 70usize);
+    // k spans three chunks of 256 (model.cu's LINEAR_CHUNK), the last one partial
+    let (m, n, k) = (37usize, 50usize, 600usize);
     let mut rng = kvflow::bench::device::Lcg(9);
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 1000.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
+    // per element: one fma chain per chunk of 256 inputs, the chains added in order
     let mut want = vec![0.0f32; m * n];
     for r in 0..m {
         for c in 0..n {
-            let mut acc = 0.0f32;
-            for i in 0..k {
-                acc = x[r * k + i].mul_add(w[c * k + i], acc);
+            let mut total = 0.0f32;
+            for chunk in (0..k).step_by(256) {
+                let mut acc = 0.0f32;
+                for i in chunk..(chunk + 256).min(k) {
+                    acc = x[r * k + i].mul_add(w[c * k + i], acc);
+                }
+                total += acc;
             }
-            want[r * n + c] = y0[r * n + c] + (acc + bias[c]);
+            want[r * n + c] = y0[r * n + c] + (total + bias[c]);
         }
     }
     let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
@@ -156,6 +162,37 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
         gpu.launch(kernel, grid, 256, 0, &args_for(&y)).unwrap();
         assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "{kernel}");
     }
+    // the split: each chunk's chains by its own blocks, then added in chunk order
+    let chunks = k.div_ceil(256);
+    let partial = gpu.zeros::<f32>(chunks * m * n).unwrap();
+    let split_args = [
+        Arg::Ptr(partial.ptr()),
+        Arg::Ptr(xd.ptr()),
+        Arg::Ptr(wd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(k as i32),
+        Arg::I64(k as i64),
+        Arg::I64(0),
+        Arg::I64(0),
+        Arg::I32(chunks as i32),
+    ];
+    gpu.launch("linear_split", (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks as u32), 256, 0, &split_args)
+        .unwrap();
+    let y = gpu.upload(&y0).unwrap();
+    let sum_args = [
+        Arg::Ptr(y.ptr()),
+        Arg::Ptr(partial.ptr()),
+        Arg::Ptr(bd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(chunks as i32),
+        Arg::I64(n as i64),
+        Arg::I64(0),
+        Arg::I32(1),
+    ];
+    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum_args).unwrap();
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_split + linear_chunks_sum");
     // linear_narrow (outputs at most 256 wide): per element, lane l sums k = l, l + 32, … in
     // order, then the warp's shuffle-down tree adds the 32 partial sums
     let mut want = vec![0.0f32; m * n];

@@ -192,25 +192,131 @@ pub(super) fn reduce_threads(dim: usize) -> u32 {
 const NARROW_N: usize = 256;
 const NARROW_MIN_K: usize = 512;
 
-/// How an `m × n` product over `k` (`z` of them) is launched: its kernel and grid. Narrow
-/// outputs over long inputs take `linear_narrow` (one warp per element; chosen by `n` and `k`
-/// alone, so a layer sums its elements one way whatever the batch). Wider ones take the largest tile (64, 32 or 16
-/// square) that still gives every SM two blocks, else the smallest: each tile gives an element
-/// the same fma chain over k, so that choice never changes a bit.
-fn linear_launch(gpu: &Gpu, m: usize, n: usize, k: usize, z: usize) -> (&'static str, (u32, u32, u32)) {
-    if n <= NARROW_N && k >= NARROW_MIN_K {
-        return ("linear_narrow", (m.max(1) as u32, blocks_for(n, 8), z as u32));
-    }
-    let blocks = |tile: usize| m.div_ceil(tile) * n.div_ceil(tile) * z;
-    let (kernel, tile) = [("linear", 64), ("linear_t2", 32)]
-        .into_iter()
-        .find(|&(_, tile)| blocks(tile) >= 2 * gpu.sms)
-        .unwrap_or(("linear_t1", 16));
-    (kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
+/// `kernels/cuda/model.cu`'s LINEAR_CHUNK: the inputs each fma chain of a product covers.
+const LINEAR_CHUNK: usize = 256;
+
+/// How an `m × n` product over `k` (`z` of them) is launched.
+#[derive(Debug, PartialEq)]
+enum LinearPlan {
+    /// One kernel writes y: `linear_narrow` or a square tile.
+    Whole(&'static str, (u32, u32, u32)),
+    /// `linear_split` writes each chunk's chains of 64 × 64 tiles, `linear_chunks_sum` adds them.
+    Split { chunks: usize, grid: (u32, u32, u32) },
 }
 
-/// Query heads per attention block (one warp each).
+/// Narrow outputs over long inputs take `linear_narrow` (one warp per element; chosen by `n` and
+/// `k` alone, so a layer sums its elements one way whatever the batch). Wider ones take 64-square
+/// tiles when they give every SM two blocks; else those tiles split by chunk of k when that does;
+/// else the largest smaller tile (32 or 16) that does, else the smallest. Every tile and the split
+/// give an element the same chains, so these choices never change a bit.
+fn linear_plan(gpu: &Gpu, m: usize, n: usize, k: usize, z: usize) -> LinearPlan {
+    if n <= NARROW_N && k >= NARROW_MIN_K {
+        return LinearPlan::Whole("linear_narrow", (m.max(1) as u32, blocks_for(n, 8), z as u32));
+    }
+    let blocks = |tile: usize| m.div_ceil(tile) * n.div_ceil(tile) * z;
+    let enough = 2 * gpu.sms;
+    let chunks = k.div_ceil(LINEAR_CHUNK);
+    if blocks(64) < enough && chunks > 1 && blocks(64) * chunks >= enough {
+        return LinearPlan::Split { chunks, grid: (blocks_for(n, 64), blocks_for(m, 64), (z * chunks) as u32) };
+    }
+    let (kernel, tile) = [("linear", 64), ("linear_t2", 32)]
+        .into_iter()
+        .find(|&(_, tile)| blocks(tile) >= enough)
+        .unwrap_or(("linear_t1", 16));
+    LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
+}
+
+/// One product `y[z] = (accumulate ? y[z] : 0) + x[z] · W[z]ᵀ + bias` as [`linear_plan`] says.
+pub(super) struct Product {
+    pub y: u64,
+    pub x: u64,
+    pub w: u64,
+    pub bias: u64,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub z: usize,
+    pub x_stride: usize,
+    pub y_stride: usize,
+    pub x_batch: usize,
+    pub w_batch: usize,
+    pub y_batch: usize,
+    pub accumulate: bool,
+}
+
+impl Product {
+    pub(super) fn launch(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        match linear_plan(gpu, self.m, self.n, self.k, self.z) {
+            LinearPlan::Whole(kernel, grid) => gpu.launch(
+                kernel,
+                grid,
+                256,
+                0,
+                &[
+                    Arg::Ptr(self.y),
+                    Arg::Ptr(self.x),
+                    Arg::Ptr(self.w),
+                    Arg::Ptr(self.bias),
+                    Arg::I32(self.m as i32),
+                    Arg::I32(self.n as i32),
+                    Arg::I32(self.k as i32),
+                    Arg::I64(self.x_stride as i64),
+                    Arg::I64(self.y_stride as i64),
+                    Arg::I64(self.x_batch as i64),
+                    Arg::I64(self.w_batch as i64),
+                    Arg::I64(self.y_batch as i64),
+                    Arg::I32(self.accumulate as i32),
+                ],
+            ),
+            LinearPlan::Split { chunks, grid } => {
+                let (m, n) = (self.m, self.n);
+                let partial = gpu.scratch::<f32>(self.z * chunks * m * n)?;
+                gpu.launch(
+                    "linear_split",
+                    grid,
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(partial.ptr()),
+                        Arg::Ptr(self.x),
+                        Arg::Ptr(self.w),
+                        Arg::I32(m as i32),
+                        Arg::I32(n as i32),
+                        Arg::I32(self.k as i32),
+                        Arg::I64(self.x_stride as i64),
+                        Arg::I64(self.x_batch as i64),
+                        Arg::I64(self.w_batch as i64),
+                        Arg::I32(chunks as i32),
+                    ],
+                )?;
+                gpu.launch(
+                    "linear_chunks_sum",
+                    (blocks_for(m * n, 256), self.z as u32, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(self.y),
+                        Arg::Ptr(partial.ptr()),
+                        Arg::Ptr(self.bias),
+                        Arg::I32(m as i32),
+                        Arg::I32(n as i32),
+                        Arg::I32(chunks as i32),
+                        Arg::I64(self.y_stride as i64),
+                        Arg::I64(self.y_batch as i64),
+                        Arg::I32(self.accumulate as i32),
+                    ],
+                )
+            }
+        }
+    }
+}
+
+/// `kernels/cuda/model.cu`'s paged_attention: query heads of one kv head per block (one warp
+/// each), keys staged at a time, and the widest heads it holds in registers.
 const HEADS_PER_BLOCK: usize = 4;
+const STAGED_KEYS: usize = 8;
+const MAX_QK_WIDTH: usize = 24 * 32;
+const MAX_V_WIDTH: usize = 16 * 32;
 
 pub(super) struct Step<'a> {
     pub(super) gpu: &'a Gpu,
@@ -235,28 +341,23 @@ impl Step<'_> {
         y_stride: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
-        let (kernel, grid) = linear_launch(self.gpu, m, l.n, l.k, 1);
-        self.gpu.launch(
-            kernel,
-            grid,
-            256,
-            0,
-            &[
-                Arg::Ptr(y),
-                Arg::Ptr(x),
-                Arg::Ptr(l.w.ptr()),
-                Arg::Ptr(l.bias.as_ref().map_or(0, DeviceBuf::ptr)),
-                Arg::I32(m as i32),
-                Arg::I32(l.n as i32),
-                Arg::I32(l.k as i32),
-                Arg::I64(x_stride as i64),
-                Arg::I64(y_stride as i64),
-                Arg::I64(0),
-                Arg::I64(0),
-                Arg::I64(0),
-                Arg::I32(accumulate as i32),
-            ],
-        )
+        Product {
+            y,
+            x,
+            w: l.w.ptr(),
+            bias: l.bias.as_ref().map_or(0, DeviceBuf::ptr),
+            m,
+            n: l.n,
+            k: l.k,
+            z: 1,
+            x_stride,
+            y_stride,
+            x_batch: 0,
+            w_batch: 0,
+            y_batch: 0,
+            accumulate,
+        }
+        .launch(self.gpu)
     }
 
     /// `heads` independent products `y[z] = x[z] · W[z]ᵀ` (`W[z]` is `[n × k]`).
@@ -274,28 +375,23 @@ impl Step<'_> {
         x_head: usize,
         y_head: usize,
     ) -> Result<(), CudaError> {
-        let (kernel, grid) = linear_launch(self.gpu, self.rows, n, k, heads);
-        self.gpu.launch(
-            kernel,
-            grid,
-            256,
-            0,
-            &[
-                Arg::Ptr(y),
-                Arg::Ptr(x),
-                Arg::Ptr(w),
-                Arg::Ptr(0),
-                Arg::I32(self.rows as i32),
-                Arg::I32(n as i32),
-                Arg::I32(k as i32),
-                Arg::I64(x_stride as i64),
-                Arg::I64(y_stride as i64),
-                Arg::I64(x_head as i64),
-                Arg::I64((n * k) as i64),
-                Arg::I64(y_head as i64),
-                Arg::I32(0),
-            ],
-        )
+        Product {
+            y,
+            x,
+            w,
+            bias: 0,
+            m: self.rows,
+            n,
+            k,
+            z: heads,
+            x_stride,
+            y_stride,
+            x_batch: x_head,
+            w_batch: n * k,
+            y_batch: y_head,
+            accumulate: false,
+        }
+        .launch(self.gpu)
     }
 
     /// RMSNorm of `count` vectors, `per_row` per row of `row_stride` floats from `offset`.
@@ -374,12 +470,18 @@ impl Step<'_> {
         scale: f32,
         sparse: Option<&Selection>,
     ) -> Result<(), CudaError> {
-        let items = self.rows * q_heads;
+        if qk > MAX_QK_WIDTH || v > MAX_V_WIDTH {
+            return Err(CudaError::Unsupported(format!(
+                "attention heads of {qk} (scores) and {v} (values): the CUDA kernel holds at most {MAX_QK_WIDTH} and \
+                 {MAX_V_WIDTH}"
+            )));
+        }
+        let parts = (q_heads / kv_heads).div_ceil(HEADS_PER_BLOCK);
         self.gpu.launch(
             "paged_attention",
-            (blocks_for(items, HEADS_PER_BLOCK), 1, 1),
+            ((self.rows * kv_heads * parts) as u32, 1, 1),
             (32 * HEADS_PER_BLOCK) as u32,
-            (HEADS_PER_BLOCK * (qk + v) * 4) as u32,
+            (STAGED_KEYS * (qk + v) * 4) as u32,
             &[
                 Arg::Ptr(out),
                 Arg::Ptr(q),
