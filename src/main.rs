@@ -340,6 +340,9 @@ enum BenchCommand {
         /// nothing of a GPU's).
         #[arg(long)]
         emulate: bool,
+        /// The products' weights: float32, bfloat16 or both (one after the other).
+        #[arg(long, default_value = "both", value_parser = ["float32", "bfloat16", "both"])]
+        dtype: String,
     },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
@@ -705,7 +708,12 @@ fn run() -> Result<()> {
         Command::Bench { what: BenchCommand::Device { fixtures, gpu, emulate, blocks_out } } => {
             kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out })?;
         }
-        Command::Bench { what: BenchCommand::Speed { model, gpu, batch, prompt, steps, baseline, emulate } } => {
+        Command::Bench { what: BenchCommand::Speed { model, gpu, batch, prompt, steps, baseline, emulate, dtype } } => {
+            use kvflow_kernels::cuda::Dtype;
+            let dtypes = match dtype.as_str() {
+                "both" => vec![Dtype::Float32, Dtype::Bfloat16],
+                one => Dtype::parse(one).into_iter().collect(),
+            };
             kvflow::bench::speed::run(&kvflow::bench::speed::SpeedBenchArgs {
                 model,
                 gpu,
@@ -714,6 +722,7 @@ fn run() -> Result<()> {
                 steps,
                 baseline,
                 emulate,
+                dtypes,
             })?;
         }
         Command::Bench { what: BenchCommand::Model { model, batch, context, decode_steps } } => {

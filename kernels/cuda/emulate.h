@@ -27,7 +27,12 @@
 #define DYNAMIC_SHARED(type, name) type* name = (type*)kvflow_dynamic_shared
 
 struct uint3 { unsigned x, y, z; };
+#define KVFLOW_EMULATE 1
+
 struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 static uint3 threadIdx, blockIdx, blockDim, gridDim;
 static void* kvflow_dynamic_shared;
@@ -35,6 +40,8 @@ static void* kvflow_dynamic_shared;
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
 static inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+static inline float __uint_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::isfinite;
 
 // ---- fibers ----
@@ -120,6 +127,35 @@ static float __shfl_sync(unsigned, float v, int src) {
     float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
     __syncwarp();
     return r;
+}
+
+// mma.sync m16n8k16 (bf16 in, f32 accumulate) for one warp, from the lanes' fragments (PTX ISA,
+// "Matrix fragments for mma.m16n8k16"): each output adds its 16 products in k order, one fma each.
+// A GPU's tensor cores add them their own way: the emulation keeps the fragments' layout, not the
+// hardware's bits.
+static unsigned mma_slots[MAX_THREADS / 32][32][6];
+static void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    int warp = current / 32, lane = current % 32;
+    for (int i = 0; i < 4; i++) mma_slots[warp][lane][i] = a[i];
+    mma_slots[warp][lane][4] = b[0];
+    mma_slots[warp][lane][5] = b[1];
+    __syncwarp();
+    auto half = [&](int holder, int reg, int k) {
+        unsigned v = mma_slots[warp][holder][reg];
+        return __uint_as_float(((k & 1) ? v >> 16 : v & 0xffffu) << 16);
+    };
+    auto A = [&](int row, int k) { return half((row % 8) * 4 + (k % 8) / 2, (row >= 8) + 2 * (k >= 8), k); };
+    auto B = [&](int k, int col) { return half(col * 4 + (k % 8) / 2, 4 + (k >= 8), k); };
+    int gid = lane / 4, tig = lane % 4;
+    float out[4];
+    for (int c = 0; c < 4; c++) {
+        int row = gid + 8 * (c / 2), col = 2 * tig + c % 2;
+        float s = d[c];
+        for (int k = 0; k < 16; k++) s = std::fmaf(A(row, k), B(k, col), s);
+        out[c] = s;
+    }
+    __syncwarp();
+    for (int c = 0; c < 4; c++) d[c] = out[c];
 }
 
 static void start_fiber(int t) {

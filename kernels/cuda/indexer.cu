@@ -8,12 +8,6 @@
 // scores against the whole prompt, later keys masked to −inf), the position + 1 for generated
 // rows. The top-k's choice among equal scores depends on that length, never on the batch.
 
-typedef unsigned int u32;
-
-#ifndef DYNAMIC_SHARED
-#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
-#endif
-
 #define IX_INFINITY __int_as_float(0x7f800000)
 
 // The length of row r's index row: max(prompt length, position + 1).
@@ -49,11 +43,6 @@ extern "C" __global__ void layer_norm(float* x, const float* weight, const float
     for (int i = threadIdx.x; i < dim; i += blockDim.x) v[i] = (v[i] - stats[0]) * inv * weight[i] + bias[i];
 }
 
-__device__ __forceinline__ float ix_warp_sum(float v) {
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-    return __shfl_sync(0xffffffffu, v, 0);
-}
-
 // scores[r * stride + p] for every row r whose position s has more than `topk` keys to see
 // (the others attend to all of them): Σ_h w_h · heads^-½ · relu(q_h · k_p · head_dim^-½) for
 // p ≤ s, −inf for s < p < row length. One warp per (row, p); heads in order, each dot product
@@ -83,7 +72,7 @@ extern "C" __global__ void index_scores(float* scores, const float* q, const flo
         const float* qh = q + ((size_t)r * heads + h) * head_dim;
         float d = 0.0f;
         for (int i = lane; i < head_dim; i += 32) d = fmaf(qh[i], key[i], d);
-        float score = fmaxf(ix_warp_sum(d) * score_scale, 0.0f);
+        float score = fmaxf(warp_sum(d) * score_scale, 0.0f);
         total += weights[(size_t)r * heads + h] * head_scale * score;
     }
     if (lane == 0) *out = total;

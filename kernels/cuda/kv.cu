@@ -3,9 +3,6 @@
 // handoff — the same layout as kvflow_kernels::kv::PagedKvCache::export_blocks: by layer, then
 // block, then row. Compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
 // cache[write_rows[r], :] = src[r * src_stride + (0 .. width)]
 extern "C" __global__ void write_cache_rows(float* cache, const float* src, const u32* write_rows, int width,
                                             long long src_stride) {

@@ -8,13 +8,6 @@
 // A slot holds, per linear layer from its offset: the conv window [channels × (K − 1)], oldest
 // input first, then S per value head [v_heads × d_k × d_v] (row = key channel).
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
-#ifndef DYNAMIC_SHARED
-#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
-#endif
-
 #define NO_SLOT 0xffffffffu
 
 __device__ __forceinline__ float la_silu(float x) { return x / (1.0f + expf(-x)); }
@@ -53,6 +46,40 @@ __device__ float la_delta_column(float* S, int dk, int dv, int j, const float* q
     float o = 0.0f;
     for (int i = 0; i < dk; i++) o += S[i * dv + j] * (q[i] * qs);
     return o;
+}
+
+// The same step with column j held in registers (col[i] = S[i, j], d_k ≤ LA_REG_DK) while a
+// sequence's rows go by: the same operations in the same order, one load and one store of the
+// column per launch instead of three passes over it per row.
+#define LA_REG_DK 128
+__device__ __forceinline__ float la_delta_registers(float* col, int dk, const float* q, float qs, const float* k,
+                                                    float ks, float v, float beta, const float* decays) {
+    float mem = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LA_REG_DK; i++)
+        if (i < dk) {
+            col[i] *= decays[i];
+            mem += col[i] * (k[i] * ks);
+        }
+    float delta = (v - mem) * beta;
+#pragma unroll
+    for (int i = 0; i < LA_REG_DK; i++)
+        if (i < dk) col[i] += (k[i] * ks) * delta;
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < LA_REG_DK; i++)
+        if (i < dk) o += col[i] * (q[i] * qs);
+    return o;
+}
+
+// Moves column j of S [d_k × d_v] into col (load) or back (store), where it fits in registers.
+__device__ __forceinline__ void la_move_column(float* col, float* S, int dk, int dv, int j, bool load) {
+#pragma unroll
+    for (int i = 0; i < LA_REG_DK; i++)
+        if (i < dk) {
+            if (load) col[i] = S[i * dv + j];
+            else S[i * dv + j] = col[i];
+        }
 }
 
 // 1 / rms of the block's values o (thread j < n holds o_j, the others 0), summed over a fixed
@@ -132,6 +159,9 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
     int qkvz_width = nk * group;
     float* S = states + (size_t)slots[s] * state_width + layer_offset + conv_width + (size_t)h * dk * dv;
     float q_scale = 1.0f / sqrtf((float)dk);
+    float col[LA_REG_DK];
+    bool in_registers = dk <= LA_REG_DK && j < dv;
+    if (in_registers) la_move_column(col, S, dk, dv, j, true);
     for (int row = row_at[s]; row < seq_end(row_at, s, seqs, rows); row++) {
         const float* c = conv + (size_t)row * channels;
         const float* q = c + kh * dk;
@@ -144,13 +174,16 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
         for (int i = j; i < dk; i += blockDim.x) decays[i] = decay;
         __syncthreads();
         float o = 0.0f;
-        if (j < dv) o = la_delta_column(S, dk, dv, j, q, iq * q_scale, k, ik, c[2 * nk * dk + h * dv + j], beta, decays);
+        float v = j < dv ? c[2 * nk * dk + h * dv + j] : 0.0f;
+        if (in_registers) o = la_delta_registers(col, dk, q, iq * q_scale, k, ik, v, beta, decays);
+        else if (j < dv) o = la_delta_column(S, dk, dv, j, q, iq * q_scale, k, ik, v, beta, decays);
         float inv = la_inverse_rms(partial, j, o, dv, norm_eps);
         if (j < dv) {
             float z = p[g * group + 2 * dk + r * dv + jl * dv + j];
             out[((size_t)row * nv + h) * dv + j] = norm_w[j] * (o * inv) * la_silu(z);
         }
     }
+    if (in_registers) la_move_column(col, S, dk, dv, j, false);
 }
 
 // Kimi Delta Attention of one head of one sequence over its rows in order, then its gated RMSNorm
@@ -170,6 +203,9 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
     int hd = heads * d;
     float* S = states + (size_t)slots[s] * state_width + layer_offset + conv_width + (size_t)h * d * d;
     float q_scale = 1.0f / sqrtf((float)d);
+    float col[LA_REG_DK];
+    bool in_registers = d <= LA_REG_DK && j < d;
+    if (in_registers) la_move_column(col, S, d, d, j, true);
     for (int row = row_at[s]; row < seq_end(row_at, s, seqs, rows); row++) {
         const float* c = conv + (size_t)row * 3 * hd;
         const float* q = c + h * d;
@@ -181,11 +217,14 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
         for (int i = j; i < d; i += blockDim.x) decays[i] = expf(neg_a[h] * la_softplus(f[i] + dt_bias[h * d + i]));
         __syncthreads();
         float o = 0.0f;
-        if (j < d) o = la_delta_column(S, d, d, j, q, iq * q_scale, k, ik, c[2 * hd + h * d + j], beta, decays);
+        float v = j < d ? c[2 * hd + h * d + j] : 0.0f;
+        if (in_registers) o = la_delta_registers(col, d, q, iq * q_scale, k, ik, v, beta, decays);
+        else if (j < d) o = la_delta_column(S, d, d, j, q, iq * q_scale, k, ik, v, beta, decays);
         float inv = la_inverse_rms(partial, j, o, d, norm_eps);
         if (j < d) {
             float g = gate[(size_t)row * hd + h * d + j];
             out[(size_t)row * hd + h * d + j] = norm_w[j] * (o * inv) * la_sigmoid(g);
         }
     }
+    if (in_registers) la_move_column(col, S, d, d, j, false);
 }

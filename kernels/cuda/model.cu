@@ -7,20 +7,12 @@
 // kernels whose orders differ (`linear_narrow`) are picked by the layer's sizes alone. So a
 // prompt's logits are bit-identical alone and in a batch of 64, which is what `--verify` relies on.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
 // Where a fed token comes from: a literal id, or (high bit set) the slot of the sampled-token ring
 // that an earlier step's sampling wrote (deferred output, DESIGN §4: the host never waits for it).
 #define FROM_RING 0x80000000u
 
 // NVRTC has no <math.h>: infinity by its bits.
 #define KV_INFINITY __int_as_float(0x7f800000)
-
-// Dynamic shared memory (the CPU emulation of these kernels defines it otherwise).
-#ifndef DYNAMIC_SHARED
-#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
-#endif
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -82,12 +74,6 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
     }
 }
 
-// Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
-    return __shfl_sync(0xffffffffu, v, 0);
-}
-
 // y[z][m, n] = (accumulate ? y : 0) + (Σ_c chain_c + bias[n]): k in chunks of LINEAR_CHUNK,
 // each chunk one fused multiply-add chain over its k in order (from 0), the chunks' chains added
 // in order (from 0). A block of 16 × 16 threads computes a 16T × 16T tile, T × T elements per
@@ -98,7 +84,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 // launch's shape, batch included, and every choice gives the same bits.
 // z batches independent products (MLA's per-head absorptions).
 #define BK 16
-#define LINEAR_CHUNK 256
 template <int T>
 __device__ __forceinline__ void linear_tile(float* y, const float* x, const float* w, const float* bias, int M, int N,
                                             int K, long long x_stride, long long y_stride, long long x_batch,
@@ -285,21 +270,34 @@ extern "C" __global__ void group_pairs(int* order, int* offsets, const int* expe
     }
 }
 
+// Four consecutive weights as floats: f32, or bf16 (W's rows then 8-byte aligned).
+__device__ __forceinline__ float4 weights4(const float* w, int k4) { return ((const float4*)w)[k4]; }
+__device__ __forceinline__ float4 weights4(const u16* w, int k4) {
+    uint2 v = ((const uint2*)w)[k4];
+    return make_float4(bf16_float(v.x & 0xffffu), bf16_float(v.x >> 16), bf16_float(v.y & 0xffffu),
+                       bf16_float(v.y >> 16));
+}
+__device__ __forceinline__ float weight1(const float* w, int k) { return w[k]; }
+__device__ __forceinline__ float weight1(const u16* w, int k) { return bf16_float(w[k]); }
+
 // Routed expert products, expert by expert: y[p, n] = Σ_k x[p / x_per, k] · W[e][n, k] for the
-// pairs p routed to expert e (`group_pairs`). Block (e, n / 32): 8 warps of OUTPUTS_PER_WARP
-// outputs each; the expert's pairs in chunks of PAIRS_PER_PASS, so a lane's loads of x serve
-// four outputs and its loads of W eight pairs. A pair's value is its own: each lane takes its k
-// in order (four consecutive ones at a time, 4·lane + 128·i + j, when K is a multiple of 4; else
-// lane + 32·i), then a fixed warp sum, whichever pairs and outputs share the warp.
+// pairs p routed to expert e (`group_pairs`), W in f32 (`expert_linear`) or bf16
+// (`expert_linear_bf16`, each weight widened to f32; x stays f32). Block (e, n / 64): 8 warps of
+// OUTPUTS_PER_WARP outputs each; the expert's pairs in chunks of PAIRS_PER_PASS, so a lane's
+// loads of x serve eight outputs and its loads of W eight pairs. A pair's value is its own: each
+// lane takes its k in order (four consecutive ones at a time, 4·lane + 128·i + j, when K is a
+// multiple of 4; else lane + 32·i), then a fixed warp sum, whichever pairs and outputs share the
+// warp.
 #define PAIRS_PER_PASS 8
-#define OUTPUTS_PER_WARP 4
-extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* order,
-                                         const int* offsets, int N, int K, int x_per) {
+#define OUTPUTS_PER_WARP 8
+template <class W>
+__device__ __forceinline__ void expert_products(float* y, const float* x, const W* w, const int* order,
+                                                const int* offsets, int N, int K, int x_per) {
     int e = blockIdx.x, lane = threadIdx.x % 32;
     int n0 = (blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32) * OUTPUTS_PER_WARP;
     if (n0 >= N) return;
     int outputs = min(OUTPUTS_PER_WARP, N - n0);
-    const float* wr[OUTPUTS_PER_WARP];
+    const W* wr[OUTPUTS_PER_WARP];
     for (int j = 0; j < OUTPUTS_PER_WARP; j++) wr[j] = w + ((size_t)e * N + n0 + min(j, outputs - 1)) * K;
     int first = offsets[e], end = offsets[e + 1];
     for (int c0 = first; c0 < end; c0 += PAIRS_PER_PASS) {
@@ -311,10 +309,10 @@ extern "C" __global__ void expert_linear(float* y, const float* x, const float* 
             xr[c] = x + (size_t)(order[c0 + min(c, count - 1)] / x_per) * K;
         }
         if (K % 4 == 0) {
-            // rows are 16-byte aligned when K is a multiple of 4
+            // rows are 16-byte aligned (8-byte in bf16) when K is a multiple of 4
             for (int k4 = lane; k4 < K / 4; k4 += 32) {
                 float4 wv[OUTPUTS_PER_WARP];
-                for (int j = 0; j < OUTPUTS_PER_WARP; j++) wv[j] = ((const float4*)wr[j])[k4];
+                for (int j = 0; j < OUTPUTS_PER_WARP; j++) wv[j] = weights4(wr[j], k4);
                 for (int c = 0; c < PAIRS_PER_PASS; c++) {
                     float4 xv = ((const float4*)xr[c])[k4];
                     for (int j = 0; j < OUTPUTS_PER_WARP; j++) {
@@ -329,7 +327,7 @@ extern "C" __global__ void expert_linear(float* y, const float* x, const float* 
             for (int k = lane; k < K; k += 32) {
                 for (int c = 0; c < PAIRS_PER_PASS; c++) {
                     float xv = xr[c][k];
-                    for (int j = 0; j < OUTPUTS_PER_WARP; j++) s[c][j] = fmaf(xv, wr[j][k], s[c][j]);
+                    for (int j = 0; j < OUTPUTS_PER_WARP; j++) s[c][j] = fmaf(xv, weight1(wr[j], k), s[c][j]);
                 }
             }
         }
@@ -339,6 +337,16 @@ extern "C" __global__ void expert_linear(float* y, const float* x, const float* 
                 if (lane == 0 && c < count && j < outputs) y[(size_t)order[c0 + c] * N + n0 + j] = v;
             }
     }
+}
+
+extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* order,
+                                         const int* offsets, int N, int K, int x_per) {
+    expert_products(y, x, w, order, offsets, N, K, x_per);
+}
+
+extern "C" __global__ void expert_linear_bf16(float* y, const float* x, const u16* w, const int* order,
+                                              const int* offsets, int N, int K, int x_per) {
+    expert_products(y, x, w, order, offsets, N, K, x_per);
 }
 
 // act[r, i] = silu(gu[r, i]) · gu[r, inter + i]

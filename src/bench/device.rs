@@ -7,10 +7,13 @@
 //!    CPU executor's. Then the V3.2 indexer's top-k on the device against torch's recorded
 //!    choices and the CPU executor's (ties included).
 //! 2. Batch invariance: a prompt's logits (prefill, and a decode after it) bit-identical alone,
-//!    in a batch of 64 and in other chunks.
-//! 3. Pack/unpack of one 4,096-token request of the default bench model (f32, 16-token blocks
+//!    in a batch of 64 and in other chunks — with f32 weights and with bf16 ones.
+//! 3. bf16 against f32, per fixture: the logits of every sampled row within BF16_TOLERANCE
+//!    (relative L2) of the f32 path's, and greedy tokens equal except at near ties (the two
+//!    tokens' f32 logits closer than twice the row's largest bf16 error), counted.
+//! 4. Pack/unpack of one 4,096-token request of the default bench model (f32, 16-token blocks
 //!    scattered over the pool) in GB/s, beside a plain device-to-device copy of the same bytes.
-//! 4. Decode tokens/s through the executor with deferred output on and off, beside the count of
+//! 5. Decode tokens/s through the executor with deferred output on and off, beside the count of
 //!    host-device waits on the decode path of each.
 
 use crate::bench::cuda_batch::CudaBatch;
@@ -18,7 +21,7 @@ use crate::bench::median;
 use crate::bench::model::DEFAULT_SPEC;
 use crate::generate::{generate, GenerateOptions};
 use anyhow::{anyhow, bail, Context, Result};
-use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows, NO_SLOT};
+use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Dtype, Gpu, PlainRunner, StepRows, NO_SLOT};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::executor::CudaSettings;
 use std::path::{Path, PathBuf};
@@ -61,13 +64,18 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
         let dm = DeviceModel::upload(&gpu, &model)?;
         failures.extend(parity(&gpu, &model, &dm, &dir, family)?);
         failures.extend(invariance(&gpu, &dm, family)?);
+        let bf16 = DeviceModel::upload_as(&gpu, &model, Dtype::Bfloat16)?;
+        failures.extend(invariance(&gpu, &bf16, &format!("{family} bf16"))?);
+        failures.extend(bf16_agreement(&gpu, &dm, &bf16, &dir, family)?);
     }
     failures.extend(topk_check(&gpu)?);
     let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
     let bench_model = Arc::new(models::build(&spec.config, &spec.weights)?);
     if !args.emulate {
-        let dm = DeviceModel::upload(&gpu, &bench_model)?;
-        failures.extend(invariance(&gpu, &dm, "default bench model")?);
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let dm = DeviceModel::upload_as(&gpu, &bench_model, dtype)?;
+            failures.extend(invariance(&gpu, &dm, &format!("default bench model {}", dtype.name()))?);
+        }
     }
     let pack = pack_bench(&gpu, &bench_model, args.blocks_out.as_deref(), args.emulate)?;
     // Emulated, the decode figures come from the llama fixture at a small batch.
@@ -113,13 +121,74 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// Greedy tokens against transformers (near ties allowed to diverge, then stop) and logits
-/// against the CPU executor.
-fn parity(gpu: &Gpu, model: &Model, dm: &DeviceModel, dir: &Path, family: &str) -> Result<Vec<String>> {
+/// The relative L2 distance of a bf16 model's logits from its f32 logits that passes.
+pub const BF16_TOLERANCE: f64 = 5e-2;
+
+/// The fixture's prompts greedily on the bf16 model against the f32 one: each sampled row's
+/// logits within [`BF16_TOLERANCE`] while the paths agree; a differing token must be a near tie
+/// (its and f32's choice closer in the f32 logits than twice the row's largest bf16 error),
+/// after which the paths are no longer compared.
+fn bf16_agreement(
+    gpu: &Gpu,
+    f32_model: &DeviceModel,
+    bf16: &DeviceModel,
+    dir: &Path,
+    family: &str,
+) -> Result<Vec<String>> {
+    let (_, expected) = expected_cases(dir)?;
+    let (full, half) = (PlainRunner::new(gpu, f32_model)?, PlainRunner::new(gpu, bf16)?);
+    let mut failures = Vec::new();
+    let (mut worst, mut agreed, mut compared, mut near_ties) = (0.0f64, 0usize, 0usize, 0usize);
+    for (c, case) in expected.cases.iter().enumerate() {
+        let n = case.greedy.len();
+        let (a, b) = (full.generate(&case.prompt, n, 64, 16)?, half.generate(&case.prompt, n, 64, 16)?);
+        if let Some(e) = a.error.or(b.error) {
+            failures.push(format!("{family} case {c}: {e}"));
+            continue;
+        }
+        for j in 0..n {
+            compared += 1;
+            let e = rel_err(&b.logits[j], &a.logits[j]);
+            worst = worst.max(e);
+            if e.is_nan() || e > BF16_TOLERANCE {
+                failures.push(format!("{family} case {c}: sampled row {j}: bf16 logits {e:.2e} relative from f32"));
+            }
+            let (x, y) = (a.tokens[j] as usize, b.tokens[j] as usize);
+            if x == y {
+                agreed += 1;
+                continue;
+            }
+            let row_err = a.logits[j].iter().zip(&b.logits[j]).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+            let gap = (a.logits[j][x] - a.logits[j][y]).abs();
+            if gap <= 2.0 * row_err {
+                near_ties += 1;
+            } else {
+                failures.push(format!(
+                    "{family} case {c}: token {j} is {y} in bf16 where f32 has {x}, f32 gap {gap:.2e} over twice the row's bf16 error {row_err:.2e}"
+                ));
+            }
+            break;
+        }
+    }
+    println!(
+        "bf16         {family:<12} greedy tokens {agreed}/{compared} equal the f32 path's ({near_ties} near ties); logits vs f32: max relative error {worst:.2e} (limit {BF16_TOLERANCE:.0e})"
+    );
+    Ok(failures)
+}
+
+/// The fixture's oracle file name and its cases.
+fn expected_cases(dir: &Path) -> Result<(&'static str, Expected)> {
     let oracle = ["expected_cached.json", "expected.json"].into_iter().find(|f| dir.join(f).exists());
     let oracle = oracle.ok_or_else(|| anyhow!("{}: no expected.json", dir.display()))?;
     let text = std::fs::read_to_string(dir.join(oracle))?;
     let expected: Expected = serde_json::from_str(&text).map_err(|e| anyhow!("{}: {e}", dir.display()))?;
+    Ok((oracle, expected))
+}
+
+/// Greedy tokens against transformers (near ties allowed to diverge, then stop) and logits
+/// against the CPU executor.
+fn parity(gpu: &Gpu, model: &Model, dm: &DeviceModel, dir: &Path, family: &str) -> Result<Vec<String>> {
+    let (oracle, expected) = expected_cases(dir)?;
     let runner = PlainRunner::new(gpu, dm)?;
     let mut failures = Vec::new();
     let (mut worst, mut matched, mut total) = (0.0f64, 0usize, 0usize);
@@ -391,8 +460,13 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
     let (batch, prompt_len, steps): (usize, usize, usize) = if emulate { (4, 16, 8) } else { (64, 128, 64) };
     let mut figures = Vec::new();
     for deferred in [true, false] {
-        let settings =
-            CudaSettings { gpus: Some(vec![gpu]), deferred_output: deferred, emulate, test_stale_ring_slot: false };
+        let settings = CudaSettings {
+            gpus: Some(vec![gpu]),
+            deferred_output: deferred,
+            emulate,
+            dtype: Default::default(),
+            test_stale_ring_slot: false,
+        };
         let mut b = CudaBatch::new(model, &settings, batch, prompt_len, steps)?;
         b.prefill()?;
         let (secs, waits) = b.decode(steps, deferred)?;

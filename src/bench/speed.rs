@@ -8,7 +8,7 @@
 use crate::bench::cuda_batch::CudaBatch;
 use crate::bench::median;
 use anyhow::{anyhow, Context, Result};
-use kvflow_kernels::cuda::Gpu;
+use kvflow_kernels::cuda::{Dtype, Gpu};
 use kvflow_kernels::models;
 use kvflow_operators::executor::CudaSettings;
 use std::path::PathBuf;
@@ -25,6 +25,8 @@ pub struct SpeedBenchArgs {
     /// transformers' figures (JSON from `benches/device/transformers_speed.py`), if measured.
     pub baseline: Option<PathBuf>,
     pub emulate: bool,
+    /// The dtypes to measure, in order.
+    pub dtypes: Vec<Dtype>,
 }
 
 /// transformers' figures for one dtype.
@@ -60,21 +62,40 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         }
         None => None,
     };
-    let t0 = Instant::now();
     let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
+    let mut copy_gbps = None;
+    for &dtype in &args.dtypes {
+        measure(args, &model, dtype, baseline.as_ref(), &mut copy_gbps)?;
+    }
+    Ok(())
+}
+
+/// Prefill, decode, the bound and the profile of one dtype. The copy rate is measured once, on
+/// the first dtype's GPU.
+fn measure(
+    args: &SpeedBenchArgs,
+    model: &Arc<models::Model>,
+    dtype: Dtype,
+    baseline: Option<&Baseline>,
+    copy_gbps: &mut Option<f64>,
+) -> Result<()> {
+    let t0 = Instant::now();
     let settings = CudaSettings {
         gpus: Some(vec![args.gpu]),
         deferred_output: true,
         emulate: args.emulate,
+        dtype,
         test_stale_ring_slot: false,
     };
     let (warmup, rounds, profiled) = (4, 3, 8);
-    let mut b = CudaBatch::new(&model, &settings, args.batch, args.prompt, warmup + rounds * args.steps + profiled)?;
+    let mut b = CudaBatch::new(model, &settings, args.batch, args.prompt, warmup + rounds * args.steps + profiled)?;
     let gpu = b.ex.gpu().clone();
     let weight_bytes = b.ex.device_model().weight_bytes;
+    let name = dtype.name();
+    println!("== {name}");
     println!("gpu          {} ({})", gpu.name(), gpu.arch());
     println!(
-        "model        {}: family {}, {} layers, hidden {}, vocab {}; {:.2} GB of f32 weights read whole each step (loaded in {:.1} s)",
+        "model        {}: family {}, {} layers, hidden {}, vocab {}; {:.2} GB of weights read whole each step, products' in {name} (loaded in {:.1} s)",
         args.model.display(),
         model.family,
         model.num_layers(),
@@ -83,31 +104,41 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         weight_bytes as f64 / 1e9,
         t0.elapsed().as_secs_f64()
     );
-    let copy_gbps = copy_rate(&gpu)?;
-    println!("limits       device-to-device copy {copy_gbps:.0} GB/s (read + write, median of 5 rounds)");
-    if let Some(bl) = &baseline {
-        println!(
-            "limits       torch.matmul 8192²: float32 {:.1} TFLOP/s, bfloat16 {:.1} TFLOP/s [transformers {}, torch {}]",
-            bl.matmul_tflops_float32, bl.matmul_tflops_bfloat16, bl.transformers, bl.torch
-        );
-    }
+    let copy_gbps = match *copy_gbps {
+        Some(rate) => rate,
+        None => {
+            let rate = copy_rate(&gpu)?;
+            println!("limits       device-to-device copy {rate:.0} GB/s (read + write, median of 5 rounds)");
+            if let Some(bl) = baseline {
+                println!(
+                    "limits       torch.matmul 8192²: float32 {:.1} TFLOP/s, bfloat16 {:.1} TFLOP/s [transformers {}, torch {}]",
+                    bl.matmul_tflops_float32, bl.matmul_tflops_bfloat16, bl.transformers, bl.torch
+                );
+            }
+            *copy_gbps = Some(rate);
+            rate
+        }
+    };
+    let torch_figures = |bl: &Baseline| -> (f64, f64, f64) {
+        let f = if dtype == Dtype::Bfloat16 { &bl.bfloat16 } else { &bl.float32 };
+        let rate = if dtype == Dtype::Bfloat16 { bl.matmul_tflops_bfloat16 } else { bl.matmul_tflops_float32 };
+        (f.prefill_tokens_per_s, f.decode_ms_per_step, rate)
+    };
+    let theirs = baseline.map(torch_figures);
 
     // prefill: every prompt in one step, the median of three after a warm-up
     b.prefill()?;
     let prefill_s = median((0..rounds).map(|_| b.prefill()).collect::<Result<Vec<f64>>>()?);
     let prefill_tps = (args.batch * args.prompt) as f64 / prefill_s;
-    let torch = |f: fn(&Baseline) -> &TorchFigures| baseline.as_ref().map(f);
-    let side = |ours: f64, theirs: Option<f64>| match theirs {
-        Some(t) if t > 0.0 => format!("transformers {t:.0} tokens/s, ratio={:.2}", ours / t),
-        _ => "transformers not measured".to_string(),
-    };
     println!(
-        "prefill      kvflow float32: {} × {} tokens in {:.1} ms = {prefill_tps:.0} tokens/s; {}; (transformers bfloat16 {})",
+        "prefill      kvflow {name}: {} × {} tokens in {:.1} ms = {prefill_tps:.0} tokens/s; {}",
         args.batch,
         args.prompt,
         prefill_s * 1e3,
-        side(prefill_tps, torch(|b| &b.float32).map(|f| f.prefill_tokens_per_s)),
-        torch(|b| &b.bfloat16).map_or("-".into(), |f| format!("{:.0} tokens/s", f.prefill_tokens_per_s)),
+        match theirs {
+            Some((t, _, _)) if t > 0.0 => format!("transformers {name} {t:.0} tokens/s, ratio={:.2}", prefill_tps / t),
+            _ => "transformers not measured".to_string(),
+        }
     );
 
     // decode: warm-up, then the timed rounds
@@ -121,32 +152,22 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
     let shown: Vec<String> = round_ms.iter().map(|ms| format!("{ms:.2}")).collect();
     let step_ms = median(round_ms);
     let tps = args.batch as f64 * 1e3 / step_ms;
-    let vs = |f: Option<&TorchFigures>| match f {
-        Some(f) if f.decode_ms_per_step > 0.0 => {
-            let theirs = args.batch as f64 * 1e3 / f.decode_ms_per_step;
-            format!(
-                "transformers {theirs:.0} tokens/s ({:.1} ms/step), ratio={:.2}",
-                f.decode_ms_per_step,
-                tps / theirs
-            )
+    let vs = match theirs {
+        Some((_, ms, _)) if ms > 0.0 => {
+            let theirs = args.batch as f64 * 1e3 / ms;
+            format!("transformers {name} {theirs:.0} tokens/s ({ms:.1} ms/step), ratio={:.2}", tps / theirs)
         }
         _ => "transformers not measured".into(),
     };
     println!(
-        "decode       kvflow float32: {step_ms:.2} ms/step = {tps:.0} tokens/s (batch {}, context {}..{}, median of {rounds} rounds of {} steps: {} ms; {waits} host waits); {}",
+        "decode       kvflow {name}: {step_ms:.2} ms/step = {tps:.0} tokens/s (batch {}, context {}..{}, median of {rounds} rounds of {} steps: {} ms; {waits} host waits); {}",
         args.batch,
         args.prompt + warmup,
         args.prompt + warmup + rounds * args.steps,
         args.steps,
         shown.join(", "),
-        vs(torch(|b| &b.float32))
+        vs
     );
-    if let Some(f) = torch(|b| &b.bfloat16) {
-        println!(
-            "decode       (transformers bfloat16: {:.1} ms/step; kvflow has no bfloat16 path yet)",
-            f.decode_ms_per_step
-        );
-    }
 
     // the decode step's lower bound at the mean context of the timed steps
     let ctx = args.prompt + warmup + rounds * args.steps / 2;
@@ -157,10 +178,10 @@ pub fn run(args: &SpeedBenchArgs) -> Result<()> {
         * args.batch as f64
         * (model.body_macs_per_token() + model.lm_head_macs() + model.attention_macs(ctx)) as f64;
     let bytes_ms = bytes / (copy_gbps * 1e9) * 1e3;
-    let flops_ms = baseline.as_ref().map(|bl| flops / (bl.matmul_tflops_float32 * 1e12) * 1e3);
+    let flops_ms = theirs.map(|(_, _, tflops)| flops / (tflops * 1e12) * 1e3);
     let bound = bytes_ms.max(flops_ms.unwrap_or(0.0));
     println!(
-        "bound        float32 decode step: {:.2} GB moved (weights {:.2}, KV {:.2}, state {:.2}) / copy rate = {bytes_ms:.2} ms; {:.1} GFLOP / matmul rate = {}; bound {bound:.2} ms, reached {:.3} of it",
+        "bound        {name} decode step: {:.2} GB moved (weights {:.2}, KV {:.2}, state {:.2}) / copy rate = {bytes_ms:.2} ms; {:.1} GFLOP / matmul rate = {}; bound {bound:.2} ms, reached {:.3} of it",
         bytes / 1e9,
         weight_bytes as f64 / 1e9,
         (args.batch * kv_bytes) as f64 / 1e9,

@@ -89,7 +89,7 @@ pub fn verify(
         Reference::Cpu => None,
         Reference::Cuda { settings, block_size } => {
             let g = settings.open(0)?;
-            let m = DeviceModel::upload(&g, model)?;
+            let m = DeviceModel::upload_as(&g, model, settings.dtype)?;
             Some((g, m, block_size))
         }
     };

@@ -218,6 +218,79 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_narrow");
 }
 
+/// bf16 products (kernels/cuda/bf16.cu), whole and split by chunk, give every element the same
+/// bits: its inputs and weights rounded to bf16, one chain per chunk of 256 (the emulation's
+/// tensor-core product adds its 16 products in k order, one fma each), the chains added in order.
+/// Odd sizes take the kernel's edges: rows past M, outputs past N, a last stage short of 32 inputs.
+#[test]
+fn the_bf16_products_give_the_bits_of_their_chains_whole_and_split() {
+    use kvflow_kernels::cuda::bf16_bits;
+    let gpu = emulated();
+    let (m, n, k) = (37usize, 50usize, 600usize);
+    let mut rng = kvflow::bench::device::Lcg(4);
+    let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 997.0 - 1.0).collect() };
+    let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
+    let widen = |v: f32| f32::from_bits((bf16_bits(v) as u32) << 16);
+    let mut want = vec![0.0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut total = 0.0f32;
+            for chunk in (0..k).step_by(256) {
+                let mut acc = 0.0f32;
+                for i in chunk..(chunk + 256).min(k) {
+                    acc = widen(x[r * k + i]).mul_add(widen(w[c * k + i]), acc);
+                }
+                total += acc;
+            }
+            want[r * n + c] = y0[r * n + c] + (total + bias[c]);
+        }
+    }
+    let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
+    let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w16).unwrap(), gpu.upload(&bias).unwrap());
+    let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1);
+    let y = gpu.upload(&y0).unwrap();
+    let args = [
+        Arg::Ptr(y.ptr()),
+        Arg::Ptr(xd.ptr()),
+        Arg::Ptr(wd.ptr()),
+        Arg::Ptr(bd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(k as i32),
+        Arg::I64(k as i64),
+        Arg::I64(n as i64),
+        Arg::I32(1),
+    ];
+    gpu.launch("linear_bf16", grid, 128, 0, &args).unwrap();
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16");
+    let chunks = k.div_ceil(256);
+    let partial = gpu.zeros::<f32>(chunks * m * n).unwrap();
+    let split = [
+        Arg::Ptr(partial.ptr()),
+        Arg::Ptr(xd.ptr()),
+        Arg::Ptr(wd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(k as i32),
+        Arg::I64(k as i64),
+    ];
+    gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split).unwrap();
+    let y = gpu.upload(&y0).unwrap();
+    let sum = [
+        Arg::Ptr(y.ptr()),
+        Arg::Ptr(partial.ptr()),
+        Arg::Ptr(bd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(chunks as i32),
+        Arg::I64(n as i64),
+        Arg::I64(0),
+        Arg::I32(1),
+    ];
+    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum).unwrap();
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16_split + linear_chunks_sum");
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -322,8 +395,13 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
     let model = Arc::new(load(&fixture("hf/llama")));
     let prompt: Vec<u32> = vec![1, 17, 300, 45, 9, 88, 211];
     {
-        let settings =
-            CudaSettings { gpus: None, deferred_output: deferred, emulate: true, test_stale_ring_slot: stale };
+        let settings = CudaSettings {
+            gpus: None,
+            deferred_output: deferred,
+            emulate: true,
+            dtype: Default::default(),
+            test_stale_ring_slot: stale,
+        };
         let mut ex = cuda_rank(&model, &settings);
         let key = SeqKey { index: 0, generation: 1 };
         let table = [2u32, 3];
@@ -548,8 +626,13 @@ fn cuda_rank(model: &Arc<kvflow_kernels::models::Model>, settings: &CudaSettings
     CudaExecutor::new(&ExecutorContext::standalone("t", model.clone(), MemoryLayout::kv_only(16, 4)), settings).unwrap()
 }
 
-const EMULATE: CudaSettings =
-    CudaSettings { gpus: None, deferred_output: true, emulate: true, test_stale_ring_slot: false };
+const EMULATE: CudaSettings = CudaSettings {
+    gpus: None,
+    deferred_output: true,
+    emulate: true,
+    dtype: kvflow_kernels::cuda::Dtype::Float32,
+    test_stale_ring_slot: false,
+};
 
 /// Runs one step on `ex` and returns its completion.
 fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], exports: &[KvExport]) -> StepCompletion {
@@ -708,6 +791,9 @@ fn the_speed_bench_runs_the_kimi_spec_through_the_cuda_executor() {
         "decode       kvflow float32",
         "0 host waits",
         "bound        float32 decode step",
+        "prefill      kvflow bfloat16: 2 × 4 tokens",
+        "decode       kvflow bfloat16",
+        "bound        bfloat16 decode step",
     ] {
         assert!(stdout.contains(needle), "{needle}: {stdout}");
     }

@@ -5,7 +5,7 @@
 //! A launch runs the kernel's blocks one after another, each block's threads as fibers (see the
 //! header). Device memory is host memory: a "device pointer" is an address in this process.
 
-use super::gpu::{kernel_names, CudaError, SOURCES};
+use super::gpu::{kernel_names, CudaError, COMMON, SOURCES};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -46,7 +46,7 @@ fn parameter_types(source: &str, name: &str) -> Vec<String> {
 
 /// The whole translation unit: header, sources, one launcher per kernel and their table.
 fn translation_unit() -> String {
-    let mut text = String::from(HEADER);
+    let mut text = format!("{HEADER}\n// ---- kernels/cuda/common.cuh\n{COMMON}\n");
     let mut table = String::from("static const KernelEntry KERNELS[] = {\n");
     for (file, source) in SOURCES {
         text.push_str(&format!("\n// ---- kernels/cuda/{file}\n{source}\n"));

@@ -10,7 +10,7 @@ use super::indexer::Selection;
 use super::kv::DeviceKv;
 use super::state::DeviceState;
 use super::weights::{
-    DevFfn, DevGdn, DevGqa, DevKda, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope,
+    DevFfn, DevGdn, DevGqa, DevKda, DevLinear, DevMixer, DevMla, DevMlp, DevMoe, DevNorm, DevQuery, DevRope, DevWeight,
     DeviceModel,
 };
 
@@ -192,6 +192,11 @@ pub(super) fn reduce_threads(dim: usize) -> u32 {
 const NARROW_N: usize = 256;
 const NARROW_MIN_K: usize = 512;
 
+/// Whether an `n × k` product takes `linear_narrow` (and so stays f32 in a bf16 model).
+pub(super) fn is_narrow(n: usize, k: usize) -> bool {
+    n <= NARROW_N && k >= NARROW_MIN_K
+}
+
 /// `kernels/cuda/model.cu`'s LINEAR_CHUNK: the inputs each fma chain of a product covers.
 const LINEAR_CHUNK: usize = 256;
 
@@ -206,17 +211,18 @@ enum LinearPlan {
 
 /// Narrow outputs over long inputs take `linear_narrow` (one warp per element; chosen by `n` and
 /// `k` alone, so a layer sums its elements one way whatever the batch). Wider ones take 64-square
-/// tiles when they give every SM two blocks; else those tiles split by chunk of k when that does;
+/// tiles when they give every SM two blocks; else those tiles split by chunk of k when that gives
+/// every SM one (each with four times a small tile's work);
 /// else the largest smaller tile (32 or 16) that does, else the smallest. Every tile and the split
 /// give an element the same chains, so these choices never change a bit.
-fn linear_plan(gpu: &Gpu, m: usize, n: usize, k: usize, z: usize) -> LinearPlan {
-    if n <= NARROW_N && k >= NARROW_MIN_K {
+fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan {
+    if is_narrow(n, k) {
         return LinearPlan::Whole("linear_narrow", (m.max(1) as u32, blocks_for(n, 8), z as u32));
     }
     let blocks = |tile: usize| m.div_ceil(tile) * n.div_ceil(tile) * z;
-    let enough = 2 * gpu.sms;
+    let enough = 2 * sms;
     let chunks = k.div_ceil(LINEAR_CHUNK);
-    if blocks(64) < enough && chunks > 1 && blocks(64) * chunks >= enough {
+    if blocks(64) < enough && chunks > 1 && blocks(64) * chunks >= sms {
         return LinearPlan::Split { chunks, grid: (blocks_for(n, 64), blocks_for(m, 64), (z * chunks) as u32) };
     }
     let (kernel, tile) = [("linear", 64), ("linear_t2", 32)]
@@ -226,11 +232,24 @@ fn linear_plan(gpu: &Gpu, m: usize, n: usize, k: usize, z: usize) -> LinearPlan 
     LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
+/// A bf16 product (`kernels/cuda/bf16.cu`, 64-square tiles of four warps): split by chunk of k
+/// while its tiles would leave SMs without two blocks; both give an element the same chains.
+fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
+    let grid = (blocks_for(n, 64), blocks_for(m, 64));
+    let chunks = k.div_ceil(LINEAR_CHUNK);
+    if (grid.0 * grid.1) < 2 * sms as u32 && chunks > 1 {
+        return LinearPlan::Split { chunks, grid: (grid.0, grid.1, chunks as u32) };
+    }
+    LinearPlan::Whole("linear_bf16", (grid.0, grid.1, 1))
+}
+
 /// One product `y[z] = (accumulate ? y[z] : 0) + x[z] · W[z]ᵀ + bias` as [`linear_plan`] says.
 pub(super) struct Product {
     pub y: u64,
     pub x: u64,
     pub w: u64,
+    /// W holds bf16 (`kernels/cuda/bf16.cu`), else f32.
+    pub bf16: bool,
     pub bias: u64,
     pub m: usize,
     pub n: usize,
@@ -246,7 +265,10 @@ pub(super) struct Product {
 
 impl Product {
     pub(super) fn launch(&self, gpu: &Gpu) -> Result<(), CudaError> {
-        match linear_plan(gpu, self.m, self.n, self.k, self.z) {
+        if self.bf16 {
+            return self.launch_bf16(gpu);
+        }
+        match linear_plan(gpu.sms, self.m, self.n, self.k, self.z) {
             LinearPlan::Whole(kernel, grid) => gpu.launch(
                 kernel,
                 grid,
@@ -289,25 +311,77 @@ impl Product {
                         Arg::I32(chunks as i32),
                     ],
                 )?;
-                gpu.launch(
-                    "linear_chunks_sum",
-                    (blocks_for(m * n, 256), self.z as u32, 1),
-                    256,
-                    0,
-                    &[
-                        Arg::Ptr(self.y),
-                        Arg::Ptr(partial.ptr()),
-                        Arg::Ptr(self.bias),
-                        Arg::I32(m as i32),
-                        Arg::I32(n as i32),
-                        Arg::I32(chunks as i32),
-                        Arg::I64(self.y_stride as i64),
-                        Arg::I64(self.y_batch as i64),
-                        Arg::I32(self.accumulate as i32),
-                    ],
-                )
+                self.sum_chunks(gpu, &partial, chunks)
             }
         }
+    }
+
+    fn launch_bf16(&self, gpu: &Gpu) -> Result<(), CudaError> {
+        if self.z != 1 {
+            return Err(CudaError::Unsupported("batched bf16 products".into()));
+        }
+        let (m, n, k) = (self.m, self.n, self.k);
+        match bf16_plan(gpu.sms, m, n, k) {
+            LinearPlan::Whole(kernel, grid) => gpu.launch(
+                kernel,
+                grid,
+                128,
+                0,
+                &[
+                    Arg::Ptr(self.y),
+                    Arg::Ptr(self.x),
+                    Arg::Ptr(self.w),
+                    Arg::Ptr(self.bias),
+                    Arg::I32(m as i32),
+                    Arg::I32(n as i32),
+                    Arg::I32(k as i32),
+                    Arg::I64(self.x_stride as i64),
+                    Arg::I64(self.y_stride as i64),
+                    Arg::I32(self.accumulate as i32),
+                ],
+            ),
+            LinearPlan::Split { chunks, grid } => {
+                let partial = gpu.scratch::<f32>(chunks * m * n)?;
+                gpu.launch(
+                    "linear_bf16_split",
+                    grid,
+                    128,
+                    0,
+                    &[
+                        Arg::Ptr(partial.ptr()),
+                        Arg::Ptr(self.x),
+                        Arg::Ptr(self.w),
+                        Arg::I32(m as i32),
+                        Arg::I32(n as i32),
+                        Arg::I32(k as i32),
+                        Arg::I64(self.x_stride as i64),
+                    ],
+                )?;
+                self.sum_chunks(gpu, &partial, chunks)
+            }
+        }
+    }
+
+    /// y from the chunks' chains in `partial` (`linear_chunks_sum`).
+    fn sum_chunks(&self, gpu: &Gpu, partial: &DeviceBuf<f32>, chunks: usize) -> Result<(), CudaError> {
+        let (m, n) = (self.m, self.n);
+        gpu.launch(
+            "linear_chunks_sum",
+            (blocks_for(m * n, 256), self.z as u32, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(self.y),
+                Arg::Ptr(partial.ptr()),
+                Arg::Ptr(self.bias),
+                Arg::I32(m as i32),
+                Arg::I32(n as i32),
+                Arg::I32(chunks as i32),
+                Arg::I64(self.y_stride as i64),
+                Arg::I64(self.y_batch as i64),
+                Arg::I32(self.accumulate as i32),
+            ],
+        )
     }
 }
 
@@ -345,6 +419,7 @@ impl Step<'_> {
             y,
             x,
             w: l.w.ptr(),
+            bf16: l.w.is_bf16(),
             bias: l.bias.as_ref().map_or(0, DeviceBuf::ptr),
             m,
             n: l.n,
@@ -379,6 +454,7 @@ impl Step<'_> {
             y,
             x,
             w,
+            bf16: false,
             bias: 0,
             m: self.rows,
             n,
@@ -817,7 +893,7 @@ impl Step<'_> {
         &self,
         y: u64,
         x: u64,
-        w: u64,
+        w: &DevWeight,
         grouped: (&DeviceBuf<i32>, &DeviceBuf<i32>),
         experts: usize,
         n: usize,
@@ -825,15 +901,15 @@ impl Step<'_> {
         x_per: usize,
     ) -> Result<(), CudaError> {
         self.gpu.launch(
-            "expert_linear",
-            // 8 warps of 4 outputs a block (`kernels/cuda/model.cu`)
-            (experts as u32, blocks_for(n, 32), 1),
+            if w.is_bf16() { "expert_linear_bf16" } else { "expert_linear" },
+            // 8 warps of 8 outputs a block (`kernels/cuda/model.cu`)
+            (experts as u32, blocks_for(n, 64), 1),
             256,
             0,
             &[
                 Arg::Ptr(y),
                 Arg::Ptr(x),
-                Arg::Ptr(w),
+                Arg::Ptr(w.ptr()),
                 Arg::Ptr(grouped.0.ptr()),
                 Arg::Ptr(grouped.1.ptr()),
                 Arg::I32(n as i32),
@@ -887,11 +963,11 @@ impl Step<'_> {
         )?;
         let grouped = (&order, &offsets);
         let gu = self.gpu.scratch::<f32>(pairs * 2 * inter)?;
-        self.expert_linear(gu.ptr(), x, m.gate_up.ptr(), grouped, ne, 2 * inter, hidden, k)?;
+        self.expert_linear(gu.ptr(), x, &m.gate_up, grouped, ne, 2 * inter, hidden, k)?;
         let act = self.gpu.scratch::<f32>(pairs * inter)?;
         self.swiglu(act.ptr(), gu.ptr(), pairs, inter)?;
         let out = self.gpu.scratch::<f32>(pairs * hidden)?;
-        self.expert_linear(out.ptr(), act.ptr(), m.down.ptr(), grouped, ne, hidden, inter, 1)?;
+        self.expert_linear(out.ptr(), act.ptr(), &m.down, grouped, ne, hidden, inter, 1)?;
         let shared = match &m.shared {
             Some(s) => {
                 let y = self.gpu.scratch::<f32>(t * hidden)?;
@@ -1008,5 +1084,25 @@ impl DeviceModel {
             ],
         )?;
         Ok(keep_logits.then_some(logits))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On an H200 (132 SMs), a decode batch's skinny products split by chunk of k, prefill's
+    /// take whole tiles and narrow ones take `linear_narrow`, whatever the batch.
+    #[test]
+    fn products_are_planned_by_shape() {
+        let split = |m, n, k| linear_plan(132, m, n, k, 1);
+        assert_eq!(split(64, 2048, 2048), LinearPlan::Split { chunks: 8, grid: (32, 1, 8) });
+        assert_eq!(split(64, 2048, 5632), LinearPlan::Split { chunks: 22, grid: (32, 1, 22) });
+        assert_eq!(split(16384, 2048, 2048), LinearPlan::Whole("linear", (32, 256, 1)));
+        assert_eq!(split(64, 32000, 2048), LinearPlan::Whole("linear", (500, 1, 1)));
+        assert_eq!(split(1, 128, 2048), LinearPlan::Whole("linear_narrow", (1, 16, 1)));
+        assert_eq!(split(64, 128, 2048), LinearPlan::Whole("linear_narrow", (64, 16, 1)));
+        // one chunk of k: nothing to split, smaller tiles instead
+        assert_eq!(linear_plan(132, 64, 512, 128, 16), LinearPlan::Whole("linear_t2", (16, 2, 16)));
     }
 }

@@ -11,9 +11,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+/// `kernels/cuda/common.cuh`: put before each source (see there).
+pub const COMMON: &str = include_str!("../../cuda/common.cuh");
+
 /// The kernel sources, compiled at run time (the build needs no CUDA).
 pub const SOURCES: &[(&str, &str)] = &[
     ("model.cu", include_str!("../../cuda/model.cu")),
+    ("bf16.cu", include_str!("../../cuda/bf16.cu")),
     ("kv.cu", include_str!("../../cuda/kv.cu")),
     ("linear.cu", include_str!("../../cuda/linear.cu")),
     ("indexer.cu", include_str!("../../cuda/indexer.cu")),
@@ -134,6 +138,7 @@ pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, cudarc::nvrtc::P
                 name: Some(file.to_string()),
                 ..Default::default()
             };
+            let source = format!("{COMMON}\n{source}");
             match std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts)) {
                 Ok(Ok(ptx)) => Ok((*file, ptx)),
                 Ok(Err(e)) => {

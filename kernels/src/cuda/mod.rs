@@ -25,4 +25,4 @@ pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gp
 pub use kv::{DeviceKv, SharedKv};
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
 pub use state::DeviceState;
-pub use weights::{unsupported, DeviceModel};
+pub use weights::{bf16_bits, unsupported, DeviceModel, Dtype};

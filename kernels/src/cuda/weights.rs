@@ -17,8 +17,67 @@ use crate::models::parts::mla::{MlaAttention, QueryProjection};
 use crate::models::parts::moe::{MoeBlock, Scoring};
 use crate::models::{Family, Model};
 
+/// How a model's products hold their weights on the device (the cuda executor's `dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dtype {
+    #[default]
+    Float32,
+    /// bf16 weights (rounded to nearest even) for every product but the narrow ones (routers,
+    /// low-rank projections, MLA's absorbed heads), which stay f32; inputs rounded to bf16 at each
+    /// bf16 product, tensor-core products with f32 accumulation (`kernels/cuda/bf16.cu`), f32
+    /// everywhere else.
+    Bfloat16,
+}
+
+impl Dtype {
+    /// `float32` or `bfloat16`.
+    pub fn parse(s: &str) -> Option<Dtype> {
+        match s {
+            "float32" => Some(Dtype::Float32),
+            "bfloat16" => Some(Dtype::Bfloat16),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Bfloat16 => "bfloat16",
+        }
+    }
+}
+
+/// The bf16 bits of `f`, rounded to nearest even (a NaN stays a NaN): `kernels/cuda/common.cuh`'s
+/// bf16_bits.
+pub fn bf16_bits(f: f32) -> u16 {
+    let u = f.to_bits();
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        return ((u >> 16) | 0x40) as u16;
+    }
+    ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
+}
+
+/// A product's weights on the device.
+pub(crate) enum DevWeight {
+    F32(DeviceBuf<f32>),
+    Bf16(DeviceBuf<u16>),
+}
+
+impl DevWeight {
+    pub fn ptr(&self) -> u64 {
+        match self {
+            DevWeight::F32(b) => b.ptr(),
+            DevWeight::Bf16(b) => b.ptr(),
+        }
+    }
+
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, DevWeight::Bf16(_))
+    }
+}
+
 pub(crate) struct DevLinear {
-    pub w: DeviceBuf<f32>,
+    pub w: DevWeight,
     pub bias: Option<DeviceBuf<f32>>,
     pub n: usize,
     pub k: usize,
@@ -159,9 +218,9 @@ pub(crate) struct DevMoe {
     pub norm_topk_prob: bool,
     pub scaling: f32,
     /// Every expert's `[gate; up]` rows, `[experts × 2·inter × hidden]`.
-    pub gate_up: DeviceBuf<f32>,
+    pub gate_up: DevWeight,
     /// Every expert's down rows, `[experts × hidden × inter]`.
-    pub down: DeviceBuf<f32>,
+    pub down: DevWeight,
     pub inter: usize,
     pub shared: Option<DevMlp>,
     /// Qwen-style gate on the shared expert: `sigmoid(x·g)` per row.
@@ -201,6 +260,31 @@ pub struct DeviceModel {
     /// Bytes of the weights a step reads whole (all but the embedding table, of which a step
     /// reads only its tokens' rows).
     pub weight_bytes: usize,
+    pub dtype: Dtype,
+}
+
+/// The GPU weights go to, and how the products' weights are held there.
+struct Up<'a> {
+    gpu: &'a Gpu,
+    dtype: Dtype,
+}
+
+impl std::ops::Deref for Up<'_> {
+    type Target = Gpu;
+    fn deref(&self) -> &Gpu {
+        self.gpu
+    }
+}
+
+impl Up<'_> {
+    /// `rows` (a product's weights) as the dtype says; `narrow` products always in f32.
+    fn weight(&self, rows: &[f32], narrow: bool) -> Result<DevWeight, CudaError> {
+        if self.dtype == Dtype::Bfloat16 && !narrow {
+            let bits: Vec<u16> = rows.iter().map(|&v| bf16_bits(v)).collect();
+            return Ok(DevWeight::Bf16(self.gpu.upload(&bits)?));
+        }
+        Ok(DevWeight::F32(self.gpu.upload(rows)?))
+    }
 }
 
 /// The widest linear-attention head the recurrent kernels take (threads of one block).
@@ -243,11 +327,17 @@ pub fn unsupported(model: &Model) -> Option<String> {
 }
 
 impl DeviceModel {
-    /// Uploads `model` to `gpu` (waits for the copies: this is load time, not a step).
+    /// Uploads `model` to `gpu` in f32 (waits for the copies: this is load time, not a step).
     pub fn upload(gpu: &Gpu, model: &Model) -> Result<DeviceModel, CudaError> {
+        DeviceModel::upload_as(gpu, model, Dtype::Float32)
+    }
+
+    /// Uploads `model` to `gpu` with its products' weights in `dtype`.
+    pub fn upload_as(gpu: &Gpu, model: &Model, dtype: Dtype) -> Result<DeviceModel, CudaError> {
         if let Some(why) = unsupported(model) {
             return Err(CudaError::Unsupported(why));
         }
+        let gpu = &Up { gpu, dtype };
         let uploaded_before = gpu.uploaded_bytes();
         let mut layers = Vec::with_capacity(model.layers.len());
         for (l, layer) in model.layers.iter().enumerate() {
@@ -284,26 +374,27 @@ impl DeviceModel {
             kv_widths: model.kv_row_widths(),
             state_width: model.state_width(),
             weight_bytes,
+            dtype,
         };
         gpu.wait()?;
         Ok(dm)
     }
 }
 
-fn linear(gpu: &Gpu, l: &Linear) -> Result<DevLinear, CudaError> {
+fn linear(gpu: &Up, l: &Linear) -> Result<DevLinear, CudaError> {
     Ok(DevLinear {
-        w: gpu.upload(&l.weight.to_rows())?,
+        w: gpu.weight(&l.weight.to_rows(), super::forward::is_narrow(l.out_dim(), l.in_dim()))?,
         bias: l.bias.as_ref().map(|b| gpu.upload(b)).transpose()?,
         n: l.out_dim(),
         k: l.in_dim(),
     })
 }
 
-fn norm(gpu: &Gpu, n: &RmsNorm) -> Result<DevNorm, CudaError> {
+fn norm(gpu: &Up, n: &RmsNorm) -> Result<DevNorm, CudaError> {
     Ok(DevNorm { w: gpu.upload(&n.weight)?, eps: n.eps, dim: n.weight.len() })
 }
 
-fn rope(gpu: &Gpu, r: &Rope) -> Result<DevRope, CudaError> {
+fn rope(gpu: &Up, r: &Rope) -> Result<DevRope, CudaError> {
     Ok(DevRope {
         inv_freq: gpu.upload(&r.inv_freq)?,
         half: r.inv_freq.len(),
@@ -312,11 +403,11 @@ fn rope(gpu: &Gpu, r: &Rope) -> Result<DevRope, CudaError> {
     })
 }
 
-fn mlp(gpu: &Gpu, m: &Mlp) -> Result<DevMlp, CudaError> {
+fn mlp(gpu: &Up, m: &Mlp) -> Result<DevMlp, CudaError> {
     Ok(DevMlp { gate_up: linear(gpu, &m.gate_up)?, down: linear(gpu, &m.down)?, inter: m.inter })
 }
 
-fn gqa(gpu: &Gpu, a: &GqaAttention) -> Result<DevGqa, CudaError> {
+fn gqa(gpu: &Up, a: &GqaAttention) -> Result<DevGqa, CudaError> {
     let s = a.shape;
     Ok(DevGqa {
         qkv: linear(gpu, &a.qkv)?,
@@ -333,7 +424,7 @@ fn gqa(gpu: &Gpu, a: &GqaAttention) -> Result<DevGqa, CudaError> {
     })
 }
 
-fn mla(gpu: &Gpu, a: &MlaAttention) -> Result<DevMla, CudaError> {
+fn mla(gpu: &Up, a: &MlaAttention) -> Result<DevMla, CudaError> {
     let q = match &a.q {
         QueryProjection::Lora { a: qa, norm: n, b } => {
             DevQuery::Lora { a: linear(gpu, qa)?, norm: norm(gpu, n)?, b: linear(gpu, b)? }
@@ -359,7 +450,7 @@ fn mla(gpu: &Gpu, a: &MlaAttention) -> Result<DevMla, CudaError> {
     })
 }
 
-fn indexer(gpu: &Gpu, ix: &Indexer) -> Result<DevIndexer, CudaError> {
+fn indexer(gpu: &Up, ix: &Indexer) -> Result<DevIndexer, CudaError> {
     Ok(DevIndexer {
         wq_b: linear(gpu, &ix.wq_b)?,
         wk: linear(gpu, &ix.wk)?,
@@ -373,7 +464,7 @@ fn indexer(gpu: &Gpu, ix: &Indexer) -> Result<DevIndexer, CudaError> {
     })
 }
 
-fn gdn(gpu: &Gpu, g: &GatedDeltaNet) -> Result<DevGdn, CudaError> {
+fn gdn(gpu: &Up, g: &GatedDeltaNet) -> Result<DevGdn, CudaError> {
     Ok(DevGdn {
         in_proj: linear(gpu, &g.in_proj)?,
         conv_weight: gpu.upload(&g.conv_weight)?,
@@ -390,7 +481,7 @@ fn gdn(gpu: &Gpu, g: &GatedDeltaNet) -> Result<DevGdn, CudaError> {
     })
 }
 
-fn kda(gpu: &Gpu, k: &KimiDeltaAttention) -> Result<DevKda, CudaError> {
+fn kda(gpu: &Up, k: &KimiDeltaAttention) -> Result<DevKda, CudaError> {
     Ok(DevKda {
         in_proj: linear(gpu, &k.in_proj)?,
         f_b: linear(gpu, &k.f_b)?,
@@ -407,7 +498,7 @@ fn kda(gpu: &Gpu, k: &KimiDeltaAttention) -> Result<DevKda, CudaError> {
     })
 }
 
-fn moe(gpu: &Gpu, m: &MoeBlock) -> Result<DevMoe, CudaError> {
+fn moe(gpu: &Up, m: &MoeBlock) -> Result<DevMoe, CudaError> {
     let r = &m.routing;
     let inter = m.experts.first().map_or(0, |e| e.inter);
     let gate_up: Vec<f32> = m.experts.iter().flat_map(|e| e.gate_up.weight.to_rows()).collect();
@@ -425,8 +516,8 @@ fn moe(gpu: &Gpu, m: &MoeBlock) -> Result<DevMoe, CudaError> {
         topk_group: r.topk_group,
         norm_topk_prob: r.norm_topk_prob,
         scaling: r.scaling,
-        gate_up: gpu.upload(&gate_up)?,
-        down: gpu.upload(&down)?,
+        gate_up: gpu.weight(&gate_up, false)?,
+        down: gpu.weight(&down, false)?,
         inter,
         shared: m.shared.as_ref().map(|s| mlp(gpu, s)).transpose()?,
         shared_gate: m.shared_gate.as_ref().map(|g| linear(gpu, g)).transpose()?,

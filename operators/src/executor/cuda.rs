@@ -16,7 +16,8 @@
 //! Settings: `gpus = [..]` (a rank uses `gpus[rank % len]`, else GPU `rank % visible`),
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
 //! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
-//! on machines without a GPU). Which time it holds: the rank's step, from launch to completion.
+//! on machines without a GPU), `dtype = "float32"` (`"bfloat16"`: the products' weights in bf16
+//! on tensor cores, kvflow_kernels::cuda::Dtype). Which time it holds: the rank's step, from launch to completion.
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
 
@@ -25,7 +26,7 @@ use super::{Executor, ExecutorContext, ExecutorKind};
 use crate::step::{
     BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
 };
-use kvflow_kernels::cuda::{visible_gpus, CudaError};
+use kvflow_kernels::cuda::{visible_gpus, CudaError, Dtype};
 use kvflow_kernels::cuda::{
     DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, PinnedBuf, SharedKv, StepRows, FROM_RING, RESULT_WORDS,
 };
@@ -35,7 +36,7 @@ use std::sync::Arc;
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
 
-const KEYS: &[&str] = &["gpus", "deferred_output", "emulate"];
+const KEYS: &[&str] = &["gpus", "deferred_output", "emulate", "dtype"];
 
 /// What a `cuda` pool's settings say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub struct CudaSettings {
     pub deferred_output: bool,
     /// Run the kernels on the CPU (checks without a GPU; slow).
     pub emulate: bool,
+    /// How the products' weights sit on the GPU.
+    pub dtype: Dtype,
     /// Test only (no graph key sets it): a token in flight is fed from the ring slot of the
     /// sequence's sample before the one it names — deferred output without its mechanism.
     pub test_stale_ring_slot: bool,
@@ -56,6 +59,7 @@ impl CudaSettings {
             gpus: s.counts("gpus")?,
             deferred_output: s.flag("deferred_output", true)?,
             emulate: s.flag("emulate", false)?,
+            dtype: Dtype::parse(s.choice("dtype", &["float32", "bfloat16"], "float32")?).unwrap_or_default(),
             test_stale_ring_slot: false,
         })
     }
@@ -125,7 +129,7 @@ impl CudaExecutor {
     pub fn new(ctx: &ExecutorContext, settings: &CudaSettings) -> Result<Self, String> {
         let gpu = settings.open(ctx.rank).map_err(|e| e.to_string())?;
         let ordinal = gpu.ordinal;
-        let model = DeviceModel::upload(&gpu, &ctx.model).map_err(|e| e.to_string())?;
+        let model = DeviceModel::upload_as(&gpu, &ctx.model, settings.dtype).map_err(|e| e.to_string())?;
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
         let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks).map_err(|e| e.to_string())?;

@@ -62,6 +62,28 @@ impl Settings<'_> {
         }
     }
 
+    /// One of `choices` (a string), `default` when absent.
+    pub fn choice(
+        &self,
+        key: &str,
+        choices: &[&'static str],
+        default: &'static str,
+    ) -> Result<&'static str, SettingError> {
+        match self.table.get(key) {
+            None => Ok(default),
+            Some(toml::Value::String(s)) if choices.contains(&s.as_str()) => {
+                Ok(choices.iter().find(|c| **c == s.as_str()).copied().unwrap_or(default))
+            }
+            Some(other) => Err(SettingError {
+                key: key.to_string(),
+                message: format!(
+                    "expected one of {}, got {other}",
+                    choices.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ")
+                ),
+            }),
+        }
+    }
+
     /// A list of non-negative integers, `None` when absent.
     pub fn counts(&self, key: &str) -> Result<Option<Vec<usize>>, SettingError> {
         let bad = |other: &toml::Value| SettingError {

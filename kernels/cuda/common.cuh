@@ -1,0 +1,42 @@
+// What every kernel source shares: kernels/src/cuda/gpu.rs puts this before each source it gives
+// NVRTC (one module per source), and the CPU emulation puts it once before them all (one
+// translation unit), so nothing here is defined twice and no source repeats it.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Dynamic shared memory (the CPU emulation defines it otherwise).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
+// Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);
+    return __shfl_sync(0xffffffffu, v, 0);
+}
+
+// The inputs of one fma chain of a product (model.cu's `linear`, bf16.cu's `linear_bf16`): an
+// element sums its chunks' chains in order.
+#define LINEAR_CHUNK 256
+
+// The bf16 bits of f (round to nearest even; a NaN stays a NaN), and a bf16 as a float.
+__device__ __forceinline__ u32 bf16_bits(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ __forceinline__ float bf16_float(u32 bits) { return __uint_as_float(bits << 16); }
+
+#ifndef KVFLOW_EMULATE
+// D += A · B for one warp: A 16 × 16 bf16 (row-major fragments), B 16 × 8 bf16 (column-major),
+// D 16 × 8 f32 (PTX ISA, "Matrix fragments for mma.m16n8k16"); every lane of the warp takes part.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
