@@ -17,7 +17,8 @@
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
 //! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
 //! on machines without a GPU), `dtype = "float32"` (`"bfloat16"`: the products' weights in bf16
-//! on tensor cores, kvflow_kernels::cuda::Dtype). Which time it holds: the rank's step, from launch to completion.
+//! on tensor cores, kvflow_kernels::cuda::Dtype). Which time it holds: the rank's step, from
+//! launch to completion.
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
 

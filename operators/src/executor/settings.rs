@@ -72,7 +72,7 @@ impl Settings<'_> {
         match self.table.get(key) {
             None => Ok(default),
             Some(toml::Value::String(s)) if choices.contains(&s.as_str()) => {
-                Ok(choices.iter().find(|c| **c == s.as_str()).copied().unwrap_or(default))
+                Ok(choices[choices.iter().position(|c| *c == s.as_str()).unwrap_or(0)])
             }
             Some(other) => Err(SettingError {
                 key: key.to_string(),
