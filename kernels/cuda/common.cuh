@@ -29,6 +29,22 @@ __device__ __forceinline__ u32 bf16_bits(float f) {
 }
 __device__ __forceinline__ float bf16_float(u32 bits) { return __uint_as_float(bits << 16); }
 
+// Element i of an array of f32 or bf16 (weights), as a float.
+__device__ __forceinline__ float load_float(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float load_float(const u16* p, size_t i) { return bf16_float(p[i]); }
+
+// The KV cache holds f32, or bf16 where `bf16` (the executor's dtype, kernels/src/cuda/kv.rs):
+// element i of it read as a float, and v written into it (rounded to nearest even in bf16).
+__device__ __forceinline__ float kv_load(const void* cache, size_t i, int bf16) {
+    return bf16 ? load_float((const u16*)cache, i) : load_float((const float*)cache, i);
+}
+__device__ __forceinline__ void kv_store(void* cache, size_t i, float v, int bf16) {
+    if (bf16)
+        ((u16*)cache)[i] = (u16)bf16_bits(v);
+    else
+        ((float*)cache)[i] = v;
+}
+
 #ifndef KVFLOW_EMULATE
 // D += A · B for one warp: A 16 × 16 bf16 (row-major fragments), B 16 × 8 bf16 (column-major),
 // D 16 × 8 f32 (PTX ISA, "Matrix fragments for mma.m16n8k16"); every lane of the warp takes part.

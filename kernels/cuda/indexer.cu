@@ -47,8 +47,8 @@ extern "C" __global__ void layer_norm(float* x, const float* weight, const float
 // (the others attend to all of them): Σ_h w_h · heads^-½ · relu(q_h · k_p · head_dim^-½) for
 // p ≤ s, −inf for s < p < row length. One warp per (row, p); heads in order, each dot product
 // over lanes then a fixed warp sum. The index key of position p sits at `key_offset` of its
-// cache row, found through the sequence's block table.
-extern "C" __global__ void index_scores(float* scores, const float* q, const float* weights, const float* cache,
+// cache row (f32, or bf16 where kv_bf16), found through the sequence's block table.
+extern "C" __global__ void index_scores(float* scores, const float* q, const float* weights, const void* cache, int kv_bf16,
                                         const u32* tables, const u32* table_at, const int* positions, const int* seqs,
                                         const u32* prompt_lens, int rows, long long stride, int heads, int head_dim,
                                         int key_offset, int row_width, int block_size, int topk) {
@@ -65,13 +65,13 @@ extern "C" __global__ void index_scores(float* scores, const float* q, const flo
     }
     const u32* table = tables + table_at[seqs[r]];
     size_t row = (size_t)table[p / block_size] * block_size + p % block_size;
-    const float* key = cache + row * row_width + key_offset;
+    size_t key = row * row_width + key_offset;
     float head_scale = 1.0f / sqrtf((float)heads), score_scale = 1.0f / sqrtf((float)head_dim);
     float total = 0.0f;
     for (int h = 0; h < heads; h++) {
         const float* qh = q + ((size_t)r * heads + h) * head_dim;
         float d = 0.0f;
-        for (int i = lane; i < head_dim; i += 32) d = fmaf(qh[i], key[i], d);
+        for (int i = lane; i < head_dim; i += 32) d = fmaf(qh[i], kv_load(cache, key + i, kv_bf16), d);
         float score = fmaxf(warp_sum(d) * score_scale, 0.0f);
         total += weights[(size_t)r * heads + h] * head_scale * score;
     }

@@ -277,19 +277,17 @@ __device__ __forceinline__ float4 weights4(const u16* w, int k4) {
     return make_float4(bf16_float(v.x & 0xffffu), bf16_float(v.x >> 16), bf16_float(v.y & 0xffffu),
                        bf16_float(v.y >> 16));
 }
-__device__ __forceinline__ float weight1(const float* w, int k) { return w[k]; }
-__device__ __forceinline__ float weight1(const u16* w, int k) { return bf16_float(w[k]); }
 
 // Routed expert products, expert by expert: y[p, n] = Σ_k x[p / x_per, k] · W[e][n, k] for the
 // pairs p routed to expert e (`group_pairs`), W in f32 (`expert_linear`) or bf16
-// (`expert_linear_bf16`, each weight widened to f32; x stays f32). Block (e, n / 64): 8 warps of
+// (`expert_linear_bf16`, each weight widened to f32; x stays f32). Block (e, n / 32): 8 warps of
 // OUTPUTS_PER_WARP outputs each; the expert's pairs in chunks of PAIRS_PER_PASS, so a lane's
-// loads of x serve eight outputs and its loads of W eight pairs. A pair's value is its own: each
+// loads of x serve four outputs and its loads of W eight pairs. A pair's value is its own: each
 // lane takes its k in order (four consecutive ones at a time, 4·lane + 128·i + j, when K is a
 // multiple of 4; else lane + 32·i), then a fixed warp sum, whichever pairs and outputs share the
 // warp.
 #define PAIRS_PER_PASS 8
-#define OUTPUTS_PER_WARP 8
+#define OUTPUTS_PER_WARP 4
 template <class W>
 __device__ __forceinline__ void expert_products(float* y, const float* x, const W* w, const int* order,
                                                 const int* offsets, int N, int K, int x_per) {
@@ -327,7 +325,7 @@ __device__ __forceinline__ void expert_products(float* y, const float* x, const 
             for (int k = lane; k < K; k += 32) {
                 for (int c = 0; c < PAIRS_PER_PASS; c++) {
                     float xv = xr[c][k];
-                    for (int j = 0; j < OUTPUTS_PER_WARP; j++) s[c][j] = fmaf(xv, weight1(wr[j], k), s[c][j]);
+                    for (int j = 0; j < OUTPUTS_PER_WARP; j++) s[c][j] = fmaf(xv, load_float(wr[j], k), s[c][j]);
                 }
             }
         }
@@ -360,28 +358,37 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 #define KEYS_AT_ONCE 4
 #define HEADS_PER_BLOCK 4
 #define STAGED_KEYS 8
+#define KEY_SPLIT 64        // a row's keys in parts of 64 (forward.rs: KEY_SPLIT)
 #define MAX_QK_PER_LANE 24  // head widths up to 768 for scores
 #define MAX_V_PER_LANE 16   // and 512 for values (forward.rs checks both)
-// Causal attention over the paged cache, read through the block tables. Block (row, kv head g,
-// part): up to HEADS_PER_BLOCK of g's query heads, one warp each, sharing the keys and values
-// the block stages in shared memory STAGED_KEYS at a time. Row r is at position positions[r] of
-// sequence seqs[r], whose blocks start at tables[table_at[seq]]; it sees positions max(0, p + 1 −
-// window) ..= p (window 0: all), or, where `selected` is given and counts[r] ≥ 0 (DeepSeek-V3.2's
-// indexer, kernels/cuda/indexer.cu), the counts[r] positions at selected[r * selected_stride ..],
-// ascending. A head's keys go in position order with a running max and sum: lane l holds q and
-// the output at d = l, l + 32, …; a key's score is the lane's fma chain over its d in order, then
-// a fixed warp sum — an order fixed by the row alone, whatever the batch and the block.
-extern "C" __global__ void paged_attention(float* out, const float* q, const float* cache, const u32* tables,
-                                           const u32* table_at, const int* positions, const int* seqs, int rows,
-                                           int q_heads, int kv_heads, int qk_dim, int v_dim, int k_offset,
+// Causal attention over the paged cache, read through the block tables, in two kernels (split
+// keys, as flash-decoding does). Row r is at position positions[r] of sequence seqs[r], whose
+// blocks start at tables[table_at[seq]]; it sees positions max(0, p + 1 − window) ..= p (window 0:
+// all), or, where `selected` is given and counts[r] ≥ 0 (DeepSeek-V3.2's indexer,
+// kernels/cuda/indexer.cu), the counts[r] positions at selected[r * selected_stride ..], ascending.
+//
+// The cache holds f32, or bf16 where kv_bf16 (widened as it is staged).
+// paged_attention, block (row r0 + i, kv head g, head part; key part s): up to HEADS_PER_BLOCK of
+// g's query heads, one warp each, over keys s·KEY_SPLIT .. (s + 1)·KEY_SPLIT of the row's list,
+// staged in shared memory STAGED_KEYS at a time and shared by the warps. Lane l holds q and the
+// output at d = l, l + 32, …; a key's score is the lane's fma chain over its d in order, then a
+// fixed warp sum; KEYS_AT_ONCE scores at a time fold into the part's running max m, sum l and
+// output. A part writes [m, l, output] to `parts` (m = −∞ when it has no keys).
+// attention_merge then adds a row's parts in order. Every order is fixed by the row alone (its
+// key list cut at fixed counts), whatever the batch, the grid and the launch slice.
+extern "C" __global__ void paged_attention(float* parts, const float* q, const void* cache, int kv_bf16, const u32* tables,
+                                           const u32* table_at, const int* positions, const int* seqs, int r0,
+                                           int rows, int q_heads, int kv_heads, int qk_dim, int v_dim, int k_offset,
                                            int v_offset, int row_width, int block_size, int window, float scale,
                                            long long q_stride, const int* selected, const int* counts,
                                            int selected_stride) {
     DYNAMIC_SHARED(float, staged);  // STAGED_KEYS × [k (qk_dim) | v (v_dim)]
     __shared__ size_t key_row[STAGED_KEYS];
-    int group = q_heads / kv_heads, parts = (group + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
-    int r = blockIdx.x / (kv_heads * parts), g = blockIdx.x / parts % kv_heads, part = blockIdx.x % parts;
+    int group = q_heads / kv_heads, head_parts = (group + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    int i = blockIdx.x / (kv_heads * head_parts), g = blockIdx.x / head_parts % kv_heads;
+    int part = blockIdx.x % head_parts, split = blockIdx.y, splits = gridDim.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int r = r0 + i;
     if (r >= rows) return;
     // a warp past the group's last head only helps to stage
     bool active = part * HEADS_PER_BLOCK + warp < group;
@@ -389,12 +396,12 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     float qr[MAX_QK_PER_LANE], acc[MAX_V_PER_LANE];
     const float* qh = q + (size_t)r * q_stride + (size_t)h * qk_dim;
 #pragma unroll
-    for (int i = 0; i < MAX_QK_PER_LANE; i++) {
-        int d = lane + 32 * i;
-        qr[i] = active && d < qk_dim ? qh[d] : 0.0f;
+    for (int j = 0; j < MAX_QK_PER_LANE; j++) {
+        int d = lane + 32 * j;
+        qr[j] = active && d < qk_dim ? qh[d] : 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < MAX_V_PER_LANE; i++) acc[i] = 0.0f;
+    for (int j = 0; j < MAX_V_PER_LANE; j++) acc[j] = 0.0f;
     int p = positions[r];
     const u32* table = tables + table_at[seqs[r]];
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
@@ -402,11 +409,11 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
     int picked = selected ? counts[r] : -1;
     const int* keys = picked >= 0 ? selected + (size_t)r * selected_stride : nullptr;
     int n_keys = picked >= 0 ? picked : p + 1 - lo;
+    int first = split * KEY_SPLIT, end = min(n_keys, first + KEY_SPLIT);
     int width = qk_dim + v_dim;
-    const float* k_base = cache + k_offset + (size_t)g * qk_dim;
-    const float* v_base = cache + v_offset + (size_t)g * v_dim;
-    for (int s0 = 0; s0 < n_keys; s0 += STAGED_KEYS) {
-        int count = min(STAGED_KEYS, n_keys - s0);
+    size_t k_base = k_offset + (size_t)g * qk_dim, v_base = v_offset + (size_t)g * v_dim;
+    for (int s0 = first; s0 < end; s0 += STAGED_KEYS) {
+        int count = min(STAGED_KEYS, end - s0);
         __syncthreads();  // every warp is done with the previous stage
         if (threadIdx.x < count) {
             int pos = keys ? keys[s0 + threadIdx.x] : lo + s0 + threadIdx.x;
@@ -415,43 +422,78 @@ extern "C" __global__ void paged_attention(float* out, const float* q, const flo
         __syncthreads();
         for (int u = 0; u < count; u++)
             for (int d = threadIdx.x; d < width; d += blockDim.x)
-                staged[u * width + d] = d < qk_dim ? k_base[key_row[u] + d] : v_base[key_row[u] + d - qk_dim];
+                staged[u * width + d] =
+                    kv_load(cache, key_row[u] + (d < qk_dim ? k_base + d : v_base + d - qk_dim), kv_bf16);
         __syncthreads();
         if (!active) continue;
-        // KEYS_AT_ONCE scores summed together, then folded into the running softmax one by one
-        // in position order — each key's score and update exactly as one at a time
         for (int i0 = 0; i0 < count; i0 += KEYS_AT_ONCE) {
             int keys_now = min(KEYS_AT_ONCE, count - i0);
             float s[KEYS_AT_ONCE];
             for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < MAX_QK_PER_LANE; i++) {
-                int d = lane + 32 * i;
+            for (int j = 0; j < MAX_QK_PER_LANE; j++) {
+                int d = lane + 32 * j;
                 if (d < qk_dim)
                     for (int u = 0; u < KEYS_AT_ONCE; u++)
-                        s[u] = fmaf(qr[i], staged[(i0 + min(u, keys_now - 1)) * width + d], s[u]);
+                        s[u] = fmaf(qr[j], staged[(i0 + min(u, keys_now - 1)) * width + d], s[u]);
             }
-            for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = warp_sum(s[u]) * scale;
-            for (int u = 0; u < keys_now; u++) {
-                float m_new = fmaxf(m, s[u]);
-                float corr = expf(m - m_new), e = expf(s[u] - m_new);
-                l = l * corr + e;
-                const float* vr = staged + (i0 + u) * width + qk_dim;
+            float m_new = m;
+            for (int u = 0; u < KEYS_AT_ONCE; u++) {
+                s[u] = warp_sum(s[u]) * scale;
+                if (u < keys_now) m_new = fmaxf(m_new, s[u]);
+            }
+            float corr = expf(m - m_new), e[KEYS_AT_ONCE];
+            l = l * corr;
+            for (int u = 0; u < KEYS_AT_ONCE; u++) {
+                e[u] = u < keys_now ? expf(s[u] - m_new) : 0.0f;
+                l += e[u];
+            }
 #pragma unroll
-                for (int i = 0; i < MAX_V_PER_LANE; i++) {
-                    int d = lane + 32 * i;
-                    if (d < v_dim) acc[i] = acc[i] * corr + e * vr[d];
+            for (int j = 0; j < MAX_V_PER_LANE; j++) {
+                int d = lane + 32 * j;
+                if (d < v_dim) {
+                    float a = acc[j] * corr;
+                    for (int u = 0; u < keys_now; u++) a = fmaf(e[u], staged[(i0 + u) * width + qk_dim + d], a);
+                    acc[j] = a;
                 }
-                m = m_new;
             }
+            m = m_new;
         }
     }
     if (!active) return;
-    float* o = out + (size_t)r * q_heads * v_dim + (size_t)h * v_dim;
+    float* o = parts + (((size_t)i * q_heads + h) * splits + split) * (v_dim + 2);
+    if (lane == 0) {
+        o[0] = m;
+        o[1] = l;
+    }
 #pragma unroll
-    for (int i = 0; i < MAX_V_PER_LANE; i++) {
-        int d = lane + 32 * i;
-        if (d < v_dim) o[d] = acc[i] / l;
+    for (int j = 0; j < MAX_V_PER_LANE; j++) {
+        int d = lane + 32 * j;
+        if (d < v_dim) o[2 + d] = acc[j];
+    }
+}
+
+// out[r0 + i, h, :] = the row's parts added in order: Σ_s output_s · e^(m_s − M) / Σ_s l_s · e^(m_s − M),
+// M the largest m_s (a part without keys weighs 0). Block (i, h), a thread per d.
+extern "C" __global__ void attention_merge(float* out, const float* parts, int r0, int q_heads, int v_dim,
+                                           int splits) {
+    int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    const float* p = parts + ((size_t)i * q_heads + h) * splits * (v_dim + 2);
+    float big = -KV_INFINITY;
+    for (int s = 0; s < splits; s++) big = fmaxf(big, p[s * (v_dim + 2)]);
+    float sum = 0.0f;
+    for (int s = 0; s < splits; s++) {
+        float m = p[s * (v_dim + 2)];
+        if (m > -KV_INFINITY) sum += p[s * (v_dim + 2) + 1] * expf(m - big);
+    }
+    float* o = out + ((size_t)(r0 + i) * q_heads + h) * v_dim;
+    for (int d = threadIdx.x; d < v_dim; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            float m = p[s * (v_dim + 2)];
+            if (m > -KV_INFINITY) a = fmaf(p[s * (v_dim + 2) + 2 + d], expf(m - big), a);
+        }
+        o[d] = a / sum;
     }
 }
 

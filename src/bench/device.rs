@@ -298,7 +298,7 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
     let others: Vec<Vec<u32>> =
         (0..63).map(|i| (0..1 + (i * 7) % 97).map(|_| (rng.draw() % dm.vocab as u64) as u32).collect()).collect();
     let per_seq = 128 / BS;
-    let kv = DeviceKv::new(gpu, &dm.kv_widths, BS, 64 * per_seq)?;
+    let kv = DeviceKv::new(gpu, &dm.kv_widths, BS, 64 * per_seq, dm.dtype)?;
     let table = |s: usize| -> Vec<u32> { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() };
     let target = 17;
     // A family with recurrent state: sequence s in slot s, started from zero for each prefill.
@@ -386,7 +386,7 @@ fn pack_bench(gpu: &Gpu, model: &Model, blocks_out: Option<&Path>, emulate: bool
     const POOL: usize = 4 * TOKENS / BS;
     let n = TOKENS / BS;
     let widths = model.kv_row_widths();
-    let kv = DeviceKv::new(gpu, &widths, BS, POOL)?;
+    let kv = DeviceKv::new(gpu, &widths, BS, POOL, Dtype::Float32)?;
     // random contents, so nothing is measured on zeros
     let mut rng = Lcg(5);
     for (l, w) in widths.iter().enumerate() {

@@ -8,7 +8,7 @@
 use crate::bench::cuda_batch::CudaBatch;
 use crate::bench::median;
 use anyhow::{anyhow, Context, Result};
-use kvflow_kernels::cuda::{Dtype, Gpu};
+use kvflow_kernels::cuda::{Dtype, Gpu, KernelTimes};
 use kvflow_kernels::models;
 use kvflow_operators::executor::CudaSettings;
 use std::path::PathBuf;
@@ -171,7 +171,8 @@ fn measure(
 
     // the decode step's lower bound at the mean context of the timed steps
     let ctx = args.prompt + warmup + rounds * args.steps / 2;
-    let kv_bytes = ctx * model.kv_row_widths().iter().sum::<usize>() * 4;
+    // the KV cache is in the dtype (kernels/src/cuda/kv.rs); the state stays f32
+    let kv_bytes = ctx * model.kv_row_widths().iter().sum::<usize>() * dtype.bytes();
     let state_bytes = 2 * model.state_width() * 4; // read and written
     let bytes = (weight_bytes + args.batch * (kv_bytes + state_bytes)) as f64;
     let flops = 2.0
@@ -191,26 +192,33 @@ fn measure(
         bound / step_ms,
     );
 
-    // where a decode step's device time goes
+    // where a decode step's device time goes, then a prefill's
     if !gpu.is_emulated() {
         gpu.start_profile();
         b.decode(profiled, true)?;
-        let times = gpu.take_profile()?;
-        let total: f64 = times.iter().map(|t| t.2).sum();
-        println!("profile      {profiled} decode steps: {:.2} ms of kernel time per step", total / profiled as f64);
-        for (name, launches, ms) in times.iter().take(12) {
-            println!(
-                "profile      {name:<22} {:>5} launches/step {:>8.3} ms/step {:>5.1}%",
-                launches / profiled,
-                ms / profiled as f64,
-                100.0 * ms / total
-            );
-        }
+        print_profile(&format!("{profiled} decode steps"), profiled, &gpu.take_profile()?);
+        gpu.start_profile();
+        b.prefill()?;
+        print_profile("1 prefill step", 1, &gpu.take_profile()?);
     }
     Ok(())
 }
 
 /// Device-to-device copy of 1 GiB (16 MiB emulated), GB/s counting read and write.
+/// The twelve kernels that took longest over `what` (`steps` steps), per step.
+fn print_profile(what: &str, steps: usize, times: &KernelTimes) {
+    let total: f64 = times.iter().map(|t| t.2).sum();
+    println!("profile      {what}: {:.2} ms of kernel time per step", total / steps as f64);
+    for (name, launches, ms) in times.iter().take(12) {
+        println!(
+            "profile      {name:<22} {:>5} launches/step {:>8.3} ms/step {:>5.1}%",
+            launches / steps,
+            ms / steps as f64,
+            100.0 * ms / total
+        );
+    }
+}
+
 fn copy_rate(gpu: &Arc<Gpu>) -> Result<f64> {
     let bytes = if gpu.is_emulated() { 1 << 24 } else { 1 << 30 };
     let (src, dst) = (gpu.zeros::<f32>(bytes / 4)?, gpu.zeros::<f32>(bytes / 4)?);

@@ -11,7 +11,7 @@ use crate::common::{expected, fixture, load, records, rel_err};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::generate::{generate, GenerateOptions};
 use kvflow::graph::Overrides;
-use kvflow_kernels::cuda::{Arg, DeviceKv, DeviceModel, DeviceState, Gpu, PlainRunner, StepRows};
+use kvflow_kernels::cuda::{Arg, DeviceKv, DeviceModel, DeviceState, Dtype, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::step::{
@@ -295,30 +295,38 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// A prompt's logits are bit-identical alone and in a batch of 64 (other lengths around it).
+/// A prompt's logits are bit-identical alone and in a batch of 64 (other lengths around it, a
+/// few longer than it, so the batch's attention launch cuts keys into more parts than the
+/// prompt's own), in float32 and in bfloat16 (bf16 weights and KV cache).
 #[test]
 fn emulated_cuda_logits_are_the_same_bits_alone_and_in_a_batch_of_64() {
     let gpu = emulated();
     let model = load(&fixture("hf/deepseek_v3"));
-    let dm = DeviceModel::upload(&gpu, &model).unwrap();
-    let runner = PlainRunner::new(&gpu, &dm).unwrap();
-    let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 64).unwrap();
-    let prompt: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 512).collect();
-    let mut alone = StepRows::default();
-    alone.push_seq(&prompt, 0, &[20], 16, Some(0));
-    let a = runner.step(&kv, &alone).unwrap().remove(0);
-    let mut batch = StepRows::default();
-    for s in 0..64u32 {
-        if s == 20 {
-            batch.push_seq(&prompt, 0, &[20], 16, Some(s));
-        } else {
-            let other: Vec<u32> = (0..1 + s % 6).map(|i| (s * 11 + i * 3) % 512).collect();
-            batch.push_seq(&other, 0, &[s], 16, Some(s));
+    for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+        let dm = DeviceModel::upload_as(&gpu, &model, dtype).unwrap();
+        let runner = PlainRunner::new(&gpu, &dm).unwrap();
+        const PER_SEQ: usize = 10;
+        let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 64 * PER_SEQ, dtype).unwrap();
+        let table = |s: u32| -> Vec<u32> { (s * PER_SEQ as u32..(s + 1) * PER_SEQ as u32).collect() };
+        // 70 tokens: two parts of keys (64 each) for its last row
+        let prompt: Vec<u32> = (0..70).map(|i| (i * 37 + 5) % 512).collect();
+        let mut alone = StepRows::default();
+        alone.push_seq(&prompt, 0, &table(20), 16, Some(0));
+        let a = runner.step(&kv, &alone).unwrap().remove(0);
+        let mut batch = StepRows::default();
+        for s in 0..64u32 {
+            if s == 20 {
+                batch.push_seq(&prompt, 0, &table(s), 16, Some(s));
+            } else {
+                let len = if s % 16 == 3 { 100 + s } else { 1 + s % 6 };
+                let other: Vec<u32> = (0..len).map(|i| (s * 11 + i * 3) % 512).collect();
+                batch.push_seq(&other, 0, &table(s), 16, Some(s));
+            }
         }
+        let b = runner.step(&kv, &batch).unwrap().remove(20);
+        assert_eq!(bits(&a.logits), bits(&b.logits), "{}: alone vs in a batch of 64", dtype.name());
+        assert_eq!(a.logits_hash, b.logits_hash);
     }
-    let b = runner.step(&kv, &batch).unwrap().remove(20);
-    assert_eq!(bits(&a.logits), bits(&b.logits), "alone vs in a batch of 64");
-    assert_eq!(a.logits_hash, b.logits_hash);
 }
 
 /// Gated DeltaNet on the device (qwen3_next_gdn): a sequence's logits are the same bits alone in
@@ -331,7 +339,7 @@ fn a_gdn_sequence_is_batch_invariant_and_resumes_from_a_device_snapshot() {
     let dm = DeviceModel::upload(&gpu, &model).unwrap();
     assert!(dm.state_width > 0 && dm.kv_widths.is_empty(), "gdn keeps state and no paged KV");
     let runner = PlainRunner::new(&gpu, &dm).unwrap();
-    let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 1).unwrap();
+    let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 1, dm.dtype).unwrap();
     let state = DeviceState::new(&gpu, dm.state_width, 8, 1).unwrap();
     let vocab = model.vocab_size as u32;
     let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % vocab).collect();

@@ -386,9 +386,13 @@ impl Product {
 }
 
 /// `kernels/cuda/model.cu`'s paged_attention: query heads of one kv head per block (one warp
-/// each), keys staged at a time, and the widest heads it holds in registers.
+/// each), keys staged at a time, a row's keys in parts of `KEY_SPLIT` (merged by
+/// attention_merge), and the widest heads it holds in registers.
 const HEADS_PER_BLOCK: usize = 4;
 const STAGED_KEYS: usize = 8;
+const KEY_SPLIT: usize = 64;
+/// The parts' scratch of one launch (floats; 256 MiB): longer batches go in slices of rows.
+const ATTENTION_PARTS_FLOATS: usize = 64 << 20;
 const MAX_QK_WIDTH: usize = 24 * 32;
 const MAX_V_WIDTH: usize = 16 * 32;
 
@@ -552,37 +556,63 @@ impl Step<'_> {
                  {MAX_V_WIDTH}"
             )));
         }
-        let parts = (q_heads / kv_heads).div_ceil(HEADS_PER_BLOCK);
-        self.gpu.launch(
-            "paged_attention",
-            ((self.rows * kv_heads * parts) as u32, 1, 1),
-            (32 * HEADS_PER_BLOCK) as u32,
-            (STAGED_KEYS * (qk + v) * 4) as u32,
-            &[
-                Arg::Ptr(out),
-                Arg::Ptr(q),
-                Arg::Ptr(self.kv.layer(kv_layer)),
-                Arg::Ptr(self.at.tables),
-                Arg::Ptr(self.at.table_at),
-                Arg::Ptr(self.at.positions),
-                Arg::Ptr(self.at.seqs),
-                Arg::I32(self.rows as i32),
-                Arg::I32(q_heads as i32),
-                Arg::I32(kv_heads as i32),
-                Arg::I32(qk as i32),
-                Arg::I32(v as i32),
-                Arg::I32(k_offset as i32),
-                Arg::I32(v_offset as i32),
-                Arg::I32(self.kv.width(kv_layer) as i32),
-                Arg::I32(self.kv.block_size as i32),
-                Arg::I32(window.unwrap_or(0) as i32),
-                Arg::F32(scale),
-                Arg::I64(q_stride as i64),
-                Arg::Ptr(sparse.map_or(0, |s| s.selected.ptr())),
-                Arg::Ptr(sparse.map_or(0, |s| s.counts.ptr())),
-                Arg::I32(sparse.map_or(0, |s| s.stride) as i32),
-            ],
-        )
+        let head_parts = (q_heads / kv_heads).div_ceil(HEADS_PER_BLOCK);
+        // every row's keys fit in `splits` parts (index_row ≥ position + 1 ≥ its keys); the
+        // rows go in slices so the parts' scratch stays bounded (a row's bits do not depend on it)
+        let splits = self.index_row.div_ceil(KEY_SPLIT).max(1);
+        let per_row = q_heads * splits * (v + 2);
+        let slice = (ATTENTION_PARTS_FLOATS / per_row).clamp(1, self.rows);
+        let parts = self.gpu.scratch::<f32>(slice * per_row)?;
+        for r0 in (0..self.rows).step_by(slice) {
+            let n = slice.min(self.rows - r0);
+            self.gpu.launch(
+                "paged_attention",
+                ((n * kv_heads * head_parts) as u32, splits as u32, 1),
+                (32 * HEADS_PER_BLOCK) as u32,
+                (STAGED_KEYS * (qk + v) * 4) as u32,
+                &[
+                    Arg::Ptr(parts.ptr()),
+                    Arg::Ptr(q),
+                    Arg::Ptr(self.kv.layer(kv_layer)),
+                    self.kv.bf16_arg(),
+                    Arg::Ptr(self.at.tables),
+                    Arg::Ptr(self.at.table_at),
+                    Arg::Ptr(self.at.positions),
+                    Arg::Ptr(self.at.seqs),
+                    Arg::I32(r0 as i32),
+                    Arg::I32(self.rows as i32),
+                    Arg::I32(q_heads as i32),
+                    Arg::I32(kv_heads as i32),
+                    Arg::I32(qk as i32),
+                    Arg::I32(v as i32),
+                    Arg::I32(k_offset as i32),
+                    Arg::I32(v_offset as i32),
+                    Arg::I32(self.kv.width(kv_layer) as i32),
+                    Arg::I32(self.kv.block_size as i32),
+                    Arg::I32(window.unwrap_or(0) as i32),
+                    Arg::F32(scale),
+                    Arg::I64(q_stride as i64),
+                    Arg::Ptr(sparse.map_or(0, |s| s.selected.ptr())),
+                    Arg::Ptr(sparse.map_or(0, |s| s.counts.ptr())),
+                    Arg::I32(sparse.map_or(0, |s| s.stride) as i32),
+                ],
+            )?;
+            self.gpu.launch(
+                "attention_merge",
+                ((n * q_heads) as u32, 1, 1),
+                reduce_threads(v),
+                0,
+                &[
+                    Arg::Ptr(out),
+                    Arg::Ptr(parts.ptr()),
+                    Arg::I32(r0 as i32),
+                    Arg::I32(q_heads as i32),
+                    Arg::I32(v as i32),
+                    Arg::I32(splits as i32),
+                ],
+            )?;
+        }
+        Ok(())
     }
 
     fn swiglu(&self, act: u64, gu: u64, rows: usize, inter: usize) -> Result<(), CudaError> {
@@ -902,8 +932,8 @@ impl Step<'_> {
     ) -> Result<(), CudaError> {
         self.gpu.launch(
             if w.is_bf16() { "expert_linear_bf16" } else { "expert_linear" },
-            // 8 warps of 8 outputs a block (`kernels/cuda/model.cu`)
-            (experts as u32, blocks_for(n, 64), 1),
+            // 8 warps of 4 outputs a block (`kernels/cuda/model.cu`)
+            (experts as u32, blocks_for(n, 32), 1),
             256,
             0,
             &[

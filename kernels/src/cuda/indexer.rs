@@ -78,6 +78,7 @@ impl Step<'_> {
                 Arg::Ptr(q.ptr()),
                 Arg::Ptr(weights.ptr()),
                 Arg::Ptr(self.kv.layer(kv_layer)),
+                self.kv.bf16_arg(),
                 Arg::Ptr(self.at.tables),
                 Arg::Ptr(self.at.table_at),
                 Arg::Ptr(self.at.positions),

@@ -3,13 +3,18 @@
 //! buffer, unpack from one, copy between two caches on one GPU (DESIGN §7, the handoff; the
 //! offload tier reuses them). The packed layout is `PagedKvCache::export_blocks`'s: by layer,
 //! then block, then row, so a packed buffer is a handoff's `kv` as the CPU executor makes it.
+//! The cache holds the executor's dtype (f32, or bf16: rounded as rows are written, widened as
+//! they are read); a packed buffer is always f32.
 
 use super::gpu::{Arg, CudaError, DeviceBuf, Gpu};
+use super::weights::{bf16_bits, Dtype};
 use std::sync::Arc;
 
 pub struct DeviceKv {
-    layers: Vec<DeviceBuf<f32>>,
+    /// Each layer's values, as 16-bit words (two per f32 value, one per bf16 value).
+    layers: Vec<DeviceBuf<u16>>,
     widths: Vec<usize>,
+    pub dtype: Dtype,
     pub block_size: usize,
     pub num_blocks: usize,
     /// Device copies of the layers' addresses and widths (for pack/unpack).
@@ -18,10 +23,19 @@ pub struct DeviceKv {
 }
 
 impl DeviceKv {
-    /// A zeroed cache of `num_blocks` blocks for KV layers of row widths `widths`.
-    pub fn new(gpu: &Gpu, widths: &[usize], block_size: usize, num_blocks: usize) -> Result<Self, CudaError> {
-        let layers =
-            widths.iter().map(|w| gpu.zeros::<f32>(num_blocks * block_size * w)).collect::<Result<Vec<_>, _>>()?;
+    /// A zeroed cache of `num_blocks` blocks for KV layers of row widths `widths`, in `dtype`.
+    pub fn new(
+        gpu: &Gpu,
+        widths: &[usize],
+        block_size: usize,
+        num_blocks: usize,
+        dtype: Dtype,
+    ) -> Result<Self, CudaError> {
+        let words = dtype.bytes() / 2;
+        let layers = widths
+            .iter()
+            .map(|w| gpu.zeros::<u16>(num_blocks * block_size * w * words))
+            .collect::<Result<Vec<_>, _>>()?;
         let ptrs: Vec<u64> = layers.iter().map(DeviceBuf::ptr).collect();
         let w32: Vec<i32> = widths.iter().map(|&w| w as i32).collect();
         Ok(DeviceKv {
@@ -29,6 +43,7 @@ impl DeviceKv {
             widths_dev: gpu.upload(&w32)?,
             layers,
             widths: widths.to_vec(),
+            dtype,
             block_size,
             num_blocks,
         })
@@ -38,9 +53,19 @@ impl DeviceKv {
         self.layers.len()
     }
 
-    /// Floats of one block over every layer.
+    /// Values of one block over every layer (floats, once packed).
     pub fn floats_per_block(&self) -> usize {
         self.widths.iter().sum::<usize>() * self.block_size
+    }
+
+    /// Bytes of device memory one block takes over every layer.
+    pub fn bytes_per_block(&self) -> usize {
+        self.floats_per_block() * self.dtype.bytes()
+    }
+
+    /// The kernels' `kv_bf16` argument.
+    pub(crate) fn bf16_arg(&self) -> Arg {
+        Arg::I32((self.dtype == Dtype::Bfloat16) as i32)
     }
 
     /// Device address of layer `l`'s cache.
@@ -57,8 +82,12 @@ impl DeviceKv {
         if data.len() != self.num_blocks * self.block_size * self.widths[l] {
             return Err(CudaError::Unsupported(format!("layer {l}: {} floats do not fill it", data.len())));
         }
-        let staged = gpu.upload(data)?;
-        gpu.copy_on_device(self.layer(l), staged.ptr(), data.len() * 4)?;
+        let bytes = data.len() * self.dtype.bytes();
+        let staged = match self.dtype {
+            Dtype::Float32 => gpu.upload(&f32_words(data))?,
+            Dtype::Bfloat16 => gpu.upload(&data.iter().map(|&v| bf16_bits(v)).collect::<Vec<_>>())?,
+        };
+        gpu.copy_on_device(self.layer(l), staged.ptr(), bytes)?;
         gpu.wait()
     }
 
@@ -91,6 +120,7 @@ impl DeviceKv {
             Arg::Ptr(blocks),
             Arg::I32(n as i32),
             Arg::I32(self.block_size as i32),
+            self.bf16_arg(),
         ];
         gpu.launch(kernel, (n as u32, self.layers.len() as u32, 1), 256, 0, &args)
     }
@@ -105,7 +135,7 @@ impl DeviceKv {
         from_blocks: u64,
         n: usize,
     ) -> Result<(), CudaError> {
-        if from.widths != self.widths || from.block_size != self.block_size {
+        if from.widths != self.widths || from.block_size != self.block_size || from.dtype != self.dtype {
             return Err(CudaError::Unsupported("the two caches differ in layout".into()));
         }
         let args = [
@@ -115,6 +145,7 @@ impl DeviceKv {
             Arg::Ptr(to_blocks),
             Arg::Ptr(from_blocks),
             Arg::I32(self.block_size as i32),
+            Arg::I32(self.dtype.bytes() as i32),
         ];
         gpu.launch("copy_blocks", (n as u32, self.layers.len() as u32, 1), 256, 0, &args)
     }
@@ -132,6 +163,7 @@ impl DeviceKv {
     ) -> Result<(), CudaError> {
         let args = [
             Arg::Ptr(self.layer(l)),
+            self.bf16_arg(),
             Arg::Ptr(src),
             Arg::Ptr(write_rows),
             Arg::I32(self.widths[l] as i32),
@@ -139,6 +171,16 @@ impl DeviceKv {
         ];
         gpu.launch("write_cache_rows", (rows as u32, 1, 1), 128, 0, &args)
     }
+}
+
+/// `data`'s bytes as 16-bit words (native order, as the device holds them).
+fn f32_words(data: &[f32]) -> Vec<u16> {
+    data.iter()
+        .flat_map(|v| {
+            let b = v.to_ne_bytes();
+            [u16::from_ne_bytes([b[0], b[1]]), u16::from_ne_bytes([b[2], b[3]])]
+        })
+        .collect()
 }
 
 /// A rank's device cache as a handoff reads it in place: a consumer on the same device copies

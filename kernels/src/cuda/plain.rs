@@ -95,7 +95,7 @@ impl<'a> PlainRunner<'a> {
             return Ok(out);
         }
         let blocks = (prompt.len() + max_new).div_ceil(block_size);
-        let kv = DeviceKv::new(self.gpu, &self.model.kv_widths, block_size, blocks)?;
+        let kv = DeviceKv::new(self.gpu, &self.model.kv_widths, block_size, blocks, self.model.dtype)?;
         let table: Vec<u32> = (0..blocks as u32).collect();
         // One slot of its own, zeroed, when the family keeps recurrent state.
         let state = match self.model.state_width {

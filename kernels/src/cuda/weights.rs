@@ -39,6 +39,14 @@ impl Dtype {
         }
     }
 
+    /// Bytes of one value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Float32 => 4,
+            Dtype::Bfloat16 => 2,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Dtype::Float32 => "float32",

@@ -133,7 +133,7 @@ impl CudaExecutor {
         let model = DeviceModel::upload_as(&gpu, &ctx.model, settings.dtype).map_err(|e| e.to_string())?;
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
-        let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks).map_err(|e| e.to_string())?;
+        let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks, model.dtype).map_err(|e| e.to_string())?;
         let kv = Arc::new(SharedKv::new(kv, &gpu).map_err(|e| e.to_string())?);
         let state = match model.state_width {
             0 => None,
