@@ -24,8 +24,8 @@ pub enum Dtype {
     Float32,
     /// bf16 weights (rounded to nearest even) for every product but the narrow ones (routers,
     /// low-rank projections, MLA's absorbed heads), which stay f32; inputs rounded to bf16 at each
-    /// bf16 product, tensor-core products with f32 accumulation (`kernels/cuda/bf16.cu`), f32
-    /// everywhere else.
+    /// bf16 product, tensor-core products with f32 accumulation (`kernels/cuda/bf16.cu`), the
+    /// paged KV cache in bf16 (`kernels/src/cuda/kv.rs`), f32 everywhere else.
     Bfloat16,
 }
 
