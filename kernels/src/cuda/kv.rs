@@ -83,12 +83,18 @@ impl DeviceKv {
             return Err(CudaError::Unsupported(format!("layer {l}: {} floats do not fill it", data.len())));
         }
         let bytes = data.len() * self.dtype.bytes();
-        let staged = match self.dtype {
-            Dtype::Float32 => gpu.upload(&f32_words(data))?,
-            Dtype::Bfloat16 => gpu.upload(&data.iter().map(|&v| bf16_bits(v)).collect::<Vec<_>>())?,
-        };
-        gpu.copy_on_device(self.layer(l), staged.ptr(), bytes)?;
-        gpu.wait()
+        match self.dtype {
+            Dtype::Float32 => {
+                let staged = gpu.upload(data)?;
+                gpu.copy_on_device(self.layer(l), staged.ptr(), bytes)?;
+                gpu.wait()
+            }
+            Dtype::Bfloat16 => {
+                let staged = gpu.upload(&data.iter().map(|&v| bf16_bits(v)).collect::<Vec<_>>())?;
+                gpu.copy_on_device(self.layer(l), staged.ptr(), bytes)?;
+                gpu.wait()
+            }
+        }
     }
 
     /// `Err` naming the first block outside this cache.
@@ -125,6 +131,12 @@ impl DeviceKv {
         gpu.launch(kernel, (n as u32, self.layers.len() as u32, 1), 256, 0, &args)
     }
 
+    /// Whether `other`'s blocks have this cache's widths, block size and dtype (what a
+    /// device-to-device block copy needs).
+    pub fn same_layout(&self, other: &DeviceKv) -> bool {
+        other.widths == self.widths && other.block_size == self.block_size && other.dtype == self.dtype
+    }
+
     /// Enqueues the copy of `n` blocks of `from` (at device address `from_blocks`) into this
     /// cache's blocks at `to_blocks`: both caches on `gpu`, of the same geometry.
     pub fn copy_from(
@@ -135,7 +147,7 @@ impl DeviceKv {
         from_blocks: u64,
         n: usize,
     ) -> Result<(), CudaError> {
-        if from.widths != self.widths || from.block_size != self.block_size || from.dtype != self.dtype {
+        if !self.same_layout(from) {
             return Err(CudaError::Unsupported("the two caches differ in layout".into()));
         }
         let args = [
@@ -171,16 +183,6 @@ impl DeviceKv {
         ];
         gpu.launch("write_cache_rows", (rows as u32, 1, 1), 128, 0, &args)
     }
-}
-
-/// `data`'s bytes as 16-bit words (native order, as the device holds them).
-fn f32_words(data: &[f32]) -> Vec<u16> {
-    data.iter()
-        .flat_map(|v| {
-            let b = v.to_ne_bytes();
-            [u16::from_ne_bytes([b[0], b[1]]), u16::from_ne_bytes([b[2], b[3]])]
-        })
-        .collect()
 }
 
 /// A rank's device cache as a handoff reads it in place: a consumer on the same device copies

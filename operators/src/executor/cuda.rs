@@ -17,7 +17,7 @@
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
 //! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
 //! on machines without a GPU), `dtype = "float32"` (`"bfloat16"`: the products' weights in bf16
-//! on tensor cores, kvflow_kernels::cuda::Dtype). Which time it holds: the rank's step, from
+//! on tensor cores and the KV cache in bf16, kvflow_kernels::cuda::Dtype). Which time it holds: the rank's step, from
 //! launch to completion.
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
@@ -304,7 +304,8 @@ impl CudaExecutor {
             }
             let from = block_lists[launch.imports.len() + launch.exports.len() + i];
             if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = h.source() {
-                if producer.same_device(&gpu) {
+                // (a cache of another layout or dtype is read through the packed f32 path below)
+                if producer.same_device(&gpu) && producer.kv.same_layout(&self.kv.kv) {
                     // device to device, on this rank's stream: the producer holds the blocks
                     // until the record (which owns the handoff) lets go of it
                     if blocks.len() != import.blocks.len() {
