@@ -315,6 +315,10 @@ enum BenchCommand {
         /// Writes the pack bench's block list here (one per line), for a baseline elsewhere.
         #[arg(long)]
         blocks_out: Option<PathBuf>,
+        /// transformers' own bf16-vs-f32 logits gap per family (benches/device/
+        /// transformers_bf16_gap.py): the bf16 check allows max(5e-2, twice that gap).
+        #[arg(long, default_value = "benches/results/2026-12-03-h200-transformers-bf16-gap.json")]
+        bf16_gap: PathBuf,
     },
     /// The cuda executor's prefill and decode tokens/s on one GPU beside transformers' (measured
     /// in the same device run by benches/device/speed.sh) and beside the step's lower bound
@@ -705,8 +709,14 @@ fn run() -> Result<()> {
                 rounds,
             })?;
         }
-        Command::Bench { what: BenchCommand::Device { fixtures, gpu, emulate, blocks_out } } => {
-            kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out })?;
+        Command::Bench { what: BenchCommand::Device { fixtures, gpu, emulate, blocks_out, bf16_gap } } => {
+            kvflow::bench::device::run(&kvflow::bench::device::DeviceBenchArgs {
+                fixtures,
+                gpu,
+                emulate,
+                blocks_out,
+                bf16_gap,
+            })?;
         }
         Command::Bench { what: BenchCommand::Speed { model, gpu, batch, prompt, steps, baseline, emulate, dtype } } => {
             use kvflow_kernels::cuda::Dtype;

@@ -8,9 +8,11 @@
 //!    choices and the CPU executor's (ties included).
 //! 2. Batch invariance: a prompt's logits (prefill, and a decode after it) bit-identical alone,
 //!    in a batch of 64 and in other chunks — with f32 weights and with bf16 ones.
-//! 3. bf16 against f32, per fixture: the logits of every sampled row within BF16_TOLERANCE
-//!    (relative L2) of the f32 path's, and greedy tokens equal except at near ties (the two
-//!    tokens' f32 logits closer than twice the row's largest bf16 error), counted.
+//! 3. bf16 against f32, per fixture: the logits of every sampled row within the family's
+//!    tolerance (relative L2) of the f32 path's — max(BF16_TOLERANCE, twice transformers' own
+//!    largest bf16-vs-f32 gap on the same fixture, from `--bf16-gap`) — and greedy tokens equal
+//!    except at near ties (the two tokens' f32 logits closer than twice the row's largest bf16
+//!    error), counted.
 //! 4. Pack/unpack of one 4,096-token request of the default bench model (f32, 16-token blocks
 //!    scattered over the pool) in GB/s, beside a plain device-to-device copy of the same bytes.
 //! 5. Decode tokens/s through the executor with deferred output on and off, beside the count of
@@ -35,6 +37,8 @@ pub struct DeviceBenchArgs {
     pub emulate: bool,
     /// Where the pack bench writes its block list (for the PyTorch baseline), if anywhere.
     pub blocks_out: Option<PathBuf>,
+    /// transformers' bf16-vs-f32 gap per family: `{family: {"max": m, "rows": [[..]]}}`.
+    pub bf16_gap: PathBuf,
 }
 
 /// Fixture folders under `--fixtures` (`fixtures/hf`).
@@ -56,6 +60,7 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     } else {
         println!("gpu          {} (GPU {}), kernels compiled by NVRTC for {}", gpu.name(), gpu.ordinal, gpu.arch());
     }
+    let gaps = TransformersGap::load(&args.bf16_gap)?;
     let mut failures = Vec::new();
     for folder in FAMILIES {
         let dir = args.fixtures.join(folder);
@@ -66,7 +71,7 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
         failures.extend(invariance(&gpu, &dm, family)?);
         let bf16 = DeviceModel::upload_as(&gpu, &model, Dtype::Bfloat16)?;
         failures.extend(invariance(&gpu, &bf16, &format!("{family} bf16"))?);
-        failures.extend(bf16_agreement(&gpu, &dm, &bf16, &dir, family)?);
+        failures.extend(bf16_agreement(&gpu, &dm, &bf16, &dir, family, &gaps)?);
     }
     failures.extend(topk_check(&gpu)?);
     let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
@@ -121,8 +126,51 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-/// The relative L2 distance of a bf16 model's logits from its f32 logits that passes.
+/// The relative L2 distance of a bf16 model's logits from its f32 logits that always passes.
 pub const BF16_TOLERANCE: f64 = 5e-2;
+
+/// transformers' own bf16-vs-f32 logits gap per fixture family, measured on the device by
+/// benches/device/transformers_bf16_gap.py: bf16 rounding flips routing choices on these small
+/// random MoE models, so their gap is large in transformers too. kvflow's bf16 path is held to
+/// twice it (and never to less than [`BF16_TOLERANCE`]).
+struct TransformersGap {
+    path: PathBuf,
+    max_by_family: std::collections::BTreeMap<String, f64>,
+}
+
+#[derive(serde::Deserialize)]
+struct FamilyGap {
+    max: f64,
+}
+
+impl TransformersGap {
+    fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--bf16-gap {}: cannot read transformers' bf16 gap file", path.display()))?;
+        let parsed: std::collections::BTreeMap<String, FamilyGap> = serde_json::from_str(&text).map_err(|e| {
+            anyhow!("--bf16-gap {}: expected {{family: {{\"max\": number, ..}}}}: {e}", path.display())
+        })?;
+        let mut max_by_family = std::collections::BTreeMap::new();
+        for (family, gap) in parsed {
+            if !gap.max.is_finite() || gap.max < 0.0 {
+                bail!("--bf16-gap {}: {family}.max is {}, expected a finite number >= 0", path.display(), gap.max);
+            }
+            max_by_family.insert(family, gap.max);
+        }
+        Ok(TransformersGap { path: path.to_path_buf(), max_by_family })
+    }
+
+    /// transformers' gap for a fixture: its own entry, else the longest family name it starts
+    /// with (`deepseek_v32_topk32` is the deepseek_v32 architecture with another top-k).
+    fn for_family(&self, family: &str) -> Result<(&str, f64)> {
+        self.max_by_family
+            .iter()
+            .filter(|(name, _)| family == name.as_str() || family.starts_with(&format!("{name}_")))
+            .max_by_key(|(name, _)| name.len())
+            .map(|(name, gap)| (name.as_str(), *gap))
+            .ok_or_else(|| anyhow!("--bf16-gap {}: no entry for fixture family {family}", self.path.display()))
+    }
+}
 
 /// The fixture's prompts greedily on the bf16 model against the f32 one: each sampled row's
 /// logits within [`BF16_TOLERANCE`] while the paths agree; a differing token must be a near tie
@@ -134,7 +182,10 @@ fn bf16_agreement(
     bf16: &DeviceModel,
     dir: &Path,
     family: &str,
+    gaps: &TransformersGap,
 ) -> Result<Vec<String>> {
+    let (gap_family, transformers_gap) = gaps.for_family(family)?;
+    let tolerance = BF16_TOLERANCE.max(2.0 * transformers_gap);
     let (_, expected) = expected_cases(dir)?;
     let (full, half) = (PlainRunner::new(gpu, f32_model)?, PlainRunner::new(gpu, bf16)?);
     let mut failures = Vec::new();
@@ -150,7 +201,7 @@ fn bf16_agreement(
             compared += 1;
             let e = rel_err(&b.logits[j], &a.logits[j]);
             worst = worst.max(e);
-            if e.is_nan() || e > BF16_TOLERANCE {
+            if e.is_nan() || e > tolerance {
                 failures.push(format!("{family} case {c}: sampled row {j}: bf16 logits {e:.2e} relative from f32"));
             }
             let (x, y) = (a.tokens[j] as usize, b.tokens[j] as usize);
@@ -171,7 +222,7 @@ fn bf16_agreement(
         }
     }
     println!(
-        "bf16         {family:<12} greedy tokens {agreed}/{compared} equal the f32 path's ({near_ties} near ties); logits vs f32: max relative error {worst:.2e} (limit {BF16_TOLERANCE:.0e})"
+        "bf16         {family:<12} greedy tokens {agreed}/{compared} equal the f32 path's ({near_ties} near ties); logits vs f32: max relative error {worst:.2e} (limit {tolerance:.2e}: max({BF16_TOLERANCE:.0e}, 2 x transformers' own {transformers_gap:.2e} on {gap_family}))"
     );
     Ok(failures)
 }
