@@ -50,6 +50,8 @@ pub struct CudaBatch {
     decoded: usize,
     max_decode: usize,
     step: u64,
+    /// Every sample taken so far, in completion order: (sequence, token, logits row hash).
+    pub samples: Vec<(u32, Option<u32>, u64)>,
 }
 
 impl CudaBatch {
@@ -86,7 +88,7 @@ impl CudaBatch {
             tables: (0..batch).map(table).collect(),
             slots: keeps_state.then(|| (0..batch as u32).collect()),
         };
-        Ok(CudaBatch { ex, reqs, last: vec![0; batch], decoded: 0, max_decode, step: 0 })
+        Ok(CudaBatch { ex, reqs, last: vec![0; batch], decoded: 0, max_decode, step: 0, samples: Vec::new() })
     }
 
     /// Launches the next step over `seqs` (built from the batch's requests).
@@ -111,6 +113,7 @@ impl CudaBatch {
         for c in done.drain(..) {
             for s in c.result.map_err(|e| anyhow!("step {}: {e}", c.step))? {
                 self.last[s.seq.index as usize] = s.token.unwrap_or(0);
+                self.samples.push((s.seq.index, s.token, s.logits_hash));
             }
         }
         Ok(n)

@@ -147,9 +147,8 @@ impl TransformersGap {
     fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--bf16-gap {}: cannot read transformers' bf16 gap file", path.display()))?;
-        let parsed: std::collections::BTreeMap<String, FamilyGap> = serde_json::from_str(&text).map_err(|e| {
-            anyhow!("--bf16-gap {}: expected {{family: {{\"max\": number, ..}}}}: {e}", path.display())
-        })?;
+        let parsed: std::collections::BTreeMap<String, FamilyGap> = serde_json::from_str(&text)
+            .map_err(|e| anyhow!("--bf16-gap {}: expected {{family: {{\"max\": number, ..}}}}: {e}", path.display()))?;
         let mut max_by_family = std::collections::BTreeMap::new();
         for (family, gap) in parsed {
             if !gap.max.is_finite() || gap.max < 0.0 {
@@ -516,6 +515,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
             deferred_output: deferred,
             emulate,
             dtype: Default::default(),
+            cuda_graphs: true,
             test_stale_ring_slot: false,
         };
         let mut b = CudaBatch::new(model, &settings, batch, prompt_len, steps)?;

@@ -85,10 +85,13 @@ fn measure(
         deferred_output: true,
         emulate: args.emulate,
         dtype,
+        cuda_graphs: true,
         test_stale_ring_slot: false,
     };
     let (warmup, rounds, profiled) = (4, 3, 8);
-    let mut b = CudaBatch::new(model, &settings, args.batch, args.prompt, warmup + rounds * args.steps + profiled)?;
+    // the timed rounds, then one round launched directly (no graphs), then the profiled steps
+    let decode_steps = warmup + (rounds + 1) * args.steps + profiled;
+    let mut b = CudaBatch::new(model, &settings, args.batch, args.prompt, decode_steps)?;
     let gpu = b.ex.gpu().clone();
     let weight_bytes = b.ex.device_model().weight_bytes;
     let name = dtype.name();
@@ -167,6 +170,21 @@ fn measure(
         args.steps,
         shown.join(", "),
         vs
+    );
+
+    // the same steps with every launch made from the host (no captured graphs), right after
+    let counts = b.ex.graph_counts().unwrap_or_default();
+    b.ex.use_graphs(false);
+    let (secs, _) = b.decode(args.steps, true)?;
+    b.ex.use_graphs(true);
+    let direct_ms = secs * 1e3 / args.steps as f64;
+    println!(
+        "graphs       kvflow {name}: {direct_ms:.2} ms/step with every kernel launched from the host, the {} steps after the timed ones; captured graphs ratio={:.2} ({} steps replayed from {} captured shapes, {} launched directly)",
+        args.steps,
+        direct_ms / step_ms,
+        counts.replayed,
+        counts.captured,
+        counts.launched,
     );
 
     // the decode step's lower bound at the mean context of the timed steps

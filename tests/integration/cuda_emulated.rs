@@ -397,6 +397,37 @@ fn a_decode_launched_before_its_input_is_sampled_reads_it_on_the_device() {
     assert_ne!(stale, on, "feeding a stale ring slot must change the output");
 }
 
+/// A decode step's launches captured into a graph once per shape and replayed give the bits of
+/// the same steps launched directly: every sample's token and logits hash, over a context that
+/// crosses two attention key-part boundaries (three shapes), for a family with paged KV only
+/// and one with MLA, KDA state slots and MoE. The counts show the replays really happened.
+#[test]
+fn replayed_decode_graphs_give_the_bits_of_direct_launches() {
+    for family in ["hf/llama", "hf/kimi_linear"] {
+        let model = Arc::new(load(&fixture(family)));
+        let (batch, prompt, steps) = (3, 60, 72);
+        let run = |graphs: bool| {
+            let settings = CudaSettings { cuda_graphs: graphs, ..EMULATE };
+            let mut b = kvflow::bench::cuda_batch::CudaBatch::new(&model, &settings, batch, prompt, steps).unwrap();
+            b.prefill().unwrap();
+            let (_, waits) = b.decode(steps, true).unwrap();
+            assert_eq!(waits, 0, "{family}: the decode path waited for the device");
+            (b.samples.clone(), b.ex.graph_counts())
+        };
+        let (direct, none) = run(false);
+        let (replayed, counts) = run(true);
+        assert_eq!(none, None);
+        assert_eq!(direct.len(), batch * (steps + 1));
+        assert_eq!(replayed, direct, "{family}: graph replays changed a sample");
+        // positions 60..131: key parts 1, 2 and 3, each shape launched once, then captured
+        // on its second step and replayed from then on (the prefill is launched directly)
+        let counts = counts.unwrap();
+        assert_eq!(counts.captured, 3, "{family}: {counts:?}");
+        assert_eq!(counts.launched, 1 + 3, "{family}: {counts:?}");
+        assert_eq!(counts.replayed, steps as u64 - 3, "{family}: {counts:?}");
+    }
+}
+
 /// Six greedy tokens after the first llama case's prompt, each decode launched before the
 /// previous step is polled (`deferred`), or after its token is known on the host.
 fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
@@ -408,6 +439,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
             deferred_output: deferred,
             emulate: true,
             dtype: Default::default(),
+            cuda_graphs: true,
             test_stale_ring_slot: stale,
         };
         let mut ex = cuda_rank(&model, &settings);
@@ -639,6 +671,7 @@ const EMULATE: CudaSettings = CudaSettings {
     deferred_output: true,
     emulate: true,
     dtype: kvflow_kernels::cuda::Dtype::Float32,
+    cuda_graphs: true,
     test_stale_ring_slot: false,
 };
 
@@ -797,6 +830,7 @@ fn the_speed_bench_runs_the_kimi_spec_through_the_cuda_executor() {
         "family hybrid_kda, 16 layers",
         "prefill      kvflow float32: 2 × 4 tokens",
         "decode       kvflow float32",
+        "graphs       kvflow float32",
         "0 host waits",
         "bound        float32 decode step",
         "prefill      kvflow bfloat16: 2 × 4 tokens",

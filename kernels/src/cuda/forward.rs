@@ -46,6 +46,25 @@ pub struct StepRows {
     pub prompt_lens: Vec<u32>,
 }
 
+/// The sizes a step's launches are built from. Two steps of one shape enqueue the same launches
+/// with the same arguments when their rows sit at the same device addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StepShape {
+    pub rows: usize,
+    pub seqs: usize,
+    pub sampled: usize,
+    /// The longest index row: attention cuts keys into `index_row / KEY_SPLIT` parts (rounded
+    /// up), DeepSeek-V3.2's indexer scores rows this long.
+    pub index_row: usize,
+}
+
+impl StepShape {
+    /// Attention's key parts for this shape.
+    pub fn key_parts(&self) -> usize {
+        self.index_row.div_ceil(KEY_SPLIT).max(1)
+    }
+}
+
 /// A sequence without a state slot.
 pub const NO_SLOT: u32 = u32::MAX;
 
@@ -115,6 +134,17 @@ impl StepRows {
         self
     }
 
+    /// What the host side of [`DeviceModel::enqueue_step`] reads of these rows: every launch's
+    /// grid, scalar and scratch size follows from it (the rest is read on the device).
+    pub fn shape(&self) -> StepShape {
+        StepShape { rows: self.rows(), seqs: self.num_seqs(), sampled: self.sampled(), index_row: self.index_row_len() }
+    }
+
+    /// Words of the packed rows before the tables (fixed by the shape).
+    pub fn words_before_tables(&self) -> usize {
+        self.words() - self.tables.len()
+    }
+
     /// The longest index row of the step (the indexer's scores per row): max(prompt length,
     /// position + 1) over the rows.
     fn index_row_len(&self) -> usize {
@@ -134,19 +164,22 @@ impl StepRows {
         self.logit_rows.len()
     }
 
+    /// The parts in the order they are packed: every part's length is fixed by the step's
+    /// shape except the tables', which go last, so a captured step (`graph.rs`) finds each part
+    /// at the same address in every step of its shape.
     fn parts(&self) -> [&[u32]; 11] {
         [
             &self.tokens,
             &self.positions,
             &self.seqs,
             &self.write_rows,
-            &self.tables,
             &self.table_at,
             &self.logit_rows,
             &self.ring_slots,
             &self.row_at,
             &self.slots,
             &self.prompt_lens,
+            &self.tables,
         ]
     }
 
@@ -170,13 +203,13 @@ impl StepRows {
             positions: addr[1],
             seqs: addr[2],
             write_rows: addr[3],
-            tables: addr[4],
-            table_at: addr[5],
-            logit_rows: addr[6],
-            ring_slots: addr[7],
-            row_at: addr[8],
-            slots: addr[9],
-            prompt_lens: addr[10],
+            table_at: addr[4],
+            logit_rows: addr[5],
+            ring_slots: addr[6],
+            row_at: addr[7],
+            slots: addr[8],
+            prompt_lens: addr[9],
+            tables: addr[10],
         }
     }
 }
@@ -559,7 +592,7 @@ impl Step<'_> {
         let head_parts = (q_heads / kv_heads).div_ceil(HEADS_PER_BLOCK);
         // every row's keys fit in `splits` parts (index_row ≥ position + 1 ≥ its keys); the
         // rows go in slices so the parts' scratch stays bounded (a row's bits do not depend on it)
-        let splits = self.index_row.div_ceil(KEY_SPLIT).max(1);
+        let splits = StepShape { rows: self.rows, seqs: self.seqs, sampled: 0, index_row: self.index_row }.key_parts();
         let per_row = q_heads * splits * (v + 2);
         let slice = (ATTENTION_PARTS_FLOATS / per_row).clamp(1, self.rows);
         let parts = self.gpu.scratch::<f32>(slice * per_row)?;
@@ -1050,11 +1083,28 @@ impl DeviceModel {
         results: u64,
         keep_logits: bool,
     ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
-        let (t, hidden) = (rows.rows(), self.hidden);
+        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, keep_logits)
+    }
+
+    /// [`DeviceModel::enqueue_step`] from the rows' shape alone (what a captured step is built
+    /// from): the rows themselves are read on the device at `at`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn enqueue_shaped(
+        &self,
+        gpu: &Gpu,
+        kv: &DeviceKv,
+        state: Option<&DeviceState>,
+        shape: StepShape,
+        at: RowsOnDevice,
+        ring: u64,
+        results: u64,
+        keep_logits: bool,
+    ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
+        let (t, hidden) = (shape.rows, self.hidden);
         if t == 0 {
             return Ok(None);
         }
-        let s = Step { gpu, kv, state, rows: t, seqs: rows.num_seqs(), at, index_row: rows.index_row_len() };
+        let s = Step { gpu, kv, state, rows: t, seqs: shape.seqs, at, index_row: shape.index_row };
         let h = gpu.scratch::<f32>(t * hidden)?;
         gpu.launch(
             "embed_rows",
@@ -1085,7 +1135,7 @@ impl DeviceModel {
                 DevFfn::Moe(m) => s.moe(h.ptr(), x.ptr(), m, hidden)?,
             }
         }
-        let n = rows.sampled();
+        let n = shape.sampled;
         if n == 0 {
             return Ok(None);
         }

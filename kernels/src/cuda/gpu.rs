@@ -5,6 +5,7 @@
 //! the host waits for the device (`host_waits`: the step path must never add to it).
 
 use super::emulate::Emulator;
+use super::graph::{HostCapture, HostOp};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use std::collections::HashMap;
@@ -91,7 +92,7 @@ pub enum Arg {
 }
 
 /// The compiled kernels of one device, by name.
-struct Kernels {
+pub(super) struct Kernels {
     functions: HashMap<String, CudaFunction>,
     arch: String,
 }
@@ -163,7 +164,7 @@ pub fn kernel_names(source: &str) -> Vec<String> {
 }
 
 /// Where a [`Gpu`]'s work runs.
-enum Backend {
+pub(super) enum Backend {
     Cuda {
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
@@ -176,7 +177,7 @@ enum Backend {
 /// One rank's view of its GPU.
 pub struct Gpu {
     pub ordinal: usize,
-    backend: Backend,
+    pub(super) backend: Backend,
     host_waits: AtomicU64,
     /// Bytes copied to the device by [`Gpu::upload`] (weights, at load).
     uploaded: AtomicU64,
@@ -186,6 +187,9 @@ pub struct Gpu {
     /// flag keeps the lock off every other launch.
     profiling: std::sync::atomic::AtomicBool,
     profile: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+    /// While a step is captured under emulation (`graph.rs`): what it enqueues, recorded
+    /// instead of run.
+    pub(super) host_capture: Mutex<Option<HostCapture>>,
 }
 
 /// Device time per kernel over a profiled stretch: name, launches, milliseconds.
@@ -220,6 +224,7 @@ impl Gpu {
             uploaded: AtomicU64::new(0),
             profiling: std::sync::atomic::AtomicBool::new(false),
             profile: Mutex::new(None),
+            host_capture: Mutex::new(None),
         }))
     }
 
@@ -234,6 +239,7 @@ impl Gpu {
             uploaded: AtomicU64::new(0),
             profiling: std::sync::atomic::AtomicBool::new(false),
             profile: Mutex::new(None),
+            host_capture: Mutex::new(None),
         }))
     }
 
@@ -312,6 +318,11 @@ impl Gpu {
                 Ok(())
             }
             Backend::Host(emu) => {
+                if let Some(capture) = self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                    let (name, args) = (name.to_string(), args.to_vec());
+                    capture.ops.push(HostOp::Launch { name, grid, block, smem, args });
+                    return Ok(());
+                }
                 let mut values: Vec<[u8; 8]> = args
                     .iter()
                     .map(|a| {
@@ -342,7 +353,7 @@ impl Gpu {
                 let slice = stream.alloc_zeros::<T>(len.max(1)).map_err(self.err("allocating device memory"))?;
                 Ok(DeviceBuf::wrap(slice, len, stream))
             }
-            Backend::Host(_) => Ok(DeviceBuf::host(len)),
+            Backend::Host(_) => Ok(self.host_buffer(len, true)),
         }
     }
 
@@ -354,7 +365,26 @@ impl Gpu {
                 let slice = unsafe { stream.alloc::<T>(len.max(1)) }.map_err(self.err("allocating device memory"))?;
                 Ok(DeviceBuf::wrap(slice, len, stream))
             }
-            Backend::Host(_) => Ok(DeviceBuf::host(len)),
+            Backend::Host(_) => Ok(self.host_buffer(len, false)),
+        }
+    }
+
+    /// Emulated device memory; while a step is captured, owned by the capture (as a CUDA
+    /// graph's allocations are by the graph), and zeroed again at each replay when `zeroed`.
+    fn host_buffer<T>(&self, len: usize, zeroed: bool) -> DeviceBuf<T> {
+        let buf = DeviceBuf::host(len);
+        match self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Some(capture) => {
+                let bytes = (len * std::mem::size_of::<T>()).max(1);
+                if zeroed {
+                    capture.ops.push(HostOp::Zero { ptr: buf.ptr, bytes });
+                }
+                let ptr = buf.ptr;
+                let Storage::Host(memory) = buf._storage else { unreachable!("a host buffer") };
+                capture.memory.push(memory);
+                DeviceBuf { _storage: Storage::Captured, ptr, len }
+            }
+            None => buf,
         }
     }
 
@@ -383,6 +413,7 @@ impl Gpu {
             Backend::Cuda { stream, .. } => unsafe { result::memcpy_htod_async(dst, src, stream.cu_stream()) }
                 .map_err(self.err("copying to the device")),
             Backend::Host(_) => {
+                self.refuse_in_capture("a copy between host and device")?;
                 // SAFETY: `dst` is a host allocation of at least `len` elements.
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut T, len) };
                 Ok(())
@@ -398,6 +429,7 @@ impl Gpu {
             Backend::Cuda { stream, .. } => unsafe { result::memcpy_dtoh_async(dst, src, stream.cu_stream()) }
                 .map_err(self.err("copying to the host")),
             Backend::Host(_) => {
+                self.refuse_in_capture("a copy between host and device")?;
                 // SAFETY: `src` is a host allocation of at least `len` elements.
                 unsafe { std::ptr::copy_nonoverlapping(src as *const T, dst.as_mut_ptr(), len) };
                 Ok(())
@@ -412,6 +444,10 @@ impl Gpu {
             Backend::Cuda { stream, .. } => unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
                 .map_err(self.err("copying on the device")),
             Backend::Host(_) => {
+                if let Some(capture) = self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                    capture.ops.push(HostOp::Copy { dst, src, bytes });
+                    return Ok(());
+                }
                 // SAFETY: both are host allocations of at least `bytes`.
                 unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
                 Ok(())
@@ -463,6 +499,20 @@ impl Gpu {
         match &self.backend {
             Backend::Cuda { stream, .. } => stream.synchronize().map_err(self.err("waiting for the GPU")),
             Backend::Host(_) => Ok(()),
+        }
+    }
+
+    /// Whether launches are being timed (a captured step is then launched directly instead).
+    pub fn is_profiling(&self) -> bool {
+        self.profiling.load(Ordering::Relaxed)
+    }
+
+    /// An emulated capture records device work only (a CUDA graph here would hold the copy,
+    /// but no captured step makes one).
+    fn refuse_in_capture(&self, what: &str) -> Result<(), CudaError> {
+        match self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            true => Err(CudaError::Unsupported(format!("{what} inside a captured step"))),
+            false => Ok(()),
         }
     }
 
@@ -531,6 +581,8 @@ enum Storage<T> {
     Cuda(#[allow(dead_code)] CudaSlice<T>),
     /// 16-byte aligned host memory (the emulation's device memory).
     Host(#[allow(dead_code)] Vec<u128>),
+    /// Emulated memory a captured step owns (`graph.rs`).
+    Captured,
 }
 
 impl<T> DeviceBuf<T> {

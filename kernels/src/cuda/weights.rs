@@ -335,6 +335,12 @@ pub fn unsupported(model: &Model) -> Option<String> {
 }
 
 impl DeviceModel {
+    /// Whether a layer runs DeepSeek-V3.2's indexer (its scores are as wide as the step's
+    /// longest row, so its steps are not captured: `graph.rs`).
+    pub fn has_indexer(&self) -> bool {
+        self.layers.iter().any(|l| matches!(&l.mixer, DevMixer::Mla(a) if a.indexer.is_some()))
+    }
+
     /// Uploads `model` to `gpu` in f32 (waits for the copies: this is load time, not a step).
     pub fn upload(gpu: &Gpu, model: &Model) -> Result<DeviceModel, CudaError> {
         DeviceModel::upload_as(gpu, model, Dtype::Float32)

@@ -17,8 +17,10 @@
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
 //! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
 //! on machines without a GPU), `dtype = "float32"` (`"bfloat16"`: the products' weights in bf16
-//! on tensor cores and the KV cache in bf16, kvflow_kernels::cuda::Dtype). Which time it holds: the rank's step, from
-//! launch to completion.
+//! on tensor cores and the KV cache in bf16, kvflow_kernels::cuda::Dtype), `cuda_graphs = true`
+//! (a step without handoffs whose shape was seen before replays the shape's captured CUDA graph
+//! instead of launching kernel by kernel, kvflow_kernels::cuda::graph; false: always launched).
+//! Which time it holds: the rank's step, from launch to completion.
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
 
@@ -29,7 +31,8 @@ use crate::step::{
 };
 use kvflow_kernels::cuda::{visible_gpus, CudaError, Dtype};
 use kvflow_kernels::cuda::{
-    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, PinnedBuf, SharedKv, StepRows, FROM_RING, RESULT_WORDS,
+    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, SharedKv, StepGraphs, StepRows,
+    FROM_RING, RESULT_WORDS,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -37,7 +40,7 @@ use std::sync::Arc;
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
 
-const KEYS: &[&str] = &["gpus", "deferred_output", "emulate", "dtype"];
+const KEYS: &[&str] = &["gpus", "deferred_output", "emulate", "dtype", "cuda_graphs"];
 
 /// What a `cuda` pool's settings say.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,6 +51,9 @@ pub struct CudaSettings {
     pub emulate: bool,
     /// How the products' weights sit on the GPU.
     pub dtype: Dtype,
+    /// Replay a step shape's captured launches (kvflow_kernels::cuda::graph) for steps without
+    /// handoffs.
+    pub cuda_graphs: bool,
     /// Test only (no graph key sets it): a token in flight is fed from the ring slot of the
     /// sequence's sample before the one it names — deferred output without its mechanism.
     pub test_stale_ring_slot: bool,
@@ -61,6 +67,7 @@ impl CudaSettings {
             deferred_output: s.flag("deferred_output", true)?,
             emulate: s.flag("emulate", false)?,
             dtype: Dtype::parse(s.choice("dtype", &["float32", "bfloat16"], "float32")?).unwrap_or_default(),
+            cuda_graphs: s.flag("cuda_graphs", true)?,
             test_stale_ring_slot: false,
         })
     }
@@ -117,6 +124,8 @@ pub struct CudaExecutor {
     sampled: HashMap<SeqKey, (u64, u32)>,
     in_flight: VecDeque<InFlight>,
     deferred_output: bool,
+    /// Captured step shapes (`cuda_graphs = true`), else `None`.
+    graphs: Option<StepGraphs>,
     /// Pinned buffers of completed steps, for the next ones (page-locking memory is slow, and
     /// freeing it may wait for the device).
     pinned_words: PinnedPool<u32>,
@@ -154,6 +163,7 @@ impl CudaExecutor {
             sampled: HashMap::new(),
             in_flight: VecDeque::new(),
             deferred_output: settings.deferred_output,
+            graphs: settings.cuda_graphs.then(StepGraphs::default),
             older: settings.test_stale_ring_slot.then(HashMap::new),
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
@@ -174,6 +184,18 @@ impl CudaExecutor {
     /// Times the host waited for this rank's GPU (0 on the decode path with deferred output).
     pub fn host_waits(&self) -> u64 {
         self.gpu.host_waits()
+    }
+
+    /// How steps went through captured graphs (`None`: `cuda_graphs = false`).
+    pub fn graph_counts(&self) -> Option<GraphCounts> {
+        self.graphs.as_ref().map(|g| g.counts)
+    }
+
+    /// Turns captured graphs on or off from the next step (benches compare the two).
+    pub fn use_graphs(&mut self, on: bool) {
+        if on != self.graphs.is_some() {
+            self.graphs = on.then(StepGraphs::default);
+        }
     }
 
     /// Handoffs imported so far: (device to device, through the host).
@@ -268,19 +290,33 @@ impl CudaExecutor {
             .collect();
         let meta_words = rows.words() + lists.iter().map(|l| l.len()).sum::<usize>();
         let mut meta = self.pinned_words.take(&gpu, meta_words).map_err(fail)?;
-        let meta_dev = gpu.scratch::<u32>(meta_words).map_err(fail)?;
-        let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
-        let mut cursor = rows.words();
-        let mut block_lists = Vec::new();
-        for (i, blocks) in lists.into_iter().enumerate() {
-            if i < launch.imports.len() + launch.exports.len() {
-                self.kv.kv.check_blocks(blocks).map_err(fail)?;
+        // a step without handoffs replays its shape's captured graph where there is one (the
+        // graph reads the rows from its own buffer and writes the results to its own)
+        let replayed = match self.graphs.as_mut() {
+            Some(graphs) if lists.is_empty() => {
+                rows.pack(meta.as_mut_slice(), 0);
+                let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
+                graphs.enqueue(&gpu, model, kv, state, &rows, &meta, self.ring.ptr()).map_err(fail)?
             }
-            meta.as_mut_slice()[cursor..cursor + blocks.len()].copy_from_slice(blocks);
-            block_lists.push(meta_dev.at(cursor));
-            cursor += blocks.len();
+            _ => None,
+        };
+        let mut block_lists = Vec::new();
+        let mut direct = None;
+        if replayed.is_none() {
+            let meta_dev = gpu.scratch::<u32>(meta_words).map_err(fail)?;
+            let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
+            let mut cursor = rows.words();
+            for (i, blocks) in lists.into_iter().enumerate() {
+                if i < launch.imports.len() + launch.exports.len() {
+                    self.kv.kv.check_blocks(blocks).map_err(fail)?;
+                }
+                meta.as_mut_slice()[cursor..cursor + blocks.len()].copy_from_slice(blocks);
+                block_lists.push(meta_dev.at(cursor));
+                cursor += blocks.len();
+            }
+            gpu.copy_to_device(meta_dev.ptr(), &meta, meta_words).map_err(fail)?;
+            direct = Some((meta_dev, at));
         }
-        gpu.copy_to_device(meta_dev.ptr(), &meta, meta_words).map_err(fail)?;
         for (i, import) in launch.imports.iter().enumerate() {
             let h = &import.from;
             let bad = |m: String| ExecutorError::Launch(format!("{}: {m}", h.describe()));
@@ -331,12 +367,19 @@ impl CudaExecutor {
             self.imported_through_host += 1;
             imports.push((import.clone(), Some(staged)));
         }
-        // 3. the forward and sampling
+        // 3. the forward and sampling (already enqueued when replayed)
         let n = rows.sampled();
-        let results_dev = gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?;
-        self.model
-            .enqueue_step(&gpu, &self.kv.kv, self.state.as_ref(), &rows, at, self.ring.ptr(), results_dev.ptr(), false)
-            .map_err(fail)?;
+        let mut results_dev = None;
+        let results_at = match (replayed, &direct) {
+            (Some(results_at), _) => results_at,
+            (None, Some((_, at))) => {
+                let dev = results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
+                let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
+                model.enqueue_step(&gpu, kv, state, &rows, *at, self.ring.ptr(), dev.ptr(), false).map_err(fail)?;
+                dev.ptr()
+            }
+            (None, None) => unreachable!("a step not replayed is enqueued directly"),
+        };
         // snapshots of the boundaries the step reached, after its forward
         if let Some(state) = &self.state {
             for op in launch.after {
@@ -347,7 +390,7 @@ impl CudaExecutor {
         }
         let mut results = self.pinned_words.take(&gpu, n * RESULT_WORDS).map_err(fail)?;
         if n > 0 {
-            gpu.copy_to_host(&mut results, results_dev.ptr(), n * RESULT_WORDS).map_err(fail)?;
+            gpu.copy_to_host(&mut results, results_at, n * RESULT_WORDS).map_err(fail)?;
         }
         // 4. exports: the blocks, read in place once this step has completed (the producer
         //    holds them until the consumer's ack)
