@@ -245,8 +245,12 @@ extern "C" __global__ void linear_narrow(float* y, const float* x, const float* 
 
 
 // The routed pairs grouped by expert: order[offsets[e] .. offsets[e + 1]] are the pairs routed to
-// expert e, ascending. One block; thread e counts and then lists expert e's pairs.
-extern "C" __global__ void group_pairs(int* order, int* offsets, const int* experts, int pairs, int n_experts) {
+// expert e, ascending. One block; thread e counts and then lists expert e's pairs. Then the work
+// of the expert products: each expert's pairs cut into items of up to per_item, listed as
+// work[0] = items, work[1 + 2i] = item i's expert, work[2 + 2i] = its first pair in `order` (so a
+// heavily routed expert spreads over many blocks instead of holding up the launch).
+extern "C" __global__ void group_pairs(int* order, int* offsets, int* work, const int* experts, int pairs,
+                                       int n_experts, int per_item) {
     DYNAMIC_SHARED(int, counts);
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
         int c = 0;
@@ -261,6 +265,14 @@ extern "C" __global__ void group_pairs(int* order, int* offsets, const int* expe
             at += counts[e];
         }
         offsets[n_experts] = at;
+        int items = 0;
+        for (int e = 0; e < n_experts; e++)
+            for (int c = offsets[e]; c < offsets[e + 1]; c += per_item) {
+                work[1 + 2 * items] = e;
+                work[2 + 2 * items] = c;
+                items++;
+            }
+        work[0] = items;
     }
     __syncthreads();
     for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
@@ -280,8 +292,9 @@ __device__ __forceinline__ float4 weights4(const u16* w, int k4) {
 
 // Routed expert products, expert by expert: y[p, n] = Σ_k x[p / x_per, k] · W[e][n, k] for the
 // pairs p routed to expert e (`group_pairs`), W in f32 (`expert_linear`) or bf16
-// (`expert_linear_bf16`, each weight widened to f32; x stays f32). Block (e, n / 32): 8 warps of
-// OUTPUTS_PER_WARP outputs each; the expert's pairs in chunks of PAIRS_PER_PASS, so a lane's
+// (`expert_linear_bf16`, each weight widened to f32; x stays f32). Block (work item, n / 32): 8
+// warps of OUTPUTS_PER_WARP outputs each, over the item's pairs (up to per_item of one expert's)
+// in chunks of PAIRS_PER_PASS, so a lane's
 // loads of x serve four outputs and its loads of W eight pairs. A pair's value is its own: each
 // lane takes its k in order (four consecutive ones at a time, 4·lane + 128·i + j, when K is a
 // multiple of 4; else lane + 32·i), then a fixed warp sum, whichever pairs and outputs share the
@@ -290,14 +303,16 @@ __device__ __forceinline__ float4 weights4(const u16* w, int k4) {
 #define OUTPUTS_PER_WARP 4
 template <class W>
 __device__ __forceinline__ void expert_products(float* y, const float* x, const W* w, const int* order,
-                                                const int* offsets, int N, int K, int x_per) {
-    int e = blockIdx.x, lane = threadIdx.x % 32;
+                                                const int* offsets, const int* work, int per_item, int N, int K,
+                                                int x_per) {
+    int item = blockIdx.x, lane = threadIdx.x % 32;
     int n0 = (blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32) * OUTPUTS_PER_WARP;
-    if (n0 >= N) return;
+    if (item >= work[0] || n0 >= N) return;
+    int e = work[1 + 2 * item];
     int outputs = min(OUTPUTS_PER_WARP, N - n0);
     const W* wr[OUTPUTS_PER_WARP];
     for (int j = 0; j < OUTPUTS_PER_WARP; j++) wr[j] = w + ((size_t)e * N + n0 + min(j, outputs - 1)) * K;
-    int first = offsets[e], end = offsets[e + 1];
+    int first = work[2 + 2 * item], end = min(first + per_item, offsets[e + 1]);
     for (int c0 = first; c0 < end; c0 += PAIRS_PER_PASS) {
         int count = min(PAIRS_PER_PASS, end - c0);
         float s[PAIRS_PER_PASS][OUTPUTS_PER_WARP];
@@ -338,13 +353,15 @@ __device__ __forceinline__ void expert_products(float* y, const float* x, const 
 }
 
 extern "C" __global__ void expert_linear(float* y, const float* x, const float* w, const int* order,
-                                         const int* offsets, int N, int K, int x_per) {
-    expert_products(y, x, w, order, offsets, N, K, x_per);
+                                         const int* offsets, const int* work, int per_item, int N, int K,
+                                         int x_per) {
+    expert_products(y, x, w, order, offsets, work, per_item, N, K, x_per);
 }
 
 extern "C" __global__ void expert_linear_bf16(float* y, const float* x, const u16* w, const int* order,
-                                              const int* offsets, int N, int K, int x_per) {
-    expert_products(y, x, w, order, offsets, N, K, x_per);
+                                              const int* offsets, const int* work, int per_item, int N, int K,
+                                              int x_per) {
+    expert_products(y, x, w, order, offsets, work, per_item, N, K, x_per);
 }
 
 // act[r, i] = silu(gu[r, i]) · gu[r, inter + i]
@@ -358,6 +375,7 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 #define KEYS_AT_ONCE 4
 #define HEADS_PER_BLOCK 4
 #define STAGED_KEYS 8
+#define STAGE_LOADS 8
 #define KEY_SPLIT 64        // a row's keys in parts of 64 (forward.rs: KEY_SPLIT)
 #define MAX_QK_PER_LANE 24  // head widths up to 768 for scores
 #define MAX_V_PER_LANE 16   // and 512 for values (forward.rs checks both)
@@ -420,10 +438,21 @@ extern "C" __global__ void paged_attention(float* parts, const float* q, const v
             key_row[threadIdx.x] = ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_width;
         }
         __syncthreads();
-        for (int u = 0; u < count; u++)
-            for (int d = threadIdx.x; d < width; d += blockDim.x)
-                staged[u * width + d] =
-                    kv_load(cache, key_row[u] + (d < qk_dim ? k_base + d : v_base + d - qk_dim), kv_bf16);
+        // STAGE_LOADS loads in flight per thread before any is stored (the stage is latency
+        // bound otherwise: one load, one store, one load …)
+        for (int e0 = threadIdx.x; e0 < count * width; e0 += STAGE_LOADS * blockDim.x) {
+            float v[STAGE_LOADS];
+#pragma unroll
+            for (int j = 0; j < STAGE_LOADS; j++) {
+                int e = e0 + j * blockDim.x, u = e / width, d = e % width;
+                v[j] = e < count * width
+                           ? kv_load(cache, key_row[u] + (d < qk_dim ? k_base + d : v_base + d - qk_dim), kv_bf16)
+                           : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < STAGE_LOADS; j++)
+                if (e0 + j * blockDim.x < count * width) staged[e0 + j * blockDim.x] = v[j];
+        }
         __syncthreads();
         if (!active) continue;
         for (int i0 = 0; i0 < count; i0 += KEYS_AT_ONCE) {

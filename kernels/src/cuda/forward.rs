@@ -957,24 +957,25 @@ impl Step<'_> {
         y: u64,
         x: u64,
         w: &DevWeight,
-        grouped: (&DeviceBuf<i32>, &DeviceBuf<i32>),
-        experts: usize,
+        grouped: &GroupedPairs,
         n: usize,
         k: usize,
         x_per: usize,
     ) -> Result<(), CudaError> {
         self.gpu.launch(
             if w.is_bf16() { "expert_linear_bf16" } else { "expert_linear" },
-            // 8 warps of 4 outputs a block (`kernels/cuda/model.cu`)
-            (experts as u32, blocks_for(n, 32), 1),
+            // a block per work item and 8 warps of 4 outputs (`kernels/cuda/model.cu`)
+            (grouped.items_at_most as u32, blocks_for(n, 32), 1),
             256,
             0,
             &[
                 Arg::Ptr(y),
                 Arg::Ptr(x),
                 Arg::Ptr(w.ptr()),
-                Arg::Ptr(grouped.0.ptr()),
-                Arg::Ptr(grouped.1.ptr()),
+                Arg::Ptr(grouped.order.ptr()),
+                Arg::Ptr(grouped.offsets.ptr()),
+                Arg::Ptr(grouped.work.ptr()),
+                Arg::I32(grouped.per_item as i32),
                 Arg::I32(n as i32),
                 Arg::I32(k as i32),
                 Arg::I32(x_per as i32),
@@ -1010,27 +1011,28 @@ impl Step<'_> {
         )?;
         let pairs = t * k;
         let ne = m.num_experts;
-        let (order, offsets) = (self.gpu.scratch::<i32>(pairs)?, self.gpu.scratch::<i32>(ne + 1)?);
+        let grouped = GroupedPairs::new(self.gpu, pairs, ne)?;
         self.gpu.launch(
             "group_pairs",
             (1, 1, 1),
             256,
             (ne * 4) as u32,
             &[
-                Arg::Ptr(order.ptr()),
-                Arg::Ptr(offsets.ptr()),
+                Arg::Ptr(grouped.order.ptr()),
+                Arg::Ptr(grouped.offsets.ptr()),
+                Arg::Ptr(grouped.work.ptr()),
                 Arg::Ptr(experts.ptr()),
                 Arg::I32(pairs as i32),
                 Arg::I32(ne as i32),
+                Arg::I32(grouped.per_item as i32),
             ],
         )?;
-        let grouped = (&order, &offsets);
         let gu = self.gpu.scratch::<f32>(pairs * 2 * inter)?;
-        self.expert_linear(gu.ptr(), x, &m.gate_up, grouped, ne, 2 * inter, hidden, k)?;
+        self.expert_linear(gu.ptr(), x, &m.gate_up, &grouped, 2 * inter, hidden, k)?;
         let act = self.gpu.scratch::<f32>(pairs * inter)?;
         self.swiglu(act.ptr(), gu.ptr(), pairs, inter)?;
         let out = self.gpu.scratch::<f32>(pairs * hidden)?;
-        self.expert_linear(out.ptr(), act.ptr(), &m.down, grouped, ne, hidden, inter, 1)?;
+        self.expert_linear(out.ptr(), act.ptr(), &m.down, &grouped, hidden, inter, 1)?;
         let shared = match &m.shared {
             Some(s) => {
                 let y = self.gpu.scratch::<f32>(t * hidden)?;
@@ -1063,6 +1065,37 @@ impl Step<'_> {
                 Arg::I32(hidden as i32),
             ],
         )
+    }
+}
+
+/// A step's routed pairs grouped by expert (`group_pairs`) and cut into work items of up to
+/// `per_item` pairs of one expert, a block each in the expert products.
+struct GroupedPairs {
+    order: DeviceBuf<i32>,
+    offsets: DeviceBuf<i32>,
+    /// [items, then (expert, first pair) per item]
+    work: DeviceBuf<i32>,
+    per_item: usize,
+    /// Items there can be: one per expert, plus one per `per_item` pairs.
+    items_at_most: usize,
+}
+
+/// Pairs of one work item at least (`kernels/cuda/model.cu`'s PAIRS_PER_PASS: one pass).
+const PAIRS_PER_PASS: usize = 8;
+
+impl GroupedPairs {
+    fn new(gpu: &Gpu, pairs: usize, experts: usize) -> Result<GroupedPairs, CudaError> {
+        // about four items an expert when the routing is even: decode's few pairs a pass each,
+        // prefill's thousands in a few hundred pairs an item
+        let per_item = pairs.div_ceil(4 * experts).next_multiple_of(PAIRS_PER_PASS).max(PAIRS_PER_PASS);
+        let items_at_most = pairs.div_ceil(per_item) + experts;
+        Ok(GroupedPairs {
+            order: gpu.scratch::<i32>(pairs)?,
+            offsets: gpu.scratch::<i32>(experts + 1)?,
+            work: gpu.scratch::<i32>(1 + 2 * items_at_most)?,
+            per_item,
+            items_at_most,
+        })
     }
 }
 
