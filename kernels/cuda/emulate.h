@@ -129,6 +129,19 @@ static float __shfl_sync(unsigned, float v, int src) {
     return r;
 }
 
+static unsigned __ballot_sync(unsigned, bool pred) {
+    int warp = current / 32, lane = current % 32;
+    warp_slots[warp][lane] = pred ? 1.0f : 0.0f;
+    __syncwarp();
+    unsigned mask = 0;
+    for (int l = 0; l < lanes_of_warp(warp); l++)
+        if (warp_slots[warp][l] != 0.0f) mask |= 1u << l;
+    __syncwarp();
+    return mask;
+}
+
+static int __popc(unsigned v) { return __builtin_popcount(v); }
+
 // mma.sync m16n8k16 (bf16 in, f32 accumulate) for one warp, from the lanes' fragments (PTX ISA,
 // "Matrix fragments for mma.m16n8k16"): each output adds its 16 products in k order, one fma each.
 // A GPU's tensor cores add them their own way: the emulation keeps the fragments' layout, not the

@@ -82,27 +82,41 @@ __device__ __forceinline__ void la_move_column(float* col, float* S, int dk, int
         }
 }
 
-// 1 / rms of the block's values o (thread j < n holds o_j, the others 0), summed over a fixed
-// shared-memory tree of blockDim (a power of two ≥ n) partial sums; every thread gets it.
-__device__ float la_inverse_rms(float* partial, int j, float o, int n, float eps) {
-    partial[j] = o * o;
+// The sum of the block's values x (one per thread) over a fixed shared-memory tree of blockDim
+// (a power of two) partial sums; every thread gets it.
+__device__ float la_block_sum(float* partial, int j, float x) {
+    partial[j] = x;
     __syncthreads();
     for (int step = blockDim.x / 2; step > 0; step /= 2) {
         if (j < step) partial[j] += partial[j + step];
         __syncthreads();
     }
-    float inv = 1.0f / sqrtf(partial[0] / (float)n + eps);
+    float sum = partial[0];
     __syncthreads();
-    return inv;
+    return sum;
 }
 
-// The L2 norm inverses of q and k (d values each), summed in order by every thread alike.
-__device__ void la_l2_inverses(const float* q, const float* k, int d, float eps, float* iq, float* ik) {
+// 1 / rms of the block's values o (thread j < n holds o_j, the others 0).
+__device__ float la_inverse_rms(float* partial, int j, float o, int n, float eps) {
+    return 1.0f / sqrtf(la_block_sum(partial, j, o * o) / (float)n + eps);
+}
+
+__device__ float la_block_sum(float* partial, int j, float x);
+
+// Stages q and k of a row (d values each) in shared memory and gives 1/‖q‖ and 1/‖k‖: thread j
+// sums the squares of its values j, j + blockDim, … in order, then a fixed tree over the block.
+__device__ void la_stage_qk(float* qs, float* ks, float* partial, int j, const float* q, const float* k, int d,
+                            float eps, float* iq, float* ik) {
     float sq = 0.0f, sk = 0.0f;
-    for (int i = 0; i < d; i++) sq += q[i] * q[i];
-    for (int i = 0; i < d; i++) sk += k[i] * k[i];
-    *iq = 1.0f / sqrtf(sq + eps);
-    *ik = 1.0f / sqrtf(sk + eps);
+    for (int i = j; i < d; i += blockDim.x) {
+        float a = q[i], b = k[i];
+        qs[i] = a;
+        ks[i] = b;
+        sq += a * a;
+        sk += b * b;
+    }
+    *iq = 1.0f / sqrtf(la_block_sum(partial, j, sq) + eps);
+    *ik = 1.0f / sqrtf(la_block_sum(partial, j, sk) + eps);
 }
 
 // Zeroes n floats (a slot that starts from the zero state).
@@ -142,15 +156,16 @@ extern "C" __global__ void gdn_conv(float* out, const float* proj, int proj_widt
 // head's state S [d_k × d_v] (no two threads write one value). Per row: q and k (of key head
 // h / r) L2-normalised (q also × d_k^−½), β = sigmoid(b), decay = exp(−exp(A_log)·softplus(a +
 // dt_bias)); S ← decay·S; mem = Sᵀk; S += k ⊗ β(v − mem); o = Sᵀq; out = w·rmsnorm(o)·silu(z).
-// Every thread sums the norms of q and k itself, in the same order; the RMSNorm of o reduces
-// over a fixed shared-memory tree of blockDim (a power of two ≥ d_v) partial sums.
+// q and k are staged in shared memory and their norms, like the RMSNorm of o, reduce over a
+// fixed shared-memory tree of blockDim (a power of two ≥ d_v) partial sums.
 extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const float* proj, int proj_width,
                                          float* states, long long state_width, int layer_offset, int conv_width,
                                          const u32* slots, const u32* row_at, int seqs, int rows, const float* neg_a,
                                          const float* dt_bias, const float* norm_w, float norm_eps, float l2_eps,
                                          int nk, int nv, int dk, int dv) {
-    DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d_k decays
+    DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d_k decays, q and k
     float* decays = partial + blockDim.x;
+    float *qs = decays + dk, *ks = qs + dk;
     int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
     if (slots[s] == NO_SLOT) return;
     int r = nv / nk, kh = h / r, g = h / r, jl = h % r;
@@ -168,15 +183,15 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
         const float* k = c + nk * dk + kh * dk;
         const float* p = proj + (size_t)row * proj_width;
         float iq, ik;
-        la_l2_inverses(q, k, dk, l2_eps, &iq, &ik);
+        la_stage_qk(qs, ks, partial, j, q, k, dk, l2_eps, &iq, &ik);
         float beta = la_sigmoid(p[qkvz_width + g * 2 * r + jl]);
         float decay = expf(neg_a[h] * la_softplus(p[qkvz_width + g * 2 * r + r + jl] + dt_bias[h]));
         for (int i = j; i < dk; i += blockDim.x) decays[i] = decay;
         __syncthreads();
         float o = 0.0f;
         float v = j < dv ? c[2 * nk * dk + h * dv + j] : 0.0f;
-        if (in_registers) o = la_delta_registers(col, dk, q, iq * q_scale, k, ik, v, beta, decays);
-        else if (j < dv) o = la_delta_column(S, dk, dv, j, q, iq * q_scale, k, ik, v, beta, decays);
+        if (in_registers) o = la_delta_registers(col, dk, qs, iq * q_scale, ks, ik, v, beta, decays);
+        else if (j < dv) o = la_delta_column(S, dk, dv, j, qs, iq * q_scale, ks, ik, v, beta, decays);
         float inv = la_inverse_rms(partial, j, o, dv, norm_eps);
         if (j < dv) {
             float z = p[g * group + 2 * dk + r * dv + jl * dv + j];
@@ -196,8 +211,9 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
                                          int layer_offset, int conv_width, const u32* slots, const u32* row_at,
                                          int seqs, int rows, const float* neg_a, const float* dt_bias,
                                          const float* norm_w, float norm_eps, float l2_eps, int heads, int d) {
-    DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d decays
+    DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d decays, q and k
     float* decays = partial + blockDim.x;
+    float *qs = decays + d, *ks = qs + d;
     int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
     if (slots[s] == NO_SLOT) return;
     int hd = heads * d;
@@ -212,14 +228,14 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
         const float* k = c + hd + h * d;
         const float* f = forget + (size_t)row * hd + h * d;
         float iq, ik;
-        la_l2_inverses(q, k, d, l2_eps, &iq, &ik);
+        la_stage_qk(qs, ks, partial, j, q, k, d, l2_eps, &iq, &ik);
         float beta = la_sigmoid(proj[(size_t)row * proj_width + 3 * hd + 2 * d + h]);
         for (int i = j; i < d; i += blockDim.x) decays[i] = expf(neg_a[h] * la_softplus(f[i] + dt_bias[h * d + i]));
         __syncthreads();
         float o = 0.0f;
         float v = j < d ? c[2 * hd + h * d + j] : 0.0f;
-        if (in_registers) o = la_delta_registers(col, d, q, iq * q_scale, k, ik, v, beta, decays);
-        else if (j < d) o = la_delta_column(S, d, d, j, q, iq * q_scale, k, ik, v, beta, decays);
+        if (in_registers) o = la_delta_registers(col, d, qs, iq * q_scale, ks, ik, v, beta, decays);
+        else if (j < d) o = la_delta_column(S, d, d, j, qs, iq * q_scale, ks, ik, v, beta, decays);
         float inv = la_inverse_rms(partial, j, o, d, norm_eps);
         if (j < d) {
             float g = gate[(size_t)row * hd + h * d + j];

@@ -245,17 +245,22 @@ extern "C" __global__ void linear_narrow(float* y, const float* x, const float* 
 
 
 // The routed pairs grouped by expert: order[offsets[e] .. offsets[e + 1]] are the pairs routed to
-// expert e, ascending. One block; thread e counts and then lists expert e's pairs. Then the work
-// of the expert products: each expert's pairs cut into items of up to per_item, listed as
-// work[0] = items, work[1 + 2i] = item i's expert, work[2 + 2i] = its first pair in `order` (so a
-// heavily routed expert spreads over many blocks instead of holding up the launch).
+// expert e, ascending. One block; warp w counts, then lists, experts w, w + warps, …: its lanes
+// read 32 pairs at a time and place theirs by a ballot (ascending, whatever the warp count). Then
+// the work of the expert products: each expert's pairs cut into items of up to per_item, listed
+// as work[0] = items, work[1 + 2i] = item i's expert, work[2 + 2i] = its first pair in `order`
+// (so a heavily routed expert spreads over many blocks instead of holding up the launch).
 extern "C" __global__ void group_pairs(int* order, int* offsets, int* work, const int* experts, int pairs,
                                        int n_experts, int per_item) {
     DYNAMIC_SHARED(int, counts);
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    for (int e = warp; e < n_experts; e += warps) {
         int c = 0;
-        for (int p = 0; p < pairs; p++) c += experts[p] == e;
-        counts[e] = c;
+        for (int p0 = 0; p0 < pairs; p0 += 32) {
+            int p = p0 + lane;
+            c += __popc(__ballot_sync(0xffffffffu, p < pairs && experts[p] == e));
+        }
+        if (lane == 0) counts[e] = c;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -275,10 +280,15 @@ extern "C" __global__ void group_pairs(int* order, int* offsets, int* work, cons
         work[0] = items;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    for (int e = warp; e < n_experts; e += warps) {
         int at = offsets[e];
-        for (int p = 0; p < pairs; p++)
-            if (experts[p] == e) order[at++] = p;
+        for (int p0 = 0; p0 < pairs; p0 += 32) {
+            int p = p0 + lane;
+            bool mine = p < pairs && experts[p] == e;
+            unsigned mask = __ballot_sync(0xffffffffu, mine);
+            if (mine) order[at + __popc(mask & ((1u << lane) - 1u))] = p;
+            at += __popc(mask);
+        }
     }
 }
 
@@ -542,18 +552,20 @@ extern "C" __global__ void gather_rows(float* out, const float* src, const int* 
     for (int c = threadIdx.x; c < width; c += blockDim.x) out[(size_t)i * width + c] = s[c];
 }
 
-// MoE routing of one token per thread, as kvflow_kernels::models::parts::moe::Routing::route:
+// MoE routing of one token per block (its first thread; the scores in shared memory, not in a
+// per-thread stack that would spill), as kvflow_kernels::models::parts::moe::Routing::route:
 // scores (sigmoid or softmax), the correction bias for choosing only, group-limited top-k (ties
 // to the lower index), normalised and scaled weights, then the choice in ascending expert order.
-#define MAX_EXPERTS 512
+// Shared: scores [n], choice [n], group scores [n_group], kept groups [n_group].
 #define MAX_TOP_K 32
 extern "C" __global__ void route(int* experts_out, float* weights_out, const float* logits, const float* bias,
                                  int tokens, int n, int top_k, int softmax_scoring, int n_group, int topk_group,
                                  int norm_topk, float scaling) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= tokens) return;
+    DYNAMIC_SHARED(float, scores);
+    int t = blockIdx.x;
+    if (threadIdx.x != 0 || t >= tokens) return;
     const float* l = logits + (size_t)t * n;
-    float scores[MAX_EXPERTS], choice[MAX_EXPERTS];
+    float *choice = scores + n, *group_score = choice + n, *keep = group_score + max(n_group, 1);
     if (softmax_scoring) {
         float mx = -KV_INFINITY;
         for (int e = 0; e < n; e++) mx = fmaxf(mx, l[e]);
@@ -566,7 +578,6 @@ extern "C" __global__ void route(int* experts_out, float* weights_out, const flo
     for (int e = 0; e < n; e++) choice[e] = bias ? scores[e] + bias[e] : scores[e];
     if (n_group > 1) {
         int per = n / n_group;
-        float group_score[MAX_EXPERTS];
         for (int g = 0; g < n_group; g++) {
             int b1 = -1, b2 = -1;
             for (int i = 0; i < per; i++) {
@@ -579,16 +590,15 @@ extern "C" __global__ void route(int* experts_out, float* weights_out, const flo
             if (b2 >= 0) s += choice[g * per + b2];
             group_score[g] = s;
         }
-        bool keep[MAX_EXPERTS];
-        for (int g = 0; g < n_group; g++) keep[g] = false;
+        for (int g = 0; g < n_group; g++) keep[g] = 0.0f;
         for (int k = 0; k < topk_group; k++) {
             int best = -1;
             for (int g = 0; g < n_group; g++)
-                if (!keep[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
-            keep[best] = true;
+                if (keep[g] == 0.0f && (best < 0 || group_score[g] > group_score[best])) best = g;
+            keep[best] = 1.0f;
         }
         for (int g = 0; g < n_group; g++)
-            if (!keep[g])
+            if (keep[g] == 0.0f)
                 for (int i = 0; i < per; i++) choice[g * per + i] = -KV_INFINITY;
     }
     int chosen[MAX_TOP_K];

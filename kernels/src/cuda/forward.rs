@@ -868,8 +868,8 @@ impl Step<'_> {
             Arg::I32(dk as i32),
             Arg::I32(dv as i32),
         ]);
-        // shared: the norm's partial sums, then a decay per key channel
-        let smem = (threads as usize + dk) * 4;
+        // shared: the reductions' partial sums, then a decay, q and k per key channel
+        let smem = (threads as usize + 3 * dk) * 4;
         self.gpu.launch("gdn_recurrent", (self.seqs as u32, nv as u32, 1), threads, smem as u32, &args)?;
         self.linear(h, out.ptr(), &g.out_proj, t, nv * dv, hidden, true)
     }
@@ -935,7 +935,8 @@ impl Step<'_> {
             Arg::I32(heads as i32),
             Arg::I32(d as i32),
         ];
-        let smem = (threads as usize + d) * 4;
+        // shared: the reductions' partial sums, then a decay, q and k per key channel
+        let smem = (threads as usize + 3 * d) * 4;
         self.gpu.launch("kda_recurrent", (self.seqs as u32, heads as u32, 1), threads, smem as u32, &args)?;
         self.linear(h, out.ptr(), &k.o_proj, t, hd, hidden, true)
     }
@@ -991,9 +992,10 @@ impl Step<'_> {
         let weights = self.gpu.scratch::<f32>(t * k)?;
         self.gpu.launch(
             "route",
-            (blocks_for(t, 64), 1, 1),
-            64,
-            0,
+            // a token per block; shared: scores and choice per expert, two floats per group
+            (t as u32, 1, 1),
+            32,
+            ((2 * m.num_experts + 2 * m.n_group.max(1)) * 4) as u32,
             &[
                 Arg::Ptr(experts.ptr()),
                 Arg::Ptr(weights.ptr()),
