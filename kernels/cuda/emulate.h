@@ -22,7 +22,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define DYNAMIC_SHARED(type, name) type* name = (type*)kvflow_dynamic_shared
 

@@ -383,7 +383,7 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 }
 
 #define KEYS_AT_ONCE 4
-#define HEADS_PER_BLOCK 4
+#define HEADS_PER_WARP 2
 #define STAGED_KEYS 8
 #define STAGE_LOADS 8
 #define KEY_SPLIT 64        // a row's keys in parts of 64 (forward.rs: KEY_SPLIT)
@@ -396,15 +396,17 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 // kernels/cuda/indexer.cu), the counts[r] positions at selected[r * selected_stride ..], ascending.
 //
 // The cache holds f32, or bf16 where kv_bf16 (widened as it is staged).
-// paged_attention, block (row r0 + i, kv head g, head part; key part s): up to HEADS_PER_BLOCK of
-// g's query heads, one warp each, over keys s·KEY_SPLIT .. (s + 1)·KEY_SPLIT of the row's list,
-// staged in shared memory STAGED_KEYS at a time and shared by the warps. Lane l holds q and the
-// output at d = l, l + 32, …; a key's score is the lane's fma chain over its d in order, then a
-// fixed warp sum; KEYS_AT_ONCE scores at a time fold into the part's running max m, sum l and
-// output. A part writes [m, l, output] to `parts` (m = −∞ when it has no keys).
-// attention_merge then adds a row's parts in order. Every order is fixed by the row alone (its
-// key list cut at fixed counts), whatever the batch, the grid and the launch slice.
-extern "C" __global__ void paged_attention(float* parts, const float* q, const void* cache, int kv_bf16, const u32* tables,
+// paged_attention, block (row r0 + i, kv head g, head part; key part s): HEADS_PER_WARP of g's
+// query heads per warp (blockDim / 32 warps: forward.rs picks them from the group's size), over
+// keys s·KEY_SPLIT .. (s + 1)·KEY_SPLIT of the row's list, staged in shared memory STAGED_KEYS
+// at a time and shared by every warp (an MLA row's 16 heads read each latent key once). Lane l
+// holds q and the output at d = l, l + 32, … of each of its warp's heads; a key's score is the
+// lane's fma chain over its d in order, then a fixed warp sum; KEYS_AT_ONCE scores at a time
+// fold into the head's running max m, sum l and output. A part writes [m, l, output] per head to
+// `parts` (m = −∞ when it has no keys). attention_merge then adds a row's parts in order. Every
+// order is fixed by the row and the head alone (its key list cut at fixed counts), whatever the
+// batch, the grid, the warps and the launch slice.
+extern "C" __global__ void __launch_bounds__(256, 2) paged_attention(float* parts, const float* q, const void* cache, int kv_bf16, const u32* tables,
                                            const u32* table_at, const int* positions, const int* seqs, int r0,
                                            int rows, int q_heads, int kv_heads, int qk_dim, int v_dim, int k_offset,
                                            int v_offset, int row_width, int block_size, int window, float scale,
@@ -412,35 +414,41 @@ extern "C" __global__ void paged_attention(float* parts, const float* q, const v
                                            int selected_stride) {
     DYNAMIC_SHARED(float, staged);  // STAGED_KEYS × [k (qk_dim) | v (v_dim)]
     __shared__ size_t key_row[STAGED_KEYS];
-    int group = q_heads / kv_heads, head_parts = (group + HEADS_PER_BLOCK - 1) / HEADS_PER_BLOCK;
+    int warps = blockDim.x / 32, per_block = warps * HEADS_PER_WARP;
+    int group = q_heads / kv_heads, head_parts = (group + per_block - 1) / per_block;
     int i = blockIdx.x / (kv_heads * head_parts), g = blockIdx.x / head_parts % kv_heads;
     int part = blockIdx.x % head_parts, split = blockIdx.y, splits = gridDim.y;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int r = r0 + i;
     if (r >= rows) return;
-    // a warp past the group's last head only helps to stage
-    bool active = part * HEADS_PER_BLOCK + warp < group;
-    int h = g * group + part * HEADS_PER_BLOCK + warp;
-    float qr[MAX_QK_PER_LANE], acc[MAX_V_PER_LANE];
-    const float* qh = q + (size_t)r * q_stride + (size_t)h * qk_dim;
+    // the warp's first head within the group; a warp past the group's last head only stages
+    int first = part * per_block + warp * HEADS_PER_WARP;
+    int heads_here = max(0, min(HEADS_PER_WARP, group - first));
+    float qr[HEADS_PER_WARP][MAX_QK_PER_LANE], acc[HEADS_PER_WARP][MAX_V_PER_LANE];
+    float m[HEADS_PER_WARP], l[HEADS_PER_WARP];
 #pragma unroll
-    for (int j = 0; j < MAX_QK_PER_LANE; j++) {
-        int d = lane + 32 * j;
-        qr[j] = active && d < qk_dim ? qh[d] : 0.0f;
+    for (int c = 0; c < HEADS_PER_WARP; c++) {
+        const float* qh = q + (size_t)r * q_stride + (size_t)(g * group + first + c) * qk_dim;
+#pragma unroll
+        for (int j = 0; j < MAX_QK_PER_LANE; j++) {
+            int d = lane + 32 * j;
+            qr[c][j] = c < heads_here && d < qk_dim ? qh[d] : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_V_PER_LANE; j++) acc[c][j] = 0.0f;
+        m[c] = -KV_INFINITY;
+        l[c] = 0.0f;
     }
-#pragma unroll
-    for (int j = 0; j < MAX_V_PER_LANE; j++) acc[j] = 0.0f;
     int p = positions[r];
     const u32* table = tables + table_at[seqs[r]];
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
-    float m = -KV_INFINITY, l = 0.0f;
     int picked = selected ? counts[r] : -1;
     const int* keys = picked >= 0 ? selected + (size_t)r * selected_stride : nullptr;
     int n_keys = picked >= 0 ? picked : p + 1 - lo;
-    int first = split * KEY_SPLIT, end = min(n_keys, first + KEY_SPLIT);
+    int key0 = split * KEY_SPLIT, end = min(n_keys, key0 + KEY_SPLIT);
     int width = qk_dim + v_dim;
     size_t k_base = k_offset + (size_t)g * qk_dim, v_base = v_offset + (size_t)g * v_dim;
-    for (int s0 = first; s0 < end; s0 += STAGED_KEYS) {
+    for (int s0 = key0; s0 < end; s0 += STAGED_KEYS) {
         int count = min(STAGED_KEYS, end - s0);
         __syncthreads();  // every warp is done with the previous stage
         if (threadIdx.x < count) {
@@ -448,67 +456,102 @@ extern "C" __global__ void paged_attention(float* parts, const float* q, const v
             key_row[threadIdx.x] = ((size_t)table[pos / block_size] * block_size + pos % block_size) * row_width;
         }
         __syncthreads();
-        // STAGE_LOADS loads in flight per thread before any is stored (the stage is latency
-        // bound otherwise: one load, one store, one load …)
+        // STAGE_LOADS loads in flight per thread before any is stored; element e = u·width + d
+        // is walked without a division (d steps by blockDim, wrapping into the next key)
+        int u = 0, d = threadIdx.x;
+        while (d >= width && u < count) { d -= width; u++; }
         for (int e0 = threadIdx.x; e0 < count * width; e0 += STAGE_LOADS * blockDim.x) {
             float v[STAGE_LOADS];
+            int at[STAGE_LOADS];
 #pragma unroll
             for (int j = 0; j < STAGE_LOADS; j++) {
-                int e = e0 + j * blockDim.x, u = e / width, d = e % width;
-                v[j] = e < count * width
-                           ? kv_load(cache, key_row[u] + (d < qk_dim ? k_base + d : v_base + d - qk_dim), kv_bf16)
-                           : 0.0f;
+                bool in = u < count;
+                at[j] = in ? u * width + d : -1;
+                v[j] = in ? kv_load(cache, key_row[u] + (d < qk_dim ? k_base + d : v_base + d - qk_dim), kv_bf16)
+                          : 0.0f;
+                d += blockDim.x;
+                while (d >= width && u < count) { d -= width; u++; }
             }
 #pragma unroll
             for (int j = 0; j < STAGE_LOADS; j++)
-                if (e0 + j * blockDim.x < count * width) staged[e0 + j * blockDim.x] = v[j];
+                if (at[j] >= 0) staged[at[j]] = v[j];
         }
         __syncthreads();
-        if (!active) continue;
+        if (heads_here == 0) continue;
         for (int i0 = 0; i0 < count; i0 += KEYS_AT_ONCE) {
             int keys_now = min(KEYS_AT_ONCE, count - i0);
-            float s[KEYS_AT_ONCE];
-            for (int u = 0; u < KEYS_AT_ONCE; u++) s[u] = 0.0f;
+            const float* key[KEYS_AT_ONCE];
+#pragma unroll
+            for (int k = 0; k < KEYS_AT_ONCE; k++) key[k] = staged + (i0 + min(k, keys_now - 1)) * width;
+            float sc[HEADS_PER_WARP][KEYS_AT_ONCE];
+#pragma unroll
+            for (int c = 0; c < HEADS_PER_WARP; c++)
+#pragma unroll
+                for (int k = 0; k < KEYS_AT_ONCE; k++) sc[c][k] = 0.0f;
 #pragma unroll
             for (int j = 0; j < MAX_QK_PER_LANE; j++) {
-                int d = lane + 32 * j;
-                if (d < qk_dim)
-                    for (int u = 0; u < KEYS_AT_ONCE; u++)
-                        s[u] = fmaf(qr[j], staged[(i0 + min(u, keys_now - 1)) * width + d], s[u]);
+                int dd = lane + 32 * j;
+                if (dd < qk_dim) {
+                    float kv[KEYS_AT_ONCE];
+#pragma unroll
+                    for (int k = 0; k < KEYS_AT_ONCE; k++) kv[k] = key[k][dd];
+#pragma unroll
+                    for (int c = 0; c < HEADS_PER_WARP; c++)
+#pragma unroll
+                        for (int k = 0; k < KEYS_AT_ONCE; k++) sc[c][k] = fmaf(qr[c][j], kv[k], sc[c][k]);
+                }
             }
-            float m_new = m;
-            for (int u = 0; u < KEYS_AT_ONCE; u++) {
-                s[u] = warp_sum(s[u]) * scale;
-                if (u < keys_now) m_new = fmaxf(m_new, s[u]);
-            }
-            float corr = expf(m - m_new), e[KEYS_AT_ONCE];
-            l = l * corr;
-            for (int u = 0; u < KEYS_AT_ONCE; u++) {
-                e[u] = u < keys_now ? expf(s[u] - m_new) : 0.0f;
-                l += e[u];
+            float corr[HEADS_PER_WARP], e[HEADS_PER_WARP][KEYS_AT_ONCE];
+#pragma unroll
+            for (int c = 0; c < HEADS_PER_WARP; c++) {
+                float m_new = m[c];
+#pragma unroll
+                for (int k = 0; k < KEYS_AT_ONCE; k++) {
+                    sc[c][k] = warp_sum(sc[c][k]) * scale;
+                    if (k < keys_now) m_new = fmaxf(m_new, sc[c][k]);
+                }
+                corr[c] = expf(m[c] - m_new);
+                l[c] = l[c] * corr[c];
+#pragma unroll
+                for (int k = 0; k < KEYS_AT_ONCE; k++) {
+                    e[c][k] = k < keys_now ? expf(sc[c][k] - m_new) : 0.0f;
+                    l[c] += e[c][k];
+                }
+                m[c] = m_new;
             }
 #pragma unroll
             for (int j = 0; j < MAX_V_PER_LANE; j++) {
-                int d = lane + 32 * j;
-                if (d < v_dim) {
-                    float a = acc[j] * corr;
-                    for (int u = 0; u < keys_now; u++) a = fmaf(e[u], staged[(i0 + u) * width + qk_dim + d], a);
-                    acc[j] = a;
+                int dd = lane + 32 * j;
+                if (dd < v_dim) {
+                    float vv[KEYS_AT_ONCE];
+#pragma unroll
+                    for (int k = 0; k < KEYS_AT_ONCE; k++) vv[k] = key[k][qk_dim + dd];
+#pragma unroll
+                    for (int c = 0; c < HEADS_PER_WARP; c++) {
+                        float a = acc[c][j] * corr[c];
+#pragma unroll
+                        for (int k = 0; k < KEYS_AT_ONCE; k++)
+                            if (k < keys_now) a = fmaf(e[c][k], vv[k], a);
+                        acc[c][j] = a;
+                    }
                 }
             }
-            m = m_new;
         }
     }
-    if (!active) return;
-    float* o = parts + (((size_t)i * q_heads + h) * splits + split) * (v_dim + 2);
-    if (lane == 0) {
-        o[0] = m;
-        o[1] = l;
-    }
 #pragma unroll
-    for (int j = 0; j < MAX_V_PER_LANE; j++) {
-        int d = lane + 32 * j;
-        if (d < v_dim) o[2 + d] = acc[j];
+    for (int c = 0; c < HEADS_PER_WARP; c++) {
+        if (c >= heads_here) break;
+        int h = g * group + first + c;
+        float* o = parts + (((size_t)i * q_heads + h) * splits + split) * (v_dim + 2);
+        if (lane == 0) {
+            o[0] = m[c];
+            o[1] = l[c];
+        }
+#pragma unroll
+        for (int j = 0; j < MAX_V_PER_LANE; j++) {
+            int dd = lane + 32 * j;
+            if (dd < v_dim) o[2 + dd] = acc[c][j];
+        }
     }
 }
 

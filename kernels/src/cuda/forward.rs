@@ -418,10 +418,12 @@ impl Product {
     }
 }
 
-/// `kernels/cuda/model.cu`'s paged_attention: query heads of one kv head per block (one warp
-/// each), keys staged at a time, a row's keys in parts of `KEY_SPLIT` (merged by
-/// attention_merge), and the widest heads it holds in registers.
-const HEADS_PER_BLOCK: usize = 4;
+/// `kernels/cuda/model.cu`'s paged_attention: query heads of one kv head per block
+/// (`HEADS_PER_WARP` a warp, up to `ATTENTION_WARPS` warps sharing the staged keys), keys staged
+/// at a time, a row's keys in parts of `KEY_SPLIT` (merged by attention_merge), and the widest
+/// heads it holds in registers.
+const HEADS_PER_WARP: usize = 2;
+const ATTENTION_WARPS: usize = 8;
 const STAGED_KEYS: usize = 8;
 const KEY_SPLIT: usize = 64;
 /// The parts' scratch of one launch (floats; 256 MiB): longer batches go in slices of rows.
@@ -589,7 +591,10 @@ impl Step<'_> {
                  {MAX_V_WIDTH}"
             )));
         }
-        let head_parts = (q_heads / kv_heads).div_ceil(HEADS_PER_BLOCK);
+        // as many warps as the group's heads need, up to ATTENTION_WARPS (the kernel reads them)
+        let group = q_heads / kv_heads;
+        let warps = group.div_ceil(HEADS_PER_WARP).min(ATTENTION_WARPS);
+        let head_parts = group.div_ceil(warps * HEADS_PER_WARP);
         // every row's keys fit in `splits` parts (index_row ≥ position + 1 ≥ its keys); the
         // rows go in slices so the parts' scratch stays bounded (a row's bits do not depend on it)
         let splits = StepShape { rows: self.rows, seqs: self.seqs, sampled: 0, index_row: self.index_row }.key_parts();
@@ -601,7 +606,7 @@ impl Step<'_> {
             self.gpu.launch(
                 "paged_attention",
                 ((n * kv_heads * head_parts) as u32, splits as u32, 1),
-                (32 * HEADS_PER_BLOCK) as u32,
+                (32 * warps) as u32,
                 (STAGED_KEYS * (qk + v) * 4) as u32,
                 &[
                     Arg::Ptr(parts.ptr()),

@@ -157,7 +157,11 @@ pub fn kernel_names(source: &str) -> Vec<String> {
         .split("extern \"C\" __global__ void ")
         .skip(1)
         .filter_map(|rest| {
-            let rest = rest.trim_start_matches("__launch_bounds__(256) ");
+            // `__launch_bounds__(..) name(`: the name follows the bounds
+            let rest = match rest.strip_prefix("__launch_bounds__(") {
+                Some(bounded) => bounded.split_once(") ").map_or(bounded, |(_, after)| after),
+                None => rest,
+            };
             rest.split('(').next().map(|n| n.trim().to_string())
         })
         .collect()
