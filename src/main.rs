@@ -284,6 +284,20 @@ enum BenchCommand {
         #[arg(long)]
         dir: Option<std::path::PathBuf>,
     },
+    /// The KV-aware routing index: cost per applied cache event and per routing decision, beside
+    /// a brute-force scan of every rank's cache for the same decisions.
+    Router {
+        #[arg(long, default_value_t = 8, value_parser = flags::count)]
+        ranks: usize,
+        /// Cached blocks over all ranks and tiers.
+        #[arg(long, default_value_t = 100_000, value_parser = flags::count)]
+        blocks: usize,
+        /// Blocks of each request's chain of hashes.
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        chain: usize,
+        #[arg(long, default_value_t = 500, value_parser = flags::count)]
+        decisions: usize,
+    },
     /// Handoffs over tcp on loopback (GB/s) against a plain TCP stream of the same bytes.
     Transfer {
         /// Tokens of the request each handoff moves.
@@ -699,6 +713,9 @@ fn run() -> Result<()> {
                 rounds,
                 dir,
             })?;
+        }
+        Command::Bench { what: BenchCommand::Router { ranks, blocks, chain, decisions } } => {
+            kvflow::bench::router::run(&kvflow::bench::router::RouterBenchArgs { ranks, blocks, chain, decisions })?;
         }
         Command::Bench { what: BenchCommand::Transfer { tokens, bytes, connections, rounds } } => {
             let connections = connections as usize;

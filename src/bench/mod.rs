@@ -5,6 +5,7 @@ pub mod device;
 pub mod experts;
 pub mod model;
 pub mod offload;
+pub mod router;
 pub mod spec;
 pub mod speed;
 pub mod step;

@@ -16,6 +16,7 @@ mod operability;
 mod processes;
 mod recurrent_state;
 mod registry;
+mod routing;
 mod runtime;
 mod sampling;
 mod seeded_models;
