@@ -209,7 +209,7 @@ pub fn derive_plan(
         let mut rank = match a.kind {
             // Back to the decode rank that asked for the remote prefill (it may hold the prefix).
             crate::messages::AdmissionKind::Handoff { rank: Some(r) } => r as usize,
-            _ => router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes }, &load),
+            _ => router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes, cached: &[] }, &load),
         };
         if rank >= load.len() {
             let why = format!("the router chose rank {rank} of a {}-rank pool", load.len());

@@ -5,6 +5,7 @@
 
 pub mod drafter;
 pub mod kv_index;
+pub mod kv_router;
 pub mod memory;
 pub mod prefix_cache;
 pub mod router;

@@ -12,6 +12,9 @@ pub struct RouteRequest<'a> {
     pub prompt: &'a [u32],
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys).
     pub block_hashes: &'a [u64],
+    /// Each rank's cached prefix of those blocks per tier, as the routing index last reported
+    /// it to the admitting rank (`kv_index`); empty where no index runs.
+    pub cached: &'a [super::kv_index::PrefixLen],
 }
 
 /// Picks a rank for each request. `outstanding[r]` is the tokens rank `r` still has to compute
@@ -125,7 +128,7 @@ mod tests {
     use super::*;
 
     fn req<'a>(hashes: &'a [u64]) -> RouteRequest<'a> {
-        RouteRequest { id: 0, prompt: &[], block_hashes: hashes }
+        RouteRequest { id: 0, prompt: &[], block_hashes: hashes, cached: &[] }
     }
 
     #[test]

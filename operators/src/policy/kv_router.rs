@@ -1,0 +1,154 @@
+//! The `kv-aware` router's choice (Dynamo's formula): for each rank, the prefill blocks it would
+//! still compute for the request — after its device hit, with an offload-tier hit credited at a
+//! fraction — times a weight, plus its decode load in blocks; the lowest cost wins (ties to the
+//! lower rank). With a temperature, a rank is drawn with probability ∝ exp(−cost / temperature)
+//! from a draw keyed on the request id, so every rank draws the same. A rank loaded above the
+//! threshold is passed over unless every rank is; then the least loaded wins.
+//!
+//! It reads only what the request carries (`RouteRequest::cached`: each rank's prefix as the
+//! routing index last reported it to the admitting rank) and the load figures every rank shares,
+//! so every rank routes the same (DESIGN §11, for a given index lag).
+
+use super::kv_index::{PrefixLen, DEVICE};
+use super::router::{RouteRequest, Router};
+
+/// The router's knobs (the defaults are Dynamo's shape: prefix reuse weighs as much as load).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvAwareSettings {
+    /// Tokens per block (the pool's paged block size, the index's unit).
+    pub block_size: usize,
+    /// Weight of a prefill block against a block of decode load.
+    pub prefill_weight: f64,
+    /// What an offload-tier block saves against a device hit (0..=1).
+    pub offload_credit: f64,
+    /// 0: always the cheapest; above: softmax sampling over −cost / temperature.
+    pub temperature: f64,
+    /// Outstanding tokens above which a rank is passed over (0: no threshold).
+    pub load_threshold: usize,
+}
+
+impl Default for KvAwareSettings {
+    fn default() -> Self {
+        KvAwareSettings {
+            block_size: 16,
+            prefill_weight: 1.0,
+            offload_credit: 0.5,
+            temperature: 0.0,
+            load_threshold: 0,
+        }
+    }
+}
+
+pub struct KvAware {
+    pub settings: KvAwareSettings,
+}
+
+impl KvAware {
+    /// Each rank's cost for `req`, given `outstanding` tokens per rank.
+    pub fn costs(&self, req: &RouteRequest, outstanding: &[usize]) -> Vec<f64> {
+        let s = &self.settings;
+        let blocks = req.block_hashes.len() as f64;
+        (0..outstanding.len())
+            .map(|rank| {
+                let held = |tier_is_device: bool| {
+                    req.cached
+                        .iter()
+                        .filter(|p: &&PrefixLen| p.rank as usize == rank && (p.tier == DEVICE) == tier_is_device)
+                        .map(|p| p.blocks)
+                        .max()
+                        .unwrap_or(0) as f64
+                };
+                let (device, offload) = (held(true), held(false));
+                let saved = device + s.offload_credit * (offload - device).max(0.0);
+                let prefill = (blocks - saved).max(0.0);
+                let decode = outstanding[rank] as f64 / s.block_size.max(1) as f64;
+                s.prefill_weight * prefill + decode
+            })
+            .collect()
+    }
+}
+
+/// A uniform draw in [0, 1) keyed on the request alone.
+fn draw(id: u64) -> f64 {
+    let mut z = id.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl Router for KvAware {
+    fn route(&mut self, req: &RouteRequest, outstanding: &[usize]) -> usize {
+        let costs = self.costs(req, outstanding);
+        let threshold = self.settings.load_threshold;
+        let eligible: Vec<usize> =
+            (0..costs.len()).filter(|&r| threshold == 0 || outstanding[r] <= threshold).collect();
+        if eligible.is_empty() {
+            return (0..outstanding.len()).min_by_key(|&r| (outstanding[r], r)).unwrap_or(0);
+        }
+        let t = self.settings.temperature;
+        if t <= 0.0 {
+            return eligible.into_iter().min_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(a.cmp(&b))).unwrap_or(0);
+        }
+        let best = eligible.iter().map(|&r| costs[r]).fold(f64::INFINITY, f64::min);
+        let weights: Vec<f64> = eligible.iter().map(|&r| (-(costs[r] - best) / t).exp()).collect();
+        let mut at = draw(req.id) * weights.iter().sum::<f64>();
+        for (i, w) in weights.iter().enumerate() {
+            if at < *w {
+                return eligible[i];
+            }
+            at -= w;
+        }
+        *eligible.last().unwrap_or(&0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::kv_index::OFFLOAD;
+
+    fn req<'a>(id: u64, hashes: &'a [u64], cached: &'a [PrefixLen]) -> RouteRequest<'a> {
+        RouteRequest { id, prompt: &[], block_hashes: hashes, cached }
+    }
+
+    fn at(rank: u32, tier: u8, blocks: usize) -> PrefixLen {
+        PrefixLen { rank, tier, blocks }
+    }
+
+    #[test]
+    fn the_rank_holding_the_prefix_wins_until_its_load_outweighs_it() {
+        let mut r = KvAware { settings: KvAwareSettings::default() };
+        let hashes: Vec<u64> = (0..10).collect();
+        let cached = [at(2, DEVICE, 8)];
+        assert_eq!(r.route(&req(1, &hashes, &cached), &[0, 0, 0, 0]), 2);
+        // 8 saved blocks against 160 outstanding tokens (10 blocks) of load: rank 0 is cheaper
+        assert_eq!(r.route(&req(1, &hashes, &cached), &[0, 0, 160, 0]), 0);
+        // nothing cached anywhere: least loaded, ties to the lower rank
+        assert_eq!(r.route(&req(1, &hashes, &[]), &[32, 16, 16, 48]), 1);
+    }
+
+    #[test]
+    fn an_offload_hit_counts_for_less_than_a_device_hit() {
+        let r = KvAware { settings: KvAwareSettings::default() };
+        let hashes: Vec<u64> = (0..10).collect();
+        let cached = [at(0, OFFLOAD, 8), at(1, DEVICE, 8), at(1, OFFLOAD, 10)];
+        let costs = r.costs(&req(1, &hashes, &cached), &[0, 0]);
+        assert_eq!(costs, vec![10.0 - 4.0, 10.0 - 8.0 - 1.0]);
+    }
+
+    #[test]
+    fn a_loaded_rank_is_passed_over_and_sampling_is_the_same_on_every_rank() {
+        let settings = KvAwareSettings { load_threshold: 100, ..Default::default() };
+        let mut r = KvAware { settings };
+        let hashes: Vec<u64> = (0..10).collect();
+        let cached = [at(0, DEVICE, 10)];
+        assert_eq!(r.route(&req(1, &hashes, &cached), &[200, 50, 0]), 2, "rank 0 above the threshold");
+        assert_eq!(r.route(&req(1, &hashes, &cached), &[200, 300, 150]), 2, "all above: least loaded");
+        let warm = KvAwareSettings { temperature: 4.0, ..Default::default() };
+        let picks = |id| KvAware { settings: warm }.route(&req(id, &hashes, &[]), &[0, 0, 0, 0]);
+        let first: Vec<usize> = (0..64).map(picks).collect();
+        assert_eq!(first, (0..64).map(picks).collect::<Vec<_>>(), "a draw keyed on the request id");
+        assert!((0..4).all(|r| first.contains(&r)), "equal costs spread over every rank: {first:?}");
+    }
+}
