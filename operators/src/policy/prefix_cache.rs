@@ -8,7 +8,12 @@
 //! An entry is published when the step that writes it is launched, and is handed out only once
 //! that step has completed (`lookup` is told which steps are still in flight): a step that fails
 //! takes its entries with it before anyone could have read them.
+//!
+//! With [`PrefixCache::publish_events`], every entry that starts or stops holding its block (its
+//! snapshot, for a family without paged KV) becomes a numbered stored/removed event for the
+//! KV-aware routing index (`kv_index`), taken with [`PrefixCache::take_events`].
 
+use super::kv_index::{CacheEvent, CacheEvents, CacheSnapshot, DEVICE};
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::{BlockId, BlockPool, IdPool, SnapshotId};
 use std::collections::HashMap;
@@ -56,6 +61,8 @@ pub struct PrefixCache {
     keeps_state: bool,
     pub lookups: u64,
     pub hit_blocks: u64,
+    /// The routing index's events, numbered, and those not yet taken (off unless asked for).
+    events: Option<(CacheEvents, Vec<CacheEvent>)>,
 }
 
 impl PrefixCache {
@@ -65,6 +72,51 @@ impl PrefixCache {
 
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// From now on, numbers every change to what the cache holds as rank `rank`'s events.
+    pub fn publish_events(&mut self, rank: u32) {
+        let mut events = CacheEvents::new(rank);
+        let held: Vec<u64> = self.entries.iter().filter(|(_, e)| self.indexed(e)).map(|(h, _)| *h).collect();
+        let first = events.stored(DEVICE, &held);
+        self.events = Some((events, first.into_iter().collect()));
+    }
+
+    /// The events since the last call (empty unless [`PrefixCache::publish_events`]).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(|(_, out)| std::mem::take(out)).unwrap_or_default()
+    }
+
+    /// What the cache holds as of its latest event (what a consumer resyncs from after a gap).
+    pub fn events_snapshot(&self) -> Option<CacheSnapshot> {
+        self.events.as_ref().map(|(events, _)| events.snapshot())
+    }
+
+    /// Whether an entry counts as held for routing: its block, or for a family without paged
+    /// KV its snapshot.
+    fn indexed(&self, e: &Entry) -> bool {
+        if self.keeps_kv {
+            e.block.is_some()
+        } else {
+            e.snapshot.is_some()
+        }
+    }
+
+    /// Publishes the change of `h` from held (`was`) to `now`.
+    fn note(&mut self, h: u64, was: bool, now: bool) {
+        if let Some((events, out)) = self.events.as_mut() {
+            let event = match (was, now) {
+                (false, true) => events.stored(DEVICE, &[h]),
+                (true, false) => events.removed(DEVICE, &[h]),
+                _ => None,
+            };
+            out.extend(event);
+        }
+    }
+
+    /// Whether `h` is held for routing now.
+    fn held(&self, h: u64) -> bool {
+        self.entries.get(&h).is_some_and(|e| self.indexed(e))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -141,6 +193,7 @@ impl PrefixCache {
     /// chained hash `h`.
     pub fn insert_block(&mut self, h: u64, block: Option<BlockId>, pool: &mut BlockPool, step: u64) {
         self.tick += 1;
+        let was = self.held(h);
         let e = self.entries.entry(h).or_default();
         e.last_used = self.tick;
         if e.block.is_none() {
@@ -150,6 +203,8 @@ impl PrefixCache {
                 e.block_step = step;
             }
         }
+        let now = self.held(h);
+        self.note(h, was, now);
     }
 
     /// Whether the boundary after block `h` already has a snapshot.
@@ -161,12 +216,15 @@ impl PrefixCache {
     /// block `h`.
     pub fn insert_snapshot(&mut self, h: u64, snapshot: SnapshotId, snapshots: &mut IdPool, step: u64) {
         self.tick += 1;
+        let was = self.held(h);
         let e = self.entries.entry(h).or_default();
         e.last_used = self.tick;
         e.snapshot_step = step;
         if let Some(old) = e.snapshot.replace(snapshot) {
             snapshots.release(old);
         }
+        let now = self.held(h);
+        self.note(h, was, now);
     }
 
     /// Blocks only the cache references (what [`PrefixCache::evict_blocks`] could free).
@@ -186,9 +244,12 @@ impl PrefixCache {
         candidates.sort_unstable();
         let mut freed = 0;
         for (_, h) in candidates.into_iter().take(needed) {
+            let was = self.held(h);
             let e = self.entries.get_mut(&h).expect("listed above");
             pool.release(e.block.take().expect("filtered on a block"));
             freed += 1;
+            let now = self.held(h);
+            self.note(h, was, now);
         }
         freed
     }
@@ -199,8 +260,11 @@ impl PrefixCache {
             self.entries.iter().filter(|(_, e)| e.snapshot.is_some()).min_by_key(|(_, e)| e.last_used).map(|(h, _)| *h);
         match victim {
             Some(h) => {
+                let was = self.held(h);
                 let s = self.entries.get_mut(&h).and_then(|e| e.snapshot.take()).expect("picked above");
                 snapshots.release(s);
+                let now = self.held(h);
+                self.note(h, was, now);
                 true
             }
             None => false,
@@ -210,6 +274,8 @@ impl PrefixCache {
     /// Drops the entries of `hashes` (blocks a failed step was to write), with their references.
     pub fn forget(&mut self, hashes: &[u64], pool: &mut BlockPool, snapshots: &mut IdPool) {
         for h in hashes {
+            let was = self.held(*h);
+            self.note(*h, was, false);
             if let Some(e) = self.entries.remove(h) {
                 if let Some(b) = e.block {
                     pool.release(b);
@@ -233,6 +299,10 @@ impl PrefixCache {
 
     /// Releases every reference the cache holds (end of run).
     pub fn clear(&mut self, pool: &mut BlockPool, snapshots: &mut IdPool) {
+        let held: Vec<u64> = self.entries.iter().filter(|(_, e)| self.indexed(e)).map(|(h, _)| *h).collect();
+        for h in held {
+            self.note(h, true, false);
+        }
         for (_, e) in self.entries.drain() {
             if let Some(b) = e.block {
                 pool.release(b);
@@ -276,6 +346,44 @@ mod tests {
         pool.release(b0);
         cache.clear(&mut pool, &mut IdPool::new("state snapshots", 0));
         assert_eq!(pool.num_free(), 4);
+    }
+
+    /// The events a cache publishes rebuild, in a routing index, exactly what it holds: after
+    /// inserts, an eviction, a failed step's entries forgotten and the final clear.
+    #[test]
+    fn published_events_keep_the_routing_index_equal_to_the_cache() {
+        use crate::policy::kv_index::{KvIndex, PrefixLen};
+        let mut pool = kvflow_kernels::kv::block_pool(8);
+        let mut snapshots = IdPool::new("state snapshots", 0);
+        let mut cache = PrefixCache::new(true, false);
+        let hashes = block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 2, 0);
+        let early = pool.allocate().unwrap();
+        cache.insert_block(hashes[0], Some(early), &mut pool, 0);
+        pool.release(early);
+        cache.publish_events(3); // what it held before counts as its first event
+        for (i, h) in hashes.iter().enumerate().skip(1) {
+            let b = pool.allocate().unwrap();
+            cache.insert_block(*h, Some(b), &mut pool, i as u64);
+            pool.release(b);
+        }
+        let mut index = KvIndex::start();
+        let mut apply = |cache: &mut PrefixCache, chain: &[u64]| {
+            for e in cache.take_events() {
+                index.apply(&e).unwrap();
+            }
+            index.prefix_lengths(chain)
+        };
+        assert_eq!(apply(&mut cache, &hashes), vec![PrefixLen { rank: 3, tier: DEVICE, blocks: 4 }]);
+        cache.forget(&hashes[2..3], &mut pool, &mut snapshots);
+        assert_eq!(apply(&mut cache, &hashes), vec![PrefixLen { rank: 3, tier: DEVICE, blocks: 2 }]);
+        // the least recently used block is the first: the chain then starts with a hole
+        assert_eq!(cache.evict_blocks(1, &mut pool), 1);
+        assert_eq!(apply(&mut cache, &hashes), vec![]);
+        assert_eq!(apply(&mut cache, &hashes[1..2]), vec![PrefixLen { rank: 3, tier: DEVICE, blocks: 1 }]);
+        cache.clear(&mut pool, &mut snapshots);
+        assert_eq!(apply(&mut cache, &hashes[1..]), vec![]);
+        assert_eq!(cache.events_snapshot().map(|s| s.blocks.len()), Some(0));
+        assert_eq!(pool.num_free(), 8);
     }
 
     #[test]
