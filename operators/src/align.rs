@@ -209,7 +209,8 @@ pub fn derive_plan(
         let mut rank = match a.kind {
             // Back to the decode rank that asked for the remote prefill (it may hold the prefix).
             crate::messages::AdmissionKind::Handoff { rank: Some(r) } => r as usize,
-            _ => router.route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes, cached: &[] }, &load),
+            _ => router
+                .route(&RouteRequest { id: a.id, prompt: &a.prompt, block_hashes: &hashes, cached: &a.cached }, &load),
         };
         if rank >= load.len() {
             let why = format!("the router chose rank {rank} of a {}-rank pool", load.len());
@@ -291,6 +292,7 @@ mod tests {
                     warmup: false,
                     kind: Default::default(),
                     sampling: Default::default(),
+                    cached: Vec::new(),
                 }),
             }
             with_work.push(plan(r).idle);
@@ -352,6 +354,7 @@ mod tests {
             warmup: false,
             kind: Default::default(),
             sampling: Default::default(),
+            cached: Vec::new(),
         });
         let p = derive_plan(
             1,
@@ -381,6 +384,7 @@ mod tests {
             warmup: false,
             kind: Default::default(),
             sampling: Default::default(),
+            cached: Vec::new(),
         });
         r.cancels.push(3);
         let p = faulted_plan(4, vec![r], e.clone(), &Collectives::default());
@@ -401,6 +405,7 @@ mod tests {
                 warmup: false,
                 kind: Default::default(),
                 sampling: Default::default(),
+                cached: Vec::new(),
             })
             .collect();
         let p = plan(r);
@@ -482,6 +487,7 @@ mod tests {
             warmup: false,
             kind: Default::default(),
             sampling: Default::default(),
+            cached: Vec::new(),
         };
         let mut r = vec![report(0), report(1)];
         (r[0].capacity, r[1].capacity) = (cap(1), cap(3));

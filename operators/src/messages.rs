@@ -14,6 +14,10 @@ pub struct Admission {
     pub kind: AdmissionKind,
     /// How it picks its tokens (greedy, or seeded sampling keyed on its id).
     pub sampling: RequestSampling,
+    /// Each rank's cached prefix of its prompt per tier, as the KV-aware routing index reported
+    /// it to the admitting rank (router `kv-aware`; empty otherwise): every rank routes on these.
+    #[serde(default)]
+    pub cached: Vec<crate::policy::kv_index::PrefixLen>,
 }
 
 /// What a pool does with an admitted request.

@@ -100,6 +100,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
     let mut router = (RouterRegistry::default().get("least-outstanding").expect("built in"))(RouterContext {
         ranks,
         max_batched_tokens: seqs,
+        block_size: 16,
     });
     let keys = RoutingKeys { block_size, keyed_by_prompt_len: false };
     // Each rank decides into the same buffers every step, as `Rank` does.
@@ -262,6 +263,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     let job = PoolJob {
         handoff: Default::default(),
+        routing_index: false,
         name: "bench".into(),
         ranks,
         model,

@@ -77,7 +77,7 @@ fn build(
             rank,
             waker,
             ingress: None,
-            router: router(RouterContext { ranks, max_batched_tokens: scheduler.max_batched_tokens }),
+            router: router(RouterContext { ranks, max_batched_tokens: scheduler.max_batched_tokens, block_size: 16 }),
             keys: RoutingKeys { block_size: 16, keyed_by_prompt_len: false },
             collectives: collectives.clone(),
             offload: offload.is_some(),

@@ -192,6 +192,7 @@ fn run(job: DriverJob) {
                 warmup: is_warmup,
                 kind: pool.kind,
                 sampling,
+                cached: Vec::new(),
             });
         },
         &completions,

@@ -358,6 +358,7 @@ fn pool_job(
         switches: opts.switches.clone(),
         handoff: Default::default(),
         experts,
+        routing_index: pool.router == kvflow_operators::policy::router::KV_AWARE,
         offload: match (store, &graph.offload) {
             (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
             _ => None,

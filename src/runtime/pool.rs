@@ -29,6 +29,7 @@ use kvflow_operators::experts::{moe_layer, MoeLayer};
 use kvflow_operators::forward::forward;
 use kvflow_operators::load::load;
 use kvflow_operators::messages::{Event, LoopSignal, StepPlan};
+use kvflow_operators::policy::kv_index::{KvIndex, SharedKvIndex};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{Router, RouterContext, RouterFactory};
 use kvflow_operators::policy::scheduler::SchedulerConfig;
@@ -125,6 +126,9 @@ pub struct PoolJob {
     pub experts: Option<ExpertParallelJob>,
     /// `[offload]`: the store its ranks save full prompt chunks to.
     pub offload: Option<OffloadSetup>,
+    /// Router `kv-aware`: the pool starts the KV-aware routing index (one per process; its
+    /// ranks report into it, rank 0 attaches its answers to admissions).
+    pub routing_index: bool,
 }
 
 /// An expert-parallel pool's model: where each rank loads its share of the experts from, and
@@ -310,9 +314,11 @@ pub fn start_pool(
         handoff,
         experts,
         offload,
+        routing_index,
         ..
     } = job;
     let collectives = collectives(experts.as_ref());
+    let routing_index: Option<SharedKvIndex> = routing_index.then(|| Arc::new(Mutex::new(KvIndex::start())));
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     let sink = Mutex::new(sink);
     let pool = name.clone();
@@ -354,6 +360,9 @@ pub fn start_pool(
             if let Some(setup) = &offload {
                 rank = rank.with_offload(setup.clone());
             }
+            if let Some(index) = &routing_index {
+                rank = rank.with_routing_index(index.clone());
+            }
             rank.stats.expert_bytes = expert_bytes;
             let rank = match &handoff {
                 PoolHandoff::None => rank,
@@ -371,7 +380,11 @@ pub fn start_pool(
                 rank: rank.clone(),
                 waker,
                 ingress: if index == 0 { ingress.clone() } else { None },
-                router: router(RouterContext { ranks: peers, max_batched_tokens: scheduler.max_batched_tokens }),
+                router: router(RouterContext {
+                    ranks: peers,
+                    max_batched_tokens: scheduler.max_batched_tokens,
+                    block_size: layout.block_size,
+                }),
                 keys,
                 collectives: collectives.clone(),
                 offload: offload.is_some(),

@@ -107,7 +107,7 @@ pub struct Gap {
 }
 
 /// How much of a request's prefix a rank holds in a tier, in full blocks from the start.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct PrefixLen {
     pub rank: u32,
     pub tier: Tier,
@@ -118,6 +118,9 @@ enum Command {
     Update { rank: u32, tier: Tier, hash: u64, diff: isize },
     Query { hashes: Vec<u64>, reply: mpsc::Sender<Vec<PrefixLen>> },
 }
+
+/// An index shared by the ranks of one process (they report into it; the admitting rank asks it).
+pub type SharedKvIndex = std::sync::Arc<std::sync::Mutex<KvIndex>>;
 
 /// The index's handle: the computation runs on its own thread until this drops.
 pub struct KvIndex {

@@ -87,9 +87,16 @@ pub type RouterFactory = std::sync::Arc<dyn Fn(RouterContext) -> Box<dyn Router>
 pub struct RouterContext {
     pub ranks: usize,
     pub max_batched_tokens: usize,
+    /// Tokens per paged block (the routing index's unit).
+    pub block_size: usize,
 }
 
-/// Routers by name. kvflow registers `least-outstanding` and `round-robin`; programs embedding
+/// The router that reads the KV-aware routing index: a pool naming it starts the index
+/// (`kv_index`), its ranks report their prefix caches into it, and the admitting rank attaches
+/// each admission's cached prefixes per rank.
+pub const KV_AWARE: &str = "kv-aware";
+
+/// Routers by name. kvflow registers `least-outstanding`, `round-robin` and `kv-aware`; programs embedding
 /// kvflow add their own with [`RouterRegistry::register`] before building a pool.
 #[derive(Clone)]
 pub struct RouterRegistry {
@@ -103,6 +110,10 @@ impl Default for RouterRegistry {
             Box::new(LeastOutstanding::new(2 * ctx.max_batched_tokens)) as Box<dyn Router>
         });
         r.register("round-robin", |_ctx: RouterContext| Box::new(RoundRobin::default()) as Box<dyn Router>);
+        r.register(KV_AWARE, |ctx: RouterContext| {
+            let settings = super::kv_router::KvAwareSettings { block_size: ctx.block_size, ..Default::default() };
+            Box::new(super::kv_router::KvAware { settings }) as Box<dyn Router>
+        });
         r
     }
 }
@@ -159,7 +170,8 @@ mod tests {
             }
             Box::new(Last(ctx.ranks)) as Box<dyn Router>
         });
-        let mut r = (reg.get("always-last").unwrap())(RouterContext { ranks: 4, max_batched_tokens: 8 });
+        let mut r =
+            (reg.get("always-last").unwrap())(RouterContext { ranks: 4, max_batched_tokens: 8, block_size: 16 });
         assert_eq!(r.route(&req(&[]), &[0, 0, 0, 0]), 3);
     }
 }

@@ -34,6 +34,7 @@ pub use switches::TestSwitches;
 
 use crate::executor::Executor;
 use crate::messages::{Admission, Event, RankReport};
+use crate::policy::kv_index::SharedKvIndex;
 use crate::policy::memory::{MemoryLayout, RankMemory};
 use crate::policy::scheduler::{Scheduler, SchedulerConfig, StepDecision};
 use crate::policy::sequence::{Sequence, Sequences};
@@ -98,6 +99,8 @@ pub struct Rank {
     remote_prefill: Option<RemotePrefill>,
     awaiting_remote: std::collections::HashMap<u64, usize>,
     cancelled_remote: std::collections::HashSet<u64>,
+    /// Router `kv-aware`: the routing index this rank's prefix cache reports into.
+    routing: Option<SharedKvIndex>,
     /// What the last completion's exports copied out, by sequence, until its T0 is applied.
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
     /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
@@ -147,6 +150,47 @@ impl Rank {
             admission_slots: Default::default(),
             deferred: Vec::new(),
             offload: None,
+            routing: None,
+        }
+    }
+
+    /// Reports this rank's prefix cache into the KV-aware routing index (router `kv-aware`).
+    pub fn with_routing_index(mut self, index: SharedKvIndex) -> Self {
+        self.memory.prefix.publish_events(self.index as u32);
+        self.routing = Some(index);
+        self
+    }
+
+    /// Hands the prefix cache's events since the last call to the routing index; a gap (never
+    /// in one process) is repaired from the cache's snapshot.
+    fn publish_cache_events(&mut self) {
+        let Some(index) = &self.routing else { return };
+        let events = self.memory.prefix.take_events();
+        if events.is_empty() {
+            return;
+        }
+        let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
+        for e in &events {
+            if index.apply(e).is_err() {
+                if let Some(snapshot) = self.memory.prefix.events_snapshot() {
+                    index.resync(&snapshot);
+                }
+                break;
+            }
+        }
+    }
+
+    /// Attaches to each admission every rank's cached prefix of its prompt per tier, as the
+    /// routing index reports it now (the admitting rank, for its report; every rank's router
+    /// then reads the same numbers).
+    pub fn attach_cached_prefixes(&self, admissions: &mut [crate::messages::Admission]) {
+        let Some(index) = &self.routing else { return };
+        let layout = &self.memory.layout;
+        let index = index.lock().unwrap_or_else(|e| e.into_inner());
+        for a in admissions {
+            let seed = if layout.prefix_keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
+            let hashes = crate::policy::prefix_cache::block_hashes(&a.prompt, layout.block_size, seed);
+            a.cached = index.prefix_lengths(&hashes);
         }
     }
 
@@ -308,6 +352,7 @@ impl Rank {
     /// Decides this rank's batch for step `t` (after applying what completed) and reports it.
     pub fn schedule(&mut self, t: u64) -> RankReport {
         self.step = t;
+        self.publish_cache_events();
         self.waker.take(); // what raised it is polled now
         if self.poll() > 0 {
             // Landed since `verify(t − 1)`: proposed for here (what `propose(t − 1)` would have).

@@ -229,6 +229,7 @@ pub fn handoff_admission(h: &Handoff) -> Admission {
         warmup: h.warmup,
         kind: AdmissionKind::Handoff { rank: h.to.map(|b| b.rank) },
         sampling: h.sampling,
+        cached: Vec::new(),
     }
 }
 
