@@ -90,7 +90,12 @@ impl Rank {
         let skip_blocks = self.memory.reserve_prefix(&seq) as u32;
         let back_to = BackTo { link, rank, skip_blocks };
         let target = &self.remote_prefill.as_ref().expect("checked above").targets[pick];
-        target.ingress.push(Admission { kind: AdmissionKind::PrefillOnly { back_to: Some(back_to) }, ..a });
+        // (the prefill pool's own index, if any, says what its ranks hold)
+        target.ingress.push(Admission {
+            kind: AdmissionKind::PrefillOnly { back_to: Some(back_to) },
+            cached: Vec::new(),
+            ..a
+        });
         self.awaiting_remote.insert(a.id, pick);
         self.stats.remote_prefills += 1;
         None
