@@ -6,7 +6,7 @@
 
 use anyhow::{bail, Result};
 use kvflow_operators::policy::kv_index::{
-    CacheChange, CacheEvent, CacheEvents, KvIndex, PrefixLen, Tier, DEVICE, OFFLOAD,
+    scan_caches, CacheChange, CacheEvent, CacheEvents, KvIndex, PrefixLen, Tier, DEVICE, OFFLOAD,
 };
 use std::time::Instant;
 
@@ -31,21 +31,6 @@ fn blocks_of(e: &CacheEvent) -> usize {
     match &e.change {
         CacheChange::Stored { hashes, .. } | CacheChange::Removed { hashes, .. } => hashes.len(),
     }
-}
-
-/// The longest prefix of `chain` each rank holds per tier, by walking every rank's cache.
-fn scan(ranks: &[CacheEvents], chain: &[u64]) -> Vec<PrefixLen> {
-    let mut out = Vec::new();
-    for (rank, events) in ranks.iter().enumerate() {
-        for tier in [DEVICE, OFFLOAD] {
-            let blocks = chain.iter().take_while(|&&h| events.holds(tier, h)).count();
-            if blocks > 0 {
-                out.push(PrefixLen { rank: rank as u32, tier, blocks });
-            }
-        }
-    }
-    out.sort_unstable();
-    out
 }
 
 pub fn run(args: &RouterBenchArgs) -> Result<()> {
@@ -117,7 +102,7 @@ pub fn run(args: &RouterBenchArgs) -> Result<()> {
     let answers: Vec<Vec<PrefixLen>> = queries.iter().map(|q| index.prefix_lengths(q)).collect();
     let index_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let scanned: Vec<Vec<PrefixLen>> = queries.iter().map(|q| scan(&ranks, q)).collect();
+    let scanned: Vec<Vec<PrefixLen>> = queries.iter().map(|q| scan_caches(&ranks, q)).collect();
     let scan_s = t.elapsed().as_secs_f64();
     let differ = answers.iter().zip(&scanned).filter(|(a, b)| a != b).count();
     let hits = answers.iter().filter(|a| !a.is_empty()).count();

@@ -97,6 +97,22 @@ impl CacheEvents {
     }
 }
 
+/// The longest prefix of `chain` each rank holds per tier, by walking every rank's cache (the
+/// brute-force answer the index must equal: its tests and `kvflow bench router` compare them).
+pub fn scan_caches(ranks: &[CacheEvents], chain: &[u64]) -> Vec<PrefixLen> {
+    let mut out = Vec::new();
+    for events in ranks {
+        for tier in [DEVICE, OFFLOAD] {
+            let blocks = chain.iter().take_while(|&&h| events.holds(tier, h)).count();
+            if blocks > 0 {
+                out.push(PrefixLen { rank: events.rank, tier, blocks });
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
 /// A rank's event arrived out of order: events `expected ..` were not seen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("rank {rank}'s cache events skip from {expected} to {got}: resync from a snapshot of its index")]
@@ -267,6 +283,17 @@ fn run(worker: &mut timely::worker::Worker, commands: mpsc::Receiver<Command>) {
         (cached_in, queries_in, probe)
     });
     let mut query_id = 0u64;
+    // closes the current time on both inputs and steps until the computation has caught up
+    macro_rules! catch_up {
+        () => {{
+            let at = cached.time() + 1;
+            cached.advance_to(at);
+            queries.advance_to(at);
+            cached.flush();
+            queries.flush();
+            worker.step_while(|| probe.less_than(&at));
+        }};
+    }
     while let Ok(first) = commands.recv() {
         let mut next = Some(first);
         while let Some(command) = next.take() {
@@ -280,12 +307,7 @@ fn run(worker: &mut timely::worker::Worker, commands: mpsc::Receiver<Command>) {
                     for (position, &hash) in hashes.iter().enumerate() {
                         queries.insert((hash, (query_id, position as u32)));
                     }
-                    let at = cached.time() + 1;
-                    cached.advance_to(at);
-                    queries.advance_to(at);
-                    cached.flush();
-                    queries.flush();
-                    worker.step_while(|| probe.less_than(&at));
+                    catch_up!();
                     let mut found: HashMap<(u32, Tier), (usize, isize)> = HashMap::new();
                     for (((query, rank, tier), blocks), diff) in answers.borrow_mut().drain(..) {
                         if query == query_id {
@@ -308,12 +330,7 @@ fn run(worker: &mut timely::worker::Worker, commands: mpsc::Receiver<Command>) {
                 }
             }
         }
-        let at = cached.time() + 1;
-        cached.advance_to(at);
-        queries.advance_to(at);
-        cached.flush();
-        queries.flush();
-        worker.step_while(|| probe.less_than(&at));
+        catch_up!();
         answers.borrow_mut().clear();
     }
 }
@@ -321,21 +338,6 @@ fn run(worker: &mut timely::worker::Worker, commands: mpsc::Receiver<Command>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A scan of every rank's cache: the brute-force answer the index must equal.
-    fn scan(ranks: &[CacheEvents], hashes: &[u64]) -> Vec<PrefixLen> {
-        let mut out = Vec::new();
-        for (rank, events) in ranks.iter().enumerate() {
-            for tier in [DEVICE, OFFLOAD] {
-                let blocks = hashes.iter().take_while(|&&h| events.holds(tier, h)).count();
-                if blocks > 0 {
-                    out.push(PrefixLen { rank: rank as u32, tier, blocks });
-                }
-            }
-        }
-        out.sort_unstable();
-        out
-    }
 
     struct Lcg(u64);
     impl Lcg {
@@ -387,7 +389,7 @@ mod tests {
                 }
                 for chain in &chains {
                     let cut = &chain[..1 + rng.next(chain.len() as u64) as usize];
-                    assert_eq!(index.prefix_lengths(cut), scan(&ranks, cut), "seed {seed} step {step}");
+                    assert_eq!(index.prefix_lengths(cut), scan_caches(&ranks, cut), "seed {seed} step {step}");
                     checked += 1;
                 }
             }
