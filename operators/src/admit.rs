@@ -17,6 +17,7 @@
 //! report, never on this operator's timestamps) — and any rank can wake its pool.
 
 use crate::messages::{Admission, LoopSignal};
+use crate::policy::kv_index::SharedKvIndex;
 use crate::wake::RankWaker;
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -35,14 +36,40 @@ use timely::progress::Antichain;
 #[derive(Default)]
 pub struct Ingress {
     queue: Mutex<VecDeque<Admission>>,
+    routing: Mutex<Option<IngressRouting>>,
     cancels: Mutex<Vec<u64>>,
     waker: Mutex<Option<Arc<RankWaker>>>,
     closed: AtomicBool,
 }
 
+/// What the ingress needs to ask the KV-aware routing index about a request's prompt.
+#[derive(Clone)]
+pub struct IngressRouting {
+    pub index: SharedKvIndex,
+    pub block_size: usize,
+    /// The pool's prefix keys are seeded by the prompt's length (families without paged KV).
+    pub keyed_by_prompt_len: bool,
+}
+
 impl Ingress {
-    /// Queues a request and wakes rank 0's `admit`.
-    pub fn push(&self, a: Admission) {
+    /// Asks `routing`'s index, for every request pushed from now on, how much of its prompt each
+    /// rank holds (router `kv-aware`).
+    pub fn route_with(&self, routing: IngressRouting) {
+        *self.routing.lock().unwrap_or_else(|e| e.into_inner()) = Some(routing);
+    }
+
+    /// Queues a request and wakes rank 0's `admit`. Under router `kv-aware` it first attaches
+    /// each rank's cached prefix of the prompt as the index reports it now: the question is
+    /// asked here, on the pushing thread, so no step of the pool ever waits for the index.
+    pub fn push(&self, mut a: Admission) {
+        let routing = self.routing.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(r) = routing {
+            let seed = if r.keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
+            let hashes = crate::policy::prefix_cache::block_hashes(&a.prompt, r.block_size, seed);
+            // the index is held only to send the question; its answer is awaited outside it
+            let answer = r.index.lock().unwrap_or_else(|e| e.into_inner()).ask(&hashes);
+            a.cached = answer.recv().unwrap_or_default();
+        }
         self.queue.lock().unwrap_or_else(|e| e.into_inner()).push_back(a);
         self.wake();
     }

@@ -83,7 +83,6 @@ pub fn schedule<'scope>(
                 last_scheduled = Some(t);
                 let mut report = rank.borrow_mut().schedule(t);
                 let mut pending = pending.borrow_mut();
-                rank.borrow().attach_cached_prefixes(&mut pending.admissions);
                 report.admissions.append(&mut pending.admissions);
                 report.cancels.append(&mut pending.cancels);
                 report.closing = pending.closed;

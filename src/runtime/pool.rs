@@ -21,7 +21,7 @@
 use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
-use kvflow_operators::admit::{admit, Ingress, Pending};
+use kvflow_operators::admit::{admit, Ingress, IngressRouting, Pending};
 use kvflow_operators::align::{align, Collectives, RoutingKeys};
 use kvflow_operators::emit::{emit, EventSink};
 use kvflow_operators::executor::{ExecutorContext, ExecutorKind, ExpertPlacement, Unavailable};
@@ -320,6 +320,13 @@ pub fn start_pool(
     let collectives = collectives(experts.as_ref());
     let routing_index: Option<SharedKvIndex> = routing_index.then(|| Arc::new(Mutex::new(KvIndex::start())));
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
+    if let (Some(index), Some(ingress)) = (&routing_index, &ingress) {
+        ingress.route_with(IngressRouting {
+            index: index.clone(),
+            block_size: keys.block_size,
+            keyed_by_prompt_len: keys.keyed_by_prompt_len,
+        });
+    }
     let sink = Mutex::new(sink);
     let pool = name.clone();
     let cluster = job_cluster;

@@ -235,9 +235,15 @@ impl KvIndex {
     /// The longest prefix of `hashes` (a request's chained block hashes) each rank holds, per
     /// tier, once every event applied so far is in: only nonzero lengths, sorted.
     pub fn prefix_lengths(&self, hashes: &[u64]) -> Vec<PrefixLen> {
+        self.ask(hashes).recv().unwrap_or_default()
+    }
+
+    /// Queues the question [`KvIndex::prefix_lengths`] answers and returns where its answer will
+    /// arrive, so a caller that shares the index can wait for it without holding the index.
+    pub fn ask(&self, hashes: &[u64]) -> mpsc::Receiver<Vec<PrefixLen>> {
         let (reply, answer) = mpsc::channel();
         self.send(Command::Query { hashes: hashes.to_vec(), reply });
-        answer.recv().unwrap_or_default()
+        answer
     }
 }
 

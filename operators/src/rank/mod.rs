@@ -180,20 +180,6 @@ impl Rank {
         }
     }
 
-    /// Attaches to each admission every rank's cached prefix of its prompt per tier, as the
-    /// routing index reports it now (the admitting rank, for its report; every rank's router
-    /// then reads the same numbers).
-    pub fn attach_cached_prefixes(&self, admissions: &mut [crate::messages::Admission]) {
-        let Some(index) = &self.routing else { return };
-        let layout = &self.memory.layout;
-        let index = index.lock().unwrap_or_else(|e| e.into_inner());
-        for a in admissions {
-            let seed = if layout.prefix_keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
-            let hashes = crate::policy::prefix_cache::block_hashes(&a.prompt, layout.block_size, seed);
-            a.cached = index.prefix_lengths(&hashes);
-        }
-    }
-
     /// Saves full prompt chunks to the offload tier's store, and loads prefixes back, through a
     /// save thread and a load thread of its own (the tier is a cache: if a thread cannot start,
     /// this rank uses no store, and says so).
