@@ -6,6 +6,7 @@ pub mod bench;
 pub mod flags;
 pub mod generate;
 pub mod graph;
+pub mod launch;
 pub mod registry;
 pub mod report;
 pub mod runtime;

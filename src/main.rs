@@ -66,6 +66,16 @@ enum Command {
         #[command(flatten)]
         flags: Box<RunFlags>,
     },
+    /// Starts every process of a graph on this machine (a decode pool reached over tcp in its own
+    /// process, a pool listing several hosts as one process each) and waits for the run; the same
+    /// run flags (after `--`) go to every process.
+    Launch {
+        /// The graph file (TOML).
+        graph: PathBuf,
+        /// Flags for `kvflow run`, given to every process: `kvflow launch g.toml -- --verify`.
+        #[arg(last = true)]
+        run_flags: Vec<String>,
+    },
     /// Validates a graph and prints the operator graph the runtime would build.
     Check {
         graph: PathBuf,
@@ -189,10 +199,11 @@ struct RunFlags {
     /// Test only: a rank whose step samples nothing skips the step's draft passes.
     #[arg(long, hide = true)]
     test_skip_draft_passes_without_samples: bool,
-    /// This process's index in a pool spread over several processes (with --processes, --hostfile).
-    #[arg(long, requires_all = ["processes", "hostfile"])]
+    /// This process's index in a pool spread over several processes: of the pool's `hosts` in
+    /// the graph, or with --processes and --hostfile.
+    #[arg(long)]
     process: Option<usize>,
-    #[arg(long, value_parser = flags::count)]
+    #[arg(long, value_parser = flags::count, requires_all = ["process", "hostfile"])]
     processes: Option<usize>,
     /// One host:port per line, one line per process.
     #[arg(long)]
@@ -468,8 +479,13 @@ fn run_graph(
             place.connect_timeout = args.stall_timeout; // a peer that never connects is a stall too
             Some(place)
         }
+        (Some(process), None, None) => {
+            let mut place = ClusterPlace::from_graph(&graph, args.pools.as_deref(), args.pool.as_deref(), process)?;
+            place.connect_timeout = args.stall_timeout;
+            Some(place)
+        }
         (None, None, None) => None,
-        _ => anyhow::bail!("--process, --processes and --hostfile go together"),
+        _ => anyhow::bail!("--processes and --hostfile go together, with --process"),
     };
     let opts = RunOptions {
         interrupt: Some(interrupts.flag.clone()),
@@ -591,6 +607,7 @@ fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &kvflow::signals::I
         ("e2e p50 ms", &["e2e_ms", "p50"]),
         ("output tokens/s", &["output_tokens_per_s"]),
         ("goodput req/s", &["goodput_rps"]),
+        ("prefix hit rate", &["prefix_hit_rate"]),
         ("handoffs", &["handoff", "count"]),
         ("handoff bytes", &["handoff", "bytes"]),
         ("verify mismatched", &["verify", "mismatched"]),
@@ -665,6 +682,14 @@ fn run() -> Result<()> {
         Command::Compare { graphs, flags } => {
             let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
             let code = compare(&graphs, &flags, &interrupts)?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
+        Command::Launch { graph, run_flags } => {
+            let registry = kvflow::registry::Registry::default();
+            let loaded = kvflow::graph::Graph::load_with(&graph, &registry.names())?;
+            let code = kvflow::launch::launch(&loaded, &graph, &run_flags)?;
             if code != 0 {
                 std::process::exit(code);
             }

@@ -227,7 +227,7 @@ pub fn derive_plan(
             }
             caps[rank].take(tokens);
         }
-        load[rank] += tokens;
+        load[rank] += tokens - router.expected_hit_tokens().min(a.prompt.len().saturating_sub(1));
         routed.push((a, rank));
     }
     let launches = ranks.iter().any(|r| r.scheduled_tokens > 0);

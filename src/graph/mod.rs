@@ -56,6 +56,9 @@
 //! executor = "cpu"                 # cpu | cpu-deferred | null, or one registered by a program (default "cpu")
 //! router = "least-outstanding"     # a name from the router registry (default "least-outstanding")
 //! expert_parallel = false          # MoE experts split over the ranks, dispatch/combine per MoE layer (cpu executor; default false)
+//! hosts = ["10.0.0.1:7100", "10.0.0.2:7100"]  # one host:port per process of the pool, in process order: a pool
+//!                                  # spread over processes (timely cluster mode); ranks divide evenly over
+//!                                  # them; `kvflow run --pools main --process I` runs the I-th (default: one)
 //! admission = "optimistic"         # optimistic: admit, preempt by recompute when memory runs out;
 //!                                  # reserve: admit only what the rank can hold to its end (default optimistic)
 //!
@@ -170,7 +173,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use error::{GraphError, Location};
-pub use rules::{parse_byte_size, parse_endpoint, MAX_DEPLOYMENT_TOKEN_BYTES};
+pub use rules::{host_port, parse_byte_size, parse_endpoint, MAX_DEPLOYMENT_TOKEN_BYTES};
 
 use error::toml_error;
 use raw::RawGraph;
@@ -321,6 +324,10 @@ pub struct PoolConfig {
     /// `expert_parallel = true`: the MoE experts are split over the pool's ranks, each MoE layer
     /// a dispatch and a combine between them (DESIGN §4; cpu executor, MoE models).
     pub expert_parallel: bool,
+    /// `hosts`: the `host:port` of each of the pool's processes, in process order (timely's
+    /// cluster addresses); empty: one process. `kvflow run --pools NAME --process I` runs the
+    /// I-th; `kvflow launch` starts them all.
+    pub hosts: Vec<String>,
 }
 
 /// Conditional disaggregation of a decode pool (DESIGN §8, `[pool.disaggregation]`): the rule

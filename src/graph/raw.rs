@@ -70,6 +70,7 @@ pub(super) struct RawPool {
     pub(super) executor_settings: Option<Spanned<toml::Table>>,
     pub(super) router: Option<Spanned<String>>,
     pub(super) expert_parallel: Option<Spanned<bool>>,
+    pub(super) hosts: Option<Spanned<Vec<String>>>,
     pub(super) admission: Option<Spanned<String>>,
     /// This pool's own `[pool.memory]` and `[pool.scheduler]`: keys set here override the
     /// graph's top-level tables.

@@ -29,6 +29,41 @@ pub(super) fn rank_count(value: usize) -> Result<usize, String> {
     }
 }
 
+/// A pool's process addresses: at least one, each `host:port`, none twice, and the ranks divided
+/// evenly over them.
+pub(super) fn pool_hosts(hosts: Vec<String>, ranks: usize) -> Result<Vec<String>, String> {
+    if hosts.is_empty() {
+        return Err("expected at least one \"host:port\" (leave hosts out for one process)".to_string());
+    }
+    for (i, h) in hosts.iter().enumerate() {
+        host_port(h).map_err(|why| format!("entry {i}: {why}"))?;
+        if hosts[..i].contains(h) {
+            return Err(format!("entry {i}: {h:?} is listed twice (one address per process)"));
+        }
+    }
+    if !ranks.is_multiple_of(hosts.len()) {
+        return Err(format!(
+            "{} processes cannot share the pool's {ranks} ranks evenly (each process runs the same number)",
+            hosts.len()
+        ));
+    }
+    Ok(hosts)
+}
+
+/// `host:port` with a host and a port number from 1 to 65535.
+pub fn host_port(text: &str) -> Result<(), String> {
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Err(format!("expected host:port, got {text:?}"));
+    };
+    if host.is_empty() || host.chars().any(char::is_whitespace) {
+        return Err(format!("expected host:port with a host name or address before the colon, got {text:?}"));
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(()),
+        _ => Err(format!("expected a port number from 1 to 65535 after the colon, got {port:?} in {text:?}")),
+    }
+}
+
 /// Most tokens a size key may name (a block, a chunk, a step's batch): beyond it one step's
 /// buffers cannot fit a machine.
 pub const MAX_TOKENS: usize = 1 << 24;

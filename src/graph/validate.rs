@@ -14,7 +14,7 @@ use super::raw::{
 };
 use super::rules::{
     at_least_one, byte_budget, deployment_token, existing_path, measured_limit, more_than_zero, one_of, parse_endpoint,
-    pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
+    pool_hosts, pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
 };
 use super::{
     known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph,
@@ -309,11 +309,17 @@ impl<'a> Validator<'a> {
                         format!("`{a}` is not an admission policy; known: {}", quoted_list(AdmissionPolicy::NAMES))
                     })
                 })?;
+            let ranks = self.field("pool.ranks", pool.ranks.as_ref(), 1, rank_count)?;
+            let hosts = match &pool.hosts {
+                None => Vec::new(),
+                Some(h) => self.checked("pool.hosts", h, |hosts| pool_hosts(hosts, ranks))?,
+            };
             let mut pool_scheduler_config = self.scheduler(&pool_scheduler, &pool_memory, "pool.", scheduler)?;
             pool_scheduler_config.admission = admission;
             pools.push(PoolConfig {
                 role,
-                ranks: self.field("pool.ranks", pool.ranks.as_ref(), 1, rank_count)?,
+                ranks,
+                hosts,
                 executor_settings: self.executor_settings(&executor, pool.executor_settings.as_ref())?,
                 executor,
                 router: self.field("pool.router", pool.router.as_ref(), DEFAULT_ROUTER.to_string(), |r| {

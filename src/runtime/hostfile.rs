@@ -1,11 +1,50 @@
-//! `--hostfile`: one `host:port` per process, in process order (blank lines and `#` comments
-//! skipped). Every line is checked here, naming the file and line, before any socket is opened.
+//! Where a pool's processes are: `--hostfile` (one `host:port` per process, in process order;
+//! blank lines and `#` comments skipped; every line checked here, naming the file and line,
+//! before any socket is opened), or the pool's own `hosts = [...]` in the graph.
 
-use super::ClusterPlace;
+use super::{pick_named_pools, pick_pools, ClusterPlace};
+use crate::graph::Graph;
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
 impl ClusterPlace {
+    /// Process `process` of the one pool this run picks (`--pools` or `--pool`, else the graph's
+    /// pools) that lists its processes in the graph (`hosts`).
+    pub fn from_graph(
+        graph: &Graph,
+        pools: Option<&[String]>,
+        pool: Option<&str>,
+        process: usize,
+    ) -> Result<ClusterPlace> {
+        let picked = match pools {
+            Some(names) => pick_named_pools(graph, names)?,
+            None => pick_pools(graph, pool)?,
+        };
+        let spread: Vec<_> = picked.iter().filter(|p| !p.hosts.is_empty()).collect();
+        let [one] = spread[..] else {
+            bail!(
+                "--process {process}: {} of the pools this process runs list their processes (hosts = [...]) in {}; \
+                 pick the one to run with --pools NAME",
+                if spread.is_empty() { "none".to_string() } else { spread.len().to_string() },
+                graph.path.display()
+            );
+        };
+        let processes = one.hosts.len();
+        if process >= processes {
+            bail!(
+                "--process {process}: pool `{}` lists {processes} process(es) in {} (hosts); processes count from 0",
+                one.name,
+                graph.path.display()
+            );
+        }
+        Ok(ClusterPlace {
+            process,
+            processes,
+            addresses: one.hosts.clone(),
+            connect_timeout: std::time::Duration::from_secs(60),
+        })
+    }
+
     /// This process's place in the cluster the hostfile describes.
     pub fn from_hostfile(path: &Path, process: usize, processes: usize) -> Result<ClusterPlace> {
         let text =
@@ -16,7 +55,7 @@ impl ClusterPlace {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            check_address(line).map_err(|why| anyhow::anyhow!("{}:{}: {why}", path.display(), i + 1))?;
+            crate::graph::host_port(line).map_err(|why| anyhow::anyhow!("{}:{}: {why}", path.display(), i + 1))?;
             addresses.push(line.to_string());
         }
         if addresses.len() != processes {
@@ -30,20 +69,6 @@ impl ClusterPlace {
             bail!("--process {process} is not below --processes {processes} (processes count from 0)");
         }
         Ok(ClusterPlace { process, processes, addresses, connect_timeout: std::time::Duration::from_secs(60) })
-    }
-}
-
-/// `host:port` with a host and a port number from 1 to 65535.
-fn check_address(line: &str) -> Result<(), String> {
-    let Some((host, port)) = line.rsplit_once(':') else {
-        return Err(format!("expected host:port, got {line:?}"));
-    };
-    if host.is_empty() || host.chars().any(char::is_whitespace) {
-        return Err(format!("expected host:port with a host name or address before the colon, got {line:?}"));
-    }
-    match port.parse::<u16>() {
-        Ok(p) if p > 0 => Ok(()),
-        _ => Err(format!("expected a port number from 1 to 65535 after the colon, got {port:?} in {line:?}")),
     }
 }
 

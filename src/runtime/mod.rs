@@ -206,6 +206,37 @@ pub fn load_workload(graph: &Graph, vocab_size: usize) -> Result<Selection> {
 /// Checks the rank memory this process is asked to hold (every pool's budgets together)
 /// against what the machine has, before anything is allocated. (Each pool's rank count is
 /// bounded by the graph's rules.)
+/// A pool that lists several processes runs only as one of them (`--process`), and a pool spread
+/// over processes is an aggregated one: a P/D pool runs in one process, its links crossing hosts
+/// over tcp.
+fn check_processes(graph: &Graph, pools: &[&PoolConfig], cluster: Option<&ClusterPlace>) -> Result<()> {
+    if cluster.is_none() {
+        if let Some(p) = pools.iter().find(|p| p.hosts.len() > 1) {
+            bail!(
+                "{}: pool `{}` lists {} processes (hosts): run each with `kvflow run {} --pools {} --process I`, \
+                 or all of them on this machine with `kvflow launch {}`",
+                graph.path.display(),
+                p.name,
+                p.hosts.len(),
+                graph.path.display(),
+                p.name,
+                graph.path.display()
+            );
+        }
+        return Ok(());
+    }
+    if let Some(p) = pools.iter().find(|p| p.role != PoolRole::Aggregated) {
+        bail!(
+            "{}: pool `{}` is a {} pool; a pool spread over processes is an aggregated pool (a P/D pool runs in one \
+             process, and its links cross hosts over tcp)",
+            graph.path.display(),
+            p.name,
+            p.role.as_str()
+        );
+    }
+    Ok(())
+}
+
 fn check_machine(graph: &Graph, pools: &[&PoolConfig], processes: usize) -> Result<()> {
     let Some(available) = models::available_memory() else { return Ok(()) };
     let mut total: u128 = 0;
@@ -390,6 +421,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         Some(names) => pick_named_pools(graph, names)?,
         None => pick_pools(graph, opts.pool.as_deref())?,
     };
+    check_processes(graph, &pools, opts.cluster.as_ref())?;
     check_machine(graph, &pools, opts.cluster.as_ref().map_or(1, |c| c.processes))?;
     for name in opts.endpoints.keys() {
         if !graph.pools.iter().any(|p| &p.name == name && p.role == PoolRole::Decode) {

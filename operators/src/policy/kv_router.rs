@@ -5,12 +5,19 @@
 //! from a draw keyed on the request id, so every rank draws the same. A rank loaded above the
 //! threshold is passed over unless every rank is; then the least loaded wins.
 //!
+//! The index learns of a prefix only once its rank has computed and published it, a step or more
+//! after the request was routed; requests that share a prefix arrive in bursts (a Mooncake
+//! timestamp holds up to 28). So the router also remembers where it sent each block for its next
+//! `predict_decisions` decisions (Dynamo's "active blocks"; SGLang's approximate tree), and counts
+//! a rank's device prefix as the longer of what the index reports and what it routed there.
+//!
 //! It reads only what the request carries (`RouteRequest::cached`: each rank's prefix as the
 //! routing index last reported it to the admitting rank) and the load figures every rank shares,
 //! so every rank routes the same (DESIGN §11, for a given index lag).
 
 use super::kv_index::{PrefixLen, DEVICE};
 use super::router::{RouteRequest, Router};
+use std::collections::{HashMap, VecDeque};
 
 /// The router's knobs (the defaults are Dynamo's shape: prefix reuse weighs as much as load).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -25,6 +32,9 @@ pub struct KvAwareSettings {
     pub temperature: f64,
     /// Outstanding tokens above which a rank is passed over (0: no threshold).
     pub load_threshold: usize,
+    /// For how many later decisions a routed block counts as held by its rank before the index
+    /// reports it (0: only the index).
+    pub predict_decisions: usize,
 }
 
 impl Default for KvAwareSettings {
@@ -35,30 +45,57 @@ impl Default for KvAwareSettings {
             offload_credit: 0.5,
             temperature: 0.0,
             load_threshold: 0,
+            predict_decisions: 64,
         }
     }
 }
 
 pub struct KvAware {
     pub settings: KvAwareSettings,
+    /// Where each recently routed block went, and at which decision (the latest wins).
+    routed: HashMap<u64, (usize, u64)>,
+    /// Routed blocks in decision order, to forget them `predict_decisions` later.
+    routed_order: VecDeque<(u64, u64)>,
+    decisions: u64,
+    /// The device prefix, in tokens, the last routed request's rank was counted as holding.
+    last_hit_tokens: usize,
 }
 
 impl KvAware {
+    pub fn new(settings: KvAwareSettings) -> Self {
+        KvAware { settings, routed: HashMap::new(), routed_order: VecDeque::new(), decisions: 0, last_hit_tokens: 0 }
+    }
+
+    /// The leading blocks of `hashes` this router sent to `rank` within its prediction window.
+    fn predicted(&self, hashes: &[u64], rank: usize) -> usize {
+        hashes.iter().take_while(|h| self.routed.get(h).is_some_and(|&(r, _)| r == rank)).count()
+    }
+
+    /// The blocks of `req`'s prefix `rank` holds in a tier, as reported (and, on the device,
+    /// as routed there within the prediction window).
+    fn held(&self, req: &RouteRequest, rank: usize, device: bool) -> usize {
+        let reported = req
+            .cached
+            .iter()
+            .filter(|p: &&PrefixLen| p.rank as usize == rank && (p.tier == DEVICE) == device)
+            .map(|p| p.blocks)
+            .max()
+            .unwrap_or(0);
+        if device {
+            reported.max(self.predicted(req.block_hashes, rank))
+        } else {
+            reported
+        }
+    }
+
     /// Each rank's cost for `req`, given `outstanding` tokens per rank.
     pub fn costs(&self, req: &RouteRequest, outstanding: &[usize]) -> Vec<f64> {
         let s = &self.settings;
         let blocks = req.block_hashes.len() as f64;
         (0..outstanding.len())
             .map(|rank| {
-                let held = |tier_is_device: bool| {
-                    req.cached
-                        .iter()
-                        .filter(|p: &&PrefixLen| p.rank as usize == rank && (p.tier == DEVICE) == tier_is_device)
-                        .map(|p| p.blocks)
-                        .max()
-                        .unwrap_or(0) as f64
-                };
-                let (device, offload) = (held(true), held(false));
+                let device = self.held(req, rank, true) as f64;
+                let offload = self.held(req, rank, false) as f64;
                 let saved = device + s.offload_credit * (offload - device).max(0.0);
                 let prefill = (blocks - saved).max(0.0);
                 let decode = outstanding[rank] as f64 / s.block_size.max(1) as f64;
@@ -79,6 +116,41 @@ fn draw(id: u64) -> f64 {
 
 impl Router for KvAware {
     fn route(&mut self, req: &RouteRequest, outstanding: &[usize]) -> usize {
+        let rank = self.choose(req, outstanding);
+        self.last_hit_tokens = self.held(req, rank, true) * self.settings.block_size;
+        self.remember(req.block_hashes, rank);
+        rank
+    }
+
+    fn expected_hit_tokens(&self) -> usize {
+        self.last_hit_tokens
+    }
+}
+
+impl KvAware {
+    /// Counts `hashes` as held by `rank` for the next `predict_decisions` decisions.
+    fn remember(&mut self, hashes: &[u64], rank: usize) {
+        self.decisions += 1;
+        let window = self.settings.predict_decisions as u64;
+        if window == 0 {
+            return;
+        }
+        for &h in hashes {
+            self.routed.insert(h, (rank, self.decisions));
+            self.routed_order.push_back((self.decisions, h));
+        }
+        while let Some(&(at, h)) = self.routed_order.front() {
+            if at + window > self.decisions {
+                break;
+            }
+            self.routed_order.pop_front();
+            if self.routed.get(&h).is_some_and(|&(_, latest)| latest == at) {
+                self.routed.remove(&h);
+            }
+        }
+    }
+
+    fn choose(&self, req: &RouteRequest, outstanding: &[usize]) -> usize {
         let costs = self.costs(req, outstanding);
         let threshold = self.settings.load_threshold;
         let eligible: Vec<usize> =
@@ -118,19 +190,19 @@ mod tests {
 
     #[test]
     fn the_rank_holding_the_prefix_wins_until_its_load_outweighs_it() {
-        let mut r = KvAware { settings: KvAwareSettings::default() };
+        let fresh = || KvAware::new(KvAwareSettings::default());
         let hashes: Vec<u64> = (0..10).collect();
         let cached = [at(2, DEVICE, 8)];
-        assert_eq!(r.route(&req(1, &hashes, &cached), &[0, 0, 0, 0]), 2);
+        assert_eq!(fresh().route(&req(1, &hashes, &cached), &[0, 0, 0, 0]), 2);
         // 8 saved blocks against 160 outstanding tokens (10 blocks) of load: rank 0 is cheaper
-        assert_eq!(r.route(&req(1, &hashes, &cached), &[0, 0, 160, 0]), 0);
+        assert_eq!(fresh().route(&req(1, &hashes, &cached), &[0, 0, 160, 0]), 0);
         // nothing cached anywhere: least loaded, ties to the lower rank
-        assert_eq!(r.route(&req(1, &hashes, &[]), &[32, 16, 16, 48]), 1);
+        assert_eq!(fresh().route(&req(1, &hashes, &[]), &[32, 16, 16, 48]), 1);
     }
 
     #[test]
     fn an_offload_hit_counts_for_less_than_a_device_hit() {
-        let r = KvAware { settings: KvAwareSettings::default() };
+        let r = KvAware::new(KvAwareSettings::default());
         let hashes: Vec<u64> = (0..10).collect();
         let cached = [at(0, OFFLOAD, 8), at(1, DEVICE, 8), at(1, OFFLOAD, 10)];
         let costs = r.costs(&req(1, &hashes, &cached), &[0, 0]);
@@ -140,15 +212,40 @@ mod tests {
     #[test]
     fn a_loaded_rank_is_passed_over_and_sampling_is_the_same_on_every_rank() {
         let settings = KvAwareSettings { load_threshold: 100, ..Default::default() };
-        let mut r = KvAware { settings };
+        let mut r = KvAware::new(settings);
         let hashes: Vec<u64> = (0..10).collect();
         let cached = [at(0, DEVICE, 10)];
         assert_eq!(r.route(&req(1, &hashes, &cached), &[200, 50, 0]), 2, "rank 0 above the threshold");
         assert_eq!(r.route(&req(1, &hashes, &cached), &[200, 300, 150]), 2, "all above: least loaded");
         let warm = KvAwareSettings { temperature: 4.0, ..Default::default() };
-        let picks = |id| KvAware { settings: warm }.route(&req(id, &hashes, &[]), &[0, 0, 0, 0]);
+        let picks = |id| KvAware::new(warm).route(&req(id, &hashes, &[]), &[0, 0, 0, 0]);
         let first: Vec<usize> = (0..64).map(picks).collect();
         assert_eq!(first, (0..64).map(picks).collect::<Vec<_>>(), "a draw keyed on the request id");
         assert!((0..4).all(|r| first.contains(&r)), "equal costs spread over every rank: {first:?}");
+    }
+
+    #[test]
+    fn a_burst_sharing_a_prefix_follows_its_first_request_before_the_index_knows() {
+        let system: Vec<u64> = (0..12).collect();
+        let chain = |tail: u64| system.iter().copied().chain([100 + tail]).collect::<Vec<u64>>();
+        let mut r = KvAware::new(KvAwareSettings::default());
+        let first = r.route(&req(1, &chain(1), &[]), &[0, 0, 0, 0]);
+        // the index reports nothing yet; the first request's rank carries 13 blocks of load
+        let mut load = [0, 0, 0, 0];
+        load[first] = 10 * 16;
+        assert_eq!(r.route(&req(2, &chain(2), &[]), &load), first, "12 predicted blocks outweigh 10 of load");
+        let mut blind = KvAware::new(KvAwareSettings { predict_decisions: 0, ..Default::default() });
+        let blind_first = blind.route(&req(1, &chain(1), &[]), &[0, 0, 0, 0]);
+        let mut load = [0, 0, 0, 0];
+        load[blind_first] = 10 * 16;
+        assert_ne!(blind.route(&req(2, &chain(2), &[]), &load), blind_first, "without prediction: least loaded");
+        // a prediction is forgotten `predict_decisions` decisions later
+        let mut short = KvAware::new(KvAwareSettings { predict_decisions: 2, ..Default::default() });
+        let home = short.route(&req(1, &chain(1), &[]), &[0, 0, 0, 0]);
+        short.route(&req(2, &[900], &[]), &[0, 0, 0, 0]);
+        short.route(&req(3, &[901], &[]), &[0, 0, 0, 0]);
+        let mut load = [0, 0, 0, 0];
+        load[home] = 16;
+        assert_ne!(short.route(&req(4, &chain(4), &[]), &load), home, "the prediction has expired");
     }
 }

@@ -21,6 +21,13 @@ pub struct RouteRequest<'a> {
 /// (reported at this step, plus what was routed to it earlier in this step).
 pub trait Router {
     fn route(&mut self, req: &RouteRequest, outstanding: &[usize]) -> usize;
+
+    /// Of the request just routed, the prompt tokens its rank is expected to hold already: the
+    /// load added for it leaves them out (a prefix hit is not work). 0 for a router that does not
+    /// know.
+    fn expected_hit_tokens(&self) -> usize {
+        0
+    }
 }
 
 /// Least outstanding tokens, with prefix affinity: a request whose prompt starts with blocks
@@ -112,7 +119,7 @@ impl Default for RouterRegistry {
         r.register("round-robin", |_ctx: RouterContext| Box::new(RoundRobin::default()) as Box<dyn Router>);
         r.register(KV_AWARE, |ctx: RouterContext| {
             let settings = super::kv_router::KvAwareSettings { block_size: ctx.block_size, ..Default::default() };
-            Box::new(super::kv_router::KvAware { settings }) as Box<dyn Router>
+            Box::new(super::kv_router::KvAware::new(settings)) as Box<dyn Router>
         });
         r
     }

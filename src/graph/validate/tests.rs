@@ -34,6 +34,7 @@ fn minimal_graph_gets_every_default() {
             scheduler,
             disaggregation: DisaggregationConfig { remote_prefill_min_tokens: 0, max_prefill_queue: None },
             expert_parallel: false,
+            hosts: Vec::new(),
         }]
     );
     assert_eq!(graph.links, vec![]);
