@@ -11,6 +11,7 @@ mod faults;
 mod fuzz;
 mod handoff;
 mod hf_fixtures;
+mod hosts;
 mod offload;
 mod operability;
 mod processes;

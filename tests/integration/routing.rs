@@ -12,23 +12,59 @@ fn the_router_bench_checks_every_decision_against_a_scan() {
     }
 }
 
-/// `router = "kv-aware"` alone starts the index: the ranks report their prefix caches into it,
-/// rank 0 attaches each admission's cached prefixes, and every rank routes on them — the run
-/// stays exact and finds prefixes, on four ranks.
+/// `router = "kv-aware"` alone starts the index: every rank reports its prefix cache into it,
+/// each admission carries the cached prefixes per rank, and every rank routes on them. On a
+/// trace that reuses heavily the run stays exact and finds far more prefixes than round-robin,
+/// and every one of the four ranks reported events.
 #[test]
-fn a_kv_aware_pool_runs_exact_and_reuses_prefixes() {
+fn a_kv_aware_pool_runs_exact_and_reuses_more_prefixes_than_round_robin() {
+    let run = |router: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let pools = format!("[[pool]]\nname = \"main\"\nranks = 4\nrouter = \"{router}\"\n");
+        let graph = crate::runtime::write_graph_with(
+            dir.path(),
+            "hf/llama",
+            "mooncake_synthetic_tail500.jsonl",
+            "mode = \"concurrency\"\nconcurrency = 8\nlimit = 80",
+            "16 MiB",
+            &pools,
+        );
+        let report = crate::runtime::run_graph(&graph, Default::default(), Default::default());
+        crate::runtime::assert_exact(&report, router);
+        report
+    };
+    let (aware, blind) = (run("kv-aware"), run("round-robin"));
+    let hits = |r: &serde_json::Value| r["prefix_hit_rate"].as_f64().unwrap();
+    assert!(hits(&aware) > 1.5 * hits(&blind), "kv-aware {} against round-robin {}", hits(&aware), hits(&blind));
+    for rank in aware["rank_stats"].as_array().unwrap() {
+        assert!(rank["index_events"].as_u64().unwrap() > 0, "every rank reports its cache: {rank}");
+        assert_eq!(rank["index_resyncs"], 0, "no gap within one process: {rank}");
+    }
+    assert!(
+        blind["rank_stats"].as_array().unwrap().iter().all(|r| r["index_events"] == 0),
+        "no index without kv-aware"
+    );
+}
+
+/// With an offload tier, the ranks also report the chunks the store holds (tier 1) and, once
+/// the store evicts them, that it no longer does.
+#[test]
+fn the_offload_tier_reports_its_chunks_to_the_routing_index() {
     let dir = tempfile::tempdir().unwrap();
-    let pools = "[[pool]]\nname = \"main\"\nranks = 4\nrouter = \"kv-aware\"\n";
+    let pools = "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"kv-aware\"\n\n\
+                 [offload]\nstore = \"memory\"\ncapacity_bytes = 660000\nchunk_tokens = 32\n";
     let graph = crate::runtime::write_graph_with(
         dir.path(),
         "hf/llama",
-        "mooncake_conversation_first5min.jsonl",
-        "mode = \"concurrency\"\nconcurrency = 8\nlimit = 60",
-        "16 MiB",
+        "mooncake_synthetic_tail500.jsonl",
+        "mode = \"concurrency\"\nconcurrency = 8\nlimit = 40",
+        "3 MiB",
         pools,
     );
     let report = crate::runtime::run_graph(&graph, Default::default(), Default::default());
-    crate::runtime::assert_exact(&report, "kv-aware");
-    let hits = report["prefix_hit_rate"].as_f64().unwrap();
-    assert!(hits > 0.0, "no prefix reused under kv-aware routing: {report}");
+    crate::runtime::assert_exact(&report, "kv-aware with offload");
+    let offload_events: u64 =
+        report["rank_stats"].as_array().unwrap().iter().map(|r| r["index_offload_events"].as_u64().unwrap()).sum();
+    assert!(offload_events > 0, "{}", report["rank_stats"]);
+    assert!(report["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", report["offload"]);
 }

@@ -21,6 +21,7 @@ struct Inner {
     by_use: BTreeMap<u64, (u64, Digest)>,
     clock: u64,
     bytes: u64,
+    evictions: u64,
 }
 
 impl Inner {
@@ -40,6 +41,7 @@ impl Inner {
     fn evict_one(&mut self, keep: (u64, Digest)) -> bool {
         let Some((&used, &chunk)) = self.by_use.iter().find(|(_, c)| **c != keep) else { return false };
         self.by_use.remove(&used);
+        self.evictions += 1;
         if let Some((_, keys)) = self.chunks.remove(&chunk) {
             for k in keys {
                 if let Some(v) = self.objects.remove(&k) {
@@ -71,6 +73,10 @@ impl MemoryStore {
 }
 
 impl ObjectStore for MemoryStore {
+    fn evictions(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).evictions
+    }
+
     fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
         let size = object.len() as u64;
         if size > self.capacity {

@@ -48,6 +48,11 @@ pub trait ObjectStore: Send + Sync {
     fn contains(&self, key: &ChunkKey) -> bool;
     /// Bytes of the objects it holds.
     fn bytes(&self) -> u64;
+    /// How many chunks it has evicted so far (a store that never evicts: 0). The routing index's
+    /// reporters check what they reported only when this moves.
+    fn evictions(&self) -> u64 {
+        0
+    }
     /// The decoded object under `key`, if the store holds a sound one (a damaged one is a miss).
     /// A store may read it straight into the floats, without a copy of the bytes in between.
     fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {

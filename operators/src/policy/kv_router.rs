@@ -1,8 +1,8 @@
 //! The `kv-aware` router's choice (Dynamo's formula): for each rank, the prefill blocks it would
 //! still compute for the request — after its device hit, with an offload-tier hit credited at a
-//! fraction — times a weight, plus its decode load in blocks; the lowest cost wins (ties to the
-//! lower rank). With a temperature, a rank is drawn with probability ∝ exp(−cost / temperature)
-//! from a draw keyed on the request id, so every rank draws the same. A rank loaded above the
+//! fraction, whichever rank saved it (the store is shared) — times a weight, plus its decode load in blocks; the lowest cost wins (among
+//! equals, one drawn on the request id). With a temperature, a rank is drawn with probability
+//! ∝ exp(−cost / temperature), also keyed on the request id, so every rank draws the same. A rank loaded above the
 //! threshold is passed over unless every rank is; then the least loaded wins.
 //!
 //! The index learns of a prefix only once its rank has computed and published it, a step or more
@@ -72,12 +72,14 @@ impl KvAware {
     }
 
     /// The blocks of `req`'s prefix `rank` holds in a tier, as reported (and, on the device,
-    /// as routed there within the prediction window).
+    /// as routed there within the prediction window). The offload tier's store is shared by
+    /// the pool's ranks (any rank loads what another saved), so what any rank reported there
+    /// counts for every rank.
     fn held(&self, req: &RouteRequest, rank: usize, device: bool) -> usize {
         let reported = req
             .cached
             .iter()
-            .filter(|p: &&PrefixLen| p.rank as usize == rank && (p.tier == DEVICE) == device)
+            .filter(|p: &&PrefixLen| (p.tier == DEVICE) == device && (!device || p.rank as usize == rank))
             .map(|p| p.blocks)
             .max()
             .unwrap_or(0);
@@ -159,10 +161,13 @@ impl KvAware {
             return (0..outstanding.len()).min_by_key(|&r| (outstanding[r], r)).unwrap_or(0);
         }
         let t = self.settings.temperature;
-        if t <= 0.0 {
-            return eligible.into_iter().min_by(|&a, &b| costs[a].total_cmp(&costs[b]).then(a.cmp(&b))).unwrap_or(0);
-        }
         let best = eligible.iter().map(|&r| costs[r]).fold(f64::INFINITY, f64::min);
+        if t <= 0.0 {
+            // the cheapest; among equals, one drawn on the request id (not always the lowest
+            // rank, which would pile an idle pool's new prefixes onto rank 0)
+            let cheapest: Vec<usize> = eligible.into_iter().filter(|&r| costs[r] <= best + 1e-9).collect();
+            return cheapest[((draw(req.id) * cheapest.len() as f64) as usize).min(cheapest.len() - 1)];
+        }
         let weights: Vec<f64> = eligible.iter().map(|&r| (-(costs[r] - best) / t).exp()).collect();
         let mut at = draw(req.id) * weights.iter().sum::<f64>();
         for (i, w) in weights.iter().enumerate() {
@@ -194,10 +199,12 @@ mod tests {
         let hashes: Vec<u64> = (0..10).collect();
         let cached = [at(2, DEVICE, 8)];
         assert_eq!(fresh().route(&req(1, &hashes, &cached), &[0, 0, 0, 0]), 2);
-        // 8 saved blocks against 160 outstanding tokens (10 blocks) of load: rank 0 is cheaper
-        assert_eq!(fresh().route(&req(1, &hashes, &cached), &[0, 0, 160, 0]), 0);
-        // nothing cached anywhere: least loaded, ties to the lower rank
-        assert_eq!(fresh().route(&req(1, &hashes, &[]), &[32, 16, 16, 48]), 1);
+        // 8 saved blocks against 160 outstanding tokens (10 blocks) of load: the others are cheaper
+        assert_ne!(fresh().route(&req(1, &hashes, &cached), &[0, 0, 160, 0]), 2);
+        // nothing cached anywhere: the least loaded, drawn among equals on the request id
+        let picks: Vec<usize> = (0..32).map(|id| fresh().route(&req(id, &hashes, &[]), &[32, 16, 16, 48])).collect();
+        assert!(picks.iter().all(|&r| r == 1 || r == 2), "{picks:?}");
+        assert!(picks.contains(&1) && picks.contains(&2), "equals share: {picks:?}");
     }
 
     #[test]
@@ -206,7 +213,8 @@ mod tests {
         let hashes: Vec<u64> = (0..10).collect();
         let cached = [at(0, OFFLOAD, 8), at(1, DEVICE, 8), at(1, OFFLOAD, 10)];
         let costs = r.costs(&req(1, &hashes, &cached), &[0, 0]);
-        assert_eq!(costs, vec![10.0 - 4.0, 10.0 - 8.0 - 1.0]);
+        // the store is shared: both ranks can load the 10 offloaded blocks
+        assert_eq!(costs, vec![10.0 - 5.0, 10.0 - 8.0 - 1.0]);
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! snapshot, for a family without paged KV) becomes a numbered stored/removed event for the
 //! KV-aware routing index (`kv_index`), taken with [`PrefixCache::take_events`].
 
-use super::kv_index::{CacheEvent, CacheEvents, CacheSnapshot, DEVICE};
+use super::kv_index::{CacheEvent, CacheEvents, CacheSnapshot, Tier, DEVICE};
 use kvflow_kernels::hash;
 use kvflow_kernels::kv::{BlockId, BlockPool, IdPool, SnapshotId};
 use std::collections::HashMap;
@@ -80,6 +80,14 @@ impl PrefixCache {
         let held: Vec<u64> = self.entries.iter().filter(|(_, e)| self.indexed(e)).map(|(h, _)| *h).collect();
         let first = events.stored(DEVICE, &held);
         self.events = Some((events, first.into_iter().collect()));
+    }
+
+    /// Publishes that another tier of this rank (the offload tier) now holds (`stored`) or no
+    /// longer holds `hashes`, numbered with the cache's own events.
+    pub fn note_tier(&mut self, tier: Tier, hashes: &[u64], stored: bool) {
+        if let Some((events, out)) = self.events.as_mut() {
+            out.extend(if stored { events.stored(tier, hashes) } else { events.removed(tier, hashes) });
+        }
     }
 
     /// The events since the last call (empty unless [`PrefixCache::publish_events`]).

@@ -161,19 +161,35 @@ impl Rank {
         self
     }
 
-    /// Hands the prefix cache's events since the last call to the routing index; a gap (never
-    /// in one process) is repaired from the cache's snapshot.
+    /// Hands the prefix cache's events since the last call (the offload tier's among them) to the
+    /// routing index; a gap (never in one process) is repaired from the cache's snapshot.
     fn publish_cache_events(&mut self) {
+        if self.routing.is_none() {
+            return;
+        }
+        self.report_offload_evictions();
         let Some(index) = &self.routing else { return };
         let events = self.memory.prefix.take_events();
         if events.is_empty() {
             return;
         }
+        use crate::policy::kv_index::{CacheChange, DEVICE};
+        self.stats.index_events += events.len() as u64;
+        self.stats.index_offload_events += events
+            .iter()
+            .filter(|e| {
+                !matches!(
+                    e.change,
+                    CacheChange::Stored { tier: DEVICE, .. } | CacheChange::Removed { tier: DEVICE, .. }
+                )
+            })
+            .count() as u64;
         let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
         for e in &events {
             if index.apply(e).is_err() {
                 if let Some(snapshot) = self.memory.prefix.events_snapshot() {
                     index.resync(&snapshot);
+                    self.stats.index_resyncs += 1;
                 }
                 break;
             }

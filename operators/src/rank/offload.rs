@@ -15,6 +15,7 @@ use super::Rank;
 use crate::offload::{
     ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver,
 };
+use crate::policy::kv_index::OFFLOAD;
 use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport, SeqKey};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -92,6 +93,12 @@ pub struct RankOffload {
     pub(super) loading: HashMap<u64, Loading>,
     pub(super) load_jobs: Vec<LoadJob>,
     pub(super) failed_now: Vec<LoadDone>,
+    /// Under router `kv-aware`: each chunk being saved, its blocks' prefix hashes; and each
+    /// chunk the store holds that this rank reported to the routing index, with the store's
+    /// eviction count last checked.
+    chunk_hashes: HashMap<Digest, Vec<u64>>,
+    reported: HashMap<ChunkKey, Vec<u64>>,
+    evictions_seen: u64,
     pub stats: OffloadStats,
 }
 
@@ -111,6 +118,9 @@ impl RankOffload {
             loading: HashMap::new(),
             load_jobs: Vec::new(),
             failed_now: Vec::new(),
+            chunk_hashes: HashMap::new(),
+            reported: HashMap::new(),
+            evictions_seen: 0,
             stats: OffloadStats::default(),
         }
     }
@@ -143,6 +153,10 @@ impl Rank {
                 let Some(&digest) = seq.chunk_digests.get(k) else { continue };
                 if !off.known.insert(digest) {
                     continue;
+                }
+                if self.routing.is_some() {
+                    let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
+                    off.chunk_hashes.insert(digest, hashes.map(<[u64]>::to_vec).unwrap_or_default());
                 }
                 let key = off.key(digest);
                 let blocks = if layout.keeps_kv {
@@ -179,6 +193,7 @@ impl Rank {
                     tracing::warn!(pool = %self.pool, rank = self.index, step, "offload: step {step} gave no copy of {} (seq {}); save dropped", l.key, l.seq);
                     off.stats.dropped_saves += 1;
                     off.known.remove(&l.key.digest);
+                    off.chunk_hashes.remove(&l.key.digest);
                     self.memory.release_save(l.id);
                 }
             }
@@ -223,6 +238,7 @@ impl Rank {
             off.stats.dropped_saves += 1;
             if let Some((_, digest)) = off.writing.remove(&id) {
                 off.known.remove(&digest);
+                off.chunk_hashes.remove(&digest);
             }
             self.memory.release_save(id);
             next = off.queued.get_mut(&request).and_then(VecDeque::pop_front);
@@ -242,6 +258,12 @@ impl Rank {
                 tracing::error!(pool = %self.pool, rank = self.index, "offload: a completion for save {} it does not await", d.id);
                 continue;
             };
+            let hashes = off.chunk_hashes.remove(&digest);
+            if let (Some(hashes), false) = (hashes, matches!(d.outcome, SaveOutcome::Dropped { .. })) {
+                // the store holds the chunk now: the routing index hears of it as the offload tier
+                self.memory.prefix.note_tier(OFFLOAD, &hashes, true);
+                off.reported.insert(d.key, hashes);
+            }
             match &d.outcome {
                 SaveOutcome::Stored { bytes, seconds } => {
                     off.stats.saved_chunks += 1;
@@ -266,5 +288,23 @@ impl Rank {
             }
         }
         done.len()
+    }
+
+    /// Reports to the routing index the chunks it heard of that the store has since evicted
+    /// (checked only when the store's eviction count moved).
+    pub(super) fn report_offload_evictions(&mut self) {
+        let Some(off) = self.offload.as_mut() else { return };
+        let evictions = off.setup.store.evictions();
+        if evictions == off.evictions_seen || off.reported.is_empty() {
+            return;
+        }
+        off.evictions_seen = evictions;
+        let store = off.setup.store.clone();
+        let gone: Vec<ChunkKey> = off.reported.keys().filter(|k| !store.contains(k)).copied().collect();
+        for key in gone {
+            if let Some(hashes) = off.reported.remove(&key) {
+                self.memory.prefix.note_tier(OFFLOAD, &hashes, false);
+            }
+        }
     }
 }

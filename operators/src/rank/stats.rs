@@ -45,6 +45,11 @@ pub struct RankStats {
     pub expert_rows: u64,
     /// The offload tier's counters.
     pub offload: super::OffloadStats,
+    /// Router `kv-aware`: cache events this rank reported to the routing index (device and
+    /// offload tier), and resyncs after a gap.
+    pub index_events: u64,
+    pub index_offload_events: u64,
+    pub index_resyncs: u64,
     /// Times this rank woke its parked pool (new work on rank 0, a completion on any rank).
     pub pool_wakes: u64,
     /// Times the accounting check ran (each time the pool parked with nothing in flight, and at

@@ -1,0 +1,231 @@
+//! Pools across hosts. `kvflow launch` starts a graph's processes on this machine: a decode pool
+//! reached over tcp in its own process, a pool that lists its hosts as one process each. Two
+//! network namespaces stand in for two hosts (`ip netns` and a veth pair, which the test creates
+//! and removes; without CAP_NET_ADMIN it skips, saying why): the prefill pool runs in one, the
+//! decode pool in the other, the handoff crosses between them over tcp, and the outputs are
+//! exact; when the decode host's process is killed, the requests it owed fail with a cause
+//! naming it and nothing stays held on the prefill host.
+
+use crate::common::{records, report};
+use crate::runtime::{write_graph_with, HEAVY};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
+    [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+    [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nendpoint = \"ENDPOINT\"\n";
+
+fn launch(graph: &std::path::Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .args(["launch", &graph.to_string_lossy(), "--", "--verify"])
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn launch_starts_a_pd_graphs_processes_and_the_decode_pool_runs_in_its_own() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+    let pools = TCP_1P1D.replace("ENDPOINT", "127.0.0.1:0");
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let out = launch(&graph);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let r = report(dir.path());
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(10), Some(0)), "{r}");
+    // The decode work ran in the other process: the driving one took no handoff.
+    assert_eq!(r["handoff"]["received"], 0, "{}", r["handoff"]);
+    assert!(
+        stderr.contains("[decode] decode pool `decode`: took 10 handoff(s); every block and slot is free"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn launch_runs_a_pool_over_the_hosts_it_lists() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let ports: Vec<u16> =
+        (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let pools = format!(
+        "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"127.0.0.1:{}\", \"127.0.0.1:{}\"]\n",
+        ports[0], ports[1]
+    );
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let out = launch(&graph);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = report(dir.path());
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(8), Some(0)), "{r}");
+    // Rank 1 is process 1's only worker: requests served there ran in the other process.
+    let on_rank_1 = records(dir.path()).iter().filter(|x| x["rank"] == 1).count();
+    assert_eq!(on_rank_1, 4, "round robin over two ranks in two processes");
+}
+
+/// Two network namespaces joined by a veth pair, removed on drop.
+struct TwoHosts {
+    names: [String; 2],
+    addresses: [String; 2],
+}
+
+impl TwoHosts {
+    /// `None` (with the reason) where this machine does not let the test create them.
+    fn create() -> Result<TwoHosts, String> {
+        let tag = std::process::id() % 10_000;
+        let names = [format!("kvf{tag}a"), format!("kvf{tag}b")];
+        let subnet = 10 + (tag % 200);
+        let addresses = [format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2")];
+        let hosts = TwoHosts { names: names.clone(), addresses };
+        let (veth_a, veth_b) = (format!("kv{tag}va"), format!("kv{tag}vb"));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns".into(), "add".into(), names[0].clone()],
+            vec!["netns".into(), "add".into(), names[1].clone()],
+            vec![
+                "link".into(),
+                "add".into(),
+                veth_a.clone(),
+                "netns".into(),
+                names[0].clone(),
+                "type".into(),
+                "veth".into(),
+                "peer".into(),
+                "name".into(),
+                veth_b.clone(),
+                "netns".into(),
+                names[1].clone(),
+            ],
+        ];
+        for args in steps {
+            ip(&args)?;
+        }
+        for (i, veth) in [veth_a, veth_b].iter().enumerate() {
+            let ns = &hosts.names[i];
+            ip(&[
+                "-n".into(),
+                ns.clone(),
+                "addr".into(),
+                "add".into(),
+                format!("{}/24", hosts.addresses[i]),
+                "dev".into(),
+                veth.clone(),
+            ])?;
+            ip(&["-n".into(), ns.clone(), "link".into(), "set".into(), veth.clone(), "up".into()])?;
+            ip(&["-n".into(), ns.clone(), "link".into(), "set".into(), "lo".into(), "up".into()])?;
+        }
+        Ok(hosts)
+    }
+
+    /// `kvflow ARGS` run inside namespace `host`.
+    fn kvflow(&self, host: usize, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.names[host], env!("CARGO_BIN_EXE_kvflow")]).args(args);
+        c
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
+        }
+    }
+}
+
+fn ip(args: &[String]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// The decode pool's process on host 1, once it listens.
+fn start_decode(hosts: &TwoHosts, graph: &std::path::Path) -> std::process::Child {
+    let mut child = hosts
+        .kvflow(1, &["run", &graph.to_string_lossy(), "--pools", "decode", "--stall-timeout", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let pipe = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if line.starts_with("decode pool `decode` listening on ") {
+                let _ = tx.send(line.clone());
+            }
+            eprintln!("[decode host] {line}");
+        }
+    });
+    let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+        let _ = child.kill();
+        panic!("the decode host's process never listened")
+    });
+    assert!(line.contains(&hosts.addresses[1]), "it listens on host 1's address: {line}");
+    child
+}
+
+#[test]
+fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losing_a_host() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let hosts = match TwoHosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            println!("skipped: cannot create network namespaces here (needs CAP_NET_ADMIN): {why}");
+            return;
+        }
+    };
+    let endpoint = format!("{}:7461", hosts.addresses[1]);
+    let pools = TCP_1P1D.replace("ENDPOINT", &endpoint);
+
+    // Whole run: exact, and the decode work crossed to the other host.
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let mut decode = start_decode(&hosts, &graph);
+    let out = hosts.kvflow(0, &["run", &graph.to_string_lossy(), "--pools", "prefill", "--verify"]).output().unwrap();
+    let decode_status = decode.wait().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(decode_status.success());
+    let r = report(dir.path());
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(10), Some(0)), "{r}");
+    let h = &r["handoff"];
+    assert_eq!(h["count"], 10, "{h}");
+    assert_eq!(h["received"], 0, "the decode pool ran on the other host: {h}");
+    assert!(h["socket_bytes"].as_u64().unwrap() >= h["bytes"].as_u64().unwrap(), "{h}");
+
+    // The decode host's process is killed mid-run.
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let mut decode = start_decode(&hosts, &graph);
+    let started = Instant::now();
+    let producer = hosts
+        .kvflow(0, &["run", &graph.to_string_lossy(), "--pools", "prefill", "--verify"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    decode.kill().unwrap();
+    let _ = decode.wait();
+    let out = producer.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    assert!(started.elapsed() < Duration::from_secs(120), "no wait for a timeout");
+    let r = report(dir.path());
+    assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{}", r["accounting_errors"]);
+    assert_eq!(r["verify"]["mismatched"], 0, "what completed is exact");
+    assert!(r["failed"].as_u64().unwrap() > 0 && r["completed"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), 30);
+    for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
+        assert_eq!(rec["failure"], "handoff", "{rec}");
+        assert!(rec["error"].as_str().unwrap().contains("decode pool decode"), "names the peer: {rec}");
+    }
+}
