@@ -21,6 +21,9 @@ pub struct Collector {
     tokens: u64,
     /// When the run was interrupted (ms since it started), if it was.
     pub interrupted_ms: Option<f64>,
+    /// Pools that ended under a failure, with its cause and message: what is released into one
+    /// later fails at once with them.
+    ended: HashMap<String, (String, String)>,
 }
 
 /// The collector, shared by the driver thread and the collector thread.
@@ -39,6 +42,7 @@ impl Collector {
             bar,
             tokens: 0,
             interrupted_ms: None,
+            ended: HashMap::new(),
         }))
     }
 
@@ -61,6 +65,9 @@ impl Collector {
             ..Default::default()
         };
         self.requests.insert(id, record);
+        if let Some((cause, message)) = self.ended.get(pool).cloned() {
+            self.fail_open(pool, &cause, &message);
+        }
     }
 
     /// Records a request's end, reported by `pool`.
@@ -177,6 +184,7 @@ impl Collector {
     /// Ends every request still open in `pool` with `cause` (the pool's computation ended
     /// without reporting them), so no request is silently dropped and the driver stops waiting.
     pub fn fail_open(&mut self, pool: &str, cause: &str, message: &str) {
+        self.ended.insert(pool.to_string(), (cause.to_string(), message.to_string()));
         let open: Vec<u64> = self
             .requests
             .values()

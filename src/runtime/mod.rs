@@ -10,6 +10,7 @@ mod hostfile;
 mod links;
 mod memory;
 mod offload;
+mod peers;
 pub(crate) mod pool;
 mod report;
 mod serve;
@@ -40,6 +41,8 @@ use watchdog::{spawn_watchdog, Watch};
 
 /// Exit status: all good.
 pub const EXIT_OK: i32 = 0;
+/// The failure cause of a request whose pool lost one of its processes (`peers`).
+pub const PROCESS_LOST: &str = "process-lost";
 /// Exit status: `--verify` found mismatches.
 pub const EXIT_VERIFY_MISMATCH: i32 = 1;
 /// Exit status: some requests failed.
@@ -487,6 +490,9 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         // Another process drives the workload and writes the report; this one runs its ranks.
         let results: Vec<PoolResult> =
             jobs.into_iter().map(|job| start_pool(job, None, None, None).map(|p| p.join())).collect::<Result<_>>()?;
+        if let Some(lost) = results.iter().find_map(|r| r.lost.as_ref()) {
+            bail!("{}", lost.message);
+        }
         let (_, failures) = check_ranks(&results);
         if !failures.is_empty() {
             bail!("end-of-run check failed:\n{}", failures.join("\n"));
@@ -613,8 +619,11 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
                         link.close();
                     }
                 }
-                let message = format!("pool {} ended before the request did", result.name);
-                collector.lock().unwrap_or_else(|e| e.into_inner()).fail_open(&result.name, "pool-ended", &message);
+                let (cause, message) = match &result.lost {
+                    Some(lost) => (PROCESS_LOST, lost.message.clone()),
+                    None => ("pool-ended", format!("pool {} ended before the request did", result.name)),
+                };
+                collector.lock().unwrap_or_else(|e| e.into_inner()).fail_open(&result.name, cause, &message);
                 result
             })
         })

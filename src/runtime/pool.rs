@@ -165,24 +165,37 @@ pub enum PoolHandoff {
 pub struct PoolResult {
     pub name: String,
     pub ranks: Vec<Result<RankStats, String>>,
+    /// A pool spread over processes that lost one (its ranks here were dropped: no counters).
+    pub lost: Option<super::peers::Lost>,
 }
 
 /// A pool whose workers are running.
 pub struct RunningPool {
     name: String,
     guards: timely::communication::WorkerGuards<Result<RankStats, String>>,
+    cluster: Option<ClusterPlace>,
 }
 
 impl RunningPool {
-    /// Waits for the pool's workers to end.
+    /// Waits for the pool's workers to end. A pool spread over processes whose join panics has
+    /// lost a process (`peers`).
     pub fn join(self) -> PoolResult {
-        let ranks = self
-            .guards
-            .join()
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|e| Err(format!("pool {}: worker failed: {e}", self.name))))
-            .collect();
-        PoolResult { name: self.name, ranks }
+        let RunningPool { name, guards, cluster } = self;
+        let joined = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| guards.join()));
+        match joined {
+            Ok(results) => {
+                let ranks = results
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|e| Err(format!("pool {name}: worker failed: {e}"))))
+                    .collect();
+                PoolResult { name, ranks, lost: None }
+            }
+            Err(_) => {
+                let lost = super::peers::lost(&name, cluster.as_ref());
+                tracing::error!("{}", lost.message);
+                PoolResult { name, ranks: Vec::new(), lost: Some(lost) }
+            }
+        }
     }
 }
 
@@ -410,8 +423,11 @@ pub fn start_pool(
         })
     };
     let guards = match &cluster {
-        Some(place) => connect_then(&name, place, run_workers)?,
+        Some(place) => {
+            super::peers::watch_for_lost_peers();
+            connect_then(&name, place, run_workers)?
+        }
         None => run_workers().map_err(|e| anyhow!("cannot start pool {name}: {e}"))?,
     };
-    Ok(RunningPool { name, guards })
+    Ok(RunningPool { name, guards, cluster })
 }

@@ -4,7 +4,9 @@
 //! and removes; without CAP_NET_ADMIN it skips, saying why): the prefill pool runs in one, the
 //! decode pool in the other, the handoff crosses between them over tcp, and the outputs are
 //! exact; when the decode host's process is killed, the requests it owed fail with a cause
-//! naming it and nothing stays held on the prefill host.
+//! naming it and nothing stays held on the prefill host. A pool spread over the two hosts
+//! (`hosts`) runs exact with work on both, and when one host's process is killed the other fails
+//! every request the pool held with a cause naming that process, and writes its report.
 
 use crate::common::{records, report};
 use crate::runtime::{write_graph_with, HEAVY};
@@ -75,7 +77,9 @@ struct TwoHosts {
 impl TwoHosts {
     /// `None` (with the reason) where this machine does not let the test create them.
     fn create() -> Result<TwoHosts, String> {
-        let tag = std::process::id() % 10_000;
+        static CREATED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = CREATED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let tag = (std::process::id() % 1000) * 10 + n % 10;
         let names = [format!("kvf{tag}a"), format!("kvf{tag}b")];
         let subnet = 10 + (tag % 200);
         let addresses = [format!("10.213.{subnet}.1"), format!("10.213.{subnet}.2")];
@@ -227,5 +231,71 @@ fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losi
     for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
         assert_eq!(rec["failure"], "handoff", "{rec}");
         assert!(rec["error"].as_str().unwrap().contains("decode pool decode"), "names the peer: {rec}");
+    }
+}
+
+#[test]
+fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it_loses() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let hosts = match TwoHosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            println!("skipped: cannot create network namespaces here (needs CAP_NET_ADMIN): {why}");
+            return;
+        }
+    };
+    let pools = format!(
+        "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{}:7471\", \"{}:7471\"]\n",
+        hosts.addresses[0], hosts.addresses[1]
+    );
+    let start = |graph: &std::path::Path, host: usize, verify: bool| {
+        let g = graph.to_string_lossy().to_string();
+        let process = host.to_string();
+        let mut args = vec!["run", g.as_str(), "--pools", "main", "--process", process.as_str()];
+        if verify {
+            args.push("--verify");
+        }
+        hosts.kvflow(host, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let other = start(&graph, 1, false);
+    let driver = start(&graph, 0, true).wait_with_output().unwrap();
+    let other = other.wait_with_output().unwrap();
+    assert!(driver.status.success(), "{}", String::from_utf8_lossy(&driver.stderr));
+    assert!(other.status.success(), "{}", String::from_utf8_lossy(&other.stderr));
+    let r = report(dir.path());
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(8), Some(0)), "{r}");
+    let on_rank_1 = records(dir.path()).iter().filter(|x| x["rank"] == 1).count();
+    assert_eq!(on_rank_1, 4, "rank 1 (the other host's worker) served its share");
+
+    // Host 1's process is killed mid-run.
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let mut other = start(&graph, 1, false);
+    let started = Instant::now();
+    let driver = start(&graph, 0, true);
+    std::thread::sleep(Duration::from_millis(2500));
+    other.kill().unwrap();
+    let _ = other.wait();
+    let out = driver.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    assert!(started.elapsed() < Duration::from_secs(60), "no wait for the stall watchdog");
+    assert!(!stderr.contains("panicked"), "a lost peer is a named error, not a panic: {stderr}");
+    let r = report(dir.path());
+    assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{}", r["accounting_errors"]);
+    assert_eq!(r["verify"]["mismatched"], 0, "what completed is exact");
+    assert!(r["failed"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), 30);
+    let named = format!("process 1 ({}:7471) is gone", hosts.addresses[1]);
+    for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
+        assert_eq!(rec["failure"], "process-lost", "{rec}");
+        assert!(rec["error"].as_str().unwrap().contains(&named), "names the process: {rec}");
     }
 }
