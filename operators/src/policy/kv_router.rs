@@ -11,6 +11,11 @@
 //! `predict_decisions` decisions (Dynamo's "active blocks"; SGLang's approximate tree), and counts
 //! a rank's device prefix as the longer of what the index reports and what it routed there.
 //!
+//! In P/D, each pool naming `kv-aware` runs its own index: the prefill pool scores its ranks by
+//! the prefix they would not recompute, and the decode pool — whose admissions are handoffs,
+//! entering through the same ingress — scores its ranks by load and by the prefix they already
+//! hold, which the handoff then does not send (decode-side reuse).
+//!
 //! It reads only what the request carries (`RouteRequest::cached`: each rank's prefix as the
 //! routing index last reported it to the admitting rank) and the load figures every rank shares,
 //! so every rank routes the same (DESIGN §11, for a given index lag).
