@@ -193,6 +193,9 @@ struct RunFlags {
     /// Test only: the drafter gets a chunk's sampled token only when the chunk verifies drafts.
     #[arg(long, hide = true)]
     test_drafter_successors_only_when_verifying: bool,
+    /// Test only: ranks leave every Nth cache event out of their reports (router kv-aware).
+    #[arg(long, hide = true)]
+    test_drop_cache_event_every: Option<u64>,
     /// Test only: draft-width bucketing rounds up past the width the scheduler fixed.
     #[arg(long, hide = true)]
     test_widen_draft_buckets: bool,
@@ -499,6 +502,7 @@ fn run_graph(
         verify: args.verify,
         show_progress: true,
         switches: kvflow_operators::rank::TestSwitches {
+            drop_cache_event_every: args.test_drop_cache_event_every,
             swap_block_table_every: args.test_swap_block_table_every,
             leak_blocks_of: args.test_leak_blocks_of,
             accept_stale_completions: args.test_accept_stale_completions,

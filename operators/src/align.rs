@@ -6,6 +6,10 @@
 //! the pool parks, and the step's shape (tokens per rank, idle ranks' dummy rows at the spec
 //! width, the layers that exchange, the draft passes every rank joins).
 //!
+//! Under router `kv-aware` it also takes the ranks' cache events out of the reports, in each
+//! rank's order; the worker holding the routing index hands them to it, and a rank whose events
+//! came with a gap is named in the plan to send its whole cache (the same on every rank).
+//!
 //! Holds a capability for `t` from the first report of `t` until the plan is emitted.
 //!
 //! A set of reports that is not one per rank (a report missing or duplicated: a runtime fault,
@@ -17,6 +21,7 @@
 //! a forward runs is a pure function of the plan and no rank can be one short.
 
 use crate::messages::{RankReport, StepPlan, StepShape};
+use crate::policy::kv_index::{EventOrder, SharedKvIndex};
 use crate::policy::prefix_cache::block_hashes;
 use crate::policy::router::{RouteRequest, Router};
 use std::collections::BTreeMap;
@@ -49,12 +54,41 @@ pub struct Collectives {
     pub mtp_layer: usize,
 }
 
+/// Where the ranks' cache events go (router `kv-aware`): every rank keeps their order, and the
+/// worker that holds the routing index (worker 0) hands them to it.
+pub struct CacheEventRoute {
+    pub order: EventOrder,
+    pub index: Option<SharedKvIndex>,
+}
+
+impl CacheEventRoute {
+    /// Takes the events and snapshots out of `reports` (rank-ordered), applies them to the index
+    /// where this worker holds it, and returns the ranks that owe a snapshot.
+    fn take(&mut self, reports: &mut [RankReport]) -> Vec<usize> {
+        let mut index = self.index.as_ref().map(|i| i.lock().unwrap_or_else(|e| e.into_inner()));
+        for r in reports.iter_mut() {
+            let (snapshot, events) = self.order.take(r.cache_snapshot.take(), std::mem::take(&mut r.cache_events));
+            if let Some(index) = index.as_mut() {
+                if let Some(s) = &snapshot {
+                    index.resync(s);
+                }
+                for e in &events {
+                    let _ = index.apply(e); // in order: `EventOrder` passed only the next ones
+                }
+            }
+        }
+        self.order.owing()
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 pub fn align<'scope>(
     reports: StreamVec<'scope, u64, RankReport>,
     ranks: usize,
     mut router: Box<dyn Router>,
     keys: RoutingKeys,
     collectives: Collectives,
+    mut cache_events: Option<CacheEventRoute>,
     hold_at: Option<u64>,
     without_waiting: bool,
 ) -> StreamVec<'scope, u64, StepPlan> {
@@ -90,10 +124,12 @@ pub fn align<'scope>(
                     }
                     let Some((cap, mut got)) = stash.remove(&t) else { break };
                     got.sort_by_key(|r| r.rank);
-                    let plan = match complete_set(t, &got, ranks) {
+                    let resync = cache_events.as_mut().map(|c| c.take(&mut got)).unwrap_or_default();
+                    let mut plan = match complete_set(t, &got, ranks) {
                         Ok(()) => derive_plan(t, got, router.as_mut(), keys, &collectives),
                         Err(fault) => faulted_plan(t, got, fault, &collectives),
                     };
+                    plan.resync = resync;
                     output.session(&cap).give(plan);
                     if hold_at == Some(t) {
                         held.push(cap);
@@ -141,6 +177,7 @@ fn faulted_plan(step: u64, mut ranks: Vec<RankReport>, fault: String, collective
         park: false,
         end: false,
         shape,
+        resync: Vec::new(),
     }
 }
 
@@ -240,7 +277,7 @@ pub fn derive_plan(
         exchange_layers: exchange_layers(collectives, launches),
         draft_passes: draft_passes(collectives, launches),
     };
-    StepPlan { step, ranks, routed, unroutable, cancels, deferred, idle, park, end, shape }
+    StepPlan { step, ranks, routed, unroutable, cancels, deferred, idle, park, end, shape, resync: Vec::new() }
 }
 
 #[cfg(test)]
@@ -262,6 +299,8 @@ mod tests {
             cancels: vec![],
             closing: false,
             capacity: None,
+            cache_events: Vec::new(),
+            cache_snapshot: None,
         }
     }
 

@@ -81,6 +81,9 @@ pub fn forward<'scope>(
                             rank.defer(&plan.deferred);
                         }
                         rank.cancel(&plan.cancels);
+                        if plan.resync.contains(&rank.index) {
+                            rank.owe_cache_snapshot();
+                        }
                         let signal = if plan.end {
                             LoopSignal::Ended
                         } else if plan.park {

@@ -69,6 +69,12 @@ pub struct RankReport {
     pub closing: bool,
     /// With `admission = "reserve"`: what the rank can still promise new requests.
     pub capacity: Option<Capacity>,
+    /// Router `kv-aware`: the rank's cache events since its last report, and its whole cache
+    /// when the plan asked for it (after a gap); worker 0's `align` hands them to the index.
+    #[serde(default)]
+    pub cache_events: Vec<crate::policy::kv_index::CacheEvent>,
+    #[serde(default)]
+    pub cache_snapshot: Option<crate::policy::kv_index::CacheSnapshot>,
 }
 
 /// What a rank under `admission = "reserve"` can still hold to the end for new requests: its free
@@ -143,6 +149,8 @@ pub struct StepPlan {
     pub end: bool,
     /// The per-step decisions beyond the batch that every rank must agree on.
     pub shape: StepShape,
+    /// Ranks whose cache events arrived with a gap: each sends its whole cache in its next report.
+    pub resync: Vec<usize>,
 }
 
 /// Decisions of `StepPlan(t)` that fix what every rank's forward does collectively (DESIGN §4;

@@ -130,6 +130,8 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
                 cancels: Vec::new(),
                 closing: false,
                 capacity: None,
+                cache_events: Vec::new(),
+                cache_snapshot: None,
             });
         }
         std::hint::black_box(derive_plan(0, reports, router.as_mut(), keys, &Collectives::default()));

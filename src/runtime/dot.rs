@@ -83,6 +83,7 @@ fn build(
             offload: offload.is_some(),
             ranks,
             sink: None,
+            cache_events: None,
             switches: TestSwitches::default(),
         };
         worker.dataflow::<u64, _, _>(move |scope| {

@@ -666,6 +666,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         accounting: &accounting,
         socket_bytes: socket_bytes.load(Ordering::Relaxed),
         transfer: transfer_counters.snapshot().to_vec(),
+        routing_index: results
+            .iter()
+            .filter_map(|r| r.routing_index.clone().map(|(last, resyncs)| (r.name.clone(), last, resyncs)))
+            .collect(),
     };
     let report = report::run_report(&records, &slo, &verify, &context);
     write_outputs(&graph.report_dir, &report, &records)

@@ -22,7 +22,7 @@ use crate::runtime::watchdog::Watch;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::admit::{admit, Ingress, IngressRouting, Pending};
-use kvflow_operators::align::{align, Collectives, RoutingKeys};
+use kvflow_operators::align::{align, CacheEventRoute, Collectives, RoutingKeys};
 use kvflow_operators::emit::{emit, EventSink};
 use kvflow_operators::executor::{ExecutorContext, ExecutorKind, ExpertPlacement, Unavailable};
 use kvflow_operators::experts::{moe_layer, MoeLayer};
@@ -167,6 +167,9 @@ pub struct PoolResult {
     pub ranks: Vec<Result<RankStats, String>>,
     /// A pool spread over processes that lost one (its ranks here were dropped: no counters).
     pub lost: Option<super::peers::Lost>,
+    /// Router `kv-aware`, the driving process: the routing index's last event per rank, and its
+    /// resyncs.
+    pub routing_index: Option<(std::collections::BTreeMap<u32, u64>, u64)>,
 }
 
 /// A pool whose workers are running.
@@ -174,13 +177,14 @@ pub struct RunningPool {
     name: String,
     guards: timely::communication::WorkerGuards<Result<RankStats, String>>,
     cluster: Option<ClusterPlace>,
+    routing_index: Option<SharedKvIndex>,
 }
 
 impl RunningPool {
     /// Waits for the pool's workers to end. A pool spread over processes whose join panics has
     /// lost a process (`peers`).
     pub fn join(self) -> PoolResult {
-        let RunningPool { name, guards, cluster } = self;
+        let RunningPool { name, guards, cluster, routing_index } = self;
         let joined = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| guards.join()));
         match joined {
             Ok(results) => {
@@ -188,12 +192,16 @@ impl RunningPool {
                     .into_iter()
                     .map(|r| r.unwrap_or_else(|e| Err(format!("pool {name}: worker failed: {e}"))))
                     .collect();
-                PoolResult { name, ranks, lost: None }
+                let routing_index = routing_index.map(|i| {
+                    let i = i.lock().unwrap_or_else(|e| e.into_inner());
+                    (i.applied(), i.resyncs)
+                });
+                PoolResult { name, ranks, lost: None, routing_index }
             }
             Err(_) => {
                 let lost = super::peers::lost(&name, cluster.as_ref());
                 tracing::error!("{}", lost.message);
-                PoolResult { name, ranks: Vec::new(), lost: Some(lost) }
+                PoolResult { name, ranks: Vec::new(), lost: Some(lost), routing_index: None }
             }
         }
     }
@@ -240,6 +248,9 @@ pub struct PoolParts {
     pub ranks: usize,
     /// Worker 0 only.
     pub sink: Option<Box<dyn EventSink>>,
+    /// Router `kv-aware`: the order of the ranks' cache events (every worker), and the routing
+    /// index they go into (worker 0 of the process driving the pool).
+    pub cache_events: Option<CacheEventRoute>,
     pub switches: TestSwitches,
 }
 
@@ -253,7 +264,8 @@ pub struct PoolStreams<'scope> {
 /// Builds the per-pool graph of DESIGN §4 on one rank. The same function builds what runs and
 /// what `kvflow check --dot` draws.
 pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<'_> {
-    let PoolParts { rank, waker, ingress, router, keys, collectives, offload, ranks, sink, switches } = parts;
+    let PoolParts { rank, waker, ingress, router, keys, collectives, offload, ranks, sink, cache_events, switches } =
+        parts;
     let index = rank.borrow().index;
     let hold = |op: &str| switches.hold_at(op, index);
     let pending: Pending = Rc::new(RefCell::new(Default::default()));
@@ -262,7 +274,16 @@ pub fn build_pool_graph(scope: Scope<'_, u64>, parts: PoolParts) -> PoolStreams<
     let wakes = admit(feedback.clone(), woken, ingress, pending.clone(), waker, hold("admit"));
     wakes.clone().connect_loop(wake_loop);
     let reports = schedule(feedback, wakes, rank.clone(), pending, hold("schedule"));
-    let plans = align(reports, ranks, router, keys, collectives.clone(), hold("align"), switches.align_without_waiting);
+    let plans = align(
+        reports,
+        ranks,
+        router,
+        keys,
+        collectives.clone(),
+        cache_events,
+        hold("align"),
+        switches.align_without_waiting,
+    );
     let expert_parallel = !collectives.moe_layers.is_empty();
     let out = forward(plans.clone(), rank.clone(), expert_parallel, hold("forward"));
     let launched = if expert_parallel {
@@ -331,7 +352,13 @@ pub fn start_pool(
         ..
     } = job;
     let collectives = collectives(experts.as_ref());
-    let routing_index: Option<SharedKvIndex> = routing_index.then(|| Arc::new(Mutex::new(KvIndex::start())));
+    let reports_cache_events = routing_index;
+    // The index lives in the process that drives the pool (its ingress asks it); every rank's
+    // events reach it through the reports.
+    let drives = job_cluster.as_ref().is_none_or(|c| c.process == 0);
+    let routing_index: Option<SharedKvIndex> =
+        (routing_index && drives).then(|| Arc::new(Mutex::new(KvIndex::start())));
+    let routing_index_here = routing_index.clone();
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     if let (Some(index), Some(ingress)) = (&routing_index, &ingress) {
         ingress.route_with(IngressRouting {
@@ -380,8 +407,8 @@ pub fn start_pool(
             if let Some(setup) = &offload {
                 rank = rank.with_offload(setup.clone());
             }
-            if let Some(index) = &routing_index {
-                rank = rank.with_routing_index(index.clone());
+            if reports_cache_events {
+                rank = rank.reporting_cache_events();
             }
             rank.stats.expert_bytes = expert_bytes;
             let rank = match &handoff {
@@ -410,6 +437,10 @@ pub fn start_pool(
                 offload: offload.is_some(),
                 ranks: peers,
                 sink: sink.map(|s| s as Box<dyn EventSink>),
+                cache_events: reports_cache_events.then(|| CacheEventRoute {
+                    order: Default::default(),
+                    index: if index == 0 { routing_index.clone() } else { None },
+                }),
                 switches: switches.clone(),
             };
             worker.dataflow::<u64, _, _>(move |scope| {
@@ -429,5 +460,5 @@ pub fn start_pool(
         }
         None => run_workers().map_err(|e| anyhow!("cannot start pool {name}: {e}"))?,
     };
-    Ok(RunningPool { name, guards, cluster })
+    Ok(RunningPool { name, guards, cluster, routing_index: routing_index_here })
 }

@@ -30,6 +30,8 @@ pub struct RunContext<'a> {
     pub socket_bytes: u64,
     /// What the transfer engine counted (`TransferCounters::snapshot`).
     pub transfer: Vec<(&'static str, u64)>,
+    /// Per pool under router `kv-aware`: the routing index's last event per rank, and resyncs.
+    pub routing_index: Vec<(String, std::collections::BTreeMap<u32, u64>, u64)>,
 }
 
 fn memory(layout: &MemoryLayout) -> Value {
@@ -136,6 +138,18 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     let top = extra.as_object_mut().expect("an object");
     top.extend(rank_figures(&all_stats));
     top.insert("rank_stats".into(), rank_stats(ctx.stats));
+    if !ctx.routing_index.is_empty() {
+        let pools: serde_json::Map<String, Value> = ctx
+            .routing_index
+            .iter()
+            .map(|(pool, last, resyncs)| {
+                let by_rank: serde_json::Map<String, Value> =
+                    last.iter().map(|(r, s)| (r.to_string(), json!(s))).collect();
+                (pool.clone(), json!({"last_event_by_rank": by_rank, "resyncs": resyncs}))
+            })
+            .collect();
+        top.insert("routing_index".into(), Value::Object(pools));
+    }
     if g.offload.is_some() {
         top.insert("offload".into(), offload(&all_stats));
     }

@@ -272,6 +272,20 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
     let on_rank_1 = records(dir.path()).iter().filter(|x| x["rank"] == 1).count();
     assert_eq!(on_rank_1, 4, "rank 1 (the other host's worker) served its share");
 
+    // Router kv-aware over the two hosts: rank 1's cache events cross to the index on host 0.
+    let dir = tempfile::tempdir().unwrap();
+    let aware = pools.replace("round-robin", "kv-aware");
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_synthetic_tail500.jsonl", workload, "32 MiB", &aware);
+    let other = start(&graph, 1, false);
+    let driver = start(&graph, 0, true).wait_with_output().unwrap();
+    assert!(other.wait_with_output().unwrap().status.success());
+    assert!(driver.status.success(), "{}", String::from_utf8_lossy(&driver.stderr));
+    let r = report(dir.path());
+    assert_eq!(r["verify"]["mismatched"], 0, "{r}");
+    let index = &r["routing_index"]["main"];
+    assert!(index["last_event_by_rank"]["1"].as_u64().unwrap_or(0) > 0, "host 1's events reached the index: {index}");
+
     // Host 1's process is killed mid-run.
     let dir = tempfile::tempdir().unwrap();
     let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";

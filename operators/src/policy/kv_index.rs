@@ -3,7 +3,10 @@
 //! publishes stored/removed block events numbered per rank ([`CacheEvents`]); the index applies
 //! them in order, and a consumer that sees a gap in a rank's numbering asks that rank for a
 //! snapshot of its index and resumes from it (the resync contract of vLLM's and Dynamo's KV
-//! events): [`KvIndex::apply`] reports the gap, [`KvIndex::resync`] takes the snapshot.
+//! events): [`KvIndex::apply`] reports the gap, [`KvIndex::resync`] takes the snapshot. The
+//! events travel in the ranks' step reports, so they cross processes with them; [`EventOrder`],
+//! kept by every rank's `align`, sees a gap the same way everywhere, and the plan asks the rank
+//! for its snapshot.
 //!
 //! The index is a differential-dataflow computation on a thread of its own, never on a pool's
 //! step path: a collection of `(block hash, (rank, tier))` maintained from the events and
@@ -28,21 +31,21 @@ pub const DEVICE: Tier = 0;
 pub const OFFLOAD: Tier = 1;
 
 /// A change to one rank's cache, numbered from 1 per rank.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CacheEvent {
     pub rank: u32,
     pub seq: u64,
     pub change: CacheChange,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum CacheChange {
     Stored { tier: Tier, hashes: Vec<u64> },
     Removed { tier: Tier, hashes: Vec<u64> },
 }
 
 /// A rank's whole index as of its event `seq` (what a consumer resumes from after a gap).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct CacheSnapshot {
     pub rank: u32,
     pub seq: u64,
@@ -94,6 +97,50 @@ impl CacheEvents {
     /// Whether `tier` holds `hash` (a scan's view, for checks).
     pub fn holds(&self, tier: Tier, hash: u64) -> bool {
         self.held.contains(&(tier, hash))
+    }
+}
+
+/// The order of every rank's events as they travel in the ranks' reports (`align` keeps one on
+/// every rank, so all agree): which events may be applied, and which ranks owe a snapshot
+/// because an event of theirs went missing (the resync contract across processes).
+#[derive(Debug, Default)]
+pub struct EventOrder {
+    applied: HashMap<u32, u64>,
+    owing: std::collections::BTreeSet<u32>,
+}
+
+impl EventOrder {
+    /// Takes in one rank's events (after its snapshot, if it sent one) and returns what to hand
+    /// the index: the snapshot and the events that follow their rank's last without a gap. A
+    /// rank with a gap owes a snapshot; its events are passed over until it comes.
+    pub fn take(
+        &mut self,
+        snapshot: Option<CacheSnapshot>,
+        events: Vec<CacheEvent>,
+    ) -> (Option<CacheSnapshot>, Vec<CacheEvent>) {
+        if let Some(s) = &snapshot {
+            self.applied.insert(s.rank, s.seq);
+            self.owing.remove(&s.rank);
+        }
+        let mut next = Vec::with_capacity(events.len());
+        for e in events {
+            if self.owing.contains(&e.rank) {
+                continue;
+            }
+            let expected = self.applied.get(&e.rank).map_or(1, |s| s + 1);
+            if e.seq == expected {
+                self.applied.insert(e.rank, e.seq);
+                next.push(e);
+            } else if e.seq > expected {
+                self.owing.insert(e.rank);
+            }
+        }
+        (snapshot, next)
+    }
+
+    /// The ranks that owe a snapshot, in order.
+    pub fn owing(&self) -> Vec<usize> {
+        self.owing.iter().map(|&r| r as usize).collect()
     }
 }
 
@@ -230,6 +277,11 @@ impl KvIndex {
         for c in updates {
             self.send(c);
         }
+    }
+
+    /// Per rank, the number of the last event applied (a resync jumps to its snapshot's).
+    pub fn applied(&self) -> std::collections::BTreeMap<u32, u64> {
+        self.applied.iter().map(|(&r, &s)| (r, s)).collect()
     }
 
     /// The longest prefix of `hashes` (a request's chained block hashes) each rank holds, per
@@ -430,5 +482,20 @@ mod tests {
         assert_eq!(index.prefix_lengths(&[1, 2, 3, 4]), vec![]);
         assert_eq!(index.prefix_lengths(&[2, 3, 4]), vec![PrefixLen { rank: 0, tier: DEVICE, blocks: 3 }]);
         assert_eq!(index.resyncs, 1);
+    }
+
+    #[test]
+    fn the_event_order_passes_events_in_sequence_and_names_a_rank_with_a_gap_until_its_snapshot() {
+        let mut events = CacheEvents::new(2);
+        let e: Vec<CacheEvent> = (0..4).filter_map(|h| events.stored(DEVICE, &[h])).collect();
+        let mut order = EventOrder::default();
+        let (_, passed) = order.take(None, vec![e[0].clone(), e[2].clone(), e[3].clone()]);
+        assert_eq!(passed, vec![e[0].clone()], "event 2 missing: 3 and 4 wait");
+        assert_eq!(order.owing(), vec![2]);
+        let (snapshot, passed) = order.take(Some(events.snapshot()), Vec::new());
+        assert!(snapshot.is_some() && passed.is_empty());
+        assert!(order.owing().is_empty());
+        let next = events.stored(DEVICE, &[9]).unwrap();
+        assert_eq!(order.take(None, vec![next.clone()]).1, vec![next], "resumes after the snapshot");
     }
 }

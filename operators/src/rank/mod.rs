@@ -34,7 +34,7 @@ pub use switches::TestSwitches;
 
 use crate::executor::Executor;
 use crate::messages::{Admission, Event, RankReport};
-use crate::policy::kv_index::SharedKvIndex;
+use crate::policy::kv_index::{CacheChange, CacheEvent, CacheSnapshot, DEVICE};
 use crate::policy::memory::{MemoryLayout, RankMemory};
 use crate::policy::scheduler::{Scheduler, SchedulerConfig, StepDecision};
 use crate::policy::sequence::{Sequence, Sequences};
@@ -99,8 +99,10 @@ pub struct Rank {
     remote_prefill: Option<RemotePrefill>,
     awaiting_remote: std::collections::HashMap<u64, usize>,
     cancelled_remote: std::collections::HashSet<u64>,
-    /// Router `kv-aware`: the routing index this rank's prefix cache reports into.
-    routing: Option<SharedKvIndex>,
+    /// Router `kv-aware`: this rank reports its cache events in its reports; and whether the
+    /// last plan asked it for its whole cache.
+    routing: bool,
+    snapshot_owed: bool,
     /// What the last completion's exports copied out, by sequence, until its T0 is applied.
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
     /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
@@ -150,30 +152,34 @@ impl Rank {
             admission_slots: Default::default(),
             deferred: Vec::new(),
             offload: None,
-            routing: None,
+            routing: false,
+            snapshot_owed: false,
         }
     }
 
-    /// Reports this rank's prefix cache into the KV-aware routing index (router `kv-aware`).
-    pub fn with_routing_index(mut self, index: SharedKvIndex) -> Self {
+    /// Reports this rank's prefix cache (and offload tier) to the KV-aware routing index, as
+    /// numbered events in its reports (router `kv-aware`).
+    pub fn reporting_cache_events(mut self) -> Self {
         self.memory.prefix.publish_events(self.index as u32);
-        self.routing = Some(index);
+        self.routing = true;
         self
     }
 
-    /// Hands the prefix cache's events since the last call (the offload tier's among them) to the
-    /// routing index; a gap (never in one process) is repaired from the cache's snapshot.
-    fn publish_cache_events(&mut self) {
-        if self.routing.is_none() {
-            return;
+    /// The cache events since the last report (the offload tier's among them), or — when the
+    /// last plan asked (its events came with a gap) — the whole cache, which covers them.
+    fn cache_report(&mut self) -> (Vec<CacheEvent>, Option<CacheSnapshot>) {
+        if !self.routing {
+            return (Vec::new(), None);
         }
         self.report_offload_evictions();
-        let Some(index) = &self.routing else { return };
-        let events = self.memory.prefix.take_events();
-        if events.is_empty() {
-            return;
+        let mut events = self.memory.prefix.take_events();
+        if let Some(n) = self.switches.drop_cache_event_every.filter(|&n| n > 0) {
+            events.retain(|e| e.seq % n != 0); // test switch: events lost on the way
         }
-        use crate::policy::kv_index::{CacheChange, DEVICE};
+        if std::mem::take(&mut self.snapshot_owed) {
+            self.stats.index_resyncs += 1;
+            return (Vec::new(), self.memory.prefix.events_snapshot());
+        }
         self.stats.index_events += events.len() as u64;
         self.stats.index_offload_events += events
             .iter()
@@ -184,16 +190,12 @@ impl Rank {
                 )
             })
             .count() as u64;
-        let mut index = index.lock().unwrap_or_else(|e| e.into_inner());
-        for e in &events {
-            if index.apply(e).is_err() {
-                if let Some(snapshot) = self.memory.prefix.events_snapshot() {
-                    index.resync(&snapshot);
-                    self.stats.index_resyncs += 1;
-                }
-                break;
-            }
-        }
+        (events, None)
+    }
+
+    /// The plan named this rank among those whose events came with a gap.
+    pub fn owe_cache_snapshot(&mut self) {
+        self.snapshot_owed = true;
     }
 
     /// Saves full prompt chunks to the offload tier's store, and loads prefixes back, through a
@@ -354,7 +356,7 @@ impl Rank {
     /// Decides this rank's batch for step `t` (after applying what completed) and reports it.
     pub fn schedule(&mut self, t: u64) -> RankReport {
         self.step = t;
-        self.publish_cache_events();
+        let (cache_events, cache_snapshot) = self.cache_report();
         self.waker.take(); // what raised it is polled now
         if self.poll() > 0 {
             // Landed since `verify(t − 1)`: proposed for here (what `propose(t − 1)` would have).
@@ -407,6 +409,8 @@ impl Rank {
             cancels,
             closing: false,
             capacity: self.capacity(),
+            cache_events,
+            cache_snapshot,
         }
     }
 

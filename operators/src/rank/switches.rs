@@ -5,6 +5,9 @@
 /// The switches of one run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TestSwitches {
+    /// Router `kv-aware`: a rank leaves out of its reports every cache event whose number is a
+    /// multiple of this (events lost on the way: the gap must be seen and repaired by a resync).
+    pub drop_cache_event_every: Option<u64>,
     /// Requests whose id is a multiple of this read their KV through a block table with its
     /// first two entries swapped on every decode step (to show `--verify` catches a wrong read).
     pub swap_block_table_every: Option<u64>,
