@@ -21,6 +21,8 @@ pub struct Collector {
     tokens: u64,
     /// When the run was interrupted (ms since it started), if it was.
     pub interrupted_ms: Option<f64>,
+    /// Requests the workload holds (the driver releases each once).
+    total: usize,
     /// Pools that ended under a failure, with its cause and message: what is released into one
     /// later fails at once with them.
     ended: HashMap<String, (String, String)>,
@@ -43,6 +45,7 @@ impl Collector {
             tokens: 0,
             interrupted_ms: None,
             ended: HashMap::new(),
+            total,
         }))
     }
 
@@ -162,6 +165,11 @@ impl Collector {
     }
 
     /// How many requests released into `pool` have not ended yet.
+    /// Every request of the workload was released and has ended.
+    pub fn all_ended(&self) -> bool {
+        self.requests.len() >= self.total && self.requests.values().all(|r| r.ended_ms.is_some())
+    }
+
     pub fn in_flight_in(&self, pool: &str) -> usize {
         self.requests.values().filter(|r| r.ended_ms.is_none() && r.pools.last().is_some_and(|p| p == pool)).count()
     }

@@ -35,7 +35,7 @@ use pool::{start_pool, PoolJob, PoolResult};
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use watchdog::{spawn_watchdog, Watch};
 
@@ -568,6 +568,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     })?;
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
+    // Pools whose computation has ended (their joiner says so).
+    let ended_pools: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
     if stall_timeout.is_zero() {
         eprintln!("stall watchdog off (--stall-timeout 0)");
     }
@@ -576,12 +578,21 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         None
     } else {
         let (pending_in, stalled_collector, dir) = (collector.clone(), collector.clone(), graph.report_dir.clone());
+        let ended = ended_pools.clone();
         Some(spawn_watchdog(
             watches,
             stall_timeout,
             move |pool| {
                 let collector = pending_in.lock().unwrap_or_else(|e| e.into_inner());
-                pool.map_or_else(|| collector.in_flight().len(), |pool| collector.in_flight_in(pool))
+                match pool {
+                    None => collector.in_flight().len(),
+                    // every request has ended, yet the pool has not: what it still waits for
+                    // (an ack, an abort, a remote prefill) is waited on too
+                    Some(pool) if collector.all_ended() => {
+                        usize::from(!ended.lock().unwrap_or_else(|e| e.into_inner()).contains(pool))
+                    }
+                    Some(pool) => collector.in_flight_in(pool),
+                }
             },
             finished.clone(),
             move |diagnosis| {
@@ -609,8 +620,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
             let collector = collector.clone();
             let (upstream_left, downstream) = (upstream_left.clone(), downstream.clone());
             let remote_links = remote_links.clone();
+            let ended_pools = ended_pools.clone();
             std::thread::spawn(move || {
                 let result = pool.join();
+                ended_pools.lock().unwrap_or_else(|e| e.into_inner()).insert(result.name.clone());
                 if role == upstream && upstream_left.fetch_sub(1, Ordering::SeqCst) == 1 {
                     for ingress in &downstream {
                         ingress.close();

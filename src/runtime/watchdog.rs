@@ -2,8 +2,9 @@
 //! building its dataflow; one thread on process 0 watches every pool of the run, and when no
 //! capability in a pool changes for `--stall-timeout` seconds while requests released into it are
 //! pending — or while it is mid-step (an operator past `admit` holds a capability) and the run has
-//! requests pending: a prefill pool works for requests its decode pool holds — it prints who
-//! holds that pool back and the run ends with status 3.
+//! requests pending: a prefill pool works for requests its decode pool holds — or, once every
+//! request has ended, while the pool has not (it still waits for an ack, an abort or a remote
+//! prefill) — it prints who holds that pool back and the run ends with status 3.
 //!
 //! The diagnosis is built from timely's logging, not from kvflow's bookkeeping:
 //! - `timely/reachability/u64` (worker 0): the tracker's source pointstamps, i.e. every
@@ -215,7 +216,7 @@ impl Watch {
             out.push("  no operator holds a capability: the pool is parked with work pending".into());
         }
         format!(
-            "stall: no capability changed for {:.1} s while requests are pending\n{}",
+            "stall: no capability changed for {:.1} s while requests are pending (or the pool waits to end)\n{}",
             stalled_for.as_secs_f64(),
             out.join("\n")
         )
@@ -225,7 +226,8 @@ impl Watch {
 /// Watches every pool of a run on a thread: when a pool has requests pending (`pending(Some(name))`)
 /// — or is in the middle of a step while the run has requests pending (`pending(None)`: a prefill
 /// pool works for requests its decode pool holds) — and none of its capabilities changed for
-/// `timeout`, calls `on_stall` with the diagnosis of every such pool (`on_stall` is expected to
+/// `timeout`, calls `on_stall` with the diagnosis (the runtime's `pending(Some(name))` also counts
+/// a pool that has not ended once every request has) of every such pool (`on_stall` is expected to
 /// end the process). Ends when `done` is set.
 pub fn spawn_watchdog(
     pools: Vec<(String, Watch)>,

@@ -123,6 +123,13 @@ impl TwoHosts {
         Ok(hosts)
     }
 
+    /// The two hosts, or `None` after saying why this machine cannot make them.
+    fn create_or_skip() -> Option<TwoHosts> {
+        TwoHosts::create()
+            .map_err(|why| println!("skipped: cannot create network namespaces here (needs CAP_NET_ADMIN): {why}"))
+            .ok()
+    }
+
     /// `kvflow ARGS` run inside namespace `host`.
     fn kvflow(&self, host: usize, args: &[&str]) -> Command {
         let mut c = Command::new("ip");
@@ -177,13 +184,7 @@ fn start_decode(hosts: &TwoHosts, graph: &std::path::Path) -> std::process::Chil
 #[test]
 fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losing_a_host() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
-    let hosts = match TwoHosts::create() {
-        Ok(h) => h,
-        Err(why) => {
-            println!("skipped: cannot create network namespaces here (needs CAP_NET_ADMIN): {why}");
-            return;
-        }
-    };
+    let Some(hosts) = TwoHosts::create_or_skip() else { return };
     let endpoint = format!("{}:7461", hosts.addresses[1]);
     let pools = TCP_1P1D.replace("ENDPOINT", &endpoint);
 
@@ -223,27 +224,13 @@ fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losi
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
     assert!(started.elapsed() < Duration::from_secs(120), "no wait for a timeout");
-    let r = report(dir.path());
-    assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{}", r["accounting_errors"]);
-    assert_eq!(r["verify"]["mismatched"], 0, "what completed is exact");
-    assert!(r["failed"].as_u64().unwrap() > 0 && r["completed"].as_u64().unwrap() > 0, "{r}");
-    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), 30);
-    for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
-        assert_eq!(rec["failure"], "handoff", "{rec}");
-        assert!(rec["error"].as_str().unwrap().contains("decode pool decode"), "names the peer: {rec}");
-    }
+    crate::processes::assert_lost_peer(dir.path(), 30, "handoff", "decode pool decode");
 }
 
 #[test]
 fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it_loses() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
-    let hosts = match TwoHosts::create() {
-        Ok(h) => h,
-        Err(why) => {
-            println!("skipped: cannot create network namespaces here (needs CAP_NET_ADMIN): {why}");
-            return;
-        }
-    };
+    let Some(hosts) = TwoHosts::create_or_skip() else { return };
     let pools = format!(
         "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{}:7471\", \"{}:7471\"]\n",
         hosts.addresses[0], hosts.addresses[1]
@@ -302,14 +289,6 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
     assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
     assert!(started.elapsed() < Duration::from_secs(60), "no wait for the stall watchdog");
     assert!(!stderr.contains("panicked"), "a lost peer is a named error, not a panic: {stderr}");
-    let r = report(dir.path());
-    assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{}", r["accounting_errors"]);
-    assert_eq!(r["verify"]["mismatched"], 0, "what completed is exact");
-    assert!(r["failed"].as_u64().unwrap() > 0, "{r}");
-    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), 30);
     let named = format!("process 1 ({}:7471) is gone", hosts.addresses[1]);
-    for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
-        assert_eq!(rec["failure"], "process-lost", "{rec}");
-        assert!(rec["error"].as_str().unwrap().contains(&named), "names the process: {rec}");
-    }
+    crate::processes::assert_lost_peer(dir.path(), 30, "process-lost", &named);
 }

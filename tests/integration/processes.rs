@@ -111,14 +111,20 @@ fn a_decode_process_that_dies_fails_what_it_owed_at_once_and_frees_this_side() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
     assert!(started.elapsed() < Duration::from_secs(120), "no wait for a timeout");
-    let r = report(dir.path());
+    assert_lost_peer(dir.path(), 30, "handoff", "decode pool decode");
+}
+
+/// The report of a run of `requests` that lost a peer process midway: nothing left held, what
+/// completed is exact, some completed and the rest failed with `failure`, each naming `peer`.
+pub fn assert_lost_peer(dir: &std::path::Path, requests: u64, failure: &str, peer: &str) {
+    let r = report(dir);
     assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{}", r["accounting_errors"]);
     assert_eq!(r["verify"]["mismatched"], 0, "what completed is exact");
     assert!(r["failed"].as_u64().unwrap() > 0 && r["completed"].as_u64().unwrap() > 0, "{r}");
-    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), 30);
-    for rec in records(dir.path()).iter().filter(|x| !x["error"].is_null()) {
-        assert_eq!(rec["failure"], "handoff", "{rec}");
-        assert!(rec["error"].as_str().unwrap().contains("decode pool decode"), "names the peer: {rec}");
+    assert_eq!(r["failed"].as_u64().unwrap() + r["completed"].as_u64().unwrap(), requests);
+    for rec in records(dir).iter().filter(|x| !x["error"].is_null()) {
+        assert_eq!(rec["failure"], failure, "{rec}");
+        assert!(rec["error"].as_str().unwrap().contains(peer), "names the peer: {rec}");
     }
 }
 

@@ -19,19 +19,8 @@ fn the_router_bench_checks_every_decision_against_a_scan() {
 #[test]
 fn a_kv_aware_pool_runs_exact_and_reuses_more_prefixes_than_round_robin() {
     let run = |router: &str| {
-        let dir = tempfile::tempdir().unwrap();
         let pools = format!("[[pool]]\nname = \"main\"\nranks = 4\nrouter = \"{router}\"\n");
-        let graph = crate::runtime::write_graph_with(
-            dir.path(),
-            "hf/llama",
-            "mooncake_synthetic_tail500.jsonl",
-            "mode = \"concurrency\"\nconcurrency = 8\nlimit = 80",
-            "16 MiB",
-            &pools,
-        );
-        let report = crate::runtime::run_graph(&graph, Default::default(), Default::default());
-        crate::runtime::assert_exact(&report, router);
-        report
+        run_on_heavy_reuse(&pools, 80, Default::default(), router)
     };
     let (aware, blind) = (run("kv-aware"), run("round-robin"));
     let hits = |r: &serde_json::Value| r["prefix_hit_rate"].as_f64().unwrap();
@@ -81,23 +70,12 @@ fn the_offload_tier_reports_its_chunks_to_the_routing_index() {
 #[test]
 fn kv_aware_pd_pools_score_decode_ranks_by_the_prefix_they_hold() {
     let run = |router: &str| {
-        let dir = tempfile::tempdir().unwrap();
         let pools = format!(
             "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 2\nrouter = \"{router}\"\n\n\
              [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 2\nrouter = \"{router}\"\n\n\
              [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n"
         );
-        let graph = crate::runtime::write_graph_with(
-            dir.path(),
-            "hf/llama",
-            "mooncake_synthetic_tail500.jsonl",
-            "mode = \"concurrency\"\nconcurrency = 8\nlimit = 60",
-            "16 MiB",
-            &pools,
-        );
-        let report = crate::runtime::run_graph(&graph, Default::default(), Default::default());
-        crate::runtime::assert_exact(&report, router);
-        report
+        run_on_heavy_reuse(&pools, 60, Default::default(), router)
     };
     let (aware, blind) = (run("kv-aware"), run("round-robin"));
     let saved = |r: &serde_json::Value| r["handoff"]["saved_bytes"].as_u64().unwrap();
@@ -118,22 +96,34 @@ fn kv_aware_pd_pools_score_decode_ranks_by_the_prefix_they_hold() {
 /// prefixes.
 #[test]
 fn lost_cache_events_are_repaired_by_a_resync_through_the_plan() {
-    let dir = tempfile::tempdir().unwrap();
     let pools = "[[pool]]\nname = \"main\"\nranks = 4\nrouter = \"kv-aware\"\n";
-    let graph = crate::runtime::write_graph_with(
-        dir.path(),
-        "hf/llama",
-        "mooncake_synthetic_tail500.jsonl",
-        "mode = \"concurrency\"\nconcurrency = 8\nlimit = 80",
-        "16 MiB",
-        pools,
-    );
     let switches = kvflow_operators::rank::TestSwitches { drop_cache_event_every: Some(7), ..Default::default() };
-    let report = crate::runtime::run_graph(&graph, Default::default(), switches);
-    crate::runtime::assert_exact(&report, "kv-aware losing events");
+    let report = run_on_heavy_reuse(pools, 80, switches, "kv-aware losing events");
     let index = &report["routing_index"]["main"];
     assert!(index["resyncs"].as_u64().unwrap() > 0, "{index}");
     let sent: u64 = report["rank_stats"].as_array().unwrap().iter().map(|r| r["index_resyncs"].as_u64().unwrap()).sum();
     assert_eq!(sent, index["resyncs"].as_u64().unwrap(), "one snapshot per resync");
     assert!(report["prefix_hit_rate"].as_f64().unwrap() > 0.05, "{}", report["prefix_hit_rate"]);
+}
+
+/// Runs `pools` on the first `limit` requests of the heavy-reuse trace (concurrency 8, 16 MiB of
+/// KV per rank) and checks the run is exact.
+fn run_on_heavy_reuse(
+    pools: &str,
+    limit: usize,
+    switches: kvflow_operators::rank::TestSwitches,
+    what: &str,
+) -> serde_json::Value {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = crate::runtime::write_graph_with(
+        dir.path(),
+        "hf/llama",
+        "mooncake_synthetic_tail500.jsonl",
+        &format!("mode = \"concurrency\"\nconcurrency = 8\nlimit = {limit}"),
+        "16 MiB",
+        pools,
+    );
+    let report = crate::runtime::run_graph(&graph, Default::default(), switches);
+    crate::runtime::assert_exact(&report, what);
+    report
 }

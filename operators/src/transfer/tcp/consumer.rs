@@ -231,12 +231,18 @@ fn serve(
 ) {
     let _ = conn.set_nodelay(true);
     let Ok(registered) = register(&mut conn, &pool.name, &layout, options.token.as_deref()) else { return };
+    // The acker is in place before the status goes out: the producer opens its next connection
+    // only after reading this one's status, so a link's connections register in order and acks
+    // go to the newest. (Registered after the status, a preempted older connection could
+    // overwrite a newer one with a socket already closed, and every later ack would be lost.)
+    if let Ok(link) = &registered {
+        let Ok(back) = conn.try_clone() else { return };
+        locked(&shared.ackers).insert(*link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
+    }
     if write_status(&mut conn, &registered.as_ref().map(|_| ()).map_err(Clone::clone)).is_err() {
         return;
     }
     let Ok(link) = registered else { return };
-    let Ok(back) = conn.try_clone() else { return };
-    locked(&shared.ackers).insert(link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
     let acker: Arc<dyn Ack> = Arc::new(LinkAck { link, shared: shared.clone() });
     let max_descriptor = HEADER_BYTES + 4 * (layout.max_prompt + MAX_HANDOFF_DRAFTS);
     let recycler = Recycler::default();
