@@ -147,8 +147,17 @@ fn fuzz(target: &str, seed: u64, mut parse: impl FnMut(&[u8])) {
     let mut crashes = Vec::new();
     let mut runs = 0u64;
     let started = Instant::now();
-    let quiet = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+    // Quiet only for this thread's panics (the inputs that crash): a test running beside it
+    // still prints why it failed.
+    type Hook = dyn Fn(&std::panic::PanicHookInfo<'_>) + Send + Sync;
+    let previous: std::sync::Arc<Hook> = std::sync::Arc::from(std::panic::take_hook());
+    let fuzzing = std::thread::current().id();
+    let others = previous.clone();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().id() != fuzzing {
+            others(info)
+        }
+    }));
     let mut one = |input: &[u8], crashes: &mut Vec<PathBuf>| {
         runs += 1;
         if catch_unwind(AssertUnwindSafe(|| parse(input))).is_err() {
@@ -167,7 +176,8 @@ fn fuzz(target: &str, seed: u64, mut parse: impl FnMut(&[u8])) {
         let input = mutate(base, &seeds, &mut rng);
         one(&input, &mut crashes);
     }
-    std::panic::set_hook(quiet);
+    let _ = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| previous(info)));
     eprintln!("fuzz {target}: {runs} inputs in {:.1} s", started.elapsed().as_secs_f64());
     assert!(
         crashes.is_empty(),
