@@ -1,5 +1,7 @@
 //! `admit`: wakes a parked pool, from any rank. Rank 0 also drains the pool's ingress (requests
-//! and cancellations released by the workload driver) for its `schedule` to report.
+//! and cancellations released by the workload driver) for its `schedule` to report. Under router
+//! `kv-aware` the ingress attaches each request's cached prefixes per rank as it is pushed, on
+//! the pushing thread (the driver's, or a link's for a handoff), so no step waits on the index.
 //!
 //! Consumes the feedback stream (`Launched`/`Waiting`/`Parked`/`Ended` of step `t`, delivered at
 //! `t + 1`) and the wake loop (every wake record, delivered one step later). Holds a capability

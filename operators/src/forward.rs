@@ -1,7 +1,8 @@
 //! `forward(t)`: launches this rank's batch of step `t` on its executor, as `StepPlan(t)` says
 //! (a rank with nothing scheduled launches nothing, and flushes its executor if it still has
 //! steps in flight), then queues the admissions the plan routed to this rank and frees the
-//! requests it cancels.
+//! requests it cancels; a rank the plan names in `resync` (its cache events came with a gap)
+//! sends its whole cache with its next report.
 //!
 //! Its outputs:
 //! - *launched*, on to `verify(t)` (and from there the feedback edge): `Launched` as soon as the

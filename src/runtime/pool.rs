@@ -126,8 +126,9 @@ pub struct PoolJob {
     pub experts: Option<ExpertParallelJob>,
     /// `[offload]`: the store its ranks save full prompt chunks to.
     pub offload: Option<OffloadSetup>,
-    /// Router `kv-aware`: the pool starts the KV-aware routing index (one per process; its
-    /// ranks report into it, rank 0 attaches its answers to admissions).
+    /// Router `kv-aware`: every rank reports its cache events in its step reports, and the
+    /// process that drives the pool starts the routing index (worker 0's `align` feeds it, the
+    /// ingress asks it).
     pub routing_index: bool,
 }
 

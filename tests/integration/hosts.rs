@@ -217,12 +217,7 @@ fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losi
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    decode.kill().unwrap();
-    let _ = decode.wait();
-    let out = producer.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    crate::processes::kill_midway(&mut decode, producer, Duration::from_millis(1500));
     assert!(started.elapsed() < Duration::from_secs(120), "no wait for a timeout");
     crate::processes::assert_lost_peer(dir.path(), 30, "handoff", "decode pool decode");
 }
@@ -281,12 +276,7 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
     let mut other = start(&graph, 1, false);
     let started = Instant::now();
     let driver = start(&graph, 0, true);
-    std::thread::sleep(Duration::from_millis(2500));
-    other.kill().unwrap();
-    let _ = other.wait();
-    let out = driver.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    let stderr = crate::processes::kill_midway(&mut other, driver, Duration::from_millis(2500));
     assert!(started.elapsed() < Duration::from_secs(60), "no wait for the stall watchdog");
     assert!(!stderr.contains("panicked"), "a lost peer is a named error, not a panic: {stderr}");
     let named = format!("process 1 ({}:7471) is gone", hosts.addresses[1]);

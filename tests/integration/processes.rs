@@ -104,14 +104,21 @@ fn a_decode_process_that_dies_fails_what_it_owed_at_once_and_frees_this_side() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
-    decode.child.kill().unwrap(); // SIGKILL: no goodbye on the link
-    let _ = decode.child.wait();
-    let out = producer.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    kill_midway(&mut decode.child, producer, Duration::from_millis(1500));
     assert!(started.elapsed() < Duration::from_secs(120), "no wait for a timeout");
     assert_lost_peer(dir.path(), 30, "handoff", "decode pool decode");
+}
+
+/// SIGKILLs `victim` (no goodbye on any link) `after` into the run, then waits for `survivor`,
+/// which must end with failed requests and nothing else (exit status 2); its stderr.
+pub fn kill_midway(victim: &mut Child, survivor: Child, after: Duration) -> String {
+    std::thread::sleep(after);
+    victim.kill().unwrap();
+    let _ = victim.wait();
+    let out = survivor.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(2), "failed requests, nothing else: {stderr}");
+    stderr
 }
 
 /// The report of a run of `requests` that lost a peer process midway: nothing left held, what

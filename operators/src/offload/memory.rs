@@ -21,8 +21,14 @@ struct Inner {
     by_use: BTreeMap<u64, (u64, Digest)>,
     clock: u64,
     bytes: u64,
-    evictions: u64,
+    /// The shard keys evicted, newest last (at most `EVICTION_LOG` of them), and how many older
+    /// ones were dropped from its front.
+    evicted: std::collections::VecDeque<ChunkKey>,
+    evicted_dropped: u64,
 }
+
+/// Evicted keys the store remembers for [`ObjectStore::evicted_since`].
+const EVICTION_LOG: usize = 1 << 16;
 
 impl Inner {
     fn touch(&mut self, key: &ChunkKey) {
@@ -41,9 +47,13 @@ impl Inner {
     fn evict_one(&mut self, keep: (u64, Digest)) -> bool {
         let Some((&used, &chunk)) = self.by_use.iter().find(|(_, c)| **c != keep) else { return false };
         self.by_use.remove(&used);
-        self.evictions += 1;
         if let Some((_, keys)) = self.chunks.remove(&chunk) {
             for k in keys {
+                self.evicted.push_back(k);
+                if self.evicted.len() > EVICTION_LOG {
+                    self.evicted.pop_front();
+                    self.evicted_dropped += 1;
+                }
                 if let Some(v) = self.objects.remove(&k) {
                     self.bytes -= v.len() as u64;
                 }
@@ -73,8 +83,13 @@ impl MemoryStore {
 }
 
 impl ObjectStore for MemoryStore {
-    fn evictions(&self) -> u64 {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).evictions
+    fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
+        let s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let end = s.evicted_dropped + s.evicted.len() as u64;
+        if cursor < s.evicted_dropped {
+            return (end, None);
+        }
+        (end, Some(s.evicted.iter().skip((cursor - s.evicted_dropped) as usize).copied().collect()))
     }
 
     fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
@@ -152,5 +167,10 @@ mod tests {
         assert_eq!(store.bytes(), 30);
         assert!(matches!(store.put(&key(3, 0), &[0; 41]), Err(StoreError::Full(_))));
         assert_eq!(store.get(&key(1, 0)), Ok(None));
+        // its eviction log: chunk 1's two shards, read from any cursor
+        let (end, keys) = store.evicted_since(0);
+        assert_eq!((end, keys), (2, Some(vec![key(1, 0), key(1, 1)])));
+        assert_eq!(store.evicted_since(1), (2, Some(vec![key(1, 1)])));
+        assert_eq!(store.evicted_since(2), (2, Some(Vec::new())));
     }
 }

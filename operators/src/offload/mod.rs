@@ -48,10 +48,12 @@ pub trait ObjectStore: Send + Sync {
     fn contains(&self, key: &ChunkKey) -> bool;
     /// Bytes of the objects it holds.
     fn bytes(&self) -> u64;
-    /// How many chunks it has evicted so far (a store that never evicts: 0). The routing index's
-    /// reporters check what they reported only when this moves.
-    fn evictions(&self) -> u64 {
-        0
+    /// The shard keys it evicted after position `cursor` of its eviction log, and the log's end
+    /// (the next call's cursor); `None` for the keys when the log no longer reaches back that
+    /// far (the caller then checks what it cares about with `contains`). A store that never
+    /// evicts: nothing, ever.
+    fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
+        (cursor, Some(Vec::new()))
     }
     /// The decoded object under `key`, if the store holds a sound one (a damaged one is a miss).
     /// A store may read it straight into the floats, without a copy of the bytes in between.

@@ -182,7 +182,8 @@ enum Command {
     Query { hashes: Vec<u64>, reply: mpsc::Sender<Vec<PrefixLen>> },
 }
 
-/// An index shared by the ranks of one process (they report into it; the admitting rank asks it).
+/// The index of a pool, shared by its ingress (which asks it) and worker 0's `align` (which hands
+/// it every rank's events).
 pub type SharedKvIndex = std::sync::Arc<std::sync::Mutex<KvIndex>>;
 
 /// The index's handle: the computation runs on its own thread until this drops.

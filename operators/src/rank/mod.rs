@@ -101,7 +101,7 @@ pub struct Rank {
     cancelled_remote: std::collections::HashSet<u64>,
     /// Router `kv-aware`: this rank reports its cache events in its reports; and whether the
     /// last plan asked it for its whole cache.
-    routing: bool,
+    reports_cache: bool,
     snapshot_owed: bool,
     /// What the last completion's exports copied out, by sequence, until its T0 is applied.
     exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
@@ -152,7 +152,7 @@ impl Rank {
             admission_slots: Default::default(),
             deferred: Vec::new(),
             offload: None,
-            routing: false,
+            reports_cache: false,
             snapshot_owed: false,
         }
     }
@@ -161,14 +161,14 @@ impl Rank {
     /// numbered events in its reports (router `kv-aware`).
     pub fn reporting_cache_events(mut self) -> Self {
         self.memory.prefix.publish_events(self.index as u32);
-        self.routing = true;
+        self.reports_cache = true;
         self
     }
 
     /// The cache events since the last report (the offload tier's among them), or — when the
     /// last plan asked (its events came with a gap) — the whole cache, which covers them.
     fn cache_report(&mut self) -> (Vec<CacheEvent>, Option<CacheSnapshot>) {
-        if !self.routing {
+        if !self.reports_cache {
             return (Vec::new(), None);
         }
         self.report_offload_evictions();

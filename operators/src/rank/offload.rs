@@ -94,8 +94,8 @@ pub struct RankOffload {
     pub(super) load_jobs: Vec<LoadJob>,
     pub(super) failed_now: Vec<LoadDone>,
     /// Under router `kv-aware`: each chunk being saved, its blocks' prefix hashes; and each
-    /// chunk the store holds that this rank reported to the routing index, with the store's
-    /// eviction count last checked.
+    /// chunk the store holds that this rank reported to the routing index, and how far it read
+    /// the store's eviction log.
     chunk_hashes: HashMap<Digest, Vec<u64>>,
     reported: HashMap<ChunkKey, Vec<u64>>,
     evictions_seen: u64,
@@ -154,7 +154,7 @@ impl Rank {
                 if !off.known.insert(digest) {
                     continue;
                 }
-                if self.routing {
+                if self.reports_cache {
                     let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
                     off.chunk_hashes.insert(digest, hashes.map(<[u64]>::to_vec).unwrap_or_default());
                 }
@@ -290,17 +290,22 @@ impl Rank {
         done.len()
     }
 
-    /// Reports to the routing index the chunks it heard of that the store has since evicted
-    /// (checked only when the store's eviction count moved).
+    /// Reports to the routing index the chunks it reported that the store has since evicted:
+    /// it reads the store's eviction log from where it last stopped (work in proportion to the
+    /// evictions, not to what it reported), and scans only if the log no longer reaches back.
     pub(super) fn report_offload_evictions(&mut self) {
         let Some(off) = self.offload.as_mut() else { return };
-        let evictions = off.setup.store.evictions();
-        if evictions == off.evictions_seen || off.reported.is_empty() {
+        let store = off.setup.store.clone();
+        let (end, evicted) = store.evicted_since(off.evictions_seen);
+        if end == off.evictions_seen {
             return;
         }
-        off.evictions_seen = evictions;
-        let store = off.setup.store.clone();
-        let gone: Vec<ChunkKey> = off.reported.keys().filter(|k| !store.contains(k)).copied().collect();
+        off.evictions_seen = end;
+        let gone: Vec<ChunkKey> = match evicted {
+            // a key evicted and stored again since is still held
+            Some(keys) => keys.into_iter().filter(|k| off.reported.contains_key(k) && !store.contains(k)).collect(),
+            None => off.reported.keys().filter(|k| !store.contains(k)).copied().collect(),
+        };
         for key in gone {
             if let Some(hashes) = off.reported.remove(&key) {
                 self.memory.prefix.note_tier(OFFLOAD, &hashes, false);
