@@ -5,14 +5,16 @@
 //!   started first, and the address it prints when it listens is handed to the producers
 //!   (`--endpoint D=ADDR`).
 //! - A pool that lists several processes (`hosts`) runs as that many processes (`run --pools P
-//!   --process I`), timely's cluster over the listed addresses.
+//!   --process I`), timely's cluster over the listed addresses; process 0 drives the workload. It
+//!   is the graph's only pool, or a prefill pool beside decode pools reached over tcp (every one
+//!   of its processes gets their addresses).
 //! - Every other pool runs in the driving process, which replays the workload and writes the
 //!   report; its exit code is `launch`'s.
 //!
 //! The other processes' output comes through line by line, prefixed with `[pool]` or
 //! `[pool/process]`. The same run flags go to every process.
 
-use crate::graph::{Graph, PoolRole, TransferBackend};
+use crate::graph::{Graph, PoolConfig, PoolRole, TransferBackend};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -46,32 +48,6 @@ pub fn plan(graph: &Graph) -> Result<Vec<PlannedProcess>> {
         })
         .map(|p| p.name.as_str())
         .collect();
-    let spread: Vec<_> = graph.pools.iter().filter(|p| p.hosts.len() > 1).collect();
-    if let Some(p) = spread.first() {
-        if graph.pools.len() > 1 {
-            bail!(
-                "{}: pool `{}` lists {} processes (hosts), so the graph runs that one pool only (a pool spread over \
-                 processes is an aggregated pool of its own graph)",
-                graph.path.display(),
-                p.name,
-                p.hosts.len()
-            );
-        }
-        let name = p.name.clone();
-        let mut processes: Vec<PlannedProcess> = (1..p.hosts.len())
-            .map(|i| PlannedProcess {
-                label: format!("{name}/{i}"),
-                args: vec!["--pools".into(), name.clone(), "--process".into(), i.to_string()],
-                listens_for: None,
-            })
-            .collect();
-        processes.push(PlannedProcess {
-            label: format!("{name}/0"),
-            args: vec!["--pools".into(), name.clone(), "--process".into(), "0".into()],
-            listens_for: None,
-        });
-        return Ok(processes);
-    }
     let mut processes: Vec<PlannedProcess> = served
         .iter()
         .map(|d| PlannedProcess {
@@ -80,14 +56,37 @@ pub fn plan(graph: &Graph) -> Result<Vec<PlannedProcess>> {
             listens_for: Some(d.to_string()),
         })
         .collect();
-    let driving: Vec<String> =
-        graph.pools.iter().filter(|p| !served.contains(&p.name.as_str())).map(|p| p.name.clone()).collect();
+    let driving: Vec<&PoolConfig> = graph.pools.iter().filter(|p| !served.contains(&p.name.as_str())).collect();
     if driving.is_empty() {
         bail!("{}: every pool is a decode pool; nothing replays the workload", graph.path.display());
     }
+    if let Some(p) = driving.iter().find(|p| p.hosts.len() > 1) {
+        if driving.len() > 1 {
+            bail!(
+                "{}: pool `{}` lists {} processes (hosts), so the driving process runs that pool only; the others \
+                 ({}) would have to run in it too (a spread pool runs alone, or as a prefill pool beside decode \
+                 pools reached over tcp)",
+                graph.path.display(),
+                p.name,
+                p.hosts.len(),
+                driving.iter().filter(|q| q.name != p.name).map(|q| q.name.as_str()).collect::<Vec<_>>().join(", ")
+            );
+        }
+        let name = p.name.clone();
+        // Process 0 drives the workload: started last, once the others wait for it.
+        for i in (1..p.hosts.len()).chain([0]) {
+            processes.push(PlannedProcess {
+                label: format!("{name}/{i}"),
+                args: vec!["--pools".into(), name.clone(), "--process".into(), i.to_string()],
+                listens_for: None,
+            });
+        }
+        return Ok(processes);
+    }
+    let names: Vec<&str> = driving.iter().map(|p| p.name.as_str()).collect();
     processes.push(PlannedProcess {
-        label: driving.join(","),
-        args: if served.is_empty() { Vec::new() } else { vec!["--pools".into(), driving.join(",")] },
+        label: names.join(","),
+        args: if served.is_empty() { Vec::new() } else { vec!["--pools".into(), names.join(",")] },
         listens_for: None,
     });
     Ok(processes)
@@ -129,11 +128,14 @@ pub fn launch(graph: &Graph, graph_path: &Path, run_flags: &[String]) -> Result<
     let result = (|| -> Result<i32> {
         let (last, others) = processes.split_last().ok_or_else(|| anyhow!("launch: no process to start"))?;
         for p in others {
-            let mut child = Command::new(&exe)
-                .arg("run")
-                .arg(graph_path)
-                .args(&p.args)
-                .args(run_flags)
+            let mut command = Command::new(&exe);
+            command.arg("run").arg(graph_path).args(&p.args).args(run_flags);
+            if p.listens_for.is_none() {
+                for e in &endpoints {
+                    command.args(["--endpoint", e]);
+                }
+            }
+            let mut child = command
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -253,6 +255,25 @@ mod tests {
              [[link]]\nfrom = \"p\"\nto = \"d\"\n",
         );
         assert_eq!(plan_args(&g), vec![Vec::<String>::new()]);
+    }
+
+    #[test]
+    fn a_prefill_pool_over_two_hosts_starts_after_its_decode_pool_and_drives_from_process_0() {
+        let g = graph(
+            "[[pool]]\nname = \"p\"\nrole = \"prefill\"\nranks = 2\nhosts = [\"127.0.0.1:7101\", \"127.0.0.1:7102\"]\n\n\
+             [[pool]]\nname = \"d\"\nrole = \"decode\"\n\n[[link]]\nfrom = \"p\"\nto = \"d\"\nbackend = \"tcp\"\n",
+        );
+        assert_eq!(
+            plan_args(&g),
+            vec![vec!["--pools", "d"], vec!["--pools", "p", "--process", "1"], vec!["--pools", "p", "--process", "0"]]
+        );
+        // Over an inproc link the decode pool would have to run in every process of the prefill pool.
+        let g = graph(
+            "[[pool]]\nname = \"p\"\nrole = \"prefill\"\nranks = 2\nhosts = [\"127.0.0.1:7101\", \"127.0.0.1:7102\"]\n\n\
+             [[pool]]\nname = \"d\"\nrole = \"decode\"\n\n[[link]]\nfrom = \"p\"\nto = \"d\"\n",
+        );
+        let err = plan(&g).unwrap_err().to_string();
+        assert!(err.contains("pool `p` lists 2 processes") && err.contains("(d)"), "{err}");
     }
 
     #[test]

@@ -48,6 +48,9 @@ pub struct RequestRecord {
     pub t0_ms: Option<f64>,
     #[serde(skip_serializing_if = "is_zero")]
     pub handoff_bytes: u64,
+    /// The prefill rank that handed it off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_rank: Option<usize>,
     /// Preemptions on the prefill side of a handoff (`preemptions` counts both sides).
     #[serde(skip)]
     pub prefill_preemptions: usize,

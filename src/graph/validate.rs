@@ -312,7 +312,16 @@ impl<'a> Validator<'a> {
             let ranks = self.field("pool.ranks", pool.ranks.as_ref(), 1, rank_count)?;
             let hosts = match &pool.hosts {
                 None => Vec::new(),
-                Some(h) => self.checked("pool.hosts", h, |hosts| pool_hosts(hosts, ranks))?,
+                Some(h) => self.checked("pool.hosts", h, |hosts| {
+                    if role == PoolRole::Decode && hosts.len() > 1 {
+                        return Err(format!(
+                            "decode pool `{name_value}` cannot be spread over processes: a handoff lands in the \
+                             memory of the one process its link reaches; spread its prefill pool instead, or give it \
+                             more ranks in one process"
+                        ));
+                    }
+                    pool_hosts(hosts, ranks)
+                })?,
             };
             let mut pool_scheduler_config = self.scheduler(&pool_scheduler, &pool_memory, "pool.", scheduler)?;
             pool_scheduler_config.admission = admission;
@@ -442,6 +451,18 @@ impl<'a> Validator<'a> {
                     format!("`{backend}` is not a transfer backend; known: {}", quoted_list(&known))
                 })
             })?;
+            let spread = pools.iter().find(|p| p.name == from && p.hosts.len() > 1);
+            if let (Some(p), TransferBackend::Inproc) = (spread, backend) {
+                return Err(self.error(
+                    "link.backend",
+                    link.backend.as_ref().map(Spanned::span).or(Some(spanned.span())),
+                    format!(
+                        "prefill pool `{from}` lists {} processes (hosts), each handing off over its own links: \
+                         the link must be backend = \"tcp\", to decode pool `{to}` in a process of its own",
+                        p.hosts.len()
+                    ),
+                ));
+            }
             let endpoint = match (backend, &link.endpoint) {
                 (TransferBackend::Inproc, None) => None,
                 (TransferBackend::Inproc, Some(endpoint)) => {

@@ -81,7 +81,8 @@ impl Collector {
             tracing::warn!(pool, request = id, "event for a request that was never released: dropped");
             return;
         };
-        if let Event::HandedOff { to, started_ms, t0_ms, bytes, preemptions, .. } = &event {
+        if let Event::HandedOff { rank, to, started_ms, t0_ms, bytes, preemptions, .. } = &event {
+            r.prefill_rank = Some(*rank);
             // It moved on (the decode pool may even have reported its end already); a request
             // that entered its decode pool first lists the prefill pool before it.
             if !r.pools.iter().any(|p| p == pool) {
@@ -205,6 +206,31 @@ impl Collector {
                 rank: usize::MAX,
                 cause: cause.into(),
                 message: message.into(),
+                tokens: Vec::new(),
+                token_times: Default::default(),
+                started_ms: None,
+            };
+            self.apply(pool, event);
+        }
+    }
+
+    /// Ends every request still open that a rank of prefill pool `pool` other than `kept`
+    /// handed off: the decode pool's events for it came back through that rank's process, now
+    /// gone with the pool (`transfer::relay`).
+    pub fn fail_relayed(&mut self, pool: &str, kept: std::ops::Range<usize>, cause: &str, message: &str) {
+        let open: Vec<u64> = self
+            .requests
+            .values()
+            .filter(|r| r.ended_ms.is_none() && r.pools.iter().any(|p| p == pool))
+            .filter(|r| r.prefill_rank.is_some_and(|rank| !kept.contains(&rank)))
+            .map(|r| r.id)
+            .collect();
+        for id in open {
+            let event = Event::Failed {
+                id,
+                rank: usize::MAX,
+                cause: cause.into(),
+                message: format!("{message}; its decode pool's events came back through that process"),
                 tokens: Vec::new(),
                 token_times: Default::default(),
                 started_ms: None,

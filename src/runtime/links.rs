@@ -20,7 +20,7 @@ use kvflow_operators::messages::AdmissionKind;
 use kvflow_operators::rank::{PrefillTarget, RemotePrefill};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
-    ConsumerOptions, ConsumerPool, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkTarget,
+    ConsumerOptions, ConsumerPool, EventRelay, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkTarget,
     TcpConsumer, TcpLink, TcpLinks, TransferCounters,
 };
 use std::collections::HashMap;
@@ -57,6 +57,10 @@ pub struct WireOptions<'a> {
     pub patience: Duration,
     /// Test switch: the inboxes deliver duplicate handoffs (`TestSwitches::deliver_duplicate_handoffs`).
     pub deliver_duplicates: bool,
+    /// A process of a prefill pool spread over processes that does not drive the workload: the
+    /// events of a decode pool in another process come back through the ranks that handed
+    /// their requests off (`transfer::relay`), not to `remote_events`.
+    pub relay: Option<Arc<EventRelay>>,
 }
 
 /// The graph's `[faults]` as the transfer engine draws them.
@@ -136,6 +140,13 @@ impl Wiring {
     pub fn listener(&self, pool: &str) -> Option<&TcpConsumer> {
         self.listeners.iter().find(|(name, _)| name == pool).map(|(_, l)| l)
     }
+}
+
+/// The producer connections a decode pool served in a process of its own takes: `[transfer]
+/// connections` per link into it, from each process of the link's prefill pool.
+pub fn producer_connections(graph: &Graph, decode: &str) -> usize {
+    let processes = |pool: &str| graph.pool(pool).map_or(1, |p| p.hosts.len().max(1));
+    graph.links_to(decode).iter().map(|l| processes(&l.from)).sum::<usize>() * graph.transfer.connections
 }
 
 /// Where decode pool `to` listens: `--endpoint`, else the endpoint of a tcp link into it
@@ -239,7 +250,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
         let served_here = remote_producers > 0;
         let consumer_options = ConsumerOptions {
             token: token.clone(),
-            expect_links: served_here.then_some(remote_producers * graph.transfer.connections),
+            expect_links: served_here.then(|| producer_connections(graph, &pool.name)),
         };
         let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
             .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
@@ -306,7 +317,10 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
                             faults,
                             counters: counters.clone(),
                             socket_bytes: socket_bytes.clone(),
-                            events: remote.then(|| (options.remote_events)(&l.to)),
+                            events: remote.then(|| match &options.relay {
+                                Some(relay) => relay.sink(),
+                                None => (options.remote_events)(&l.to),
+                            }),
                             patience: if remote { options.patience } else { Duration::ZERO },
                         };
                         let link = Arc::new(
@@ -326,7 +340,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
                         pool.name
                     );
                 };
-                PoolHandoff::Out { sink, fingerprint, queue: queues[&pool.name].clone() }
+                PoolHandoff::Out { sink, fingerprint, queue: queues[&pool.name].clone(), relay: options.relay.clone() }
             }
         };
         handoff.insert(pool.name.clone(), role);

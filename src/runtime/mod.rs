@@ -209,9 +209,10 @@ pub fn load_workload(graph: &Graph, vocab_size: usize) -> Result<Selection> {
 /// Checks the rank memory this process is asked to hold (every pool's budgets together)
 /// against what the machine has, before anything is allocated. (Each pool's rank count is
 /// bounded by the graph's rules.)
-/// A pool that lists several processes runs only as one of them (`--process`), and a pool spread
-/// over processes is an aggregated one: a P/D pool runs in one process, its links crossing hosts
-/// over tcp.
+/// A pool that lists several processes runs only as one of them (`--process`). A pool spread
+/// over processes is an aggregated pool, or a prefill pool whose links reach decode pools in
+/// other processes over tcp (each of its processes opens its own links; the events coming back
+/// go through its ranks to the driving process).
 fn check_processes(graph: &Graph, pools: &[&PoolConfig], cluster: Option<&ClusterPlace>) -> Result<()> {
     if cluster.is_none() {
         if let Some(p) = pools.iter().find(|p| p.hosts.len() > 1) {
@@ -228,14 +229,33 @@ fn check_processes(graph: &Graph, pools: &[&PoolConfig], cluster: Option<&Cluste
         }
         return Ok(());
     }
-    if let Some(p) = pools.iter().find(|p| p.role != PoolRole::Aggregated) {
-        bail!(
-            "{}: pool `{}` is a {} pool; a pool spread over processes is an aggregated pool (a P/D pool runs in one \
-             process, and its links cross hosts over tcp)",
-            graph.path.display(),
-            p.name,
-            p.role.as_str()
-        );
+    for p in pools {
+        match p.role {
+            PoolRole::Aggregated => {}
+            PoolRole::Prefill => {
+                let out = graph.links_from(&p.name);
+                let here = |to: &str| pools.iter().any(|q| q.name == to);
+                if let Some(l) = out.iter().find(|l| l.backend != crate::graph::TransferBackend::Tcp || here(&l.to)) {
+                    bail!(
+                        "{}: prefill pool `{}` is spread over processes, so each of them hands off over its own \
+                         links: link {} → {} must be backend = \"tcp\", to a decode pool run in a process of its \
+                         own (`--pools {}` here, `--pools {}` there)",
+                        graph.path.display(),
+                        p.name,
+                        l.from,
+                        l.to,
+                        p.name,
+                        l.to
+                    );
+                }
+            }
+            PoolRole::Decode => bail!(
+                "{}: decode pool `{}` cannot be spread over processes: a handoff lands in the memory of the one \
+                 process its link reaches; spread its prefill pool instead, or give it more ranks in one process",
+                graph.path.display(),
+                p.name
+            ),
+        }
     }
     Ok(())
 }
@@ -486,18 +506,9 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     let layouts: Vec<_> =
         jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
-    if opts.cluster.as_ref().is_some_and(|c| c.process != 0) {
+    if let Some(place) = opts.cluster.as_ref().filter(|c| c.process != 0) {
         // Another process drives the workload and writes the report; this one runs its ranks.
-        let results: Vec<PoolResult> =
-            jobs.into_iter().map(|job| start_pool(job, None, None, None).map(|p| p.join())).collect::<Result<_>>()?;
-        if let Some(lost) = results.iter().find_map(|r| r.lost.as_ref()) {
-            bail!("{}", lost.message);
-        }
-        let (_, failures) = check_ranks(&results);
-        if !failures.is_empty() {
-            bail!("end-of-run check failed:\n{}", failures.join("\n"));
-        }
-        return Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code: EXIT_OK, note: None });
+        return serve::run_beside_driver(graph, opts, place, &pools, jobs, &model);
     }
     let note = selection.note.clone();
     if let Some(n) = &note {
@@ -520,6 +531,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         remote_events: &remote_events,
         patience: if stall_timeout.is_zero() { Duration::from_secs(3600) } else { stall_timeout },
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+        relay: None,
     };
     let mut wiring = links::wire(graph, &pools, &model, &wire_options)?;
     // New requests enter the entry pools; the pools downstream of them close once every entry
@@ -541,7 +553,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         job.handoff = wiring.handoff.remove(&name).unwrap_or_default();
         let watch = Watch::default();
         let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
-        running.push((pool.role, start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?));
+        // The ranks of this process: rank r of a spread pool runs in process r / ranks-per-process.
+        let here = 0..job.ranks / opts.cluster.as_ref().map_or(1, |c| c.processes);
+        let started = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?;
+        running.push((pool.role, here, started));
         if let Some(kind) = links::Wiring::entry_kind(graph, &pools, pool) {
             entries.push(EntryPool { name: name.clone(), ingress, kind, also_cancel: also_cancel.clone() });
         }
@@ -613,10 +628,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     // Decode pools take handoffs until every prefill pool has ended (prefill pools take
     // prefills until every decode pool has, with decode-first routing).
     let upstream_left =
-        Arc::new(std::sync::atomic::AtomicUsize::new(running.iter().filter(|(role, _)| *role == upstream).count()));
+        Arc::new(std::sync::atomic::AtomicUsize::new(running.iter().filter(|(role, ..)| *role == upstream).count()));
     let joiners: Vec<_> = running
         .into_iter()
-        .map(|(role, pool)| {
+        .map(|(role, here, pool)| {
             let collector = collector.clone();
             let (upstream_left, downstream) = (upstream_left.clone(), downstream.clone());
             let remote_links = remote_links.clone();
@@ -636,7 +651,12 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
                     Some(lost) => (PROCESS_LOST, lost.message.clone()),
                     None => ("pool-ended", format!("pool {} ended before the request did", result.name)),
                 };
-                collector.lock().unwrap_or_else(|e| e.into_inner()).fail_open(&result.name, cause, &message);
+                let mut collector = collector.lock().unwrap_or_else(|e| e.into_inner());
+                collector.fail_open(&result.name, cause, &message);
+                if result.lost.is_some() && role == PoolRole::Prefill {
+                    collector.fail_relayed(&result.name, here, cause, &message);
+                }
+                drop(collector);
                 result
             })
         })

@@ -37,7 +37,7 @@ use kvflow_operators::propose::propose;
 use kvflow_operators::rank::{OffloadSetup, Rank, RankStats, RemotePrefill, TestSwitches};
 use kvflow_operators::save::save;
 use kvflow_operators::schedule::schedule;
-use kvflow_operators::transfer::{HandoffInbox, HandoffSink};
+use kvflow_operators::transfer::{EventRelay, HandoffInbox, HandoffSink};
 use kvflow_operators::verify::verify;
 use kvflow_operators::wake::RankWaker;
 use std::cell::RefCell;
@@ -155,7 +155,14 @@ pub enum PoolHandoff {
     None,
     /// A prefill pool: finished prefills go to `sink`; `queue` counts the prefills decode ranks
     /// asked for and it has not handed off.
-    Out { sink: Arc<dyn HandoffSink>, fingerprint: u64, queue: Arc<std::sync::atomic::AtomicUsize> },
+    /// With `relay`, the remote decode pool's events for its requests come back through the
+    /// ranks that handed them off (a process of a prefill pool spread over processes).
+    Out {
+        sink: Arc<dyn HandoffSink>,
+        fingerprint: u64,
+        queue: Arc<std::sync::atomic::AtomicUsize>,
+        relay: Option<Arc<EventRelay>>,
+    },
     /// A decode pool: handoffs arrive in this inbox; with `[pool.disaggregation]` its ranks
     /// decide where new requests are prefilled.
     In(Arc<HandoffInbox>, Option<RemotePrefill>),
@@ -414,8 +421,12 @@ pub fn start_pool(
             rank.stats.expert_bytes = expert_bytes;
             let rank = match &handoff {
                 PoolHandoff::None => rank,
-                PoolHandoff::Out { sink, fingerprint, queue } => {
-                    rank.with_handoff_out(sink.clone(), *fingerprint, queue.clone())
+                PoolHandoff::Out { sink, fingerprint, queue, relay } => {
+                    let rank = rank.with_handoff_out(sink.clone(), *fingerprint, queue.clone());
+                    match relay {
+                        Some(relay) => rank.with_event_relay(relay.clone()),
+                        None => rank,
+                    }
                 }
                 PoolHandoff::In(inbox, None) => rank.with_handoff_in(inbox.clone()),
                 PoolHandoff::In(inbox, Some(remote)) => {

@@ -1,17 +1,20 @@
 //! Pools joined across processes (`--pools`): a process running only decode pools serves the
 //! handoffs its producers send (no workload, no report: its requests' events go back over the
 //! links, and its end-of-run check with them); the process driving the workload waits for each
-//! remote decode pool to say it is done, and puts what it found in the report.
+//! remote decode pool to say it is done, and puts what it found in the report. A process of a
+//! pool spread over processes that does not drive the workload runs its ranks beside the driving
+//! one; in a prefill pool they hand off over this process's own links, and the decode pool's
+//! events come back through them (`transfer::relay`).
 
 use super::links::{self, WireOptions};
-use super::pool::{start_pool, PoolJob};
+use super::pool::{start_pool, ClusterPlace, PoolJob, PoolResult};
 use super::{check_ranks, RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
 use crate::graph::{Graph, PoolConfig};
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::emit::EventSink;
 use kvflow_operators::messages::Event;
-use kvflow_operators::transfer::{HandoffInbox, TcpLink};
+use kvflow_operators::transfer::{EventRelay, HandoffInbox, TcpLink};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +48,7 @@ pub(super) fn serve_handoffs(
         remote_events: &nowhere,
         patience: Duration::ZERO,
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+        relay: None,
     };
     let mut wiring = links::wire(graph, pools, model, &options)?;
     if wiring.served.len() != pools.len() {
@@ -75,9 +79,17 @@ pub(super) fn serve_handoffs(
             if open > 0 {
                 unconnected_since = Instant::now();
             }
-            let expected = graph.links_to(name).len() * graph.transfer.connections;
+            let expected = links::producer_connections(graph, name);
             if interrupted.load(Ordering::SeqCst) {
                 eprintln!("decode pool `{name}`: interrupted; finishing what it holds");
+                ingress.close();
+            } else if !stall.is_zero() && closed < expected && closed + listener.vanished(stall) >= expected {
+                eprintln!(
+                    "decode pool `{name}`: {} producer connection(s) dropped without closing and did not come back \
+                     within {} s (their process is gone); ending once what it holds is done (--stall-timeout)",
+                    expected - closed,
+                    stall.as_secs()
+                );
                 ingress.close();
             } else if !stall.is_zero() && open == 0 && unconnected_since.elapsed() >= stall {
                 eprintln!(
@@ -117,6 +129,63 @@ pub(super) fn serve_handoffs(
         }
     }
     Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code, note: None })
+}
+
+/// Runs this process's ranks of a pool spread over processes, another process driving the
+/// workload. A prefill pool's ranks hand off over links of this process, relaying the events
+/// that come back to the driving process; once the pool has ended, its links close and it
+/// waits for the decode pools' end-of-run checks.
+pub(super) fn run_beside_driver(
+    graph: &Graph,
+    opts: &super::RunOptions,
+    place: &ClusterPlace,
+    pools: &[&PoolConfig],
+    jobs: Vec<PoolJob>,
+    model: &Model,
+) -> Result<RunOutcome> {
+    let nowhere = |_: &str| -> Box<dyn EventSink + Send> { Box::new(Nowhere) };
+    let relay = Arc::new(EventRelay::default());
+    let stall = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
+    let options = WireOptions {
+        endpoints: &opts.endpoints,
+        remote_events: &nowhere,
+        patience: if stall.is_zero() { Duration::from_secs(3600) } else { stall },
+        deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+        relay: Some(relay.clone()),
+    };
+    let mut wiring = links::wire(graph, pools, model, &options)?;
+    let remote_links = std::mem::take(&mut wiring.remote_links);
+    let mut results: Vec<PoolResult> = Vec::new();
+    for mut job in jobs {
+        job.handoff = wiring.handoff.remove(&job.name).unwrap_or_default();
+        results.push(start_pool(job, None, None, None)?.join());
+    }
+    for link in &remote_links {
+        link.close();
+    }
+    if let Some(lost) = results.iter().find_map(|r| r.lost.as_ref()) {
+        bail!("{}", lost.message);
+    }
+    await_remote_pools(&remote_links);
+    let (stats, mut failures) = check_ranks(&results);
+    failures.extend(remote_failures(&remote_links));
+    if relay.awaited() > 0 {
+        failures.push(format!("{} request(s) handed off from this process never ended", relay.awaited()));
+    }
+    if !failures.is_empty() {
+        bail!("process {}: end-of-run check failed:\n{}", place.process, failures.join("\n"));
+    }
+    if !remote_links.is_empty() {
+        let ranks = || stats.iter().flat_map(|(_, s)| s.iter());
+        let handed: u64 = ranks().map(|s| s.handoffs_out).sum();
+        let relayed: u64 = ranks().map(|s| s.relayed_events).sum();
+        eprintln!(
+            "process {}: handed off {handed} request(s) over its own links and relayed {relayed} event(s) of \
+             theirs to process 0; every block and slot is free",
+            place.process
+        );
+    }
+    Ok(RunOutcome { report: None, out_dir: graph.report_dir.clone(), exit_code: EXIT_OK, note: None })
 }
 
 /// Handoffs left in a decode pool's inbox at the end: neither taken nor aborted.

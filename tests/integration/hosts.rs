@@ -6,7 +6,9 @@
 //! exact; when the decode host's process is killed, the requests it owed fail with a cause
 //! naming it and nothing stays held on the prefill host. A pool spread over the two hosts
 //! (`hosts`) runs exact with work on both, and when one host's process is killed the other fails
-//! every request the pool held with a cause naming that process, and writes its report.
+//! every request the pool held with a cause naming that process, and writes its report. A
+//! prefill pool spread over the two hosts hands off from each to a decode pool in a process of its
+//! own; losing the second host fails the requests it held or had handed off, naming it.
 
 use crate::common::{records, report};
 use crate::runtime::{write_graph_with, HEAVY};
@@ -155,10 +157,16 @@ fn ip(args: &[String]) -> Result<(), String> {
     }
 }
 
-/// The decode pool's process on host 1, once it listens.
-fn start_decode(hosts: &TwoHosts, graph: &std::path::Path) -> std::process::Child {
+/// The decode pool's process on `host`, once it listens; its stderr after that line comes
+/// through `rest`.
+fn start_decode_on(
+    hosts: &TwoHosts,
+    host: usize,
+    graph: &std::path::Path,
+    stall_timeout: &str,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
     let mut child = hosts
-        .kvflow(1, &["run", &graph.to_string_lossy(), "--pools", "decode", "--stall-timeout", "30"])
+        .kvflow(host, &["run", &graph.to_string_lossy(), "--pools", "decode", "--stall-timeout", stall_timeout])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -167,18 +175,22 @@ fn start_decode(hosts: &TwoHosts, graph: &std::path::Path) -> std::process::Chil
     let pipe = child.stderr.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            if line.starts_with("decode pool `decode` listening on ") {
-                let _ = tx.send(line.clone());
-            }
             eprintln!("[decode host] {line}");
+            let _ = tx.send(line);
         }
     });
-    let line = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+    let listening = |line: &String| line.starts_with("decode pool `decode` listening on ");
+    let line = rx.iter().find(listening).unwrap_or_else(|| {
         let _ = child.kill();
         panic!("the decode host's process never listened")
     });
-    assert!(line.contains(&hosts.addresses[1]), "it listens on host 1's address: {line}");
-    child
+    assert!(line.contains(&hosts.addresses[host]), "it listens on host {host}'s address: {line}");
+    (child, rx)
+}
+
+/// The decode pool's process on host 1, once it listens.
+fn start_decode(hosts: &TwoHosts, graph: &std::path::Path) -> std::process::Child {
+    start_decode_on(hosts, 1, graph, "30").0
 }
 
 #[test]
@@ -281,4 +293,98 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
     assert!(!stderr.contains("panicked"), "a lost peer is a named error, not a panic: {stderr}");
     let named = format!("process 1 ({}:7471) is gone", hosts.addresses[1]);
     crate::processes::assert_lost_peer(dir.path(), 30, "process-lost", &named);
+}
+
+#[test]
+fn launch_runs_a_prefill_pool_over_two_processes_beside_its_decode_pool() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let ports: Vec<u16> =
+        (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+    let pools = spread_prefill(&format!("127.0.0.1:{}", ports[0]), &format!("127.0.0.1:{}", ports[1]), "127.0.0.1:0");
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let out = launch(&graph);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let r = report(dir.path());
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(8), Some(0)), "{r}");
+    // Half the prefills ran in process 1, whose own links handed them off and relayed their
+    // decode events (Received and Finished) back through its rank.
+    let from_rank_1 = records(dir.path()).iter().filter(|x| x["prefill_rank"] == 1).count();
+    assert_eq!(from_rank_1, 4, "round robin over two prefill ranks in two processes");
+    assert!(stderr.contains("[prefill/1] process 1: handed off 4 request(s) over its own links and relayed 8 event(s)"));
+    assert!(stderr.contains("[decode] decode pool `decode`: took 8 handoff(s); every block and slot is free"));
+}
+
+/// A prefill pool of two ranks over processes at `a` and `b` (round robin), and a decode pool
+/// listening on `decode` in a process of its own.
+fn spread_prefill(a: &str, b: &str, decode: &str) -> String {
+    format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 2\nrouter = \"round-robin\"\n\
+         hosts = [\"{a}\", \"{b}\"]\n\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nendpoint = \"{decode}\"\n"
+    )
+}
+
+#[test]
+fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_process_it_loses() {
+    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(hosts) = TwoHosts::create_or_skip() else { return };
+    // Host 0: prefill process 0 (driving) and the decode pool; host 1: prefill process 1, whose
+    // handoffs and relayed events cross the veth pair.
+    let (a, b) = (&hosts.addresses[0], &hosts.addresses[1]);
+    let pools = spread_prefill(&format!("{a}:7481"), &format!("{b}:7481"), &format!("{a}:7462"));
+    let start = |graph: &std::path::Path, process: usize, verify: bool| {
+        let g = graph.to_string_lossy().to_string();
+        let index = process.to_string();
+        let mut args = vec!["run", g.as_str(), "--pools", "prefill", "--process", index.as_str()];
+        if verify {
+            args.push("--verify");
+        }
+        hosts.kvflow(process, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    };
+
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let (mut decode, decode_lines) = start_decode_on(&hosts, 0, &graph, "30");
+    let other = start(&graph, 1, false);
+    let driver = start(&graph, 0, true).wait_with_output().unwrap();
+    let other = other.wait_with_output().unwrap();
+    assert!(decode.wait().unwrap().success());
+    let other_stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(driver.status.success(), "{}", String::from_utf8_lossy(&driver.stderr));
+    assert!(other.status.success(), "{other_stderr}");
+    let r = report(dir.path());
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(10), Some(0)), "{r}");
+    let from_host_1 = records(dir.path()).iter().filter(|x| x["prefill_rank"] == 1).count();
+    assert_eq!(from_host_1, 5, "host 1's rank prefilled its share");
+    assert!(other_stderr.contains("process 1: handed off 5 request(s) over its own links"), "{other_stderr}");
+    let took: Vec<String> = decode_lines.try_iter().filter(|l| l.contains("took")).collect();
+    assert_eq!(took, ["decode pool `decode`: took 10 handoff(s); every block and slot is free"]);
+
+    // Host 1's process is killed mid-run: its requests fail naming it, including those it had
+    // handed off (their events came back through it); the decode pool sees its links gone,
+    // finishes and frees what it holds.
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let (mut decode, decode_lines) = start_decode_on(&hosts, 0, &graph, "3");
+    let mut other = start(&graph, 1, false);
+    let started = Instant::now();
+    let driver = start(&graph, 0, true);
+    let stderr = crate::processes::kill_midway(&mut other, driver, Duration::from_millis(2500));
+    assert!(started.elapsed() < Duration::from_secs(60), "no wait for the stall watchdog");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(decode.wait().unwrap().success());
+    let named = format!("process 1 ({b}:7481) is gone");
+    crate::processes::assert_lost_peer(dir.path(), 30, "process-lost", &named);
+    let lines: Vec<String> = decode_lines.try_iter().collect();
+    assert!(lines.iter().any(|l| l.contains("dropped without closing")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.contains("every block and slot is free")), "{lines:?}");
 }

@@ -17,6 +17,7 @@ impl Rank {
     /// Applies every completion the executor has ready; returns how many.
     pub fn poll(&mut self) -> usize {
         self.apply_acks();
+        self.apply_relayed();
         self.apply_saves();
         self.apply_loads();
         let mut ready = std::mem::take(&mut self.completions);

@@ -10,7 +10,8 @@ use super::Rank;
 use crate::messages::{wall_ms, Admission, Event};
 use crate::policy::sequence::Sequence;
 use crate::step::{Exported, SeqKey};
-use crate::transfer::{AckQueue, Handoff, HandoffInbox, HandoffSink, Taken, TransferId};
+use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, RelayQueue, Taken, TransferId};
+use std::collections::HashSet;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
@@ -23,14 +24,61 @@ pub struct HandoffOut {
     next_nonce: u64,
     /// The pool's queue of prefills decode ranks asked for (they weigh it when deciding).
     queue: Arc<AtomicUsize>,
+    /// A prefill pool spread over processes, its decode pool in another: the events coming back
+    /// for this rank's requests, and the requests whose end has not come back yet.
+    relayed: Option<Relayed>,
+}
+
+/// Events of a remote decode pool relayed to this rank (`transfer::relay`).
+struct Relayed {
+    relay: Arc<EventRelay>,
+    queue: Arc<RelayQueue>,
+    awaited: HashSet<u64>,
 }
 
 impl Rank {
     /// Makes this rank a producer: finished prefills go to `sink`.
     pub fn with_handoff_out(mut self, sink: Arc<dyn HandoffSink>, fingerprint: u64, queue: Arc<AtomicUsize>) -> Self {
         let acks = AckQueue::new(self.waker.clone());
-        self.handoff_out = Some(HandoffOut { sink, fingerprint, acks, next_nonce: 1, queue });
+        self.handoff_out = Some(HandoffOut { sink, fingerprint, acks, next_nonce: 1, queue, relayed: None });
         self
+    }
+
+    /// The decode pool's events for this rank's requests come back through `relay` (a prefill
+    /// pool spread over processes): the rank emits them, and stays in flight until each
+    /// request's end has come.
+    pub fn with_event_relay(mut self, relay: Arc<EventRelay>) -> Self {
+        let queue = EventRelay::queue(self.waker.clone());
+        if let Some(out) = self.handoff_out.as_mut() {
+            out.relayed = Some(Relayed { relay, queue, awaited: HashSet::new() });
+        }
+        self
+    }
+
+    /// Handed-off requests whose end has not come back through the relay.
+    pub fn awaiting_ends(&self) -> usize {
+        self.handoff_out.as_ref().and_then(|o| o.relayed.as_ref()).map_or(0, |r| r.awaited.len())
+    }
+
+    /// Emits the events relayed since the last call (at this step); an end settles what the
+    /// rank awaited.
+    pub(super) fn apply_relayed(&mut self) {
+        let Some(relayed) = self.handoff_out.as_mut().and_then(|o| o.relayed.as_mut()) else { return };
+        for event in relayed.queue.drain() {
+            if matches!(event, Event::Finished { .. } | Event::Failed { .. }) {
+                relayed.awaited.remove(&event.id());
+            }
+            self.stats.relayed_events += 1;
+            self.events.push((self.step, event));
+        }
+    }
+
+    /// Nothing more comes back for request `id` (refused, cancelled, or never sent).
+    fn stop_awaiting(&mut self, id: u64) {
+        if let Some(relayed) = self.handoff_out.as_mut().and_then(|o| o.relayed.as_mut()) {
+            relayed.awaited.remove(&id);
+            relayed.relay.forget(id);
+        }
     }
 
     /// Makes this rank a consumer: handoff admissions are taken from `inbox`.
@@ -203,6 +251,11 @@ impl Rank {
         self.stats.handoff_saved_bytes += 4 * (skip_blocks * handoff.floats_per_block) as u64;
         let (id, started_ms, t0_ms, preemptions) =
             (handoff.request, handoff.started_ms, handoff.t0_ms, seq.preemptions);
+        if let Some(r) = out.relayed.as_mut() {
+            // Before it is sent: its events cannot come back first.
+            r.relay.expect(id, &r.queue);
+            r.awaited.insert(id);
+        }
         match out.sink.send(handoff, out.acks.clone()) {
             Ok(to) => {
                 self.scheduler.forget(index);
@@ -220,7 +273,10 @@ impl Rank {
                 self.events
                     .push((step, Event::HandedOff { id, rank: self.index, to, started_ms, t0_ms, bytes, preemptions }));
             }
-            Err(why) => self.fail(index, step, "handoff", format!("cannot hand off: {why}")),
+            Err(why) => {
+                self.stop_awaiting(id);
+                self.fail(index, step, "handoff", format!("cannot hand off: {why}"));
+            }
         }
         true
     }
@@ -229,7 +285,7 @@ impl Rank {
     /// not await (a duplicate, or for an older generation) is dropped and counted.
     pub(super) fn apply_acks(&mut self) {
         let Some(out) = self.handoff_out.as_ref() else { return };
-        for (_, transfer, outcome) in out.acks.drain() {
+        for (request, transfer, outcome) in out.acks.drain() {
             let Some(key) = self.awaiting.get(&transfer.nonce).copied().filter(|k| k.generation == transfer.generation)
             else {
                 self.stats.stale_acks += 1;
@@ -237,6 +293,9 @@ impl Rank {
             };
             self.awaiting.remove(&transfer.nonce);
             let aborted = self.seqs.by_key_mut(key).is_some_and(|s| s.aborted);
+            if outcome.is_err() {
+                self.stop_awaiting(request);
+            }
             match outcome {
                 Ok(()) => self.release_handed_off(key),
                 // Cancelled while in transfer: reported then; its memory goes now.
@@ -272,6 +331,7 @@ impl Rank {
         };
         let (id, seq_back_to) = (seq.id, seq.handoff_back);
         self.events.push((self.step, event));
+        self.stop_awaiting(id); // reported here; what the decode pool says of it now is dropped
         if let Some(out) = &self.handoff_out {
             out.sink.abort(id, transfer, seq_back_to);
         }

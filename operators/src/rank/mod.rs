@@ -403,6 +403,7 @@ impl Rank {
             running: self.scheduler.num_running(),
             in_flight: self.in_flight.len()
                 + self.awaiting.len()
+                + self.awaiting_ends()
                 + self.awaiting_remote.len()
                 + self.offload.as_ref().map_or(0, RankOffload::in_flight),
             admissions: std::mem::take(&mut self.deferred),
@@ -546,6 +547,14 @@ impl Rank {
                 self.pool,
                 self.index,
                 self.in_flight.len()
+            ));
+        }
+        if self.awaiting_ends() > 0 {
+            problems.push(format!(
+                "pool {} rank {}: {} handed-off request(s) whose end never came back from the decode pool",
+                self.pool,
+                self.index,
+                self.awaiting_ends()
             ));
         }
         if !self.seqs.is_empty() {

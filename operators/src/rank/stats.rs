@@ -25,6 +25,9 @@ pub struct RankStats {
     /// Bytes a handoff did not send because the decode rank already held those blocks.
     pub handoff_saved_bytes: u64,
     pub handoffs_in: u64,
+    /// Events of a decode pool in another process that came back through this rank (a prefill
+    /// pool spread over processes, `transfer::relay`).
+    pub relayed_events: u64,
     /// A decode rank's new requests (`[pool.disaggregation]`) prefilled here, and by a prefill
     /// pool.
     pub local_prefills: u64,

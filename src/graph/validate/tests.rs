@@ -766,3 +766,38 @@ fn the_prefill_decode_graphs_parse_with_their_links() {
     }
     assert_eq!(graph.entry_pools().len(), 4);
 }
+
+#[test]
+fn pool_hosts_that_cannot_run_name_the_key_and_why() {
+    let fixture = Fixture::new();
+    let pool = |role: &str, ranks: usize, hosts: &str| {
+        format!(
+            "[model]\npath = \"model\"\n[[pool]]\nname = \"p\"\nrole = \"{role}\"\nranks = {ranks}\nhosts = {hosts}\n"
+        )
+    };
+    let error = fixture.error(&pool("aggregated", 2, "[]"));
+    assert_key_error(&error, "pool.hosts", 7, &["expected at least one \"host:port\""]);
+    let error = fixture.error(&pool("aggregated", 2, "[\"h:1\", \"h:1\"]"));
+    assert_key_error(&error, "pool.hosts", 7, &["entry 1: \"h:1\" is listed twice"]);
+    let error = fixture.error(&pool("aggregated", 3, "[\"h:1\", \"h:2\"]"));
+    assert_key_error(&error, "pool.hosts", 7, &["2 processes cannot share the pool's 3 ranks evenly"]);
+    let error = fixture.error(&pool("aggregated", 2, "[\"h\", \"h:2\"]"));
+    assert_key_error(&error, "pool.hosts", 7, &["entry 0: expected host:port"]);
+    // A decode pool is never spread; a spread prefill pool hands off over tcp only.
+    let decode = format!(
+        "{}[[pool]]\nname = \"q\"\nrole = \"prefill\"\n{}",
+        pool("decode", 2, "[\"h:1\", \"h:2\"]"),
+        link("q", "p")
+    );
+    let error = fixture.error(&decode);
+    assert_key_error(&error, "pool.hosts", 7, &["decode pool `p` cannot be spread over processes"]);
+    let inproc = format!(
+        "{}[[pool]]\nname = \"d\"\nrole = \"decode\"\n{}",
+        pool("prefill", 2, "[\"h:1\", \"h:2\"]"),
+        link("p", "d")
+    );
+    let error = fixture.error(&inproc);
+    assert_key_error(&error, "link.backend", 11, &["prefill pool `p` lists 2 processes", "backend = \"tcp\""]);
+    let tcp = format!("{inproc}backend = \"tcp\"\n");
+    fixture.graph(&tcp);
+}

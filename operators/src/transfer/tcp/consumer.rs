@@ -18,6 +18,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// How a consumer is set up beyond its pool and layout.
 #[derive(Clone, Debug, Default)]
@@ -65,6 +66,8 @@ struct Shared {
     origin: Mutex<HashMap<u64, u64>>,
     /// Links that sent their close frame.
     closed: Mutex<HashSet<u64>>,
+    /// Links whose connection ended without their close frame, and when (until they reconnect).
+    dropped: Mutex<HashMap<u64, Instant>>,
     connections: AtomicUsize,
 }
 
@@ -137,6 +140,13 @@ impl TcpConsumer {
     /// Producer connections open now, and links that closed.
     pub fn links(&self) -> (usize, usize) {
         (self.shared.connections.load(Ordering::SeqCst), locked(&self.shared.closed).len())
+    }
+
+    /// Links whose connection ended without a close frame and that have not connected again for
+    /// `after` (their producer's process is gone: no close frame will come from it).
+    pub fn vanished(&self, after: Duration) -> usize {
+        let closed = locked(&self.shared.closed);
+        locked(&self.shared.dropped).iter().filter(|(l, at)| !closed.contains(l) && at.elapsed() >= after).count()
     }
 
     /// Where a pool in a process of its own sends its events: back over the link each request
@@ -243,6 +253,22 @@ fn serve(
         return;
     }
     let Ok(link) = registered else { return };
+    locked(&shared.dropped).remove(&link);
+    serve_frames(conn, link, pool, layout, options, shared);
+    if !locked(&shared.closed).contains(&link) {
+        locked(&shared.dropped).insert(link, Instant::now());
+    }
+}
+
+/// A registered producer link's frames, until its connection ends.
+fn serve_frames(
+    mut conn: TcpStream,
+    link: u64,
+    pool: &ConsumerPool,
+    layout: ConsumerLayout,
+    options: &ConsumerOptions,
+    shared: &Arc<Shared>,
+) {
     let acker: Arc<dyn Ack> = Arc::new(LinkAck { link, shared: shared.clone() });
     let max_descriptor = HEADER_BYTES + 4 * (layout.max_prompt + MAX_HANDOFF_DRAFTS);
     let recycler = Recycler::default();
