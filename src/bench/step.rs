@@ -266,6 +266,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
     let job = PoolJob {
         handoff: Default::default(),
         routing_index: false,
+        links_here: None,
         name: "bench".into(),
         ranks,
         model,

@@ -413,6 +413,7 @@ fn pool_job(
         handoff: Default::default(),
         experts,
         routing_index: pool.router == kvflow_operators::policy::router::KV_AWARE,
+        links_here: None,
         offload: match (store, &graph.offload) {
             (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
             _ => None,
@@ -697,8 +698,13 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         pools: &layouts,
         stats: &stats,
         accounting: &accounting,
-        socket_bytes: socket_bytes.load(Ordering::Relaxed),
-        transfer: transfer_counters.snapshot().to_vec(),
+        socket_bytes: socket_bytes.load(Ordering::Relaxed) + results.iter().map(|r| r.links_elsewhere[0]).sum::<u64>(),
+        transfer: transfer_counters
+            .snapshot()
+            .iter()
+            .enumerate()
+            .map(|(i, &(name, value))| (name, value + results.iter().map(|r| r.links_elsewhere[i + 1]).sum::<u64>()))
+            .collect(),
         routing_index: results
             .iter()
             .filter_map(|r| r.routing_index.clone().map(|(last, resyncs)| (r.name.clone(), last, resyncs)))

@@ -37,7 +37,7 @@ use kvflow_operators::propose::propose;
 use kvflow_operators::rank::{OffloadSetup, Rank, RankStats, RemotePrefill, TestSwitches};
 use kvflow_operators::save::save;
 use kvflow_operators::schedule::schedule;
-use kvflow_operators::transfer::{EventRelay, HandoffInbox, HandoffSink};
+use kvflow_operators::transfer::{EventRelay, HandoffInbox, HandoffSink, TransferCounters};
 use kvflow_operators::verify::verify;
 use kvflow_operators::wake::RankWaker;
 use std::cell::RefCell;
@@ -130,6 +130,28 @@ pub struct PoolJob {
     /// process that drives the pool starts the routing index (worker 0's `align` feeds it, the
     /// ingress asks it).
     pub routing_index: bool,
+    /// A process of a spread pool that does not drive the workload: what its own links moved,
+    /// sent to the driving process's report with its ranks' results.
+    pub links_here: Option<LinkFigures>,
+}
+
+/// What one process's tcp links moved: bytes that crossed a socket, and the transfer engine's
+/// counters (`TransferCounters::snapshot`).
+#[derive(Clone, Default)]
+pub struct LinkFigures {
+    pub socket_bytes: Arc<std::sync::atomic::AtomicU64>,
+    pub counters: Arc<TransferCounters>,
+}
+
+impl LinkFigures {
+    fn read(&self) -> [u64; 9] {
+        let mut v = [0; 9];
+        v[0] = self.socket_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        for (slot, (_, value)) in v[1..].iter_mut().zip(self.counters.snapshot()) {
+            *slot = value;
+        }
+        v
+    }
 }
 
 /// An expert-parallel pool's model: where each rank loads its share of the experts from, and
@@ -178,12 +200,65 @@ pub struct PoolResult {
     /// Router `kv-aware`, the driving process: the routing index's last event per rank, and its
     /// resyncs.
     pub routing_index: Option<(std::collections::BTreeMap<u32, u64>, u64)>,
+    /// The driving process of a spread pool: what the other processes' links moved (socket
+    /// bytes, then the transfer counters in `TransferCounters::snapshot` order).
+    pub links_elsewhere: [u64; 9],
+}
+
+/// What a worker hands back when its pool ends: its rank's result, or on worker 0 of a pool
+/// spread over processes every rank's (`all_ranks`) and what the other processes' links moved
+/// (socket bytes, then the transfer counters in `TransferCounters::snapshot` order).
+struct RankResults {
+    all_ranks: bool,
+    ranks: Vec<Result<RankStats, String>>,
+    links_elsewhere: [u64; 9],
+}
+
+/// A pool spread over processes: every rank's end-of-run result crosses to worker 0 in one last
+/// dataflow (the processes are still connected then), so the driving process reports the ranks
+/// of every process. Each worker keeps its own too, for its process's end-of-run check.
+fn gather_on_worker_0(
+    worker: &mut timely::worker::Worker,
+    index: usize,
+    own: Result<RankStats, String>,
+    links: Option<[u64; 9]>,
+) -> RankResults {
+    use timely::dataflow::channels::pact::Exchange;
+    use timely::dataflow::operators::generic::operator::Operator;
+    use timely::dataflow::operators::ToStream;
+    type Ended = (usize, Result<RankStats, String>, Option<[u64; 9]>);
+    let gathered: Rc<RefCell<Vec<Ended>>> = Rc::default();
+    let into = gathered.clone();
+    worker.dataflow::<u64, _, _>(|scope| {
+        vec![(index, own.clone(), links)].to_stream(scope).container::<Vec<Ended>>().sink(
+            Exchange::new(|_: &Ended| 0u64),
+            "gather",
+            move |(input, _frontier)| {
+                input.for_each_stamp(|_, data| into.borrow_mut().extend(data.flat_map(|d| d.drain(..))));
+            },
+        );
+    });
+    while worker.has_dataflows() {
+        worker.step_or_park(None);
+    }
+    if index != 0 {
+        return RankResults { all_ranks: false, ranks: vec![own], links_elsewhere: [0; 9] };
+    }
+    let mut all = gathered.take();
+    all.sort_by_key(|(rank, ..)| *rank);
+    let mut links_elsewhere = [0u64; 9];
+    for figures in all.iter().filter_map(|(_, _, links)| *links) {
+        for (sum, v) in links_elsewhere.iter_mut().zip(figures) {
+            *sum += v;
+        }
+    }
+    RankResults { all_ranks: true, ranks: all.into_iter().map(|(_, r, _)| r).collect(), links_elsewhere }
 }
 
 /// A pool whose workers are running.
 pub struct RunningPool {
     name: String,
-    guards: timely::communication::WorkerGuards<Result<RankStats, String>>,
+    guards: timely::communication::WorkerGuards<RankResults>,
     cluster: Option<ClusterPlace>,
     routing_index: Option<SharedKvIndex>,
 }
@@ -196,20 +271,34 @@ impl RunningPool {
         let joined = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| guards.join()));
         match joined {
             Ok(results) => {
-                let ranks = results
+                let results: Vec<RankResults> = results
                     .into_iter()
-                    .map(|r| r.unwrap_or_else(|e| Err(format!("pool {name}: worker failed: {e}"))))
+                    .map(|r| {
+                        r.unwrap_or_else(|e| RankResults {
+                            all_ranks: false,
+                            ranks: vec![Err(format!("pool {name}: worker failed: {e}"))],
+                            links_elsewhere: [0; 9],
+                        })
+                    })
                     .collect();
+                // Worker 0 of a spread pool gathered every process's ranks: those are reported.
+                let (ranks, links_elsewhere) = match results.iter().position(|r| r.all_ranks) {
+                    Some(at) => {
+                        let all = results.into_iter().nth(at).expect("found");
+                        (all.ranks, all.links_elsewhere)
+                    }
+                    None => (results.into_iter().flat_map(|r| r.ranks).collect(), [0; 9]),
+                };
                 let routing_index = routing_index.map(|i| {
                     let i = i.lock().unwrap_or_else(|e| e.into_inner());
                     (i.applied(), i.resyncs)
                 });
-                PoolResult { name, ranks, lost: None, routing_index }
+                PoolResult { name, ranks, lost: None, routing_index, links_elsewhere }
             }
             Err(_) => {
                 let lost = super::peers::lost(&name, cluster.as_ref());
                 tracing::error!("{}", lost.message);
-                PoolResult { name, ranks: Vec::new(), lost: Some(lost), routing_index: None }
+                PoolResult { name, ranks: Vec::new(), lost: Some(lost), routing_index: None, links_elsewhere: [0; 9] }
             }
         }
     }
@@ -357,6 +446,7 @@ pub fn start_pool(
         experts,
         offload,
         routing_index,
+        links_here,
         ..
     } = job;
     let collectives = collectives(experts.as_ref());
@@ -378,6 +468,8 @@ pub fn start_pool(
     let sink = Mutex::new(sink);
     let pool = name.clone();
     let cluster = job_cluster;
+    let spread = cluster.is_some();
+    let processes = cluster.as_ref().map_or(1, |c| c.processes);
     let run_workers = move || {
         timely::execute(config, move |worker| {
             if let Some(watch) = &watch {
@@ -462,7 +554,14 @@ pub fn start_pool(
                 worker.step_or_park(None);
             }
             let result = rank.borrow_mut().finish_run();
-            result
+            if spread {
+                // One worker per process says what the process's links moved.
+                let first_here = index % (peers / processes) == 0;
+                let links = links_here.as_ref().filter(|_| first_here).map(LinkFigures::read);
+                gather_on_worker_0(worker, index, result, links)
+            } else {
+                RankResults { all_ranks: false, ranks: vec![result], links_elsewhere: [0; 9] }
+            }
         })
     };
     let guards = match &cluster {

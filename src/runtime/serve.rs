@@ -7,7 +7,7 @@
 //! events come back through them (`transfer::relay`).
 
 use super::links::{self, WireOptions};
-use super::pool::{start_pool, ClusterPlace, PoolJob, PoolResult};
+use super::pool::{start_pool, ClusterPlace, LinkFigures, PoolJob, PoolResult};
 use super::{check_ranks, RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
 use crate::graph::{Graph, PoolConfig};
 use anyhow::{anyhow, bail, Result};
@@ -158,6 +158,8 @@ pub(super) fn run_beside_driver(
     let mut results: Vec<PoolResult> = Vec::new();
     for mut job in jobs {
         job.handoff = wiring.handoff.remove(&job.name).unwrap_or_default();
+        job.links_here =
+            Some(LinkFigures { socket_bytes: wiring.socket_bytes.clone(), counters: wiring.counters.clone() });
         results.push(start_pool(job, None, None, None)?.join());
     }
     for link in &remote_links {

@@ -265,6 +265,9 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
     assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(8), Some(0)), "{r}");
     let on_rank_1 = records(dir.path()).iter().filter(|x| x["rank"] == 1).count();
     assert_eq!(on_rank_1, 4, "rank 1 (the other host's worker) served its share");
+    let tokens: Vec<u64> =
+        r["rank_stats"].as_array().unwrap().iter().map(|s| s["forward_tokens"].as_u64().unwrap()).collect();
+    assert!(tokens.len() == 2 && tokens[1] > 0, "both hosts' ranks are in the report: {tokens:?}");
 
     // Router kv-aware over the two hosts: rank 1's cache events cross to the index on host 0.
     let dir = tempfile::tempdir().unwrap();
@@ -315,6 +318,13 @@ fn launch_runs_a_prefill_pool_over_two_processes_beside_its_decode_pool() {
     let from_rank_1 = records(dir.path()).iter().filter(|x| x["prefill_rank"] == 1).count();
     assert_eq!(from_rank_1, 4, "round robin over two prefill ranks in two processes");
     assert!(stderr.contains("[prefill/1] process 1: handed off 4 request(s) over its own links and relayed 8 event(s)"));
+    // Process 1's ranks and links are in the report: they crossed to process 0 when the pool ended.
+    let h = &r["handoff"];
+    assert_eq!(h["count"], 8, "{h}");
+    assert!(h["socket_bytes"].as_u64().unwrap() >= h["bytes"].as_u64().unwrap(), "{h}");
+    let rank_1 = r["rank_stats"].as_array().unwrap().iter().find(|s| s["pool"] == "prefill" && s["rank"] == 1).cloned();
+    let rank_1 = rank_1.expect("rank 1 of the prefill pool is in rank_stats");
+    assert_eq!((rank_1["handoffs_out"].as_u64(), rank_1["relayed_events"].as_u64()), (Some(4), Some(8)), "{rank_1}");
     assert!(stderr.contains("[decode] decode pool `decode`: took 8 handoff(s); every block and slot is free"));
 }
 
@@ -363,6 +373,9 @@ fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_
     assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(10), Some(0)), "{r}");
     let from_host_1 = records(dir.path()).iter().filter(|x| x["prefill_rank"] == 1).count();
     assert_eq!(from_host_1, 5, "host 1's rank prefilled its share");
+    let h = &r["handoff"];
+    assert_eq!(h["count"], 10, "{h}");
+    assert!(h["socket_bytes"].as_u64().unwrap() >= h["bytes"].as_u64().unwrap(), "both hosts' links: {h}");
     assert!(other_stderr.contains("process 1: handed off 5 request(s) over its own links"), "{other_stderr}");
     let took: Vec<String> = decode_lines.try_iter().filter(|l| l.contains("took")).collect();
     assert_eq!(took, ["decode pool `decode`: took 10 handoff(s); every block and slot is free"]);

@@ -35,7 +35,7 @@ pub struct OffloadSetup {
 }
 
 /// The tier's counters of one rank.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OffloadStats {
     pub saved_chunks: u64,
     pub saved_bytes: u64,

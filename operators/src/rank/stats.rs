@@ -1,7 +1,7 @@
 //! Counters a rank keeps over a run, reported per pool.
 
 /// Counters of one rank.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RankStats {
     /// The rank these are the counters of.
     pub rank: usize,
@@ -68,7 +68,7 @@ pub struct RankStats {
 }
 
 /// Per-step samples of a rank's memory use and batch size.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct UtilizationSamples {
     pub kv: Vec<f32>,
     pub slots: Vec<f32>,
@@ -78,7 +78,7 @@ pub struct UtilizationSamples {
 }
 
 /// A rank's speculative decoding.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SpecStats {
     /// Drafts `propose` made (the scheduler books as many as each request's width allows).
     pub proposed_tokens: u64,
