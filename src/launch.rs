@@ -267,13 +267,13 @@ mod tests {
             plan_args(&g),
             vec![vec!["--pools", "d"], vec!["--pools", "p", "--process", "1"], vec!["--pools", "p", "--process", "0"]]
         );
-        // Over an inproc link the decode pool would have to run in every process of the prefill pool.
+        // Another pool would have to run in the driving process beside it.
         let g = graph(
-            "[[pool]]\nname = \"p\"\nrole = \"prefill\"\nranks = 2\nhosts = [\"127.0.0.1:7101\", \"127.0.0.1:7102\"]\n\n\
-             [[pool]]\nname = \"d\"\nrole = \"decode\"\n\n[[link]]\nfrom = \"p\"\nto = \"d\"\n",
+            "[[pool]]\nname = \"a\"\nranks = 2\nhosts = [\"127.0.0.1:7101\", \"127.0.0.1:7102\"]\n\n\
+             [[pool]]\nname = \"b\"\n",
         );
         let err = plan(&g).unwrap_err().to_string();
-        assert!(err.contains("pool `p` lists 2 processes") && err.contains("(d)"), "{err}");
+        assert!(err.contains("pool `a` lists 2 processes") && err.contains("(b)"), "{err}");
     }
 
     #[test]

@@ -178,39 +178,16 @@ impl Collector {
     /// Ends request `id`, released into `pool`, before it entered the pool: it was refused at
     /// the door (`cause`, `message` say why).
     pub fn refuse(&mut self, id: u64, pool: &str, cause: &str, message: String) {
-        let event = Event::Failed {
-            id,
-            rank: usize::MAX,
-            cause: cause.into(),
-            message,
-            tokens: Vec::new(),
-            token_times: Default::default(),
-            started_ms: None,
-        };
-        self.apply(pool, event);
+        self.apply(pool, failed_here(id, cause, message));
     }
 
     /// Ends every request still open in `pool` with `cause` (the pool's computation ended
     /// without reporting them), so no request is silently dropped and the driver stops waiting.
     pub fn fail_open(&mut self, pool: &str, cause: &str, message: &str) {
         self.ended.insert(pool.to_string(), (cause.to_string(), message.to_string()));
-        let open: Vec<u64> = self
-            .requests
-            .values()
-            .filter(|r| r.ended_ms.is_none() && r.pools.last().is_some_and(|p| p == pool))
-            .map(|r| r.id)
-            .collect();
+        let open = self.open_where(|r| r.pools.last().is_some_and(|p| p == pool));
         for id in open {
-            let event = Event::Failed {
-                id,
-                rank: usize::MAX,
-                cause: cause.into(),
-                message: message.into(),
-                tokens: Vec::new(),
-                token_times: Default::default(),
-                started_ms: None,
-            };
-            self.apply(pool, event);
+            self.apply(pool, failed_here(id, cause, message.into()));
         }
     }
 
@@ -218,25 +195,18 @@ impl Collector {
     /// handed off: the decode pool's events for it came back through that rank's process, now
     /// gone with the pool (`transfer::relay`).
     pub fn fail_relayed(&mut self, pool: &str, kept: std::ops::Range<usize>, cause: &str, message: &str) {
-        let open: Vec<u64> = self
-            .requests
-            .values()
-            .filter(|r| r.ended_ms.is_none() && r.pools.iter().any(|p| p == pool))
-            .filter(|r| r.prefill_rank.is_some_and(|rank| !kept.contains(&rank)))
-            .map(|r| r.id)
-            .collect();
+        let open = self.open_where(|r| {
+            r.pools.iter().any(|p| p == pool) && r.prefill_rank.is_some_and(|rank| !kept.contains(&rank))
+        });
+        let message = format!("{message}; its decode pool's events came back through that process");
         for id in open {
-            let event = Event::Failed {
-                id,
-                rank: usize::MAX,
-                cause: cause.into(),
-                message: format!("{message}; its decode pool's events came back through that process"),
-                tokens: Vec::new(),
-                token_times: Default::default(),
-                started_ms: None,
-            };
-            self.apply(pool, event);
+            self.apply(pool, failed_here(id, cause, message.clone()));
         }
+    }
+
+    /// The requests not ended yet that `pick` picks.
+    fn open_where(&self, pick: impl Fn(&RequestRecord) -> bool) -> Vec<u64> {
+        self.requests.values().filter(|r| r.ended_ms.is_none() && pick(r)).map(|r| r.id).collect()
     }
 
     /// Every request's record, in id order, and ends the progress bar.
@@ -245,6 +215,19 @@ impl Collector {
         let mut records: Vec<RequestRecord> = self.requests.drain().map(|(_, r)| r).collect();
         records.sort_by_key(|r| r.id);
         records
+    }
+}
+
+/// The end of a request the run failed itself (no rank reported it).
+fn failed_here(id: u64, cause: &str, message: String) -> Event {
+    Event::Failed {
+        id,
+        rank: usize::MAX,
+        cause: cause.into(),
+        message,
+        tokens: Vec::new(),
+        token_times: Default::default(),
+        started_ms: None,
     }
 }
 

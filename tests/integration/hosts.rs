@@ -138,6 +138,17 @@ impl TwoHosts {
         c.args(["netns", "exec", &self.names[host], env!("CARGO_BIN_EXE_kvflow")]).args(args);
         c
     }
+
+    /// Process `process` of spread pool `pool`, on host `process`, its stderr piped.
+    fn start_process(&self, graph: &std::path::Path, pool: &str, process: usize, verify: bool) -> std::process::Child {
+        let g = graph.to_string_lossy().to_string();
+        let index = process.to_string();
+        let mut args = vec!["run", g.as_str(), "--pools", pool, "--process", index.as_str()];
+        if verify {
+            args.push("--verify");
+        }
+        self.kvflow(process, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
+    }
 }
 
 impl Drop for TwoHosts {
@@ -157,8 +168,8 @@ fn ip(args: &[String]) -> Result<(), String> {
     }
 }
 
-/// The decode pool's process on `host`, once it listens; its stderr after that line comes
-/// through `rest`.
+/// The decode pool's process on `host`, once it listens, and a receiver of its later stderr
+/// lines.
 fn start_decode_on(
     hosts: &TwoHosts,
     host: usize,
@@ -242,15 +253,7 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
         "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{}:7471\", \"{}:7471\"]\n",
         hosts.addresses[0], hosts.addresses[1]
     );
-    let start = |graph: &std::path::Path, host: usize, verify: bool| {
-        let g = graph.to_string_lossy().to_string();
-        let process = host.to_string();
-        let mut args = vec!["run", g.as_str(), "--pools", "main", "--process", process.as_str()];
-        if verify {
-            args.push("--verify");
-        }
-        hosts.kvflow(host, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
-    };
+    let start = |graph: &std::path::Path, host: usize, verify: bool| hosts.start_process(graph, "main", host, verify);
 
     let dir = tempfile::tempdir().unwrap();
     let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
@@ -347,15 +350,8 @@ fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_
     // handoffs and relayed events cross the veth pair.
     let (a, b) = (&hosts.addresses[0], &hosts.addresses[1]);
     let pools = spread_prefill(&format!("{a}:7481"), &format!("{b}:7481"), &format!("{a}:7462"));
-    let start = |graph: &std::path::Path, process: usize, verify: bool| {
-        let g = graph.to_string_lossy().to_string();
-        let index = process.to_string();
-        let mut args = vec!["run", g.as_str(), "--pools", "prefill", "--process", index.as_str()];
-        if verify {
-            args.push("--verify");
-        }
-        hosts.kvflow(process, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
-    };
+    let start =
+        |graph: &std::path::Path, process: usize, verify: bool| hosts.start_process(graph, "prefill", process, verify);
 
     let dir = tempfile::tempdir().unwrap();
     let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
