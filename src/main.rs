@@ -21,7 +21,7 @@ enum Command {
     /// Greedy generation for a JSONL file of prompts, as one continuous batch on one CPU executor.
     #[command(allow_negative_numbers = true)]
     Generate {
-        /// Hugging Face checkpoint folder, or a TOML model spec (seeded random weights).
+        /// Hugging Face checkpoint folder, a llama GGUF file (`.gguf`), or a TOML model spec (seeded random weights).
         #[arg(long)]
         model: PathBuf,
         /// JSONL, one {"prompt": [token ids]} per line.
@@ -267,7 +267,7 @@ enum BenchCommand {
     /// Decode tokens/s with n-gram drafting beside the same repetitive workload without it, with
     /// the acceptance rate and mean accepted length.
     Spec {
-        /// A checkpoint folder or a TOML model spec.
+        /// A checkpoint folder, a llama GGUF file or a TOML model spec.
         #[arg(long, default_value = "fixtures/hf/llama")]
         model: std::path::PathBuf,
         #[arg(long, default_value_t = 32, value_parser = flags::count)]
@@ -352,7 +352,7 @@ enum BenchCommand {
     /// in the same device run by benches/device/speed.sh) and beside the step's lower bound
     /// from the copy and matrix rates, then the decode step's device time kernel by kernel.
     Speed {
-        /// A checkpoint folder or a TOML model spec.
+        /// A checkpoint folder, a llama GGUF file or a TOML model spec.
         #[arg(long)]
         model: PathBuf,
         #[arg(long, default_value_t = 0)]

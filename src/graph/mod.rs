@@ -35,7 +35,7 @@
 //!
 //! ```toml
 //! [model]
-//! path = "../fixtures/hf/kimi_linear"   # checkpoint folder, or a TOML model spec file (seeded random weights)
+//! path = "../fixtures/hf/kimi_linear"   # checkpoint folder, a llama GGUF file, or a TOML model spec (seeded random weights)
 //!
 //! [memory]
 //! budget_bytes = 67108864          # per rank; or with a unit: "64 MiB", "2 GiB", "500 MB" (default "256 MiB")
@@ -210,7 +210,7 @@ pub fn known_trace_formats() -> Vec<&'static str> {
 pub struct Graph {
     /// The graph file, as it was named when loaded (error messages name it so).
     pub path: PathBuf,
-    /// A checkpoint folder or a TOML model spec file; it exists.
+    /// A checkpoint folder, a llama GGUF file or a TOML model spec file; it exists.
     pub model: PathBuf,
     pub memory: MemoryConfig,
     pub scheduler: SchedulerConfig,

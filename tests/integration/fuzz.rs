@@ -284,3 +284,17 @@ fn safetensors_headers() {
         let _ = kvflow_kernels::checkpoint::parse_safetensors_header(Path::new("model.safetensors"), input);
     });
 }
+
+#[test]
+fn gguf_files() {
+    // The whole load: header, metadata to config, every tensor dequantized, the model built and
+    // one step run (a mutation that loads must give finite logits or an error, never a panic).
+    let scratch = Scratch::new("fuzzed.gguf");
+    fuzz("gguf", 9, |input| {
+        if let Ok(model) = kvflow_kernels::models::load(scratch.holding(input)) {
+            let prompts = vec![vec![1u32, 2, 3]];
+            let opts = kvflow::generate::GenerateOptions { max_new_tokens: 2, ..Default::default() };
+            let _ = kvflow::generate::generate(&model, &prompts, &opts);
+        }
+    });
+}

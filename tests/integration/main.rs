@@ -9,6 +9,7 @@ mod disaggregated;
 mod expert_parallel;
 mod faults;
 mod fuzz;
+mod gguf;
 mod handoff;
 mod hf_fixtures;
 mod hosts;

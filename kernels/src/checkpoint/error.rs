@@ -18,6 +18,8 @@ pub enum LoadError {
     Config { path: PathBuf, field: String, message: String },
     #[error("{path}: not a valid safetensors file: {message}")]
     Safetensors { path: PathBuf, message: String },
+    #[error("{path}: not a valid GGUF file: {message}")]
+    Gguf { path: PathBuf, message: String },
     #[error("missing tensor `{name}` in {path}")]
     MissingTensor { path: PathBuf, name: String },
     #[error("tensor `{name}` in {path}: expected shape {expected:?}, found {found:?}")]

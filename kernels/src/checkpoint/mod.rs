@@ -1,11 +1,13 @@
 //! Where weights come from: a Hugging Face checkpoint folder (`config.json` + safetensors, single
-//! file or sharded) or a seeded random model built from a TOML spec. Both implement
-//! [`WeightSource`], so a model family is built by one code path whatever the source.
+//! file or sharded), a llama-architecture GGUF file, or a seeded random model built from a TOML
+//! spec. Each implements [`WeightSource`], so a model family is built by one code path whatever
+//! the source.
 
 mod checks;
 mod config;
 mod error;
 mod fields;
+pub mod gguf;
 mod random;
 mod safetensors_dir;
 

@@ -29,6 +29,7 @@ pub use decoder::{check_context, Model, ModelCache, Phase, RoutedRows, StepActiv
 pub use family::{Family, FamilyInfo, FAMILIES};
 pub use size::{available_memory, human_bytes, ModelSize};
 
+use crate::checkpoint::gguf::{gguf_config, GgufFile, GgufWeights};
 use crate::checkpoint::{ConfigSource, ExpertShard, LoadError, ModelSpec, SafetensorsDir, WeightSource};
 use std::path::Path;
 
@@ -92,8 +93,9 @@ fn max_positions(cfg: &ConfigSource) -> Result<Option<usize>, LoadError> {
     Ok(None)
 }
 
-/// Loads a model from a Hugging Face checkpoint folder (or its `config.json`), or builds a
-/// seeded random one when `source` is a TOML model spec file.
+/// Loads a model from a Hugging Face checkpoint folder (or its `config.json`) or a llama GGUF
+/// file (`.gguf`, dequantized to f32), or builds a seeded random one when `source` is a TOML
+/// model spec file.
 pub fn load(source: &Path) -> Result<Model, LoadError> {
     load_for(source, None)
 }
@@ -116,6 +118,12 @@ fn load_for(source: &Path, shard: Option<(usize, usize)>) -> Result<Model, LoadE
         build_from(&cfg, &weights)
     };
     if source.is_file() {
+        if source.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            let file = GgufFile::open(source)?;
+            let cfg = gguf_config(&file)?;
+            check(&cfg)?;
+            return build_from(&cfg, &GgufWeights::new(&file, &cfg));
+        }
         if source.file_name().is_some_and(|n| n == "config.json") {
             // The checkpoint is the folder the config sits in.
             let dir = source.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));

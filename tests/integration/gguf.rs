@@ -1,0 +1,77 @@
+//! GGUF checkpoints. The llama fixture written as GGUF by tools/gguf_from_hf.py (llama.cpp's
+//! layout: q/k rows permuted, F32 or Q8_0) reproduces transformers' outputs through `generate`.
+//! SmolLM2-135M-Instruct (Q4_1, fetched by tools/fetch_smollm2.sh; CI fetches it and sets
+//! `KVFLOW_REQUIRE_SMOLLM2`) reproduces tools/smollm2_reference.py — an implementation of its own
+//! (the `gguf` package's dequantization, a numpy forward on GGUF's own rope layout) — greedy
+//! tokens exact and logits within 1e-4.
+
+use crate::common::{check_case, expected, fixture, load, rel_err};
+use kvflow::generate::{generate, GenerateOptions};
+use serde::Deserialize;
+use std::path::PathBuf;
+
+#[test]
+fn the_llama_fixture_as_gguf_reproduces_transformers() {
+    let exp = expected(&fixture("hf/llama"));
+    let model = load(&fixture("gguf/llama-f32.gguf"));
+    let prompts: Vec<Vec<u32>> = exp.cases.iter().map(|c| c.prompt.clone()).collect();
+    let (n, k) = (exp.cases[0].greedy.len(), exp.cases[0].decode_logits.len());
+    let opts = GenerateOptions { max_new_tokens: n, chunk_tokens: 64, decode_logits: k, ..Default::default() };
+    let got = generate(&model, &prompts, &opts).expect("generate");
+    for (i, (case, g)) in exp.cases.iter().zip(&got).enumerate() {
+        check_case(&format!("llama-f32.gguf case {i}"), case, g);
+    }
+}
+
+#[derive(Deserialize)]
+struct SmolCase {
+    rendered: String,
+    prompt: Vec<u32>,
+    greedy: Vec<u32>,
+    last_logits: Vec<f32>,
+    decode_logits: Vec<f32>,
+}
+
+#[derive(Deserialize)]
+struct SmolExpected {
+    cases: Vec<SmolCase>,
+}
+
+/// The SmolLM2 GGUF: `KVFLOW_SMOLLM2`, else where tools/fetch_smollm2.sh caches it; `None` (after
+/// saying why) when it is not there and CI did not ask for it.
+pub fn smollm2() -> Option<PathBuf> {
+    let cached = std::env::var_os("KVFLOW_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvflow")))
+        .map(|c| c.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    let path = std::env::var_os("KVFLOW_SMOLLM2").map(PathBuf::from).or(cached).filter(|p| p.is_file());
+    if path.is_none() {
+        assert!(
+            std::env::var_os("KVFLOW_REQUIRE_SMOLLM2").is_none(),
+            "KVFLOW_REQUIRE_SMOLLM2 is set, but the SmolLM2 GGUF is not there (bash tools/fetch_smollm2.sh)"
+        );
+        println!("skipped: the SmolLM2 GGUF is not fetched (bash tools/fetch_smollm2.sh, or set KVFLOW_SMOLLM2)");
+    }
+    path
+}
+
+#[test]
+fn smollm2_q4_1_reproduces_its_reference() {
+    let Some(path) = smollm2() else { return };
+    let text = std::fs::read_to_string(fixture("smollm2/expected.json")).unwrap();
+    let exp: SmolExpected = serde_json::from_str(&text).unwrap();
+    let model = load(&path);
+    let prompts: Vec<Vec<u32>> = exp.cases.iter().map(|c| c.prompt.clone()).collect();
+    let opts = GenerateOptions { max_new_tokens: exp.cases[0].greedy.len(), decode_logits: 1, ..Default::default() };
+    let got = generate(&model, &prompts, &opts).expect("generate");
+    for (case, g) in exp.cases.iter().zip(&got) {
+        let what = format!("{:?}", case.rendered);
+        assert_eq!(g.tokens, case.greedy, "{what}: greedy tokens");
+        let kept = case.last_logits.len();
+        let e = rel_err(&g.last_logits[..kept], &case.last_logits);
+        assert!(e < 1e-4, "{what}: prompt logits relative error {e:.2e}");
+        let decode = &g.decode_logits.as_ref().expect("asked for")[0];
+        let e = rel_err(&decode[..kept], &case.decode_logits);
+        assert!(e < 1e-4, "{what}: first decode logits relative error {e:.2e}");
+    }
+}
