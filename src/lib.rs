@@ -11,5 +11,6 @@ pub mod registry;
 pub mod report;
 pub mod runtime;
 pub mod signals;
+pub mod text;
 pub mod trace;
 pub mod workload;

@@ -3,7 +3,8 @@
 //! SmolLM2-135M-Instruct (Q4_1, fetched by tools/fetch_smollm2.sh; CI fetches it and sets
 //! `KVFLOW_REQUIRE_SMOLLM2`) reproduces tools/smollm2_reference.py — an implementation of its own
 //! (the `gguf` package's dequantization, a numpy forward on GGUF's own rope layout) — greedy
-//! tokens exact and logits within 1e-4.
+//! tokens exact and logits within 1e-4; its tokenizer and chat template, read from the GGUF
+//! metadata, give the reference's prompt ids, rendered prompts and decoded text.
 
 use crate::common::{check_case, expected, fixture, load, rel_err};
 use kvflow::generate::{generate, GenerateOptions};
@@ -25,6 +26,11 @@ fn the_llama_fixture_as_gguf_reproduces_transformers() {
 
 #[derive(Deserialize)]
 struct SmolCase {
+    kind: String,
+    #[serde(default)]
+    messages: Vec<kvflow::text::ChatMessage>,
+    eos_at: Option<usize>,
+    text: String,
     rendered: String,
     prompt: Vec<u32>,
     greedy: Vec<u32>,
@@ -74,4 +80,43 @@ fn smollm2_q4_1_reproduces_its_reference() {
         let e = rel_err(&decode[..kept], &case.decode_logits);
         assert!(e < 1e-4, "{what}: first decode logits relative error {e:.2e}");
     }
+}
+
+#[test]
+fn smollm2_tokenizer_and_chat_template_give_the_references_prompts_and_text() {
+    use kvflow::text::TextModel;
+    let Some(path) = smollm2() else { return };
+    let text = std::fs::read_to_string(fixture("smollm2/expected.json")).unwrap();
+    let exp: SmolExpected = serde_json::from_str(&text).unwrap();
+    let model = TextModel::load(&path).unwrap();
+    assert_eq!(model.eos(), Some(2), "<|im_end|>");
+    // The same tokenizer and template served from a checkpoint folder (tokenizer.json and
+    // tokenizer_config.json) give the same.
+    let dir = tempfile::tempdir().unwrap();
+    model.save_tokenizer_json(&dir.path().join("tokenizer.json")).unwrap();
+    let f = kvflow_kernels::checkpoint::gguf::GgufFile::open(&path).unwrap();
+    let template = f.get("tokenizer.chat_template").and_then(|v| v.as_str()).unwrap().to_string();
+    let config = serde_json::json!({"chat_template": template, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let from_folder = TextModel::load(dir.path()).unwrap();
+    for m in [&model, &from_folder] {
+        for case in &exp.cases {
+            if case.kind == "chat" {
+                assert_eq!(m.render_chat(&case.messages, true).unwrap(), case.rendered);
+            }
+            assert_eq!(m.encode(&case.rendered).unwrap(), case.prompt, "{:?}", case.rendered);
+            let end = case.eos_at.unwrap_or(case.greedy.len());
+            assert_eq!(m.decode(&case.greedy[..end]).unwrap(), case.text);
+        }
+        assert_eq!(m.eos(), Some(2));
+    }
+}
+
+#[test]
+fn a_gguf_without_a_tokenizer_or_a_folder_without_tokenizer_json_is_a_clear_error() {
+    use kvflow::text::TextModel;
+    let e = TextModel::load(&fixture("gguf/llama-f32.gguf")).err().unwrap().to_string();
+    assert!(e.contains("llama-f32.gguf") && e.contains("`tokenizer.ggml.model`") && e.contains("no tokenizer"), "{e}");
+    let e = TextModel::load(&fixture("hf/llama")).err().unwrap().to_string();
+    assert!(e.contains("hf/llama") && e.contains("no tokenizer.json"), "{e}");
 }
