@@ -20,26 +20,34 @@ const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks 
     [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
     [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nendpoint = \"ENDPOINT\"\n";
 
-fn launch(graph: &std::path::Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvflow"))
+/// `kvflow launch` of `pools` over `limit` requests with `--verify` in `dir`: it succeeds and
+/// every request completes exactly. Returns launch's stderr.
+fn launch_exact(dir: &std::path::Path, pools: &str, limit: u64) -> String {
+    let workload = format!("mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = {limit}");
+    let graph = write_graph_with(dir, "hf/llama", "mooncake_conversation_head.jsonl", &workload, "32 MiB", pools);
+    let out: Output = Command::new(env!("CARGO_BIN_EXE_kvflow"))
         .args(["launch", &graph.to_string_lossy(), "--", "--verify"])
         .output()
-        .unwrap()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{stderr}");
+    let r = report(dir);
+    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(limit), Some(0)), "{r}");
+    stderr
+}
+
+/// Two loopback `host:port`s free now.
+fn two_free_ports() -> [String; 2] {
+    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
+    [free(), free()]
 }
 
 #[test]
 fn launch_starts_a_pd_graphs_processes_and_the_decode_pool_runs_in_its_own() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
-    let pools = TCP_1P1D.replace("ENDPOINT", "127.0.0.1:0");
-    let graph =
-        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
-    let out = launch(&graph);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    let stderr = launch_exact(dir.path(), &TCP_1P1D.replace("ENDPOINT", "127.0.0.1:0"), 10);
     let r = report(dir.path());
-    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(10), Some(0)), "{r}");
     // The decode work ran in the other process: the driving one took no handoff.
     assert_eq!(r["handoff"]["received"], 0, "{}", r["handoff"]);
     assert!(
@@ -52,19 +60,9 @@ fn launch_starts_a_pd_graphs_processes_and_the_decode_pool_runs_in_its_own() {
 fn launch_runs_a_pool_over_the_hosts_it_lists() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let ports: Vec<u16> =
-        (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
-    let pools = format!(
-        "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"127.0.0.1:{}\", \"127.0.0.1:{}\"]\n",
-        ports[0], ports[1]
-    );
-    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
-    let graph =
-        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
-    let out = launch(&graph);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let r = report(dir.path());
-    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(8), Some(0)), "{r}");
+    let [a, b] = two_free_ports();
+    let pools = format!("[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{a}\", \"{b}\"]\n");
+    launch_exact(dir.path(), &pools, 8);
     // Rank 1 is process 1's only worker: requests served there ran in the other process.
     let on_rank_1 = records(dir.path()).iter().filter(|x| x["rank"] == 1).count();
     assert_eq!(on_rank_1, 4, "round robin over two ranks in two processes");
@@ -305,17 +303,9 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
 fn launch_runs_a_prefill_pool_over_two_processes_beside_its_decode_pool() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let ports: Vec<u16> =
-        (0..2).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
-    let pools = spread_prefill(&format!("127.0.0.1:{}", ports[0]), &format!("127.0.0.1:{}", ports[1]), "127.0.0.1:0");
-    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
-    let graph =
-        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
-    let out = launch(&graph);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
+    let [a, b] = two_free_ports();
+    let stderr = launch_exact(dir.path(), &spread_prefill(&a, &b, "127.0.0.1:0"), 8);
     let r = report(dir.path());
-    assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(8), Some(0)), "{r}");
     // Half the prefills ran in process 1, whose own links handed them off and relayed their
     // decode events (Received and Finished) back through its rank.
     let from_rank_1 = records(dir.path()).iter().filter(|x| x["prefill_rank"] == 1).count();
