@@ -36,10 +36,13 @@ fn launch_exact(dir: &std::path::Path, pools: &str, limit: u64) -> String {
     stderr
 }
 
-/// Two loopback `host:port`s free now.
-fn two_free_ports() -> [String; 2] {
-    let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
-    [free(), free()]
+/// `N` distinct loopback `host:port`s free now (all held while picked, so none repeats; a
+/// process the test then starts binds its fixed port, never one the kernel picks, which could be
+/// one of these).
+fn free_ports<const N: usize>() -> [String; N] {
+    let held: Vec<std::net::TcpListener> =
+        (0..N).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    std::array::from_fn(|i| held[i].local_addr().unwrap().to_string())
 }
 
 #[test]
@@ -60,7 +63,7 @@ fn launch_starts_a_pd_graphs_processes_and_the_decode_pool_runs_in_its_own() {
 fn launch_runs_a_pool_over_the_hosts_it_lists() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let [a, b] = two_free_ports();
+    let [a, b] = free_ports();
     let pools = format!("[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{a}\", \"{b}\"]\n");
     launch_exact(dir.path(), &pools, 8);
     // Rank 1 is process 1's only worker: requests served there ran in the other process.
@@ -303,8 +306,8 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
 fn launch_runs_a_prefill_pool_over_two_processes_beside_its_decode_pool() {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let [a, b] = two_free_ports();
-    let stderr = launch_exact(dir.path(), &spread_prefill(&a, &b, "127.0.0.1:0"), 8);
+    let [a, b, decode] = free_ports();
+    let stderr = launch_exact(dir.path(), &spread_prefill(&a, &b, &decode), 8);
     let r = report(dir.path());
     // Half the prefills ran in process 1, whose own links handed them off and relayed their
     // decode events (Received and Finished) back through its rank.
