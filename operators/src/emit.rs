@@ -1,7 +1,9 @@
 //! `emit(t)`: collects every rank's events on worker 0 (an exchange to worker 0) and hands them
 //! to the run's collector. It consumes `verify`'s *sampled* output: each request that ended
 //! (finished, failed or cancelled) arrives at the step whose completion ended it, carrying when
-//! its first and last tokens became known on its rank; events cross ranks only then. Holds no
+//! its first and last tokens became known on its rank; events cross ranks only then (and events a
+//! decode pool in another process sent back through a prefill rank, at the step that rank
+//! drained them: `transfer::relay`). Holds no
 //! capability; nothing it receives flows back into the step loop (DESIGN §4: completions must
 //! not gate a step).
 

@@ -687,6 +687,11 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     } else {
         Default::default()
     };
+    // A spread pool's other processes: what their links moved.
+    let mut elsewhere = pool::LinkTotals::default();
+    for r in &results {
+        elsewhere.add(&r.links_elsewhere);
+    }
     let context = report::RunContext {
         graph,
         model: &model,
@@ -698,12 +703,12 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         pools: &layouts,
         stats: &stats,
         accounting: &accounting,
-        socket_bytes: socket_bytes.load(Ordering::Relaxed) + results.iter().map(|r| r.links_elsewhere[0]).sum::<u64>(),
+        socket_bytes: socket_bytes.load(Ordering::Relaxed) + elsewhere.socket_bytes,
         transfer: transfer_counters
             .snapshot()
             .iter()
-            .enumerate()
-            .map(|(i, &(name, value))| (name, value + results.iter().map(|r| r.links_elsewhere[i + 1]).sum::<u64>()))
+            .zip(elsewhere.counters)
+            .map(|(&(name, here), there)| (name, here + there))
             .collect(),
         routing_index: results
             .iter()

@@ -1,7 +1,8 @@
 //! One pool as one timely computation: its ranks are timely workers (threads of this process, or
 //! processes of a cluster), each building the per-pool graph of DESIGN §4 ([`build_pool_graph`])
 //! and parking when idle. A run starts several pools side by side ([`start_pool`] returns at
-//! once) and joins them when the workload is done.
+//! once) and joins them when the workload is done; a pool spread over processes then gathers
+//! every rank's end-of-run result on worker 0 in one last dataflow.
 //!
 //! ```text
 //! ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─▶ verify(t) ─┬▶ emit(t) ─▶ collector
@@ -144,13 +145,29 @@ pub struct LinkFigures {
 }
 
 impl LinkFigures {
-    fn read(&self) -> [u64; 9] {
-        let mut v = [0; 9];
-        v[0] = self.socket_bytes.load(std::sync::atomic::Ordering::Relaxed);
-        for (slot, (_, value)) in v[1..].iter_mut().zip(self.counters.snapshot()) {
+    fn read(&self) -> LinkTotals {
+        let mut counters = [0; 8];
+        for (slot, (_, value)) in counters.iter_mut().zip(self.counters.snapshot()) {
             *slot = value;
         }
-        v
+        LinkTotals { socket_bytes: self.socket_bytes.load(std::sync::atomic::Ordering::Relaxed), counters }
+    }
+}
+
+/// What some processes' links moved, summed: socket bytes, and the transfer counters in
+/// `TransferCounters::snapshot` order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LinkTotals {
+    pub socket_bytes: u64,
+    pub counters: [u64; 8],
+}
+
+impl LinkTotals {
+    pub fn add(&mut self, other: &LinkTotals) {
+        self.socket_bytes += other.socket_bytes;
+        for (sum, v) in self.counters.iter_mut().zip(other.counters) {
+            *sum += v;
+        }
     }
 }
 
@@ -200,18 +217,16 @@ pub struct PoolResult {
     /// Router `kv-aware`, the driving process: the routing index's last event per rank, and its
     /// resyncs.
     pub routing_index: Option<(std::collections::BTreeMap<u32, u64>, u64)>,
-    /// The driving process of a spread pool: what the other processes' links moved (socket
-    /// bytes, then the transfer counters in `TransferCounters::snapshot` order).
-    pub links_elsewhere: [u64; 9],
+    /// The driving process of a spread pool: what the other processes' links moved.
+    pub links_elsewhere: LinkTotals,
 }
 
 /// What a worker hands back when its pool ends: its rank's result, or on worker 0 of a pool
-/// spread over processes every rank's (`all_ranks`) and what the other processes' links moved
-/// (socket bytes, then the transfer counters in `TransferCounters::snapshot` order).
+/// spread over processes every rank's (`all_ranks`) and what the other processes' links moved.
 struct RankResults {
     all_ranks: bool,
     ranks: Vec<Result<RankStats, String>>,
-    links_elsewhere: [u64; 9],
+    links_elsewhere: LinkTotals,
 }
 
 /// A pool spread over processes: every rank's end-of-run result crosses to worker 0 in one last
@@ -221,12 +236,12 @@ fn gather_on_worker_0(
     worker: &mut timely::worker::Worker,
     index: usize,
     own: Result<RankStats, String>,
-    links: Option<[u64; 9]>,
+    links: Option<LinkTotals>,
 ) -> RankResults {
     use timely::dataflow::channels::pact::Exchange;
     use timely::dataflow::operators::generic::operator::Operator;
     use timely::dataflow::operators::ToStream;
-    type Ended = (usize, Result<RankStats, String>, Option<[u64; 9]>);
+    type Ended = (usize, Result<RankStats, String>, Option<LinkTotals>);
     let gathered: Rc<RefCell<Vec<Ended>>> = Rc::default();
     let into = gathered.clone();
     worker.dataflow::<u64, _, _>(|scope| {
@@ -242,15 +257,13 @@ fn gather_on_worker_0(
         worker.step_or_park(None);
     }
     if index != 0 {
-        return RankResults { all_ranks: false, ranks: vec![own], links_elsewhere: [0; 9] };
+        return RankResults { all_ranks: false, ranks: vec![own], links_elsewhere: LinkTotals::default() };
     }
     let mut all = gathered.take();
     all.sort_by_key(|(rank, ..)| *rank);
-    let mut links_elsewhere = [0u64; 9];
-    for figures in all.iter().filter_map(|(_, _, links)| *links) {
-        for (sum, v) in links_elsewhere.iter_mut().zip(figures) {
-            *sum += v;
-        }
+    let mut links_elsewhere = LinkTotals::default();
+    for figures in all.iter().filter_map(|(_, _, links)| links.as_ref()) {
+        links_elsewhere.add(figures);
     }
     RankResults { all_ranks: true, ranks: all.into_iter().map(|(_, r, _)| r).collect(), links_elsewhere }
 }
@@ -277,7 +290,7 @@ impl RunningPool {
                         r.unwrap_or_else(|e| RankResults {
                             all_ranks: false,
                             ranks: vec![Err(format!("pool {name}: worker failed: {e}"))],
-                            links_elsewhere: [0; 9],
+                            links_elsewhere: LinkTotals::default(),
                         })
                     })
                     .collect();
@@ -287,7 +300,7 @@ impl RunningPool {
                         let all = results.into_iter().nth(at).expect("found");
                         (all.ranks, all.links_elsewhere)
                     }
-                    None => (results.into_iter().flat_map(|r| r.ranks).collect(), [0; 9]),
+                    None => (results.into_iter().flat_map(|r| r.ranks).collect(), LinkTotals::default()),
                 };
                 let routing_index = routing_index.map(|i| {
                     let i = i.lock().unwrap_or_else(|e| e.into_inner());
@@ -298,7 +311,13 @@ impl RunningPool {
             Err(_) => {
                 let lost = super::peers::lost(&name, cluster.as_ref());
                 tracing::error!("{}", lost.message);
-                PoolResult { name, ranks: Vec::new(), lost: Some(lost), routing_index: None, links_elsewhere: [0; 9] }
+                PoolResult {
+                    name,
+                    ranks: Vec::new(),
+                    lost: Some(lost),
+                    routing_index: None,
+                    links_elsewhere: LinkTotals::default(),
+                }
             }
         }
     }
@@ -560,7 +579,7 @@ pub fn start_pool(
                 let links = links_here.as_ref().filter(|_| first_here).map(LinkFigures::read);
                 gather_on_worker_0(worker, index, result, links)
             } else {
-                RankResults { all_ranks: false, ranks: vec![result], links_elsewhere: [0; 9] }
+                RankResults { all_ranks: false, ranks: vec![result], links_elsewhere: LinkTotals::default() }
             }
         })
     };

@@ -31,6 +31,11 @@ impl EventSink for Nowhere {
     }
 }
 
+/// The events sink of a decode pool in another process, for a process that sends none there.
+fn nowhere_for(_pool: &str) -> Box<dyn EventSink + Send> {
+    Box::new(Nowhere)
+}
+
 /// Runs decode pools fed by producers in other processes until every producer link has closed
 /// (or none has been connected for the stall timeout), then sends each link the pool's
 /// end-of-run check and exits with it.
@@ -41,11 +46,10 @@ pub(super) fn serve_handoffs(
     jobs: Vec<PoolJob>,
     model: &Model,
 ) -> Result<RunOutcome> {
-    let nowhere = |_: &str| -> Box<dyn EventSink + Send> { Box::new(Nowhere) };
     let stall = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
     let options = WireOptions {
         endpoints: &opts.endpoints,
-        remote_events: &nowhere,
+        remote_events: &nowhere_for,
         patience: Duration::ZERO,
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
         relay: None,
@@ -143,12 +147,11 @@ pub(super) fn run_beside_driver(
     jobs: Vec<PoolJob>,
     model: &Model,
 ) -> Result<RunOutcome> {
-    let nowhere = |_: &str| -> Box<dyn EventSink + Send> { Box::new(Nowhere) };
     let relay = Arc::new(EventRelay::default());
     let stall = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
     let options = WireOptions {
         endpoints: &opts.endpoints,
-        remote_events: &nowhere,
+        remote_events: &nowhere_for,
         patience: if stall.is_zero() { Duration::from_secs(3600) } else { stall },
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
         relay: Some(relay.clone()),

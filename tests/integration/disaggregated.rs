@@ -134,7 +134,15 @@ fn a_handoff_of_the_admission_time_slot_breaks_requests_that_moved() {
         assert_exact(&with, &format!("{model}, the slot held at T0"));
         assert!(with["pools"]["prefill"]["preemptions"].as_u64().unwrap() > 0, "{model}: nothing was preempted");
         let switches = kvflow_operators::rank::TestSwitches { export_admission_slot: true, ..Default::default() };
-        let without = run_graph(&graph, Overrides::default(), switches);
+        // Which requests come back to another slot depends on timing: a run in which none did
+        // shows nothing, so a recurrent family gets up to 4 runs to show the break.
+        let mut without = run_graph(&graph, Overrides::default(), switches.clone());
+        for _ in 1..4 {
+            if !recurrent || without["verify"]["mismatched"].as_u64().unwrap() > 0 {
+                break;
+            }
+            without = run_graph(&graph, Overrides::default(), switches.clone());
+        }
         assert_only_recurrent_families_break(&without, model, recurrent, "a stale slot handed off");
         assert!(without["accounting_errors"].as_array().unwrap().is_empty(), "{model}: {without}");
     }

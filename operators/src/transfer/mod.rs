@@ -1,7 +1,8 @@
 //! Handoffs between pools (DESIGN §2, §8): what a finished prefill hands a decode pool — the
 //! prompt's paged KV (packed by layer), the recurrent state at the prompt boundary, and the first
 //! sampled token T0 with its logits hash — and its wire form. The transfer engine moves them;
-//! each carries a nonce and generation so a duplicate or late completion is dropped.
+//! each carries a nonce and generation so a duplicate or late completion is dropped. `relay`
+//! brings a remote decode pool's events back through the prefill ranks of a spread pool.
 
 pub mod checksum;
 pub mod faults;
