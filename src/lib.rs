@@ -10,6 +10,7 @@ pub mod launch;
 pub mod registry;
 pub mod report;
 pub mod runtime;
+pub mod server;
 pub mod signals;
 pub mod text;
 pub mod trace;

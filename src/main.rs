@@ -83,6 +83,10 @@ enum Command {
         #[arg(long)]
         dot: bool,
     },
+    /// Serves a graph over HTTP as an OpenAI-compatible API (/v1/completions,
+    /// /v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM or Ctrl-C, which drain
+    /// it; then writes report.json and requests.jsonl.
+    Serve(Box<kvflow::server::command::ServeArgs>),
     /// Benchmarks that print figures beside a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -495,6 +499,7 @@ fn run_graph(
         grace: Some(args.grace_period),
         stall_timeout: Some(args.stall_timeout),
         max_wait: Some(args.max_wait),
+        serve: None,
         pool: args.pool,
         pools: args.pools,
         endpoints: args.endpoints.into_iter().collect(),
@@ -679,6 +684,13 @@ fn run() -> Result<()> {
             let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
             let RunArgs { graph, flags } = *args;
             let (code, _) = run_graph(&graph, flags, &interrupts)?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
+        Command::Serve(args) => {
+            let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
+            let code = kvflow::server::command::serve(*args, &interrupts)?;
             if code != 0 {
                 std::process::exit(code);
             }

@@ -332,6 +332,7 @@ mod tests {
                     kind: Default::default(),
                     sampling: Default::default(),
                     cached: Vec::new(),
+                    delivery: Default::default(),
                 }),
             }
             with_work.push(plan(r).idle);
@@ -394,6 +395,7 @@ mod tests {
             kind: Default::default(),
             sampling: Default::default(),
             cached: Vec::new(),
+            delivery: Default::default(),
         });
         let p = derive_plan(
             1,
@@ -424,6 +426,7 @@ mod tests {
             kind: Default::default(),
             sampling: Default::default(),
             cached: Vec::new(),
+            delivery: Default::default(),
         });
         r.cancels.push(3);
         let p = faulted_plan(4, vec![r], e.clone(), &Collectives::default());
@@ -445,6 +448,7 @@ mod tests {
                 kind: Default::default(),
                 sampling: Default::default(),
                 cached: Vec::new(),
+                delivery: Default::default(),
             })
             .collect();
         let p = plan(r);
@@ -527,6 +531,7 @@ mod tests {
             kind: Default::default(),
             sampling: Default::default(),
             cached: Vec::new(),
+            delivery: Default::default(),
         };
         let mut r = vec![report(0), report(1)];
         (r[0].capacity, r[1].capacity) = (cap(1), cap(3));

@@ -18,6 +18,29 @@ pub struct Admission {
     /// it to the admitting rank (router `kv-aware`; empty otherwise): every rank routes on these.
     #[serde(default)]
     pub cached: Vec<crate::policy::kv_index::PrefixLen>,
+    /// What a served request asks beyond its tokens (trace replay: nothing).
+    #[serde(default)]
+    pub delivery: Delivery,
+}
+
+/// What a served request asks beyond its tokens: the tokens that end it before
+/// `max_output_tokens` (its model's end-of-sequence ids; trace replay keeps none, as
+/// `ignore_eos`), and whether its tokens stream out as its steps complete ([`Event::Tokens`])
+/// rather than only with its end.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Delivery {
+    pub stop_tokens: Vec<u32>,
+    pub stream: bool,
+}
+
+impl Delivery {
+    /// The most stop tokens a request may name (the handoff wire carries them).
+    pub const MAX_STOP_TOKENS: usize = 64;
+
+    /// Whether `token` ends the request.
+    pub fn stops_at(&self, token: u32) -> bool {
+        self.stop_tokens.contains(&token)
+    }
 }
 
 /// What a pool does with an admitted request.
@@ -236,6 +259,10 @@ pub enum Event {
     HandedOff { id: u64, rank: usize, to: String, started_ms: f64, t0_ms: f64, bytes: u64, preemptions: usize },
     /// A decode rank took its handoff (`wall_ms`): the end of its transfer.
     Received { id: u64, rank: usize, taken_ms: f64 },
+    /// A streaming request's output tokens from `offset` on (not an end: its end event carries
+    /// every output token again). Sent at the step that sampled them; a P/D request's T0 comes
+    /// from the prefill pool and the rest from the decode pool, so a reader orders by `offset`.
+    Tokens { id: u64, rank: usize, offset: usize, tokens: Vec<u32> },
     /// It cannot run (or was cancelled), with whatever it produced before.
     Failed {
         id: u64,
@@ -254,7 +281,8 @@ impl Event {
             Event::Finished { id, .. }
             | Event::Failed { id, .. }
             | Event::HandedOff { id, .. }
-            | Event::Received { id, .. } => *id,
+            | Event::Received { id, .. }
+            | Event::Tokens { id, .. } => *id,
         }
     }
 }

@@ -267,6 +267,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         handoff: Default::default(),
         routing_index: false,
         links_here: None,
+        gauges: Vec::new(),
         name: "bench".into(),
         ranks,
         model,

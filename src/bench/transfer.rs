@@ -167,6 +167,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
     let h = Handoff {
         sampling: Default::default(),
         drafts: Vec::new(),
+        delivery: Default::default(),
         transfer: TransferId { nonce: 0, generation: 1 },
         request: 0,
         prompt,

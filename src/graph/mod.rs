@@ -234,7 +234,28 @@ pub struct Graph {
     pub slo: SloConfig,
     /// Where the report (report.json, requests.jsonl) is written.
     pub report_dir: PathBuf,
+    /// `[serve]`: what `kvflow serve` takes.
+    pub serve: ServeConfig,
 }
+
+/// `[serve]`: how `kvflow serve` takes requests.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServeConfig {
+    /// The name `/v1/models` lists and requests give as `model` (default: the model file's or
+    /// folder's name).
+    pub model_name: String,
+    /// Requests in flight at once (accepted, not ended); one more is answered 429.
+    pub max_requests: usize,
+    /// Output tokens of a request that names no `max_tokens` (a completion's default is 16, as
+    /// OpenAI's).
+    pub max_tokens: usize,
+    /// The longest request (prompt and outputs) served: rank memory is planned for it. Default:
+    /// the model's context, at most 4096.
+    pub max_context: Option<usize>,
+}
+
+/// `[serve] max_context` when the graph does not set it, if the model's context is longer.
+pub const DEFAULT_SERVE_CONTEXT: usize = 4096;
 
 /// Memory per rank (DESIGN §7).
 #[derive(Clone, Debug, PartialEq)]

@@ -32,6 +32,17 @@ pub(super) struct RawGraph {
     pub(super) slo: RawSlo,
     #[serde(default)]
     pub(super) report: RawReport,
+    #[serde(default)]
+    pub(super) serve: RawServe,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServe {
+    pub(super) model_name: Option<Spanned<String>>,
+    pub(super) max_requests: Option<Spanned<usize>>,
+    pub(super) max_tokens: Option<Spanned<usize>>,
+    pub(super) max_context: Option<Spanned<usize>>,
 }
 
 #[derive(Default, Deserialize)]

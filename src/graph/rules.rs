@@ -181,6 +181,34 @@ pub(super) fn one_of(value: &str, known: &[impl AsRef<str>], what: &str) -> Resu
     }
 }
 
+/// `path` with `~/` at its start and `${VAR}` / `${VAR:-default}` replaced (so a graph can name
+/// a model kept in a cache outside the repository).
+pub(super) fn expand_path(path: &str) -> Result<String, String> {
+    let mut out = String::new();
+    let mut rest = path;
+    while let Some(at) = rest.find("${") {
+        out.push_str(&rest[..at]);
+        let body = &rest[at + 2..];
+        let end = body.find('}').ok_or_else(|| format!("`${{` without its `}}` in {path:?}"))?;
+        let (name, default) = match body[..end].split_once(":-") {
+            Some((name, default)) => (name, Some(default)),
+            None => (&body[..end], None),
+        };
+        match (std::env::var(name).ok().filter(|v| !v.is_empty()), default) {
+            (Some(value), _) => out.push_str(&value),
+            (None, Some(default)) => out.push_str(default),
+            (None, None) => return Err(format!("environment variable {name} (named in {path:?}) is not set")),
+        }
+        rest = &body[end + 1..];
+    }
+    out.push_str(rest);
+    if let Some(under_home) = out.strip_prefix("~/") {
+        let home = std::env::var("HOME").map_err(|_| format!("{path:?} starts with `~/`, and HOME is not set"))?;
+        out = format!("{home}/{under_home}");
+    }
+    Ok(out)
+}
+
 pub(super) fn existing_path(path: PathBuf) -> Result<PathBuf, String> {
     if path.exists() {
         Ok(path)

@@ -9,12 +9,12 @@ use toml::Spanned;
 
 use super::error::{line_of, quoted_list};
 use super::raw::{
-    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawSampling, RawScheduler, RawSlo,
-    RawSpeculative, RawTransfer, RawWorkload,
+    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawSampling, RawScheduler,
+    RawServe, RawSlo, RawSpeculative, RawTransfer, RawWorkload,
 };
 use super::rules::{
-    at_least_one, byte_budget, deployment_token, existing_path, measured_limit, more_than_zero, one_of, parse_endpoint,
-    pool_hosts, pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
+    at_least_one, byte_budget, deployment_token, existing_path, expand_path, measured_limit, more_than_zero, one_of,
+    parse_endpoint, pool_hosts, pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
 };
 use super::{
     known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph,
@@ -134,7 +134,16 @@ impl<'a> Validator<'a> {
                 "missing: every graph names its model (a checkpoint folder or a TOML model spec)",
             ));
         };
-        let model = self.checked("model.path", model_path, |path| existing_path(self.resolve(&path)))?;
+        let model = self.checked("model.path", model_path, |path| {
+            let expanded = expand_path(&path)?;
+            existing_path(self.resolve(&expanded)).map_err(|why| {
+                if expanded == path {
+                    why
+                } else {
+                    format!("{why} (expanded from `{path}`)")
+                }
+            })
+        })?;
         let report_dir =
             self.field("report.out", raw.report.out.as_ref(), self.default_report_dir(), |out| Ok(self.resolve(&out)))?;
         let memory = self.memory(&raw.memory, "memory", &DEFAULT_MEMORY)?;
@@ -150,6 +159,7 @@ impl<'a> Validator<'a> {
         self.roles(&raw.pool, &pools)?;
         let links = self.links(&raw.link, &pools)?;
         self.every_pool_linked(&raw.pool, &pools, &links)?;
+        let serve = self.serve(&raw.serve, &model)?;
         Ok(Graph {
             path: self.file.to_path_buf(),
             model,
@@ -164,6 +174,7 @@ impl<'a> Validator<'a> {
             workload: self.workload(&raw.workload)?,
             slo: self.slo(&raw.slo)?,
             report_dir,
+            serve,
         })
     }
 
@@ -879,6 +890,22 @@ impl<'a> Validator<'a> {
             _ => WorkloadMode::Timestamps {
                 time_scale: self.field("workload.time_scale", raw.time_scale.as_ref(), 1.0, zero_or_more)?,
             },
+        })
+    }
+
+    fn serve(&self, raw: &RawServe, model: &Path) -> Result<super::ServeConfig, GraphError> {
+        let stem = model.file_stem().map_or("model".to_string(), |s| s.to_string_lossy().into_owned());
+        Ok(super::ServeConfig {
+            model_name: self.field("serve.model_name", raw.model_name.as_ref(), stem, |name: String| {
+                if name.trim().is_empty() {
+                    Err("must not be empty".to_string())
+                } else {
+                    Ok(name)
+                }
+            })?,
+            max_requests: self.field("serve.max_requests", raw.max_requests.as_ref(), 256, token_count)?,
+            max_tokens: self.field("serve.max_tokens", raw.max_tokens.as_ref(), 256, token_count)?,
+            max_context: self.optional_field("serve.max_context", raw.max_context.as_ref(), token_count)?,
         })
     }
 

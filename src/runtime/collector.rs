@@ -26,7 +26,20 @@ pub struct Collector {
     /// Pools that ended under a failure, with its cause and message: what is released into one
     /// later fails at once with them.
     ended: HashMap<String, (String, String)>,
+    /// Who waits on a request as it runs (`kvflow serve`'s client connections).
+    watchers: HashMap<u64, Watcher>,
 }
+
+/// What a request's watcher hears: its tokens as they stream out (`offset` is the index of the
+/// first among its outputs; events of two pools may arrive out of order), then its record.
+#[derive(Debug)]
+pub enum Progress {
+    Tokens { offset: usize, tokens: Vec<u32> },
+    Ended(Box<RequestRecord>),
+}
+
+/// Called on the collector thread for each of a request's [`Progress`]; must not block.
+pub type Watcher = Box<dyn FnMut(Progress) + Send>;
 
 /// The collector, shared by the driver thread and the collector thread.
 pub type SharedCollector = Arc<Mutex<Collector>>;
@@ -45,6 +58,7 @@ impl Collector {
             tokens: 0,
             interrupted_ms: None,
             ended: HashMap::new(),
+            watchers: HashMap::new(),
             total,
         }))
     }
@@ -73,9 +87,20 @@ impl Collector {
         }
     }
 
+    /// Has `watcher` hear request `id`'s progress (call it before releasing the request).
+    pub fn watch(&mut self, id: u64, watcher: Watcher) {
+        self.watchers.insert(id, watcher);
+    }
+
     /// Records a request's end, reported by `pool`.
     pub fn apply(&mut self, pool: &str, event: Event) {
         let id = event.id();
+        if let Event::Tokens { offset, tokens, .. } = event {
+            if let Some(watcher) = self.watchers.get_mut(&id) {
+                watcher(Progress::Tokens { offset, tokens });
+            }
+            return;
+        }
         let start = self.start_ms;
         let Some(r) = self.requests.get_mut(&id) else {
             tracing::warn!(pool, request = id, "event for a request that was never released: dropped");
@@ -131,7 +156,7 @@ impl Collector {
                 r.failure = Some(cause);
                 (tokens, token_times, started_ms)
             }
-            Event::HandedOff { .. } | Event::Received { .. } => unreachable!("handled above"),
+            Event::HandedOff { .. } | Event::Received { .. } | Event::Tokens { .. } => unreachable!("handled above"),
         };
         let arrival = r.arrival_ms;
         r.queue_ms = started_ms.map(|s| s - start - arrival);
@@ -151,11 +176,24 @@ impl Collector {
         };
         self.tokens += tokens.len() as u64;
         r.output_tokens = tokens;
+        if let Some(mut watcher) = self.watchers.remove(&id) {
+            watcher(Progress::Ended(Box::new(r.clone())));
+        }
         self.bar.inc(1);
         let secs = ((wall_ms() - start) / 1000.0).max(1e-9);
         self.bar.set_message(format!("{:.0} tokens/s", self.tokens as f64 / secs));
         // The driver may be gone (stopped); nothing to tell then.
         let _ = self.completions.send(id);
+    }
+
+    /// Every request's record so far (ended or not).
+    pub fn records(&self) -> impl Iterator<Item = &RequestRecord> {
+        self.requests.values()
+    }
+
+    /// How many requests released have not ended yet.
+    pub fn open_count(&self) -> usize {
+        self.requests.values().filter(|r| r.ended_ms.is_none()).count()
     }
 
     /// Requests released that have not ended yet.

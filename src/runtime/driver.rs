@@ -193,6 +193,7 @@ fn run(job: DriverJob) {
                 kind: pool.kind,
                 sampling,
                 cached: Vec::new(),
+                delivery: Default::default(),
             });
         },
         &completions,

@@ -3,9 +3,9 @@
 //! cluster), drives the workload into them, watches them for stalls, checks every rank's
 //! accounting, runs `--verify`, and writes `report.json` and `requests.jsonl`.
 
-pub(crate) mod collector;
+pub mod collector;
 pub mod dot;
-pub(crate) mod driver;
+pub mod driver;
 mod hostfile;
 mod links;
 mod memory;
@@ -25,6 +25,7 @@ use crate::registry::Registry;
 use crate::report::{build_report, write_outputs, Slo};
 use crate::trace::{read_trace, synthesize, SynthOptions, TraceFormat};
 use crate::workload::{select, ArrivalMode, Selection};
+
 use anyhow::{anyhow, bail, Context, Result};
 use collector::{spawn_collector_thread, Collector, CollectorSink};
 use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
@@ -76,6 +77,27 @@ pub struct RunOptions {
     /// The longest gap the workload may leave before a release (default 10 minutes): a longer
     /// one fails the run before it starts.
     pub max_wait: Option<Duration>,
+    /// `kvflow serve`: requests come from HTTP clients instead of the workload's trace.
+    pub serve: Option<Arc<Serving>>,
+}
+
+/// What `kvflow serve` brings to a run: its bound socket and the model's text side.
+pub struct Serving {
+    pub listener: std::net::TcpListener,
+    /// The tokenizer and chat template, when the model has them (else prompts are token ids).
+    pub text: Option<Arc<crate::text::TextModel>>,
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Serving").field("listener", &self.listener).field("text", &self.text.is_some()).finish()
+    }
+}
+
+/// The longest request `kvflow serve` takes for `graph` on `model` (rank memory is planned for it).
+pub fn serve_context(graph: &Graph, model: &Model) -> usize {
+    let model_context = model.max_positions.unwrap_or(crate::graph::DEFAULT_SERVE_CONTEXT);
+    graph.serve.max_context.unwrap_or(model_context.min(crate::graph::DEFAULT_SERVE_CONTEXT)).min(model_context)
 }
 
 /// The default of [`RunOptions::max_wait`].
@@ -414,6 +436,7 @@ fn pool_job(
         experts,
         routing_index: pool.router == kvflow_operators::policy::router::KV_AWARE,
         links_here: None,
+        gauges: (0..pool.ranks).map(|_| Default::default()).collect(),
         offload: match (store, &graph.offload) {
             (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
             _ => None,
@@ -465,7 +488,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         crate::report::check_output_dir(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     }
-    if !graph.workload.ignore_eos {
+    if !graph.workload.ignore_eos && opts.serve.is_none() {
         bail!(
             "{}: workload.ignore_eos = false is not supported yet: outputs follow the trace's lengths",
             graph.path.display()
@@ -473,21 +496,27 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     let model = load_model(graph)?;
     check_cuda_pools(graph, &model)?;
-    let selection = load_workload(graph, model.vocab_size)?;
+    let selection = match &opts.serve {
+        Some(_) => Selection { requests: Vec::new(), warmup: 0, measured: 0, note: None },
+        None => load_workload(graph, model.vocab_size)?,
+    };
     let sampling = verify::sampling_of_requests(graph, &selection.requests, opts.verify)?;
     let max_wait = opts.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
     if let Some(why) = crate::workload::longest_wait_over(&selection, &arrival_mode(graph), max_wait) {
         bail!("{}: {why}", graph.path.display());
     }
     // Requests longer than the model's context are refused at release; memory is sized for
-    // the rest.
-    let largest = selection
-        .requests
-        .iter()
-        .map(|r| r.prompt.len().saturating_add(r.max_output_tokens))
-        .filter(|&len| model.max_positions.is_none_or(|max| len <= max)) // the others are refused
-        .max()
-        .unwrap_or(1);
+    // the rest (served: for the longest request the server takes).
+    let largest = match &opts.serve {
+        Some(_) => serve_context(graph, &model),
+        None => selection
+            .requests
+            .iter()
+            .map(|r| r.prompt.len().saturating_add(r.max_output_tokens))
+            .filter(|&len| model.max_positions.is_none_or(|max| len <= max)) // the others are refused
+            .max()
+            .unwrap_or(1),
+    };
     let store = offload::open_store(graph)?;
     let jobs: Vec<PoolJob> = pools
         .iter()
@@ -517,7 +546,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         eprintln!("note: {n}");
     }
     let (tx, rx) = std::sync::mpsc::channel();
-    let collector = Collector::new(selection.requests.len(), tx, opts.show_progress);
+    let collector = Collector::new(selection.requests.len(), tx, opts.show_progress && opts.serve.is_none());
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     // Start every pool, each with its ingress, its handoff links, its sink into the collector
     // and its watch. New requests enter the aggregated pools, or the decode pools (a run of
@@ -548,8 +577,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let mut entries = Vec::new();
     let mut watches = Vec::new();
     let mut running = Vec::new();
+    let mut gauges = Vec::new();
     for (mut job, pool) in jobs.into_iter().zip(&pools) {
         let name = job.name.clone();
+        gauges.push((name.clone(), job.gauges.clone()));
         let ingress = wiring.ingress[&name].clone();
         job.handoff = wiring.handoff.remove(&name).unwrap_or_default();
         let watch = Watch::default();
@@ -565,23 +596,42 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     }
     drop(batches);
     let interrupted = opts.interrupt.clone().unwrap_or_default();
-    let driver = spawn_driver(DriverJob {
-        pools: entries,
-        placement: Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed },
-        selection,
-        mode: arrival_mode(graph),
-        collector: collector.clone(),
-        completions: rx,
-        cancel: CancelPlan {
-            fraction: graph.workload.cancel_fraction,
-            after_ms: graph.workload.cancel_after_ms,
-            seed: graph.workload.seed,
-        },
-        interrupted: interrupted.clone(),
-        grace: opts.grace.unwrap_or(Duration::from_secs(10)),
-        max_context: model.max_positions,
-        sampling: graph.sampling,
-    })?;
+    let placement = Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed };
+    let driver = match &opts.serve {
+        Some(serving) => crate::server::spawn_server(crate::server::ServeJob {
+            listener: serving.listener.try_clone().context("cannot use the listening socket")?,
+            pools: entries,
+            placement,
+            collector: collector.clone(),
+            interrupted: interrupted.clone(),
+            grace: opts.grace.unwrap_or(Duration::from_secs(10)),
+            text: serving.text.clone(),
+            model_name: graph.serve.model_name.clone(),
+            vocab_size: model.vocab_size,
+            max_context: largest,
+            max_tokens: graph.serve.max_tokens,
+            max_requests: graph.serve.max_requests,
+            sampling: graph.sampling,
+            gauges,
+        })?,
+        None => spawn_driver(DriverJob {
+            pools: entries,
+            placement,
+            selection,
+            mode: arrival_mode(graph),
+            collector: collector.clone(),
+            completions: rx,
+            cancel: CancelPlan {
+                fraction: graph.workload.cancel_fraction,
+                after_ms: graph.workload.cancel_after_ms,
+                seed: graph.workload.seed,
+            },
+            interrupted: interrupted.clone(),
+            grace: opts.grace.unwrap_or(Duration::from_secs(10)),
+            max_context: model.max_positions,
+            sampling: graph.sampling,
+        })?,
+    };
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
     // Pools whose computation has ended (their joiner says so).

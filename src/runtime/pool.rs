@@ -134,6 +134,8 @@ pub struct PoolJob {
     /// A process of a spread pool that does not drive the workload: what its own links moved,
     /// sent to the driving process's report with its ranks' results.
     pub links_here: Option<LinkFigures>,
+    /// Where rank r publishes its memory and queues each step (`gauges[r]`; empty: nowhere).
+    pub gauges: Vec<Arc<kvflow_operators::rank::RankGauges>>,
 }
 
 /// What one process's tcp links moved: bytes that crossed a socket, and the transfer engine's
@@ -466,6 +468,7 @@ pub fn start_pool(
         offload,
         routing_index,
         links_here,
+        gauges,
         ..
     } = job;
     let collectives = collectives(experts.as_ref());
@@ -528,6 +531,9 @@ pub fn start_pool(
             }
             if reports_cache_events {
                 rank = rank.reporting_cache_events();
+            }
+            if let Some(g) = gauges.get(index) {
+                rank = rank.with_gauges(g.clone());
             }
             rank.stats.expert_bytes = expert_bytes;
             let rank = match &handoff {

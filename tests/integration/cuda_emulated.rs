@@ -730,6 +730,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let handoff = Arc::new(Handoff {
         sampling: Default::default(),
         drafts: Vec::new(),
+        delivery: Default::default(),
         transfer: TransferId { nonce: 1, generation: 1 },
         request: 7,
         prompt: case.prompt.clone(),

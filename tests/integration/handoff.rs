@@ -117,6 +117,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         let handoff = Arc::new(Handoff {
             sampling: Default::default(),
             drafts: Vec::new(),
+            delivery: Default::default(),
             transfer: TransferId { nonce: 1, generation: 1 },
             request: 0,
             prompt: prompt.clone(),

@@ -88,6 +88,10 @@ pub struct Sequence {
     pub id: u64,
     /// How it picks its tokens.
     pub sampling: RequestSampling,
+    /// Its stop tokens, and whether its tokens stream out.
+    pub delivery: crate::messages::Delivery,
+    /// Output tokens already streamed out (`Event::Tokens`).
+    pub streamed: usize,
     /// Tokens restored from the prefix cache at the last admission.
     pub cached: usize,
     pub preemptions: usize,
@@ -151,6 +155,8 @@ impl Sequence {
         Sequence {
             id,
             sampling: RequestSampling::default(),
+            delivery: Default::default(),
+            streamed: 0,
             key: SeqKey { index: u32::MAX, generation: VACANT },
             tokens: prompt,
             prompt_len,
@@ -240,9 +246,10 @@ impl Sequence {
         self.feed_end().saturating_sub(self.computed)
     }
 
-    /// Every output token is known: the request is done.
+    /// Every output token is known, or the last one is a stop token: the request is done.
     pub fn finished(&self) -> bool {
         self.output_len() >= self.max_output_tokens
+            || (self.output_len() > 0 && self.tokens.last().is_some_and(|&t| self.delivery.stops_at(t)))
     }
 
     /// Tokens still to compute, counting every output not yet launched (the router's load).

@@ -5,7 +5,8 @@
 //! arrives ends here; a failed step fails the requests it fed. A verification's kept drafts count
 //! as computed; the MTP drafter's proposal for the next step is kept on the sequence
 //! (`Sequence::model_drafts`, a copy); a producer's request whose step sampled T0 with
-//! "drafter needs successor tokens" set drafts from T0 for its handoff now.
+//! "drafter needs successor tokens" set drafts from T0 for its handoff now. A streaming
+//! request's new tokens leave as an event of the step that sampled them.
 
 use super::Rank;
 use crate::messages::{wall_ms, Event};
@@ -138,6 +139,20 @@ impl Rank {
                     break;
                 }
             }
+            self.stream_out(s.seq, c.step);
+        }
+    }
+
+    /// A streaming request still held here (a prefill pool's, in transfer, too): its tokens
+    /// sampled since it last streamed, as an event of this step.
+    fn stream_out(&mut self, key: crate::step::SeqKey, step: u64) {
+        let Some(seq) = self.seqs.by_key_mut(key).filter(|s| s.delivery.stream) else { return };
+        let outputs = &seq.tokens[seq.prompt_len..];
+        if outputs.len() > seq.streamed {
+            let tokens = outputs[seq.streamed..].to_vec();
+            let event = Event::Tokens { id: seq.id, rank: self.index, offset: seq.streamed, tokens };
+            seq.streamed = outputs.len();
+            self.events.push((step, event));
         }
     }
 

@@ -98,9 +98,12 @@ impl Rank {
     /// A new sequence for admission `a`, picking tokens as it asks: a prefill pool's samples T0
     /// only.
     pub(super) fn new_sequence(&mut self, a: Admission) -> Option<Sequence> {
-        let sampling = a.sampling;
+        let (sampling, delivery) = (a.sampling, a.delivery.clone());
         let mut seq = self.sequence_for(a)?;
         seq.sampling = sampling;
+        seq.delivery = delivery;
+        // A handoff's T0 was streamed by its prefill rank.
+        seq.streamed = seq.output_len();
         Some(seq)
     }
 
@@ -168,7 +171,8 @@ impl Rank {
                 self.stats.handoffs_in += 1;
                 self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
                 let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
-                // Its leading blocks are the prefix this rank kept for it; the rest arrive.
+                seq.delivery = a.delivery; // T0 may be a stop token
+                                           // Its leading blocks are the prefix this rank kept for it; the rest arrive.
                 for b in reserved {
                     seq.blocks.push(b);
                 }
@@ -230,6 +234,7 @@ impl Rank {
             max_output_tokens: outputs,
             warmup: seq.warmup,
             sampling: seq.sampling,
+            delivery: seq.delivery.clone(),
             drafts: std::mem::take(&mut seq.handed_drafts),
             t0: seq.tokens[seq.prompt_len],
             logits_hash: seq.t0_chain.unwrap_or(seq.logits_hash),

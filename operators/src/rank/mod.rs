@@ -29,7 +29,7 @@ mod switches;
 pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
 pub use handoff::HandoffOut;
 pub use offload::{OffloadSetup, OffloadStats, RankOffload};
-pub use stats::{RankStats, SpecStats, UtilizationSamples};
+pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
 pub use switches::TestSwitches;
 
 use crate::executor::Executor;
@@ -111,6 +111,8 @@ pub struct Rank {
     offload: Option<RankOffload>,
     /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
     admission_slots: std::collections::HashMap<u64, kvflow_kernels::kv::SlotId>,
+    /// Its memory and queues at its last `schedule`, for readers on other threads.
+    gauges: Option<Arc<RankGauges>>,
 }
 
 impl Rank {
@@ -154,7 +156,28 @@ impl Rank {
             offload: None,
             reports_cache: false,
             snapshot_owed: false,
+            gauges: None,
         }
+    }
+
+    /// Publishes its memory and queues into `gauges` at every `schedule`.
+    pub fn with_gauges(mut self, gauges: Arc<RankGauges>) -> Self {
+        self.gauges = Some(gauges);
+        self
+    }
+
+    fn publish_gauges(&self) {
+        let Some(g) = &self.gauges else { return };
+        let m = &self.memory;
+        let (total_blocks, total_slots) = (m.blocks.num_ids(), m.slots.num_ids());
+        g.set(GaugeValues {
+            used_blocks: total_blocks - m.blocks.num_free(),
+            total_blocks,
+            used_slots: total_slots - m.slots.num_free(),
+            total_slots,
+            waiting: self.scheduler.num_waiting(),
+            running: self.scheduler.num_running(),
+        });
     }
 
     /// Reports this rank's prefix cache (and offload tier) to the KV-aware routing index, as
@@ -394,6 +417,7 @@ impl Rank {
             self.switches.cancel_at_stage.retain(|(id, _)| !due.contains(id));
             cancels = due;
         }
+        self.publish_gauges();
         RankReport {
             rank: self.index,
             scheduled_tokens: self.decided.chunks.iter().map(|c| c.len).sum(),

@@ -94,3 +94,36 @@ pub struct SpecStats {
     /// nothing sampled (only middle prompt chunks), as its peers drafted.
     pub draft_passes_without_samples: u64,
 }
+
+/// A rank's memory and queues as its last `schedule` left them, read from other threads
+/// (`kvflow serve`'s `/metrics`). Relaxed stores once a step; nothing reads them back.
+#[derive(Debug, Default)]
+pub struct RankGauges {
+    values: [std::sync::atomic::AtomicUsize; 6],
+}
+
+/// One reading of [`RankGauges`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GaugeValues {
+    pub used_blocks: usize,
+    pub total_blocks: usize,
+    pub used_slots: usize,
+    pub total_slots: usize,
+    pub waiting: usize,
+    pub running: usize,
+}
+
+impl RankGauges {
+    pub fn get(&self) -> GaugeValues {
+        let [used_blocks, total_blocks, used_slots, total_slots, waiting, running] =
+            self.values.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed));
+        GaugeValues { used_blocks, total_blocks, used_slots, total_slots, waiting, running }
+    }
+
+    pub fn set(&self, g: GaugeValues) {
+        let new = [g.used_blocks, g.total_blocks, g.used_slots, g.total_slots, g.waiting, g.running];
+        for (slot, value) in self.values.iter().zip(new) {
+            slot.store(value, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}

@@ -230,6 +230,7 @@ pub fn handoff_admission(h: &Handoff) -> Admission {
         kind: AdmissionKind::Handoff { rank: h.to.map(|b| b.rank) },
         sampling: h.sampling,
         cached: Vec::new(),
+        delivery: h.delivery.clone(),
     }
 }
 

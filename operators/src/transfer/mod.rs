@@ -43,6 +43,8 @@ pub struct Handoff {
     pub warmup: bool,
     /// How the request picks its tokens (the consumer samples on with it).
     pub sampling: kvflow_kernels::cpu::sampling::RequestSampling,
+    /// Its stop tokens and whether it streams (a served request).
+    pub delivery: crate::messages::Delivery,
     /// Drafts the producer's drafter made from T0: the consumer's first decode feeds T0 and
     /// these (DESIGN §10).
     pub drafts: Vec<u32>,

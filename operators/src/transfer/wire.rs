@@ -1,24 +1,27 @@
 //! The handoff descriptor on the wire (DESIGN §8): a fixed little-endian header (with the
-//! request's sampling), the prompt's tokens and the producer's drafts, then the payload — KV floats packed by layer, then the state slot's floats. The
+//! request's sampling), the prompt's tokens, the producer's drafts and the request's stop tokens, then the payload — KV floats packed by layer, then the state slot's floats. The
 //! consumer decodes the header against what *it* allocates ([`ConsumerLayout`]) before a byte of
 //! payload is read, so a descriptor can never make it write outside the blocks and the slot it
 //! allocated for that request.
 
 use super::{Handoff, TransferId};
+use crate::messages::Delivery;
 use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVFH");
-const VERSION: u16 = 2;
+const VERSION: u16 = 3;
 /// The most drafts a handoff carries (`[speculative] draft_tokens` is at most 16).
 pub const MAX_HANDOFF_DRAFTS: usize = 16;
 const HAS_STATE: u16 = 1;
 const WARMUP: u16 = 2;
 const UNCHECKED: u16 = 4;
+const STREAM: u16 = 8;
 /// Bytes of the fixed header.
 pub const HEADER_BYTES: usize =
     4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + SAMPLING_BYTES;
-/// Temperature, top-k, top-p, seed and the count of drafts (which follow the prompt).
-const SAMPLING_BYTES: usize = 4 + 4 + 4 + 8 + 4;
+/// Temperature, top-k, top-p, seed, the count of drafts and of stop tokens (which follow the
+/// prompt, in that order).
+const SAMPLING_BYTES: usize = 4 + 4 + 4 + 8 + 4 + 4;
 /// `to_rank` of a handoff no decode rank asked for.
 const NO_RANK: u32 = u32::MAX;
 
@@ -45,6 +48,7 @@ pub struct Descriptor {
     pub warmup: bool,
     pub sampling: RequestSampling,
     pub drafts: Vec<u32>,
+    pub delivery: Delivery,
     pub t0: u32,
     pub logits_hash: u64,
     /// Prompt blocks the consumer already holds (not sent).
@@ -125,10 +129,12 @@ impl Reader<'_> {
 pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
     let unchecked = checksum.is_none();
     let checksum = checksum.unwrap_or(0);
-    let mut out = Vec::with_capacity(HEADER_BYTES + 4 * (h.prompt.len() + h.drafts.len()));
+    let mut out =
+        Vec::with_capacity(HEADER_BYTES + 4 * (h.prompt.len() + h.drafts.len() + h.delivery.stop_tokens.len()));
     let flags = if h.state.is_some() { HAS_STATE } else { 0 }
         | if h.warmup { WARMUP } else { 0 }
-        | if unchecked { UNCHECKED } else { 0 };
+        | if unchecked { UNCHECKED } else { 0 }
+        | if h.delivery.stream { STREAM } else { 0 };
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&VERSION.to_le_bytes());
     out.extend_from_slice(&flags.to_le_bytes());
@@ -154,7 +160,8 @@ pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
     out.extend_from_slice(&sampling.top_p.to_bits().to_le_bytes());
     out.extend_from_slice(&h.sampling.seed.to_le_bytes());
     out.extend_from_slice(&(h.drafts.len() as u32).to_le_bytes());
-    for t in h.prompt.iter().chain(&h.drafts) {
+    out.extend_from_slice(&(h.delivery.stop_tokens.len() as u32).to_le_bytes());
+    for t in h.prompt.iter().chain(&h.drafts).chain(&h.delivery.stop_tokens) {
         out.extend_from_slice(&t.to_le_bytes());
     }
     out
@@ -200,6 +207,10 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
     if draft_count > MAX_HANDOFF_DRAFTS {
         return Err(WireError::Geometry { what: "drafts", got: draft_count, expected: MAX_HANDOFF_DRAFTS });
     }
+    let stop_count = r.u32() as usize;
+    if stop_count > Delivery::MAX_STOP_TOKENS {
+        return Err(WireError::Geometry { what: "stop tokens", got: stop_count, expected: Delivery::MAX_STOP_TOKENS });
+    }
     sampling.params.check().map_err(WireError::Sampling)?;
     if prompt_len == 0 || prompt_len > layout.max_prompt {
         return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
@@ -228,14 +239,15 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         }
         _ => {}
     }
-    let needed = HEADER_BYTES + 4 * (prompt_len + draft_count);
+    let needed = HEADER_BYTES + 4 * (prompt_len + draft_count + stop_count);
     if bytes.len() < needed {
         return Err(WireError::Truncated { got: bytes.len(), needed });
     }
     let prompt: Vec<u32> = (0..prompt_len).map(|_| r.u32()).collect();
     let drafts: Vec<u32> = (0..draft_count).map(|_| r.u32()).collect();
+    let stop_tokens: Vec<u32> = (0..stop_count).map(|_| r.u32()).collect();
     let vocab = layout.vocab_size;
-    let tokens = prompt.iter().chain([&t0]).chain(&drafts);
+    let tokens = prompt.iter().chain([&t0]).chain(&drafts).chain(&stop_tokens);
     if let Some((position, &token)) = tokens.enumerate().find(|(_, &t)| t as usize >= vocab) {
         return Err(WireError::Token { token, position, vocab });
     }
@@ -247,6 +259,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         warmup: flags & WARMUP != 0,
         sampling,
         drafts,
+        delivery: Delivery { stop_tokens, stream: flags & STREAM != 0 },
         t0,
         logits_hash,
         skip_blocks,
@@ -285,6 +298,7 @@ pub(crate) mod tests {
             warmup: true,
             sampling: RequestSampling { params: SamplingParams { temperature: 0.7, top_k: 5, top_p: 0.9 }, seed: 3 },
             drafts: vec![7, 8, 9],
+            delivery: Delivery { stop_tokens: vec![2, 99], stream: true },
             t0: 42,
             logits_hash: 0xABCD,
             fingerprint: 77,
@@ -310,7 +324,7 @@ pub(crate) mod tests {
         assert_eq!(used, bytes.len());
         assert_eq!((d.request, d.t0, d.skip_blocks, d.kv_blocks, d.checksum), (41, 42, 1, 2, 123));
         assert_eq!(d.prompt, h.prompt);
-        assert_eq!((d.sampling, &d.drafts), (h.sampling, &h.drafts));
+        assert_eq!((d.sampling, &d.drafts, &d.delivery), (h.sampling, &h.drafts, &h.delivery));
         assert!(d.warmup && d.has_state);
         assert_eq!(d.payload_bytes(&layout()), 4 * (12 + 3));
     }

@@ -343,6 +343,7 @@ fn serve_frames(
             warmup: d.warmup,
             sampling: d.sampling,
             drafts: d.drafts,
+            delivery: d.delivery,
             t0: d.t0,
             logits_hash: d.logits_hash,
             fingerprint: layout.fingerprint,

@@ -1,0 +1,449 @@
+//! `kvflow serve`: an OpenAI-compatible HTTP front (axum on tokio) in place of the trace driver.
+//! Each request enters the same ingress the driver uses (an entry pool, picked as the driver
+//! picks), with the model's end-of-sequence ids as stop tokens and, when it streams, per-step
+//! token events; the collector hands the request's progress to its connection ([`Progress`]).
+//! A connection that goes away cancels its request through the pools' cancellation path; a full
+//! server (`[serve] max_requests` in flight) answers 429. SIGTERM or Ctrl-C stops taking
+//! requests (503), lets those in flight finish for the grace period, cancels the rest, then
+//! closes every ingress so the pools end and the run writes its report.
+
+pub mod command;
+pub mod metrics;
+pub mod openai;
+mod output;
+
+use crate::runtime::collector::{Progress, SharedCollector};
+use crate::runtime::driver::{EntryPool, Placement};
+use crate::text::TextModel;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvflow_kernels::cpu::sampling::RequestSampling;
+use kvflow_operators::messages::{Admission, Delivery};
+use metrics::PoolGauges;
+use openai::{ApiError, Ask, Endpoint, Envelope, Limits};
+use output::Output;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// Everything the server needs from the run.
+pub struct ServeJob {
+    /// Bound already (its address was printed).
+    pub listener: std::net::TcpListener,
+    pub pools: Vec<EntryPool>,
+    pub placement: Placement,
+    pub collector: SharedCollector,
+    /// Set by SIGTERM or Ctrl-C (or a test): drain and stop.
+    pub interrupted: Arc<AtomicBool>,
+    pub grace: Duration,
+    pub text: Option<Arc<TextModel>>,
+    pub model_name: String,
+    pub vocab_size: usize,
+    pub max_context: usize,
+    pub max_tokens: usize,
+    pub max_requests: usize,
+    pub sampling: RequestSampling,
+    pub gauges: PoolGauges,
+}
+
+struct Server {
+    job: ServeJob,
+    stop_tokens: Vec<u32>,
+    next_id: AtomicU64,
+    released: AtomicUsize,
+    draining: AtomicBool,
+    /// The entry pool each request in flight went to (its cancellation follows it).
+    placed: Mutex<HashMap<u64, usize>>,
+    refused: Mutex<BTreeMap<u16, u64>>,
+}
+
+/// Runs the server on its own thread (a tokio runtime of two workers) until it has drained;
+/// it closes every ingress when done.
+pub fn spawn_server(job: ServeJob) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name("kvflow-serve".into()).spawn(move || {
+        let stop_tokens = job.text.as_ref().and_then(|t| t.eos()).into_iter().collect();
+        let server = Arc::new(Server {
+            job,
+            stop_tokens,
+            next_id: AtomicU64::new(0),
+            released: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            placed: Mutex::new(HashMap::new()),
+            refused: Mutex::new(BTreeMap::new()),
+        });
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
+        match runtime {
+            Ok(rt) => rt.block_on(serve(server.clone())),
+            Err(e) => eprintln!("kvflow serve: cannot start the HTTP runtime: {e}"),
+        }
+        for pool in &server.job.pools {
+            pool.ingress.close();
+        }
+    })
+}
+
+async fn serve(server: Arc<Server>) {
+    let std_listener = match server.job.listener.try_clone() {
+        Ok(l) => l,
+        Err(e) => return eprintln!("kvflow serve: cannot use the listening socket: {e}"),
+    };
+    let _ = std_listener.set_nonblocking(true);
+    let listener = match tokio::net::TcpListener::from_std(std_listener) {
+        Ok(l) => l,
+        Err(e) => return eprintln!("kvflow serve: cannot use the listening socket: {e}"),
+    };
+    match listener.local_addr() {
+        Ok(address) => println!("kvflow serve: listening on http://{address}"),
+        Err(e) => eprintln!("kvflow serve: listening (address unknown: {e})"),
+    }
+    let app = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(prometheus))
+        .with_state(server.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let http = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopped.await;
+        };
+        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+            eprintln!("kvflow serve: {e}");
+        }
+    });
+    server.until_drained().await;
+    let _ = stop.send(());
+    // Connections still open after the drain (idle keep-alives) are dropped.
+    if tokio::time::timeout(Duration::from_secs(5), http).await.is_err() {
+        tracing::warn!("connections still open 5 s after the drain: dropped");
+    }
+}
+
+impl Server {
+    /// Waits for an interrupt, then drains: new requests get 503, those in flight have the
+    /// grace period, then the rest are cancelled and their ends awaited.
+    async fn until_drained(&self) {
+        while !self.job.interrupted.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        {
+            let mut c = self.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+            self.draining.store(true, Ordering::SeqCst);
+            c.interrupted_now();
+        }
+        let open = || self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).open_count();
+        let in_flight = open();
+        eprintln!(
+            "kvflow serve: draining: {in_flight} request(s) in flight get {:.0} s to finish; new requests get 503",
+            self.job.grace.as_secs_f64()
+        );
+        let deadline = Instant::now() + self.job.grace;
+        while open() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let rest = self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight();
+        if !rest.is_empty() {
+            eprintln!("kvflow serve: cancelling {} request(s) still in flight after the grace period", rest.len());
+        }
+        for &id in &rest {
+            self.cancel(id);
+        }
+        let confirm_by = Instant::now() + self.job.grace.max(Duration::from_secs(5));
+        while open() > 0 && Instant::now() < confirm_by {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn limits(&self) -> Limits<'_> {
+        Limits {
+            text: self.job.text.as_deref(),
+            model_name: &self.job.model_name,
+            vocab_size: self.job.vocab_size,
+            max_context: self.job.max_context,
+            max_tokens: self.job.max_tokens,
+            sampling: self.job.sampling,
+        }
+    }
+
+    fn refused(&self, e: ApiError) -> Response {
+        *self.refused.lock().entry(e.status.as_u16()).or_default() += 1;
+        e.into_response()
+    }
+
+    /// Releases `ask` into an entry pool; its progress arrives on the ticket.
+    fn submit(self: &Arc<Self>, ask: &Ask) -> Result<Ticket, ApiError> {
+        let (tx, rx) = unbounded_channel();
+        let mut c = self.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+        if self.draining.load(Ordering::SeqCst) {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                "draining",
+                "the server is shutting down and takes no new requests",
+            ));
+        }
+        let open = c.open_count();
+        if open >= self.job.max_requests {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_exceeded",
+                "queue_full",
+                format!("{open} requests in flight, the most this server takes ([serve] max_requests); retry later"),
+            ));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let nth = self.released.fetch_add(1, Ordering::SeqCst);
+        let index = self.job.placement.pick(nth, self.job.pools.len());
+        let pool = &self.job.pools[index];
+        c.watch(
+            id,
+            Box::new(move |p| {
+                let _ = tx.send(p);
+            }),
+        );
+        self.placed.lock().insert(id, index);
+        c.released(id, &pool.name, &ask.prompt, ask.max_tokens, false);
+        drop(c);
+        pool.ingress.push(Admission {
+            id,
+            prompt: ask.prompt.clone(),
+            max_output_tokens: ask.max_tokens,
+            warmup: false,
+            kind: pool.kind,
+            sampling: ask.sampling,
+            cached: Vec::new(),
+            delivery: Delivery { stop_tokens: self.stop_tokens.clone(), stream: ask.stream || !ask.stop.is_empty() },
+        });
+        Ok(Ticket { rx, guard: CancelOnDrop { server: self.clone(), id, armed: true } })
+    }
+
+    fn cancel(&self, id: u64) {
+        if let Some(&index) = self.placed.lock().get(&id) {
+            let pool = &self.job.pools[index];
+            pool.ingress.cancel(id);
+            for other in &pool.also_cancel {
+                other.cancel(id);
+            }
+        }
+    }
+}
+
+/// A request's progress, and its cancellation should its connection go away first.
+struct Ticket {
+    rx: UnboundedReceiver<Progress>,
+    guard: CancelOnDrop,
+}
+
+struct CancelOnDrop {
+    server: Arc<Server>,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(request = self.id, "client gone before its request ended: cancelling it");
+            self.server.cancel(self.id);
+        }
+        self.server.placed.lock().remove(&self.id);
+    }
+}
+
+async fn completions(State(server): State<Arc<Server>>, body: Bytes) -> Response {
+    answer(server, Endpoint::Completions, body).await
+}
+
+async fn chat(State(server): State<Arc<Server>>, body: Bytes) -> Response {
+    answer(server, Endpoint::Chat, body).await
+}
+
+async fn answer(server: Arc<Server>, endpoint: Endpoint, body: Bytes) -> Response {
+    let ask = match openai::parse(endpoint, &body, &server.limits()) {
+        Ok(ask) => ask,
+        Err(e) => return server.refused(e),
+    };
+    let ticket = match server.submit(&ask) {
+        Ok(t) => t,
+        Err(e) => return server.refused(e),
+    };
+    let envelope = Envelope::new(endpoint, ticket.guard.id, &server.job.model_name);
+    let output = Output::new(server.job.text.clone(), server.stop_tokens.clone(), ask.stop.clone());
+    let answer = Answer { ticket, output, envelope, ask, queue: VecDeque::new(), done: false };
+    if answer.ask.stream {
+        Sse::new(answer.into_stream()).keep_alive(KeepAlive::new().interval(Duration::from_secs(5))).into_response()
+    } else {
+        answer.whole().await
+    }
+}
+
+/// One request's answer as it is built.
+struct Answer {
+    ticket: Ticket,
+    output: Output,
+    envelope: Envelope,
+    ask: Ask,
+    /// Stream chunks ready to send.
+    queue: VecDeque<SseEvent>,
+    done: bool,
+}
+
+/// How a request ended, for its last chunk or its whole answer.
+enum End {
+    Finished(&'static str),
+    Failed(ApiError),
+}
+
+impl Answer {
+    fn usage(&self) -> Value {
+        openai::usage(self.ask.prompt.len(), self.output.ids().len())
+    }
+
+    fn finish_reason(&self, record: Option<&crate::report::RequestRecord>) -> &'static str {
+        if self.output.stopped_by_string || self.output.ended_on_stop_token() {
+            "stop"
+        } else if record.is_some_and(|r| r.failure.as_deref() == Some(crate::report::CANCELLED)) {
+            "abort"
+        } else {
+            "length"
+        }
+    }
+
+    /// Waits for the next progress: a piece of output, or the request's end (a stop string
+    /// ends it here; the guard cancels what it would still generate).
+    async fn next(&mut self) -> Step {
+        match self.ticket.rx.recv().await {
+            Some(Progress::Tokens { offset, tokens }) => {
+                self.output.take(offset, tokens);
+                let (text, ids) = self.output.piece();
+                if self.output.stopped_by_string {
+                    return Step::End(End::Finished("stop"), text, ids);
+                }
+                Step::Piece(text, ids)
+            }
+            Some(Progress::Ended(record)) => {
+                self.ticket.guard.armed = false;
+                let (text, ids) = self.output.finish(&record.output_tokens);
+                let failed = record.error.is_some() && record.failure.as_deref() != Some(crate::report::CANCELLED);
+                if failed {
+                    let cause = record.failure.clone().unwrap_or_else(|| "unknown".into());
+                    let message = record.error.clone().unwrap_or_default();
+                    let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", &cause, message);
+                    return Step::End(End::Failed(e), text, ids);
+                }
+                Step::End(End::Finished(self.finish_reason(Some(&record))), text, ids)
+            }
+            None => {
+                let e = ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "server_error",
+                    "run-ended",
+                    "the run ended before the request did",
+                );
+                Step::End(End::Failed(e), String::new(), Vec::new())
+            }
+        }
+    }
+
+    async fn whole(mut self) -> Response {
+        let mut text = String::new();
+        loop {
+            match self.next().await {
+                Step::Piece(piece, _) => text.push_str(&piece),
+                Step::End(End::Failed(e), ..) => return e.into_response(),
+                Step::End(End::Finished(reason), rest, _) => {
+                    text.push_str(&rest);
+                    let body = self.envelope.whole(&text, self.output.ids(), reason, self.usage());
+                    return Json(body).into_response();
+                }
+            }
+        }
+    }
+
+    fn into_stream(mut self) -> impl futures_util::Stream<Item = Result<SseEvent, Infallible>> {
+        if self.envelope.endpoint == Endpoint::Chat {
+            let first = self.envelope.chunk("", &[], true, None);
+            self.queue.push_back(SseEvent::default().data(first.to_string()));
+        }
+        futures_util::stream::unfold(self, |mut a| async move {
+            loop {
+                if let Some(event) = a.queue.pop_front() {
+                    return Some((Ok(event), a));
+                }
+                if a.done {
+                    return None;
+                }
+                match a.next().await {
+                    Step::Piece(text, ids) => {
+                        if !text.is_empty() || !ids.is_empty() {
+                            let chunk = a.envelope.chunk(&text, &ids, false, None);
+                            a.queue.push_back(SseEvent::default().data(chunk.to_string()));
+                        }
+                    }
+                    Step::End(end, text, ids) => {
+                        match end {
+                            End::Failed(e) => a.queue.push_back(SseEvent::default().data(e.body().to_string())),
+                            End::Finished(reason) => {
+                                let last = a.envelope.chunk(&text, &ids, false, Some(reason));
+                                a.queue.push_back(SseEvent::default().data(last.to_string()));
+                                if a.ask.include_usage {
+                                    let usage = a.envelope.usage_chunk(a.usage());
+                                    a.queue.push_back(SseEvent::default().data(usage.to_string()));
+                                }
+                            }
+                        }
+                        a.queue.push_back(SseEvent::default().data("[DONE]"));
+                        a.done = true;
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// What [`Answer::next`] brought.
+enum Step {
+    Piece(String, Vec<u32>),
+    End(End, String, Vec<u32>),
+}
+
+async fn models(State(server): State<Arc<Server>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": server.job.model_name, "object": "model", "created": 0, "owned_by": "kvflow",
+        "max_model_len": server.job.max_context,
+    }]}))
+}
+
+async fn health(State(server): State<Arc<Server>>) -> Response {
+    if server.draining.load(Ordering::SeqCst) {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response()
+    } else {
+        Json(json!({"status": "ok"})).into_response()
+    }
+}
+
+async fn prometheus(State(server): State<Arc<Server>>) -> Response {
+    let refused = server.refused.lock().clone();
+    let text = {
+        let c = server.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+        let live = metrics::Live {
+            in_flight: c.open_count(),
+            pools: &server.job.gauges,
+            refused: &refused,
+            draining: server.draining.load(Ordering::SeqCst),
+        };
+        metrics::render(c.records(), &live)
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
