@@ -165,7 +165,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
     };
     let mut sampling = limits.sampling;
     if let Some(v) = obj.get("temperature").filter(|v| !v.is_null()) {
-        let t = v.as_f64().ok_or_else(|| ApiError::field("temperature", "expected a number"))?;
+        let t = v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| {
+            ApiError::field("temperature", format!("expected a number from 0 to 2 (as OpenAI), got {v}"))
+        })?;
         sampling.params.temperature = check_temperature(t).map_err(|e| ApiError::field("temperature", e))?;
     }
     if let Some(v) = obj.get("top_p").filter(|v| !v.is_null()) {

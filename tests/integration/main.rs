@@ -22,4 +22,5 @@ mod routing;
 mod runtime;
 mod sampling;
 mod seeded_models;
+mod serve;
 mod spec;
