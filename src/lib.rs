@@ -7,6 +7,7 @@ pub mod flags;
 pub mod generate;
 pub mod graph;
 pub mod launch;
+pub mod plot;
 pub mod registry;
 pub mod report;
 pub mod runtime;

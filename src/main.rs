@@ -87,6 +87,16 @@ enum Command {
     /// /v1/chat/completions, /v1/models, /health, /metrics) until SIGTERM or Ctrl-C, which drain
     /// it; then writes report.json and requests.jsonl.
     Serve(Box<kvflow::server::command::ServeArgs>),
+    /// Draws charts of one or more runs' reports (each run a labelled line): TTFT and TPOT CDFs,
+    /// output tokens/s and KV use over time, as PNGs.
+    Plot {
+        /// Report folders (each holding report.json and requests.jsonl).
+        #[arg(required = true)]
+        reports: Vec<PathBuf>,
+        /// Where the PNGs go (default: the report folder, or out/plots for several).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Benchmarks that print figures beside a baseline measured in the same run.
     Bench {
         #[command(subcommand)]
@@ -136,6 +146,10 @@ struct RunFlags {
     /// Re-run every request alone on the reference path and compare tokens and logits bits.
     #[arg(long)]
     verify: bool,
+    /// Also draw the run's charts (TTFT and TPOT CDFs, throughput and KV use over time) as PNGs
+    /// beside its report (compare: every run on each chart, into --out or out/compare).
+    #[arg(long)]
+    plot: bool,
     /// Run only this pool of the graph (default: every pool).
     #[arg(long)]
     pool: Option<String>,
@@ -285,6 +299,22 @@ enum BenchCommand {
         /// Rounds; each figure is their median.
         #[arg(long, default_value_t = 3, value_parser = flags::count)]
         rounds: usize,
+    },
+    /// `kvflow serve` on SmolLM2 over loopback: requests/s and TTFT p50/p99 at each concurrency,
+    /// beside llama-cpp-python's server on the same GGUF when it is installed.
+    Serve {
+        /// The SmolLM2 GGUF (default: $KVFLOW_SMOLLM2, else where tools/fetch_smollm2.sh caches it).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Requests per concurrency level.
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        requests: usize,
+        /// Clients sending at once, each a closed loop (comma-separated levels).
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32", value_parser = flags::count)]
+        concurrency: Vec<usize>,
+        /// Output tokens per request at most (requests also stop at end-of-sequence).
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        max_tokens: usize,
     },
     /// Offload chunk objects saved to and loaded from the memory and disk stores (GB/s), beside
     /// memcpy and plain file writes and reads of the same bytes.
@@ -463,7 +493,7 @@ fn run_graph(
     graph_path: &std::path::Path,
     args: RunFlags,
     interrupts: &kvflow::signals::Interrupts,
-) -> Result<(i32, Option<serde_json::Value>)> {
+) -> Result<(i32, Option<serde_json::Value>, PathBuf)> {
     use kvflow::graph::{Graph, Overrides};
     use kvflow::runtime::{self, ClusterPlace, RunOptions};
     let registry = kvflow::registry::Registry::default();
@@ -564,12 +594,22 @@ fn run_graph(
         );
     }
     // An interrupted run did not serve its workload: 130 (SIGINT) or 143 (SIGTERM).
-    Ok((interrupts.exit_status().unwrap_or(outcome.exit_code), outcome.report))
+    Ok((interrupts.exit_status().unwrap_or(outcome.exit_code), outcome.report, outcome.out_dir))
+}
+
+/// Draws the charts of the runs reported in `dirs` into `out` and names the files.
+fn plot_runs(dirs: &[PathBuf], out: &std::path::Path) -> Result<()> {
+    let runs = dirs.iter().map(|d| kvflow::plot::read_run(d)).collect::<Result<Vec<_>>>()?;
+    for file in kvflow::plot::plot(&runs, out)? {
+        eprintln!("wrote {}", file.display());
+    }
+    Ok(())
 }
 
 /// `kvflow compare`: each graph in turn, then the figures side by side.
 fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &kvflow::signals::Interrupts) -> Result<i32> {
     let mut columns = Vec::new();
+    let mut out_dirs = Vec::new();
     let mut worst = 0;
     for (i, path) in graphs.iter().enumerate() {
         let mut name = path.file_stem().map_or("graph".into(), |s| s.to_string_lossy().into_owned());
@@ -579,7 +619,8 @@ fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &kvflow::signals::I
         let mut flags = flags.clone();
         flags.out = flags.out.as_ref().map(|dir| dir.join(&name));
         eprintln!("== {}", path.display());
-        let (code, report) = run_graph(path, flags, interrupts)?;
+        let (code, report, out_dir) = run_graph(path, flags, interrupts)?;
+        out_dirs.push(out_dir);
         worst = worst.max(code);
         columns.push((name, report.unwrap_or_default()));
         if interrupts.exit_status().is_some() {
@@ -634,6 +675,10 @@ fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &kvflow::signals::I
         }
         println!("{line}");
     }
+    if flags.plot {
+        let out = flags.out.clone().unwrap_or_else(|| PathBuf::from("out/compare"));
+        plot_runs(&out_dirs, &out)?;
+    }
     Ok(worst)
 }
 
@@ -683,7 +728,11 @@ fn run() -> Result<()> {
             // Before any other thread starts: every thread inherits the blocked signals.
             let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
             let RunArgs { graph, flags } = *args;
-            let (code, _) = run_graph(&graph, flags, &interrupts)?;
+            let plot = flags.plot;
+            let (code, _, out_dir) = run_graph(&graph, flags, &interrupts)?;
+            if plot {
+                plot_runs(std::slice::from_ref(&out_dir), &out_dir)?;
+            }
             if code != 0 {
                 std::process::exit(code);
             }
@@ -694,6 +743,11 @@ fn run() -> Result<()> {
             if code != 0 {
                 std::process::exit(code);
             }
+        }
+        Command::Plot { reports, out } => {
+            let out =
+                out.unwrap_or_else(|| if reports.len() == 1 { reports[0].clone() } else { PathBuf::from("out/plots") });
+            plot_runs(&reports, &out)?;
         }
         Command::Compare { graphs, flags } => {
             let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
@@ -744,6 +798,14 @@ fn run() -> Result<()> {
                 outputs,
                 draft_tokens,
                 rounds,
+            })?;
+        }
+        Command::Bench { what: BenchCommand::Serve { model, requests, concurrency, max_tokens } } => {
+            kvflow::bench::serve::run(&kvflow::bench::serve::ServeBenchArgs {
+                model,
+                requests,
+                concurrency,
+                max_tokens,
             })?;
         }
         Command::Bench { what: BenchCommand::Offload { chunk_bytes, chunks, rounds, dir } } => {

@@ -14,8 +14,9 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
-/// One request's outcome, as `requests.jsonl` prints it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+/// One request's outcome, as `requests.jsonl` prints it (and `kvflow plot` reads it back).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct RequestRecord {
     pub id: u64,
     pub warmup: bool,

@@ -6,6 +6,7 @@ pub mod experts;
 pub mod model;
 pub mod offload;
 pub mod router;
+pub mod serve;
 pub mod spec;
 pub mod speed;
 pub mod step;

@@ -186,6 +186,11 @@ impl Collector {
         let _ = self.completions.send(id);
     }
 
+    /// `wall_ms` when the run started: record times are relative to it.
+    pub fn start_ms(&self) -> f64 {
+        self.start_ms
+    }
+
     /// Every request's record so far (ended or not).
     pub fn records(&self) -> impl Iterator<Item = &RequestRecord> {
         self.requests.values()

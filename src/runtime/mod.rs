@@ -597,6 +597,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     drop(batches);
     let interrupted = opts.interrupt.clone().unwrap_or_default();
     let placement = Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed };
+    let sampled_gauges = gauges.clone();
     let driver = match &opts.serve {
         Some(serving) => crate::server::spawn_server(crate::server::ServeJob {
             listener: serving.listener.try_clone().context("cannot use the listening socket")?,
@@ -634,6 +635,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     };
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
+    let run_start_ms = collector.lock().unwrap_or_else(|e| e.into_inner()).start_ms();
+    let kv_sampler = spawn_kv_sampler(sampled_gauges, run_start_ms, finished.clone())?;
     // Pools whose computation has ended (their joiner says so).
     let ended_pools: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
     if stall_timeout.is_zero() {
@@ -765,7 +768,8 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
             .filter_map(|r| r.routing_index.clone().map(|(last, resyncs)| (r.name.clone(), last, resyncs)))
             .collect(),
     };
-    let report = report::run_report(&records, &slo, &verify, &context);
+    let mut report = report::run_report(&records, &slo, &verify, &context);
+    report["kv_usage"] = kv_sampler.join().map_err(|_| anyhow!("the KV sampler panicked"))?.into();
     write_outputs(&graph.report_dir, &report, &records)
         .with_context(|| format!("cannot write the report into {}", graph.report_dir.display()))?;
     if !accounting.is_empty() {
@@ -787,6 +791,38 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         EXIT_OK
     };
     Ok(RunOutcome { report: Some(report), out_dir: graph.report_dir.clone(), exit_code, note })
+}
+
+/// Samples every pool's share of KV blocks held (its ranks' gauges) until `finished`, for the
+/// report's `kv_usage` timeline (`kvflow plot` draws it): every 100 ms, halving the samples kept
+/// (and doubling the interval) whenever they pass 2,000.
+fn spawn_kv_sampler(
+    pools: crate::server::metrics::PoolGauges,
+    run_start_ms: f64,
+    finished: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<Vec<serde_json::Value>>> {
+    std::thread::Builder::new().name("kvflow-kv-sampler".into()).spawn(move || {
+        let mut interval = Duration::from_millis(100);
+        let mut samples = Vec::new();
+        while !finished.load(Ordering::SeqCst) {
+            let shares: serde_json::Map<String, serde_json::Value> = pools
+                .iter()
+                .map(|(name, ranks)| {
+                    let (used, total) =
+                        ranks.iter().map(|g| g.get()).fold((0, 0), |(u, t), g| (u + g.used_blocks, t + g.total_blocks));
+                    (name.clone(), json!(if total > 0 { used as f64 / total as f64 } else { 0.0 }))
+                })
+                .collect();
+            let t_s = (kvflow_operators::messages::wall_ms() - run_start_ms) / 1000.0;
+            samples.push(json!({"t_s": t_s, "pools": shares}));
+            if samples.len() > 2000 {
+                samples = samples.into_iter().step_by(2).collect();
+                interval *= 2;
+            }
+            std::thread::sleep(interval);
+        }
+        samples
+    })
 }
 
 fn pools_executor(graph: &Graph, name: &str) -> String {

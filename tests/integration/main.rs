@@ -15,6 +15,7 @@ mod hf_fixtures;
 mod hosts;
 mod offload;
 mod operability;
+mod plots;
 mod processes;
 mod recurrent_state;
 mod registry;
