@@ -227,6 +227,42 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         t.release_all(&mut pool);
     }
     assert!(pool.all_free(), "bench leaked KV blocks");
+    if let Some(gguf) = args.model.as_ref().filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))) {
+        llama_cpp_beside(gguf, m, ctx, args.decode_steps, tokens_per_s);
+    }
     println!("ratio={:.3}", decode / own.max(mm));
     Ok(())
+}
+
+/// llama.cpp's batch-1 decode on the same GGUF, one thread (llama-cpp-python, when installed),
+/// beside kvflow's `tokens_per_s` at batch `batch`.
+fn llama_cpp_beside(gguf: &std::path::Path, batch: usize, context: usize, steps: usize, tokens_per_s: f64) {
+    const SCRIPT: &str = "import sys, time\nfrom llama_cpp import Llama\n\
+        llm = Llama(model_path=sys.argv[1], n_threads=1, n_ctx=int(sys.argv[2]) + int(sys.argv[3]) + 8, verbose=False)\n\
+        llm.eval(list(range(100, 100 + int(sys.argv[2]))))\n\
+        token = llm.sample(temp=0.0)\n\
+        start = time.perf_counter()\n\
+        for _ in range(int(sys.argv[3])):\n    llm.eval([token])\n    token = llm.sample(temp=0.0)\n\
+        print(int(sys.argv[3]) / (time.perf_counter() - start))\n";
+    let out = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(gguf)
+        .args([context.to_string(), steps.max(16).to_string()])
+        .output();
+    let measured = out
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse::<f64>().ok());
+    match measured {
+        Some(llama) => println!(
+            "llama.cpp    batch 1, context {context}, one thread, same GGUF: {llama:.1} tokens/s; kvflow batch {batch} / llama.cpp batch 1 = {:.2}×",
+            tokens_per_s / llama
+        ),
+        None => println!(
+            "llama.cpp    not measured: llama-cpp-python is not installed (issue 19's figures for SmolLM2 on a 2-core \
+             machine, batch 1, one thread: 56 tokens/s Q4_1, 24.5 tokens/s f32; kvflow batch {batch} / 24.5 = {:.2}×, / 56 = {:.2}×)",
+            tokens_per_s / 24.5,
+            tokens_per_s / 56.0
+        ),
+    }
 }
