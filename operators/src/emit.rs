@@ -3,7 +3,8 @@
 //! (finished, failed or cancelled) arrives at the step whose completion ended it, carrying when
 //! its first and last tokens became known on its rank; events cross ranks only then (and events a
 //! decode pool in another process sent back through a prefill rank, at the step that rank
-//! drained them: `transfer::relay`). Holds no
+//! drained them: `transfer::relay`; and a streaming request's tokens, `Event::Tokens`, at the
+//! step that sampled them — `kvflow serve` asks for them). Holds no
 //! capability; nothing it receives flows back into the step loop (DESIGN §4: completions must
 //! not gate a step).
 
