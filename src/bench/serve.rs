@@ -42,8 +42,9 @@ struct Level {
 }
 
 impl Level {
+    /// Requests completed per second (failed ones do not count).
     fn per_s(&self) -> f64 {
-        self.requests as f64 / self.wall.as_secs_f64()
+        (self.requests - self.failed) as f64 / self.wall.as_secs_f64()
     }
 
     fn ttft(&self, p: f64) -> f64 {
@@ -192,7 +193,9 @@ fn llama_cpp_server(model: &Path) -> Result<Option<External>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let child = std::process::Command::new("python3")
         .args(["-m", "llama_cpp.server", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--n_threads", "2", "--n_ctx", "2048", "--model_alias", MODEL_NAME, "--model"])
+        // Requests wait their turn (by default a new request interrupts the one streaming).
+        .args(["--n_threads", "2", "--n_ctx", "2048", "--interrupt_requests", "False"])
+        .args(["--model_alias", MODEL_NAME, "--model"])
         .arg(model)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
