@@ -261,7 +261,8 @@ pub enum Event {
     Received { id: u64, rank: usize, taken_ms: f64 },
     /// A streaming request's output tokens from `offset` on (not an end: its end event carries
     /// every output token again). Sent at the step that sampled them; a P/D request's T0 comes
-    /// from the prefill pool and the rest from the decode pool, so a reader orders by `offset`.
+    /// from the prefill pool and again, with the rest, from the decode pool, so a reader orders
+    /// by `offset` and takes each token once.
     Tokens { id: u64, rank: usize, offset: usize, tokens: Vec<u32> },
     /// It cannot run (or was cancelled), with whatever it produced before.
     Failed {

@@ -298,3 +298,25 @@ fn gguf_files() {
         }
     });
 }
+
+#[test]
+fn openai_bodies() {
+    // Request bodies of `kvflow serve`, checked for both endpoints without a tokenizer (token ids
+    // only) and, when SmolLM2 is fetched, with its tokenizer and chat template (hostile message
+    // text rendered and tokenized): a 400 or an accepted request, never a panic.
+    use kvflow::server::openai::{parse, Endpoint, Limits};
+    let text = crate::gguf::smollm2().map(|p| kvflow::text::TextModel::load(&p).expect("SmolLM2's tokenizer"));
+    fn limits(text: Option<&kvflow::text::TextModel>) -> Limits<'_> {
+        Limits { text, model_name: "m", vocab_size: 100, max_context: 64, max_tokens: 16, sampling: Default::default() }
+    }
+    let (plain, with_text) = (limits(None), limits(text.as_ref()));
+    fuzz("openai", 10, |input| {
+        for limits in [&plain, &with_text] {
+            for endpoint in [Endpoint::Completions, Endpoint::Chat] {
+                if let Ok(ask) = parse(endpoint, input, limits) {
+                    assert!(!ask.prompt.is_empty() && ask.prompt.len() + ask.max_tokens <= limits.max_context);
+                }
+            }
+        }
+    });
+}

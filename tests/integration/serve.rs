@@ -456,6 +456,25 @@ fn smollm2_served_answers_with_its_reference_tokens_and_text() {
             .collect();
         assert_eq!(streamed_text, *text, "the pieces add up to the whole answer");
     }
+    // A stop string cuts the text before it, whole and streamed, and ends the request.
+    let completion = expected["cases"].as_array().unwrap().iter().find(|c| c["kind"] == "completion").unwrap();
+    let reference = completion["text"].as_str().unwrap();
+    let cut = &reference[..reference.find('.').expect("the reference text has a period")];
+    let body = json!({"prompt": completion["rendered"], "max_tokens": 24, "temperature": 0, "stop": ["."]});
+    let (status, v) = served.post("/v1/completions", &body);
+    assert_eq!(
+        (status, v["choices"][0]["text"].as_str(), v["choices"][0]["finish_reason"].as_str()),
+        (200, Some(cut), Some("stop")),
+        "{v}"
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = served.stream("/v1/completions", &streamed);
+    let text: String = chunks[..chunks.len() - 1]
+        .iter()
+        .map(|c| serde_json::from_str::<Value>(c).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(text, cut, "{chunks:?}");
     let (code, stderr) = served.stop();
     assert_eq!(code, 0, "{stderr}");
     // P/D: the stop token travels with the handoff; a chat ends at end-of-sequence on the decode

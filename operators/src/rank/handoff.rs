@@ -102,8 +102,9 @@ impl Rank {
         let mut seq = self.sequence_for(a)?;
         seq.sampling = sampling;
         seq.delivery = delivery;
-        // A handoff's T0 was streamed by its prefill rank.
-        seq.streamed = seq.output_len();
+        // A handoff's T0 leaves again with its first decode tokens: the prefill rank streamed it
+        // too, but that pool's event may come later than this one's (a reader orders by offset).
+        seq.streamed = 0;
         Some(seq)
     }
 
