@@ -191,6 +191,12 @@ impl Collector {
         self.start_ms
     }
 
+    /// No request is released after this one (a server that stopped taking requests): the
+    /// requests released so far are all the run has.
+    pub fn no_more_releases(&mut self) {
+        self.total = self.requests.len();
+    }
+
     /// Every request's record so far (ended or not).
     pub fn records(&self) -> impl Iterator<Item = &RequestRecord> {
         self.requests.values()

@@ -546,7 +546,10 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
         eprintln!("note: {n}");
     }
     let (tx, rx) = std::sync::mpsc::channel();
-    let collector = Collector::new(selection.requests.len(), tx, opts.show_progress && opts.serve.is_none());
+    // A server's requests are not known ahead: until it stops taking them, they have not all
+    // ended (the watchdog waits on an idle pool only once they have).
+    let total = if opts.serve.is_some() { usize::MAX } else { selection.requests.len() };
+    let collector = Collector::new(total, tx, opts.show_progress && opts.serve.is_none());
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     // Start every pool, each with its ingress, its handoff links, its sink into the collector
     // and its watch. New requests enter the aggregated pools, or the decode pools (a run of

@@ -163,6 +163,7 @@ impl Server {
         while open() > 0 && Instant::now() < confirm_by {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).no_more_releases();
     }
 
     fn limits(&self) -> Limits<'_> {

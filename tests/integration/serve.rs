@@ -536,3 +536,18 @@ fn the_openai_python_client_and_a_prometheus_parser_accept_the_server() {
     let report = report_of(&dir.path().join("out"));
     assert!(text.contains(&format!("completed={}", report["completed"])), "the client saw the report's count: {text}");
 }
+
+#[test]
+fn an_idle_server_outlives_the_stall_timeout() {
+    // Its pools park with nothing to do: no request is pending, so nothing has stalled.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let served = Served::start(&repo().join("graphs/pd-1p1d.toml"), &out, &["--stall-timeout", "1"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    let (status, v) = served.post("/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 3}));
+    assert_eq!(status, 200, "{v}");
+    std::thread::sleep(Duration::from_millis(2500));
+    let (code, stderr) = served.stop();
+    assert_eq!(code, 0, "{stderr}");
+    assert!(!stderr.contains("stall"), "{stderr}");
+}
