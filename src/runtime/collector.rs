@@ -197,6 +197,11 @@ impl Collector {
         self.total = self.requests.len();
     }
 
+    /// Pools that ended under a failure, with its message (what is released into one fails).
+    pub fn failed_pools(&self) -> Vec<(String, String)> {
+        self.ended.iter().map(|(pool, (_, message))| (pool.clone(), message.clone())).collect()
+    }
+
     /// Every request's record so far (ended or not).
     pub fn records(&self) -> impl Iterator<Item = &RequestRecord> {
         self.requests.values()

@@ -426,9 +426,15 @@ async fn models(State(server): State<Arc<Server>>) -> Json<Value> {
     }]}))
 }
 
+/// 200 while the server takes requests; 503 while it drains, or once a pool has ended under a
+/// failure (a lost process, say: what would enter it fails).
 async fn health(State(server): State<Arc<Server>>) -> Response {
+    let failed = server.job.collector.lock().unwrap_or_else(|e| e.into_inner()).failed_pools();
     if server.draining.load(Ordering::SeqCst) {
         (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response()
+    } else if !failed.is_empty() {
+        let pools: Vec<Value> = failed.iter().map(|(pool, why)| json!({"pool": pool, "error": why})).collect();
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "pool-ended", "pools": pools}))).into_response()
     } else {
         Json(json!({"status": "ok"})).into_response()
     }
