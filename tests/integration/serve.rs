@@ -147,7 +147,7 @@ fn stream_ids(chunks: &[String]) -> (Vec<u32>, Option<String>, Option<Value>) {
             usage = Some(u.clone());
         }
         for choice in v["choices"].as_array().unwrap() {
-            ids.extend(choice["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32));
+            ids.extend(ids_of(choice));
             if let Some(f) = choice["finish_reason"].as_str() {
                 finish = Some(f.to_string());
             }
@@ -156,8 +156,13 @@ fn stream_ids(chunks: &[String]) -> (Vec<u32>, Option<String>, Option<Value>) {
     (ids, finish, usage)
 }
 
+/// A JSON list of token ids.
+fn u32s(list: &Value) -> Vec<u32> {
+    list.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+}
+
 fn ids_of(choice: &Value) -> Vec<u32> {
-    choice["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    u32s(&choice["token_ids"])
 }
 
 fn report_of(out: &Path) -> Value {
@@ -417,7 +422,7 @@ fn smollm2_served_answers_with_its_reference_tokens_and_text() {
     let dir = tempfile::tempdir().unwrap();
     let served = smollm2_served(dir.path(), &path);
     for case in expected["cases"].as_array().unwrap() {
-        let greedy: Vec<u32> = case["greedy"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let greedy = u32s(&case["greedy"]);
         // Served requests stop at end-of-sequence (the reference ran on past it).
         let (want, finish) = match case["eos_at"].as_u64() {
             Some(at) => (greedy[..=at as usize].to_vec(), "stop"),
@@ -482,7 +487,7 @@ fn smollm2_served_answers_with_its_reference_tokens_and_text() {
     let pd_dir = tempfile::tempdir().unwrap();
     let served = smollm2_pd_served(pd_dir.path(), &path);
     for case in expected["cases"].as_array().unwrap().iter().filter(|c| c["eos_at"].is_u64()) {
-        let greedy: Vec<u32> = case["greedy"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+        let greedy = u32s(&case["greedy"]);
         let want = greedy[..=case["eos_at"].as_u64().unwrap() as usize].to_vec();
         let body = json!({"messages": case["messages"], "max_tokens": 24, "temperature": 0, "stream": true});
         let (ids, finish, _) = stream_ids(&served.stream("/v1/chat/completions", &body));
