@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""The structure checks of the repository: no import cycle between modules in any crate, no
+"""The structure checks of the repository: no import cycle between modules in any crate, the
+layering rules of FORBIDDEN (the policy reaches no transfer code, the runtime no server), no
 non-test source file over 800 lines, no function over 120 lines outside tests.
 
-Run `python3 tools/structure.py` (or `--list` to print the module graph's edges). It exits 1 and
+Run `python3 tools/structure.py` (`--list` also prints the module graph's edges; `--crate NAME
+FOLDER ROOT_FILE` checks one crate alone). It exits 1 and
 names every breach; `tests/integration/structure.rs` runs it in the test suite.
 
 How it reads the code (no Rust parser is needed for this much):
@@ -29,6 +31,13 @@ CRATES = [
     ("kvflow (binary)", "src", "main.rs"),
     ("kvflow-operators", "operators/src", "lib.rs"),
     ("kvflow-kernels", "kernels/src", "lib.rs"),
+]
+# Layering rules: (crate, module, modules it must not reach, directly or through others).
+FORBIDDEN = [
+    # The scheduling policy is plain data structures: no transfer engine, no wire messages.
+    ("kvflow-operators", ("policy",), [("transfer",), ("messages",)]),
+    # The runtime takes a front end; the server is one.
+    ("kvflow", ("runtime",), [("server",)]),
 ]
 MAX_FILE_LINES = 800
 MAX_FN_LINES = 120
@@ -352,6 +361,24 @@ def cycle_through(graph: dict, comp: list) -> list:
     return best or comp
 
 
+def reach(graph: dict, source: tuple):
+    """For each module reachable from `source`, one shortest import path to it."""
+    prev, frontier, out = {source: None}, [source], []
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph.get(v, {})):
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+                    path = [w]
+                    while prev[path[-1]] is not None:
+                        path.append(prev[path[-1]])
+                    out.append(list(reversed(path)))
+        frontier = nxt
+    return out
+
+
 def mod_name(crate: Crate, path: tuple) -> str:
     return crate.name.split(" ")[0].replace("-", "_") + ("::" + "::".join(path) if path else "")
 
@@ -387,10 +414,14 @@ def long_functions(crate: Crate):
 
 
 def main() -> int:
-    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.chdir(top)
+    specs = CRATES
+    if "--crate" in sys.argv:  # --crate NAME FOLDER ROOT_FILE: check that crate alone
+        i = sys.argv.index("--crate")
+        specs = [tuple(sys.argv[i + 1 : i + 4])]
+    else:
+        os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     problems = []
-    crates = [Crate(*spec) for spec in CRATES]
+    crates = [Crate(*spec) for spec in specs]
     for crate in crates:
         for path, file in crate.files.items():
             if path in crate.test_files:
@@ -406,6 +437,22 @@ def main() -> int:
             for a, targets in sorted(graph.items()):
                 for b, line in sorted(targets.items()):
                     print(f"{mod_name(crate, a)} -> {mod_name(crate, b)}  ({crate.files[a]}:{line})")
+        for name, module, banned in FORBIDDEN:
+            if name != crate.name:
+                continue
+            for hit in banned:
+                paths = [
+                    path
+                    for source in graph
+                    if source[: len(module)] == module
+                    for path in reach(graph, source)
+                    if path[-1][: len(hit)] == hit
+                ]
+                if paths:
+                    steps = " -> ".join(mod_name(crate, m) for m in min(paths, key=len))
+                    problems.append(
+                        f"{mod_name(crate, module)} must not import {mod_name(crate, hit)}, directly or through others: {steps}"
+                    )
         for comp in strongly_connected(graph):
             cyc = cycle_through(graph, comp)
             steps = " -> ".join(mod_name(crate, m) for m in cyc)

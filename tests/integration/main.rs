@@ -25,3 +25,4 @@ mod sampling;
 mod seeded_models;
 mod serve;
 mod spec;
+mod structure;
