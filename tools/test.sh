@@ -33,7 +33,7 @@ fi
 pip_install() { # folder, packages...
   local dest=$1
   shift
-  python3 -m pip install --quiet --disable-pip-version-check --no-input --target "$dest" "$@"
+  python3 -m pip install --quiet --disable-pip-version-check --no-input --root-user-action=ignore --no-warn-conflicts --target "$dest" "$@"
 }
 
 deps="$PWD/target/test-deps"
