@@ -152,6 +152,16 @@ fn defines(source: &str, name: &str) -> bool {
     })
 }
 
+/// Whether `path` is where a run writes its output (`out/quickstart/report.json`): a path git
+/// ignores names no file of the repository.
+fn is_ignored_output(path: &str) -> bool {
+    Command::new("git")
+        .args(["check-ignore", "-q", "--no-index", path])
+        .current_dir(repo())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
 /// Every broken file reference of one markdown document, as "doc:line: why".
 fn broken_references(doc: &str, text: &str) -> Vec<String> {
     let mut broken = Vec::new();
@@ -166,6 +176,9 @@ fn broken_references(doc: &str, text: &str) -> Vec<String> {
         }
         for (path, items) in backticked(line).filter_map(file_reference) {
             let at = format!("{doc}:{}", index + 1);
+            if is_ignored_output(path) {
+                continue;
+            }
             let Ok(source) = std::fs::read_to_string(repo().join(path)) else {
                 broken.push(format!("{at}: `{path}` does not exist"));
                 continue;
@@ -236,7 +249,8 @@ fn the_dataflow_pictures_in_the_design_are_what_kvflow_check_draws() {
             "refresh it: run `cargo build && target/debug/kvflow check {graph} --dot` at the repository root and \
              put its output in the ```dot block after `<!-- kvflow check {graph} --dot -->` in {DESIGN}"
         );
-        let shown = pictured(&design, graph).unwrap_or_else(|| panic!("{DESIGN} shows no picture of {graph}: {refresh}"));
+        let shown =
+            pictured(&design, graph).unwrap_or_else(|| panic!("{DESIGN} shows no picture of {graph}: {refresh}"));
         let drawn = check_dot(graph);
         if shown != drawn {
             let first = shown.lines().zip(drawn.lines()).position(|(a, b)| a != b).unwrap_or(0);
