@@ -42,8 +42,8 @@ fn design_sections() -> Vec<u32> {
         .collect()
 }
 
-/// Every section number cited as "DESIGN §N" or "DESIGN.md §N" (also "§§N, M" lists are not
-/// used: each citation names one section) in `text`, with its line number.
+/// Every section number cited as "DESIGN §N" (or "docs/design.md §N") in `text`, with its line
+/// number; a list ("DESIGN §4, §9" or "DESIGN §4 and §9") cites each of its sections.
 fn citations(text: &str) -> Vec<(usize, u32)> {
     let mut found = Vec::new();
     for (index, line) in text.lines().enumerate() {
@@ -51,9 +51,15 @@ fn citations(text: &str) -> Vec<(usize, u32)> {
             let mut rest = line;
             while let Some(at) = rest.find(prefix) {
                 rest = &rest[at + prefix.len()..];
-                let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-                if let Ok(section) = digits.parse() {
+                loop {
+                    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                    let Ok(section) = digits.parse() else { break };
                     found.push((index + 1, section));
+                    rest = &rest[digits.len()..];
+                    match [", §", " and §"].iter().find(|sep| rest.starts_with(*sep)) {
+                        Some(sep) => rest = &rest[sep.len()..],
+                        None => break,
+                    }
                 }
             }
         }
@@ -253,7 +259,11 @@ fn the_dataflow_pictures_in_the_design_are_what_kvflow_check_draws() {
             pictured(&design, graph).unwrap_or_else(|| panic!("{DESIGN} shows no picture of {graph}: {refresh}"));
         let drawn = check_dot(graph);
         if shown != drawn {
-            let first = shown.lines().zip(drawn.lines()).position(|(a, b)| a != b).unwrap_or(0);
+            let first = shown
+                .lines()
+                .zip(drawn.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(shown.lines().count().min(drawn.lines().count()));
             panic!(
                 "{DESIGN}'s picture of {graph} is not the dataflow the runtime builds today (first difference at line \
                  {} of the picture: shown {:?}, drawn {:?}): {refresh}",
