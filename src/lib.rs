@@ -1,5 +1,5 @@
 //! kvflow: an LLM serving runtime whose stages are operators of a timely dataflow graph
-//! (DESIGN.md). This crate holds the graph spec, pool runtime, trace replay, reports and CLI;
+//! (docs/design.md). This crate holds the graph spec, pool runtime, trace replay, reports and CLI;
 //! model math lives in `kvflow-kernels`, operators in `kvflow-operators`.
 
 pub mod bench;

@@ -1,5 +1,5 @@
 //! The replay workload: which trace requests run, and when each is handed to the runtime
-//! (DESIGN.md §11, "honour timestamps (time-scaled), fixed concurrency, fixed rate").
+//! (docs/design.md §11, "honour timestamps (time-scaled), fixed concurrency, fixed rate").
 //!
 //! [`select`] cuts a synthesised trace into warmup and measured requests; [`drive`] then releases
 //! them in trace order on the calling thread, in one of three [`ArrivalMode`]s, and waits until

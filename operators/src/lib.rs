@@ -2,7 +2,7 @@
 //! propose, save, load, emit), one per file, the per-rank
 //! state each owns (`rank`), the executors that run a rank's steps (`executor`) and the
 //! vocabulary of a step between them (`step`), built around the plain scheduling policy in
-//! `policy`. See DESIGN.md §4 for the per-pool graph they form; `kvflow::runtime` wires them.
+//! `policy`. See docs/design.md §4 for the per-pool graph they form; `kvflow::runtime` wires them.
 
 pub mod admit;
 pub mod align;

@@ -1,4 +1,4 @@
-//! Request traces: reading them and turning them into replayable requests (DESIGN.md §11).
+//! Request traces: reading them and turning them into replayable requests (docs/design.md §11).
 //!
 //! Three recorded formats are read into [`TraceRecord`]s, one per non-empty line, in file order:
 //! - Mooncake JSONL: `{"timestamp": ms, "input_length": n, "output_length": n, "hash_ids": [..]}`,

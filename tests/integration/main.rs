@@ -6,6 +6,7 @@ mod batch_invariance;
 mod common;
 mod cuda_emulated;
 mod disaggregated;
+mod docs;
 mod expert_parallel;
 mod faults;
 mod fuzz;

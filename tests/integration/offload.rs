@@ -92,7 +92,7 @@ fn compare_store(dir: &Path, store: &Path, model: &Model) -> (usize, usize) {
 
 #[test]
 fn saves_are_fenced_and_without_the_fence_stored_kv_is_another_requests_and_loads_change_tokens() {
-    // Guarantee "save fencing" (tests/GUARANTEES.md). A slow store (each save waits 10 ms before
+    // Guarantee "save fencing" (docs/design.md §5). A slow store (each save waits 10 ms before
     // it reads) and little KV memory: blocks are reused soon after a request lets them go. A
     // second run over the same store starts with empty KV memory, so it loads every prefix the
     // first one saved.
@@ -242,7 +242,7 @@ fn disk_graph(dir: &Path, model: &str, trace: &Path, chunk: usize) -> PathBuf {
 
 #[test]
 fn a_restarted_run_loads_its_prefixes_from_disk_and_publishes_them_in_hbm() {
-    // Guarantee "restored prefixes published" (tests/GUARANTEES.md). Request A (112 tokens:
+    // Guarantee "restored prefixes published" (docs/design.md §5). Request A (112 tokens:
     // chunks 0-2 of 32 are full) and, a second later, C (80 tokens) share their first 64 tokens.
     let dir = tempfile::tempdir().unwrap();
     let trace = write_trace(dir.path(), &[(0, &[1, 2, 3, 4, 5, 6, 7]), (1000, &[1, 2, 3, 4, 9])]);

@@ -194,7 +194,7 @@ fn the_stall_diagnosis_names_the_operator_rank_and_step_holding_the_pool() {
 
 #[test]
 fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
-    // Guarantee "collective alignment" (tests/GUARANTEES.md): with the frontier wait in `align`,
+    // Guarantee "collective alignment" (docs/design.md §5): with the frontier wait in `align`,
     // every rank derives the same plan and every request returns; without it, ranks plan from
     // partial reports, disagree on admissions, and requests never return.
     let dir = tempfile::tempdir().unwrap();

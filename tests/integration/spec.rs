@@ -71,7 +71,7 @@ fn a_decode_pool_drafts_exactly_and_a_deferred_executor_stays_exact() {
 
 #[test]
 fn without_the_rollback_a_rejected_draft_breaks_exactly_the_recurrent_families() {
-    // Guarantee-style check for DESIGN §10's rollback (tests/GUARANTEES.md).
+    // Guarantee-style check for DESIGN §10's rollback (docs/design.md §5).
     let pool = "[[pool]]\nname = \"main\"\nranks = 1\n";
     for model in ["hf/llama", "hf/qwen3_next", "hf/qwen3_next_gdn", "hf/kimi_linear"] {
         let dir = tempfile::tempdir().unwrap();
@@ -348,7 +348,7 @@ fn sampled_drafting_keeps_the_target_distribution() {
 
 #[test]
 fn a_producer_drafts_from_t0_and_the_consumers_first_decode_verifies_those_drafts() {
-    // Guarantee-style check for "drafter inputs explicit" (tests/GUARANTEES.md): the producer
+    // Guarantee-style check for "drafter inputs explicit" (docs/design.md §5): the producer
     // never verifies, yet its T0 chunk tells the drafter to propose from T0; the handoff carries
     // the drafts (inproc, and over tcp on the wire) and the consumer's first decode feeds T0 and
     // exactly those. With the test switch the drafter hears of a sampled token only when the

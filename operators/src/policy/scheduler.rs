@@ -764,7 +764,7 @@ mod policy_tests {
         // A property over random schedules: whatever the recent acceptance and the outputs left,
         // a chunk carries at most the scheduler's limit of drafts, at a configured width, with
         // blocks for every position it writes. With bucketing allowed to round up (test switch
-        // `widen_draft_buckets`, "scheduled width" in tests/GUARANTEES.md) it does not hold.
+        // `widen_draft_buckets`, "scheduled width" in docs/design.md §5) it does not hold.
         assert_eq!(first_width_violation(false), None);
         let widened = first_width_violation(true);
         assert!(widened.is_some(), "rounding buckets up must break the property");

@@ -1,5 +1,5 @@
 //! Test-only switches, each removing or breaking exactly one mechanism so a test can show that
-//! the check guarding it fails (see tests/GUARANTEES.md). All off by default; no production path
+//! the check guarding it fails (see docs/design.md §5). All off by default; no production path
 //! sets them.
 
 /// The switches of one run.
