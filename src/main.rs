@@ -497,19 +497,22 @@ fn run_graph(
     use kvflow::graph::{Graph, Overrides};
     use kvflow::runtime::{self, ClusterPlace, RunOptions};
     let registry = kvflow::registry::Registry::default();
-    let mut graph = Graph::load_with(graph_path, &registry.names())?;
-    graph.apply_overrides(&Overrides {
-        model: args.model,
-        trace: args.trace,
-        format: args.format,
-        limit: args.limit,
-        warmup: args.warmup,
-        block_tokens: args.block_tokens,
-        max_output_tokens: args.max_output_tokens,
-        concurrency: args.concurrency,
-        ranks: args.ranks,
-        out: args.out,
-    })?;
+    let graph = Graph::load_overridden(
+        graph_path,
+        &registry.names(),
+        &Overrides {
+            model: args.model,
+            trace: args.trace,
+            format: args.format,
+            limit: args.limit,
+            warmup: args.warmup,
+            block_tokens: args.block_tokens,
+            max_output_tokens: args.max_output_tokens,
+            concurrency: args.concurrency,
+            ranks: args.ranks,
+            out: args.out,
+        },
+    )?;
     let cluster = match (args.process, args.processes, args.hostfile) {
         (Some(process), Some(processes), Some(hostfile)) => {
             let mut place = ClusterPlace::from_hostfile(&hostfile, process, processes)?;

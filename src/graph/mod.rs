@@ -14,8 +14,10 @@
 //!    resolved; each error names the file, the line of the key and the dotted key
 //!    (`graphs/x.toml:14: key `scheduler.chunk_tokens`: 4096 is larger than
 //!    scheduler.max_batched_tokens (512)`);
-//! 3. *use*: [`Graph`] and its parts are plain immutable values. Command-line flags change them only
-//!    through [`Graph::apply_overrides`], which runs the same checks.
+//! 3. *use*: [`Graph`] and its parts are plain immutable values. Command-line flags
+//!    ([`Overrides`]) are written into the raw layer before validation
+//!    ([`Graph::load_overridden`]), so they go through the same checks and stand in for a value
+//!    the file lacks or gets wrong.
 //!
 //! Relative paths in the file (`model.path`, `workload.trace`, `report.out`) resolve against the
 //! folder holding the graph file; paths given as overrides are used as given (relative to the
@@ -162,6 +164,7 @@
 //! token, which the runtime knows once the model is loaded.
 
 mod error;
+mod overrides;
 mod raw;
 mod rules;
 #[cfg(test)]
@@ -173,11 +176,11 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use error::{GraphError, Location};
+pub use overrides::Overrides;
 pub use rules::{host_port, parse_byte_size, parse_endpoint, MAX_DEPLOYMENT_TOKEN_BYTES};
 
 use error::toml_error;
 use raw::RawGraph;
-use rules::{existing_path, measured_limit, one_of, rank_count, token_count};
 use validate::Validator;
 
 /// The components a graph may choose from: those of the runtime's registry
@@ -587,24 +590,6 @@ pub struct SloConfig {
     pub tpot_ms: Option<f64>,
 }
 
-/// Command-line overrides of `kvflow run`. Paths are used as given (relative to the working
-/// directory), not resolved against the graph file.
-#[derive(Clone, Debug, Default)]
-pub struct Overrides {
-    pub model: Option<PathBuf>,
-    pub trace: Option<PathBuf>,
-    pub format: Option<String>,
-    pub limit: Option<usize>,
-    pub warmup: Option<usize>,
-    pub block_tokens: Option<usize>,
-    pub max_output_tokens: Option<usize>,
-    /// Switches the workload to concurrency mode with this many requests in flight.
-    pub concurrency: Option<usize>,
-    /// Sets the ranks of every pool.
-    pub ranks: Option<usize>,
-    pub out: Option<PathBuf>,
-}
-
 // ---------------------------------------------------------------------------------------------
 // Loading, overrides, lookup.
 
@@ -616,9 +601,15 @@ impl Graph {
 
     /// [`Graph::load`], checking component choices against `names` (a registry's).
     pub fn load_with(path: &Path, names: &ComponentNames) -> Result<Graph, GraphError> {
+        Graph::load_overridden(path, names, &Overrides::default())
+    }
+
+    /// [`Graph::load_with`] with command-line overrides written in before anything is checked:
+    /// a flag stands in for a value the file lacks or gets wrong.
+    pub fn load_overridden(path: &Path, names: &ComponentNames, overrides: &Overrides) -> Result<Graph, GraphError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| GraphError::Read { file: path.to_path_buf(), source })?;
-        Graph::parse_with(path, &text, names)
+        Graph::parse_overridden(path, &text, names, overrides)
     }
 
     /// Parses and validates `text` as the graph file `path` (which names the file in errors and
@@ -629,60 +620,19 @@ impl Graph {
 
     /// [`Graph::parse`], checking component choices against `names`.
     pub fn parse_with(path: &Path, text: &str, names: &ComponentNames) -> Result<Graph, GraphError> {
-        let raw: RawGraph = toml::from_str(text).map_err(|error| toml_error(path, text, &error))?;
-        Validator::new(path, text, names).graph(raw)
+        Graph::parse_overridden(path, text, names, &Overrides::default())
     }
 
-    /// Overrides from the command line (`kvflow run` flags), re-validated. On error the graph is
-    /// left as it was.
-    pub fn apply_overrides(&mut self, overrides: &Overrides) -> Result<(), GraphError> {
-        let from_command_line = |key: &str, message: String| GraphError::Key {
-            at: Location { file: self.path.clone(), line: None },
-            key: key.to_string(),
-            message: format!("{message} (set on the command line)"),
-        };
-        let mut graph = self.clone();
-        if let Some(model) = &overrides.model {
-            graph.model = existing_path(model.clone()).map_err(|m| from_command_line("model.path", m))?;
-        }
-        if let Some(trace) = &overrides.trace {
-            graph.workload.trace =
-                Some(existing_path(trace.clone()).map_err(|m| from_command_line("workload.trace", m))?);
-        }
-        if let Some(format) = &overrides.format {
-            graph.workload.format = one_of(format, &known_trace_formats(), "trace format")
-                .map_err(|m| from_command_line("workload.format", m))?;
-        }
-        if let Some(limit) = overrides.limit {
-            graph.workload.limit = Some(measured_limit(limit).map_err(|m| from_command_line("workload.limit", m))?);
-        }
-        if let Some(warmup) = overrides.warmup {
-            graph.workload.warmup = warmup;
-        }
-        if let Some(block_tokens) = overrides.block_tokens {
-            graph.workload.block_tokens =
-                token_count(block_tokens).map_err(|m| from_command_line("workload.block_tokens", m))?;
-        }
-        if let Some(max_output_tokens) = overrides.max_output_tokens {
-            graph.workload.max_output_tokens =
-                Some(token_count(max_output_tokens).map_err(|m| from_command_line("workload.max_output_tokens", m))?);
-        }
-        if let Some(concurrency) = overrides.concurrency {
-            graph.workload.mode = WorkloadMode::Concurrency(
-                token_count(concurrency).map_err(|m| from_command_line("workload.concurrency", m))?,
-            );
-        }
-        if let Some(ranks) = overrides.ranks {
-            let ranks = rank_count(ranks).map_err(|m| from_command_line("pool.ranks", m))?;
-            for pool in &mut graph.pools {
-                pool.ranks = ranks;
-            }
-        }
-        if let Some(out) = &overrides.out {
-            graph.report_dir = out.clone();
-        }
-        *self = graph;
-        Ok(())
+    /// [`Graph::parse_with`] with `overrides` written into the file as read, then checked with it.
+    pub fn parse_overridden(
+        path: &Path,
+        text: &str,
+        names: &ComponentNames,
+        overrides: &Overrides,
+    ) -> Result<Graph, GraphError> {
+        let mut raw: RawGraph = toml::from_str(text).map_err(|error| toml_error(path, text, &error))?;
+        let command_line = overrides.write_into(&mut raw);
+        Validator::new(path, text, names, command_line).graph(raw)
     }
 
     /// The pool named `name`; the error lists the graph's pools.
@@ -760,8 +710,7 @@ mod tests {
         std::fs::write(&path, documented_example()).expect("graph file");
 
         let graph = Graph::load(&path).unwrap_or_else(|error| panic!("{error}"));
-        let graphs = root.path().join("graphs");
-        assert_eq!(graph.model, graphs.join("../fixtures/hf/kimi_linear"));
+        assert_eq!(graph.model, root.path().join("fixtures/hf/kimi_linear"));
         assert_eq!(graph.memory, MemoryConfig { budget_bytes: 64 << 20, block_size: 16, snapshot_fraction: 0.25 });
         let scheduler = SchedulerConfig {
             max_running: 32,
@@ -793,7 +742,7 @@ mod tests {
         assert_eq!(
             graph.workload,
             WorkloadConfig {
-                trace: Some(graphs.join("../traces/mooncake_conversation_head.jsonl")),
+                trace: Some(root.path().join("traces/mooncake_conversation_head.jsonl")),
                 format: "mooncake".to_string(),
                 mode: WorkloadMode::Timestamps { time_scale: 0.01 },
                 warmup: 2,
@@ -808,7 +757,7 @@ mod tests {
             }
         );
         assert_eq!(graph.slo, SloConfig { ttft_ms: Some(2000.0), tpot_ms: Some(200.0) });
-        assert_eq!(graph.report_dir, graphs.join("../out/quickstart"));
+        assert_eq!(graph.report_dir, root.path().join("out/quickstart"));
     }
 
     #[test]
@@ -822,7 +771,7 @@ mod tests {
         std::fs::write(&path, &examples[1]).expect("graph file");
 
         let graph = Graph::load(&path).unwrap_or_else(|error| panic!("{error}"));
-        assert_eq!(graph.model, root.path().join("graphs/../fixtures/hf/llama"));
+        assert_eq!(graph.model, root.path().join("fixtures/hf/llama"));
         let roles: Vec<_> = graph.pools.iter().map(|p| (p.name.as_str(), p.role, p.ranks)).collect();
         assert_eq!(roles, [("prefill", PoolRole::Prefill, 2), ("decode", PoolRole::Decode, 1)]);
         assert_eq!(graph.pools[0].disaggregation, DisaggregationConfig::default());
@@ -887,37 +836,40 @@ mod tests {
     #[test]
     fn concurrency_override_switches_the_mode() {
         let fixture = Fixture::new();
-        let mut graph = fixture.graph(&minimal_plus("[workload]\nmode = \"rate\"\nrate = 2.0\n"));
-        graph.apply_overrides(&Overrides { concurrency: Some(4), ..Overrides::default() }).expect("valid");
-        assert_eq!(graph.workload.mode, WorkloadMode::Concurrency(4));
+        let text = minimal_plus("[workload]\nmode = \"rate\"\nrate = 2.0\n");
+        let graph = fixture.parse_overridden(&text, &Overrides { concurrency: Some(4), ..Overrides::default() });
+        assert_eq!(graph.expect("valid").workload.mode, WorkloadMode::Concurrency(4));
     }
 
     #[test]
     fn ranks_override_applies_to_every_pool() {
         let fixture = Fixture::new();
-        let mut graph = fixture.graph(&minimal_plus("[[pool]]\nname = \"second\"\nranks = 3\n"));
-        graph.apply_overrides(&Overrides { ranks: Some(2), ..Overrides::default() }).expect("valid");
+        let text = minimal_plus("[[pool]]\nname = \"second\"\nranks = 3\n");
+        let graph =
+            fixture.parse_overridden(&text, &Overrides { ranks: Some(2), ..Overrides::default() }).expect("valid");
         assert!(graph.pools.iter().all(|pool| pool.ranks == 2), "{:?}", graph.pools);
     }
 
     #[test]
     fn overrides_set_their_fields_and_leave_the_rest() {
         let fixture = Fixture::new();
-        let mut graph = fixture.graph(MINIMAL);
-        let before = graph.clone();
+        let before = fixture.graph(MINIMAL);
         let trace = fixture.dir.path().join("trace.jsonl");
-        graph
-            .apply_overrides(&Overrides {
-                model: Some(fixture.dir.path().to_path_buf()),
-                trace: Some(trace.clone()),
-                format: Some("azure".to_string()),
-                limit: Some(10),
-                warmup: Some(3),
-                block_tokens: Some(8),
-                max_output_tokens: Some(5),
-                out: Some(PathBuf::from("results/run1")),
-                ..Overrides::default()
-            })
+        let graph = fixture
+            .parse_overridden(
+                MINIMAL,
+                &Overrides {
+                    model: Some(fixture.dir.path().to_path_buf()),
+                    trace: Some(trace.clone()),
+                    format: Some("azure".to_string()),
+                    limit: Some(10),
+                    warmup: Some(3),
+                    block_tokens: Some(8),
+                    max_output_tokens: Some(5),
+                    out: Some(PathBuf::from("results/run1")),
+                    ..Overrides::default()
+                },
+            )
             .expect("valid");
         assert_eq!(graph.model, fixture.dir.path());
         assert_eq!(graph.workload.trace, Some(trace));
@@ -934,17 +886,40 @@ mod tests {
     #[test]
     fn no_overrides_change_nothing() {
         let fixture = Fixture::new();
-        let mut graph = fixture.graph(MINIMAL);
-        let before = graph.clone();
-        graph.apply_overrides(&Overrides::default()).expect("valid");
-        assert_eq!(graph, before);
+        assert_eq!(fixture.parse_overridden(MINIMAL, &Overrides::default()).expect("valid"), fixture.graph(MINIMAL));
     }
 
     #[test]
-    fn invalid_overrides_are_errors_and_leave_the_graph_unchanged() {
+    fn an_override_stands_in_for_a_value_the_graph_lacks_or_gets_wrong() {
         let fixture = Fixture::new();
-        let mut graph = fixture.graph(MINIMAL);
-        let before = graph.clone();
+        let model = fixture.dir.path().join("model");
+        // No model at the graph's path, a trace that is not there, a limit of 0 and no pool ranks
+        // that the validator would take: each flag replaces its value before anything is checked.
+        let text = "[model]\npath = \"missing-model\"\n\n[[pool]]\nname = \"main\"\nranks = 0\n\n\
+                    [workload]\ntrace = \"missing.jsonl\"\nlimit = 0\nmode = \"rate\"\nrate = -1.0\n";
+        let error = fixture.error(text);
+        assert_eq!(error.key(), Some("model.path"), "{error}");
+        let overrides = Overrides {
+            model: Some(model.clone()),
+            trace: Some(fixture.dir.path().join("trace.jsonl")),
+            limit: Some(5),
+            ranks: Some(2),
+            concurrency: Some(3),
+            ..Overrides::default()
+        };
+        let graph = fixture.parse_overridden(text, &overrides).expect("every wrong value is overridden");
+        assert_eq!(graph.model, model);
+        assert_eq!((graph.workload.limit, graph.pools[0].ranks), (Some(5), 2));
+        assert_eq!(graph.workload.mode, WorkloadMode::Concurrency(3));
+        // A wrong value that no flag replaces is still an error naming its line.
+        let error =
+            fixture.parse_overridden(text, &Overrides { model: Some(model), ..Overrides::default() }).unwrap_err();
+        assert_eq!((error.key(), error.line()), (Some("pool.ranks"), Some(6)), "{error}");
+    }
+
+    #[test]
+    fn invalid_overrides_are_errors_that_name_the_command_line() {
+        let fixture = Fixture::new();
         let cases: Vec<(Overrides, &str)> = vec![
             (Overrides { concurrency: Some(0), ..Overrides::default() }, "workload.concurrency"),
             (Overrides { ranks: Some(0), ..Overrides::default() }, "pool.ranks"),
@@ -959,13 +934,25 @@ mod tests {
             ),
         ];
         for (overrides, key) in cases {
-            // A valid override next to the invalid one must not be applied either.
             let overrides = Overrides { warmup: Some(7), ..overrides };
-            let error = graph.apply_overrides(&overrides).expect_err(key);
+            let error = fixture.parse_overridden(MINIMAL, &overrides).expect_err(key);
             assert_eq!(error.key(), Some(key), "{error}");
             assert_eq!(error.line(), None, "{error}");
             assert!(error.to_string().contains("(set on the command line)"), "{error}");
-            assert_eq!(graph, before, "{key}");
+        }
+    }
+
+    #[test]
+    fn paths_in_a_graph_are_written_as_a_person_would_type_them() {
+        use super::validate::lexically_normal;
+        let fixture = Fixture::new();
+        let graph = fixture.graph(&minimal_plus("[report]\nout = \"../out/./quickstart\"\n"));
+        let parent = fixture.dir.path().parent().unwrap();
+        assert_eq!(graph.report_dir, parent.join("out/quickstart"));
+        let cases =
+            [("graphs/../out/q", "out/q"), ("./a/b/../c", "a/c"), ("../x", "../x"), ("a/..", "."), ("/../a", "/a")];
+        for (given, tidy) in cases {
+            assert_eq!(lexically_normal(std::path::Path::new(given)), PathBuf::from(tidy), "{given}");
         }
     }
 }

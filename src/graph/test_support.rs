@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use super::{Graph, GraphError};
+use super::{Graph, GraphError, Overrides};
 
 /// A folder holding a graph file `graph.toml`, a model folder `model/` and a trace
 /// `trace.jsonl`, so paths in test graphs exist.
@@ -25,6 +25,11 @@ impl Fixture {
 
     fn parse(&self, text: &str) -> Result<Graph, GraphError> {
         Graph::parse(&self.graph_path(), text)
+    }
+
+    /// `text` with command-line `overrides` written in.
+    pub(super) fn parse_overridden(&self, text: &str, overrides: &Overrides) -> Result<Graph, GraphError> {
+        Graph::parse_overridden(&self.graph_path(), text, &super::ComponentNames::builtin(), overrides)
     }
 
     pub(super) fn graph(&self, text: &str) -> Graph {

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use toml::Spanned;
 
 use super::error::{line_of, quoted_list};
+use super::overrides::CommandLineKeys;
 use super::raw::{
     RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawSampling, RawScheduler,
     RawServe, RawSlo, RawSpeculative, RawTransfer, RawWorkload,
@@ -73,11 +74,14 @@ pub(super) struct Validator<'a> {
     names: &'a ComponentNames,
     /// The folder holding the graph file: relative paths in it resolve against this.
     base: &'a Path,
+    /// Keys whose values came from the command line: their errors say so and name no line, and
+    /// their paths are used as given.
+    command_line: CommandLineKeys,
 }
 
 impl<'a> Validator<'a> {
-    pub(super) fn new(file: &'a Path, text: &'a str, names: &'a ComponentNames) -> Self {
-        Validator { file, text, names, base: file.parent().unwrap_or(Path::new("")) }
+    pub(super) fn new(file: &'a Path, text: &'a str, names: &'a ComponentNames, command_line: CommandLineKeys) -> Self {
+        Validator { file, text, names, base: file.parent().unwrap_or(Path::new("")), command_line }
     }
 
     fn at(&self, span: Option<Range<usize>>) -> Location {
@@ -85,6 +89,14 @@ impl<'a> Validator<'a> {
     }
 
     fn error(&self, key: &str, span: Option<Range<usize>>, message: impl Into<String>) -> GraphError {
+        if self.command_line.contains(key) {
+            let at = Location { file: self.file.to_path_buf(), line: None };
+            return GraphError::Key {
+                at,
+                key: key.to_string(),
+                message: format!("{} (set on the command line)", message.into()),
+            };
+        }
         GraphError::Key { at: self.at(span), key: key.to_string(), message: message.into() }
     }
 
@@ -122,8 +134,19 @@ impl<'a> Validator<'a> {
         raw.map(|value| self.checked(key, value, rule)).transpose()
     }
 
+    /// A path written in the graph, resolved against the graph's folder and written as a person
+    /// would type it (`out/quickstart`, not `graphs/../out/quickstart`).
     fn resolve(&self, relative: &str) -> PathBuf {
-        self.base.join(relative)
+        lexically_normal(&self.base.join(relative))
+    }
+
+    /// The path `key` names: from the command line as given, else [`Self::resolve`]d.
+    fn resolve_key(&self, key: &str, path: &str) -> PathBuf {
+        if self.command_line.contains(key) {
+            PathBuf::from(path)
+        } else {
+            self.resolve(path)
+        }
     }
 
     pub(super) fn graph(&self, raw: RawGraph) -> Result<Graph, GraphError> {
@@ -136,7 +159,7 @@ impl<'a> Validator<'a> {
         };
         let model = self.checked("model.path", model_path, |path| {
             let expanded = expand_path(&path)?;
-            existing_path(self.resolve(&expanded)).map_err(|why| {
+            existing_path(self.resolve_key("model.path", &expanded)).map_err(|why| {
                 if expanded == path {
                     why
                 } else {
@@ -144,8 +167,9 @@ impl<'a> Validator<'a> {
                 }
             })
         })?;
-        let report_dir =
-            self.field("report.out", raw.report.out.as_ref(), self.default_report_dir(), |out| Ok(self.resolve(&out)))?;
+        let report_dir = self.field("report.out", raw.report.out.as_ref(), self.default_report_dir(), |out| {
+            Ok(self.resolve_key("report.out", &out))
+        })?;
         let memory = self.memory(&raw.memory, "memory", &DEFAULT_MEMORY)?;
         let mut scheduler = self.scheduler(&raw.scheduler, &raw.memory, "", &DEFAULT_SCHEDULER)?;
         let mut pools = self.pools(&raw.pool, &memory, &scheduler)?;
@@ -798,7 +822,9 @@ impl<'a> Validator<'a> {
 
     fn workload(&self, raw: &RawWorkload) -> Result<WorkloadConfig, GraphError> {
         Ok(WorkloadConfig {
-            trace: self.optional_field("workload.trace", raw.trace.as_ref(), |t| existing_path(self.resolve(&t)))?,
+            trace: self.optional_field("workload.trace", raw.trace.as_ref(), |t| {
+                existing_path(self.resolve_key("workload.trace", &t))
+            })?,
             format: self.field("workload.format", raw.format.as_ref(), DEFAULT_TRACE_FORMAT.to_string(), |f| {
                 one_of(&f, &known_trace_formats(), "trace format")
             })?,
@@ -919,3 +945,28 @@ impl<'a> Validator<'a> {
 
 #[cfg(test)]
 mod tests;
+
+/// `path` without `.` components and with each `name/..` pair removed, by its text alone (no
+/// filesystem access: a `..` after a symlink is taken as written, as a shell's `cd` takes it).
+/// A leading `..` stays; an empty result is `.`.
+pub(super) fn lexically_normal(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out: Vec<Component> = Vec::new();
+    for part in path.components() {
+        match part {
+            Component::CurDir => {}
+            Component::ParentDir => match out.last() {
+                Some(Component::Normal(_)) => {
+                    out.pop();
+                }
+                Some(Component::RootDir | Component::Prefix(_)) => {}
+                _ => out.push(part),
+            },
+            other => out.push(other),
+        }
+    }
+    if out.is_empty() {
+        return PathBuf::from(".");
+    }
+    out.iter().collect()
+}

@@ -50,13 +50,9 @@ pub fn text_of(path: &Path) -> Result<Option<TextModel>> {
 /// Runs `kvflow serve`; returns the exit status.
 pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result<i32> {
     let registry = crate::registry::Registry::default();
-    let mut graph = Graph::load_with(&args.graph, &registry.names())?;
-    graph.apply_overrides(&Overrides {
-        model: args.model.clone(),
-        ranks: args.ranks,
-        out: args.out.clone(),
-        ..Default::default()
-    })?;
+    let overrides =
+        Overrides { model: args.model.clone(), ranks: args.ranks, out: args.out.clone(), ..Default::default() };
+    let graph = Graph::load_overridden(&args.graph, &registry.names(), &overrides)?;
     let text =
         text_of(&graph.model).with_context(|| format!("cannot load the tokenizer of {}", graph.model.display()))?;
     if text.is_none() {

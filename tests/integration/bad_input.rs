@@ -324,3 +324,40 @@ fn a_peer_that_never_connects_is_named() {
     let out = kvflow(&["run", &g, "--process", "0", "--processes", "2", "--hostfile", &h, "--stall-timeout", "1"]);
     assert_clean_failure(&out, &["waited", "process 1 at 127.0.0.1", "connect"]);
 }
+
+// ---- Flags stand in for graph values; paths are printed as typed ----
+
+#[test]
+fn a_model_flag_stands_in_for_a_graph_model_path_that_does_not_exist() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = write_graph(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", "limit = 2", "32 MiB");
+    let model = fixture("hf/llama").display().to_string();
+    let text = std::fs::read_to_string(&graph).unwrap();
+    std::fs::write(&graph, text.replace(&model, "/nonexistent/model")).unwrap();
+    let graph = graph.to_string_lossy().to_string();
+    // The graph alone names a model that is not there: that is the error, with its line.
+    assert_clean_failure(&kvflow(&["run", &graph]), &["graph.toml:3", "model.path", "/nonexistent/model"]);
+    // The flag is written in before the graph is checked, so the run serves the flag's model.
+    let out = kvflow(&["run", &graph, "--model", &model, "--verify"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // A wrong flag is named as the command line's, not the file's.
+    assert_clean_failure(
+        &kvflow(&["run", &graph, "--model", "/also/missing"]),
+        &["model.path", "/also/missing", "(set on the command line)"],
+    );
+}
+
+#[test]
+fn paths_are_printed_as_a_person_would_type_them() {
+    // graphs/quickstart.toml names `../fixtures/...` and `../out/quickstart`: resolved against
+    // the graph's folder, they read `fixtures/...` and `out/quickstart`, not `graphs/../...`.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .current_dir(crate::common::repo())
+        .args(["check", "graphs/quickstart.toml"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("model fixtures/hf/kimi_linear"), "{stdout}");
+    assert!(!stdout.contains(".."), "{stdout}");
+}

@@ -646,8 +646,7 @@ fn a_cuda_pool_that_cannot_start_is_refused_before_the_run() {
         let trace = short_trace(dir.path());
         let workload = "mode = \"concurrency\"\nconcurrency = 2\nwarmup = 0\nlimit = 3";
         let graph = write_graph_with(dir.path(), model, &trace, workload, "32 MiB", &pools);
-        let mut g = kvflow::graph::Graph::load(&graph).unwrap();
-        g.apply_overrides(&Overrides::default()).unwrap();
+        let g = kvflow::graph::Graph::load(&graph).unwrap();
         let outcome = kvflow::runtime::run(&g, &Default::default(), &Default::default());
         format!("{:#}", outcome.err().expect("the run is refused"))
     };

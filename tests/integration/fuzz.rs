@@ -213,10 +213,11 @@ fn graph_files() {
     let names = kvflow::registry::Registry::default().names();
     fuzz("graph", 1, |input| {
         let text = String::from_utf8_lossy(input);
-        if let Ok(mut graph) = kvflow::graph::Graph::parse_with(&path, &text, &names) {
+        if let Ok(graph) = kvflow::graph::Graph::parse_with(&path, &text, &names) {
             let _ = kvflow::runtime::pick_pools(&graph, None);
-            let _ = graph.apply_overrides(&Default::default());
         }
+        let overrides = kvflow::graph::Overrides { ranks: Some(2), limit: Some(3), ..Default::default() };
+        let _ = kvflow::graph::Graph::parse_overridden(&path, &text, &names, &overrides);
     });
 }
 

@@ -2,7 +2,7 @@
 //! name; a route outside the pool fails only those requests; any rank wakes its parked pool.
 
 use crate::runtime::write_graph;
-use kvflow::graph::{Graph, Overrides};
+use kvflow::graph::Graph;
 use kvflow::registry::Registry;
 use kvflow::runtime::{self, RunOptions};
 use kvflow_operators::executor::{
@@ -38,8 +38,7 @@ fn a_router_registered_outside_kvflow_runs_from_a_graph() {
     assert!(e.contains("last-rank") && e.contains("pool.router"), "{e}");
     let mut registry = Registry::default();
     registry.routers.register("last-rank", |ctx: RouterContext| Box::new(LastRank(ctx.ranks)) as Box<dyn Router>);
-    let mut graph = Graph::load_with(&graph_path, &registry.names()).unwrap();
-    graph.apply_overrides(&Overrides::default()).unwrap();
+    let graph = Graph::load_with(&graph_path, &registry.names()).unwrap();
     let outcome = runtime::run(&graph, &RunOptions { verify: true, ..Default::default() }, &registry).unwrap();
     let report = outcome.report.unwrap();
     assert_eq!(report["verify"]["mismatched"], 0);

@@ -85,8 +85,7 @@ out = "{out}"
 
 pub fn run_graph(path: &Path, overrides: Overrides, switches: TestSwitches) -> Value {
     let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
-    let mut graph = Graph::load(path).unwrap();
-    graph.apply_overrides(&overrides).unwrap();
+    let graph = Graph::load_overridden(path, &kvflow::graph::ComponentNames::builtin(), &overrides).unwrap();
     let opts = RunOptions { verify: true, switches, ..Default::default() };
     let outcome = runtime::run(&graph, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e:#}"));
     outcome.report.expect("process 0 writes the report")

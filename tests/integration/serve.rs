@@ -404,13 +404,15 @@ fn metrics_agree_with_the_report() {
     assert_eq!(get("vllm:num_requests_running"), 0.0);
 }
 
-/// graphs/smollm2.toml with the model at `path`.
+/// graphs/smollm2.toml served with `--model path`, the graph's own model path pointing at nothing:
+/// the flag stands in for it (the graph is checked after its overrides are applied).
 fn smollm2_served(dir: &Path, path: &Path) -> Served {
     let graph = std::fs::read_to_string(repo().join("graphs/smollm2.toml")).unwrap();
     let model_line = graph.lines().find(|l| l.starts_with("path = ")).unwrap();
-    let graph = graph.replace(model_line, &format!("path = {:?}", path.display().to_string()));
+    let graph = graph.replace(model_line, "path = \"no-model-here/SmolLM2-135M-Instruct.Q4_1.gguf\"");
     std::fs::write(dir.join("smollm2.toml"), graph).unwrap();
-    Served::start(&dir.join("smollm2.toml"), &dir.join("out"), &[])
+    assert!(!dir.join("no-model-here").exists());
+    Served::start(&dir.join("smollm2.toml"), &dir.join("out"), &["--model", path.to_str().unwrap()])
 }
 
 #[test]
