@@ -19,6 +19,7 @@ mod operability;
 mod plots;
 mod processes;
 mod recurrent_state;
+mod readme;
 mod registry;
 mod routing;
 mod runtime;
