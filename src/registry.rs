@@ -18,7 +18,6 @@
 //! An executor is registered with an `ExecutorKind` (`kvflow_operators::executor`): it checks
 //! its pool's `executor_settings` and builds one executor per rank.
 
-use crate::graph::ComponentNames;
 use kvflow_operators::executor::ExecutorRegistry;
 use kvflow_operators::policy::router::RouterRegistry;
 
@@ -37,5 +36,22 @@ impl Registry {
             routers: self.routers.names(),
             executor_kinds: self.executors.clone(),
         }
+    }
+}
+
+/// The components a graph may choose from: those of the runtime's registry
+/// (`kvflow::registry::Registry::names`), which programs embedding kvflow extend. Executors
+/// also check their own `executor_settings`.
+#[derive(Clone)]
+pub struct ComponentNames {
+    pub executors: Vec<String>,
+    pub routers: Vec<String>,
+    pub executor_kinds: kvflow_operators::executor::ExecutorRegistry,
+}
+
+impl ComponentNames {
+    /// What kvflow registers itself (`Registry::default`).
+    pub fn builtin() -> Self {
+        Registry::default().names()
     }
 }

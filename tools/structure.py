@@ -134,6 +134,7 @@ class Crate:
         self.test_files: set[tuple] = set()
         self.children: dict[tuple, set] = defaultdict(set)
         self.reexports: dict[tuple, dict] = defaultdict(dict)  # module -> name -> absolute path
+        self.glob_reexports: dict[tuple, list] = defaultdict(list)  # module -> modules it `pub use`s whole
         self.use_aliases: dict[tuple, dict] = defaultdict(dict)  # module -> name -> absolute path
         self.load((), os.path.join(root, entry), os.path.join(root), False)
 
@@ -188,6 +189,13 @@ class Crate:
                 mod = mod + (s,)
                 continue
             target = self.reexports.get(mod, {}).get(s)
+            if target is None:
+                for glob in self.glob_reexports.get(mod, []):
+                    if glob in self.text and re.search(
+                        r"\b(?:struct|enum|fn|const|static|type|trait|mod|union)\s+" + re.escape(s) + r"\b", self.text[glob]
+                    ):
+                        target = glob + (s,)
+                        break
             if target is not None:
                 seen = seen or set()
                 key = (mod, s)
@@ -213,7 +221,12 @@ class Crate:
     def index_uses(self):
         for here in self.files:
             for is_pub, segs, alias, _ in self.use_trees(here):
-                if not segs or segs[-1] == "*":
+                if not segs:
+                    continue
+                if segs[-1] == "*":
+                    absolute = self.absolute(here, segs[:-1])
+                    if is_pub and absolute is not None:
+                        self.glob_reexports[here].append(tuple(absolute))
                     continue
                 absolute = self.absolute(here, segs)
                 if absolute is None:

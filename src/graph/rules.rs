@@ -4,6 +4,7 @@
 
 use std::net::Ipv6Addr;
 use std::path::PathBuf;
+use std::str::FromStr;
 
 use super::error::quoted_list;
 use super::Endpoint;
@@ -275,6 +276,16 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
         return Err(too_large());
     }
     Ok(bytes as u64)
+}
+
+/// `host:port` (IPv6 as `[addr]:port`), as [`parse_endpoint`] reads it.
+impl FromStr for Endpoint {
+    type Err = String;
+
+    /// [`parse_endpoint`].
+    fn from_str(text: &str) -> Result<Endpoint, String> {
+        parse_endpoint(text)
+    }
 }
 
 #[cfg(test)]

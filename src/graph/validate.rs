@@ -7,20 +7,19 @@ use std::path::{Path, PathBuf};
 
 use toml::Spanned;
 
-use super::error::{line_of, quoted_list};
+use super::config::{
+    known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Graph, MemoryConfig, OffloadConfig,
+    OffloadStore, PoolChoice, PoolConfig, PoolRole, SchedulerConfig, SloConfig, WorkloadConfig, WorkloadMode,
+};
+use super::error::{line_of, quoted_list, GraphError, Location};
 use super::overrides::CommandLineKeys;
 use super::raw::{
-    RawDisaggregation, RawFaults, RawGraph, RawLink, RawMemory, RawOffload, RawPool, RawSampling, RawScheduler,
-    RawServe, RawSlo, RawSpeculative, RawTransfer, RawWorkload,
+    RawDisaggregation, RawGraph, RawMemory, RawOffload, RawPool, RawSampling, RawScheduler, RawServe, RawSlo,
+    RawSpeculative, RawWorkload,
 };
 use super::rules::{
-    at_least_one, byte_budget, deployment_token, existing_path, expand_path, measured_limit, more_than_zero, one_of,
-    parse_endpoint, pool_hosts, pool_name, probability, rank_count, snapshot_fraction, token_count, zero_or_more,
-};
-use super::{
-    known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Endpoint, FaultsConfig, Graph,
-    GraphError, LinkConfig, Location, MemoryConfig, OffloadConfig, OffloadStore, PoolChoice, PoolConfig, PoolRole,
-    SchedulerConfig, SloConfig, TransferBackend, TransferConfig, WorkloadConfig, WorkloadMode,
+    at_least_one, byte_budget, existing_path, expand_path, measured_limit, more_than_zero, one_of, pool_hosts,
+    pool_name, rank_count, snapshot_fraction, token_count, zero_or_more,
 };
 use kvflow_kernels::cpu::sampling::{check_temperature, check_top_p, RequestSampling, SamplingParams};
 use kvflow_operators::policy::drafter::{Drafter, NgramDrafter};
@@ -47,22 +46,6 @@ const TRACE_BLOCK_TOKENS: usize = 512;
 /// prefilled remotely, however long the prefill queue.
 pub(super) const DEFAULT_DISAGGREGATION: DisaggregationConfig =
     DisaggregationConfig { remote_prefill_min_tokens: 0, max_prefill_queue: None };
-pub(super) const DEFAULT_TRANSFER_BACKEND: TransferBackend = TransferBackend::Inproc;
-/// A tcp link's consumer listens on loopback, on a port the kernel picks, unless it names an
-/// endpoint.
-const DEFAULT_TCP_HOST: &str = "127.0.0.1";
-const DEFAULT_TCP_PORT: u16 = 0;
-pub(super) const DEFAULT_TRANSFER: TransferConfig =
-    TransferConfig { deployment_token: None, checksum: true, connections: 2 };
-/// No faults.
-pub(super) const DEFAULT_FAULTS: FaultsConfig = FaultsConfig {
-    seed: 0,
-    drop_connection: 0.0,
-    delay_ms: 0.0,
-    delay_probability: 0.0,
-    corrupt: 0.0,
-    duplicate_completion: 0.0,
-};
 
 const POOL_ROLES: &[&str] = &["aggregated", "prefill", "decode"];
 const POOL_CHOICES: &[&str] = &["seeded", "round-robin"];
@@ -465,195 +448,6 @@ impl<'a> Validator<'a> {
         }
     }
 
-    fn links(&self, raw: &[Spanned<RawLink>], pools: &[PoolConfig]) -> Result<Vec<LinkConfig>, GraphError> {
-        let mut links: Vec<LinkConfig> = Vec::with_capacity(raw.len());
-        let mut header_spans: Vec<Range<usize>> = Vec::with_capacity(raw.len());
-        for spanned in raw {
-            let link = spanned.get_ref();
-            let from = self.linked_pool("link.from", spanned, link.from.as_ref(), PoolRole::Prefill, pools)?;
-            let to = self.linked_pool("link.to", spanned, link.to.as_ref(), PoolRole::Decode, pools)?;
-            let first_line = |index: usize| line_of(self.text, header_spans[index].start);
-            if let Some(first) = links.iter().position(|l| l.from == from && l.to == to) {
-                return Err(self.error(
-                    "link.to",
-                    link.to.as_ref().map(Spanned::span),
-                    format!("the link from `{from}` to `{to}` is already defined at line {}", first_line(first)),
-                ));
-            }
-            let backend = self.field("link.backend", link.backend.as_ref(), DEFAULT_TRANSFER_BACKEND, |backend| {
-                TransferBackend::from_name(&backend).ok_or_else(|| {
-                    let known: Vec<&str> = TransferBackend::ALL.iter().map(|b| b.name()).collect();
-                    format!("`{backend}` is not a transfer backend; known: {}", quoted_list(&known))
-                })
-            })?;
-            let spread = pools.iter().find(|p| p.name == from && p.hosts.len() > 1);
-            if let (Some(p), TransferBackend::Inproc) = (spread, backend) {
-                return Err(self.error(
-                    "link.backend",
-                    link.backend.as_ref().map(Spanned::span).or(Some(spanned.span())),
-                    format!(
-                        "prefill pool `{from}` lists {} processes (hosts), each handing off over its own links: \
-                         the link must be backend = \"tcp\", to decode pool `{to}` in a process of its own",
-                        p.hosts.len()
-                    ),
-                ));
-            }
-            let endpoint = match (backend, &link.endpoint) {
-                (TransferBackend::Inproc, None) => None,
-                (TransferBackend::Inproc, Some(endpoint)) => {
-                    let defaulted = if link.backend.is_none() { " (the default)" } else { "" };
-                    return Err(self.error(
-                        "link.endpoint",
-                        Some(endpoint.span()),
-                        format!(
-                            "the backend is \"inproc\"{defaulted}, which has no endpoint: both pools run in one \
-                             process; remove it, or set backend = \"tcp\""
-                        ),
-                    ));
-                }
-                (TransferBackend::Tcp, endpoint) => {
-                    let default = Endpoint { host: DEFAULT_TCP_HOST.to_string(), port: DEFAULT_TCP_PORT };
-                    let endpoint = self.field("link.endpoint", endpoint.as_ref(), default, |e| parse_endpoint(&e))?;
-                    // The endpoint is the consumer's one listen address: every tcp link into a decode
-                    // pool names the same one.
-                    let listening = links.iter().position(|l| l.to == to && l.endpoint.is_some());
-                    if let Some(other) = listening.filter(|&other| links[other].endpoint.as_ref() != Some(&endpoint)) {
-                        let listens = links[other].endpoint.as_ref().map(Endpoint::to_string).unwrap_or_default();
-                        return Err(self.error(
-                            "link.endpoint",
-                            link.endpoint.as_ref().map(Spanned::span).or(link.backend.as_ref().map(Spanned::span)),
-                            format!(
-                                "`{endpoint}` differs from `{listens}`, where decode pool `{to}` listens for the \
-                                 link at line {}: every tcp link into one decode pool names the same endpoint",
-                                first_line(other)
-                            ),
-                        ));
-                    }
-                    // A fixed port is one consumer's listener: two decode pools cannot both bind it.
-                    let taken = links
-                        .iter()
-                        .position(|l| endpoint.port != 0 && l.to != to && l.endpoint.as_ref() == Some(&endpoint));
-                    if let Some(other) = taken {
-                        return Err(self.error(
-                            "link.endpoint",
-                            link.endpoint.as_ref().map(Spanned::span),
-                            format!(
-                                "`{endpoint}` is already where decode pool `{}` listens (the link at line {}); \
-                                 two decode pools cannot listen on one fixed port (port 0 lets the kernel pick)",
-                                links[other].to,
-                                first_line(other)
-                            ),
-                        ));
-                    }
-                    Some(endpoint)
-                }
-            };
-            links.push(LinkConfig { from, to, backend, endpoint });
-            header_spans.push(spanned.span());
-        }
-        Ok(links)
-    }
-
-    /// `link.from` or `link.to`: present, naming a pool of `role`.
-    fn linked_pool(
-        &self,
-        key: &str,
-        link: &Spanned<RawLink>,
-        raw: Option<&Spanned<String>>,
-        role: PoolRole,
-        pools: &[PoolConfig],
-    ) -> Result<String, GraphError> {
-        let end = key.trim_start_matches("link.");
-        let Some(name) = raw else {
-            let what = if role == PoolRole::Prefill { "that hands off" } else { "that takes the handoffs" };
-            return Err(self.error(
-                key,
-                Some(link.span()),
-                format!("missing: every [[link]] names in `{end}` the {role} pool {what}"),
-            ));
-        };
-        self.checked(key, name, |name| {
-            let Some(pool) = pools.iter().find(|pool| pool.name == name) else {
-                let known: Vec<&str> = pools.iter().map(|pool| pool.name.as_str()).collect();
-                return Err(format!("no pool named `{name}`; the pools are {}", quoted_list(&known)));
-            };
-            match pool.role {
-                actual if actual == role => Ok(name),
-                PoolRole::Aggregated => Err(format!(
-                    "pool `{name}` is aggregated: it prefills and decodes its own requests and cannot be linked; \
-                     `{end}` names a {role} pool"
-                )),
-                actual => Err(format!(
-                    "pool `{name}` is a {actual} pool, but `{end}` names a {role} pool (links run from prefill to \
-                     decode)"
-                )),
-            }
-        })
-    }
-
-    /// Every prefill pool has a link out and every decode pool a link in.
-    fn every_pool_linked(
-        &self,
-        raw: &[Spanned<RawPool>],
-        pools: &[PoolConfig],
-        links: &[LinkConfig],
-    ) -> Result<(), GraphError> {
-        let names = |role: PoolRole| {
-            let names: Vec<&str> = pools.iter().filter(|p| p.role == role).map(|p| p.name.as_str()).collect();
-            quoted_list(&names)
-        };
-        for (spanned, pool) in raw.iter().zip(pools) {
-            let name = &pool.name;
-            let message = match pool.role {
-                PoolRole::Prefill if !links.iter().any(|link| &link.from == name) => format!(
-                    "prefill pool `{name}` has no [[link]] out: add one with from = \"{name}\" and to = one of the \
-                     decode pools ({})",
-                    names(PoolRole::Decode)
-                ),
-                PoolRole::Decode if !links.iter().any(|link| &link.to == name) => format!(
-                    "decode pool `{name}` has no [[link]] in: add one with to = \"{name}\" and from = one of the \
-                     prefill pools ({})",
-                    names(PoolRole::Prefill)
-                ),
-                _ => continue,
-            };
-            return Err(self.error("pool.role", Some(Self::role_span(spanned)), message));
-        }
-        Ok(())
-    }
-
-    /// `[transfer]`: only in a graph with links.
-    fn transfer(&self, raw: Option<&Spanned<RawTransfer>>, links: &[LinkConfig]) -> Result<TransferConfig, GraphError> {
-        let Some(spanned) = raw else { return Ok(DEFAULT_TRANSFER) };
-        if links.is_empty() {
-            return Err(self.error(
-                "transfer",
-                Some(spanned.span()),
-                "the graph has no [[link]]: [transfer] configures the transfers from prefill to decode pools",
-            ));
-        }
-        let raw = spanned.get_ref();
-        Ok(TransferConfig {
-            deployment_token: self.optional_field(
-                "transfer.deployment_token",
-                raw.deployment_token.as_ref(),
-                deployment_token,
-            )?,
-            checksum: raw.checksum.unwrap_or(DEFAULT_TRANSFER.checksum),
-            connections: self.field(
-                "transfer.connections",
-                raw.connections.as_ref(),
-                DEFAULT_TRANSFER.connections,
-                |n| {
-                    usize::try_from(n).ok().filter(|n| (1..=super::MAX_LINK_CONNECTIONS).contains(n)).ok_or_else(|| {
-                        format!("{n} connections per link; expected 1 to {}", super::MAX_LINK_CONNECTIONS)
-                    })
-                },
-            )?,
-        })
-    }
-
-    /// `[offload]`: the store and its settings; `chunk_tokens` a multiple of the block size.
     fn offload(
         &self,
         raw: Option<&Spanned<RawOffload>>,
@@ -769,45 +563,6 @@ impl<'a> Validator<'a> {
 
     /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so
     /// one set without the other (which would delay nothing) is an error.
-    fn faults(&self, raw: &RawFaults) -> Result<FaultsConfig, GraphError> {
-        let chance = |key: &str, value: Option<&Spanned<f64>>, default: f64| {
-            self.field(&format!("faults.{key}"), value, default, probability)
-        };
-        let defaults = &DEFAULT_FAULTS;
-        let faults = FaultsConfig {
-            seed: raw.seed.unwrap_or(defaults.seed),
-            drop_connection: chance("drop_connection", raw.drop_connection.as_ref(), defaults.drop_connection)?,
-            delay_ms: self.field("faults.delay_ms", raw.delay_ms.as_ref(), defaults.delay_ms, zero_or_more)?,
-            delay_probability: chance("delay_probability", raw.delay_probability.as_ref(), defaults.delay_probability)?,
-            corrupt: chance("corrupt", raw.corrupt.as_ref(), defaults.corrupt)?,
-            duplicate_completion: chance(
-                "duplicate_completion",
-                raw.duplicate_completion.as_ref(),
-                defaults.duplicate_completion,
-            )?,
-        };
-        let alone = |key: &str, value: &Spanned<f64>, other: &str, other_value: f64| {
-            self.error(
-                &format!("faults.{key}"),
-                Some(value.span()),
-                format!(
-                    "{key} = {} delays nothing while faults.{other} is {other_value} (the default); set \
-                     faults.{other} too",
-                    value.get_ref()
-                ),
-            )
-        };
-        match (&raw.delay_ms, &raw.delay_probability) {
-            (Some(ms), None) if faults.delay_ms > 0.0 => {
-                Err(alone("delay_ms", ms, "delay_probability", faults.delay_probability))
-            }
-            (None, Some(chance)) if faults.delay_probability > 0.0 => {
-                Err(alone("delay_probability", chance, "delay_ms", faults.delay_ms))
-            }
-            _ => Ok(faults),
-        }
-    }
-
     /// `[pool.executor_settings]`, checked by the executor it configures.
     fn executor_settings(&self, executor: &str, raw: Option<&Spanned<toml::Table>>) -> Result<toml::Table, GraphError> {
         let Some(raw) = raw else { return Ok(toml::Table::new()) };
@@ -943,6 +698,7 @@ impl<'a> Validator<'a> {
     }
 }
 
+mod links;
 #[cfg(test)]
 mod tests;
 

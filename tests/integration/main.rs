@@ -11,6 +11,7 @@ mod expert_parallel;
 mod faults;
 mod fuzz;
 mod gguf;
+mod graph_format;
 mod handoff;
 mod hf_fixtures;
 mod hosts;

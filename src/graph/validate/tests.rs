@@ -2,6 +2,7 @@
 //! a value, each error naming its key and line.
 
 use super::*;
+use crate::graph::{Endpoint, FaultsConfig, LinkConfig, TransferBackend, TransferConfig};
 use crate::graph::test_support::{assert_key_error, link, linked_plus, minimal_plus, pools_plus, Fixture, MINIMAL};
 
 #[test]
