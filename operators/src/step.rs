@@ -77,7 +77,7 @@ pub struct KvSource {
 #[derive(Clone)]
 pub enum BlockStore {
     /// A CPU rank's cache.
-    Host(std::sync::Arc<std::sync::RwLock<kvflow_kernels::models::ModelCache>>),
+    Host(std::sync::Arc<parking_lot::RwLock<kvflow_kernels::models::ModelCache>>),
     /// A GPU rank's device cache: a `cuda` consumer on the same device copies the blocks device
     /// to device; everyone else reads them through a stream of their own.
     Device(std::sync::Arc<kvflow_kernels::cuda::SharedKv>),
@@ -97,7 +97,7 @@ impl KvSource {
             BlockStore::Host(cache) => {
                 let mut kv = Vec::new();
                 let asked = std::time::Instant::now();
-                let cache = cache.read().unwrap_or_else(|e| e.into_inner());
+                let cache = cache.read();
                 let waited = asked.elapsed();
                 cache.kv.export_blocks(&self.blocks, &mut kv);
                 (kv, waited)
@@ -125,11 +125,11 @@ impl KvSource {
             }
         };
         let mut staging: Vec<f32> = Vec::with_capacity(piece_floats + self.floats_per_block);
-        let layers = cache.read().unwrap_or_else(|e| e.into_inner()).kv.num_layers();
+        let layers = cache.read().kv.num_layers();
         for l in 0..layers {
             for &b in &self.blocks {
                 {
-                    let cache = cache.read().unwrap_or_else(|e| e.into_inner());
+                    let cache = cache.read();
                     let rows = cache.kv.block_size();
                     staging.extend_from_slice(cache.kv.layer(l).rows(b as usize * rows, rows));
                 }

@@ -26,9 +26,10 @@ use kvflow_kernels::hash;
 use kvflow_kernels::kv::SlotId;
 use kvflow_kernels::models::parts::moe::{expert_owner, expert_range};
 use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, RoutedRows, SeqInput, StepActivations};
+use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 /// One sequence of an [`OwnedStep`]: ranges into its flat token and block-table buffers.
 #[derive(Clone, Debug)]
@@ -191,12 +192,12 @@ impl CpuStepRunner {
         if self.experts.is_some() && !self.moe_layers.is_empty() {
             // Expert parallel: on to the first MoE layer's routing; `combine` runs the rest.
             if let Ok(acts) = running.acts.as_mut() {
-                model.run_to_experts(acts, &mut write(cache));
+                model.run_to_experts(acts, &mut cache.write());
             }
             return None;
         }
         if let (Ok(acts), Some(layers)) = (running.acts.as_mut(), phases.get(phase)) {
-            model.run_layers(acts, layers.clone(), &mut write(cache));
+            model.run_layers(acts, layers.clone(), &mut cache.write());
         }
         if phase + 1 < phases.len() {
             return None;
@@ -228,7 +229,7 @@ impl CpuStepRunner {
         let out = self.model.finish_step_keeping_hidden(&step.batch(), acts);
         let mut sampled = self.finish(step, &out);
         let k = self.mtp_drafts;
-        super::mtp::propose(&self.model, &mut write(&self.cache), step, &out.hidden, &mut sampled, k);
+        super::mtp::propose(&self.model, &mut self.cache.write(), step, &out.hidden, &mut sampled, k);
         sampled
     }
 
@@ -329,7 +330,7 @@ impl CpuStepRunner {
                 }
             }
             model.combine_experts(acts, |r, k| found.get(r, k));
-            if model.run_to_experts(acts, &mut write(cache)) {
+            if model.run_to_experts(acts, &mut cache.write()) {
                 return None;
             }
             if *draft_passes > 0 {
@@ -355,7 +356,7 @@ impl CpuStepRunner {
         if let Some(applied) = step.applied_through {
             self.sampled.retain(|_, (when, _)| *when > applied);
         }
-        let mut cache = write(&self.cache);
+        let mut cache = self.cache.write();
         for op in &step.before {
             match *op {
                 StateOp::Zero { slot } => cache.states.zero_slot(slot),
@@ -378,7 +379,7 @@ impl CpuStepRunner {
             let landed = match from.source() {
                 // In place: one copy from the producer's blocks (it holds them until our ack).
                 Some(KvSource { store: BlockStore::Host(producer), blocks, .. }) => {
-                    let producer = producer.read().unwrap_or_else(|e| e.into_inner());
+                    let producer = producer.read();
                     cache.kv.copy_blocks_from(&producer.kv, blocks, &import.blocks)
                 }
                 // A GPU producer's blocks: copied out through a stream of their own.
@@ -426,7 +427,7 @@ impl CpuStepRunner {
             self.sampled.insert(s.key, (step.step, scored.last_verified().unwrap_or(0)));
             sampled.push(scored);
         }
-        let mut cache = write(&self.cache);
+        let mut cache = self.cache.write();
         for op in &step.after {
             if let StateOp::Snapshot { slot, snapshot } = *op {
                 cache.states.snapshot_into(slot, snapshot);
@@ -438,7 +439,7 @@ impl CpuStepRunner {
     /// What the step's exports ask for (after its forward and snapshots): the state slot,
     /// copied now, and the blocks, to be read in place by the consumer.
     fn export(&self, exports: &[KvExport]) -> Vec<Exported> {
-        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+        let cache = self.cache.read();
         let floats_per_block = cache.kv.floats_per_block();
         exports
             .iter()
@@ -487,11 +488,6 @@ impl<'a> ExpertResults<'a> {
     pub(super) fn get(&self, r: usize, k: usize) -> &[f32] {
         self.found.get(&(r as u32, self.routes[r][k])).copied().unwrap_or(&self.zeros)
     }
-}
-
-/// The cache for writing (whether or not a reader panicked: it holds plain floats).
-pub(super) fn write(cache: &RwLock<ModelCache>) -> std::sync::RwLockWriteGuard<'_, ModelCache> {
-    cache.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `cpu`: runs each step on the rank's own thread as it is launched.

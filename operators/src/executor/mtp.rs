@@ -236,7 +236,7 @@ impl super::cpu::CpuStepRunner {
         let sampled = self.finish(&running.step, &out);
         let (d, k) = (self.model.hidden_size, self.draft_passes);
         let mut mtp = MtpDrafting::new(&running.step, &out.hidden, &sampled, d, k);
-        let acts = mtp.begin_pass(&self.model, &running.step, &mut super::cpu::write(&self.cache));
+        let acts = mtp.begin_pass(&self.model, &running.step, &mut self.cache.write());
         running.drafting = Some(Drafting { sampled, mtp, acts: Some(acts), lost: false });
         self.current = Some(running);
         None
@@ -276,7 +276,7 @@ impl super::cpu::CpuStepRunner {
         }
         let running = self.current.as_mut()?;
         let drafting = running.drafting.as_mut()?;
-        drafting.acts = Some(drafting.mtp.begin_pass(&self.model, &running.step, &mut super::cpu::write(&self.cache)));
+        drafting.acts = Some(drafting.mtp.begin_pass(&self.model, &running.step, &mut self.cache.write()));
         None
     }
 }
