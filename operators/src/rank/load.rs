@@ -13,7 +13,7 @@
 //! restored blocks, and for recurrent families a snapshot of the restored state, in the prefix
 //! cache, so the next request with the prefix hits in HBM; a load that failed publishes nothing.
 
-use super::offload::{Loading, RankOffload};
+use super::offload_state::{Loading, RankOffload};
 use super::Rank;
 use crate::offload::{chunk_digests, longest_prefix, ChunkKey, Digest, LoadDone, LoadJob, RestoredPrefix};
 use crate::policy::memory::MemoryLayout;

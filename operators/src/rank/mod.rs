@@ -22,15 +22,16 @@ mod handoff;
 mod launch;
 mod load;
 mod offload;
+mod offload_state;
 mod spec;
 mod stats;
 mod switches;
 
 pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
 pub use handoff::HandoffOut;
-pub use offload::{OffloadSetup, OffloadStats, RankOffload};
+pub use offload_state::{OffloadSetup, OffloadStats, RankOffload};
 pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
-pub use switches::TestSwitches;
+pub use switches::{ExchangeSwitches, TestSwitches};
 
 use crate::executor::Executor;
 use crate::messages::{Admission, Event, RankReport};

@@ -57,7 +57,7 @@ pub struct Handoff {
     /// KV of blocks `skip_blocks..`, packed by layer — empty when `source` is set: then the
     /// blocks are read in place from the producer's cache (which holds them until the ack).
     pub kv: Vec<f32>,
-    pub source: Option<crate::step::KvSource>,
+    pub source: Option<crate::kv_source::KvSource>,
     /// The state slot at the prompt boundary (before T0), for families with recurrent state.
     pub state: Option<Vec<f32>>,
     /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
