@@ -24,8 +24,8 @@
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
 
+use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::settings::{SettingError, Settings};
-use super::{Executor, ExecutorContext, ExecutorKind};
 use crate::step::{
     BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
 };
