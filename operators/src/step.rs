@@ -9,39 +9,11 @@
 //! and the executor resolves it (deferred output, DESIGN §4).
 
 pub use crate::kv_source::{BlockStore, KvSource};
+pub use crate::policy::scheduler::StateOp;
+pub use crate::policy::sequence::SeqKey;
 use crate::transfer::Handoff;
 use kvflow_kernels::kv::{SlotId, SnapshotId};
-use std::fmt;
 use std::sync::Arc;
-
-/// A sequence of one rank in one generation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqKey {
-    /// Index in the rank's slab of sequences.
-    pub index: u32,
-    /// Changes every time the request starts (again) on this rank.
-    pub generation: u32,
-}
-
-impl fmt::Display for SeqKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}#{}", self.index, self.generation)
-    }
-}
-
-/// A copy of recurrent state a step asks for, applied by the executor in step order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StateOp {
-    /// Before the forward: a newly admitted request starts from the zero state.
-    Zero { slot: SlotId },
-    /// Before the forward: a prefix hit starts from the state kept at the prefix boundary.
-    Restore { snapshot: SnapshotId, slot: SlotId },
-    /// Before the forward: a verification that rejected drafts sets the slot back to its state
-    /// just after `position`, the last token that held (kept by the step that verified it).
-    Rewind { slot: SlotId, position: usize },
-    /// After the forward: keep the state at a boundary the step just reached.
-    Snapshot { slot: SlotId, snapshot: SnapshotId },
-}
 
 /// After the forward: copy a sequence's KV blocks and state slot out (a finished prefill that
 /// moves to a decode pool). The slot is read here, at the step that reached the prompt boundary —

@@ -10,10 +10,24 @@
 //! (deferred output).
 
 use crate::messages::TokenTimes;
-use crate::step::SeqKey;
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::kv::{BlockTable, SlotId};
 use std::collections::HashMap;
+
+/// A sequence of one rank in one generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqKey {
+    /// Index in the rank's slab of sequences.
+    pub index: u32,
+    /// Changes every time the request starts (again) on this rank.
+    pub generation: u32,
+}
+
+impl std::fmt::Display for SeqKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}#{}", self.index, self.generation)
+    }
+}
 
 /// The tokens a sequence has in flight: sampled by launched steps that have not completed.
 /// Only the newest is ever fed before it is known (each decode feeds the token sampled just

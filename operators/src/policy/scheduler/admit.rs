@@ -4,8 +4,9 @@
 //! reuses the longest cached prefix of its prompt (unless a handoff or a loaded prefix brings
 //! its memory), and books its first chunk.
 
-use super::{book, draft::draft_into, AdmissionPolicy, RankMemory, Scheduler, Sequence, Sequences, StepDecision};
-use crate::step::StateOp;
+use super::{
+    book, draft::draft_into, AdmissionPolicy, RankMemory, Scheduler, Sequence, Sequences, StateOp, StepDecision,
+};
 use kvflow_kernels::kv::SnapshotId;
 
 impl Scheduler {

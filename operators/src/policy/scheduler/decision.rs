@@ -1,8 +1,8 @@
 //! What the scheduler decides for one step: the chunks each sequence feeds, and what changed
 //! around them (admissions, preemptions, failures, state copies for the executor).
 
-use crate::step::{SeqKey, StateOp};
-use kvflow_kernels::kv::SnapshotId;
+use crate::policy::sequence::SeqKey;
+use kvflow_kernels::kv::{SlotId, SnapshotId};
 
 /// One sequence's work in a step (`seq` is its index in the rank's [`Sequences`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,4 +60,18 @@ impl StepDecision {
         self.state_ops.clear();
         self.restoring.clear();
     }
+}
+
+/// A copy of recurrent state a step asks for, applied by the executor in step order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateOp {
+    /// Before the forward: a newly admitted request starts from the zero state.
+    Zero { slot: SlotId },
+    /// Before the forward: a prefix hit starts from the state kept at the prefix boundary.
+    Restore { snapshot: SnapshotId, slot: SlotId },
+    /// Before the forward: a verification that rejected drafts sets the slot back to its state
+    /// just after `position`, the last token that held (kept by the step that verified it).
+    Rewind { slot: SlotId, position: usize },
+    /// After the forward: keep the state at a boundary the step just reached.
+    Snapshot { slot: SlotId, snapshot: SnapshotId },
 }

@@ -30,7 +30,7 @@ mod policy_tests;
 mod running;
 
 pub use config::{AdmissionPolicy, SchedulerConfig};
-pub use decision::{Chunk, StepDecision};
+pub use decision::{Chunk, StateOp, StepDecision};
 pub use draft::{propose_into, SpecConfig};
 
 use super::memory::RankMemory;
