@@ -79,6 +79,43 @@ impl PendingTokens {
     }
 }
 
+/// A request's speculative-decoding state: what was proposed, the drafts in flight, how well
+/// its drafts did, the drafts a handoff carries, and the rewind a rejection asks for.
+#[derive(Debug)]
+pub struct SpecState {
+    /// Speculative decoding: what `propose(t)` drafted after its last token, for the scheduler to
+    /// book as many of as the width it earns allows (empty until then, and once booked).
+    pub proposed: Vec<u32>,
+    /// A verification rejected drafts: the position after which its state slot holds (its last
+    /// token that held), restored from the copy the verifying step kept, before its next forward.
+    pub rewind_to: Option<usize>,
+    /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
+    /// token); empty when it has none in flight.
+    pub drafts: Vec<u32>,
+    /// The share of its drafts its recent verifications kept (1 until it has drafted): the
+    /// width it drafts at follows it.
+    pub draft_acceptance: f32,
+    /// Drafts made from T0 by a producer's drafter: on the producer, what its handoff carries;
+    /// on the consumer, what its first decode verifies.
+    pub handed_drafts: Vec<u32>,
+    /// Drafts the executor's MTP pass proposed when it sampled the last known token (the `mtp`
+    /// drafter), for the next step.
+    pub model_drafts: Vec<u32>,
+}
+
+impl Default for SpecState {
+    fn default() -> Self {
+        SpecState {
+            proposed: Vec::new(),
+            rewind_to: None,
+            drafts: Vec::new(),
+            draft_acceptance: 1.0,
+            handed_drafts: Vec::new(),
+            model_drafts: Vec::new(),
+        }
+    }
+}
+
 /// A request running (or waiting) on a rank. The fields the scheduler reads every step come
 /// first, in declaration order (`repr(C)`), so scheduling a decode reads two cache lines.
 #[derive(Debug)]
@@ -142,24 +179,8 @@ pub struct Sequence {
     pub restored: Option<crate::offload::RestoredPrefix>,
     /// Tokens of `cached` restored from the offload store (counted when it is admitted).
     pub loaded_tokens: usize,
-    /// Speculative decoding: what `propose(t)` drafted after its last token, for the scheduler to
-    /// book as many of as the width it earns allows (empty until then, and once booked).
-    pub proposed: Vec<u32>,
-    /// A verification rejected drafts: the position after which its state slot holds (its last
-    /// token that held), restored from the copy the verifying step kept, before its next forward.
-    pub rewind_to: Option<usize>,
-    /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
-    /// token); empty when it has none in flight.
-    pub drafts: Vec<u32>,
-    /// The share of its drafts its recent verifications kept (1 until it has drafted): the
-    /// width it drafts at follows it.
-    pub draft_acceptance: f32,
-    /// Drafts made from T0 by a producer's drafter: on the producer, what its handoff carries;
-    /// on the consumer, what its first decode verifies.
-    pub handed_drafts: Vec<u32>,
-    /// Drafts the executor's MTP pass proposed when it sampled the last known token (the `mtp`
-    /// drafter), for the next step.
-    pub model_drafts: Vec<u32>,
+    /// Speculative decoding's state.
+    pub spec: SpecState,
 }
 
 impl Sequence {
@@ -198,12 +219,7 @@ impl Sequence {
             chunk_digests: Vec::new(),
             restored: None,
             loaded_tokens: 0,
-            proposed: Vec::new(),
-            rewind_to: None,
-            drafts: Vec::new(),
-            draft_acceptance: 1.0,
-            handed_drafts: Vec::new(),
-            model_drafts: Vec::new(),
+            spec: SpecState::default(),
         }
     }
 

@@ -108,9 +108,9 @@ impl Rank {
                 continue;
             }
             // The MTP drafter's proposal for the next step, made after this step's last token.
-            seq.model_drafts = std::mem::take(&mut s.drafts);
+            seq.spec.model_drafts = std::mem::take(&mut s.drafts);
             // A verification (`verify`'s decision): the drafts that hold count as computed.
-            let drafted = std::mem::take(&mut seq.drafts).len();
+            let drafted = std::mem::take(&mut seq.spec.drafts).len();
             if drafted > 0 {
                 self.verify_drafts(s.seq.index as usize, drafted, &s);
             }

@@ -181,7 +181,7 @@ impl Rank {
                 seq.first_cached = seq.cached;
                 // T0 is known: it is the first decode input, fed once, at the prompt boundary.
                 seq.tokens.push(h.t0);
-                seq.handed_drafts = h.drafts.clone();
+                seq.spec.handed_drafts = h.drafts.clone();
                 seq.computed = seq.prompt_len;
                 seq.logits_hash = h.logits_hash;
                 seq.token_times.record(h.t0_ms);
@@ -236,7 +236,7 @@ impl Rank {
             warmup: seq.warmup,
             sampling: seq.sampling,
             delivery: seq.delivery.clone(),
-            drafts: std::mem::take(&mut seq.handed_drafts),
+            drafts: std::mem::take(&mut seq.spec.handed_drafts),
             t0: seq.tokens[seq.prompt_len],
             logits_hash: seq.t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,

@@ -49,7 +49,7 @@ impl SeqSource for Batch<'_> {
             key: c.key,
             known: &s.tokens[c.start.min(known_end)..known_end],
             deferred: c.deferred,
-            drafts: if c.drafts > 0 { &s.drafts } else { &[] },
+            drafts: if c.drafts > 0 { &s.spec.drafts } else { &[] },
             start_pos: c.start,
             block_table: self.swapped.and_then(|m| m.get(&c.seq)).map_or(s.blocks.blocks(), |t| &t[..]),
             slot: s.slot,
@@ -138,7 +138,7 @@ impl Rank {
         //    token that held, before the sequence's next forward reads it
         for c in &decided.chunks {
             let seq = self.seqs.get_mut(c.seq);
-            if let (Some(position), Some(slot)) = (seq.rewind_to.take(), seq.slot) {
+            if let (Some(position), Some(slot)) = (seq.spec.rewind_to.take(), seq.slot) {
                 decided.state_ops.push(StateOp::Rewind { slot, position });
             }
         }

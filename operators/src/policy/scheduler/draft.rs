@@ -64,15 +64,15 @@ fn draft_limit(seq: &Sequence, spec: &SpecConfig) -> usize {
 /// into `seq.proposed`, for the scheduler to book at the width it earns. Returns how many.
 pub fn propose_into(seq: &mut Sequence, spec: &SpecConfig) -> usize {
     let decodes = seq.computed >= seq.prompt_len && seq.handoff_outputs.is_none() && seq.import.is_none();
-    let idle = seq.pending.is_empty() && seq.drafts.is_empty() && seq.proposed.is_empty();
+    let idle = seq.pending.is_empty() && seq.spec.drafts.is_empty() && seq.spec.proposed.is_empty();
     if !decodes || !idle || seq.remaining() != 1 || seq.finished() {
         return 0;
     }
     let limit = draft_limit(seq, spec);
     if limit > 0 {
-        spec.drafter.propose(&seq.tokens, &seq.model_drafts, limit, &mut seq.proposed);
+        spec.drafter.propose(&seq.tokens, &seq.spec.model_drafts, limit, &mut seq.spec.proposed);
     }
-    seq.proposed.len()
+    seq.spec.proposed.len()
 }
 
 /// A decode with nothing in flight: books the drafts `propose` made for it at the width its
@@ -83,7 +83,7 @@ pub fn propose_into(seq: &mut Sequence, spec: &SpecConfig) -> usize {
 /// `seq.drafts`.
 pub(super) fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecConfig, room: usize) -> usize {
     let limit = draft_limit(seq, &spec).min(room);
-    let mut drafts = std::mem::take(&mut seq.proposed);
+    let mut drafts = std::mem::take(&mut seq.spec.proposed);
     if !seq.pending.is_empty() || seq.computed < seq.prompt_len {
         return 1;
     }
@@ -91,18 +91,18 @@ pub(super) fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecCon
         // A handed-off request's first decode: T0 and the producer's drafts made from it, at
         // full width (the drafter that made them saw what this rank's may not: with MTP, the
         // producer's last hidden state).
-        drafts = std::mem::take(&mut seq.handed_drafts);
+        drafts = std::mem::take(&mut seq.spec.handed_drafts);
         drafts.truncate(limit);
         if !drafts.is_empty() && !mem.ensure_blocks(seq, seq.computed + 1 + drafts.len()) {
             drafts.clear();
         }
-        seq.drafts = drafts;
-        return 1 + seq.drafts.len();
+        seq.spec.drafts = drafts;
+        return 1 + seq.spec.drafts.len();
     }
-    let width = spec.width(seq.draft_acceptance, limit);
+    let width = spec.width(seq.spec.draft_acceptance, limit);
     if width == 0 {
         // Not drafting while it keeps next to nothing; hope returns slowly, so it tries again.
-        seq.draft_acceptance = (seq.draft_acceptance + 0.05).min(1.0);
+        seq.spec.draft_acceptance = (seq.spec.draft_acceptance + 0.05).min(1.0);
         return 1;
     }
     drafts.truncate(width);
@@ -111,6 +111,6 @@ pub(super) fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecCon
     if drafts.is_empty() || !mem.ensure_blocks(seq, seq.computed + 1 + drafts.len()) {
         drafts.clear();
     }
-    seq.drafts = drafts;
-    1 + seq.drafts.len()
+    seq.spec.drafts = drafts;
+    1 + seq.spec.drafts.len()
 }

@@ -155,8 +155,8 @@ impl Scheduler {
 /// only the known token counts as computed until the verification says how many drafts held.
 fn book(out: &mut StepDecision, index: usize, seq: &mut Sequence, len: usize, t: u64) {
     // What `propose` drafted after its last token is used (in `seq.drafts`) or stale now.
-    seq.proposed.clear();
-    let drafts = seq.drafts.len();
+    seq.spec.proposed.clear();
+    let drafts = seq.spec.drafts.len();
     let (start, end) = (seq.computed, seq.computed + len - drafts);
     let sample = end == seq.known_len();
     let deferred = if end > seq.tokens.len() { seq.pending_step(end - 1) } else { None };

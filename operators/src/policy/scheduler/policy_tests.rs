@@ -171,7 +171,7 @@ fn a_decode_carries_drafts_only_with_nothing_in_flight_and_blocks_for_them() {
     assert_eq!(propose_into(seqs.get_mut(a), &spec), 3, "propose(1)");
     let d = s.schedule(&mut seqs, &mut mem, 2);
     assert_eq!(d.chunks, vec![Chunk { drafts: 3, ..chunk(&seqs, a, 5, 4, true, false) }]);
-    assert_eq!(seqs.get(a).drafts, vec![5, 6, 7], "what followed the last 7 6... match");
+    assert_eq!(seqs.get(a).spec.drafts, vec![5, 6, 7], "what followed the last 7 6... match");
     assert_eq!(seqs.get(a).computed, 6, "only the known token counts until the verification");
     assert!(seqs.get(a).blocks.len() * 4 >= 6 + 3, "blocks for every position the chunk writes");
     assert_eq!(propose_into(seqs.get_mut(a), &spec), 0, "nothing proposed while its drafts are verified");
@@ -179,7 +179,7 @@ fn a_decode_carries_drafts_only_with_nothing_in_flight_and_blocks_for_them() {
     // The verification kept 1 draft (what `Rank::apply` does): on it goes, drafting again.
     let seq = seqs.get_mut(a);
     assert!(seq.pending.pop(2));
-    seq.drafts.clear();
+    seq.spec.drafts.clear();
     seq.computed += 1;
     seq.tokens.extend([5, 9]);
     propose_into(seqs.get_mut(a), &spec);
@@ -194,8 +194,8 @@ fn a_decode_carries_drafts_only_with_nothing_in_flight_and_blocks_for_them() {
     propose_into(seqs.get_mut(b), &spec);
     let d = s.schedule(&mut seqs, &mut mem, 2);
     assert_eq!((d.chunks[0].len, d.chunks[0].drafts, d.preempted.len()), (1, 0, 0), "{:?}", d.chunks);
-    assert!(seqs.get(b).proposed.is_empty(), "a proposal is used or dropped when the decode is booked");
-    assert!(seqs.get(b).drafts.is_empty());
+    assert!(seqs.get(b).spec.proposed.is_empty(), "a proposal is used or dropped when the decode is booked");
+    assert!(seqs.get(b).spec.drafts.is_empty());
 }
 
 #[test]
@@ -237,7 +237,7 @@ fn first_width_violation(widen_buckets: bool) -> Option<String> {
         let outputs = 1 + next(12) as usize;
         let a = add(&mut s, &mut seqs, 1, (0..6).map(|i| (i % 2) as u32).collect(), outputs);
         for t in 1..30 {
-            seqs.get_mut(a).draft_acceptance = next(11) as f32 / 10.0;
+            seqs.get_mut(a).spec.draft_acceptance = next(11) as f32 / 10.0;
             propose_into(seqs.get_mut(a), &spec);
             let d = s.schedule(&mut seqs, &mut mem, t);
             for c in &d.chunks {
@@ -254,7 +254,7 @@ fn first_width_violation(widen_buckets: bool) -> Option<String> {
             // The step completed: no draft kept, the token after the known one arrives.
             let Some(seq) = seqs.index_of(1).map(|i| seqs.get_mut(i)) else { break };
             if seq.pending.pop(t) {
-                seq.drafts.clear();
+                seq.spec.drafts.clear();
                 seq.tokens.push(1);
             }
             if seq.finished() {

@@ -72,7 +72,7 @@ impl Scheduler {
         let bs = mem.layout.block_size;
         let seq = seqs.get_mut(index);
         let remaining = seq.remaining();
-        if !seq.drafts.is_empty() {
+        if !seq.spec.drafts.is_empty() {
             return; // its drafts are being verified: where it goes on is not known yet
         }
         if remaining == 1 && *budget > 1 {
