@@ -237,8 +237,8 @@ impl RankMemory {
         seq.cached = 0;
         seq.pending.clear();
         // A prefix loaded for it lived in the blocks it just let go of: it recomputes.
-        seq.restored = None;
-        seq.loaded_tokens = 0;
+        seq.offload.restored = None;
+        seq.offload.loaded_tokens = 0;
         seq.spec.drafts.clear();
         seq.spec.proposed.clear();
         seq.spec.rewind_to = None;

@@ -79,6 +79,40 @@ impl PendingTokens {
     }
 }
 
+/// A request's prefill/decode-disaggregation state: on a prefill pool, the outputs it hands off
+/// with, its handoff's transfer and where it goes back to; on a decode pool, the handoff it
+/// arrived as until its import.
+#[derive(Debug, Default)]
+pub struct HandoffState {
+    /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
+    pub handoff_outputs: Option<usize>,
+    /// Its logits-hash chain through T0 (what a handoff carries).
+    pub t0_chain: Option<u64>,
+    /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
+    /// in (dropped if the request has to start over: it recomputes instead).
+    pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
+    /// A prefill pool's request whose handoff was sent: the transfer it awaits the ack of, and
+    /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
+    pub in_transfer: Option<crate::transfer::TransferId>,
+    pub aborted: bool,
+    /// A prefill pool's request a decode rank asked for: where its handoff goes back to, and
+    /// whether it still counts in the prefill pool's queue.
+    pub handoff_back: Option<crate::messages::BackTo>,
+    pub in_prefill_queue: bool,
+}
+
+/// A request's offload-tier state: its chunks' keys in the store, and a prefix loaded from it.
+#[derive(Debug, Default)]
+pub struct OffloadState {
+    /// With an offload tier: the digests of the prompt's full chunks (the store's keys), set
+    /// when the rank queues the request.
+    pub chunk_digests: Vec<crate::offload::Digest>,
+    /// A prefix loaded from the offload store, until the step that admits it writes it in.
+    pub restored: Option<crate::offload::RestoredPrefix>,
+    /// Tokens of `cached` restored from the offload store (counted when it is admitted).
+    pub loaded_tokens: usize,
+}
+
 /// A request's speculative-decoding state: what was proposed, the drafts in flight, how well
 /// its drafts did, the drafts a handoff carries, and the rewind a rejection asks for.
 #[derive(Debug)]
@@ -157,28 +191,10 @@ pub struct Sequence {
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
     /// queues the request.
     pub prompt_hashes: Vec<u64>,
-    /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
-    pub handoff_outputs: Option<usize>,
-    /// Its logits-hash chain through T0 (what a handoff carries).
-    pub t0_chain: Option<u64>,
-    /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
-    /// in (dropped if the request has to start over: it recomputes instead).
-    pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
-    /// A prefill pool's request whose handoff was sent: the transfer it awaits the ack of, and
-    /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
-    pub in_transfer: Option<crate::transfer::TransferId>,
-    pub aborted: bool,
-    /// A prefill pool's request a decode rank asked for: where its handoff goes back to, and
-    /// whether it still counts in the prefill pool's queue.
-    pub handoff_back: Option<crate::messages::BackTo>,
-    pub in_prefill_queue: bool,
-    /// With an offload tier: the digests of the prompt's full chunks (the store's keys), set
-    /// when the rank queues the request.
-    pub chunk_digests: Vec<crate::offload::Digest>,
-    /// A prefix loaded from the offload store, until the step that admits it writes it in.
-    pub restored: Option<crate::offload::RestoredPrefix>,
-    /// Tokens of `cached` restored from the offload store (counted when it is admitted).
-    pub loaded_tokens: usize,
+    /// Prefill/decode disaggregation's state (a handed-off request's both sides).
+    pub handoff: HandoffState,
+    /// The offload tier's state.
+    pub offload: OffloadState,
     /// Speculative decoding's state.
     pub spec: SpecState,
 }
@@ -209,16 +225,8 @@ impl Sequence {
             first_cached: 0,
             token_times: TokenTimes::default(),
             prompt_hashes: Vec::new(),
-            handoff_outputs: None,
-            t0_chain: None,
-            import: None,
-            in_transfer: None,
-            aborted: false,
-            handoff_back: None,
-            in_prefill_queue: false,
-            chunk_digests: Vec::new(),
-            restored: None,
-            loaded_tokens: 0,
+            handoff: HandoffState::default(),
+            offload: OffloadState::default(),
             spec: SpecState::default(),
         }
     }
@@ -226,7 +234,7 @@ impl Sequence {
     /// Whether it brings its prompt's first blocks with it (a handoff, or a prefix loaded from
     /// the offload store): an admission then looks nothing up in the prefix cache.
     pub fn brings_prefix(&self) -> bool {
-        self.import.is_some() || self.restored.is_some()
+        self.handoff.import.is_some() || self.offload.restored.is_some()
     }
 
     /// The last step launched that feeds it.

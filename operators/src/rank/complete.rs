@@ -127,8 +127,8 @@ impl Rank {
                 let seq = self.seqs.get_mut(s.seq.index as usize);
                 seq.tokens.push(token);
                 seq.logits_hash = hash::chain_row(seq.logits_hash, logits_hash);
-                if seq.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
-                    seq.t0_chain = Some(seq.logits_hash);
+                if seq.handoff.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
+                    seq.handoff.t0_chain = Some(seq.logits_hash);
                 }
                 seq.token_times.record(now);
                 if record.draft_from.contains(&s.seq) {

@@ -74,11 +74,11 @@ impl Rank {
             // The export follows the step that samples T0 — the prompt boundary (test switch:
             // the step that feeds T0, so the state has taken it in).
             let exports_here = if self.switches.export_state_after_t0 { c.start == seq.prompt_len } else { c.sample };
-            if exports_here && seq.handoff_outputs.is_some() {
+            if exports_here && seq.handoff.handoff_outputs.is_some() {
                 let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
                 let n = n.min(seq.blocks.len());
                 // Blocks the decode rank already holds are not exported (prefix reuse).
-                let skip = seq.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
+                let skip = seq.handoff.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
                 let blocks = seq.blocks.blocks()[skip..n].to_vec();
                 // The slot it holds now, read by this step (test switch: the one it was
                 // first admitted with, which a preemption may have given to another request).
@@ -88,7 +88,7 @@ impl Rank {
                 };
                 exports.push(KvExport { key: c.key, blocks, slot });
             }
-            if let Some(handoff) = seq.import.take() {
+            if let Some(handoff) = seq.handoff.import.take() {
                 let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
                 if c.start == seq.prompt_len && skip + kv <= seq.blocks.len() {
                     let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
@@ -219,7 +219,7 @@ impl Rank {
         for &(id, cached) in &decided.admitted {
             if let Some(seq) = self.seqs.index_of(id).map(|i| self.seqs.get_mut(i)) {
                 if let Some(off) = self.offload.as_mut() {
-                    let loaded = std::mem::take(&mut seq.loaded_tokens);
+                    let loaded = std::mem::take(&mut seq.offload.loaded_tokens);
                     off.stats.offload_hit_tokens += loaded as u64;
                     off.stats.hbm_hit_tokens += cached.saturating_sub(loaded) as u64;
                 }
@@ -248,7 +248,7 @@ impl Rank {
         // reuse too (decode-side prefix reuse: a later remote prefill need not send them).
         for chunk in chunks.iter().filter(|_| caching && self.memory.layout.keeps_kv) {
             let seq = self.seqs.get(chunk.seq);
-            if seq.import.is_none() || chunk.start != seq.prompt_len {
+            if seq.handoff.import.is_none() || chunk.start != seq.prompt_len {
                 continue;
             }
             let full = (seq.prompt_len / bs).min(seq.prompt_hashes.len()).min(seq.blocks.len());

@@ -38,7 +38,7 @@ impl Rank {
                 if layout.keeps_state && (k + 1) * c_tokens != end {
                     continue;
                 }
-                let Some(&digest) = seq.chunk_digests.get(k) else { continue };
+                let Some(&digest) = seq.offload.chunk_digests.get(k) else { continue };
                 if !off.known.insert(digest) {
                     continue;
                 }

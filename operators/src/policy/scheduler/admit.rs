@@ -69,7 +69,7 @@ impl Scheduler {
         let snapshot = if self.config.prefix_cache && !seq.brings_prefix() { restore_prefix(seq, mem) } else { None };
         let len = self.chunk_len(seq, *budget, mem.layout.block_size);
         if !mem.ensure_blocks(seq, seq.computed + len) {
-            if seq.restored.is_some() {
+            if seq.offload.restored.is_some() {
                 // Keep the loaded prefix and its blocks; only the slot goes back.
                 if let Some(slot) = seq.slot.take() {
                     mem.slots.release(slot);
@@ -92,7 +92,9 @@ impl Scheduler {
         out.admitted.push((seq.id, seq.cached));
         // A handed-off request's first decode: T0 and the producer's drafts.
         let len = match self.config.spec {
-            Some(spec) if seq.import.is_some() && len == 1 && *budget > 1 => draft_into(seq, mem, spec, *budget - 1),
+            Some(spec) if seq.handoff.import.is_some() && len == 1 && *budget > 1 => {
+                draft_into(seq, mem, spec, *budget - 1)
+            }
             _ => len,
         };
         book(out, index, seq, len, t);
