@@ -79,6 +79,18 @@ impl PendingTokens {
     }
 }
 
+/// How a request's tokens go out: its stop tokens and whether they stream, how many were
+/// streamed, and when its first and last output tokens became known.
+#[derive(Debug, Default)]
+pub struct StreamState {
+    /// Its stop tokens, and whether its tokens stream out.
+    pub delivery: crate::messages::Delivery,
+    /// Output tokens already streamed out (`Event::Tokens`).
+    pub streamed: usize,
+    /// When its first and last output tokens became known.
+    pub token_times: TokenTimes,
+}
+
 /// A request's prefill/decode-disaggregation state: on a prefill pool, the outputs it hands off
 /// with, its handoff's transfer and where it goes back to; on a decode pool, the handoff it
 /// arrived as until its import.
@@ -173,10 +185,8 @@ pub struct Sequence {
     pub id: u64,
     /// How it picks its tokens.
     pub sampling: RequestSampling,
-    /// Its stop tokens, and whether its tokens stream out.
-    pub delivery: crate::messages::Delivery,
-    /// Output tokens already streamed out (`Event::Tokens`).
-    pub streamed: usize,
+    /// How its tokens go out: stop tokens, streaming, and when they became known.
+    pub stream: StreamState,
     /// Tokens restored from the prefix cache at the last admission.
     pub cached: usize,
     pub preemptions: usize,
@@ -186,8 +196,6 @@ pub struct Sequence {
     pub started_ms: Option<f64>,
     /// Prompt tokens reused from the prefix cache at its first admission.
     pub first_cached: usize,
-    /// When its first and last output tokens became known.
-    pub token_times: TokenTimes,
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
     /// queues the request.
     pub prompt_hashes: Vec<u64>,
@@ -206,8 +214,7 @@ impl Sequence {
         Sequence {
             id,
             sampling: RequestSampling::default(),
-            delivery: Default::default(),
-            streamed: 0,
+            stream: StreamState::default(),
             key: SeqKey { index: u32::MAX, generation: VACANT },
             tokens: prompt,
             prompt_len,
@@ -223,7 +230,6 @@ impl Sequence {
             warmup,
             started_ms: None,
             first_cached: 0,
-            token_times: TokenTimes::default(),
             prompt_hashes: Vec::new(),
             handoff: HandoffState::default(),
             offload: OffloadState::default(),
@@ -287,7 +293,7 @@ impl Sequence {
     /// Every output token is known, or the last one is a stop token: the request is done.
     pub fn finished(&self) -> bool {
         self.output_len() >= self.max_output_tokens
-            || (self.output_len() > 0 && self.tokens.last().is_some_and(|&t| self.delivery.stops_at(t)))
+            || (self.output_len() > 0 && self.tokens.last().is_some_and(|&t| self.stream.delivery.stops_at(t)))
     }
 
     /// Tokens still to compute, counting every output not yet launched (the router's load).

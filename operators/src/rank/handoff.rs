@@ -101,10 +101,10 @@ impl Rank {
         let (sampling, delivery) = (a.sampling, a.delivery.clone());
         let mut seq = self.sequence_for(a)?;
         seq.sampling = sampling;
-        seq.delivery = delivery;
+        seq.stream.delivery = delivery;
         // A handoff's T0 leaves again with its first decode tokens: the prefill rank streamed it
         // too, but that pool's event may come later than this one's (a reader orders by offset).
-        seq.streamed = 0;
+        seq.stream.streamed = 0;
         Some(seq)
     }
 
@@ -172,8 +172,8 @@ impl Rank {
                 self.stats.handoffs_in += 1;
                 self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
                 let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
-                seq.delivery = a.delivery; // T0 may be a stop token
-                                           // Its leading blocks are the prefix this rank kept for it; the rest arrive.
+                seq.stream.delivery = a.delivery; // T0 may be a stop token
+                                                  // Its leading blocks are the prefix this rank kept for it; the rest arrive.
                 for b in reserved {
                     seq.blocks.push(b);
                 }
@@ -184,7 +184,7 @@ impl Rank {
                 seq.spec.handed_drafts = h.drafts.clone();
                 seq.computed = seq.prompt_len;
                 seq.logits_hash = h.logits_hash;
-                seq.token_times.record(h.t0_ms);
+                seq.stream.token_times.record(h.t0_ms);
                 seq.started_ms = Some(h.started_ms);
                 if seq.finished() {
                     // T0 was its only output: it ends here, with nothing to compute.
@@ -192,7 +192,7 @@ impl Rank {
                         id: seq.id,
                         rank: self.index,
                         tokens: vec![h.t0],
-                        token_times: seq.token_times,
+                        token_times: seq.stream.token_times,
                         started_ms: h.started_ms,
                         cached_tokens: 0,
                         logits_hash: h.logits_hash,
@@ -235,7 +235,7 @@ impl Rank {
             max_output_tokens: outputs,
             warmup: seq.warmup,
             sampling: seq.sampling,
-            delivery: seq.delivery.clone(),
+            delivery: seq.stream.delivery.clone(),
             drafts: std::mem::take(&mut seq.spec.handed_drafts),
             t0: seq.tokens[seq.prompt_len],
             logits_hash: seq.handoff.t0_chain.unwrap_or(seq.logits_hash),
@@ -251,7 +251,7 @@ impl Rank {
             source: exported.source,
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
-            t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
+            t0_ms: seq.stream.token_times.first.unwrap_or_else(wall_ms),
             to: seq.handoff.handoff_back,
             recycle: None,
             on_drop: Default::default(),
@@ -335,7 +335,7 @@ impl Rank {
             cause: "cancelled".into(),
             message: "cancelled while in transfer".into(),
             tokens: seq.tokens[seq.prompt_len..].to_vec(),
-            token_times: seq.token_times,
+            token_times: seq.stream.token_times,
             started_ms: seq.started_ms,
         };
         let (id, seq_back_to) = (seq.id, seq.handoff.handoff_back);

@@ -371,7 +371,7 @@ impl Rank {
                 cause: cause.into(),
                 message,
                 tokens: seq.tokens.split_off(seq.prompt_len),
-                token_times: seq.token_times,
+                token_times: seq.stream.token_times,
                 started_ms: seq.started_ms,
             },
         ));
