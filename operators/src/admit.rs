@@ -21,11 +21,12 @@
 use crate::messages::{Admission, LoopSignal};
 use crate::policy::kv_index::SharedKvIndex;
 use crate::wake::RankWaker;
+use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use timely::dataflow::channels::pact::Pipeline;
 use timely::dataflow::operators::generic::builder_rc::OperatorBuilder;
 use timely::dataflow::operators::generic::OutputBuilder;
@@ -57,28 +58,28 @@ impl Ingress {
     /// Asks `routing`'s index, for every request pushed from now on, how much of its prompt each
     /// rank holds (router `kv-aware`).
     pub fn route_with(&self, routing: IngressRouting) {
-        *self.routing.lock().unwrap_or_else(|e| e.into_inner()) = Some(routing);
+        *self.routing.lock() = Some(routing);
     }
 
     /// Queues a request and wakes rank 0's `admit`. Under router `kv-aware` it first attaches
     /// each rank's cached prefix of the prompt as the index reports it now: the question is
     /// asked here, on the pushing thread, so no step of the pool ever waits for the index.
     pub fn push(&self, mut a: Admission) {
-        let routing = self.routing.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let routing = self.routing.lock().clone();
         if let Some(r) = routing {
             let seed = if r.keyed_by_prompt_len { a.prompt.len() as u64 } else { 0 };
             let hashes = crate::policy::prefix_cache::block_hashes(&a.prompt, r.block_size, seed);
             // the index is held only to send the question; its answer is awaited outside it
-            let answer = r.index.lock().unwrap_or_else(|e| e.into_inner()).ask(&hashes);
+            let answer = r.index.lock().ask(&hashes);
             a.cached = answer.recv().unwrap_or_default();
         }
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push_back(a);
+        self.queue.lock().push_back(a);
         self.wake();
     }
 
     /// Asks the pool to cancel a released request, wherever it is.
     pub fn cancel(&self, id: u64) {
-        self.cancels.lock().unwrap_or_else(|e| e.into_inner()).push(id);
+        self.cancels.lock().push(id);
         self.wake();
     }
 
@@ -93,7 +94,7 @@ impl Ingress {
     }
 
     fn wake(&self) {
-        if let Some(w) = self.waker.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(w) = self.waker.lock().as_ref() {
             w.activate();
         }
     }
@@ -101,8 +102,8 @@ impl Ingress {
     /// Moves what was released into `into`; `into.closed` once nothing more will come.
     fn drain(&self, into: &mut PendingWork) {
         let closed = self.is_closed(); // read first: whatever was pushed before closing is drained
-        into.admissions.extend(self.queue.lock().unwrap_or_else(|e| e.into_inner()).drain(..));
-        into.cancels.append(&mut self.cancels.lock().unwrap_or_else(|e| e.into_inner()));
+        into.admissions.extend(self.queue.lock().drain(..));
+        into.cancels.append(&mut self.cancels.lock());
         into.closed = closed;
     }
 }
@@ -145,7 +146,7 @@ pub fn admit<'scope>(
     let mut output = OutputBuilder::<_, timely::container::CapacityContainerBuilder<Vec<u64>>>::from(output);
     waker.set_activator(scope.worker().sync_activator_for(info.address.to_vec()));
     if let Some(ingress) = &ingress {
-        *ingress.waker.lock().unwrap_or_else(|e| e.into_inner()) = Some(waker.clone());
+        *ingress.waker.lock() = Some(waker.clone());
     }
     builder.build(move |mut caps| {
         // Parked from the start: nothing runs before the first request.

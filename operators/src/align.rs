@@ -65,7 +65,7 @@ impl CacheEventRoute {
     /// Takes the events and snapshots out of `reports` (rank-ordered), applies them to the index
     /// where this worker holds it, and returns the ranks that owe a snapshot.
     fn take(&mut self, reports: &mut [RankReport]) -> Vec<usize> {
-        let mut index = self.index.as_ref().map(|i| i.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut index = self.index.as_ref().map(|i| i.lock());
         for r in reports.iter_mut() {
             let (snapshot, events) = self.order.take(r.cache_snapshot.take(), std::mem::take(&mut r.cache_events));
             if let Some(index) = index.as_mut() {

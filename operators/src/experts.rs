@@ -20,6 +20,7 @@
 //! pass it drops the step's drafts instead, logged: drafts only propose).
 
 use crate::messages::{ExpertPair, ExpertRows, StageToken};
+pub use crate::rank::ExchangeSwitches;
 use crate::rank::Rank;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
@@ -49,18 +50,6 @@ impl MoeLayer {
             None => self.layer.to_string(),
         }
     }
-}
-
-/// Test switches of the expert exchanges (see `TestSwitches`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ExchangeSwitches {
-    /// `dispatch` at this step sends nothing and keeps its capability forever.
-    pub withhold_dispatch_at: Option<u64>,
-    /// `experts` at this step computes nothing and sends nothing, and lets the step pass.
-    pub send_no_results_at: Option<u64>,
-    /// A draft pass's `dispatch` on a rank whose step samples nothing sends nothing and keeps
-    /// its capability forever.
-    pub skip_draft_without_samples: bool,
 }
 
 /// Builds `dispatch[ℓ] → experts[ℓ] → combine[ℓ]` on this rank; returns the tokens `combine`

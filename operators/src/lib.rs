@@ -10,6 +10,7 @@ pub mod emit;
 pub mod executor;
 pub mod experts;
 pub mod forward;
+pub mod kv_source;
 pub mod load;
 pub mod messages;
 pub mod offload;

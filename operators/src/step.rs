@@ -8,39 +8,12 @@
 //! previous token is still in flight names that token by (sequence, step) ([`SeqStep::deferred`])
 //! and the executor resolves it (deferred output, DESIGN §4).
 
+pub use crate::kv_source::{BlockStore, KvSource};
+pub use crate::policy::scheduler::StateOp;
+pub use crate::policy::sequence::SeqKey;
 use crate::transfer::Handoff;
 use kvflow_kernels::kv::{SlotId, SnapshotId};
-use std::fmt;
 use std::sync::Arc;
-
-/// A sequence of one rank in one generation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqKey {
-    /// Index in the rank's slab of sequences.
-    pub index: u32,
-    /// Changes every time the request starts (again) on this rank.
-    pub generation: u32,
-}
-
-impl fmt::Display for SeqKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}#{}", self.index, self.generation)
-    }
-}
-
-/// A copy of recurrent state a step asks for, applied by the executor in step order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StateOp {
-    /// Before the forward: a newly admitted request starts from the zero state.
-    Zero { slot: SlotId },
-    /// Before the forward: a prefix hit starts from the state kept at the prefix boundary.
-    Restore { snapshot: SnapshotId, slot: SlotId },
-    /// Before the forward: a verification that rejected drafts sets the slot back to its state
-    /// just after `position`, the last token that held (kept by the step that verified it).
-    Rewind { slot: SlotId, position: usize },
-    /// After the forward: keep the state at a boundary the step just reached.
-    Snapshot { slot: SlotId, snapshot: SnapshotId },
-}
 
 /// After the forward: copy a sequence's KV blocks and state slot out (a finished prefill that
 /// moves to a decode pool). The slot is read here, at the step that reached the prompt boundary —
@@ -62,104 +35,6 @@ pub struct Exported {
     pub source: Option<KvSource>,
     /// The state slot, read by the step (the handoff owns this copy).
     pub state: Option<Vec<f32>>,
-}
-
-/// Blocks of a producer rank's KV cache that a handoff reads in place (one copy, into the
-/// consumer's blocks, or onto a socket): the producer must hold them until the consumer's ack.
-#[derive(Clone)]
-pub struct KvSource {
-    pub store: BlockStore,
-    pub blocks: Vec<u32>,
-    pub floats_per_block: usize,
-}
-
-/// Where the blocks of a [`KvSource`] live.
-#[derive(Clone)]
-pub enum BlockStore {
-    /// A CPU rank's cache.
-    Host(std::sync::Arc<std::sync::RwLock<kvflow_kernels::models::ModelCache>>),
-    /// A GPU rank's device cache: a `cuda` consumer on the same device copies the blocks device
-    /// to device; everyone else reads them through a stream of their own.
-    Device(std::sync::Arc<kvflow_kernels::cuda::SharedKv>),
-}
-
-impl KvSource {
-    /// The blocks' KV, packed by layer (a copy; empty when a device read fails, which the
-    /// import then refuses by its size).
-    pub fn read(&self) -> Vec<f32> {
-        self.read_waiting().0
-    }
-
-    /// [`read`](Self::read), and how long it waited for the owner's cache (a host cache is
-    /// locked while its rank's step runs).
-    pub fn read_waiting(&self) -> (Vec<f32>, std::time::Duration) {
-        match &self.store {
-            BlockStore::Host(cache) => {
-                let mut kv = Vec::new();
-                let asked = std::time::Instant::now();
-                let cache = cache.read().unwrap_or_else(|e| e.into_inner());
-                let waited = asked.elapsed();
-                cache.kv.export_blocks(&self.blocks, &mut kv);
-                (kv, waited)
-            }
-            BlockStore::Device(shared) => {
-                let kv = shared.read(&self.blocks).unwrap_or_else(|e| {
-                    tracing::error!("reading a handoff's blocks from the GPU: {e}");
-                    Vec::new()
-                });
-                (kv, std::time::Duration::ZERO)
-            }
-        }
-    }
-
-    /// The blocks' KV, packed by layer, handed to `piece` in pieces of about `piece_floats`
-    /// through one staging buffer: a host cache is locked one block at a time, never while
-    /// `piece` runs (a socket write does not hold back the producer's steps); device blocks are
-    /// copied out first, on a stream of the reader's own.
-    pub fn stream(&self, piece_floats: usize, mut piece: impl FnMut(&[f32])) {
-        let cache = match &self.store {
-            BlockStore::Host(cache) => cache,
-            BlockStore::Device(_) => {
-                self.read().chunks(piece_floats.max(1)).for_each(piece);
-                return;
-            }
-        };
-        let mut staging: Vec<f32> = Vec::with_capacity(piece_floats + self.floats_per_block);
-        let layers = cache.read().unwrap_or_else(|e| e.into_inner()).kv.num_layers();
-        for l in 0..layers {
-            for &b in &self.blocks {
-                {
-                    let cache = cache.read().unwrap_or_else(|e| e.into_inner());
-                    let rows = cache.kv.block_size();
-                    staging.extend_from_slice(cache.kv.layer(l).rows(b as usize * rows, rows));
-                }
-                if staging.len() >= piece_floats {
-                    piece(&staging);
-                    staging.clear();
-                }
-            }
-        }
-        if !staging.is_empty() {
-            piece(&staging);
-        }
-    }
-}
-
-impl std::fmt::Debug for KvSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "KvSource({} blocks in place)", self.blocks.len())
-    }
-}
-
-impl PartialEq for KvSource {
-    fn eq(&self, other: &Self) -> bool {
-        let same = match (&self.store, &other.store) {
-            (BlockStore::Host(a), BlockStore::Host(b)) => std::sync::Arc::ptr_eq(a, b),
-            (BlockStore::Device(a), BlockStore::Device(b)) => std::sync::Arc::ptr_eq(a, b),
-            _ => false,
-        };
-        same && self.blocks == other.blocks
-    }
 }
 
 /// Before the forward (after the state copies): write KV into the blocks and state into the slot

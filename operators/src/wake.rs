@@ -3,8 +3,8 @@
 //! activates that rank's `admit`, which (when the pool is parked) emits a wake record every rank
 //! receives, so every rank resumes at the same step (DESIGN §4: any rank can wake its pool).
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use timely::scheduling::SyncActivator;
 
 /// One rank's wake-up line.
@@ -25,7 +25,7 @@ impl RankWaker {
 
     /// Activates the rank's `admit` without raising the flag (new work in the ingress).
     pub(crate) fn activate(&self) {
-        if let Some(a) = self.activator.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(a) = self.activator.lock().as_ref() {
             // The worker may have finished; nothing to wake then.
             let _ = a.activate();
         }
@@ -47,6 +47,6 @@ impl RankWaker {
     }
 
     pub(crate) fn set_activator(&self, activator: SyncActivator) {
-        *self.activator.lock().unwrap_or_else(|e| e.into_inner()) = Some(activator);
+        *self.activator.lock() = Some(activator);
     }
 }

@@ -25,9 +25,10 @@ use kvflow_operators::transfer::{
     TcpLinks, TransferId,
 };
 use kvflow_operators::wake::RankWaker;
+use parking_lot::RwLock;
 use std::io::{Read, Write};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 pub struct TransferBenchArgs {

@@ -305,7 +305,7 @@ impl RunningPool {
                     None => (results.into_iter().flat_map(|r| r.ranks).collect(), LinkTotals::default()),
                 };
                 let routing_index = routing_index.map(|i| {
-                    let i = i.lock().unwrap_or_else(|e| e.into_inner());
+                    let i = i.lock();
                     (i.applied(), i.resyncs)
                 });
                 PoolResult { name, ranks, lost: None, routing_index, links_elsewhere }
@@ -477,7 +477,7 @@ pub fn start_pool(
     // events reach it through the reports.
     let drives = job_cluster.as_ref().is_none_or(|c| c.process == 0);
     let routing_index: Option<SharedKvIndex> =
-        (routing_index && drives).then(|| Arc::new(Mutex::new(KvIndex::start())));
+        (routing_index && drives).then(|| Arc::new(parking_lot::Mutex::new(KvIndex::start())));
     let routing_index_here = routing_index.clone();
     let keys = RoutingKeys { block_size: layout.block_size, keyed_by_prompt_len: layout.prefix_keyed_by_prompt_len };
     if let (Some(index), Some(ingress)) = (&routing_index, &ingress) {

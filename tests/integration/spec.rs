@@ -486,7 +486,7 @@ fn mtp_kv_a_producer_hands_off_equals_the_mtp_kv_recomputed_in_one_pass() {
         else {
             panic!("a CPU export reads in place")
         };
-        let cache = cache.read().unwrap();
+        let cache = cache.read();
         let layer = cache.kv.layer(mtp_layer);
         blocks
             .iter()

@@ -14,119 +14,21 @@
 //! [`CpuExecutor`] runs it on the rank's own thread (`cpu`); `DeferredExecutor` on a thread of
 //! its own (`cpu-deferred`).
 
+use super::contract::{Executor, ExecutorContext, ExpertParallel, ExpertPlacement};
 use super::gate::{CompletionGate, Delay};
-use super::{Executor, ExecutorContext, ExpertParallel, ExpertPlacement};
+use super::owned_step::OwnedStep;
 use crate::messages::{ExpertPair, ExpertRows, Payload};
 use crate::step::{
-    BlockStore, DraftCheck, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp,
-    StepCompletion, StepLaunch,
+    BlockStore, DraftCheck, ExecutorError, Exported, KvExport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
+    StepLaunch,
 };
-use kvflow_kernels::cpu::sampling::Sampler;
 use kvflow_kernels::hash;
-use kvflow_kernels::kv::SlotId;
 use kvflow_kernels::models::parts::moe::{expert_owner, expert_range};
-use kvflow_kernels::models::{ForwardOutput, LogitsWanted, Model, ModelCache, RoutedRows, SeqInput, StepActivations};
+use kvflow_kernels::models::{ForwardOutput, Model, ModelCache, RoutedRows, StepActivations};
+use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, RwLock};
-
-/// One sequence of an [`OwnedStep`]: ranges into its flat token and block-table buffers.
-#[derive(Clone, Debug)]
-pub(super) struct OwnedSeq {
-    pub(super) key: SeqKey,
-    pub(super) tokens: Range<usize>,
-    /// The step whose sample fills the last token of `tokens`.
-    pub(super) deferred: Option<u64>,
-    pub(super) start_pos: usize,
-    pub(super) table: Range<usize>,
-    pub(super) slot: Option<SlotId>,
-    pub(super) prompt_len: usize,
-    pub(super) sample: bool,
-    /// Drafts at the end of `tokens`, to verify.
-    pub(super) drafts: usize,
-    pub(super) sampler: Sampler,
-    pub(super) next_prompt_token: Option<u32>,
-}
-
-/// A launch copied out of the rank's state, so it can run after the rank has moved on.
-#[derive(Clone, Debug)]
-pub struct OwnedStep {
-    pub(super) step: u64,
-    pub(super) before: Vec<StateOp>,
-    pub(super) after: Vec<StateOp>,
-    pub(super) seqs: Vec<OwnedSeq>,
-    pub(super) tokens: Vec<u32>,
-    pub(super) tables: Vec<u32>,
-    pub(super) applied_through: Option<u64>,
-    pub(super) imports: Vec<KvImport>,
-    pub(super) exports: Vec<KvExport>,
-}
-
-impl OwnedStep {
-    pub fn copy_of(launch: &StepLaunch<'_>) -> Self {
-        let (mut tokens, mut tables) = (Vec::new(), Vec::new());
-        let seqs = launch
-            .seqs()
-            .map(|s| {
-                let t0 = tokens.len();
-                tokens.extend_from_slice(s.known);
-                if s.deferred.is_some() {
-                    tokens.push(u32::MAX); // resolved when the step runs
-                }
-                tokens.extend_from_slice(s.drafts);
-                let b0 = tables.len();
-                tables.extend_from_slice(s.block_table);
-                OwnedSeq {
-                    key: s.key,
-                    tokens: t0..tokens.len(),
-                    deferred: s.deferred,
-                    start_pos: s.start_pos,
-                    table: b0..tables.len(),
-                    slot: s.slot,
-                    prompt_len: s.prompt_len,
-                    sample: s.sample,
-                    drafts: s.drafts.len(),
-                    sampler: s.sampler,
-                    next_prompt_token: s.next_prompt_token,
-                }
-            })
-            .collect();
-        OwnedStep {
-            step: launch.step,
-            before: launch.before.to_vec(),
-            after: launch.after.to_vec(),
-            seqs,
-            tokens,
-            tables,
-            applied_through: launch.applied_through,
-            imports: launch.imports.to_vec(),
-            exports: launch.exports.to_vec(),
-        }
-    }
-
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// The model's view of the batch.
-    pub(super) fn batch(&self) -> Vec<SeqInput<'_>> {
-        self.seqs
-            .iter()
-            .map(|s| SeqInput {
-                tokens: &self.tokens[s.tokens.clone()],
-                start_pos: s.start_pos,
-                block_table: &self.tables[s.table.clone()],
-                slot: s.slot,
-                prompt_len: s.prompt_len,
-                logits: match (s.sample, s.drafts) {
-                    (false, _) => LogitsWanted::None,
-                    (true, 0) => LogitsWanted::Last,
-                    (true, _) => LogitsWanted::All, // a row after the last known token and each draft
-                },
-            })
-            .collect()
-    }
-}
+use std::sync::Arc;
 
 /// A step between its phases.
 pub(super) struct Running {
@@ -191,12 +93,12 @@ impl CpuStepRunner {
         if self.experts.is_some() && !self.moe_layers.is_empty() {
             // Expert parallel: on to the first MoE layer's routing; `combine` runs the rest.
             if let Ok(acts) = running.acts.as_mut() {
-                model.run_to_experts(acts, &mut write(cache));
+                model.run_to_experts(acts, &mut cache.write());
             }
             return None;
         }
         if let (Ok(acts), Some(layers)) = (running.acts.as_mut(), phases.get(phase)) {
-            model.run_layers(acts, layers.clone(), &mut write(cache));
+            model.run_layers(acts, layers.clone(), &mut cache.write());
         }
         if phase + 1 < phases.len() {
             return None;
@@ -228,7 +130,7 @@ impl CpuStepRunner {
         let out = self.model.finish_step_keeping_hidden(&step.batch(), acts);
         let mut sampled = self.finish(step, &out);
         let k = self.mtp_drafts;
-        super::mtp::propose(&self.model, &mut write(&self.cache), step, &out.hidden, &mut sampled, k);
+        super::mtp::propose(&self.model, &mut self.cache.write(), step, &out.hidden, &mut sampled, k);
         sampled
     }
 
@@ -238,7 +140,7 @@ impl CpuStepRunner {
         let (Some(place), Some(running)) = (self.experts, self.current.as_ref()) else { return Vec::new() };
         let routed = match moe.checked_sub(self.moe_layers.len()) {
             None => running.acts.as_ref().ok().and_then(|a| self.model.routed(a)).map(|r| (r, self.moe_layers[moe].1)),
-            Some(_) => super::mtp::routed(&self.model, running),
+            Some(_) => super::mtp::routed(&self.model, running.drafting.as_ref()),
         };
         let Some((routed, experts)) = routed else { return Vec::new() };
         let h = routed.hidden;
@@ -329,7 +231,7 @@ impl CpuStepRunner {
                 }
             }
             model.combine_experts(acts, |r, k| found.get(r, k));
-            if model.run_to_experts(acts, &mut write(cache)) {
+            if model.run_to_experts(acts, &mut cache.write()) {
                 return None;
             }
             if *draft_passes > 0 {
@@ -355,7 +257,7 @@ impl CpuStepRunner {
         if let Some(applied) = step.applied_through {
             self.sampled.retain(|_, (when, _)| *when > applied);
         }
-        let mut cache = write(&self.cache);
+        let mut cache = self.cache.write();
         for op in &step.before {
             match *op {
                 StateOp::Zero { slot } => cache.states.zero_slot(slot),
@@ -378,7 +280,7 @@ impl CpuStepRunner {
             let landed = match from.source() {
                 // In place: one copy from the producer's blocks (it holds them until our ack).
                 Some(KvSource { store: BlockStore::Host(producer), blocks, .. }) => {
-                    let producer = producer.read().unwrap_or_else(|e| e.into_inner());
+                    let producer = producer.read();
                     cache.kv.copy_blocks_from(&producer.kv, blocks, &import.blocks)
                 }
                 // A GPU producer's blocks: copied out through a stream of their own.
@@ -426,7 +328,7 @@ impl CpuStepRunner {
             self.sampled.insert(s.key, (step.step, scored.last_verified().unwrap_or(0)));
             sampled.push(scored);
         }
-        let mut cache = write(&self.cache);
+        let mut cache = self.cache.write();
         for op in &step.after {
             if let StateOp::Snapshot { slot, snapshot } = *op {
                 cache.states.snapshot_into(slot, snapshot);
@@ -438,7 +340,7 @@ impl CpuStepRunner {
     /// What the step's exports ask for (after its forward and snapshots): the state slot,
     /// copied now, and the blocks, to be read in place by the consumer.
     fn export(&self, exports: &[KvExport]) -> Vec<Exported> {
-        let cache = self.cache.read().unwrap_or_else(|e| e.into_inner());
+        let cache = self.cache.read();
         let floats_per_block = cache.kv.floats_per_block();
         exports
             .iter()
@@ -487,11 +389,6 @@ impl<'a> ExpertResults<'a> {
     pub(super) fn get(&self, r: usize, k: usize) -> &[f32] {
         self.found.get(&(r as u32, self.routes[r][k])).copied().unwrap_or(&self.zeros)
     }
-}
-
-/// The cache for writing (whether or not a reader panicked: it holds plain floats).
-pub(super) fn write(cache: &RwLock<ModelCache>) -> std::sync::RwLockWriteGuard<'_, ModelCache> {
-    cache.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// `cpu`: runs each step on the rank's own thread as it is launched.
@@ -581,4 +478,61 @@ fn score_drafts(step: &OwnedStep, i: usize, out: &ForwardOutput) -> Sampled {
         kept = next.is_some_and(|(_, kept)| kept);
     }
     scored
+}
+
+/// Expert parallel with the MTP drafter: the draft passes after the model's MoE layers.
+impl CpuStepRunner {
+    /// The model's MoE layers are done: the LM head and sampling run now, and draft pass 0 starts
+    /// (its rows wait for the MTP layer's experts). Every rank starts it, rows or not.
+    pub(super) fn start_draft_passes(&mut self) -> Option<crate::step::StepCompletion> {
+        let mut running = self.current.take()?;
+        let placeholder = Err(crate::step::ExecutorError::Launch("sampled before its draft passes".into()));
+        let Ok(acts) = std::mem::replace(&mut running.acts, placeholder) else { return None };
+        let out = self.model.finish_step_keeping_hidden(&running.step.batch(), acts);
+        let sampled = self.finish(&running.step, &out);
+        let (d, k) = (self.model.hidden_size, self.draft_passes);
+        let mut mtp = super::mtp::MtpDrafting::new(&running.step, &out.hidden, &sampled, d, k);
+        let acts = mtp.begin_pass(&self.model, &running.step, &mut self.cache.write());
+        running.drafting = Some(super::mtp::Drafting { sampled, mtp, acts: Some(acts), lost: false });
+        self.current = Some(running);
+        None
+    }
+
+    /// Ends draft pass `moe − (model's MoE layers)`: its experts' results summed, its drafts
+    /// taken; then the next pass starts, or the step completes after the last.
+    pub(super) fn combine_draft_pass(
+        &mut self,
+        moe: usize,
+        results: &[crate::messages::ExpertRows],
+        missing: &[crate::messages::ExpertPair],
+    ) -> Option<crate::step::StepCompletion> {
+        let last = moe + 1 >= self.moe_layers.len() + self.draft_passes;
+        let Some(mtp) = self.model.mtp() else { return if last { self.complete() } else { None } };
+        let running = self.current.as_mut()?;
+        let Some(drafting) = running.drafting.as_mut() else {
+            return if last { self.complete() } else { None }; // the step could not run
+        };
+        let d = self.model.hidden_size;
+        if let Some(acts) = drafting.acts.take() {
+            if !missing.is_empty() {
+                tracing::error!(
+                    step = running.step.step,
+                    pass = moe - self.moe_layers.len(),
+                    "draft pass: {} expert results missing; this step's drafts are dropped",
+                    missing.len()
+                );
+                drafting.lost = true;
+            }
+            let found = ExpertResults::new(results, mtp.routed(&acts, self.model.num_layers()), d);
+            let out = mtp.finish(acts, |r, k| found.get(r, k));
+            drafting.mtp.end_pass(out, &mut drafting.sampled, d);
+        }
+        if last {
+            return self.complete();
+        }
+        let running = self.current.as_mut()?;
+        let drafting = running.drafting.as_mut()?;
+        drafting.acts = Some(drafting.mtp.begin_pass(&self.model, &running.step, &mut self.cache.write()));
+        None
+    }
 }

@@ -24,18 +24,35 @@
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
 
+use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::settings::{SettingError, Settings};
-use super::{Executor, ExecutorContext, ExecutorKind};
 use crate::step::{
     BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
 };
 use kvflow_kernels::cuda::{visible_gpus, CudaError, Dtype};
 use kvflow_kernels::cuda::{
-    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, SharedKv, StepGraphs, StepRows,
-    FROM_RING, RESULT_WORDS,
+    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, RowsOnDevice, SharedKv,
+    StepGraphs, StepRows, FROM_RING, RESULT_WORDS,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+
+/// What `enqueue` staged for a step: its metadata in pinned memory, and either the device
+/// address a replayed graph writes the results to, or the metadata's device copy (with the
+/// rows' addresses in it) and the block lists' addresses for a step enqueued kernel by kernel.
+/// The device buffers live until the step is enqueued.
+struct Staged {
+    meta: PinnedBuf<u32>,
+    replayed: Option<u64>,
+    block_lists: Vec<u64>,
+    direct: Option<(DeviceBuf<u32>, RowsOnDevice)>,
+    results_dev: Option<DeviceBuf<u32>>,
+}
+
+/// A CUDA error as a launch failure.
+fn fail(e: CudaError) -> ExecutorError {
+    ExecutorError::Launch(e.to_string())
+}
 
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
@@ -209,9 +226,11 @@ impl CudaExecutor {
         s as u32
     }
 
-    /// Enqueues the step; `Err` when it cannot run (nothing it enqueued is waited for).
+    /// Enqueues the step; `Err` when it cannot run (nothing it enqueued is waited for). In
+    /// stream order: the state copies before the forward, the rows' metadata, the handoffs into
+    /// their blocks, the forward and sampling, the snapshots after it, the results back to pinned
+    /// memory, the exports' state slots; then the event the step completes at.
     fn enqueue(&mut self, launch: &StepLaunch<'_>) -> Result<InFlight, ExecutorError> {
-        let fail = |e: CudaError| ExecutorError::Launch(e.to_string());
         if self.state.is_none() && (!launch.before.is_empty() || !launch.after.is_empty()) {
             return Err(ExecutorError::Launch(
                 "the model keeps no recurrent state, and state copies were asked".into(),
@@ -220,7 +239,31 @@ impl CudaExecutor {
         if let Some(applied) = launch.applied_through {
             self.sampled.retain(|_, (when, _)| *when > applied);
         }
-        // 1. rows: literal tokens, or the ring slot of a token still in flight
+        let (rows, sampling) = self.step_rows(launch)?;
+        let gpu = self.gpu.clone();
+        self.copy_states_before(&gpu, launch)?;
+        let mut staged = self.stage_metadata(&gpu, launch, &rows)?;
+        let (imports, states_in) = self.import_handoffs(&gpu, launch, &staged.block_lists)?;
+        let results = self.enqueue_forward(&gpu, launch, &rows, &mut staged)?;
+        let (exports, states_out) = self.export_handoffs(&gpu, launch)?;
+        let event = gpu.record().map_err(fail)?;
+        Ok(InFlight {
+            step: launch.step,
+            event: Some(event),
+            error: None,
+            sampling,
+            meta: Some(staged.meta),
+            results: Some(results),
+            exports,
+            imports,
+            states_in,
+            states_out,
+        })
+    }
+
+    /// 1. The step's rows: literal tokens, or the ring slot of a token still in flight; each
+    /// sampled row gets a ring slot. Returns the rows and the sequences sampled, in row order.
+    fn step_rows(&mut self, launch: &StepLaunch<'_>) -> Result<(StepRows, Vec<SeqKey>), ExecutorError> {
         let mut rows = StepRows::default();
         let mut sampling = Vec::new();
         let mut fed = Vec::new();
@@ -261,25 +304,30 @@ impl CudaExecutor {
                 }
             }
         }
-        let gpu = self.gpu.clone();
-        // 2. state copies before the forward (then handoffs into their blocks), in step order
-        if let Some(state) = &self.state {
-            for op in launch.before {
-                match *op {
-                    StateOp::Zero { slot } => state.zero_slot(&gpu, slot).map_err(fail)?,
-                    StateOp::Restore { snapshot, slot } => state.restore(&gpu, snapshot, slot).map_err(fail)?,
-                    StateOp::Rewind { .. } => {
-                        return Err(ExecutorError::Launch("speculative decoding runs on the cpu executors only".into()))
-                    }
-                    StateOp::Snapshot { .. } => {}
+        Ok((rows, sampling))
+    }
+
+    /// 2. The state copies the step asks for before its forward, in step order.
+    fn copy_states_before(&self, gpu: &Gpu, launch: &StepLaunch<'_>) -> Result<(), ExecutorError> {
+        let Some(state) = &self.state else { return Ok(()) };
+        for op in launch.before {
+            match *op {
+                StateOp::Zero { slot } => state.zero_slot(gpu, slot).map_err(fail)?,
+                StateOp::Restore { snapshot, slot } => state.restore(gpu, snapshot, slot).map_err(fail)?,
+                StateOp::Rewind { .. } => {
+                    return Err(ExecutorError::Launch("speculative decoding runs on the cpu executors only".into()))
                 }
+                StateOp::Snapshot { .. } => {}
             }
         }
-        let fpb = self.kv.kv.floats_per_block();
-        let mut imports = Vec::new();
-        let mut states_in = Vec::new();
-        // block lists: the imports' own blocks, then the exports', then the blocks each
-        // in-place import reads
+        Ok(())
+    }
+
+    /// The rows and block lists into pinned memory — the imports' own blocks, then the
+    /// exports', then the blocks each in-place import reads — and either replayed through the
+    /// shape's captured graph (a step without handoffs, where there is one: the graph reads the
+    /// rows from its own buffer and writes the results to its own) or copied to the device.
+    fn stage_metadata(&mut self, gpu: &Gpu, launch: &StepLaunch<'_>, rows: &StepRows) -> Result<Staged, ExecutorError> {
         let sources = launch.imports.iter().map(|i| i.from.source().map_or(&[][..], |s| &s.blocks[..]));
         let lists: Vec<&[u32]> = launch
             .imports
@@ -289,14 +337,12 @@ impl CudaExecutor {
             .chain(sources)
             .collect();
         let meta_words = rows.words() + lists.iter().map(|l| l.len()).sum::<usize>();
-        let mut meta = self.pinned_words.take(&gpu, meta_words).map_err(fail)?;
-        // a step without handoffs replays its shape's captured graph where there is one (the
-        // graph reads the rows from its own buffer and writes the results to its own)
+        let mut meta = self.pinned_words.take(gpu, meta_words).map_err(fail)?;
         let replayed = match self.graphs.as_mut() {
             Some(graphs) if lists.is_empty() => {
                 rows.pack(meta.as_mut_slice(), 0);
                 let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
-                graphs.enqueue(&gpu, model, kv, state, &rows, &meta, self.ring.ptr()).map_err(fail)?
+                graphs.enqueue(gpu, model, kv, state, rows, &meta, self.ring.ptr()).map_err(fail)?
             }
             _ => None,
         };
@@ -317,22 +363,38 @@ impl CudaExecutor {
             gpu.copy_to_device(meta_dev.ptr(), &meta, meta_words).map_err(fail)?;
             direct = Some((meta_dev, at));
         }
+        Ok(Staged { meta, replayed, block_lists, direct, results_dev: None })
+    }
+
+    /// The handoffs into their blocks (after the step's own state copies, before its forward):
+    /// device to device from a producer on this GPU with the same layout, else unpacked from
+    /// pinned memory; a recurrent state into its slot. Returns what the record must own until
+    /// the step completes: each import (and its staged floats), and the staged states.
+    #[allow(clippy::type_complexity)]
+    fn import_handoffs(
+        &mut self,
+        gpu: &Arc<Gpu>,
+        launch: &StepLaunch<'_>,
+        block_lists: &[u64],
+    ) -> Result<(Vec<(KvImport, Option<PinnedBuf<f32>>)>, Vec<PinnedBuf<f32>>), ExecutorError> {
+        let fpb = self.kv.kv.floats_per_block();
+        let mut imports = Vec::new();
+        let mut states_in = Vec::new();
         for (i, import) in launch.imports.iter().enumerate() {
             let h = &import.from;
             let bad = |m: String| ExecutorError::Launch(format!("{}: {m}", h.describe()));
             match (import.slot, h.state(), &self.state) {
                 (None, None, _) => {}
                 (Some(slot), Some(floats), Some(state)) => {
-                    // the state after the prompt, into the request's slot (after the step's own
-                    // state copies, before its forward)
+                    // the state after the prompt, into the request's slot
                     if floats.len() != state.width {
                         return Err(bad(format!("{} state floats for a slot of {}", floats.len(), state.width)));
                     }
-                    let mut staged = self.pinned_floats.take(&gpu, floats.len()).map_err(fail)?;
+                    let mut staged = self.pinned_floats.take(gpu, floats.len()).map_err(fail)?;
                     staged.as_mut_slice()[..floats.len()].copy_from_slice(floats);
-                    state.copy_in(&gpu, slot, &staged).map_err(fail)?;
+                    state.copy_in(gpu, slot, &staged).map_err(fail)?;
                     if let Some(snapshot) = import.snapshot {
-                        state.snapshot(&gpu, slot, snapshot).map_err(fail)?;
+                        state.snapshot(gpu, slot, snapshot).map_err(fail)?;
                     }
                     states_in.push(staged);
                 }
@@ -341,14 +403,14 @@ impl CudaExecutor {
             let from = block_lists[launch.imports.len() + launch.exports.len() + i];
             if let Some(KvSource { store: BlockStore::Device(producer), blocks, .. }) = h.source() {
                 // (a cache of another layout or dtype is read through the packed f32 path below)
-                if producer.same_device(&gpu) && producer.kv.same_layout(&self.kv.kv) {
+                if producer.same_device(gpu) && producer.kv.same_layout(&self.kv.kv) {
                     // device to device, on this rank's stream: the producer holds the blocks
                     // until the record (which owns the handoff) lets go of it
                     if blocks.len() != import.blocks.len() {
                         return Err(bad(format!("{} blocks for {}", blocks.len(), import.blocks.len())));
                     }
                     producer.kv.check_blocks(blocks).map_err(fail)?;
-                    self.kv.kv.copy_from(&gpu, &producer.kv, block_lists[i], from, blocks.len()).map_err(fail)?;
+                    self.kv.kv.copy_from(gpu, &producer.kv, block_lists[i], from, blocks.len()).map_err(fail)?;
                     self.imported_on_device += 1;
                     imports.push((import.clone(), None));
                     continue;
@@ -359,52 +421,71 @@ impl CudaExecutor {
             if kv.len() != floats {
                 return Err(bad(format!("{} KV floats for {} blocks of {fpb}", kv.len(), import.blocks.len())));
             }
-            let mut staged = self.pinned_floats.take(&gpu, floats).map_err(fail)?;
+            let mut staged = self.pinned_floats.take(gpu, floats).map_err(fail)?;
             staged.as_mut_slice()[..floats].copy_from_slice(&kv);
             let packed = gpu.scratch::<f32>(floats).map_err(fail)?;
             gpu.copy_to_device(packed.ptr(), &staged, floats).map_err(fail)?;
-            self.kv.kv.unpack(&gpu, packed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
+            self.kv.kv.unpack(gpu, packed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
             self.imported_through_host += 1;
             imports.push((import.clone(), Some(staged)));
         }
-        // 3. the forward and sampling (already enqueued when replayed)
+        Ok((imports, states_in))
+    }
+
+    /// 3. The forward and sampling (already enqueued when replayed), the snapshots of the
+    /// boundaries the step reached after it, and the results copied back to pinned memory.
+    fn enqueue_forward(
+        &mut self,
+        gpu: &Gpu,
+        launch: &StepLaunch<'_>,
+        rows: &StepRows,
+        staged: &mut Staged,
+    ) -> Result<PinnedBuf<u32>, ExecutorError> {
         let n = rows.sampled();
-        let mut results_dev = None;
-        let results_at = match (replayed, &direct) {
+        let results_at = match (staged.replayed, &staged.direct) {
             (Some(results_at), _) => results_at,
             (None, Some((_, at))) => {
-                let dev = results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
+                let dev = staged.results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
                 let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
-                model.enqueue_step(&gpu, kv, state, &rows, *at, self.ring.ptr(), dev.ptr(), false).map_err(fail)?;
+                model.enqueue_step(gpu, kv, state, rows, *at, self.ring.ptr(), dev.ptr(), false).map_err(fail)?;
                 dev.ptr()
             }
             (None, None) => unreachable!("a step not replayed is enqueued directly"),
         };
-        // snapshots of the boundaries the step reached, after its forward
         if let Some(state) = &self.state {
             for op in launch.after {
                 if let StateOp::Snapshot { slot, snapshot } = *op {
-                    state.snapshot(&gpu, slot, snapshot).map_err(fail)?;
+                    state.snapshot(gpu, slot, snapshot).map_err(fail)?;
                 }
             }
         }
-        let mut results = self.pinned_words.take(&gpu, n * RESULT_WORDS).map_err(fail)?;
+        let mut results = self.pinned_words.take(gpu, n * RESULT_WORDS).map_err(fail)?;
         if n > 0 {
             gpu.copy_to_host(&mut results, results_at, n * RESULT_WORDS).map_err(fail)?;
         }
-        // 4. exports: the blocks, read in place once this step has completed (the producer
-        //    holds them until the consumer's ack)
+        Ok(results)
+    }
+
+    /// 4. Exports: the blocks, read in place once this step has completed (the producer holds
+    /// them until the consumer's ack), and each export's state slot as this step leaves it (the
+    /// state at the prompt boundary), copied out in stream order after the forward; the record
+    /// holds the copy until completion.
+    #[allow(clippy::type_complexity)]
+    fn export_handoffs(
+        &mut self,
+        gpu: &Gpu,
+        launch: &StepLaunch<'_>,
+    ) -> Result<(Vec<Exported>, Vec<(usize, usize, PinnedBuf<f32>)>), ExecutorError> {
+        let fpb = self.kv.kv.floats_per_block();
         let mut exports = Vec::new();
         let mut states_out = Vec::new();
         for e in launch.exports {
             if let Some(slot) = e.slot {
-                // the slot as this step leaves it (the state at the prompt boundary), copied out
-                // in stream order after the forward; the record holds the copy until completion
                 let state = self.state.as_ref().ok_or_else(|| {
                     ExecutorError::Launch("a slot export from a model that keeps no recurrent state".into())
                 })?;
-                let mut out = self.pinned_floats.take(&gpu, state.width).map_err(fail)?;
-                state.copy_out(&gpu, slot, &mut out).map_err(fail)?;
+                let mut out = self.pinned_floats.take(gpu, state.width).map_err(fail)?;
+                state.copy_out(gpu, slot, &mut out).map_err(fail)?;
                 states_out.push((exports.len(), state.width, out));
             }
             exports.push(Exported {
@@ -418,19 +499,7 @@ impl CudaExecutor {
                 state: None,
             });
         }
-        let event = gpu.record().map_err(fail)?;
-        Ok(InFlight {
-            step: launch.step,
-            event: Some(event),
-            error: None,
-            sampling,
-            meta: Some(meta),
-            results: Some(results),
-            exports,
-            imports,
-            states_in,
-            states_out,
-        })
+        Ok((exports, states_out))
     }
 
     /// The completion of a finished record; its pinned buffers go back to the pools.

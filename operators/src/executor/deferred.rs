@@ -9,9 +9,10 @@
 //! asynchronous executor asks of the runtime: the rank schedules step t+1 before step t's tokens
 //! are known and names them by (sequence, step).
 
-use super::cpu::{CpuStepRunner, OwnedStep};
+use super::contract::{Executor, ExecutorContext};
+use super::cpu::CpuStepRunner;
 use super::gate::{CompletionGate, Delay};
-use super::{Executor, ExecutorContext};
+use super::owned_step::OwnedStep;
 use crate::step::{ExecutorError, StepCompletion, StepLaunch};
 use crate::wake::RankWaker;
 use std::collections::VecDeque;

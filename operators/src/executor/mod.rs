@@ -18,6 +18,7 @@
 //! - `null`: no math, every sampled token is 0 (only for measuring coordination; `delay_steps`
 //!   as above).
 
+mod contract;
 mod cpu;
 mod cuda;
 mod deferred;
@@ -25,110 +26,20 @@ mod gate;
 mod mtp;
 pub use mtp::draft_passes;
 mod null;
+mod owned_step;
 mod settings;
 
-pub use cpu::{CpuExecutor, CpuStepRunner, OwnedStep};
+pub use contract::{Executor, ExecutorContext, ExecutorKind, ExpertParallel, ExpertPlacement};
+pub use cpu::{CpuExecutor, CpuStepRunner};
 pub use cuda::{CudaExecutor, CudaSettings};
 pub use deferred::DeferredExecutor;
 pub use gate::{CompletionGate, Delay};
 pub use null::NullExecutor;
+pub use owned_step::OwnedStep;
 pub use settings::{SettingError, Settings};
 
-use crate::messages::{ExpertPair, ExpertRows};
-use crate::policy::memory::MemoryLayout;
 use crate::step::{StepCompletion, StepLaunch};
-use crate::wake::RankWaker;
-use kvflow_kernels::models::Model;
 use std::sync::Arc;
-
-/// Runs one rank's steps.
-pub trait Executor {
-    /// How many phases a step has (launched in order, `0..phases()`).
-    fn phases(&self) -> usize;
-    /// Launches phase `phase` of `step`: enqueues the work and returns. Every phase of a step is
-    /// given the same launch.
-    fn launch(&mut self, step: &StepLaunch<'_>, phase: usize);
-    /// Moves the completions that are ready into `out`, oldest first; never blocks.
-    fn poll(&mut self, out: &mut Vec<StepCompletion>);
-    /// The rank has nothing more to launch: complete what is in flight as soon as it is computed,
-    /// and wake the rank when it is.
-    fn flush(&mut self);
-    /// Its side of expert parallelism, if it has one (a pool with `expert_parallel = true`
-    /// needs it).
-    fn expert_parallel(&mut self) -> Option<&mut dyn ExpertParallel> {
-        None
-    }
-}
-
-/// An executor's side of expert parallelism (DESIGN §4). The `dispatch`, `experts` and
-/// `combine` operators move the rows between ranks; the executor makes and reads their
-/// payloads. With expert parallelism a step's `launch` runs up to its first MoE layer's
-/// routing; each [`ExpertParallel::combine`] runs it on to the next, and the last one to its end
-/// (then it completes as any step does).
-pub trait ExpertParallel {
-    /// The rows the step in progress routed at MoE layer `moe`, one message per rank owning
-    /// some of their experts, in rank order (none when this rank has no step there).
-    fn dispatch(&mut self, moe: usize) -> Vec<ExpertRows>;
-    /// Runs this rank's experts of MoE layer `moe` over the rows dispatched to it (`rows` in
-    /// sender order); one result message back to each sender. Each expert runs once over all its
-    /// rows, and a row's result does not depend on the others.
-    fn run_experts(&mut self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows>;
-    /// The results for what this rank dispatched at `moe`. The requests of the rows in `missing`
-    /// fail (never a silent zero); the rest combine, and the step runs on.
-    fn combine(&mut self, moe: usize, results: Vec<ExpertRows>, missing: &[ExpertPair]);
-}
-
-/// Where a rank sits in an expert-parallel pool: it holds the experts
-/// `kvflow_kernels::models::parts::moe::expert_range(n, rank, ranks)` of each MoE layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExpertPlacement {
-    pub rank: usize,
-    pub ranks: usize,
-}
-
-/// What an executor factory knows about the rank it builds for.
-#[derive(Clone)]
-pub struct ExecutorContext {
-    pub pool: String,
-    pub rank: usize,
-    pub model: Arc<Model>,
-    pub layout: MemoryLayout,
-    pub waker: Arc<RankWaker>,
-    /// Set in a pool with `expert_parallel = true` (then `model` holds this rank's experts).
-    pub experts: Option<ExpertPlacement>,
-    /// With the `mtp` drafter: drafts the executor proposes after each sampled token (0: none).
-    pub mtp_drafts: usize,
-}
-
-impl ExecutorContext {
-    /// Rank 0 of a pool called `pool` that nothing wakes (an executor driven outside a pool).
-    pub fn standalone(pool: &str, model: Arc<Model>, layout: MemoryLayout) -> Self {
-        ExecutorContext {
-            pool: pool.to_string(),
-            rank: 0,
-            model,
-            layout,
-            waker: Arc::new(RankWaker::default()),
-            experts: None,
-            mtp_drafts: 0,
-        }
-    }
-
-    /// The model's storage for this rank's layout: paged KV and state slots/snapshots.
-    pub fn new_cache(&self) -> kvflow_kernels::models::ModelCache {
-        let l = &self.layout;
-        self.model.new_cache(l.block_size, if l.keeps_kv { l.blocks } else { 0 }, l.slots, l.snapshots)
-    }
-}
-
-/// A kind of executor: checks a pool's `executor_settings` table and builds one executor per
-/// rank from it.
-pub trait ExecutorKind: Send + Sync {
-    /// Checks the settings; an error names the key.
-    fn check(&self, settings: &toml::Table) -> Result<(), SettingError>;
-    /// Builds the executor of one rank.
-    fn build(&self, settings: &toml::Table, ctx: ExecutorContext) -> Result<Box<dyn Executor>, String>;
-}
 
 /// Executors by name. kvflow registers `cpu`, `cpu-deferred`, `null` and `cuda`.
 #[derive(Clone)]

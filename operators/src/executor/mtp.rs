@@ -14,7 +14,7 @@
 //! Chained positions write MTP KV past the last accepted token; the next step's pass 0 writes
 //! those positions again from the target's hidden states before any MTP row reads them.
 
-use super::cpu::OwnedStep;
+use super::owned_step::OwnedStep;
 use crate::step::Sampled;
 use kvflow_kernels::cpu::sampling::finite_argmax;
 use kvflow_kernels::models::mtp::{MtpActs, MtpOutput};
@@ -198,12 +198,12 @@ pub fn draft_passes(model: &Model, expert_parallel: bool, mtp_drafts: usize) -> 
 
 /// Expert parallel: a step's sampling, done before its draft passes, and the pass in progress.
 pub(super) struct Drafting {
-    sampled: Vec<Sampled>,
-    mtp: MtpDrafting,
-    acts: Option<MtpActs>,
+    pub(super) sampled: Vec<Sampled>,
+    pub(super) mtp: MtpDrafting,
+    pub(super) acts: Option<MtpActs>,
     /// A draft pass lost an expert result: its drafts are dropped (they only propose, so no
     /// request fails).
-    lost: bool,
+    pub(super) lost: bool,
 }
 
 impl Drafting {
@@ -218,65 +218,9 @@ impl Drafting {
 /// The rows the draft pass in progress routed, and the MTP layer's expert count.
 pub(super) fn routed<'a>(
     model: &'a Model,
-    running: &'a super::cpu::Running,
+    drafting: Option<&'a Drafting>,
 ) -> Option<(kvflow_kernels::models::RoutedRows<'a>, usize)> {
     let mtp = model.mtp()?;
-    let acts = running.drafting.as_ref()?.acts.as_ref()?;
+    let acts = drafting?.acts.as_ref()?;
     Some((mtp.routed(acts, model.num_layers())?, mtp.num_experts()))
-}
-
-impl super::cpu::CpuStepRunner {
-    /// The model's MoE layers are done: the LM head and sampling run now, and draft pass 0 starts
-    /// (its rows wait for the MTP layer's experts). Every rank starts it, rows or not.
-    pub(super) fn start_draft_passes(&mut self) -> Option<crate::step::StepCompletion> {
-        let mut running = self.current.take()?;
-        let placeholder = Err(crate::step::ExecutorError::Launch("sampled before its draft passes".into()));
-        let Ok(acts) = std::mem::replace(&mut running.acts, placeholder) else { return None };
-        let out = self.model.finish_step_keeping_hidden(&running.step.batch(), acts);
-        let sampled = self.finish(&running.step, &out);
-        let (d, k) = (self.model.hidden_size, self.draft_passes);
-        let mut mtp = MtpDrafting::new(&running.step, &out.hidden, &sampled, d, k);
-        let acts = mtp.begin_pass(&self.model, &running.step, &mut super::cpu::write(&self.cache));
-        running.drafting = Some(Drafting { sampled, mtp, acts: Some(acts), lost: false });
-        self.current = Some(running);
-        None
-    }
-
-    /// Ends draft pass `moe − (model's MoE layers)`: its experts' results summed, its drafts
-    /// taken; then the next pass starts, or the step completes after the last.
-    pub(super) fn combine_draft_pass(
-        &mut self,
-        moe: usize,
-        results: &[crate::messages::ExpertRows],
-        missing: &[crate::messages::ExpertPair],
-    ) -> Option<crate::step::StepCompletion> {
-        let last = moe + 1 >= self.moe_layers.len() + self.draft_passes;
-        let Some(mtp) = self.model.mtp() else { return if last { self.complete() } else { None } };
-        let running = self.current.as_mut()?;
-        let Some(drafting) = running.drafting.as_mut() else {
-            return if last { self.complete() } else { None }; // the step could not run
-        };
-        let d = self.model.hidden_size;
-        if let Some(acts) = drafting.acts.take() {
-            if !missing.is_empty() {
-                tracing::error!(
-                    step = running.step.step,
-                    pass = moe - self.moe_layers.len(),
-                    "draft pass: {} expert results missing; this step's drafts are dropped",
-                    missing.len()
-                );
-                drafting.lost = true;
-            }
-            let found = super::cpu::ExpertResults::new(results, mtp.routed(&acts, self.model.num_layers()), d);
-            let out = mtp.finish(acts, |r, k| found.get(r, k));
-            drafting.mtp.end_pass(out, &mut drafting.sampled, d);
-        }
-        if last {
-            return self.complete();
-        }
-        let running = self.current.as_mut()?;
-        let drafting = running.drafting.as_mut()?;
-        drafting.acts = Some(drafting.mtp.begin_pass(&self.model, &running.step, &mut super::cpu::write(&self.cache)));
-        None
-    }
 }

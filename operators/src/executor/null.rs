@@ -2,8 +2,8 @@
 //! measuring what coordination costs (`kvflow bench step`); outputs are meaningless. With
 //! `delay_steps` its completions are held like `cpu-deferred`'s, on the rank's thread.
 
+use super::contract::Executor;
 use super::gate::{CompletionGate, Delay};
-use super::Executor;
 use crate::step::{Sampled, StepCompletion, StepLaunch};
 use kvflow_kernels::hash;
 

@@ -2,8 +2,9 @@
 //! first once their bytes pass the capacity. A chunk's shard objects are evicted together.
 
 use super::{decode_object, ChunkKey, ChunkObject, Digest, ObjectStore, StoreError};
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Objects by key, with a use clock per chunk (namespace and digest: all its shards).
 pub struct MemoryStore {
@@ -73,7 +74,7 @@ impl MemoryStore {
 impl MemoryStore {
     /// The object under `key`, shared, marked as used.
     fn shared(&self, key: &ChunkKey) -> Option<Arc<[u8]>> {
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.inner.lock();
         let found = s.objects.get(key).cloned();
         if found.is_some() {
             s.touch(key);
@@ -84,7 +85,7 @@ impl MemoryStore {
 
 impl ObjectStore for MemoryStore {
     fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
-        let s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let s = self.inner.lock();
         let end = s.evicted_dropped + s.evicted.len() as u64;
         if cursor < s.evicted_dropped {
             return (end, None);
@@ -100,7 +101,7 @@ impl ObjectStore for MemoryStore {
                 self.capacity
             )));
         }
-        let mut s = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.inner.lock();
         if let Some(old) = s.objects.remove(key) {
             s.bytes -= old.len() as u64;
         }
@@ -136,11 +137,11 @@ impl ObjectStore for MemoryStore {
     }
 
     fn contains(&self, key: &ChunkKey) -> bool {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).objects.contains_key(key)
+        self.inner.lock().objects.contains_key(key)
     }
 
     fn bytes(&self) -> u64 {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).bytes
+        self.inner.lock().bytes
     }
 }
 

@@ -4,8 +4,9 @@
 //! dataflow (DESIGN §4). The save and load threads are both one of these.
 
 use crate::wake::RankWaker;
+use parking_lot::Mutex;
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Completion records a thread hands back.
 pub struct Returns<D> {
@@ -20,11 +21,11 @@ impl<D> Default for Returns<D> {
 
 impl<D> Returns<D> {
     pub fn take(&self) -> Vec<D> {
-        std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.done.lock())
     }
 
     fn push(&self, d: D) {
-        self.done.lock().unwrap_or_else(|e| e.into_inner()).push(d);
+        self.done.lock().push(d);
     }
 }
 

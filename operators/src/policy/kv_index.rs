@@ -184,7 +184,7 @@ enum Command {
 
 /// The index of a pool, shared by its ingress (which asks it) and worker 0's `align` (which hands
 /// it every rank's events).
-pub type SharedKvIndex = std::sync::Arc<std::sync::Mutex<KvIndex>>;
+pub type SharedKvIndex = std::sync::Arc<parking_lot::Mutex<KvIndex>>;
 
 /// The index's handle: the computation runs on its own thread until this drops.
 pub struct KvIndex {
@@ -211,9 +211,9 @@ impl KvIndex {
             .name("kvflow-kv-index".into())
             .spawn(move || {
                 // (execute_directly wants a closure it could share; the receiver moves in whole)
-                let received = std::sync::Mutex::new(Some(received));
+                let received = parking_lot::Mutex::new(Some(received));
                 timely::execute_directly(move |worker| {
-                    if let Some(r) = received.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    if let Some(r) = received.lock().take() {
                         run(worker, r)
                     }
                 })

@@ -237,11 +237,11 @@ impl RankMemory {
         seq.cached = 0;
         seq.pending.clear();
         // A prefix loaded for it lived in the blocks it just let go of: it recomputes.
-        seq.restored = None;
-        seq.loaded_tokens = 0;
-        seq.drafts.clear();
-        seq.proposed.clear();
-        seq.rewind_to = None;
+        seq.offload.restored = None;
+        seq.offload.loaded_tokens = 0;
+        seq.spec.drafts.clear();
+        seq.spec.proposed.clear();
+        seq.spec.rewind_to = None;
     }
 
     fn free(&mut self, blocks: Vec<BlockId>, slot: Option<SlotId>) {

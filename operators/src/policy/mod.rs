@@ -9,5 +9,6 @@ pub mod kv_router;
 pub mod memory;
 pub mod prefix_cache;
 pub mod router;
+pub mod routers;
 pub mod scheduler;
 pub mod sequence;

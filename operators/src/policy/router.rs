@@ -3,6 +3,7 @@
 //! decision without another exchange. Routers are chosen by name from a registry that code
 //! outside kvflow can extend (`RouterRegistry`).
 
+pub use super::routers::{RouterRegistry, KV_AWARE};
 use std::collections::{HashMap, VecDeque};
 
 /// What a router sees of a request.
@@ -96,49 +97,6 @@ pub struct RouterContext {
     pub max_batched_tokens: usize,
     /// Tokens per paged block (the routing index's unit).
     pub block_size: usize,
-}
-
-/// The router that reads the KV-aware routing index: a pool naming it starts the index
-/// (`kv_index`), its ranks report their prefix caches into it, and the admitting rank attaches
-/// each admission's cached prefixes per rank.
-pub const KV_AWARE: &str = "kv-aware";
-
-/// Routers by name. kvflow registers `least-outstanding`, `round-robin` and `kv-aware`; programs embedding
-/// kvflow add their own with [`RouterRegistry::register`] before building a pool.
-#[derive(Clone)]
-pub struct RouterRegistry {
-    factories: Vec<(String, RouterFactory)>,
-}
-
-impl Default for RouterRegistry {
-    fn default() -> Self {
-        let mut r = RouterRegistry { factories: Vec::new() };
-        r.register("least-outstanding", |ctx: RouterContext| {
-            Box::new(LeastOutstanding::new(2 * ctx.max_batched_tokens)) as Box<dyn Router>
-        });
-        r.register("round-robin", |_ctx: RouterContext| Box::new(RoundRobin::default()) as Box<dyn Router>);
-        r.register(KV_AWARE, |ctx: RouterContext| {
-            let settings = super::kv_router::KvAwareSettings { block_size: ctx.block_size, ..Default::default() };
-            Box::new(super::kv_router::KvAware::new(settings)) as Box<dyn Router>
-        });
-        r
-    }
-}
-
-impl RouterRegistry {
-    /// Adds (or replaces) the router called `name`.
-    pub fn register(&mut self, name: &str, factory: impl Fn(RouterContext) -> Box<dyn Router> + Send + Sync + 'static) {
-        self.factories.retain(|(n, _)| n != name);
-        self.factories.push((name.to_string(), std::sync::Arc::new(factory)));
-    }
-
-    pub fn names(&self) -> Vec<String> {
-        self.factories.iter().map(|(n, _)| n.clone()).collect()
-    }
-
-    pub fn get(&self, name: &str) -> Option<RouterFactory> {
-        self.factories.iter().find(|(n, _)| n == name).map(|(_, f)| f.clone())
-    }
 }
 
 #[cfg(test)]

@@ -10,10 +10,24 @@
 //! (deferred output).
 
 use crate::messages::TokenTimes;
-use crate::step::SeqKey;
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::kv::{BlockTable, SlotId};
 use std::collections::HashMap;
+
+/// A sequence of one rank in one generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqKey {
+    /// Index in the rank's slab of sequences.
+    pub index: u32,
+    /// Changes every time the request starts (again) on this rank.
+    pub generation: u32,
+}
+
+impl std::fmt::Display for SeqKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}#{}", self.index, self.generation)
+    }
+}
 
 /// The tokens a sequence has in flight: sampled by launched steps that have not completed.
 /// Only the newest is ever fed before it is known (each decode feeds the token sampled just
@@ -65,6 +79,89 @@ impl PendingTokens {
     }
 }
 
+/// How a request's tokens go out: its stop tokens and whether they stream, how many were
+/// streamed, and when its first and last output tokens became known.
+#[derive(Debug, Default)]
+pub struct StreamState {
+    /// Its stop tokens, and whether its tokens stream out.
+    pub delivery: crate::messages::Delivery,
+    /// Output tokens already streamed out (`Event::Tokens`).
+    pub streamed: usize,
+    /// When its first and last output tokens became known.
+    pub token_times: TokenTimes,
+}
+
+/// A request's prefill/decode-disaggregation state: on a prefill pool, the outputs it hands off
+/// with, its handoff's transfer and where it goes back to; on a decode pool, the handoff it
+/// arrived as until its import.
+#[derive(Debug, Default)]
+pub struct HandoffState {
+    /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
+    pub handoff_outputs: Option<usize>,
+    /// Its logits-hash chain through T0 (what a handoff carries).
+    pub t0_chain: Option<u64>,
+    /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
+    /// in (dropped if the request has to start over: it recomputes instead).
+    pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
+    /// A prefill pool's request whose handoff was sent: the transfer it awaits the ack of, and
+    /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
+    pub in_transfer: Option<crate::transfer::TransferId>,
+    pub aborted: bool,
+    /// A prefill pool's request a decode rank asked for: where its handoff goes back to, and
+    /// whether it still counts in the prefill pool's queue.
+    pub handoff_back: Option<crate::messages::BackTo>,
+    pub in_prefill_queue: bool,
+}
+
+/// A request's offload-tier state: its chunks' keys in the store, and a prefix loaded from it.
+#[derive(Debug, Default)]
+pub struct OffloadState {
+    /// With an offload tier: the digests of the prompt's full chunks (the store's keys), set
+    /// when the rank queues the request.
+    pub chunk_digests: Vec<crate::offload::Digest>,
+    /// A prefix loaded from the offload store, until the step that admits it writes it in.
+    pub restored: Option<crate::offload::RestoredPrefix>,
+    /// Tokens of `cached` restored from the offload store (counted when it is admitted).
+    pub loaded_tokens: usize,
+}
+
+/// A request's speculative-decoding state: what was proposed, the drafts in flight, how well
+/// its drafts did, the drafts a handoff carries, and the rewind a rejection asks for.
+#[derive(Debug)]
+pub struct SpecState {
+    /// Speculative decoding: what `propose(t)` drafted after its last token, for the scheduler to
+    /// book as many of as the width it earns allows (empty until then, and once booked).
+    pub proposed: Vec<u32>,
+    /// A verification rejected drafts: the position after which its state slot holds (its last
+    /// token that held), restored from the copy the verifying step kept, before its next forward.
+    pub rewind_to: Option<usize>,
+    /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
+    /// token); empty when it has none in flight.
+    pub drafts: Vec<u32>,
+    /// The share of its drafts its recent verifications kept (1 until it has drafted): the
+    /// width it drafts at follows it.
+    pub draft_acceptance: f32,
+    /// Drafts made from T0 by a producer's drafter: on the producer, what its handoff carries;
+    /// on the consumer, what its first decode verifies.
+    pub handed_drafts: Vec<u32>,
+    /// Drafts the executor's MTP pass proposed when it sampled the last known token (the `mtp`
+    /// drafter), for the next step.
+    pub model_drafts: Vec<u32>,
+}
+
+impl Default for SpecState {
+    fn default() -> Self {
+        SpecState {
+            proposed: Vec::new(),
+            rewind_to: None,
+            drafts: Vec::new(),
+            draft_acceptance: 1.0,
+            handed_drafts: Vec::new(),
+            model_drafts: Vec::new(),
+        }
+    }
+}
+
 /// A request running (or waiting) on a rank. The fields the scheduler reads every step come
 /// first, in declaration order (`repr(C)`), so scheduling a decode reads two cache lines.
 #[derive(Debug)]
@@ -88,10 +185,8 @@ pub struct Sequence {
     pub id: u64,
     /// How it picks its tokens.
     pub sampling: RequestSampling,
-    /// Its stop tokens, and whether its tokens stream out.
-    pub delivery: crate::messages::Delivery,
-    /// Output tokens already streamed out (`Event::Tokens`).
-    pub streamed: usize,
+    /// How its tokens go out: stop tokens, streaming, and when they became known.
+    pub stream: StreamState,
     /// Tokens restored from the prefix cache at the last admission.
     pub cached: usize,
     pub preemptions: usize,
@@ -101,51 +196,15 @@ pub struct Sequence {
     pub started_ms: Option<f64>,
     /// Prompt tokens reused from the prefix cache at its first admission.
     pub first_cached: usize,
-    /// When its first and last output tokens became known.
-    pub token_times: TokenTimes,
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
     /// queues the request.
     pub prompt_hashes: Vec<u64>,
-    /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
-    pub handoff_outputs: Option<usize>,
-    /// Its logits-hash chain through T0 (what a handoff carries).
-    pub t0_chain: Option<u64>,
-    /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
-    /// in (dropped if the request has to start over: it recomputes instead).
-    pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
-    /// A prefill pool's request whose handoff was sent: the transfer it awaits the ack of, and
-    /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
-    pub in_transfer: Option<crate::transfer::TransferId>,
-    pub aborted: bool,
-    /// A prefill pool's request a decode rank asked for: where its handoff goes back to, and
-    /// whether it still counts in the prefill pool's queue.
-    pub handoff_back: Option<crate::messages::BackTo>,
-    pub in_prefill_queue: bool,
-    /// With an offload tier: the digests of the prompt's full chunks (the store's keys), set
-    /// when the rank queues the request.
-    pub chunk_digests: Vec<crate::offload::Digest>,
-    /// A prefix loaded from the offload store, until the step that admits it writes it in.
-    pub restored: Option<crate::offload::RestoredPrefix>,
-    /// Tokens of `cached` restored from the offload store (counted when it is admitted).
-    pub loaded_tokens: usize,
-    /// Speculative decoding: what `propose(t)` drafted after its last token, for the scheduler to
-    /// book as many of as the width it earns allows (empty until then, and once booked).
-    pub proposed: Vec<u32>,
-    /// A verification rejected drafts: the position after which its state slot holds (its last
-    /// token that held), restored from the copy the verifying step kept, before its next forward.
-    pub rewind_to: Option<usize>,
-    /// Speculative decoding: the drafts its step in flight verifies (fed after its last known
-    /// token); empty when it has none in flight.
-    pub drafts: Vec<u32>,
-    /// The share of its drafts its recent verifications kept (1 until it has drafted): the
-    /// width it drafts at follows it.
-    pub draft_acceptance: f32,
-    /// Drafts made from T0 by a producer's drafter: on the producer, what its handoff carries;
-    /// on the consumer, what its first decode verifies.
-    pub handed_drafts: Vec<u32>,
-    /// Drafts the executor's MTP pass proposed when it sampled the last known token (the `mtp`
-    /// drafter), for the next step.
-    pub model_drafts: Vec<u32>,
+    /// Prefill/decode disaggregation's state (a handed-off request's both sides).
+    pub handoff: HandoffState,
+    /// The offload tier's state.
+    pub offload: OffloadState,
+    /// Speculative decoding's state.
+    pub spec: SpecState,
 }
 
 impl Sequence {
@@ -155,8 +214,7 @@ impl Sequence {
         Sequence {
             id,
             sampling: RequestSampling::default(),
-            delivery: Default::default(),
-            streamed: 0,
+            stream: StreamState::default(),
             key: SeqKey { index: u32::MAX, generation: VACANT },
             tokens: prompt,
             prompt_len,
@@ -172,31 +230,17 @@ impl Sequence {
             warmup,
             started_ms: None,
             first_cached: 0,
-            token_times: TokenTimes::default(),
             prompt_hashes: Vec::new(),
-            handoff_outputs: None,
-            t0_chain: None,
-            import: None,
-            in_transfer: None,
-            aborted: false,
-            handoff_back: None,
-            in_prefill_queue: false,
-            chunk_digests: Vec::new(),
-            restored: None,
-            loaded_tokens: 0,
-            proposed: Vec::new(),
-            rewind_to: None,
-            drafts: Vec::new(),
-            draft_acceptance: 1.0,
-            handed_drafts: Vec::new(),
-            model_drafts: Vec::new(),
+            handoff: HandoffState::default(),
+            offload: OffloadState::default(),
+            spec: SpecState::default(),
         }
     }
 
     /// Whether it brings its prompt's first blocks with it (a handoff, or a prefix loaded from
     /// the offload store): an admission then looks nothing up in the prefix cache.
     pub fn brings_prefix(&self) -> bool {
-        self.import.is_some() || self.restored.is_some()
+        self.handoff.import.is_some() || self.offload.restored.is_some()
     }
 
     /// The last step launched that feeds it.
@@ -249,7 +293,7 @@ impl Sequence {
     /// Every output token is known, or the last one is a stop token: the request is done.
     pub fn finished(&self) -> bool {
         self.output_len() >= self.max_output_tokens
-            || (self.output_len() > 0 && self.tokens.last().is_some_and(|&t| self.delivery.stops_at(t)))
+            || (self.output_len() > 0 && self.tokens.last().is_some_and(|&t| self.stream.delivery.stops_at(t)))
     }
 
     /// Tokens still to compute, counting every output not yet launched (the router's load).

@@ -108,9 +108,9 @@ impl Rank {
                 continue;
             }
             // The MTP drafter's proposal for the next step, made after this step's last token.
-            seq.model_drafts = std::mem::take(&mut s.drafts);
+            seq.spec.model_drafts = std::mem::take(&mut s.drafts);
             // A verification (`verify`'s decision): the drafts that hold count as computed.
-            let drafted = std::mem::take(&mut seq.drafts).len();
+            let drafted = std::mem::take(&mut seq.spec.drafts).len();
             if drafted > 0 {
                 self.verify_drafts(s.seq.index as usize, drafted, &s);
             }
@@ -127,10 +127,10 @@ impl Rank {
                 let seq = self.seqs.get_mut(s.seq.index as usize);
                 seq.tokens.push(token);
                 seq.logits_hash = hash::chain_row(seq.logits_hash, logits_hash);
-                if seq.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
-                    seq.t0_chain = Some(seq.logits_hash);
+                if seq.handoff.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
+                    seq.handoff.t0_chain = Some(seq.logits_hash);
                 }
-                seq.token_times.record(now);
+                seq.stream.token_times.record(now);
                 if record.draft_from.contains(&s.seq) {
                     self.draft_from_successor(s.seq.index as usize);
                 }
@@ -146,12 +146,12 @@ impl Rank {
     /// A streaming request still held here (a prefill pool's, in transfer, too): its tokens
     /// sampled since it last streamed, as an event of this step.
     fn stream_out(&mut self, key: crate::step::SeqKey, step: u64) {
-        let Some(seq) = self.seqs.by_key_mut(key).filter(|s| s.delivery.stream) else { return };
+        let Some(seq) = self.seqs.by_key_mut(key).filter(|s| s.stream.delivery.stream) else { return };
         let outputs = &seq.tokens[seq.prompt_len..];
-        if outputs.len() > seq.streamed {
-            let tokens = outputs[seq.streamed..].to_vec();
-            let event = Event::Tokens { id: seq.id, rank: self.index, offset: seq.streamed, tokens };
-            seq.streamed = outputs.len();
+        if outputs.len() > seq.stream.streamed {
+            let tokens = outputs[seq.stream.streamed..].to_vec();
+            let event = Event::Tokens { id: seq.id, rank: self.index, offset: seq.stream.streamed, tokens };
+            seq.stream.streamed = outputs.len();
             self.events.push((step, event));
         }
     }
@@ -185,7 +185,7 @@ impl Rank {
             id: seq.id,
             rank: self.index,
             tokens: seq.tokens.split_off(seq.prompt_len),
-            token_times: seq.token_times,
+            token_times: seq.stream.token_times,
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             cached_tokens: seq.first_cached,
             logits_hash: seq.logits_hash,

@@ -101,10 +101,10 @@ impl Rank {
         let (sampling, delivery) = (a.sampling, a.delivery.clone());
         let mut seq = self.sequence_for(a)?;
         seq.sampling = sampling;
-        seq.delivery = delivery;
+        seq.stream.delivery = delivery;
         // A handoff's T0 leaves again with its first decode tokens: the prefill rank streamed it
         // too, but that pool's event may come later than this one's (a reader orders by offset).
-        seq.streamed = 0;
+        seq.stream.streamed = 0;
         Some(seq)
     }
 
@@ -117,8 +117,8 @@ impl Rank {
                 // T0 only (test switch: one more, so the state it exports has taken T0 in).
                 let outputs = if self.switches.export_state_after_t0 { 2 } else { 1 };
                 let mut seq = Sequence::new(a.id, a.prompt, outputs, a.warmup);
-                seq.handoff_outputs = Some(a.max_output_tokens);
-                (seq.handoff_back, seq.in_prefill_queue) = (back_to, back_to.is_some());
+                seq.handoff.handoff_outputs = Some(a.max_output_tokens);
+                (seq.handoff.handoff_back, seq.handoff.in_prefill_queue) = (back_to, back_to.is_some());
                 Some(seq)
             }
             AdmissionKind::Handoff { .. } => {
@@ -172,8 +172,8 @@ impl Rank {
                 self.stats.handoffs_in += 1;
                 self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
                 let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
-                seq.delivery = a.delivery; // T0 may be a stop token
-                                           // Its leading blocks are the prefix this rank kept for it; the rest arrive.
+                seq.stream.delivery = a.delivery; // T0 may be a stop token
+                                                  // Its leading blocks are the prefix this rank kept for it; the rest arrive.
                 for b in reserved {
                     seq.blocks.push(b);
                 }
@@ -181,10 +181,10 @@ impl Rank {
                 seq.first_cached = seq.cached;
                 // T0 is known: it is the first decode input, fed once, at the prompt boundary.
                 seq.tokens.push(h.t0);
-                seq.handed_drafts = h.drafts.clone();
+                seq.spec.handed_drafts = h.drafts.clone();
                 seq.computed = seq.prompt_len;
                 seq.logits_hash = h.logits_hash;
-                seq.token_times.record(h.t0_ms);
+                seq.stream.token_times.record(h.t0_ms);
                 seq.started_ms = Some(h.started_ms);
                 if seq.finished() {
                     // T0 was its only output: it ends here, with nothing to compute.
@@ -192,7 +192,7 @@ impl Rank {
                         id: seq.id,
                         rank: self.index,
                         tokens: vec![h.t0],
-                        token_times: seq.token_times,
+                        token_times: seq.stream.token_times,
                         started_ms: h.started_ms,
                         cached_tokens: 0,
                         logits_hash: h.logits_hash,
@@ -202,7 +202,7 @@ impl Rank {
                     self.memory.release(&mut seq); // the prefix blocks it kept
                     return None;
                 }
-                seq.import = Some(h);
+                seq.handoff.import = Some(h);
                 Some(seq)
             }
         }
@@ -214,7 +214,7 @@ impl Rank {
     pub(super) fn hand_off(&mut self, index: usize, step: u64, exported: Option<Exported>) -> bool {
         let Some(out) = self.handoff_out.as_mut() else { return false };
         let seq = self.seqs.get_mut(index);
-        let Some(outputs) = seq.handoff_outputs else { return false };
+        let Some(outputs) = seq.handoff.handoff_outputs else { return false };
         let key = seq.key;
         let Some(exported) = exported else {
             let why = format!("step {step} sampled T0 but exported no KV for the handoff");
@@ -226,7 +226,7 @@ impl Rank {
         let transfer = TransferId { nonce, generation: key.generation };
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
-        let skip_blocks = seq.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
+        let skip_blocks = seq.handoff.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
         let kv_blocks = kv_blocks - skip_blocks;
         let handoff = Handoff {
             transfer,
@@ -235,10 +235,10 @@ impl Rank {
             max_output_tokens: outputs,
             warmup: seq.warmup,
             sampling: seq.sampling,
-            delivery: seq.delivery.clone(),
-            drafts: std::mem::take(&mut seq.handed_drafts),
+            delivery: seq.stream.delivery.clone(),
+            drafts: std::mem::take(&mut seq.spec.handed_drafts),
             t0: seq.tokens[seq.prompt_len],
-            logits_hash: seq.t0_chain.unwrap_or(seq.logits_hash),
+            logits_hash: seq.handoff.t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,
             skip_blocks,
             kv_blocks,
@@ -251,8 +251,8 @@ impl Rank {
             source: exported.source,
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
-            t0_ms: seq.token_times.first.unwrap_or_else(wall_ms),
-            to: seq.handoff_back,
+            t0_ms: seq.stream.token_times.first.unwrap_or_else(wall_ms),
+            to: seq.handoff.handoff_back,
             recycle: None,
             on_drop: Default::default(),
         };
@@ -269,8 +269,8 @@ impl Rank {
             Ok(to) => {
                 self.scheduler.forget(index);
                 let seq = self.seqs.get_mut(index);
-                seq.in_transfer = Some(transfer);
-                if std::mem::take(&mut seq.in_prefill_queue) {
+                seq.handoff.in_transfer = Some(transfer);
+                if std::mem::take(&mut seq.handoff.in_prefill_queue) {
                     super::leave_queue(&out.queue);
                 }
                 if self.switches.free_before_ack {
@@ -301,7 +301,7 @@ impl Rank {
                 continue;
             };
             self.awaiting.remove(&transfer.nonce);
-            let aborted = self.seqs.by_key_mut(key).is_some_and(|s| s.aborted);
+            let aborted = self.seqs.by_key_mut(key).is_some_and(|s| s.handoff.aborted);
             if outcome.is_err() {
                 self.stop_awaiting(request);
             }
@@ -327,18 +327,18 @@ impl Rank {
     /// Returns false when it is not in transfer.
     pub(super) fn abort_in_transfer(&mut self, index: usize) -> bool {
         let seq = self.seqs.get_mut(index);
-        let (Some(transfer), false) = (seq.in_transfer, seq.aborted) else { return false };
-        seq.aborted = true;
+        let (Some(transfer), false) = (seq.handoff.in_transfer, seq.handoff.aborted) else { return false };
+        seq.handoff.aborted = true;
         let event = Event::Failed {
             id: seq.id,
             rank: self.index,
             cause: "cancelled".into(),
             message: "cancelled while in transfer".into(),
             tokens: seq.tokens[seq.prompt_len..].to_vec(),
-            token_times: seq.token_times,
+            token_times: seq.stream.token_times,
             started_ms: seq.started_ms,
         };
-        let (id, seq_back_to) = (seq.id, seq.handoff_back);
+        let (id, seq_back_to) = (seq.id, seq.handoff.handoff_back);
         self.events.push((self.step, event));
         self.stop_awaiting(id); // reported here; what the decode pool says of it now is dropped
         if let Some(out) = &self.handoff_out {
@@ -351,11 +351,11 @@ impl Rank {
     /// decode rank that asked for it hears of it (through the link's abort), so it stops waiting.
     pub(super) fn remote_prefill_ended(&mut self, seq: &mut Sequence) {
         let Some(out) = &self.handoff_out else { return };
-        if std::mem::take(&mut seq.in_prefill_queue) {
+        if std::mem::take(&mut seq.handoff.in_prefill_queue) {
             super::leave_queue(&out.queue);
         }
-        if let Some(back_to) = seq.handoff_back {
-            let transfer = seq.in_transfer.unwrap_or(TransferId { nonce: 0, generation: 0 });
+        if let Some(back_to) = seq.handoff.handoff_back {
+            let transfer = seq.handoff.in_transfer.unwrap_or(TransferId { nonce: 0, generation: 0 });
             out.sink.abort(seq.id, transfer, Some(back_to));
         }
     }

@@ -10,7 +10,7 @@
 use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
-use crate::policy::scheduler::Chunk;
+use crate::policy::scheduler::{Chunk, StepDecision};
 use crate::policy::sequence::Sequences;
 use crate::step::{ImportFrom, KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
 use kvflow_kernels::cpu::sampling::Sampler;
@@ -49,7 +49,7 @@ impl SeqSource for Batch<'_> {
             key: c.key,
             known: &s.tokens[c.start.min(known_end)..known_end],
             deferred: c.deferred,
-            drafts: if c.drafts > 0 { &s.drafts } else { &[] },
+            drafts: if c.drafts > 0 { &s.spec.drafts } else { &[] },
             start_pos: c.start,
             block_table: self.swapped.and_then(|m| m.get(&c.seq)).map_or(s.blocks.blocks(), |t| &t[..]),
             slot: s.slot,
@@ -74,11 +74,11 @@ impl Rank {
             // The export follows the step that samples T0 — the prompt boundary (test switch:
             // the step that feeds T0, so the state has taken it in).
             let exports_here = if self.switches.export_state_after_t0 { c.start == seq.prompt_len } else { c.sample };
-            if exports_here && seq.handoff_outputs.is_some() {
+            if exports_here && seq.handoff.handoff_outputs.is_some() {
                 let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
                 let n = n.min(seq.blocks.len());
                 // Blocks the decode rank already holds are not exported (prefix reuse).
-                let skip = seq.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
+                let skip = seq.handoff.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
                 let blocks = seq.blocks.blocks()[skip..n].to_vec();
                 // The slot it holds now, read by this step (test switch: the one it was
                 // first admitted with, which a preemption may have given to another request).
@@ -88,7 +88,7 @@ impl Rank {
                 };
                 exports.push(KvExport { key: c.key, blocks, slot });
             }
-            if let Some(handoff) = seq.import.take() {
+            if let Some(handoff) = seq.handoff.import.take() {
                 let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
                 if c.start == seq.prompt_len && skip + kv <= seq.blocks.len() {
                     let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
@@ -108,48 +108,11 @@ impl Rank {
         if self.switches.stuck_in_forward == Some((self.index, self.stats.steps)) {
             std::thread::sleep(std::time::Duration::from_secs(3600));
         }
-        let mut decided = std::mem::take(&mut self.decided);
-        if self.decided_for.take() != Some(t) {
-            // Only a batch decided for `t` launches at `t` (schedule(t + 1) waits for
-            // forward(t), so this does not happen; if it did, launching would run a later
-            // step's batch early and twice).
-            if !decided.is_empty() {
-                tracing::error!(pool = %self.pool, rank = self.index, step = t, "no batch was decided for this step");
-            }
-            decided.clear();
-        }
+        let mut decided = self.take_decided(t);
         self.stats.steps += 1;
         self.stats.step_ms.push(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
-        for (id, message) in decided.failed.iter().cloned() {
-            let event = Event::Failed {
-                id,
-                rank: self.index,
-                cause: "does-not-fit".into(),
-                message,
-                tokens: Vec::new(),
-                token_times: Default::default(),
-                started_ms: None,
-            };
-            self.events.push((t, event));
-        }
-        let now = wall_ms();
-        for &(id, cached) in &decided.admitted {
-            if let Some(seq) = self.seqs.index_of(id).map(|i| self.seqs.get_mut(i)) {
-                if let Some(off) = self.offload.as_mut() {
-                    let loaded = std::mem::take(&mut seq.loaded_tokens);
-                    off.stats.offload_hit_tokens += loaded as u64;
-                    off.stats.hbm_hit_tokens += cached.saturating_sub(loaded) as u64;
-                }
-                if seq.started_ms.is_none() {
-                    seq.started_ms = Some(now);
-                    seq.first_cached = cached;
-                    if let (true, Some(slot)) = (self.switches.export_admission_slot, seq.slot) {
-                        self.admission_slots.insert(id, slot);
-                    }
-                }
-            }
-        }
+        self.note_failures_and_admissions(t, &decided);
         if decided.is_empty() {
             self.stats.empty_steps += 1;
             decided.clear();
@@ -161,44 +124,8 @@ impl Rank {
         if let Some(off) = self.offload.as_mut().filter(|o| !o.loading.is_empty()) {
             off.stats.steps_during_loads += 1;
         }
-        let bs = self.memory.layout.block_size;
-        let interval = self.scheduler.config.snapshot_interval_blocks;
-        let caching = self.scheduler.config.prefix_cache;
         // 1. what the prompt chunks complete: prefix entries and snapshots
-        let mut after = Vec::new();
-        let mut published = Vec::new();
-        // A handoff's prompt blocks, written by its import at this step, are this rank's to
-        // reuse too (decode-side prefix reuse: a later remote prefill need not send them).
-        for chunk in decided.chunks.iter().filter(|_| caching && self.memory.layout.keeps_kv) {
-            let seq = self.seqs.get(chunk.seq);
-            if seq.import.is_none() || chunk.start != seq.prompt_len {
-                continue;
-            }
-            let full = (seq.prompt_len / bs).min(seq.prompt_hashes.len()).min(seq.blocks.len());
-            for b in 0..full {
-                let (h, block) = (seq.prompt_hashes[b], seq.blocks.blocks()[b]);
-                self.memory.prefix.insert_block(h, Some(block), &mut self.memory.blocks, t);
-                published.push(h);
-            }
-        }
-        for chunk in decided.chunks.iter().filter(|c| c.prefill && caching) {
-            let seq = self.seqs.get(chunk.seq);
-            let end = chunk.start + chunk.len;
-            for b in chunk.start / bs..end.min(seq.prompt_len) / bs {
-                let h = seq.prompt_hashes[b];
-                let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
-                self.memory.prefix.insert_block(h, block, &mut self.memory.blocks, t);
-                published.push(h);
-            }
-            let Some(slot) = seq.slot else { continue };
-            if self.memory.layout.snapshots == 0 || !snapshot_boundaries(seq.prompt_len, bs, interval).contains(&end) {
-                continue;
-            }
-            let h = seq.prompt_hashes[end / bs - 1];
-            if let Some(snapshot) = self.memory.publish_snapshot(h, seq.id, t) {
-                after.push(StateOp::Snapshot { slot, snapshot });
-            }
-        }
+        let (after, mut published) = self.publish_prefixes(t, &decided.chunks);
         // 2. handoffs: exported after the step that samples T0 (a prefill pool), written in
         //    before the step that feeds it (a decode pool); prefixes loaded from the offload
         //    store written in (and published) before the step that admits them
@@ -211,7 +138,7 @@ impl Rank {
         //    token that held, before the sequence's next forward reads it
         for c in &decided.chunks {
             let seq = self.seqs.get_mut(c.seq);
-            if let (Some(position), Some(slot)) = (seq.rewind_to.take(), seq.slot) {
+            if let (Some(position), Some(slot)) = (seq.spec.rewind_to.take(), seq.slot) {
                 decided.state_ops.push(StateOp::Rewind { slot, position });
             }
         }
@@ -256,6 +183,100 @@ impl Rank {
         self.stats.forward_tokens += decided.chunks.iter().map(|c| c.len as u64).sum::<u64>();
         decided.clear(); // launched once; the buffers stay for the next step
         self.decided = decided;
+    }
+
+    /// The batch decided for step `t`: only a batch decided for `t` launches at `t`.
+    fn take_decided(&mut self, t: u64) -> StepDecision {
+        let mut decided = std::mem::take(&mut self.decided);
+        if self.decided_for.take() != Some(t) {
+            // Only a batch decided for `t` launches at `t` (schedule(t + 1) waits for
+            // forward(t), so this does not happen; if it did, launching would run a later
+            // step's batch early and twice).
+            if !decided.is_empty() {
+                tracing::error!(pool = %self.pool, rank = self.index, step = t, "no batch was decided for this step");
+            }
+            decided.clear();
+        }
+        decided
+    }
+
+    /// The step's requests that can never run here fail (an event each); the admitted ones
+    /// note when they started, and what came from the prefix cache and the offload store.
+    fn note_failures_and_admissions(&mut self, t: u64, decided: &StepDecision) {
+        for (id, message) in decided.failed.iter().cloned() {
+            let event = Event::Failed {
+                id,
+                rank: self.index,
+                cause: "does-not-fit".into(),
+                message,
+                tokens: Vec::new(),
+                token_times: Default::default(),
+                started_ms: None,
+            };
+            self.events.push((t, event));
+        }
+        let now = wall_ms();
+        for &(id, cached) in &decided.admitted {
+            if let Some(seq) = self.seqs.index_of(id).map(|i| self.seqs.get_mut(i)) {
+                if let Some(off) = self.offload.as_mut() {
+                    let loaded = std::mem::take(&mut seq.offload.loaded_tokens);
+                    off.stats.offload_hit_tokens += loaded as u64;
+                    off.stats.hbm_hit_tokens += cached.saturating_sub(loaded) as u64;
+                }
+                if seq.started_ms.is_none() {
+                    seq.started_ms = Some(now);
+                    seq.first_cached = cached;
+                    if let (true, Some(slot)) = (self.switches.export_admission_slot, seq.slot) {
+                        self.admission_slots.insert(id, slot);
+                    }
+                }
+            }
+        }
+    }
+
+    /// What the step's prompt chunks complete, published in the prefix cache before any of its
+    /// tokens is known: the full prompt blocks (and a handoff's blocks, written by its import at
+    /// this step) and a snapshot at each boundary reached. Returns the snapshots to take after
+    /// the forward, and the hashes published.
+    fn publish_prefixes(&mut self, t: u64, chunks: &[Chunk]) -> (Vec<StateOp>, Vec<u64>) {
+        let bs = self.memory.layout.block_size;
+        let interval = self.scheduler.config.snapshot_interval_blocks;
+        let caching = self.scheduler.config.prefix_cache;
+        let mut after = Vec::new();
+        let mut published = Vec::new();
+        // A handoff's prompt blocks, written by its import at this step, are this rank's to
+        // reuse too (decode-side prefix reuse: a later remote prefill need not send them).
+        for chunk in chunks.iter().filter(|_| caching && self.memory.layout.keeps_kv) {
+            let seq = self.seqs.get(chunk.seq);
+            if seq.handoff.import.is_none() || chunk.start != seq.prompt_len {
+                continue;
+            }
+            let full = (seq.prompt_len / bs).min(seq.prompt_hashes.len()).min(seq.blocks.len());
+            for b in 0..full {
+                let (h, block) = (seq.prompt_hashes[b], seq.blocks.blocks()[b]);
+                self.memory.prefix.insert_block(h, Some(block), &mut self.memory.blocks, t);
+                published.push(h);
+            }
+        }
+        for chunk in chunks.iter().filter(|c| c.prefill && caching) {
+            let seq = self.seqs.get(chunk.seq);
+            let end = chunk.start + chunk.len;
+            for b in chunk.start / bs..end.min(seq.prompt_len) / bs {
+                let h = seq.prompt_hashes[b];
+                let block = self.memory.layout.keeps_kv.then(|| seq.blocks.blocks()[b]);
+                self.memory.prefix.insert_block(h, block, &mut self.memory.blocks, t);
+                published.push(h);
+            }
+            let Some(slot) = seq.slot else { continue };
+            if self.memory.layout.snapshots == 0 || !snapshot_boundaries(seq.prompt_len, bs, interval).contains(&end) {
+                continue;
+            }
+            let h = seq.prompt_hashes[end / bs - 1];
+            if let Some(snapshot) = self.memory.publish_snapshot(h, seq.id, t) {
+                after.push(StateOp::Snapshot { slot, snapshot });
+            }
+        }
+        (after, published)
     }
 
     /// Test switch: block tables with their first two entries swapped, for the decodes of the

@@ -13,7 +13,7 @@
 //! restored blocks, and for recurrent families a snapshot of the restored state, in the prefix
 //! cache, so the next request with the prefix hits in HBM; a load that failed publishes nothing.
 
-use super::offload::{Loading, RankOffload};
+use super::offload_state::{Loading, RankOffload};
 use super::Rank;
 use crate::offload::{chunk_digests, longest_prefix, ChunkKey, Digest, LoadDone, LoadJob, RestoredPrefix};
 use crate::policy::memory::MemoryLayout;
@@ -48,7 +48,7 @@ impl Rank {
         let m = &mut self.memory;
         let seq = self.seqs.get_mut(index);
         let (bs, c) = (m.layout.block_size, off.setup.chunk_tokens);
-        let most = ((seq.prompt_len - 1) / c).min(seq.chunk_digests.len());
+        let most = ((seq.prompt_len - 1) / c).min(seq.offload.chunk_digests.len());
         if most == 0 || seq.brings_prefix() || m.blocks_for(seq.prompt_len + seq.max_output_tokens) > m.blocks.num_ids()
         {
             return false;
@@ -69,7 +69,7 @@ impl Rank {
         for b in kept.drain(first * c / bs..) {
             m.blocks.release(b);
         }
-        let wanted: Vec<Vec<ChunkKey>> = (first..most).map(|k| vec![off.key(seq.chunk_digests[k])]).collect();
+        let wanted: Vec<Vec<ChunkKey>> = (first..most).map(|k| vec![off.key(seq.offload.chunk_digests[k])]).collect();
         let held = longest_prefix(&*off.setup.store, &wanted);
         if held == 0 || (first + held) * c <= hit {
             for b in kept {
@@ -153,8 +153,8 @@ impl Rank {
                     };
                     seq.computed = restored.end();
                     seq.cached = seq.computed;
-                    seq.loaded_tokens = loading.chunks * c;
-                    seq.restored = Some(restored);
+                    seq.offload.loaded_tokens = loading.chunks * c;
+                    seq.offload.restored = Some(restored);
                 }
                 Err(why) => {
                     tracing::warn!(pool = %self.pool, rank = self.index, "offload: loading request {}'s prefix failed ({why}); it recomputes", seq.id);
@@ -177,10 +177,10 @@ impl Rank {
         let layout = self.memory.layout;
         for c in chunks {
             let seq = self.seqs.get_mut(c.seq);
-            if seq.restored.as_ref().is_none_or(|r| r.end() != c.start) {
+            if seq.offload.restored.as_ref().is_none_or(|r| r.end() != c.start) {
                 continue;
             }
-            let restored = seq.restored.take().expect("checked above");
+            let restored = seq.offload.restored.take().expect("checked above");
             let per_chunk = restored.chunk_tokens / layout.block_size;
             let end_blocks = restored.end() / layout.block_size;
             let last = restored.objects.len() - 1;

@@ -22,15 +22,16 @@ mod handoff;
 mod launch;
 mod load;
 mod offload;
+mod offload_state;
 mod spec;
 mod stats;
 mod switches;
 
 pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
 pub use handoff::HandoffOut;
-pub use offload::{OffloadSetup, OffloadStats, RankOffload};
+pub use offload_state::{OffloadSetup, OffloadStats, RankOffload};
 pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
-pub use switches::TestSwitches;
+pub use switches::{ExchangeSwitches, TestSwitches};
 
 use crate::executor::Executor;
 use crate::messages::{Admission, Event, RankReport};
@@ -280,7 +281,7 @@ impl Rank {
             seq.prompt_hashes = self.memory.prompt_hashes(&seq);
         }
         if let Some(off) = &self.offload {
-            seq.chunk_digests = off.chunk_digests(&seq, &self.memory.layout);
+            seq.offload.chunk_digests = off.chunk_digests(&seq, &self.memory.layout);
         }
         let index = self.seqs.insert(seq);
         // A prefix the store holds beyond what this rank's cache does is loaded first; the
@@ -324,7 +325,7 @@ impl Rank {
     /// "decoding".
     fn stage(&self, index: usize) -> &'static str {
         let seq = self.seqs.get(index);
-        if seq.in_transfer.is_some() {
+        if seq.handoff.in_transfer.is_some() {
             "in transfer"
         } else if self.is_loading(seq.key) {
             "loading"
@@ -347,7 +348,7 @@ impl Rank {
                 self.abort_arriving(id);
                 continue;
             };
-            if self.seqs.get(index).aborted || self.abort_in_transfer(index) {
+            if self.seqs.get(index).handoff.aborted || self.abort_in_transfer(index) {
                 continue;
             }
             let stage = self.stage(index);
@@ -370,7 +371,7 @@ impl Rank {
                 cause: cause.into(),
                 message,
                 tokens: seq.tokens.split_off(seq.prompt_len),
-                token_times: seq.token_times,
+                token_times: seq.stream.token_times,
                 started_ms: seq.started_ms,
             },
         ));
@@ -482,7 +483,8 @@ impl Rank {
     /// the offload store give them back (they recompute), so the head of the queue can start.
     /// Returns whether any did.
     fn drop_waiting_prefixes(&mut self) -> bool {
-        let holding: Vec<usize> = self.scheduler.waiting().filter(|&i| self.seqs.get(i).restored.is_some()).collect();
+        let holding: Vec<usize> =
+            self.scheduler.waiting().filter(|&i| self.seqs.get(i).offload.restored.is_some()).collect();
         for &index in &holding {
             let seq = self.seqs.get_mut(index);
             tracing::warn!(pool = %self.pool, rank = self.index, "request {} gives back its loaded prefix (memory is short): it recomputes", seq.id);

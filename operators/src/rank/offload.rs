@@ -11,125 +11,13 @@
 //! rank (whichever request filled it first), and not at all when the store already holds it
 //! (the save thread asks, off the step path).
 
+use super::offload_state::Launched;
 use super::Rank;
-use crate::offload::{
-    ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveDone, SaveJob, SaveOutcome, Saver,
-};
+use crate::offload::{ChunkKey, SaveDone, SaveJob, SaveOutcome};
 use crate::policy::kv_index::OFFLOAD;
 use crate::policy::scheduler::Chunk;
-use crate::step::{Exported, KvExport, SeqKey};
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::Arc;
-
-/// What a pool's ranks save to and load from, and how.
-#[derive(Clone)]
-pub struct OffloadSetup {
-    pub store: Arc<dyn ObjectStore>,
-    pub namespace: Namespace,
-    pub chunk_tokens: usize,
-    pub max_retries: usize,
-    /// What one chunk's object holds in this layout: KV floats, and state floats (0: none). A
-    /// loaded object of another shape is refused (the request recomputes).
-    pub chunk_kv_floats: usize,
-    pub state_floats: usize,
-}
-
-/// The tier's counters of one rank.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct OffloadStats {
-    pub saved_chunks: u64,
-    pub saved_bytes: u64,
-    pub save_seconds: f64,
-    pub dropped_saves: u64,
-    /// Chunks not saved because the store already held them (saved by another rank, pool or run).
-    pub found_in_store: u64,
-    /// Loads started, and those that failed (the request recomputed) or whose request had gone.
-    pub loads: u64,
-    pub failed_loads: u64,
-    pub stale_loads: u64,
-    pub loaded_chunks: u64,
-    pub loaded_bytes: u64,
-    pub load_seconds: f64,
-    /// Prompt tokens admitted from the store, and from this rank's own prefix cache.
-    pub offload_hit_tokens: u64,
-    pub hbm_hit_tokens: u64,
-    /// Steps launched with work while a load was in flight (loads never hold the pool).
-    pub steps_during_loads: u64,
-}
-
-/// A save asked for with a launched step, until that step completes.
-#[derive(Debug)]
-struct Launched {
-    step: u64,
-    id: u64,
-    seq: SeqKey,
-    request: u64,
-    key: ChunkKey,
-}
-
-/// A load in flight: the request (in the generation it was started for) and its chunks.
-#[derive(Debug)]
-pub(super) struct Loading {
-    pub key: SeqKey,
-    pub first_chunk: usize,
-    pub chunks: usize,
-}
-
-pub struct RankOffload {
-    pub(super) setup: OffloadSetup,
-    saver: Saver,
-    pub(super) loader: Loader,
-    pub(super) next_id: u64,
-    launched: Vec<Launched>,
-    /// Jobs made from completed steps, for the `save` operator.
-    ready: Vec<SaveJob>,
-    /// Saves handed to the thread (or about to be): id → (request, digest).
-    writing: HashMap<u64, (u64, Digest)>,
-    known: HashSet<Digest>,
-    /// Requests with a save in the thread, and their next jobs (one save in flight per request).
-    busy: HashSet<u64>,
-    queued: HashMap<u64, VecDeque<SaveJob>>,
-    /// Loads in flight, by id; jobs for the `load` operator; loads failed before the thread.
-    pub(super) loading: HashMap<u64, Loading>,
-    pub(super) load_jobs: Vec<LoadJob>,
-    pub(super) failed_now: Vec<LoadDone>,
-    /// Under router `kv-aware`: each chunk being saved, its blocks' prefix hashes; and each
-    /// chunk the store holds that this rank reported to the routing index, and how far it read
-    /// the store's eviction log.
-    chunk_hashes: HashMap<Digest, Vec<u64>>,
-    reported: HashMap<ChunkKey, Vec<u64>>,
-    evictions_seen: u64,
-    pub stats: OffloadStats,
-}
-
-impl RankOffload {
-    pub fn new(setup: OffloadSetup, saver: Saver, loader: Loader) -> Self {
-        RankOffload {
-            setup,
-            saver,
-            loader,
-            next_id: 0,
-            launched: Vec::new(),
-            ready: Vec::new(),
-            writing: HashMap::new(),
-            known: HashSet::new(),
-            busy: HashSet::new(),
-            queued: HashMap::new(),
-            loading: HashMap::new(),
-            load_jobs: Vec::new(),
-            failed_now: Vec::new(),
-            chunk_hashes: HashMap::new(),
-            reported: HashMap::new(),
-            evictions_seen: 0,
-            stats: OffloadStats::default(),
-        }
-    }
-
-    /// Saves launched, ready or being written, and loads in flight.
-    pub fn in_flight(&self) -> usize {
-        self.launched.len() + self.ready.len() + self.writing.len() + self.loading.len()
-    }
-}
+use crate::step::{Exported, KvExport};
+use std::collections::VecDeque;
 
 impl Rank {
     /// The saves of step `t`: one per prompt chunk a prefill chunk of the step completes that
@@ -150,7 +38,7 @@ impl Rank {
                 if layout.keeps_state && (k + 1) * c_tokens != end {
                     continue;
                 }
-                let Some(&digest) = seq.chunk_digests.get(k) else { continue };
+                let Some(&digest) = seq.offload.chunk_digests.get(k) else { continue };
                 if !off.known.insert(digest) {
                     continue;
                 }

@@ -23,11 +23,11 @@ impl Rank {
         let seq = self.seqs.get_mut(index);
         let kept = scored.kept_drafts().min(drafted);
         seq.computed += kept;
-        seq.draft_acceptance = 0.5 * seq.draft_acceptance + 0.5 * kept as f32 / drafted as f32;
+        seq.spec.draft_acceptance = 0.5 * seq.spec.draft_acceptance + 0.5 * kept as f32 / drafted as f32;
         // The last token that holds was fed at `computed − 1`. With every draft kept the copy
         // equals the slot; it is asked for anyway, so the kept rows go with it.
         if seq.slot.is_some() && (kept == drafted || !keep_rejected_state) {
-            seq.rewind_to = Some(seq.computed - 1);
+            seq.spec.rewind_to = Some(seq.computed - 1);
         }
         self.stats.spec.verify_steps += 1;
         self.stats.spec.drafted_tokens += drafted as u64;
@@ -49,13 +49,13 @@ impl Rank {
         let Some(spec) = self.scheduler.config.spec else { return };
         let seq = self.seqs.get_mut(index);
         // The consumer decodes outputs − 1 more tokens; its last one is never a draft.
-        let room = seq.handoff_outputs.unwrap_or(0).saturating_sub(2).min(spec.draft_tokens);
-        let mut drafts = std::mem::take(&mut seq.handed_drafts);
+        let room = seq.handoff.handoff_outputs.unwrap_or(0).saturating_sub(2).min(spec.draft_tokens);
+        let mut drafts = std::mem::take(&mut seq.spec.handed_drafts);
         drafts.clear();
         if room > 0 {
-            spec.drafter.propose(&seq.tokens, &seq.model_drafts, room, &mut drafts);
+            spec.drafter.propose(&seq.tokens, &seq.spec.model_drafts, room, &mut drafts);
         }
         self.stats.spec.handed_off_drafts += drafts.len() as u64;
-        seq.handed_drafts = drafts;
+        seq.spec.handed_drafts = drafts;
     }
 }

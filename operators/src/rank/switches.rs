@@ -89,9 +89,9 @@ pub struct TestSwitches {
 
 impl TestSwitches {
     /// The expert-exchange switches of `rank` at MoE layer `moe`.
-    pub fn exchange_switches(&self, rank: usize, moe: usize) -> crate::experts::ExchangeSwitches {
+    pub fn exchange_switches(&self, rank: usize, moe: usize) -> ExchangeSwitches {
         let at = |s: Option<(usize, u64, usize)>| s.filter(|&(r, _, m)| r == rank && m == moe).map(|(_, t, _)| t);
-        crate::experts::ExchangeSwitches {
+        ExchangeSwitches {
             withhold_dispatch_at: at(self.withhold_dispatch),
             send_no_results_at: at(self.send_no_expert_results),
             skip_draft_without_samples: self.skip_draft_passes_without_samples,
@@ -102,4 +102,16 @@ impl TestSwitches {
     pub fn hold_at(&self, operator: &str, rank: usize) -> Option<u64> {
         self.hold_capability.as_ref().filter(|(o, r, _)| o == operator && *r == rank).map(|(_, _, t)| *t)
     }
+}
+
+/// Test switches of the expert exchanges (see `TestSwitches`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExchangeSwitches {
+    /// `dispatch` at this step sends nothing and keeps its capability forever.
+    pub withhold_dispatch_at: Option<u64>,
+    /// `experts` at this step computes nothing and sends nothing, and lets the step pass.
+    pub send_no_results_at: Option<u64>,
+    /// A draft pass's `dispatch` on a rank whose step samples nothing sends nothing and keeps
+    /// its capability forever.
+    pub skip_draft_without_samples: bool,
 }

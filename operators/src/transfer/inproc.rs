@@ -8,13 +8,14 @@
 //! it, or cancels what it began, and answers), never left to a timeout.
 
 use super::faults::{Fault, Faults, TransferCounters};
-use super::{locked, Handoff, TransferId};
+use super::{Handoff, TransferId};
 use crate::admit::Ingress;
 use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::wake::RankWaker;
 use kvflow_kernels::hash;
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// Where a consumer's answer to one handoff goes: `Ok` once it has the bytes, `Err` when it
 /// refused them (a bad checksum, a layout it cannot hold) or the transfer was aborted.
@@ -38,14 +39,14 @@ impl AckQueue {
 
     /// Every ack raised since the last call.
     pub fn drain(&self) -> Vec<AckRecord> {
-        std::mem::take(&mut *locked(&self.acks))
+        std::mem::take(&mut *self.acks.lock())
     }
 }
 
 impl Ack for AckQueue {
     /// The consumer answered request `request`'s handoff `transfer`: wake the producer rank.
     fn ack(&self, request: u64, transfer: TransferId, outcome: Result<(), String>) {
-        locked(&self.acks).push((request, transfer, outcome));
+        self.acks.lock().push((request, transfer, outcome));
         self.waker.wake();
     }
 }
@@ -94,7 +95,7 @@ impl HandoffInbox {
     /// ingress: not for a duplicate (acked again if it was already taken, so a producer whose
     /// ack was lost hears it) or for an aborted transfer (refused).
     pub fn put(&self, h: Arc<Handoff>, ack: Arc<dyn Ack>) -> bool {
-        let mut s = locked(&self.state);
+        let mut s = self.state.lock();
         let id = h.request;
         if s.aborted.contains(&id) {
             drop(s);
@@ -129,7 +130,7 @@ impl HandoffInbox {
 
     /// Takes request `id`'s handoff and acks it (the taker owns the bytes now).
     pub fn take(&self, id: u64) -> Taken {
-        let mut s = locked(&self.state);
+        let mut s = self.state.lock();
         let Some((h, ack)) = s.arrived.remove(&id) else {
             return if s.aborted.contains(&id) { Taken::Aborted } else { Taken::Missing };
         };
@@ -160,7 +161,7 @@ impl HandoffInbox {
     /// [`ABORTED`], one still on its way will be. Returns whether one was waiting. (A handoff a
     /// rank took is that rank's to cancel.)
     pub fn abort(&self, id: u64) -> bool {
-        let mut s = locked(&self.state);
+        let mut s = self.state.lock();
         if s.taken.contains(&id) {
             return false;
         }
@@ -174,7 +175,7 @@ impl HandoffInbox {
 
     /// Handoffs not taken yet.
     pub fn len(&self) -> usize {
-        locked(&self.state).arrived.len()
+        self.state.lock().arrived.len()
     }
 
     pub fn is_empty(&self) -> bool {

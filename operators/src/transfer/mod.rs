@@ -21,11 +21,6 @@ pub use relay::{EventRelay, RelayQueue};
 pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
-/// A lock, whether or not a holder panicked (the data is plain counters and queues).
-pub(crate) fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Names one transfer: a nonce unique per producer, and the generation of the request it moves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TransferId {
@@ -62,7 +57,7 @@ pub struct Handoff {
     /// KV of blocks `skip_blocks..`, packed by layer — empty when `source` is set: then the
     /// blocks are read in place from the producer's cache (which holds them until the ack).
     pub kv: Vec<f32>,
-    pub source: Option<crate::step::KvSource>,
+    pub source: Option<crate::kv_source::KvSource>,
     /// The state slot at the prompt boundary (before T0), for families with recurrent state.
     pub state: Option<Vec<f32>>,
     /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
@@ -98,7 +93,7 @@ impl Drop for Handoff {
         if let Some(r) = &self.recycle {
             r.give_back(std::mem::take(&mut self.kv));
         }
-        if let Some(f) = self.on_drop.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(f) = self.on_drop.0.lock().take() {
             f();
         }
     }
@@ -107,12 +102,12 @@ impl Drop for Handoff {
 /// Something to run once, when a handoff is dropped (not part of what the handoff is: a clone
 /// has none, and it is ignored by equality).
 #[derive(Default)]
-pub struct OnDrop(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
+pub struct OnDrop(parking_lot::Mutex<Option<Box<dyn FnOnce() + Send>>>);
 
 impl OnDrop {
     /// Sets what runs at the drop.
     pub fn set(&self, f: Box<dyn FnOnce() + Send>) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        *self.0.lock() = Some(f);
     }
 }
 
@@ -136,7 +131,7 @@ impl std::fmt::Debug for OnDrop {
 
 /// A few float buffers kept for reuse.
 #[derive(Clone, Default)]
-pub struct Recycler(std::sync::Arc<std::sync::Mutex<Vec<Vec<f32>>>>);
+pub struct Recycler(std::sync::Arc<parking_lot::Mutex<Vec<Vec<f32>>>>);
 
 impl Recycler {
     /// Buffers kept at most (the rest are freed).
@@ -144,13 +139,13 @@ impl Recycler {
 
     /// A buffer of `len` floats (contents unspecified: the caller overwrites all of it).
     pub fn take(&self, len: usize) -> Vec<f32> {
-        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default();
+        let mut v = self.0.lock().pop().unwrap_or_default();
         v.resize(len, 0.0);
         v
     }
 
     fn give_back(&self, v: Vec<f32>) {
-        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kept = self.0.lock();
         if kept.len() < Self::KEEP && v.capacity() > 0 {
             kept.push(v);
         }

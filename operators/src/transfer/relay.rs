@@ -8,12 +8,12 @@
 //! A rank that handed a request off this way stays in flight until the request's end (finished
 //! or failed) has come back, so its pool — and this process's links — outlive the last request.
 
-use super::locked;
 use crate::emit::EventSink;
 use crate::messages::Event;
 use crate::wake::RankWaker;
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// One rank's queue of relayed events.
 pub struct RelayQueue {
@@ -24,7 +24,7 @@ pub struct RelayQueue {
 impl RelayQueue {
     /// Every event relayed to this rank since the last call.
     pub fn drain(&self) -> Vec<Event> {
-        std::mem::take(&mut *locked(&self.events))
+        std::mem::take(&mut *self.events.lock())
     }
 }
 
@@ -44,17 +44,17 @@ impl EventRelay {
 
     /// `request`'s events go to `queue` (said before its handoff is sent, so none can come first).
     pub fn expect(&self, request: u64, queue: &Arc<RelayQueue>) {
-        locked(&self.routes).insert(request, queue.clone());
+        self.routes.lock().insert(request, queue.clone());
     }
 
     /// Nothing more is awaited for `request` (its handoff was refused, or it was cancelled).
     pub fn forget(&self, request: u64) {
-        locked(&self.routes).remove(&request);
+        self.routes.lock().remove(&request);
     }
 
     /// Requests whose end has not come back.
     pub fn awaited(&self) -> usize {
-        locked(&self.routes).len()
+        self.routes.lock().len()
     }
 
     /// Where a link to the remote decode pool hands the events coming back.
@@ -71,7 +71,7 @@ impl EventSink for RelaySink {
     fn events(&mut self, _step: u64, events: Vec<Event>) {
         let mut woken: Vec<Arc<RelayQueue>> = Vec::new();
         {
-            let mut routes = locked(&self.relay.routes);
+            let mut routes = self.relay.routes.lock();
             for e in events {
                 let id = e.id();
                 let ends = matches!(e, Event::Finished { .. } | Event::Failed { .. });
@@ -81,7 +81,7 @@ impl EventSink for RelaySink {
                     tracing::debug!(request = id, "a relayed event of a request no rank awaits: dropped");
                     continue;
                 };
-                locked(&queue.events).push(e);
+                queue.events.lock().push(e);
                 if !woken.iter().any(|q| Arc::ptr_eq(q, &queue)) {
                     woken.push(queue);
                 }

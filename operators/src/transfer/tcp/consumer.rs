@@ -12,12 +12,13 @@ use crate::emit::EventSink;
 use crate::messages::Event;
 use crate::transfer::inproc::{Ack, ConsumerPool};
 use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
-use crate::transfer::{locked, read_floats, Crc32c, Handoff, Recycler, TransferId};
+use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferId};
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How a consumer is set up beyond its pool and layout.
@@ -39,7 +40,7 @@ impl TcpAcker {
     fn write(&self, frame: &[u8]) {
         // A connection that is gone loses the frame: the producer's recovery sends again what
         // it did not hear about.
-        let mut s = locked(&self.stream);
+        let mut s = self.stream.lock();
         let _ = s.write_all(frame).and_then(|_| s.flush());
     }
 }
@@ -73,7 +74,7 @@ struct Shared {
 
 impl Shared {
     fn acker(&self, link: u64) -> Option<Arc<TcpAcker>> {
-        locked(&self.ackers).get(&link).cloned()
+        self.ackers.lock().get(&link).cloned()
     }
 }
 
@@ -139,14 +140,14 @@ impl TcpConsumer {
 
     /// Producer connections open now, and links that closed.
     pub fn links(&self) -> (usize, usize) {
-        (self.shared.connections.load(Ordering::SeqCst), locked(&self.shared.closed).len())
+        (self.shared.connections.load(Ordering::SeqCst), self.shared.closed.lock().len())
     }
 
     /// Links whose connection ended without a close frame and that have not connected again for
     /// `after` (their producer's process is gone: no close frame will come from it).
     pub fn vanished(&self, after: Duration) -> usize {
-        let closed = locked(&self.shared.closed);
-        locked(&self.shared.dropped).iter().filter(|(l, at)| !closed.contains(l) && at.elapsed() >= after).count()
+        let closed = self.shared.closed.lock();
+        self.shared.dropped.lock().iter().filter(|(l, at)| !closed.contains(l) && at.elapsed() >= after).count()
     }
 
     /// Where a pool in a process of its own sends its events: back over the link each request
@@ -159,7 +160,7 @@ impl TcpConsumer {
     pub fn finish(&self, outcome: Result<(), String>) {
         let mut frame = vec![TAG_DONE];
         put_status(&mut frame, &outcome);
-        let ackers: Vec<Arc<TcpAcker>> = locked(&self.shared.ackers).values().cloned().collect();
+        let ackers: Vec<Arc<TcpAcker>> = self.shared.ackers.lock().values().cloned().collect();
         for acker in ackers {
             acker.write(&frame);
         }
@@ -182,7 +183,7 @@ impl EventSink for RemoteEvents {
     fn events(&mut self, _step: u64, events: Vec<Event>) {
         let mut by_link: HashMap<u64, Vec<Event>> = HashMap::new();
         {
-            let origin = locked(&self.shared.origin);
+            let origin = self.shared.origin.lock();
             for e in events {
                 match origin.get(&e.id()) {
                     Some(&link) => by_link.entry(link).or_default().push(e),
@@ -247,16 +248,16 @@ fn serve(
     // overwrite a newer one with a socket already closed, and every later ack would be lost.)
     if let Ok(link) = &registered {
         let Ok(back) = conn.try_clone() else { return };
-        locked(&shared.ackers).insert(*link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
+        shared.ackers.lock().insert(*link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
     }
     if write_status(&mut conn, &registered.as_ref().map(|_| ()).map_err(Clone::clone)).is_err() {
         return;
     }
     let Ok(link) = registered else { return };
-    locked(&shared.dropped).remove(&link);
+    shared.dropped.lock().remove(&link);
     serve_frames(conn, link, pool, layout, options, shared);
-    if !locked(&shared.closed).contains(&link) {
-        locked(&shared.dropped).insert(link, Instant::now());
+    if !shared.closed.lock().contains(&link) {
+        shared.dropped.lock().insert(link, Instant::now());
     }
 }
 
@@ -288,7 +289,7 @@ fn serve_frames(
             continue;
         }
         if len == CLOSE_FRAME {
-            let mut closed = locked(&shared.closed);
+            let mut closed = shared.closed.lock();
             closed.insert(link);
             if options.expect_links.is_some_and(|n| closed.len() >= n) {
                 pool.ingress.close();
@@ -359,7 +360,7 @@ fn serve_frames(
             recycle: Some(recycler.clone()),
             on_drop: Default::default(),
         };
-        locked(&shared.origin).insert(h.request, link);
+        shared.origin.lock().insert(h.request, link);
         pool.deliver(Arc::new(h), acker.clone());
     }
 }

@@ -16,13 +16,14 @@ use crate::messages::Event;
 use crate::transfer::faults::{Fault, Faults, TransferCounters};
 use crate::transfer::inproc::{link_of, Ack, AckQueue, HandoffSink};
 use crate::transfer::wire::encode_descriptor;
-use crate::transfer::{locked, stream_payload, Handoff, TransferId};
+use crate::transfer::{stream_payload, Handoff, TransferId};
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A clock reading that differs between processes started apart (seeds link ids).
@@ -190,31 +191,31 @@ impl TcpLink {
     /// Queues `h` for sending; `ack` hears the consumer's answer, or the failure.
     pub fn send_arc(&self, h: Arc<Handoff>, ack: Arc<AckQueue>) -> Result<String, String> {
         let s = &self.shared;
-        if let Some(why) = &locked(&s.conn).dead {
+        if let Some(why) = &s.conn.lock().dead {
             return Err(why.clone());
         }
         let request = h.request;
         let u = Unanswered { handoff: h, ack, attempt: 0, sent_on: None, cut: false, resends: 0 };
-        locked(&s.unanswered).insert(request, u);
-        let _ = locked(&s.jobs).send(Job::Send(request));
+        s.unanswered.lock().insert(request, u);
+        let _ = s.jobs.lock().send(Job::Send(request));
         Ok(s.target.to.clone())
     }
 
     /// This link's pool ended: tells the consumer no more handoffs come on it.
     pub fn close(&self) {
-        let _ = locked(&self.shared.jobs).send(Job::Close);
+        let _ = self.shared.jobs.lock().send(Job::Close);
     }
 
     /// The remote decode pool's end-of-run check, once it sent it (`None`: not yet, or it is
     /// gone — then its requests were failed).
     pub fn remote_outcome(&self) -> Option<Result<(), String>> {
-        locked(&self.shared.done).clone()
+        self.shared.done.lock().clone()
     }
 
     /// Whether a remote decode pool is done with this link: it sent its end-of-run check, or it
     /// is gone (its requests failed). Always true for a pool of this process.
     pub fn finished(&self) -> bool {
-        locked(&self.shared.remote).is_none()
+        self.shared.remote.lock().is_none()
     }
 
     /// The address it sends to.
@@ -256,7 +257,7 @@ fn connect_patiently(target: &LinkTarget, patience: Duration) -> Result<TcpStrea
 impl LinkShared {
     /// The transfer of `request` failed for good: its rank hears why.
     fn fail(&self, request: u64, why: String) {
-        if let Some(u) = locked(&self.unanswered).remove(&request) {
+        if let Some(u) = self.unanswered.lock().remove(&request) {
             TransferCounters::bump(&self.counters.failed);
             u.ack.ack(request, u.handoff.transfer, Err(why));
         }
@@ -267,7 +268,7 @@ impl LinkShared {
     /// (the consumer may well have it: a second copy is answered as a duplicate). Past that it
     /// fails, and the consumer is asked to drop whatever it has of it.
     fn retry(&self, request: u64, why: &str) {
-        let mut unanswered = locked(&self.unanswered);
+        let mut unanswered = self.unanswered.lock();
         let Some(u) = unanswered.get_mut(&request) else { return };
         let again = if u.cut {
             u.attempt += 1;
@@ -279,12 +280,12 @@ impl LinkShared {
         if again {
             (u.sent_on, u.cut) = (None, false);
             TransferCounters::bump(&self.counters.retries);
-            let _ = locked(&self.jobs).send(Job::Send(request));
+            let _ = self.jobs.lock().send(Job::Send(request));
         } else {
             let transfer = u.handoff.transfer;
             drop(unanswered);
             self.fail(request, format!("{why}, again on the retry"));
-            let _ = locked(&self.jobs).send(Job::Abort(request, transfer));
+            let _ = self.jobs.lock().send(Job::Abort(request, transfer));
         }
     }
 }
@@ -295,12 +296,12 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
     for job in queue {
         let request = match job {
             Job::Abort(request, transfer) => {
-                locked(&s.aborts).insert(request, transfer);
+                s.aborts.lock().insert(request, transfer);
                 let mut frame = ABORT_FRAME.to_le_bytes().to_vec();
                 frame.extend_from_slice(&request.to_le_bytes());
                 frame.extend_from_slice(&transfer.nonce.to_le_bytes());
                 frame.extend_from_slice(&transfer.generation.to_le_bytes());
-                let mut conn = locked(&s.conn);
+                let mut conn = s.conn.lock();
                 if let Some(stream) = conn.stream.as_mut() {
                     // Lost with a connection that drops: sent again on the next one.
                     let _ = stream.write_all(&frame);
@@ -308,7 +309,7 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
                 continue;
             }
             Job::Close => {
-                let mut conn = locked(&s.conn);
+                let mut conn = s.conn.lock();
                 if let Some(stream) = conn.stream.as_mut() {
                     let _ = stream.write_all(&CLOSE_FRAME.to_le_bytes()).and_then(|_| stream.flush());
                 }
@@ -316,7 +317,7 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
             }
             Job::Send(request) => request,
         };
-        let (h, attempt) = match locked(&s.unanswered).get(&request) {
+        let (h, attempt) = match s.unanswered.lock().get(&request) {
             Some(u) if u.sent_on.is_none() => (u.handoff.clone(), u.attempt),
             _ => continue, // answered, failed or aborted meanwhile, or already sent
         };
@@ -327,14 +328,14 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
         let drop_midway = s.faults.strikes(Fault::Drop, request, attempt);
         let corrupt = s.faults.strikes(Fault::Corrupt, request, attempt);
         let copies = if s.faults.strikes(Fault::Duplicate, request, attempt + 2) { 2 } else { 1 };
-        let mut conn = locked(&s.conn);
+        let mut conn = s.conn.lock();
         let epoch = conn.epoch;
         let Some(stream) = conn.stream.as_mut() else {
             drop(conn);
             s.fail(request, format!("{} is gone", s.target.describe()));
             continue;
         };
-        if let Some(u) = locked(&s.unanswered).get_mut(&request) {
+        if let Some(u) = s.unanswered.lock().get_mut(&request) {
             u.sent_on = Some(epoch);
         }
         let mut written = 0u64;
@@ -357,7 +358,7 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
         }
         if outcome.is_err() || drop_midway {
             // The ack thread sees the connection end and recovers (it retries this transfer).
-            if let Some(u) = locked(&s.unanswered).get_mut(&request) {
+            if let Some(u) = s.unanswered.lock().get_mut(&request) {
                 u.cut = true;
             }
             let _ = stream.shutdown(Shutdown::Both);
@@ -414,12 +415,12 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
                 Ok(Frame::Ack(request, transfer, outcome)) => answer(s, request, transfer, outcome),
                 Ok(Frame::Events(events)) => forward_events(s, events),
                 Ok(Frame::AbortSeen(request)) => {
-                    locked(&s.aborts).remove(&request);
+                    s.aborts.lock().remove(&request);
                 }
                 Ok(Frame::Done(outcome)) => {
                     // The remote pool ended: nothing more comes on this link.
-                    *locked(&s.done) = Some(outcome);
-                    locked(&s.remote).take();
+                    *s.done.lock() = Some(outcome);
+                    s.remote.lock().take();
                     return;
                 }
                 Err(e) => break e.to_string(),
@@ -428,15 +429,12 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
         let why = format!("the connection to {} dropped ({reason})", s.target.describe());
         // Reconnect under the connection's lock, so a send lands either in what is retried here
         // or on the new connection.
-        let mut conn = locked(&s.conn);
+        let mut conn = s.conn.lock();
         if let Some(old) = conn.stream.take() {
             let _ = old.shutdown(Shutdown::Both);
         }
-        let dropped: Vec<u64> = locked(&s.unanswered)
-            .iter()
-            .filter(|(_, u)| u.sent_on == Some(epoch))
-            .map(|(&request, _)| request)
-            .collect();
+        let dropped: Vec<u64> =
+            s.unanswered.lock().iter().filter(|(_, u)| u.sent_on == Some(epoch)).map(|(&request, _)| request).collect();
         match s.target.connect().and_then(|stream| {
             let reader = stream.try_clone().map_err(|e| e.to_string())?;
             Ok((stream, reader))
@@ -450,9 +448,9 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
                 for request in dropped {
                     s.retry(request, &why);
                 }
-                let aborts: Vec<(u64, TransferId)> = locked(&s.aborts).iter().map(|(&r, &t)| (r, t)).collect();
+                let aborts: Vec<(u64, TransferId)> = s.aborts.lock().iter().map(|(&r, &t)| (r, t)).collect();
                 for (request, transfer) in aborts {
-                    let _ = locked(&s.jobs).send(Job::Abort(request, transfer));
+                    let _ = s.jobs.lock().send(Job::Abort(request, transfer));
                 }
                 reading = reader;
             }
@@ -461,7 +459,7 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
                 conn.dead = Some(dead.clone());
                 drop(conn);
                 tracing::error!(link = %s.target.to, "{dead}");
-                let all: Vec<u64> = locked(&s.unanswered).keys().copied().collect();
+                let all: Vec<u64> = s.unanswered.lock().keys().copied().collect();
                 for request in all {
                     s.fail(request, dead.clone());
                 }
@@ -477,7 +475,7 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
 fn answer(s: &LinkShared, request: u64, transfer: TransferId, outcome: Result<(), String>) {
     if let Err(why) = &outcome {
         if why.starts_with(CHECKSUM_REFUSAL) {
-            if let Some(u) = locked(&s.unanswered).get_mut(&request) {
+            if let Some(u) = s.unanswered.lock().get_mut(&request) {
                 u.cut = true;
             }
             s.retry(request, why);
@@ -485,7 +483,7 @@ fn answer(s: &LinkShared, request: u64, transfer: TransferId, outcome: Result<()
         }
     }
     let u = {
-        let mut unanswered = locked(&s.unanswered);
+        let mut unanswered = s.unanswered.lock();
         match unanswered.get(&request) {
             Some(u) if u.handoff.transfer == transfer => unanswered.remove(&request),
             _ => None,
@@ -494,15 +492,15 @@ fn answer(s: &LinkShared, request: u64, transfer: TransferId, outcome: Result<()
     match u {
         Some(u) => {
             if outcome.is_ok() {
-                if let Some(remote) = locked(&s.remote).as_mut() {
+                if let Some(remote) = s.remote.lock().as_mut() {
                     remote.owed.insert(request);
                 }
             }
-            locked(&s.answered).insert(request, u.ack.clone());
+            s.answered.lock().insert(request, u.ack.clone());
             u.ack.ack(request, transfer, outcome);
         }
         None => {
-            if let Some(queue) = locked(&s.answered).get(&request).cloned() {
+            if let Some(queue) = s.answered.lock().get(&request).cloned() {
                 queue.ack(request, transfer, outcome);
             }
         }
@@ -543,7 +541,7 @@ fn read_frame(r: &mut TcpStream) -> std::io::Result<Frame> {
 
 /// Events of requests the remote decode pool ran: to the collector (an end settles what it owed).
 fn forward_events(s: &LinkShared, events: Vec<Event>) {
-    let mut remote = locked(&s.remote);
+    let mut remote = s.remote.lock();
     let Some(remote) = remote.as_mut() else { return };
     for e in &events {
         if matches!(e, Event::Finished { .. } | Event::Failed { .. }) {
@@ -555,7 +553,7 @@ fn forward_events(s: &LinkShared, events: Vec<Event>) {
 
 /// The remote decode pool is gone: every request it took and never ended fails, naming it.
 fn fail_owed(s: &LinkShared, why: &str) {
-    let Some(mut remote) = locked(&s.remote).take() else { return };
+    let Some(mut remote) = s.remote.lock().take() else { return };
     let mut owed: Vec<u64> = remote.owed.drain().collect();
     owed.sort_unstable();
     let events = owed
@@ -593,11 +591,11 @@ impl TcpLinks {
 impl TcpLink {
     /// Handoffs sent and not answered yet.
     pub(super) fn unanswered(&self) -> usize {
-        locked(&self.shared.unanswered).len()
+        self.shared.unanswered.lock().len()
     }
 
     fn holds(&self, request: u64) -> bool {
-        locked(&self.shared.unanswered).contains_key(&request)
+        self.shared.unanswered.lock().contains_key(&request)
     }
 }
 
@@ -617,6 +615,6 @@ impl HandoffSink for TcpLinks {
     fn abort(&self, request: u64, transfer: TransferId, back_to: Option<BackTo>) {
         let connections = self.connections_of(request, back_to);
         let Some(link) = connections.iter().find(|link| link.holds(request)).or(connections.first()) else { return };
-        let _ = locked(&link.shared.jobs).send(Job::Abort(request, transfer));
+        let _ = link.shared.jobs.lock().send(Job::Abort(request, transfer));
     }
 }

@@ -1,0 +1,118 @@
+//! The offload tier's state on one rank (`Rank::offload`): where it saves and loads, the saves
+//! launched, ready and being written, the loads in flight, and its counters. What a rank does
+//! with it is in `offload` (saves) and `load` (loads).
+
+use crate::offload::{ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveJob, Saver};
+use crate::step::SeqKey;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+/// What a pool's ranks save to and load from, and how.
+#[derive(Clone)]
+pub struct OffloadSetup {
+    pub store: Arc<dyn ObjectStore>,
+    pub namespace: Namespace,
+    pub chunk_tokens: usize,
+    pub max_retries: usize,
+    /// What one chunk's object holds in this layout: KV floats, and state floats (0: none). A
+    /// loaded object of another shape is refused (the request recomputes).
+    pub chunk_kv_floats: usize,
+    pub state_floats: usize,
+}
+
+/// The tier's counters of one rank.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OffloadStats {
+    pub saved_chunks: u64,
+    pub saved_bytes: u64,
+    pub save_seconds: f64,
+    pub dropped_saves: u64,
+    /// Chunks not saved because the store already held them (saved by another rank, pool or run).
+    pub found_in_store: u64,
+    /// Loads started, and those that failed (the request recomputed) or whose request had gone.
+    pub loads: u64,
+    pub failed_loads: u64,
+    pub stale_loads: u64,
+    pub loaded_chunks: u64,
+    pub loaded_bytes: u64,
+    pub load_seconds: f64,
+    /// Prompt tokens admitted from the store, and from this rank's own prefix cache.
+    pub offload_hit_tokens: u64,
+    pub hbm_hit_tokens: u64,
+    /// Steps launched with work while a load was in flight (loads never hold the pool).
+    pub steps_during_loads: u64,
+}
+
+/// A save asked for with a launched step, until that step completes.
+#[derive(Debug)]
+pub(super) struct Launched {
+    pub(super) step: u64,
+    pub(super) id: u64,
+    pub(super) seq: SeqKey,
+    pub(super) request: u64,
+    pub(super) key: ChunkKey,
+}
+
+/// A load in flight: the request (in the generation it was started for) and its chunks.
+#[derive(Debug)]
+pub(super) struct Loading {
+    pub key: SeqKey,
+    pub first_chunk: usize,
+    pub chunks: usize,
+}
+
+pub struct RankOffload {
+    pub(super) setup: OffloadSetup,
+    pub(super) saver: Saver,
+    pub(super) loader: Loader,
+    pub(super) next_id: u64,
+    pub(super) launched: Vec<Launched>,
+    /// Jobs made from completed steps, for the `save` operator.
+    pub(super) ready: Vec<SaveJob>,
+    /// Saves handed to the thread (or about to be): id → (request, digest).
+    pub(super) writing: HashMap<u64, (u64, Digest)>,
+    pub(super) known: HashSet<Digest>,
+    /// Requests with a save in the thread, and their next jobs (one save in flight per request).
+    pub(super) busy: HashSet<u64>,
+    pub(super) queued: HashMap<u64, VecDeque<SaveJob>>,
+    /// Loads in flight, by id; jobs for the `load` operator; loads failed before the thread.
+    pub(super) loading: HashMap<u64, Loading>,
+    pub(super) load_jobs: Vec<LoadJob>,
+    pub(super) failed_now: Vec<LoadDone>,
+    /// Under router `kv-aware`: each chunk being saved, its blocks' prefix hashes; and each
+    /// chunk the store holds that this rank reported to the routing index, and how far it read
+    /// the store's eviction log.
+    pub(super) chunk_hashes: HashMap<Digest, Vec<u64>>,
+    pub(super) reported: HashMap<ChunkKey, Vec<u64>>,
+    pub(super) evictions_seen: u64,
+    pub stats: OffloadStats,
+}
+
+impl RankOffload {
+    pub fn new(setup: OffloadSetup, saver: Saver, loader: Loader) -> Self {
+        RankOffload {
+            setup,
+            saver,
+            loader,
+            next_id: 0,
+            launched: Vec::new(),
+            ready: Vec::new(),
+            writing: HashMap::new(),
+            known: HashSet::new(),
+            busy: HashSet::new(),
+            queued: HashMap::new(),
+            loading: HashMap::new(),
+            load_jobs: Vec::new(),
+            failed_now: Vec::new(),
+            chunk_hashes: HashMap::new(),
+            reported: HashMap::new(),
+            evictions_seen: 0,
+            stats: OffloadStats::default(),
+        }
+    }
+
+    /// Saves launched, ready or being written, and loads in flight.
+    pub fn in_flight(&self) -> usize {
+        self.launched.len() + self.ready.len() + self.writing.len() + self.loading.len()
+    }
+}
