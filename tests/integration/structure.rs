@@ -1,18 +1,26 @@
 //! The repository's structure rules, checked by tools/structure.py: no import cycle between the
 //! modules of any crate, the policy never reaches the transfer engine or the wire messages, the
 //! runtime never reaches the server, no source file over 800 lines and no function over 120 lines
-//! outside tests. The script names every breach with its file and line.
+//! outside tests. The script names every breach with its file and line. The breaches not fixed
+//! yet are listed in tools/structure-known.txt: a new one fails the test, and so does a listed one
+//! that is gone (the list only shrinks).
 
 use crate::common::repo;
 
 #[test]
-fn the_crates_have_no_import_cycle_no_long_file_and_no_long_function() {
+fn no_new_import_cycle_long_file_or_long_function() {
     let out = std::process::Command::new("python3")
         .arg(repo().join("tools/structure.py"))
+        .arg("--known")
+        .arg(repo().join("tools/structure-known.txt"))
         .output()
         .expect("python3 runs tools/structure.py");
     let report = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "tools/structure.py found problems:\n{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "tools/structure.py found problems beyond tools/structure-known.txt:\n{report}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 #[test]
@@ -27,7 +35,10 @@ fn the_structure_check_sees_a_cycle_a_long_file_and_a_long_function() {
     std::fs::write(src.join("a.rs"), "use crate::b::B;\npub fn f(_: B) {}\n").unwrap();
     std::fs::write(
         src.join("b.rs"),
-        format!("pub struct B;\npub fn g(_: super::A) {{}}\n{}#[cfg(test)]\nmod tests {{\n    use crate::a::f;\n}}\n", "\n".repeat(800)),
+        format!(
+            "pub struct B;\npub fn g(_: super::A) {{}}\n{}#[cfg(test)]\nmod tests {{\n    use crate::a::f;\n}}\n",
+            "\n".repeat(800)
+        ),
     )
     .unwrap();
     let out = std::process::Command::new("python3")
@@ -37,7 +48,11 @@ fn the_structure_check_sees_a_cycle_a_long_file_and_a_long_function() {
         .expect("python3 runs tools/structure.py");
     let report = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "{report}");
-    assert!(report.contains("import cycle in toy (2 modules): toy -> toy::b -> toy") || report.contains("toy::b -> toy -> toy::b"), "{report}");
+    assert!(
+        report.contains("import cycle in toy (2 modules): toy -> toy::b -> toy")
+            || report.contains("toy::b -> toy -> toy::b"),
+        "{report}"
+    );
     assert!(report.contains("b.rs: 806 lines"), "{report}");
     assert!(report.contains("fn long is 121 lines"), "{report}");
     assert!(!report.contains("toy::a ->") && !report.contains("-> toy::a"), "test code is not an import: {report}");
