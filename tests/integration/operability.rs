@@ -204,8 +204,16 @@ fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
     assert!(with.status.success(), "{}", String::from_utf8_lossy(&with.stderr));
     assert_eq!(report(dir.path())["completed"], 30);
     let without = run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "3", "--test-align-without-waiting"]);
-    assert_eq!(without.status.code(), Some(3), "{}", String::from_utf8_lossy(&without.stderr));
+    // Which failure comes first is a race between the ranks' plans: the watchdog ends a pool
+    // whose ranks wait on each other (status 3), or the run drains and the end-of-run check names
+    // the requests a rank still holds (status 4). Either way the run fails and requests are lost.
+    let stderr = String::from_utf8_lossy(&without.stderr);
     let r = report(dir.path());
+    match without.status.code() {
+        Some(3) => assert_eq!(r["stalled"], true, "a stall writes a partial report: {stderr}"),
+        Some(4) => assert!(stderr.contains("still held at the end of the run"), "{stderr}"),
+        other => panic!("expected a stall (3) or a failed end-of-run check (4), got {other:?}: {stderr}"),
+    }
     assert!(r["completed"].as_u64().unwrap() < 30, "requests were lost: {r}");
 }
 
