@@ -25,31 +25,9 @@ pub trait WeightSource {
     /// Whether the source holds `name` (for optional tensors: biases, tied heads, fused forms).
     fn contains(&self, name: &str) -> bool;
     /// Which of a MoE layer's `num_experts` routed experts to load: all of them, unless the
-    /// source serves one rank of an expert-parallel pool ([`ExpertShard`]).
+    /// source serves one rank of an expert-parallel pool
+    /// ([`ExpertShard`](crate::models::parts::moe::ExpertShard)).
     fn experts_to_load(&self, num_experts: usize) -> std::ops::Range<usize> {
         0..num_experts
-    }
-}
-
-/// The weights one rank of an expert-parallel pool loads: everything `inner` holds except the
-/// routed experts of other ranks (each MoE layer's experts split in contiguous ranges,
-/// [`crate::models::parts::moe::expert_range`]).
-pub struct ExpertShard<'a> {
-    pub inner: &'a dyn WeightSource,
-    pub rank: usize,
-    pub ranks: usize,
-}
-
-impl WeightSource for ExpertShard<'_> {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
-        self.inner.tensor(name, shape)
-    }
-
-    fn contains(&self, name: &str) -> bool {
-        self.inner.contains(name)
-    }
-
-    fn experts_to_load(&self, num_experts: usize) -> std::ops::Range<usize> {
-        crate::models::parts::moe::expert_range(num_experts, self.rank, self.ranks)
     }
 }

@@ -5,7 +5,8 @@
 //! A launch runs the kernel's blocks one after another, each block's threads as fibers (see the
 //! header). Device memory is host memory: a "device pointer" is an address in this process.
 
-use super::gpu::{kernel_names, CudaError, COMMON, SOURCES};
+use super::error::CudaError;
+use super::sources::{kernel_names, COMMON, SOURCES};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 

@@ -5,46 +5,16 @@
 //! the host waits for the device (`host_waits`: the step path must never add to it).
 
 use super::emulate::Emulator;
-use super::graph::{HostCapture, HostOp};
+use super::error::CudaError;
+use super::host_capture::{HostCapture, HostOp};
+use super::launch::Arg;
+use super::sources::{compile_sources, kernel_names, SOURCES};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-
-/// `kernels/cuda/common.cuh`: put before each source (see there).
-pub const COMMON: &str = include_str!("../../cuda/common.cuh");
-
-/// The kernel sources, compiled at run time (the build needs no CUDA).
-pub const SOURCES: &[(&str, &str)] = &[
-    ("model.cu", include_str!("../../cuda/model.cu")),
-    ("bf16.cu", include_str!("../../cuda/bf16.cu")),
-    ("kv.cu", include_str!("../../cuda/kv.cu")),
-    ("linear.cu", include_str!("../../cuda/linear.cu")),
-    ("indexer.cu", include_str!("../../cuda/indexer.cu")),
-];
-
-/// What can go wrong bringing up or driving a GPU.
-#[derive(Debug, thiserror::Error)]
-pub enum CudaError {
-    #[error(
-        "no CUDA driver: the library libcuda.so could not be loaded (is there an NVIDIA GPU and driver on this \
-         machine? is LD_LIBRARY_PATH right?)"
-    )]
-    NoDriver,
-    #[error(
-        "no NVRTC: the library libnvrtc.so (CUDA 13) could not be loaded, and the kernels are compiled at run time"
-    )]
-    NoNvrtc,
-    #[error("no GPU {asked}: this machine has {visible} visible (CUDA_VISIBLE_DEVICES)")]
-    NoSuchGpu { asked: usize, visible: usize },
-    #[error("GPU {gpu}: {what}: {message}")]
-    Driver { gpu: usize, what: String, message: String },
-    #[error("NVRTC could not compile kernels/cuda/{file} for {arch}: {log}")]
-    Compile { file: String, arch: String, log: String },
-    #[error("{0}")]
-    Unsupported(String),
-}
+use std::sync::{Arc, OnceLock};
 
 /// Whether the CUDA driver library can be loaded here (no GPU call is made).
 pub fn driver_present() -> bool {
@@ -81,16 +51,6 @@ fn guarded<T>(gpu: usize, what: &str, f: impl FnOnce() -> Result<T, result::Driv
     }
 }
 
-/// A kernel argument.
-#[derive(Clone, Copy, Debug)]
-pub enum Arg {
-    /// A device pointer (0: null).
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
 /// The compiled kernels of one device, by name.
 pub(super) struct Kernels {
     functions: HashMap<String, CudaFunction>,
@@ -100,7 +60,7 @@ pub(super) struct Kernels {
 /// Kernels compiled per device ordinal, once per process.
 fn kernels_of(ctx: &Arc<CudaContext>, gpu: usize) -> Result<Arc<Kernels>, CudaError> {
     static COMPILED: OnceLock<Mutex<HashMap<usize, Arc<Kernels>>>> = OnceLock::new();
-    let mut compiled = COMPILED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut compiled = COMPILED.get_or_init(Default::default).lock();
     if let Some(k) = compiled.get(&gpu) {
         return Ok(k.clone());
     }
@@ -118,53 +78,6 @@ fn kernels_of(ctx: &Arc<CudaContext>, gpu: usize) -> Result<Arc<Kernels>, CudaEr
     let k = Arc::new(Kernels { functions, arch });
     compiled.insert(gpu, k.clone());
     Ok(k)
-}
-
-/// Whether NVRTC can be loaded here (it needs no GPU).
-pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to dlopen the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// Compiles every source of [`SOURCES`] to PTX for `arch` (`compute_90`): needs NVRTC, not a GPU.
-pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>, CudaError> {
-    if !nvrtc_present() {
-        return Err(CudaError::NoNvrtc);
-    }
-    SOURCES
-        .iter()
-        .map(|(file, source)| {
-            let opts = cudarc::nvrtc::CompileOptions {
-                options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()],
-                name: Some(file.to_string()),
-                ..Default::default()
-            };
-            let source = format!("{COMMON}\n{source}");
-            match std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts)) {
-                Ok(Ok(ptx)) => Ok((*file, ptx)),
-                Ok(Err(e)) => {
-                    Err(CudaError::Compile { file: file.to_string(), arch: arch.to_string(), log: format!("{e:?}") })
-                }
-                Err(_) => Err(CudaError::NoNvrtc),
-            }
-        })
-        .collect()
-}
-
-/// The `extern "C" __global__` functions a source defines, in order.
-pub fn kernel_names(source: &str) -> Vec<String> {
-    source
-        .split("extern \"C\" __global__ void ")
-        .skip(1)
-        .filter_map(|rest| {
-            // `__launch_bounds__(..) name(`: the name follows the bounds
-            let rest = match rest.strip_prefix("__launch_bounds__(") {
-                Some(bounded) => bounded.split_once(") ").map_or(bounded, |(_, after)| after),
-                None => rest,
-            };
-            rest.split('(').next().map(|n| n.trim().to_string())
-        })
-        .collect()
 }
 
 /// Where a [`Gpu`]'s work runs.
@@ -289,10 +202,7 @@ impl Gpu {
                     .functions
                     .get(name)
                     .ok_or_else(|| CudaError::Unsupported(format!("no kernel {name} in kernels/cuda")))?;
-                let mut profile = self
-                    .profiling
-                    .load(Ordering::Relaxed)
-                    .then(|| self.profile.lock().unwrap_or_else(|e| e.into_inner()));
+                let mut profile = self.profiling.load(Ordering::Relaxed).then(|| self.profile.lock());
                 let timed = match profile.as_mut().and_then(|p| p.as_mut()) {
                     Some(launches) => {
                         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
@@ -322,7 +232,7 @@ impl Gpu {
                 Ok(())
             }
             Backend::Host(emu) => {
-                if let Some(capture) = self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                if let Some(capture) = self.host_capture.lock().as_mut() {
                     let (name, args) = (name.to_string(), args.to_vec());
                     capture.ops.push(HostOp::Launch { name, grid, block, smem, args });
                     return Ok(());
@@ -377,7 +287,7 @@ impl Gpu {
     /// graph's allocations are by the graph), and zeroed again at each replay when `zeroed`.
     fn host_buffer<T>(&self, len: usize, zeroed: bool) -> DeviceBuf<T> {
         let buf = DeviceBuf::host(len);
-        match self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        match self.host_capture.lock().as_mut() {
             Some(capture) => {
                 let bytes = (len * std::mem::size_of::<T>()).max(1);
                 if zeroed {
@@ -448,7 +358,7 @@ impl Gpu {
             Backend::Cuda { stream, .. } => unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }
                 .map_err(self.err("copying on the device")),
             Backend::Host(_) => {
-                if let Some(capture) = self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                if let Some(capture) = self.host_capture.lock().as_mut() {
                     capture.ops.push(HostOp::Copy { dst, src, bytes });
                     return Ok(());
                 }
@@ -514,7 +424,7 @@ impl Gpu {
     /// An emulated capture records device work only (a CUDA graph here would hold the copy,
     /// but no captured step makes one).
     fn refuse_in_capture(&self, what: &str) -> Result<(), CudaError> {
-        match self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        match self.host_capture.lock().is_some() {
             true => Err(CudaError::Unsupported(format!("{what} inside a captured step"))),
             false => Ok(()),
         }
@@ -522,7 +432,7 @@ impl Gpu {
 
     /// Starts timing every launch on the device (benches only: two events a launch).
     pub fn start_profile(&self) {
-        *self.profile.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        *self.profile.lock() = Some(Vec::new());
         self.profiling.store(true, Ordering::Relaxed);
     }
 
@@ -530,7 +440,7 @@ impl Gpu {
     /// [`Gpu::start_profile`], most time first (waits for the stream; empty when emulated).
     pub fn take_profile(&self) -> Result<KernelTimes, CudaError> {
         self.profiling.store(false, Ordering::Relaxed);
-        let launches = self.profile.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+        let launches = self.profile.lock().take().unwrap_or_default();
         let mut by_name: HashMap<String, (usize, f64)> = HashMap::new();
         for (name, start, end) in launches {
             let ms = start.elapsed_ms(&end).map_err(self.err("timing a kernel"))?;
@@ -681,46 +591,5 @@ impl<T> Drop for PinnedBuf<T> {
         // owner drops it only after the step that used it completed).
         let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
         let _ = &self.host;
-    }
-}
-
-/// Kernel launch shapes shared by the model and KV code.
-pub(crate) fn blocks_for(n: usize, per_block: usize) -> u32 {
-    n.div_ceil(per_block).max(1) as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The sources compile under NVRTC for Hopper (no GPU needed). Where NVRTC cannot be loaded
-    /// the check cannot run: it says so, and fails when `KVFLOW_REQUIRE_NVRTC` is set (CI sets
-    /// it, after installing NVRTC from PyPI).
-    #[test]
-    fn the_cuda_sources_compile_under_nvrtc_for_hopper() {
-        if !nvrtc_present() {
-            assert!(
-                std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),
-                "KVFLOW_REQUIRE_NVRTC is set and libnvrtc.so cannot be loaded (LD_LIBRARY_PATH?)"
-            );
-            eprintln!("NOT RUN: libnvrtc.so cannot be loaded here, so the CUDA sources were not compiled");
-            return;
-        }
-        let compiled = compile_sources("compute_90").unwrap_or_else(|e| panic!("{e}"));
-        for (file, ptx) in compiled {
-            let text = ptx.to_src();
-            let source = SOURCES.iter().find(|(f, _)| *f == file).map(|(_, s)| *s).unwrap();
-            for name in kernel_names(source) {
-                assert!(text.contains(&format!(".entry {name}(")), "{file}: no entry {name} in the PTX");
-            }
-        }
-    }
-
-    #[test]
-    fn kernel_names_are_read_from_the_sources() {
-        let names: Vec<String> = SOURCES.iter().flat_map(|(_, s)| kernel_names(s)).collect();
-        for expected in ["linear", "paged_attention", "sample_greedy", "pack_blocks", "unpack_blocks", "route"] {
-            assert!(names.iter().any(|n| n == expected), "no kernel {expected} in {names:?}");
-        }
     }
 }

@@ -23,11 +23,13 @@
 //! record as before (the rows' pinned copy), while the graph's rows and results buffers are
 //! reused only in stream order.
 
-use super::forward::{StepRows, StepShape, RESULT_WORDS};
-use super::gpu::{Arg, Backend, CudaError, DeviceBuf, Gpu, PinnedBuf};
+use super::error::CudaError;
+use super::gpu::{Backend, DeviceBuf, Gpu, PinnedBuf};
+use super::host_capture::{HostCapture, HostOp};
 use super::kv::DeviceKv;
+use super::model::DeviceModel;
+use super::rows::{StepRows, StepShape, RESULT_WORDS};
 use super::state::DeviceState;
-use super::weights::DeviceModel;
 use cudarc::driver::sys;
 use std::collections::{HashMap, HashSet};
 
@@ -37,20 +39,6 @@ const KEPT: usize = 16;
 
 /// Shapes remembered as seen once (then forgotten all at once: prefill shapes rarely repeat).
 const SEEN_AT_MOST: usize = 4096;
-
-/// What an emulated capture recorded, in order.
-pub(super) enum HostOp {
-    Launch { name: String, grid: (u32, u32, u32), block: u32, smem: u32, args: Vec<Arg> },
-    Zero { ptr: u64, bytes: usize },
-    Copy { dst: u64, src: u64, bytes: usize },
-}
-
-/// An emulated capture: its record and the scratch memory the record names.
-#[derive(Default)]
-pub(super) struct HostCapture {
-    pub(super) ops: Vec<HostOp>,
-    pub(super) memory: Vec<Vec<u128>>,
-}
 
 /// Work captured from the rank's stream, replayed on it.
 pub struct StepGraph(Recorded);
@@ -83,9 +71,9 @@ impl Gpu {
                 }
             }
             Backend::Host(_) => {
-                *self.host_capture.lock().unwrap_or_else(|e| e.into_inner()) = Some(HostCapture::default());
+                *self.host_capture.lock() = Some(HostCapture::default());
                 let enqueued = enqueue();
-                let capture = self.host_capture.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let capture = self.host_capture.lock().take();
                 enqueued?;
                 Ok(StepGraph(Recorded::Host(capture.unwrap_or_default())))
             }

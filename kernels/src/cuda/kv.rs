@@ -6,7 +6,9 @@
 //! The cache holds the executor's dtype (f32, or bf16: rounded as rows are written, widened as
 //! they are read); a packed buffer is always f32.
 
-use super::gpu::{Arg, CudaError, DeviceBuf, Gpu};
+use super::error::CudaError;
+use super::gpu::{DeviceBuf, Gpu};
+use super::launch::Arg;
 use super::weights::{bf16_bits, Dtype};
 use std::sync::Arc;
 

@@ -3,29 +3,53 @@
 //! a driver gets an error naming what is missing), a model's weights and paged KV in device
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
+//! Dependencies point one way: `error`, `sources`, `launch` ← `emulate`, `host_capture` ← `gpu`
+//! ← `weights`, `product`, `rows`, `kv`, `state` ← `parts` ← `model` ← `forward`, `graph`,
+//! `plain`.
+//!
+//! - [`error`]: what can go wrong ([`CudaError`]).
+//! - [`sources`]: the kernel sources, their kernels' names, NVRTC compilation.
+//! - [`launch`]: a launch's arguments and grid arithmetic.
 //! - [`gpu`]: the device, its stream, compiled kernels, buffers, the host-wait counter.
-//! - [`weights`]: a [`crate::models::Model`] uploaded (families mha, mla, sparse_mla, gdn, hybrid_gdn, hybrid_kda).
+//! - [`emulate`]: the same kernels on the CPU, for checks without a GPU.
+//! - `host_capture`: what an emulated capture records (the emulation's CUDA graph).
+//! - [`rows`]: a step's rows and shape, packed as the kernels read them.
+//! - [`product`]: how a product is launched.
+//! - [`weights`]: the dtype weights are held in on the device.
+//! - [`parts`]: one file per model part — its weights, their upload, its launches in a step.
+//! - [`model`]: a [`crate::models::Model`] uploaded (families mha, mla, sparse_mla, gdn, hybrid_gdn, hybrid_kda).
 //! - [`forward`]: one step enqueued, sampling on the device.
 //! - [`graph`]: a step shape's launches captured once into a CUDA graph, then replayed.
-//! - [`indexer`]: DeepSeek-V3.2's key selection within a step.
-//! - [`emulate`]: the same kernels on the CPU, for checks without a GPU.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
 //! - [`state`]: recurrent state slots and snapshots.
+//! - [`plain`]: one step at a time, waited for (the `--verify` reference).
 
 pub mod emulate;
+pub mod error;
 pub mod forward;
 pub mod gpu;
 pub mod graph;
-pub mod indexer;
+mod host_capture;
 pub mod kv;
+pub mod launch;
+pub mod model;
+pub mod parts;
 pub mod plain;
+pub mod product;
+pub mod rows;
+pub mod sources;
 pub mod state;
 pub mod weights;
 
-pub use forward::{RowsOnDevice, StepRows, StepShape, FROM_RING, NO_SLOT, RESULT_WORDS};
-pub use gpu::{driver_present, visible_gpus, Arg, CudaError, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
+pub use error::CudaError;
+pub use gpu::{driver_present, visible_gpus, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
 pub use graph::{GraphCounts, GraphKey, StepGraph, StepGraphs};
 pub use kv::{DeviceKv, SharedKv};
+pub use launch::Arg;
+pub use model::{unsupported, DeviceModel};
+/// DeepSeek-V3.2's key selection on the device (`cuda::indexer::torch_topk_on_device`).
+pub use parts::indexer;
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
+pub use rows::{RowsOnDevice, StepRows, StepShape, FROM_RING, NO_SLOT, RESULT_WORDS};
 pub use state::DeviceState;
-pub use weights::{bf16_bits, unsupported, DeviceModel, Dtype};
+pub use weights::{bf16_bits, Dtype};

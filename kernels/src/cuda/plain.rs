@@ -3,11 +3,12 @@
 //! token a step — the CUDA executor's own reference), and what the parity checks read logits
 //! from. Never a rank's step path.
 
-use super::forward::{StepRows, NO_SLOT, RESULT_WORDS};
-use super::gpu::{CudaError, DeviceBuf, Gpu};
+use super::error::CudaError;
+use super::gpu::{DeviceBuf, Gpu};
 use super::kv::DeviceKv;
+use super::model::DeviceModel;
+use super::rows::{StepRows, NO_SLOT, RESULT_WORDS};
 use super::state::DeviceState;
-use super::weights::DeviceModel;
 use crate::hash;
 
 /// One sampled row of a plain step.

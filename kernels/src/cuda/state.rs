@@ -6,7 +6,9 @@
 //! stream in step order, like the step itself, and so are a handoff's copies of a slot out (after
 //! the step that reaches the prompt boundary) and in (before the step that feeds T0).
 
-use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu, PinnedBuf};
+use super::error::CudaError;
+use super::gpu::{DeviceBuf, Gpu, PinnedBuf};
+use super::launch::{blocks_for, Arg};
 
 pub struct DeviceState {
     slots: DeviceBuf<f32>,

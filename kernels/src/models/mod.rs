@@ -30,7 +30,8 @@ pub use family::{Family, FamilyInfo, FAMILIES};
 pub use size::{available_memory, human_bytes, ModelSize};
 
 use crate::checkpoint::gguf::{gguf_config, GgufFile, GgufWeights};
-use crate::checkpoint::{ConfigSource, ExpertShard, LoadError, ModelSpec, SafetensorsDir, WeightSource};
+use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
+use parts::moe::ExpertShard;
 use std::path::Path;
 
 /// The family of a config's `model_type`.

@@ -29,6 +29,29 @@ pub fn expert_owner(num_experts: usize, expert: usize, ranks: usize) -> usize {
     (0..ranks).find(|&r| expert_range(num_experts, r, ranks).contains(&expert)).unwrap_or(0)
 }
 
+/// The weights one rank of an expert-parallel pool loads: everything `inner` holds except the
+/// routed experts of other ranks (each MoE layer's experts split in contiguous ranges,
+/// [`expert_range`]).
+pub struct ExpertShard<'a> {
+    pub inner: &'a dyn WeightSource,
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl WeightSource for ExpertShard<'_> {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
+        self.inner.tensor(name, shape)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+
+    fn experts_to_load(&self, num_experts: usize) -> std::ops::Range<usize> {
+        expert_range(num_experts, self.rank, self.ranks)
+    }
+}
+
 /// How router logits become expert scores.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Scoring {

@@ -1,18 +1,44 @@
 //! The host side of DeepSeek-V3.2's DSA indexer on the device (`kernels/cuda/indexer.cu`; the
 //! CPU executor's is `models::parts::indexer`): index keys into the cache rows, then per row its
 //! scores and the keys it attends to, chosen as torch's CPU top-k chooses them. Part of a step
-//! ([`super::forward`]): enqueued on the rank's stream, never waited for.
+//! ([`crate::cuda::forward`]): enqueued on the rank's stream, never waited for.
 
-use super::forward::{reduce_threads, Step};
-use super::gpu::{blocks_for, Arg, CudaError, DeviceBuf, Gpu};
-use super::weights::DevIndexer;
+use super::attention::Selection;
+use super::layers::{self, DevLinear, DevRope};
+use super::Step;
+use crate::cuda::error::CudaError;
+use crate::cuda::gpu::{DeviceBuf, Gpu};
+use crate::cuda::launch::{blocks_for, reduce_threads, Arg};
+use crate::cuda::weights::Up;
+use crate::models::parts::indexer::Indexer;
 
-/// The keys each row attends to, as DeepSeek-V3.2's indexer picked them (`index_topk`): per row
-/// a count (−1: all it sees) and up to `stride` ascending positions.
-pub(super) struct Selection {
-    pub(super) selected: DeviceBuf<i32>,
-    pub(super) counts: DeviceBuf<i32>,
-    pub(super) stride: usize,
+/// DeepSeek-V3.2's DSA indexer of one layer. Its index key sits after the latent and rope key
+/// in each cache row.
+pub(crate) struct DevIndexer {
+    pub wq_b: DevLinear,
+    pub wk: DevLinear,
+    pub k_norm_weight: DeviceBuf<f32>,
+    pub k_norm_bias: DeviceBuf<f32>,
+    pub weights_proj: DevLinear,
+    /// Rotate-half, on the first `qk_rope_head_dim` dims of index queries and keys.
+    pub rope: DevRope,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub topk: usize,
+}
+
+pub(crate) fn upload(gpu: &Up, ix: &Indexer) -> Result<DevIndexer, CudaError> {
+    Ok(DevIndexer {
+        wq_b: layers::linear(gpu, &ix.wq_b)?,
+        wk: layers::linear(gpu, &ix.wk)?,
+        k_norm_weight: gpu.upload(&ix.k_norm_weight)?,
+        k_norm_bias: gpu.upload(&ix.k_norm_bias)?,
+        weights_proj: layers::linear(gpu, &ix.weights_proj)?,
+        rope: layers::rope(gpu, &ix.rope)?,
+        heads: ix.heads,
+        head_dim: ix.head_dim,
+        topk: ix.topk,
+    })
 }
 
 impl Step<'_> {

@@ -1,0 +1,208 @@
+//! A step's rows as the kernels read them: [`StepRows`] built on the host (tokens, positions,
+//! sequences, block tables, sampling rows, state slots, prompt lengths), packed into one array
+//! whose parts sit at the same offsets in every step of a [`StepShape`], and where each part lands
+//! on the device ([`RowsOnDevice`]).
+
+/// The high bit of a fed token: the rest is a slot of the sampled-token ring.
+pub const FROM_RING: u32 = 0x8000_0000;
+
+/// u32 words of one sampled row in a step's results: token, finite flag, hash low, hash high.
+pub const RESULT_WORDS: usize = 4;
+
+/// A step's rows as the kernels read them (host side; uploaded as one array).
+#[derive(Clone, Debug, Default)]
+pub struct StepRows {
+    /// Per row: a token id, or `FROM_RING | slot`.
+    pub tokens: Vec<u32>,
+    pub positions: Vec<u32>,
+    /// Per row: the sequence it belongs to.
+    pub seqs: Vec<u32>,
+    /// Per row: the cache row its own key and value go to.
+    pub write_rows: Vec<u32>,
+    /// Every sequence's block table, one after another.
+    pub tables: Vec<u32>,
+    /// Per sequence: where its table starts in `tables`.
+    pub table_at: Vec<u32>,
+    /// Rows that sample, and the ring slot each one's token goes to.
+    pub logit_rows: Vec<u32>,
+    pub ring_slots: Vec<u32>,
+    /// Per sequence: its first row (its rows are contiguous, in position order) and its state
+    /// slot ([`NO_SLOT`]: none).
+    pub row_at: Vec<u32>,
+    pub slots: Vec<u32>,
+    /// Per sequence: its request's prompt length (DeepSeek-V3.2's indexer ranks a prompt row's
+    /// keys in a row as long as the prompt; see `kernels/cuda/indexer.cu`).
+    pub prompt_lens: Vec<u32>,
+}
+
+/// The sizes a step's launches are built from. Two steps of one shape enqueue the same launches
+/// with the same arguments when their rows sit at the same device addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StepShape {
+    pub rows: usize,
+    pub seqs: usize,
+    pub sampled: usize,
+    /// The longest index row: attention cuts keys into `index_row / KEY_SPLIT` parts (rounded
+    /// up), DeepSeek-V3.2's indexer scores rows this long.
+    pub index_row: usize,
+}
+
+impl StepShape {
+    /// Attention's key parts for this shape.
+    pub fn key_parts(&self) -> usize {
+        self.index_row.div_ceil(KEY_SPLIT).max(1)
+    }
+}
+
+/// `paged_attention` (`kernels/cuda/model.cu`) cuts a row's keys into parts of this many, merged
+/// by `attention_merge`: a shape's key parts ([`StepShape::key_parts`]).
+pub(super) const KEY_SPLIT: usize = 64;
+
+/// A sequence without a state slot.
+pub const NO_SLOT: u32 = u32::MAX;
+
+/// Device addresses of an uploaded [`StepRows`].
+#[derive(Clone, Copy, Debug)]
+pub struct RowsOnDevice {
+    pub(super) tokens: u64,
+    pub(super) positions: u64,
+    pub(super) seqs: u64,
+    pub(super) write_rows: u64,
+    pub(super) tables: u64,
+    pub(super) table_at: u64,
+    pub(super) logit_rows: u64,
+    pub(super) ring_slots: u64,
+    pub(super) row_at: u64,
+    pub(super) slots: u64,
+    pub(super) prompt_lens: u64,
+}
+
+impl StepRows {
+    /// Adds a sequence: its fed tokens (ring-encoded where in flight) from `start_pos`, its block
+    /// table, and the ring slot of its sample if it samples. Its prompt is taken to end with
+    /// these tokens unless [`StepRows::prompt_len`] says otherwise (a prompt fed in chunks).
+    pub fn push_seq(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        table: &[u32],
+        block_size: usize,
+        sample: Option<u32>,
+    ) -> &mut Self {
+        let seq = self.table_at.len() as u32;
+        self.table_at.push(self.tables.len() as u32);
+        self.tables.extend_from_slice(table);
+        self.row_at.push(self.tokens.len() as u32);
+        self.slots.push(NO_SLOT);
+        self.prompt_lens.push((start_pos + tokens.len()) as u32);
+        for (i, &t) in tokens.iter().enumerate() {
+            let pos = start_pos + i;
+            self.tokens.push(t);
+            self.positions.push(pos as u32);
+            self.seqs.push(seq);
+            // A family without paged KV has no table: nothing is written.
+            let row = table.get(pos / block_size).map_or(0, |b| b * block_size as u32 + (pos % block_size) as u32);
+            self.write_rows.push(row);
+        }
+        if let Some(slot) = sample {
+            self.logit_rows.push(self.tokens.len() as u32 - 1);
+            self.ring_slots.push(slot);
+        }
+        self
+    }
+
+    /// Gives the sequence pushed last the state slot `slot`.
+    pub fn in_slot(&mut self, slot: u32) -> &mut Self {
+        if let Some(last) = self.slots.last_mut() {
+            *last = slot;
+        }
+        self
+    }
+
+    /// Gives the sequence pushed last a prompt of `len` tokens.
+    pub fn prompt_len(&mut self, len: usize) -> &mut Self {
+        if let Some(last) = self.prompt_lens.last_mut() {
+            *last = len as u32;
+        }
+        self
+    }
+
+    /// What the host side of [`DeviceModel::enqueue_step`] reads of these rows: every launch's
+    /// grid, scalar and scratch size follows from it (the rest is read on the device).
+    pub fn shape(&self) -> StepShape {
+        StepShape { rows: self.rows(), seqs: self.num_seqs(), sampled: self.sampled(), index_row: self.index_row_len() }
+    }
+
+    /// Words of the packed rows before the tables (fixed by the shape).
+    pub fn words_before_tables(&self) -> usize {
+        self.words() - self.tables.len()
+    }
+
+    /// The longest index row of the step (the indexer's scores per row): max(prompt length,
+    /// position + 1) over the rows.
+    fn index_row_len(&self) -> usize {
+        let seq_len = |r: usize| self.prompt_lens[self.seqs[r] as usize] as usize;
+        (0..self.rows()).map(|r| seq_len(r).max(self.positions[r] as usize + 1)).max().unwrap_or(0)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.row_at.len()
+    }
+
+    pub fn sampled(&self) -> usize {
+        self.logit_rows.len()
+    }
+
+    /// The parts in the order they are packed: every part's length is fixed by the step's
+    /// shape except the tables', which go last, so a captured step (`graph.rs`) finds each part
+    /// at the same address in every step of its shape.
+    fn parts(&self) -> [&[u32]; 11] {
+        [
+            &self.tokens,
+            &self.positions,
+            &self.seqs,
+            &self.write_rows,
+            &self.table_at,
+            &self.logit_rows,
+            &self.ring_slots,
+            &self.row_at,
+            &self.slots,
+            &self.prompt_lens,
+            &self.tables,
+        ]
+    }
+
+    /// Words the rows take packed.
+    pub fn words(&self) -> usize {
+        self.parts().iter().map(|p| p.len()).sum()
+    }
+
+    /// Packs the rows into `out` (at least [`StepRows::words`] long) and returns where each part
+    /// will sit once `out` is copied to device address `base`.
+    pub fn pack(&self, out: &mut [u32], base: u64) -> RowsOnDevice {
+        let mut at = 0;
+        let mut addr = [0u64; 11];
+        for (i, part) in self.parts().iter().enumerate() {
+            out[at..at + part.len()].copy_from_slice(part);
+            addr[i] = base + 4 * at as u64;
+            at += part.len();
+        }
+        RowsOnDevice {
+            tokens: addr[0],
+            positions: addr[1],
+            seqs: addr[2],
+            write_rows: addr[3],
+            table_at: addr[4],
+            logit_rows: addr[5],
+            ring_slots: addr[6],
+            row_at: addr[7],
+            slots: addr[8],
+            prompt_lens: addr[9],
+            tables: addr[10],
+        }
+    }
+}
