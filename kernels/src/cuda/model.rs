@@ -16,7 +16,7 @@ use super::parts::layers::{self, DevLinear, DevMlp, DevNorm};
 use super::parts::mla::{self, DevMla};
 use super::parts::moe::{self, DevMoe};
 use super::weights::{Dtype, Up};
-use crate::models::decoder::{Ffn, Mixer};
+use crate::models::layer::{Ffn, Mixer};
 use crate::models::{Family, Model};
 
 // Built once per layer at load: the size of a variant costs nothing.

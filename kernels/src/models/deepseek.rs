@@ -8,8 +8,9 @@
 //! `config.json`.
 
 use super::config::{check_eps, check_routing, check_silu, checked_rope, RoutingFields};
-use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
+use super::decoder::Model;
 use super::family::Family;
+use super::layer::{DecoderLayer, Ffn, Mixer};
 use super::parts::indexer::{load_indexer, IndexerDims};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::parts::mla::{load_mla, MlaDims};

@@ -6,8 +6,9 @@
 //! `config.json` (Moonshot's names, with transformers' aliases).
 
 use super::config::{check_eps, check_routing, check_silu, RoutingFields};
-use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
+use super::decoder::Model;
 use super::family::Family;
+use super::layer::{DecoderLayer, Ffn, Mixer};
 use super::parts::kda::{kda_params, load_kda};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::parts::mla::{load_mla, MlaDims};

@@ -4,8 +4,9 @@
 //! as in `config.json`.
 
 use super::config::{check_eps, check_silu, checked_rope};
-use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
+use super::decoder::Model;
 use super::family::Family;
+use super::layer::{DecoderLayer, Ffn, Mixer};
 use super::parts::gqa::{gqa_params, load_gqa, QkNorm};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::size::ModelSize;

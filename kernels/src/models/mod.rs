@@ -2,7 +2,8 @@
 //! `model_type` from a checkpoint folder or a seeded spec.
 //!
 //! Dependencies point one way: [`parts`] (attention, linear-attention, MoE and basic layers) ←
-//! `decoder` (the layer stack and the step) ← the family files (`mha`, `deepseek`, `qwen3_next`,
+//! `layer` (one decoder layer) ← `mtp` (the drafter) ← `decoder` (the model) ← `step` (a step
+//! through it, whole or in phases) and the family files (`mha`, `deepseek`, `qwen3_next`,
 //! `kimi_linear`), which turn a `config.json` into parts and a [`Model`] and never import each
 //! other; `config` holds what several families' configs share. Each family's `Config::read`
 //! validates its config once, before any weight is read, and `size` estimates the model's
@@ -16,6 +17,7 @@ pub mod deepseek;
 mod expert_parallel_tests;
 mod family;
 pub mod kimi_linear;
+pub(crate) mod layer;
 #[cfg(test)]
 mod load_tests;
 pub mod mha;
@@ -23,11 +25,14 @@ pub mod mtp;
 pub mod parts;
 pub mod qwen3_next;
 mod size;
+mod step;
 
 pub use batch::{BatchLayout, ForwardOutput, LogitsWanted, SeqInput};
-pub use decoder::{check_context, Model, ModelCache, Phase, RoutedRows, StepActivations};
+pub use decoder::{check_context, Model};
 pub use family::{Family, FamilyInfo, FAMILIES};
+pub use layer::{ModelCache, RoutedRows};
 pub use size::{available_memory, human_bytes, ModelSize};
+pub use step::{Phase, StepActivations};
 
 use crate::checkpoint::gguf::{gguf_config, GgufFile, GgufWeights};
 use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};

@@ -12,7 +12,7 @@
 //! feed the layer's own output hidden state back as `h`.
 
 use super::batch::{BatchLayout, ForwardOutput, SeqInput};
-use super::decoder::{add_into, CacheBinding, DecoderLayer, Ffn, ModelCache, PendingMoe, RoutedRows};
+use super::layer::{add_into, CacheBinding, DecoderLayer, Ffn, ModelCache, PendingMoe, RoutedRows};
 use super::parts::layers::{Linear, RmsNorm};
 use crate::checkpoint::{LoadError, WeightSource};
 

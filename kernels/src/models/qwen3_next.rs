@@ -6,8 +6,9 @@
 //! a sigmoid-gated shared expert. Config fields are named as in `config.json`.
 
 use super::config::{check_eps, check_routing, check_silu, checked_rope, RoutingFields};
-use super::decoder::{DecoderLayer, Ffn, Mixer, Model};
+use super::decoder::Model;
 use super::family::Family;
+use super::layer::{DecoderLayer, Ffn, Mixer};
 use super::parts::gated_delta::{load_gdn, GdnDims};
 use super::parts::gqa::{gqa_params, load_gqa, QkNorm};
 use super::parts::layers::{Linear, Mlp, RmsNorm};
