@@ -7,14 +7,14 @@
 //! may list each layer's feed-forward kind in `mlp_layer_types`. Config fields are named as in
 //! `config.json`.
 
-use super::config::{check_eps, check_routing, check_silu, checked_rope, RoutingFields};
+use super::config::{checked_rope, RoutingFields};
 use super::decoder::Model;
 use super::family::Family;
 use super::layer::{DecoderLayer, Ffn, Mixer};
+use super::mla_moe::{MlaStack, SigmoidMoeConfig};
 use super::parts::indexer::{load_indexer, IndexerDims};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::parts::mla::{load_mla, MlaDims};
-use super::parts::moe::{moe_params, MoeBlock, Routing, Scoring, SigmoidMoe};
 use super::size::ModelSize;
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource, ROPE_KEYS};
 use crate::cpu::rope::{Rope, RopeStyle};
@@ -82,29 +82,10 @@ impl Config {
     }
 
     fn validate(&self, cfg: &ConfigSource, sparse: bool) -> Result<(), LoadError> {
-        check_silu(cfg, &self.hidden_act)?;
-        for (field, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("kv_lora_rank", self.kv_lora_rank),
-            ("qk_nope_head_dim", self.qk_nope_head_dim),
-            ("qk_rope_head_dim", self.qk_rope_head_dim),
-            ("v_head_dim", self.v_head_dim),
-        ] {
-            cfg.dim(field, v)?;
-        }
-        cfg.layers("num_hidden_layers", self.num_hidden_layers)?;
-        cfg.opt_dim("q_lora_rank", self.q_lora_rank)?;
-        cfg.count("first_k_dense_replace", self.first_k_dense_replace)?;
-        check_eps(cfg, self.rms_norm_eps)?;
-        if mlp_is_dense(cfg, self, sparse)?.contains(&false) {
-            cfg.dim("moe_intermediate_size", self.moe_intermediate_size)?;
-            cfg.count("n_shared_experts", self.n_shared_experts.unwrap_or(0))?;
-            cfg.positive("routed_scaling_factor", self.routed_scaling_factor)?;
-            let (n, k) = (self.n_routed_experts, self.num_experts_per_tok);
-            check_routing(cfg, ROUTING_FIELDS, n, k, self.n_group, self.topk_group)?;
+        let stack = self.stack(sparse);
+        stack.check(cfg)?;
+        if stack.mlp_is_dense(cfg)?.contains(&false) {
+            self.moe().check(cfg)?;
         }
         // transformers sets head_dim = qk_rope_head_dim for the rotary embedding.
         checked_rope(cfg, "qk_rope_head_dim", self.qk_rope_head_dim, self.qk_rope_head_dim)?;
@@ -117,9 +98,8 @@ impl Config {
     /// The parameters of this config's model, by term.
     pub fn size(&self, cfg: &ConfigSource, sparse: bool) -> Result<ModelSize, LoadError> {
         let (layers, hidden) = (self.num_hidden_layers, self.hidden_size);
-        let dense = mlp_is_dense(cfg, self, sparse)?.iter().filter(|d| **d).count();
-        let shared = self.moe_intermediate_size * self.n_shared_experts.unwrap_or(0);
-        let experts = moe_params(hidden, self.n_routed_experts, self.moe_intermediate_size, shared);
+        let dense = self.stack(sparse).mlp_is_dense(cfg)?.iter().filter(|d| **d).count();
+        let experts = self.moe().params(hidden);
         let mut size = ModelSize::default();
         size.add("vocab_size × hidden_size × 2 (embeddings, LM head)", self.vocab_size, 2 * hidden as u128)
             .add(
@@ -147,6 +127,37 @@ impl Config {
         }
         Ok(size)
     }
+
+    /// The stack's fields as both latent-attention families read them; deepseek_v32 alone reads
+    /// `mlp_layer_types` (deepseek_v3 only `first_k_dense_replace`, as transformers does).
+    fn stack(&self, sparse: bool) -> MlaStack<'_> {
+        MlaStack {
+            hidden_act: &self.hidden_act,
+            vocab_size: self.vocab_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            first_k_dense_replace: self.first_k_dense_replace,
+            rms_norm_eps: self.rms_norm_eps,
+            mlp_layer_types: self.mlp_layer_types.as_deref().filter(|_| sparse),
+            mla: dims(self),
+        }
+    }
+
+    /// The MoE layers under DeepSeek's names.
+    fn moe(&self) -> SigmoidMoeConfig {
+        SigmoidMoeConfig {
+            routing_fields: ROUTING_FIELDS,
+            shared_experts_field: "n_shared_experts",
+            moe_intermediate_size: self.moe_intermediate_size,
+            num_experts: self.n_routed_experts,
+            top_k: self.num_experts_per_tok,
+            n_group: self.n_group,
+            topk_group: self.topk_group,
+            shared_experts: self.n_shared_experts.unwrap_or(0),
+            norm_topk_prob: self.norm_topk_prob,
+            routed_scaling_factor: self.routed_scaling_factor,
+        }
+    }
 }
 
 /// The fields of DeepSeek's expert routing.
@@ -164,7 +175,7 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
     let rope = Rope::new(inv_freq, attention_scaling, style);
     let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5) * rope_params.softmax_scale_correction();
     let index_dims = if sparse { Some(indexer_dims(cfg, &c)?) } else { None };
-    let dense = mlp_is_dense(cfg, &c, sparse)?;
+    let dense = c.stack(sparse).mlp_is_dense(cfg)?;
     let layer = |l: usize, is_dense: bool| -> Result<DecoderLayer, LoadError> {
         let p = format!("model.layers.{l}");
         let indexer = match index_dims {
@@ -180,7 +191,7 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource, sparse: bool) -> Result<M
         let ffn = if is_dense {
             Ffn::Dense(Mlp::load(w, &format!("{p}.mlp"), hidden, c.intermediate_size, false)?)
         } else {
-            Ffn::Moe(Box::new(deepseek_moe(w, &format!("{p}.mlp"), &c)?))
+            Ffn::Moe(Box::new(c.moe().load(w, &format!("{p}.mlp"), hidden, ["gate_proj", "up_proj", "down_proj"])?))
         };
         Ok(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
@@ -219,27 +230,6 @@ fn indexer_dims(cfg: &ConfigSource, c: &Config) -> Result<IndexerDims, LoadError
     })
 }
 
-/// Whether each layer's feed-forward is dense (else MoE). deepseek_v32 reads `mlp_layer_types`;
-/// deepseek_v3 only `first_k_dense_replace`, as transformers does.
-fn mlp_is_dense(cfg: &ConfigSource, c: &Config, sparse: bool) -> Result<Vec<bool>, LoadError> {
-    match c.mlp_layer_types.as_ref().filter(|_| sparse) {
-        Some(types) => {
-            cfg.one_per_layer("mlp_layer_types", types.len(), c.num_hidden_layers)?;
-            types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "dense" => Ok(true),
-                    "sparse" => Ok(false),
-                    other => {
-                        Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\"")))
-                    }
-                })
-                .collect()
-        }
-        None => Ok((0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect()),
-    }
-}
-
 fn dims(c: &Config) -> MlaDims {
     MlaDims {
         hidden: c.hidden_size,
@@ -250,25 +240,4 @@ fn dims(c: &Config) -> MlaDims {
         rope_dim: c.qk_rope_head_dim,
         v_dim: c.v_head_dim,
     }
-}
-
-fn deepseek_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
-    SigmoidMoe {
-        prefix,
-        hidden: c.hidden_size,
-        inter: c.moe_intermediate_size,
-        expert_names: ["gate_proj", "up_proj", "down_proj"],
-        shared_inter: c.moe_intermediate_size * c.n_shared_experts.unwrap_or(0),
-        routing: Routing {
-            num_experts: c.n_routed_experts,
-            top_k: c.num_experts_per_tok,
-            scoring: Scoring::Sigmoid,
-            correction_bias: None,
-            n_group: c.n_group,
-            topk_group: c.topk_group,
-            norm_topk_prob: c.norm_topk_prob,
-            scaling: c.routed_scaling_factor as f32,
-        },
-    }
-    .load(w)
 }

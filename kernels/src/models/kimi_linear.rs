@@ -5,14 +5,14 @@
 //! weights, an ungated shared expert), plain RMSNorms. Config fields are named as in
 //! `config.json` (Moonshot's names, with transformers' aliases).
 
-use super::config::{check_eps, check_routing, check_silu, RoutingFields};
+use super::config::RoutingFields;
 use super::decoder::Model;
 use super::family::Family;
 use super::layer::{DecoderLayer, Ffn, Mixer};
+use super::mla_moe::{MlaStack, SigmoidMoeConfig};
 use super::parts::kda::{kda_params, load_kda};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::parts::mla::{load_mla, MlaDims};
-use super::parts::moe::{moe_params, MoeBlock, Routing, Scoring, SigmoidMoe};
 use super::size::ModelSize;
 use crate::checkpoint::{keys_of, ConfigSource, LoadError, WeightSource};
 use serde::Deserialize;
@@ -154,23 +154,8 @@ impl Config {
     }
 
     fn validate(&self, cfg: &ConfigSource) -> Result<(), LoadError> {
-        check_silu(cfg, &self.hidden_act)?;
-        for (field, v) in [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("kv_lora_rank", self.kv_lora_rank),
-            ("qk_nope_head_dim", self.qk_nope_head_dim),
-            ("qk_rope_head_dim", self.qk_rope_head_dim),
-            ("v_head_dim", self.v_head_dim),
-        ] {
-            cfg.dim(field, v)?;
-        }
-        cfg.layers("num_hidden_layers", self.num_hidden_layers)?;
-        cfg.opt_dim("q_lora_rank", self.q_lora_rank)?;
-        cfg.count("first_k_dense_replace", self.first_k_dense_replace)?;
-        check_eps(cfg, self.rms_norm_eps)?;
+        let stack = self.stack();
+        stack.check(cfg)?;
         if self.num_key_value_heads.is_some_and(|k| k != self.num_attention_heads) {
             return Err(
                 cfg.error("num_key_value_heads", "Kimi Linear's MLA needs num_key_value_heads == num_attention_heads")
@@ -181,12 +166,8 @@ impl Config {
         cfg.dim("linear_attn_config.head_dim", head_dim)?;
         cfg.dim("linear_attn_config.short_conv_kernel_size", kernel)?;
         layer_is_linear(cfg, self)?;
-        if mlp_is_dense(cfg, self)?.contains(&false) {
-            cfg.dim("moe_intermediate_size", self.moe_intermediate_size)?;
-            cfg.count("num_shared_experts", self.num_shared_experts)?;
-            cfg.positive("routed_scaling_factor", self.routed_scaling_factor)?;
-            let (n, k) = (self.num_experts, self.num_experts_per_token);
-            check_routing(cfg, ROUTING_FIELDS, n, k, self.num_expert_group, self.topk_group)?;
+        if stack.mlp_is_dense(cfg)?.contains(&false) {
+            self.moe().check(cfg)?;
         }
         Ok(())
     }
@@ -200,6 +181,36 @@ impl Config {
             l.head_dim.or(self.linear_head_dim).unwrap_or(128),
             l.short_conv_kernel_size.or(self.linear_conv_kernel_dim).unwrap_or(4),
         )
+    }
+
+    /// The stack's fields as both latent-attention families read them.
+    fn stack(&self) -> MlaStack<'_> {
+        MlaStack {
+            hidden_act: &self.hidden_act,
+            vocab_size: self.vocab_size,
+            intermediate_size: self.intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            first_k_dense_replace: self.first_k_dense_replace,
+            rms_norm_eps: self.rms_norm_eps,
+            mlp_layer_types: self.mlp_layer_types.as_deref(),
+            mla: self.mla_dims(),
+        }
+    }
+
+    /// The MoE layers under Kimi Linear's names.
+    fn moe(&self) -> SigmoidMoeConfig {
+        SigmoidMoeConfig {
+            routing_fields: ROUTING_FIELDS,
+            shared_experts_field: "num_shared_experts",
+            moe_intermediate_size: self.moe_intermediate_size,
+            num_experts: self.num_experts,
+            top_k: self.num_experts_per_token,
+            n_group: self.num_expert_group,
+            topk_group: self.topk_group,
+            shared_experts: self.num_shared_experts,
+            norm_topk_prob: self.moe_renormalize,
+            routed_scaling_factor: self.routed_scaling_factor,
+        }
     }
 
     fn mla_dims(&self) -> MlaDims {
@@ -218,10 +229,9 @@ impl Config {
     pub fn size(&self, cfg: &ConfigSource) -> Result<ModelSize, LoadError> {
         let (layers, hidden) = (self.num_hidden_layers, self.hidden_size);
         let linear = layer_is_linear(cfg, self)?.iter().filter(|l| **l).count();
-        let dense = mlp_is_dense(cfg, self)?.iter().filter(|d| **d).count();
+        let dense = self.stack().mlp_is_dense(cfg)?.iter().filter(|d| **d).count();
         let (heads, head_dim, kernel) = self.kda_sizes();
-        let shared = self.moe_intermediate_size * self.num_shared_experts;
-        let experts = moe_params(hidden, self.num_experts, self.moe_intermediate_size, shared);
+        let experts = self.moe().params(hidden);
         let mut size = ModelSize::default();
         size.add("vocab_size × hidden_size × 2 (embeddings, LM head)", self.vocab_size, 2 * hidden as u128)
             .add(
@@ -252,34 +262,13 @@ impl Config {
 /// The fields of Kimi Linear's expert routing.
 const ROUTING_FIELDS: RoutingFields = ["num_experts", "num_experts_per_token", "num_expert_group", "topk_group"];
 
-/// Whether each layer's feed-forward is dense (else MoE): `mlp_layer_types`, else the first
-/// `first_k_dense_replace` layers.
-fn mlp_is_dense(cfg: &ConfigSource, c: &Config) -> Result<Vec<bool>, LoadError> {
-    match &c.mlp_layer_types {
-        Some(types) => {
-            cfg.one_per_layer("mlp_layer_types", types.len(), c.num_hidden_layers)?;
-            types
-                .iter()
-                .map(|t| match t.as_str() {
-                    "dense" => Ok(true),
-                    "sparse" => Ok(false),
-                    other => {
-                        Err(cfg.error("mlp_layer_types", format!("{other:?} is neither \"dense\" nor \"sparse\"")))
-                    }
-                })
-                .collect()
-        }
-        None => Ok((0..c.num_hidden_layers).map(|l| l < c.first_k_dense_replace).collect()),
-    }
-}
-
 /// Builds a kimi_linear model.
 pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadError> {
     let c = Config::read(cfg)?;
     let (hidden, eps) = (c.hidden_size, c.rms_norm_eps as f32);
     let linear = layer_is_linear(cfg, &c)?;
     let (heads, head_dim, kernel) = c.kda_sizes();
-    let dense = mlp_is_dense(cfg, &c)?;
+    let dense = c.stack().mlp_is_dense(cfg)?;
     let dims = c.mla_dims();
     let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f32).powf(-0.5);
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -301,7 +290,7 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
         let ffn = if dense[l] {
             Ffn::Dense(Mlp::load(w, &ffn_prefix, hidden, c.intermediate_size, false)?)
         } else {
-            Ffn::Moe(Box::new(kimi_moe(w, &ffn_prefix, &c)?))
+            Ffn::Moe(Box::new(c.moe().load(w, &ffn_prefix, hidden, ["w1", "w3", "w2"])?))
         };
         layers.push(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
@@ -311,27 +300,6 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
         });
     }
     Model::assemble(Family::HybridKda, &c.model_type, w, c.vocab_size, hidden, eps, c.tie_word_embeddings, layers)
-}
-
-fn kimi_moe(w: &dyn WeightSource, prefix: &str, c: &Config) -> Result<MoeBlock, LoadError> {
-    SigmoidMoe {
-        prefix,
-        hidden: c.hidden_size,
-        inter: c.moe_intermediate_size,
-        expert_names: ["w1", "w3", "w2"],
-        shared_inter: c.moe_intermediate_size * c.num_shared_experts,
-        routing: Routing {
-            num_experts: c.num_experts,
-            top_k: c.num_experts_per_token,
-            scoring: Scoring::Sigmoid,
-            correction_bias: None,
-            n_group: c.num_expert_group,
-            topk_group: c.topk_group,
-            norm_topk_prob: c.moe_renormalize,
-            scaling: c.routed_scaling_factor as f32,
-        },
-    }
-    .load(w)
 }
 
 #[cfg(test)]

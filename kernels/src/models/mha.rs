@@ -7,7 +7,7 @@ use super::config::{check_eps, check_silu, checked_rope};
 use super::decoder::Model;
 use super::family::Family;
 use super::layer::{DecoderLayer, Ffn, Mixer};
-use super::parts::gqa::{gqa_params, load_gqa, QkNorm};
+use super::parts::gqa::{gqa_params, load_gqa, GqaConfig, QkNorm};
 use super::parts::layers::{Mlp, RmsNorm};
 use super::size::ModelSize;
 use crate::checkpoint::{parse_rope, ConfigSource, LoadError, WeightSource, ROPE_KEYS};
@@ -121,23 +121,23 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let layer_types = layer_types(cfg, &c)?;
     // Qwen3 keeps `sliding_window` only when `use_sliding_window` is set.
     let window = if c.use_sliding_window { c.sliding_window } else { None };
+    let attention = GqaConfig {
+        hidden,
+        q_heads,
+        kv_heads,
+        head_dim,
+        bias: c.attention_bias,
+        qk_norm: if is_qwen3 { QkNorm::Plain } else { QkNorm::None },
+        output_gate: false,
+        eps,
+        rope,
+        sliding_window: None,
+    };
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for (l, kind) in layer_types.iter().enumerate() {
         let p = format!("model.layers.{l}");
-        let attn = load_gqa(
-            w,
-            &format!("{p}.self_attn"),
-            hidden,
-            q_heads,
-            kv_heads,
-            head_dim,
-            c.attention_bias,
-            if is_qwen3 { QkNorm::Plain } else { QkNorm::None },
-            false,
-            eps,
-            rope.clone(),
-            if kind == "sliding_attention" { window } else { None },
-        )?;
+        let sliding_window = if kind == "sliding_attention" { window } else { None };
+        let attn = load_gqa(w, &format!("{p}.self_attn"), GqaConfig { sliding_window, ..attention.clone() })?;
         layers.push(DecoderLayer {
             input_norm: RmsNorm::load(w, &format!("{p}.input_layernorm.weight"), hidden, eps)?,
             mixer: Mixer::Gqa(attn),

@@ -5,7 +5,8 @@
 //! `layer` (one decoder layer) ← `mtp` (the drafter) ← `decoder` (the model) ← `step` (a step
 //! through it, whole or in phases) and the family files (`mha`, `deepseek`, `qwen3_next`,
 //! `kimi_linear`), which turn a `config.json` into parts and a [`Model`] and never import each
-//! other; `config` holds what several families' configs share. Each family's `Config::read`
+//! other; `config` holds what several families' configs share, `mla_moe` what
+//! the two latent-attention families (`deepseek`, `kimi_linear`) read alike. Each family's `Config::read`
 //! validates its config once, before any weight is read, and `size` estimates the model's
 //! parameters from it, checked against the memory available. This file dispatches by family.
 
@@ -21,6 +22,7 @@ pub(crate) mod layer;
 #[cfg(test)]
 mod load_tests;
 pub mod mha;
+mod mla_moe;
 pub mod mtp;
 pub mod parts;
 pub mod qwen3_next;

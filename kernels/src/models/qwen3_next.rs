@@ -10,7 +10,7 @@ use super::decoder::Model;
 use super::family::Family;
 use super::layer::{DecoderLayer, Ffn, Mixer};
 use super::parts::gated_delta::{load_gdn, GdnDims};
-use super::parts::gqa::{gqa_params, load_gqa, QkNorm};
+use super::parts::gqa::{gqa_params, load_gqa, GqaConfig, QkNorm};
 use super::parts::layers::{Linear, Mlp, RmsNorm};
 use super::parts::moe::{load_experts, moe_params, MoeBlock, Routing, Scoring};
 use super::size::ModelSize;
@@ -202,24 +202,23 @@ pub fn build(cfg: &ConfigSource, w: &dyn WeightSource) -> Result<Model, LoadErro
     let rope_params = parse_rope(cfg)?;
     let (inv, scaling) = rope_params.inv_freq(c.head_dim, c.rotary_dims(cfg)?);
     let rope = Rope::new(inv, scaling, RopeStyle::Neox);
+    let attention = GqaConfig {
+        hidden,
+        q_heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        bias: c.attention_bias,
+        qk_norm: QkNorm::ZeroCentred,
+        output_gate: true,
+        eps,
+        rope,
+        sliding_window: None,
+    };
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for (l, kind) in types.iter().enumerate() {
         let p = format!("model.layers.{l}");
         let mixer = if *kind == "full_attention" {
-            Mixer::Gqa(load_gqa(
-                w,
-                &format!("{p}.self_attn"),
-                hidden,
-                c.num_attention_heads,
-                c.num_key_value_heads,
-                c.head_dim,
-                c.attention_bias,
-                QkNorm::ZeroCentred,
-                true,
-                eps,
-                rope.clone(),
-                None,
-            )?)
+            Mixer::Gqa(load_gqa(w, &format!("{p}.self_attn"), attention.clone())?)
         } else {
             Mixer::Gdn(load_gdn(w, &format!("{p}.linear_attn"), c.gdn_dims(), eps)?)
         };

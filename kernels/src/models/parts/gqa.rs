@@ -42,7 +42,6 @@ pub(crate) enum QkNorm {
     ZeroCentred,
 }
 
-/// Loads the attention of layer prefix `p` (`model.layers.{l}.self_attn`).
 /// Parameters of one attention layer of these sizes (projections and q/k norms; biases aside).
 pub(crate) fn gqa_params(hidden: usize, q_heads: usize, kv_heads: usize, head_dim: usize, output_gate: bool) -> u128 {
     let (h, q, kv, d) = (hidden as u128, q_heads as u128, kv_heads as u128, head_dim as u128);
@@ -50,21 +49,29 @@ pub(crate) fn gqa_params(hidden: usize, q_heads: usize, kv_heads: usize, head_di
     h * (q_width + 2 * kv * d) + q * d * h + 2 * d
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn load_gqa(
-    w: &dyn WeightSource,
-    p: &str,
-    hidden: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    bias: bool,
-    qk_norm: QkNorm,
-    output_gate: bool,
-    eps: f32,
-    rope: Rope,
-    sliding_window: Option<usize>,
-) -> Result<GqaAttention, LoadError> {
+/// What a grouped-query attention layer is loaded with: its sizes and variant.
+#[derive(Clone, Debug)]
+pub(crate) struct GqaConfig {
+    pub hidden: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Biases on the q/k/v and o projections.
+    pub bias: bool,
+    pub qk_norm: QkNorm,
+    /// Qwen3-Next: `q_proj` yields `[query | gate]` per head.
+    pub output_gate: bool,
+    /// The q/k norms' epsilon.
+    pub eps: f32,
+    pub rope: Rope,
+    /// Keys further back than this many positions are not attended to (`None`: all are).
+    pub sliding_window: Option<usize>,
+}
+
+/// Loads the attention of layer prefix `p` (`model.layers.{l}.self_attn`).
+pub(crate) fn load_gqa(w: &dyn WeightSource, p: &str, config: GqaConfig) -> Result<GqaAttention, LoadError> {
+    let GqaConfig { hidden, q_heads, kv_heads, head_dim, bias, qk_norm, output_gate, eps, rope, sliding_window } =
+        config;
     let q_width = q_heads * head_dim * if output_gate { 2 } else { 1 };
     let norm = |name: &str| -> Result<Option<RmsNorm>, LoadError> {
         Ok(match qk_norm {
