@@ -4,8 +4,9 @@
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
 //! Dependencies point one way: `error`, `sources`, `launch` ← `emulate`, `host_capture` ← `gpu`
-//! ← `weights`, `product`, `rows`, `kv`, `state` ← `parts` ← `model` ← `forward`, `graph`,
-//! `plain`.
+//! ← `weights` (← `kv`), `product`, `rows`, `state` ← `parts` ← `model` ← `forward`, `graph`,
+//! `plain`. The device records an emulated capture into `host_capture`, which `graph` replays: the
+//! device never imports the graph code, nor the emulation the device.
 //!
 //! - [`error`]: what can go wrong ([`CudaError`]).
 //! - [`sources`]: the kernel sources, their kernels' names, NVRTC compilation.
