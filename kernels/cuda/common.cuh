@@ -1,4 +1,4 @@
-// What every kernel source shares: kernels/src/cuda/gpu.rs puts this before each source it gives
+// What every kernel source shares: kernels/src/cuda/sources.rs puts this before each source it gives
 // NVRTC (one module per source), and the CPU emulation puts it once before them all (one
 // translation unit), so nothing here is defined twice and no source repeats it.
 

@@ -2,7 +2,7 @@
 // (kernels/src/models/parts/indexer.rs): the LayerNorm of the index keys, each query's scores
 // against the keys it can see, and its top-k chosen exactly as torch's CPU top-k chooses them,
 // ties included (kernels/src/cpu/torch_topk.rs), so a query attends to the same keys on both
-// executors. Compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
+// executors. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // A row's index row is as long as transformers makes it: the prompt for prompt rows (its prefill
 // scores against the whole prompt, later keys masked to −inf), the position + 1 for generated

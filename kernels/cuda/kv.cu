@@ -3,7 +3,7 @@
 // handoff — the same layout as kvflow_kernels::kv::PagedKvCache::export_blocks: by layer, then
 // block, then row. The cache holds f32, or bf16 where `kv_bf16` (kernels/src/cuda/kv.rs); a packed
 // buffer always holds f32 (the handoff's and the offload tier's format), widened from bf16 and
-// rounded back. Compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
+// rounded back. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 
 // cache[write_rows[r], :] = src[r * src_stride + (0 .. width)]
 extern "C" __global__ void write_cache_rows(void* cache, int kv_bf16, const float* src, const u32* write_rows,

@@ -3,7 +3,7 @@
 // kernels/src/cpu/recurrent.rs), against each sequence's state slot in device memory. A
 // sequence's rows advance its state in row order (its rows are contiguous, in position order);
 // every value a row gets is reduced in an order fixed by the layer's sizes, never by the batch
-// (DESIGN §6). Compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
+// (DESIGN §6). Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // A slot holds, per linear layer from its offset: the conv window [channels × (K − 1)], oldest
 // input first, then S per value head [v_heads × d_k × d_v] (row = key channel).

@@ -1,4 +1,4 @@
-// The model kernels of the CUDA executor, compiled at run time by NVRTC (kernels/src/cuda/gpu.rs).
+// The model kernels of the CUDA executor, compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // Batch invariance (DESIGN §6): every value a row gets is reduced in an order fixed by the row's
 // own sizes (hidden width, head width, context length) and never by how many rows share the
@@ -222,7 +222,7 @@ extern "C" __global__ void linear_chunks_sum(float* y, const float* partial, con
 // The same product for narrow outputs over long inputs (N ≤ 256 and K ≥ 512: low-rank
 // projections, routers), whose long chains the tiles would run on too few blocks: one warp per
 // element, lanes taking k = lane, lane + 32, … in order, then a fixed warp sum. The host picks
-// this kernel by N and K alone (forward.rs, `linear_launch`), so a layer's elements are summed
+// this kernel by N and K alone (product.rs, `linear_plan`), so a layer's elements are summed
 // the same way in every step, whatever its batch.
 extern "C" __global__ void linear_narrow(float* y, const float* x, const float* w, const float* bias, int M, int N,
                                          int K, long long x_stride, long long y_stride, long long x_batch,
@@ -386,9 +386,9 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 #define HEADS_PER_WARP 2
 #define STAGED_KEYS 8
 #define STAGE_LOADS 8
-#define KEY_SPLIT 64        // a row's keys in parts of 64 (forward.rs: KEY_SPLIT)
+#define KEY_SPLIT 64        // a row's keys in parts of 64 (rows.rs: KEY_SPLIT)
 #define MAX_QK_PER_LANE 24  // head widths up to 768 for scores
-#define MAX_V_PER_LANE 16   // and 512 for values (forward.rs checks both)
+#define MAX_V_PER_LANE 16   // and 512 for values (parts/attention.rs checks both)
 // Causal attention over the paged cache, read through the block tables, in two kernels (split
 // keys, as flash-decoding does). Row r is at position positions[r] of sequence seqs[r], whose
 // blocks start at tables[table_at[seq]]; it sees positions max(0, p + 1 − window) ..= p (window 0:
@@ -397,7 +397,7 @@ extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int int
 //
 // The cache holds f32, or bf16 where kv_bf16 (widened as it is staged).
 // paged_attention, block (row r0 + i, kv head g, head part; key part s): HEADS_PER_WARP of g's
-// query heads per warp (blockDim / 32 warps: forward.rs picks them from the group's size), over
+// query heads per warp (blockDim / 32 warps: parts/attention.rs picks them from the group's size), over
 // keys s·KEY_SPLIT .. (s + 1)·KEY_SPLIT of the row's list, staged in shared memory STAGED_KEYS
 // at a time and shared by every warp (an MLA row's 16 heads read each latent key once). Lane l
 // holds q and the output at d = l, l + 32, … of each of its warp's heads; a key's score is the
