@@ -19,6 +19,7 @@ mod complete;
 mod disaggregate;
 mod experts;
 mod handoff;
+mod handoff_state;
 mod launch;
 mod load;
 mod offload;
@@ -27,8 +28,10 @@ mod spec;
 mod stats;
 mod switches;
 
-pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
-pub use handoff::HandoffOut;
+pub use disaggregate::leave_queue;
+pub use handoff_state::HandoffOut;
+pub use handoff_state::{DisaggregationRule, PrefillTarget, RemotePrefill};
+use handoff_state::{HandoffIn, RemotePrefills};
 pub use offload_state::{OffloadSetup, OffloadStats, RankOffload};
 pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
 pub use switches::{ExchangeSwitches, TestSwitches};
@@ -90,28 +93,21 @@ pub struct Rank {
     /// What the accounting checks found.
     accounting: Vec<String>,
     pub stats: RankStats,
-    /// A prefill pool's rank: where handoffs go, and the requests awaiting their ack by nonce.
+    /// A prefill pool's rank (a producer): where its handoffs go, and those under way.
     handoff_out: Option<HandoffOut>,
-    awaiting: std::collections::HashMap<u64, SeqKey>,
-    /// A decode pool's rank: where arriving handoffs wait.
-    inbox: Option<Arc<crate::transfer::HandoffInbox>>,
-    /// A decode rank deciding where its new requests are prefilled, the remote prefills it
-    /// awaits (by request, with the prefill pool's index), and those cancelled meanwhile.
-    remote_prefill: Option<RemotePrefill>,
-    awaiting_remote: std::collections::HashMap<u64, usize>,
-    cancelled_remote: std::collections::HashSet<u64>,
+    /// A decode pool's rank (a consumer): where arriving handoffs wait, and those taken that
+    /// await their import.
+    handoff_in: Option<HandoffIn>,
+    /// A decode rank deciding where its new requests are prefilled, and its remote prefills.
+    remote_prefill: Option<RemotePrefills>,
     /// Router `kv-aware`: this rank reports its cache events in its reports; and whether the
     /// last plan asked it for its whole cache.
     reports_cache: bool,
     snapshot_owed: bool,
-    /// What the last completion's exports copied out, by sequence, until its T0 is applied.
-    exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
     /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
     deferred: Vec<Admission>,
     /// The offload tier, when the graph has one.
     offload: Option<RankOffload>,
-    /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
-    admission_slots: std::collections::HashMap<u64, kvflow_kernels::kv::SlotId>,
     /// Its memory and queues at its last `schedule`, for readers on other threads.
     gauges: Option<Arc<RankGauges>>,
 }
@@ -146,13 +142,8 @@ impl Rank {
             accounting: Vec::new(),
             stats: RankStats { rank: index, ..RankStats::default() },
             handoff_out: None,
-            awaiting: Default::default(),
-            inbox: None,
+            handoff_in: None,
             remote_prefill: None,
-            awaiting_remote: Default::default(),
-            cancelled_remote: Default::default(),
-            exported: Default::default(),
-            admission_slots: Default::default(),
             deferred: Vec::new(),
             offload: None,
             reports_cache: false,
@@ -325,7 +316,7 @@ impl Rank {
     /// "decoding".
     fn stage(&self, index: usize) -> &'static str {
         let seq = self.seqs.get(index);
-        if seq.handoff.in_transfer.is_some() {
+        if seq.kind.producer().is_some_and(|p| p.in_transfer.is_some()) {
             "in transfer"
         } else if self.is_loading(seq.key) {
             "loading"
@@ -348,7 +339,7 @@ impl Rank {
                 self.abort_arriving(id);
                 continue;
             };
-            if self.seqs.get(index).handoff.aborted || self.abort_in_transfer(index) {
+            if self.seqs.get(index).kind.is_producer() && self.abort_in_transfer(index) {
                 continue;
             }
             let stage = self.stage(index);
@@ -360,8 +351,7 @@ impl Rank {
     fn fail(&mut self, index: usize, step: u64, cause: &str, message: String) {
         self.scheduler.forget(index);
         let mut seq = self.seqs.remove(index);
-        self.remote_prefill_ended(&mut seq);
-        self.exported.remove(&seq.key);
+        self.handoff_ended(&mut seq);
         self.memory.release(&mut seq);
         self.events.push((
             step,
@@ -387,6 +377,12 @@ impl Rank {
             self.propose();
         }
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
+        if let Some(handoff_in) = self.handoff_in.as_mut() {
+            // The scheduler dropped the requests that can never fit: a handoff held for one goes too.
+            for (id, _) in &self.decided.failed {
+                handoff_in.imports.remove(id);
+            }
+        }
         self.scheduler.mark_drafter_successors(&self.seqs, &mut self.decided);
         if self.switches.drafter_successors_only_when_verifying {
             for c in &mut self.decided.chunks {
@@ -399,7 +395,7 @@ impl Rank {
         let offload_busy = self.offload.as_ref().is_some_and(|o| o.in_flight() > 0);
         if self.decided.is_empty()
             && self.in_flight.is_empty()
-            && self.awaiting.is_empty()
+            && self.awaiting_acks() == 0
             && !offload_busy
             && !self.scheduler.is_idle()
             && !self.drop_waiting_prefixes()
@@ -427,9 +423,9 @@ impl Rank {
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
             in_flight: self.in_flight.len()
-                + self.awaiting.len()
+                + self.awaiting_acks()
                 + self.awaiting_ends()
-                + self.awaiting_remote.len()
+                + self.awaiting_prefills()
                 + self.offload.as_ref().map_or(0, RankOffload::in_flight),
             admissions: std::mem::take(&mut self.deferred),
             cancels,
