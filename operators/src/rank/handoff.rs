@@ -1,13 +1,19 @@
-//! A rank's side of P/D handoffs (DESIGN §2, §8). On a prefill pool: a request admitted
-//! `PrefillOnly` samples T0 only; the step that reaches its prompt boundary copies its state slot
-//! (read then — the state before T0) and names its KV blocks in place; when T0 arrives the handoff is built
-//! and sent (with the drafts its drafter made from T0), and the request stays held, blocks and slot with it, until the consumer's ack for
-//! that transfer comes back (producer frees after ack). In a process of a prefill pool spread over
-//! processes, the remote decode pool's events for the rank's requests come back through its
-//! `EventRelay` queue: drained in `poll` (never waited on), emitted at that step, and the request
-//! counted in flight until its end came back. On a decode pool: a `Handoff` admission
-//! takes its handoff from the pool's inbox and continues from T0, its first decode input (with
-//! the producer's drafts after it).
+//! A rank's side of P/D handoffs (DESIGN §2, §8). Which side of a handoff a request is, if any
+//! ([`RequestKind`]), is decided once, when the rank admits it (`sequence_for`); a request served
+//! whole never reaches the code here.
+//!
+//! On a prefill pool (the producer): a request admitted `PrefillOnly` samples T0 only; the step
+//! that reaches its prompt boundary copies its state slot (read then — the state before T0) and
+//! names its KV blocks in place; when T0 arrives the handoff is built and sent (with the drafts
+//! its drafter made from T0), and the request stays held, blocks and slot with it, until the
+//! consumer's ack for that transfer comes back (producer frees after ack). In a process of a
+//! prefill pool spread over processes, the remote decode pool's events for the rank's requests
+//! come back through its `EventRelay` queue: drained in `poll` (never waited on), emitted at that
+//! step, and the request counted in flight until its end came back.
+//!
+//! On a decode pool (the consumer): a `Handoff` admission takes its handoff from the pool's inbox
+//! and continues from T0, its first decode input (with the producer's drafts after it); the rank
+//! holds the handoff (`HandoffIn::imports`) until the step that feeds T0 writes it in.
 
 use super::handoff_state::{HandoffIn, HandoffOut, Relayed};
 use super::Rank;

@@ -12,7 +12,10 @@
 //! 4. `propose` (at `propose(t)`, with `[speculative]`): drafts for the next step (`spec`).
 //!
 //! A step's record owns what the step reads until its completion returns it (see
-//! `RankMemory::release`). Shared by the `schedule`, `forward`, `verify` and `propose` operators
+//! `RankMemory::release`). Each feature's part of a rank is a struct of its own, there only when
+//! the pool uses the feature: a producer's handoffs (`HandoffOut`), a consumer's (`HandoffIn`), a
+//! deciding decode rank's remote prefills (`RemotePrefills`; all three in `handoff_state`), the
+//! offload tier (`RankOffload`, in `offload_state`), the KV-aware index's reports. Shared by the `schedule`, `forward`, `verify` and `propose` operators
 //! of the rank's worker (`Rc<RefCell<_>>`: same thread).
 
 mod complete;
@@ -66,6 +69,14 @@ struct StepRecord {
     draft_from: Vec<SeqKey>,
 }
 
+/// A rank's reporting to the KV-aware routing index (router `kv-aware`).
+#[derive(Debug)]
+struct CacheReports {
+    /// The last plan asked for its whole cache (its events came with a gap): its next report
+    /// carries a snapshot instead of events.
+    snapshot_owed: bool,
+}
+
 pub struct Rank {
     pub index: usize,
     pub pool: String,
@@ -93,6 +104,9 @@ pub struct Rank {
     /// What the accounting checks found.
     accounting: Vec<String>,
     pub stats: RankStats,
+    /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
+    deferred: Vec<Admission>,
+    // Each feature's part of the rank: `None` unless the pool uses the feature.
     /// A prefill pool's rank (a producer): where its handoffs go, and those under way.
     handoff_out: Option<HandoffOut>,
     /// A decode pool's rank (a consumer): where arriving handoffs wait, and those taken that
@@ -100,14 +114,10 @@ pub struct Rank {
     handoff_in: Option<HandoffIn>,
     /// A decode rank deciding where its new requests are prefilled, and its remote prefills.
     remote_prefill: Option<RemotePrefills>,
-    /// Router `kv-aware`: this rank reports its cache events in its reports; and whether the
-    /// last plan asked it for its whole cache.
-    reports_cache: bool,
-    snapshot_owed: bool,
-    /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
-    deferred: Vec<Admission>,
     /// The offload tier, when the graph has one.
     offload: Option<RankOffload>,
+    /// Router `kv-aware`: this rank reports its cache events in its reports.
+    cache_reports: Option<CacheReports>,
     /// Its memory and queues at its last `schedule`, for readers on other threads.
     gauges: Option<Arc<RankGauges>>,
 }
@@ -146,8 +156,7 @@ impl Rank {
             remote_prefill: None,
             deferred: Vec::new(),
             offload: None,
-            reports_cache: false,
-            snapshot_owed: false,
+            cache_reports: None,
             gauges: None,
         }
     }
@@ -176,14 +185,14 @@ impl Rank {
     /// numbered events in its reports (router `kv-aware`).
     pub fn reporting_cache_events(mut self) -> Self {
         self.memory.prefix.publish_events(self.index as u32);
-        self.reports_cache = true;
+        self.cache_reports = Some(CacheReports { snapshot_owed: false });
         self
     }
 
     /// The cache events since the last report (the offload tier's among them), or — when the
     /// last plan asked (its events came with a gap) — the whole cache, which covers them.
     fn cache_report(&mut self) -> (Vec<CacheEvent>, Option<CacheSnapshot>) {
-        if !self.reports_cache {
+        if self.cache_reports.is_none() {
             return (Vec::new(), None);
         }
         self.report_offload_evictions();
@@ -191,7 +200,7 @@ impl Rank {
         if let Some(n) = self.switches.drop_cache_event_every.filter(|&n| n > 0) {
             events.retain(|e| e.seq % n != 0); // test switch: events lost on the way
         }
-        if std::mem::take(&mut self.snapshot_owed) {
+        if self.cache_reports.as_mut().is_some_and(|r| std::mem::take(&mut r.snapshot_owed)) {
             self.stats.index_resyncs += 1;
             return (Vec::new(), self.memory.prefix.events_snapshot());
         }
@@ -210,7 +219,9 @@ impl Rank {
 
     /// The plan named this rank among those whose events came with a gap.
     pub fn owe_cache_snapshot(&mut self) {
-        self.snapshot_owed = true;
+        if let Some(reports) = self.cache_reports.as_mut() {
+            reports.snapshot_owed = true;
+        }
     }
 
     /// Saves full prompt chunks to the offload tier's store, and loads prefixes back, through a
