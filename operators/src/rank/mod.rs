@@ -15,8 +15,9 @@
 //! `RankMemory::release`). Each feature's part of a rank is a struct of its own, there only when
 //! the pool uses the feature: a producer's handoffs (`HandoffOut`), a consumer's (`HandoffIn`), a
 //! deciding decode rank's remote prefills (`RemotePrefills`; all three in `handoff_state`), the
-//! offload tier (`RankOffload`, in `offload_state`), the KV-aware index's reports. Shared by the `schedule`, `forward`, `verify` and `propose` operators
-//! of the rank's worker (`Rc<RefCell<_>>`: same thread).
+//! offload tier (`RankOffload`, in `offload_state`), the KV-aware index's reports. Shared by the
+//! `schedule`, `forward`, `verify` and `propose` operators of the rank's worker (`Rc<RefCell<_>>`:
+//! same thread).
 
 mod complete;
 mod disaggregate;
@@ -32,8 +33,7 @@ mod stats;
 mod switches;
 
 pub use disaggregate::leave_queue;
-pub use handoff_state::HandoffOut;
-pub use handoff_state::{DisaggregationRule, PrefillTarget, RemotePrefill};
+pub use handoff_state::{DisaggregationRule, HandoffOut, PrefillTarget, RemotePrefill};
 use handoff_state::{HandoffIn, RemotePrefills};
 pub use offload_state::{OffloadSetup, OffloadStats, RankOffload};
 pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
