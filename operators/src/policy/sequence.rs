@@ -508,6 +508,20 @@ mod tests {
     }
 
     #[test]
+    fn only_a_handed_off_request_awaiting_its_import_brings_its_prefix() {
+        let mut seq = Sequence::new(1, vec![1, 2], 2, false);
+        assert!(matches!(seq.kind, RequestKind::Whole), "a request is whole until admission says otherwise");
+        assert!(!seq.kind.is_producer() && !seq.brings_prefix());
+        seq.kind = RequestKind::Consumer(ConsumerState { awaits_import: true });
+        assert!(seq.brings_prefix(), "its handoff brings the prompt's blocks: no prefix lookup");
+        seq.kind = RequestKind::Consumer(ConsumerState { awaits_import: false });
+        assert!(!seq.brings_prefix(), "once its first decode launched it decodes like any request");
+        seq.kind = RequestKind::Producer(ProducerState { handoff_outputs: 4, ..ProducerState::default() });
+        assert_eq!(seq.kind.producer().map(|p| p.handoff_outputs), Some(4));
+        assert!(!seq.kind.awaits_import());
+    }
+
+    #[test]
     fn every_insertion_and_restart_gets_a_new_generation() {
         let mut seqs = Sequences::default();
         let a = seqs.insert(Sequence::new(1, vec![1], 1, false));
