@@ -4,6 +4,8 @@
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use serde::{Deserialize, Serialize};
 
+pub use crate::request::{BackTo, Delivery, TokenTimes};
+
 /// A request entering a pool.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Admission {
@@ -23,26 +25,6 @@ pub struct Admission {
     pub delivery: Delivery,
 }
 
-/// What a served request asks beyond its tokens: the tokens that end it before
-/// `max_output_tokens` (its model's end-of-sequence ids; trace replay keeps none, as
-/// `ignore_eos`), and whether its tokens stream out as its steps complete ([`Event::Tokens`])
-/// rather than only with its end.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Delivery {
-    pub stop_tokens: Vec<u32>,
-    pub stream: bool,
-}
-
-impl Delivery {
-    /// The most stop tokens a request may name (the handoff wire carries them).
-    pub const MAX_STOP_TOKENS: usize = 64;
-
-    /// Whether `token` ends the request.
-    pub fn stops_at(&self, token: u32) -> bool {
-        self.stop_tokens.contains(&token)
-    }
-}
-
 /// What a pool does with an admitted request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AdmissionKind {
@@ -58,16 +40,6 @@ pub enum AdmissionKind {
     /// A new request at a decode pool with `[pool.disaggregation]`: the rank the router picks
     /// prefills it locally or has a linked prefill pool do it (DESIGN §8).
     Decide,
-}
-
-/// Where a remote prefill's handoff goes back to: the decode pool (its index among the prefill
-/// pool's links) and the rank that asked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BackTo {
-    pub link: u16,
-    pub rank: u32,
-    /// Leading prompt blocks that rank already holds: not sent (decode-side prefix reuse).
-    pub skip_blocks: u32,
 }
 
 /// What one rank scheduled for step `t`, broadcast to every rank by `align`. Rank 0 also carries
@@ -207,28 +179,6 @@ pub enum LoopSignal {
     Parked,
     /// The pool ended after `t`: every operator lets go of its capabilities.
     Ended,
-}
-
-/// When a request's output tokens became known (`wall_ms`): the first and the last (TTFT, TPOT
-/// and end-to-end latency follow from them and the token count).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct TokenTimes {
-    pub first: Option<f64>,
-    /// The second token: the first one decoded from T0 (the end of the TTFT split).
-    #[serde(default)]
-    pub second: Option<f64>,
-    pub last: Option<f64>,
-}
-
-impl TokenTimes {
-    /// A token became known at `now`.
-    pub fn record(&mut self, now: f64) {
-        if self.first.is_some() && self.second.is_none() {
-            self.second = Some(now);
-        }
-        self.first.get_or_insert(now);
-        self.last = Some(now);
-    }
 }
 
 /// Milliseconds since the Unix epoch: the clock every process of a run shares (the driver stamps

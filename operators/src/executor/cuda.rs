@@ -262,7 +262,7 @@ impl CudaExecutor {
     }
 
     /// 1. The step's rows: literal tokens, or the ring slot of a token still in flight; each
-    /// sampled row gets a ring slot. Returns the rows and the sequences sampled, in row order.
+    ///    sampled row gets a ring slot. Returns the rows and the sequences sampled, in row order.
     fn step_rows(&mut self, launch: &StepLaunch<'_>) -> Result<(StepRows, Vec<SeqKey>), ExecutorError> {
         let mut rows = StepRows::default();
         let mut sampling = Vec::new();
@@ -433,7 +433,7 @@ impl CudaExecutor {
     }
 
     /// 3. The forward and sampling (already enqueued when replayed), the snapshots of the
-    /// boundaries the step reached after it, and the results copied back to pinned memory.
+    ///    boundaries the step reached after it, and the results copied back to pinned memory.
     fn enqueue_forward(
         &mut self,
         gpu: &Gpu,
@@ -467,9 +467,9 @@ impl CudaExecutor {
     }
 
     /// 4. Exports: the blocks, read in place once this step has completed (the producer holds
-    /// them until the consumer's ack), and each export's state slot as this step leaves it (the
-    /// state at the prompt boundary), copied out in stream order after the forward; the record
-    /// holds the copy until completion.
+    ///    them until the consumer's ack), and each export's state slot as this step leaves it (the
+    ///    state at the prompt boundary), copied out in stream order after the forward; the record
+    ///    holds the copy until completion.
     #[allow(clippy::type_complexity)]
     fn export_handoffs(
         &mut self,

@@ -2,7 +2,7 @@
 //! families, the state snapshot at the chunk's end — one object, so a load restores both or
 //! neither. On the wire: a magic, the lengths, the floats, and a CRC32C of everything before it.
 
-use crate::transfer::Crc32c;
+use crate::checksum::Crc32c;
 
 const MAGIC: &[u8; 8] = b"kvflowc1";
 const HEADER: usize = 8 + 8 + 8;

@@ -9,7 +9,7 @@
 //! (`computed == known_len() − 1`). `pending` counts the tokens launched steps will sample
 //! (deferred output).
 
-use crate::messages::TokenTimes;
+use crate::request::{BackTo, Delivery, TokenTimes, TransferId};
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::kv::{BlockTable, SlotId};
 use std::collections::HashMap;
@@ -84,33 +84,80 @@ impl PendingTokens {
 #[derive(Debug, Default)]
 pub struct StreamState {
     /// Its stop tokens, and whether its tokens stream out.
-    pub delivery: crate::messages::Delivery,
+    pub delivery: Delivery,
     /// Output tokens already streamed out (`Event::Tokens`).
     pub streamed: usize,
     /// When its first and last output tokens became known.
     pub token_times: TokenTimes,
 }
 
-/// A request's prefill/decode-disaggregation state: on a prefill pool, the outputs it hands off
-/// with, its handoff's transfer and where it goes back to; on a decode pool, the handoff it
-/// arrived as until its import.
+/// What a request is on its pool, decided once, when its rank admits it (`Rank::sequence_for`,
+/// from the admission's kind): served whole, or one side of a P/D handoff. Only the two sides
+/// reach the handoff code; a whole request never does.
 #[derive(Debug, Default)]
-pub struct HandoffState {
-    /// A prefill pool's request: it samples T0 only, then hands off with this many outputs.
-    pub handoff_outputs: Option<usize>,
+pub enum RequestKind {
+    /// Served whole here: an aggregated pool's request, or a decode pool's new request that its
+    /// rank prefills itself.
+    #[default]
+    Whole,
+    /// A prefill pool's request: it samples T0 only, then hands off.
+    Producer(ProducerState),
+    /// A decode pool's request that arrived as a handoff: it continues from T0.
+    Consumer(ConsumerState),
+}
+
+/// A prefill pool's request (the producer's side of a handoff): the outputs it hands off with,
+/// its handoff's transfer, and where it goes back to.
+#[derive(Debug, Default)]
+pub struct ProducerState {
+    /// The outputs the request asked for: its handoff carries this many (T0 is the first).
+    pub handoff_outputs: usize,
     /// Its logits-hash chain through T0 (what a handoff carries).
     pub t0_chain: Option<u64>,
-    /// A decode pool's request that arrived as a handoff, until the step that feeds T0 writes it
-    /// in (dropped if the request has to start over: it recomputes instead).
-    pub import: Option<std::sync::Arc<crate::transfer::Handoff>>,
-    /// A prefill pool's request whose handoff was sent: the transfer it awaits the ack of, and
-    /// whether it was cancelled meanwhile (reported already; its memory goes with the ack).
-    pub in_transfer: Option<crate::transfer::TransferId>,
+    /// Once its handoff was sent: the transfer it awaits the ack of, and whether it was cancelled
+    /// meanwhile (reported already; its memory goes with the ack).
+    pub in_transfer: Option<TransferId>,
     pub aborted: bool,
-    /// A prefill pool's request a decode rank asked for: where its handoff goes back to, and
-    /// whether it still counts in the prefill pool's queue.
-    pub handoff_back: Option<crate::messages::BackTo>,
+    /// A request a decode rank asked for: where its handoff goes back to, and whether it still
+    /// counts in the prefill pool's queue.
+    pub back_to: Option<BackTo>,
     pub in_prefill_queue: bool,
+}
+
+/// A decode pool's request that arrived as a handoff (the consumer's side).
+#[derive(Debug, Default)]
+pub struct ConsumerState {
+    /// Its handoff (which the rank holds) waits to be written in by the step that feeds T0: set
+    /// at admission, cleared by its first launch (a request that started over before it
+    /// recomputes instead). Its first decode feeds the producer's drafts, and it looks nothing
+    /// up in the prefix cache.
+    pub awaits_import: bool,
+}
+
+impl RequestKind {
+    /// The producer's side, for a prefill pool's request.
+    pub fn producer(&self) -> Option<&ProducerState> {
+        match self {
+            RequestKind::Producer(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    pub fn producer_mut(&mut self) -> Option<&mut ProducerState> {
+        match self {
+            RequestKind::Producer(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    pub fn is_producer(&self) -> bool {
+        matches!(self, RequestKind::Producer(_))
+    }
+
+    /// A handed-off request whose handoff the step that feeds T0 has yet to write in.
+    pub fn awaits_import(&self) -> bool {
+        matches!(self, RequestKind::Consumer(ConsumerState { awaits_import: true }))
+    }
 }
 
 /// A request's offload-tier state: its chunks' keys in the store, and a prefix loaded from it.
@@ -199,8 +246,8 @@ pub struct Sequence {
     /// Chained hashes of the prompt's full blocks (the prefix cache's keys), set when the rank
     /// queues the request.
     pub prompt_hashes: Vec<u64>,
-    /// Prefill/decode disaggregation's state (a handed-off request's both sides).
-    pub handoff: HandoffState,
+    /// Whole, or one side of a P/D handoff (with that side's state).
+    pub kind: RequestKind,
     /// The offload tier's state.
     pub offload: OffloadState,
     /// Speculative decoding's state.
@@ -231,7 +278,7 @@ impl Sequence {
             started_ms: None,
             first_cached: 0,
             prompt_hashes: Vec::new(),
-            handoff: HandoffState::default(),
+            kind: RequestKind::Whole,
             offload: OffloadState::default(),
             spec: SpecState::default(),
         }
@@ -240,7 +287,7 @@ impl Sequence {
     /// Whether it brings its prompt's first blocks with it (a handoff, or a prefix loaded from
     /// the offload store): an admission then looks nothing up in the prefix cache.
     pub fn brings_prefix(&self) -> bool {
-        self.handoff.import.is_some() || self.offload.restored.is_some()
+        self.kind.awaits_import() || self.offload.restored.is_some()
     }
 
     /// The last step launched that feeds it.
@@ -458,6 +505,20 @@ mod tests {
         assert!(!seq.pending.pop(13), "no step after the newest samples it");
         assert!(seq.pending.pop(10) && seq.pending.pop(11) && seq.pending.pop(12));
         assert!(seq.pending.is_empty() && !seq.pending.pop(12), "nothing is left in flight");
+    }
+
+    #[test]
+    fn only_a_handed_off_request_awaiting_its_import_brings_its_prefix() {
+        let mut seq = Sequence::new(1, vec![1, 2], 2, false);
+        assert!(matches!(seq.kind, RequestKind::Whole), "a request is whole until admission says otherwise");
+        assert!(!seq.kind.is_producer() && !seq.brings_prefix());
+        seq.kind = RequestKind::Consumer(ConsumerState { awaits_import: true });
+        assert!(seq.brings_prefix(), "its handoff brings the prompt's blocks: no prefix lookup");
+        seq.kind = RequestKind::Consumer(ConsumerState { awaits_import: false });
+        assert!(!seq.brings_prefix(), "once its first decode launched it decodes like any request");
+        seq.kind = RequestKind::Producer(ProducerState { handoff_outputs: 4, ..ProducerState::default() });
+        assert_eq!(seq.kind.producer().map(|p| p.handoff_outputs), Some(4));
+        assert!(!seq.kind.awaits_import());
     }
 
     #[test]

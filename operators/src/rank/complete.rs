@@ -61,8 +61,9 @@ impl Rank {
         let mut exports = c.exports;
         let saved = exports.split_off(record.handoff_exports.min(exports.len()));
         self.offload_completed(c.step, c.result.is_ok(), saved);
-        for e in exports {
-            self.exported.insert(e.key, e);
+        if let Some(out) = self.handoff_out.as_mut() {
+            // Only a prefill pool's requests export for a handoff.
+            out.exported.extend(exports.into_iter().map(|e| (e.key, e)));
         }
         let sampled = match c.result {
             Ok(sampled) => sampled,
@@ -127,8 +128,8 @@ impl Rank {
                 let seq = self.seqs.get_mut(s.seq.index as usize);
                 seq.tokens.push(token);
                 seq.logits_hash = hash::chain_row(seq.logits_hash, logits_hash);
-                if seq.handoff.handoff_outputs.is_some() && seq.tokens.len() == seq.prompt_len + 1 {
-                    seq.handoff.t0_chain = Some(seq.logits_hash);
+                if let (Some(producer), true) = (seq.kind.producer_mut(), seq.tokens.len() == seq.prompt_len + 1) {
+                    producer.t0_chain = Some(seq.logits_hash);
                 }
                 seq.stream.token_times.record(now);
                 if record.draft_from.contains(&s.seq) {
@@ -170,9 +171,7 @@ impl Rank {
 
     /// A request produced its last token (on a prefill pool: T0, and it hands off).
     fn finish(&mut self, index: usize, step: u64) {
-        let key = self.seqs.get(index).key;
-        let exported = self.exported.remove(&key);
-        if self.hand_off(index, step, exported) {
+        if self.seqs.get(index).kind.is_producer() && self.hand_off(index, step) {
             return;
         }
         self.scheduler.forget(index);

@@ -7,44 +7,13 @@
 //! flight (its pool neither parks nor ends); the handoff, a failure of the prefill, or a cancel
 //! settles it.
 
+use super::handoff_state::{RemotePrefill, RemotePrefills};
 use super::Rank;
-use crate::admit::Ingress;
 use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::policy::sequence::Sequence;
 use crate::transfer::pick_link;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-
-/// When a decode rank sends a prefill away (a decode pool's `[pool.disaggregation]`): remote
-/// only when both hold, otherwise it prefills locally.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DisaggregationRule {
-    /// A remote prefill only when the prompt's uncached length on the chosen decode rank (the
-    /// tokens its prefix cache lacks) is more than this; 0 (the default): every prompt with
-    /// anything uncached is prefilled remotely.
-    pub remote_prefill_min_tokens: usize,
-    /// A remote prefill only while fewer than this many requests wait in the prefill queue (at
-    /// least 1); `None` (the default): no limit.
-    pub max_prefill_queue: Option<usize>,
-}
-
-/// A prefill pool a decode rank can send prefills to.
-#[derive(Clone)]
-pub struct PrefillTarget {
-    pub name: String,
-    pub ingress: Arc<Ingress>,
-    /// The decode pool's index among the prefill pool's links (where the handoff comes back).
-    pub link: u16,
-    /// Requests sent to the prefill pool and not yet handed off (its queue).
-    pub queue: Arc<AtomicUsize>,
-}
-
-/// What a decode rank of a pool with `[pool.disaggregation]` decides with.
-#[derive(Clone)]
-pub struct RemotePrefill {
-    pub rule: DisaggregationRule,
-    pub targets: Vec<PrefillTarget>,
-}
 
 /// Leaves a prefill pool's queue (once).
 pub fn leave_queue(queue: &AtomicUsize) {
@@ -54,20 +23,21 @@ pub fn leave_queue(queue: &AtomicUsize) {
 impl Rank {
     /// Makes this decode rank decide where its new requests are prefilled.
     pub fn with_remote_prefill(mut self, remote: RemotePrefill) -> Self {
-        self.remote_prefill = Some(remote);
+        self.remote_prefill =
+            Some(RemotePrefills { setup: remote, awaiting: HashMap::new(), cancelled: HashSet::new() });
         self
     }
 
     /// Remote prefills this rank asked for and has not received or seen fail.
     pub fn awaiting_prefills(&self) -> usize {
-        self.awaiting_remote.len()
+        self.remote_prefill.as_ref().map_or(0, |r| r.awaiting.len())
     }
 
     /// A new request at this decode rank: prefill it here (returns its sequence) or send it to
     /// a linked prefill pool (returns `None`; its handoff comes back to this rank).
     pub(super) fn decide(&mut self, a: Admission) -> Option<Sequence> {
         let seq = Sequence::new(a.id, a.prompt.clone(), a.max_output_tokens, a.warmup);
-        let Some(remote) = self.remote_prefill.as_ref().filter(|r| !r.targets.is_empty()) else {
+        let Some(remote) = self.remote_prefill.as_ref().map(|r| &r.setup).filter(|r| !r.targets.is_empty()) else {
             self.stats.local_prefills += 1;
             return Some(seq);
         };
@@ -89,14 +59,15 @@ impl Rank {
         // The prefix this rank holds stays held for the handoff, and is not sent.
         let skip_blocks = self.memory.reserve_prefix(&seq) as u32;
         let back_to = BackTo { link, rank, skip_blocks };
-        let target = &self.remote_prefill.as_ref().expect("checked above").targets[pick];
+        let remote = self.remote_prefill.as_mut().expect("checked above");
+        let target = &remote.setup.targets[pick];
         // (the prefill pool's own index, if any, says what its ranks hold)
         target.ingress.push(Admission {
             kind: AdmissionKind::PrefillOnly { back_to: Some(back_to) },
             cached: Vec::new(),
             ..a
         });
-        self.awaiting_remote.insert(a.id, pick);
+        remote.awaiting.insert(a.id, pick);
         self.stats.remote_prefills += 1;
         None
     }
@@ -105,10 +76,11 @@ impl Rank {
     /// prefill pool is told (it reports the cancel, or the handoff, arriving, is refused here).
     /// Also how it hears that the prefill failed (the prefill pool reported that).
     pub(super) fn cancel_remote_prefill(&mut self, id: u64) {
-        let Some(pick) = self.awaiting_remote.remove(&id) else { return };
-        self.cancelled_remote.insert(id);
+        let Some(remote) = self.remote_prefill.as_mut() else { return };
+        let Some(pick) = remote.awaiting.remove(&id) else { return };
+        remote.cancelled.insert(id);
         self.memory.release_reserved(id);
-        if let Some(target) = self.remote_prefill.as_ref().and_then(|r| r.targets.get(pick)) {
+        if let Some(target) = self.remote_prefill.as_ref().and_then(|r| r.setup.targets.get(pick)) {
             target.ingress.cancel(id);
         }
     }

@@ -1,49 +1,35 @@
-//! A rank's side of P/D handoffs (DESIGN §2, §8). On a prefill pool: a request admitted
-//! `PrefillOnly` samples T0 only; the step that reaches its prompt boundary copies its state slot
-//! (read then — the state before T0) and names its KV blocks in place; when T0 arrives the handoff is built
-//! and sent (with the drafts its drafter made from T0), and the request stays held, blocks and slot with it, until the consumer's ack for
-//! that transfer comes back (producer frees after ack). In a process of a prefill pool spread over
-//! processes, the remote decode pool's events for the rank's requests come back through its
-//! `EventRelay` queue: drained in `poll` (never waited on), emitted at that step, and the request
-//! counted in flight until its end came back. On a decode pool: a `Handoff` admission
-//! takes its handoff from the pool's inbox and continues from T0, its first decode input (with
-//! the producer's drafts after it).
+//! A rank's side of P/D handoffs (DESIGN §2, §8). Which side of a handoff a request is, if any
+//! ([`RequestKind`]), is decided once, when the rank admits it (`sequence_for`); a request served
+//! whole never reaches the code here.
+//!
+//! On a prefill pool (the producer): a request admitted `PrefillOnly` samples T0 only; the step
+//! that reaches its prompt boundary copies its state slot (read then — the state before T0) and
+//! names its KV blocks in place; when T0 arrives the handoff is built and sent (with the drafts
+//! its drafter made from T0), and the request stays held, blocks and slot with it, until the
+//! consumer's ack for that transfer comes back (producer frees after ack). In a process of a
+//! prefill pool spread over processes, the remote decode pool's events for the rank's requests
+//! come back through its `EventRelay` queue: drained in `poll` (never waited on), emitted at that
+//! step, and the request counted in flight until its end came back.
+//!
+//! On a decode pool (the consumer): a `Handoff` admission takes its handoff from the pool's inbox
+//! and continues from T0, its first decode input (with the producer's drafts after it); the rank
+//! holds the handoff (`HandoffIn::imports`) until the step that feeds T0 writes it in.
 
+use super::handoff_state::{HandoffIn, HandoffOut, Relayed};
 use super::Rank;
-use crate::messages::{wall_ms, Admission, Event};
-use crate::policy::sequence::Sequence;
-use crate::step::{Exported, SeqKey};
-use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, RelayQueue, Taken, TransferId};
-use std::collections::HashSet;
+use crate::messages::{wall_ms, Admission, AdmissionKind, Event};
+use crate::policy::sequence::{ConsumerState, ProducerState, RequestKind, Sequence};
+use crate::step::SeqKey;
+use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, Taken, TransferId};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
-
-/// What a prefill rank needs to hand off.
-pub struct HandoffOut {
-    pub sink: Arc<dyn HandoffSink>,
-    /// The model's layout fingerprint at this pool's block size.
-    pub fingerprint: u64,
-    acks: Arc<AckQueue>,
-    next_nonce: u64,
-    /// The pool's queue of prefills decode ranks asked for (they weigh it when deciding).
-    queue: Arc<AtomicUsize>,
-    /// A prefill pool spread over processes, its decode pool in another: the events coming back
-    /// for this rank's requests, and the requests whose end has not come back yet.
-    relayed: Option<Relayed>,
-}
-
-/// Events of a remote decode pool relayed to this rank (`transfer::relay`).
-struct Relayed {
-    relay: Arc<EventRelay>,
-    queue: Arc<RelayQueue>,
-    awaited: HashSet<u64>,
-}
 
 impl Rank {
     /// Makes this rank a producer: finished prefills go to `sink`.
     pub fn with_handoff_out(mut self, sink: Arc<dyn HandoffSink>, fingerprint: u64, queue: Arc<AtomicUsize>) -> Self {
         let acks = AckQueue::new(self.waker.clone());
-        self.handoff_out = Some(HandoffOut { sink, fingerprint, acks, next_nonce: 1, queue, relayed: None });
+        self.handoff_out = Some(HandoffOut::new(sink, fingerprint, acks, queue));
         self
     }
 
@@ -86,13 +72,13 @@ impl Rank {
 
     /// Makes this rank a consumer: handoff admissions are taken from `inbox`.
     pub fn with_handoff_in(mut self, inbox: Arc<HandoffInbox>) -> Self {
-        self.inbox = Some(inbox);
+        self.handoff_in = Some(HandoffIn { inbox, imports: HashMap::new() });
         self
     }
 
     /// Handed-off requests whose ack has not come.
     pub fn awaiting_acks(&self) -> usize {
-        self.awaiting.len()
+        self.handoff_out.as_ref().map_or(0, |o| o.awaiting.len())
     }
 
     /// A new sequence for admission `a`, picking tokens as it asks: a prefill pool's samples T0
@@ -108,8 +94,11 @@ impl Rank {
         Some(seq)
     }
 
+    /// The one place a request's kind is decided ([`RequestKind`]), from its admission's: served
+    /// whole (an aggregated pool's, or a decode rank's that prefills it itself), the producer's
+    /// side of a handoff (a prefill pool's: it samples T0 only), or the consumer's (it arrived
+    /// as a handoff). `None`: it runs nowhere here (sent to a prefill pool, or failed).
     fn sequence_for(&mut self, a: Admission) -> Option<Sequence> {
-        use crate::messages::AdmissionKind;
         match a.kind {
             AdmissionKind::Whole => Some(Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup)),
             AdmissionKind::Decide => self.decide(a),
@@ -117,105 +106,113 @@ impl Rank {
                 // T0 only (test switch: one more, so the state it exports has taken T0 in).
                 let outputs = if self.switches.export_state_after_t0 { 2 } else { 1 };
                 let mut seq = Sequence::new(a.id, a.prompt, outputs, a.warmup);
-                seq.handoff.handoff_outputs = Some(a.max_output_tokens);
-                (seq.handoff.handoff_back, seq.handoff.in_prefill_queue) = (back_to, back_to.is_some());
+                seq.kind = RequestKind::Producer(ProducerState {
+                    handoff_outputs: a.max_output_tokens,
+                    back_to,
+                    in_prefill_queue: back_to.is_some(),
+                    ..ProducerState::default()
+                });
                 Some(seq)
             }
-            AdmissionKind::Handoff { .. } => {
-                self.awaiting_remote.remove(&a.id);
-                let cancelled = self.cancelled_remote.remove(&a.id);
-                let taken = self.inbox.as_ref().map_or(Taken::Missing, |inbox| inbox.take(a.id));
-                let h = match taken {
-                    Taken::Handoff(h) => h,
-                    // Cancelled while in transfer: the producer reported it, and the abort
-                    // answered the transfer.
-                    Taken::Aborted => return None,
-                    Taken::Missing => {
-                        self.fail_admission(
-                            a.id,
-                            "handoff-missing",
-                            "admitted as a handoff, but no handoff arrived".into(),
-                        );
-                        return None;
-                    }
-                };
-                if self.memory.layout.keeps_state != h.state.is_some() {
-                    // All or nothing: KV without the recurrent state (or state this model does
-                    // not keep) is refused, never run on a zeroed half.
-                    let why = format!(
-                        "the handoff carries {} state slot, but this model {} one (all-or-nothing state)",
-                        if h.state.is_some() { "a" } else { "no" },
-                        if self.memory.layout.keeps_state { "needs" } else { "has no" }
-                    );
-                    self.memory.release_reserved(a.id);
-                    self.fail_admission(a.id, "handoff", why);
-                    return None;
-                }
-                let reserved = self.memory.take_reserved(a.id);
-                let kept = reserved.len();
-                if cancelled || h.skip_blocks != kept {
-                    for b in reserved {
-                        self.memory.blocks.release(b);
-                    }
-                    if cancelled {
-                        // Cancelled while its remote prefill was out; taking it freed the producer.
-                        self.fail_admission(a.id, "cancelled", "cancelled while in transfer".into());
-                    } else {
-                        let why = format!(
-                            "the handoff leaves out {} prompt block(s), but this rank kept {} for it",
-                            h.skip_blocks, kept
-                        );
-                        self.fail_admission(a.id, "handoff", why);
-                    }
-                    return None;
-                }
-                self.stats.handoffs_in += 1;
-                self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
-                let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
-                seq.stream.delivery = a.delivery; // T0 may be a stop token
-                                                  // Its leading blocks are the prefix this rank kept for it; the rest arrive.
-                for b in reserved {
-                    seq.blocks.push(b);
-                }
-                seq.cached = kept * self.memory.layout.block_size;
-                seq.first_cached = seq.cached;
-                // T0 is known: it is the first decode input, fed once, at the prompt boundary.
-                seq.tokens.push(h.t0);
-                seq.spec.handed_drafts = h.drafts.clone();
-                seq.computed = seq.prompt_len;
-                seq.logits_hash = h.logits_hash;
-                seq.stream.token_times.record(h.t0_ms);
-                seq.started_ms = Some(h.started_ms);
-                if seq.finished() {
-                    // T0 was its only output: it ends here, with nothing to compute.
-                    let event = Event::Finished {
-                        id: seq.id,
-                        rank: self.index,
-                        tokens: vec![h.t0],
-                        token_times: seq.stream.token_times,
-                        started_ms: h.started_ms,
-                        cached_tokens: 0,
-                        logits_hash: h.logits_hash,
-                        preemptions: 0,
-                    };
-                    self.events.push((self.step, event));
-                    self.memory.release(&mut seq); // the prefix blocks it kept
-                    return None;
-                }
-                seq.handoff.import = Some(h);
-                Some(seq)
-            }
+            AdmissionKind::Handoff { .. } => self.take_handoff(a),
         }
     }
 
+    /// A handoff admission: takes its handoff from the inbox and continues from T0 (the
+    /// consumer's side), or fails it (missing, refused, cancelled while in transfer).
+    fn take_handoff(&mut self, a: Admission) -> Option<Sequence> {
+        let cancelled = self.remote_prefill.as_mut().is_some_and(|r| r.arrived(a.id));
+        let taken = self.handoff_in.as_ref().map_or(Taken::Missing, |i| i.inbox.take(a.id));
+        let h = match taken {
+            Taken::Handoff(h) => h,
+            // Cancelled while in transfer: the producer reported it, and the abort answered the
+            // transfer.
+            Taken::Aborted => return None,
+            Taken::Missing => {
+                self.fail_admission(a.id, "handoff-missing", "admitted as a handoff, but no handoff arrived".into());
+                return None;
+            }
+        };
+        if self.memory.layout.keeps_state != h.state.is_some() {
+            // All or nothing: KV without the recurrent state (or state this model does not keep)
+            // is refused, never run on a zeroed half.
+            let why = format!(
+                "the handoff carries {} state slot, but this model {} one (all-or-nothing state)",
+                if h.state.is_some() { "a" } else { "no" },
+                if self.memory.layout.keeps_state { "needs" } else { "has no" }
+            );
+            self.memory.release_reserved(a.id);
+            self.fail_admission(a.id, "handoff", why);
+            return None;
+        }
+        let reserved = self.memory.take_reserved(a.id);
+        let kept = reserved.len();
+        if cancelled || h.skip_blocks != kept {
+            for b in reserved {
+                self.memory.blocks.release(b);
+            }
+            if cancelled {
+                // Cancelled while its remote prefill was out; taking it freed the producer.
+                self.fail_admission(a.id, "cancelled", "cancelled while in transfer".into());
+            } else {
+                let why = format!(
+                    "the handoff leaves out {} prompt block(s), but this rank kept {} for it",
+                    h.skip_blocks, kept
+                );
+                self.fail_admission(a.id, "handoff", why);
+            }
+            return None;
+        }
+        self.stats.handoffs_in += 1;
+        self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
+        let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
+        seq.stream.delivery = a.delivery; // T0 may be a stop token
+                                          // Its leading blocks are the prefix this rank kept for it; the rest arrive.
+        for b in reserved {
+            seq.blocks.push(b);
+        }
+        seq.cached = kept * self.memory.layout.block_size;
+        seq.first_cached = seq.cached;
+        // T0 is known: it is the first decode input, fed once, at the prompt boundary.
+        seq.tokens.push(h.t0);
+        seq.spec.handed_drafts = h.drafts.clone();
+        seq.computed = seq.prompt_len;
+        seq.logits_hash = h.logits_hash;
+        seq.stream.token_times.record(h.t0_ms);
+        seq.started_ms = Some(h.started_ms);
+        if seq.finished() {
+            // T0 was its only output: it ends here, with nothing to compute.
+            let event = Event::Finished {
+                id: seq.id,
+                rank: self.index,
+                tokens: vec![h.t0],
+                token_times: seq.stream.token_times,
+                started_ms: h.started_ms,
+                cached_tokens: 0,
+                logits_hash: h.logits_hash,
+                preemptions: 0,
+            };
+            self.events.push((self.step, event));
+            self.memory.release(&mut seq); // the prefix blocks it kept
+            return None;
+        }
+        seq.kind = RequestKind::Consumer(ConsumerState { awaits_import: true });
+        if let Some(handoff_in) = self.handoff_in.as_mut() {
+            handoff_in.imports.insert(a.id, h);
+        }
+        Some(seq)
+    }
+
     /// A prefill rank's request sampled T0: build its handoff from what the step exported, send
-    /// it, and keep the request (and its memory) until the ack. Returns false when the request
-    /// is not one to hand off.
-    pub(super) fn hand_off(&mut self, index: usize, step: u64, exported: Option<Exported>) -> bool {
+    /// it, and keep the request (and its memory) until the ack. Returns false when this rank
+    /// hands nothing off (it is no prefill pool's).
+    pub(super) fn hand_off(&mut self, index: usize, step: u64) -> bool {
         let Some(out) = self.handoff_out.as_mut() else { return false };
         let seq = self.seqs.get_mut(index);
-        let Some(outputs) = seq.handoff.handoff_outputs else { return false };
+        let Some(producer) = seq.kind.producer() else { return false };
+        let (outputs, back_to, t0_chain) = (producer.handoff_outputs, producer.back_to, producer.t0_chain);
         let key = seq.key;
+        let exported = out.exported.remove(&key);
         let Some(exported) = exported else {
             let why = format!("step {step} sampled T0 but exported no KV for the handoff");
             self.fail(index, step, "handoff", why);
@@ -226,7 +223,7 @@ impl Rank {
         let transfer = TransferId { nonce, generation: key.generation };
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
-        let skip_blocks = seq.handoff.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
+        let skip_blocks = back_to.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
         let kv_blocks = kv_blocks - skip_blocks;
         let handoff = Handoff {
             transfer,
@@ -238,7 +235,7 @@ impl Rank {
             delivery: seq.stream.delivery.clone(),
             drafts: std::mem::take(&mut seq.spec.handed_drafts),
             t0: seq.tokens[seq.prompt_len],
-            logits_hash: seq.handoff.t0_chain.unwrap_or(seq.logits_hash),
+            logits_hash: t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,
             skip_blocks,
             kv_blocks,
@@ -252,7 +249,7 @@ impl Rank {
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             t0_ms: seq.stream.token_times.first.unwrap_or_else(wall_ms),
-            to: seq.handoff.handoff_back,
+            to: back_to,
             recycle: None,
             on_drop: Default::default(),
         };
@@ -268,15 +265,15 @@ impl Rank {
         match out.sink.send(handoff, out.acks.clone()) {
             Ok(to) => {
                 self.scheduler.forget(index);
-                let seq = self.seqs.get_mut(index);
-                seq.handoff.in_transfer = Some(transfer);
-                if std::mem::take(&mut seq.handoff.in_prefill_queue) {
+                let producer = self.seqs.get_mut(index).kind.producer_mut().expect("checked above");
+                producer.in_transfer = Some(transfer);
+                if std::mem::take(&mut producer.in_prefill_queue) {
                     super::leave_queue(&out.queue);
                 }
+                out.awaiting.insert(nonce, key);
                 if self.switches.free_before_ack {
                     self.release_handed_off(key); // test switch: the ack, when it comes, finds nothing
                 }
-                self.awaiting.insert(nonce, key);
                 self.stats.handoffs_out += 1;
                 self.stats.handoff_bytes += bytes;
                 self.events
@@ -295,13 +292,14 @@ impl Rank {
     pub(super) fn apply_acks(&mut self) {
         let Some(out) = self.handoff_out.as_ref() else { return };
         for (request, transfer, outcome) in out.acks.drain() {
-            let Some(key) = self.awaiting.get(&transfer.nonce).copied().filter(|k| k.generation == transfer.generation)
+            let awaiting = &mut self.handoff_out.as_mut().expect("checked above").awaiting;
+            let Some(key) = awaiting.get(&transfer.nonce).copied().filter(|k| k.generation == transfer.generation)
             else {
                 self.stats.stale_acks += 1;
                 continue;
             };
-            self.awaiting.remove(&transfer.nonce);
-            let aborted = self.seqs.by_key_mut(key).is_some_and(|s| s.handoff.aborted);
+            awaiting.remove(&transfer.nonce);
+            let aborted = self.seqs.by_key_mut(key).and_then(|s| s.kind.producer()).is_some_and(|p| p.aborted);
             if outcome.is_err() {
                 self.stop_awaiting(request);
             }
@@ -321,14 +319,19 @@ impl Rank {
         }
     }
 
-    /// Request `index` was cancelled after its handoff was sent: it is reported cancelled now,
-    /// the consumer is asked to drop the transfer, and its memory stays held until that
-    /// transfer's answer (the abort's ack) comes back — the producer frees after the ack.
-    /// Returns false when it is not in transfer.
+    /// A prefill pool's request `index` is cancelled. After its handoff was sent it is reported
+    /// cancelled now, the consumer is asked to drop the transfer, and its memory stays held until
+    /// that transfer's answer (the abort's ack) comes back — the producer frees after the ack.
+    /// Returns whether it was in transfer (then the cancel is done: now, or before).
     pub(super) fn abort_in_transfer(&mut self, index: usize) -> bool {
         let seq = self.seqs.get_mut(index);
-        let (Some(transfer), false) = (seq.handoff.in_transfer, seq.handoff.aborted) else { return false };
-        seq.handoff.aborted = true;
+        let Some(producer) = seq.kind.producer_mut() else { return false };
+        if producer.aborted {
+            return true;
+        }
+        let Some(transfer) = producer.in_transfer else { return false };
+        producer.aborted = true;
+        let back_to = producer.back_to;
         let event = Event::Failed {
             id: seq.id,
             rank: self.index,
@@ -338,33 +341,52 @@ impl Rank {
             token_times: seq.stream.token_times,
             started_ms: seq.started_ms,
         };
-        let (id, seq_back_to) = (seq.id, seq.handoff.handoff_back);
+        let id = seq.id;
         self.events.push((self.step, event));
         self.stop_awaiting(id); // reported here; what the decode pool says of it now is dropped
         if let Some(out) = &self.handoff_out {
-            out.sink.abort(id, transfer, seq_back_to);
+            out.sink.abort(id, transfer, back_to);
         }
         true
     }
 
-    /// A prefill pool's request ends here (failed, cancelled): it leaves the pool's queue, and a
-    /// decode rank that asked for it hears of it (through the link's abort), so it stops waiting.
-    pub(super) fn remote_prefill_ended(&mut self, seq: &mut Sequence) {
-        let Some(out) = &self.handoff_out else { return };
-        if std::mem::take(&mut seq.handoff.in_prefill_queue) {
-            super::leave_queue(&out.queue);
+    /// A request of either side of a handoff ends here (failed, cancelled). A prefill pool's
+    /// leaves the pool's queue and drops what its step exported, and a decode rank that asked
+    /// for it hears of it (through the link's abort), so it stops waiting; a decode pool's drops
+    /// the handoff it still held for its import.
+    pub(super) fn handoff_ended(&mut self, seq: &mut Sequence) {
+        match &mut seq.kind {
+            RequestKind::Whole => {}
+            RequestKind::Producer(producer) => {
+                let Some(out) = self.handoff_out.as_mut() else { return };
+                out.exported.remove(&seq.key);
+                if std::mem::take(&mut producer.in_prefill_queue) {
+                    super::leave_queue(&out.queue);
+                }
+                if let Some(back_to) = producer.back_to {
+                    let transfer = producer.in_transfer.unwrap_or(TransferId { nonce: 0, generation: 0 });
+                    out.sink.abort(seq.id, transfer, Some(back_to));
+                }
+            }
+            RequestKind::Consumer(_) => self.drop_import(seq.id),
         }
-        if let Some(back_to) = seq.handoff.handoff_back {
-            let transfer = seq.handoff.in_transfer.unwrap_or(TransferId { nonce: 0, generation: 0 });
-            out.sink.abort(seq.id, transfer, Some(back_to));
-        }
+    }
+
+    /// The handoff held for request `id`'s import goes (the request ended, or its first launch
+    /// took it).
+    pub(super) fn take_import(&mut self, id: u64) -> Option<Arc<Handoff>> {
+        self.handoff_in.as_mut().and_then(|h| h.imports.remove(&id))
+    }
+
+    fn drop_import(&mut self, id: u64) {
+        drop(self.take_import(id));
     }
 
     /// A decode rank was asked to cancel a request it does not hold: a handoff of it waiting in
     /// the inbox (or still on its way) is dropped and answered as aborted.
     pub(super) fn abort_arriving(&mut self, id: u64) {
-        if let Some(inbox) = &self.inbox {
-            inbox.abort(id);
+        if let Some(handoff_in) = &self.handoff_in {
+            handoff_in.inbox.abort(id);
         }
     }
 

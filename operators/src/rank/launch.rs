@@ -11,7 +11,7 @@ use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
 use crate::policy::scheduler::{Chunk, StepDecision};
-use crate::policy::sequence::Sequences;
+use crate::policy::sequence::{RequestKind, Sequences};
 use crate::step::{ImportFrom, KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
 use kvflow_kernels::cpu::sampling::Sampler;
 use std::collections::HashMap;
@@ -71,31 +71,45 @@ impl Rank {
         let bs = self.memory.layout.block_size;
         for c in chunks {
             let seq = self.seqs.get_mut(c.seq);
-            // The export follows the step that samples T0 — the prompt boundary (test switch:
-            // the step that feeds T0, so the state has taken it in).
-            let exports_here = if self.switches.export_state_after_t0 { c.start == seq.prompt_len } else { c.sample };
-            if exports_here && seq.handoff.handoff_outputs.is_some() {
-                let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
-                let n = n.min(seq.blocks.len());
-                // Blocks the decode rank already holds are not exported (prefix reuse).
-                let skip = seq.handoff.handoff_back.map_or(0, |b| b.skip_blocks as usize).min(n);
-                let blocks = seq.blocks.blocks()[skip..n].to_vec();
-                // The slot it holds now, read by this step (test switch: the one it was
-                // first admitted with, which a preemption may have given to another request).
-                let slot = match self.admission_slots.remove(&seq.id) {
-                    Some(first) if self.switches.export_admission_slot => Some(first),
-                    _ => seq.slot,
-                };
-                exports.push(KvExport { key: c.key, blocks, slot });
-            }
-            if let Some(handoff) = seq.handoff.import.take() {
-                let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
-                if c.start == seq.prompt_len && skip + kv <= seq.blocks.len() {
-                    let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
-                    let from = ImportFrom::Handoff(handoff);
-                    imports.push(KvImport { key: c.key, blocks, slot: seq.slot, snapshot: None, from });
-                    self.stats.spec.first_decodes += 1;
-                    self.stats.spec.first_decode_drafts += c.drafts as u64;
+            match &mut seq.kind {
+                RequestKind::Whole => {}
+                RequestKind::Producer(producer) => {
+                    // The export follows the step that samples T0 — the prompt boundary (test
+                    // switch: the step that feeds T0, so the state has taken it in).
+                    let exports_here =
+                        if self.switches.export_state_after_t0 { c.start == seq.prompt_len } else { c.sample };
+                    if !exports_here {
+                        continue;
+                    }
+                    let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
+                    let n = n.min(seq.blocks.len());
+                    // Blocks the decode rank already holds are not exported (prefix reuse).
+                    let skip = producer.back_to.map_or(0, |b| b.skip_blocks as usize).min(n);
+                    let blocks = seq.blocks.blocks()[skip..n].to_vec();
+                    // The slot it holds now, read by this step (test switch: the one it was
+                    // first admitted with, which a preemption may have given to another request).
+                    let first = self.handoff_out.as_mut().and_then(|o| o.admission_slots.remove(&seq.id));
+                    let slot = match first {
+                        Some(first) if self.switches.export_admission_slot => Some(first),
+                        _ => seq.slot,
+                    };
+                    exports.push(KvExport { key: c.key, blocks, slot });
+                }
+                RequestKind::Consumer(consumer) => {
+                    if !std::mem::take(&mut consumer.awaits_import) {
+                        continue;
+                    }
+                    let (id, start, prompt_len) = (seq.id, c.start, seq.prompt_len);
+                    let Some(handoff) = self.take_import(id) else { continue };
+                    let seq = self.seqs.get(c.seq);
+                    let (skip, kv) = (handoff.skip_blocks, handoff.kv_blocks);
+                    if start == prompt_len && skip + kv <= seq.blocks.len() {
+                        let blocks = seq.blocks.blocks()[skip..skip + kv].to_vec();
+                        let from = ImportFrom::Handoff(handoff);
+                        imports.push(KvImport { key: c.key, blocks, slot: seq.slot, snapshot: None, from });
+                        self.stats.spec.first_decodes += 1;
+                        self.stats.spec.first_decode_drafts += c.drafts as u64;
+                    }
                 }
             }
         }
@@ -226,8 +240,10 @@ impl Rank {
                 if seq.started_ms.is_none() {
                     seq.started_ms = Some(now);
                     seq.first_cached = cached;
-                    if let (true, Some(slot)) = (self.switches.export_admission_slot, seq.slot) {
-                        self.admission_slots.insert(id, slot);
+                    if let (true, Some(slot), Some(out)) =
+                        (self.switches.export_admission_slot, seq.slot, self.handoff_out.as_mut())
+                    {
+                        out.admission_slots.insert(id, slot);
                     }
                 }
             }
@@ -248,7 +264,7 @@ impl Rank {
         // reuse too (decode-side prefix reuse: a later remote prefill need not send them).
         for chunk in chunks.iter().filter(|_| caching && self.memory.layout.keeps_kv) {
             let seq = self.seqs.get(chunk.seq);
-            if seq.handoff.import.is_none() || chunk.start != seq.prompt_len {
+            if !seq.kind.awaits_import() || chunk.start != seq.prompt_len {
                 continue;
             }
             let full = (seq.prompt_len / bs).min(seq.prompt_hashes.len()).min(seq.blocks.len());

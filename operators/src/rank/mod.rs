@@ -12,13 +12,18 @@
 //! 4. `propose` (at `propose(t)`, with `[speculative]`): drafts for the next step (`spec`).
 //!
 //! A step's record owns what the step reads until its completion returns it (see
-//! `RankMemory::release`). Shared by the `schedule`, `forward`, `verify` and `propose` operators
-//! of the rank's worker (`Rc<RefCell<_>>`: same thread).
+//! `RankMemory::release`). Each feature's part of a rank is a struct of its own, there only when
+//! the pool uses the feature: a producer's handoffs (`HandoffOut`), a consumer's (`HandoffIn`), a
+//! deciding decode rank's remote prefills (`RemotePrefills`; all three in `handoff_state`), the
+//! offload tier (`RankOffload`, in `offload_state`), the KV-aware index's reports. Shared by the
+//! `schedule`, `forward`, `verify` and `propose` operators of the rank's worker (`Rc<RefCell<_>>`:
+//! same thread).
 
 mod complete;
 mod disaggregate;
 mod experts;
 mod handoff;
+mod handoff_state;
 mod launch;
 mod load;
 mod offload;
@@ -27,8 +32,9 @@ mod spec;
 mod stats;
 mod switches;
 
-pub use disaggregate::{leave_queue, DisaggregationRule, PrefillTarget, RemotePrefill};
-pub use handoff::HandoffOut;
+pub use disaggregate::leave_queue;
+pub use handoff_state::{DisaggregationRule, HandoffOut, PrefillTarget, RemotePrefill};
+use handoff_state::{HandoffIn, RemotePrefills};
 pub use offload_state::{OffloadSetup, OffloadStats, RankOffload};
 pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
 pub use switches::{ExchangeSwitches, TestSwitches};
@@ -63,6 +69,14 @@ struct StepRecord {
     draft_from: Vec<SeqKey>,
 }
 
+/// A rank's reporting to the KV-aware routing index (router `kv-aware`).
+#[derive(Debug)]
+struct CacheReports {
+    /// The last plan asked for its whole cache (its events came with a gap): its next report
+    /// carries a snapshot instead of events.
+    snapshot_owed: bool,
+}
+
 pub struct Rank {
     pub index: usize,
     pub pool: String,
@@ -90,28 +104,20 @@ pub struct Rank {
     /// What the accounting checks found.
     accounting: Vec<String>,
     pub stats: RankStats,
-    /// A prefill pool's rank: where handoffs go, and the requests awaiting their ack by nonce.
-    handoff_out: Option<HandoffOut>,
-    awaiting: std::collections::HashMap<u64, SeqKey>,
-    /// A decode pool's rank: where arriving handoffs wait.
-    inbox: Option<Arc<crate::transfer::HandoffInbox>>,
-    /// A decode rank deciding where its new requests are prefilled, the remote prefills it
-    /// awaits (by request, with the prefill pool's index), and those cancelled meanwhile.
-    remote_prefill: Option<RemotePrefill>,
-    awaiting_remote: std::collections::HashMap<u64, usize>,
-    cancelled_remote: std::collections::HashSet<u64>,
-    /// Router `kv-aware`: this rank reports its cache events in its reports; and whether the
-    /// last plan asked it for its whole cache.
-    reports_cache: bool,
-    snapshot_owed: bool,
-    /// What the last completion's exports copied out, by sequence, until its T0 is applied.
-    exported: std::collections::HashMap<SeqKey, crate::step::Exported>,
     /// Rank 0 under `admission = "reserve"`: admissions waiting for a rank that can hold them.
     deferred: Vec<Admission>,
+    // Each feature's part of the rank: `None` unless the pool uses the feature.
+    /// A prefill pool's rank (a producer): where its handoffs go, and those under way.
+    handoff_out: Option<HandoffOut>,
+    /// A decode pool's rank (a consumer): where arriving handoffs wait, and those taken that
+    /// await their import.
+    handoff_in: Option<HandoffIn>,
+    /// A decode rank deciding where its new requests are prefilled, and its remote prefills.
+    remote_prefill: Option<RemotePrefills>,
     /// The offload tier, when the graph has one.
     offload: Option<RankOffload>,
-    /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
-    admission_slots: std::collections::HashMap<u64, kvflow_kernels::kv::SlotId>,
+    /// Router `kv-aware`: this rank reports its cache events in its reports.
+    cache_reports: Option<CacheReports>,
     /// Its memory and queues at its last `schedule`, for readers on other threads.
     gauges: Option<Arc<RankGauges>>,
 }
@@ -146,17 +152,11 @@ impl Rank {
             accounting: Vec::new(),
             stats: RankStats { rank: index, ..RankStats::default() },
             handoff_out: None,
-            awaiting: Default::default(),
-            inbox: None,
+            handoff_in: None,
             remote_prefill: None,
-            awaiting_remote: Default::default(),
-            cancelled_remote: Default::default(),
-            exported: Default::default(),
-            admission_slots: Default::default(),
             deferred: Vec::new(),
             offload: None,
-            reports_cache: false,
-            snapshot_owed: false,
+            cache_reports: None,
             gauges: None,
         }
     }
@@ -185,14 +185,14 @@ impl Rank {
     /// numbered events in its reports (router `kv-aware`).
     pub fn reporting_cache_events(mut self) -> Self {
         self.memory.prefix.publish_events(self.index as u32);
-        self.reports_cache = true;
+        self.cache_reports = Some(CacheReports { snapshot_owed: false });
         self
     }
 
     /// The cache events since the last report (the offload tier's among them), or — when the
     /// last plan asked (its events came with a gap) — the whole cache, which covers them.
     fn cache_report(&mut self) -> (Vec<CacheEvent>, Option<CacheSnapshot>) {
-        if !self.reports_cache {
+        if self.cache_reports.is_none() {
             return (Vec::new(), None);
         }
         self.report_offload_evictions();
@@ -200,7 +200,7 @@ impl Rank {
         if let Some(n) = self.switches.drop_cache_event_every.filter(|&n| n > 0) {
             events.retain(|e| e.seq % n != 0); // test switch: events lost on the way
         }
-        if std::mem::take(&mut self.snapshot_owed) {
+        if self.cache_reports.as_mut().is_some_and(|r| std::mem::take(&mut r.snapshot_owed)) {
             self.stats.index_resyncs += 1;
             return (Vec::new(), self.memory.prefix.events_snapshot());
         }
@@ -219,7 +219,9 @@ impl Rank {
 
     /// The plan named this rank among those whose events came with a gap.
     pub fn owe_cache_snapshot(&mut self) {
-        self.snapshot_owed = true;
+        if let Some(reports) = self.cache_reports.as_mut() {
+            reports.snapshot_owed = true;
+        }
     }
 
     /// Saves full prompt chunks to the offload tier's store, and loads prefixes back, through a
@@ -325,7 +327,7 @@ impl Rank {
     /// "decoding".
     fn stage(&self, index: usize) -> &'static str {
         let seq = self.seqs.get(index);
-        if seq.handoff.in_transfer.is_some() {
+        if seq.kind.producer().is_some_and(|p| p.in_transfer.is_some()) {
             "in transfer"
         } else if self.is_loading(seq.key) {
             "loading"
@@ -348,7 +350,7 @@ impl Rank {
                 self.abort_arriving(id);
                 continue;
             };
-            if self.seqs.get(index).handoff.aborted || self.abort_in_transfer(index) {
+            if self.seqs.get(index).kind.is_producer() && self.abort_in_transfer(index) {
                 continue;
             }
             let stage = self.stage(index);
@@ -360,8 +362,7 @@ impl Rank {
     fn fail(&mut self, index: usize, step: u64, cause: &str, message: String) {
         self.scheduler.forget(index);
         let mut seq = self.seqs.remove(index);
-        self.remote_prefill_ended(&mut seq);
-        self.exported.remove(&seq.key);
+        self.handoff_ended(&mut seq);
         self.memory.release(&mut seq);
         self.events.push((
             step,
@@ -387,6 +388,12 @@ impl Rank {
             self.propose();
         }
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
+        if let Some(handoff_in) = self.handoff_in.as_mut() {
+            // The scheduler dropped the requests that can never fit: a handoff held for one goes too.
+            for (id, _) in &self.decided.failed {
+                handoff_in.imports.remove(id);
+            }
+        }
         self.scheduler.mark_drafter_successors(&self.seqs, &mut self.decided);
         if self.switches.drafter_successors_only_when_verifying {
             for c in &mut self.decided.chunks {
@@ -399,7 +406,7 @@ impl Rank {
         let offload_busy = self.offload.as_ref().is_some_and(|o| o.in_flight() > 0);
         if self.decided.is_empty()
             && self.in_flight.is_empty()
-            && self.awaiting.is_empty()
+            && self.awaiting_acks() == 0
             && !offload_busy
             && !self.scheduler.is_idle()
             && !self.drop_waiting_prefixes()
@@ -427,9 +434,9 @@ impl Rank {
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
             in_flight: self.in_flight.len()
-                + self.awaiting.len()
+                + self.awaiting_acks()
                 + self.awaiting_ends()
-                + self.awaiting_remote.len()
+                + self.awaiting_prefills()
                 + self.offload.as_ref().map_or(0, RankOffload::in_flight),
             admissions: std::mem::take(&mut self.deferred),
             cancels,

@@ -42,7 +42,7 @@ impl Rank {
                 if !off.known.insert(digest) {
                     continue;
                 }
-                if self.reports_cache {
+                if self.cache_reports.is_some() {
                     let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
                     off.chunk_hashes.insert(digest, hashes.map(<[u64]>::to_vec).unwrap_or_default());
                 }

@@ -49,7 +49,7 @@ impl Rank {
         let Some(spec) = self.scheduler.config.spec else { return };
         let seq = self.seqs.get_mut(index);
         // The consumer decodes outputs − 1 more tokens; its last one is never a draft.
-        let room = seq.handoff.handoff_outputs.unwrap_or(0).saturating_sub(2).min(spec.draft_tokens);
+        let room = seq.kind.producer().map_or(0, |p| p.handoff_outputs).saturating_sub(2).min(spec.draft_tokens);
         let mut drafts = std::mem::take(&mut seq.spec.handed_drafts);
         drafts.clear();
         if room > 0 {

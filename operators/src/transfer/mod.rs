@@ -4,14 +4,14 @@
 //! each carries a nonce and generation so a duplicate or late completion is dropped. `relay`
 //! brings a remote decode pool's events back through the prefill ranks of a spread pool.
 
-pub mod checksum;
 pub mod faults;
 pub mod inproc;
 pub mod relay;
 pub mod tcp;
 pub mod wire;
 
-pub use checksum::Crc32c;
+pub use crate::checksum::Crc32c;
+pub use crate::request::TransferId;
 pub use faults::{Fault, Faults, TransferCounters};
 pub use inproc::{
     handoff_admission, pick_link, Ack, AckQueue, AckRecord, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks,
@@ -20,13 +20,6 @@ pub use inproc::{
 pub use relay::{EventRelay, RelayQueue};
 pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
-
-/// Names one transfer: a nonce unique per producer, and the generation of the request it moves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct TransferId {
-    pub nonce: u64,
-    pub generation: u32,
-}
 
 /// A finished prefill, ready to move.
 #[derive(Clone, Debug, PartialEq)]
@@ -39,7 +32,7 @@ pub struct Handoff {
     /// How the request picks its tokens (the consumer samples on with it).
     pub sampling: kvflow_kernels::cpu::sampling::RequestSampling,
     /// Its stop tokens and whether it streams (a served request).
-    pub delivery: crate::messages::Delivery,
+    pub delivery: crate::request::Delivery,
     /// Drafts the producer's drafter made from T0: the consumer's first decode feeds T0 and
     /// these (DESIGN §10).
     pub drafts: Vec<u32>,
@@ -64,7 +57,7 @@ pub struct Handoff {
     pub started_ms: f64,
     pub t0_ms: f64,
     /// The decode rank that asked for this prefill, if one did.
-    pub to: Option<crate::messages::BackTo>,
+    pub to: Option<crate::request::BackTo>,
     /// Where `kv`'s buffer goes back when the handoff is dropped (a receiving side reuses its
     /// buffers instead of faulting in fresh pages for every handoff).
     pub recycle: Option<Recycler>,

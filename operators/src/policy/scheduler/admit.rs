@@ -92,7 +92,7 @@ impl Scheduler {
         out.admitted.push((seq.id, seq.cached));
         // A handed-off request's first decode: T0 and the producer's drafts.
         let len = match self.config.spec {
-            Some(spec) if seq.handoff.import.is_some() && len == 1 && *budget > 1 => {
+            Some(spec) if seq.kind.awaits_import() && len == 1 && *budget > 1 => {
                 draft_into(seq, mem, spec, *budget - 1)
             }
             _ => len,

@@ -47,7 +47,7 @@ impl Scheduler {
             return;
         }
         for c in &mut out.chunks {
-            c.drafter_successors = c.sample && seqs.get(c.seq).handoff.handoff_outputs.is_some();
+            c.drafter_successors = c.sample && seqs.get(c.seq).kind.is_producer();
         }
     }
 }
@@ -63,8 +63,7 @@ fn draft_limit(seq: &Sequence, spec: &SpecConfig) -> usize {
 /// proposed, the drafter's proposal after its last token (`draft_limit` tokens at most) goes
 /// into `seq.proposed`, for the scheduler to book at the width it earns. Returns how many.
 pub fn propose_into(seq: &mut Sequence, spec: &SpecConfig) -> usize {
-    let decodes =
-        seq.computed >= seq.prompt_len && seq.handoff.handoff_outputs.is_none() && seq.handoff.import.is_none();
+    let decodes = seq.computed >= seq.prompt_len && !seq.kind.is_producer() && !seq.kind.awaits_import();
     let idle = seq.pending.is_empty() && seq.spec.drafts.is_empty() && seq.spec.proposed.is_empty();
     if !decodes || !idle || seq.remaining() != 1 || seq.finished() {
         return 0;
@@ -88,7 +87,7 @@ pub(super) fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecCon
     if !seq.pending.is_empty() || seq.computed < seq.prompt_len {
         return 1;
     }
-    if seq.handoff.import.is_some() {
+    if seq.kind.awaits_import() {
         // A handed-off request's first decode: T0 and the producer's drafts made from it, at
         // full width (the drafter that made them saw what this rank's may not: with MTP, the
         // producer's last hidden state).

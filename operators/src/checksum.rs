@@ -1,8 +1,9 @@
-//! CRC32C (Castagnoli), the checksum every transfer carries. It is updated while bytes are sent
-//! and while they are received — never in a second pass over them. On x86-64 with AVX-512 and
-//! VPCLMULQDQ it folds 256 bytes at a time by carry-less multiplication (about 3× the `crc32`
-//! instruction, which tops out at 8 bytes a cycle); with SSE4.2 alone it uses the `crc32`
-//! instruction on three interleaved lanes; elsewhere a table, one byte at a time.
+//! CRC32C (Castagnoli), the checksum every transfer and every stored offload object carries. It
+//! is updated while bytes are sent and while they are received — never in a second pass over
+//! them. On x86-64 with AVX-512 and VPCLMULQDQ it folds 256 bytes at a time by carry-less
+//! multiplication (about 3× the `crc32` instruction, which tops out at 8 bytes a cycle); with
+//! SSE4.2 alone it uses the `crc32` instruction on three interleaved lanes; elsewhere a table,
+//! one byte at a time.
 
 /// A running CRC32C.
 #[derive(Clone, Copy, Debug)]
