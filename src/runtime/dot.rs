@@ -19,10 +19,11 @@ use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::RouterContext;
 use kvflow_operators::rank::{Rank, TestSwitches};
 use kvflow_operators::wake::RankWaker;
+use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use timely::logging::{TimelyEvent, TimelyEventBuilder};
 
 /// Something that adds operators to a pool's graph (for programs and tests that extend it).
@@ -57,7 +58,7 @@ fn build(
         if let Some(mut registry) = worker.log_register() {
             registry.insert::<TimelyEventBuilder, _>("timely", move |_time, data| {
                 if let Some(events) = data {
-                    log.lock().unwrap_or_else(|e| e.into_inner()).extend(events.iter().map(|(_, e)| e.clone()));
+                    log.lock().extend(events.iter().map(|(_, e)| e.clone()));
                 }
             });
         }
@@ -101,7 +102,7 @@ fn build(
         }
     });
     let mut built = Built::default();
-    for event in seen.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+    for event in seen.lock().drain(..) {
         match event {
             TimelyEvent::Operates(op) if op.addr.len() == 2 => {
                 built.operators.insert(op.addr[1], op.name);

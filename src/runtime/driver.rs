@@ -12,10 +12,11 @@ use kvflow_kernels::hash;
 use kvflow_kernels::models::check_context;
 use kvflow_operators::admit::Ingress;
 use kvflow_operators::messages::Admission;
+use parking_lot::Mutex;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Cancellations waiting for their time: `(due µs since the driver started, request id)`,
@@ -130,7 +131,7 @@ fn run(job: DriverJob) {
     let cancel_one = {
         let placed = placed.clone();
         move |id: u64| {
-            if let Some((ingress, also)) = placed.lock().unwrap_or_else(|e| e.into_inner()).get(&id) {
+            if let Some((ingress, also)) = placed.lock().get(&id) {
                 ingress.cancel(id);
                 for other in also {
                     other.cancel(id);
@@ -147,7 +148,7 @@ fn run(job: DriverJob) {
         std::thread::spawn(move || {
             while !done.load(Ordering::SeqCst) {
                 let now = epoch.elapsed().as_micros();
-                let mut heap = due.lock().unwrap_or_else(|e| e.into_inner());
+                let mut heap = due.lock();
                 while heap.peek().is_some_and(|std::cmp::Reverse((t, _))| *t <= now) {
                     let Some(std::cmp::Reverse((_, id))) = heap.pop() else { break };
                     cancel_one(id);
@@ -165,24 +166,15 @@ fn run(job: DriverJob) {
             let is_warmup = (req.id as usize) < warmup;
             let pool = &pools[placement.pick(nth, pools.len())];
             nth += 1;
-            collector.lock().unwrap_or_else(|e| e.into_inner()).released(
-                req.id,
-                &pool.name,
-                &req.prompt,
-                req.max_output_tokens,
-                is_warmup,
-            );
+            collector.lock().released(req.id, &pool.name, &req.prompt, req.max_output_tokens, is_warmup);
             if let Err(why) = check_context(max_context, req.prompt.len(), req.max_output_tokens) {
-                collector.lock().unwrap_or_else(|e| e.into_inner()).refuse(req.id, &pool.name, EXCEEDS_CONTEXT, why);
+                collector.lock().refuse(req.id, &pool.name, EXCEEDS_CONTEXT, why);
                 return;
             }
-            placed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(req.id, (pool.ingress.clone(), pool.also_cancel.clone()));
+            placed.lock().insert(req.id, (pool.ingress.clone(), pool.also_cancel.clone()));
             if cancel.picks(req.id) {
                 let at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;
-                due.lock().unwrap_or_else(|e| e.into_inner()).push(std::cmp::Reverse((at, req.id)));
+                due.lock().push(std::cmp::Reverse((at, req.id)));
             }
             let sampling = req.sampling(sampling);
             pool.ingress.push(Admission {
@@ -204,11 +196,11 @@ fn run(job: DriverJob) {
         let _ = c.join();
     }
     if interrupted.load(Ordering::SeqCst) {
-        collector.lock().unwrap_or_else(|e| e.into_inner()).interrupted_now();
+        collector.lock().interrupted_now();
         // Nothing more is released. Let what is in flight finish within the grace period, then
         // cancel the rest and wait for the pool to confirm.
         let deadline = Instant::now() + grace;
-        while !collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight().is_empty() {
+        while !collector.lock().in_flight().is_empty() {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -218,7 +210,7 @@ fn run(job: DriverJob) {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
-        let rest = collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight();
+        let rest = collector.lock().in_flight();
         if !rest.is_empty() {
             eprintln!("interrupted: cancelling {} request(s) still in flight after the grace period", rest.len());
         }
@@ -226,8 +218,7 @@ fn run(job: DriverJob) {
             cancel_one(id);
         }
         let confirm_by = Instant::now() + grace;
-        while !collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight().is_empty() && Instant::now() < confirm_by
-        {
+        while !collector.lock().in_flight().is_empty() && Instant::now() < confirm_by {
             let _ = completions.recv_timeout(Duration::from_millis(50));
         }
     }

@@ -32,11 +32,12 @@ use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::offload::ObjectStore;
 use kvflow_operators::rank::{RankStats, TestSwitches};
+use parking_lot::Mutex;
 use pool::{start_pool, PoolJob, PoolResult};
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use watchdog::{spawn_watchdog, Watch};
 
@@ -638,7 +639,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     };
     let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
-    let run_start_ms = collector.lock().unwrap_or_else(|e| e.into_inner()).start_ms();
+    let run_start_ms = collector.lock().start_ms();
     let kv_sampler = spawn_kv_sampler(sampled_gauges, run_start_ms, finished.clone())?;
     // Pools whose computation has ended (their joiner says so).
     let ended_pools: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
@@ -655,14 +656,12 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
             watches,
             stall_timeout,
             move |pool| {
-                let collector = pending_in.lock().unwrap_or_else(|e| e.into_inner());
+                let collector = pending_in.lock();
                 match pool {
                     None => collector.in_flight().len(),
                     // every request has ended, yet the pool has not: what it still waits for
                     // (an ack, an abort, a remote prefill) is waited on too
-                    Some(pool) if collector.all_ended() => {
-                        usize::from(!ended.lock().unwrap_or_else(|e| e.into_inner()).contains(pool))
-                    }
+                    Some(pool) if collector.all_ended() => usize::from(!ended.lock().contains(pool)),
                     Some(pool) => collector.in_flight_in(pool),
                 }
             },
@@ -670,7 +669,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
             move |diagnosis| {
                 eprintln!("{diagnosis}");
                 // Keep what completed: a partial report, marked stalled.
-                let records = stalled_collector.lock().unwrap_or_else(|e| e.into_inner()).finish();
+                let records = stalled_collector.lock().finish();
                 let report =
                     build_report(&records, &slo, &Default::default(), json!({"stalled": true, "stall": diagnosis}));
                 if let Err(e) = write_outputs(&dir, &report, &records) {
@@ -695,7 +694,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
             let ended_pools = ended_pools.clone();
             std::thread::spawn(move || {
                 let result = pool.join();
-                ended_pools.lock().unwrap_or_else(|e| e.into_inner()).insert(result.name.clone());
+                ended_pools.lock().insert(result.name.clone());
                 if role == upstream && upstream_left.fetch_sub(1, Ordering::SeqCst) == 1 {
                     for ingress in &downstream {
                         ingress.close();
@@ -708,7 +707,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
                     Some(lost) => (PROCESS_LOST, lost.message.clone()),
                     None => ("pool-ended", format!("pool {} ended before the request did", result.name)),
                 };
-                let mut collector = collector.lock().unwrap_or_else(|e| e.into_inner());
+                let mut collector = collector.lock();
                 collector.fail_open(&result.name, cause, &message);
                 if result.lost.is_some() && role == PoolRole::Prefill {
                     collector.fail_relayed(&result.name, here, cause, &message);
@@ -734,7 +733,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     accounting.extend(serve::unclaimed_handoffs(&inboxes));
     accounting.extend(serve::remote_failures(&remote_links));
     let (records, interrupted_ms) = {
-        let mut c = collector.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = collector.lock();
         (c.finish(), c.interrupted_ms)
     };
     let verify = if opts.verify && accounting.is_empty() {

@@ -41,9 +41,10 @@ use kvflow_operators::schedule::schedule;
 use kvflow_operators::transfer::{EventRelay, HandoffInbox, HandoffSink, TransferCounters};
 use kvflow_operators::verify::verify;
 use kvflow_operators::wake::RankWaker;
+use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use timely::dataflow::operators::vec::Map;
 use timely::dataflow::operators::{ConnectLoop, Feedback};
 use timely::dataflow::{Scope, StreamVec};
@@ -551,7 +552,7 @@ pub fn start_pool(
                 }
             };
             let rank = Rc::new(RefCell::new(rank));
-            let sink = if index == 0 { sink.lock().unwrap_or_else(|e| e.into_inner()).take() } else { None };
+            let sink = if index == 0 { sink.lock().take() } else { None };
             let parts = PoolParts {
                 rank: rank.clone(),
                 waker,

@@ -138,11 +138,11 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         {
-            let mut c = self.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = self.job.collector.lock();
             self.draining.store(true, Ordering::SeqCst);
             c.interrupted_now();
         }
-        let open = || self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).open_count();
+        let open = || self.job.collector.lock().open_count();
         let in_flight = open();
         eprintln!(
             "kvflow serve: draining: {in_flight} request(s) in flight get {:.0} s to finish; new requests get 503",
@@ -152,7 +152,7 @@ impl Server {
         while open() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let rest = self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight();
+        let rest = self.job.collector.lock().in_flight();
         if !rest.is_empty() {
             eprintln!("kvflow serve: cancelling {} request(s) still in flight after the grace period", rest.len());
         }
@@ -163,7 +163,7 @@ impl Server {
         while open() > 0 && Instant::now() < confirm_by {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).no_more_releases();
+        self.job.collector.lock().no_more_releases();
     }
 
     fn limits(&self) -> Limits<'_> {
@@ -185,7 +185,7 @@ impl Server {
     /// Releases `ask` into an entry pool; its progress arrives on the ticket.
     fn submit(self: &Arc<Self>, ask: &Ask) -> Result<Ticket, ApiError> {
         let (tx, rx) = unbounded_channel();
-        let mut c = self.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+        let mut c = self.job.collector.lock();
         if self.draining.load(Ordering::SeqCst) {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -429,7 +429,7 @@ async fn models(State(server): State<Arc<Server>>) -> Json<Value> {
 /// 200 while the server takes requests; 503 while it drains, or once a pool has ended under a
 /// failure (a lost process, say: what would enter it fails).
 async fn health(State(server): State<Arc<Server>>) -> Response {
-    let failed = server.job.collector.lock().unwrap_or_else(|e| e.into_inner()).failed_pools();
+    let failed = server.job.collector.lock().failed_pools();
     if server.draining.load(Ordering::SeqCst) {
         (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response()
     } else if !failed.is_empty() {
@@ -443,7 +443,7 @@ async fn health(State(server): State<Arc<Server>>) -> Response {
 async fn prometheus(State(server): State<Arc<Server>>) -> Response {
     let refused = server.refused.lock().clone();
     let text = {
-        let c = server.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+        let c = server.job.collector.lock();
         let live = metrics::Live {
             in_flight: c.open_count(),
             pools: &server.job.gauges,
