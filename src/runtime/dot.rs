@@ -9,7 +9,6 @@
 //! are labelled with the record type they carry and, for `forward` and `verify`, which
 //! completion.
 
-use super::pool::{build_pool_graph, PoolParts, PoolStreams};
 use crate::graph::{Graph, PoolConfig, WorkloadMode};
 use crate::registry::Registry;
 use anyhow::{anyhow, Result};
@@ -17,6 +16,7 @@ use kvflow_operators::align::{Collectives, RoutingKeys};
 use kvflow_operators::executor::{Delay, NullExecutor};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::RouterContext;
+use kvflow_operators::pool::{build_pool_graph, PoolParts, PoolStreams};
 use kvflow_operators::rank::{Rank, TestSwitches};
 use kvflow_operators::wake::RankWaker;
 use parking_lot::Mutex;

@@ -3,6 +3,7 @@
 //! cluster), drives the workload into them, watches them for stalls, checks every rank's
 //! accounting, runs `--verify`, and writes `report.json` and `requests.jsonl`.
 
+mod cluster;
 pub mod collector;
 pub mod dot;
 pub mod driver;
@@ -17,8 +18,10 @@ mod serve;
 mod verify;
 mod watchdog;
 
+pub use cluster::ClusterPlace;
+pub use kvflow_operators::pool::{build_pool_graph, PoolParts, PoolStreams};
 pub use memory::plan_memory;
-pub use pool::{build_pool_graph, ClusterPlace, ExpertParallelJob, PoolParts, PoolStreams};
+pub use pool::ExpertParallelJob;
 
 use crate::graph::{Graph, PoolConfig, PoolRole, WorkloadMode};
 use crate::registry::Registry;
@@ -31,9 +34,9 @@ use collector::{spawn_collector_thread, Collector, CollectorSink};
 use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::offload::ObjectStore;
-use kvflow_operators::rank::{RankStats, TestSwitches};
+use kvflow_operators::rank::TestSwitches;
 use parking_lot::Mutex;
-use pool::{start_pool, PoolJob, PoolResult};
+use pool::{check_ranks, start_pool, PoolJob};
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -443,23 +446,6 @@ fn pool_job(
             _ => None,
         },
     })
-}
-
-/// Every rank's counters per pool, or the accounting failures found.
-fn check_ranks(results: &[PoolResult]) -> (Vec<(String, Vec<RankStats>)>, Vec<String>) {
-    let mut stats = Vec::new();
-    let mut failures = Vec::new();
-    for r in results {
-        let mut ok = Vec::new();
-        for rank in &r.ranks {
-            match rank {
-                Ok(s) => ok.push(s.clone()),
-                Err(e) => failures.extend(e.lines().map(String::from)),
-            }
-        }
-        stats.push((r.name.clone(), ok));
-    }
-    (stats, failures)
 }
 
 /// Runs a graph's pools over its workload.

@@ -7,7 +7,7 @@
 //! fails every request the pool held with that cause and writes the report. The pool's ranks in
 //! this process are dropped whole, and what they held with them.
 
-use super::ClusterPlace;
+use super::cluster::ClusterPlace;
 use parking_lot::Mutex;
 use std::sync::Once;
 

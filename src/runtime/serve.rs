@@ -6,9 +6,10 @@
 //! one; in a prefill pool they hand off over this process's own links, and the decode pool's
 //! events come back through them (`transfer::relay`).
 
+use super::cluster::ClusterPlace;
 use super::links::{self, WireOptions};
-use super::pool::{start_pool, ClusterPlace, LinkFigures, PoolJob, PoolResult};
-use super::{check_ranks, RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
+use super::pool::{check_ranks, start_pool, LinkFigures, PoolJob, PoolResult};
+use super::{RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
 use crate::graph::{Graph, PoolConfig};
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
