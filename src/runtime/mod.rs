@@ -7,6 +7,8 @@ mod cluster;
 pub mod collector;
 pub mod dot;
 pub mod driver;
+pub mod entry;
+pub mod front;
 mod hostfile;
 mod links;
 mod memory;
@@ -19,6 +21,7 @@ mod verify;
 mod watchdog;
 
 pub use cluster::ClusterPlace;
+pub use front::{FrontEnd, FrontEndJob, PoolGauges};
 pub use kvflow_operators::pool::{build_pool_graph, PoolParts, PoolStreams};
 pub use memory::plan_memory;
 pub use pool::ExpertParallelJob;
@@ -31,7 +34,8 @@ use crate::workload::{select, ArrivalMode, Selection};
 
 use anyhow::{anyhow, bail, Context, Result};
 use collector::{spawn_collector_thread, Collector, CollectorSink};
-use driver::{spawn_driver, CancelPlan, DriverJob, EntryPool, Placement};
+use driver::{spawn_driver, CancelPlan, DriverJob};
+use entry::{Entries, EntryPool, Placement};
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::offload::ObjectStore;
 use kvflow_operators::rank::TestSwitches;
@@ -81,27 +85,9 @@ pub struct RunOptions {
     /// The longest gap the workload may leave before a release (default 10 minutes): a longer
     /// one fails the run before it starts.
     pub max_wait: Option<Duration>,
-    /// `kvflow serve`: requests come from HTTP clients instead of the workload's trace.
-    pub serve: Option<Arc<Serving>>,
-}
-
-/// What `kvflow serve` brings to a run: its bound socket and the model's text side.
-pub struct Serving {
-    pub listener: std::net::TcpListener,
-    /// The tokenizer and chat template, when the model has them (else prompts are token ids).
-    pub text: Option<Arc<crate::text::TextModel>>,
-}
-
-impl std::fmt::Debug for Serving {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Serving").field("listener", &self.listener).field("text", &self.text.is_some()).finish()
-    }
-}
-
-/// The longest request `kvflow serve` takes for `graph` on `model` (rank memory is planned for it).
-pub fn serve_context(graph: &Graph, model: &Model) -> usize {
-    let model_context = model.max_positions.unwrap_or(crate::graph::DEFAULT_SERVE_CONTEXT);
-    graph.serve.max_context.unwrap_or(model_context.min(crate::graph::DEFAULT_SERVE_CONTEXT)).min(model_context)
+    /// A front end (`kvflow serve`'s HTTP server) that releases the requests, in place of the
+    /// workload's trace.
+    pub serve: Option<Arc<dyn FrontEnd>>,
 }
 
 /// The default of [`RunOptions::max_wait`].
@@ -495,7 +481,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     // Requests longer than the model's context are refused at release; memory is sized for
     // the rest (served: for the longest request the server takes).
     let largest = match &opts.serve {
-        Some(_) => serve_context(graph, &model),
+        Some(front_end) => front_end.max_context(graph, &model),
         None => selection
             .requests
             .iter()
@@ -589,20 +575,13 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
     let placement = Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed };
     let sampled_gauges = gauges.clone();
     let driver = match &opts.serve {
-        Some(serving) => crate::server::spawn_server(crate::server::ServeJob {
-            listener: serving.listener.try_clone().context("cannot use the listening socket")?,
-            pools: entries,
-            placement,
-            collector: collector.clone(),
+        Some(front_end) => front_end.spawn(FrontEndJob {
+            graph,
+            model: &model,
+            entries: Arc::new(Entries::new(entries, placement, collector.clone(), None)),
             interrupted: interrupted.clone(),
             grace: opts.grace.unwrap_or(Duration::from_secs(10)),
-            text: serving.text.clone(),
-            model_name: graph.serve.model_name.clone(),
-            vocab_size: model.vocab_size,
             max_context: largest,
-            max_tokens: graph.serve.max_tokens,
-            max_requests: graph.serve.max_requests,
-            sampling: graph.sampling,
             gauges,
         })?,
         None => spawn_driver(DriverJob {
@@ -785,7 +764,7 @@ pub fn run(graph: &Graph, opts: &RunOptions, registry: &Registry) -> Result<RunO
 /// report's `kv_usage` timeline (`kvflow plot` draws it): every 100 ms, halving the samples kept
 /// (and doubling the interval) whenever they pass 2,000.
 fn spawn_kv_sampler(
-    pools: crate::server::metrics::PoolGauges,
+    pools: PoolGauges,
     run_start_ms: f64,
     finished: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<Vec<serde_json::Value>>> {
