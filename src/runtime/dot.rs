@@ -230,7 +230,7 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     };
     for pool in &graph.pools {
         let job = match &model {
-            Some(model) => super::expert_parallel_job(graph, pool, model)?,
+            Some(model) => super::jobs::expert_parallel_job(graph, pool, model)?,
             None => None,
         };
         let collectives = super::pool::collectives(job.as_ref());
