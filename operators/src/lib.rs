@@ -18,6 +18,7 @@ pub mod load;
 pub mod messages;
 pub mod offload;
 pub mod policy;
+pub mod pool;
 pub mod propose;
 pub mod rank;
 pub mod request;

@@ -4,7 +4,8 @@
 //! server is installed, the same load against it on the same GGUF in the same run, and the ratio.
 //! TTFT is measured by the client: from sending the request to the first chunk carrying text.
 
-use crate::runtime::{self, RunOptions, Serving};
+use crate::runtime::{self, RunOptions};
+use crate::server::Serving;
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;

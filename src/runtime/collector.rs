@@ -8,9 +8,10 @@ use crate::report::RequestRecord;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_operators::emit::EventSink;
 use kvflow_operators::messages::{wall_ms, Event};
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 pub struct Collector {
     /// `wall_ms` when the run started: record times are relative to it.
@@ -309,7 +310,7 @@ pub fn spawn_collector_thread(
     let (tx, rx) = std::sync::mpsc::channel::<EventBatch>();
     let handle = std::thread::Builder::new().name("kvflow-collector".into()).spawn(move || {
         for (pool, events) in rx {
-            let mut c = collector.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = collector.lock();
             for e in events {
                 c.apply(&pool, e);
             }

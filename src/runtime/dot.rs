@@ -9,7 +9,6 @@
 //! are labelled with the record type they carry and, for `forward` and `verify`, which
 //! completion.
 
-use super::pool::{build_pool_graph, PoolParts, PoolStreams};
 use crate::graph::{Graph, PoolConfig, WorkloadMode};
 use crate::registry::Registry;
 use anyhow::{anyhow, Result};
@@ -17,12 +16,14 @@ use kvflow_operators::align::{Collectives, RoutingKeys};
 use kvflow_operators::executor::{Delay, NullExecutor};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::RouterContext;
+use kvflow_operators::pool::{build_pool_graph, PoolParts, PoolStreams};
 use kvflow_operators::rank::{Rank, TestSwitches};
 use kvflow_operators::wake::RankWaker;
+use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use timely::logging::{TimelyEvent, TimelyEventBuilder};
 
 /// Something that adds operators to a pool's graph (for programs and tests that extend it).
@@ -57,7 +58,7 @@ fn build(
         if let Some(mut registry) = worker.log_register() {
             registry.insert::<TimelyEventBuilder, _>("timely", move |_time, data| {
                 if let Some(events) = data {
-                    log.lock().unwrap_or_else(|e| e.into_inner()).extend(events.iter().map(|(_, e)| e.clone()));
+                    log.lock().extend(events.iter().map(|(_, e)| e.clone()));
                 }
             });
         }
@@ -101,7 +102,7 @@ fn build(
         }
     });
     let mut built = Built::default();
-    for event in seen.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+    for event in seen.lock().drain(..) {
         match event {
             TimelyEvent::Operates(op) if op.addr.len() == 2 => {
                 built.operators.insert(op.addr[1], op.name);
@@ -229,7 +230,7 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     };
     for pool in &graph.pools {
         let job = match &model {
-            Some(model) => super::expert_parallel_job(graph, pool, model)?,
+            Some(model) => super::jobs::expert_parallel_job(graph, pool, model)?,
             None => None,
         };
         let collectives = super::pool::collectives(job.as_ref());

@@ -2,7 +2,8 @@
 //! blank lines and `#` comments skipped; every line checked here, naming the file and line,
 //! before any socket is opened), or the pool's own `hosts = [...]` in the graph.
 
-use super::{pick_named_pools, pick_pools, ClusterPlace};
+use super::checks::{pick_named_pools, pick_pools};
+use super::cluster::ClusterPlace;
 use crate::graph::Graph;
 use anyhow::{bail, Context, Result};
 use std::path::Path;

@@ -213,7 +213,6 @@ fn remote_prefill(
 
 /// Wires the pools this run starts.
 pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireOptions) -> Result<Wiring> {
-    let local = |name: &str| pools.iter().any(|p| p.name == name);
     let ingress: HashMap<String, Arc<Ingress>> =
         pools.iter().map(|p| (p.name.clone(), Arc::new(Ingress::default()))).collect();
     let (faults, counters) = (faults(graph), Arc::new(TransferCounters::default()));
@@ -226,125 +225,186 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
             (p.name.clone(), Arc::new(inbox))
         })
         .collect();
+    let mut wires = Wires {
+        graph,
+        pools,
+        model,
+        options,
+        token: graph.transfer.deployment_token.clone(),
+        faults,
+        counters,
+        socket_bytes: Arc::new(AtomicU64::new(0)),
+        ingress,
+        inboxes,
+        bound: HashMap::new(),
+        remote_links: Vec::new(),
+    };
     // The decode pools with tcp links in bind first; producers connect to the bound address.
-    let token = graph.transfer.deployment_token.clone();
-    let (mut listeners, mut served) = (Vec::new(), Vec::new());
-    let mut bound: HashMap<String, SocketAddr> = HashMap::new();
-    for pool in pools.iter().filter(|p| p.role == PoolRole::Decode) {
-        let into = graph.links_to(&pool.name);
-        let remote_producers = into.iter().filter(|l| !local(&l.from)).count();
-        if remote_producers > 0 && remote_producers < into.len() {
-            bail!(
-                "{}: decode pool `{}` takes handoffs from pools in this process and in others; run it in a \
-                 process with all of its prefill pools, or with none",
-                graph.path.display(),
-                pool.name
-            );
-        }
-        let Some(endpoint) = listen_endpoint(graph, &pool.name, options.endpoints) else { continue };
-        let consumer = ConsumerPool {
-            name: pool.name.clone(),
-            ingress: ingress[&pool.name].clone(),
-            inbox: inboxes[&pool.name].clone(),
-        };
-        let served_here = remote_producers > 0;
-        let consumer_options = ConsumerOptions {
-            token: token.clone(),
-            expect_links: served_here.then(|| producer_connections(graph, &pool.name)),
-        };
-        let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
-            .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
-        if served_here {
-            eprintln!("decode pool `{}` listening on {}", pool.name, listener.addr());
-            served.push(pool.name.clone());
-        }
-        bound.insert(pool.name.clone(), listener.addr());
-        listeners.push((pool.name.clone(), listener));
-    }
-    let socket_bytes = Arc::new(AtomicU64::new(0));
-    let (mut handoff, mut remote_links) = (HashMap::new(), Vec::new());
+    let (listeners, served) = wires.bind_decode_pools()?;
     let queues: HashMap<String, Arc<AtomicUsize>> = pools
         .iter()
         .filter(|p| p.role == PoolRole::Prefill)
         .map(|p| (p.name.clone(), Arc::new(AtomicUsize::new(0))))
         .collect();
+    let mut handoff = HashMap::new();
     for pool in pools {
         let role = match pool.role {
             PoolRole::Aggregated => PoolHandoff::None,
-            PoolRole::Decode => {
-                PoolHandoff::In(inboxes[&pool.name].clone(), remote_prefill(graph, pools, pool, &ingress, &queues))
-            }
-            PoolRole::Prefill => {
-                let out = graph.links_from(&pool.name);
-                let fingerprint = model.layout_fingerprint(pool.memory.block_size);
-                for link in &out {
-                    let to = graph.pool(&link.to)?;
-                    if model.layout_fingerprint(to.memory.block_size) != fingerprint {
-                        bail!(
-                            "{}: link {} → {}: the pools' memory layouts differ (block size {} against {}); a handoff \
-                             needs the same layout on both sides",
-                            graph.path.display(),
-                            link.from,
-                            link.to,
-                            pool.memory.block_size,
-                            to.memory.block_size
-                        );
-                    }
-                }
-                let sink: Arc<dyn HandoffSink> = if out.iter().all(|l| l.backend == TransferBackend::Inproc) {
-                    if let Some(l) = out.iter().find(|l| !local(&l.to)) {
-                        remote_address(graph, l, options.endpoints)?; // fails: names the fix
-                    }
-                    let consumers = out
-                        .iter()
-                        .map(|l| ConsumerPool {
-                            name: l.to.clone(),
-                            ingress: ingress[&l.to].clone(),
-                            inbox: inboxes[&l.to].clone(),
-                        })
-                        .collect();
-                    Arc::new(InprocLinks { consumers, faults, counters: counters.clone() })
-                } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
-                    let mut links = Vec::new();
-                    let connections = graph.transfer.connections;
-                    for l in out.iter().flat_map(|l| std::iter::repeat_n(l, connections)) {
-                        let remote = !local(&l.to);
-                        let addr = if remote { remote_address(graph, l, options.endpoints)? } else { bound[&l.to] };
-                        let target =
-                            LinkTarget { to: l.to.clone(), addr, fingerprint, token: token.clone(), link_id: 0 };
-                        let link_options = LinkOptions {
-                            checksum: graph.transfer.checksum,
-                            faults,
-                            counters: counters.clone(),
-                            socket_bytes: socket_bytes.clone(),
-                            events: remote.then(|| match &options.relay {
-                                Some(relay) => relay.sink(),
-                                None => (options.remote_events)(&l.to),
-                            }),
-                            patience: if remote { options.patience } else { Duration::ZERO },
-                        };
-                        let link = Arc::new(
-                            TcpLink::connect(target, link_options)
-                                .map_err(|e| anyhow!("{}: prefill pool `{}`: {e}", graph.path.display(), pool.name))?,
-                        );
-                        if remote {
-                            remote_links.push(link.clone());
-                        }
-                        links.push(link);
-                    }
-                    Arc::new(TcpLinks { links, connections })
-                } else {
-                    bail!(
-                        "{}: prefill pool `{}` has both inproc and tcp links; one backend per prefill pool",
-                        graph.path.display(),
-                        pool.name
-                    );
-                };
-                PoolHandoff::Out { sink, fingerprint, queue: queues[&pool.name].clone(), relay: options.relay.clone() }
-            }
+            PoolRole::Decode => PoolHandoff::In(
+                wires.inboxes[&pool.name].clone(),
+                remote_prefill(graph, pools, pool, &wires.ingress, &queues),
+            ),
+            PoolRole::Prefill => PoolHandoff::Out {
+                sink: wires.handoff_sink(pool)?,
+                fingerprint: model.layout_fingerprint(pool.memory.block_size),
+                queue: queues[&pool.name].clone(),
+                relay: options.relay.clone(),
+            },
         };
         handoff.insert(pool.name.clone(), role);
     }
+    let Wires { ingress, inboxes, remote_links, socket_bytes, counters, .. } = wires;
     let inboxes = inboxes.into_iter().collect();
     Ok(Wiring { ingress, handoff, listeners, served, remote_links, socket_bytes, counters, inboxes })
+}
+
+/// What the wiring of a run shares while it is built.
+struct Wires<'a> {
+    graph: &'a Graph,
+    pools: &'a [&'a PoolConfig],
+    model: &'a Model,
+    options: &'a WireOptions<'a>,
+    /// `[transfer] deployment_token`: what a consumer asks of every producer connecting.
+    token: Option<String>,
+    faults: Faults,
+    counters: Arc<TransferCounters>,
+    socket_bytes: Arc<AtomicU64>,
+    ingress: HashMap<String, Arc<Ingress>>,
+    inboxes: HashMap<String, Arc<HandoffInbox>>,
+    /// Where each decode pool of this process with a tcp listener listens.
+    bound: HashMap<String, SocketAddr>,
+    remote_links: Vec<Arc<TcpLink>>,
+}
+
+impl Wires<'_> {
+    fn local(&self, name: &str) -> bool {
+        self.pools.iter().any(|p| p.name == name)
+    }
+
+    /// Binds the tcp listener of every decode pool of this process that has tcp links in (or an
+    /// `--endpoint`): its listeners, and the decode pools fed from other processes.
+    fn bind_decode_pools(&mut self) -> Result<(Vec<(String, TcpConsumer)>, Vec<String>)> {
+        let (graph, model) = (self.graph, self.model);
+        let (mut listeners, mut served) = (Vec::new(), Vec::new());
+        for pool in self.pools.iter().filter(|p| p.role == PoolRole::Decode) {
+            let into = graph.links_to(&pool.name);
+            let remote_producers = into.iter().filter(|l| !self.local(&l.from)).count();
+            if remote_producers > 0 && remote_producers < into.len() {
+                bail!(
+                    "{}: decode pool `{}` takes handoffs from pools in this process and in others; run it in a \
+                     process with all of its prefill pools, or with none",
+                    graph.path.display(),
+                    pool.name
+                );
+            }
+            let Some(endpoint) = listen_endpoint(graph, &pool.name, self.options.endpoints) else { continue };
+            let consumer = ConsumerPool {
+                name: pool.name.clone(),
+                ingress: self.ingress[&pool.name].clone(),
+                inbox: self.inboxes[&pool.name].clone(),
+            };
+            let served_here = remote_producers > 0;
+            let consumer_options = ConsumerOptions {
+                token: self.token.clone(),
+                expect_links: served_here.then(|| producer_connections(graph, &pool.name)),
+            };
+            let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
+                .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
+            if served_here {
+                eprintln!("decode pool `{}` listening on {}", pool.name, listener.addr());
+                served.push(pool.name.clone());
+            }
+            self.bound.insert(pool.name.clone(), listener.addr());
+            listeners.push((pool.name.clone(), listener));
+        }
+        Ok((listeners, served))
+    }
+
+    /// Where prefill pool `pool` hands off: its links, all inproc or all tcp, to decode pools of
+    /// the same memory layout.
+    fn handoff_sink(&mut self, pool: &PoolConfig) -> Result<Arc<dyn HandoffSink>> {
+        let graph = self.graph;
+        let out = graph.links_from(&pool.name);
+        let fingerprint = self.model.layout_fingerprint(pool.memory.block_size);
+        for link in &out {
+            let to = graph.pool(&link.to)?;
+            if self.model.layout_fingerprint(to.memory.block_size) != fingerprint {
+                bail!(
+                    "{}: link {} → {}: the pools' memory layouts differ (block size {} against {}); a handoff \
+                     needs the same layout on both sides",
+                    graph.path.display(),
+                    link.from,
+                    link.to,
+                    pool.memory.block_size,
+                    to.memory.block_size
+                );
+            }
+        }
+        if out.iter().all(|l| l.backend == TransferBackend::Inproc) {
+            if let Some(l) = out.iter().find(|l| !self.local(&l.to)) {
+                remote_address(graph, l, self.options.endpoints)?; // fails: names the fix
+            }
+            let consumers = out
+                .iter()
+                .map(|l| ConsumerPool {
+                    name: l.to.clone(),
+                    ingress: self.ingress[&l.to].clone(),
+                    inbox: self.inboxes[&l.to].clone(),
+                })
+                .collect();
+            Ok(Arc::new(InprocLinks { consumers, faults: self.faults, counters: self.counters.clone() }))
+        } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
+            self.tcp_links(pool, &out, fingerprint)
+        } else {
+            bail!(
+                "{}: prefill pool `{}` has both inproc and tcp links; one backend per prefill pool",
+                graph.path.display(),
+                pool.name
+            );
+        }
+    }
+
+    /// Prefill pool `pool`'s tcp links: `[transfer] connections` per link, to the bound address of
+    /// a decode pool of this process or the address of one in another (whose events come back
+    /// over the link).
+    fn tcp_links(&mut self, pool: &PoolConfig, out: &[&LinkConfig], fingerprint: u64) -> Result<Arc<dyn HandoffSink>> {
+        let (graph, options) = (self.graph, self.options);
+        let mut links = Vec::new();
+        let connections = graph.transfer.connections;
+        for l in out.iter().flat_map(|l| std::iter::repeat_n(l, connections)) {
+            let remote = !self.local(&l.to);
+            let addr = if remote { remote_address(graph, l, options.endpoints)? } else { self.bound[&l.to] };
+            let target = LinkTarget { to: l.to.clone(), addr, fingerprint, token: self.token.clone(), link_id: 0 };
+            let link_options = LinkOptions {
+                checksum: graph.transfer.checksum,
+                faults: self.faults,
+                counters: self.counters.clone(),
+                socket_bytes: self.socket_bytes.clone(),
+                events: remote.then(|| match &options.relay {
+                    Some(relay) => relay.sink(),
+                    None => (options.remote_events)(&l.to),
+                }),
+                patience: if remote { options.patience } else { Duration::ZERO },
+            };
+            let link = Arc::new(
+                TcpLink::connect(target, link_options)
+                    .map_err(|e| anyhow!("{}: prefill pool `{}`: {e}", graph.path.display(), pool.name))?,
+            );
+            if remote {
+                self.remote_links.push(link.clone());
+            }
+            links.push(link);
+        }
+        Ok(Arc::new(TcpLinks { links, connections }))
+    }
 }

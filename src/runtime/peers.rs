@@ -7,8 +7,9 @@
 //! fails every request the pool held with that cause and writes the report. The pool's ranks in
 //! this process are dropped whole, and what they held with them.
 
-use super::ClusterPlace;
-use std::sync::{Mutex, Once};
+use super::cluster::ClusterPlace;
+use parking_lot::Mutex;
+use std::sync::Once;
 
 /// Why a pool spread over processes ended: a peer process is gone.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,7 +36,7 @@ pub fn watch_for_lost_peers() {
             let thread = std::thread::current().name().unwrap_or("").to_string();
             if text.starts_with("timely communication error") {
                 let peer = peer_of(&thread);
-                let mut first = FIRST_ERROR.lock().unwrap_or_else(|e| e.into_inner());
+                let mut first = FIRST_ERROR.lock();
                 if first.is_none() {
                     *first = Some((peer, text));
                 }
@@ -45,7 +46,7 @@ pub fn watch_for_lost_peers() {
             let follows = text.starts_with("MergeQueue poisoned")
                 || text.starts_with("Send thread panic")
                 || text.starts_with("Recv thread panic");
-            if follows && FIRST_ERROR.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            if follows && FIRST_ERROR.lock().is_some() {
                 return;
             }
             previous(info);
@@ -60,7 +61,7 @@ fn peer_of(thread: &str) -> Option<usize> {
 
 /// What to say of pool `pool` after joining it panicked.
 pub fn lost(pool: &str, place: Option<&ClusterPlace>) -> Lost {
-    let first = FIRST_ERROR.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let first = FIRST_ERROR.lock().clone();
     let (process, cause) = match first {
         Some((peer, text)) => (peer, text),
         None => (None, "a worker thread panicked".to_string()),
@@ -96,8 +97,7 @@ mod tests {
             addresses: vec!["10.0.0.1:7000".into(), "10.0.0.2:7000".into()],
             connect_timeout: std::time::Duration::from_secs(1),
         };
-        *FIRST_ERROR.lock().unwrap() =
-            Some((Some(1), "timely communication error: reading data: socket closed".into()));
+        *FIRST_ERROR.lock() = Some((Some(1), "timely communication error: reading data: socket closed".into()));
         let l = lost("main", Some(&place));
         assert_eq!(l.process, Some(1));
         assert!(l.message.contains("process 1 (10.0.0.2:7000) is gone (timely communication error"), "{}", l.message);

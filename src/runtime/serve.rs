@@ -6,9 +6,10 @@
 //! one; in a prefill pool they hand off over this process's own links, and the decode pool's
 //! events come back through them (`transfer::relay`).
 
+use super::cluster::ClusterPlace;
 use super::links::{self, WireOptions};
-use super::pool::{start_pool, ClusterPlace, LinkFigures, PoolJob, PoolResult};
-use super::{check_ranks, RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
+use super::options::{RunOptions, RunOutcome, EXIT_ACCOUNTING, EXIT_OK};
+use super::pool::{check_ranks, start_pool, LinkFigures, PoolJob, PoolResult};
 use crate::graph::{Graph, PoolConfig};
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
@@ -41,7 +42,7 @@ fn nowhere_for(_pool: &str) -> Box<dyn EventSink + Send> {
 /// end-of-run check and exits with it.
 pub(super) fn serve_handoffs(
     graph: &Graph,
-    opts: &super::RunOptions,
+    opts: &RunOptions,
     pools: &[&PoolConfig],
     jobs: Vec<PoolJob>,
     model: &Model,
@@ -141,7 +142,7 @@ pub(super) fn serve_handoffs(
 /// waits for the decode pools' end-of-run checks.
 pub(super) fn run_beside_driver(
     graph: &Graph,
-    opts: &super::RunOptions,
+    opts: &RunOptions,
     place: &ClusterPlace,
     pools: &[&PoolConfig],
     jobs: Vec<PoolJob>,

@@ -16,8 +16,9 @@
 //!   flushed event is not a park and that has flushed nothing for the timeout is stuck inside an
 //!   operator (its buffered events never flush).
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use timely::logging::{TimelyEvent, TimelyEventBuilder, TimelyProgressEventBuilder};
 use timely::progress::reachability::logging::{TrackerEvent, TrackerEventBuilder};
@@ -58,7 +59,7 @@ impl Watch {
         let Some(mut registry) = worker.log_register() else { return };
         let seen = self.seen.clone();
         registry.insert::<TimelyEventBuilder, _>("timely", move |_time, data| {
-            let mut s = seen.lock().expect("watch lock");
+            let mut s = seen.lock();
             let view = s.workers.entry(index).or_default();
             view.last_flush = Some(Instant::now());
             let Some(events) = data else { return };
@@ -84,7 +85,7 @@ impl Watch {
         let seen = self.seen.clone();
         registry.insert::<TrackerEventBuilder<u64>, _>("timely/reachability/u64", move |_time, data| {
             let Some(events) = data else { return };
-            let mut s = seen.lock().expect("watch lock");
+            let mut s = seen.lock();
             let mut changed = false;
             for (_, event) in events.iter() {
                 if let TrackerEvent::SourceUpdate(update) = event {
@@ -102,7 +103,7 @@ impl Watch {
         let seen = self.seen.clone();
         registry.insert::<TimelyProgressEventBuilder<u64>, _>("timely/progress/u64", move |_time, data| {
             let Some(events) = data else { return };
-            let mut s = seen.lock().expect("watch lock");
+            let mut s = seen.lock();
             for (_, event) in events.iter().filter(|(_, e)| !e.is_send) {
                 for (node, port, time, diff) in &event.internal {
                     *s.by_worker.entry((event.source, *node, *port, *time)).or_default() += diff;
@@ -114,13 +115,13 @@ impl Watch {
 
     /// When a capability last changed anywhere in the pool.
     fn last_change(&self) -> Option<Instant> {
-        self.seen.lock().expect("watch lock").last_change
+        self.seen.lock().last_change
     }
 
     /// Whether the pool is in the middle of a step: an operator other than `admit` (which holds
     /// a parked pool's next step) holds a capability.
     fn mid_step(&self) -> bool {
-        let s = self.seen.lock().expect("watch lock");
+        let s = self.seen.lock();
         s.capabilities
             .iter()
             .any(|(&(node, _, _), &count)| count > 0 && s.names.get(&node).is_none_or(|n| n != "admit"))
@@ -128,7 +129,7 @@ impl Watch {
 
     /// Who holds the pool back, in words.
     pub fn diagnose(&self, stalled_for: Duration, timeout: Duration) -> String {
-        let s = self.seen.lock().expect("watch lock");
+        let s = self.seen.lock();
         let name = |node: usize| s.names.get(&node).cloned().unwrap_or_else(|| format!("operator #{node}"));
         let mut out = Vec::new();
         for (rank, view) in &s.workers {

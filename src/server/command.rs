@@ -1,8 +1,9 @@
 //! The `kvflow serve` command: loads the graph and the model's text side, binds the address,
 //! and runs the graph with the HTTP server in place of the trace driver until SIGTERM or Ctrl-C.
 
+use super::Serving;
 use crate::graph::{Graph, Overrides};
-use crate::runtime::{self, RunOptions, Serving};
+use crate::runtime::{self, RunOptions};
 use crate::text::TextModel;
 use anyhow::{anyhow, Context, Result};
 use std::path::{Path, PathBuf};

@@ -6,7 +6,6 @@ use crate::report::{RequestRecord, CANCELLED};
 use kvflow_operators::rank::RankGauges;
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Arc;
 
 /// Latency buckets in seconds (vLLM's TTFT buckets).
 const BUCKETS: [f64; 22] = [
@@ -14,8 +13,7 @@ const BUCKETS: [f64; 22] = [
     160.0, 640.0, 2560.0,
 ];
 
-/// Every pool's ranks' gauges, by pool name.
-pub type PoolGauges = Vec<(String, Vec<Arc<RankGauges>>)>;
+pub use crate::runtime::front::PoolGauges;
 
 /// What `/metrics` reads beside the records.
 pub struct Live<'a> {

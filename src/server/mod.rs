@@ -12,8 +12,10 @@ pub mod metrics;
 pub mod openai;
 mod output;
 
+use crate::graph::Graph;
 use crate::runtime::collector::{Progress, SharedCollector};
-use crate::runtime::driver::{EntryPool, Placement};
+use crate::runtime::entry::{Entries, Release};
+use crate::runtime::front::{FrontEnd, FrontEndJob, PoolGauges};
 use crate::text::TextModel;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -23,15 +25,15 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvflow_kernels::cpu::sampling::RequestSampling;
-use kvflow_operators::messages::{Admission, Delivery};
-use metrics::PoolGauges;
+use kvflow_kernels::models::Model;
+use kvflow_operators::messages::Delivery;
 use openai::{ApiError, Ask, Endpoint, Envelope, Limits};
 use output::Output;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -40,8 +42,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 pub struct ServeJob {
     /// Bound already (its address was printed).
     pub listener: std::net::TcpListener,
-    pub pools: Vec<EntryPool>,
-    pub placement: Placement,
+    /// Where its requests enter the run (and are cancelled).
+    pub entries: Arc<Entries>,
     pub collector: SharedCollector,
     /// Set by SIGTERM or Ctrl-C (or a test): drain and stop.
     pub interrupted: Arc<AtomicBool>,
@@ -56,14 +58,57 @@ pub struct ServeJob {
     pub gauges: PoolGauges,
 }
 
+/// What `kvflow serve` brings to a run: its bound socket and the model's text side. It is the
+/// run's front end ([`FrontEnd`]): the HTTP server releases the requests.
+pub struct Serving {
+    pub listener: std::net::TcpListener,
+    /// The tokenizer and chat template, when the model has them (else prompts are token ids).
+    pub text: Option<Arc<TextModel>>,
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Serving").field("listener", &self.listener).field("text", &self.text.is_some()).finish()
+    }
+}
+
+/// The longest request `kvflow serve` takes for `graph` on `model` (rank memory is planned for it).
+pub fn serve_context(graph: &Graph, model: &Model) -> usize {
+    let model_context = model.max_positions.unwrap_or(crate::graph::DEFAULT_SERVE_CONTEXT);
+    graph.serve.max_context.unwrap_or(model_context.min(crate::graph::DEFAULT_SERVE_CONTEXT)).min(model_context)
+}
+
+impl FrontEnd for Serving {
+    fn max_context(&self, graph: &Graph, model: &Model) -> usize {
+        serve_context(graph, model)
+    }
+
+    fn spawn(&self, job: FrontEndJob<'_>) -> anyhow::Result<std::thread::JoinHandle<()>> {
+        use anyhow::Context;
+        let FrontEndJob { graph, model, entries, interrupted, grace, max_context, gauges } = job;
+        Ok(spawn_server(ServeJob {
+            listener: self.listener.try_clone().context("cannot use the listening socket")?,
+            collector: entries.collector().clone(),
+            entries,
+            interrupted,
+            grace,
+            text: self.text.clone(),
+            model_name: graph.serve.model_name.clone(),
+            vocab_size: model.vocab_size,
+            max_context,
+            max_tokens: graph.serve.max_tokens,
+            max_requests: graph.serve.max_requests,
+            sampling: graph.sampling,
+            gauges,
+        })?)
+    }
+}
+
 struct Server {
     job: ServeJob,
     stop_tokens: Vec<u32>,
     next_id: AtomicU64,
-    released: AtomicUsize,
     draining: AtomicBool,
-    /// The entry pool each request in flight went to (its cancellation follows it).
-    placed: Mutex<HashMap<u64, usize>>,
     refused: Mutex<BTreeMap<u16, u64>>,
 }
 
@@ -76,9 +121,7 @@ pub fn spawn_server(job: ServeJob) -> std::io::Result<std::thread::JoinHandle<()
             job,
             stop_tokens,
             next_id: AtomicU64::new(0),
-            released: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
-            placed: Mutex::new(HashMap::new()),
             refused: Mutex::new(BTreeMap::new()),
         });
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
@@ -86,9 +129,7 @@ pub fn spawn_server(job: ServeJob) -> std::io::Result<std::thread::JoinHandle<()
             Ok(rt) => rt.block_on(serve(server.clone())),
             Err(e) => eprintln!("kvflow serve: cannot start the HTTP runtime: {e}"),
         }
-        for pool in &server.job.pools {
-            pool.ingress.close();
-        }
+        server.job.entries.close();
     })
 }
 
@@ -138,11 +179,11 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         {
-            let mut c = self.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+            let mut c = self.job.collector.lock();
             self.draining.store(true, Ordering::SeqCst);
             c.interrupted_now();
         }
-        let open = || self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).open_count();
+        let open = || self.job.collector.lock().open_count();
         let in_flight = open();
         eprintln!(
             "kvflow serve: draining: {in_flight} request(s) in flight get {:.0} s to finish; new requests get 503",
@@ -152,7 +193,7 @@ impl Server {
         while open() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let rest = self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).in_flight();
+        let rest = self.job.collector.lock().in_flight();
         if !rest.is_empty() {
             eprintln!("kvflow serve: cancelling {} request(s) still in flight after the grace period", rest.len());
         }
@@ -163,7 +204,7 @@ impl Server {
         while open() > 0 && Instant::now() < confirm_by {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        self.job.collector.lock().unwrap_or_else(|e| e.into_inner()).no_more_releases();
+        self.job.collector.lock().no_more_releases();
     }
 
     fn limits(&self) -> Limits<'_> {
@@ -182,61 +223,54 @@ impl Server {
         e.into_response()
     }
 
-    /// Releases `ask` into an entry pool; its progress arrives on the ticket.
+    /// Releases `ask` into an entry pool (as the trace driver releases its requests); its
+    /// progress arrives on the ticket. A draining or full server refuses it.
     fn submit(self: &Arc<Self>, ask: &Ask) -> Result<Ticket, ApiError> {
         let (tx, rx) = unbounded_channel();
-        let mut c = self.job.collector.lock().unwrap_or_else(|e| e.into_inner());
-        if self.draining.load(Ordering::SeqCst) {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                "draining",
-                "the server is shutting down and takes no new requests",
-            ));
-        }
-        let open = c.open_count();
-        if open >= self.job.max_requests {
-            return Err(ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_exceeded",
-                "queue_full",
-                format!("{open} requests in flight, the most this server takes ([serve] max_requests); retry later"),
-            ));
-        }
-        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
-        let nth = self.released.fetch_add(1, Ordering::SeqCst);
-        let index = self.job.placement.pick(nth, self.job.pools.len());
-        let pool = &self.job.pools[index];
-        c.watch(
-            id,
-            Box::new(move |p| {
-                let _ = tx.send(p);
-            }),
-        );
-        self.placed.lock().insert(id, index);
-        c.released(id, &pool.name, &ask.prompt, ask.max_tokens, false);
-        drop(c);
-        pool.ingress.push(Admission {
-            id,
-            prompt: ask.prompt.clone(),
-            max_output_tokens: ask.max_tokens,
-            warmup: false,
-            kind: pool.kind,
-            sampling: ask.sampling,
-            cached: Vec::new(),
-            delivery: Delivery { stop_tokens: self.stop_tokens.clone(), stream: ask.stream || !ask.stop.is_empty() },
-        });
+        let mut released = None;
+        self.job.entries.release(|c| {
+            if self.draining.load(Ordering::SeqCst) {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "service_unavailable",
+                    "draining",
+                    "the server is shutting down and takes no new requests",
+                ));
+            }
+            let open = c.open_count();
+            if open >= self.job.max_requests {
+                return Err(ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_exceeded",
+                    "queue_full",
+                    format!(
+                        "{open} requests in flight, the most this server takes ([serve] max_requests); retry later"
+                    ),
+                ));
+            }
+            let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+            released = Some(id);
+            Ok(Release {
+                id,
+                prompt: ask.prompt.clone(),
+                max_output_tokens: ask.max_tokens,
+                warmup: false,
+                sampling: ask.sampling,
+                delivery: Delivery {
+                    stop_tokens: self.stop_tokens.clone(),
+                    stream: ask.stream || !ask.stop.is_empty(),
+                },
+                watcher: Some(Box::new(move |p| {
+                    let _ = tx.send(p);
+                })),
+            })
+        })?;
+        let id = released.expect("a request the server released has an id");
         Ok(Ticket { rx, guard: CancelOnDrop { server: self.clone(), id, armed: true } })
     }
 
     fn cancel(&self, id: u64) {
-        if let Some(&index) = self.placed.lock().get(&id) {
-            let pool = &self.job.pools[index];
-            pool.ingress.cancel(id);
-            for other in &pool.also_cancel {
-                other.cancel(id);
-            }
-        }
+        self.job.entries.cancel(id);
     }
 }
 
@@ -258,7 +292,7 @@ impl Drop for CancelOnDrop {
             tracing::info!(request = self.id, "client gone before its request ended: cancelling it");
             self.server.cancel(self.id);
         }
-        self.server.placed.lock().remove(&self.id);
+        self.server.job.entries.forget(self.id);
     }
 }
 
@@ -429,7 +463,7 @@ async fn models(State(server): State<Arc<Server>>) -> Json<Value> {
 /// 200 while the server takes requests; 503 while it drains, or once a pool has ended under a
 /// failure (a lost process, say: what would enter it fails).
 async fn health(State(server): State<Arc<Server>>) -> Response {
-    let failed = server.job.collector.lock().unwrap_or_else(|e| e.into_inner()).failed_pools();
+    let failed = server.job.collector.lock().failed_pools();
     if server.draining.load(Ordering::SeqCst) {
         (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response()
     } else if !failed.is_empty() {
@@ -443,7 +477,7 @@ async fn health(State(server): State<Arc<Server>>) -> Response {
 async fn prometheus(State(server): State<Arc<Server>>) -> Response {
     let refused = server.refused.lock().clone();
     let text = {
-        let c = server.job.collector.lock().unwrap_or_else(|e| e.into_inner());
+        let c = server.job.collector.lock();
         let live = metrics::Live {
             in_flight: c.open_count(),
             pools: &server.job.gauges,
