@@ -5,8 +5,8 @@
 use super::settings::SettingError;
 use crate::messages::{ExpertPair, ExpertRows};
 use crate::policy::memory::MemoryLayout;
+use crate::pool::wake::RankWaker;
 use crate::step::{StepCompletion, StepLaunch};
-use crate::wake::RankWaker;
 use kvflow_kernels::models::Model;
 use std::sync::Arc;
 

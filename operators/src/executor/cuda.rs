@@ -149,7 +149,7 @@ pub struct CudaExecutor {
     pinned_floats: PinnedPool<f32>,
     /// With `test_stale_ring_slot`: each sequence's sample before its latest.
     older: Option<HashMap<SeqKey, u32>>,
-    waker: Arc<crate::wake::RankWaker>,
+    waker: Arc<crate::pool::wake::RankWaker>,
 }
 
 impl CudaExecutor {

@@ -6,7 +6,7 @@
 
 use super::worker::Worker;
 use super::{ChunkKey, ChunkObject, ObjectStore};
-use crate::wake::RankWaker;
+use crate::pool::wake::RankWaker;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

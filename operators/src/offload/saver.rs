@@ -8,8 +8,8 @@
 
 use super::worker::Worker;
 use super::{encode_object, ChunkKey, ChunkObject, ObjectStore};
+use crate::pool::wake::RankWaker;
 use crate::step::KvSource;
-use crate::wake::RankWaker;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

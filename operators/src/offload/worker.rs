@@ -3,7 +3,7 @@
 //! it runs (`schedule`, `poll`): a completion never gates a step and never arrives through the
 //! dataflow (DESIGN §4). The save and load threads are both one of these.
 
-use crate::wake::RankWaker;
+use crate::pool::wake::RankWaker;
 use parking_lot::Mutex;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;

@@ -1,5 +1,7 @@
-//! One rank's loop: the operators of this crate wired into the per-pool dataflow of DESIGN §4.
-//! [`build_pool_graph`] is the one place they are put together; `kvflow run` builds it on every
+//! One rank's loop: the operators (one per file in this folder: `admit.rs`, `schedule.rs`,
+//! `align.rs`, `forward.rs`, `experts.rs`, `verify.rs`, `propose.rs`, `emit.rs`, `save.rs`,
+//! `load.rs`, and the wake-ups they share in `wake.rs`) and the code that wires them into the
+//! per-pool dataflow of DESIGN §4. [`build_pool_graph`] is the one place they are put together; `kvflow run` builds it on every
 //! rank (timely worker) of every pool, and `kvflow check --dot` draws what it builds.
 //!
 //! ```text
@@ -18,7 +20,7 @@
 //! - `forward(t)` launches the step on the rank's executor; with `expert_parallel = true` it is
 //!   followed per MoE layer ℓ by `dispatch[ℓ] ─(exchange)▶ experts[ℓ] ─(exchange)▶ combine[ℓ]`,
 //!   then, with the MTP drafter, by the same three per draft pass (`dispatch[mtp.c]`), and the
-//!   last `combine` feeds `verify(t)` (`crate::experts`).
+//!   last `combine` feeds `verify(t)` (`crate::pool::experts`).
 //! - `verify(t)` takes the step's completion: tokens kept, requests that ended. Its signals go
 //!   back to `admit`/`schedule` through the feedback edge at `t+1`, through `propose(t)` (the
 //!   drafter) in pools with `[speculative]`.
@@ -28,20 +30,32 @@
 //!   rank's save thread, and `load(t)` `forward`'s *loads* (jobs of requests admitted at `t`) to
 //!   its load thread.
 
-use crate::admit::{admit, Ingress, Pending};
-use crate::align::{align, CacheEventRoute, Collectives, RoutingKeys};
-use crate::emit::{emit, EventSink};
-use crate::experts::{moe_layer, MoeLayer};
-use crate::forward::forward;
-use crate::load::load;
+pub mod admit;
+pub mod align;
+pub mod emit;
+pub mod experts;
+pub mod forward;
+pub mod load;
+pub mod propose;
+pub mod save;
+pub mod schedule;
+pub mod verify;
+pub mod wake;
+
+use self::admit::{admit, Ingress, Pending};
+use self::align::{align, CacheEventRoute, Collectives, RoutingKeys};
+use self::emit::{emit, EventSink};
+use self::experts::{moe_layer, MoeLayer};
+use self::forward::forward;
+use self::load::load;
+use self::propose::propose;
+use self::save::save;
+use self::schedule::schedule;
+use self::verify::verify;
+use self::wake::RankWaker;
 use crate::messages::{Event, LoopSignal, StepPlan};
 use crate::policy::router::Router;
-use crate::propose::propose;
 use crate::rank::{Rank, TestSwitches};
-use crate::save::save;
-use crate::schedule::schedule;
-use crate::verify::verify;
-use crate::wake::RankWaker;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;

@@ -1,5 +1,5 @@
 //! A rank's side of expert parallelism: what `dispatch`, `experts` and `combine` ask of its
-//! executor at each MoE layer (see `crate::experts`).
+//! executor at each MoE layer (see `crate::pool::experts`).
 
 use super::Rank;
 use crate::messages::{ExpertPair, ExpertRows};

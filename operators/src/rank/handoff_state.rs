@@ -6,7 +6,7 @@
 //! remote prefills under way. What a rank does with it is in `handoff` and `disaggregate`; a rank
 //! of an aggregated pool has none of it.
 
-use crate::admit::Ingress;
+use crate::pool::admit::Ingress;
 use crate::step::{Exported, SeqKey};
 use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, RelayQueue};
 use kvflow_kernels::kv::SlotId;

@@ -9,9 +9,9 @@
 
 use super::faults::{Fault, Faults, TransferCounters};
 use super::{Handoff, TransferId};
-use crate::admit::Ingress;
 use crate::messages::{Admission, AdmissionKind, BackTo};
-use crate::wake::RankWaker;
+use crate::pool::admit::Ingress;
+use crate::pool::wake::RankWaker;
 use kvflow_kernels::hash;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};

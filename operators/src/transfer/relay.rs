@@ -8,9 +8,9 @@
 //! A rank that handed a request off this way stays in flight until the request's end (finished
 //! or failed) has come back, so its pool — and this process's links — outlive the last request.
 
-use crate::emit::EventSink;
 use crate::messages::Event;
-use crate::wake::RankWaker;
+use crate::pool::emit::EventSink;
+use crate::pool::wake::RankWaker;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -8,8 +8,8 @@ use super::{
     put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ABORT_SEEN,
     TAG_ACK, TAG_DONE, TAG_EVENTS,
 };
-use crate::emit::EventSink;
 use crate::messages::Event;
+use crate::pool::emit::EventSink;
 use crate::transfer::inproc::{Ack, ConsumerPool};
 use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
 use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferId};

@@ -10,9 +10,9 @@ use super::{
     read_status, read_u32, read_u64, read_u8, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, MAX_EVENTS_BYTES,
     TAG_ABORT_SEEN, TAG_ACK, TAG_DONE, TAG_EVENTS,
 };
-use crate::emit::EventSink;
 use crate::messages::BackTo;
 use crate::messages::Event;
+use crate::pool::emit::EventSink;
 use crate::transfer::faults::{Fault, Faults, TransferCounters};
 use crate::transfer::inproc::{link_of, Ack, AckQueue, HandoffSink};
 use crate::transfer::wire::encode_descriptor;

@@ -1,10 +1,10 @@
 //! A link of several connections really spreads the handoffs in flight over them.
 
 use super::{LinkOptions, LinkTarget, TcpConsumer, TcpLink, TcpLinks};
-use crate::admit::Ingress;
+use crate::pool::admit::Ingress;
+use crate::pool::wake::RankWaker;
 use crate::transfer::inproc::{AckQueue, ConsumerPool, HandoffInbox, HandoffSink, Taken};
 use crate::transfer::wire::tests::{handoff, layout};
-use crate::wake::RankWaker;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@
 //! earns allows. Built in pools with `[speculative]`.
 //!
 //! With expert parallelism and the `mtp` drafter the MTP layer's passes are collectives, so they
-//! run inside the step, as operators of their own before `verify` (`crate::experts`,
+//! run inside the step, as operators of their own before `verify` (`crate::pool::experts`,
 //! `dispatch/experts/combine[mtp.c]`); what they propose is picked up here.
 //!
 //! Completions that land after `verify(t)` (an asynchronous executor's, or one that woke a

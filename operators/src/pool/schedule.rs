@@ -13,8 +13,8 @@
 //!
 //! Guarantee carried: only what the next step needs gates it (DESIGN §4).
 
-use crate::admit::Pending;
 use crate::messages::{LoopSignal, RankReport};
+use crate::pool::admit::Pending;
 use crate::rank::Rank;
 use std::cell::RefCell;
 use std::collections::BTreeMap;

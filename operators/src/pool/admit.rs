@@ -20,7 +20,7 @@
 
 use crate::messages::{Admission, LoopSignal};
 use crate::policy::kv_index::SharedKvIndex;
-use crate::wake::RankWaker;
+use crate::pool::wake::RankWaker;
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::VecDeque;

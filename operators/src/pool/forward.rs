@@ -17,7 +17,7 @@
 //! Whenever the pool idles — it parks (nothing held, nothing in flight) or waits on steps in
 //! flight — every rank checks its accounting.
 //!
-//! With expert parallelism (`crate::experts`) the launch runs to the first MoE layer's routing and
+//! With expert parallelism (`crate::pool::experts`) the launch runs to the first MoE layer's routing and
 //! the signal travels on, through each MoE layer's dispatch, experts and combine, to `verify`:
 //! `t + 1` is scheduled once the whole step has launched on this rank.
 //!
@@ -36,7 +36,7 @@ use timely::dataflow::StreamVec;
 
 pub struct ForwardOutputs<'scope> {
     pub signals: StreamVec<'scope, u64, LoopSignal>,
-    /// With expert parallelism the step runs on through the MoE layers (`crate::experts`): the
+    /// With expert parallelism the step runs on through the MoE layers (`crate::pool::experts`): the
     /// signal rides on the token they pass along, and `signals` stays empty.
     pub stages: StreamVec<'scope, u64, StageToken>,
     /// *loads*: offload load jobs of requests admitted at the step (for the `load` operator).
