@@ -6,7 +6,7 @@
 
 use crate::report::RequestRecord;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvflow_operators::emit::EventSink;
+use kvflow_operators::pool::emit::EventSink;
 use kvflow_operators::messages::{wall_ms, Event};
 use parking_lot::Mutex;
 use std::collections::HashMap;

@@ -9,7 +9,7 @@ use crate::graph::PoolChoice;
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::hash;
 use kvflow_kernels::models::check_context;
-use kvflow_operators::admit::Ingress;
+use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::messages::{Admission, AdmissionKind, Delivery};
 use parking_lot::Mutex;
 use std::collections::HashMap;

@@ -13,7 +13,7 @@ use super::pool::{check_ranks, start_pool, LinkFigures, PoolJob, PoolResult};
 use crate::graph::{Graph, PoolConfig};
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
-use kvflow_operators::emit::EventSink;
+use kvflow_operators::pool::emit::EventSink;
 use kvflow_operators::messages::Event;
 use kvflow_operators::transfer::{EventRelay, HandoffInbox, TcpLink};
 use std::sync::atomic::Ordering;

@@ -13,7 +13,7 @@ use kvflow_operators::step::{
     ImportFrom, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StateOp, StepCompletion, StepLaunch,
 };
 use kvflow_operators::transfer::{Handoff, TransferId};
-use kvflow_operators::wake::RankWaker;
+use kvflow_operators::pool::wake::RankWaker;
 use std::sync::Arc;
 
 pub(crate) const BLOCK: usize = 16;
