@@ -530,7 +530,14 @@ fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_
 
     let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "2", "--test-skip-draft-passes-without-samples"])
+        .args([
+            "run",
+            &graph.to_string_lossy(),
+            "--stall-timeout",
+            "2",
+            "--test-switch",
+            "skip-draft-passes-without-samples",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -574,7 +581,7 @@ fn propose_and_verify_are_operators_of_the_step_loop() {
     // the watchdog names it.
     let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
     let g = graph.to_string_lossy();
-    let out = kvflow(&["run", &g, "--stall-timeout", "2", "--test-hold-capability", "propose:1:6"]);
+    let out = kvflow(&["run", &g, "--stall-timeout", "2", "--test-switch", "hold-capability=propose:1:6"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
     let expected = "holding the pool back: operator `propose` on rank 1 holds step 6 ";
