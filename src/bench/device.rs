@@ -19,8 +19,8 @@
 //!    host-device waits on the decode path of each.
 
 use crate::bench::cuda_batch::CudaBatch;
-use crate::bench::{median, Lcg};
 use crate::bench::model::DEFAULT_SPEC;
+use crate::bench::{median, Lcg};
 use crate::generate::{generate, GenerateOptions};
 use anyhow::{anyhow, bail, Context, Result};
 use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Dtype, Gpu, PlainRunner, StepRows, NO_SLOT};

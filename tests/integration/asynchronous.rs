@@ -19,7 +19,7 @@ fn pool(ranks: usize, executor: &str, settings: &str) -> String {
 }
 
 fn run_cli(args: &[&str]) -> std::process::Output {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     std::process::Command::new(env!("CARGO_BIN_EXE_kvflow")).args(args).output().unwrap()
 }
 

@@ -528,7 +528,7 @@ fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_
         assert_eq!(dot.matches(op).count(), 2, "{op} once per pool in:\n{dot}");
     }
 
-    let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = crate::runtime::HEAVY.lock();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
         .args([
             "run",
@@ -579,7 +579,7 @@ fn propose_and_verify_are_operators_of_the_step_loop() {
 
     // The step loop runs through it: `propose` holding step 6 on rank 1 holds the pool back, and
     // the watchdog names it.
-    let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = crate::runtime::HEAVY.lock();
     let g = graph.to_string_lossy();
     let out = kvflow(&["run", &g, "--stall-timeout", "2", "--test-switch", "hold-capability=propose:1:6"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
