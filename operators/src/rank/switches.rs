@@ -129,7 +129,7 @@ pub enum SwitchError {
     UnexpectedArgument { name: String, arg: String },
     #[error("test switch {name} takes an argument: {name}={expected}")]
     MissingArgument { name: String, expected: &'static str },
-    #[error("test switch {name}: expected {name}={expected}, got {arg:?}{why}")]
+    #[error("test switch {name}: expected {name}={expected}, got {arg:?}: {why}")]
     BadArgument { name: String, expected: &'static str, arg: String, why: String },
 }
 
@@ -162,12 +162,8 @@ impl TestSwitches {
             (None, false) => return Err(SwitchError::MissingArgument { name: name.to_string(), expected }),
             (Some(arg), false) => arg,
         };
-        let bad = |why: String| SwitchError::BadArgument {
-            name: name.to_string(),
-            expected,
-            arg: arg.to_string(),
-            why: if why.is_empty() { why } else { format!(": {why}") },
-        };
+        let bad =
+            |why: String| SwitchError::BadArgument { name: name.to_string(), expected, arg: arg.to_string(), why };
         match name {
             "drop-cache-event-every" => self.drop_cache_event_every = Some(number(arg).map_err(bad)?),
             "swap-block-table-every" => self.swap_block_table_every = Some(number(arg).map_err(bad)?),
@@ -229,7 +225,7 @@ impl TestSwitches {
     }
 }
 
-/// A switch argument's number (`why` is empty: the error shows the argument and its form).
+/// A switch argument's number.
 fn number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
     text.parse().map_err(|_| format!("{text:?} is not a number"))
 }
