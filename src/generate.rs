@@ -6,8 +6,8 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler};
 use kvflow_kernels::hash;
-use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
-use kvflow_kernels::models::{available_memory, human_bytes, LogitsWanted, Model, SeqInput};
+use kvflow_kernels::kv::{block_pool, BlockPool, BlockTable, SlotId};
+use kvflow_kernels::models::{available_memory, human_bytes, LogitsWanted, Model, ModelCache, SeqInput};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 use std::path::Path;
@@ -118,6 +118,22 @@ impl Running {
         self.out.error.is_some() || (self.out.tokens.len() >= n && self.fed >= self.prompt.len())
     }
 
+    /// This step's input for the sequence, feeding `toks`: logits are wanted when they end the
+    /// prompt or decode.
+    fn input<'a>(&'a self, toks: &'a [u32]) -> SeqInput<'a> {
+        let start = if self.fed < self.prompt.len() { self.fed } else { self.prompt.len() + self.out.tokens.len() - 1 };
+        let ends_prompt = self.fed < self.prompt.len() && start + toks.len() == self.prompt.len();
+        let decoding = self.fed >= self.prompt.len();
+        SeqInput {
+            tokens: toks,
+            start_pos: start,
+            block_table: self.blocks.blocks(),
+            slot: self.slot,
+            prompt_len: self.prompt.len(),
+            logits: if ends_prompt || decoding { LogitsWanted::Last } else { LogitsWanted::None },
+        }
+    }
+
     /// Picks the next token from `logits`, or fails the prompt when they are not all finite.
     fn sample(&mut self, index: usize, logits: &[f32]) {
         match self.sampler.pick(logits, self.prompt.len() + self.out.tokens.len()) {
@@ -139,20 +155,8 @@ impl Running {
 /// Generates `max_new_tokens` greedy tokens for every prompt, in input order. A prompt that does
 /// not fit the model's context is refused (its generation carries the error, the others run).
 pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Generation>> {
-    if opts.chunk_tokens == 0 {
-        bail!("--chunk-tokens must be at least 1");
-    }
-    if opts.block_size == 0 {
-        bail!("--block-size must be at least 1");
-    }
-    for (i, p) in prompts.iter().enumerate() {
-        if p.is_empty() {
-            bail!("prompt {i} is empty");
-        }
-        model.check_tokens(p).map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
-    }
-    let n = opts.max_new_tokens;
-    let bs = opts.block_size;
+    check_inputs(model, prompts, opts)?;
+    let (n, bs) = (opts.max_new_tokens, opts.block_size);
     let refused: Vec<Option<String>> = prompts
         .iter()
         .enumerate()
@@ -162,103 +166,12 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
     let needed: usize =
         if model.needs_blocks() { admitted().map(|p| p.len().saturating_add(n).div_ceil(bs)).sum() } else { 0 };
     let slots = if model.needs_slots() { prompts.len() } else { 0 };
-    let bytes = (needed as u128) * model.kv_bytes_per_block(bs) as u128
-        + (slots as u128) * model.state_bytes_per_slot() as u128;
-    if let Some(available) = available_memory() {
-        if bytes > available {
-            bail!(
-                "the KV cache for these prompts with --max-new-tokens {n} (--block-size {bs}) takes {}, more than \
-                 the {} this machine has available; lower --max-new-tokens or give fewer prompts",
-                human_bytes(bytes),
-                human_bytes(available)
-            );
-        }
-    }
+    check_memory(model, needed, slots, opts)?;
     let mut pool = block_pool(needed);
     let mut cache = model.new_cache(bs, needed, slots, 0);
-    let mut seqs: Vec<Running> = prompts
-        .iter()
-        .zip(&refused)
-        .enumerate()
-        .map(|(i, (p, refused))| -> Result<Running> {
-            let mut blocks = BlockTable::new();
-            let mut out = Generation::empty(opts.decode_logits);
-            out.error = refused.clone();
-            if model.needs_blocks() && refused.is_none() {
-                blocks.grow_to(p.len() + n, bs, &mut pool, i as u64)?;
-            }
-            // Prompt i owns slot i; a new store holds the zero state.
-            let slot = model.needs_slots().then_some(i as SlotId);
-            let sampler = Sampler::new(opts.sampling, opts.first_request_id + i as u64);
-            Ok(Running { prompt: p.clone(), fed: 0, blocks, slot, sampler, out })
-        })
-        .collect::<Result<_>>()?;
-    let total_steps =
-        prompts.iter().map(|p| p.len().div_ceil(opts.chunk_tokens) + n.saturating_sub(1)).max().unwrap_or(0);
-    let bar = if opts.show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
-    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed}").expect("valid template"));
-    loop {
-        // Each unfinished sequence contributes a prefill chunk or its last token.
-        let mut fed_tokens: Vec<Vec<u32>> = Vec::new();
-        let mut members = Vec::new();
-        for (i, s) in seqs.iter().enumerate() {
-            if s.done(n) {
-                continue;
-            }
-            if s.fed < s.prompt.len() {
-                let end = (s.fed + opts.chunk_tokens).min(s.prompt.len());
-                fed_tokens.push(s.prompt[s.fed..end].to_vec());
-            } else {
-                fed_tokens.push(vec![*s.out.tokens.last().expect("a decode follows a sampled token")]);
-            }
-            members.push(i);
-        }
-        if members.is_empty() {
-            break;
-        }
-        let batch: Vec<SeqInput> = members
-            .iter()
-            .zip(&fed_tokens)
-            .map(|(&i, toks)| {
-                let s = &seqs[i];
-                let start = if s.fed < s.prompt.len() { s.fed } else { s.prompt.len() + s.out.tokens.len() - 1 };
-                let ends_prompt = s.fed < s.prompt.len() && start + toks.len() == s.prompt.len();
-                let decoding = s.fed >= s.prompt.len();
-                SeqInput {
-                    tokens: toks,
-                    start_pos: start,
-                    block_table: s.blocks.blocks(),
-                    slot: s.slot,
-                    prompt_len: s.prompt.len(),
-                    logits: if ends_prompt || decoding { LogitsWanted::Last } else { LogitsWanted::None },
-                }
-            })
-            .collect();
-        let out = model.forward(&batch, &mut cache);
-        for (b, &i) in members.iter().enumerate() {
-            let s = &mut seqs[i];
-            let fed = fed_tokens[b].len();
-            if s.fed < s.prompt.len() {
-                s.fed += fed;
-                if s.fed == s.prompt.len() {
-                    let logits = out.last(b).expect("asked for logits");
-                    s.out.last_logits = logits.to_vec();
-                    if n > 0 {
-                        s.sample(i, logits);
-                    } else if !logits.iter().all(|v| v.is_finite()) {
-                        s.out.error = Some(format!("prompt {i}: the last prompt logits hold NaN or infinite values"));
-                    }
-                }
-            } else {
-                let logits = out.last(b).expect("asked for logits");
-                if let Some(kept) = &mut s.out.decode_logits {
-                    if kept.len() < opts.decode_logits {
-                        kept.push(logits.to_vec());
-                    }
-                }
-                s.sample(i, logits);
-            }
-        }
+    let mut seqs = admit(model, prompts, &refused, opts, &mut pool)?;
+    let bar = progress_bar(prompts, opts);
+    while step(model, &mut cache, &mut seqs, opts) {
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -271,6 +184,131 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> 
         .collect();
     assert!(pool.all_free(), "generate leaked KV blocks");
     Ok(results)
+}
+
+/// Refuses options and prompts no generation can run: a zero chunk or block size, an empty
+/// prompt, a token outside the vocabulary.
+fn check_inputs(model: &Model, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<()> {
+    if opts.chunk_tokens == 0 {
+        bail!("--chunk-tokens must be at least 1");
+    }
+    if opts.block_size == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            bail!("prompt {i} is empty");
+        }
+        model.check_tokens(p).map_err(|e| anyhow::anyhow!("prompt {i}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Refuses a cache of `blocks` KV blocks and `slots` state slots larger than the memory this
+/// machine has available.
+fn check_memory(model: &Model, blocks: usize, slots: usize, opts: &GenerateOptions) -> Result<()> {
+    let (n, bs) = (opts.max_new_tokens, opts.block_size);
+    let bytes = (blocks as u128) * model.kv_bytes_per_block(bs) as u128
+        + (slots as u128) * model.state_bytes_per_slot() as u128;
+    if let Some(available) = available_memory() {
+        if bytes > available {
+            bail!(
+                "the KV cache for these prompts with --max-new-tokens {n} (--block-size {bs}) takes {}, more than \
+                 the {} this machine has available; lower --max-new-tokens or give fewer prompts",
+                human_bytes(bytes),
+                human_bytes(available)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A running sequence per prompt, in order: an admitted one holds blocks for its whole prompt
+/// and output, a refused one carries its error and nothing else.
+fn admit(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    refused: &[Option<String>],
+    opts: &GenerateOptions,
+    pool: &mut BlockPool,
+) -> Result<Vec<Running>> {
+    prompts
+        .iter()
+        .zip(refused)
+        .enumerate()
+        .map(|(i, (p, refused))| -> Result<Running> {
+            let mut blocks = BlockTable::new();
+            let mut out = Generation::empty(opts.decode_logits);
+            out.error = refused.clone();
+            if model.needs_blocks() && refused.is_none() {
+                blocks.grow_to(p.len() + opts.max_new_tokens, opts.block_size, pool, i as u64)?;
+            }
+            // Prompt i owns slot i; a new store holds the zero state.
+            let slot = model.needs_slots().then_some(i as SlotId);
+            let sampler = Sampler::new(opts.sampling, opts.first_request_id + i as u64);
+            Ok(Running { prompt: p.clone(), fed: 0, blocks, slot, sampler, out })
+        })
+        .collect()
+}
+
+/// A bar of the steps the longest prompt takes (hidden unless `show_progress`).
+fn progress_bar(prompts: &[Vec<u32>], opts: &GenerateOptions) -> ProgressBar {
+    let n = opts.max_new_tokens;
+    let total_steps =
+        prompts.iter().map(|p| p.len().div_ceil(opts.chunk_tokens) + n.saturating_sub(1)).max().unwrap_or(0);
+    let bar = if opts.show_progress { ProgressBar::new(total_steps as u64) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed}").expect("valid template"));
+    bar
+}
+
+/// One step of the continuous batch: each unfinished sequence feeds a prefill chunk or its last
+/// token, and samples when its prompt is done. False when every sequence was done already.
+fn step(model: &Model, cache: &mut ModelCache, seqs: &mut [Running], opts: &GenerateOptions) -> bool {
+    let n = opts.max_new_tokens;
+    let mut fed_tokens: Vec<Vec<u32>> = Vec::new();
+    let mut members = Vec::new();
+    for (i, s) in seqs.iter().enumerate() {
+        if s.done(n) {
+            continue;
+        }
+        if s.fed < s.prompt.len() {
+            let end = (s.fed + opts.chunk_tokens).min(s.prompt.len());
+            fed_tokens.push(s.prompt[s.fed..end].to_vec());
+        } else {
+            fed_tokens.push(vec![*s.out.tokens.last().expect("a decode follows a sampled token")]);
+        }
+        members.push(i);
+    }
+    if members.is_empty() {
+        return false;
+    }
+    let batch: Vec<SeqInput> = members.iter().zip(&fed_tokens).map(|(&i, toks)| seqs[i].input(toks)).collect();
+    let out = model.forward(&batch, cache);
+    for (b, &i) in members.iter().enumerate() {
+        let s = &mut seqs[i];
+        let fed = fed_tokens[b].len();
+        if s.fed < s.prompt.len() {
+            s.fed += fed;
+            if s.fed == s.prompt.len() {
+                let logits = out.last(b).expect("asked for logits");
+                s.out.last_logits = logits.to_vec();
+                if n > 0 {
+                    s.sample(i, logits);
+                } else if !logits.iter().all(|v| v.is_finite()) {
+                    s.out.error = Some(format!("prompt {i}: the last prompt logits hold NaN or infinite values"));
+                }
+            }
+        } else {
+            let logits = out.last(b).expect("asked for logits");
+            if let Some(kept) = &mut s.out.decode_logits {
+                if kept.len() < opts.decode_logits {
+                    kept.push(logits.to_vec());
+                }
+            }
+            s.sample(i, logits);
+        }
+    }
+    true
 }
 
 /// Writes one JSON line per generation.

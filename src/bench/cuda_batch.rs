@@ -3,7 +3,7 @@
 //! launched without waiting, two in flight, each feeding the token the one before samples
 //! (with deferred output, straight from the device's ring).
 
-use crate::bench::device::Lcg;
+use crate::bench::Lcg;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};

@@ -19,8 +19,8 @@
 //!    host-device waits on the decode path of each.
 
 use crate::bench::cuda_batch::CudaBatch;
-use crate::bench::median;
 use crate::bench::model::DEFAULT_SPEC;
+use crate::bench::{median, Lcg};
 use crate::generate::{generate, GenerateOptions};
 use anyhow::{anyhow, bail, Context, Result};
 use kvflow_kernels::cuda::{DeviceKv, DeviceModel, DeviceState, Dtype, Gpu, PlainRunner, StepRows, NO_SLOT};
@@ -322,16 +322,6 @@ pub fn topk_check(gpu: &Gpu) -> Result<Vec<String>> {
         failures.len()
     );
     Ok(failures)
-}
-
-/// A seeded stream for prompts and block choices (the trace synthesiser's splitmix64).
-pub struct Lcg(pub u64);
-
-impl Lcg {
-    pub fn draw(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(1);
-        crate::trace::splitmix64(self.0)
-    }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -12,6 +12,17 @@ pub mod speed;
 pub mod step;
 pub mod transfer;
 
+/// A seeded stream for prompts and block choices (the trace synthesiser's splitmix64), shared by
+/// the device benches (`device`, `cuda_batch`).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn draw(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(1);
+        crate::trace::splitmix64(self.0)
+    }
+}
+
 /// The median of `v` (NaN when empty): each bench's figure over its rounds.
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -10,8 +10,8 @@
 use anyhow::{bail, Result};
 use kvflow_kernels::cpu::gemm::PackedMatrix;
 use kvflow_kernels::cpu::sampling::argmax;
-use kvflow_kernels::kv::{block_pool, BlockTable, SlotId};
-use kvflow_kernels::models::{self, LogitsWanted, SeqInput};
+use kvflow_kernels::kv::{block_pool, BlockPool, BlockTable, SlotId};
+use kvflow_kernels::models::{self, LogitsWanted, Model, ModelCache, SeqInput};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -51,7 +51,25 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> Duration {
         .expect("reps > 0")
 }
 
+/// Tokens of a KV block in the bench's cache.
+const BLOCK_SIZE: usize = 16;
+
 pub fn run(args: &ModelBenchArgs) -> Result<()> {
+    check_sizes(args)?;
+    let model = load_model(args)?;
+    println!("threads      1 (one rank)");
+    let baseline = gemm_baselines(&model, args.batch);
+    let mut context = SharedContext::prefill(&model, args)?;
+    let (tokens_per_s, decode) = decode(&model, &mut context, args)?;
+    if let Some(gguf) = args.model.as_ref().filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))) {
+        llama_cpp_beside(gguf, args.batch, args.context, args.decode_steps, tokens_per_s);
+    }
+    println!("ratio={:.3}", decode / baseline);
+    Ok(())
+}
+
+/// Refuses sizes the bench cannot hold.
+fn check_sizes(args: &ModelBenchArgs) -> Result<()> {
     if args.batch == 0 || args.context == 0 || args.decode_steps == 0 {
         bail!("--batch, --context and --decode-steps must be positive");
     }
@@ -65,6 +83,11 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
             args.decode_steps
         );
     }
+    Ok(())
+}
+
+/// The model `--model` names (default: `DEFAULT_SPEC`), and its line.
+fn load_model(args: &ModelBenchArgs) -> Result<Model> {
     let t0 = Instant::now();
     let model = match &args.model {
         Some(path) => models::load(path)?,
@@ -85,11 +108,13 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         model.vocab_size,
         t0.elapsed().as_secs_f64()
     );
-    println!("threads      1 (one rank)");
+    Ok(model)
+}
 
-    // 1. Baselines on the largest weight shape at the decode batch size.
+/// 1. The baselines' GFLOP/s on the largest weight shape at the decode batch size `m`: the faster
+/// of kvflow's own GEMM and matrixmultiply's sgemm.
+fn gemm_baselines(model: &Model, m: usize) -> f64 {
     let (n, k) = model.largest_weight_shape();
-    let m = args.batch;
     let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
     let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729) % 1000) as f32 / 1000.0 - 0.5).collect();
     let packed = PackedMatrix::from_rows(&w, n, k);
@@ -119,78 +144,116 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
         }),
     );
     println!("baseline     gemm {m}×{k}·({n}×{k})ᵀ: kvflow {own:.1} GFLOP/s, matrixmultiply {mm:.1} GFLOP/s");
+    own.max(mm)
+}
 
-    // 2. Prefill one shared context.
-    let bs = 16;
-    let ctx = args.context;
-    let steps = args.decode_steps + 2;
-    let per_seq_blocks = (ctx + steps + 1).div_ceil(bs) - ctx / bs + 1;
-    let total_blocks = ctx.div_ceil(bs) + m * per_seq_blocks;
-    let mut pool = block_pool(total_blocks);
-    let slots = if model.needs_slots() { m + 1 } else { 0 };
-    let mut cache = model.new_cache(bs, total_blocks, slots, 1);
-    let prompt: Vec<u32> = (0..ctx).map(|i| ((i * 31 + 7) % model.vocab_size) as u32).collect();
-    let mut shared = BlockTable::new();
-    if model.needs_blocks() {
-        shared.grow_to(ctx, bs, &mut pool, 0)?;
-    }
-    // Slot m holds the shared context's state; slots 0..m the sequences' (a new store is zeroed).
-    let shared_slot = model.needs_slots().then_some(m as SlotId);
-    let t = Instant::now();
-    for start in (0..ctx).step_by(512) {
-        let end = (start + 512).min(ctx);
-        model.forward(
-            &[SeqInput {
-                tokens: &prompt[start..end],
-                start_pos: start,
-                block_table: shared.blocks(),
-                slot: shared_slot,
-                prompt_len: ctx,
-                logits: if end == ctx { LogitsWanted::Last } else { LogitsWanted::None },
-            }],
-            &mut cache,
+/// The one prefilled context every decoding sequence shares, and the cache and blocks the
+/// sequences decode on.
+struct SharedContext {
+    pool: BlockPool,
+    cache: ModelCache,
+    /// The context's blocks.
+    table: BlockTable,
+    /// The slot holding the context's recurrent state (slot `batch`; slots 0..batch are the
+    /// sequences'), for families with one.
+    slot: Option<SlotId>,
+}
+
+impl SharedContext {
+    /// 2. Prefills one shared context of `args.context` tokens, in chunks of 512, and prints its
+    /// figures; the cache has room for every sequence's own blocks too.
+    fn prefill(model: &Model, args: &ModelBenchArgs) -> Result<SharedContext> {
+        let (bs, ctx, m) = (BLOCK_SIZE, args.context, args.batch);
+        let steps = args.decode_steps + 2;
+        let per_seq_blocks = (ctx + steps + 1).div_ceil(bs) - ctx / bs + 1;
+        let total_blocks = ctx.div_ceil(bs) + m * per_seq_blocks;
+        let mut pool = block_pool(total_blocks);
+        let slots = if model.needs_slots() { m + 1 } else { 0 };
+        let mut cache = model.new_cache(bs, total_blocks, slots, 1);
+        let prompt: Vec<u32> = (0..ctx).map(|i| ((i * 31 + 7) % model.vocab_size) as u32).collect();
+        let mut table = BlockTable::new();
+        if model.needs_blocks() {
+            table.grow_to(ctx, bs, &mut pool, 0)?;
+        }
+        // Slot m holds the shared context's state; slots 0..m the sequences' (a new store is zeroed).
+        let slot = model.needs_slots().then_some(m as SlotId);
+        let t = Instant::now();
+        for start in (0..ctx).step_by(512) {
+            let end = (start + 512).min(ctx);
+            model.forward(
+                &[SeqInput {
+                    tokens: &prompt[start..end],
+                    start_pos: start,
+                    block_table: table.blocks(),
+                    slot,
+                    prompt_len: ctx,
+                    logits: if end == ctx { LogitsWanted::Last } else { LogitsWanted::None },
+                }],
+                &mut cache,
+            );
+        }
+        let prefill_time = t.elapsed();
+        let attn_prefill: usize = (1..=ctx).map(|c| model.attention_macs(c)).sum();
+        let prefill_flops = 2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
+        println!(
+            "prefill      {ctx} tokens in {:.2} s: {:.0} tokens/s, {:.1} GFLOP/s",
+            prefill_time.as_secs_f64(),
+            ctx as f64 / prefill_time.as_secs_f64(),
+            gflops(prefill_flops, prefill_time)
         );
+        Ok(SharedContext { pool, cache, table, slot })
     }
-    let prefill_time = t.elapsed();
-    let attn_prefill: usize = (1..=ctx).map(|c| model.attention_macs(c)).sum();
-    let prefill_flops = 2.0 * (model.body_macs_per_token() * ctx + attn_prefill + model.lm_head_macs()) as f64;
-    println!(
-        "prefill      {ctx} tokens in {:.2} s: {:.0} tokens/s, {:.1} GFLOP/s",
-        prefill_time.as_secs_f64(),
-        ctx as f64 / prefill_time.as_secs_f64(),
-        gflops(prefill_flops, prefill_time)
-    );
 
-    // 3. Decode: every sequence shares the context's full blocks (and starts from a snapshot of
-    //    its recurrent state), then runs on its own.
-    let full = if model.needs_blocks() { ctx / bs } else { 0 };
-    let mut tables: Vec<BlockTable> = (0..m)
-        .map(|_| {
-            let mut t = BlockTable::new();
-            for &b in &shared.blocks()[..full] {
-                pool.share(b);
-                t.push(b);
-            }
-            t
-        })
-        .collect();
-    if model.needs_blocks() {
-        for t in tables.iter_mut() {
-            t.grow_to(ctx + steps + 1, bs, &mut pool, 0)?;
-            if !ctx.is_multiple_of(bs) {
-                // The partial last block is copied: each sequence writes its own tokens into it.
-                cache.kv.copy_block(shared.blocks()[full], t.blocks()[full]);
+    /// A block table and a slot for each of `m` sequences: each shares the context's full
+    /// blocks (and starts from a snapshot of its recurrent state), with blocks of its own for
+    /// `steps` more tokens (the context's partial last block copied into its own).
+    fn fork(
+        &mut self,
+        model: &Model,
+        ctx: usize,
+        m: usize,
+        steps: usize,
+    ) -> Result<(Vec<BlockTable>, Vec<Option<SlotId>>)> {
+        let bs = BLOCK_SIZE;
+        let full = if model.needs_blocks() { ctx / bs } else { 0 };
+        let mut tables: Vec<BlockTable> = (0..m)
+            .map(|_| {
+                let mut t = BlockTable::new();
+                for &b in &self.table.blocks()[..full] {
+                    self.pool.share(b);
+                    t.push(b);
+                }
+                t
+            })
+            .collect();
+        if model.needs_blocks() {
+            for t in tables.iter_mut() {
+                t.grow_to(ctx + steps + 1, bs, &mut self.pool, 0)?;
+                if !ctx.is_multiple_of(bs) {
+                    // The partial last block is copied: each sequence writes its own tokens into it.
+                    self.cache.kv.copy_block(self.table.blocks()[full], t.blocks()[full]);
+                }
             }
         }
-    }
-    let mut slots: Vec<Option<SlotId>> = vec![None; m];
-    if let Some(shared_slot) = shared_slot {
-        cache.states.snapshot_into(shared_slot, 0);
-        for (i, s) in slots.iter_mut().enumerate() {
-            cache.states.restore(0, i as SlotId);
-            *s = Some(i as SlotId);
+        let mut slots: Vec<Option<SlotId>> = vec![None; m];
+        if let Some(shared_slot) = self.slot {
+            self.cache.states.snapshot_into(shared_slot, 0);
+            for (i, s) in slots.iter_mut().enumerate() {
+                self.cache.states.restore(0, i as SlotId);
+                *s = Some(i as SlotId);
+            }
         }
+        Ok((tables, slots))
     }
+}
+
+/// 3. Decodes every sequence on its own after the shared context: two warm-up steps, then
+/// `args.decode_steps` measured. Prints the figures and gives back every block; the decode's
+/// tokens/s and GFLOP/s.
+fn decode(model: &Model, context: &mut SharedContext, args: &ModelBenchArgs) -> Result<(f64, f64)> {
+    let (ctx, m) = (args.context, args.batch);
+    let steps = args.decode_steps + 2;
+    let (mut tables, slots) = context.fork(model, ctx, m, steps)?;
     let mut last: Vec<u32> = (0..m).map(|i| ((i * 997 + 13) % model.vocab_size) as u32).collect();
     let mut measured = Duration::ZERO;
     let mut decode_flops = 0.0;
@@ -211,7 +274,7 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
             })
             .collect();
         let t = Instant::now();
-        let out = model.forward(&batch, &mut cache);
+        let out = model.forward(&batch, &mut context.cache);
         let dt = t.elapsed();
         if step >= 2 {
             measured += dt;
@@ -223,15 +286,11 @@ pub fn run(args: &ModelBenchArgs) -> Result<()> {
     let decode = gflops(decode_flops, measured);
     let tokens_per_s = (m * args.decode_steps) as f64 / measured.as_secs_f64();
     println!("decode       batch {m}, context {ctx}: {tokens_per_s:.0} tokens/s, {decode:.1} GFLOP/s ({} steps measured after 2 warm-up)", args.decode_steps);
-    for t in tables.iter_mut().chain(std::iter::once(&mut shared)) {
-        t.release_all(&mut pool);
+    for t in tables.iter_mut().chain(std::iter::once(&mut context.table)) {
+        t.release_all(&mut context.pool);
     }
-    assert!(pool.all_free(), "bench leaked KV blocks");
-    if let Some(gguf) = args.model.as_ref().filter(|p| p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))) {
-        llama_cpp_beside(gguf, m, ctx, args.decode_steps, tokens_per_s);
-    }
-    println!("ratio={:.3}", decode / own.max(mm));
-    Ok(())
+    assert!(context.pool.all_free(), "bench leaked KV blocks");
+    Ok((tokens_per_s, decode))
 }
 
 /// llama.cpp's batch-1 decode on the same GGUF, one thread (llama-cpp-python, when installed),

@@ -7,11 +7,12 @@
 use crate::runtime::{self, RunOptions};
 use crate::server::Serving;
 use anyhow::{anyhow, bail, Context, Result};
+use parking_lot::Mutex;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub struct ServeBenchArgs {
@@ -243,12 +244,12 @@ fn measure(address: &str, args: &ServeBenchArgs) -> Result<Vec<Level>> {
                     }
                     let r = stream_chat(address, PROMPTS[i % PROMPTS.len()], args.max_tokens);
                     bar.inc(1);
-                    results.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+                    results.lock().push(r);
                 });
             }
         });
         let wall = started.elapsed();
-        let results = results.into_inner().unwrap_or_else(|e| e.into_inner());
+        let results = results.into_inner();
         let failed = results.iter().filter(|r| r.is_err()).count();
         if let Some(Err(e)) = results.iter().find(|r| r.is_err()) {
             eprintln!("a request failed at concurrency {concurrency}: {e}");

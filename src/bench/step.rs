@@ -166,7 +166,7 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
     use timely::dataflow::operators::vec::Broadcast;
     use timely::dataflow::operators::{Capability, Concat, ConnectLoop, Feedback, ToStream};
     let steps = steps as u64;
-    let times = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let times = Arc::new(parking_lot::Mutex::new(Vec::new()));
     let times_in = times.clone();
     let guards = timely::execute(timely::Config::process(ranks), move |worker| {
         let index = worker.index() as u64;
@@ -196,7 +196,7 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
                                 }
                                 let cap = stash.remove(&t).expect("first");
                                 if index == 0 {
-                                    times.lock().expect("times").push(kvflow_operators::messages::wall_ms());
+                                    times.lock().push(kvflow_operators::messages::wall_ms());
                                 }
                                 if t + 1 < steps {
                                     output.session(&cap).give(index);
@@ -210,7 +210,7 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     guards.join();
-    let times = times.lock().expect("times").clone();
+    let times = times.lock().clone();
     Ok(steady_ms_per_step(&times, 10))
 }
 

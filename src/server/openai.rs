@@ -82,47 +82,11 @@ pub struct Limits<'a> {
 /// At most this many stop strings (as OpenAI).
 const MAX_STOP_STRINGS: usize = 4;
 
-/// Checks `body` for `endpoint`.
+/// Checks `body` for `endpoint`, field by field in a fixed order (the first bad one is named).
 pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| ApiError {
-        status: StatusCode::BAD_REQUEST,
-        message: format!("the body is not JSON: {e}"),
-        kind: "invalid_request_error",
-        param: None,
-        code: None,
-    })?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "invalid_body",
-            "the body must be a JSON object",
-        ));
-    };
-    if let Some(model) = obj.get("model") {
-        let name = model.as_str().ok_or_else(|| ApiError::field("model", "expected a string"))?;
-        if name != limits.model_name {
-            return Err(ApiError {
-                status: StatusCode::NOT_FOUND,
-                message: format!("The model `{name}` does not exist; this server serves `{}`", limits.model_name),
-                kind: "invalid_request_error",
-                param: Some("model".into()),
-                code: Some("model_not_found".into()),
-            });
-        }
-    }
-    for unsupported in ["logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"] {
-        if obj.get(unsupported).is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
-            return Err(ApiError::field(unsupported, "not supported by kvflow serve"));
-        }
-    }
-    for one in ["n", "best_of"] {
-        if let Some(n) = obj.get(one).filter(|v| !v.is_null()) {
-            if n.as_u64() != Some(1) {
-                return Err(ApiError::field(one, format!("only 1 is supported, got {n}")));
-            }
-        }
-    }
+    let obj = json_object(body)?;
+    check_model(&obj, limits)?;
+    check_unsupported(&obj)?;
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(obj.get("prompt"), limits)?,
         Endpoint::Chat => chat_prompt(obj.get("messages"), limits)?,
@@ -138,12 +102,82 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
             ),
         ));
     }
+    let max_tokens = max_tokens(&obj, endpoint, prompt.len(), limits)?;
+    let sampling = sampling(&obj, limits)?;
+    let (stream, include_usage) = streaming(&obj)?;
+    let stop = stop_strings(&obj, limits)?;
+    Ok(Ask { endpoint, prompt, max_tokens, sampling, stream, include_usage, stop })
+}
+
+/// The body as a JSON object.
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("the body is not JSON: {e}"),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_body",
+            "the body must be a JSON object",
+        ));
+    };
+    Ok(obj)
+}
+
+/// `model`, when given, names the model this server serves (else 404 `model_not_found`).
+fn check_model(obj: &Map<String, Value>, limits: &Limits) -> Result<(), ApiError> {
+    if let Some(model) = obj.get("model") {
+        let name = model.as_str().ok_or_else(|| ApiError::field("model", "expected a string"))?;
+        if name != limits.model_name {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!("The model `{name}` does not exist; this server serves `{}`", limits.model_name),
+                kind: "invalid_request_error",
+                param: Some("model".into()),
+                code: Some("model_not_found".into()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Fields kvflow does not serve are refused when set (and `n`, `best_of` unless 1).
+fn check_unsupported(obj: &Map<String, Value>) -> Result<(), ApiError> {
+    for unsupported in ["logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"] {
+        if obj.get(unsupported).is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
+            return Err(ApiError::field(unsupported, "not supported by kvflow serve"));
+        }
+    }
+    for one in ["n", "best_of"] {
+        if let Some(n) = obj.get(one).filter(|v| !v.is_null()) {
+            if n.as_u64() != Some(1) {
+                return Err(ApiError::field(one, format!("only 1 is supported, got {n}")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The outputs asked for (`max_completion_tokens` for a chat, else `max_tokens`), within the
+/// room the context leaves after `prompt_len` tokens; when none is asked, 16 for a completion
+/// and `[serve] max_tokens` for a chat (each cut to the room).
+fn max_tokens(
+    obj: &Map<String, Value>,
+    endpoint: Endpoint,
+    prompt_len: usize,
+    limits: &Limits,
+) -> Result<usize, ApiError> {
     let (max_key, asked) = match (obj.get("max_completion_tokens").filter(|v| !v.is_null()), endpoint) {
         (Some(v), Endpoint::Chat) => ("max_completion_tokens", Some(v)),
         _ => ("max_tokens", obj.get("max_tokens").filter(|v| !v.is_null())),
     };
-    let room = limits.max_context - prompt.len();
-    let max_tokens = match asked {
+    let room = limits.max_context - prompt_len;
+    Ok(match asked {
         Some(v) => {
             let n =
                 v.as_u64().filter(|&n| n >= 1).ok_or_else(|| ApiError::field(max_key, "expected an integer ≥ 1"))?;
@@ -152,8 +186,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
                 return Err(ApiError::field(
                     max_key,
                     format!(
-                        "{n} output tokens after {} prompt tokens exceed this server's context of {} tokens",
-                        prompt.len(),
+                        "{n} output tokens after {prompt_len} prompt tokens exceed this server's context of {} tokens",
                         limits.max_context
                     ),
                 ));
@@ -162,7 +195,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
         }
         None if endpoint == Endpoint::Completions => 16.min(room),
         None => limits.max_tokens.min(room),
-    };
+    })
+}
+
+/// The server's `[sampling]` with the request's `temperature`, `top_p`, `top_k` and `seed` over it.
+fn sampling(obj: &Map<String, Value>, limits: &Limits) -> Result<RequestSampling, ApiError> {
     let mut sampling = limits.sampling;
     if let Some(v) = obj.get("temperature").filter(|v| !v.is_null()) {
         let t = v.as_f64().filter(|t| (0.0..=2.0).contains(t)).ok_or_else(|| {
@@ -181,6 +218,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
     if let Some(v) = obj.get("seed").filter(|v| !v.is_null()) {
         sampling.seed = v.as_i64().ok_or_else(|| ApiError::field("seed", "expected an integer"))? as u64;
     }
+    Ok(sampling)
+}
+
+/// `stream`, and `stream_options.include_usage` (only with `stream`).
+fn streaming(obj: &Map<String, Value>) -> Result<(bool, bool), ApiError> {
     let stream = match obj.get("stream").filter(|v| !v.is_null()) {
         Some(v) => v.as_bool().ok_or_else(|| ApiError::field("stream", "expected true or false"))?,
         None => false,
@@ -196,6 +238,11 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
     if include_usage && !stream {
         return Err(ApiError::field("stream_options", "only allowed with stream = true"));
     }
+    Ok((stream, include_usage))
+}
+
+/// `stop`: a string or up to `MAX_STOP_STRINGS` non-empty ones, for a model with a tokenizer.
+fn stop_strings(obj: &Map<String, Value>, limits: &Limits) -> Result<Vec<String>, ApiError> {
     let stop = match obj.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
@@ -211,7 +258,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8], limits: &Limits) -> Result<Ask, Ap
     if !stop.is_empty() && limits.text.is_none() {
         return Err(ApiError::field("stop", "this model has no tokenizer, so its output has no text to stop on"));
     }
-    Ok(Ask { endpoint, prompt, max_tokens, sampling, stream, include_usage, stop })
+    Ok(stop)
 }
 
 fn completion_prompt(value: Option<&Value>, limits: &Limits) -> Result<Vec<u32>, ApiError> {

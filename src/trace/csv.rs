@@ -6,7 +6,9 @@
 use std::path::Path;
 
 use super::calendar::{format_civil_timestamp_nanos, parse_civil_timestamp_nanos};
-use super::{integral_f64_count, relative_to_first, truncated, StampedRecord, TraceError, TraceRecord, EXPECTED_COUNT};
+use super::record::{
+    integral_f64_count, relative_to_first, truncated, StampedRecord, TraceError, TraceRecord, EXPECTED_COUNT,
+};
 
 /// Reads a CSV trace: finds each of `columns` in the header (case-insensitive, surrounding spaces
 /// ignored), then calls `on_row(path, line, fields)` for every non-blank data row, `fields` holding

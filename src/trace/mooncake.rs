@@ -7,7 +7,7 @@
 use std::io::BufRead;
 use std::path::Path;
 
-use super::{
+use super::record::{
     integral_f64_count, relative_to_first, truncated, StampedRecord, TraceError, TraceRecord, EXPECTED_COUNT,
     TRACE_BLOCK_TOKENS,
 };

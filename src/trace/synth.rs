@@ -3,7 +3,7 @@
 //! with deterministic pseudo-random tokens ([`synthetic_token`], built on [`splitmix64`]) so that
 //! equal Mooncake hash ids give equal blocks.
 
-use super::{TraceError, TraceRecord, TRACE_BLOCK_TOKENS};
+use super::record::{TraceError, TraceRecord, TRACE_BLOCK_TOKENS};
 use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 
 /// How [`synthesize`] scales lengths and makes tokens.

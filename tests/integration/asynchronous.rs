@@ -19,7 +19,7 @@ fn pool(ranks: usize, executor: &str, settings: &str) -> String {
 }
 
 fn run_cli(args: &[&str]) -> std::process::Output {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     std::process::Command::new(env!("CARGO_BIN_EXE_kvflow")).args(args).output().unwrap()
 }
 
@@ -150,7 +150,7 @@ fn the_accounting_check_names_a_leaked_block_when_the_pool_parks_and_at_the_end(
     assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
     let r = report(dir.path());
     assert!(r["accounting_checks"][0].as_u64().unwrap() >= 2, "checked at the park between the bursts and at the end");
-    let leaky = run_cli(&["run", &g, "--trace", &t, "--test-leak-blocks-of", "0"]);
+    let leaky = run_cli(&["run", &g, "--trace", &t, "--test-switch", "leak-blocks-of=0"]);
     let stderr = String::from_utf8_lossy(&leaky.stderr);
     assert_eq!(leaky.status.code(), Some(4), "an accounting failure has its own exit status: {stderr}");
     let at_park: Vec<&str> = stderr.lines().filter(|l| l.contains("accounting check at park after step")).collect();
@@ -179,7 +179,7 @@ fn late_completions(dir: &Path, extra: &[&str]) -> Value {
     );
     let g = graph.to_string_lossy().to_string();
     let mut args =
-        vec!["run", &g, "--verify", "--test-cancel-at-stage", "3:decoding,9:decoding,17:decoding,30:decoding"];
+        vec!["run", &g, "--verify", "--test-switch", "cancel-at-stage=3:decoding,9:decoding,17:decoding,30:decoding"];
     args.extend_from_slice(extra);
     let out = run_cli(&args);
     let r = report(dir);
@@ -197,7 +197,7 @@ fn a_late_completion_for_an_older_generation_is_dropped_and_counted() {
     assert_eq!(r["failed"], 0, "{r}");
     assert_eq!(r["verify"]["mismatched"], 0, "{}", r["verify"]);
     // Without the generation check, the late tokens land in whatever holds the slot now.
-    let r = late_completions(dir.path(), &["--test-accept-stale-completions"]);
+    let r = late_completions(dir.path(), &["--test-switch", "accept-stale-completions"]);
     let harmed = r["verify"]["mismatched"].as_u64().unwrap() + r["failed"].as_u64().unwrap();
     assert!(harmed > 0, "without the check some request must come out wrong: {r}");
 }

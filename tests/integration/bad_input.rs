@@ -361,3 +361,18 @@ fn paths_are_printed_as_a_person_would_type_them() {
     assert!(stdout.contains("model fixtures/hf/kimi_linear"), "{stdout}");
     assert!(!stdout.contains(".."), "{stdout}");
 }
+
+#[test]
+fn a_test_switch_that_does_not_exist_or_has_a_bad_argument_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = quick_graph(dir.path());
+    let unknown = kvflow(&["run", &g, "--test-switch", "hold-capabilty=align:1:6"]);
+    assert_clean_failure(
+        &unknown,
+        &["\"hold-capabilty\"", "hold-capability=OPERATOR:RANK:STEP", "align-without-waiting"],
+    );
+    let bad = kvflow(&["run", &g, "--test-switch", "leak-blocks-of=seven"]);
+    assert_clean_failure(&bad, &["leak-blocks-of=ID", "\"seven\""]);
+    let extra = kvflow(&["run", &g, "--test-switch", "free-before-ack=1"]);
+    assert_clean_failure(&extra, &["free-before-ack takes no argument"]);
+}

@@ -120,7 +120,7 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     let gpu = emulated();
     // k spans three chunks of 256 (model.cu's LINEAR_CHUNK), the last one partial
     let (m, n, k) = (37usize, 50usize, 600usize);
-    let mut rng = kvflow::bench::device::Lcg(9);
+    let mut rng = kvflow::bench::Lcg(9);
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 1000.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
     // per element: one fma chain per chunk of 256 inputs, the chains added in order
@@ -227,7 +227,7 @@ fn the_bf16_products_give_the_bits_of_their_chains_whole_and_split() {
     use kvflow_kernels::cuda::bf16_bits;
     let gpu = emulated();
     let (m, n, k) = (37usize, 50usize, 600usize);
-    let mut rng = kvflow::bench::device::Lcg(4);
+    let mut rng = kvflow::bench::Lcg(4);
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 997.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
     let widen = |v: f32| f32::from_bits((bf16_bits(v) as u32) << 16);

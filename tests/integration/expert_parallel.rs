@@ -107,7 +107,7 @@ impl Router for Skewed {
 }
 
 fn run_skewed(graph: &Path, switches: TestSwitches) -> Value {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let mut registry = kvflow::registry::Registry::default();
     registry.routers.register("skewed", |ctx| Box::new(Skewed { ranks: ctx.ranks }));
     let graph = Graph::load_with(graph, &registry.names()).unwrap();
@@ -169,9 +169,9 @@ fn stall_graph(dir: &Path) -> PathBuf {
 fn a_rank_withholding_its_dispatch_is_named_by_the_watchdog() {
     let dir = tempfile::tempdir().unwrap();
     let graph = stall_graph(dir.path());
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "2", "--test-withhold-dispatch", "1:6:1"])
+        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "2", "--test-switch", "withhold-dispatch=1:6:1"])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -47,7 +47,7 @@ fn free_ports<const N: usize>() -> [String; N] {
 
 #[test]
 fn launch_starts_a_pd_graphs_processes_and_the_decode_pool_runs_in_its_own() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let stderr = launch_exact(dir.path(), &TCP_1P1D.replace("ENDPOINT", "127.0.0.1:0"), 10);
     let r = report(dir.path());
@@ -61,7 +61,7 @@ fn launch_starts_a_pd_graphs_processes_and_the_decode_pool_runs_in_its_own() {
 
 #[test]
 fn launch_runs_a_pool_over_the_hosts_it_lists() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let [a, b] = free_ports();
     let pools = format!("[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{a}\", \"{b}\"]\n");
@@ -207,7 +207,7 @@ fn start_decode(hosts: &TwoHosts, graph: &std::path::Path) -> std::process::Chil
 
 #[test]
 fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losing_a_host() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let Some(hosts) = TwoHosts::create_or_skip() else { return };
     let endpoint = format!("{}:7461", hosts.addresses[1]);
     let pools = TCP_1P1D.replace("ENDPOINT", &endpoint);
@@ -248,7 +248,7 @@ fn a_pd_graph_across_two_network_namespaces_hands_off_over_tcp_and_survives_losi
 
 #[test]
 fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it_loses() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let Some(hosts) = TwoHosts::create_or_skip() else { return };
     let pools = format!(
         "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"round-robin\"\nhosts = [\"{}:7471\", \"{}:7471\"]\n",
@@ -304,7 +304,7 @@ fn a_pool_spread_over_two_network_namespaces_runs_exact_and_names_the_process_it
 
 #[test]
 fn launch_runs_a_prefill_pool_over_two_processes_beside_its_decode_pool() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let [a, b, decode] = free_ports();
     let stderr = launch_exact(dir.path(), &spread_prefill(&a, &b, &decode), 8);
@@ -337,7 +337,7 @@ fn spread_prefill(a: &str, b: &str, decode: &str) -> String {
 
 #[test]
 fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_process_it_loses() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let Some(hosts) = TwoHosts::create_or_skip() else { return };
     // Host 0: prefill process 0 (driving) and the decode pool; host 1: prefill process 1, whose
     // handoffs and relayed events cross the veth pair.

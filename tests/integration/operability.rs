@@ -36,8 +36,8 @@ fn cancelling_at_each_stage_frees_everything_and_leaves_the_others_exact() {
             "--ranks",
             "1",
             "--verify",
-            "--test-cancel-at-stage",
-            "7:queued,0:prefilling,1:decoding",
+            "--test-switch",
+            "cancel-at-stage=7:queued,0:prefilling,1:decoding",
         ]);
         assert!(out.status.success(), "{model}: {}", String::from_utf8_lossy(&out.stderr));
         let errors: Vec<(u64, String)> = records(dir.path())
@@ -170,18 +170,10 @@ fn the_stall_diagnosis_names_the_operator_rank_and_step_holding_the_pool() {
     {
         let dir = tempfile::tempdir().unwrap();
         let graph = stall_graph(dir.path());
-        let hold = format!("{operator}:{rank}:{step}");
+        let hold = format!("hold-capability={operator}:{rank}:{step}");
         let started = Instant::now();
-        let out = run_cli(&[
-            "run",
-            &graph.to_string_lossy(),
-            "--ranks",
-            "3",
-            "--stall-timeout",
-            "2",
-            "--test-hold-capability",
-            &hold,
-        ]);
+        let out =
+            run_cli(&["run", &graph.to_string_lossy(), "--ranks", "3", "--stall-timeout", "2", "--test-switch", &hold]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{hold}: a stall exits with status 3: {stderr}");
         assert!(started.elapsed() < Duration::from_secs(30));
@@ -203,7 +195,8 @@ fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
     let with = run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "5"]);
     assert!(with.status.success(), "{}", String::from_utf8_lossy(&with.stderr));
     assert_eq!(report(dir.path())["completed"], 30);
-    let without = run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "3", "--test-align-without-waiting"]);
+    let without =
+        run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "3", "--test-switch", "align-without-waiting"]);
     // Which failure comes first is a race between the ranks' plans: the watchdog ends a pool
     // whose ranks wait on each other (status 3), or the run drains and the end-of-run check names
     // the requests a rank still holds (status 4). Either way the run fails and requests are lost.
@@ -228,8 +221,8 @@ fn the_watchdog_notices_a_worker_stuck_inside_an_operator() {
         "3",
         "--stall-timeout",
         "2",
-        "--test-stuck-in-forward",
-        "2:6",
+        "--test-switch",
+        "stuck-in-forward=2:6",
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stderr}");

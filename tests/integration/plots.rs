@@ -23,7 +23,7 @@ fn assert_charts(dir: &Path) {
 
 #[test]
 fn run_compare_and_plot_write_charts_that_decode_as_png() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let (one, two) = (dir.path().join("one"), dir.path().join("two"));
     let graph = repo().join("graphs/aggregated-2.toml");

@@ -7,9 +7,10 @@
 
 use crate::common::{records, report};
 use crate::runtime::{write_graph_with, HEAVY};
+use parking_lot::Mutex;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
@@ -38,12 +39,12 @@ fn start_decode(graph: &std::path::Path) -> DecodeProcess {
             if let Some(addr) = line.strip_prefix("decode pool `decode` listening on ") {
                 let _ = tx.send(addr.to_string());
             }
-            sink.lock().unwrap().push_str(&(line + "\n"));
+            sink.lock().push_str(&(line + "\n"));
         }
     });
     let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
         let _ = child.kill();
-        panic!("the decode process printed no address: {}", stderr.lock().unwrap())
+        panic!("the decode process printed no address: {}", stderr.lock())
     });
     DecodeProcess { child, addr, stderr }
 }
@@ -58,7 +59,7 @@ fn prefill(graph: &std::path::Path, addr: &str) -> std::process::Output {
 
 #[test]
 fn a_prefill_and_a_decode_pool_in_two_processes_give_the_reference_outputs() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     for model in ["hf/llama", "hf/qwen3_next"] {
         let dir = tempfile::tempdir().unwrap();
         let workload = "mode = \"concurrency\"\nconcurrency = 6\nwarmup = 2\nlimit = 12";
@@ -67,7 +68,7 @@ fn a_prefill_and_a_decode_pool_in_two_processes_give_the_reference_outputs() {
         let mut decode = start_decode(&graph);
         let out = prefill(&graph, &decode.addr);
         let status = decode.child.wait().unwrap();
-        let decode_log = decode.stderr.lock().unwrap().clone();
+        let decode_log = decode.stderr.lock().clone();
         assert!(out.status.success(), "{model}: {}\n{decode_log}", String::from_utf8_lossy(&out.stderr));
         assert!(status.success(), "{model}: the decode process: {decode_log}");
         let r = report(dir.path());
@@ -90,7 +91,7 @@ fn a_prefill_and_a_decode_pool_in_two_processes_give_the_reference_outputs() {
 
 #[test]
 fn a_decode_process_that_dies_fails_what_it_owed_at_once_and_frees_this_side() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     // Arrivals spread over a few seconds, so the decode process dies in the middle of them.
     let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";

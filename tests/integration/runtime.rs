@@ -8,9 +8,9 @@ use crate::common::{assert_clean_failure, kvflow, repo, FIXTURES};
 use kvflow::graph::{Graph, Overrides};
 use kvflow::runtime::{self, RunOptions};
 use kvflow_operators::rank::TestSwitches;
+use parking_lot::Mutex;
 use serde_json::Value;
 use std::path::Path;
-use std::sync::Mutex;
 
 /// Runs that start several worker threads go one at a time (CI has 2 cores).
 pub static HEAVY: Mutex<()> = Mutex::new(());
@@ -84,7 +84,7 @@ out = "{out}"
 }
 
 pub fn run_graph(path: &Path, overrides: Overrides, switches: TestSwitches) -> Value {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let graph = Graph::load_overridden(path, &kvflow::graph::ComponentNames::builtin(), &overrides).unwrap();
     let opts = RunOptions { verify: true, switches, ..Default::default() };
     let outcome = runtime::run(&graph, &opts, &Default::default()).unwrap_or_else(|e| panic!("{e:#}"));
@@ -220,7 +220,7 @@ fn free_port() -> u16 {
 
 #[test]
 fn two_processes_give_the_outputs_of_the_threaded_run() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let graph = write_graph(
         dir.path(),

@@ -184,7 +184,7 @@ const PROMPTS: [&[u32]; 3] =
 
 #[test]
 fn served_greedy_tokens_equal_generate_on_an_aggregated_and_a_pd_graph() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let model = crate::common::load(&fixture("hf/llama"));
     let max_tokens = 12;
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| p.to_vec()).collect();
@@ -289,7 +289,7 @@ fn one_at_a_time(dir: &Path) -> std::path::PathBuf {
 
 #[test]
 fn a_full_server_answers_429_and_sigterm_lets_the_request_in_flight_finish() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let served = Served::start(&one_at_a_time(dir.path()), &out, &["--grace-period", "120"]);
@@ -336,7 +336,7 @@ fn a_full_server_answers_429_and_sigterm_lets_the_request_in_flight_finish() {
 
 #[test]
 fn a_client_gone_mid_stream_cancels_its_request_and_everything_is_freed() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let served = Served::start(&repo().join("graphs/pd-1p1d.toml"), &out, &[]);
@@ -371,7 +371,7 @@ fn a_client_gone_mid_stream_cancels_its_request_and_everything_is_freed() {
 
 #[test]
 fn metrics_agree_with_the_report() {
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     let served = Served::start(&repo().join("graphs/pd-1p1d.toml"), &out, &[]);
@@ -418,7 +418,7 @@ fn smollm2_served(dir: &Path, path: &Path) -> Served {
 #[test]
 fn smollm2_served_answers_with_its_reference_tokens_and_text() {
     let Some(path) = crate::gguf::smollm2() else { return };
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let expected: Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("smollm2/expected.json")).unwrap()).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -527,7 +527,7 @@ fn the_openai_python_client_and_a_prometheus_parser_accept_the_server() {
         println!("skipped: python3 lacks openai or prometheus_client (pip install openai prometheus-client)");
         return;
     }
-    let _one_at_a_time = HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
     let served = smollm2_served(dir.path(), &path);
     let out = Command::new("python3")

@@ -528,9 +528,16 @@ fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_
         assert_eq!(dot.matches(op).count(), 2, "{op} once per pool in:\n{dot}");
     }
 
-    let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = crate::runtime::HEAVY.lock();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "2", "--test-skip-draft-passes-without-samples"])
+        .args([
+            "run",
+            &graph.to_string_lossy(),
+            "--stall-timeout",
+            "2",
+            "--test-switch",
+            "skip-draft-passes-without-samples",
+        ])
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -572,9 +579,9 @@ fn propose_and_verify_are_operators_of_the_step_loop() {
 
     // The step loop runs through it: `propose` holding step 6 on rank 1 holds the pool back, and
     // the watchdog names it.
-    let _one_at_a_time = crate::runtime::HEAVY.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = crate::runtime::HEAVY.lock();
     let g = graph.to_string_lossy();
-    let out = kvflow(&["run", &g, "--stall-timeout", "2", "--test-hold-capability", "propose:1:6"]);
+    let out = kvflow(&["run", &g, "--stall-timeout", "2", "--test-switch", "hold-capability=propose:1:6"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
     let expected = "holding the pool back: operator `propose` on rank 1 holds step 6 ";

@@ -1,6 +1,9 @@
 //! Test-only switches, each removing or breaking exactly one mechanism so a test can show that
 //! the check guarding it fails (see docs/design.md §5). All off by default; no production path
-//! sets them.
+//! sets them. The command line sets them with `--test-switch NAME[=ARG]`, NAME being the field's
+//! name with dashes (`TestSwitches::set` parses one).
+
+use thiserror::Error;
 
 /// The switches of one run.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -87,7 +90,125 @@ pub struct TestSwitches {
     pub skip_draft_passes_without_samples: bool,
 }
 
+/// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
+pub const SWITCHES: &[(&str, &str)] = &[
+    ("drop-cache-event-every", "N"),
+    ("swap-block-table-every", "N"),
+    ("cancel-at-stage", "ID:STAGE,…"),
+    ("hold-capability", "OPERATOR:RANK:STEP"),
+    ("align-without-waiting", ""),
+    ("stuck-in-forward", "RANK:STEP"),
+    ("leak-blocks-of", "ID"),
+    ("accept-stale-completions", ""),
+    ("handoff-without-state", ""),
+    ("export-state-after-t0", ""),
+    ("deliver-duplicate-handoffs", ""),
+    ("free-before-ack", ""),
+    ("export-admission-slot", ""),
+    ("withhold-dispatch", "RANK:STEP:MOE"),
+    ("send-no-expert-results", "RANK:STEP:MOE"),
+    ("release-saves-early", ""),
+    ("slow-saves-ms", "MS"),
+    ("slow-loads-ms", "MS"),
+    ("skip-publishing-restored", ""),
+    ("keep-rejected-state", ""),
+    ("drafter-successors-only-when-verifying", ""),
+    ("widen-draft-buckets", ""),
+    ("skip-draft-passes-without-samples", ""),
+];
+
+/// The stages `cancel-at-stage` accepts, as written on the command line.
+const CANCEL_STAGES: [&str; 4] = ["queued", "prefilling", "in-transfer", "decoding"];
+
+/// Why a `--test-switch NAME[=ARG]` was refused.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SwitchError {
+    #[error("unknown test switch {name:?}; the known ones are: {}", known_switches())]
+    Unknown { name: String },
+    #[error("test switch {name} takes no argument, got {name}={arg}")]
+    UnexpectedArgument { name: String, arg: String },
+    #[error("test switch {name} takes an argument: {name}={expected}")]
+    MissingArgument { name: String, expected: &'static str },
+    #[error("test switch {name}: expected {name}={expected}, got {arg:?}: {why}")]
+    BadArgument { name: String, expected: &'static str, arg: String, why: String },
+}
+
+/// `NAME` or `NAME=ARG` for every known switch, comma-separated.
+fn known_switches() -> String {
+    let spell = |&(name, arg): &(&str, &str)| if arg.is_empty() { name.to_string() } else { format!("{name}={arg}") };
+    SWITCHES.iter().map(spell).collect::<Vec<_>>().join(", ")
+}
+
 impl TestSwitches {
+    /// Sets the switch a `NAME[=ARG]` names (what `--test-switch` takes).
+    pub fn set_from(&mut self, spec: &str) -> Result<(), SwitchError> {
+        match spec.split_once('=') {
+            Some((name, arg)) => self.set(name, Some(arg)),
+            None => self.set(spec, None),
+        }
+    }
+
+    /// Sets switch `name` (a field's name with dashes) with its argument. `cancel-at-stage` adds
+    /// to the cancellations already set; every other switch replaces its value.
+    pub fn set(&mut self, name: &str, arg: Option<&str>) -> Result<(), SwitchError> {
+        let Some(&(_, expected)) = SWITCHES.iter().find(|(known, _)| *known == name) else {
+            return Err(SwitchError::Unknown { name: name.to_string() });
+        };
+        let arg = match (arg, expected.is_empty()) {
+            (None, true) => return self.turn_on(name),
+            (Some(arg), true) => {
+                return Err(SwitchError::UnexpectedArgument { name: name.to_string(), arg: arg.to_string() })
+            }
+            (None, false) => return Err(SwitchError::MissingArgument { name: name.to_string(), expected }),
+            (Some(arg), false) => arg,
+        };
+        let bad =
+            |why: String| SwitchError::BadArgument { name: name.to_string(), expected, arg: arg.to_string(), why };
+        match name {
+            "drop-cache-event-every" => self.drop_cache_event_every = Some(number(arg).map_err(bad)?),
+            "swap-block-table-every" => self.swap_block_table_every = Some(number(arg).map_err(bad)?),
+            "leak-blocks-of" => self.leak_blocks_of = Some(number(arg).map_err(bad)?),
+            "slow-saves-ms" => self.slow_saves_ms = number(arg).map_err(bad)?,
+            "slow-loads-ms" => self.slow_loads_ms = number(arg).map_err(bad)?,
+            "cancel-at-stage" => self.cancel_at_stage.extend(cancellations(arg).map_err(bad)?),
+            "hold-capability" => {
+                let [operator, rank, step] = fields(arg).map_err(bad)?;
+                self.hold_capability =
+                    Some((operator.to_string(), number(rank).map_err(bad)?, number(step).map_err(bad)?));
+            }
+            "stuck-in-forward" => {
+                let [rank, step] = fields(arg).map_err(bad)?;
+                self.stuck_in_forward = Some((number(rank).map_err(bad)?, number(step).map_err(bad)?));
+            }
+            "withhold-dispatch" => self.withhold_dispatch = Some(rank_step_moe(arg).map_err(bad)?),
+            "send-no-expert-results" => self.send_no_expert_results = Some(rank_step_moe(arg).map_err(bad)?),
+            _ => unreachable!("every switch of SWITCHES that takes an argument has its arm: {name}"),
+        }
+        Ok(())
+    }
+
+    /// Turns on the switch `name`, one that takes no argument.
+    fn turn_on(&mut self, name: &str) -> Result<(), SwitchError> {
+        let field = match name {
+            "align-without-waiting" => &mut self.align_without_waiting,
+            "accept-stale-completions" => &mut self.accept_stale_completions,
+            "handoff-without-state" => &mut self.handoff_without_state,
+            "export-state-after-t0" => &mut self.export_state_after_t0,
+            "deliver-duplicate-handoffs" => &mut self.deliver_duplicate_handoffs,
+            "free-before-ack" => &mut self.free_before_ack,
+            "export-admission-slot" => &mut self.export_admission_slot,
+            "release-saves-early" => &mut self.release_saves_early,
+            "skip-publishing-restored" => &mut self.skip_publishing_restored,
+            "keep-rejected-state" => &mut self.keep_rejected_state,
+            "drafter-successors-only-when-verifying" => &mut self.drafter_successors_only_when_verifying,
+            "widen-draft-buckets" => &mut self.widen_draft_buckets,
+            "skip-draft-passes-without-samples" => &mut self.skip_draft_passes_without_samples,
+            _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
+        };
+        *field = true;
+        Ok(())
+    }
+
     /// The expert-exchange switches of `rank` at MoE layer `moe`.
     pub fn exchange_switches(&self, rank: usize, moe: usize) -> ExchangeSwitches {
         let at = |s: Option<(usize, u64, usize)>| s.filter(|&(r, _, m)| r == rank && m == moe).map(|(_, t, _)| t);
@@ -104,6 +225,37 @@ impl TestSwitches {
     }
 }
 
+/// A switch argument's number.
+fn number<T: std::str::FromStr>(text: &str) -> Result<T, String> {
+    text.parse().map_err(|_| format!("{text:?} is not a number"))
+}
+
+/// The `N` colon-separated fields of a switch argument.
+fn fields<const N: usize>(text: &str) -> Result<[&str; N], String> {
+    let parts: Vec<&str> = text.split(':').collect();
+    parts.try_into().map_err(|parts: Vec<&str>| format!("{N} parts separated by ':', not {}", parts.len()))
+}
+
+/// `RANK:STEP:MOE`.
+fn rank_step_moe(text: &str) -> Result<(usize, u64, usize), String> {
+    let [rank, step, moe] = fields(text)?;
+    Ok((number(rank)?, number(step)?, number(moe)?))
+}
+
+/// `ID:STAGE,…`, each stage as `TestSwitches::cancel_at_stage` holds it ("in-transfer" is "in
+/// transfer").
+fn cancellations(text: &str) -> Result<Vec<(u64, String)>, String> {
+    text.split(',')
+        .map(|item| {
+            let [id, stage] = fields(item)?;
+            if !CANCEL_STAGES.contains(&stage) {
+                return Err(format!("stage {stage:?} is not queued, prefilling, in-transfer or decoding"));
+            }
+            Ok((number(id)?, stage.replace('-', " ")))
+        })
+        .collect()
+}
+
 /// Test switches of the expert exchanges (see `TestSwitches`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ExchangeSwitches {
@@ -114,4 +266,75 @@ pub struct ExchangeSwitches {
     /// A draft pass's `dispatch` on a rank whose step samples nothing sends nothing and keeps
     /// its capability forever.
     pub skip_draft_without_samples: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An argument of the right form for each switch of `SWITCHES`.
+    fn example(form: &str) -> Option<&'static str> {
+        match form {
+            "" => None,
+            "N" | "ID" | "MS" => Some("7"),
+            "ID:STAGE,…" => Some("3:decoding,9:in-transfer"),
+            "OPERATOR:RANK:STEP" => Some("align:1:6"),
+            "RANK:STEP" => Some("1:6"),
+            "RANK:STEP:MOE" => Some("1:6:0"),
+            other => panic!("no example for {other}"),
+        }
+    }
+
+    #[test]
+    fn every_known_switch_changes_the_switches_and_takes_only_its_own_form() {
+        for &(name, form) in SWITCHES {
+            let mut switches = TestSwitches::default();
+            switches.set(name, example(form)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_ne!(switches, TestSwitches::default(), "{name} changes nothing");
+            let wrong = if form.is_empty() { Some("1") } else { None };
+            assert!(TestSwitches::default().set(name, wrong).is_err(), "{name} takes {wrong:?}");
+        }
+    }
+
+    #[test]
+    fn spelled_as_on_the_command_line() {
+        let mut switches = TestSwitches::default();
+        switches.set_from("hold-capability=map:1:6").unwrap();
+        switches.set_from("align-without-waiting").unwrap();
+        switches.set_from("leak-blocks-of=7").unwrap();
+        switches.set_from("cancel-at-stage=3:decoding").unwrap();
+        switches.set_from("cancel-at-stage=4:in-transfer,5:queued").unwrap();
+        switches.set_from("withhold-dispatch=1:6:1").unwrap();
+        switches.set_from("slow-saves-ms=10").unwrap();
+        assert_eq!(
+            switches,
+            TestSwitches {
+                hold_capability: Some(("map".into(), 1, 6)),
+                align_without_waiting: true,
+                leak_blocks_of: Some(7),
+                cancel_at_stage: vec![(3, "decoding".into()), (4, "in transfer".into()), (5, "queued".into())],
+                withhold_dispatch: Some((1, 6, 1)),
+                slow_saves_ms: 10,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn a_refusal_names_the_switch_and_what_it_takes() {
+        let unknown = TestSwitches::default().set_from("hold-capabilty=map:1:6").unwrap_err().to_string();
+        assert!(unknown.contains("\"hold-capabilty\""), "{unknown}");
+        assert!(unknown.contains("hold-capability=OPERATOR:RANK:STEP"), "{unknown}");
+        assert!(unknown.contains("align-without-waiting,"), "{unknown}");
+        let bad = TestSwitches::default().set_from("hold-capability=map:x:6").unwrap_err().to_string();
+        assert_eq!(bad, "test switch hold-capability: expected hold-capability=OPERATOR:RANK:STEP, got \"map:x:6\": \"x\" is not a number");
+        let short = TestSwitches::default().set_from("stuck-in-forward=1").unwrap_err().to_string();
+        assert!(short.contains("2 parts separated by ':', not 1"), "{short}");
+        let stage = TestSwitches::default().set_from("cancel-at-stage=1:later").unwrap_err().to_string();
+        assert!(stage.contains("stage \"later\" is not queued"), "{stage}");
+        let missing = TestSwitches::default().set_from("leak-blocks-of").unwrap_err().to_string();
+        assert_eq!(missing, "test switch leak-blocks-of takes an argument: leak-blocks-of=ID");
+        let extra = TestSwitches::default().set_from("free-before-ack=1").unwrap_err().to_string();
+        assert_eq!(extra, "test switch free-before-ack takes no argument, got free-before-ack=1");
+    }
 }

@@ -1,0 +1,221 @@
+//! `kvflow bench`: the benchmarks' flags and the hand-off to each (src/bench/); every bench
+//! prints its figures beside a baseline measured in the same run.
+
+use anyhow::{Context, Result};
+use kvflow::bench;
+use kvflow::flags;
+use std::path::PathBuf;
+
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// Coordination cost per step: scheduling policy CPU time, and the pool's wall time per step
+    /// (no-math executor) against a bare timely loop.
+    Step {
+        #[arg(long, default_value_t = 8, value_parser = flags::count)]
+        ranks: usize,
+        /// Running sequences per rank.
+        #[arg(long, default_value_t = 256, value_parser = flags::count)]
+        seqs: usize,
+        /// Output tokens per request in the pool run (≈ steps measured).
+        #[arg(long, default_value_t = 200, value_parser = flags::count)]
+        steps: usize,
+        /// Measure align and the MoE exchanges of an expert-parallel pool instead (cpu executor,
+        /// a seeded MoE model), beside the same pool on 1 rank.
+        #[arg(long)]
+        expert_parallel: bool,
+    },
+    /// Decode tokens/s with n-gram drafting beside the same repetitive workload without it, with
+    /// the acceptance rate and mean accepted length.
+    Spec {
+        /// A checkpoint folder, a llama GGUF file or a TOML model spec.
+        #[arg(long, default_value = "fixtures/hf/llama")]
+        model: PathBuf,
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        requests: usize,
+        /// Output tokens per request.
+        #[arg(long, default_value_t = 128, value_parser = flags::count)]
+        outputs: usize,
+        /// Drafts a decode carries (1 to 16).
+        #[arg(long, default_value_t = 4, value_parser = flags::count)]
+        draft_tokens: usize,
+        /// Rounds; each figure is their median.
+        #[arg(long, default_value_t = 3, value_parser = flags::count)]
+        rounds: usize,
+    },
+    /// `kvflow serve` on SmolLM2 over loopback: requests/s and TTFT p50/p99 at each concurrency,
+    /// beside llama-cpp-python's server on the same GGUF when it is installed.
+    Serve {
+        /// The SmolLM2 GGUF (default: $KVFLOW_SMOLLM2, else where tools/fetch_smollm2.sh caches it).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Requests per concurrency level.
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        requests: usize,
+        /// Clients sending at once, each a closed loop (comma-separated levels).
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32", value_parser = flags::count)]
+        concurrency: Vec<usize>,
+        /// Output tokens per request at most (requests also stop at end-of-sequence).
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        max_tokens: usize,
+    },
+    /// Offload chunk objects saved to and loaded from the memory and disk stores (GB/s), beside
+    /// memcpy and plain file writes and reads of the same bytes.
+    Offload {
+        /// Bytes of KV per chunk.
+        #[arg(long, default_value = "4 MiB", value_parser = parse_bytes)]
+        chunk_bytes: u64,
+        /// Chunks per round.
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        chunks: usize,
+        /// Rounds; each figure is their median.
+        #[arg(long, default_value_t = 5, value_parser = flags::count)]
+        rounds: usize,
+        /// Folder for the disk store (default: a temporary folder).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
+    /// The KV-aware routing index: cost per applied cache event and per routing decision, beside
+    /// a brute-force scan of every rank's cache for the same decisions.
+    Router {
+        #[arg(long, default_value_t = 8, value_parser = flags::count)]
+        ranks: usize,
+        /// Cached blocks over all ranks and tiers.
+        #[arg(long, default_value_t = 100_000, value_parser = flags::count)]
+        blocks: usize,
+        /// Blocks of each request's chain of hashes.
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        chain: usize,
+        #[arg(long, default_value_t = 500, value_parser = flags::count)]
+        decisions: usize,
+    },
+    /// Handoffs over tcp on loopback (GB/s) against a plain TCP stream of the same bytes.
+    Transfer {
+        /// Tokens of the request each handoff moves.
+        #[arg(long, default_value_t = 4096, value_parser = flags::count)]
+        tokens: usize,
+        /// Bytes to move (each measurement moves as many).
+        #[arg(long, default_value = "1 GiB", value_parser = parse_bytes)]
+        bytes: u64,
+        /// Tcp connections of the link (a graph's `[transfer] connections`, 1 to 16).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=16))]
+        connections: u64,
+        /// Rounds; each figure is their median.
+        #[arg(long, default_value_t = 5, value_parser = flags::count)]
+        rounds: usize,
+    },
+    /// The CUDA executor on one GPU: parity with the fixtures and the CPU executor, batch
+    /// invariance, pack/unpack against a device-to-device copy, decode with deferred output on
+    /// and off. Exits non-zero when a check fails.
+    Device {
+        /// The folder holding the llama, qwen3 and deepseek_v3 fixtures.
+        #[arg(long, default_value = "fixtures/hf")]
+        fixtures: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Run the kernels on the CPU instead (the checks without a GPU; slow, and its speed
+        /// figures say nothing of a GPU's).
+        #[arg(long)]
+        emulate: bool,
+        /// Writes the pack bench's block list here (one per line), for a baseline elsewhere.
+        #[arg(long)]
+        blocks_out: Option<PathBuf>,
+        /// transformers' own bf16-vs-f32 logits gap per family (benches/device/
+        /// transformers_bf16_gap.py): the bf16 check allows max(5e-2, twice that gap).
+        #[arg(long, default_value = "benches/results/2026-12-03-h200-transformers-bf16-gap.json")]
+        bf16_gap: PathBuf,
+    },
+    /// The cuda executor's prefill and decode tokens/s on one GPU beside transformers' (measured
+    /// in the same device run by benches/device/speed.sh) and beside the step's lower bound
+    /// from the copy and matrix rates, then the decode step's device time kernel by kernel.
+    Speed {
+        /// A checkpoint folder, a llama GGUF file or a TOML model spec.
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        batch: usize,
+        /// Prompt tokens per request.
+        #[arg(long, default_value_t = 256, value_parser = flags::count)]
+        prompt: usize,
+        /// Decode steps per timed round (three rounds; each figure is their median).
+        #[arg(long, default_value_t = 16, value_parser = flags::count)]
+        steps: usize,
+        /// transformers' figures (JSON written by benches/device/transformers_speed.py).
+        #[arg(long)]
+        baseline: Option<PathBuf>,
+        /// Run the kernels on the CPU instead (a check of the bench itself; its figures say
+        /// nothing of a GPU's).
+        #[arg(long)]
+        emulate: bool,
+        /// The products' weights: float32, bfloat16 or both (one after the other).
+        #[arg(long, default_value = "both", value_parser = ["float32", "bfloat16", "both"])]
+        dtype: String,
+    },
+    /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
+    Model {
+        /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value_t = 64, value_parser = flags::count)]
+        batch: usize,
+        #[arg(long, default_value_t = 512, value_parser = flags::count)]
+        context: usize,
+        #[arg(long, default_value_t = 8, value_parser = flags::count)]
+        decode_steps: usize,
+    },
+}
+
+/// Runs the bench `what` names.
+pub fn run(what: BenchCommand) -> Result<()> {
+    match what {
+        BenchCommand::Step { ranks, seqs, steps, expert_parallel: true } => bench::experts::run(ranks, seqs, steps),
+        BenchCommand::Step { ranks, seqs, steps, expert_parallel: false } => {
+            bench::step::run(&bench::step::StepBenchArgs { ranks, seqs, steps })
+        }
+        BenchCommand::Spec { model, requests, outputs, draft_tokens, rounds } => {
+            bench::spec::run(&bench::spec::SpecBenchArgs { model, requests, outputs, draft_tokens, rounds })
+        }
+        BenchCommand::Serve { model, requests, concurrency, max_tokens } => {
+            bench::serve::run(&bench::serve::ServeBenchArgs { model, requests, concurrency, max_tokens })
+        }
+        BenchCommand::Offload { chunk_bytes, chunks, rounds, dir } => {
+            let chunk_bytes = usize::try_from(chunk_bytes).context("--chunk-bytes is too large")?;
+            bench::offload::run(&bench::offload::OffloadBenchArgs { chunk_bytes, chunks, rounds, dir })
+        }
+        BenchCommand::Router { ranks, blocks, chain, decisions } => {
+            bench::router::run(&bench::router::RouterBenchArgs { ranks, blocks, chain, decisions })
+        }
+        BenchCommand::Transfer { tokens, bytes, connections, rounds } => {
+            let connections = connections as usize;
+            bench::transfer::run(&bench::transfer::TransferBenchArgs { tokens, bytes, connections, rounds })
+        }
+        BenchCommand::Device { fixtures, gpu, emulate, blocks_out, bf16_gap } => {
+            bench::device::run(&bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out, bf16_gap })
+        }
+        BenchCommand::Speed { model, gpu, batch, prompt, steps, baseline, emulate, dtype } => {
+            use kvflow_kernels::cuda::Dtype;
+            let dtypes = match dtype.as_str() {
+                "both" => vec![Dtype::Float32, Dtype::Bfloat16],
+                one => Dtype::parse(one).into_iter().collect(),
+            };
+            bench::speed::run(&bench::speed::SpeedBenchArgs {
+                model,
+                gpu,
+                batch,
+                prompt,
+                steps,
+                baseline,
+                emulate,
+                dtypes,
+            })
+        }
+        BenchCommand::Model { model, batch, context, decode_steps } => {
+            bench::model::run(&bench::model::ModelBenchArgs { model, batch, context, decode_steps })
+        }
+    }
+}
+
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    kvflow::graph::parse_byte_size(text)
+}
