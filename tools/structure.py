@@ -474,34 +474,7 @@ def main() -> int:
     for p in problems:
         print(p)
     print(f"structure: {len(problems)} problem(s)")
-    if "--known" in sys.argv:
-        return against_known(problems, sys.argv[sys.argv.index("--known") + 1])
     return 1 if problems else 0
-
-
-def problem_key(problem: str) -> str:
-    """A problem without what moves as the code changes (line numbers, lengths, cycle order)."""
-    if m := re.match(r"(\S+?):\d+: fn (\w+) is \d+ lines", problem):
-        return f"long function {m.group(1)}::{m.group(2)}"
-    if m := re.match(r"(\S+): \d+ lines", problem):
-        return f"long file {m.group(1)}"
-    if m := re.match(r"import cycle in (.+?) \(\d+ modules\): (.*?)  \[", problem):
-        return f"import cycle in {m.group(1)} through " + ", ".join(sorted(set(m.group(2).split(" -> "))))
-    return problem.split(", directly or through others")[0]
-
-
-def against_known(problems: list[str], known_file: str) -> int:
-    """The ratchet: fails on a problem the known list lacks, and on a known one that is gone (so
-    the list only shrinks)."""
-    with open(known_file, encoding="utf-8") as f:
-        known = {line.strip() for line in f if line.strip() and not line.startswith("#")}
-    found = {problem_key(p) for p in problems}
-    new, gone = sorted(found - known), sorted(known - found)
-    for key in new:
-        print(f"new: {key}")
-    for key in gone:
-        print(f"fixed, remove it from {known_file}: {key}")
-    return 1 if new or gone else 0
 
 
 if __name__ == "__main__":

@@ -23,14 +23,14 @@ use crate::workload::{ArrivalMode, Selection};
 use anyhow::{bail, Result};
 use kvflow_kernels::checkpoint::ModelSpec;
 use kvflow_kernels::models;
-use kvflow_operators::pool::admit::Ingress;
-use kvflow_operators::pool::align::{derive_plan, Collectives, RoutingKeys};
 use kvflow_operators::executor::ExecutorRegistry;
 use kvflow_operators::messages::RankReport;
 use kvflow_operators::policy::memory::{MemoryLayout, RankMemory};
 use kvflow_operators::policy::router::{RouterContext, RouterRegistry};
 use kvflow_operators::policy::scheduler::{AdmissionPolicy, Scheduler, SchedulerConfig, StepDecision};
 use kvflow_operators::policy::sequence::{Sequence, Sequences};
+use kvflow_operators::pool::admit::Ingress;
+use kvflow_operators::pool::align::{derive_plan, Collectives, RoutingKeys};
 use kvflow_operators::rank::TestSwitches;
 use std::sync::Arc;
 

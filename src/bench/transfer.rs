@@ -18,13 +18,13 @@ use kvflow_kernels::kv::{PagedKvCache, StatePool};
 use kvflow_kernels::models;
 use kvflow_kernels::models::ModelCache;
 use kvflow_operators::pool::admit::Ingress;
+use kvflow_operators::pool::wake::RankWaker;
 use kvflow_operators::step::{BlockStore, KvSource};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
     AckQueue, ConsumerPool, Handoff, HandoffInbox, HandoffSink, LinkOptions, LinkTarget, Taken, TcpConsumer, TcpLink,
     TcpLinks, TransferId,
 };
-use kvflow_operators::pool::wake::RankWaker;
 use parking_lot::RwLock;
 use std::io::{Read, Write};
 use std::sync::atomic::AtomicU64;

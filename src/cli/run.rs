@@ -128,7 +128,7 @@ pub fn run_graph(
         grace: Some(args.grace_period),
         stall_timeout: Some(args.stall_timeout),
         max_wait: Some(args.max_wait),
-        serve: None,
+        front_end: None,
         pool: args.pool,
         pools: args.pools,
         endpoints: args.endpoints.into_iter().collect(),

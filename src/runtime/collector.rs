@@ -6,8 +6,8 @@
 
 use crate::report::RequestRecord;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvflow_operators::pool::emit::EventSink;
 use kvflow_operators::messages::{wall_ms, Event};
+use kvflow_operators::pool::emit::EventSink;
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;

@@ -12,13 +12,13 @@
 use crate::graph::{Graph, PoolConfig, WorkloadMode};
 use crate::registry::Registry;
 use anyhow::{anyhow, Result};
-use kvflow_operators::pool::align::{Collectives, RoutingKeys};
 use kvflow_operators::executor::{Delay, NullExecutor};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::RouterContext;
+use kvflow_operators::pool::align::{Collectives, RoutingKeys};
+use kvflow_operators::pool::wake::RankWaker;
 use kvflow_operators::pool::{build_pool_graph, PoolParts, PoolStreams};
 use kvflow_operators::rank::{Rank, TestSwitches};
-use kvflow_operators::pool::wake::RankWaker;
 use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::collections::BTreeMap;

@@ -14,9 +14,9 @@ use crate::graph::{Graph, LinkConfig, PoolConfig, PoolRole, TransferBackend};
 use crate::runtime::pool::PoolHandoff;
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
+use kvflow_operators::messages::AdmissionKind;
 use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::pool::emit::EventSink;
-use kvflow_operators::messages::AdmissionKind;
 use kvflow_operators::rank::{PrefillTarget, RemotePrefill};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{

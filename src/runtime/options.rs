@@ -48,7 +48,7 @@ pub struct RunOptions {
     pub max_wait: Option<Duration>,
     /// A front end (`kvflow serve`'s HTTP server) that releases the requests, in place of the
     /// workload's trace.
-    pub serve: Option<Arc<dyn FrontEnd>>,
+    pub front_end: Option<Arc<dyn FrontEnd>>,
 }
 
 /// The default of [`RunOptions::max_wait`].

@@ -43,7 +43,7 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
         crate::report::check_output_dir(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     }
-    if !graph.workload.ignore_eos && opts.serve.is_none() {
+    if !graph.workload.ignore_eos && opts.front_end.is_none() {
         bail!(
             "{}: workload.ignore_eos = false is not supported yet: outputs follow the trace's lengths",
             graph.path.display()
@@ -51,7 +51,7 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
     }
     let model = load_model(graph)?;
     check_cuda_pools(graph, &model)?;
-    let selection = match &opts.serve {
+    let selection = match &opts.front_end {
         Some(_) => Selection { requests: Vec::new(), warmup: 0, measured: 0, note: None },
         None => load_workload(graph, model.vocab_size)?,
     };
@@ -81,7 +81,7 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
 /// refused at release; memory is sized for the rest (with a front end: for the longest request
 /// it takes).
 fn largest_request(graph: &Graph, opts: &RunOptions, model: &Model, selection: &Selection) -> usize {
-    match &opts.serve {
+    match &opts.front_end {
         Some(front_end) => front_end.max_context(graph, model),
         None => selection
             .requests

@@ -19,9 +19,9 @@ use crate::report::{build_report, write_outputs, Slo};
 use anyhow::Result;
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::models::Model;
+use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::pool::emit::EventSink;
-use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::transfer::{HandoffInbox, TcpConsumer, TcpLink, TransferCounters};
 use parking_lot::Mutex;
 use serde_json::json;
@@ -93,8 +93,8 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     let (tx, rx) = std::sync::mpsc::channel();
     // A front end's requests are not known ahead: until it stops taking them, they have not all
     // ended (the watchdog waits on an idle pool only once they have).
-    let total = if opts.serve.is_some() { usize::MAX } else { selection.requests.len() };
-    let collector = Collector::new(total, tx, opts.show_progress && opts.serve.is_none());
+    let total = if opts.front_end.is_some() { usize::MAX } else { selection.requests.len() };
+    let collector = Collector::new(total, tx, opts.show_progress && opts.front_end.is_none());
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     let mut wiring = wire(graph, opts, &pools, &model, &batches)?;
     // New requests enter the entry pools; the pools downstream of them close once every entry
@@ -216,7 +216,7 @@ fn start_releasing(
     let Releasing { entries, gauges, selection, largest, completions } = releasing;
     let placement = Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed };
     let grace = opts.grace.unwrap_or(Duration::from_secs(10));
-    Ok(match &opts.serve {
+    Ok(match &opts.front_end {
         Some(front_end) => front_end.spawn(FrontEndJob {
             graph,
             model,

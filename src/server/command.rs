@@ -67,7 +67,7 @@ pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result
         grace: Some(args.grace_period),
         stall_timeout: Some(args.stall_timeout),
         show_progress: false,
-        serve: Some(Arc::new(Serving { listener, text: text.map(Arc::new) })),
+        front_end: Some(Arc::new(Serving { listener, text: text.map(Arc::new) })),
         ..Default::default()
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;
