@@ -1,8 +1,9 @@
 //! One rank's loop: the operators (one per file in this folder: `admit.rs`, `schedule.rs`,
 //! `align.rs`, `forward.rs`, `experts.rs`, `verify.rs`, `propose.rs`, `emit.rs`, `save.rs`,
 //! `load.rs`, and the wake-ups they share in `wake.rs`) and the code that wires them into the
-//! per-pool dataflow of DESIGN §4. [`build_pool_graph`] is the one place they are put together; `kvflow run` builds it on every
-//! rank (timely worker) of every pool, and `kvflow check --dot` draws what it builds.
+//! per-pool dataflow of DESIGN §4. [`build_pool_graph`] is the one place they are put together;
+//! `kvflow run` builds it on every rank (timely worker) of every pool, and `kvflow check --dot`
+//! draws what it builds.
 //!
 //! ```text
 //! ingress ─▶ admit ─(wake, broadcast)─▶ schedule(t) ─▶ align(t) ─▶ forward(t) ─▶ verify(t) ─┬▶ emit(t) ─▶ sink
