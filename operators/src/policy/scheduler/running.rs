@@ -3,7 +3,7 @@
 //! youngest running request is preempted (it gives its memory back and recomputes later) until
 //! the chunk fits or the request itself was the youngest.
 
-use super::{book, draft::draft_into, RankMemory, Scheduler, Sequences, StepDecision};
+use super::{book, draft::draft_into, RankMemory, Scheduler, Sequence, Sequences, StepDecision};
 
 impl Scheduler {
     /// Books the decodes of the running requests (those with exactly one token left to feed),
@@ -22,11 +22,19 @@ impl Scheduler {
         while *budget > 0 {
             let Some(&index) = self.running.get(i) else { break };
             i += 1;
-            let remaining = seqs.get(index).remaining();
+            let seq = seqs.get_mut(index);
+            let remaining = seq.remaining();
             if remaining != 1 {
                 if remaining > 1 {
                     prefilling.push(index);
                 }
+                continue;
+            }
+            // The hot path, taken here without a call: a plain decode (no drafts being verified,
+            // no drafter) whose token fits the blocks it holds. Everything else books below.
+            if self.config.spec.is_none() && seq.spec.drafts.is_empty() && fits_held_blocks(seq, mem) {
+                book(out, index, seq, 1, t);
+                *budget -= 1;
                 continue;
             }
             self.book_running(index, seqs, mem, t, budget, out);
@@ -86,7 +94,7 @@ impl Scheduler {
             }
         }
         // The common case: a decode whose next token fits in the blocks it holds.
-        if remaining == 1 && (!mem.layout.keeps_kv || seq.computed < seq.blocks.len() * bs) {
+        if remaining == 1 && fits_held_blocks(seq, mem) {
             book(out, index, seq, 1, t);
             *budget -= 1;
             return;
@@ -107,4 +115,10 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// Whether `seq`'s next token fits in the blocks it holds (always, for a rank that keeps no KV).
+#[inline]
+fn fits_held_blocks(seq: &Sequence, mem: &RankMemory) -> bool {
+    !mem.layout.keeps_kv || seq.computed < seq.blocks.len() * mem.layout.block_size
 }
