@@ -1,7 +1,9 @@
 //! The handoff wiring of a run (DESIGN §2, §8): every pool's ingress, and for a P/D graph what
 //! each pool's ranks hand off to or take handoffs from — a prefill pool's links to the decode
-//! pools its `[[link]]`s name, a decode pool's inbox. New requests enter the aggregated pools,
-//! or the prefill pools of a disaggregated graph.
+//! pools its `[[link]]`s name, a decode pool's inbox. New requests enter the aggregated pools;
+//! in a disaggregated graph run whole in one process they enter the decode pools, which decide
+//! where each is prefilled ([`decode_first`]), and in a run of some of its pools (`--pools`) the
+//! prefill pools.
 //!
 //! With `--pools`, a link may join a pool of this process to one in another: it must be `tcp`.
 //! A decode pool fed from other processes binds its endpoint (its address printed, for the
