@@ -1,6 +1,6 @@
-//! Rules of graph validation: one small function per check, shared by the file (`validate`) and
-//! the command line (`Graph::apply_overrides`). Each returns the accepted value, or what is wrong
-//! with it (the caller adds where it came from).
+//! Rules of graph validation: one small function per check. Command-line overrides are written
+//! into the raw graph before validation (`overrides.rs`), so these rules check them as well. Each
+//! returns the accepted value, or what is wrong with it (the caller adds where it came from).
 
 use std::net::Ipv6Addr;
 use std::path::PathBuf;
