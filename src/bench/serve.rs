@@ -166,7 +166,7 @@ fn with_kvflow_server<T>(model: &Path, work: impl FnOnce(&str) -> Result<T>) -> 
     let opts = RunOptions {
         interrupt: Some(interrupt.clone()),
         grace: Some(Duration::from_secs(30)),
-        front_end: Some(Arc::new(Serving { listener, text })),
+        front_end: Some(Arc::new(Serving { listener, text, access: Default::default() })),
         ..Default::default()
     };
     let server = std::thread::spawn(move || runtime::run(&graph, &opts, &registry));

@@ -1,6 +1,9 @@
 //! The `kvflow serve` command: loads the graph and the model's text side, binds the address,
-//! and runs the graph with the HTTP server in place of the trace driver until SIGTERM or Ctrl-C.
+//! loads the TLS certificate, and runs the graph with the HTTP server in place of the trace
+//! driver until SIGTERM or Ctrl-C.
 
+use super::access::{Access, ServeSwitches, MAX_CONNECTIONS};
+use super::auth::ApiKey;
 use super::Serving;
 use crate::graph::{Graph, Overrides};
 use crate::runtime::{self, RunOptions};
@@ -15,7 +18,8 @@ use std::time::Duration;
 pub struct ServeArgs {
     /// The graph file (TOML): its pools serve the requests.
     pub graph: PathBuf,
-    /// Address to listen on.
+    /// Address to listen on (the default takes connections from this machine only; 0.0.0.0:
+    /// from every network it is on).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on (0: the kernel picks; the bound address is printed once listening).
@@ -36,6 +40,79 @@ pub struct ServeArgs {
     /// Seconds without progress, with requests pending, before a pool is declared stalled (0: off).
     #[arg(long, default_value = "60", value_parser = crate::flags::seconds)]
     pub stall_timeout: Duration,
+    /// Every /v1/* route needs `Authorization: Bearer KEY` (else 401 with an OpenAI error
+    /// object); /health and /metrics stay open without it. The key is compared in constant time
+    /// and never printed.
+    #[arg(long, env = "KVFLOW_API_KEY", hide_env_values = true, value_name = "KEY", value_parser = ApiKey::parse)]
+    pub api_key: Option<ApiKey>,
+    /// Serve HTTPS (rustls) with this PEM certificate chain, the server's certificate first;
+    /// needs --ssl-keyfile.
+    #[arg(long, value_name = "PEM", requires = "ssl_keyfile")]
+    pub ssl_certfile: Option<PathBuf>,
+    /// The PEM private key (PKCS#8, PKCS#1 or SEC1) of --ssl-certfile.
+    #[arg(long, value_name = "PEM", requires = "ssl_certfile")]
+    pub ssl_keyfile: Option<PathBuf>,
+    /// Seconds a connection has, from its start or the end of its last answer, to send its
+    /// next request's headers (and its TLS handshake); past them it is closed (0: no limit).
+    #[arg(long, default_value = "10", value_parser = crate::flags::seconds)]
+    pub header_read_timeout: Duration,
+    /// Seconds a request's body has to arrive once its headers have; past them the request gets
+    /// 408 and its connection is closed (0: no limit).
+    #[arg(long, default_value = "30", value_parser = crate::flags::seconds)]
+    pub body_read_timeout: Duration,
+    /// Seconds a connection may stay open with no request in flight and nothing sent either way;
+    /// then it is closed (0: no limit).
+    #[arg(long, default_value = "5", value_parser = crate::flags::seconds)]
+    pub keep_alive_timeout: Duration,
+    /// Connections open at once, at most: one more gets 503 with Retry-After and is closed (the
+    /// refusals are logged at most once per 10 s, with their count).
+    #[arg(long, default_value_t = 512, value_parser = max_connections)]
+    pub max_connections: usize,
+    /// Test only: `NAME` removes one mechanism of the server's connection handling so a test
+    /// can show its check fails without it (src/server/access.rs, `ServeSwitches`: the field's
+    /// name with dashes). Repeatable.
+    #[arg(long = "test-switch", hide = true, value_name = "NAME", value_parser = check_test_switch)]
+    pub test_switches: Vec<String>,
+}
+
+/// `--max-connections`: a count in `1..=MAX_CONNECTIONS`.
+fn max_connections(text: &str) -> Result<usize, String> {
+    let value = crate::flags::count(text)?;
+    if value > MAX_CONNECTIONS {
+        return Err(format!("expected a whole number between 1 and {MAX_CONNECTIONS}, got {value}"));
+    }
+    Ok(value)
+}
+
+fn check_test_switch(name: &str) -> Result<String, String> {
+    ServeSwitches::default().set_from(name)?;
+    Ok(name.to_string())
+}
+
+impl ServeArgs {
+    /// The server's access settings; loads the TLS certificate and key (an error names the flag
+    /// and the file).
+    pub fn access(&self) -> Result<Access> {
+        let tls = match (&self.ssl_certfile, &self.ssl_keyfile) {
+            (Some(cert), Some(key)) => Some(super::tls::server_config(cert, key)?),
+            (None, None) => None,
+            _ => return Err(anyhow!("--ssl-certfile and --ssl-keyfile go together")),
+        };
+        let mut switches = ServeSwitches::default();
+        for name in &self.test_switches {
+            switches.set_from(name).map_err(|e| anyhow!("--test-switch: {e}"))?;
+        }
+        Ok(Access {
+            api_key: self.api_key.clone(),
+            tls,
+            header_read_timeout: self.header_read_timeout,
+            body_read_timeout: self.body_read_timeout,
+            keep_alive_timeout: self.keep_alive_timeout,
+            max_connections: self.max_connections,
+            switches,
+            ..Access::default()
+        })
+    }
 }
 
 /// The text side of the model at `path`, if it has one: a GGUF file, or a folder with
@@ -50,6 +127,7 @@ pub fn text_of(path: &Path) -> Result<Option<TextModel>> {
 
 /// Runs `kvflow serve`; returns the exit status.
 pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result<i32> {
+    let access = Arc::new(args.access()?);
     let registry = crate::registry::Registry::default();
     let overrides =
         Overrides { model: args.model.clone(), ranks: args.ranks, out: args.out.clone(), ..Default::default() };
@@ -67,7 +145,7 @@ pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result
         grace: Some(args.grace_period),
         stall_timeout: Some(args.stall_timeout),
         show_progress: false,
-        front_end: Some(Arc::new(Serving { listener, text: text.map(Arc::new) })),
+        front_end: Some(Arc::new(Serving { listener, text: text.map(Arc::new), access })),
         ..Default::default()
     };
     let outcome = runtime::run(&graph, &opts, &registry)?;

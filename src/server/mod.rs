@@ -7,18 +7,24 @@
 //! requests (503), lets those in flight finish for the grace period, cancels the rest, then
 //! closes every ingress so the pools end and the run writes its report.
 
+pub mod access;
+pub mod auth;
+mod body;
 pub mod command;
+mod listener;
 pub mod metrics;
 pub mod openai;
 mod output;
+pub mod tls;
 
 use crate::graph::Graph;
 use crate::runtime::collector::{Progress, SharedCollector};
 use crate::runtime::entry::{Entries, Release};
 use crate::runtime::front::{FrontEnd, FrontEndJob, PoolGauges};
 use crate::text::TextModel;
+use access::{Access, RefusedEarly};
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -56,6 +62,8 @@ pub struct ServeJob {
     pub max_requests: usize,
     pub sampling: RequestSampling,
     pub gauges: PoolGauges,
+    /// Who may call, and the connections' limits.
+    pub access: Arc<Access>,
 }
 
 /// What `kvflow serve` brings to a run: its bound socket and the model's text side. It is the
@@ -64,11 +72,17 @@ pub struct Serving {
     pub listener: std::net::TcpListener,
     /// The tokenizer and chat template, when the model has them (else prompts are token ids).
     pub text: Option<Arc<TextModel>>,
+    /// Who may call, and the connections' limits.
+    pub access: Arc<Access>,
 }
 
 impl std::fmt::Debug for Serving {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Serving").field("listener", &self.listener).field("text", &self.text.is_some()).finish()
+        f.debug_struct("Serving")
+            .field("listener", &self.listener)
+            .field("text", &self.text.is_some())
+            .field("access", &self.access)
+            .finish()
     }
 }
 
@@ -100,6 +114,7 @@ impl FrontEnd for Serving {
             max_requests: graph.serve.max_requests,
             sampling: graph.sampling,
             gauges,
+            access: self.access.clone(),
         })?)
     }
 }
@@ -143,32 +158,48 @@ async fn serve(server: Arc<Server>) {
         Ok(l) => l,
         Err(e) => return eprintln!("kvflow serve: cannot use the listening socket: {e}"),
     };
+    let scheme = if server.job.access.tls.is_some() { "https" } else { "http" };
     match listener.local_addr() {
-        Ok(address) => println!("kvflow serve: listening on http://{address}"),
+        Ok(address) => println!("kvflow serve: listening on {scheme}://{address}"),
         Err(e) => eprintln!("kvflow serve: listening (address unknown: {e})"),
     }
-    let app = Router::new()
+    let (stop, stopping) = tokio::sync::watch::channel(false);
+    let http =
+        tokio::spawn(listener::serve_connections(listener, router(&server), server.job.access.clone(), stopping));
+    server.until_drained().await;
+    let _ = stop.send(true);
+    // Connections still open after the drain (idle keep-alives) are dropped.
+    if tokio::time::timeout(Duration::from_secs(5), http).await.is_err() {
+        tracing::warn!("connections still open 5 s after the drain: dropped");
+    }
+}
+
+/// The routes, under (outermost first) the count of early refusals, the API key's check on
+/// `/v1/*` and the whole-body read with its size and time limits.
+fn router(server: &Arc<Server>) -> Router {
+    let access = &server.job.access;
+    let body_limits = body::BodyLimits { max_bytes: access.max_body_bytes, read_timeout: access.body_read_limit() };
+    let mut app = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(prometheus))
-        .with_state(server.clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let http = tokio::spawn(async move {
-        let shutdown = async move {
-            let _ = stopped.await;
-        };
-        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-            eprintln!("kvflow serve: {e}");
-        }
-    });
-    server.until_drained().await;
-    let _ = stop.send(());
-    // Connections still open after the drain (idle keep-alives) are dropped.
-    if tokio::time::timeout(Duration::from_secs(5), http).await.is_err() {
-        tracing::warn!("connections still open 5 s after the drain: dropped");
+        .with_state(server.clone())
+        .layer(DefaultBodyLimit::max(access.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(body_limits, body::read_whole_body));
+    if let Some(key) = &access.api_key {
+        app = app.layer(axum::middleware::from_fn_with_state(Arc::new(key.clone()), auth::require_key));
     }
+    app.layer(axum::middleware::map_response_with_state(server.clone(), count_early_refusal))
+}
+
+/// Counts a refusal of the layers (401, 408, 413) beside the handlers' own in `/metrics`.
+async fn count_early_refusal(State(server): State<Arc<Server>>, response: Response) -> Response {
+    if response.extensions().get::<RefusedEarly>().is_some() {
+        *server.refused.lock().entry(response.status().as_u16()).or_default() += 1;
+    }
+    response
 }
 
 impl Server {
