@@ -3,9 +3,10 @@
 //! connections may be open at once and how large a body may be. And the test switches that
 //! remove one of those mechanisms each, so a test can show that its check fails without it.
 
-use super::auth::ApiKey;
+use ring::digest::{digest, SHA256};
 use std::sync::Arc;
 use std::time::Duration;
+use subtle::ConstantTimeEq;
 
 /// The largest request body taken (axum's own default limit, kept): a bigger one gets 413.
 pub const MAX_BODY_BYTES: usize = 2 << 20;
@@ -88,6 +89,44 @@ impl Access {
         } else {
             self.max_connections.min(MAX_CONNECTIONS)
         }
+    }
+}
+
+/// An API key, held as its digest (the key itself is not kept).
+#[derive(Clone)]
+pub struct ApiKey {
+    digest: [u8; 32],
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(<hidden>)")
+    }
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    let mut out = [0; 32];
+    out.copy_from_slice(digest(&SHA256, bytes).as_ref());
+    out
+}
+
+impl ApiKey {
+    /// `--api-key`'s parser: any non-empty text of visible characters (what fits in a header).
+    pub fn parse(text: &str) -> Result<ApiKey, String> {
+        if text.is_empty() {
+            return Err(
+                "an empty key would let anyone in: give a key, or leave --api-key and KVFLOW_API_KEY out".into()
+            );
+        }
+        if !text.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err("a key is visible ASCII characters without spaces (it travels in an HTTP header)".into());
+        }
+        Ok(ApiKey { digest: sha256(text.as_bytes()) })
+    }
+
+    /// Whether `presented` is the key, in time independent of where they differ.
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        bool::from(sha256(presented).ct_eq(&self.digest))
     }
 }
 

@@ -1,56 +1,16 @@
-//! `kvflow serve --api-key KEY` (or `KVFLOW_API_KEY`), as vLLM's `--api-key`: every `/v1/*`
+//! `kvflow serve --api-key KEY` (or `KVFLOW_API_KEY`, an [`ApiKey`]), as vLLM's `--api-key`: every `/v1/*`
 //! route then needs `Authorization: Bearer KEY`, and answers 401 with an OpenAI error object
 //! otherwise; `/health` and `/metrics` stay open. The server keeps only the key's SHA-256 and
 //! compares digests in constant time (equal lengths, every byte looked at), so neither the
 //! comparison's time nor any print of the options tells anything about the key.
 
-use super::access::RefusedEarly;
+use super::access::{ApiKey, RefusedEarly};
 use super::openai::ApiError;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use ring::digest::{digest, SHA256};
 use std::sync::Arc;
-use subtle::ConstantTimeEq;
-
-/// An API key, held as its digest (the key itself is not kept).
-#[derive(Clone)]
-pub struct ApiKey {
-    digest: [u8; 32],
-}
-
-impl std::fmt::Debug for ApiKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ApiKey(<hidden>)")
-    }
-}
-
-fn sha256(bytes: &[u8]) -> [u8; 32] {
-    let mut out = [0; 32];
-    out.copy_from_slice(digest(&SHA256, bytes).as_ref());
-    out
-}
-
-impl ApiKey {
-    /// `--api-key`'s parser: any non-empty text of visible characters (what fits in a header).
-    pub fn parse(text: &str) -> Result<ApiKey, String> {
-        if text.is_empty() {
-            return Err(
-                "an empty key would let anyone in: give a key, or leave --api-key and KVFLOW_API_KEY out".into()
-            );
-        }
-        if !text.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err("a key is visible ASCII characters without spaces (it travels in an HTTP header)".into());
-        }
-        Ok(ApiKey { digest: sha256(text.as_bytes()) })
-    }
-
-    /// Whether `presented` is the key, in time independent of where they differ.
-    pub fn matches(&self, presented: &[u8]) -> bool {
-        bool::from(sha256(presented).ct_eq(&self.digest))
-    }
-}
 
 /// The token of an `Authorization: Bearer TOKEN` header (the scheme in any case), if there is one.
 fn bearer(headers: &HeaderMap) -> Option<&[u8]> {

@@ -2,8 +2,8 @@
 //! loads the TLS certificate, and runs the graph with the HTTP server in place of the trace
 //! driver until SIGTERM or Ctrl-C.
 
+use super::access::ApiKey;
 use super::access::{Access, ServeSwitches, MAX_CONNECTIONS};
-use super::auth::ApiKey;
 use super::Serving;
 use crate::graph::{Graph, Overrides};
 use crate::runtime::{self, RunOptions};

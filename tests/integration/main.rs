@@ -27,5 +27,6 @@ mod runtime;
 mod sampling;
 mod seeded_models;
 mod serve;
+mod serve_access;
 mod spec;
 mod structure;
