@@ -2,8 +2,11 @@
 //! Each request enters the same ingress the driver uses (an entry pool, picked as the driver
 //! picks), with the model's end-of-sequence ids as stop tokens and, when it streams, per-step
 //! token events; the collector hands the request's progress to its connection ([`Progress`]).
-//! A connection that goes away cancels its request through the pools' cancellation path; a full
-//! server (`[serve] max_requests` in flight) answers 429. SIGTERM or Ctrl-C stops taking
+//! A connection that goes away cancels its request through the pools' cancellation path (one
+//! that only half-closes is answered in full); a full server (`[serve] max_requests` in flight)
+//! answers 429. Connections are taken by the server's own accept loop ([`listener`]: TLS,
+//! timeouts, the connection cap) and requests pass the API key's check ([`auth`]) and the body's
+//! limits ([`body`]) before a handler sees them. SIGTERM or Ctrl-C stops taking
 //! requests (503), lets those in flight finish for the grace period, cancels the rest, then
 //! closes every ingress so the pools end and the run writes its report.
 
