@@ -149,6 +149,7 @@ fn huge_prompts_are_refused_by_their_size_while_health_answers() {
     let loaded = health_median_ms(&address, 21);
     stop.store(true, Ordering::SeqCst);
     let answers: Vec<_> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    eprintln!("/health median: {idle:.2} ms idle, {loaded:.2} ms beside {} huge prompts", answers.len());
     assert!(!answers.is_empty());
     for (status, body, _) in &answers {
         let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
@@ -194,6 +195,11 @@ fn a_template_that_loops_fails_its_request_while_health_answers_and_sigterm_drai
     let loaded = health_median_ms(&address, 21);
     stop.store(true, Ordering::SeqCst);
     let answers: Vec<_> = clients.into_iter().flat_map(|c| c.join().unwrap()).collect();
+    let slowest = answers.iter().map(|a| a.2).max().unwrap_or_default();
+    eprintln!(
+        "/health median: {idle:.2} ms idle, {loaded:.2} ms beside {} looping renders (slowest {slowest:?})",
+        answers.len()
+    );
     for (status, body, took) in &answers {
         assert_eq!(*status, 400, "{body}");
         assert!(body.contains("budget of 1000000 fuel"), "{body}");
