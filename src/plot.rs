@@ -21,33 +21,55 @@ pub struct RunData {
     pub kv_usage: Vec<(f64, Vec<(String, f64)>)>,
 }
 
+/// The fields of a `requests.jsonl` line the charts read: a line without one is from a report
+/// `kvflow plot` does not know (its defaults would draw empty charts).
+const RECORD_FIELDS: [&str; 6] = ["warmup", "arrival_ms", "ttft_ms", "tpot_ms", "output_tokens", "error"];
+
 /// Reads a report folder (`report.json` and `requests.jsonl`); the label is the folder's name.
+/// A folder whose files lack what the charts read is an error naming the file and the fields.
 pub fn read_run(dir: &Path) -> Result<RunData> {
     let lines = std::fs::read_to_string(dir.join("requests.jsonl"))
         .with_context(|| format!("{}: no requests.jsonl (is it a report folder?)", dir.display()))?;
-    let records = lines
-        .lines()
+    let mut records = Vec::new();
+    for (i, line) in lines.lines().enumerate() {
+        let at = || format!("{}/requests.jsonl:{}", dir.display(), i + 1);
+        let value: serde_json::Value = serde_json::from_str(line).with_context(at)?;
+        let missing: Vec<&str> = RECORD_FIELDS.into_iter().filter(|f| value.get(f).is_none()).collect();
+        if !missing.is_empty() {
+            bail!("{}: not a request record kvflow plot knows: no `{}`", at(), missing.join("`, `"));
+        }
+        records.push(serde_json::from_value::<RequestRecord>(value).with_context(at)?);
+    }
+    if records.is_empty() {
+        bail!("{}/requests.jsonl: no request records: nothing to plot", dir.display());
+    }
+    let report_path = dir.join("report.json");
+    let report: serde_json::Value = std::fs::read_to_string(&report_path)
+        .with_context(|| format!("{}: cannot read it (the KV chart draws its `kv_usage`)", report_path.display()))
+        .and_then(|t| serde_json::from_str(&t).with_context(|| format!("{}: not JSON", report_path.display())))?;
+    let samples = report["kv_usage"].as_array().ok_or_else(|| {
+        anyhow!(
+            "{}: no `kv_usage` list (a report kvflow plot does not know: it draws the KV chart from it)",
+            report_path.display()
+        )
+    })?;
+    let kv_usage = samples
+        .iter()
         .enumerate()
-        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}/requests.jsonl:{}", dir.display(), i + 1)))
-        .collect::<Result<Vec<RequestRecord>>>()?;
-    let report: serde_json::Value = std::fs::read_to_string(dir.join("report.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
-    let kv_usage = report["kv_usage"]
-        .as_array()
-        .map(|samples| {
-            samples
-                .iter()
-                .filter_map(|s| {
-                    let t = s["t_s"].as_f64()?;
-                    let pools =
-                        s["pools"].as_object()?.iter().filter_map(|(k, v)| Some((k.clone(), v.as_f64()?))).collect();
-                    Some((t, pools))
-                })
-                .collect()
+        .map(|(i, s)| {
+            let t = s["t_s"].as_f64();
+            let pools = s["pools"].as_object().and_then(|pools| {
+                pools.iter().map(|(k, v)| Some((k.clone(), v.as_f64()?))).collect::<Option<Vec<_>>>()
+            });
+            match (t, pools) {
+                (Some(t), Some(pools)) => Ok((t, pools)),
+                _ => Err(anyhow!(
+                    "{}: `kv_usage[{i}]` is not {{\"t_s\": seconds, \"pools\": {{pool: share}}}}",
+                    report_path.display()
+                )),
+            }
         })
-        .unwrap_or_default();
+        .collect::<Result<Vec<_>>>()?;
     let label = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     Ok(RunData { label, records, kv_usage })
 }

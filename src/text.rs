@@ -3,8 +3,10 @@
 //! a GGUF file brings them in its metadata — a gpt2 byte-level BPE (`tokenizer.ggml.tokens`,
 //! `merges`, `token_type`, the pre-tokenizer named by `tokenizer.ggml.pre`) and
 //! `tokenizer.chat_template`. Templates render with minijinja, given `messages`,
-//! `add_generation_prompt`, `bos_token` and `eos_token` as Hugging Face renders them. Trace replay
-//! needs none of this (its prompts are token ids).
+//! `add_generation_prompt`, `bos_token` and `eos_token` as Hugging Face renders them, within a
+//! budget of work ([`RENDER_FUEL`]); `kvflow serve` renders one small conversation at startup
+//! ([`TextModel::check_chat_template`]) so a broken template refuses the server, not every chat.
+//! Trace replay needs none of this (its prompts are token ids).
 
 use kvflow_kernels::checkpoint::gguf::{GgufFile, GgufValue};
 use serde::Serialize;
@@ -14,7 +16,13 @@ use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, Tokenizer};
+use tokenizers::{AddedToken, ModelWrapper, Tokenizer};
+
+/// The work one chat render may do, in minijinja's fuel: about one fuel per instruction and per
+/// 64 bytes of data made or read. Hugging Face templates take a few dozen instructions a message,
+/// so this serves tens of thousands of messages and a few megabytes of text, while a template
+/// that loops without bound fails in well under a second instead of holding a thread for good.
+pub const RENDER_FUEL: u64 = 1_000_000;
 
 /// Why a model's text side could not be loaded or used.
 #[derive(Debug, Error)]
@@ -39,11 +47,20 @@ pub struct ChatMessage {
 /// A model's tokenizer, chat template and special tokens.
 pub struct TextModel {
     tokenizer: Tokenizer,
-    chat_template: Option<String>,
+    chat_template: Option<ChatTemplate>,
     bos: Option<(u32, String)>,
     eos: Option<(u32, String)>,
     /// Whether a prompt starts with BOS (`tokenizer.ggml.add_bos_token`).
     add_bos: bool,
+    /// The most bytes of text one token stands for, when the vocabulary bounds it
+    /// ([`max_token_bytes`]).
+    max_token_bytes: Option<usize>,
+}
+
+/// A chat template and where it came from (named when it fails).
+struct ChatTemplate {
+    source: String,
+    origin: String,
 }
 
 /// The GGUF pre-tokenizers kvflow knows (`tokenizer.ggml.pre`).
@@ -86,8 +103,12 @@ impl TextModel {
         };
         let (bos, eos) = (special("bos_token"), special("eos_token"));
         let add_bos = config.get("add_bos_token").and_then(|v| v.as_bool()).unwrap_or(false);
-        let chat_template = config.get("chat_template").and_then(|v| v.as_str()).map(String::from);
-        Ok(TextModel { tokenizer, chat_template, bos, eos, add_bos })
+        let chat_template = config.get("chat_template").and_then(|v| v.as_str()).map(|source| ChatTemplate {
+            source: source.to_string(),
+            origin: format!("{}: field `chat_template`", config_path.display()),
+        });
+        let max_token_bytes = max_token_bytes(&tokenizer);
+        Ok(TextModel { tokenizer, chat_template, bos, eos, add_bos, max_token_bytes })
     }
 
     /// A GGUF file's tokenizer (a gpt2 byte-level BPE) and chat template.
@@ -164,9 +185,13 @@ impl TextModel {
             })?;
             Ok(Some((id as u32, text.to_string())))
         };
-        let chat_template = f.get("tokenizer.chat_template").and_then(GgufValue::as_str).map(String::from);
+        let chat_template = f.get("tokenizer.chat_template").and_then(GgufValue::as_str).map(|source| ChatTemplate {
+            source: source.to_string(),
+            origin: format!("{}: key `tokenizer.chat_template`", f.path.display()),
+        });
         let add_bos = f.get("tokenizer.ggml.add_bos_token").and_then(GgufValue::as_bool).unwrap_or(false);
         Ok(TextModel {
+            max_token_bytes: max_token_bytes(&tokenizer),
             tokenizer,
             chat_template,
             bos: special("tokenizer.ggml.bos_token_id")?,
@@ -201,32 +226,94 @@ impl TextModel {
         self.chat_template.is_some()
     }
 
+    /// The most bytes of text a prompt may have: a longer one has more than `max_context` tokens
+    /// (each token stands for at most [`max_token_bytes`] bytes), so it is refused before it is
+    /// tokenized. `None` when the vocabulary gives no such bound.
+    pub fn max_prompt_bytes(&self, max_context: usize) -> Option<usize> {
+        self.max_token_bytes.map(|bytes| bytes.saturating_mul(max_context))
+    }
+
+    /// The longest text one token stands for, in bytes (see [`max_token_bytes`]).
+    pub fn max_token_bytes(&self) -> Option<usize> {
+        self.max_token_bytes
+    }
+
+    /// Uses `source` as the chat template (`kvflow serve --chat-template`), `origin` naming it.
+    pub fn set_chat_template(&mut self, source: String, origin: String) {
+        self.chat_template = Some(ChatTemplate { source, origin });
+    }
+
+    /// Renders one small conversation, so a template that does not parse, or fails or runs out
+    /// of its budget on an ordinary chat, is an error at startup naming where it came from.
+    pub fn check_chat_template(&self) -> Result<(), TextError> {
+        let Some(template) = &self.chat_template else { return Ok(()) };
+        let chat = [("user", "Hello."), ("assistant", "Hello! How can I help?"), ("user", "Say hi.")];
+        let messages: Vec<ChatMessage> = chat
+            .iter()
+            .map(|(role, content)| ChatMessage { role: role.to_string(), content: content.to_string() })
+            .collect();
+        self.render_chat(&messages, true)
+            .map(|_| ())
+            .map_err(|e| TextError::Template(format!("{}: it fails on a three-message chat: {e}", template.origin)))
+    }
+
     /// The prompt text of a chat, as the model's template renders it (with the assistant's turn
-    /// opened when `add_generation_prompt`).
+    /// opened when `add_generation_prompt`), within [`RENDER_FUEL`].
     pub fn render_chat(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TextError> {
-        let source = self
+        let template = self
             .chat_template
-            .as_deref()
+            .as_ref()
             .ok_or_else(|| TextError::Template("the model has no chat template (use completions)".into()))?;
         let mut env = minijinja::Environment::new();
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_function("raise_exception", |message: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
         });
-        env.add_template("chat", source).map_err(|e| TextError::Template(e.to_string()))?;
-        let template = env.get_template("chat").map_err(|e| TextError::Template(e.to_string()))?;
+        env.add_template("chat", &template.source).map_err(|e| TextError::Template(e.to_string()))?;
+        let compiled = env.get_template("chat").map_err(|e| TextError::Template(e.to_string()))?;
         let token = |t: &Option<(u32, String)>| t.as_ref().map(|(_, s)| s.clone()).unwrap_or_default();
-        template
+        compiled
             .render(minijinja::context! {
                 messages => minijinja::Value::from(minijinja::value::Serde(messages)),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => token(&self.bos),
                 eos_token => token(&self.eos),
             })
-            .map_err(|e| TextError::Template(e.to_string()))
+            .map_err(|e| match e.kind() {
+                minijinja::ErrorKind::OutOfFuel => TextError::Template(format!(
+                    "rendering these messages took more than the template's budget of {RENDER_FUEL} fuel (minijinja: \
+                     about one instruction or 64 bytes each): a template that loops without bound, or too many \
+                     messages"
+                )),
+                _ => TextError::Template(e.to_string()),
+            })
     }
 
     /// The tokenizer as a Hugging Face `tokenizer.json` (to serve the same model from a folder).
     pub fn save_tokenizer_json(&self, path: &Path) -> Result<(), TextError> {
         self.tokenizer.save(path, false).map_err(|e| TextError::Load { path: path.into(), message: e.to_string() })
     }
+}
+
+/// The most bytes of text one token of `tokenizer` stands for, when that is bounded: then a text
+/// of `n` bytes has at least `n / max` tokens, so a prompt can be refused by its length in bytes
+/// before the work of tokenizing it.
+///
+/// Each token's string is at least as long in UTF-8 as the text it matches: a byte-level BPE
+/// (gpt2, every GGUF kvflow reads) spells each byte of text as one character of one or two bytes;
+/// a SentencePiece-style `▁` (three bytes) stands for one space, a byte-fallback `<0x41>` for one
+/// byte, a WordPiece `##ab` for two; added tokens match their own text. The bound fails only when
+/// text shrinks before it is matched (a normalizer: NFKC, lowercasing, dropping control
+/// characters) or when one unknown token stands for a run of text of any length (an `unk` token
+/// of BPE without byte fallback, WordPiece, WordLevel, Unigram): then there is none, and such a
+/// prompt is tokenized whole (off the server's async workers) before its length is checked.
+fn max_token_bytes(tokenizer: &Tokenizer) -> Option<usize> {
+    if tokenizer.get_normalizer().is_some() {
+        return None;
+    }
+    match tokenizer.get_model() {
+        ModelWrapper::BPE(bpe) if bpe.unk_token.is_none() || bpe.byte_fallback => {}
+        _ => return None,
+    }
+    tokenizer.get_vocab(true).keys().map(String::len).max()
 }

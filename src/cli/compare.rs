@@ -1,7 +1,7 @@
 //! `kvflow compare`: the same trace and seed through each graph in turn, then the reports'
 //! figures side by side (and, with --plot, every run on each chart).
 
-use super::run::{plot_runs, run_graph, RunFlags};
+use super::run::{checked_graph, plot_runs, run_checked, RunFlags};
 use anyhow::Result;
 use kvflow::signals::Interrupts;
 use serde_json::Value;
@@ -26,20 +26,28 @@ const ROWS: &[(&str, &[&str])] = &[
     ("verify mismatched", &["verify", "mismatched"]),
 ];
 
-/// `kvflow compare`: each graph in turn, then the figures side by side; the worst exit status.
+/// `kvflow compare`: every graph checked with its overrides (a refused one refuses the
+/// comparison before any runs), then each in turn, then the figures side by side; the worst exit
+/// status.
 pub fn compare(graphs: &[PathBuf], flags: &RunFlags, interrupts: &Interrupts) -> Result<i32> {
-    let mut columns: Vec<(String, Value)> = Vec::new();
-    let mut out_dirs = Vec::new();
-    let mut worst = 0;
+    let mut names: Vec<String> = Vec::new();
+    let mut checked = Vec::new();
     for (i, path) in graphs.iter().enumerate() {
         let mut name = path.file_stem().map_or("graph".into(), |s| s.to_string_lossy().into_owned());
-        if columns.iter().any(|(n, _)| *n == name) {
+        if names.contains(&name) {
             name = format!("{name}-{}", i + 1); // two graphs of one name get their own reports
         }
         let mut flags = flags.clone();
         flags.out = flags.out.as_ref().map(|dir| dir.join(&name));
+        checked.push(checked_graph(path, &flags, interrupts)?);
+        names.push(name);
+    }
+    let mut columns: Vec<(String, Value)> = Vec::new();
+    let mut out_dirs = Vec::new();
+    let mut worst = 0;
+    for ((path, (graph, opts)), name) in graphs.iter().zip(&checked).zip(names) {
         eprintln!("== {}", path.display());
-        let (code, report, out_dir) = run_graph(path, flags, interrupts)?;
+        let (code, report, out_dir) = run_checked(graph, opts, interrupts)?;
         out_dirs.push(out_dir);
         worst = worst.max(code);
         columns.push((name, report.unwrap_or_default()));

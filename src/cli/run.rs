@@ -113,6 +113,30 @@ pub fn run(args: RunArgs) -> Result<i32> {
     Ok(code)
 }
 
+/// The graph at `graph_path` with the overrides of `args`, and how to run it, once every check
+/// that needs neither the model nor the workload has passed ([`runtime::check_run`]).
+pub fn checked_graph(graph_path: &Path, args: &RunFlags, interrupts: &Interrupts) -> Result<(Graph, RunOptions)> {
+    let registry = kvflow::registry::Registry::default();
+    let graph = Graph::load_overridden(graph_path, &registry.names(), &args.overrides())?;
+    let cluster = cluster_place(&graph, args)?;
+    let opts = RunOptions {
+        interrupt: Some(interrupts.flag.clone()),
+        grace: Some(args.grace_period),
+        stall_timeout: Some(args.stall_timeout),
+        max_wait: Some(args.max_wait),
+        front_end: None,
+        pool: args.pool.clone(),
+        pools: args.pools.clone(),
+        endpoints: args.endpoints.iter().cloned().collect(),
+        cluster,
+        verify: args.verify,
+        show_progress: true,
+        switches: test_switches(&args.test_switches)?,
+    };
+    runtime::check_run(&graph, &opts)?;
+    Ok((graph, opts))
+}
+
 /// Runs the graph at `graph_path` with `args`: the exit status, the report (when this process
 /// wrote one) and the output folder.
 pub fn run_graph(
@@ -120,24 +144,18 @@ pub fn run_graph(
     args: RunFlags,
     interrupts: &Interrupts,
 ) -> Result<(i32, Option<serde_json::Value>, PathBuf)> {
+    let (graph, opts) = checked_graph(graph_path, &args, interrupts)?;
+    run_checked(&graph, &opts, interrupts)
+}
+
+/// Runs a graph [`checked_graph`] gave.
+pub fn run_checked(
+    graph: &Graph,
+    opts: &RunOptions,
+    interrupts: &Interrupts,
+) -> Result<(i32, Option<serde_json::Value>, PathBuf)> {
     let registry = kvflow::registry::Registry::default();
-    let graph = Graph::load_overridden(graph_path, &registry.names(), &args.overrides())?;
-    let cluster = cluster_place(&graph, &args)?;
-    let opts = RunOptions {
-        interrupt: Some(interrupts.flag.clone()),
-        grace: Some(args.grace_period),
-        stall_timeout: Some(args.stall_timeout),
-        max_wait: Some(args.max_wait),
-        front_end: None,
-        pool: args.pool,
-        pools: args.pools,
-        endpoints: args.endpoints.into_iter().collect(),
-        cluster,
-        verify: args.verify,
-        show_progress: true,
-        switches: test_switches(&args.test_switches)?,
-    };
-    let outcome = runtime::run(&graph, &opts, &registry)?;
+    let outcome = runtime::run(graph, opts, &registry)?;
     if let Some(report) = &outcome.report {
         print_summary(report, &outcome.out_dir);
     }

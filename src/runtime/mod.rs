@@ -42,6 +42,7 @@ pub use options::{
     EXIT_VERIFY_MISMATCH, PROCESS_LOST,
 };
 pub use pool::ExpertParallelJob;
+pub use prepare::check_run;
 
 use crate::graph::Graph;
 use crate::registry::Registry;

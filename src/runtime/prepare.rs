@@ -1,5 +1,6 @@
 //! The first phase of `kvflow run` ([`super::run`]): every check that can refuse the run before
-//! anything starts, then the model, the workload and one job per pool.
+//! anything starts, then the model, the workload and one job per pool. A refused run leaves
+//! nothing behind: the report folder is made only once every check has passed.
 
 use super::checks::{check_cuda_pools, pools_of_run};
 use super::jobs::{arrival_mode, load_model, load_workload, pool_job};
@@ -35,12 +36,15 @@ pub struct Prepared<'g> {
     pub drives: bool,
 }
 
-/// Checks the run, loads the model and the workload, and makes each pool's job.
-pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> Result<Prepared<'g>> {
+/// The checks of a run that need neither its model nor its workload (`kvflow compare` makes
+/// them for every graph before it runs the first): the pools it runs, that its report folder
+/// can be made (nothing is made yet), what the runtime does not take. The pools, and whether
+/// this process drives the workload.
+pub fn check_run<'g>(graph: &'g Graph, opts: &RunOptions) -> Result<(Vec<&'g PoolConfig>, bool)> {
     let pools = pools_of_run(graph, opts)?;
     let drives = pools.iter().any(|p| links::Wiring::entry_kind(graph, &pools, p).is_some());
     if drives {
-        crate::report::check_output_dir(&graph.report_dir)
+        check_report_dir_can_be_made(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     }
     if !graph.workload.ignore_eos && opts.front_end.is_none() {
@@ -49,6 +53,29 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
             graph.path.display()
         );
     }
+    Ok((pools, drives))
+}
+
+/// Whether `dir` can become the report folder, making nothing: an existing one must be a
+/// writable folder ([`crate::report::check_output_dir`]), else its nearest existing parent
+/// must be a folder.
+fn check_report_dir_can_be_made(dir: &std::path::Path) -> Result<(), String> {
+    if dir.exists() {
+        return crate::report::check_output_dir(dir);
+    }
+    let parent = dir.ancestors().skip(1).find(|a| a.exists());
+    match parent {
+        Some(p) if !p.as_os_str().is_empty() && !p.is_dir() => {
+            Err(format!("cannot create {}: {} is not a folder", dir.display(), p.display()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Checks the run, loads the model and the workload, and makes each pool's job; then the report
+/// folder.
+pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> Result<Prepared<'g>> {
+    let (pools, drives) = check_run(graph, opts)?;
     let model = load_model(graph)?;
     check_cuda_pools(graph, &model)?;
     let selection = match &opts.front_end {
@@ -73,6 +100,10 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
             jobs.len(),
             jobs.iter().map(|j| j.name.as_str()).collect::<Vec<_>>().join(", ")
         );
+    }
+    if drives {
+        crate::report::check_output_dir(&graph.report_dir)
+            .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     }
     Ok(Prepared { pools, model, selection, sampling, largest, jobs, drives })
 }

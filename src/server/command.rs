@@ -73,6 +73,10 @@ pub struct ServeArgs {
     /// name with dashes). Repeatable.
     #[arg(long = "test-switch", hide = true, value_name = "NAME", value_parser = check_test_switch)]
     pub test_switches: Vec<String>,
+    /// A file holding the chat template (Jinja, as Hugging Face's `chat_template`) to use in
+    /// place of the model's own. Either is checked at startup on a small chat.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
 }
 
 /// `--max-connections`: a count in `1..=MAX_CONNECTIONS`.
@@ -132,8 +136,19 @@ pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result
     let overrides =
         Overrides { model: args.model.clone(), ranks: args.ranks, out: args.out.clone(), ..Default::default() };
     let graph = Graph::load_overridden(&args.graph, &registry.names(), &overrides)?;
-    let text =
+    let mut text =
         text_of(&graph.model).with_context(|| format!("cannot load the tokenizer of {}", graph.model.display()))?;
+    if let Some(path) = &args.chat_template {
+        let source = std::fs::read_to_string(path)
+            .with_context(|| format!("--chat-template: cannot read {}", path.display()))?;
+        let Some(text) = text.as_mut() else {
+            return Err(anyhow!("--chat-template: {} has no tokenizer, so it serves no chat", graph.model.display()));
+        };
+        text.set_chat_template(source, format!("--chat-template {}", path.display()));
+    }
+    if let Some(text) = &text {
+        text.check_chat_template().context("the chat template does not work")?;
+    }
     if text.is_none() {
         eprintln!("note: {} has no tokenizer: /v1/completions takes token ids; chat is refused", graph.model.display());
     }

@@ -128,6 +128,8 @@ struct Server {
     next_id: AtomicU64,
     draining: AtomicBool,
     refused: Mutex<BTreeMap<u16, u64>>,
+    /// Bounds the requests being read at once ([`Server::read_request`]): one a core.
+    readers: tokio::sync::Semaphore,
 }
 
 /// Runs the server on its own thread (a tokio runtime of two workers) until it has drained;
@@ -141,6 +143,7 @@ pub fn spawn_server(job: ServeJob) -> std::io::Result<std::thread::JoinHandle<()
             next_id: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             refused: Mutex::new(BTreeMap::new()),
+            readers: tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, |n| n.get())),
         });
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build();
         match runtime {
@@ -249,7 +252,21 @@ impl Server {
             max_context: self.job.max_context,
             max_tokens: self.job.max_tokens,
             sampling: self.job.sampling,
+            max_prompt_bytes: self.job.text.as_ref().and_then(|t| t.max_prompt_bytes(self.job.max_context)),
         }
+    }
+
+    /// Reads a request's body into an [`Ask`]: the JSON, the chat template's render and the
+    /// tokenizing. They take time in proportion to the body (and the template), so they run on
+    /// tokio's blocking threads, at most one a core at once, never on the async workers that
+    /// answer `/health` and every stream.
+    async fn read_request(self: &Arc<Self>, endpoint: Endpoint, body: Bytes) -> Result<Ask, ApiError> {
+        let internal = |why: String| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal", why);
+        let _slot = self.readers.acquire().await.map_err(|e| internal(e.to_string()))?;
+        let server = self.clone();
+        tokio::task::spawn_blocking(move || openai::parse(endpoint, &body, &server.limits()))
+            .await
+            .map_err(|e| internal(format!("reading the request failed: {e}")))?
     }
 
     fn refused(&self, e: ApiError) -> Response {
@@ -339,7 +356,7 @@ async fn chat(State(server): State<Arc<Server>>, body: Bytes) -> Response {
 }
 
 async fn answer(server: Arc<Server>, endpoint: Endpoint, body: Bytes) -> Response {
-    let ask = match openai::parse(endpoint, &body, &server.limits()) {
+    let ask = match server.read_request(endpoint, body).await {
         Ok(ask) => ask,
         Err(e) => return server.refused(e),
     };

@@ -77,6 +77,9 @@ pub struct Limits<'a> {
     pub max_tokens: usize,
     /// `[sampling]`: a request's sampling when it names none.
     pub sampling: RequestSampling,
+    /// The longest prompt text tokenized ([`TextModel::max_prompt_bytes`]): a longer one has
+    /// more tokens than the context, so it is refused before the work of tokenizing it.
+    pub max_prompt_bytes: Option<usize>,
 }
 
 /// At most this many stop strings (as OpenAI).
@@ -216,7 +219,12 @@ fn sampling(obj: &Map<String, Value>, limits: &Limits) -> Result<RequestSampling
         sampling.params.top_k = usize::try_from(k.max(0)).unwrap_or(0);
     }
     if let Some(v) = obj.get("seed").filter(|v| !v.is_null()) {
-        sampling.seed = v.as_i64().ok_or_else(|| ApiError::field("seed", "expected an integer"))? as u64;
+        // Any integer OpenAI takes: 0 to 2^64 − 1, and negative ones (taken as their two's
+        // complement, as before).
+        sampling.seed = v
+            .as_u64()
+            .or_else(|| v.as_i64().map(|s| s as u64))
+            .ok_or_else(|| ApiError::field("seed", format!("expected an integer from -2^63 to 2^64 - 1, got {v}")))?;
     }
     Ok(sampling)
 }
@@ -303,7 +311,25 @@ fn encode(field: &str, text: &str, limits: &Limits) -> Result<Vec<u32>, ApiError
     let model = limits.text.ok_or_else(|| {
         ApiError::field(field, "this model has no tokenizer (no tokenizer.json or GGUF vocabulary): send token ids")
     })?;
+    check_prompt_bytes(field, text, model, limits)?;
     model.encode(text).map_err(|e| ApiError::field(field, e.to_string()))
+}
+
+/// A prompt text longer than `limits.max_prompt_bytes` is refused untokenized (400).
+fn check_prompt_bytes(field: &str, text: &str, model: &TextModel, limits: &Limits) -> Result<(), ApiError> {
+    match limits.max_prompt_bytes {
+        Some(max) if text.len() > max => Err(ApiError::field(
+            field,
+            format!(
+                "{} bytes of prompt text; this server takes at most {max} bytes (its context of {} tokens × {} \
+                 bytes, the longest token of its vocabulary)",
+                text.len(),
+                limits.max_context,
+                model.max_token_bytes().unwrap_or(0)
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 fn chat_prompt(value: Option<&Value>, limits: &Limits) -> Result<Vec<u32>, ApiError> {
@@ -346,6 +372,7 @@ fn chat_prompt(value: Option<&Value>, limits: &Limits) -> Result<Vec<u32>, ApiEr
         ApiError::field("messages", "this model has no tokenizer: use /v1/completions with token ids")
     })?;
     let rendered = model.render_chat(&messages, true).map_err(|e| ApiError::field("messages", e.to_string()))?;
+    check_prompt_bytes("messages", &rendered, model, limits)?;
     model.encode(&rendered).map_err(|e| ApiError::field("messages", e.to_string()))
 }
 
@@ -428,5 +455,39 @@ impl Envelope {
     /// The usage chunk (`stream_options.include_usage`): no choices.
     pub fn usage_chunk(&self, usage: Value) -> Value {
         self.with(true, json!([]), Some(usage))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits<'static> {
+        Limits {
+            text: None,
+            model_name: "m",
+            vocab_size: 100,
+            max_context: 64,
+            max_tokens: 8,
+            sampling: RequestSampling::default(),
+            max_prompt_bytes: None,
+        }
+    }
+
+    fn seed_of(seed: &str) -> Result<u64, ApiError> {
+        let body = format!("{{\"prompt\": [1, 2, 3], \"seed\": {seed}}}");
+        parse(Endpoint::Completions, body.as_bytes(), &limits()).map(|ask| ask.sampling.seed)
+    }
+
+    #[test]
+    fn any_u64_seed_is_taken_and_a_negative_one_wraps() {
+        assert_eq!(seed_of("18446744073709551615").unwrap(), u64::MAX, "2^64 - 1, as OpenAI allows");
+        assert_eq!(seed_of("9223372036854775808").unwrap(), 1 << 63);
+        assert_eq!(seed_of("7").unwrap(), 7);
+        assert_eq!(seed_of("-1").unwrap(), u64::MAX);
+        for bad in ["18446744073709551616", "1.5", "\"7\""] {
+            let e = seed_of(bad).unwrap_err();
+            assert!(e.message.starts_with("seed: expected an integer from -2^63 to 2^64 - 1"), "{bad}: {}", e.message);
+        }
     }
 }

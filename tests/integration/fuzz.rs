@@ -308,7 +308,16 @@ fn openai_bodies() {
     use kvflow::server::openai::{parse, Endpoint, Limits};
     let text = crate::gguf::smollm2().map(|p| kvflow::text::TextModel::load(&p).expect("SmolLM2's tokenizer"));
     fn limits(text: Option<&kvflow::text::TextModel>) -> Limits<'_> {
-        Limits { text, model_name: "m", vocab_size: 100, max_context: 64, max_tokens: 16, sampling: Default::default() }
+        let max_prompt_bytes = text.and_then(|t| t.max_prompt_bytes(64));
+        Limits {
+            text,
+            model_name: "m",
+            vocab_size: 100,
+            max_context: 64,
+            max_tokens: 16,
+            sampling: Default::default(),
+            max_prompt_bytes,
+        }
     }
     let (plain, with_text) = (limits(None), limits(text.as_ref()));
     fuzz("openai", 10, |input| {

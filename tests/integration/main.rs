@@ -14,6 +14,7 @@ mod gguf;
 mod graph_format;
 mod handoff;
 mod hf_fixtures;
+mod hostile_requests;
 mod hosts;
 mod offload;
 mod operability;

@@ -228,3 +228,41 @@ fn the_watchdog_notices_a_worker_stuck_inside_an_operator() {
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(stderr.contains("rank 2 is stuck inside an operator"), "{stderr}");
 }
+
+#[test]
+fn a_run_refused_at_its_checks_leaves_no_report_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = write_graph(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", "ignore_eos = false", "64 MiB");
+    let out = dir.path().join("nested/out");
+    let run = run_cli(&["run", &graph.to_string_lossy(), "--out", &out.to_string_lossy()]);
+    crate::common::assert_clean_failure(&run, &["ignore_eos = false"]);
+    assert!(!dir.path().join("nested").exists(), "a refused run made {}", out.display());
+    // Refused later, at its model: a folder that is not a checkpoint.
+    let graph = write_graph(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", "limit = 2", "64 MiB");
+    let not_a_model = dir.path().join("not-a-model");
+    std::fs::create_dir(&not_a_model).unwrap();
+    let args =
+        ["run", &graph.to_string_lossy(), "--out", &out.to_string_lossy(), "--model", &not_a_model.to_string_lossy()];
+    crate::common::assert_clean_failure(&run_cli(&args), &["cannot load model"]);
+    assert!(!dir.path().join("nested").exists(), "a refused run made {}", out.display());
+}
+
+#[test]
+fn compare_checks_every_graph_before_it_runs_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = repo().join("graphs/aggregated-2.toml");
+    let text = std::fs::read_to_string(&good).unwrap();
+    let model_line = text.lines().find(|l| l.starts_with("path = ")).unwrap();
+    let bad = dir.path().join("no-model.toml");
+    std::fs::write(&bad, text.replace(model_line, "path = \"/nonexistent/kvflow/model\"")).unwrap();
+    let cmp = dir.path().join("cmp");
+    let args =
+        ["compare", &good.to_string_lossy(), &bad.to_string_lossy(), "--limit", "2", "--out", &cmp.to_string_lossy()];
+    let started = Instant::now();
+    let out = run_cli(&args);
+    let stderr =
+        crate::common::assert_clean_failure(&out, &["no-model.toml", "model.path", "/nonexistent/kvflow/model"]);
+    assert!(!stderr.contains("== "), "a graph ran before the second was checked: {stderr}");
+    assert!(!cmp.exists(), "the first graph's report was written: {stderr}");
+    assert!(started.elapsed() < Duration::from_secs(60));
+}

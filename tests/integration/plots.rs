@@ -56,3 +56,31 @@ fn run_compare_and_plot_write_charts_that_decode_as_png() {
     let out = kvflow(&["plot", dir.path().to_str().unwrap()]);
     crate::common::assert_clean_failure(&out, &["no requests.jsonl"]);
 }
+
+#[test]
+fn plot_refuses_a_folder_whose_report_it_does_not_know() {
+    let dir = tempfile::tempdir().unwrap();
+    // Another tool's lines: JSON objects without the fields the charts read.
+    let foreign = dir.path().join("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    std::fs::write(foreign.join("requests.jsonl"), "{\"latency\": 1.5}\n").unwrap();
+    std::fs::write(foreign.join("report.json"), "{}").unwrap();
+    let out = kvflow(&["plot", foreign.to_str().unwrap(), "--out", dir.path().join("charts").to_str().unwrap()]);
+    crate::common::assert_clean_failure(
+        &out,
+        &["requests.jsonl:1", "`warmup`, `arrival_ms`, `ttft_ms`, `tpot_ms`, `output_tokens`, `error`"],
+    );
+    // Records it knows, beside a report.json without the KV timeline.
+    let record = "{\"id\": 0, \"warmup\": false, \"arrival_ms\": 0.0, \"ttft_ms\": 5.0, \"tpot_ms\": 1.0, \
+                  \"output_tokens\": [1, 2], \"error\": null}\n";
+    std::fs::write(foreign.join("requests.jsonl"), record).unwrap();
+    let out = kvflow(&["plot", foreign.to_str().unwrap(), "--out", dir.path().join("charts").to_str().unwrap()]);
+    crate::common::assert_clean_failure(&out, &["report.json", "no `kv_usage`"]);
+    std::fs::remove_file(foreign.join("report.json")).unwrap();
+    let out = kvflow(&["plot", foreign.to_str().unwrap(), "--out", dir.path().join("charts").to_str().unwrap()]);
+    crate::common::assert_clean_failure(&out, &["report.json", "cannot read it"]);
+    std::fs::write(foreign.join("requests.jsonl"), "").unwrap();
+    let out = kvflow(&["plot", foreign.to_str().unwrap()]);
+    crate::common::assert_clean_failure(&out, &["no request records"]);
+    assert!(!dir.path().join("charts").exists(), "no charts drawn");
+}
