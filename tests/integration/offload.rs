@@ -396,12 +396,15 @@ fn a_rank_that_gives_back_loaded_prefixes_schedules_again_over_a_warm_store() {
         "[[pool]]\nname = \"main\"\nranks = 1\n\n[offload]\nstore = \"disk\"\npath = \"{}\"\nchunk_tokens = {CHUNK}\n",
         dir.path().join("store").display()
     );
-    let workload = "mode = \"concurrency\"\nconcurrency = 16\nwarmup = 8\nlimit = 16";
+    let workload = "mode = \"concurrency\"\nconcurrency = 64\nwarmup = 8\nlimit = 8";
     let graph = write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_first5min.jsonl", workload, "4 MiB", &pools);
     let (fill, report) = run_cli(&graph, &["--stall-timeout", "20"]);
     assert!(fill.status.success(), "the run filling the store: {}", String::from_utf8_lossy(&fill.stderr));
     assert_exact(&report.unwrap(), "the run filling the store");
-    let pressure = ["--concurrency", "64", "--stall-timeout", "4"];
+    // Whether a run gives prefixes back depends on when its loads complete: most do.
+    let gave_back = |stderr: &str| stderr.contains("give back the prefixes they loaded");
+    let pressure = ["--stall-timeout", "4"];
+    let mut runs_giving_back = 0;
     for run in 0..3 {
         let (out, report) = run_cli(&graph, &pressure);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -409,16 +412,28 @@ fn a_rank_that_gives_back_loaded_prefixes_schedules_again_over_a_warm_store() {
         let report = report.unwrap();
         assert_exact(&report, &format!("run {run} over the warm store"));
         assert!(report["offload"]["loads"].as_u64().unwrap() > 0, "run {run} loads: {}", report["offload"]);
-        assert!(stderr.contains("give back the prefixes they loaded"), "run {run} was under pressure: {stderr}");
+        runs_giving_back += usize::from(gave_back(&stderr));
     }
-    // Without the second pass the rank parks with its memory free, until the watchdog ends it.
+    assert!(runs_giving_back > 0, "no run was short of memory: the test no longer tests anything");
+    // Without the second pass a rank that gives prefixes back parks with its memory free,
+    // until the watchdog ends the run.
     let mut unfixed = pressure.to_vec();
     unfixed.extend(["--test-switch", "no-reschedule-after-giving-back-prefixes"]);
-    let (out, report) = run_cli(&graph, &unfixed);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "without the second pass the rank stalls: {stderr}");
-    assert!(stderr.contains("stall") && stderr.contains("`admit` on rank 0"), "{stderr}");
-    assert_eq!(report.unwrap()["stalled"], true);
+    let mut stalled = 0;
+    for _ in 0..3 {
+        let (out, report) = run_cli(&graph, &unfixed);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !gave_back(&stderr) {
+            assert!(out.status.success(), "a run that gives nothing back is not stuck: {stderr}");
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(3), "without the second pass the rank stalls: {stderr}");
+        assert!(stderr.contains("stall") && stderr.contains("`admit` on rank 0"), "{stderr}");
+        assert_eq!(report.unwrap()["stalled"], true);
+        stalled += 1;
+        break;
+    }
+    assert_eq!(stalled, 1, "no run without the second pass gave prefixes back");
 }
 
 #[test]
@@ -471,10 +486,14 @@ fn dropped_saves_are_logged_a_few_times_then_counted() {
     let dropped = report["offload"]["dropped_saves"].as_u64().unwrap();
     assert!(dropped > 20, "every save is dropped: {}", report["offload"]);
     let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("offload:") && l.contains("dropped")).collect();
-    assert!(lines.len() <= 2 * 4, "at most three drops and one count a rank: {} lines of {dropped} drops", lines.len());
+    assert!(
+        lines.len() <= 2 * 5,
+        "a rank logs at most three drops, that it counts the rest, and the count: {} lines of {dropped} drops",
+        lines.len()
+    );
     let counted: u64 = lines
         .iter()
-        .filter_map(|l| l.split("offload: ").nth(1)?.split(" saves dropped on this rank in all").next()?.parse::<u64>().ok())
+        .filter_map(|l| l.split("offload: ").last()?.split(" saves dropped on this rank in all").next()?.parse::<u64>().ok())
         .sum();
     // A rank that dropped three or fewer logged each and gives no count.
     assert!(counted <= dropped && counted + 2 * 3 >= dropped, "the counts at the end add up to {dropped}: {lines:#?}");
