@@ -119,7 +119,10 @@ pub(super) fn milliseconds(value: f64) -> Result<f64, String> {
 pub(super) fn positive_milliseconds(value: f64) -> Result<f64, String> {
     match milliseconds(value) {
         Ok(ms) if ms > 0.0 => Ok(ms),
-        _ => Err(format!("must be a number of milliseconds more than 0 and at most {MAX_MILLISECONDS}, got {}", shown(value))),
+        _ => Err(format!(
+            "must be a number of milliseconds more than 0 and at most {MAX_MILLISECONDS}, got {}",
+            shown(value)
+        )),
     }
 }
 

@@ -19,8 +19,7 @@ use super::raw::{
 };
 use super::rules::{
     at_least_one, byte_budget, existing_path, expand_path, measured_limit, milliseconds, more_than_zero, one_of,
-    pool_hosts, pool_name, positive_milliseconds, rank_count, snapshot_fraction, token_count, zero_or_more,
-    MAX_TOKENS,
+    pool_hosts, pool_name, positive_milliseconds, rank_count, snapshot_fraction, token_count, zero_or_more, MAX_TOKENS,
 };
 use kvflow_kernels::cpu::sampling::{check_temperature, check_top_p, RequestSampling, SamplingParams};
 use kvflow_operators::policy::drafter::{Drafter, NgramDrafter};
@@ -609,12 +608,7 @@ impl<'a> Validator<'a> {
                     Err(format!("must be between 0 and 1, got {f}"))
                 }
             })?,
-            cancel_after_ms: self.field(
-                "workload.cancel_after_ms",
-                raw.cancel_after_ms.as_ref(),
-                0.0,
-                milliseconds,
-            )?,
+            cancel_after_ms: self.field("workload.cancel_after_ms", raw.cancel_after_ms.as_ref(), 0.0, milliseconds)?,
             pool_choice: self.field("workload.pool_choice", raw.pool_choice.as_ref(), PoolChoice::Seeded, |c| {
                 one_of(&c, POOL_CHOICES, "pool choice").map(|c| {
                     if c == "round-robin" {

@@ -397,7 +397,8 @@ fn a_rank_that_gives_back_loaded_prefixes_schedules_again_over_a_warm_store() {
         dir.path().join("store").display()
     );
     let workload = "mode = \"concurrency\"\nconcurrency = 64\nwarmup = 8\nlimit = 8";
-    let graph = write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_first5min.jsonl", workload, "4 MiB", &pools);
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_first5min.jsonl", workload, "4 MiB", &pools);
     let (fill, report) = run_cli(&graph, &["--stall-timeout", "20"]);
     assert!(fill.status.success(), "the run filling the store: {}", String::from_utf8_lossy(&fill.stderr));
     assert_exact(&report.unwrap(), "the run filling the store");
@@ -477,7 +478,8 @@ fn dropped_saves_are_logged_a_few_times_then_counted() {
     // A store smaller than one object refuses every save: each rank logs its first three drops,
     // then one count at the end of the run, not a line per chunk.
     let dir = tempfile::tempdir().unwrap();
-    let graph = offload_graph(dir.path(), "hf/llama", "store = \"memory\"\ncapacity_bytes = 1\nmax_retries = 0", "3 MiB");
+    let graph =
+        offload_graph(dir.path(), "hf/llama", "store = \"memory\"\ncapacity_bytes = 1\nmax_retries = 0", "3 MiB");
     let out = crate::common::kvflow(&["run", &graph.to_string_lossy(), "--limit", "16"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -493,7 +495,9 @@ fn dropped_saves_are_logged_a_few_times_then_counted() {
     );
     let counted: u64 = lines
         .iter()
-        .filter_map(|l| l.split("offload: ").last()?.split(" saves dropped on this rank in all").next()?.parse::<u64>().ok())
+        .filter_map(|l| {
+            l.split("offload: ").last()?.split(" saves dropped on this rank in all").next()?.parse::<u64>().ok()
+        })
         .sum();
     // A rank that dropped three or fewer logged each and gives no count.
     assert!(counted <= dropped && counted + 2 * 3 >= dropped, "the counts at the end add up to {dropped}: {lines:#?}");

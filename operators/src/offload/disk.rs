@@ -26,7 +26,10 @@ impl DiskStore {
             .map_err(|e| StoreError::Io(format!("cannot create the store folder {}: {e}", dir.display())))?;
         let probe = dir.join(format!(".{}.probe.tmp", std::process::id()));
         std::fs::File::create(&probe).and_then(|_| std::fs::remove_file(&probe)).map_err(|e| {
-            StoreError::Io(format!("the store folder {} cannot be written (a saved chunk is a file there): {e}", dir.display()))
+            StoreError::Io(format!(
+                "the store folder {} cannot be written (a saved chunk is a file there): {e}",
+                dir.display()
+            ))
         })?;
         let bytes = std::fs::read_dir(dir)
             .map_err(|e| StoreError::Io(format!("cannot read the store folder {}: {e}", dir.display())))?

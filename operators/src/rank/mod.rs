@@ -531,7 +531,8 @@ impl Rank {
         if !ids.is_empty() {
             // One line per time it happens, not one per request.
             let shown: Vec<String> = ids.iter().take(8).map(u64::to_string).collect();
-            let more = if ids.len() > shown.len() { format!(" and {} more", ids.len() - shown.len()) } else { String::new() };
+            let more =
+                if ids.len() > shown.len() { format!(" and {} more", ids.len() - shown.len()) } else { String::new() };
             tracing::warn!(
                 pool = %self.pool,
                 rank = self.index,

@@ -2,8 +2,8 @@
 //! a value, each error naming its key and line.
 
 use super::*;
-use crate::graph::{Endpoint, FaultsConfig, LinkConfig, TransferBackend, TransferConfig};
 use crate::graph::test_support::{assert_key_error, link, linked_plus, minimal_plus, pools_plus, Fixture, MINIMAL};
+use crate::graph::{Endpoint, FaultsConfig, LinkConfig, TransferBackend, TransferConfig};
 
 #[test]
 fn minimal_graph_gets_every_default() {
