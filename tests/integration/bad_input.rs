@@ -382,9 +382,18 @@ fn a_fault_delay_beyond_the_duration_bound_is_refused_by_the_graph_check() {
     // 1e300 ms used to pass the check and panic in `Duration::from_secs_f64` when the links
     // were wired.
     let dir = tempfile::tempdir().unwrap();
-    let g = quick_graph(dir.path());
-    let text = std::fs::read_to_string(&g).unwrap() + "\n[faults]\ndelay_ms = 1e300\ndelay_probability = 0.5\n";
-    std::fs::write(&g, text).unwrap();
+    let pools = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n[[pool]]\nname = \"decode\"\n\
+                 role = \"decode\"\nranks = 1\n\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"inproc\"\n\n\
+                 [faults]\ndelay_ms = 1e300\ndelay_probability = 0.5\n";
+    let g = crate::runtime::write_graph_with(
+        dir.path(),
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        "",
+        "16 MiB",
+        pools,
+    );
+    let g = g.to_string_lossy();
     assert_clean_failure(&kvflow(&["run", &g]), &["graph.toml", "faults.delay_ms", "at most 1000000000", "1e300"]);
 }
 
