@@ -563,8 +563,6 @@ impl<'a> Validator<'a> {
         Ok(RequestSampling { params, seed: raw.seed.unwrap_or(0) })
     }
 
-    /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so
-    /// one set without the other (which would delay nothing) is an error.
     /// `[pool.executor_settings]`, checked by the executor it configures.
     fn executor_settings(&self, executor: &str, raw: Option<&Spanned<toml::Table>>) -> Result<toml::Table, GraphError> {
         let Some(raw) = raw else { return Ok(toml::Table::new()) };

@@ -216,8 +216,9 @@ impl Validator<'_> {
         })
     }
 
-    /// `[offload]`: the store and its settings; `chunk_tokens` a multiple of the block size.
-
+    /// `[faults]`: every chance in [0, 1] and `delay_ms` a duration bounded like the flags';
+    /// `delay_ms` and `delay_probability` act together, so one set without the other (which
+    /// would delay nothing) is an error.
     pub(super) fn faults(&self, raw: &RawFaults) -> Result<FaultsConfig, GraphError> {
         let chance = |key: &str, value: Option<&Spanned<f64>>, default: f64| {
             self.field(&format!("faults.{key}"), value, default, probability)
