@@ -17,6 +17,23 @@ use kvflow_operators::offload::{
 use std::io::Write;
 use std::time::Instant;
 
+/// The largest chunk object `--chunk-bytes` takes: a chunk of 2^24 tokens (the graphs' bound on
+/// a token count) of a small model's KV is far below it, and the bench holds several copies.
+pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
+
+/// The most bytes of chunks one round may hold (`--chunk-bytes` × `--chunks`): the bench keeps
+/// about five copies of them (the objects, the memory store's, encoded ones, plain files' bytes).
+pub const MAX_ROUND_BYTES: u64 = 4 << 30;
+
+/// `--chunk-bytes`: a size (`4 MiB`, `4194304`) from 4 bytes (one float) to [`MAX_CHUNK_BYTES`].
+pub fn chunk_bytes(text: &str) -> Result<usize, String> {
+    let bytes = crate::graph::parse_byte_size(text)?;
+    if !(4..=MAX_CHUNK_BYTES).contains(&bytes) {
+        return Err(format!("expected from 4 bytes to {} MiB per chunk, got {bytes} bytes", MAX_CHUNK_BYTES >> 20));
+    }
+    Ok(bytes as usize)
+}
+
 pub struct OffloadBenchArgs {
     /// Bytes of KV per chunk object.
     pub chunk_bytes: usize,
@@ -82,6 +99,16 @@ pub fn run(args: &OffloadBenchArgs) -> Result<()> {
     anyhow::ensure!(
         args.chunk_bytes >= 4 && args.chunks > 0 && args.rounds > 0,
         "--chunk-bytes ≥ 4, --chunks and --rounds ≥ 1"
+    );
+    let round_bytes = (args.chunk_bytes as u64).saturating_mul(args.chunks as u64);
+    anyhow::ensure!(
+        round_bytes <= MAX_ROUND_BYTES,
+        "--chunk-bytes {} × --chunks {} is {} MiB a round; expected at most {} MiB (the bench holds several copies \
+         of a round's chunks in memory): lower either",
+        args.chunk_bytes,
+        args.chunks,
+        round_bytes >> 20,
+        MAX_ROUND_BYTES >> 20
     );
     let floats = args.chunk_bytes / 4;
     let objects: Vec<ChunkObject> = (0..args.chunks)

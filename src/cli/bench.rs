@@ -1,7 +1,7 @@
 //! `kvflow bench`: the benchmarks' flags and the hand-off to each (src/bench/); every bench
 //! prints its figures beside a baseline measured in the same run.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kvflow::bench;
 use kvflow::flags;
 use std::path::PathBuf;
@@ -61,9 +61,9 @@ pub enum BenchCommand {
     /// Offload chunk objects saved to and loaded from the memory and disk stores (GB/s), beside
     /// memcpy and plain file writes and reads of the same bytes.
     Offload {
-        /// Bytes of KV per chunk.
-        #[arg(long, default_value = "4 MiB", value_parser = parse_bytes)]
-        chunk_bytes: u64,
+        /// Bytes of KV per chunk (at most 1 GiB, and 4 GiB for all of a round's chunks).
+        #[arg(long, default_value = "4 MiB", value_parser = bench::offload::chunk_bytes)]
+        chunk_bytes: usize,
         /// Chunks per round.
         #[arg(long, default_value_t = 64, value_parser = flags::count)]
         chunks: usize,
@@ -180,7 +180,6 @@ pub fn run(what: BenchCommand) -> Result<()> {
             bench::serve::run(&bench::serve::ServeBenchArgs { model, requests, concurrency, max_tokens })
         }
         BenchCommand::Offload { chunk_bytes, chunks, rounds, dir } => {
-            let chunk_bytes = usize::try_from(chunk_bytes).context("--chunk-bytes is too large")?;
             bench::offload::run(&bench::offload::OffloadBenchArgs { chunk_bytes, chunks, rounds, dir })
         }
         BenchCommand::Router { ranks, blocks, chain, decisions } => {

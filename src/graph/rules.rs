@@ -101,6 +101,40 @@ pub(super) fn zero_or_more(value: f64) -> Result<f64, String> {
     }
 }
 
+/// The longest duration a key takes, in milliseconds: the duration flags' bound
+/// ([`crate::flags::MAX_SECONDS`], about eleven days), so no duration key can overflow the
+/// `Duration` it becomes.
+pub const MAX_MILLISECONDS: f64 = crate::flags::MAX_SECONDS * 1000.0;
+
+/// A duration in milliseconds: finite, in `0..=MAX_MILLISECONDS`.
+pub(super) fn milliseconds(value: f64) -> Result<f64, String> {
+    if value.is_finite() && (0.0..=MAX_MILLISECONDS).contains(&value) {
+        Ok(value)
+    } else {
+        Err(format!("must be a number of milliseconds at least 0 and at most {MAX_MILLISECONDS}, got {}", shown(value)))
+    }
+}
+
+/// A duration in milliseconds more than 0 and at most `MAX_MILLISECONDS`.
+pub(super) fn positive_milliseconds(value: f64) -> Result<f64, String> {
+    match milliseconds(value) {
+        Ok(ms) if ms > 0.0 => Ok(ms),
+        _ => Err(format!(
+            "must be a number of milliseconds more than 0 and at most {MAX_MILLISECONDS}, got {}",
+            shown(value)
+        )),
+    }
+}
+
+/// `value` as it was most likely written: a huge one in exponent form (`1e300`, not its 301 digits).
+fn shown(value: f64) -> String {
+    if value.is_finite() && value.abs() >= 1e15 {
+        format!("{value:e}")
+    } else {
+        value.to_string()
+    }
+}
+
 pub(super) fn probability(value: f64) -> Result<f64, String> {
     if (0.0..=1.0).contains(&value) {
         Ok(value)

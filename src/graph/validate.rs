@@ -18,8 +18,8 @@ use super::raw::{
     RawSpeculative, RawWorkload,
 };
 use super::rules::{
-    at_least_one, byte_budget, existing_path, expand_path, measured_limit, more_than_zero, one_of, pool_hosts,
-    pool_name, rank_count, snapshot_fraction, token_count, zero_or_more,
+    at_least_one, byte_budget, existing_path, expand_path, measured_limit, milliseconds, more_than_zero, one_of,
+    pool_hosts, pool_name, positive_milliseconds, rank_count, snapshot_fraction, token_count, zero_or_more, MAX_TOKENS,
 };
 use kvflow_kernels::cpu::sampling::{check_temperature, check_top_p, RequestSampling, SamplingParams};
 use kvflow_operators::policy::drafter::{Drafter, NgramDrafter};
@@ -457,8 +457,10 @@ impl<'a> Validator<'a> {
         let raw = spanned.get_ref();
         let bs = memory.block_size;
         let chunk_tokens = self.field("offload.chunk_tokens", raw.chunk_tokens.as_ref(), 256, |n| {
-            if n == 0 || n % bs != 0 {
-                Err(format!("{n} tokens per chunk; expected a positive multiple of memory.block_size ({bs})"))
+            if n == 0 || n % bs != 0 || n > MAX_TOKENS {
+                Err(format!(
+                    "{n} tokens per chunk; expected a positive multiple of memory.block_size ({bs}), at most {MAX_TOKENS}"
+                ))
             } else {
                 Ok(n)
             }
@@ -561,8 +563,6 @@ impl<'a> Validator<'a> {
         Ok(RequestSampling { params, seed: raw.seed.unwrap_or(0) })
     }
 
-    /// `[faults]`: every chance in [0, 1]; `delay_ms` and `delay_probability` act together, so
-    /// one set without the other (which would delay nothing) is an error.
     /// `[pool.executor_settings]`, checked by the executor it configures.
     fn executor_settings(&self, executor: &str, raw: Option<&Spanned<toml::Table>>) -> Result<toml::Table, GraphError> {
         let Some(raw) = raw else { return Ok(toml::Table::new()) };
@@ -606,13 +606,7 @@ impl<'a> Validator<'a> {
                     Err(format!("must be between 0 and 1, got {f}"))
                 }
             })?,
-            cancel_after_ms: self.field("workload.cancel_after_ms", raw.cancel_after_ms.as_ref(), 0.0, |ms: f64| {
-                if ms.is_finite() && ms >= 0.0 {
-                    Ok(ms)
-                } else {
-                    Err(format!("must be a number of milliseconds ≥ 0, got {ms}"))
-                }
-            })?,
+            cancel_after_ms: self.field("workload.cancel_after_ms", raw.cancel_after_ms.as_ref(), 0.0, milliseconds)?,
             pool_choice: self.field("workload.pool_choice", raw.pool_choice.as_ref(), PoolChoice::Seeded, |c| {
                 one_of(&c, POOL_CHOICES, "pool choice").map(|c| {
                     if c == "round-robin" {
@@ -692,8 +686,8 @@ impl<'a> Validator<'a> {
 
     fn slo(&self, raw: &RawSlo) -> Result<SloConfig, GraphError> {
         Ok(SloConfig {
-            ttft_ms: self.optional_field("slo.ttft_ms", raw.ttft_ms.as_ref(), more_than_zero)?,
-            tpot_ms: self.optional_field("slo.tpot_ms", raw.tpot_ms.as_ref(), more_than_zero)?,
+            ttft_ms: self.optional_field("slo.ttft_ms", raw.ttft_ms.as_ref(), positive_milliseconds)?,
+            tpot_ms: self.optional_field("slo.tpot_ms", raw.tpot_ms.as_ref(), positive_milliseconds)?,
         })
     }
 }

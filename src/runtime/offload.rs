@@ -61,6 +61,16 @@ pub fn setup(
             ));
         }
     }
+    if let Some(context) = model.max_positions.filter(|&context| config.chunk_tokens > context) {
+        // No prompt can fill a chunk: the tier would run and save nothing.
+        return Err(anyhow!(
+            "{}: offload.chunk_tokens: {} tokens per chunk is more than the context of pool `{}`'s model ({context} \
+             positions): no prompt could ever fill a chunk, so nothing would be saved",
+            graph.path.display(),
+            config.chunk_tokens,
+            pool.name
+        ));
+    }
     let per_block = super::links::consumer_layout(model, pool);
     Ok(OffloadSetup {
         store,

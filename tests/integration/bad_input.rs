@@ -376,3 +376,31 @@ fn a_test_switch_that_does_not_exist_or_has_a_bad_argument_is_named() {
     let extra = kvflow(&["run", &g, "--test-switch", "free-before-ack=1"]);
     assert_clean_failure(&extra, &["free-before-ack takes no argument"]);
 }
+
+#[test]
+fn a_fault_delay_beyond_the_duration_bound_is_refused_by_the_graph_check() {
+    // 1e300 ms used to pass the check and panic in `Duration::from_secs_f64` when the links
+    // were wired.
+    let dir = tempfile::tempdir().unwrap();
+    let pools = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n[[pool]]\nname = \"decode\"\n\
+                 role = \"decode\"\nranks = 1\n\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"inproc\"\n\n\
+                 [faults]\ndelay_ms = 1e300\ndelay_probability = 0.5\n";
+    let g = crate::runtime::write_graph_with(
+        dir.path(),
+        "hf/llama",
+        "mooncake_conversation_head.jsonl",
+        "",
+        "16 MiB",
+        pools,
+    );
+    let g = g.to_string_lossy();
+    assert_clean_failure(&kvflow(&["run", &g]), &["graph.toml", "faults.delay_ms", "at most 1000000000", "1e300"]);
+}
+
+#[test]
+fn bench_offload_chunk_sizes_are_bounded_before_anything_is_allocated() {
+    let out = kvflow(&["bench", "offload", "--chunk-bytes", "1 TiB"]);
+    assert_clean_failure(&out, &["--chunk-bytes", "1024 MiB", "1099511627776"]);
+    let out = kvflow(&["bench", "offload", "--chunk-bytes", "512 MiB", "--chunks", "64"]);
+    assert_clean_failure(&out, &["--chunk-bytes", "--chunks", "32768 MiB a round", "at most 4096 MiB"]);
+}

@@ -371,3 +371,135 @@ fn a_prefill_pool_loads_its_prefixes_from_the_store() {
     assert!(o["offload_hit_tokens"].as_u64().unwrap() > 0, "the producer loads: {o}");
     assert!(second["handoff"]["count"].as_u64().unwrap() > 0, "{}", second["handoff"]);
 }
+
+/// `kvflow run graph --verify` with `args` after it; the run's output and its report (if any).
+fn run_cli(graph: &Path, args: &[&str]) -> (std::process::Output, Option<Value>) {
+    let graph_arg = graph.to_string_lossy().to_string();
+    let mut all = vec!["run", &graph_arg, "--verify"];
+    all.extend_from_slice(args);
+    let out = crate::common::kvflow(&all);
+    let report = std::fs::read_to_string(graph.parent().unwrap().join("out/report.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok());
+    (out, report)
+}
+
+#[test]
+fn a_rank_that_gives_back_loaded_prefixes_schedules_again_over_a_warm_store() {
+    // Issue 39 §1b. A disk store an earlier run filled; then every request released at once
+    // (concurrency above the count) to a one-rank pool of little KV memory: the loads of the
+    // waiting requests' prefixes take the blocks the head of the queue needs, nothing can run,
+    // and the rank gives the loaded prefixes back. Nothing else will ever wake it (no step, save
+    // or load in flight, no request left to arrive): it must decide its step again at once.
+    let dir = tempfile::tempdir().unwrap();
+    let pools = format!(
+        "[[pool]]\nname = \"main\"\nranks = 1\n\n[offload]\nstore = \"disk\"\npath = \"{}\"\nchunk_tokens = {CHUNK}\n",
+        dir.path().join("store").display()
+    );
+    let workload = "mode = \"concurrency\"\nconcurrency = 64\nwarmup = 8\nlimit = 8";
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_first5min.jsonl", workload, "4 MiB", &pools);
+    let (fill, report) = run_cli(&graph, &["--stall-timeout", "20"]);
+    assert!(fill.status.success(), "the run filling the store: {}", String::from_utf8_lossy(&fill.stderr));
+    assert_exact(&report.unwrap(), "the run filling the store");
+    // Whether a run gives prefixes back depends on when its loads complete: most do.
+    let gave_back = |stderr: &str| stderr.contains("give back the prefixes they loaded");
+    let pressure = ["--stall-timeout", "4"];
+    let mut runs_giving_back = 0;
+    for run in 0..3 {
+        let (out, report) = run_cli(&graph, &pressure);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "run {run} over the warm store: {stderr}");
+        let report = report.unwrap();
+        assert_exact(&report, &format!("run {run} over the warm store"));
+        assert!(report["offload"]["loads"].as_u64().unwrap() > 0, "run {run} loads: {}", report["offload"]);
+        runs_giving_back += usize::from(gave_back(&stderr));
+    }
+    assert!(runs_giving_back > 0, "no run was short of memory: the test no longer tests anything");
+    // Without the second pass a rank that gives prefixes back parks with its memory free,
+    // until the watchdog ends the run.
+    let mut unfixed = pressure.to_vec();
+    unfixed.extend(["--test-switch", "no-reschedule-after-giving-back-prefixes"]);
+    let mut stalled = 0;
+    for _ in 0..3 {
+        let (out, report) = run_cli(&graph, &unfixed);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !gave_back(&stderr) {
+            assert!(out.status.success(), "a run that gives nothing back is not stuck: {stderr}");
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(3), "without the second pass the rank stalls: {stderr}");
+        assert!(stderr.contains("stall") && stderr.contains("`admit` on rank 0"), "{stderr}");
+        assert_eq!(report.unwrap()["stalled"], true);
+        stalled += 1;
+        break;
+    }
+    assert_eq!(stalled, 1, "no run without the second pass gave prefixes back");
+}
+
+#[test]
+fn a_store_folder_that_cannot_be_written_is_found_before_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("store");
+    std::fs::create_dir(&folder).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&folder, std::fs::Permissions::from_mode(0o555)).unwrap();
+    // Root writes into a read-only folder anyway: then sysfs's /sys/kernel, which nobody can
+    // write files into, stands in for it.
+    let unwritable = match std::fs::File::create(folder.join("probe")) {
+        Ok(_) => PathBuf::from("/sys/kernel"),
+        Err(_) => folder.clone(),
+    };
+    let spec = format!("store = \"disk\"\npath = \"{}\"", unwritable.display());
+    let graph = offload_graph(dir.path(), "hf/llama", &spec, "3 MiB");
+    let started = std::time::Instant::now();
+    let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+    let shown = unwritable.display().to_string();
+    crate::common::assert_clean_failure(&out, &["graph.toml", "offload.path", &shown, "cannot be written"]);
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "found only after serving");
+    assert!(!dir.path().join("out/requests.jsonl").exists(), "nothing was served");
+    std::fs::set_permissions(&folder, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+#[test]
+fn an_offload_chunk_longer_than_the_context_is_refused() {
+    // 16384 tokens is a multiple of the block size and below 2^24, but the llama fixture's
+    // context is 8192 positions: no prompt could fill a chunk, and the run would save nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let graph = offload_graph(dir.path(), "hf/llama", "store = \"memory\"", "3 MiB");
+    let text = std::fs::read_to_string(&graph).unwrap();
+    std::fs::write(&graph, text.replace(&format!("chunk_tokens = {CHUNK}\n"), "chunk_tokens = 16384\n")).unwrap();
+    let out = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+    crate::common::assert_clean_failure(&out, &["graph.toml", "offload.chunk_tokens", "16384", "8192 positions"]);
+}
+
+#[test]
+fn dropped_saves_are_logged_a_few_times_then_counted() {
+    // A store smaller than one object refuses every save: each rank logs its first three drops,
+    // then one count at the end of the run, not a line per chunk.
+    let dir = tempfile::tempdir().unwrap();
+    let graph =
+        offload_graph(dir.path(), "hf/llama", "store = \"memory\"\ncapacity_bytes = 1\nmax_retries = 0", "3 MiB");
+    let out = crate::common::kvflow(&["run", &graph.to_string_lossy(), "--limit", "16"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/report.json")).unwrap()).unwrap();
+    let dropped = report["offload"]["dropped_saves"].as_u64().unwrap();
+    assert!(dropped > 20, "every save is dropped: {}", report["offload"]);
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("offload:") && l.contains("dropped")).collect();
+    assert!(
+        lines.len() <= 2 * 5,
+        "a rank logs at most three drops, that it counts the rest, and the count: {} lines of {dropped} drops",
+        lines.len()
+    );
+    let counted: u64 = lines
+        .iter()
+        .filter_map(|l| {
+            l.split("offload: ").last()?.split(" saves dropped on this rank in all").next()?.parse::<u64>().ok()
+        })
+        .sum();
+    // A rank that dropped three or fewer logged each and gives no count.
+    assert!(counted <= dropped && counted + 2 * 3 >= dropped, "the counts at the end add up to {dropped}: {lines:#?}");
+    assert!(stderr.contains("further dropped saves on this rank are counted"), "{stderr}");
+}

@@ -18,10 +18,19 @@ pub struct DiskStore {
 }
 
 impl DiskStore {
-    /// A store in `dir` (created if missing).
+    /// A store in `dir` (created if missing), which this process must be able to write: a
+    /// folder that exists but refuses files would drop every save, so it is refused here,
+    /// before the run serves anything.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| StoreError::Io(format!("cannot create the store folder {}: {e}", dir.display())))?;
+        let probe = dir.join(format!(".{}.probe.tmp", std::process::id()));
+        std::fs::File::create(&probe).and_then(|_| std::fs::remove_file(&probe)).map_err(|e| {
+            StoreError::Io(format!(
+                "the store folder {} cannot be written (a saved chunk is a file there): {e}",
+                dir.display()
+            ))
+        })?;
         let bytes = std::fs::read_dir(dir)
             .map_err(|e| StoreError::Io(format!("cannot read the store folder {}: {e}", dir.display())))?
             .filter_map(|e| e.ok())

@@ -109,7 +109,7 @@ fn save_one(
             Err(e) => last = e.to_string(),
         }
     }
-    tracing::warn!("offload: saving {} failed {} times ({last}); dropped", job.key, max_retries + 1);
+    // Logged by the rank that receives the outcome (the first few of its dropped saves).
     backoff.until = Some(Instant::now() + backoff.next);
     backoff.next = (backoff.next * 2).min(MAX_BACKOFF);
     SaveOutcome::Dropped { why: format!("{} tries failed: {last}", max_retries + 1) }

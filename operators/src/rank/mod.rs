@@ -387,31 +387,18 @@ impl Rank {
             // Landed since `verify(t − 1)`: proposed for here (what `propose(t − 1)` would have).
             self.propose();
         }
-        self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
-        if let Some(handoff_in) = self.handoff_in.as_mut() {
-            // The scheduler dropped the requests that can never fit: a handoff held for one goes too.
-            for (id, _) in &self.decided.failed {
-                handoff_in.imports.remove(id);
+        self.decide_batch(t);
+        if self.is_stuck() {
+            // Nothing will wake this rank: memory freed now must be used now. A waiting
+            // request's loaded prefix given back is decided on again in this step; only if that
+            // finds nothing either is the rank truly unschedulable.
+            let gave_back = self.drop_waiting_prefixes();
+            if gave_back && !self.switches.no_reschedule_after_giving_back_prefixes {
+                self.decide_batch_again(t);
             }
-        }
-        self.scheduler.mark_drafter_successors(&self.seqs, &mut self.decided);
-        if self.switches.drafter_successors_only_when_verifying {
-            for c in &mut self.decided.chunks {
-                c.drafter_successors = c.drafts > 0;
+            if !gave_back || (!self.switches.no_reschedule_after_giving_back_prefixes && self.is_stuck()) {
+                self.fail_unschedulable();
             }
-        }
-        self.decided_for = Some(t);
-        // Handoffs awaiting their ack free memory when it comes: not stuck while any wait.
-        // Saves and loads return memory when they complete.
-        let offload_busy = self.offload.as_ref().is_some_and(|o| o.in_flight() > 0);
-        if self.decided.is_empty()
-            && self.in_flight.is_empty()
-            && self.awaiting_acks() == 0
-            && !offload_busy
-            && !self.scheduler.is_idle()
-            && !self.drop_waiting_prefixes()
-        {
-            self.fail_unschedulable();
         }
         let mut cancels = Vec::new();
         if !self.switches.cancel_at_stage.is_empty() {
@@ -445,6 +432,49 @@ impl Rank {
             cache_events,
             cache_snapshot,
         }
+    }
+
+    /// Decides the batch of step `t` into `self.decided`.
+    fn decide_batch(&mut self, t: u64) {
+        self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
+        if let Some(handoff_in) = self.handoff_in.as_mut() {
+            // The scheduler dropped the requests that can never fit: a handoff held for one goes too.
+            for (id, _) in &self.decided.failed {
+                handoff_in.imports.remove(id);
+            }
+        }
+        self.scheduler.mark_drafter_successors(&self.seqs, &mut self.decided);
+        if self.switches.drafter_successors_only_when_verifying {
+            for c in &mut self.decided.chunks {
+                c.drafter_successors = c.drafts > 0;
+            }
+        }
+        self.decided_for = Some(t);
+    }
+
+    /// Decides step `t` a second time (after memory was freed), keeping what the first pass
+    /// already did to requests: those it failed and those it preempted. (A first pass that
+    /// booked no chunk admitted nothing and took no snapshot reference.)
+    fn decide_batch_again(&mut self, t: u64) {
+        let failed = std::mem::take(&mut self.decided.failed);
+        let preempted = std::mem::take(&mut self.decided.preempted);
+        debug_assert!(self.decided.admitted.is_empty() && self.decided.restoring.is_empty());
+        self.decide_batch(t);
+        self.decided.failed.splice(0..0, failed);
+        self.decided.preempted.splice(0..0, preempted);
+    }
+
+    /// Whether nothing can run and nothing will change that by itself: no batch decided, no
+    /// step in flight, no handoff awaiting its ack (which frees memory when it comes), no
+    /// offload save or load in flight (they return memory when they complete), yet requests
+    /// are held.
+    fn is_stuck(&self) -> bool {
+        let offload_busy = self.offload.as_ref().is_some_and(|o| o.in_flight() > 0);
+        self.decided.is_empty()
+            && self.in_flight.is_empty()
+            && self.awaiting_acks() == 0
+            && !offload_busy
+            && !self.scheduler.is_idle()
     }
 
     /// Under `admission = "reserve"`: what this rank can still hold to the end for new requests
@@ -492,12 +522,27 @@ impl Rank {
     fn drop_waiting_prefixes(&mut self) -> bool {
         let holding: Vec<usize> =
             self.scheduler.waiting().filter(|&i| self.seqs.get(i).offload.restored.is_some()).collect();
+        let mut ids = Vec::with_capacity(holding.len());
         for &index in &holding {
             let seq = self.seqs.get_mut(index);
-            tracing::warn!(pool = %self.pool, rank = self.index, "request {} gives back its loaded prefix (memory is short): it recomputes", seq.id);
+            ids.push(seq.id);
             self.memory.release(seq);
         }
-        !holding.is_empty()
+        if !ids.is_empty() {
+            // One line per time it happens, not one per request.
+            let shown: Vec<String> = ids.iter().take(8).map(u64::to_string).collect();
+            let more =
+                if ids.len() > shown.len() { format!(" and {} more", ids.len() - shown.len()) } else { String::new() };
+            tracing::warn!(
+                pool = %self.pool,
+                rank = self.index,
+                "{} waiting request(s) give back the prefixes they loaded from the offload store (memory is short): \
+                 they recompute (requests {}{more})",
+                ids.len(),
+                shown.join(", ")
+            );
+        }
+        !ids.is_empty()
     }
 
     /// Nothing can run, nothing is in flight or awaiting an ack, yet requests are held: no completion will ever
@@ -567,6 +612,7 @@ impl Rank {
             }
         }
         self.check_accounting("at the end of the run");
+        self.log_dropped_saves();
         self.stats.offload = self.offload_stats();
         self.stats.pool_wakes = self.waker.pool_wakes();
         self.stats.stale_releases = self.memory.stale_releases;

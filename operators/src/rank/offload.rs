@@ -19,6 +19,9 @@ use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport};
 use std::collections::VecDeque;
 
+/// Dropped saves a rank logs one by one; the rest are counted (see `Rank::note_dropped_save`).
+pub(super) const LOGGED_DROPPED_SAVES: u64 = 3;
+
 impl Rank {
     /// The saves of step `t`: one per prompt chunk a prefill chunk of the step completes that
     /// this rank has not saved (write-through: whichever request fills a chunk first saves it) —
@@ -71,6 +74,7 @@ impl Rank {
         off.launched = rest;
         let mut saved = saved.into_iter();
         for l in mine {
+            let off = self.offload.as_mut().expect("checked above");
             let export = if ok { saved.next() } else { None };
             match export.and_then(|e| e.source.map(|s| (s, e.state))) {
                 Some((source, state)) => {
@@ -78,11 +82,10 @@ impl Rank {
                     off.ready.push(SaveJob { id: l.id, key: l.key, source, state });
                 }
                 None => {
-                    tracing::warn!(pool = %self.pool, rank = self.index, step, "offload: step {step} gave no copy of {} (seq {}); save dropped", l.key, l.seq);
-                    off.stats.dropped_saves += 1;
                     off.known.remove(&l.key.digest);
                     off.chunk_hashes.remove(&l.key.digest);
                     self.memory.release_save(l.id);
+                    self.note_dropped_save(|| format!("step {step} gave no copy of {} (seq {})", l.key, l.seq));
                 }
             }
         }
@@ -116,21 +119,27 @@ impl Rank {
     /// Hands request `request`'s job to the save thread (the request is busy until it returns);
     /// if the thread is gone the save is dropped, and the request's next job goes instead.
     fn send_save(&mut self, request: u64, job: SaveJob) {
-        let Some(off) = self.offload.as_mut() else { return };
+        if self.offload.is_none() {
+            return;
+        }
         let mut next = Some(job);
         while let Some(job) = next.take() {
+            let off = self.offload.as_mut().expect("checked above");
             let id = job.id;
+            let key = job.key;
             if off.saver.submit(job) {
                 return;
             }
-            off.stats.dropped_saves += 1;
             if let Some((_, digest)) = off.writing.remove(&id) {
                 off.known.remove(&digest);
                 off.chunk_hashes.remove(&digest);
             }
             self.memory.release_save(id);
+            self.note_dropped_save(|| format!("save of {key} dropped: the save thread is gone"));
+            let off = self.offload.as_mut().expect("checked above");
             next = off.queued.get_mut(&request).and_then(VecDeque::pop_front);
         }
+        let off = self.offload.as_mut().expect("checked above");
         off.queued.remove(&request);
         off.busy.remove(&request);
     }
@@ -160,9 +169,8 @@ impl Rank {
                 }
                 SaveOutcome::Found => off.stats.found_in_store += 1,
                 SaveOutcome::Dropped { why } => {
-                    tracing::warn!(pool = %self.pool, rank = self.index, "offload: save of {} dropped: {why}", d.key);
-                    off.stats.dropped_saves += 1;
                     off.known.remove(&digest);
+                    self.note_dropped_save(|| format!("save of {} dropped: {why}", d.key));
                 }
             }
             self.memory.release_save(d.id);
@@ -176,6 +184,38 @@ impl Rank {
             }
         }
         done.len()
+    }
+
+    /// Counts a dropped save (the report's `dropped_saves`) and logs `what` for only the first
+    /// [`LOGGED_DROPPED_SAVES`] of the rank: a store that refuses every save would otherwise
+    /// print a line per chunk. The rest are counted, and the count is logged at the end of the
+    /// run ([`Self::log_dropped_saves`]).
+    fn note_dropped_save(&mut self, what: impl FnOnce() -> String) {
+        let Some(off) = self.offload.as_mut() else { return };
+        off.stats.dropped_saves += 1;
+        let dropped = off.stats.dropped_saves;
+        if dropped <= LOGGED_DROPPED_SAVES {
+            tracing::warn!(pool = %self.pool, rank = self.index, "offload: {}", what());
+        }
+        if dropped == LOGGED_DROPPED_SAVES {
+            tracing::warn!(
+                pool = %self.pool,
+                rank = self.index,
+                "offload: further dropped saves on this rank are counted, not logged; the count comes at the end of the run"
+            );
+        }
+    }
+
+    /// End of run: how many saves this rank dropped in all, when more than were logged.
+    pub(super) fn log_dropped_saves(&self) {
+        let dropped = self.offload.as_ref().map_or(0, |o| o.stats.dropped_saves);
+        if dropped > LOGGED_DROPPED_SAVES {
+            tracing::warn!(
+                pool = %self.pool,
+                rank = self.index,
+                "offload: {dropped} saves dropped on this rank in all (the first {LOGGED_DROPPED_SAVES} logged)"
+            );
+        }
     }
 
     /// Reports to the routing index the chunks it reported that the store has since evicted:

@@ -88,6 +88,10 @@ pub struct TestSwitches {
     /// step pass (removes "collective alignment" for draft passes — the seed's hang: peers
     /// wait in the draft exchanges for a rank that never joins them).
     pub skip_draft_passes_without_samples: bool,
+    /// A rank that can run nothing gives back the prefixes its waiting requests loaded from the
+    /// offload store but does not decide its step again (removes "freed memory is used": nothing
+    /// wakes a parked rank, so it stalls with the memory free).
+    pub no_reschedule_after_giving_back_prefixes: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -115,6 +119,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("drafter-successors-only-when-verifying", ""),
     ("widen-draft-buckets", ""),
     ("skip-draft-passes-without-samples", ""),
+    ("no-reschedule-after-giving-back-prefixes", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -203,6 +208,7 @@ impl TestSwitches {
             "drafter-successors-only-when-verifying" => &mut self.drafter_successors_only_when_verifying,
             "widen-draft-buckets" => &mut self.widen_draft_buckets,
             "skip-draft-passes-without-samples" => &mut self.skip_draft_passes_without_samples,
+            "no-reschedule-after-giving-back-prefixes" => &mut self.no_reschedule_after_giving_back_prefixes,
             _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
         };
         *field = true;

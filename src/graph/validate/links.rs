@@ -13,7 +13,7 @@ use super::super::config::{
 use super::super::config::{DEFAULT_FAULTS, DEFAULT_TRANSFER, DEFAULT_TRANSFER_BACKEND};
 use super::super::error::{line_of, quoted_list, GraphError};
 use super::super::raw::{RawFaults, RawLink, RawPool, RawTransfer};
-use super::super::rules::{deployment_token, parse_endpoint, probability, zero_or_more};
+use super::super::rules::{deployment_token, milliseconds, parse_endpoint, probability};
 
 use super::Validator;
 
@@ -216,8 +216,9 @@ impl Validator<'_> {
         })
     }
 
-    /// `[offload]`: the store and its settings; `chunk_tokens` a multiple of the block size.
-
+    /// `[faults]`: every chance in [0, 1] and `delay_ms` a duration bounded like the flags';
+    /// `delay_ms` and `delay_probability` act together, so one set without the other (which
+    /// would delay nothing) is an error.
     pub(super) fn faults(&self, raw: &RawFaults) -> Result<FaultsConfig, GraphError> {
         let chance = |key: &str, value: Option<&Spanned<f64>>, default: f64| {
             self.field(&format!("faults.{key}"), value, default, probability)
@@ -226,7 +227,7 @@ impl Validator<'_> {
         let faults = FaultsConfig {
             seed: raw.seed.unwrap_or(defaults.seed),
             drop_connection: chance("drop_connection", raw.drop_connection.as_ref(), defaults.drop_connection)?,
-            delay_ms: self.field("faults.delay_ms", raw.delay_ms.as_ref(), defaults.delay_ms, zero_or_more)?,
+            delay_ms: self.field("faults.delay_ms", raw.delay_ms.as_ref(), defaults.delay_ms, milliseconds)?,
             delay_probability: chance("delay_probability", raw.delay_probability.as_ref(), defaults.delay_probability)?,
             corrupt: chance("corrupt", raw.corrupt.as_ref(), defaults.corrupt)?,
             duplicate_completion: chance(

@@ -2,8 +2,8 @@
 //! a value, each error naming its key and line.
 
 use super::*;
-use crate::graph::{Endpoint, FaultsConfig, LinkConfig, TransferBackend, TransferConfig};
 use crate::graph::test_support::{assert_key_error, link, linked_plus, minimal_plus, pools_plus, Fixture, MINIMAL};
+use crate::graph::{Endpoint, FaultsConfig, LinkConfig, TransferBackend, TransferConfig};
 
 #[test]
 fn minimal_graph_gets_every_default() {
@@ -709,6 +709,37 @@ fn a_delay_without_its_chance_or_a_chance_without_its_delay_is_an_error() {
     // Set to 0 on purpose, the other is fine.
     let graph = fixture.graph(&minimal_plus("[faults]\ndelay_ms = 10\ndelay_probability = 0\n"));
     assert!(!graph.faults.any());
+}
+
+#[test]
+fn duration_keys_are_bounded_like_the_duration_flags() {
+    // Beyond about eleven days (the flags' 1e6 s), `Duration::from_secs_f64` would panic on
+    // some of them (faults.delay_ms did, after passing this check).
+    let fixture = Fixture::new();
+    let keys = [
+        ("faults", "delay_ms", "delay_probability = 1\n"),
+        ("workload", "cancel_after_ms", "cancel_fraction = 0.5\n"),
+        ("slo", "ttft_ms", ""),
+        ("slo", "tpot_ms", ""),
+    ];
+    for (table, key, other) in keys {
+        for value in ["1e300", "1.5e9", "inf", "nan"] {
+            let error = fixture.error(&minimal_plus(&format!("[{table}]\n{key} = {value}\n{other}")));
+            assert_key_error(&error, &format!("{table}.{key}"), 7, &["milliseconds", "at most 1000000000"]);
+        }
+        fixture.graph(&minimal_plus(&format!("[{table}]\n{key} = 1e9\n{other}")));
+    }
+}
+
+#[test]
+fn offload_chunk_tokens_are_bounded_like_other_token_counts() {
+    let fixture = Fixture::new();
+    for value in ["1000000000", "16777232"] {
+        let error = fixture.error(&minimal_plus(&format!("[offload]\nchunk_tokens = {value}\n")));
+        assert_key_error(&error, "offload.chunk_tokens", 7, &[value, "at most 16777216"]);
+    }
+    let graph = fixture.graph(&minimal_plus("[offload]\nchunk_tokens = 16777216\n"));
+    assert_eq!(graph.offload.map(|o| o.chunk_tokens), Some(1 << 24));
 }
 
 // --- the graphs the repository ships ------------------------------------------------------

@@ -49,10 +49,14 @@ pub fn gguf_config(f: &GgufFile) -> Result<ConfigSource, LoadError> {
     if let Some(scaling) = f.get("llama.rope.scaling.type").filter(|s| s.as_str() != Some("none")) {
         return Err(f.field_error("llama.rope.scaling.type", format!("{scaling:?}: rope scaling is not supported")));
     }
+    // Both floats read here (the RMS epsilon, the rope base) must be finite and above 0; checked
+    // here, under the GGUF key, since a NaN put into the JSON config reads back as `null`.
     let float = |key: &str, default: f64| -> Result<f64, LoadError> {
-        match f.get(key) {
-            None => Ok(default),
-            Some(v) => v.as_f64().ok_or_else(|| f.field_error(key, format!("expected a number, found {}", v.kind()))),
+        let Some(v) = f.get(key) else { return Ok(default) };
+        match v.as_f64() {
+            Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+            Some(x) => Err(f.field_error(key, format!("{x}: expected a finite number above 0"))),
+            None => Err(f.field_error(key, format!("expected a number, found {}", v.kind()))),
         }
     };
     let vocab = match f.get("llama.vocab_size") {

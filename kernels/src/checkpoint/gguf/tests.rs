@@ -127,3 +127,23 @@ fn a_gguf_of_another_architecture_is_refused_by_name() {
     assert!(e.contains("m.gguf") && e.contains("general.architecture") && e.contains("\"qwen2\""), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_gguf_with_a_nan_or_negative_epsilon_is_refused_under_its_gguf_key() {
+    let dir = std::env::temp_dir().join(format!("kvflow-gguf-eps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = std::fs::read(fixtures().join("gguf/llama-q8_0.gguf")).unwrap();
+    let key = b"llama.attention.layer_norm_rms_epsilon";
+    let end = good.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    assert_eq!(good[end..end + 4], 6u32.to_le_bytes(), "the fixture stores its epsilon as an f32");
+    for (value, shown) in [(f32::NAN, "NaN"), (-1e-5, "-0.0000"), (f32::INFINITY, "inf")] {
+        let mut bytes = good.clone();
+        bytes[end + 4..end + 8].copy_from_slice(&value.to_le_bytes());
+        let path = dir.join("m.gguf");
+        std::fs::write(&path, &bytes).unwrap();
+        let e = load(&path).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("m.gguf") && e.contains("llama.attention.layer_norm_rms_epsilon"), "{value}: {e}");
+        assert!(e.contains(shown) && e.contains("expected a finite number above 0"), "{value}: {e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
