@@ -88,6 +88,12 @@ pub struct TestSwitches {
     /// step pass (removes "collective alignment" for draft passes — the seed's hang: peers
     /// wait in the draft exchanges for a rank that never joins them).
     pub skip_draft_passes_without_samples: bool,
+    /// A decode pool's tcp listener registers any number of producer links (removes the refusal
+    /// of a producer beyond the links the graph declares: it is served beside the others).
+    pub serve_any_producer: bool,
+    /// A decode pool in a process of its own never counts a vanished producer link as lost
+    /// (removes peer loss: it waits for the stall timeout, and its requests are not cancelled).
+    pub keep_vanished_producers: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -115,6 +121,8 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("drafter-successors-only-when-verifying", ""),
     ("widen-draft-buckets", ""),
     ("skip-draft-passes-without-samples", ""),
+    ("serve-any-producer", ""),
+    ("keep-vanished-producers", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -203,6 +211,8 @@ impl TestSwitches {
             "drafter-successors-only-when-verifying" => &mut self.drafter_successors_only_when_verifying,
             "widen-draft-buckets" => &mut self.widen_draft_buckets,
             "skip-draft-passes-without-samples" => &mut self.skip_draft_passes_without_samples,
+            "serve-any-producer" => &mut self.serve_any_producer,
+            "keep-vanished-producers" => &mut self.keep_vanished_producers,
             _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
         };
         *field = true;
