@@ -17,6 +17,7 @@ mod hf_fixtures;
 mod hosts;
 mod offload;
 mod operability;
+mod peers;
 mod plots;
 mod processes;
 mod recurrent_state;
