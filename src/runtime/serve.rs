@@ -99,6 +99,7 @@ pub(super) fn serve_handoffs(
                 exit_code = EXIT_ACCOUNTING;
             }
         }
+        write_served_report(graph, &name, took, &lost, &outcome);
         if let Some(listener) = wiring.listener(&name) {
             listener.finish(outcome);
         }
@@ -256,6 +257,38 @@ fn serve_producers(
         }
     }
     lost_all
+}
+
+/// Writes `served-POOL.json` in the report folder: what decode pool `pool`, served in a process
+/// of its own, took, the producers it lost with the requests it failed for each (by cause), and
+/// its end-of-run check. (The producers' process writes report.json.) A failure to write it is
+/// said, not fatal: the pool has ended and its producers were told.
+fn write_served_report(
+    graph: &Graph,
+    pool: &str,
+    took: u64,
+    lost: &[(String, LostProducer)],
+    outcome: &Result<(), String>,
+) {
+    let lost: Vec<serde_json::Value> = lost
+        .iter()
+        .filter(|(p, _)| p == pool)
+        .map(|(_, l)| {
+            serde_json::json!({"address": l.peer.to_string(), "failure": PRODUCER_LOST, "requests": l.requests})
+        })
+        .collect();
+    let report = serde_json::json!({
+        "pool": pool,
+        "handoffs_taken": took,
+        "producers_lost": lost,
+        "end_of_run_check": outcome.as_ref().err(),
+    });
+    let path = graph.report_dir.join(format!("served-{pool}.json"));
+    let written = std::fs::create_dir_all(&graph.report_dir)
+        .and_then(|()| std::fs::write(&path, serde_json::to_string_pretty(&report).unwrap_or_default()));
+    if let Err(e) = written {
+        eprintln!("decode pool `{pool}`: cannot write {}: {e}", path.display());
+    }
 }
 
 /// Handoffs left in a decode pool's inbox at the end: neither taken nor aborted.

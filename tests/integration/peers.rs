@@ -43,6 +43,16 @@ fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
     }
 }
 
+/// Waits up to `limit` for the child (killing it if it still runs then): how it ended by itself,
+/// if it did, and its stderr.
+fn end_within(child: &mut Child, limit: Duration) -> (Option<ExitStatus>, String) {
+    let status = wait_within(child, limit);
+    if status.is_none() {
+        kill(child);
+    }
+    (status, stderr_of(child))
+}
+
 fn stderr_of(child: &mut Child) -> String {
     let mut text = String::new();
     if let Some(mut pipe) = child.stderr.take() {
@@ -91,12 +101,12 @@ fn a_second_producer_is_refused_at_once_with_the_reason_on_both_sides() {
         let mut first = start_producer(&graph, &decode.addr, &["--verify"]);
         std::thread::sleep(Duration::from_secs(2)); // the first has registered
         let started = Instant::now();
-        let mut second = start_producer(&graph, &decode.addr, &[]);
-        let ended = wait_within(&mut second, Duration::from_secs(10));
-        let second_log = stderr_of(&mut second);
+        let mut second = start_producer(&graph, &decode.addr, &["--limit", "200"]);
+        let (ended, second_log) = end_within(&mut second, Duration::from_secs(10));
         if !refusing {
             assert!(ended.is_none(), "without the refusal the second producer is taken and runs on: {second_log}");
-            for child in [&mut second, &mut first, &mut decode.child] {
+            assert!(!second_log.contains("refused"), "{second_log}");
+            for child in [&mut first, &mut decode.child] {
                 kill(child);
             }
             continue;
@@ -132,8 +142,7 @@ fn a_wrong_token_is_refused_at_once_and_logged_by_address_never_the_token() {
     std::fs::write(&wrong, std::fs::read_to_string(&graph).unwrap().replace("right-7f3a9", "wrong-91c2e")).unwrap();
     let started = Instant::now();
     let mut producer = start_producer(&wrong, &decode.addr, &[]);
-    let status = wait_within(&mut producer, Duration::from_secs(10));
-    let producer_log = stderr_of(&mut producer);
+    let (status, producer_log) = end_within(&mut producer, Duration::from_secs(10));
     let decode_log = decode.stderr.lock().clone();
     kill(&mut decode.child);
     assert_eq!(status.and_then(|s| s.code()), Some(1), "refused at once: {producer_log}");
@@ -179,6 +188,13 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         let cancelled: u64 = named.split(": ").nth(2).and_then(|n| n.split(' ').next()?.parse().ok()).unwrap();
         assert!(cancelled > 0, "some requests were decoding there: {named}");
         assert!(log.contains("every block and slot is free"), "{log}");
+        // The decode side's report names them too, with their cause.
+        let served = std::fs::read_to_string(dir.path().join("out/served-decode.json")).unwrap();
+        let served: serde_json::Value = serde_json::from_str(&served).unwrap();
+        let lost = &served["producers_lost"][0];
+        assert_eq!(lost["failure"], "producer-lost", "{served}");
+        assert_eq!(lost["requests"].as_array().map(Vec::len), Some(cancelled as usize), "{served}");
+        assert!(lost["address"].as_str().unwrap().starts_with("127.0.0.1:"), "{served}");
     }
 }
 
@@ -383,8 +399,7 @@ fn sighup_drains_a_run_and_writes_its_report_within_10_s() {
     std::thread::sleep(Duration::from_secs(3));
     let sent = Instant::now();
     signal(child.id(), libc::SIGHUP);
-    let status = wait_within(&mut child, Duration::from_secs(30));
-    let log = stderr_of(&mut child);
+    let (status, log) = end_within(&mut child, Duration::from_secs(30));
     let status = status.unwrap_or_else(|| panic!("still running 30 s after SIGHUP: {log}"));
     assert!(sent.elapsed() < Duration::from_secs(10), "{log}");
     assert_eq!(status.code(), Some(129), "128 + SIGHUP: {log}");
