@@ -27,6 +27,15 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// Writes one line to stderr in one write, so that it stays whole among the lines of the
+/// processes sharing launch's stderr (`eprintln!` writes a line in pieces).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = std::io::stderr().write_all(format!("{}\n", format_args!($($arg)*)).as_bytes());
+    }};
+}
+
 /// How long a decode process may take to say where it listens.
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long the other processes may take to end after the driving one has.
@@ -155,7 +164,7 @@ fn forward(
                     let _ = tx.send((pool.to_string(), addr.trim().to_string()));
                 }
             }
-            eprintln!("[{label}] {line}");
+            say!("[{label}] {line}");
         }
     });
 }
@@ -190,7 +199,7 @@ impl Processes {
             forward(child.stdout.take().expect("piped"), label.to_string(), None);
             forward(child.stderr.take().expect("piped"), label.to_string(), Some(tx.clone()));
         }
-        eprintln!("launch: started {label} (pid {})", child.id());
+        say!("launch: started {label} (pid {})", child.id());
         self.started.push(Running { label: label.to_string(), child });
         Ok(())
     }
@@ -208,7 +217,7 @@ impl Processes {
                 }
             }
             if self.forwarded == 0 {
-                eprintln!(
+                say!(
                     "launch: {} passed on to {} process(es); waiting up to {} s for them to drain",
                     crate::signals::name(signal),
                     self.started.len(),
@@ -221,7 +230,7 @@ impl Processes {
         if self.kill_at.is_some_and(|at| Instant::now() >= at) {
             for r in &mut self.started {
                 if matches!(r.child.try_wait(), Ok(None)) {
-                    eprintln!(
+                    say!(
                         "launch: the process of {} had not drained within {} s; killing it",
                         r.label,
                         self.drain.as_secs()
@@ -244,7 +253,7 @@ impl Processes {
             let signalled = self.pass_signals_on();
             if !signalled && deadline.is_some_and(|d| Instant::now() > d) {
                 let r = &mut self.started[index];
-                eprintln!(
+                say!(
                     "launch: the process of {} had not ended {} s after the driving process; stopped it",
                     r.label,
                     timeout.as_secs()
@@ -306,13 +315,13 @@ pub fn launch(graph: &Graph, graph_path: &Path, run_flags: &[String]) -> Result<
         let driving = running.started.len() - 1;
         let status = running.wait(driving, Duration::MAX);
         if status.code().is_none() {
-            eprintln!("launch: the driving process ({}) was {}", last.label, describe_end(status));
+            say!("launch: the driving process ({}) was {}", last.label, describe_end(status));
         }
         let mut worst = exit_code_of(status);
         for index in 0..driving {
             let status = running.wait(index, END_TIMEOUT);
             if !status.success() {
-                eprintln!("launch: the process of {} ended: {}", running.started[index].label, describe_end(status));
+                say!("launch: the process of {} ended: {}", running.started[index].label, describe_end(status));
                 if worst == 0 {
                     worst = exit_code_of(status);
                 }

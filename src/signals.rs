@@ -47,8 +47,8 @@ impl Interrupts {
 pub enum OnSecondSignal {
     /// Exit at once with 128 + the signal (`run`, `serve`, `compare`).
     ExitNow,
-    /// Only count it: the caller acts on it (`launch` forwards it to its processes, which then
-    /// exit at once, and must not leave them running by exiting first).
+    /// Only count it: the caller acts on it, and says so (`launch` forwards it to its processes,
+    /// which then exit at once, and must not leave them running by exiting first).
     Record,
 }
 
@@ -104,7 +104,7 @@ pub fn watch_with(second: OnSecondSignal) -> std::io::Result<Interrupts> {
         seen.signal.store(signal, Ordering::SeqCst);
         seen.count.fetch_add(1, Ordering::SeqCst);
         seen.flag.store(true, Ordering::SeqCst);
-        if !again {
+        if !again && second == OnSecondSignal::ExitNow {
             eprintln!(
                 "{}: no more requests; finishing what is in flight within the grace period (send it again to exit \
                  now)",

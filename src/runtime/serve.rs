@@ -86,7 +86,7 @@ pub(super) fn serve_handoffs(
         for (pool, lost) in lost.iter().filter(|(pool, _)| *pool == name) {
             eprintln!(
                 "decode pool `{pool}`: lost the producer at {}: {} request(s) it handed off failed here \
-                 (failure = \"{PRODUCER_LOST}\", cancelled at once){}",
+                 (failure = \"{PRODUCER_LOST}\": cancelled at once, or ended after it went, unheard){}",
                 lost.peer,
                 lost.requests.len(),
                 if lost.requests.is_empty() { String::new() } else { format!(": {:?}", lost.requests) }
@@ -198,8 +198,8 @@ fn serve_producers(
             for lost in listener.lose_vanished(window) {
                 eprintln!(
                     "decode pool `{name}`: the producer at {} is lost (its connection closed without a close frame \
-                     and it did not reconnect within {} s): cancelled the {} request(s) it handed off that were \
-                     still here (failure = \"{PRODUCER_LOST}\")",
+                     and it did not reconnect within {} s): {} request(s) it handed off failed here, cancelled \
+                     or ended unheard (failure = \"{PRODUCER_LOST}\")",
                     lost.peer,
                     RECONNECT_WINDOW.as_secs(),
                     lost.requests.len()

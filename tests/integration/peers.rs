@@ -114,7 +114,8 @@ fn a_second_producer_is_refused_at_once_with_the_reason_on_both_sides() {
         let status = ended.unwrap_or_else(|| panic!("the second producer still runs after 10 s: {second_log}"));
         assert_eq!(status.code(), Some(1), "{second_log}");
         assert!(started.elapsed() < Duration::from_secs(10));
-        for needle in ["refused the registration", "already serves the 1 producer connection(s)"] {
+        // `[transfer] connections` (2 by default) from the one prefill process the graph declares.
+        for needle in ["refused the registration", "already serves the 2 producer connection(s)"] {
             assert!(second_log.contains(needle), "the producer says why ({needle}): {second_log}");
         }
         let out = first.wait_with_output().unwrap();
@@ -123,7 +124,7 @@ fn a_second_producer_is_refused_at_once_with_the_reason_on_both_sides() {
         assert!(out.status.success(), "the first run goes on: {}", String::from_utf8_lossy(&out.stderr));
         assert!(status.success(), "{decode_log}");
         assert!(decode_log.contains("refused a producer connecting from 127.0.0.1:"), "{decode_log}");
-        assert!(decode_log.contains("already serves the 1 producer connection(s)"), "{decode_log}");
+        assert!(decode_log.contains("already serves the 2 producer connection(s)"), "{decode_log}");
         let r = report(dir.path());
         assert_eq!((r["completed"].as_u64(), r["verify"]["mismatched"].as_u64()), (Some(40), Some(0)), "{r}");
     }
@@ -156,8 +157,9 @@ fn a_wrong_token_is_refused_at_once_and_logged_by_address_never_the_token() {
 }
 
 /// A producer SIGKILLed midway: its links close without their close frame and never come back.
-/// The decode side counts it lost within seconds, cancels the requests it handed off that were
-/// still there, names them and the producer's address, frees everything and exits 2. With
+/// The decode side counts it lost within seconds, cancels the requests it handed off that are
+/// still there, names them (and those that ended after it went, unheard) and the producer's
+/// address, frees everything and exits 2. With
 /// `keep-vanished-producers` (no peer loss) it waits out the stall timeout and exits 0, as
 /// before.
 #[test]
@@ -168,8 +170,9 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         let stall = if losing { "30" } else { "6" };
         let switch: &[&str] = if losing { &[] } else { &["--test-switch", "keep-vanished-producers"] };
         let (graph, mut decode) = decode_side(dir.path(), "", &[&["--stall-timeout", stall], switch].concat());
-        let mut producer = start_producer(&graph, &decode.addr, &["--max-output-tokens", "300"]);
-        std::thread::sleep(Duration::from_secs(4));
+        // Outputs of ~150 tokens: the decode side holds requests when the producer dies.
+        let mut producer = start_producer(&graph, &decode.addr, &["--block-tokens", "128"]);
+        std::thread::sleep(Duration::from_secs(5));
         kill(&mut producer);
         let killed = Instant::now();
         let status = wait_within(&mut decode.child, Duration::from_secs(60)).expect("the decode side ends");
@@ -186,7 +189,7 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         let named = log.lines().find(|l| l.contains("lost the producer at 127.0.0.1:")).expect("named at the end");
         assert!(named.contains("failure = \"producer-lost\""), "{named}");
         let cancelled: u64 = named.split(": ").nth(2).and_then(|n| n.split(' ').next()?.parse().ok()).unwrap();
-        assert!(cancelled > 0, "some requests were decoding there: {named}");
+        assert!(cancelled > 0, "some requests were there when it went: {named}");
         assert!(log.contains("every block and slot is free"), "{log}");
         // The decode side's report names them too, with their cause.
         let served = std::fs::read_to_string(dir.path().join("out/served-decode.json")).unwrap();
@@ -275,7 +278,7 @@ fn sigterm_to_launch_drains_every_process_and_writes_the_report_within_10_s() {
     for (label, pid) in &pids {
         assert!(!running(*pid), "the process of {label} (pid {pid}) still runs after launch ended: {log}");
     }
-    assert!(log.contains("launch: SIGTERM passed on to 2 process(es)"), "{log}");
+    assert!(log.contains("SIGTERM passed on to 2 process(es)"), "{log}");
     let r = report(dir.path());
     assert_eq!(r["interrupted"], true, "{r}");
     assert!(r["completed"].as_u64().unwrap() > 0, "{r}");

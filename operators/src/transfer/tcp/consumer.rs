@@ -65,7 +65,8 @@ struct LinkState {
 pub struct LostProducer {
     /// Where its last connection came from.
     pub peer: SocketAddr,
-    /// The requests it handed off that were still here, cancelled when it was found lost.
+    /// The requests it handed off that failed with it: still here (cancelled when it was found
+    /// lost), or ended here after it went (their end never reached it).
     pub requests: Vec<u64>,
 }
 
@@ -108,6 +109,9 @@ struct Shared {
     connections: AtomicUsize,
     /// The pool takes no more handoffs (it is ending): one arriving is refused at once.
     stopped_taking: AtomicBool,
+    /// Events of requests whose link has no connection now, by link: written when it
+    /// reconnects; if it is lost, the requests they end are named with the others it lost.
+    parked: Mutex<HashMap<u64, Vec<Event>>>,
 }
 
 impl Shared {
@@ -188,7 +192,8 @@ impl TcpConsumer {
     /// Finds the links whose connections all ended without their close frame and that have not
     /// connected again within `window` (their producer's process is gone: a link that dropped
     /// on its own reconnects at once): each is lost from now on, and the requests it handed off
-    /// that are still here are cancelled in the pool, at once. The links newly lost.
+    /// that are still here are cancelled in the pool, at once. The links newly lost, each with
+    /// those requests and the ones that ended here after it went (their end never reached it).
     pub fn lose_vanished(&self, window: Duration) -> Vec<LostProducer> {
         let mut newly = Vec::new();
         {
@@ -206,14 +211,19 @@ impl TcpConsumer {
             .map(|(link, peer)| {
                 let mut requests: Vec<u64> =
                     self.shared.origin.lock().iter().filter(|(_, &l)| l == link).map(|(&r, _)| r).collect();
-                requests.sort_unstable();
                 for &request in &requests {
                     self.pool.abort(request);
                 }
+                // Requests that ended here after it went: their end never reached it.
+                let parked = self.shared.parked.lock().remove(&link).unwrap_or_default();
+                let ended = parked.iter().filter(|e| matches!(e, Event::Finished { .. } | Event::Failed { .. }));
+                requests.extend(ended.map(Event::id));
+                requests.sort_unstable();
+                requests.dedup();
                 tracing::error!(
                     pool = %self.pool.name,
                     "the producer at {peer} is lost: its connection closed without a close frame and it did not \
-                     reconnect within {} ms; {} request(s) it handed off cancelled here",
+                     reconnect within {} ms; {} request(s) it handed off failed here (cancelled, or ended unheard)",
                     window.as_millis(),
                     requests.len()
                 );
@@ -270,8 +280,7 @@ impl EventSink for RemoteEvents {
     fn events(&mut self, _step: u64, events: Vec<Event>) {
         let mut by_link: HashMap<u64, Vec<Event>> = HashMap::new();
         {
-            let origin = self.shared.origin.lock();
-            let mut origin = origin;
+            let mut origin = self.shared.origin.lock();
             for e in events {
                 let ended = matches!(e, Event::Finished { .. } | Event::Failed { .. });
                 let link = if ended { origin.remove(&e.id()) } else { origin.get(&e.id()).copied() };
@@ -282,16 +291,31 @@ impl EventSink for RemoteEvents {
             }
         }
         for (link, events) in by_link {
-            let Ok(body) = serde_json::to_vec(&events) else { continue };
-            let mut frame = Vec::with_capacity(5 + body.len());
-            frame.push(TAG_EVENTS);
-            frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            frame.extend_from_slice(&body);
-            if let Some(acker) = self.shared.acker(link) {
-                acker.write(&frame);
+            // A link with no connection now keeps its events until it reconnects (or is lost):
+            // checked and parked under the parked lock, which a reconnection takes to flush.
+            let acker = {
+                let mut parked = self.shared.parked.lock();
+                let acker = self.shared.acker(link);
+                if acker.is_none() {
+                    parked.entry(link).or_default().extend(events.iter().cloned());
+                }
+                acker
+            };
+            if let Some(acker) = acker {
+                acker.write(&events_frame(&events));
             }
         }
     }
+}
+
+/// An events frame: the tag, the body's length, the events as JSON.
+fn events_frame(events: &[Event]) -> Vec<u8> {
+    let body = serde_json::to_vec(events).unwrap_or_else(|_| b"[]".to_vec());
+    let mut frame = Vec::with_capacity(5 + body.len());
+    frame.push(TAG_EVENTS);
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    frame
 }
 
 /// Reads the registration: the producer's fingerprint, token and link id, checked.
@@ -377,6 +401,7 @@ fn serve(
     let _ = conn.set_read_timeout(None);
     let registered =
         registered.and_then(|link| admit_link(shared, &pool.name, link, peer, options.max_links).map(|()| link));
+    let mut flush = Vec::new();
     if let Err(why) = &registered {
         tracing::warn!(pool = %pool.name, "refused a producer connecting from {peer}: {why}");
     }
@@ -386,10 +411,24 @@ fn serve(
     // overwrite a newer one with a socket already closed, and every later ack would be lost.)
     if let Ok(link) = &registered {
         let Ok(back) = conn.try_clone() else { return connection_ended(shared, *link) };
-        shared.ackers.lock().insert(*link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
+        let acker = Arc::new(TcpAcker { stream: Mutex::new(back) });
+        let missed = {
+            let mut parked = shared.parked.lock();
+            shared.ackers.lock().insert(*link, acker.clone());
+            parked.remove(link)
+        };
+        // What its requests said while it had no connection (after the status, below).
+        if let Some(missed) = missed {
+            flush.push(missed);
+        }
     }
     let answered = write_status(&mut conn, &registered.as_ref().map(|_| ()).map_err(Clone::clone));
     let Ok(link) = registered else { return };
+    if let (Ok(()), Some(acker)) = (&answered, shared.acker(link)) {
+        for events in flush {
+            acker.write(&events_frame(&events));
+        }
+    }
     if answered.is_ok() {
         serve_frames(conn, link, pool, layout, options, shared);
     }
@@ -399,10 +438,14 @@ fn serve(
 /// One of link `link`'s connections ended: the last one without its close frame starts the
 /// reconnect window.
 fn connection_ended(shared: &Shared, link: u64) {
-    if let Some(state) = shared.links.lock().get_mut(&link) {
+    let mut links = shared.links.lock();
+    if let Some(state) = links.get_mut(&link) {
         state.open = state.open.saturating_sub(1);
         if state.open == 0 && !state.closed {
             state.dropped_at = Some(Instant::now());
+            // Its events wait for a reconnection from now on, rather than go to a dead socket.
+            let _parked = shared.parked.lock();
+            shared.ackers.lock().remove(&link);
         }
     }
 }
