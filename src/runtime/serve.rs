@@ -85,7 +85,7 @@ pub(super) fn serve_handoffs(
         let outcome = if failures.is_empty() { Ok(()) } else { Err(failures.join("\n")) };
         for (pool, lost) in lost.iter().filter(|(pool, _)| *pool == name) {
             eprintln!(
-                "decode pool `{pool}`: lost the producer at {}: {} request(s) it handed off failed here \
+                "decode pool `{pool}`: lost the producer link from {}: {} request(s) it handed off failed here \
                  (failure = \"{PRODUCER_LOST}\": cancelled at once, or ended after it went, unheard){}",
                 lost.peer,
                 lost.requests.len(),
@@ -197,7 +197,7 @@ fn serve_producers(
             let window = if opts.switches.keep_vanished_producers { Duration::MAX } else { RECONNECT_WINDOW };
             for lost in listener.lose_vanished(window) {
                 eprintln!(
-                    "decode pool `{name}`: the producer at {} is lost (its connection closed without a close frame \
+                    "decode pool `{name}`: the producer link from {} is lost (its connection closed without a close frame \
                      and it did not reconnect within {} s): {} request(s) it handed off failed here, cancelled \
                      or ended unheard (failure = \"{PRODUCER_LOST}\")",
                     lost.peer,

@@ -388,6 +388,9 @@ fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_
     let named = format!("process 1 ({b}:7481) is gone");
     crate::processes::assert_lost_peer(dir.path(), 30, "process-lost", &named);
     let lines: Vec<String> = decode_lines.try_iter().collect();
-    assert!(lines.iter().any(|l| l.contains(&format!("the producer at {b}:")) && l.contains("is lost")), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l.contains(&format!("the producer link from {b}:")) && l.contains("is lost")),
+        "{lines:?}"
+    );
     assert!(lines.iter().any(|l| l.contains("every block and slot is free")), "{lines:?}");
 }

@@ -169,9 +169,16 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         let dir = tempfile::tempdir().unwrap();
         let stall = if losing { "30" } else { "6" };
         let switch: &[&str] = if losing { &[] } else { &["--test-switch", "keep-vanished-producers"] };
-        let (graph, mut decode) = decode_side(dir.path(), "", &[&["--stall-timeout", stall], switch].concat());
-        // Outputs of ~150 tokens: the decode side holds requests when the producer dies.
-        let mut producer = start_producer(&graph, &decode.addr, &["--block-tokens", "128"]);
+        // Prompts of 16 tokens and outputs of 1,000: the decode side holds the requests in
+        // flight whenever the producer dies.
+        let trace = dir.path().join("long-outputs.jsonl");
+        let line = |k: usize| {
+            format!("{{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 32000, \"hash_ids\": [{k}]}}\n")
+        };
+        std::fs::write(&trace, (0..40).map(line).collect::<String>()).unwrap();
+        let graph = write_graph_with(dir.path(), "hf/llama", &trace.to_string_lossy(), BUSY, "32 MiB", TCP_1P1D);
+        let mut decode = start_decode_with(&graph, &[&["--stall-timeout", stall], switch].concat());
+        let mut producer = start_producer(&graph, &decode.addr, &["--max-output-tokens", "1000"]);
         std::thread::sleep(Duration::from_secs(5));
         kill(&mut producer);
         let killed = Instant::now();
@@ -185,19 +192,24 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         }
         assert!(took < Duration::from_secs(8), "lost at once, not after the stall timeout: {took:?}\n{log}");
         assert_eq!(status.code(), Some(2), "{log}");
-        assert!(log.contains("the producer at 127.0.0.1:") && log.contains("is lost"), "{log}");
-        let named = log.lines().find(|l| l.contains("lost the producer at 127.0.0.1:")).expect("named at the end");
-        assert!(named.contains("failure = \"producer-lost\""), "{named}");
-        let cancelled: u64 = named.split(": ").nth(2).and_then(|n| n.split(' ').next()?.parse().ok()).unwrap();
-        assert!(cancelled > 0, "some requests were there when it went: {named}");
+        assert!(log.contains("the producer link from 127.0.0.1:") && log.contains("is lost"), "{log}");
+        // Each of its `[transfer] connections` is a link of its own, each lost and named.
+        let named: Vec<&str> = log.lines().filter(|l| l.contains("lost the producer link from 127.0.0.1:")).collect();
+        assert_eq!(named.len(), 2, "{log}");
+        let count =
+            |line: &str| -> u64 { line.split(": ").nth(2).and_then(|n| n.split(' ').next()?.parse().ok()).unwrap() };
+        assert!(named.iter().all(|l| l.contains("failure = \"producer-lost\"")), "{named:?}");
+        let failed: u64 = named.iter().map(|l| count(l)).sum();
+        assert!(failed > 0, "some requests were there when it went: {named:?}");
         assert!(log.contains("every block and slot is free"), "{log}");
         // The decode side's report names them too, with their cause.
         let served = std::fs::read_to_string(dir.path().join("out/served-decode.json")).unwrap();
         let served: serde_json::Value = serde_json::from_str(&served).unwrap();
-        let lost = &served["producers_lost"][0];
-        assert_eq!(lost["failure"], "producer-lost", "{served}");
-        assert_eq!(lost["requests"].as_array().map(Vec::len), Some(cancelled as usize), "{served}");
-        assert!(lost["address"].as_str().unwrap().starts_with("127.0.0.1:"), "{served}");
+        let lost = served["producers_lost"].as_array().unwrap();
+        assert!(lost.iter().all(|l| l["failure"] == "producer-lost"), "{served}");
+        assert!(lost.iter().all(|l| l["address"].as_str().unwrap().starts_with("127.0.0.1:")), "{served}");
+        let listed: usize = lost.iter().map(|l| l["requests"].as_array().unwrap().len()).sum();
+        assert_eq!(listed as u64, failed, "{served}");
     }
 }
 

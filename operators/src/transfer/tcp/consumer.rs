@@ -222,7 +222,7 @@ impl TcpConsumer {
                 requests.dedup();
                 tracing::error!(
                     pool = %self.pool.name,
-                    "the producer at {peer} is lost: its connection closed without a close frame and it did not \
+                    "the producer link from {peer} is lost: its connection closed without a close frame and it did not \
                      reconnect within {} ms; {} request(s) it handed off failed here (cancelled, or ended unheard)",
                     window.as_millis(),
                     requests.len()
