@@ -167,7 +167,7 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
     let _one_at_a_time = HEAVY.lock();
     for losing in [true, false] {
         let dir = tempfile::tempdir().unwrap();
-        let stall = if losing { "30" } else { "6" };
+        let stall = if losing { "30" } else { "10" };
         let switch: &[&str] = if losing { &[] } else { &["--test-switch", "keep-vanished-producers"] };
         // Prompts of 16 tokens and outputs of 1,000: the decode side holds the requests in
         // flight whenever the producer dies.
@@ -187,10 +187,12 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         let log = decode.stderr.lock().clone();
         if !losing {
             assert_eq!(status.code(), Some(0), "{log}");
-            assert!(took >= Duration::from_secs(6), "without peer loss it waits out the stall timeout: {took:?}");
+            // (The stall clock starts at the last look that found the link open, up to 0.1 s
+            // before the kill.)
+            assert!(took >= Duration::from_secs(9), "without peer loss it waits out the stall timeout: {took:?}");
             continue;
         }
-        assert!(took < Duration::from_secs(8), "lost at once, not after the stall timeout: {took:?}\n{log}");
+        assert!(took < Duration::from_secs(6), "lost at once, not after the stall timeout: {took:?}\n{log}");
         assert_eq!(status.code(), Some(2), "{log}");
         assert!(log.contains("the producer link from 127.0.0.1:") && log.contains("is lost"), "{log}");
         // Each of its `[transfer] connections` is a link of its own, each lost and named.
