@@ -59,6 +59,9 @@ pub struct WireOptions<'a> {
     pub patience: Duration,
     /// Test switch: the inboxes deliver duplicate handoffs (`TestSwitches::deliver_duplicate_handoffs`).
     pub deliver_duplicates: bool,
+    /// Test switch: the listeners register any number of producer links
+    /// (`TestSwitches::serve_any_producer`).
+    pub serve_any_producer: bool,
     /// A process of a prefill pool spread over processes that does not drive the workload: the
     /// events of a decode pool in another process come back through the ranks that handed
     /// their requests off (`transfer::relay`), not to `remote_events`.
@@ -316,9 +319,12 @@ impl Wires<'_> {
                 inbox: self.inboxes[&pool.name].clone(),
             };
             let served_here = remote_producers > 0;
+            // As many producer links as the graph links into the pool: one more is refused.
+            let links_in = producer_connections(graph, &pool.name);
             let consumer_options = ConsumerOptions {
                 token: self.token.clone(),
-                expect_links: served_here.then(|| producer_connections(graph, &pool.name)),
+                expect_links: served_here.then_some(links_in),
+                max_links: (!self.options.serve_any_producer).then_some(links_in),
             };
             let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
                 .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;

@@ -370,8 +370,8 @@ fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_
     assert_eq!(took, ["decode pool `decode`: took 10 handoff(s); every block and slot is free"]);
 
     // Host 1's process is killed mid-run: its requests fail naming it, including those it had
-    // handed off (their events came back through it); the decode pool sees its links gone,
-    // finishes and frees what it holds.
+    // handed off (their events came back through it); the decode pool counts its links lost,
+    // cancels what it held of them, frees it and exits 2.
     let dir = tempfile::tempdir().unwrap();
     let workload = "mode = \"timestamps\"\ntime_scale = 0.6\nwarmup = 0\nlimit = 30";
     let graph =
@@ -383,10 +383,14 @@ fn a_prefill_pool_over_two_network_namespaces_hands_off_from_each_and_names_the_
     let stderr = crate::processes::kill_midway(&mut other, driver, Duration::from_millis(2500));
     assert!(started.elapsed() < Duration::from_secs(60), "no wait for the stall watchdog");
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert!(decode.wait().unwrap().success());
+    // The decode side lost a producer: exit 2, the producer named by its address on host 1.
+    assert_eq!(decode.wait().unwrap().code(), Some(2));
     let named = format!("process 1 ({b}:7481) is gone");
     crate::processes::assert_lost_peer(dir.path(), 30, "process-lost", &named);
     let lines: Vec<String> = decode_lines.try_iter().collect();
-    assert!(lines.iter().any(|l| l.contains("dropped without closing")), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l.contains(&format!("the producer link from {b}:")) && l.contains("is lost")),
+        "{lines:?}"
+    );
     assert!(lines.iter().any(|l| l.contains("every block and slot is free")), "{lines:?}");
 }

@@ -18,6 +18,7 @@ mod hostile_requests;
 mod hosts;
 mod offload;
 mod operability;
+mod peers;
 mod plots;
 mod processes;
 mod recurrent_state;

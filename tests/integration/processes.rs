@@ -13,20 +13,26 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
+pub const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
     [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
     [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n";
 
 /// A decode pool's process, with the address it printed and its stderr as it comes.
-struct DecodeProcess {
-    child: Child,
-    addr: String,
-    stderr: Arc<Mutex<String>>,
+pub struct DecodeProcess {
+    pub child: Child,
+    pub addr: String,
+    pub stderr: Arc<Mutex<String>>,
 }
 
 fn start_decode(graph: &std::path::Path) -> DecodeProcess {
+    start_decode_with(graph, &["--stall-timeout", "30"])
+}
+
+/// `kvflow run GRAPH --pools decode ARGS…`, once it has printed where it listens.
+pub fn start_decode_with(graph: &std::path::Path, args: &[&str]) -> DecodeProcess {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["run", &graph.to_string_lossy(), "--pools", "decode", "--stall-timeout", "30"])
+        .args(["run", &graph.to_string_lossy(), "--pools", "decode"])
+        .args(args)
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()

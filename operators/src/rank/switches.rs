@@ -92,6 +92,12 @@ pub struct TestSwitches {
     /// offload store but does not decide its step again (removes "freed memory is used": nothing
     /// wakes a parked rank, so it stalls with the memory free).
     pub no_reschedule_after_giving_back_prefixes: bool,
+    /// A decode pool's tcp listener registers any number of producer links (removes the refusal
+    /// of a producer beyond the links the graph declares: it is served beside the others).
+    pub serve_any_producer: bool,
+    /// A decode pool in a process of its own never counts a vanished producer link as lost
+    /// (removes peer loss: it waits for the stall timeout, and its requests are not cancelled).
+    pub keep_vanished_producers: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -120,6 +126,8 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("widen-draft-buckets", ""),
     ("skip-draft-passes-without-samples", ""),
     ("no-reschedule-after-giving-back-prefixes", ""),
+    ("serve-any-producer", ""),
+    ("keep-vanished-producers", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -209,6 +217,8 @@ impl TestSwitches {
             "widen-draft-buckets" => &mut self.widen_draft_buckets,
             "skip-draft-passes-without-samples" => &mut self.skip_draft_passes_without_samples,
             "no-reschedule-after-giving-back-prefixes" => &mut self.no_reschedule_after_giving_back_prefixes,
+            "serve-any-producer" => &mut self.serve_any_producer,
+            "keep-vanished-producers" => &mut self.keep_vanished_producers,
             _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
         };
         *field = true;

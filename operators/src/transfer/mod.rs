@@ -18,7 +18,7 @@ pub use inproc::{
     Taken, ABORTED,
 };
 pub use relay::{EventRelay, RelayQueue};
-pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, TcpConsumer, TcpLink, TcpLinks};
+pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, LostProducer, TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
 /// A finished prefill, ready to move.

@@ -3,6 +3,14 @@
 //! pool's inbox; an abort goes to the pool and is answered as seen. When the pool runs in a process
 //! of its own it also sends each request's events back over the link it came by, and its
 //! end-of-run check at the end.
+//!
+//! Who may connect: a producer presenting the layout fingerprint and the deployment token, and no
+//! more distinct links than the graph links into the pool (`max_links`): one beyond them is
+//! refused at registration, at once, and told why. Every refusal is logged with the peer's
+//! address (never the token it presented). A link whose connections have all ended without its
+//! close frame, and that has not connected again within the reconnect window, is lost
+//! ([`TcpConsumer::lose_vanished`]): the requests it handed off that are still here are cancelled
+//! at once, and it may not come back.
 
 use super::{
     put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ABORT_SEEN,
@@ -14,12 +22,16 @@ use crate::transfer::inproc::{Ack, ConsumerPool};
 use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
 use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferId};
 use parking_lot::Mutex;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// How long a connection may take to register (a peer that connects and says nothing is
+/// dropped, not waited on).
+const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How a consumer is set up beyond its pool and layout.
 #[derive(Clone, Debug, Default)]
@@ -29,6 +41,33 @@ pub struct ConsumerOptions {
     /// The pool runs in a process of its own, fed by this many producer links: once each has
     /// closed, its ingress closes.
     pub expect_links: Option<usize>,
+    /// How many distinct producer links it takes (`None`: any number); a producer registering
+    /// a link beyond them is refused.
+    pub max_links: Option<usize>,
+}
+
+/// A producer link as the consumer knows it.
+struct LinkState {
+    /// Where its newest connection came from.
+    peer: SocketAddr,
+    /// Its connections open now.
+    open: usize,
+    /// It sent its close frame.
+    closed: bool,
+    /// When its last connection ended without the close frame (until it connects again).
+    dropped_at: Option<Instant>,
+    /// It was counted as lost: its requests were cancelled, and it may not register again.
+    lost: bool,
+}
+
+/// A producer link lost: its connections ended without its close frame and it did not come back.
+#[derive(Clone, Debug)]
+pub struct LostProducer {
+    /// Where its last connection came from.
+    pub peer: SocketAddr,
+    /// The requests it handed off that failed with it: still here (cancelled when it was found
+    /// lost), or ended here after it went (their end never reached it).
+    pub requests: Vec<u64>,
 }
 
 /// Writes frames back on one connection.
@@ -63,13 +102,16 @@ struct Shared {
     /// Each producer link's newest connection, by link id: a handoff's ack (and its request's
     /// events) go there, so a link that reconnected hears about what it sent before.
     ackers: Mutex<HashMap<u64, Arc<TcpAcker>>>,
-    /// The link each request came by.
+    /// The link each request still here came by (until its end event).
     origin: Mutex<HashMap<u64, u64>>,
-    /// Links that sent their close frame.
-    closed: Mutex<HashSet<u64>>,
-    /// Links whose connection ended without their close frame, and when (until they reconnect).
-    dropped: Mutex<HashMap<u64, Instant>>,
+    /// Every producer link that registered, by link id.
+    links: Mutex<HashMap<u64, LinkState>>,
     connections: AtomicUsize,
+    /// The pool takes no more handoffs (it is ending): one arriving is refused at once.
+    stopped_taking: AtomicBool,
+    /// Events of requests whose link has no connection now, by link: written when it
+    /// reconnects; if it is lost, the requests they end are named with the others it lost.
+    parked: Mutex<HashMap<u64, Vec<Event>>>,
 }
 
 impl Shared {
@@ -97,6 +139,7 @@ pub struct TcpConsumer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     shared: Arc<Shared>,
+    pool: ConsumerPool,
 }
 
 impl TcpConsumer {
@@ -112,7 +155,7 @@ impl TcpConsumer {
         let addr = listener.local_addr().map_err(|e| format!("{endpoint}: {e}"))?;
         let stop = Arc::new(AtomicBool::new(false));
         let (stopping, shared) = (stop.clone(), Arc::new(Shared::default()));
-        let serving = shared.clone();
+        let (serving, consumer) = (shared.clone(), pool.clone());
         std::thread::Builder::new()
             .name(format!("kvflow-listen-{}", pool.name))
             .spawn(move || {
@@ -130,7 +173,7 @@ impl TcpConsumer {
                 }
             })
             .map_err(|e| format!("cannot start the listener of {endpoint}: {e}"))?;
-        Ok(TcpConsumer { addr, stop, shared })
+        Ok(TcpConsumer { addr, stop, shared, pool: consumer })
     }
 
     /// The address it listens on (the port the kernel picked, for port 0).
@@ -138,16 +181,70 @@ impl TcpConsumer {
         self.addr
     }
 
-    /// Producer connections open now, and links that closed.
-    pub fn links(&self) -> (usize, usize) {
-        (self.shared.connections.load(Ordering::SeqCst), self.shared.closed.lock().len())
+    /// Producer connections open now, links that closed, and links lost.
+    pub fn links(&self) -> (usize, usize, usize) {
+        let links = self.shared.links.lock();
+        let closed = links.values().filter(|l| l.closed).count();
+        let lost = links.values().filter(|l| l.lost).count();
+        (self.shared.connections.load(Ordering::SeqCst), closed, lost)
     }
 
-    /// Links whose connection ended without a close frame and that have not connected again for
-    /// `after` (their producer's process is gone: no close frame will come from it).
-    pub fn vanished(&self, after: Duration) -> usize {
-        let closed = self.shared.closed.lock();
-        self.shared.dropped.lock().iter().filter(|(l, at)| !closed.contains(l) && at.elapsed() >= after).count()
+    /// Finds the links whose connections all ended without their close frame and that have not
+    /// connected again within `window` (their producer's process is gone: a link that dropped
+    /// on its own reconnects at once): each is lost from now on, and the requests it handed off
+    /// that are still here are cancelled in the pool, at once. The links newly lost, each with
+    /// those requests and the ones that ended here after it went (their end never reached it).
+    pub fn lose_vanished(&self, window: Duration) -> Vec<LostProducer> {
+        let mut newly = Vec::new();
+        {
+            let mut links = self.shared.links.lock();
+            for (&id, link) in links.iter_mut() {
+                let gone = link.open == 0 && !link.closed && !link.lost;
+                if gone && link.dropped_at.is_some_and(|at| at.elapsed() >= window) {
+                    link.lost = true;
+                    newly.push((id, link.peer));
+                }
+            }
+        }
+        newly
+            .into_iter()
+            .map(|(link, peer)| {
+                let mut requests: Vec<u64> =
+                    self.shared.origin.lock().iter().filter(|(_, &l)| l == link).map(|(&r, _)| r).collect();
+                for &request in &requests {
+                    self.pool.abort(request);
+                }
+                // Requests that ended here after it went: their end never reached it.
+                let parked = self.shared.parked.lock().remove(&link).unwrap_or_default();
+                let ended = parked.iter().filter(|e| matches!(e, Event::Finished { .. } | Event::Failed { .. }));
+                requests.extend(ended.map(Event::id));
+                requests.sort_unstable();
+                requests.dedup();
+                tracing::error!(
+                    pool = %self.pool.name,
+                    "the producer link from {peer} is lost: its connection closed without a close frame and it did not \
+                     reconnect within {} ms; {} request(s) it handed off failed here (cancelled, or ended unheard)",
+                    window.as_millis(),
+                    requests.len()
+                );
+                LostProducer { peer, requests }
+            })
+            .collect()
+    }
+
+    /// The pool is ending: a handoff arriving from now on is refused at once (its producer
+    /// fails the request, naming this pool), not left in an inbox nobody takes from.
+    pub fn stop_taking(&self) {
+        self.shared.stopped_taking.store(true, Ordering::SeqCst);
+    }
+
+    /// Cancels every request still here (a served pool whose grace period ran out); how many.
+    pub fn cancel_all(&self) -> usize {
+        let requests: Vec<u64> = self.shared.origin.lock().keys().copied().collect();
+        for &request in &requests {
+            self.pool.abort(request);
+        }
+        requests.len()
     }
 
     /// Where a pool in a process of its own sends its events: back over the link each request
@@ -183,25 +280,42 @@ impl EventSink for RemoteEvents {
     fn events(&mut self, _step: u64, events: Vec<Event>) {
         let mut by_link: HashMap<u64, Vec<Event>> = HashMap::new();
         {
-            let origin = self.shared.origin.lock();
+            let mut origin = self.shared.origin.lock();
             for e in events {
-                match origin.get(&e.id()) {
-                    Some(&link) => by_link.entry(link).or_default().push(e),
+                let ended = matches!(e, Event::Finished { .. } | Event::Failed { .. });
+                let link = if ended { origin.remove(&e.id()) } else { origin.get(&e.id()).copied() };
+                match link {
+                    Some(link) => by_link.entry(link).or_default().push(e),
                     None => tracing::warn!(request = e.id(), "event of a request that came by no link: dropped"),
                 }
             }
         }
         for (link, events) in by_link {
-            let Ok(body) = serde_json::to_vec(&events) else { continue };
-            let mut frame = Vec::with_capacity(5 + body.len());
-            frame.push(TAG_EVENTS);
-            frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            frame.extend_from_slice(&body);
-            if let Some(acker) = self.shared.acker(link) {
-                acker.write(&frame);
+            // A link with no connection now keeps its events until it reconnects (or is lost):
+            // checked and parked under the parked lock, which a reconnection takes to flush.
+            let acker = {
+                let mut parked = self.shared.parked.lock();
+                let acker = self.shared.acker(link);
+                if acker.is_none() {
+                    parked.entry(link).or_default().extend(events.iter().cloned());
+                }
+                acker
+            };
+            if let Some(acker) = acker {
+                acker.write(&events_frame(&events));
             }
         }
     }
+}
+
+/// An events frame: the tag, the body's length, the events as JSON.
+fn events_frame(events: &[Event]) -> Vec<u8> {
+    let body = serde_json::to_vec(events).unwrap_or_else(|_| b"[]".to_vec());
+    let mut frame = Vec::with_capacity(5 + body.len());
+    frame.push(TAG_EVENTS);
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    frame
 }
 
 /// Reads the registration: the producer's fingerprint, token and link id, checked.
@@ -232,7 +346,41 @@ fn register(
     Ok(Ok(link))
 }
 
-/// One producer connection: registration, then frames until it closes.
+/// Admits link `link` from `peer` among the pool's producer links: a link it knows (a
+/// reconnection), or a new one while fewer than `max_links` registered. A lost link may not come
+/// back (its requests were cancelled here).
+fn admit_link(
+    shared: &Shared,
+    pool: &str,
+    link: u64,
+    peer: SocketAddr,
+    max_links: Option<usize>,
+) -> Result<(), String> {
+    let mut links = shared.links.lock();
+    if let Some(known) = links.get_mut(&link) {
+        if known.lost {
+            return Err(format!(
+                "decode pool {pool} counted this producer link as lost (it did not reconnect in time) and cancelled \
+                 its requests; it takes no more from it"
+            ));
+        }
+        (known.peer, known.dropped_at) = (peer, None);
+        known.open += 1;
+        return Ok(());
+    }
+    if let Some(max) = max_links.filter(|&max| links.len() >= max) {
+        return Err(format!(
+            "decode pool {pool} already serves the {max} producer connection(s) its graph links into it \
+             ([transfer] connections per link, from each process of the linked prefill pools); an unexpected \
+             producer is refused"
+        ));
+    }
+    links.insert(link, LinkState { peer, open: 1, closed: false, dropped_at: None, lost: false });
+    Ok(())
+}
+
+/// One producer connection: registration (within [`REGISTRATION_TIMEOUT`]), then frames until it
+/// closes. A refusal is answered, and logged with the peer's address.
 fn serve(
     mut conn: TcpStream,
     pool: &ConsumerPool,
@@ -241,23 +389,64 @@ fn serve(
     shared: &Arc<Shared>,
 ) {
     let _ = conn.set_nodelay(true);
-    let Ok(registered) = register(&mut conn, &pool.name, &layout, options.token.as_deref()) else { return };
+    let peer = conn.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+    let _ = conn.set_read_timeout(Some(REGISTRATION_TIMEOUT));
+    let registered = match register(&mut conn, &pool.name, &layout, options.token.as_deref()) {
+        Ok(registered) => registered,
+        Err(e) => {
+            tracing::warn!(pool = %pool.name, "a connection from {peer} ended before it registered: {e}");
+            return;
+        }
+    };
+    let _ = conn.set_read_timeout(None);
+    let registered =
+        registered.and_then(|link| admit_link(shared, &pool.name, link, peer, options.max_links).map(|()| link));
+    let mut flush = Vec::new();
+    if let Err(why) = &registered {
+        tracing::warn!(pool = %pool.name, "refused a producer connecting from {peer}: {why}");
+    }
     // The acker is in place before the status goes out: the producer opens its next connection
     // only after reading this one's status, so a link's connections register in order and acks
     // go to the newest. (Registered after the status, a preempted older connection could
     // overwrite a newer one with a socket already closed, and every later ack would be lost.)
     if let Ok(link) = &registered {
-        let Ok(back) = conn.try_clone() else { return };
-        shared.ackers.lock().insert(*link, Arc::new(TcpAcker { stream: Mutex::new(back) }));
+        let Ok(back) = conn.try_clone() else { return connection_ended(shared, *link) };
+        let acker = Arc::new(TcpAcker { stream: Mutex::new(back) });
+        let missed = {
+            let mut parked = shared.parked.lock();
+            shared.ackers.lock().insert(*link, acker.clone());
+            parked.remove(link)
+        };
+        // What its requests said while it had no connection (after the status, below).
+        if let Some(missed) = missed {
+            flush.push(missed);
+        }
     }
-    if write_status(&mut conn, &registered.as_ref().map(|_| ()).map_err(Clone::clone)).is_err() {
-        return;
-    }
+    let answered = write_status(&mut conn, &registered.as_ref().map(|_| ()).map_err(Clone::clone));
     let Ok(link) = registered else { return };
-    shared.dropped.lock().remove(&link);
-    serve_frames(conn, link, pool, layout, options, shared);
-    if !shared.closed.lock().contains(&link) {
-        shared.dropped.lock().insert(link, Instant::now());
+    if let (Ok(()), Some(acker)) = (&answered, shared.acker(link)) {
+        for events in flush {
+            acker.write(&events_frame(&events));
+        }
+    }
+    if answered.is_ok() {
+        serve_frames(conn, link, pool, layout, options, shared);
+    }
+    connection_ended(shared, link);
+}
+
+/// One of link `link`'s connections ended: the last one without its close frame starts the
+/// reconnect window.
+fn connection_ended(shared: &Shared, link: u64) {
+    let mut links = shared.links.lock();
+    if let Some(state) = links.get_mut(&link) {
+        state.open = state.open.saturating_sub(1);
+        if state.open == 0 && !state.closed {
+            state.dropped_at = Some(Instant::now());
+            // Its events wait for a reconnection from now on, rather than go to a dead socket.
+            let _parked = shared.parked.lock();
+            shared.ackers.lock().remove(&link);
+        }
     }
 }
 
@@ -289,9 +478,12 @@ fn serve_frames(
             continue;
         }
         if len == CLOSE_FRAME {
-            let mut closed = shared.closed.lock();
-            closed.insert(link);
-            if options.expect_links.is_some_and(|n| closed.len() >= n) {
+            let mut links = shared.links.lock();
+            if let Some(state) = links.get_mut(&link) {
+                state.closed = true;
+            }
+            let closed = links.values().filter(|l| l.closed).count();
+            if options.expect_links.is_some_and(|n| closed >= n) {
                 pool.ingress.close();
             }
             continue;
@@ -360,6 +552,11 @@ fn serve_frames(
             recycle: Some(recycler.clone()),
             on_drop: Default::default(),
         };
+        if shared.stopped_taking.load(Ordering::SeqCst) {
+            let why = format!("decode pool {} is ending and takes no more handoffs", pool.name);
+            acker.ack(h.request, h.transfer, Err(why));
+            continue;
+        }
         shared.origin.lock().insert(h.request, link);
         pool.deliver(Arc::new(h), acker.clone());
     }

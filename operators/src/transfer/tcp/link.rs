@@ -48,10 +48,13 @@ impl LinkTarget {
         format!("decode pool {} at {}", self.to, self.addr)
     }
 
-    /// Connects and registers (fingerprint, token); the error names the peer.
-    fn connect(&self) -> Result<TcpStream, String> {
+    /// Connects and registers (fingerprint, token); the error names the peer, and says whether
+    /// the consumer refused the registration (final: trying again gets the same answer).
+    fn connect(&self) -> Result<TcpStream, ConnectFailure> {
         let where_ = self.describe();
-        let mut stream = TcpStream::connect(self.addr).map_err(|e| format!("cannot connect to {where_}: {e}"))?;
+        let failed = |why: String| ConnectFailure { why, refused: false };
+        let mut stream =
+            TcpStream::connect(self.addr).map_err(|e| failed(format!("cannot connect to {where_}: {e}")))?;
         let _ = stream.set_nodelay(true);
         let token = self.token.as_deref().unwrap_or("").as_bytes();
         let mut hello = Vec::new();
@@ -60,12 +63,20 @@ impl LinkTarget {
         hello.extend_from_slice(&(token.len() as u16).to_le_bytes());
         hello.extend_from_slice(token);
         hello.extend_from_slice(&self.link_id.to_le_bytes());
-        stream.write_all(&hello).map_err(|e| format!("{where_}: {e}"))?;
-        read_status(&mut stream)
-            .map_err(|e| format!("{where_}: {e}"))?
-            .map_err(|why| format!("{where_} refused the registration: {why}"))?;
+        stream.write_all(&hello).map_err(|e| failed(format!("{where_}: {e}")))?;
+        read_status(&mut stream).map_err(|e| failed(format!("{where_}: {e}")))?.map_err(|why| ConnectFailure {
+            why: format!("{where_} refused the registration: {why}"),
+            refused: true,
+        })?;
         Ok(stream)
     }
+}
+
+/// Why a connection to a consumer failed.
+struct ConnectFailure {
+    why: String,
+    /// The consumer answered and refused the registration (not worth trying again).
+    refused: bool,
 }
 
 /// A handoff sent and not answered yet.
@@ -236,14 +247,15 @@ fn connect_patiently(target: &LinkTarget, patience: Duration) -> Result<TcpStrea
     loop {
         match target.connect() {
             Ok(stream) => return Ok(stream),
-            Err(e) if started.elapsed() >= patience => {
+            Err(ConnectFailure { why, refused: true }) => return Err(why),
+            Err(ConnectFailure { why: e, .. }) if started.elapsed() >= patience => {
                 return Err(if patience.is_zero() {
                     e
                 } else {
                     format!("{e} (tried for {} s)", started.elapsed().as_secs())
                 })
             }
-            Err(e) => {
+            Err(ConnectFailure { why: e, .. }) => {
                 if noticed.elapsed() >= CONNECT_NOTICE {
                     eprintln!("still waiting for {} ({e})", target.describe());
                     noticed = Instant::now();
@@ -435,7 +447,7 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
         }
         let dropped: Vec<u64> =
             s.unanswered.lock().iter().filter(|(_, u)| u.sent_on == Some(epoch)).map(|(&request, _)| request).collect();
-        match s.target.connect().and_then(|stream| {
+        match s.target.connect().map_err(|f| f.why).and_then(|stream| {
             let reader = stream.try_clone().map_err(|e| e.to_string())?;
             Ok((stream, reader))
         }) {

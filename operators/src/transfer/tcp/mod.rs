@@ -25,7 +25,7 @@ mod link;
 #[cfg(test)]
 mod tests;
 
-pub use consumer::{ConsumerOptions, TcpConsumer};
+pub use consumer::{ConsumerOptions, LostProducer, TcpConsumer};
 pub use link::{LinkOptions, LinkTarget, TcpLink, TcpLinks};
 
 use std::io::{Read, Write};
