@@ -27,5 +27,6 @@ mod runtime;
 mod sampling;
 mod seeded_models;
 mod serve;
+mod soak;
 mod spec;
 mod structure;
