@@ -34,15 +34,23 @@ fn requests() -> usize {
 
 const WARMUP: usize = 300;
 
-/// A field of `/proc/PID/status` in kB.
-fn status_kb(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field}: {status}"));
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+/// A field of `/proc/PID/status` in kB (`None` once the process has exited).
+fn status_kb(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+/// The server's memory and open descriptors once the connections of the last load have closed
+/// (the server closes each after its answer, a moment after the client has read it).
+fn settled_reading(pid: u32) -> (u64, usize) {
+    std::thread::sleep(Duration::from_millis(500));
+    (status_kb(pid, "VmRSS").expect("the server runs"), open_fds(pid).expect("the server runs"))
+}
+
+/// How many descriptors the process has open (`None` once it has exited).
+fn open_fds(pid: u32) -> Option<usize> {
+    Some(std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
 }
 
 /// A distinct prompt for request `n`: no two share a block, so the prefix cache keeps taking
@@ -95,11 +103,11 @@ fn a_server_holds_what_is_in_flight_not_what_it_served() {
     let n = requests();
     let warm = load(&served, 0, WARMUP);
     assert!(warm.is_empty(), "warm-up failures: {warm:?}");
-    let (rss_before, fds_before) = (status_kb(pid, "VmRSS"), open_fds(pid));
+    let (rss_before, fds_before) = settled_reading(pid);
     let started = Instant::now();
     let failed = load(&served, WARMUP, n);
     let took = started.elapsed();
-    let (rss_after, fds_after) = (status_kb(pid, "VmRSS"), open_fds(pid));
+    let (rss_after, fds_after) = settled_reading(pid);
     let (code, stderr) = served.stop();
     println!(
         "soak serve: {n} requests after a warm-up of {WARMUP}, concurrency {CONCURRENCY}, in {:.1} s: \
@@ -131,7 +139,9 @@ fn write_trace(path: &Path, count: usize) {
             let ids: Vec<usize> = (i * blocks..(i + 1) * blocks).collect();
             let input = PROMPT_TOKENS * 512 / 16;
             let output = OUTPUT_TOKENS * 512 / 16;
-            format!("{{\"timestamp\": {i}, \"input_length\": {input}, \"output_length\": {output}, \"hash_ids\": {ids:?}}}")
+            format!(
+                "{{\"timestamp\": {i}, \"input_length\": {input}, \"output_length\": {output}, \"hash_ids\": {ids:?}}}"
+            )
         })
         .collect();
     std::fs::write(path, lines.join("\n") + "\n").unwrap();
@@ -163,40 +173,47 @@ fn a_trace_replay_holds_what_is_in_flight_not_what_it_served() {
     // requests.jsonl grows as requests end: it says how far the run is (to within its buffer).
     let ended = || std::fs::read(out.join("requests.jsonl")).map_or(0, |b| b.iter().filter(|&&c| c == b'\n').count());
     let deadline = Instant::now() + Duration::from_secs(600);
-    let mut before = None;
-    let mut last = None;
+    // (VmRSS, open fds, requests ended) every 20 ms while it runs.
+    let mut readings = Vec::new();
     while child.try_wait().unwrap().is_none() {
         assert!(Instant::now() < deadline, "the replay did not end within 600 s");
         let done = ended();
-        let reading = (status_kb(pid, "VmRSS"), open_fds(pid), done);
-        if done >= WARMUP && before.is_none() {
-            before = Some(reading);
-        }
-        // The last reading while requests were still being served.
-        if done < WARMUP + n - CONCURRENCY {
-            last = Some(reading);
-        }
+        let (Some(rss), Some(fds)) = (status_kb(pid, "VmRSS"), open_fds(pid)) else { break }; // it has exited
+        readings.push((rss, fds, done));
         std::thread::sleep(Duration::from_millis(20));
     }
     let status = child.wait().unwrap();
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(status.success(), "{stderr}");
-    let (rss_before, fds_before, done_before) = before.expect("requests.jsonl grew while the replay ran");
-    let (rss_after, fds_after, done_after) = last.unwrap();
+    // A step's buffers come and go, so each end of the run is read as the least VmRSS over a
+    // window of readings: the tenth of the requests after the warm-up, and the tenth before the
+    // last ones (still being served). A leak raises that floor; a buffer in use does not.
+    let window = |from: usize, to: usize| -> Vec<(u64, usize, usize)> {
+        readings.iter().copied().filter(|&(_, _, done)| done >= from && done < to).collect()
+    };
+    let early = window(WARMUP, WARMUP + n / 10);
+    let late = window(WARMUP + n - n / 10 - CONCURRENCY, WARMUP + n - CONCURRENCY);
+    assert!(!early.is_empty() && !late.is_empty(), "requests.jsonl grew while the replay ran: {readings:?}");
+    let floor = |w: &[(u64, usize, usize)]| w.iter().map(|r| r.0).min().unwrap();
+    let (rss_before, rss_after) = (floor(&early), floor(&late));
+    let (fds_before, fds_after) = (early[early.len() - 1].1, late[late.len() - 1].1);
     println!(
-        "soak replay: {} requests ({WARMUP} warm-up), concurrency {CONCURRENCY}: read after {done_before} and \
-         {done_after} ended: VmRSS {rss_before} -> {rss_after} kB ({:+} kB), open fds {fds_before} -> {fds_after}",
+        "soak replay: {} requests ({WARMUP} warm-up), concurrency {CONCURRENCY}: least VmRSS over requests \
+         {WARMUP}..{} ended {rss_before} kB, over {}..{} ended {rss_after} kB ({:+} kB); open fds {fds_before} -> \
+         {fds_after}",
         WARMUP + n,
+        WARMUP + n / 10,
+        WARMUP + n - n / 10 - CONCURRENCY,
+        WARMUP + n - CONCURRENCY,
         rss_after as i64 - rss_before as i64
     );
-    assert!(done_after >= done_before + n / 2, "the readings span most of the run");
     assert_eq!(fds_after, fds_before, "open file descriptors changed");
     assert!(
         rss_after <= rss_before + RSS_GROWTH_BOUND_KB,
         "VmRSS grew {} kB over {} requests (bound {RSS_GROWTH_BOUND_KB} kB)",
         rss_after - rss_before,
-        done_after - done_before
+        n - n / 10
     );
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
