@@ -197,8 +197,9 @@ pub struct DriveOutcome {
 /// released and (for every mode) all are completed, or `stop` is set. `release` hands a request to
 /// the runtime; `completions` delivers the ids of finished requests (completed or failed).
 ///
-/// Each released request is a copy of the selected one with `arrival_ms` replaced by its actual
-/// release time in milliseconds since `drive` started. Completions are drained while waiting for
+/// Each released request is the selected one (its prompt taken out of `sel`, which keeps the
+/// rest) with `arrival_ms` replaced by its actual release time in milliseconds since `drive`
+/// started. Completions are drained while waiting for
 /// the next release time, and `stop` is looked at least every [`STOP_POLL_INTERVAL`]; once it is
 /// set nothing more is released and `drive` returns with `stopped: true`. A completion for an id
 /// not in flight is ignored (with a warning). If every sender of `completions` is dropped, no
@@ -208,7 +209,7 @@ pub struct DriveOutcome {
 /// Bad parameters ([`ArrivalMode::validate`]) are degraded, never a panic: a negative, NaN or
 /// infinite `time_scale` counts as 0, `Concurrency(0)` as 1, a bad rate as "all at once".
 pub fn drive(
-    sel: &Selection,
+    sel: &mut Selection,
     mode: &ArrivalMode,
     mut release: impl FnMut(Request),
     completions: &Receiver<u64>,
@@ -247,7 +248,10 @@ pub fn drive(
                     break;
                 }
             }
-            let mut request = sel.requests[tally.released].clone();
+            // The selection gives each request's prompt up as it releases it, so what it holds
+            // shrinks as the workload is served and nothing of a request outlives its end here.
+            let selected = &mut sel.requests[tally.released];
+            let mut request = Request { prompt: std::mem::take(&mut selected.prompt), ..selected.clone() };
             request.arrival_ms = start.elapsed().as_secs_f64() * 1000.0;
             tally.note_release(request.id);
             release(request);
@@ -385,9 +389,10 @@ mod tests {
 
         /// Drives `sel` against this runtime, returning the outcome and the requests as released.
         fn drive(&self, sel: &Selection, mode: &ArrivalMode, stop: &AtomicBool) -> (DriveOutcome, Vec<Request>) {
+            let mut sel = sel.clone();
             let mut released = Vec::new();
             let outcome = drive(
-                sel,
+                &mut sel,
                 mode,
                 |request| {
                     let now_in_flight = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
@@ -559,7 +564,7 @@ mod tests {
     #[test]
     fn stop_ends_a_drive_waiting_for_completions_that_never_come() {
         let (_completion_sender, completions) = mpsc::channel::<u64>();
-        let sel = selection(&[0.0; 5]);
+        let mut sel = selection(&[0.0; 5]);
         let stop = AtomicBool::new(false);
         let started = Instant::now();
         let mut released = 0;
@@ -568,7 +573,7 @@ mod tests {
                 thread::sleep(Duration::from_millis(80));
                 stop.store(true, Ordering::Release);
             });
-            drive(&sel, &ArrivalMode::Concurrency(2), |_| released += 1, &completions, &stop)
+            drive(&mut sel, &ArrivalMode::Concurrency(2), |_| released += 1, &completions, &stop)
         });
         assert_eq!(outcome, DriveOutcome { released: 2, completed: 0, stopped: true });
         assert_eq!(released, 2);
@@ -579,17 +584,17 @@ mod tests {
     fn closed_completion_channel_ends_the_drive_instead_of_hanging() {
         let (completion_sender, completions) = mpsc::channel::<u64>();
         drop(completion_sender);
-        let sel = selection(&[0.0, 0.0]);
-        let outcome = drive(&sel, &ArrivalMode::Concurrency(1), |_| {}, &completions, &AtomicBool::new(false));
+        let mut sel = selection(&[0.0, 0.0]);
+        let outcome = drive(&mut sel, &ArrivalMode::Concurrency(1), |_| {}, &completions, &AtomicBool::new(false));
         assert_eq!(outcome, DriveOutcome { released: 1, completed: 0, stopped: false });
     }
 
     #[test]
     fn unknown_and_duplicate_completions_are_not_counted() {
         let (completion_sender, completions) = mpsc::channel::<u64>();
-        let sel = selection(&[0.0, 0.0]);
+        let mut sel = selection(&[0.0, 0.0]);
         let outcome = drive(
-            &sel,
+            &mut sel,
             &ArrivalMode::Concurrency(1),
             |request| {
                 completion_sender.send(99).unwrap();
@@ -605,9 +610,14 @@ mod tests {
     #[test]
     fn empty_selection_returns_at_once() {
         let (_completion_sender, completions) = mpsc::channel::<u64>();
-        let sel = select(Vec::new(), 0, None);
-        let outcome =
-            drive(&sel, &ArrivalMode::Rate { per_second: 1.0, seed: 0 }, |_| {}, &completions, &AtomicBool::new(false));
+        let mut sel = select(Vec::new(), 0, None);
+        let outcome = drive(
+            &mut sel,
+            &ArrivalMode::Rate { per_second: 1.0, seed: 0 },
+            |_| {},
+            &completions,
+            &AtomicBool::new(false),
+        );
         assert_eq!(outcome, DriveOutcome { released: 0, completed: 0, stopped: false });
     }
 }

@@ -3,20 +3,43 @@
 //! times its rank stamped on every token, on the clock all processes share), and a collector
 //! thread turns them into records, tells the driver which requests completed, and drives the
 //! progress bar. A request counts once, when it ends.
+//!
+//! A record lives here only while its request is in flight: when the request ends it is written
+//! to `requests.jsonl` ([`RecordsFile`]), folded into the report's figures ([`RunSummary`]) and
+//! `/metrics`' ([`MetricsTally`]), handed to `--verify`'s checker, and dropped — so what the
+//! collector holds is bounded by the requests in flight, not by those served. (One exception, for
+//! the order of a P/D request's events: a request whose decode pool reported its end before its
+//! prefill pool reported the handoff waits for that report.)
 
-use crate::report::RequestRecord;
+use super::verify::{Verifier, VerifyItem};
+use crate::report::{MetricsTally, RequestRecord, RunSummary};
 use indicatif::{ProgressBar, ProgressStyle};
+use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_operators::messages::{wall_ms, Event};
 use kvflow_operators::pool::emit::EventSink;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
+
+/// A request in flight: its record so far and how it samples (for `--verify`).
+struct Open {
+    record: RequestRecord,
+    sampling: RequestSampling,
+}
 
 pub struct Collector {
     /// `wall_ms` when the run started: record times are relative to it.
     start_ms: f64,
-    requests: HashMap<u64, RequestRecord>,
+    /// Requests released that have not ended.
+    open: HashMap<u64, Open>,
+    /// Requests ended whose prefill pool's handoff report is still to come (their decode pool
+    /// took the handoff and reported the end first).
+    awaiting_handoff: HashMap<u64, Open>,
+    /// Requests released so far.
+    released: usize,
     completions: Sender<u64>,
     bar: ProgressBar,
     tokens: u64,
@@ -29,6 +52,14 @@ pub struct Collector {
     ended: HashMap<String, (String, String)>,
     /// Who waits on a request as it runs (`kvflow serve`'s client connections).
     watchers: HashMap<u64, Watcher>,
+    /// The report's figures over the requests ended so far.
+    summary: RunSummary,
+    /// `/metrics`' counters and histograms, kept as requests are released, hand off and end.
+    metrics: MetricsTally,
+    /// Where ended records go (none in a run that writes no report).
+    file: Option<RecordsFile>,
+    /// `--verify`'s checker, when the run verifies.
+    verifier: Option<Verifier>,
 }
 
 /// What a request's watcher hears: its tokens as they stream out (`offset` is the index of the
@@ -53,7 +84,9 @@ impl Collector {
         );
         Arc::new(Mutex::new(Collector {
             start_ms: wall_ms(),
-            requests: HashMap::new(),
+            open: HashMap::new(),
+            awaiting_handoff: HashMap::new(),
+            released: 0,
             completions,
             bar,
             tokens: 0,
@@ -61,7 +94,19 @@ impl Collector {
             ended: HashMap::new(),
             watchers: HashMap::new(),
             total,
+            summary: RunSummary::default(),
+            metrics: MetricsTally::default(),
+            file: None,
+            verifier: None,
         }))
+    }
+
+    /// Writes each ended request's record into `file`, counts it against `slo` and has
+    /// `verifier` check it (call before the first release).
+    pub fn report_into(&mut self, file: Option<RecordsFile>, slo: crate::report::Slo, verifier: Option<Verifier>) {
+        self.file = file;
+        self.summary = RunSummary::new(slo);
+        self.verifier = verifier;
     }
 
     /// Notes that the run was interrupted now.
@@ -69,8 +114,17 @@ impl Collector {
         self.interrupted_ms.get_or_insert(wall_ms() - self.start_ms);
     }
 
-    /// The driver released a request into `pool`.
-    pub fn released(&mut self, id: u64, pool: &str, prompt: &[u32], max_output_tokens: usize, warmup: bool) {
+    /// The driver released a request into `pool`; it samples with `sampling` (`--verify`
+    /// replays it so).
+    pub fn released(
+        &mut self,
+        id: u64,
+        pool: &str,
+        prompt: &[u32],
+        max_output_tokens: usize,
+        warmup: bool,
+        sampling: RequestSampling,
+    ) {
         let record = RequestRecord {
             id,
             warmup,
@@ -82,7 +136,9 @@ impl Collector {
             prompt_tokens: prompt.to_vec(),
             ..Default::default()
         };
-        self.requests.insert(id, record);
+        self.metrics.released(&record);
+        self.open.insert(id, Open { record, sampling });
+        self.released += 1;
         if let Some((cause, message)) = self.ended.get(pool).cloned() {
             self.fail_open(pool, &cause, &message);
         }
@@ -96,46 +152,81 @@ impl Collector {
     /// Records a request's end, reported by `pool`.
     pub fn apply(&mut self, pool: &str, event: Event) {
         let id = event.id();
-        if let Event::Tokens { offset, tokens, .. } = event {
-            if let Some(watcher) = self.watchers.get_mut(&id) {
-                watcher(Progress::Tokens { offset, tokens });
+        match event {
+            Event::Tokens { offset, tokens, .. } => {
+                if let Some(watcher) = self.watchers.get_mut(&id) {
+                    watcher(Progress::Tokens { offset, tokens });
+                }
             }
-            return;
+            Event::HandedOff { rank, to, started_ms, t0_ms, bytes, preemptions, .. } => {
+                let handoff = Handoff { rank, to, started_ms, t0_ms, bytes, preemptions };
+                self.handed_off(pool, id, handoff);
+            }
+            Event::Received { taken_ms, .. } => {
+                let start = self.start_ms;
+                let Some(open) = self.open.get_mut(&id) else {
+                    return tracing::warn!(pool, request = id, "handoff taken for a request not in flight: dropped");
+                };
+                let r = &mut open.record;
+                r.received_ms = Some(taken_ms - start);
+                if let Some(t0) = r.t0_ms {
+                    self.metrics.transferred(r.warmup, taken_ms - start - t0);
+                }
+            }
+            Event::Finished { .. } | Event::Failed { .. } => self.end(pool, id, event),
         }
+    }
+
+    /// A prefill pool handed request `id` off: it moved on to the decode pool `to` (which may even
+    /// have reported its end already).
+    fn handed_off(&mut self, pool: &str, id: u64, h: Handoff) {
         let start = self.start_ms;
-        let Some(r) = self.requests.get_mut(&id) else {
-            tracing::warn!(pool, request = id, "event for a request that was never released: dropped");
-            return;
+        let Some(open) = self.open.get_mut(&id).or_else(|| self.awaiting_handoff.get_mut(&id)) else {
+            // A request its decode pool ended (failed, cancelled) before taking this handoff.
+            return tracing::debug!(pool, request = id, "handoff of a request already ended: not recorded");
         };
-        if let Event::HandedOff { rank, to, started_ms, t0_ms, bytes, preemptions, .. } = &event {
-            r.prefill_rank = Some(*rank);
-            // It moved on (the decode pool may even have reported its end already); a request
-            // that entered its decode pool first lists the prefill pool before it.
-            if !r.pools.iter().any(|p| p == pool) {
-                let at = r.pools.iter().position(|p| p == to).unwrap_or(r.pools.len());
-                r.pools.insert(at, pool.to_string());
-            }
-            if !r.pools.iter().any(|p| p == to) {
-                r.pools.push(to.clone());
-            }
-            r.prefill_started_ms = Some(started_ms - start);
-            r.t0_ms = Some(t0_ms - start);
-            r.handoff_bytes = *bytes;
-            // The prefill side's preemptions, added to the decode side's (now, if that ended first).
-            r.prefill_preemptions = *preemptions;
-            if r.ended_ms.is_some() {
-                r.preemptions += *preemptions;
-            }
-            return;
+        let r = &mut open.record;
+        r.prefill_rank = Some(h.rank);
+        // A request that entered its decode pool first lists the prefill pool before it.
+        if !r.pools.iter().any(|p| p == pool) {
+            let at = r.pools.iter().position(|p| *p == h.to).unwrap_or(r.pools.len());
+            r.pools.insert(at, pool.to_string());
         }
-        if let Event::Received { taken_ms, .. } = &event {
-            r.received_ms = Some(taken_ms - start);
-            return;
+        if !r.pools.iter().any(|p| *p == h.to) {
+            r.pools.push(h.to);
         }
+        r.prefill_started_ms = Some(h.started_ms - start);
+        let first = r.t0_ms.is_none();
+        r.t0_ms = Some(h.t0_ms - start);
+        r.handoff_bytes = h.bytes;
+        if first {
+            self.metrics.handed_off(r.warmup, h.bytes);
+            if let Some(received) = r.received_ms {
+                self.metrics.transferred(r.warmup, received - (h.t0_ms - start));
+            }
+        }
+        // The prefill side's preemptions, added to the decode side's (now, if that ended first).
+        r.prefill_preemptions = h.preemptions;
         if r.ended_ms.is_some() {
-            tracing::warn!(pool, request = id, "second end for a request: dropped");
-            return;
+            r.preemptions += h.preemptions;
         }
+        if let Some(done) = self.awaiting_handoff.remove(&id) {
+            self.retire(done);
+        }
+    }
+
+    /// Request `id` ended (`event` is its `Finished` or `Failed`): its record is completed, its
+    /// watcher and the driver hear of it, and it leaves (unless its handoff report is still to come).
+    fn end(&mut self, pool: &str, id: u64, event: Event) {
+        let start = self.start_ms;
+        let Some(mut open) = self.open.remove(&id) else {
+            return tracing::warn!(
+                pool,
+                request = id,
+                "end of a request not in flight (never released, or ended): dropped"
+            );
+        };
+        let r = &mut open.record;
         if !r.pools.iter().any(|p| p == pool) {
             r.pools.push(pool.to_string());
         }
@@ -157,7 +248,7 @@ impl Collector {
                 r.failure = Some(cause);
                 (tokens, token_times, started_ms)
             }
-            Event::HandedOff { .. } | Event::Received { .. } | Event::Tokens { .. } => unreachable!("handled above"),
+            Event::HandedOff { .. } | Event::Received { .. } | Event::Tokens { .. } => unreachable!("not an end"),
         };
         let arrival = r.arrival_ms;
         r.queue_ms = started_ms.map(|s| s - start - arrival);
@@ -177,6 +268,7 @@ impl Collector {
         };
         self.tokens += tokens.len() as u64;
         r.output_tokens = tokens;
+        self.metrics.ended(r);
         if let Some(mut watcher) = self.watchers.remove(&id) {
             watcher(Progress::Ended(Box::new(r.clone())));
         }
@@ -185,6 +277,26 @@ impl Collector {
         self.bar.set_message(format!("{:.0} tokens/s", self.tokens as f64 / secs));
         // The driver may be gone (stopped); nothing to tell then.
         let _ = self.completions.send(id);
+        if r.received_ms.is_some() && r.t0_ms.is_none() {
+            self.awaiting_handoff.insert(id, open);
+        } else {
+            self.retire(open);
+        }
+    }
+
+    /// A request whose record is complete leaves memory: written out, counted, handed to
+    /// `--verify`.
+    fn retire(&mut self, open: Open) {
+        let Open { record, sampling } = open;
+        self.summary.add(&record);
+        if let Some(verifier) = &self.verifier {
+            if record.error.is_none() && !record.output_tokens.is_empty() {
+                verifier.check(VerifyItem::of(&record, sampling));
+            }
+        }
+        if let Some(file) = &mut self.file {
+            file.push(&record);
+        }
     }
 
     /// `wall_ms` when the run started: record times are relative to it.
@@ -195,7 +307,7 @@ impl Collector {
     /// No request is released after this one (a server that stopped taking requests): the
     /// requests released so far are all the run has.
     pub fn no_more_releases(&mut self) {
-        self.total = self.requests.len();
+        self.total = self.released;
     }
 
     /// Pools that ended under a failure, with its message (what is released into one fails).
@@ -203,31 +315,36 @@ impl Collector {
         self.ended.iter().map(|(pool, (_, message))| (pool.clone(), message.clone())).collect()
     }
 
-    /// Every request's record so far (ended or not).
-    pub fn records(&self) -> impl Iterator<Item = &RequestRecord> {
-        self.requests.values()
+    /// `/metrics`' counters and histograms over the requests so far.
+    pub fn metrics(&self) -> &MetricsTally {
+        &self.metrics
     }
 
     /// How many requests released have not ended yet.
     pub fn open_count(&self) -> usize {
-        self.requests.values().filter(|r| r.ended_ms.is_none()).count()
+        self.open.len()
     }
 
     /// Requests released that have not ended yet.
     pub fn in_flight(&self) -> Vec<u64> {
-        let mut ids: Vec<u64> = self.requests.values().filter(|r| r.ended_ms.is_none()).map(|r| r.id).collect();
+        let mut ids: Vec<u64> = self.open.keys().copied().collect();
         ids.sort_unstable();
         ids
     }
 
-    /// How many requests released into `pool` have not ended yet.
-    /// Every request of the workload was released and has ended.
-    pub fn all_ended(&self) -> bool {
-        self.requests.len() >= self.total && self.requests.values().all(|r| r.ended_ms.is_some())
+    /// The entry pool request `id` went to, while it is in flight.
+    pub fn entry_pool_of(&self, id: u64) -> Option<&str> {
+        self.open.get(&id).map(|o| o.record.pool.as_str())
     }
 
+    /// Every request of the workload was released and has ended.
+    pub fn all_ended(&self) -> bool {
+        self.released >= self.total && self.open.is_empty()
+    }
+
+    /// How many requests released into `pool` have not ended yet.
     pub fn in_flight_in(&self, pool: &str) -> usize {
-        self.requests.values().filter(|r| r.ended_ms.is_none() && r.pools.last().is_some_and(|p| p == pool)).count()
+        self.open.values().filter(|o| o.record.pools.last().is_some_and(|p| p == pool)).count()
     }
 
     /// Ends request `id`, released into `pool`, before it entered the pool: it was refused at
@@ -259,17 +376,116 @@ impl Collector {
         }
     }
 
-    /// The requests not ended yet that `pick` picks.
+    /// The requests not ended yet that `pick` picks, in id order.
     fn open_where(&self, pick: impl Fn(&RequestRecord) -> bool) -> Vec<u64> {
-        self.requests.values().filter(|r| r.ended_ms.is_none() && pick(r)).map(|r| r.id).collect()
+        let mut ids: Vec<u64> = self.open.values().filter(|o| pick(&o.record)).map(|o| o.record.id).collect();
+        ids.sort_unstable();
+        ids
     }
 
-    /// Every request's record, in id order, and ends the progress bar.
-    pub fn finish(&mut self) -> Vec<RequestRecord> {
+    /// Takes `--verify`'s checker (the run's end joins it).
+    pub fn take_verifier(&mut self) -> Option<Verifier> {
+        self.verifier.take()
+    }
+
+    /// Ends the run's records: the requests still held (never ended, or waiting for a handoff
+    /// report) are counted and written too, `requests.jsonl` is flushed, and the progress bar
+    /// ends. Returns the run's figures.
+    pub fn finish(&mut self) -> std::io::Result<RunSummary> {
         self.bar.finish_and_clear();
-        let mut records: Vec<RequestRecord> = self.requests.drain().map(|(_, r)| r).collect();
-        records.sort_by_key(|r| r.id);
-        records
+        let mut held: Vec<Open> = self.open.drain().chain(self.awaiting_handoff.drain()).map(|(_, o)| o).collect();
+        held.sort_by_key(|o| o.record.id);
+        for open in held {
+            self.retire(open);
+        }
+        if let Some(file) = self.file.take() {
+            file.finish()?;
+        }
+        Ok(std::mem::take(&mut self.summary))
+    }
+}
+
+/// What a prefill pool reports of a handoff (`Event::HandedOff`).
+struct Handoff {
+    rank: usize,
+    to: String,
+    started_ms: f64,
+    t0_ms: f64,
+    bytes: u64,
+    preemptions: usize,
+}
+
+/// How many ended records may wait for an earlier request to end before `requests.jsonl` gives
+/// up its id order (a long request in a server that goes on serving).
+const MAX_WAITING_RECORDS: usize = 1024;
+
+/// `requests.jsonl`, written as requests end (buffered; flushed at the end), one line per
+/// request in id order: a record that ends before an earlier one waits, as its line, until the
+/// earlier one is written — at most [`MAX_WAITING_RECORDS`] of them; past that the oldest
+/// waiting goes out first (and the order is by end from there on for what it passed).
+pub struct RecordsFile {
+    path: PathBuf,
+    out: std::io::BufWriter<std::fs::File>,
+    /// The id the next line in order has.
+    next_id: u64,
+    waiting: BTreeMap<u64, String>,
+    /// The first write that failed (the run goes on; its end reports it).
+    error: Option<std::io::Error>,
+}
+
+impl RecordsFile {
+    /// Creates (or empties) `dir/requests.jsonl`.
+    pub fn create(dir: &Path) -> std::io::Result<RecordsFile> {
+        let path = dir.join("requests.jsonl");
+        let out = std::io::BufWriter::new(std::fs::File::create(&path)?);
+        Ok(RecordsFile { path, out, next_id: 0, waiting: BTreeMap::new(), error: None })
+    }
+
+    /// Writes `record`'s line, or keeps it until the requests before it have been written.
+    pub fn push(&mut self, record: &RequestRecord) {
+        let line = match serde_json::to_string(record) {
+            Ok(line) => line,
+            Err(e) => return self.failed(e.into()),
+        };
+        if record.id < self.next_id {
+            return self.write(&line);
+        }
+        self.waiting.insert(record.id, line);
+        if self.waiting.len() > MAX_WAITING_RECORDS {
+            if let Some((id, line)) = self.waiting.pop_first() {
+                self.next_id = id + 1;
+                self.write(&line);
+            }
+        }
+        while let Some(line) = self.waiting.remove(&self.next_id) {
+            self.next_id += 1;
+            self.write(&line);
+        }
+    }
+
+    fn write(&mut self, line: &str) {
+        if let Err(e) = self.out.write_all(line.as_bytes()).and_then(|()| self.out.write_all(b"\n")) {
+            self.failed(e);
+        }
+    }
+
+    fn failed(&mut self, e: std::io::Error) {
+        if self.error.is_none() {
+            tracing::error!(path = %self.path.display(), "cannot write a request's record: {e}");
+            self.error = Some(e);
+        }
+    }
+
+    /// Writes what still waits (in id order) and flushes; the first error of the run, if any.
+    pub fn finish(mut self) -> std::io::Result<()> {
+        for line in std::mem::take(&mut self.waiting).into_values() {
+            self.write(&line);
+        }
+        let flushed = self.out.flush();
+        match self.error.take() {
+            Some(e) => Err(std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display()))),
+            None => flushed.map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", self.path.display()))),
+        }
     }
 }
 

@@ -73,7 +73,7 @@ fn run(job: DriverJob) {
     let DriverJob {
         pools,
         placement,
-        selection,
+        mut selection,
         mode,
         collector,
         completions,
@@ -89,7 +89,7 @@ fn run(job: DriverJob) {
     let canceller_done = Arc::new(AtomicBool::new(false));
     let canceller = (cancel.fraction > 0.0).then(|| spawn_canceller(&entries, &due, epoch, &canceller_done));
     drive(
-        &selection,
+        &mut selection,
         &mode,
         |req: Request| {
             let id = req.id;

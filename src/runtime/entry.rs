@@ -1,7 +1,7 @@
 //! Where requests enter a run: its entry pools (the aggregated pools, the prefill pools of a
 //! disaggregated graph run in parts, or its decode pools with decode-first routing), which of them
-//! each request goes to ([`Placement`]), and where each went, so that its cancellation follows
-//! it. [`Entries::release`] and [`Entries::cancel`] are the one way a request enters and is
+//! each request goes to ([`Placement`]); a cancellation follows a request to the pool the
+//! collector's record of it names. [`Entries::release`] and [`Entries::cancel`] are the one way a request enters and is
 //! cancelled: the workload driver and a front end (`kvflow serve`) both go through them.
 
 use super::collector::{Collector, SharedCollector, Watcher};
@@ -11,8 +11,6 @@ use kvflow_kernels::hash;
 use kvflow_kernels::models::check_context;
 use kvflow_operators::messages::{Admission, AdmissionKind, Delivery};
 use kvflow_operators::pool::admit::Ingress;
-use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -80,8 +78,6 @@ pub struct Entries {
     max_context: Option<usize>,
     /// Requests released so far (refused ones too): the placement deals by it.
     released: AtomicUsize,
-    /// The entry pool (index) each request went to, by id.
-    placed: Mutex<HashMap<u64, usize>>,
 }
 
 impl Entries {
@@ -92,7 +88,7 @@ impl Entries {
         collector: SharedCollector,
         max_context: Option<usize>,
     ) -> Entries {
-        Entries { pools, placement, collector, max_context, released: AtomicUsize::new(0), placed: Default::default() }
+        Entries { pools, placement, collector, max_context, released: AtomicUsize::new(0) }
     }
 
     /// The collector every release is recorded with.
@@ -114,12 +110,18 @@ impl Entries {
         if let Some(watcher) = request.watcher {
             collector.watch(request.id, watcher);
         }
-        collector.released(request.id, &pool.name, &request.prompt, request.max_output_tokens, request.warmup);
+        collector.released(
+            request.id,
+            &pool.name,
+            &request.prompt,
+            request.max_output_tokens,
+            request.warmup,
+            request.sampling,
+        );
         if let Err(why) = check_context(self.max_context, request.prompt.len(), request.max_output_tokens) {
             collector.refuse(request.id, &pool.name, EXCEEDS_CONTEXT, why);
             return Ok(false);
         }
-        self.placed.lock().insert(request.id, index);
         drop(collector);
         pool.ingress.push(Admission {
             id: request.id,
@@ -135,20 +137,20 @@ impl Entries {
     }
 
     /// Cancels request `id` where it went: its entry pool, and the pools downstream of it that
-    /// it may have reached. A request never released (or forgotten) is left alone.
+    /// it may have reached. A request not in flight (never released, or ended) is left alone:
+    /// where each request went is the collector's record of it, which leaves with its end.
     pub fn cancel(&self, id: u64) {
-        if let Some(&index) = self.placed.lock().get(&id) {
-            let pool = &self.pools[index];
+        let index = {
+            let collector = self.collector.lock();
+            let Some(entered) = collector.entry_pool_of(id) else { return };
+            self.pools.iter().position(|p| p.name == entered)
+        };
+        if let Some(pool) = index.map(|i| &self.pools[i]) {
             pool.ingress.cancel(id);
             for other in &pool.also_cancel {
                 other.cancel(id);
             }
         }
-    }
-
-    /// Forgets where request `id` went (it ended: nothing is left to cancel).
-    pub fn forget(&self, id: u64) {
-        self.placed.lock().remove(&id);
     }
 
     /// Closes every entry pool's ingress: no more requests, and the pools end once what they hold

@@ -1,16 +1,16 @@
 //! The last phase of `kvflow run` ([`super::run`]): joins the pools, the collector, the watchdog
 //! and what released the requests; checks every rank's accounting (and the decode pools' in
-//! other processes); runs `--verify`; writes `report.json` and `requests.jsonl`; and says how
-//! the run went in its exit status.
+//! other processes); waits for `--verify` to check the last requests; ends `requests.jsonl` and
+//! writes `report.json` from the figures the collector folded as requests ended; and says how the
+//! run went in its exit status.
 
 use super::options::{RunOptions, RunOutcome, EXIT_ACCOUNTING, EXIT_FAILED_REQUESTS, EXIT_OK, EXIT_VERIFY_MISMATCH};
 use super::pool::{check_ranks, LinkTotals, PoolResult};
 use super::report::{run_report, RunContext};
 use super::serve;
 use super::start::{RunThreads, Running};
-use super::verify;
 use crate::graph::Graph;
-use crate::report::{write_outputs, RequestRecord, CANCELLED};
+use crate::report::write_report;
 use anyhow::{anyhow, Context, Result};
 use kvflow_operators::transfer::TcpLink;
 use std::sync::atomic::Ordering;
@@ -19,20 +19,25 @@ use std::time::{Duration, Instant};
 
 /// Waits for the run to end, checks and reports it.
 pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Instant) -> Result<RunOutcome> {
-    let Running { model, sampling, layouts, note, slo, collector, threads, kv_sampler, interrupted, links } = running;
+    let Running { model, layouts, note, collector, threads, kv_sampler, interrupted, links } = running;
     let results = join_all(threads, &links.remote_links)?;
     let (stats, mut accounting) = check_ranks(&results);
     accounting.extend(serve::unclaimed_handoffs(&links.inboxes));
     accounting.extend(serve::remote_failures(&links.remote_links));
-    let (records, interrupted_ms) = {
+    let (summary, interrupted_ms, verifier) = {
         let mut c = collector.lock();
-        (c.finish(), c.interrupted_ms)
+        let summary = c.finish().with_context(|| "cannot write requests.jsonl".to_string())?;
+        (summary, c.interrupted_ms, c.take_verifier())
     };
-    let verify = if opts.verify && accounting.is_empty() {
-        let reference = verify::reference_for(graph)?;
-        verify::verify(&model, reference, &records, &sampling, graph.scheduler.chunk_tokens, opts.show_progress)?
-    } else {
-        Default::default()
+    // A run whose end-of-run check failed reports no verification (as one that did not verify).
+    let verify = match verifier {
+        Some(verifier) => {
+            if opts.show_progress {
+                eprintln!("--verify: checking the last requests on the reference path");
+            }
+            verifier.finish(accounting.is_empty())?
+        }
+        None => Default::default(),
     };
     // A spread pool's other processes: what their links moved.
     let mut elsewhere = LinkTotals::default();
@@ -63,14 +68,14 @@ pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Insta
             .filter_map(|r| r.routing_index.clone().map(|(last, resyncs)| (r.name.clone(), last, resyncs)))
             .collect(),
     };
-    let mut report = run_report(&records, &slo, &verify, &context);
+    let mut report = run_report(&summary, &verify, &context);
     report["kv_usage"] = kv_sampler.join().map_err(|_| anyhow!("the KV sampler panicked"))?.into();
-    write_outputs(&graph.report_dir, &report, &records)
+    write_report(&graph.report_dir, &report)
         .with_context(|| format!("cannot write the report into {}", graph.report_dir.display()))?;
     if !accounting.is_empty() {
         eprintln!("end-of-run check failed:\n{}", accounting.join("\n"));
     }
-    let exit_code = exit_code(&report, &records, &accounting, verify.mismatched);
+    let exit_code = exit_code(&report, summary.warmup_failed, &accounting, verify.mismatched);
     drop(links); // the listeners live until the run is over
     Ok(RunOutcome { report: Some(report), out_dir: graph.report_dir.clone(), exit_code, note })
 }
@@ -94,9 +99,7 @@ fn join_all(threads: RunThreads, remote_links: &[Arc<TcpLink>]) -> Result<Vec<Po
 
 /// The run's exit status: an accounting failure first, then `--verify` mismatches, then failed
 /// requests (warmup ones included; cancelled ones are not failures).
-fn exit_code(report: &serde_json::Value, records: &[RequestRecord], accounting: &[String], mismatched: usize) -> i32 {
-    let warmup_failed =
-        records.iter().filter(|r| r.warmup && r.error.is_some() && r.failure.as_deref() != Some(CANCELLED)).count();
+fn exit_code(report: &serde_json::Value, warmup_failed: usize, accounting: &[String], mismatched: usize) -> i32 {
     let failed = report["failed"].as_u64().unwrap_or(0) + warmup_failed as u64;
     if !accounting.is_empty() {
         EXIT_ACCOUNTING

@@ -13,9 +13,7 @@ use crate::graph::{Graph, PoolConfig};
 use crate::registry::Registry;
 use crate::workload::Selection;
 use anyhow::{anyhow, bail, Result};
-use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::models::Model;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A run ready to start.
@@ -25,8 +23,6 @@ pub struct Prepared<'g> {
     pub model: Arc<Model>,
     /// The workload's requests (none when a front end releases them).
     pub selection: Selection,
-    /// How each request samples its tokens (`--verify` replays them the same way).
-    pub sampling: HashMap<u64, RequestSampling>,
     /// The longest request (prompt + output tokens) rank memory is planned for.
     pub largest: usize,
     /// One per pool, in the order of `pools`.
@@ -82,7 +78,9 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
         Some(_) => Selection { requests: Vec::new(), warmup: 0, measured: 0, note: None },
         None => load_workload(graph, model.vocab_size)?,
     };
-    let sampling = verify::sampling_of_requests(graph, &selection.requests, opts.verify)?;
+    // Refuses sampling the graph cannot run or `--verify` cannot replay (each request's own
+    // sampling travels with it from its release).
+    verify::sampling_of_requests(graph, &selection.requests, opts.verify)?;
     let max_wait = opts.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
     if let Some(why) = crate::workload::longest_wait_over(&selection, &arrival_mode(graph), max_wait) {
         bail!("{}: {why}", graph.path.display());
@@ -105,7 +103,7 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
         crate::report::check_output_dir(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     }
-    Ok(Prepared { pools, model, selection, sampling, largest, jobs, drives })
+    Ok(Prepared { pools, model, selection, largest, jobs, drives })
 }
 
 /// The longest request rank memory is planned for. Requests longer than the model's context are

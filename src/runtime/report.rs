@@ -2,8 +2,11 @@
 //! request counts once, when it ends), and `"pools": {NAME: {...}}` holds the same figures per
 //! pool beside what only a pool has (its ranks, executor, memory layout, steps, utilization).
 
+use super::collector::{RecordsFile, SharedCollector};
+use super::options::RunOptions;
+use super::verify::{reference_for, Verifier};
 use crate::graph::Graph;
-use crate::report::{summarize, RequestRecord, Slo, VerifySummary};
+use crate::report::{RunSummary, Slo, VerifySummary};
 use kvflow_kernels::models::Model;
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::rank::{RankStats, UtilizationSamples};
@@ -117,8 +120,28 @@ fn spec(stats: &[&RankStats]) -> Value {
     })
 }
 
+/// Sets up where the run's records go as its requests end: `requests.jsonl` in the report
+/// folder, the report's figures under the graph's SLO, and `--verify`'s checker.
+pub fn report_as_requests_end(
+    graph: &Graph,
+    opts: &RunOptions,
+    model: &std::sync::Arc<Model>,
+    collector: &SharedCollector,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let file = RecordsFile::create(&graph.report_dir)
+        .with_context(|| format!("cannot write requests.jsonl into {}", graph.report_dir.display()))?;
+    let verifier = match opts.verify {
+        true => Some(Verifier::spawn(model.clone(), reference_for(graph)?, graph.scheduler.chunk_tokens)?),
+        false => None,
+    };
+    let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
+    collector.lock().report_into(Some(file), slo, verifier);
+    Ok(())
+}
+
 /// The whole report.
-pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, ctx: &RunContext) -> Value {
+pub fn run_report(summary: &RunSummary, verify: &VerifySummary, ctx: &RunContext) -> Value {
     let g = ctx.graph;
     let all_stats: Vec<&RankStats> = ctx.stats.iter().flat_map(|(_, s)| s.iter()).collect();
     let layouts: Vec<MemoryLayout> = ctx.pools.iter().map(|p| p.2).collect();
@@ -161,33 +184,28 @@ pub fn run_report(records: &[RequestRecord], slo: &Slo, verify: &VerifySummary, 
     }
     let mut pools = Map::new();
     for (name, ranks, layout, executor) in ctx.pools {
-        let mine: Vec<&RequestRecord> = records.iter().filter(|r| r.pools.contains(name)).collect();
         let stats: Vec<&RankStats> = ctx.stats.iter().filter(|(n, _)| n == name).flat_map(|(_, s)| s.iter()).collect();
         let mut figures = json!({"ranks": ranks, "executor": executor, "memory": memory(layout)});
         figures.as_object_mut().expect("an object").extend(rank_figures(&stats));
         if g.offload.is_some() {
             figures.as_object_mut().expect("an object").insert("offload".into(), offload(&stats));
         }
-        pools.insert(name.clone(), summarize(&mine, slo, &verify.restricted_to(&mine), figures));
+        pools.insert(name.clone(), summary.pool_report(name, &verify.restricted_to(name), figures));
     }
     top.insert("pools".into(), Value::Object(pools));
     if !g.links.is_empty() {
         let backends: Vec<&str> = g.links.iter().map(|l| l.backend.name()).collect();
         let backend = if backends.windows(2).all(|w| w[0] == w[1]) { backends[0].to_string() } else { "mixed".into() };
-        top.insert("handoff".into(), handoff(records, &all_stats, &backend, ctx));
+        top.insert("handoff".into(), handoff(summary, &all_stats, &backend, ctx));
     }
-    summarize(&records.iter().collect::<Vec<_>>(), slo, verify, extra)
+    summary.report(verify, extra)
 }
 
 /// What the handoffs of a P/D run moved.
 /// Per handoff, its transfer time (T0 sampled → the decode rank took it) and bytes.
-fn handoff(records: &[RequestRecord], stats: &[&RankStats], backend: &str, ctx: &RunContext) -> Value {
-    let moved: Vec<&RequestRecord> = records.iter().filter(|r| r.t0_ms.is_some()).collect();
-    let timed: Vec<(f64, u64)> =
-        moved.iter().filter_map(|r| Some(((r.received_ms? - r.t0_ms?).max(0.0), r.handoff_bytes))).collect();
-    let times: Vec<f64> = timed.iter().map(|t| t.0).collect();
-    let (secs, bytes) = timed.iter().fold((0.0, 0u64), |(s, b), t| (s + t.0 / 1000.0, b + t.1));
-    let failed = records.iter().filter(|r| r.failure.as_deref().is_some_and(|c| c.starts_with("handoff"))).count();
+fn handoff(summary: &RunSummary, stats: &[&RankStats], backend: &str, ctx: &RunContext) -> Value {
+    let h = &summary.handoff;
+    let (secs, bytes) = (h.seconds, h.bytes);
     let mut v = json!({
         "backend": backend,
         "count": stats.iter().map(|s| s.handoffs_out).sum::<u64>(),
@@ -197,12 +215,12 @@ fn handoff(records: &[RequestRecord], stats: &[&RankStats], backend: &str, ctx: 
         "saved_bytes": stats.iter().map(|s| s.handoff_saved_bytes).sum::<u64>(),
         "local_prefills": stats.iter().map(|s| s.local_prefills).sum::<u64>(),
         "remote_prefills": stats.iter().map(|s| s.remote_prefills).sum::<u64>(),
-        "mean_ms": crate::report::summary(&times)["mean"],
-        "p99_ms": crate::report::summary(&times)["p99"],
+        "mean_ms": h.transfer.mean(),
+        "p99_ms": h.transfer.percentile(99.0),
         "gb_per_s": if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 },
-        "failed": failed,
+        "failed": h.failed,
         "stale_acks": stats.iter().map(|s| s.stale_acks).sum::<u64>(),
-        "requests_with_t0_from_prefill": moved.len(),
+        "requests_with_t0_from_prefill": h.moved,
     });
     let obj = v.as_object_mut().expect("an object");
     for (name, value) in &ctx.transfer {

@@ -15,9 +15,8 @@ use super::pool::{start_pool, PoolResult, RunningPool};
 use super::prepare::Prepared;
 use super::watchdog::{spawn_watchdog, Watch};
 use crate::graph::{Graph, PoolRole};
-use crate::report::{build_report, write_outputs, Slo};
+use crate::report::write_report;
 use anyhow::Result;
-use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::models::Model;
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::pool::admit::Ingress;
@@ -25,7 +24,7 @@ use kvflow_operators::pool::emit::EventSink;
 use kvflow_operators::transfer::{HandoffInbox, TcpConsumer, TcpLink, TransferCounters};
 use parking_lot::Mutex;
 use serde_json::json;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -36,11 +35,9 @@ use std::time::Duration;
 /// A run whose pools are running: what the last phase joins and reports.
 pub struct Running {
     pub model: Arc<Model>,
-    pub sampling: HashMap<u64, RequestSampling>,
     /// Per pool run: name, ranks, memory layout, executor.
     pub layouts: Vec<(String, usize, MemoryLayout, String)>,
     pub note: Option<String>,
-    pub slo: Slo,
     pub collector: SharedCollector,
     pub threads: RunThreads,
     pub kv_sampler: JoinHandle<Vec<serde_json::Value>>,
@@ -83,7 +80,7 @@ struct StartedPools {
 
 /// Starts everything: the pools, what releases their requests, and what watches them.
 pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result<Running> {
-    let Prepared { pools, model, selection, sampling, largest, jobs, .. } = prepared;
+    let Prepared { pools, model, selection, largest, jobs, .. } = prepared;
     let layouts = jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
     let note = selection.note.clone();
     if let Some(n) = &note {
@@ -95,6 +92,7 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     // ended (the watchdog waits on an idle pool only once they have).
     let total = if opts.front_end.is_some() { usize::MAX } else { selection.requests.len() };
     let collector = Collector::new(total, tx, opts.show_progress && opts.front_end.is_none());
+    super::report::report_as_requests_end(graph, opts, &model, &collector)?;
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     let mut wiring = wire(graph, opts, &pools, &model, &batches)?;
     // New requests enter the entry pools; the pools downstream of them close once every entry
@@ -116,21 +114,18 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     let sampled_gauges = started.gauges.clone();
     let releasing = Releasing { entries: started.entries, gauges: started.gauges, selection, largest, completions: rx };
     let releaser = start_releasing(graph, opts, &model, &collector, &interrupted, releasing)?;
-    let slo = Slo { ttft_ms: graph.slo.ttft_ms, tpot_ms: graph.slo.tpot_ms };
     let finished = Arc::new(AtomicBool::new(false));
     let run_start_ms = collector.lock().start_ms();
     let kv_sampler = spawn_kv_sampler(sampled_gauges, run_start_ms, finished.clone())?;
     // Pools whose computation has ended (their joiner says so).
     let ended_pools: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let watchdog = start_watchdog(graph, opts, started.watches, &collector, &ended_pools, &finished, slo)?;
+    let watchdog = start_watchdog(graph, opts, started.watches, &collector, &ended_pools, &finished)?;
     let ends = PoolEnds { upstream, downstream, remote_links: links.remote_links.clone(), ended_pools };
     let joiners = join_in_background(started.running, &collector, ends);
     Ok(Running {
         model,
-        sampling,
         layouts,
         note,
-        slo,
         collector,
         threads: RunThreads { collector: collector_thread, joiners, releaser, watchdog, finished },
         kv_sampler,
@@ -257,7 +252,6 @@ fn start_watchdog(
     collector: &SharedCollector,
     ended_pools: &Arc<Mutex<HashSet<String>>>,
     finished: &Arc<AtomicBool>,
-    slo: Slo,
 ) -> Result<Option<JoinHandle<()>>> {
     let stall_timeout = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
     if stall_timeout.is_zero() {
@@ -283,10 +277,11 @@ fn start_watchdog(
         move |diagnosis| {
             eprintln!("{diagnosis}");
             // Keep what completed: a partial report, marked stalled.
-            let records = stalled_collector.lock().finish();
-            let report =
-                build_report(&records, &slo, &Default::default(), json!({"stalled": true, "stall": diagnosis}));
-            if let Err(e) = write_outputs(&dir, &report, &records) {
+            let summary = stalled_collector.lock().finish();
+            let written = summary.and_then(|s| {
+                write_report(&dir, &s.report(&Default::default(), json!({"stalled": true, "stall": diagnosis})))
+            });
+            if let Err(e) = written {
                 eprintln!("cannot write the partial report: {e}");
             }
             std::process::exit(EXIT_STALL);

@@ -1,7 +1,8 @@
 //! `--verify` (DESIGN §11): every request, warmup included, is run again on the reference path —
 //! `kvflow generate` on that one request: no pools, no prefix cache, no transfer — and its tokens
 //! and the hash of the bit patterns of its logits at every sampled position are compared with the
-//! run's. Exact, because the executor is batch-invariant. Touches no report counter.
+//! run's. Exact, because the executor is batch-invariant. Touches no report counter. Each request
+//! is checked as it ends ([`Verifier`]), so none is held until the end of the run.
 //!
 //! The reference is the plain path of the executor the run used: the CPU reference math, or —
 //! for a graph whose pools run `cuda` — the CUDA executor's own plain path on the first pool's
@@ -10,11 +11,11 @@
 use crate::generate::{generate, GenerateOptions};
 use crate::report::{RequestRecord, VerifySummary};
 use anyhow::Result;
-use indicatif::{ProgressBar, ProgressStyle};
 use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_kernels::cuda::{DeviceModel, PlainRunner};
 use kvflow_kernels::models::Model;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Which plain path a run is checked against.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,13 +78,85 @@ pub fn sampling_of_requests(
     Ok(sampling)
 }
 
-pub fn verify(
+/// What `--verify` needs of one completed request: its prompt and outputs, the hash of its
+/// logits, how it sampled, and the pools it passed through (the report counts per pool).
+pub struct VerifyItem {
+    pub id: u64,
+    pub pools: Vec<String>,
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+    pub logits_hash: u64,
+    pub sampling: RequestSampling,
+}
+
+impl VerifyItem {
+    pub fn of(r: &RequestRecord, sampling: RequestSampling) -> VerifyItem {
+        VerifyItem {
+            id: r.id,
+            pools: r.pools.clone(),
+            prompt: r.prompt_tokens.clone(),
+            output: r.output_tokens.clone(),
+            logits_hash: r.logits_hash,
+            sampling,
+        }
+    }
+}
+
+/// `--verify`'s checker: a thread that runs each completed request on the reference path as the
+/// collector hands it over, so no record waits for the end of the run. On the CPU reference it
+/// checks while the run goes on, at a lower priority than the ranks; the CUDA reference (which
+/// takes the first pool's GPU) starts once the pools have ended, and its requests wait until then.
+pub struct Verifier {
+    items: std::sync::mpsc::Sender<VerifyItem>,
+    /// For the CUDA reference: whether to check at all, sent once the pools have ended.
+    go: Option<std::sync::mpsc::Sender<bool>>,
+    thread: std::thread::JoinHandle<Result<VerifySummary>>,
+}
+
+impl Verifier {
+    pub fn spawn(model: Arc<Model>, reference: Reference, chunk_tokens: usize) -> Result<Verifier> {
+        let (items, queue) = std::sync::mpsc::channel::<VerifyItem>();
+        let (go, wait) = std::sync::mpsc::channel::<bool>();
+        let deferred = matches!(reference, Reference::Cuda { .. });
+        let thread = std::thread::Builder::new().name("kvflow-verify".into()).spawn(move || {
+            if deferred && !wait.recv().unwrap_or(false) {
+                return Ok(VerifySummary::default());
+            }
+            if !deferred {
+                // SAFETY: setpriority(2) on the calling thread (who = 0 is this thread on Linux);
+                // it changes nothing but its scheduling priority, and a failure leaves it as is.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 10) };
+            }
+            check_all(&model, reference, queue, chunk_tokens)
+        })?;
+        Ok(Verifier { items, go: deferred.then_some(go), thread })
+    }
+
+    /// Hands a completed request over to be checked.
+    pub fn check(&self, item: VerifyItem) {
+        // The thread ends only when `finish` drops the sender, or on an error `finish` reports.
+        let _ = self.items.send(item);
+    }
+
+    /// Waits until every request handed over has been checked; `keep` false (the end-of-run check
+    /// failed) skips what is left and reports nothing.
+    pub fn finish(self, keep: bool) -> Result<VerifySummary> {
+        let Verifier { items, go, thread } = self;
+        drop(items);
+        if let Some(go) = go {
+            let _ = go.send(keep);
+        }
+        let summary = thread.join().map_err(|_| anyhow::anyhow!("the --verify thread panicked"))??;
+        Ok(if keep { summary } else { VerifySummary::default() })
+    }
+}
+
+/// Checks every request that comes on `queue` until its sender is gone.
+fn check_all(
     model: &Model,
     reference: Reference,
-    records: &[RequestRecord],
-    sampling: &HashMap<u64, RequestSampling>,
+    queue: std::sync::mpsc::Receiver<VerifyItem>,
     chunk_tokens: usize,
-    show_progress: bool,
 ) -> Result<VerifySummary> {
     let device = match reference {
         Reference::Cpu => None,
@@ -98,37 +171,30 @@ pub fn verify(
         None => None,
     };
     let mut summary = VerifySummary::default();
-    let bar = if show_progress { ProgressBar::new(records.len() as u64) } else { ProgressBar::hidden() };
-    bar.set_style(ProgressStyle::with_template("verify {bar:30} {pos}/{len}").expect("valid template"));
-    for r in records {
-        bar.inc(1);
-        if r.error.is_some() || r.output_tokens.is_empty() {
-            continue;
-        }
+    for r in queue {
         let (tokens, logits_hash) = match (&runner, &device) {
             (Some(runner), Some((_, _, block_size))) => {
-                let g = runner.generate(&r.prompt_tokens, r.output_tokens.len(), chunk_tokens, *block_size)?;
+                let g = runner.generate(&r.prompt, r.output.len(), chunk_tokens, *block_size)?;
                 (g.tokens, g.logits_hash)
             }
             _ => {
                 let opts = GenerateOptions {
-                    max_new_tokens: r.output_tokens.len(),
+                    max_new_tokens: r.output.len(),
                     chunk_tokens,
-                    sampling: sampling.get(&r.id).copied().unwrap_or_default(),
+                    sampling: r.sampling,
                     first_request_id: r.id,
                     ..Default::default()
                 };
-                let reference = generate(model, std::slice::from_ref(&r.prompt_tokens), &opts)?.remove(0);
+                let reference = generate(model, std::slice::from_ref(&r.prompt), &opts)?.remove(0);
                 (reference.tokens, reference.logits_hash)
             }
         };
-        summary.checked += 1;
-        if tokens != r.output_tokens || logits_hash != r.logits_hash {
-            summary.mismatched += 1;
-            summary.mismatched_ids.push(r.id);
-        }
-        summary.checked_ids.push(r.id);
+        summary.note(r.id, &r.pools, tokens == r.output && logits_hash == r.logits_hash);
     }
-    bar.finish_and_clear();
+    // Requests end in any order; the report lists mismatches by id.
+    summary.mismatched_ids.sort_unstable();
+    for pool in summary.by_pool.values_mut() {
+        pool.mismatched_ids.sort_unstable();
+    }
     Ok(summary)
 }

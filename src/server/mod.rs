@@ -343,7 +343,6 @@ impl Drop for CancelOnDrop {
             tracing::info!(request = self.id, "client gone before its request ended: cancelling it");
             self.server.cancel(self.id);
         }
-        self.server.job.entries.forget(self.id);
     }
 }
 
@@ -535,7 +534,7 @@ async fn prometheus(State(server): State<Arc<Server>>) -> Response {
             refused: &refused,
             draining: server.draining.load(Ordering::SeqCst),
         };
-        metrics::render(c.records(), &live)
+        metrics::render(c.metrics(), &live)
     };
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

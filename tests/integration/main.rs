@@ -30,5 +30,6 @@ mod sampling;
 mod seeded_models;
 mod serve;
 mod serve_access;
+mod soak;
 mod spec;
 mod structure;

@@ -57,6 +57,11 @@ impl Served {
         Served { child, address, stderr }
     }
 
+    /// The server process's id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     fn connect(&self) -> TcpStream {
         let s = TcpStream::connect(&self.address).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();

@@ -258,8 +258,18 @@ impl PrefixCache {
             freed += 1;
             let now = self.held(h);
             self.note(h, was, now);
+            self.drop_if_empty(h);
         }
         freed
+    }
+
+    /// Removes `h`'s entry once it holds neither a block nor a snapshot: the index holds what
+    /// the cache can hand out, so it stays as large as the rank's memory, not as the number of
+    /// distinct prefixes ever served.
+    fn drop_if_empty(&mut self, h: u64) {
+        if self.entries.get(&h).is_some_and(|e| e.block.is_none() && e.snapshot.is_none()) {
+            self.entries.remove(&h);
+        }
     }
 
     /// Frees the least recently used snapshot, if any. Returns whether one was freed.
@@ -273,6 +283,7 @@ impl PrefixCache {
                 snapshots.release(s);
                 let now = self.held(h);
                 self.note(h, was, now);
+                self.drop_if_empty(h);
                 true
             }
             None => false,
@@ -334,6 +345,22 @@ mod tests {
         assert_eq!(a[..2], b[..2]);
         assert_ne!(a[2], b[2]);
         assert_ne!(block_hashes(&[1, 2], 2, 1), block_hashes(&[1, 2], 2, 0));
+    }
+
+    #[test]
+    fn evicted_entries_leave_the_index_so_it_is_bounded_by_the_blocks() {
+        let mut pool = kvflow_kernels::kv::block_pool(4);
+        let mut cache = PrefixCache::new(true, false);
+        for prompt in 0..100u32 {
+            if pool.num_free() == 0 {
+                assert_eq!(cache.evict_blocks(1, &mut pool), 1);
+            }
+            let b = pool.allocate().unwrap();
+            cache.insert_block(block_hashes(&[prompt, prompt], 2, 0)[0], Some(b), &mut pool, 1);
+            pool.release(b); // only the cache holds it
+        }
+        assert_eq!(cache.len(), 4, "one entry per block held, not one per prefix ever seen");
+        cache.clear(&mut pool, &mut IdPool::new("state snapshots", 0));
     }
 
     #[test]
