@@ -63,7 +63,7 @@ pub fn render(tally: &MetricsTally, live: &Live) -> String {
     for (cause, n) in &tally.failures {
         o.sample("kvflow:request_failures_total", &format!("cause=\"{}\"", escape(cause)), *n as f64);
     }
-    o.family("kvflow:http_requests_refused_total", "counter", "Requests refused before entering a pool, by HTTP status (400 bad input, 404 unknown model, 429 queue full, 503 draining).");
+    o.family("kvflow:http_requests_refused_total", "counter", "Requests refused before entering a pool, by HTTP status (400 bad input, 401 missing or wrong API key, 404 unknown model, 408 body too slow, 413 body too large, 429 queue full, 503 draining).");
     for (status, n) in live.refused {
         o.sample("kvflow:http_requests_refused_total", &format!("status=\"{status}\""), *n as f64);
     }
