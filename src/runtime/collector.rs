@@ -213,6 +213,15 @@ impl Collector {
         self.requests.values().filter(|r| r.ended_ms.is_none()).count()
     }
 
+    /// How request `id` ended, in words, once it has (`None`: not ended, or never released).
+    pub fn end_of(&self, id: u64) -> Option<String> {
+        let r = self.requests.get(&id).filter(|r| r.ended_ms.is_some())?;
+        Some(match (&r.failure, &r.error) {
+            (Some(cause), Some(message)) => format!("failed with {cause}: {message}"),
+            _ => "completed".to_string(),
+        })
+    }
+
     /// Requests released that have not ended yet.
     pub fn in_flight(&self) -> Vec<u64> {
         let mut ids: Vec<u64> = self.requests.values().filter(|r| r.ended_ms.is_none()).map(|r| r.id).collect();

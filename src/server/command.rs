@@ -36,6 +36,9 @@ pub struct ServeArgs {
     /// Seconds without progress, with requests pending, before a pool is declared stalled (0: off).
     #[arg(long, default_value = "60", value_parser = crate::flags::seconds)]
     pub stall_timeout: Duration,
+    /// Test only: `NAME[=ARG]` sets one of the test switches, as `kvflow run --test-switch` does.
+    #[arg(long = "test-switch", hide = true, value_name = "NAME[=ARG]")]
+    pub test_switches: Vec<String>,
 }
 
 /// The text side of the model at `path`, if it has one: a GGUF file, or a folder with
@@ -62,7 +65,12 @@ pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result
     let address = format!("{}:{}", args.host, args.port);
     let listener =
         std::net::TcpListener::bind(&address).map_err(|e| anyhow!("--host/--port: cannot listen on {address}: {e}"))?;
+    let mut switches = kvflow_operators::rank::TestSwitches::default();
+    for spec in &args.test_switches {
+        switches.set_from(spec).map_err(|e| anyhow!("--test-switch: {e}"))?;
+    }
     let opts = RunOptions {
+        switches,
         interrupt: Some(interrupts.flag.clone()),
         grace: Some(args.grace_period),
         stall_timeout: Some(args.stall_timeout),

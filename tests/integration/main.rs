@@ -29,3 +29,4 @@ mod seeded_models;
 mod serve;
 mod spec;
 mod structure;
+mod watchdog;

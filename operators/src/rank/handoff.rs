@@ -118,6 +118,22 @@ impl Rank {
         }
     }
 
+    /// A prefill pool's request (index `index`, just queued) that can never fit this rank fails
+    /// at once, through [`Rank::fail`], so the decode rank that sent it here hears of it (the
+    /// link's abort) and stops awaiting its handoff; left to the scheduler, it would be dropped
+    /// with only an event to the collector, and that decode rank would wait for good. Returns
+    /// whether it failed.
+    pub(super) fn refuses_unfit_prefill(&mut self, index: usize) -> bool {
+        let seq = self.seqs.get(index);
+        if !seq.kind.is_producer() || self.switches.prefill_drops_unfit_silently {
+            return false;
+        }
+        let Some(why) = crate::policy::scheduler::never_fits(seq, &self.memory) else { return false };
+        let why = format!("{why}, in prefill pool {}", self.pool);
+        self.fail(index, self.step, "does-not-fit", why);
+        true
+    }
+
     /// A handoff admission: takes its handoff from the inbox and continues from T0 (the
     /// consumer's side), or fails it (missing, refused, cancelled while in transfer).
     fn take_handoff(&mut self, a: Admission) -> Option<Sequence> {

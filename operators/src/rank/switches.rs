@@ -88,6 +88,14 @@ pub struct TestSwitches {
     /// step pass (removes "collective alignment" for draft passes — the seed's hang: peers
     /// wait in the draft exchanges for a rank that never joins them).
     pub skip_draft_passes_without_samples: bool,
+    /// A prefill pool's request that can never fit its rank is dropped by the scheduler without
+    /// a word to the decode rank that sent it there (removes "an unfit prefill is refused at
+    /// the door": that decode rank then waits for a handoff that never comes).
+    pub prefill_drops_unfit_silently: bool,
+    /// The stall watchdog does not look at what a pool's ranks hold or await (removes its check
+    /// of a pool waiting on a request that already ended, or on anything once the workload
+    /// driver is done).
+    pub watchdog_ignores_what_pools_await: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -115,6 +123,8 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("drafter-successors-only-when-verifying", ""),
     ("widen-draft-buckets", ""),
     ("skip-draft-passes-without-samples", ""),
+    ("prefill-drops-unfit-silently", ""),
+    ("watchdog-ignores-what-pools-await", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -198,6 +208,8 @@ impl TestSwitches {
             "free-before-ack" => &mut self.free_before_ack,
             "export-admission-slot" => &mut self.export_admission_slot,
             "release-saves-early" => &mut self.release_saves_early,
+            "prefill-drops-unfit-silently" => &mut self.prefill_drops_unfit_silently,
+            "watchdog-ignores-what-pools-await" => &mut self.watchdog_ignores_what_pools_await,
             "skip-publishing-restored" => &mut self.skip_publishing_restored,
             "keep-rejected-state" => &mut self.keep_rejected_state,
             "drafter-successors-only-when-verifying" => &mut self.drafter_successors_only_when_verifying,

@@ -29,6 +29,7 @@ mod draft;
 mod policy_tests;
 mod running;
 
+pub(crate) use admit::never_fits;
 pub use config::{AdmissionPolicy, SchedulerConfig};
 pub use decision::{Chunk, StateOp, StepDecision};
 pub use draft::{propose_into, SpecConfig};
