@@ -26,6 +26,7 @@ use kvflow_operators::transfer::{HandoffInbox, TcpConsumer, TcpLink, TransferCou
 use parking_lot::Mutex;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
+use std::io::Write;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -291,7 +292,8 @@ fn start_watchdog(
         awaited,
         finished.clone(),
         move |diagnosis| {
-            eprintln!("{diagnosis}");
+            // Straight to the process's stderr: a test harness's capture would lose it at the exit.
+            let _ = writeln!(std::io::stderr(), "{diagnosis}");
             // Keep what completed: a partial report, marked stalled.
             let records = stalled_collector.lock().finish();
             let report =

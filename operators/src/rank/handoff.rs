@@ -118,19 +118,17 @@ impl Rank {
         }
     }
 
-    /// A prefill pool's request (index `index`, just queued) that can never fit this rank fails
-    /// at once, through [`Rank::fail`], so the decode rank that sent it here hears of it (the
-    /// link's abort) and stops awaiting its handoff; left to the scheduler, it would be dropped
-    /// with only an event to the collector, and that decode rank would wait for good. Returns
-    /// whether it failed.
-    pub(super) fn refuses_unfit_prefill(&mut self, index: usize) -> bool {
+    /// Test switch `prefill_drops_silently`: a prefill rank ends request `index` (just queued)
+    /// with an event to the collector but without the abort that would tell the decode rank that
+    /// sent it, as a rank that lost it would. Returns whether it did.
+    pub(super) fn drops_prefill_silently(&mut self, index: usize) -> bool {
         let seq = self.seqs.get(index);
-        if !seq.kind.is_producer() || self.switches.prefill_drops_unfit_silently {
+        if !seq.kind.is_producer() || self.switches.prefill_drops_silently != Some(seq.id) {
             return false;
         }
-        let Some(why) = crate::policy::scheduler::never_fits(seq, &self.memory) else { return false };
-        let why = format!("{why}, in prefill pool {}", self.pool);
-        self.fail(index, self.step, "does-not-fit", why);
+        let mut seq = self.seqs.remove(index);
+        self.memory.release(&mut seq);
+        self.fail_admission(seq.id, "dropped", "dropped by test switch prefill-drops-silently".into());
         true
     }
 

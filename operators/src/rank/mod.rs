@@ -289,7 +289,7 @@ impl Rank {
             seq.offload.chunk_digests = off.chunk_digests(&seq, &self.memory.layout);
         }
         let index = self.seqs.insert(seq);
-        if self.refuses_unfit_prefill(index) {
+        if self.drops_prefill_silently(index) {
             return;
         }
         // A prefix the store holds beyond what this rank's cache does is loaded first; the

@@ -88,10 +88,10 @@ pub struct TestSwitches {
     /// step pass (removes "collective alignment" for draft passes — the seed's hang: peers
     /// wait in the draft exchanges for a rank that never joins them).
     pub skip_draft_passes_without_samples: bool,
-    /// A prefill pool's request that can never fit its rank is dropped by the scheduler without
-    /// a word to the decode rank that sent it there (removes "an unfit prefill is refused at
-    /// the door": that decode rank then waits for a handoff that never comes).
-    pub prefill_drops_unfit_silently: bool,
+    /// A prefill pool's rank drops this request as it arrives: its end goes to the collector,
+    /// but no abort to the decode rank that sent it there, which then waits for a handoff that
+    /// never comes (provokes a pool waiting on a request the run already saw end).
+    pub prefill_drops_silently: Option<u64>,
     /// The stall watchdog does not look at what a pool's ranks hold or await (removes its check
     /// of a pool waiting on a request that already ended, or on anything once the workload
     /// driver is done).
@@ -123,7 +123,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("drafter-successors-only-when-verifying", ""),
     ("widen-draft-buckets", ""),
     ("skip-draft-passes-without-samples", ""),
-    ("prefill-drops-unfit-silently", ""),
+    ("prefill-drops-silently", "ID"),
     ("watchdog-ignores-what-pools-await", ""),
 ];
 
@@ -178,6 +178,7 @@ impl TestSwitches {
             "drop-cache-event-every" => self.drop_cache_event_every = Some(number(arg).map_err(bad)?),
             "swap-block-table-every" => self.swap_block_table_every = Some(number(arg).map_err(bad)?),
             "leak-blocks-of" => self.leak_blocks_of = Some(number(arg).map_err(bad)?),
+            "prefill-drops-silently" => self.prefill_drops_silently = Some(number(arg).map_err(bad)?),
             "slow-saves-ms" => self.slow_saves_ms = number(arg).map_err(bad)?,
             "slow-loads-ms" => self.slow_loads_ms = number(arg).map_err(bad)?,
             "cancel-at-stage" => self.cancel_at_stage.extend(cancellations(arg).map_err(bad)?),
@@ -208,7 +209,6 @@ impl TestSwitches {
             "free-before-ack" => &mut self.free_before_ack,
             "export-admission-slot" => &mut self.export_admission_slot,
             "release-saves-early" => &mut self.release_saves_early,
-            "prefill-drops-unfit-silently" => &mut self.prefill_drops_unfit_silently,
             "watchdog-ignores-what-pools-await" => &mut self.watchdog_ignores_what_pools_await,
             "skip-publishing-restored" => &mut self.skip_publishing_restored,
             "keep-rejected-state" => &mut self.keep_rejected_state,

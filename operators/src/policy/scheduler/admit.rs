@@ -105,7 +105,7 @@ impl Scheduler {
 
 /// Why a request can never run on this rank (its prompt and outputs need more KV blocks than
 /// the rank has), if so.
-pub(crate) fn never_fits(seq: &Sequence, mem: &RankMemory) -> Option<String> {
+fn never_fits(seq: &Sequence, mem: &RankMemory) -> Option<String> {
     let total = seq.prompt_len + seq.max_output_tokens;
     let needed = mem.blocks_for(total);
     (needed > mem.blocks.num_ids()).then(|| {

@@ -29,7 +29,6 @@ mod draft;
 mod policy_tests;
 mod running;
 
-pub(crate) use admit::never_fits;
 pub use config::{AdmissionPolicy, SchedulerConfig};
 pub use decision::{Chunk, StateOp, StepDecision};
 pub use draft::{propose_into, SpecConfig};
