@@ -5,7 +5,7 @@
 //! provokes such a pool: the prefill rank ends the request without the abort that tells its decode
 //! rank, which waits for its handoff for good; `watchdog-ignores-what-pools-await` removes the check.
 
-use crate::common::{records, repo, report};
+use crate::common::repo;
 use crate::runtime::{write_graph_with, HEAVY};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
