@@ -18,7 +18,7 @@ use kvflow_kernels::cpu::sampling::RequestSampling;
 use kvflow_operators::messages::{wall_ms, Event};
 use kvflow_operators::pool::emit::EventSink;
 use parking_lot::Mutex;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::Sender;
@@ -29,6 +29,10 @@ struct Open {
     record: RequestRecord,
     sampling: RequestSampling,
 }
+
+/// How many ends [`Collector::end_of`] remembers: far more than end within a stall timeout on
+/// any pool this runtime drives, a few hundred KB at most.
+pub const RECENT_ENDS: usize = 8192;
 
 pub struct Collector {
     /// `wall_ms` when the run started: record times are relative to it.
@@ -58,6 +62,12 @@ pub struct Collector {
     metrics: MetricsTally,
     /// Where ended records go (none in a run that writes no report).
     file: Option<RecordsFile>,
+    /// The last [`RECENT_ENDS`] requests that ended, with how (in words), oldest first: what the
+    /// stall watchdog asks of a request a pool still waits on, in memory bounded however long
+    /// the run.
+    recent_ends: VecDeque<u64>,
+    /// How each of `recent_ends` ended.
+    how_ended: HashMap<u64, String>,
     /// `--verify`'s checker, when the run verifies.
     verifier: Option<Verifier>,
 }
@@ -98,6 +108,8 @@ impl Collector {
             metrics: MetricsTally::default(),
             file: None,
             verifier: None,
+            recent_ends: VecDeque::new(),
+            how_ended: HashMap::new(),
         }))
     }
 
@@ -268,6 +280,17 @@ impl Collector {
         };
         self.tokens += tokens.len() as u64;
         r.output_tokens = tokens;
+        let how = match &r.failure {
+            Some(cause) => format!("failed with {cause}"),
+            None => "completed".to_string(),
+        };
+        if self.recent_ends.len() == RECENT_ENDS {
+            if let Some(oldest) = self.recent_ends.pop_front() {
+                self.how_ended.remove(&oldest);
+            }
+        }
+        self.recent_ends.push_back(id);
+        self.how_ended.insert(id, how);
         self.metrics.ended(r);
         if let Some(mut watcher) = self.watchers.remove(&id) {
             watcher(Progress::Ended(Box::new(r.clone())));
@@ -323,6 +346,12 @@ impl Collector {
     /// How many requests released have not ended yet.
     pub fn open_count(&self) -> usize {
         self.open.len()
+    }
+
+    /// How request `id` ended, in words, if it is among the last [`RECENT_ENDS`] to end (`None`:
+    /// not ended, never released here, or ended long before).
+    pub fn end_of(&self, id: u64) -> Option<&str> {
+        self.how_ended.get(&id).map(String::as_str)
     }
 
     /// Requests released that have not ended yet.

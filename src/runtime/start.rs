@@ -13,7 +13,7 @@ use super::links::{self, Wiring};
 use super::options::{RunOptions, EXIT_STALL, PROCESS_LOST};
 use super::pool::{start_pool, PoolResult, RunningPool};
 use super::prepare::Prepared;
-use super::watchdog::{spawn_watchdog, Watch};
+use super::watchdog::{spawn_watchdog, Awaited, Watch};
 use crate::graph::{Graph, PoolRole};
 use crate::report::write_report;
 use anyhow::Result;
@@ -24,7 +24,8 @@ use kvflow_operators::pool::emit::EventSink;
 use kvflow_operators::transfer::{HandoffInbox, TcpConsumer, TcpLink, TransferCounters};
 use parking_lot::Mutex;
 use serde_json::json;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
@@ -103,6 +104,7 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     let also_cancel = if decode_first { Vec::new() } else { downstream.clone() };
     let started = start_pools(graph, opts, &pools, jobs, &mut wiring, &batches, &also_cancel)?;
     drop(batches);
+    let ingresses = wiring.ingress.clone();
     let links = LinksOfRun {
         _listeners: std::mem::take(&mut wiring.listeners),
         remote_links: std::mem::take(&mut wiring.remote_links),
@@ -112,6 +114,8 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     };
     let interrupted = opts.interrupt.clone().unwrap_or_default();
     let sampled_gauges = started.gauges.clone();
+    let watched_pools: HashMap<_, _> =
+        started.gauges.iter().map(|(name, g)| (name.clone(), (g.clone(), ingresses[name].clone()))).collect();
     let releasing = Releasing { entries: started.entries, gauges: started.gauges, selection, largest, completions: rx };
     let releaser = start_releasing(graph, opts, &model, &collector, &interrupted, releasing)?;
     let finished = Arc::new(AtomicBool::new(false));
@@ -119,7 +123,14 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     let kv_sampler = spawn_kv_sampler(sampled_gauges, run_start_ms, finished.clone())?;
     // Pools whose computation has ended (their joiner says so).
     let ended_pools: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let watchdog = start_watchdog(graph, opts, started.watches, &collector, &ended_pools, &finished)?;
+    // What the watchdog reads of each pool beside timely's logs (test switch: nothing).
+    let awaited = (!opts.switches.watchdog_ignores_what_pools_await).then(|| Awaited {
+        pools: watched_pools,
+        collector: collector.clone(),
+        ended_pools: ended_pools.clone(),
+    });
+    let watched = (started.watches, awaited);
+    let watchdog = start_watchdog(graph, opts, watched, &collector, &ended_pools, &finished)?;
     let ends = PoolEnds { upstream, downstream, remote_links: links.remote_links.clone(), ended_pools };
     let joiners = join_in_background(started.running, &collector, ends);
     Ok(Running {
@@ -248,7 +259,7 @@ fn start_releasing(
 fn start_watchdog(
     graph: &Graph,
     opts: &RunOptions,
-    watches: Vec<(String, Watch)>,
+    (watches, awaited): (Vec<(String, Watch)>, Option<Awaited>),
     collector: &SharedCollector,
     ended_pools: &Arc<Mutex<HashSet<String>>>,
     finished: &Arc<AtomicBool>,
@@ -273,9 +284,11 @@ fn start_watchdog(
                 Some(pool) => collector.in_flight_in(pool),
             }
         },
+        awaited,
         finished.clone(),
         move |diagnosis| {
-            eprintln!("{diagnosis}");
+            // Straight to the process's stderr: a test harness's capture would lose it at the exit.
+            let _ = writeln!(std::io::stderr(), "{diagnosis}");
             // Keep what completed: a partial report, marked stalled.
             let summary = stalled_collector.lock().finish();
             let written = summary.and_then(|s| {

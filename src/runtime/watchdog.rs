@@ -4,7 +4,11 @@
 //! pending — or while it is mid-step (an operator past `admit` holds a capability) and the run has
 //! requests pending: a prefill pool works for requests its decode pool holds — or, once every
 //! request has ended, while the pool has not (it still waits for an ack, an abort or a remote
-//! prefill) — it prints who holds that pool back and the run ends with status 3.
+//! prefill) — it prints who holds that pool back and the run ends with status 3. So does a pool
+//! that waits on what the run no longer waits for ([`Awaited`]): a request its ranks hold or await
+//! that the collector already saw end (named, with how it ended), or its own end once its ingress
+//! is closed (the workload driver is done, or every pool upstream ended) — a server's run never
+//! has every request ended, so only this check sees such a pool there.
 //!
 //! The diagnosis is built from timely's logging, not from kvflow's bookkeeping:
 //! - `timely/reachability/u64` (worker 0): the tracker's source pointstamps, i.e. every
@@ -16,6 +20,9 @@
 //!   flushed event is not a park and that has flushed nothing for the timeout is stuck inside an
 //!   operator (its buffered events never flush).
 
+use super::collector::SharedCollector;
+use kvflow_operators::pool::admit::Ingress;
+use kvflow_operators::rank::RankGauges;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -224,9 +231,46 @@ impl Watch {
     }
 }
 
+/// What a pool may wait on that the run no longer waits for, read beside timely's logs: per pool,
+/// its ranks' gauges (the requests each holds or awaits, as its last `schedule` left them) and its
+/// ingress; the collector (which requests ended); the pools that ended.
+pub struct Awaited {
+    pub pools: HashMap<String, (Vec<Arc<RankGauges>>, Arc<Ingress>)>,
+    pub collector: SharedCollector,
+    pub ended_pools: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Awaited {
+    /// What pool `pool`, not ended yet, waits on in vain, in words (empty: nothing): each request
+    /// its ranks hold or await that the collector saw end, and its own end once its ingress is
+    /// closed.
+    pub fn in_vain(&self, pool: &str) -> Vec<String> {
+        let Some((gauges, ingress)) = self.pools.get(pool) else { return Vec::new() };
+        if self.ended_pools.lock().contains(pool) {
+            return Vec::new();
+        }
+        let mut ids: Vec<u64> = gauges.iter().flat_map(|g| g.awaited()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let collector = self.collector.lock();
+        let mut vain: Vec<String> = ids
+            .into_iter()
+            .filter_map(|id| collector.end_of(id).map(|end| format!("request {id}, which already ended ({end})")))
+            .collect();
+        if ingress.is_closed() {
+            vain.push(
+                "its own end: its ingress is closed (the workload driver is done, or every pool upstream ended)"
+                    .to_string(),
+            );
+        }
+        vain
+    }
+}
+
 /// Watches every pool of a run on a thread: when a pool has requests pending (`pending(Some(name))`)
 /// — or is in the middle of a step while the run has requests pending (`pending(None)`: a prefill
-/// pool works for requests its decode pool holds) — and none of its capabilities changed for
+/// pool works for requests its decode pool holds), or waits on what the run no longer waits for
+/// (`awaited`, unless `None`: [`Awaited::in_vain`]) — and none of its capabilities changed for
 /// `timeout`, calls `on_stall` with the diagnosis (the runtime's `pending(Some(name))` also counts
 /// a pool that has not ended once every request has) of every such pool (`on_stall` is expected to
 /// end the process). Ends when `done` is set.
@@ -234,6 +278,7 @@ pub fn spawn_watchdog(
     pools: Vec<(String, Watch)>,
     timeout: Duration,
     pending: impl Fn(Option<&str>) -> usize + Send + 'static,
+    awaited: Option<Awaited>,
     done: Arc<std::sync::atomic::AtomicBool>,
     on_stall: impl FnOnce(String) + Send + 'static,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
@@ -246,14 +291,20 @@ pub fn spawn_watchdog(
             let mut stalled = Vec::new();
             for ((name, watch), (since, seen)) in pools.iter().zip(quiet.iter_mut()) {
                 let change = watch.last_change();
-                let waited_on = pending(Some(name)) > 0 || (pending(None) > 0 && watch.mid_step());
+                let in_vain = awaited.as_ref().map_or_else(Vec::new, |a| a.in_vain(name));
+                let waited_on =
+                    !in_vain.is_empty() || pending(Some(name)) > 0 || (pending(None) > 0 && watch.mid_step());
                 if change != *seen || !waited_on {
                     *seen = change;
                     *since = Instant::now();
                     continue;
                 }
                 if since.elapsed() >= timeout && started.elapsed() >= timeout {
-                    stalled.push(format!("pool {name}: {}", watch.diagnose(since.elapsed(), timeout)));
+                    let mut text = format!("pool {name}: {}", watch.diagnose(since.elapsed(), timeout));
+                    for what in &in_vain {
+                        text.push_str(&format!("\n  pool {name} waits in vain on {what}"));
+                    }
+                    stalled.push(text);
                 }
             }
             if !stalled.is_empty() {

@@ -68,10 +68,10 @@ pub struct ServeArgs {
     /// refusals are logged at most once per 10 s, with their count).
     #[arg(long, default_value_t = 512, value_parser = max_connections)]
     pub max_connections: usize,
-    /// Test only: `NAME` removes one mechanism of the server's connection handling so a test
-    /// can show its check fails without it (src/server/access.rs, `ServeSwitches`: the field's
-    /// name with dashes). Repeatable.
-    #[arg(long = "test-switch", hide = true, value_name = "NAME", value_parser = check_test_switch)]
+    /// Test only: `NAME[=ARG]` removes one mechanism so a test can show its check fails without
+    /// it: one of the server's connection handling (src/server/access.rs, `ServeSwitches`) or one
+    /// of the ranks', as `kvflow run --test-switch` takes. Repeatable.
+    #[arg(long = "test-switch", hide = true, value_name = "NAME[=ARG]", value_parser = check_test_switch)]
     pub test_switches: Vec<String>,
     /// A file holding the chat template (Jinja, as Hugging Face's `chat_template`) to use in
     /// place of the model's own. Either is checked at startup on a small chat.
@@ -88,9 +88,13 @@ fn max_connections(text: &str) -> Result<usize, String> {
     Ok(value)
 }
 
-fn check_test_switch(name: &str) -> Result<String, String> {
-    ServeSwitches::default().set_from(name)?;
-    Ok(name.to_string())
+/// A `--test-switch` the server's connection handling or the ranks know.
+fn check_test_switch(spec: &str) -> Result<String, String> {
+    if ServeSwitches::default().set_from(spec).is_ok() {
+        return Ok(spec.to_string());
+    }
+    kvflow_operators::rank::TestSwitches::default().set_from(spec).map_err(|e| e.to_string())?;
+    Ok(spec.to_string())
 }
 
 impl ServeArgs {
@@ -103,8 +107,9 @@ impl ServeArgs {
             _ => return Err(anyhow!("--ssl-certfile and --ssl-keyfile go together")),
         };
         let mut switches = ServeSwitches::default();
+        // The others are the ranks' (`serve`).
         for name in &self.test_switches {
-            switches.set_from(name).map_err(|e| anyhow!("--test-switch: {e}"))?;
+            let _ = switches.set_from(name);
         }
         Ok(Access {
             api_key: self.api_key.clone(),
@@ -155,7 +160,12 @@ pub fn serve(args: ServeArgs, interrupts: &crate::signals::Interrupts) -> Result
     let address = format!("{}:{}", args.host, args.port);
     let listener =
         std::net::TcpListener::bind(&address).map_err(|e| anyhow!("--host/--port: cannot listen on {address}: {e}"))?;
+    let mut switches = kvflow_operators::rank::TestSwitches::default();
+    for spec in args.test_switches.iter().filter(|spec| ServeSwitches::default().set_from(spec).is_err()) {
+        switches.set_from(spec).map_err(|e| anyhow!("--test-switch: {e}"))?;
+    }
     let opts = RunOptions {
+        switches,
         interrupt: Some(interrupts.flag.clone()),
         grace: Some(args.grace_period),
         stall_timeout: Some(args.stall_timeout),

@@ -33,3 +33,4 @@ mod serve_access;
 mod soak;
 mod spec;
 mod structure;
+mod watchdog;

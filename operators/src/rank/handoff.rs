@@ -118,6 +118,20 @@ impl Rank {
         }
     }
 
+    /// Test switch `prefill_drops_silently`: a prefill rank ends request `index` (just queued)
+    /// with an event to the collector but without the abort that would tell the decode rank that
+    /// sent it, as a rank that lost it would. Returns whether it did.
+    pub(super) fn drops_prefill_silently(&mut self, index: usize) -> bool {
+        let seq = self.seqs.get(index);
+        if !seq.kind.is_producer() || self.switches.prefill_drops_silently != Some(seq.id) {
+            return false;
+        }
+        let mut seq = self.seqs.remove(index);
+        self.memory.release(&mut seq);
+        self.fail_admission(seq.id, "dropped", "dropped by test switch prefill-drops-silently".into());
+        true
+    }
+
     /// A handoff admission: takes its handoff from the inbox and continues from T0 (the
     /// consumer's side), or fails it (missing, refused, cancelled while in transfer).
     fn take_handoff(&mut self, a: Admission) -> Option<Sequence> {

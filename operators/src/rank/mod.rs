@@ -179,6 +179,9 @@ impl Rank {
             waiting: self.scheduler.num_waiting(),
             running: self.scheduler.num_running(),
         });
+        let remote_prefills = self.remote_prefill.iter().flat_map(|r| r.awaiting.keys());
+        let relayed = self.handoff_out.iter().filter_map(|o| o.relayed.as_ref()).flat_map(|r| r.awaited.iter());
+        g.set_awaited(self.seqs.iter().map(|s| s.id).chain(remote_prefills.chain(relayed).copied()));
     }
 
     /// Reports this rank's prefix cache (and offload tier) to the KV-aware routing index, as
@@ -286,6 +289,9 @@ impl Rank {
             seq.offload.chunk_digests = off.chunk_digests(&seq, &self.memory.layout);
         }
         let index = self.seqs.insert(seq);
+        if self.drops_prefill_silently(index) {
+            return;
+        }
         // A prefix the store holds beyond what this rank's cache does is loaded first; the
         // request is queued when its load completes.
         if !self.start_load(index) {

@@ -96,10 +96,14 @@ pub struct SpecStats {
 }
 
 /// A rank's memory and queues as its last `schedule` left them, read from other threads
-/// (`kvflow serve`'s `/metrics`). Relaxed stores once a step; nothing reads them back.
+/// (`kvflow serve`'s `/metrics`, the stall watchdog). Relaxed stores once a step; nothing reads
+/// them back.
 #[derive(Debug, Default)]
 pub struct RankGauges {
     values: [std::sync::atomic::AtomicUsize; 6],
+    /// The requests the rank holds or awaits (a remote prefill, a relayed end), by id: the
+    /// stall watchdog names those the run already saw end.
+    awaited: parking_lot::Mutex<Vec<u64>>,
 }
 
 /// One reading of [`RankGauges`].
@@ -118,6 +122,18 @@ impl RankGauges {
         let [used_blocks, total_blocks, used_slots, total_slots, waiting, running] =
             self.values.each_ref().map(|v| v.load(std::sync::atomic::Ordering::Relaxed));
         GaugeValues { used_blocks, total_blocks, used_slots, total_slots, waiting, running }
+    }
+
+    /// The requests the rank held or awaited at its last `schedule`.
+    pub fn awaited(&self) -> Vec<u64> {
+        self.awaited.lock().clone()
+    }
+
+    /// Replaces the requests the rank holds or awaits (the list's memory is reused).
+    pub fn set_awaited(&self, ids: impl Iterator<Item = u64>) {
+        let mut awaited = self.awaited.lock();
+        awaited.clear();
+        awaited.extend(ids);
     }
 
     pub fn set(&self, g: GaugeValues) {

@@ -98,6 +98,14 @@ pub struct TestSwitches {
     /// A decode pool in a process of its own never counts a vanished producer link as lost
     /// (removes peer loss: it waits for the stall timeout, and its requests are not cancelled).
     pub keep_vanished_producers: bool,
+    /// A prefill pool's rank drops this request as it arrives: its end goes to the collector,
+    /// but no abort to the decode rank that sent it there, which then waits for a handoff that
+    /// never comes (provokes a pool waiting on a request the run already saw end).
+    pub prefill_drops_silently: Option<u64>,
+    /// The stall watchdog does not look at what a pool's ranks hold or await (removes its check
+    /// of a pool waiting on a request that already ended, or on anything once the workload
+    /// driver is done).
+    pub watchdog_ignores_what_pools_await: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -128,6 +136,8 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("no-reschedule-after-giving-back-prefixes", ""),
     ("serve-any-producer", ""),
     ("keep-vanished-producers", ""),
+    ("prefill-drops-silently", "ID"),
+    ("watchdog-ignores-what-pools-await", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -181,6 +191,7 @@ impl TestSwitches {
             "drop-cache-event-every" => self.drop_cache_event_every = Some(number(arg).map_err(bad)?),
             "swap-block-table-every" => self.swap_block_table_every = Some(number(arg).map_err(bad)?),
             "leak-blocks-of" => self.leak_blocks_of = Some(number(arg).map_err(bad)?),
+            "prefill-drops-silently" => self.prefill_drops_silently = Some(number(arg).map_err(bad)?),
             "slow-saves-ms" => self.slow_saves_ms = number(arg).map_err(bad)?,
             "slow-loads-ms" => self.slow_loads_ms = number(arg).map_err(bad)?,
             "cancel-at-stage" => self.cancel_at_stage.extend(cancellations(arg).map_err(bad)?),
@@ -211,6 +222,7 @@ impl TestSwitches {
             "free-before-ack" => &mut self.free_before_ack,
             "export-admission-slot" => &mut self.export_admission_slot,
             "release-saves-early" => &mut self.release_saves_early,
+            "watchdog-ignores-what-pools-await" => &mut self.watchdog_ignores_what_pools_await,
             "skip-publishing-restored" => &mut self.skip_publishing_restored,
             "keep-rejected-state" => &mut self.keep_rejected_state,
             "drafter-successors-only-when-verifying" => &mut self.drafter_successors_only_when_verifying,
