@@ -140,9 +140,14 @@ impl Rank {
         let h = match taken {
             Taken::Handoff(h) => h,
             // Cancelled while in transfer: the producer reported it, and the abort answered the
-            // transfer.
-            Taken::Aborted => return None,
+            // transfer. The prefix blocks this rank kept for it go back (a cancel that came
+            // through `cancel_remote_prefill` gave them back already: then there are none).
+            Taken::Aborted => {
+                self.memory.release_reserved(a.id);
+                return None;
+            }
             Taken::Missing => {
+                self.memory.release_reserved(a.id);
                 self.fail_admission(a.id, "handoff-missing", "admitted as a handoff, but no handoff arrived".into());
                 return None;
             }
