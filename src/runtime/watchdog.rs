@@ -288,7 +288,8 @@ pub fn spawn_watchdog(
         let mut quiet: Vec<(Instant, Option<Instant>)> = vec![(Instant::now(), None); pools.len()];
         while !done.load(std::sync::atomic::Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(100));
-            let mut stalled = Vec::new();
+            // Quiet pools waited on: (pool, how long quiet, what it waits on in vain).
+            let mut quiet_now = Vec::new();
             for ((name, watch), (since, seen)) in pools.iter().zip(quiet.iter_mut()) {
                 let change = watch.last_change();
                 let in_vain = awaited.as_ref().map_or_else(Vec::new, |a| a.in_vain(name));
@@ -299,9 +300,20 @@ pub fn spawn_watchdog(
                     *since = Instant::now();
                     continue;
                 }
-                if since.elapsed() >= timeout && started.elapsed() >= timeout {
-                    let mut text = format!("pool {name}: {}", watch.diagnose(since.elapsed(), timeout));
-                    for what in &in_vain {
+                quiet_now.push((name, watch, since.elapsed(), in_vain));
+            }
+            // A pool stalls at the timeout; a pool that waits in vain is named beside it even if
+            // not quiet as long, since the stalled one may only wait behind it (a prefill pool
+            // waiting for its decode pool's end), so the diagnosis says what the run waits on.
+            let stalls = |quiet_for: Duration| quiet_for >= timeout && started.elapsed() >= timeout;
+            let mut stalled = Vec::new();
+            if quiet_now.iter().any(|(_, _, quiet_for, _)| stalls(*quiet_for)) {
+                for (name, watch, quiet_for, in_vain) in &quiet_now {
+                    if !stalls(*quiet_for) && in_vain.is_empty() {
+                        continue;
+                    }
+                    let mut text = format!("pool {name}: {}", watch.diagnose(*quiet_for, timeout));
+                    for what in in_vain {
                         text.push_str(&format!("\n  pool {name} waits in vain on {what}"));
                     }
                     stalled.push(text);
