@@ -7,13 +7,14 @@
 # every failed run.
 #   usage: tools/fault_matrix_loop.sh BINARY SECONDS OUT
 #   BINARY: the integration test binary (cargo test --locked --test integration --no-run prints it)
+#   CORES (environment, optional): the cores to use, as `seq` bounds "FIRST LAST"; all by default
 set -u
 bin=$1 dur=$2 out=$3
 mkdir -p "$out"
-n=$(nproc)
-echo "fault matrix loop: $n cores, kernel $(uname -r), $(date -u), $dur s" | tee "$out/summary.txt"
+cores=$(seq ${CORES:-0 $(($(nproc) - 1))})
+echo "fault matrix loop: cores $(echo $cores), kernel $(uname -r), $(date -u), $dur s, $bin" | tee "$out/summary.txt"
 busy=()
-for c in $(seq 0 $((n - 1))); do taskset -c "$c" sh -c 'while :; do :; done' & busy+=($!); done
+for c in $cores; do taskset -c "$c" sh -c 'while :; do :; done' & busy+=($!); done
 end=$(($(date +%s) + dur))
 worker() {
   local c=$1 k=0 last=0 first=0
@@ -42,7 +43,7 @@ worker() {
   done
 }
 workers=()
-for c in $(seq 0 $((n - 1))); do worker "$c" & workers+=($!); done
+for c in $cores; do worker "$c" & workers+=($!); done
 wait "${workers[@]}"
 kill "${busy[@]}"
 echo "ended $(date -u): $(grep -c 'rc 0,' "$out/summary.txt") passed, $(grep -c 'run .*: rc [1-9]' "$out/summary.txt") failed" | tee -a "$out/summary.txt"
