@@ -255,9 +255,10 @@ fn a_handoff_found_aborted_gives_back_the_prefix_blocks_its_decode_rank_kept_for
     assert!(h["saved_bytes"].as_u64().unwrap() > 0, "the decode rank kept prefix blocks: {h}");
     assert!(h["aborted"].as_u64().unwrap() > 0, "handoffs were aborted: {h}");
     // Whether the decode rank takes the admission before the abort reaches its inbox is a race
-    // (then the cancel finds it held, and frees it there): measured at this commit, 3 in 4 of
-    // these cancels were found aborted with their blocks kept, and all 15 runs with the switch
-    // leaked. A run in which none was is tried again, twice at most.
+    // (then the cancel finds the request held, and frees it there). Measured when this test was
+    // written, with the switch: of the 8 cancels, 2 to 8 were found aborted with their blocks
+    // kept, in each of 30 runs (10 of them beside two busy loops on the same 2 cores). A run in
+    // which none was is tried again, twice at most.
     let leaked = (0..3).find_map(|_| {
         let (_dir, report) = run_with(true);
         let lines: Vec<String> = report["accounting_errors"]
