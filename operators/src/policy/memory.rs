@@ -151,6 +151,11 @@ impl RankMemory {
         }
     }
 
+    /// The prefix blocks kept for each request whose handoff is awaited, by request.
+    pub fn reserved_prefixes(&self) -> impl Iterator<Item = (u64, &[BlockId])> {
+        self.reserved.iter().map(|(&id, blocks)| (id, blocks.as_slice()))
+    }
+
     /// Takes a reference on `blocks` for save `save`, which reads them in place.
     pub fn pin_for_save(&mut self, save: u64, blocks: &[BlockId]) {
         let pinned = blocks

@@ -143,11 +143,11 @@ impl Rank {
             // transfer. The prefix blocks this rank kept for it go back (a cancel that came
             // through `cancel_remote_prefill` gave them back already: then there are none).
             Taken::Aborted => {
-                self.memory.release_reserved(a.id);
+                self.give_back_reserved(a.id);
                 return None;
             }
             Taken::Missing => {
-                self.memory.release_reserved(a.id);
+                self.give_back_reserved(a.id);
                 self.fail_admission(a.id, "handoff-missing", "admitted as a handoff, but no handoff arrived".into());
                 return None;
             }
@@ -220,6 +220,35 @@ impl Rank {
             handoff_in.imports.insert(a.id, h);
         }
         Some(seq)
+    }
+
+    /// Request `id`'s handoff will not come (aborted, or missing): the prefix blocks this rank
+    /// kept for it go back, or they stay reserved for good, shrinking the rank's memory (test
+    /// switch `handoff_keeps_reserved_prefix_on_abort` keeps them).
+    fn give_back_reserved(&mut self, id: u64) {
+        if !self.switches.handoff_keeps_reserved_prefix_on_abort {
+            self.memory.release_reserved(id);
+        }
+    }
+
+    /// The accounting check's part for reserved prefixes (DESIGN §7): a decode rank keeps
+    /// prefix blocks only for a remote prefill it still awaits (reserved and awaited begin
+    /// together in `decide`, and end together when the handoff is taken, found aborted or
+    /// missing, or the request is cancelled). One line per request that keeps some without
+    /// awaiting its handoff: nothing will ever give them back.
+    pub(super) fn reserved_without_awaited_prefill(&self) -> Vec<String> {
+        let awaited = |id: &u64| self.remote_prefill.as_ref().is_some_and(|r| r.awaiting.contains_key(id));
+        self.memory
+            .reserved_prefixes()
+            .filter(|(id, _)| !awaited(id))
+            .map(|(id, blocks)| {
+                format!(
+                    "request {id} keeps {} prefix block(s) {blocks:?} reserved, but this rank no longer awaits \
+                     its handoff: leaked (nothing gives them back)",
+                    blocks.len()
+                )
+            })
+            .collect()
     }
 
     /// A prefill rank's request sampled T0: build its handoff from what the step exported, send

@@ -572,7 +572,8 @@ impl Rank {
     }
 
     /// The accounting check (DESIGN §7): every block, slot and snapshot is free or owned by a
-    /// live request, an in-flight step or the prefix cache. Run every time the pool parks with
+    /// live request, an in-flight step or the prefix cache, and prefix blocks are kept only for
+    /// handoffs the rank awaits. Run every time the pool parks with
     /// nothing in flight, and at the end of the run; what it finds is printed at once and fails
     /// the run at its end.
     pub fn check_accounting(&mut self, when: &str) {
@@ -581,6 +582,7 @@ impl Rank {
         let mut problems = self.memory.audit(&self.seqs, &restoring);
         let (bs, kv) = (self.memory.layout.block_size, self.memory.layout.keeps_kv);
         problems.extend(self.seqs.iter().filter_map(|s| s.check(bs, kv).err()));
+        problems.extend(self.reserved_without_awaited_prefill());
         for p in problems {
             let line = format!("pool {} rank {}, accounting check {when}: {p}", self.pool, self.index);
             tracing::error!("{line}");

@@ -106,6 +106,10 @@ pub struct TestSwitches {
     /// of a pool waiting on a request that already ended, or on anything once the workload
     /// driver is done).
     pub watchdog_ignores_what_pools_await: bool,
+    /// A decode rank that finds a handoff aborted or missing keeps the prefix blocks it reserved
+    /// for that request (removes their release: they stay reserved for good, and the accounting
+    /// check must name them).
+    pub handoff_keeps_reserved_prefix_on_abort: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -138,6 +142,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("keep-vanished-producers", ""),
     ("prefill-drops-silently", "ID"),
     ("watchdog-ignores-what-pools-await", ""),
+    ("handoff-keeps-reserved-prefix-on-abort", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -231,6 +236,7 @@ impl TestSwitches {
             "no-reschedule-after-giving-back-prefixes" => &mut self.no_reschedule_after_giving_back_prefixes,
             "serve-any-producer" => &mut self.serve_any_producer,
             "keep-vanished-producers" => &mut self.keep_vanished_producers,
+            "handoff-keeps-reserved-prefix-on-abort" => &mut self.handoff_keeps_reserved_prefix_on_abort,
             _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
         };
         *field = true;
