@@ -18,19 +18,19 @@ fn pool(ranks: usize, executor: &str, settings: &str) -> String {
     format!("[[pool]]\nname = \"main\"\nranks = {ranks}\nexecutor = \"{executor}\"\n{table}")
 }
 
+/// A graph in `dir` of `model` on `pools` over 10 requests of the head trace (and 2 of warm-up)
+/// at concurrency 8.
+fn ten_requests_on(dir: &Path, model: &str, pools: &str) -> std::path::PathBuf {
+    let workload = "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10";
+    write_graph_with(dir, model, "mooncake_conversation_head.jsonl", workload, "64 MiB", pools)
+}
+
 #[test]
 fn a_deferred_executor_gives_the_reference_outputs_on_every_family() {
     for model in FIXTURES {
         for settings in ["delay_steps = 1", "delay_steps = 3\njitter_steps = 2\nseed = 5"] {
             let dir = tempfile::tempdir().unwrap();
-            let graph = write_graph_with(
-                dir.path(),
-                model,
-                "mooncake_conversation_head.jsonl",
-                "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10",
-                "64 MiB",
-                &pool(2, "cpu-deferred", settings),
-            );
+            let graph = ten_requests_on(dir.path(), model, &pool(2, "cpu-deferred", settings));
             let what = format!("{model} on cpu-deferred ({})", settings.replace('\n', ", "));
             let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
             assert_exact(&report, &what);
@@ -253,14 +253,7 @@ fn full_verify_matrix() {
         for ranks in [1, 2, 4] {
             for (executor, settings) in executors {
                 let dir = tempfile::tempdir().unwrap();
-                let graph = write_graph_with(
-                    dir.path(),
-                    model,
-                    "mooncake_conversation_head.jsonl",
-                    "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10",
-                    "64 MiB",
-                    &pool(ranks, executor, settings),
-                );
+                let graph = ten_requests_on(dir.path(), model, &pool(ranks, executor, settings));
                 let r = run_graph(&graph, Overrides::default(), TestSwitches::default());
                 let name = format!("{executor} {}", settings.replace('\n', ", "));
                 let launched: u64 = r["launched_steps"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum();

@@ -223,6 +223,19 @@ pub fn first_line_after(lines: &Receiver<String>, prefix: &str, limit: Duration)
     }
 }
 
+/// A graph of one aggregated CPU rank on the Llama fixture (64 MiB of KV) for `kvflow serve`,
+/// written to `dir/serve.toml`: its `[serve]` table has `max_context = 4096` and `serve_lines`.
+pub fn one_llama_rank_to_serve(dir: &Path, serve_lines: &str) -> PathBuf {
+    let graph = format!(
+        "[model]\npath = \"{}\"\n\n[memory]\nbudget_bytes = \"64 MiB\"\n\n[[pool]]\nname = \"main\"\nrole = \"aggregated\"\n\
+         ranks = 1\nexecutor = \"cpu\"\n\n[serve]\n{serve_lines}max_context = 4096\n",
+        fixture("hf/llama").display()
+    );
+    let path = dir.join("serve.toml");
+    std::fs::write(&path, graph).unwrap();
+    path
+}
+
 /// How long [`Served::stop`] waits for `kvflow serve` to exit after SIGTERM.
 pub const SERVE_EXIT_BOUND: Duration = Duration::from_secs(120);
 

@@ -8,8 +8,8 @@
 //! killed by a signal as such. Each mechanism that can be switched off is, to show the failure.
 
 use crate::common::{
-    fixture, kill_and_reap, records, report, report_in, rest_of_stderr, stderr_lines, wait_within, wait_within_or_kill,
-    Served,
+    kill_and_reap, one_llama_rank_to_serve, records, report, report_in, rest_of_stderr, stderr_lines, wait_within,
+    wait_within_or_kill, Served,
 };
 use crate::processes::{start_decode_with, DecodeProcess, TCP_1P1D};
 use crate::runtime::{write_graph_with, HEAVY};
@@ -280,25 +280,13 @@ fn launch_reports_a_process_killed_by_a_signal_as_such() {
     assert!(log.contains("launch: the process of decode ended: killed by signal 9 (SIGKILL)"), "{log}");
 }
 
-/// A one-rank aggregated graph on the Llama fixture for `kvflow serve`.
-fn serve_graph(dir: &Path) -> std::path::PathBuf {
-    let graph = format!(
-        "[model]\npath = \"{}\"\n\n[memory]\nbudget_bytes = \"64 MiB\"\n\n[[pool]]\nname = \"main\"\nrole = \"aggregated\"\n\
-         ranks = 1\nexecutor = \"cpu\"\n\n[serve]\nmax_context = 4096\n",
-        fixture("hf/llama").display()
-    );
-    let path = dir.join("serve.toml");
-    std::fs::write(&path, graph).unwrap();
-    path
-}
-
 /// `kvflow serve` with a long stream in flight gets `signal`: the stream ends with `[DONE]`
 /// (cancelled after the grace period of 2 s), the report is written, and it exits 0, within
 /// 10 s.
 fn serve_drains_on(signal_number: i32) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let served = Served::start(&serve_graph(dir.path()), &out, &["--grace-period", "2"]);
+    let served = Served::start(&one_llama_rank_to_serve(dir.path(), ""), &out, &["--grace-period", "2"]);
     let body = r#"{"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true}"#;
     let mut reader = BufReader::new(served.send("POST", "/v1/completions", body));
     let mut line = String::new();

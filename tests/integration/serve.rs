@@ -6,7 +6,7 @@
 //! finds everything freed); SIGTERM lets in-flight requests finish; `/metrics` agrees with the
 //! report; the `openai` Python client and a Prometheus parser accept what the server says.
 
-use crate::common::{fixture, records_in, repo, report_in, Served, SERVE_EXIT_BOUND};
+use crate::common::{fixture, one_llama_rank_to_serve, records_in, repo, report_in, Served, SERVE_EXIT_BOUND};
 use crate::runtime::HEAVY;
 use kvflow::generate::{generate, GenerateOptions};
 use serde_json::{json, Value};
@@ -146,14 +146,7 @@ fn bad_bodies_get_a_400_naming_the_field() {
 
 /// A graph of one aggregated rank on the Llama fixture that takes one request at a time.
 fn one_at_a_time(dir: &Path) -> std::path::PathBuf {
-    let graph = format!(
-        "[model]\npath = \"{}\"\n\n[memory]\nbudget_bytes = \"64 MiB\"\n\n[[pool]]\nname = \"main\"\nrole = \"aggregated\"\n\
-         ranks = 1\nexecutor = \"cpu\"\n\n[serve]\nmax_requests = 1\nmax_context = 4096\n",
-        fixture("hf/llama").display()
-    );
-    let path = dir.join("one.toml");
-    std::fs::write(&path, graph).unwrap();
-    path
+    one_llama_rank_to_serve(dir, "max_requests = 1\n")
 }
 
 #[test]
