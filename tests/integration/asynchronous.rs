@@ -4,9 +4,9 @@
 //! for an older generation of a request is dropped and counted (and, without that check, corrupts
 //! another request's output); any rank wakes its parked pool.
 
-use crate::common::report;
+use crate::common::{records, report};
 use crate::common::{repo, FIXTURES};
-use crate::runtime::{assert_exact, ranks_used, request_lines, run_graph, write_graph_with, HEAVY};
+use crate::runtime::{assert_exact, kvflow_heavy, ranks_used, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_operators::rank::TestSwitches;
 use serde_json::Value;
@@ -18,9 +18,11 @@ fn pool(ranks: usize, executor: &str, settings: &str) -> String {
     format!("[[pool]]\nname = \"main\"\nranks = {ranks}\nexecutor = \"{executor}\"\n{table}")
 }
 
-fn run_cli(args: &[&str]) -> std::process::Output {
-    let _one_at_a_time = HEAVY.lock();
-    std::process::Command::new(env!("CARGO_BIN_EXE_kvflow")).args(args).output().unwrap()
+/// A graph in `dir` of `model` on `pools` over 10 requests of the head trace (and 2 of warm-up)
+/// at concurrency 8.
+fn ten_requests_on(dir: &Path, model: &str, pools: &str) -> std::path::PathBuf {
+    let workload = "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10";
+    write_graph_with(dir, model, "mooncake_conversation_head.jsonl", workload, "64 MiB", pools)
 }
 
 #[test]
@@ -28,14 +30,7 @@ fn a_deferred_executor_gives_the_reference_outputs_on_every_family() {
     for model in FIXTURES {
         for settings in ["delay_steps = 1", "delay_steps = 3\njitter_steps = 2\nseed = 5"] {
             let dir = tempfile::tempdir().unwrap();
-            let graph = write_graph_with(
-                dir.path(),
-                model,
-                "mooncake_conversation_head.jsonl",
-                "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10",
-                "64 MiB",
-                &pool(2, "cpu-deferred", settings),
-            );
+            let graph = ten_requests_on(dir.path(), model, &pool(2, "cpu-deferred", settings));
             let what = format!("{model} on cpu-deferred ({})", settings.replace('\n', ", "));
             let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
             assert_exact(&report, &what);
@@ -62,7 +57,7 @@ fn decoding_with_a_deferred_executor_takes_one_step_per_token() {
         let overrides = Overrides { max_output_tokens: Some(24), ..Default::default() };
         let report = run_graph(&graph, overrides, TestSwitches::default());
         assert_exact(&report, executor);
-        let line = &request_lines(&dir.path().join("out"))[0];
+        let line = &records(dir.path())[0];
         let (prompt, output) = (line["input_len"].as_u64().unwrap(), line["output_tokens"].as_array().unwrap().len());
         // The prompt in chunks of 64 (the last one samples the first token), then one decode per
         // further token: a step per token, never every other step.
@@ -112,7 +107,7 @@ fn two_pools_in_one_run_each_serve_part_of_the_trace_and_report_apart() {
     let blocks = |p: &Value| p["memory"]["blocks_per_rank"].as_u64().unwrap();
     assert!(blocks(b) < blocks(a), "pool b sizes its memory from its own budget");
     assert_eq!(report["memory"], Value::Null, "the pools' layouts differ: each is under its pool");
-    for line in request_lines(&dir.path().join("out")) {
+    for line in records(dir.path()) {
         let pool = line["pool"].as_str().unwrap().to_string();
         assert!(pool == "a" || pool == "b", "{line}");
         assert_eq!(line["pools"], serde_json::json!([pool]), "{line}");
@@ -146,11 +141,11 @@ fn the_accounting_check_names_a_leaked_block_when_the_pool_parks_and_at_the_end(
         &pool(1, "cpu", ""),
     );
     let (g, t) = (graph.to_string_lossy().to_string(), trace.to_string_lossy().to_string());
-    let clean = run_cli(&["run", &g, "--trace", &t]);
+    let clean = kvflow_heavy(&["run", &g, "--trace", &t]);
     assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
     let r = report(dir.path());
     assert!(r["accounting_checks"][0].as_u64().unwrap() >= 2, "checked at the park between the bursts and at the end");
-    let leaky = run_cli(&["run", &g, "--trace", &t, "--test-switch", "leak-blocks-of=0"]);
+    let leaky = kvflow_heavy(&["run", &g, "--trace", &t, "--test-switch", "leak-blocks-of=0"]);
     let stderr = String::from_utf8_lossy(&leaky.stderr);
     assert_eq!(leaky.status.code(), Some(4), "an accounting failure has its own exit status: {stderr}");
     let at_park: Vec<&str> = stderr.lines().filter(|l| l.contains("accounting check at park after step")).collect();
@@ -181,7 +176,7 @@ fn late_completions(dir: &Path, extra: &[&str]) -> Value {
     let mut args =
         vec!["run", &g, "--verify", "--test-switch", "cancel-at-stage=3:decoding,9:decoding,17:decoding,30:decoding"];
     args.extend_from_slice(extra);
-    let out = run_cli(&args);
+    let out = kvflow_heavy(&args);
     let r = report(dir);
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{}", String::from_utf8_lossy(&out.stderr));
     r
@@ -219,7 +214,7 @@ fn a_graph_of_pools_is_checked_key_by_key() {
         (format!("{}[pool.memory]\nbudget = 3\n", pool(1, "cpu", "")), vec!["pool.memory.budget", "unknown field"]),
     ] {
         let graph = write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", "", "64 MiB", &pools);
-        let out = run_cli(&["check", &graph.to_string_lossy()]);
+        let out = kvflow_heavy(&["check", &graph.to_string_lossy()]);
         crate::common::assert_clean_failure(&out, &needles);
     }
     let graph = write_graph_with(
@@ -231,7 +226,7 @@ fn a_graph_of_pools_is_checked_key_by_key() {
         &pool(1, "cpu", ""),
     );
     crate::common::assert_clean_failure(
-        &run_cli(&["check", &graph.to_string_lossy()]),
+        &kvflow_heavy(&["check", &graph.to_string_lossy()]),
         &["workload.pool_choice", "`seeded`, `round-robin`"],
     );
     let _ = repo();
@@ -258,14 +253,7 @@ fn full_verify_matrix() {
         for ranks in [1, 2, 4] {
             for (executor, settings) in executors {
                 let dir = tempfile::tempdir().unwrap();
-                let graph = write_graph_with(
-                    dir.path(),
-                    model,
-                    "mooncake_conversation_head.jsonl",
-                    "mode = \"concurrency\"\nconcurrency = 8\nwarmup = 2\nlimit = 10",
-                    "64 MiB",
-                    &pool(ranks, executor, settings),
-                );
+                let graph = ten_requests_on(dir.path(), model, &pool(ranks, executor, settings));
                 let r = run_graph(&graph, Overrides::default(), TestSwitches::default());
                 let name = format!("{executor} {}", settings.replace('\n', ", "));
                 let launched: u64 = r["launched_steps"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum();

@@ -223,11 +223,7 @@ fn requests_beyond_the_context_fail_at_admission_and_the_rest_are_served() {
     let t = trace_file(dir.path(), &[mooncake_line(0, 100, 4), mooncake_line(1, 9000, 4), mooncake_line(2, 60, 4)]);
     let out = kvflow(&["run", &g, "--trace", &t, "--block-tokens", "512", "--warmup", "0", "--verify"]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("out/requests.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = crate::common::records(dir.path());
     assert_eq!(lines.len(), 3);
     assert_eq!(lines[1]["failure"], "exceeds-context", "{}", lines[1]);
     assert!(lines[1]["error"].as_str().unwrap().contains("8192"));

@@ -123,21 +123,7 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     let mut rng = kvflow::bench::Lcg(9);
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 1000.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
-    // per element: one fma chain per chunk of 256 inputs, the chains added in order
-    let mut want = vec![0.0f32; m * n];
-    for r in 0..m {
-        for c in 0..n {
-            let mut total = 0.0f32;
-            for chunk in (0..k).step_by(256) {
-                let mut acc = 0.0f32;
-                for i in chunk..(chunk + 256).min(k) {
-                    acc = x[r * k + i].mul_add(w[c * k + i], acc);
-                }
-                total += acc;
-            }
-            want[r * n + c] = y0[r * n + c] + (total + bias[c]);
-        }
-    }
+    let want = chunked_chains(&x, &w, &bias, &y0, (m, n, k), |v| v);
     let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w).unwrap(), gpu.upload(&bias).unwrap());
     let args_for = |y: &kvflow_kernels::cuda::DeviceBuf<f32>| {
         [
@@ -179,20 +165,7 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
     ];
     gpu.launch("linear_split", (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks as u32), 256, 0, &split_args)
         .unwrap();
-    let y = gpu.upload(&y0).unwrap();
-    let sum_args = [
-        Arg::Ptr(y.ptr()),
-        Arg::Ptr(partial.ptr()),
-        Arg::Ptr(bd.ptr()),
-        Arg::I32(m as i32),
-        Arg::I32(n as i32),
-        Arg::I32(chunks as i32),
-        Arg::I64(n as i64),
-        Arg::I64(0),
-        Arg::I32(1),
-    ];
-    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum_args).unwrap();
-    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_split + linear_chunks_sum");
+    assert_chunks_sum(&gpu, &partial, &bd, &y0, (m, n, chunks), &want, "linear_split + linear_chunks_sum");
     // linear_narrow (outputs at most 256 wide): per element, lane l sums k = l, l + 32, … in
     // order, then the warp's shuffle-down tree adds the 32 partial sums
     let mut want = vec![0.0f32; m * n];
@@ -231,20 +204,7 @@ fn the_bf16_products_give_the_bits_of_their_chains_whole_and_split() {
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 997.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
     let widen = |v: f32| f32::from_bits((bf16_bits(v) as u32) << 16);
-    let mut want = vec![0.0f32; m * n];
-    for r in 0..m {
-        for c in 0..n {
-            let mut total = 0.0f32;
-            for chunk in (0..k).step_by(256) {
-                let mut acc = 0.0f32;
-                for i in chunk..(chunk + 256).min(k) {
-                    acc = widen(x[r * k + i]).mul_add(widen(w[c * k + i]), acc);
-                }
-                total += acc;
-            }
-            want[r * n + c] = y0[r * n + c] + (total + bias[c]);
-        }
-    }
+    let want = chunked_chains(&x, &w, &bias, &y0, (m, n, k), widen);
     let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
     let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w16).unwrap(), gpu.upload(&bias).unwrap());
     let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1);
@@ -275,11 +235,53 @@ fn the_bf16_products_give_the_bits_of_their_chains_whole_and_split() {
         Arg::I64(k as i64),
     ];
     gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split).unwrap();
-    let y = gpu.upload(&y0).unwrap();
-    let sum = [
+    assert_chunks_sum(&gpu, &partial, &bd, &y0, (m, n, chunks), &want, "linear_bf16_split + linear_chunks_sum");
+}
+
+/// What a linear kernel gives each element of the `m`×`n` output: `y0` plus (the sum, in chunk
+/// order, of one fma chain per chunk of 256 of the `k` inputs, plus `bias`); inputs and weights
+/// pass through `round` first (bf16 kernels round them).
+fn chunked_chains(
+    x: &[f32],
+    w: &[f32],
+    bias: &[f32],
+    y0: &[f32],
+    (m, n, k): (usize, usize, usize),
+    round: impl Fn(f32) -> f32,
+) -> Vec<f32> {
+    let mut want = vec![0.0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut total = 0.0f32;
+            for chunk in (0..k).step_by(256) {
+                let mut acc = 0.0f32;
+                for i in chunk..(chunk + 256).min(k) {
+                    acc = round(x[r * k + i]).mul_add(round(w[c * k + i]), acc);
+                }
+                total += acc;
+            }
+            want[r * n + c] = y0[r * n + c] + (total + bias[c]);
+        }
+    }
+    want
+}
+
+/// Runs linear_chunks_sum over a split product's `chunks` partial sums in `partial` (with `bias`)
+/// into a fresh upload of `y0`, and asserts the result has `want`'s bits.
+fn assert_chunks_sum(
+    gpu: &Gpu,
+    partial: &kvflow_kernels::cuda::DeviceBuf<f32>,
+    bias: &kvflow_kernels::cuda::DeviceBuf<f32>,
+    y0: &[f32],
+    (m, n, chunks): (usize, usize, usize),
+    want: &[f32],
+    what: &str,
+) {
+    let y = gpu.upload(y0).unwrap();
+    let args = [
         Arg::Ptr(y.ptr()),
         Arg::Ptr(partial.ptr()),
-        Arg::Ptr(bd.ptr()),
+        Arg::Ptr(bias.ptr()),
         Arg::I32(m as i32),
         Arg::I32(n as i32),
         Arg::I32(chunks as i32),
@@ -287,8 +289,8 @@ fn the_bf16_products_give_the_bits_of_their_chains_whole_and_split() {
         Arg::I64(0),
         Arg::I32(1),
     ];
-    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum).unwrap();
-    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16_split + linear_chunks_sum");
+    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &args).unwrap();
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(want), "{what}");
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -4,8 +4,8 @@
 //! moving; a withheld exchange is named by the watchdog; a missing expert result fails its
 //! request instead of adding a silent zero; the seed's regression configuration runs through.
 
-use crate::common::repo;
-use crate::runtime::{assert_exact, ranks_used, request_lines, run_graph, write_graph_with, HEAVY};
+use crate::common::{records, repo};
+use crate::runtime::{assert_exact, ranks_used, run_graph, write_graph_with, HEAVY};
 use kvflow::graph::{Graph, Overrides};
 use kvflow::runtime::{self, RunOptions};
 use kvflow_kernels::models::{load, load_expert_shard};
@@ -130,7 +130,7 @@ fn a_skewed_load_leaves_ranks_idle_for_many_steps_and_outputs_stay_identical() {
         write_graph_with(dir.path(), "hf/deepseek_v3", "mooncake_conversation_head.jsonl", workload, "64 MiB", &pools);
     let report = run_skewed(&graph, TestSwitches::default());
     assert_exact(&report, "skewed load");
-    let lines = request_lines(&dir.path().join("out"));
+    let lines = records(dir.path());
     let on_zero = lines.iter().filter(|r| r["rank"] == 0).count();
     assert!(on_zero * 4 >= lines.len() * 3, "most requests ran on rank 0: {on_zero} of {}", lines.len());
     for rank in 1..4 {
@@ -188,7 +188,7 @@ fn a_rank_that_lets_time_pass_without_its_results_fails_the_requests_that_lost_t
     let graph = stall_graph(dir.path());
     let switches = TestSwitches { send_no_expert_results: Some((1, 6, 0)), ..Default::default() };
     let report = run_graph(&graph, Overrides::default(), switches);
-    let lines = request_lines(&dir.path().join("out"));
+    let lines = records(dir.path());
     let failed: Vec<&Value> = lines.iter().filter(|r| !r["failure"].is_null()).collect();
     assert!(!failed.is_empty(), "requests whose tokens met rank 1's experts at step 6 fail");
     for r in &failed {

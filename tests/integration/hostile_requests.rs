@@ -5,14 +5,13 @@
 //! request within its budget while `/health` answers, and SIGTERM still drains; a seed of
 //! 2^64 − 1 is taken.
 
-use crate::common::fixture;
+use crate::common::{fixture, rest_of_stderr, serve_command, wait_within_or_kill, Served};
 use crate::runtime::HEAVY;
-use crate::serve::Served;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -228,27 +227,10 @@ fn a_template_that_loops_fails_its_request_while_health_answers_and_sigterm_drai
 /// Runs `kvflow serve` expecting it to refuse to start: its stderr (killed and failed if it is
 /// still running after 60 s).
 fn refused_serve(graph: &Path, out: &Path, args: &[&str]) -> String {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["serve", graph.to_str().unwrap(), "--port", "0", "--out", out.to_str().unwrap()])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            child.kill().unwrap();
-            let _ = child.wait();
-            panic!("kvflow serve {args:?} started with a broken chat template");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    let mut child = serve_command(graph, out, args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let status = wait_within_or_kill(&mut child, Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("kvflow serve {args:?} started with a broken chat template"));
+    let stderr = rest_of_stderr(&mut child);
     assert!(!status.success() && !stderr.contains("panicked"), "{status}: {stderr}");
     stderr
 }

@@ -10,9 +10,9 @@
 //! prefill pool spread over the two hosts hands off from each to a decode pool in a process of its
 //! own; losing the second host fails the requests it held or had handed off, naming it.
 
-use crate::common::{records, report};
+use crate::common::{first_line_after, kill_and_reap, records, report, stderr_lines};
+use crate::processes::DECODE_LISTENING;
 use crate::runtime::{write_graph_with, HEAVY};
-use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -183,21 +183,13 @@ fn start_decode_on(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    let pipe = child.stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            eprintln!("[decode host] {line}");
-            let _ = tx.send(line);
-        }
-    });
-    let listening = |line: &String| line.starts_with("decode pool `decode` listening on ");
-    let line = rx.iter().find(listening).unwrap_or_else(|| {
-        let _ = child.kill();
+    let lines = stderr_lines(&mut child, |line| eprintln!("[decode host] {line}"));
+    let address = first_line_after(&lines, DECODE_LISTENING, Duration::from_secs(60)).unwrap_or_else(|| {
+        kill_and_reap(&mut child);
         panic!("the decode host's process never listened")
     });
-    assert!(line.contains(&hosts.addresses[host]), "it listens on host {host}'s address: {line}");
-    (child, rx)
+    assert!(address.contains(&hosts.addresses[host]), "it listens on host {host}'s address: {address}");
+    (child, lines)
 }
 
 /// The decode pool's process on host 1, once it listens.

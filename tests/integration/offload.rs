@@ -4,8 +4,8 @@
 //! any rank of any pool of the same layout; a restored prefix is published in the rank's prefix
 //! cache; a failing or damaged store never loses a request or a block.
 
-use crate::common::{load, repo};
-use crate::runtime::{assert_exact, request_lines, run_graph, write_graph_with};
+use crate::common::{load, records, repo};
+use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_kernels::models::{LogitsWanted, Model, SeqInput};
 use kvflow_operators::offload::{chunk_digests, decode_object};
@@ -63,7 +63,7 @@ fn compare_store(dir: &Path, store: &Path, model: &Model) -> (usize, usize) {
         .collect();
     let (mut checked, mut differ) = (0, 0);
     let mut seen = std::collections::HashSet::new();
-    for line in request_lines(&dir.join("out")) {
+    for line in records(dir) {
         let prompt: Vec<u32> =
             line["prompt_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
         let stored: Vec<(usize, &PathBuf)> = chunk_digests(&prompt, CHUNK, 0)
@@ -483,8 +483,7 @@ fn dropped_saves_are_logged_a_few_times_then_counted() {
     let out = crate::common::kvflow(&["run", &graph.to_string_lossy(), "--limit", "16"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let report: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/report.json")).unwrap()).unwrap();
+    let report = crate::common::report(dir.path());
     let dropped = report["offload"]["dropped_saves"].as_u64().unwrap();
     assert!(dropped > 20, "every save is dropped: {}", report["offload"]);
     let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("offload:") && l.contains("dropped")).collect();

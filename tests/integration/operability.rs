@@ -2,15 +2,10 @@
 //! requests' outputs unchanged; a workload can cancel a seeded fraction; Ctrl-C ends a replay
 //! within its grace period with a valid partial report.
 
-use crate::common::repo;
-use crate::common::{records, report};
+use crate::common::{kvflow, records, repo, report, wait_within_or_kill};
 use crate::runtime::write_graph;
 use std::path::Path;
 use std::time::{Duration, Instant};
-
-fn run_cli(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_kvflow")).args(args).output().unwrap()
-}
 
 #[test]
 fn cancelling_at_each_stage_frees_everything_and_leaves_the_others_exact() {
@@ -30,7 +25,7 @@ fn cancelling_at_each_stage_frees_everything_and_leaves_the_others_exact() {
             .replace("max_running = 16", "max_running = 2")
             .replace("chunk_tokens = 64", "chunk_tokens = 16");
         std::fs::write(&graph, text).unwrap();
-        let out = run_cli(&[
+        let out = kvflow(&[
             "run",
             &graph.to_string_lossy(),
             "--ranks",
@@ -73,7 +68,7 @@ fn a_workload_cancels_a_seeded_fraction_of_its_requests() {
         "mode = \"concurrency\"\nconcurrency = 8\nlimit = 30\ncancel_fraction = 0.3\ncancel_after_ms = 2",
         "64 MiB",
     );
-    let out = run_cli(&["run", &graph.to_string_lossy(), "--verify"]);
+    let out = kvflow(&["run", &graph.to_string_lossy(), "--verify"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r = report(dir.path());
     let cancelled = r["cancelled"].as_u64().unwrap();
@@ -112,13 +107,8 @@ fn interrupt_with(signal: &str, exit_status: i32) {
     let status =
         std::process::Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap();
     assert!(status.success());
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(sent.elapsed() < Duration::from_secs(30), "still running 30 s after SIG{signal}");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_within_or_kill(&mut child, Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("still running 30 s after SIG{signal}"));
     let took = sent.elapsed();
     assert!(
         took < Duration::from_secs_f64(grace_s + 5.0),
@@ -173,7 +163,7 @@ fn the_stall_diagnosis_names_the_operator_rank_and_step_holding_the_pool() {
         let hold = format!("hold-capability={operator}:{rank}:{step}");
         let started = Instant::now();
         let out =
-            run_cli(&["run", &graph.to_string_lossy(), "--ranks", "3", "--stall-timeout", "2", "--test-switch", &hold]);
+            kvflow(&["run", &graph.to_string_lossy(), "--ranks", "3", "--stall-timeout", "2", "--test-switch", &hold]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{hold}: a stall exits with status 3: {stderr}");
         assert!(started.elapsed() < Duration::from_secs(30));
@@ -192,11 +182,11 @@ fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
     let dir = tempfile::tempdir().unwrap();
     let graph = stall_graph(dir.path());
     let g = graph.to_string_lossy().to_string();
-    let with = run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "5"]);
+    let with = kvflow(&["run", &g, "--ranks", "3", "--stall-timeout", "5"]);
     assert!(with.status.success(), "{}", String::from_utf8_lossy(&with.stderr));
     assert_eq!(report(dir.path())["completed"], 30);
     let without =
-        run_cli(&["run", &g, "--ranks", "3", "--stall-timeout", "3", "--test-switch", "align-without-waiting"]);
+        kvflow(&["run", &g, "--ranks", "3", "--stall-timeout", "3", "--test-switch", "align-without-waiting"]);
     // Which failure comes first is a race between the ranks' plans: the watchdog ends a pool
     // whose ranks wait on each other (status 3), or the run drains and the end-of-run check names
     // the requests a rank still holds (status 4). Either way the run fails and requests are lost.
@@ -214,7 +204,7 @@ fn without_collective_alignment_requests_are_lost_and_the_pool_stalls() {
 fn the_watchdog_notices_a_worker_stuck_inside_an_operator() {
     let dir = tempfile::tempdir().unwrap();
     let graph = stall_graph(dir.path());
-    let out = run_cli(&[
+    let out = kvflow(&[
         "run",
         &graph.to_string_lossy(),
         "--ranks",
@@ -234,7 +224,7 @@ fn a_run_refused_at_its_checks_leaves_no_report_folder() {
     let dir = tempfile::tempdir().unwrap();
     let graph = write_graph(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", "ignore_eos = false", "64 MiB");
     let out = dir.path().join("nested/out");
-    let run = run_cli(&["run", &graph.to_string_lossy(), "--out", &out.to_string_lossy()]);
+    let run = kvflow(&["run", &graph.to_string_lossy(), "--out", &out.to_string_lossy()]);
     crate::common::assert_clean_failure(&run, &["ignore_eos = false"]);
     assert!(!dir.path().join("nested").exists(), "a refused run made {}", out.display());
     // Refused later, at its model: a folder that is not a checkpoint.
@@ -243,7 +233,7 @@ fn a_run_refused_at_its_checks_leaves_no_report_folder() {
     std::fs::create_dir(&not_a_model).unwrap();
     let args =
         ["run", &graph.to_string_lossy(), "--out", &out.to_string_lossy(), "--model", &not_a_model.to_string_lossy()];
-    crate::common::assert_clean_failure(&run_cli(&args), &["cannot load model"]);
+    crate::common::assert_clean_failure(&kvflow(&args), &["cannot load model"]);
     assert!(!dir.path().join("nested").exists(), "a refused run made {}", out.display());
 }
 
@@ -259,7 +249,7 @@ fn compare_checks_every_graph_before_it_runs_the_first() {
     let args =
         ["compare", &good.to_string_lossy(), &bad.to_string_lossy(), "--limit", "2", "--out", &cmp.to_string_lossy()];
     let started = Instant::now();
-    let out = run_cli(&args);
+    let out = kvflow(&args);
     let stderr =
         crate::common::assert_clean_failure(&out, &["no-model.toml", "model.path", "/nonexistent/kvflow/model"]);
     assert!(!stderr.contains("== "), "a graph ran before the second was checked: {stderr}");

@@ -7,10 +7,13 @@
 //! `launch` passes the signal on to its processes (none is left running) and reports a process
 //! killed by a signal as such. Each mechanism that can be switched off is, to show the failure.
 
-use crate::common::{fixture, records, report};
+use crate::common::{
+    kill_and_reap, one_llama_rank_to_serve, records, report, report_in, rest_of_stderr, stderr_lines, wait_within,
+    wait_within_or_kill, Served,
+};
 use crate::processes::{start_decode_with, DecodeProcess, TCP_1P1D};
 use crate::runtime::{write_graph_with, HEAVY};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -29,41 +32,11 @@ fn start_producer(graph: &Path, addr: &str, args: &[&str]) -> Child {
         .unwrap()
 }
 
-/// The child's exit status once it ends within `limit`; `None` if it is still running then.
-fn wait_within(child: &mut Child, limit: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Waits up to `limit` for the child (killing it if it still runs then): how it ended by itself,
 /// if it did, and its stderr.
 fn end_within(child: &mut Child, limit: Duration) -> (Option<ExitStatus>, String) {
-    let status = wait_within(child, limit);
-    if status.is_none() {
-        kill(child);
-    }
-    (status, stderr_of(child))
-}
-
-fn stderr_of(child: &mut Child) -> String {
-    let mut text = String::new();
-    if let Some(mut pipe) = child.stderr.take() {
-        let _ = pipe.read_to_string(&mut text);
-    }
-    text
-}
-
-fn kill(child: &mut Child) {
-    let _ = child.kill();
-    let _ = child.wait();
+    let status = wait_within_or_kill(child, limit);
+    (status, rest_of_stderr(child))
 }
 
 fn signal(pid: u32, signal: i32) {
@@ -107,7 +80,7 @@ fn a_second_producer_is_refused_at_once_with_the_reason_on_both_sides() {
             assert!(ended.is_none(), "without the refusal the second producer is taken and runs on: {second_log}");
             assert!(!second_log.contains("refused"), "{second_log}");
             for child in [&mut first, &mut decode.child] {
-                kill(child);
+                kill_and_reap(child);
             }
             continue;
         }
@@ -145,7 +118,7 @@ fn a_wrong_token_is_refused_at_once_and_logged_by_address_never_the_token() {
     let mut producer = start_producer(&wrong, &decode.addr, &[]);
     let (status, producer_log) = end_within(&mut producer, Duration::from_secs(10));
     let decode_log = decode.stderr.lock().clone();
-    kill(&mut decode.child);
+    kill_and_reap(&mut decode.child);
     assert_eq!(status.and_then(|s| s.code()), Some(1), "refused at once: {producer_log}");
     assert!(started.elapsed() < Duration::from_secs(10));
     assert!(producer_log.contains("refused the registration: decode pool decode refused the deployment token"));
@@ -180,7 +153,7 @@ fn a_producer_killed_midway_is_lost_at_once_and_its_requests_are_named() {
         let mut decode = start_decode_with(&graph, &[&["--stall-timeout", stall], switch].concat());
         let mut producer = start_producer(&graph, &decode.addr, &["--max-output-tokens", "1000"]);
         std::thread::sleep(Duration::from_secs(5));
-        kill(&mut producer);
+        kill_and_reap(&mut producer);
         let killed = Instant::now();
         let status = wait_within(&mut decode.child, Duration::from_secs(60)).expect("the decode side ends");
         let took = killed.elapsed();
@@ -233,13 +206,7 @@ impl Launched {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let (tx, lines) = std::sync::mpsc::channel();
-        let pipe = child.stderr.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
+        let lines = stderr_lines(&mut child, |_| {});
         Launched { child, lines, pids: Default::default(), log: String::new() }
     }
 
@@ -258,11 +225,8 @@ impl Launched {
 
     /// Waits for launch to end within `limit`: its status and the whole of its output.
     fn end_within(mut self, limit: Duration) -> (ExitStatus, String) {
-        let status = wait_within(&mut self.child, limit);
-        let status = status.unwrap_or_else(|| {
-            kill(&mut self.child);
-            panic!("launch still runs after {limit:?}: {}", self.log)
-        });
+        let status = wait_within_or_kill(&mut self.child, limit)
+            .unwrap_or_else(|| panic!("launch still runs after {limit:?}: {}", self.log));
         std::thread::sleep(Duration::from_millis(200)); // the rest of its output
         self.log.extend(self.lines.try_iter().map(|l| l + "\n"));
         (status, self.log)
@@ -316,67 +280,31 @@ fn launch_reports_a_process_killed_by_a_signal_as_such() {
     assert!(log.contains("launch: the process of decode ended: killed by signal 9 (SIGKILL)"), "{log}");
 }
 
-/// A one-rank aggregated graph on the Llama fixture for `kvflow serve`.
-fn serve_graph(dir: &Path) -> std::path::PathBuf {
-    let graph = format!(
-        "[model]\npath = \"{}\"\n\n[memory]\nbudget_bytes = \"64 MiB\"\n\n[[pool]]\nname = \"main\"\nrole = \"aggregated\"\n\
-         ranks = 1\nexecutor = \"cpu\"\n\n[serve]\nmax_context = 4096\n",
-        fixture("hf/llama").display()
-    );
-    let path = dir.join("serve.toml");
-    std::fs::write(&path, graph).unwrap();
-    path
-}
-
 /// `kvflow serve` with a long stream in flight gets `signal`: the stream ends with `[DONE]`
 /// (cancelled after the grace period of 2 s), the report is written, and it exits 0, within
 /// 10 s.
 fn serve_drains_on(signal_number: i32) {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["serve", &serve_graph(dir.path()).to_string_lossy(), "--port", "0", "--out"])
-        .arg(&out)
-        .args(["--grace-period", "2"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let address = lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find_map(|l| l.strip_prefix("kvflow serve: listening on http://").map(String::from))
-        .expect("it listens");
-    std::thread::spawn(move || lines.for_each(drop));
-    let mut stream = std::net::TcpStream::connect(&address).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let served = Served::start(&one_llama_rank_to_serve(dir.path(), ""), &out, &["--grace-period", "2"]);
     let body = r#"{"prompt": [1, 2, 3], "max_tokens": 4000, "stream": true}"#;
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-         Connection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut reader = BufReader::new(stream);
+    let mut reader = BufReader::new(served.send("POST", "/v1/completions", body));
     let mut line = String::new();
     while !line.starts_with("data: ") {
         line.clear();
         assert!(reader.read_line(&mut line).unwrap() > 0, "the stream ended before its first token");
     }
     let sent = Instant::now();
-    signal(child.id(), signal_number);
+    signal(served.pid(), signal_number);
     let mut rest = String::new();
     let _ = reader.read_to_string(&mut rest);
-    let status = wait_within(&mut child, Duration::from_secs(30)).expect("serve ends");
+    let (code, stderr) = served.exits_within(Duration::from_secs(30)).expect("serve ends");
     let took = sent.elapsed();
     assert!(took < Duration::from_secs(10), "serve took {took:?} to drain");
-    assert_eq!(status.code(), Some(0));
+    assert_eq!(code, Some(0), "{stderr}");
     let data: Vec<&str> = rest.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(data.last(), Some(&"[DONE]"), "the stream ends properly: {rest}");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let r = report_in(&out);
     assert_eq!((r["requests"].as_u64(), r["interrupted"].as_bool()), (Some(1), Some(true)), "{r}");
 }
 

@@ -30,8 +30,7 @@ fn run_compare_and_plot_write_charts_that_decode_as_png() {
     let out = kvflow(&["run", graph.to_str().unwrap(), "--limit", "6", "--out", one.to_str().unwrap(), "--plot"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_charts(&one);
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(one.join("report.json")).unwrap()).unwrap();
+    let report = crate::common::report_in(&one);
     assert!(report["kv_usage"].as_array().is_some_and(|s| !s.is_empty()), "the KV timeline is sampled");
     let pd = repo().join("graphs/pd-1p1d.toml");
     let cmp = dir.path().join("cmp");

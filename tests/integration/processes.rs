@@ -5,10 +5,9 @@
 //! handoff); and when that process is killed, every request it owed ends failed with a named
 //! cause, at once, and nothing is left held on this side.
 
-use crate::common::{records, report};
+use crate::common::{first_line_after, kill_and_reap, records, report, stderr_lines};
 use crate::runtime::{write_graph_with, HEAVY};
 use parking_lot::Mutex;
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,6 +15,9 @@ use std::time::{Duration, Instant};
 pub const TCP_1P1D: &str = "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n\n\
     [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
     [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nendpoint = \"127.0.0.1:0\"\n";
+
+/// What a decode pool's process prints before the address it listens on.
+pub const DECODE_LISTENING: &str = "decode pool `decode` listening on ";
 
 /// A decode pool's process, with the address it printed and its stderr as it comes.
 pub struct DecodeProcess {
@@ -38,18 +40,10 @@ pub fn start_decode_with(graph: &std::path::Path, args: &[&str]) -> DecodeProces
         .spawn()
         .unwrap();
     let stderr = Arc::new(Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let (pipe, sink) = (child.stderr.take().unwrap(), stderr.clone());
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-            if let Some(addr) = line.strip_prefix("decode pool `decode` listening on ") {
-                let _ = tx.send(addr.to_string());
-            }
-            sink.lock().push_str(&(line + "\n"));
-        }
-    });
-    let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
-        let _ = child.kill();
+    let sink = stderr.clone();
+    let lines = stderr_lines(&mut child, move |line| sink.lock().push_str(&format!("{line}\n")));
+    let addr = first_line_after(&lines, DECODE_LISTENING, Duration::from_secs(60)).unwrap_or_else(|| {
+        kill_and_reap(&mut child);
         panic!("the decode process printed no address: {}", stderr.lock())
     });
     DecodeProcess { child, addr, stderr }

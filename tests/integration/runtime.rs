@@ -4,7 +4,7 @@
 //! threads. Every run also asserts that each rank ends with every block, slot and snapshot free
 //! (the runtime fails the run otherwise).
 
-use crate::common::{assert_clean_failure, kvflow, repo, FIXTURES};
+use crate::common::{assert_clean_failure, kvflow, records_in, repo, FIXTURES};
 use kvflow::graph::{Graph, Overrides};
 use kvflow::runtime::{self, RunOptions};
 use kvflow_operators::rank::TestSwitches;
@@ -15,18 +15,15 @@ use std::path::Path;
 /// Runs that start several worker threads go one at a time (CI has 2 cores).
 pub static HEAVY: Mutex<()> = Mutex::new(());
 
-/// Every request's line of a run's requests.jsonl.
-pub fn request_lines(out: &Path) -> Vec<Value> {
-    std::fs::read_to_string(out.join("requests.jsonl"))
-        .unwrap_or_else(|e| panic!("{}: {e}", out.display()))
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+/// Runs the kvflow binary holding [`HEAVY`] (its run starts several worker threads).
+pub fn kvflow_heavy(args: &[&str]) -> std::process::Output {
+    let _one_at_a_time = HEAVY.lock();
+    kvflow(args)
 }
 
 /// The ranks that served at least one request (work really spread over ranks).
 pub fn ranks_used(out: &Path) -> std::collections::BTreeSet<u64> {
-    request_lines(out).iter().filter_map(|r| r["rank"].as_u64()).collect()
+    records_in(out).iter().filter_map(|r| r["rank"].as_u64()).collect()
 }
 
 /// The pool of [`write_graph`]'s graphs.
@@ -190,11 +187,7 @@ fn verify_catches_a_swapped_block_table_entry_in_exactly_the_affected_requests()
         Overrides::default(),
         TestSwitches { swap_block_table_every: Some(every), ..Default::default() },
     );
-    let records: Vec<Value> = std::fs::read_to_string(dir.path().join("out/requests.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let records = crate::common::records(dir.path());
     // Affected: ids that are multiples of `every` with a decode step that reads ≥ 3 blocks.
     let expected: Vec<u64> = records
         .iter()
@@ -247,10 +240,8 @@ fn two_processes_give_the_outputs_of_the_threaded_run() {
     let threads = kvflow(&["run", &g, "--out", &threads_out]);
     assert!(threads.status.success(), "{}", String::from_utf8_lossy(&threads.stderr));
     let outputs = |dir: &str| -> Vec<(u64, Value, Value)> {
-        std::fs::read_to_string(Path::new(dir).join("requests.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        records_in(Path::new(dir))
+            .into_iter()
             .map(|r| (r["id"].as_u64().unwrap(), r["prompt_tokens"].clone(), r["output_tokens"].clone()))
             .collect()
     };

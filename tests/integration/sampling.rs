@@ -4,8 +4,8 @@
 //! inproc and tcp); speculative sampling with drafting is refused by `--verify` (its statistical
 //! test is `spec.rs::sampled_drafting_keeps_the_target_distribution`).
 
-use crate::common::{assert_clean_failure, kvflow};
-use crate::runtime::{assert_exact, request_lines, run_graph, write_graph_with};
+use crate::common::{assert_clean_failure, kvflow, records_in};
+use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_operators::rank::TestSwitches;
 use std::path::Path;
@@ -21,7 +21,7 @@ fn graph(dir: &Path, pools: &str, trace: &str) -> std::path::PathBuf {
 }
 
 fn outputs(out: &Path) -> Vec<Vec<u64>> {
-    let mut lines = request_lines(out);
+    let mut lines = records_in(out);
     lines.sort_by_key(|r| r["id"].as_u64());
     lines.iter().map(|r| r["output_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()).collect()
 }

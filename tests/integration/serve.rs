@@ -6,141 +6,14 @@
 //! finds everything freed); SIGTERM lets in-flight requests finish; `/metrics` agrees with the
 //! report; the `openai` Python client and a Prometheus parser accept what the server says.
 
-use crate::common::{fixture, repo};
+use crate::common::{fixture, one_llama_rank_to_serve, records_in, repo, report_in, Served, SERVE_EXIT_BOUND};
 use crate::runtime::HEAVY;
 use kvflow::generate::{generate, GenerateOptions};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-/// A `kvflow serve` process and the address it listens on.
-pub struct Served {
-    child: Child,
-    pub address: String,
-    stderr: std::thread::JoinHandle<String>,
-}
-
-impl Served {
-    /// Starts `kvflow serve GRAPH --port 0 --out OUT ARGS…` and waits for its address.
-    pub fn start(graph: &Path, out: &Path, args: &[&str]) -> Served {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvflow"))
-            .args(["serve", graph.to_str().unwrap(), "--port", "0", "--out", out.to_str().unwrap()])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kvflow serve starts");
-        let mut stderr = child.stderr.take().unwrap();
-        let stderr = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            text
-        });
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let address = loop {
-            match lines.next() {
-                Some(Ok(line)) => {
-                    if let Some(at) = line.strip_prefix("kvflow serve: listening on http://") {
-                        break at.to_string();
-                    }
-                }
-                _ => {
-                    let _ = child.wait();
-                    panic!("kvflow serve ended before listening: {}", stderr.join().unwrap());
-                }
-            }
-        };
-        std::thread::spawn(move || lines.for_each(drop));
-        Served { child, address, stderr }
-    }
-
-    /// The server process's id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn connect(&self) -> TcpStream {
-        let s = TcpStream::connect(&self.address).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-        s
-    }
-
-    fn send(&self, method: &str, path: &str, body: &str) -> TcpStream {
-        let mut s = self.connect();
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
-             Connection: close\r\n\r\n{body}",
-            self.address,
-            body.len()
-        )
-        .unwrap();
-        s
-    }
-
-    /// Status and body (de-chunked).
-    pub fn request(&self, method: &str, path: &str, body: &str) -> (u16, String) {
-        let mut raw = Vec::new();
-        self.send(method, path, body).read_to_end(&mut raw).unwrap();
-        parse_response(&raw)
-    }
-
-    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, text) = self.request("POST", path, &body.to_string());
-        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
-    }
-
-    /// A streamed answer's `data:` payloads, in order.
-    pub fn stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let (status, text) = self.request("POST", path, &body.to_string());
-        assert_eq!(status, 200, "{text}");
-        text.lines().filter_map(|l| l.strip_prefix("data: ")).map(String::from).collect()
-    }
-
-    pub fn metrics(&self) -> String {
-        let (status, text) = self.request("GET", "/metrics", "");
-        assert_eq!(status, 200);
-        text
-    }
-
-    /// SIGTERM; waits for the exit: (status code, stderr).
-    pub fn stop(mut self) -> (i32, String) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "kvflow serve did not exit within 120 s of SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        (status.code().unwrap_or(-1), self.stderr.join().unwrap())
-    }
-}
-
-fn parse_response(raw: &[u8]) -> (u16, String) {
-    let text = String::from_utf8_lossy(raw).to_string();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-        return (status, body.to_string());
-    }
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, after)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || after.len() < n {
-            break;
-        }
-        out.push_str(&after[..n]);
-        rest = after[n..].trim_start_matches("\r\n");
-    }
-    (status, out)
-}
 
 /// The token ids and finish reason of each chunk of a stream (its last payload is `[DONE]`).
 fn stream_ids(chunks: &[String]) -> (Vec<u32>, Option<String>, Option<Value>) {
@@ -168,15 +41,6 @@ fn u32s(list: &Value) -> Vec<u32> {
 
 fn ids_of(choice: &Value) -> Vec<u32> {
     u32s(&choice["token_ids"])
-}
-
-fn report_of(out: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap()
-}
-
-fn records_of(out: &Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(out.join("requests.jsonl")).unwrap();
-    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 /// A metric's value by its exact series name (`name{labels}`), from the text format.
@@ -221,11 +85,11 @@ fn served_greedy_tokens_equal_generate_on_an_aggregated_and_a_pd_graph() {
         }
         let (code, stderr) = served.stop();
         assert_eq!(code, 0, "{graph}: {stderr}");
-        let r = report_of(&out);
+        let r = report_in(&out);
         assert_eq!((r["requests"].as_u64(), r["completed"].as_u64()), (Some(6), Some(6)), "{graph}: {r}");
         if graph.contains("pd") {
             // Each request went through both pools: prefilled in one, decoded in the other.
-            for rec in records_of(&out) {
+            for rec in records_in(&out) {
                 assert_eq!(rec["pools"], json!(["prefill", "decode"]), "{rec}");
             }
         }
@@ -277,19 +141,12 @@ fn bad_bodies_get_a_400_naming_the_field() {
     let (code, stderr) = served.stop();
     assert_eq!(code, 0, "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_eq!(report_of(&out)["requests"], 0, "nothing entered a pool");
+    assert_eq!(report_in(&out)["requests"], 0, "nothing entered a pool");
 }
 
 /// A graph of one aggregated rank on the Llama fixture that takes one request at a time.
 fn one_at_a_time(dir: &Path) -> std::path::PathBuf {
-    let graph = format!(
-        "[model]\npath = \"{}\"\n\n[memory]\nbudget_bytes = \"64 MiB\"\n\n[[pool]]\nname = \"main\"\nrole = \"aggregated\"\n\
-         ranks = 1\nexecutor = \"cpu\"\n\n[serve]\nmax_requests = 1\nmax_context = 4096\n",
-        fixture("hf/llama").display()
-    );
-    let path = dir.join("one.toml");
-    std::fs::write(&path, graph).unwrap();
-    path
+    one_llama_rank_to_serve(dir, "max_requests = 1\n")
 }
 
 #[test]
@@ -310,7 +167,7 @@ fn a_full_server_answers_429_and_sigterm_lets_the_request_in_flight_finish() {
     assert_eq!((status, v["error"]["code"].as_str()), (429, Some("queue_full")), "{v}");
     // SIGTERM: new requests get 503, the one in flight runs to its end.
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(served.child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(served.pid() as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (status, body) = served.request("GET", "/health", "");
@@ -329,14 +186,12 @@ fn a_full_server_answers_429_and_sigterm_lets_the_request_in_flight_finish() {
     assert_eq!(data.last(), Some(&"[DONE]"));
     let last: Value = serde_json::from_str(data[data.len() - 2]).unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "length", "it finished, not cancelled: {last}");
-    let Served { mut child, stderr, .. } = served;
-    let status = child.wait().unwrap();
-    let stderr = stderr.join().unwrap();
-    assert_eq!(status.code(), Some(0), "{stderr}");
+    let (code, stderr) = served.exits_within(SERVE_EXIT_BOUND).expect("kvflow serve exits after its drain");
+    assert_eq!(code, Some(0), "{stderr}");
     assert!(stderr.contains("draining: 1 request(s) in flight"), "{stderr}");
-    let r = report_of(&out);
+    let r = report_in(&out);
     assert_eq!((r["requests"].as_u64(), r["completed"].as_u64()), (Some(1), Some(1)), "{r}");
-    assert_eq!(records_of(&out)[0]["output_tokens"].as_array().unwrap().len(), 3000);
+    assert_eq!(records_in(&out)[0]["output_tokens"].as_array().unwrap().len(), 3000);
 }
 
 #[test]
@@ -367,7 +222,7 @@ fn a_client_gone_mid_stream_cancels_its_request_and_everything_is_freed() {
     let (code, stderr) = served.stop();
     // The end-of-run check found every block and slot of both pools free (else exit 4).
     assert_eq!(code, 0, "{stderr}");
-    let records = records_of(&out);
+    let records = records_in(&out);
     let cancelled = &records[0];
     assert_eq!(cancelled["failure"], "cancelled", "{cancelled}");
     assert!(cancelled["output_tokens"].as_array().unwrap().len() < 3000);
@@ -387,7 +242,7 @@ fn metrics_agree_with_the_report() {
     let text = served.metrics();
     let (code, stderr) = served.stop();
     assert_eq!(code, 0, "{stderr}");
-    let r = report_of(&out);
+    let r = report_in(&out);
     let get = |series: &str| metric(&text, series).unwrap_or_else(|| panic!("{series} missing:\n{text}"));
     assert_eq!(get("kvflow:requests_total{outcome=\"completed\"}"), r["completed"].as_f64().unwrap());
     assert_eq!(get("kvflow:requests_total{outcome=\"failed\"}"), r["failed"].as_f64().unwrap());
@@ -502,7 +357,7 @@ fn smollm2_served_answers_with_its_reference_tokens_and_text() {
     }
     let (code, stderr) = served.stop();
     assert_eq!(code, 0, "{stderr}");
-    for rec in records_of(&pd_dir.path().join("out")) {
+    for rec in records_in(&pd_dir.path().join("out")) {
         assert_eq!(rec["pools"], json!(["prefill", "decode"]), "{rec}");
     }
 }
@@ -545,7 +400,7 @@ fn the_openai_python_client_and_a_prometheus_parser_accept_the_server() {
     assert!(out.status.success(), "{text}");
     let (code, stderr) = served.stop();
     assert_eq!(code, 0, "{stderr}");
-    let report = report_of(&dir.path().join("out"));
+    let report = report_in(&dir.path().join("out"));
     assert!(text.contains(&format!("completed={}", report["completed"])), "the client saw the report's count: {text}");
 }
 

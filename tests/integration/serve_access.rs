@@ -7,64 +7,35 @@
 //! the limit answered 413 with an OpenAI error object. Where a mechanism can be switched off
 //! (`--test-switch`), the same client is run against a server without it and shown to hold on.
 
-use crate::common::repo;
+use crate::common::{repo, report_in, serve_command, Served};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A `kvflow serve` process on the Llama fixture, and the address it listens on.
+/// A `kvflow serve` process on the Llama fixture, with the folder it writes its output to.
 struct Serving {
-    child: Child,
-    address: String,
-    stderr: std::thread::JoinHandle<String>,
-    _out: tempfile::TempDir,
+    served: Served,
+    out: tempfile::TempDir,
 }
 
 impl Serving {
     /// `kvflow serve graphs/aggregated-2.toml --port 0 ARGS…` with `env`, once it listens.
     fn start(args: &[&str], env: &[(&str, &str)]) -> Serving {
         let out = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvflow"))
-            .args(["serve", repo().join("graphs/aggregated-2.toml").to_str().unwrap(), "--port", "0"])
-            .args(["--out", out.path().to_str().unwrap()])
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("kvflow serve starts");
-        let mut stderr = child.stderr.take().unwrap();
-        let stderr = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            text
-        });
-        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        let address = loop {
-            match lines.next() {
-                Some(Ok(line)) => {
-                    let at = line.strip_prefix("kvflow serve: listening on ");
-                    if let Some(at) = at.and_then(|a| a.split_once("://")).map(|(_, a)| a) {
-                        break at.to_string();
-                    }
-                }
-                _ => {
-                    let _ = child.wait();
-                    panic!("kvflow serve ended before listening: {}", stderr.join().unwrap());
-                }
-            }
-        };
-        std::thread::spawn(move || lines.for_each(drop));
-        Serving { child, address, stderr, _out: out }
+        let mut command = serve_command(&repo().join("graphs/aggregated-2.toml"), out.path(), args);
+        command.envs(env.iter().copied());
+        Serving { served: Served::spawn(command), out }
+    }
+
+    /// The address it listens on (`host:port`).
+    fn address(&self) -> &str {
+        &self.served.address
     }
 
     fn connect(&self) -> TcpStream {
-        let stream = TcpStream::connect(&self.address).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-        stream
+        self.served.connect()
     }
 
     /// One request on a fresh connection that closes after it.
@@ -75,18 +46,10 @@ impl Serving {
         read_answer(&mut stream).expect("an answer")
     }
 
-    fn report(out: &Path) -> Value {
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap()
-    }
-
     /// SIGTERM; waits for the exit: (status code, stderr, report).
-    fn stop(mut self) -> (i32, String, Value) {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let status = self.child.wait().unwrap();
-        let stderr = self.stderr.join().unwrap();
-        let report = Serving::report(self._out.path());
-        (status.code().unwrap_or(-1), stderr, report)
+    fn stop(self) -> (i32, String, Value) {
+        let (code, stderr) = self.served.stop();
+        (code, stderr, report_in(self.out.path()))
     }
 }
 
@@ -213,7 +176,7 @@ fn without_the_api_key_every_v1_route_answers_401_and_health_and_metrics_stay_op
 #[test]
 fn the_server_listens_on_127_0_0_1_only_unless_host_says_otherwise() {
     let served = Serving::start(&[], &[]);
-    let port = served.address.strip_prefix("127.0.0.1:").unwrap_or_else(|| panic!("bound to {}", served.address));
+    let port = served.address().strip_prefix("127.0.0.1:").unwrap_or_else(|| panic!("bound to {}", served.address()));
     assert_eq!(served.request("GET", "/health", "", "").status, 200);
     // Another address of this machine (all of 127/8 is loopback) finds nothing listening.
     let elsewhere = TcpStream::connect(format!("127.0.0.2:{port}"));
@@ -272,7 +235,7 @@ fn tls_with_a_certificate_made_here_is_verified_by_the_openai_client_which_needs
     let served = Serving::start(&["--ssl-certfile", &certificate, "--ssl-keyfile", &key, "--api-key", KEY], &[]);
     let out = Command::new("python3")
         .arg(repo().join("tools/serve_access_check.py"))
-        .args([format!("https://{}", served.address), authority, KEY.to_string()])
+        .args([format!("https://{}", served.address()), authority, KEY.to_string()])
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

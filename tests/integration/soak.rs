@@ -14,9 +14,8 @@
 //! Both runs use the tiny llama fixture with a 4 MiB KV budget, which the warm-up's distinct
 //! prompts cycle through entirely, so the KV pool's pages are all touched before the first reading.
 
-use crate::common::{fixture, repo};
+use crate::common::{fixture, repo, report_in, Served};
 use crate::runtime::HEAVY;
-use crate::serve::Served;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -125,8 +124,7 @@ fn a_server_holds_what_is_in_flight_not_what_it_served() {
         "VmRSS grew {} kB over {n} requests (bound {RSS_GROWTH_BOUND_KB} kB)",
         rss_after - rss_before
     );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let report = report_in(&out);
     assert_eq!(report["completed"].as_u64(), Some((WARMUP + n) as u64), "{report}");
     let lines = std::fs::read_to_string(out.join("requests.jsonl")).unwrap();
     assert_eq!(lines.lines().count(), WARMUP + n, "every request's line, written as it ended");
@@ -216,7 +214,6 @@ fn a_trace_replay_holds_what_is_in_flight_not_what_it_served() {
         rss_after - rss_before,
         n - n / 10
     );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let report = report_in(&out);
     assert_eq!((report["requests"].as_u64(), report["completed"].as_u64()), (Some(n as u64), Some(n as u64)));
 }
