@@ -31,6 +31,7 @@ use kvflow_operators::policy::scheduler::{AdmissionPolicy, Scheduler, SchedulerC
 use kvflow_operators::policy::sequence::{Sequence, Sequences};
 use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::pool::align::{derive_plan, Collectives, RoutingKeys};
+use kvflow_operators::rank::StepTimes;
 use kvflow_operators::rank::TestSwitches;
 use std::sync::Arc;
 
@@ -101,6 +102,7 @@ fn policy_us_per_step(ranks: usize, seqs: usize, steps: usize, delay: u64) -> f6
         ranks,
         max_batched_tokens: seqs,
         block_size: 16,
+        blocks_per_rank: layout.blocks,
     });
     let keys = RoutingKeys { block_size, keyed_by_prompt_len: false };
     // Each rank decides into the same buffers every step, as `Rank` does.
@@ -151,11 +153,11 @@ fn thread_cpu_s() -> f64 {
     }
 }
 
-/// Mean gap between the step times of the middle of a run (the first and last `skip` steps,
-/// start-up and the final drain, are left out).
-fn steady_ms_per_step(times: &[f64], skip: usize) -> f64 {
-    let inner = &times[skip.min(times.len() / 4)..times.len() - skip.min(times.len() / 4)];
-    (inner[inner.len() - 1] - inner[0]) / (inner.len() - 1).max(1) as f64
+/// Mean gap between the step times of the middle of a run (the first and last
+/// `STEADY_SKIP` steps, start-up and the final drain, are left out; `StepTimes` keeps just
+/// those it needs).
+fn steady_ms_per_step(times: &StepTimes) -> Result<f64> {
+    times.steady_ms_per_step().ok_or_else(|| anyhow::anyhow!("the loop took no step"))
 }
 
 /// Wall time per step of a bare timely loop: `steps` steps of one frontier-waited all-to-all.
@@ -166,7 +168,7 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
     use timely::dataflow::operators::vec::Broadcast;
     use timely::dataflow::operators::{Capability, Concat, ConnectLoop, Feedback, ToStream};
     let steps = steps as u64;
-    let times = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let times = Arc::new(parking_lot::Mutex::new(StepTimes::default()));
     let times_in = times.clone();
     let guards = timely::execute(timely::Config::process(ranks), move |worker| {
         let index = worker.index() as u64;
@@ -196,7 +198,7 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
                                 }
                                 let cap = stash.remove(&t).expect("first");
                                 if index == 0 {
-                                    times.lock().push(kvflow_operators::messages::wall_ms());
+                                    times.lock().record(kvflow_operators::messages::wall_ms());
                                 }
                                 if t + 1 < steps {
                                     output.session(&cap).give(index);
@@ -211,7 +213,7 @@ fn bare_loop_ms_per_step(ranks: usize, steps: usize) -> Result<f64> {
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     guards.join();
     let times = times.lock().clone();
-    Ok(steady_ms_per_step(&times, 10))
+    steady_ms_per_step(&times)
 }
 
 /// Wall time per step of the real pool with the no-math executor completing `delay` launches
@@ -310,7 +312,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         }
     }
     let stats = rank0.ok_or_else(|| anyhow::anyhow!("the pool reported no rank"))?;
-    Ok((steady_ms_per_step(&stats.step_ms, 10), stats.steps))
+    Ok((steady_ms_per_step(&stats.step_times)?, stats.steps))
 }
 
 /// Pool figures at one delay: (pool ms per step, bare ms per step, pool steps), per run.

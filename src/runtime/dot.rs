@@ -78,7 +78,12 @@ fn build(
             rank,
             waker,
             ingress: None,
-            router: router(RouterContext { ranks, max_batched_tokens: scheduler.max_batched_tokens, block_size: 16 }),
+            router: router(RouterContext {
+                ranks,
+                max_batched_tokens: scheduler.max_batched_tokens,
+                block_size: 16,
+                blocks_per_rank: layout.blocks,
+            }),
             keys: RoutingKeys { block_size: 16, keyed_by_prompt_len: false },
             collectives: collectives.clone(),
             offload: offload.is_some(),

@@ -446,6 +446,7 @@ impl WorkerJob {
                 ranks: peers,
                 max_batched_tokens: job.scheduler.max_batched_tokens,
                 block_size: job.layout.block_size,
+                blocks_per_rank: job.layout.blocks,
             }),
             keys: self.keys,
             collectives: self.collectives.clone(),

@@ -9,7 +9,7 @@ use crate::graph::Graph;
 use crate::report::{RunSummary, Slo, VerifySummary};
 use kvflow_kernels::models::Model;
 use kvflow_operators::policy::memory::MemoryLayout;
-use kvflow_operators::rank::{RankStats, UtilizationSamples};
+use kvflow_operators::rank::{Distribution, RankStats, Utilization};
 use serde_json::{json, Map, Value};
 use std::time::Duration;
 
@@ -229,22 +229,22 @@ fn handoff(summary: &RunSummary, stats: &[&RankStats], backend: &str, ctx: &RunC
     v
 }
 
-/// KV, slot and snapshot utilization and batch size over the run: the per-step samples of the
-/// given ranks pooled together.
+/// KV, slot and snapshot utilization and batch size over the run: the per-step distributions
+/// of the given ranks pooled together (each `{"p50", "p90", "p99", "mean", "max"}`; the
+/// percentiles within 0.1%, the mean and maximum exact).
 fn utilization(stats: &[&RankStats]) -> Value {
-    let pooled = |f: &dyn Fn(&UtilizationSamples) -> Vec<f64>| -> Value {
-        let all: Vec<f64> = stats.iter().flat_map(|s| f(&s.samples)).collect();
-        let mut v = crate::report::summary(&all);
-        v["max"] = json!(all.iter().copied().fold(0.0f64, f64::max));
-        v
-    };
+    let mut pooled = Utilization::default();
+    for s in stats {
+        pooled.merge(&s.utilization);
+    }
+    let figures = |d: &Distribution| json!({"p50": d.percentile(50.0), "p90": d.percentile(90.0), "p99": d.percentile(99.0), "mean": d.mean(), "max": d.max()});
     json!({
         "ranks_sampled": stats.len(),
-        "steps_sampled": stats.iter().map(|s| s.samples.kv.len()).sum::<usize>(),
-        "kv": pooled(&|s| s.kv.iter().map(|&x| x as f64).collect()),
-        "slots": pooled(&|s| s.slots.iter().map(|&x| x as f64).collect()),
-        "snapshots": pooled(&|s| s.snapshots.iter().map(|&x| x as f64).collect()),
-        "batch_seqs": pooled(&|s| s.batch_seqs.iter().map(|&x| x as f64).collect()),
-        "batch_tokens": pooled(&|s| s.batch_tokens.iter().map(|&x| x as f64).collect()),
+        "steps_sampled": pooled.steps(),
+        "kv": figures(&pooled.kv),
+        "slots": figures(&pooled.slots),
+        "snapshots": figures(&pooled.snapshots),
+        "batch_seqs": figures(&pooled.batch_seqs),
+        "batch_tokens": figures(&pooled.batch_tokens),
     })
 }

@@ -7,9 +7,11 @@
 //! The bound detects the leaks this replaced — every request's record kept until the run ended,
 //! and one prefix-cache index entry per distinct prompt block ever served — at the CI size of
 //! 1,500 requests: before, the server grew by 3.9 MB over them and the replay by about 2.7 KB a
-//! request (benches/results/2026-12-04-soak.txt). What growth is left is the router's prefix
-//! affinity (`LeastOutstanding`, at most 2^20 block hashes): about 0.45 KB a request in the
-//! replay, whose prompts share no block. `KVFLOW_SOAK_REQUESTS=3000` runs the longer measurement.
+//! request (benches/results/2026-12-04-soak.txt). The router's prefix affinity
+//! (`LeastOutstanding`) then still grew, about 0.45 KB a request in the replay, whose prompts
+//! share no block; it is now sized to the pool's KV blocks (here its floor, 4096 hashes), and a
+//! rank's per-step figures are kept in memory of a fixed size (`rank::step_summary`).
+//! `KVFLOW_SOAK_REQUESTS=3000` runs the longer measurement.
 //!
 //! Both runs use the tiny llama fixture with a 4 MiB KV budget, which the warm-up's distinct
 //! prompts cycle through entirely, so the KV pool's pages are all touched before the first reading.

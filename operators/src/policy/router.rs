@@ -41,9 +41,36 @@ pub struct LeastOutstanding {
     slack: usize,
 }
 
+/// Block hashes a [`LeastOutstanding`] remembers per KV block its pool holds. The pool's ranks
+/// hold at most `ranks × blocks_per_rank` blocks at once, so an older hash names a prefix every
+/// rank has most likely evicted, where following it saves nothing; twice that keeps the prefixes
+/// routed but not yet computed (they hold no block yet) and those evicted only lately (maybe
+/// still in the offload tier).
+const AFFINITY_PER_BLOCK: usize = 2;
+/// The fewest hashes remembered, whatever the pools hold: a pool of a few blocks (tests, a tiny
+/// model) still routes a working set of shared prompts together (4096 hashes are about 100 KB).
+const MIN_AFFINITY: usize = 1 << 12;
+/// The most remembered (the table's size before it followed the pools: about 40 MB at most).
+const MAX_AFFINITY: usize = 1 << 20;
+
+/// How many block hashes a [`LeastOutstanding`] of the pool `ctx` describes remembers: a
+/// multiple of the KV blocks its ranks hold, within [`MIN_AFFINITY`]..=[`MAX_AFFINITY`].
+pub fn affinity_capacity(ctx: &RouterContext) -> usize {
+    ctx.ranks.saturating_mul(ctx.blocks_per_rank).saturating_mul(AFFINITY_PER_BLOCK).clamp(MIN_AFFINITY, MAX_AFFINITY)
+}
+
 impl LeastOutstanding {
-    pub fn new(slack: usize) -> Self {
-        LeastOutstanding { affinity: HashMap::new(), remembered: VecDeque::new(), capacity: 1 << 20, slack }
+    /// A router that lets affinity pass over a rank `slack` tokens busier than the least loaded,
+    /// remembering the last `capacity` block hashes routed (memory bounded however many
+    /// requests it routes).
+    pub fn new(slack: usize, capacity: usize) -> Self {
+        LeastOutstanding { affinity: HashMap::new(), remembered: VecDeque::new(), capacity, slack }
+    }
+
+    /// Block hashes remembered now.
+    pub fn remembered(&self) -> usize {
+        debug_assert_eq!(self.affinity.len(), self.remembered.len());
+        self.remembered.len()
     }
 }
 
@@ -97,6 +124,8 @@ pub struct RouterContext {
     pub max_batched_tokens: usize,
     /// Tokens per paged block (the routing index's unit).
     pub block_size: usize,
+    /// KV blocks each rank holds (what the pool can cache: routers size their tables by it).
+    pub blocks_per_rank: usize,
 }
 
 #[cfg(test)]
@@ -109,17 +138,41 @@ mod tests {
 
     #[test]
     fn new_prefixes_go_to_the_least_loaded_rank() {
-        let mut r = LeastOutstanding::new(100);
+        let mut r = LeastOutstanding::new(100, MIN_AFFINITY);
         assert_eq!(r.route(&req(&[1, 2]), &[50, 10, 30]), 1);
         assert_eq!(r.route(&req(&[9]), &[5, 10, 30]), 0);
     }
 
     #[test]
     fn a_shared_prefix_follows_its_rank_unless_that_rank_is_too_busy() {
-        let mut r = LeastOutstanding::new(100);
+        let mut r = LeastOutstanding::new(100, MIN_AFFINITY);
         assert_eq!(r.route(&req(&[1, 2]), &[0, 10]), 0);
         assert_eq!(r.route(&req(&[1, 2, 3]), &[80, 0]), 0, "affinity within the slack");
         assert_eq!(r.route(&req(&[1, 5]), &[500, 0]), 1, "too busy: least loaded wins");
+    }
+
+    /// However many requests it routes, the table keeps only the latest `capacity` hashes, and
+    /// that capacity follows the pool's blocks between its floor and its ceiling.
+    #[test]
+    fn the_affinity_table_is_bounded_by_what_the_pool_holds() {
+        let ctx =
+            |ranks, blocks_per_rank| RouterContext { ranks, max_batched_tokens: 8, block_size: 16, blocks_per_rank };
+        assert_eq!(affinity_capacity(&ctx(4, 10_000)), 80_000, "twice the pool's blocks");
+        assert_eq!(affinity_capacity(&ctx(1, 64)), MIN_AFFINITY, "a floor for a small pool");
+        assert_eq!(affinity_capacity(&ctx(8, 1 << 20)), MAX_AFFINITY, "a ceiling for a huge one");
+        assert_eq!(affinity_capacity(&ctx(usize::MAX, usize::MAX)), MAX_AFFINITY, "no overflow");
+        let capacity = affinity_capacity(&ctx(2, 2048));
+        let mut r = LeastOutstanding::new(100, capacity);
+        for i in 0..2_000u64 {
+            // requests of 32 blocks each, no two alike: 64,000 hashes in all
+            let hashes: Vec<u64> = (0..32).map(|b| i << 8 | b).collect();
+            r.route(&req(&hashes), &[0, 0]);
+            assert!(r.remembered() <= capacity);
+        }
+        assert_eq!(r.remembered(), capacity, "full, no more");
+        let last: Vec<u64> = (0..32).map(|b| 1999 << 8 | b).collect();
+        let rank = r.route(&req(&last), &[0, 0]);
+        assert_eq!(r.route(&req(&last), &[1, 0]), rank, "the latest prefixes are still remembered");
     }
 
     #[test]
@@ -135,8 +188,12 @@ mod tests {
             }
             Box::new(Last(ctx.ranks)) as Box<dyn Router>
         });
-        let mut r =
-            (reg.get("always-last").unwrap())(RouterContext { ranks: 4, max_batched_tokens: 8, block_size: 16 });
+        let mut r = (reg.get("always-last").unwrap())(RouterContext {
+            ranks: 4,
+            max_batched_tokens: 8,
+            block_size: 16,
+            blocks_per_rank: 64,
+        });
         assert_eq!(r.route(&req(&[]), &[0, 0, 0, 0]), 3);
     }
 }

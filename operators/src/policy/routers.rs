@@ -3,7 +3,7 @@
 //! theirs. Apart from the routers themselves so that they need not know each other.
 
 use super::kv_router::{KvAware, KvAwareSettings};
-use super::router::{LeastOutstanding, RoundRobin, Router, RouterContext, RouterFactory};
+use super::router::{affinity_capacity, LeastOutstanding, RoundRobin, Router, RouterContext, RouterFactory};
 
 /// The router that reads the KV-aware routing index: a pool naming it starts the index
 /// (`kv_index`), its ranks report their prefix caches into it, and the admitting rank attaches
@@ -21,7 +21,7 @@ impl Default for RouterRegistry {
     fn default() -> Self {
         let mut r = RouterRegistry { factories: Vec::new() };
         r.register("least-outstanding", |ctx: RouterContext| {
-            Box::new(LeastOutstanding::new(2 * ctx.max_batched_tokens)) as Box<dyn Router>
+            Box::new(LeastOutstanding::new(2 * ctx.max_batched_tokens, affinity_capacity(&ctx))) as Box<dyn Router>
         });
         r.register("round-robin", |_ctx: RouterContext| Box::new(RoundRobin::default()) as Box<dyn Router>);
         r.register(KV_AWARE, |ctx: RouterContext| {

@@ -124,7 +124,7 @@ impl Rank {
         }
         let mut decided = self.take_decided(t);
         self.stats.steps += 1;
-        self.stats.step_ms.push(wall_ms());
+        self.stats.step_times.record(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
         self.note_failures_and_admissions(t, &decided);
         if decided.is_empty() {
@@ -315,13 +315,13 @@ impl Rank {
     }
 
     fn sample_utilization(&mut self, chunks: &[Chunk]) {
-        let used = |total: usize, free: usize| if total == 0 { 0.0 } else { (total - free) as f32 / total as f32 };
+        let used = |total: usize, free: usize| if total == 0 { 0.0 } else { (total - free) as f64 / total as f64 };
         let m = &self.memory;
-        let s = &mut self.stats.samples;
-        s.kv.push(used(m.blocks.num_ids(), m.blocks.num_free()));
-        s.slots.push(used(m.slots.num_ids(), m.slots.num_free()));
-        s.snapshots.push(used(m.snapshots.num_ids(), m.snapshots.num_free()));
-        s.batch_seqs.push(chunks.len() as u32);
-        s.batch_tokens.push(chunks.iter().map(|c| c.len as u32).sum());
+        let s = &mut self.stats.utilization;
+        s.kv.record(used(m.blocks.num_ids(), m.blocks.num_free()));
+        s.slots.record(used(m.slots.num_ids(), m.slots.num_free()));
+        s.snapshots.record(used(m.snapshots.num_ids(), m.snapshots.num_free()));
+        s.batch_seqs.record(chunks.len() as f64);
+        s.batch_tokens.record(chunks.iter().map(|c| c.len).sum::<usize>() as f64);
     }
 }

@@ -30,13 +30,14 @@ mod offload;
 mod offload_state;
 mod spec;
 mod stats;
+mod step_summary;
 mod switches;
 
 pub use disaggregate::leave_queue;
 pub use handoff_state::{DisaggregationRule, HandoffOut, PrefillTarget, RemotePrefill};
 use handoff_state::{HandoffIn, RemotePrefills};
 pub use offload_state::{OffloadSetup, OffloadStats, RankOffload};
-pub use stats::{GaugeValues, RankGauges, RankStats, SpecStats, UtilizationSamples};
+pub use stats::{Distribution, GaugeValues, RankGauges, RankStats, SpecStats, StepTimes, Utilization, STEADY_SKIP};
 pub use switches::{ExchangeSwitches, TestSwitches};
 
 use crate::executor::Executor;

@@ -71,7 +71,8 @@ pub struct RankOffload {
     pub(super) ready: Vec<SaveJob>,
     /// Saves handed to the thread (or about to be): id → (request, digest).
     pub(super) writing: HashMap<u64, (u64, Digest)>,
-    pub(super) known: HashSet<Digest>,
+    /// Chunks this rank saved or is saving (not saved again), the latest [`KNOWN_CHUNKS`].
+    pub(super) known: KnownChunks,
     /// Requests with a save in the thread, and their next jobs (one save in flight per request).
     pub(super) busy: HashSet<u64>,
     pub(super) queued: HashMap<u64, VecDeque<SaveJob>>,
@@ -88,6 +89,42 @@ pub struct RankOffload {
     pub stats: OffloadStats,
 }
 
+/// How many saved chunks a rank remembers not to save again (16 bytes each, about 2 MB). One
+/// it forgot is saved again when a prompt holding it is prefilled: the save finds it in the store
+/// (`found_in_store`) and only its export was spent. Remembering every chunk ever saved would
+/// grow with the distinct prompts a server ever served.
+pub(super) const KNOWN_CHUNKS: usize = 1 << 16;
+
+/// The digests of the latest [`KNOWN_CHUNKS`] chunks saved, oldest forgotten first.
+#[derive(Default)]
+pub(super) struct KnownChunks {
+    digests: HashSet<Digest>,
+    /// In the order they were first remembered (a digest removed early stays here until its
+    /// turn: the list never exceeds the bound).
+    order: VecDeque<Digest>,
+}
+
+impl KnownChunks {
+    /// Remembers `digest`; whether it was new.
+    pub(super) fn insert(&mut self, digest: Digest) -> bool {
+        if !self.digests.insert(digest) {
+            return false;
+        }
+        if self.order.len() == KNOWN_CHUNKS {
+            if let Some(oldest) = self.order.pop_front() {
+                self.digests.remove(&oldest);
+            }
+        }
+        self.order.push_back(digest);
+        true
+    }
+
+    /// Forgets `digest` (its save was dropped: a later prefill may save it).
+    pub(super) fn remove(&mut self, digest: &Digest) {
+        self.digests.remove(digest);
+    }
+}
+
 impl RankOffload {
     pub fn new(setup: OffloadSetup, saver: Saver, loader: Loader) -> Self {
         RankOffload {
@@ -98,7 +135,7 @@ impl RankOffload {
             launched: Vec::new(),
             ready: Vec::new(),
             writing: HashMap::new(),
-            known: HashSet::new(),
+            known: KnownChunks::default(),
             busy: HashSet::new(),
             queued: HashMap::new(),
             loading: HashMap::new(),
@@ -114,5 +151,27 @@ impl RankOffload {
     /// Saves launched, ready or being written, and loads in flight.
     pub fn in_flight(&self) -> usize {
         self.launched.len() + self.ready.len() + self.writing.len() + self.loading.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_known_chunks_stay_bounded_and_keep_the_latest() {
+        let mut known = KnownChunks::default();
+        let digest = |i: u64| Digest([i, !i]);
+        for i in 0..3 * KNOWN_CHUNKS as u64 {
+            assert!(known.insert(digest(i)), "chunk {i} is new");
+            assert!(!known.insert(digest(i)), "chunk {i} is known now");
+        }
+        assert_eq!((known.digests.len(), known.order.len()), (KNOWN_CHUNKS, KNOWN_CHUNKS));
+        assert!(known.insert(digest(0)), "the oldest are forgotten (saved again, found in the store)");
+        assert!(!known.insert(digest(3 * KNOWN_CHUNKS as u64 - 1)), "the latest are remembered");
+        known.remove(&digest(7));
+        known.remove(&digest(3 * KNOWN_CHUNKS as u64 - 2));
+        assert!(known.insert(digest(3 * KNOWN_CHUNKS as u64 - 2)), "a dropped save may be saved again");
+        assert!(known.order.len() <= KNOWN_CHUNKS && known.digests.len() <= KNOWN_CHUNKS);
     }
 }

@@ -58,24 +58,17 @@ pub struct RankStats {
     /// Times the accounting check ran (each time the pool parked with nothing in flight, and at
     /// the end of the run).
     pub accounting_checks: u64,
-    /// When each step ran (`wall_ms`), for measuring step cost in steady state.
-    pub step_ms: Vec<f64>,
+    /// When its steps ran (`wall_ms`), kept as much as measuring step cost in steady state
+    /// needs (a fixed size however many steps run).
+    pub step_times: StepTimes,
     /// Sampled at every step with work: fraction of KV blocks, state slots and snapshots in use,
-    /// and the batch (sequences, tokens).
-    pub samples: UtilizationSamples,
+    /// and the batch (sequences, tokens), as distributions of a fixed size.
+    pub utilization: Utilization,
     /// Speculative decoding: verification steps, drafts fed and drafts kept.
     pub spec: SpecStats,
 }
 
-/// Per-step samples of a rank's memory use and batch size.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct UtilizationSamples {
-    pub kv: Vec<f32>,
-    pub slots: Vec<f32>,
-    pub snapshots: Vec<f32>,
-    pub batch_seqs: Vec<u32>,
-    pub batch_tokens: Vec<u32>,
-}
+pub use super::step_summary::{Distribution, StepTimes, Utilization, STEADY_SKIP};
 
 /// A rank's speculative decoding.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
