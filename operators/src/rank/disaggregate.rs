@@ -7,12 +7,13 @@
 //! flight (its pool neither parks nor ends); the handoff, a failure of the prefill, or a cancel
 //! settles it.
 
-use super::handoff_state::{RemotePrefill, RemotePrefills};
+use super::handoff_state::{RemotePrefill, RemotePrefills, CANCELLED_REMEMBERED};
+use super::recent_set::RecentSet;
 use super::Rank;
 use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::policy::sequence::Sequence;
 use crate::transfer::pick_link;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Leaves a prefill pool's queue (once).
@@ -23,8 +24,11 @@ pub fn leave_queue(queue: &AtomicUsize) {
 impl Rank {
     /// Makes this decode rank decide where its new requests are prefilled.
     pub fn with_remote_prefill(mut self, remote: RemotePrefill) -> Self {
-        self.remote_prefill =
-            Some(RemotePrefills { setup: remote, awaiting: HashMap::new(), cancelled: HashSet::new() });
+        self.remote_prefill = Some(RemotePrefills {
+            setup: remote,
+            awaiting: HashMap::new(),
+            cancelled: RecentSet::new(CANCELLED_REMEMBERED),
+        });
         self
     }
 

@@ -6,6 +6,7 @@
 //! remote prefills under way. What a rank does with it is in `handoff` and `disaggregate`; a rank
 //! of an aggregated pool has none of it.
 
+use super::recent_set::RecentSet;
 use crate::pool::admit::Ingress;
 use crate::step::{Exported, SeqKey};
 use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, RelayQueue};
@@ -107,8 +108,17 @@ pub struct RemotePrefill {
 pub(super) struct RemotePrefills {
     pub(super) setup: RemotePrefill,
     pub(super) awaiting: HashMap<u64, usize>,
-    pub(super) cancelled: HashSet<u64>,
+    /// Cancelled while their prefill was out: a handoff may still arrive for one (the prefill pool
+    /// sent it before the cancel reached it) and is refused. Most never arrive (the prefill pool
+    /// dropped the request, or its prefill failed), so only the latest [`CANCELLED_REMEMBERED`]
+    /// are kept: a set of every one would grow for as long as a server runs.
+    pub(super) cancelled: RecentSet<u64>,
 }
+
+/// How many cancelled remote prefills a decode rank remembers (16 bytes each). A handoff arrives
+/// within its transfer's time of the cancel; for one to be forgotten first, this many later
+/// requests would have to be cancelled in that time.
+pub(super) const CANCELLED_REMEMBERED: usize = 1 << 14;
 
 impl RemotePrefills {
     /// Request `id`'s handoff arrived: it is no longer awaited. Returns whether it was cancelled

@@ -28,6 +28,7 @@ mod launch;
 mod load;
 mod offload;
 mod offload_state;
+mod recent_set;
 mod spec;
 mod stats;
 mod step_summary;

@@ -2,6 +2,7 @@
 //! launched, ready and being written, the loads in flight, and its counters. What a rank does
 //! with it is in `offload` (saves) and `load` (loads).
 
+use super::recent_set::RecentSet;
 use crate::offload::{ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveJob, Saver};
 use crate::step::SeqKey;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -72,7 +73,7 @@ pub struct RankOffload {
     /// Saves handed to the thread (or about to be): id → (request, digest).
     pub(super) writing: HashMap<u64, (u64, Digest)>,
     /// Chunks this rank saved or is saving (not saved again), the latest [`KNOWN_CHUNKS`].
-    pub(super) known: KnownChunks,
+    pub(super) known: RecentSet<Digest>,
     /// Requests with a save in the thread, and their next jobs (one save in flight per request).
     pub(super) busy: HashSet<u64>,
     pub(super) queued: HashMap<u64, VecDeque<SaveJob>>,
@@ -95,36 +96,6 @@ pub struct RankOffload {
 /// grow with the distinct prompts a server ever served.
 pub(super) const KNOWN_CHUNKS: usize = 1 << 16;
 
-/// The digests of the latest [`KNOWN_CHUNKS`] chunks saved, oldest forgotten first.
-#[derive(Default)]
-pub(super) struct KnownChunks {
-    digests: HashSet<Digest>,
-    /// In the order they were first remembered (a digest removed early stays here until its
-    /// turn: the list never exceeds the bound).
-    order: VecDeque<Digest>,
-}
-
-impl KnownChunks {
-    /// Remembers `digest`; whether it was new.
-    pub(super) fn insert(&mut self, digest: Digest) -> bool {
-        if !self.digests.insert(digest) {
-            return false;
-        }
-        if self.order.len() == KNOWN_CHUNKS {
-            if let Some(oldest) = self.order.pop_front() {
-                self.digests.remove(&oldest);
-            }
-        }
-        self.order.push_back(digest);
-        true
-    }
-
-    /// Forgets `digest` (its save was dropped: a later prefill may save it).
-    pub(super) fn remove(&mut self, digest: &Digest) {
-        self.digests.remove(digest);
-    }
-}
-
 impl RankOffload {
     pub fn new(setup: OffloadSetup, saver: Saver, loader: Loader) -> Self {
         RankOffload {
@@ -135,7 +106,7 @@ impl RankOffload {
             launched: Vec::new(),
             ready: Vec::new(),
             writing: HashMap::new(),
-            known: KnownChunks::default(),
+            known: RecentSet::new(KNOWN_CHUNKS),
             busy: HashSet::new(),
             queued: HashMap::new(),
             loading: HashMap::new(),
@@ -151,27 +122,5 @@ impl RankOffload {
     /// Saves launched, ready or being written, and loads in flight.
     pub fn in_flight(&self) -> usize {
         self.launched.len() + self.ready.len() + self.writing.len() + self.loading.len()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_known_chunks_stay_bounded_and_keep_the_latest() {
-        let mut known = KnownChunks::default();
-        let digest = |i: u64| Digest([i, !i]);
-        for i in 0..3 * KNOWN_CHUNKS as u64 {
-            assert!(known.insert(digest(i)), "chunk {i} is new");
-            assert!(!known.insert(digest(i)), "chunk {i} is known now");
-        }
-        assert_eq!((known.digests.len(), known.order.len()), (KNOWN_CHUNKS, KNOWN_CHUNKS));
-        assert!(known.insert(digest(0)), "the oldest are forgotten (saved again, found in the store)");
-        assert!(!known.insert(digest(3 * KNOWN_CHUNKS as u64 - 1)), "the latest are remembered");
-        known.remove(&digest(7));
-        known.remove(&digest(3 * KNOWN_CHUNKS as u64 - 2));
-        assert!(known.insert(digest(3 * KNOWN_CHUNKS as u64 - 2)), "a dropped save may be saved again");
-        assert!(known.order.len() <= KNOWN_CHUNKS && known.digests.len() <= KNOWN_CHUNKS);
     }
 }
