@@ -358,7 +358,9 @@ fn join_in_background(
 
 /// Samples every pool's share of KV blocks held (its ranks' gauges) until `finished`, for the
 /// report's `kv_usage` timeline (`kvflow plot` draws it): every 100 ms, halving the samples kept
-/// (and doubling the interval) whenever they pass 2,000.
+/// (and doubling the interval) whenever they pass 2,000. A sample is kept as its numbers (a time
+/// and one share per pool, tens of bytes) and written as JSON only at the end: a server samples
+/// for as long as it runs.
 fn spawn_kv_sampler(
     pools: PoolGauges,
     run_start_ms: f64,
@@ -366,18 +368,21 @@ fn spawn_kv_sampler(
 ) -> std::io::Result<std::thread::JoinHandle<Vec<serde_json::Value>>> {
     std::thread::Builder::new().name("kvflow-kv-sampler".into()).spawn(move || {
         let mut interval = Duration::from_millis(100);
-        let mut samples = Vec::new();
+        let mut samples: Vec<(f64, Box<[f64]>)> = Vec::new();
         while !finished.load(Ordering::SeqCst) {
-            let shares: serde_json::Map<String, serde_json::Value> = pools
+            let shares = pools
                 .iter()
-                .map(|(name, ranks)| {
+                .map(|(_, ranks)| {
                     let (used, total) =
                         ranks.iter().map(|g| g.get()).fold((0, 0), |(u, t), g| (u + g.used_blocks, t + g.total_blocks));
-                    (name.clone(), json!(if total > 0 { used as f64 / total as f64 } else { 0.0 }))
+                    if total > 0 {
+                        used as f64 / total as f64
+                    } else {
+                        0.0
+                    }
                 })
                 .collect();
-            let t_s = (kvflow_operators::messages::wall_ms() - run_start_ms) / 1000.0;
-            samples.push(json!({"t_s": t_s, "pools": shares}));
+            samples.push(((kvflow_operators::messages::wall_ms() - run_start_ms) / 1000.0, shares));
             if samples.len() > 2000 {
                 samples = samples.into_iter().step_by(2).collect();
                 interval *= 2;
@@ -385,5 +390,12 @@ fn spawn_kv_sampler(
             std::thread::sleep(interval);
         }
         samples
+            .into_iter()
+            .map(|(t_s, shares)| {
+                let shares: serde_json::Map<String, serde_json::Value> =
+                    pools.iter().zip(shares.iter()).map(|((name, _), share)| (name.clone(), json!(share))).collect();
+                json!({"t_s": t_s, "pools": shares})
+            })
+            .collect()
     })
 }
