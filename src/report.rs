@@ -131,17 +131,6 @@ impl VerifySummary {
     }
 }
 
-/// Nearest-rank percentiles and mean of `values` (`null`s when empty).
-pub fn summary(values: &[f64]) -> Value {
-    if values.is_empty() {
-        return json!({"p50": null, "p90": null, "p99": null, "mean": null});
-    }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    let pct = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-    json!({"p50": pct(50.0), "p90": pct(90.0), "p99": pct(99.0), "mean": v.iter().sum::<f64>() / v.len() as f64})
-}
-
 /// The largest latency a [`Latency`] tells apart (2^36 µs, about 19 hours); longer ones count
 /// as this long in the percentiles (the mean and the maximum stay exact).
 const LATENCY_HIGHEST_US: u64 = 1 << 36;
@@ -581,6 +570,18 @@ mod tests {
             done_ms: Some(done),
             ..Default::default()
         }
+    }
+
+    /// Nearest-rank percentiles and mean of `values` (`null`s when empty), exact: the reference
+    /// the histograms are checked against.
+    fn summary(values: &[f64]) -> Value {
+        if values.is_empty() {
+            return json!({"p50": null, "p90": null, "p99": null, "mean": null});
+        }
+        let mut v = values.to_vec();
+        v.sort_by(f64::total_cmp);
+        let pct = |p: f64| v[((p / 100.0 * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        json!({"p50": pct(50.0), "p90": pct(90.0), "p99": pct(99.0), "mean": v.iter().sum::<f64>() / v.len() as f64})
     }
 
     #[test]
