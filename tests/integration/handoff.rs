@@ -9,11 +9,11 @@ use kvflow_kernels::hash;
 use kvflow_kernels::models::{self, Model};
 use kvflow_operators::executor::{CpuStepRunner, ExecutorContext, OwnedStep};
 use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::pool::wake::RankWaker;
 use kvflow_operators::step::{
     ImportFrom, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StateOp, StepCompletion, StepLaunch,
 };
 use kvflow_operators::transfer::{Handoff, TransferId};
-use kvflow_operators::pool::wake::RankWaker;
 use std::sync::Arc;
 
 pub(crate) const BLOCK: usize = 16;
