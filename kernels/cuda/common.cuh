@@ -11,6 +11,14 @@ typedef unsigned long long u64;
 #define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
 
+// NVRTC has no <math.h>: infinity by its bits.
+#define KV_INFINITY __int_as_float(0x7f800000)
+
+// The rows of sequence s: [row_at[s], row_at[s + 1]) (the last one ends at `rows`).
+__device__ __forceinline__ int seq_end(const u32* row_at, int s, int seqs, int rows) {
+    return s + 1 < seqs ? (int)row_at[s + 1] : rows;
+}
+
 // Sum of a warp's values, reduced down to lane 0 in a fixed order and given to every lane.
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o /= 2) v += __shfl_down_sync(0xffffffffu, v, o);

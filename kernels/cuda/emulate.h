@@ -23,6 +23,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 #define __shared__ static
 #define DYNAMIC_SHARED(type, name) type* name = (type*)kvflow_dynamic_shared
 
@@ -43,6 +44,11 @@ static inline float __int_as_float(int bits) { float f; std::memcpy(&f, &bits, 4
 static inline float __uint_as_float(unsigned bits) { float f; std::memcpy(&f, &bits, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 using std::isfinite;
+// CUDA's rounded single operations (the host compiler here neither contracts nor fuses them).
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fdiv_rn(float a, float b) { return a / b; }
 
 // ---- fibers ----
 asm(R"(
@@ -124,6 +130,16 @@ static float __shfl_sync(unsigned, float v, int src) {
     int warp = current / 32, lane = current % 32;
     warp_slots[warp][lane] = v;
     __syncwarp();
+    float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
+    __syncwarp();
+    return r;
+}
+
+static float __shfl_xor_sync(unsigned, float v, int mask) {
+    int warp = current / 32, lane = current % 32;
+    warp_slots[warp][lane] = v;
+    __syncwarp();
+    int src = lane ^ mask;
     float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
     __syncwarp();
     return r;

@@ -15,11 +15,6 @@ __device__ __forceinline__ float la_sigmoid(float x) { return 1.0f / (1.0f + exp
 // torch's softplus (threshold 20)
 __device__ __forceinline__ float la_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// The rows of sequence s: [row_at[s], row_at[s + 1]) (the last one ends at `rows`).
-__device__ __forceinline__ int seq_end(const u32* row_at, int s, int seqs, int rows) {
-    return s + 1 < seqs ? (int)row_at[s + 1] : rows;
-}
-
 // Where channel c of the conv input [q | k | v] sits in a row of the fused projection, grouped per
 // key head as [q (d_k) | k (d_k) | v (r·d_v) | z (r·d_v)] (r = v_heads / k_heads).
 __device__ __forceinline__ int gdn_channel(int c, int nk, int dk, int r, int dv) {

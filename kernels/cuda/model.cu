@@ -11,9 +11,6 @@
 // that an earlier step's sampling wrote (deferred output, DESIGN §4: the host never waits for it).
 #define FROM_RING 0x80000000u
 
-// NVRTC has no <math.h>: infinity by its bits.
-#define KV_INFINITY __int_as_float(0x7f800000)
-
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 

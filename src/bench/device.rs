@@ -226,6 +226,16 @@ fn bf16_agreement(
     Ok(failures)
 }
 
+/// The bf16 checks of one fixture family (`dir`), as `bench device` runs them: batch invariance of
+/// the bf16 model, and its agreement with the f32 one (transformers' gap from `gap_file`).
+pub fn bf16_checks(gpu: &Gpu, dir: &Path, family: &str, gap_file: &Path) -> Result<Vec<String>> {
+    let model = models::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let (f32_model, bf16) = (DeviceModel::upload(gpu, &model)?, DeviceModel::upload_as(gpu, &model, Dtype::Bfloat16)?);
+    let mut failures = invariance(gpu, &bf16, &format!("{family} bf16"))?;
+    failures.extend(bf16_agreement(gpu, &f32_model, &bf16, dir, family, &TransformersGap::load(gap_file)?)?);
+    Ok(failures)
+}
+
 /// The fixture's oracle file name and its cases.
 fn expected_cases(dir: &Path) -> Result<(&'static str, Expected)> {
     let oracle = ["expected_cached.json", "expected.json"].into_iter().find(|f| dir.join(f).exists());

@@ -4,6 +4,7 @@ mod asynchronous;
 mod bad_input;
 mod batch_invariance;
 mod common;
+mod cuda_attention;
 mod cuda_emulated;
 mod disaggregated;
 mod docs;

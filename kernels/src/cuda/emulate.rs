@@ -83,7 +83,16 @@ fn build() -> Result<Emulator, String> {
         std::fs::write(&src, &text).map_err(|e| format!("cannot write {}: {e}", src.display()))?;
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
         let out = std::process::Command::new(&cxx)
-            .args(["-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing", "-w"])
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-fvisibility=hidden",
+                "-fno-strict-aliasing",
+                "-ffp-contract=off",
+                "-w",
+            ])
             .arg("-o")
             .arg(&tmp)
             .arg(&src)

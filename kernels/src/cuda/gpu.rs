@@ -107,6 +107,8 @@ pub struct Gpu {
     /// While a step is captured under emulation (`graph.rs`): what it enqueues, recorded
     /// instead of run.
     pub(super) host_capture: Mutex<Option<HostCapture>>,
+    /// Under emulation: launches run so far, per kernel (what the checks see took which kernel).
+    emulated_launches: Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Device time per kernel over a profiled stretch: name, launches, milliseconds.
@@ -142,6 +144,7 @@ impl Gpu {
             profiling: std::sync::atomic::AtomicBool::new(false),
             profile: Mutex::new(None),
             host_capture: Mutex::new(None),
+            emulated_launches: Mutex::new(Default::default()),
         }))
     }
 
@@ -157,6 +160,7 @@ impl Gpu {
             profiling: std::sync::atomic::AtomicBool::new(false),
             profile: Mutex::new(None),
             host_capture: Mutex::new(None),
+            emulated_launches: Mutex::new(Default::default()),
         }))
     }
 
@@ -252,6 +256,7 @@ impl Gpu {
                     .collect();
                 let mut ptrs: Vec<*mut std::ffi::c_void> =
                     values.iter_mut().map(|v| v.as_mut_ptr() as *mut std::ffi::c_void).collect();
+                *self.emulated_launches.lock().entry(name.to_string()).or_default() += 1;
                 emu.launch(name, grid, block, smem, &mut ptrs)
             }
         }
@@ -417,6 +422,11 @@ impl Gpu {
     }
 
     /// Whether launches are being timed (a captured step is then launched directly instead).
+    /// Under emulation, how many launches of `kernel` have run (0 on a GPU).
+    pub fn emulated_launches(&self, kernel: &str) -> u64 {
+        self.emulated_launches.lock().get(kernel).copied().unwrap_or(0)
+    }
+
     pub fn is_profiling(&self) -> bool {
         self.profiling.load(Ordering::Relaxed)
     }

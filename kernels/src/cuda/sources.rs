@@ -15,6 +15,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("kv.cu", include_str!("../../cuda/kv.cu")),
     ("linear.cu", include_str!("../../cuda/linear.cu")),
     ("indexer.cu", include_str!("../../cuda/indexer.cu")),
+    ("attention.cu", include_str!("../../cuda/attention.cu")),
 ];
 
 /// Whether NVRTC can be loaded here (it needs no GPU).

@@ -1,7 +1,10 @@
-//! Paged attention within a step (`kernels/cuda/model.cu`: `paged_attention`, then
-//! `attention_merge`): each query row over the cache rows its sequence sees, cut into key parts
-//! merged after, optionally only the keys DeepSeek-V3.2's indexer selected ([`Selection`]). Shared
-//! by `gqa.rs` and `mla.rs`.
+//! Paged attention within a step: each query row over the cache rows its sequence sees. On a bf16
+//! cache with keys and values of one width d ≤ 128 (d % 16 == 0), on tensor cores in the
+//! FlashAttention manner (`kernels/cuda/attention.cu`: `flash_attention_{16,32,64,128}`, then
+//! `flash_attention_merge` where a step's few rows are split by key part); otherwise, and where
+//! DeepSeek-V3.2's indexer selects the keys ([`Selection`]), `kernels/cuda/model.cu`'s
+//! `paged_attention` and `attention_merge`. Which kernel a layer takes follows from its sizes and
+//! the cache's dtype alone, never from the batch. Shared by `gqa.rs` and `mla.rs`.
 
 use super::Step;
 use crate::cuda::error::CudaError;
@@ -20,6 +23,25 @@ const STAGED_KEYS: usize = 8;
 const ATTENTION_PARTS_FLOATS: usize = 64 << 20;
 const MAX_QK_WIDTH: usize = 24 * 32;
 const MAX_V_WIDTH: usize = 16 * 32;
+
+/// `kernels/cuda/attention.cu`: a block's mma rows ((row, query head) pairs), its threads, and
+/// the keys of a part (a row's keys fold part by part from key 0).
+const FA_ROWS: usize = 64;
+const FA_THREADS: u32 = 128;
+const FA_PART: usize = 256;
+/// The tensor-core kernels by the head width they hold (a narrower d is zero-padded up).
+const FA_WIDTHS: [(usize, &str); 4] =
+    [(16, "flash_attention_16"), (32, "flash_attention_32"), (64, "flash_attention_64"), (128, "flash_attention_128")];
+
+/// The tensor-core kernel for a layer, where it takes it: a bf16 cache, keys and values of one
+/// width d (a multiple of 16, at most 128), rows of the cache 16-byte aligned, every key.
+fn flash_kernel(bf16: bool, qk: usize, v: usize, offsets: [usize; 3], sparse: bool) -> Option<&'static str> {
+    let aligned = offsets.iter().all(|o| o % 8 == 0);
+    if !bf16 || qk != v || qk % 16 != 0 || sparse || !aligned {
+        return None;
+    }
+    FA_WIDTHS.iter().find(|(w, _)| qk <= *w).map(|(_, name)| *name)
+}
 
 /// The keys each row attends to, as DeepSeek-V3.2's indexer picked them (`index_topk`): per row
 /// a count (−1: all it sees) and up to `stride` ascending positions.
@@ -52,6 +74,12 @@ impl Step<'_> {
                 "attention heads of {qk} (scores) and {v} (values): the CUDA kernel holds at most {MAX_QK_WIDTH} and \
                  {MAX_V_WIDTH}"
             )));
+        }
+        let offsets = [k_offset, v_offset, self.kv.width(kv_layer)];
+        let bf16 = self.kv.dtype == crate::cuda::Dtype::Bfloat16;
+        if let Some(kernel) = flash_kernel(bf16, qk, v, offsets, sparse.is_some()) {
+            return self
+                .flash_attention(kernel, out, q, q_stride, kv_layer, q_heads, kv_heads, qk, offsets, window, scale);
         }
         // as many warps as the group's heads need, up to ATTENTION_WARPS (the kernel reads them)
         let group = q_heads / kv_heads;
@@ -110,6 +138,81 @@ impl Step<'_> {
                     Arg::I32(v as i32),
                     Arg::I32(splits as i32),
                 ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `flash_attention_*` over the step's rows: tiles of one sequence's consecutive rows (as
+    /// many as fill 64 mma rows with the group's heads), every kv head; the parts of a row's keys
+    /// go to blocks of their own (and `flash_attention_merge`) only when the step has too few
+    /// tiles to fill the GPU — both give a row the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention(
+        &self,
+        kernel: &str,
+        out: u64,
+        q: u64,
+        q_stride: usize,
+        kv_layer: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        d: usize,
+        [k_offset, v_offset, row_width]: [usize; 3],
+        window: Option<usize>,
+        scale: f32,
+    ) -> Result<(), CudaError> {
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let group = q_heads / kv_heads;
+        let heads_per_block = group.min(FA_ROWS);
+        let head_parts = group.div_ceil(heads_per_block);
+        let per_tile = FA_ROWS / heads_per_block;
+        // at most this many tiles: each sequence's rows cut every `per_tile` from its first
+        let tiles = self.seqs + self.rows.saturating_sub(self.seqs) / per_tile;
+        let parts = self.index_row.div_ceil(FA_PART).max(1);
+        let scratch = self.rows * q_heads * parts * (d + 2);
+        let blocks = tiles * kv_heads * head_parts;
+        let split = parts > 1 && blocks < 4 * self.gpu.sms && scratch <= ATTENTION_PARTS_FLOATS;
+        let partial = self.gpu.scratch::<f32>(if split { scratch } else { 1 })?;
+        self.gpu.launch(
+            kernel,
+            (tiles as u32, (kv_heads * head_parts) as u32, if split { parts as u32 } else { 1 }),
+            FA_THREADS,
+            0,
+            &[
+                Arg::Ptr(out),
+                Arg::Ptr(partial.ptr()),
+                Arg::Ptr(q),
+                Arg::I64(q_stride as i64),
+                Arg::Ptr(self.kv.layer(kv_layer)),
+                Arg::Ptr(self.at.tables),
+                Arg::Ptr(self.at.table_at),
+                Arg::Ptr(self.at.positions),
+                Arg::Ptr(self.at.row_at),
+                Arg::I32(self.seqs as i32),
+                Arg::I32(self.rows as i32),
+                Arg::I32(q_heads as i32),
+                Arg::I32(kv_heads as i32),
+                Arg::I32(d as i32),
+                Arg::I32(k_offset as i32),
+                Arg::I32(v_offset as i32),
+                Arg::I32(row_width as i32),
+                Arg::I32(self.kv.block_size as i32),
+                Arg::I32(window.unwrap_or(0) as i32),
+                Arg::F32(scale),
+                Arg::I32(heads_per_block as i32),
+                Arg::I32(split as i32),
+            ],
+        )?;
+        if split {
+            self.gpu.launch(
+                "flash_attention_merge",
+                ((self.rows * q_heads) as u32, 1, 1),
+                reduce_threads(d),
+                0,
+                &[Arg::Ptr(out), Arg::Ptr(partial.ptr()), Arg::I32(d as i32), Arg::I32(parts as i32)],
             )?;
         }
         Ok(())

@@ -1,0 +1,318 @@
+// Causal attention over a bf16 paged KV cache on tensor cores, in the FlashAttention manner, for
+// prefill and decode alike (kernels/src/cuda/parts/attention.rs picks it where the cache holds
+// bf16, keys and values are one width d ≤ 128 with d % 16 == 0 and no indexer selection applies;
+// model.cu's paged_attention takes the rest). Compiled at run time by NVRTC
+// (kernels/src/cuda/sources.rs).
+//
+// A block takes a tile of one sequence's consecutive rows and one kv head: its 64 mma rows are
+// (row, query head of the group) pairs, 16 a warp, so a decode row's group shares one key read and
+// a prefill tile's rows share every staged key tile. Keys are staged 64 at a time (K as bf16
+// pairs along d, V transposed to pairs along keys) and each warp runs S = Q·Kᵀ and O += P·V as
+// mma.sync m16n8k16 (q and the probabilities rounded to bf16, f32 accumulation).
+//
+// Batch invariance (DESIGN §6): a row's keys are cut at fixed positions counted from key 0 —
+// parts of FA_PART keys, tiles of FA_KEYS — never by the batch, the tile it shares or the grid.
+// Within a part, its scores, running max, sum and output go tile by tile from a fresh start, each
+// value through the same instructions whatever the other rows of its mma (a tile beyond the row's
+// own keys is an exact identity: probabilities 0, correction 1). The parts then fold in order
+// (fa_fold_*), either in the block itself (`split` 0) or, when the host splits a few rows' parts
+// over blocks, through `parts` and flash_attention_merge with the same operations: so the host
+// may choose either by the shape of the step and a row's bits do not change.
+
+#define FA_THREADS 128  // four warps
+#define FA_ROWS 64      // mma rows of a block: (row, query head) pairs
+#define FA_KEYS 64      // keys staged at a time
+#define FA_PART 256     // a row's keys fold in parts of this many from key 0 (parts/attention.rs: FA_PART)
+
+// The fold of a part (max m, sum l) into the running (big, sum): the weights of what was folded
+// (wa) and of the part (wb). Written with rounded intrinsics so that no contraction makes the
+// block's fold and flash_attention_merge's differ.
+__device__ __forceinline__ void fa_fold_weights(float* big, float* sum, float m, float l, float* wa, float* wb) {
+    float next = fmaxf(*big, m);
+    *wa = expf(__fsub_rn(*big, next));  // the first part: e^−∞ = 0
+    *wb = expf(__fsub_rn(m, next));
+    *sum = __fadd_rn(__fmul_rn(*sum, *wa), __fmul_rn(l, *wb));
+    *big = next;
+}
+__device__ __forceinline__ float fa_fold_value(float acc, float wa, float o, float wb) {
+    return __fadd_rn(__fmul_rn(acc, wa), __fmul_rn(o, wb));
+}
+
+// The sum (or max) of the four lanes of a quad (the lanes holding one mma row), the same bits in each.
+__device__ __forceinline__ float fa_quad_sum(float v) {
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float fa_quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// Stages keys k0 .. k0 + 63 of the tile's sequence: Ks[key][d pair] and Vt[d][key pair], zero for
+// keys outside [lo, hi] (those no row of the tile sees, never read from the cache).
+template <int D>
+__device__ __forceinline__ void fa_stage(u32* Ks, u32* Vt, const u16* cache, const u32* table, int block_size,
+                                         int row_width, size_t k_base, size_t v_base, int d, int k0, int lo, int hi) {
+    constexpr int KP = D / 2 + 4, VP = FA_KEYS / 2 + 4, CHUNKS = D / 8;
+    auto row_of = [&](int key) { return ((size_t)table[key / block_size] * block_size + key % block_size) * row_width; };
+    // K: consecutive threads read consecutive 8-value chunks of a key
+    for (int e = threadIdx.x; e < FA_KEYS * CHUNKS; e += FA_THREADS) {
+        int u = e / CHUNKS, c = e % CHUNKS, key = k0 + u;
+        uint4 v = {0u, 0u, 0u, 0u};
+        if (key >= lo && key <= hi && 8 * c < d) v = *(const uint4*)(cache + row_of(key) + k_base + 8 * c);
+        *(uint4*)(Ks + u * KP + 4 * c) = v;
+    }
+    // V: consecutive threads take consecutive key pairs (conflict-free transposed stores)
+    for (int e = threadIdx.x; e < FA_KEYS / 2 * CHUNKS; e += FA_THREADS) {
+        int w = e % (FA_KEYS / 2), c = e / (FA_KEYS / 2), key = k0 + 2 * w;
+        uint4 a = {0u, 0u, 0u, 0u}, b = {0u, 0u, 0u, 0u};
+        if (8 * c < d) {
+            if (key >= lo && key <= hi) a = *(const uint4*)(cache + row_of(key) + v_base + 8 * c);
+            if (key + 1 >= lo && key + 1 <= hi) b = *(const uint4*)(cache + row_of(key + 1) + v_base + 8 * c);
+        }
+        const u32 pa[4] = {a.x, a.y, a.z, a.w}, pb[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            Vt[(8 * c + 2 * i) * VP + w] = (pa[i] & 0xffffu) | (pb[i] << 16);
+            Vt[(8 * c + 2 * i + 1) * VP + w] = (pa[i] >> 16) | (pb[i] & 0xffff0000u);
+        }
+    }
+}
+
+// Block (tile x, kv head × head part, part when split). Rows are [row, head, d] f32 in `out`;
+// q is f32 (row stride q_stride, head h at h·d); the cache's row of a position holds K of kv head
+// g at k_offset + g·d and V at v_offset + g·d. A row at position p sees keys max(0, p + 1 −
+// window) ..= p (window 0: all). heads_per_block ≤ 64 query heads of the group per block (the
+// group in head parts beyond), 64 / heads_per_block rows a tile.
+template <int D>
+__device__ void flash_attention_block(float* out, float* parts, const float* q, long long q_stride, const u16* cache,
+                                      const u32* tables, const u32* table_at, const int* positions, const u32* row_at,
+                                      int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset,
+                                      int v_offset, int row_width, int block_size, int window, float scale,
+                                      int heads_per_block, int split) {
+    constexpr int KP = D / 2 + 4, VP = FA_KEYS / 2 + 4, NT = D / 8, KS = D / 16;
+    __shared__ __align__(16) u32 Ks[FA_KEYS * KP];
+    __shared__ __align__(16) u32 Vt[D * VP];
+    __shared__ int scan[FA_THREADS];
+    __shared__ int tile[3];  // sequence, first row, rows
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    int per_tile = FA_ROWS / heads_per_block;
+
+    // This block's tile: the blockIdx.x-th of the sequences' tiles (each sequence's rows cut
+    // every per_tile from its first), found by a prefix sum over the sequences' tile counts.
+    if (tid == 0) tile[0] = -1;
+    __syncthreads();
+    int before = 0, x = blockIdx.x;
+    for (int s0 = 0; s0 < seqs; s0 += FA_THREADS) {
+        int s = s0 + tid;
+        int n = s < seqs ? seq_end(row_at, s, seqs, rows) - (int)row_at[s] : 0;
+        int count = (n + per_tile - 1) / per_tile;
+        scan[tid] = count;
+        __syncthreads();
+        for (int off = 1; off < FA_THREADS; off *= 2) {
+            int add = tid >= off ? scan[tid - off] : 0;
+            __syncthreads();
+            scan[tid] += add;
+            __syncthreads();
+        }
+        int hi = before + scan[tid], lo = hi - count;
+        if (x >= lo && x < hi) {
+            tile[0] = s;
+            tile[1] = (int)row_at[s] + (x - lo) * per_tile;
+            tile[2] = min(per_tile, n - (x - lo) * per_tile);
+        }
+        before += scan[FA_THREADS - 1];
+        __syncthreads();
+        if (tile[0] >= 0 || before > x) break;
+    }
+    if (tile[0] < 0) return;  // past the step's tiles (the grid is a bound)
+    int seq = tile[0], first = tile[1], n = tile[2];
+    int group = q_heads / kv_heads, head_parts = (group + heads_per_block - 1) / heads_per_block;
+    int g = blockIdx.y / head_parts, hp = blockIdx.y % head_parts;
+    const u32* table = tables + table_at[seq];
+    int p_last = positions[first + n - 1];
+    int lo_first = window > 0 ? max(0, positions[first] + 1 - window) : 0;
+
+    // this thread's two mma rows: gid and gid + 8 of the warp's 16
+    int row_of[2], head_of[2], pos_of[2], lo_of[2];
+    bool valid[2];
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        int rho = 16 * warp + gid + 8 * u;
+        int i = rho / heads_per_block, c = hp * heads_per_block + rho % heads_per_block;
+        valid[u] = i < per_tile && i < n && c < group;
+        row_of[u] = first + min(i, n - 1);
+        head_of[u] = g * group + min(c, group - 1);
+        pos_of[u] = valid[u] ? positions[row_of[u]] : -1;
+        lo_of[u] = window > 0 ? max(0, pos_of[u] + 1 - window) : 0;
+    }
+    bool busy = __ballot_sync(0xffffffffu, valid[0] || valid[1]) != 0u;  // the warp has rows
+
+    // q as the A fragments of S = Q·Kᵀ (bf16, zero past d and for rows without a pair)
+    u32 qa[KS][4];
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++)
+#pragma unroll
+        for (int f = 0; f < 4; f++) {
+            int u = f % 2, dd = 16 * ks + 8 * (f / 2) + 2 * tig;
+            const float* qrow = q + (size_t)row_of[u] * q_stride + (size_t)head_of[u] * d;
+            float lo_v = valid[u] && dd < d ? qrow[dd] : 0.0f, hi_v = valid[u] && dd + 1 < d ? qrow[dd + 1] : 0.0f;
+            qa[ks][f] = bf16_bits(lo_v) | (bf16_bits(hi_v) << 16);
+        }
+
+    size_t k_base = k_offset + (size_t)g * d, v_base = v_offset + (size_t)g * d;
+    float big[2] = {-KV_INFINITY, -KV_INFINITY}, total[2] = {0.0f, 0.0f}, acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc[nt][c] = 0.0f;
+    int part_lo = split ? (int)blockIdx.z : lo_first / FA_PART, part_hi = split ? (int)blockIdx.z : p_last / FA_PART;
+    for (int part = part_lo; part <= part_hi; part++) {
+        float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
+        int k_begin = max(part * FA_PART, lo_first / FA_KEYS * FA_KEYS), k_end = min((part + 1) * FA_PART, p_last + 1);
+        for (int k0 = k_begin; k0 < k_end; k0 += FA_KEYS) {
+            __syncthreads();  // every warp is done with the previous tile
+            fa_stage<D>(Ks, Vt, cache, table, block_size, row_width, k_base, v_base, d, k0, lo_first, p_last);
+            __syncthreads();
+            if (!busy) continue;
+            float sc[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+#pragma unroll
+                for (int c = 0; c < 4; c++) sc[j][c] = 0.0f;
+#pragma unroll
+                for (int ks = 0; ks < KS; ks++) {
+                    const u32* kr = Ks + (8 * j + gid) * KP + 8 * ks + tig;
+                    u32 b[2] = {kr[0], kr[4]};
+                    mma_bf16_16816(sc[j], qa[ks], b);
+                }
+            }
+            // scores, the rows' masks and maxima (a row's value c / 2 of each pair is row gid + 8u)
+            float tile_max[2] = {-KV_INFINITY, -KV_INFINITY};
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int u = c / 2, key = k0 + 8 * j + 2 * tig + c % 2;
+                    bool sees = valid[u] && key >= lo_of[u] && key <= pos_of[u];
+                    sc[j][c] = sees ? __fmul_rn(sc[j][c], scale) : -KV_INFINITY;
+                    tile_max[u] = fmaxf(tile_max[u], sc[j][c]);
+                }
+            float corr[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                float next = fmaxf(m[u], fa_quad_max(tile_max[u]));
+                corr[u] = next == -KV_INFINITY ? 1.0f : expf(__fsub_rn(m[u], next));
+                m[u] = next;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    int u = c / 2;
+                    float p = sc[j][c] == -KV_INFINITY ? 0.0f : expf(__fsub_rn(sc[j][c], m[u]));
+                    sc[j][c] = p;
+                    sum[u] = __fadd_rn(sum[u], p);
+                }
+#pragma unroll
+            for (int u = 0; u < 2; u++) l[u] = __fadd_rn(__fmul_rn(l[u], corr[u]), fa_quad_sum(sum[u]));
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) o[nt][c] = __fmul_rn(o[nt][c], corr[c / 2]);
+            // O += P·V, 16 keys a step: P's A fragments are the score tiles 2t and 2t + 1
+#pragma unroll
+            for (int t = 0; t < FA_KEYS / 16; t++) {
+                u32 a[4] = {bf16_bits(sc[2 * t][0]) | (bf16_bits(sc[2 * t][1]) << 16),
+                            bf16_bits(sc[2 * t][2]) | (bf16_bits(sc[2 * t][3]) << 16),
+                            bf16_bits(sc[2 * t + 1][0]) | (bf16_bits(sc[2 * t + 1][1]) << 16),
+                            bf16_bits(sc[2 * t + 1][2]) | (bf16_bits(sc[2 * t + 1][3]) << 16)};
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const u32* vr = Vt + (8 * nt + gid) * VP + 8 * t + tig;
+                    u32 b[2] = {vr[0], vr[4]};
+                    mma_bf16_16816(o[nt], a, b);
+                }
+            }
+        }
+        if (split) {
+            // the part's max, sum and output to `parts` for flash_attention_merge
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                if (!valid[u]) continue;
+                float* dst = parts + (((size_t)row_of[u] * q_heads + head_of[u]) * gridDim.z + part) * (d + 2);
+                if (tig == 0) {
+                    dst[0] = m[u];
+                    dst[1] = l[u];
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int c = 2 * u; c < 2 * u + 2; c++) {
+                        int col = 8 * nt + 2 * tig + c % 2;
+                        if (col < d) dst[2 + col] = o[nt][c];
+                    }
+            }
+            continue;
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            if (m[u] == -KV_INFINITY) continue;  // no key of this part for the row
+            float wa, wb;
+            fa_fold_weights(&big[u], &total[u], m[u], l[u], &wa, &wb);
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int c = 2 * u; c < 2 * u + 2; c++) acc[nt][c] = fa_fold_value(acc[nt][c], wa, o[nt][c], wb);
+        }
+    }
+    if (split) return;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        if (!valid[u]) continue;
+        float* dst = out + ((size_t)row_of[u] * q_heads + head_of[u]) * d;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int c = 2 * u; c < 2 * u + 2; c++) {
+                int col = 8 * nt + 2 * tig + c % 2;
+                if (col < d) dst[col] = __fdiv_rn(acc[nt][c], total[u]);
+            }
+    }
+}
+
+// One kernel per largest head width (d is zero-padded up to it).
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_16(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<16>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_32(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<32>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_64(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<64>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_128(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<128>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+
+// out[row, h, :] from the row's parts in `parts` [row, h, part, (m, l, output)], folded in order
+// as flash_attention_block folds them (a part without keys, m = −∞, is skipped). Block = row ·
+// q_heads + h, threads over d.
+extern "C" __global__ void flash_attention_merge(float* out, const float* parts, int d, int splits) {
+    const float* p = parts + (size_t)blockIdx.x * splits * (d + 2);
+    for (int col = threadIdx.x; col < d; col += blockDim.x) {
+        float big = -KV_INFINITY, total = 0.0f, acc = 0.0f;
+        for (int s = 0; s < splits; s++) {
+            const float* part = p + (size_t)s * (d + 2);
+            if (part[0] == -KV_INFINITY) continue;
+            float wa, wb;
+            fa_fold_weights(&big, &total, part[0], part[1], &wa, &wb);
+            acc = fa_fold_value(acc, wa, part[2 + col], wb);
+        }
+        out[(size_t)blockIdx.x * d + col] = __fdiv_rn(acc, total);
+    }
+}
