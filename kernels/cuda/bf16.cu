@@ -1,87 +1,87 @@
 // The bfloat16 products of the CUDA executor (`dtype = "bfloat16"`): weights in bf16, each
-// product's input rounded to bf16 (round to nearest even) as it is loaded, tensor-core matrix
-// products (mma.sync m16n8k16, f32 accumulation), outputs and everything between products in f32.
-// Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
+// product's input rounded to bf16 (round to nearest even) once, by `round_rows_bf16`, tensor-core
+// matrix products (mma.sync m16n8k16, f32 accumulation), outputs and everything between products
+// in f32. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // Batch invariance (DESIGN §6), as model.cu's `linear`: an element of y = x · Wᵀ is the sum, in
 // order from 0, of its chunks' chains (LINEAR_CHUNK = 256 inputs each, 16 products of 16 inputs
 // accumulated in k order) — fixed by the layer's K alone. Every element goes through the same
 // instruction whatever its place in a tile, so the host may split a skinny product by chunk
 // (`linear_bf16_split`, then model.cu's `linear_chunks_sum`) or not, by the batch's shape.
+//
+// Stages of 32 inputs of W and x go to shared memory by cp.async, BF16_STAGES − 1 of them in
+// flight while a stage is multiplied (rows whose K is not a multiple of 8 are not 16-byte aligned:
+// those are staged element by element, the same values in the same places).
 
 #define BF16_TILE 64     // W rows and x rows of a block's tile
 #define BF16_BK 32       // inputs per stage
 #define BF16_PAIRS 16    // bf16 pairs of a stage's row
-#define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads)
+#define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
+#define BF16_STAGES 4    // stages in shared memory
 
-// A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64,
-// eight 16 × 8 products per step of 16 inputs (those past M skipped). `chunk_out` set: one
-// chunk's chains only, to chunk_out[m · N + n]; else y as model.cu's `linear` writes it.
-__device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, const u16* w, const float* bias, int M,
-                                                 int N, int K, long long x_stride, long long y_stride,
-                                                 int accumulate, int k_lo, int k_hi, float* chunk_out) {
-    __shared__ u32 Ws[2][BF16_TILE][BF16_PAD];
-    __shared__ u32 Xs[2][BF16_TILE][BF16_PAD];
+// out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (K / 256, M).
+extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {
+    int k = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+    if (k < K && m < M) out[(size_t)m * K + k] = (u16)bf16_bits(x[(size_t)m * x_stride + k]);
+}
+
+// The 8 bf16 of row r (of R, K long) at inputs k .. k + 8 into dst (4 u32), zero past R and k_hi.
+__device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r, int R, int K, int k, int k_hi,
+                                                 bool vector) {
+    if (vector) {  // k and k_hi are multiples of 8: the chunk is wholly in or out
+        bool in = r < R && k < k_hi;
+        cp_async16(dst, in ? src + (size_t)r * K + k : src, in);
+        return;
+    }
+    for (int p = 0; p < 4; p++) {
+        int kk = k + 2 * p;
+        u32 lo = r < R && kk < k_hi ? src[(size_t)r * K + kk] : 0u;
+        u32 hi = r < R && kk + 1 < k_hi ? src[(size_t)r * K + kk + 1] : 0u;
+        dst[p] = lo | (hi << 16);
+    }
+}
+
+// A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64 (xb:
+// round_rows_bf16's [M × K]), eight 16 × 8 products per step of 16 inputs (those past M skipped).
+// `chunk_out` set: one chunk's chains only, to chunk_out[m · N + n]; else y as model.cu's
+// `linear` writes it.
+__device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const u16* w, const float* bias, int M,
+                                                 int N, int K, long long y_stride, int accumulate, int k_lo,
+                                                 int k_hi, float* chunk_out) {
+    __shared__ __align__(16) u32 Ws[BF16_STAGES][BF16_TILE][BF16_PAD];
+    __shared__ __align__(16) u32 Xs[BF16_STAGES][BF16_TILE][BF16_PAD];
     int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     float acc[8][4], total[8][4];
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) acc[j][c] = total[j][c] = 0.0f;
-    // this thread's share of a stage: W row tid / 2 and x row tid / 2, inputs 16 · (tid % 2) ..
-    // + 16 of the stage, as eight bf16 pairs each (zero past the edges)
-    u32 wp[8], xp[8];
-    int row = tid / 2, half = tid % 2;
-    bool vector_w = K % 8 == 0, vector_x = x_stride % 4 == 0;
-    auto fetch = [&](int k0) {
-        int kb = k0 + 16 * half, n = n0 + row, m = m0 + row;
-        if (n < N && vector_w && kb + 16 <= k_hi) {
-            const uint4* src = (const uint4*)(w + (size_t)n * K + kb);
-            uint4 a = src[0], b = src[1];
-            wp[0] = a.x; wp[1] = a.y; wp[2] = a.z; wp[3] = a.w;
-            wp[4] = b.x; wp[5] = b.y; wp[6] = b.z; wp[7] = b.w;
-        } else {
-            for (int p = 0; p < 8; p++) {
-                int k = kb + 2 * p;
-                u32 lo = n < N && k < k_hi ? w[(size_t)n * K + k] : 0u;
-                u32 hi = n < N && k + 1 < k_hi ? w[(size_t)n * K + k + 1] : 0u;
-                wp[p] = lo | (hi << 16);
-            }
-        }
-        if (m < M && vector_x && kb + 16 <= k_hi) {
-            const float4* src = (const float4*)(x + (size_t)m * x_stride + kb);
-            for (int q = 0; q < 4; q++) {
-                float4 v = src[q];
-                xp[2 * q] = bf16_bits(v.x) | (bf16_bits(v.y) << 16);
-                xp[2 * q + 1] = bf16_bits(v.z) | (bf16_bits(v.w) << 16);
-            }
-        } else {
-            for (int p = 0; p < 8; p++) {
-                int k = kb + 2 * p;
-                u32 lo = m < M && k < k_hi ? bf16_bits(x[(size_t)m * x_stride + k]) : 0u;
-                u32 hi = m < M && k + 1 < k_hi ? bf16_bits(x[(size_t)m * x_stride + k + 1]) : 0u;
-                xp[p] = lo | (hi << 16);
-            }
+    bool vector = K % 8 == 0;
+    int stages = (k_hi - k_lo + BF16_BK - 1) / BF16_BK;
+    // stage s into its buffer: 256 chunks of 8 inputs each of W and x, two of each a thread
+    auto load = [&](int s) {
+        int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
+        for (int i = 0; i < 2; i++) {
+            int c = tid + 128 * i, row = c / 4, part = c % 4;
+            bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector);
+            bf16_stage_chunk(&Xs[buf][row][4 * part], xb, m0 + row, M, K, k0 + 8 * part, k_hi, vector);
         }
     };
-    auto store = [&](int buf) {
-        for (int p = 0; p < 8; p++) {
-            Ws[buf][row][8 * half + p] = wp[p];
-            Xs[buf][row][8 * half + p] = xp[p];
-        }
-    };
-    fetch(k_lo);
-    store(0);
-    __syncthreads();
-    int buf = 0;
-    for (int k0 = k_lo; k0 < k_hi; k0 += BF16_BK) {
+    for (int s = 0; s < BF16_STAGES - 1; s++) {
+        if (s < stages) load(s);
+        cp_async_commit();
+    }
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<BF16_STAGES - 2>();  // stage s has landed (this thread's part of it) ...
+        __syncthreads();                   // ... every thread's, and stage s − 1 is multiplied
+        if (s + BF16_STAGES - 1 < stages) load(s + BF16_STAGES - 1);  // into stage s − 1's buffer
+        cp_async_commit();
+        int k0 = k_lo + s * BF16_BK, buf = s % BF16_STAGES;
         if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0)
             for (int j = 0; j < 8; j++)
                 for (int c = 0; c < 4; c++) {
                     total[j][c] += acc[j][c];
                     acc[j][c] = 0.0f;
                 }
-        bool more = k0 + BF16_BK < k_hi;
-        if (more) fetch(k0 + BF16_BK);
         for (int kk = 0; kk < BF16_PAIRS; kk += 8) {
             u32 a[4], b[2];
             int r = 16 * warp + gid;
@@ -96,9 +96,6 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, const
                 mma_bf16_16816(acc[j], a, b);
             }
         }
-        if (more) store(buf ^ 1);
-        __syncthreads();
-        buf ^= 1;
     }
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) {
@@ -115,16 +112,15 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, const
         }
 }
 
-// y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K]; grid (N / 64, M / 64).
-extern "C" __global__ void linear_bf16(float* y, const float* x, const u16* w, const float* bias, int M, int N, int K,
-                                       long long x_stride, long long y_stride, int accumulate) {
-    linear_bf16_tile(y, x, w, bias, M, N, K, x_stride, y_stride, accumulate, 0, K, nullptr);
+// y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K], x rounded (xb [M × K]);
+// grid (N / 64, M / 64).
+extern "C" __global__ void linear_bf16(float* y, const u16* xb, const u16* w, const float* bias, int M, int N, int K,
+                                       long long y_stride, int accumulate) {
+    linear_bf16_tile(y, xb, w, bias, M, N, K, y_stride, accumulate, 0, K, nullptr);
 }
 
 // One chunk's chains of each 64 × 64 tile (blockIdx.z = chunk) to partial[chunk · M · N ..].
-extern "C" __global__ void linear_bf16_split(float* partial, const float* x, const u16* w, int M, int N, int K,
-                                             long long x_stride) {
+extern "C" __global__ void linear_bf16_split(float* partial, const u16* xb, const u16* w, int M, int N, int K) {
     int k_lo = blockIdx.z * LINEAR_CHUNK, k_hi = min(K, k_lo + LINEAR_CHUNK);
-    linear_bf16_tile(nullptr, x, w, nullptr, M, N, K, x_stride, 0, 0, k_lo, k_hi,
-                     partial + (size_t)blockIdx.z * M * N);
+    linear_bf16_tile(nullptr, xb, w, nullptr, M, N, K, 0, 0, k_lo, k_hi, partial + (size_t)blockIdx.z * M * N);
 }

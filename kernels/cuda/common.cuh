@@ -54,6 +54,19 @@ __device__ __forceinline__ void kv_store(void* cache, size_t i, float v, int bf1
 }
 
 #ifndef KVFLOW_EMULATE
+// 16 bytes from global memory to shared memory without the registers (zeros where !full); the
+// copies issued since the last commit form a group, and cp_async_wait<N> waits until at most N
+// of this thread's groups are still in flight (PTX ISA, "cp.async").
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // D += A · B for one warp: A 16 × 16 bf16 (row-major fragments), B 16 × 8 bf16 (column-major),
 // D 16 × 8 f32 (PTX ISA, "Matrix fragments for mma.m16n8k16"); every lane of the warp takes part.
 __device__ __forceinline__ void mma_bf16_16816(float* d, const u32* a, const u32* b) {

@@ -52,7 +52,8 @@ fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan
     LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
-/// A bf16 product (`kernels/cuda/bf16.cu`, 64-square tiles of four warps): split by chunk of k
+/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`, then
+/// 64-square tiles of four warps): split by chunk of k
 /// while its tiles would leave SMs without two blocks; both give an element the same chains.
 fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
     let grid = (blocks_for(n, 64), blocks_for(m, 64));
@@ -141,6 +142,21 @@ impl Product {
             return Err(CudaError::Unsupported("batched bf16 products".into()));
         }
         let (m, n, k) = (self.m, self.n, self.k);
+        // the input rounded to bf16 once, [m × k], for every tile that reads it
+        let xb = gpu.scratch::<u16>(m * k)?;
+        gpu.launch(
+            "round_rows_bf16",
+            (blocks_for(k, 256), m as u32, 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(xb.ptr()),
+                Arg::Ptr(self.x),
+                Arg::I32(m as i32),
+                Arg::I32(k as i32),
+                Arg::I64(self.x_stride as i64),
+            ],
+        )?;
         match bf16_plan(gpu.sms, m, n, k) {
             LinearPlan::Whole(kernel, grid) => gpu.launch(
                 kernel,
@@ -149,13 +165,12 @@ impl Product {
                 0,
                 &[
                     Arg::Ptr(self.y),
-                    Arg::Ptr(self.x),
+                    Arg::Ptr(xb.ptr()),
                     Arg::Ptr(self.w),
                     Arg::Ptr(self.bias),
                     Arg::I32(m as i32),
                     Arg::I32(n as i32),
                     Arg::I32(k as i32),
-                    Arg::I64(self.x_stride as i64),
                     Arg::I64(self.y_stride as i64),
                     Arg::I32(self.accumulate as i32),
                 ],
@@ -169,12 +184,11 @@ impl Product {
                     0,
                     &[
                         Arg::Ptr(partial.ptr()),
-                        Arg::Ptr(self.x),
+                        Arg::Ptr(xb.ptr()),
                         Arg::Ptr(self.w),
                         Arg::I32(m as i32),
                         Arg::I32(n as i32),
                         Arg::I32(k as i32),
-                        Arg::I64(self.x_stride as i64),
                     ],
                 )?;
                 self.sum_chunks(gpu, &partial, chunks)
