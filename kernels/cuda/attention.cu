@@ -17,7 +17,9 @@
 // own keys is an exact identity: probabilities 0, correction 1). The parts then fold in order
 // (fa_fold_*), either in the block itself (`split` 0) or, when the host splits a few rows' parts
 // over blocks, through `parts` and flash_attention_merge with the same operations: so the host
-// may choose either by the shape of the step and a row's bits do not change.
+// may choose either by the shape of the step and a row's bits do not change. (That rests on the
+// cache holding finite values: a key a row does not see but its tile stages still meets the
+// row's zero probability in the P·V product, and 0 · ∞ would not be 0.)
 
 #define FA_THREADS 128  // four warps
 #define FA_ROWS 64      // mma rows of a block: (row, query head) pairs
@@ -161,11 +163,9 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         }
 
     size_t k_base = k_offset + (size_t)g * d, v_base = v_offset + (size_t)g * d;
-    float big[2] = {-KV_INFINITY, -KV_INFINITY}, total[2] = {0.0f, 0.0f}, acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) acc[nt][c] = 0.0f;
+    // the fold's running max and sum per row; its output accumulates in `out` itself (each
+    // element is this thread's alone, and a float goes through memory unchanged)
+    float big[2] = {-KV_INFINITY, -KV_INFINITY}, total[2] = {0.0f, 0.0f};
     int part_lo = split ? (int)blockIdx.z : lo_first / FA_PART, part_hi = split ? (int)blockIdx.z : p_last / FA_PART;
     for (int part = part_lo; part <= part_hi; part++) {
         float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
@@ -261,13 +261,18 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         }
 #pragma unroll
         for (int u = 0; u < 2; u++) {
-            if (m[u] == -KV_INFINITY) continue;  // no key of this part for the row
+            if (!valid[u] || m[u] == -KV_INFINITY) continue;  // no key of this part for the row
+            bool first_part = big[u] == -KV_INFINITY;
             float wa, wb;
             fa_fold_weights(&big[u], &total[u], m[u], l[u], &wa, &wb);
+            float* dst = out + ((size_t)row_of[u] * q_heads + head_of[u]) * d;
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int c = 2 * u; c < 2 * u + 2; c++) acc[nt][c] = fa_fold_value(acc[nt][c], wa, o[nt][c], wb);
+                for (int c = 2 * u; c < 2 * u + 2; c++) {
+                    int col = 8 * nt + 2 * tig + c % 2;
+                    if (col < d) dst[col] = fa_fold_value(first_part ? 0.0f : dst[col], wa, o[nt][c], wb);
+                }
         }
     }
     if (split) return;
@@ -280,7 +285,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
 #pragma unroll
             for (int c = 2 * u; c < 2 * u + 2; c++) {
                 int col = 8 * nt + 2 * tig + c % 2;
-                if (col < d) dst[col] = __fdiv_rn(acc[nt][c], total[u]);
+                if (col < d) dst[col] = __fdiv_rn(dst[col], total[u]);
             }
     }
 }

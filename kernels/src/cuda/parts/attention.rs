@@ -34,10 +34,19 @@ const FA_WIDTHS: [(usize, &str); 4] =
     [(16, "flash_attention_16"), (32, "flash_attention_32"), (64, "flash_attention_64"), (128, "flash_attention_128")];
 
 /// The tensor-core kernel for a layer, where it takes it: a bf16 cache, keys and values of one
-/// width d (a multiple of 16, at most 128), rows of the cache 16-byte aligned, every key.
-fn flash_kernel(bf16: bool, qk: usize, v: usize, offsets: [usize; 3], sparse: bool) -> Option<&'static str> {
+/// width d (a multiple of 16, at most 128), rows of the cache 16-byte aligned, every key, and
+/// query heads in equal groups per kv head.
+fn flash_kernel(
+    bf16: bool,
+    qk: usize,
+    v: usize,
+    offsets: [usize; 3],
+    heads: (usize, usize),
+    sparse: bool,
+) -> Option<&'static str> {
     let aligned = offsets.iter().all(|o| o % 8 == 0);
-    if !bf16 || qk != v || qk % 16 != 0 || sparse || !aligned {
+    let grouped = heads.1 > 0 && heads.0 >= heads.1 && heads.0 % heads.1 == 0;
+    if !bf16 || qk != v || qk % 16 != 0 || sparse || !aligned || !grouped {
         return None;
     }
     FA_WIDTHS.iter().find(|(w, _)| qk <= *w).map(|(_, name)| *name)
@@ -77,7 +86,7 @@ impl Step<'_> {
         }
         let offsets = [k_offset, v_offset, self.kv.width(kv_layer)];
         let bf16 = self.kv.dtype == crate::cuda::Dtype::Bfloat16;
-        if let Some(kernel) = flash_kernel(bf16, qk, v, offsets, sparse.is_some()) {
+        if let Some(kernel) = flash_kernel(bf16, qk, v, offsets, (q_heads, kv_heads), sparse.is_some()) {
             return self
                 .flash_attention(kernel, out, q, q_stride, kv_layer, q_heads, kv_heads, qk, offsets, window, scale);
         }
@@ -174,7 +183,8 @@ impl Step<'_> {
         let parts = self.index_row.div_ceil(FA_PART).max(1);
         let scratch = self.rows * q_heads * parts * (d + 2);
         let blocks = tiles * kv_heads * head_parts;
-        let split = parts > 1 && blocks < 4 * self.gpu.sms && scratch <= ATTENTION_PARTS_FLOATS;
+        // (a grid's z is at most 65,535)
+        let split = parts > 1 && parts <= 65_535 && blocks < 4 * self.gpu.sms && scratch <= ATTENTION_PARTS_FLOATS;
         let partial = self.gpu.scratch::<f32>(if split { scratch } else { 1 })?;
         self.gpu.launch(
             kernel,
@@ -216,5 +226,28 @@ impl Step<'_> {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tensor-core kernel takes bf16 caches of equal key and value widths up to 128 (the
+    /// narrowest instance that holds them), aligned rows and equal head groups; the rest keep
+    /// model.cu's kernel.
+    #[test]
+    fn attention_layers_take_the_tensor_core_kernel_by_their_sizes() {
+        let aligned = [0, 512, 1024];
+        assert_eq!(flash_kernel(true, 64, 64, aligned, (32, 8), false), Some("flash_attention_64"));
+        assert_eq!(flash_kernel(true, 80, 80, aligned, (32, 8), false), Some("flash_attention_128"));
+        assert_eq!(flash_kernel(true, 16, 16, aligned, (4, 2), false), Some("flash_attention_16"));
+        assert_eq!(flash_kernel(false, 64, 64, aligned, (32, 8), false), None, "f32 cache");
+        assert_eq!(flash_kernel(true, 576, 512, aligned, (16, 1), false), None, "MLA's latent heads");
+        assert_eq!(flash_kernel(true, 256, 256, aligned, (8, 1), false), None, "wider than 128");
+        assert_eq!(flash_kernel(true, 72, 72, aligned, (8, 1), false), None, "not a multiple of 16");
+        assert_eq!(flash_kernel(true, 64, 64, aligned, (32, 8), true), None, "the indexer's selection");
+        assert_eq!(flash_kernel(true, 64, 64, [0, 500, 1000], (32, 8), false), None, "unaligned rows");
+        assert_eq!(flash_kernel(true, 64, 64, aligned, (30, 8), false), None, "unequal groups");
     }
 }
