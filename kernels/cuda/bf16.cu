@@ -112,6 +112,99 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const 
         }
 }
 
+#define WIDE_TILE 128   // linear_bf16_wide: W rows and x rows of a block's tile
+#define WIDE_STAGES 3   // its stages in (dynamic) shared memory: parts/../product.rs WIDE_SHARED
+
+// linear_bf16's products on 128 × 128 tiles of eight warps for long inputs (prefill): warp w
+// multiplies W rows n0 + 32(w % 4) .. + 32 with x rows m0 + 64(w / 4) .. + 64, its fragments read
+// by ldmatrix. Each element goes through the same instructions in the same k order as in
+// linear_bf16_tile — the same bits.
+__device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, const u16* w, const float* bias, int M,
+                                                      int N, int K, long long y_stride, int accumulate) {
+    DYNAMIC_SHARED(u32, staged);  // WIDE_STAGES × [W rows | x rows] × BF16_PAD
+    int n0 = blockIdx.x * WIDE_TILE, m0 = blockIdx.y * WIDE_TILE;
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
+    int wn = warp % 4, wm = warp / 4;
+    auto at = [&](int buf, int row) { return staged + ((size_t)buf * 2 * WIDE_TILE + row) * BF16_PAD; };
+    float acc[2][8][4], total[2][8][4];
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[t][j][c] = total[t][j][c] = 0.0f;
+    bool vector = K % 8 == 0;
+    int stages = (K + BF16_BK - 1) / BF16_BK;
+    auto load = [&](int s) {
+        int buf = s % WIDE_STAGES, k0 = s * BF16_BK;
+        for (int i = 0; i < 2; i++) {
+            int c = tid + 256 * i, row = c / 4, part = c % 4;
+            bf16_stage_chunk(at(buf, row) + 4 * part, w, n0 + row, N, K, k0 + 8 * part, K, vector);
+            bf16_stage_chunk(at(buf, WIDE_TILE + row) + 4 * part, xb, m0 + row, M, K, k0 + 8 * part, K, vector);
+        }
+    };
+    for (int s = 0; s < WIDE_STAGES - 1; s++) {
+        if (s < stages) load(s);
+        cp_async_commit();
+    }
+    int x_rows = min(64, max(0, M - m0 - 64 * wm));  // this warp's x rows within M
+    for (int s = 0; s < stages; s++) {
+        cp_async_wait<WIDE_STAGES - 2>();
+        __syncthreads();
+        if (s + WIDE_STAGES - 1 < stages) load(s + WIDE_STAGES - 1);
+        cp_async_commit();
+        int buf = s % WIDE_STAGES;
+        if (s > 0 && (s * BF16_BK) % LINEAR_CHUNK == 0)
+#pragma unroll
+            for (int t = 0; t < 2; t++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        total[t][j][c] += acc[t][j][c];
+                        acc[t][j][c] = 0.0f;
+                    }
+        for (int kk = 0; kk < BF16_PAIRS; kk += 8) {
+            u32 a[2][4];
+            int i = lane / 8, r = lane % 8;
+#pragma unroll
+            for (int t = 0; t < 2; t++)
+                ldmatrix_x4(a[t], at(buf, 32 * wn + 16 * t + 8 * (i % 2) + r) + kk + 4 * (i / 2));
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                if (8 * j >= x_rows) continue;  // the same for every lane of the warp
+                u32 b[4];
+                ldmatrix_x4(b, at(buf, WIDE_TILE + 64 * wm + 8 * j + 8 * (i / 2) + r) + kk + 4 * (i % 2));
+#pragma unroll
+                for (int t = 0; t < 2; t++) {
+                    mma_bf16_16816(acc[t][j], a[t], b);
+                    if (8 * (j + 1) < x_rows) mma_bf16_16816(acc[t][j + 1], a[t], b + 2);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < 2; t++)
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int n = n0 + 32 * wn + 16 * t + gid + 8 * (c / 2), m = m0 + 64 * wm + 8 * j + 2 * tig + c % 2;
+                if (n >= N || m >= M) continue;
+                float v = total[t][j][c] + acc[t][j][c];
+                if (bias) v += bias[n];
+                float* dst = y + (size_t)m * y_stride + n;
+                *dst = accumulate ? *dst + v : v;
+            }
+}
+
+// As linear_bf16, on 128-square tiles (256 threads; WIDE_STAGES · 2 · 128 · BF16_PAD u32 of
+// dynamic shared memory); grid (N / 128, M / 128).
+extern "C" __global__ void __launch_bounds__(256) linear_bf16_wide(float* y, const u16* xb, const u16* w, const float* bias, int M, int N, int K,
+                                            long long y_stride, int accumulate) {
+    linear_bf16_wide_tile(y, xb, w, bias, M, N, K, y_stride, accumulate);
+}
+
 // y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K], x rounded (xb [M × K]);
 // grid (N / 64, M / 64).
 extern "C" __global__ void linear_bf16(float* y, const u16* xb, const u16* w, const float* bias, int M, int N, int K,

@@ -59,12 +59,24 @@ __device__ __forceinline__ void kv_store(void* cache, size_t i, float v, int bf1
 // of this thread's groups are still in flight (PTX ISA, "cp.async").
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
     unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0)
+                 : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8 × 8 matrices of 16-bit values from shared memory, one warp: lanes 8i .. 8i + 7 give the
+// rows of matrix i (16 bytes each), and lane t gets in r[i] row t / 4, values 2(t % 4) and
+// 2(t % 4) + 1 of matrix i — an mma fragment (PTX ISA, "ldmatrix").
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* row) {
+    unsigned at = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at)
+                 : "memory");
 }
 
 // D += A · B for one warp: A 16 × 16 bf16 (row-major fragments), B 16 × 8 bf16 (column-major),

@@ -187,6 +187,18 @@ static void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
     for (int c = 0; c < 4; c++) d[c] = out[c];
 }
 
+// ldmatrix .x4: lane 8i + j gives row j of matrix i; lane t gets row t / 4's 32 bits at 4(t % 4).
+static const unsigned char* ldmatrix_rows[MAX_THREADS / 32][32];
+static void ldmatrix_x4(unsigned* r, const void* row) {
+    int warp = current / 32, lane = current % 32;
+    ldmatrix_rows[warp][lane] = (const unsigned char*)row;
+    __syncwarp();
+    unsigned out[4];
+    for (int i = 0; i < 4; i++) std::memcpy(&out[i], ldmatrix_rows[warp][8 * i + lane / 4] + 4 * (lane % 4), 4);
+    __syncwarp();
+    for (int i = 0; i < 4; i++) r[i] = out[i];
+}
+
 // cp.async: the copy is made at once (a thread's later wait finds it done).
 static inline void cp_async16(void* smem, const void* gmem, bool full) {
     if (full) std::memcpy(smem, gmem, 16);

@@ -199,15 +199,15 @@ fn every_linear_tile_gives_the_bits_of_one_fma_chain_per_element() {
 #[test]
 fn the_bf16_products_give_the_bits_of_their_chains_whole_and_split() {
     let gpu = emulated();
-    // k a multiple of 8 stages by cp.async; 601 (rows not 16-byte aligned) element by element
-    for k in [600usize, 601] {
-        bf16_products_match_their_chains(&gpu, k);
+    // k a multiple of 8 stages by cp.async; 601 (rows not 16-byte aligned) element by element;
+    // 150 × 140 spans two 128-square tiles each way, every warp of linear_bf16_wide with rows
+    for (m, n, k) in [(37usize, 50usize, 600usize), (37, 50, 601), (150, 140, 600)] {
+        bf16_products_match_their_chains(&gpu, m, n, k);
     }
 }
 
-fn bf16_products_match_their_chains(gpu: &Gpu, k: usize) {
+fn bf16_products_match_their_chains(gpu: &Gpu, m: usize, n: usize, k: usize) {
     use kvflow_kernels::cuda::bf16_bits;
-    let (m, n) = (37usize, 50usize);
     let mut rng = kvflow::bench::Lcg(4);
     let mut draw = |len: usize| -> Vec<f32> { (0..len).map(|_| (rng.draw() % 2001) as f32 / 997.0 - 1.0).collect() };
     let (x, w, bias, y0) = (draw(m * k), draw(n * k), draw(n), draw(m * n));
@@ -233,7 +233,12 @@ fn bf16_products_match_their_chains(gpu: &Gpu, k: usize) {
         Arg::I32(1),
     ];
     gpu.launch("linear_bf16", grid, 128, 0, &args).unwrap();
-    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16");
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16 ({m} x {n} x {k})");
+    let y = gpu.upload(&y0).unwrap();
+    let wide = (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1);
+    let args = [&[Arg::Ptr(y.ptr())], &args[1..]].concat();
+    gpu.launch("linear_bf16_wide", wide, 256, kvflow_kernels::cuda::sources::WIDE_SHARED, &args).unwrap();
+    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16_wide ({m} x {n} x {k})");
     let chunks = k.div_ceil(256);
     let partial = gpu.zeros::<f32>(chunks * m * n).unwrap();
     let split = [
@@ -245,7 +250,8 @@ fn bf16_products_match_their_chains(gpu: &Gpu, k: usize) {
         Arg::I32(k as i32),
     ];
     gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split).unwrap();
-    assert_chunks_sum(gpu, &partial, &bd, &y0, (m, n, chunks), &want, "linear_bf16_split + linear_chunks_sum");
+    let what = format!("linear_bf16_split + linear_chunks_sum ({m} x {n} x {k})");
+    assert_chunks_sum(gpu, &partial, &bd, &y0, (m, n, chunks), &want, &what);
 }
 
 /// What a linear kernel gives each element of the `m`×`n` output: `y0` plus (the sum, in chunk

@@ -6,6 +6,7 @@
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu};
 use super::launch::{blocks_for, Arg};
+use super::sources::WIDE_SHARED;
 
 /// Outputs at most this wide (`kernels/cuda/model.cu`'s NARROW_N) summed over at least
 /// [`NARROW_MIN_K`] inputs take `linear_narrow`: long chains on few blocks are what it avoids.
@@ -52,10 +53,15 @@ fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan
     LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
-/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`, then
-/// 64-square tiles of four warps): split by chunk of k
-/// while its tiles would leave SMs without two blocks; both give an element the same chains.
+/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`): 128-square
+/// tiles of eight warps where they give every SM two blocks, else 64-square tiles of four warps,
+/// split by chunk of k while those would leave SMs without two blocks; all give an element the
+/// same chains.
 fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
+    let wide = (blocks_for(n, 128), blocks_for(m, 128));
+    if wide.0 * wide.1 >= 2 * sms as u32 {
+        return LinearPlan::Whole("linear_bf16_wide", (wide.0, wide.1, 1));
+    }
     let grid = (blocks_for(n, 64), blocks_for(m, 64));
     let chunks = k.div_ceil(LINEAR_CHUNK);
     if (grid.0 * grid.1) < 2 * sms as u32 && chunks > 1 {
@@ -161,8 +167,8 @@ impl Product {
             LinearPlan::Whole(kernel, grid) => gpu.launch(
                 kernel,
                 grid,
-                128,
-                0,
+                if kernel == "linear_bf16_wide" { 256 } else { 128 },
+                if kernel == "linear_bf16_wide" { WIDE_SHARED } else { 0 },
                 &[
                     Arg::Ptr(self.y),
                     Arg::Ptr(xb.ptr()),
@@ -236,5 +242,14 @@ mod tests {
         assert_eq!(split(64, 128, 2048), LinearPlan::Whole("linear_narrow", (64, 16, 1)));
         // one chunk of k: nothing to split, smaller tiles instead
         assert_eq!(linear_plan(132, 64, 512, 128, 16), LinearPlan::Whole("linear_t2", (16, 2, 16)));
+    }
+
+    /// bf16: prefill takes 128-square tiles, a short chunk 64-square ones, decode splits by chunk.
+    #[test]
+    fn bf16_products_are_planned_by_shape() {
+        assert_eq!(bf16_plan(132, 16384, 2048, 2048), LinearPlan::Whole("linear_bf16_wide", (16, 128, 1)));
+        assert_eq!(bf16_plan(132, 1024, 2048, 2048), LinearPlan::Whole("linear_bf16", (32, 16, 1)));
+        assert_eq!(bf16_plan(132, 64, 2048, 2048), LinearPlan::Split { chunks: 8, grid: (32, 1, 8) });
+        assert_eq!(bf16_plan(132, 64, 32000, 2048), LinearPlan::Whole("linear_bf16", (500, 1, 1)));
     }
 }

@@ -18,6 +18,14 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("../../cuda/attention.cu")),
 ];
 
+/// Kernels that take more dynamic shared memory than a launch may without asking (48 KiB), and
+/// how much: the device raises their limit when it loads them.
+pub const LARGE_SHARED: &[(&str, u32)] = &[("linear_bf16_wide", WIDE_SHARED)];
+
+/// `kernels/cuda/bf16.cu`'s linear_bf16_wide: WIDE_STAGES (3) × (128 W rows + 128 x rows) ×
+/// BF16_PAD (20) u32.
+pub const WIDE_SHARED: u32 = 3 * 2 * 128 * 20 * 4;
+
 /// Whether NVRTC can be loaded here (it needs no GPU).
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library.
