@@ -19,10 +19,15 @@
 #define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
 #define BF16_STAGES 4    // stages in shared memory
 
-// out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (K / 256, M).
+// out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
 extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {
-    int k = blockIdx.x * blockDim.x + threadIdx.x, m = blockIdx.y;
+    int k = blockIdx.y * blockDim.x + threadIdx.x, m = blockIdx.x;
     if (k < K && m < M) out[(size_t)m * K + k] = (u16)bf16_bits(x[(size_t)m * x_stride + k]);
+}
+
+// Whether rows of W and xb can be staged 16 bytes at a time (K a multiple of 8, both aligned).
+__device__ __forceinline__ bool bf16_rows_aligned(const u16* w, const u16* xb, int K) {
+    return K % 8 == 0 && ((size_t)w | (size_t)xb) % 16 == 0;
 }
 
 // The 8 bf16 of row r (of R, K long) at inputs k .. k + 8 into dst (4 u32), zero past R and k_hi.
@@ -55,7 +60,7 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const 
     float acc[8][4], total[8][4];
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) acc[j][c] = total[j][c] = 0.0f;
-    bool vector = K % 8 == 0;
+    bool vector = bf16_rows_aligned(w, xb, K);
     int stages = (k_hi - k_lo + BF16_BK - 1) / BF16_BK;
     // stage s into its buffer: 256 chunks of 8 inputs each of W and x, two of each a thread
     auto load = [&](int s) {
@@ -133,7 +138,7 @@ __device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, c
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[t][j][c] = total[t][j][c] = 0.0f;
-    bool vector = K % 8 == 0;
+    bool vector = bf16_rows_aligned(w, xb, K);
     int stages = (K + BF16_BK - 1) / BF16_BK;
     auto load = [&](int s) {
         int buf = s % WIDE_STAGES, k0 = s * BF16_BK;
@@ -213,7 +218,33 @@ extern "C" __global__ void linear_bf16(float* y, const u16* xb, const u16* w, co
 }
 
 // One chunk's chains of each 64 × 64 tile (blockIdx.z = chunk) to partial[chunk · M · N ..].
-extern "C" __global__ void linear_bf16_split(float* partial, const u16* xb, const u16* w, int M, int N, int K) {
+// With `arrivals` (a zeroed counter per tile, left zeroed), the tile's last block to finish adds
+// the tile's chunks in order into y as model.cu's linear_chunks_sum does — the same operations
+// in the same order, whichever block it is — which saves that launch; without, the host
+// launches linear_chunks_sum.
+extern "C" __global__ void linear_bf16_split(float* partial, const u16* xb, const u16* w, int M, int N, int K, float* y,
+                                             const float* bias, long long y_stride, int accumulate, u32* arrivals) {
     int k_lo = blockIdx.z * LINEAR_CHUNK, k_hi = min(K, k_lo + LINEAR_CHUNK);
     linear_bf16_tile(nullptr, xb, w, nullptr, M, N, K, 0, 0, k_lo, k_hi, partial + (size_t)blockIdx.z * M * N);
+    if (!arrivals) return;
+    __shared__ int last;
+    __threadfence();  // this block's chains are visible to the block that adds them ...
+    __syncthreads();  // ... once every thread's are written
+    u32 tile = blockIdx.y * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) last = atomicAdd(&arrivals[tile], 1u) == gridDim.z - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
+    for (int e = threadIdx.x; e < BF16_TILE * BF16_TILE; e += blockDim.x) {
+        int m = m0 + e / BF16_TILE, n = n0 + e % BF16_TILE;
+        if (m >= M || n >= N) continue;
+        const float* p = partial + (size_t)m * N + n;
+        float v = 0.0f;
+        for (int c = 0; c < (int)gridDim.z; c++) v += __ldcg(p + (size_t)c * M * N);
+        if (bias) v += bias[n];
+        float* dst = y + (size_t)m * y_stride + n;
+        *dst = accumulate ? *dst + v : v;
+    }
+    if (threadIdx.x == 0) arrivals[tile] = 0u;  // for the next product on this stream
 }

@@ -8,7 +8,7 @@ typedef unsigned long long u64;
 
 // Dynamic shared memory (the CPU emulation defines it otherwise).
 #ifndef DYNAMIC_SHARED
-#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#define DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
 #endif
 
 // NVRTC has no <math.h>: infinity by its bits.

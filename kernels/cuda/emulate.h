@@ -37,6 +37,9 @@ static inline float4 make_float4(float x, float y, float z, float w) { return fl
 
 static uint3 threadIdx, blockIdx, blockDim, gridDim;
 static void* kvflow_dynamic_shared;
+// A misuse the emulation catches in a kernel (reported by the launch): a misaligned cp.async or
+// ldmatrix address.
+static const char* kvflow_fault;
 
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
@@ -191,6 +194,7 @@ static void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
 static const unsigned char* ldmatrix_rows[MAX_THREADS / 32][32];
 static void ldmatrix_x4(unsigned* r, const void* row) {
     int warp = current / 32, lane = current % 32;
+    if ((uintptr_t)row % 16 != 0) kvflow_fault = "ldmatrix with a row not 16-byte aligned";
     ldmatrix_rows[warp][lane] = (const unsigned char*)row;
     __syncwarp();
     unsigned out[4];
@@ -199,16 +203,50 @@ static void ldmatrix_x4(unsigned* r, const void* row) {
     for (int i = 0; i < 4; i++) r[i] = out[i];
 }
 
-// cp.async: the copy is made at once (a thread's later wait finds it done).
-static inline void cp_async16(void* smem, const void* gmem, bool full) {
-    if (full) std::memcpy(smem, gmem, 16);
-    else std::memset(smem, 0, 16);
+// One block runs at a time: atomics and fences need nothing more.
+static inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    unsigned old = *p;
+    *p = old + v;
+    return old;
 }
-static inline void cp_async_commit() {}
+static inline void __threadfence() {}
+static inline float __ldcg(const float* p) { return *p; }
+
+// cp.async as a GPU may run it: a copy lands only when its thread waits for its group (later
+// groups may stay in flight), and until then its destination holds a NaN pattern — so a stage
+// read before its wait and barrier, or overwritten while another warp reads it, changes the bits.
+struct PendingCopy {
+    void* dst;
+    const void* src;
+    bool full;
+    int group;
+};
+static std::vector<PendingCopy> pending_copies[MAX_THREADS];
+static int copy_groups[MAX_THREADS];
+static inline void cp_async16(void* smem, const void* gmem, bool full) {
+    if (((uintptr_t)smem | (uintptr_t)gmem) % 16 != 0) kvflow_fault = "cp.async with an address not 16-byte aligned";
+    std::memset(smem, 0xff, 16);
+    pending_copies[current].push_back({smem, gmem, full, copy_groups[current]});
+}
+static inline void cp_async_commit() { copy_groups[current]++; }
 template <int N>
-static inline void cp_async_wait() {}
+static inline void cp_async_wait() {
+    std::vector<PendingCopy>& pending = pending_copies[current];
+    size_t kept = 0;
+    for (PendingCopy& c : pending) {
+        if (c.group < copy_groups[current] - N) {
+            if (c.full) std::memcpy(c.dst, c.src, 16);
+            else std::memset(c.dst, 0, 16);
+        } else {
+            pending[kept++] = c;
+        }
+    }
+    pending.resize(kept);
+}
 
 static void start_fiber(int t) {
+    pending_copies[t].clear();
+    copy_groups[t] = 0;
     Fiber& f = fibers[t];
     if (!f.stack) f.stack = (char*)std::malloc(STACK_BYTES);
     uintptr_t top = ((uintptr_t)(f.stack + STACK_BYTES)) & ~(uintptr_t)15;
@@ -290,8 +328,13 @@ static int emulate_launch(const KernelEntry* table, const char* name, unsigned g
         for (unsigned y = 0; y < gy; y++)
             for (unsigned x = 0; x < gx; x++) {
                 blockIdx = {x, y, z};
+                kvflow_fault = nullptr;
                 if (run_block()) {
                     std::snprintf(err, err_len, "%s: block (%u, %u, %u) deadlocked at a barrier", name, x, y, z);
+                    return 1;
+                }
+                if (kvflow_fault) {
+                    std::snprintf(err, err_len, "%s: block (%u, %u, %u): %s", name, x, y, z, kvflow_fault);
                     return 1;
                 }
             }

@@ -2,9 +2,10 @@
 //
 // Batch invariance (DESIGN §6): every value a row gets is reduced in an order fixed by the row's
 // own sizes (hidden width, head width, context length) and never by how many rows share the
-// launch or which tile a row falls in. No split-K, no atomics. The host picks a `linear` tile by
-// the launch's shape, batch included, only because every tile gives an element the same chain;
-// kernels whose orders differ (`linear_narrow`) are picked by the layer's sizes alone. So a
+// launch or which tile a row falls in. No split-K, no atomics in any sum (bf16.cu's split
+// counts its blocks' arrivals to pick the one that adds a tile's chunks, in order). The host
+// picks a `linear` tile by the launch's shape, batch included, only because every tile gives an
+// element the same chain; kernels whose orders differ (`linear_narrow`) are picked by the layer's sizes alone. So a
 // prompt's logits are bit-identical alone and in a batch of 64, which is what `--verify` relies on.
 
 // Where a fed token comes from: a literal id, or (high bit set) the slot of the sampled-token ring

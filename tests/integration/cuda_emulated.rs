@@ -218,7 +218,7 @@ fn bf16_products_match_their_chains(gpu: &Gpu, m: usize, n: usize, k: usize) {
     // the input rounded to bf16 once
     let xb = gpu.zeros::<u16>(m * k).unwrap();
     let round = [Arg::Ptr(xb.ptr()), Arg::Ptr(xd.ptr()), Arg::I32(m as i32), Arg::I32(k as i32), Arg::I64(k as i64)];
-    gpu.launch("round_rows_bf16", (k.div_ceil(256) as u32, m as u32, 1), 256, 0, &round).unwrap();
+    gpu.launch("round_rows_bf16", (m as u32, k.div_ceil(256) as u32, 1), 256, 0, &round).unwrap();
     let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1);
     let y = gpu.upload(&y0).unwrap();
     let args = [
@@ -241,17 +241,34 @@ fn bf16_products_match_their_chains(gpu: &Gpu, m: usize, n: usize, k: usize) {
     assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16_wide ({m} x {n} x {k})");
     let chunks = k.div_ceil(256);
     let partial = gpu.zeros::<f32>(chunks * m * n).unwrap();
-    let split = [
-        Arg::Ptr(partial.ptr()),
-        Arg::Ptr(xb.ptr()),
-        Arg::Ptr(wd.ptr()),
-        Arg::I32(m as i32),
-        Arg::I32(n as i32),
-        Arg::I32(k as i32),
-    ];
-    gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split).unwrap();
+    let split = |y: u64, arrivals: u64| {
+        [
+            Arg::Ptr(partial.ptr()),
+            Arg::Ptr(xb.ptr()),
+            Arg::Ptr(wd.ptr()),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::Ptr(y),
+            Arg::Ptr(bd.ptr()),
+            Arg::I64(n as i64),
+            Arg::I32(1),
+            Arg::Ptr(arrivals),
+        ]
+    };
+    // the chunks to `partial`, then linear_chunks_sum
+    gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split(0, 0)).unwrap();
     let what = format!("linear_bf16_split + linear_chunks_sum ({m} x {n} x {k})");
     assert_chunks_sum(gpu, &partial, &bd, &y0, (m, n, chunks), &want, &what);
+    // each tile's last block adds them (twice: the counters are left zeroed)
+    let arrivals = gpu.zeros::<u32>((grid.0 * grid.1) as usize).unwrap();
+    for round in 0..2 {
+        let y = gpu.upload(&y0).unwrap();
+        gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split(y.ptr(), arrivals.ptr()))
+            .unwrap();
+        let what = format!("linear_bf16_split, its last blocks adding ({m} x {n} x {k}, round {round})");
+        assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "{what}");
+    }
 }
 
 /// What a linear kernel gives each element of the `m`×`n` output: `y0` plus (the sum, in chunk

@@ -116,7 +116,14 @@ pub struct Gpu {
     pub(super) host_capture: Mutex<Option<HostCapture>>,
     /// Under emulation: launches run so far, per kernel (what the checks see took which kernel).
     emulated_launches: Mutex<std::collections::BTreeMap<String, u64>>,
+    /// Zeroed counters a split product's blocks count their arrivals in (kernels/cuda/bf16.cu's
+    /// `linear_bf16_split`; each product leaves them zeroed for the next on the stream), made
+    /// with the device so that no captured step owns them.
+    tile_arrivals: std::sync::OnceLock<DeviceBuf<u32>>,
 }
+
+/// The split products' tile counters a device keeps ([`Gpu::tile_arrivals`]).
+pub const TILE_ARRIVALS: usize = 4096;
 
 /// Device time per kernel over a profiled stretch: name, launches, milliseconds.
 pub type KernelTimes = Vec<(String, usize, f64)>;
@@ -142,7 +149,7 @@ impl Gpu {
         let sms = guarded(ordinal, "reading the SM count", || {
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         })?;
-        Ok(Arc::new(Gpu {
+        Arc::new(Gpu {
             ordinal,
             sms: sms.max(1) as usize,
             backend: Backend::Cuda { ctx, stream, kernels },
@@ -152,12 +159,14 @@ impl Gpu {
             profile: Mutex::new(None),
             host_capture: Mutex::new(None),
             emulated_launches: Mutex::new(Default::default()),
-        }))
+            tile_arrivals: std::sync::OnceLock::new(),
+        })
+        .with_tile_arrivals()
     }
 
     /// The same kernels emulated on the CPU (checks without a GPU; slow).
     pub fn emulated() -> Result<Arc<Gpu>, CudaError> {
-        Ok(Arc::new(Gpu {
+        Arc::new(Gpu {
             ordinal: 0,
             // as an H200 has (the tile choices then match a GPU's; the bits do not depend on them)
             sms: 132,
@@ -168,7 +177,9 @@ impl Gpu {
             profile: Mutex::new(None),
             host_capture: Mutex::new(None),
             emulated_launches: Mutex::new(Default::default()),
-        }))
+            tile_arrivals: std::sync::OnceLock::new(),
+        })
+        .with_tile_arrivals()
     }
 
     pub fn is_emulated(&self) -> bool {
@@ -428,12 +439,25 @@ impl Gpu {
         }
     }
 
-    /// Whether launches are being timed (a captured step is then launched directly instead).
+    /// The device with its tile counters (zeroed in stream order, before any step).
+    fn with_tile_arrivals(self: Arc<Self>) -> Result<Arc<Self>, CudaError> {
+        let counters = self.zeros::<u32>(TILE_ARRIVALS)?;
+        let _ = self.tile_arrivals.set(counters);
+        Ok(self)
+    }
+
+    /// [`TILE_ARRIVALS`] zeroed counters for a split product's tiles (each product leaves them
+    /// zeroed).
+    pub(super) fn tile_arrivals(&self) -> Option<u64> {
+        self.tile_arrivals.get().map(DeviceBuf::ptr)
+    }
+
     /// Under emulation, how many launches of `kernel` have run (0 on a GPU).
     pub fn emulated_launches(&self, kernel: &str) -> u64 {
         self.emulated_launches.lock().get(kernel).copied().unwrap_or(0)
     }
 
+    /// Whether launches are being timed (a captured step is then launched directly instead).
     pub fn is_profiling(&self) -> bool {
         self.profiling.load(Ordering::Relaxed)
     }

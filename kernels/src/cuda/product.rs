@@ -4,7 +4,7 @@
 //! way whatever the batch.
 
 use super::error::CudaError;
-use super::gpu::{DeviceBuf, Gpu};
+use super::gpu::{DeviceBuf, Gpu, TILE_ARRIVALS};
 use super::launch::{blocks_for, Arg};
 use super::sources::WIDE_SHARED;
 
@@ -152,7 +152,7 @@ impl Product {
         let xb = gpu.scratch::<u16>(m * k)?;
         gpu.launch(
             "round_rows_bf16",
-            (blocks_for(k, 256), m as u32, 1),
+            (m as u32, blocks_for(k, 256), 1),
             256,
             0,
             &[
@@ -183,6 +183,8 @@ impl Product {
             ),
             LinearPlan::Split { chunks, grid } => {
                 let partial = gpu.scratch::<f32>(chunks * m * n)?;
+                // the tile's last block adds its chunks where the device's counters cover the grid
+                let arrivals = gpu.tile_arrivals().filter(|_| (grid.0 * grid.1) as usize <= TILE_ARRIVALS);
                 gpu.launch(
                     "linear_bf16_split",
                     grid,
@@ -195,9 +197,17 @@ impl Product {
                         Arg::I32(m as i32),
                         Arg::I32(n as i32),
                         Arg::I32(k as i32),
+                        Arg::Ptr(self.y),
+                        Arg::Ptr(self.bias),
+                        Arg::I64(self.y_stride as i64),
+                        Arg::I32(self.accumulate as i32),
+                        Arg::Ptr(arrivals.unwrap_or(0)),
                     ],
                 )?;
-                self.sum_chunks(gpu, &partial, chunks)
+                match arrivals {
+                    Some(_) => Ok(()),
+                    None => self.sum_chunks(gpu, &partial, chunks),
+                }
             }
         }
     }
