@@ -6,9 +6,11 @@
 //
 // A block takes a tile of one sequence's consecutive rows and one kv head: its 64 mma rows are
 // (row, query head of the group) pairs, 16 a warp, so a decode row's group shares one key read and
-// a prefill tile's rows share every staged key tile. Keys are staged 64 at a time (K as bf16
-// pairs along d, V transposed to pairs along keys) and each warp runs S = Q·Kᵀ and O += P·V as
-// mma.sync m16n8k16 (q and the probabilities rounded to bf16, f32 accumulation).
+// a prefill tile's rows share every staged key tile. Keys are staged 64 at a time by cp.async,
+// the next tile in flight while one is multiplied (two stages of K and V rows in dynamic shared
+// memory: parts/attention.rs `fa_shared`), and each warp runs S = Q·Kᵀ and O += P·V as mma.sync
+// m16n8k16 (q and the probabilities rounded to bf16, f32 accumulation; V's fragments by
+// ldmatrix.trans).
 //
 // Batch invariance (DESIGN §6): a row's keys are cut at fixed positions counted from key 0 —
 // parts of FA_PART keys, tiles of FA_KEYS — never by the batch, the tile it shares or the grid.
@@ -50,34 +52,42 @@ __device__ __forceinline__ float fa_quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-// Stages keys k0 .. k0 + 63 of the tile's sequence: Ks[key][d pair] and Vt[d][key pair], zero for
-// keys outside [lo, hi] (those no row of the tile sees, never read from the cache).
+// Starts staging keys k0 .. k0 + 63 of the tile's sequence into K and V ([key][d pair] each), zero
+// for keys outside [lo, hi] (those no row of the tile sees, never read from the cache) and past d.
 template <int D>
-__device__ __forceinline__ void fa_stage(u32* Ks, u32* Vt, const u16* cache, const u32* table, int block_size,
+__device__ __forceinline__ void fa_stage(u32* K, u32* V, const u16* cache, const u32* table, int block_size,
                                          int row_width, size_t k_base, size_t v_base, int d, int k0, int lo, int hi) {
-    constexpr int KP = D / 2 + 4, VP = FA_KEYS / 2 + 4, CHUNKS = D / 8;
-    auto row_of = [&](int key) { return ((size_t)table[key / block_size] * block_size + key % block_size) * row_width; };
-    // K: consecutive threads read consecutive 8-value chunks of a key
+    constexpr int KP = D / 2 + 4, CHUNKS = D / 8;
+    // consecutive threads take consecutive 16-byte chunks of a key
     for (int e = threadIdx.x; e < FA_KEYS * CHUNKS; e += FA_THREADS) {
         int u = e / CHUNKS, c = e % CHUNKS, key = k0 + u;
-        uint4 v = {0u, 0u, 0u, 0u};
-        if (key >= lo && key <= hi && 8 * c < d) v = *(const uint4*)(cache + row_of(key) + k_base + 8 * c);
-        *(uint4*)(Ks + u * KP + 4 * c) = v;
+        bool in = key >= lo && key <= hi && 8 * c < d;
+        size_t row = in ? ((size_t)table[key / block_size] * block_size + key % block_size) * row_width : 0;
+        cp_async16(K + u * KP + 4 * c, cache + (in ? row + k_base + 8 * c : 0), in);
+        cp_async16(V + u * KP + 4 * c, cache + (in ? row + v_base + 8 * c : 0), in);
     }
-    // V: consecutive threads take consecutive key pairs (conflict-free transposed stores)
-    for (int e = threadIdx.x; e < FA_KEYS / 2 * CHUNKS; e += FA_THREADS) {
-        int w = e % (FA_KEYS / 2), c = e / (FA_KEYS / 2), key = k0 + 2 * w;
-        uint4 a = {0u, 0u, 0u, 0u}, b = {0u, 0u, 0u, 0u};
-        if (8 * c < d) {
-            if (key >= lo && key <= hi) a = *(const uint4*)(cache + row_of(key) + v_base + 8 * c);
-            if (key + 1 >= lo && key + 1 <= hi) b = *(const uint4*)(cache + row_of(key + 1) + v_base + 8 * c);
-        }
-        const u32 pa[4] = {a.x, a.y, a.z, a.w}, pb[4] = {b.x, b.y, b.z, b.w};
+}
+
+// Folds a part's max m, sum l and output o of this thread's two rows into the running fold (big,
+// total) and the output accumulating in `out` (a row without keys in the part is skipped).
+template <int NT>
+__device__ __forceinline__ void fa_fold_part(float* out, int q_heads, int d, int tig, const bool* valid,
+                                             const int* row_of, const int* head_of, float* big, float* total,
+                                             const float* m, const float* l, float (*o)[4]) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            Vt[(8 * c + 2 * i) * VP + w] = (pa[i] & 0xffffu) | (pb[i] << 16);
-            Vt[(8 * c + 2 * i + 1) * VP + w] = (pa[i] >> 16) | (pb[i] & 0xffff0000u);
-        }
+    for (int u = 0; u < 2; u++) {
+        if (!valid[u] || m[u] == -KV_INFINITY) continue;
+        bool first_part = big[u] == -KV_INFINITY;
+        float wa, wb;
+        fa_fold_weights(&big[u], &total[u], m[u], l[u], &wa, &wb);
+        float* dst = out + ((size_t)row_of[u] * q_heads + head_of[u]) * d;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int c = 2 * u; c < 2 * u + 2; c++) {
+                int col = 8 * nt + 2 * tig + c % 2;
+                if (col < d) dst[col] = fa_fold_value(first_part ? 0.0f : dst[col], wa, o[nt][c], wb);
+            }
     }
 }
 
@@ -92,9 +102,8 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
                                       int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset,
                                       int v_offset, int row_width, int block_size, int window, float scale,
                                       int heads_per_block, int split) {
-    constexpr int KP = D / 2 + 4, VP = FA_KEYS / 2 + 4, NT = D / 8, KS = D / 16;
-    __shared__ __align__(16) u32 Ks[FA_KEYS * KP];
-    __shared__ __align__(16) u32 Vt[D * VP];
+    constexpr int KP = D / 2 + 4, NT = D / 8, KS = D / 16;
+    DYNAMIC_SHARED(u32, staged);  // two stages of [K | V], FA_KEYS rows of KP u32 each
     __shared__ int scan[FA_THREADS];
     __shared__ int tile[3];  // sequence, first row, rows
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
@@ -166,19 +175,46 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
     // the fold's running max and sum per row; its output accumulates in `out` itself (each
     // element is this thread's alone, and a float goes through memory unchanged)
     float big[2] = {-KV_INFINITY, -KV_INFINITY}, total[2] = {0.0f, 0.0f};
-    int part_lo = split ? (int)blockIdx.z : lo_first / FA_PART, part_hi = split ? (int)blockIdx.z : p_last / FA_PART;
-    for (int part = part_lo; part <= part_hi; part++) {
-        float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
+    // the key tiles this block runs, in order: every tile from the first row's first key to the
+    // last row's key (a part's only, when split); a part's state starts fresh at its first tile
+    constexpr int PER_PART = FA_PART / FA_KEYS;
+    int t_lo = lo_first / FA_KEYS, t_hi = p_last / FA_KEYS;
+    if (split) {
+        t_lo = max(t_lo, (int)blockIdx.z * PER_PART);
+        t_hi = min(t_hi, (int)blockIdx.z * PER_PART + PER_PART - 1);
+    }
+    auto stage_k = [&](int buf) { return staged + (size_t)buf * 2 * FA_KEYS * KP; };
+    if (t_lo <= t_hi)
+        fa_stage<D>(stage_k(0), stage_k(0) + FA_KEYS * KP, cache, table, block_size, row_width, k_base, v_base, d,
+                    t_lo * FA_KEYS, lo_first, p_last);
+    cp_async_commit();
+    float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+    for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-            for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
-        int k_begin = max(part * FA_PART, lo_first / FA_KEYS * FA_KEYS), k_end = min((part + 1) * FA_PART, p_last + 1);
-        for (int k0 = k_begin; k0 < k_end; k0 += FA_KEYS) {
-            __syncthreads();  // every warp is done with the previous tile
-            fa_stage<D>(Ks, Vt, cache, table, block_size, row_width, k_base, v_base, d, k0, lo_first, p_last);
-            __syncthreads();
-            if (!busy) continue;
+        for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
+    for (int t = t_lo; t <= t_hi; t++) {
+        int buf = (t - t_lo) % 2;
+        if (t < t_hi)  // the next tile into the other stage (multiplied in the previous iteration)
+            fa_stage<D>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, table, block_size, row_width,
+                        k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
+        cp_async_commit();
+        cp_async_wait<1>();  // this tile has landed (this thread's part of it) ...
+        __syncthreads();     // ... every thread's
+        if (t % PER_PART == 0 && t > t_lo) {
+            // a part ends: fold it in, start the next from fresh
+            fa_fold_part<NT>(out, q_heads, d, tig, valid, row_of, head_of, big, total, m, l, o);
+            m[0] = m[1] = -KV_INFINITY;
+            l[0] = l[1] = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
+        }
+        const u32* Ks = stage_k(buf);
+        const u32* Vs = Ks + FA_KEYS * KP;
+        int k0 = t * FA_KEYS;
+        if (busy) {
             float sc[8][4];
 #pragma unroll
             for (int j = 0; j < 8; j++) {
@@ -224,58 +260,47 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) o[nt][c] = __fmul_rn(o[nt][c], corr[c / 2]);
-            // O += P·V, 16 keys a step: P's A fragments are the score tiles 2t and 2t + 1
+            // O += P·V, 16 keys a step: P's A fragments are the score tiles 2t and 2t + 1; V's B
+            // fragments (keys × d, two d tiles a load) by ldmatrix.trans of its [key][d] rows
+            int i = lane / 8, r = lane % 8;
 #pragma unroll
-            for (int t = 0; t < FA_KEYS / 16; t++) {
-                u32 a[4] = {bf16_bits(sc[2 * t][0]) | (bf16_bits(sc[2 * t][1]) << 16),
-                            bf16_bits(sc[2 * t][2]) | (bf16_bits(sc[2 * t][3]) << 16),
-                            bf16_bits(sc[2 * t + 1][0]) | (bf16_bits(sc[2 * t + 1][1]) << 16),
-                            bf16_bits(sc[2 * t + 1][2]) | (bf16_bits(sc[2 * t + 1][3]) << 16)};
+            for (int kt = 0; kt < FA_KEYS / 16; kt++) {
+                u32 a[4] = {bf16_bits(sc[2 * kt][0]) | (bf16_bits(sc[2 * kt][1]) << 16),
+                            bf16_bits(sc[2 * kt][2]) | (bf16_bits(sc[2 * kt][3]) << 16),
+                            bf16_bits(sc[2 * kt + 1][0]) | (bf16_bits(sc[2 * kt + 1][1]) << 16),
+                            bf16_bits(sc[2 * kt + 1][2]) | (bf16_bits(sc[2 * kt + 1][3]) << 16)};
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    const u32* vr = Vt + (8 * nt + gid) * VP + 8 * t + tig;
-                    u32 b[2] = {vr[0], vr[4]};
+                for (int nt = 0; nt < NT; nt += 2) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, Vs + (16 * kt + 8 * (i % 2) + r) * KP + 4 * (nt + i / 2));
                     mma_bf16_16816(o[nt], a, b);
+                    mma_bf16_16816(o[nt + 1], a, b + 2);
                 }
             }
         }
-        if (split) {
-            // the part's max, sum and output to `parts` for flash_attention_merge
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                if (!valid[u]) continue;
-                float* dst = parts + (((size_t)row_of[u] * q_heads + head_of[u]) * gridDim.z + part) * (d + 2);
-                if (tig == 0) {
-                    dst[0] = m[u];
-                    dst[1] = l[u];
-                }
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int c = 2 * u; c < 2 * u + 2; c++) {
-                        int col = 8 * nt + 2 * tig + c % 2;
-                        if (col < d) dst[2 + col] = o[nt][c];
-                    }
-            }
-            continue;
-        }
+        __syncthreads();  // every warp is done with this stage before the next iteration refills it
+    }
+    if (split) {
+        // the part's max, sum and output to `parts` for flash_attention_merge (m = −∞: no keys)
 #pragma unroll
         for (int u = 0; u < 2; u++) {
-            if (!valid[u] || m[u] == -KV_INFINITY) continue;  // no key of this part for the row
-            bool first_part = big[u] == -KV_INFINITY;
-            float wa, wb;
-            fa_fold_weights(&big[u], &total[u], m[u], l[u], &wa, &wb);
-            float* dst = out + ((size_t)row_of[u] * q_heads + head_of[u]) * d;
+            if (!valid[u]) continue;
+            float* dst = parts + (((size_t)row_of[u] * q_heads + head_of[u]) * gridDim.z + blockIdx.z) * (d + 2);
+            if (tig == 0) {
+                dst[0] = m[u];
+                dst[1] = l[u];
+            }
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int c = 2 * u; c < 2 * u + 2; c++) {
                     int col = 8 * nt + 2 * tig + c % 2;
-                    if (col < d) dst[col] = fa_fold_value(first_part ? 0.0f : dst[col], wa, o[nt][c], wb);
+                    if (col < d) dst[2 + col] = o[nt][c];
                 }
         }
+        return;
     }
-    if (split) return;
+    if (t_lo <= t_hi) fa_fold_part<NT>(out, q_heads, d, tig, valid, row_of, head_of, big, total, m, l, o);
 #pragma unroll
     for (int u = 0; u < 2; u++) {
         if (!valid[u]) continue;

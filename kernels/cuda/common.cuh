@@ -78,6 +78,14 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* row) {
                  : "r"(at)
                  : "memory");
 }
+// The same, transposed: lane t gets in r[i] column t / 4's values at rows 2(t % 4) and 2(t % 4) + 1.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* row) {
+    unsigned at = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(at)
+                 : "memory");
+}
 
 // D += A · B for one warp: A 16 × 16 bf16 (row-major fragments), B 16 × 8 bf16 (column-major),
 // D 16 × 8 f32 (PTX ISA, "Matrix fragments for mma.m16n8k16"); every lane of the warp takes part.

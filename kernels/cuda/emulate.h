@@ -203,6 +203,23 @@ static void ldmatrix_x4(unsigned* r, const void* row) {
     for (int i = 0; i < 4; i++) r[i] = out[i];
 }
 
+// ldmatrix .x4.trans: lane t gets column t / 4 of rows 2(t % 4) and 2(t % 4) + 1 of matrix i.
+static void ldmatrix_x4_trans(unsigned* r, const void* row) {
+    int warp = current / 32, lane = current % 32;
+    if ((uintptr_t)row % 16 != 0) kvflow_fault = "ldmatrix with a row not 16-byte aligned";
+    ldmatrix_rows[warp][lane] = (const unsigned char*)row;
+    __syncwarp();
+    unsigned out[4];
+    for (int i = 0; i < 4; i++) {
+        unsigned short lo, hi;
+        std::memcpy(&lo, ldmatrix_rows[warp][8 * i + 2 * (lane % 4)] + 2 * (lane / 4), 2);
+        std::memcpy(&hi, ldmatrix_rows[warp][8 * i + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
+        out[i] = lo | ((unsigned)hi << 16);
+    }
+    __syncwarp();
+    for (int i = 0; i < 4; i++) r[i] = out[i];
+}
+
 // One block runs at a time: atomics and fences need nothing more.
 static inline unsigned atomicAdd(unsigned* p, unsigned v) {
     unsigned old = *p;

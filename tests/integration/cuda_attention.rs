@@ -99,7 +99,8 @@ fn attend(gpu: &Gpu, cache: &Cache, launch: &Launch) -> Vec<f32> {
         Arg::I32(launch.split as i32),
     ];
     let z = if launch.split { parts as u32 } else { 1 };
-    gpu.launch("flash_attention_64", (tiles as u32, KV_HEADS as u32, z), 128, 0, &args).unwrap();
+    let shared = kvflow_kernels::cuda::sources::flash_shared(D);
+    gpu.launch("flash_attention_64", (tiles as u32, KV_HEADS as u32, z), 128, shared, &args).unwrap();
     if launch.split {
         let merge = [Arg::Ptr(out.ptr()), Arg::Ptr(scratch.ptr()), Arg::I32(D as i32), Arg::I32(parts as i32)];
         gpu.launch("flash_attention_merge", ((rows * Q_HEADS) as u32, 1, 1), 64, 0, &merge).unwrap();

@@ -20,7 +20,19 @@ pub const SOURCES: &[(&str, &str)] = &[
 
 /// Kernels that take more dynamic shared memory than a launch may without asking (48 KiB), and
 /// how much: the device raises their limit when it loads them.
-pub const LARGE_SHARED: &[(&str, u32)] = &[("linear_bf16_wide", WIDE_SHARED)];
+pub const LARGE_SHARED: &[(&str, u32)] = &[
+    ("linear_bf16_wide", WIDE_SHARED),
+    ("flash_attention_16", flash_shared(16)),
+    ("flash_attention_32", flash_shared(32)),
+    ("flash_attention_64", flash_shared(64)),
+    ("flash_attention_128", flash_shared(128)),
+];
+
+/// `kernels/cuda/attention.cu`'s dynamic shared memory for heads up to `width` wide: two stages
+/// of K and V, 64 keys of (width / 2 + 4) u32 each.
+pub const fn flash_shared(width: usize) -> u32 {
+    (2 * 2 * 64 * (width / 2 + 4) * 4) as u32
+}
 
 /// `kernels/cuda/bf16.cu`'s linear_bf16_wide: WIDE_STAGES (3) × (128 W rows + 128 x rows) ×
 /// BF16_PAD (20) u32.

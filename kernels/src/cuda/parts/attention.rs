@@ -11,6 +11,7 @@ use crate::cuda::error::CudaError;
 use crate::cuda::gpu::DeviceBuf;
 use crate::cuda::launch::{reduce_threads, Arg};
 use crate::cuda::rows::StepShape;
+use crate::cuda::sources::flash_shared;
 
 /// `kernels/cuda/model.cu`'s paged_attention: query heads of one kv head per block
 /// (`HEADS_PER_WARP` a warp, up to `ATTENTION_WARPS` warps sharing the staged keys), keys staged
@@ -32,6 +33,11 @@ const FA_PART: usize = 256;
 /// The tensor-core kernels by the head width they hold (a narrower d is zero-padded up).
 const FA_WIDTHS: [(usize, &str); 4] =
     [(16, "flash_attention_16"), (32, "flash_attention_32"), (64, "flash_attention_64"), (128, "flash_attention_128")];
+
+/// The dynamic shared memory of a tensor-core attention kernel.
+fn fa_shared(kernel: &str) -> u32 {
+    FA_WIDTHS.iter().find(|(_, name)| *name == kernel).map_or(0, |(width, _)| flash_shared(*width))
+}
 
 /// The tensor-core kernel for a layer, where it takes it: a bf16 cache, keys and values of one
 /// width d (a multiple of 16, at most 128), rows of the cache 16-byte aligned, every key, and
@@ -190,7 +196,7 @@ impl Step<'_> {
             kernel,
             (tiles as u32, (kv_heads * head_parts) as u32, if split { parts as u32 } else { 1 }),
             FA_THREADS,
-            0,
+            fa_shared(kernel),
             &[
                 Arg::Ptr(out),
                 Arg::Ptr(partial.ptr()),
