@@ -6,6 +6,8 @@
 //!    oracle), its near-tie rule, and the logits of every sampled row within 1e-3 relative of the
 //!    CPU executor's. Then the V3.2 indexer's top-k on the device against torch's recorded
 //!    choices and the CPU executor's (ties included).
+//!    The tensor-core kernels' own checks (`kernel_checks.rs`): attention and bf16 products give
+//!    a row the same bits however the work is cut, close to a float64 reference.
 //! 2. Batch invariance: a prompt's logits (prefill, and a decode after it) bit-identical alone,
 //!    in a batch of 64 and in other chunks — with f32 weights and with bf16 ones.
 //! 3. bf16 against f32, per fixture: the logits of every sampled row within the family's
@@ -74,6 +76,8 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
         failures.extend(bf16_agreement(&gpu, &dm, &bf16, &dir, family, &gaps)?);
     }
     failures.extend(topk_check(&gpu)?);
+    failures.extend(crate::bench::kernel_checks::attention_check(&gpu)?);
+    failures.extend(crate::bench::kernel_checks::product_check(&gpu)?);
     let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
     let bench_model = Arc::new(models::build(&spec.config, &spec.weights)?);
     if !args.emulate {

@@ -3,6 +3,7 @@
 pub mod cuda_batch;
 pub mod device;
 pub mod experts;
+pub mod kernel_checks;
 pub mod model;
 pub mod offload;
 pub mod router;

@@ -1,0 +1,313 @@
+//! Checks of the tensor-core kernels that `bench device` runs on the GPU and the tests run under
+//! the emulation: the same launches, compared bit for bit where the design promises the same bits
+//! and against a float64 reference where it promises closeness.
+//!
+//! - [`attention_check`] (`kernels/cuda/attention.cu`): a row's output is the same bits whole, in a
+//!   chunk, alone with its parts split over blocks and merged, and among other sequences — with
+//!   and without a sliding window — and within 1e-2 (relative L2) of a float64 softmax over the
+//!   same bf16 keys and values.
+//! - [`product_check`] (`kernels/cuda/bf16.cu`): `linear_bf16`, `linear_bf16_wide` and the split
+//!   (summed by `linear_chunks_sum`, or by each tile's last block) give every element the same
+//!   bits, within 1e-4 of a float64 product of the same bf16 values.
+
+use anyhow::Result;
+use kvflow_kernels::cuda::sources::{flash_shared, WIDE_SHARED};
+use kvflow_kernels::cuda::{bf16_bits, Arg, DeviceBuf, Gpu};
+
+const D: usize = 64;
+const KV_HEADS: usize = 2;
+const Q_HEADS: usize = 8;
+const BLOCK: usize = 16;
+/// attention.cu's FA_ROWS and FA_PART.
+const FA_ROWS: usize = 64;
+const FA_PART: usize = 256;
+const ROW_WIDTH: usize = 2 * KV_HEADS * D;
+
+fn lcg(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed;
+    move || {
+        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((s >> 33) % 2001) as f32 / 1000.0 - 1.0
+    }
+}
+
+fn widen(b: u16) -> f64 {
+    f32::from_bits((b as u32) << 16) as f64
+}
+
+/// How many of `a` and `b` differ in their bits, and the first (None: the same bits).
+fn differ(a: &[f32], b: &[f32]) -> Option<String> {
+    let n = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+    let first = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits());
+    (n > 0 || a.len() != b.len())
+        .then(|| format!("{n} of {} values differ (the first at {first:?})", a.len().max(b.len())))
+}
+
+fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (*g as f64 - w).powi(2)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// A paged bf16 cache and the sequences' block tables (scattered blocks).
+struct Cache {
+    data: DeviceBuf<u16>,
+    host: Vec<u16>,
+    tables: Vec<Vec<u32>>,
+}
+
+impl Cache {
+    fn new(gpu: &Gpu, lengths: &[usize]) -> Result<Cache> {
+        let blocks: usize = lengths.iter().map(|l| l.div_ceil(BLOCK)).sum();
+        let mut draw = lcg(3);
+        let host: Vec<u16> = (0..blocks * BLOCK * ROW_WIDTH).map(|_| bf16_bits(draw())).collect();
+        let mut order: Vec<u32> = (0..blocks as u32).map(|b| (b * 7 + 3) % blocks as u32).collect();
+        let tables = lengths.iter().map(|l| order.drain(..l.div_ceil(BLOCK)).collect()).collect();
+        Ok(Cache { data: gpu.upload(&host)?, host, tables })
+    }
+
+    /// The float64 softmax attention of one row at `pos` of sequence `seq` (q rounded to bf16).
+    fn reference(&self, seq: usize, pos: usize, window: usize, q: &[f32]) -> Vec<f64> {
+        let lo = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        let at = |key: usize| (self.tables[seq][key / BLOCK] as usize * BLOCK + key % BLOCK) * ROW_WIDTH;
+        let mut out = vec![0.0f64; Q_HEADS * D];
+        for h in 0..Q_HEADS {
+            let g = h / (Q_HEADS / KV_HEADS);
+            let qh: Vec<f64> = q[h * D..(h + 1) * D].iter().map(|&x| widen(bf16_bits(x))).collect();
+            let scores: Vec<f64> = (lo..=pos)
+                .map(|k| (0..D).map(|d| qh[d] * widen(self.host[at(k) + g * D + d])).sum::<f64>() / (D as f64).sqrt())
+                .collect();
+            let big = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - big).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for d in 0..D {
+                let v: f64 =
+                    (lo..=pos).zip(&weights).map(|(k, w)| w * widen(self.host[at(k) + (KV_HEADS + g) * D + d])).sum();
+                out[h * D + d] = v / total;
+            }
+        }
+        out
+    }
+}
+
+/// `flash_attention_64` over one launch's rows — per sequence, its table and the positions of
+/// its (consecutive) rows — as parts/attention.rs launches it (grid bound; split and merged or
+/// not): the output, `[row][head][d]`.
+fn attend(
+    gpu: &Gpu,
+    cache: &Cache,
+    seqs: &[(usize, std::ops::Range<usize>)],
+    window: usize,
+    split: bool,
+    q: &[f32],
+) -> Result<Vec<f32>> {
+    let (mut positions, mut row_at, mut tables, mut table_at) = (vec![], vec![], vec![], vec![]);
+    for (seq, range) in seqs {
+        row_at.push(positions.len() as u32);
+        table_at.push(tables.len() as u32);
+        tables.extend_from_slice(&cache.tables[*seq]);
+        positions.extend(range.clone().map(|p| p as i32));
+    }
+    let rows = positions.len();
+    let tiles = seqs.len() + (rows - seqs.len()) / (FA_ROWS / (Q_HEADS / KV_HEADS));
+    let parts = seqs.iter().map(|(_, r)| r.end).max().unwrap_or(1).div_ceil(FA_PART);
+    let out = gpu.zeros::<f32>(rows * Q_HEADS * D)?;
+    let scratch = gpu.zeros::<f32>(rows * Q_HEADS * parts * (D + 2))?;
+    let q = gpu.upload(&q[..rows * Q_HEADS * D])?;
+    let (tables, table_at, row_at) = (gpu.upload(&tables)?, gpu.upload(&table_at)?, gpu.upload(&row_at)?);
+    let positions = gpu.upload(&positions)?;
+    let args = [
+        Arg::Ptr(out.ptr()),
+        Arg::Ptr(scratch.ptr()),
+        Arg::Ptr(q.ptr()),
+        Arg::I64((Q_HEADS * D) as i64),
+        Arg::Ptr(cache.data.ptr()),
+        Arg::Ptr(tables.ptr()),
+        Arg::Ptr(table_at.ptr()),
+        Arg::Ptr(positions.ptr()),
+        Arg::Ptr(row_at.ptr()),
+        Arg::I32(seqs.len() as i32),
+        Arg::I32(rows as i32),
+        Arg::I32(Q_HEADS as i32),
+        Arg::I32(KV_HEADS as i32),
+        Arg::I32(D as i32),
+        Arg::I32(0),
+        Arg::I32((KV_HEADS * D) as i32),
+        Arg::I32(ROW_WIDTH as i32),
+        Arg::I32(BLOCK as i32),
+        Arg::I32(window as i32),
+        Arg::F32(1.0 / (D as f32).sqrt()),
+        Arg::I32((Q_HEADS / KV_HEADS) as i32),
+        Arg::I32(split as i32),
+    ];
+    let grid = (tiles as u32, KV_HEADS as u32, if split { parts as u32 } else { 1 });
+    gpu.launch("flash_attention_64", grid, 128, flash_shared(D), &args)?;
+    if split {
+        let merge = [Arg::Ptr(out.ptr()), Arg::Ptr(scratch.ptr()), Arg::I32(D as i32), Arg::I32(parts as i32)];
+        gpu.launch("flash_attention_merge", ((rows * Q_HEADS) as u32, 1, 1), 64, 0, &merge)?;
+    }
+    Ok(gpu.download(&out, rows * Q_HEADS * D)?)
+}
+
+/// Row `i` of an attention output (every head).
+fn row(out: &[f32], i: usize) -> &[f32] {
+    &out[i * Q_HEADS * D..(i + 1) * Q_HEADS * D]
+}
+
+/// A prompt of 600 tokens (three parts of keys for its last rows) among three other sequences:
+/// see the module's header. Returns what failed.
+pub fn attention_check(gpu: &Gpu) -> Result<Vec<String>> {
+    let cache = Cache::new(gpu, &[600, 40, 300, 5])?;
+    let mut draw = lcg(5);
+    let q: Vec<f32> = (0..600 * Q_HEADS * D).map(|_| draw()).collect();
+    let mut failures = Vec::new();
+    let check = |failures: &mut Vec<String>, what: String, a: &[f32], b: &[f32]| {
+        if let Some(why) = differ(a, b) {
+            failures.push(format!("attention: {what}: {why}"));
+        }
+    };
+    let mut worst = 0.0f64;
+    for window in [0, 100] {
+        let whole = attend(gpu, &cache, &[(0, 0..600)], window, false, &q)?;
+        for split in [false, true] {
+            let chunk = attend(gpu, &cache, &[(0, 593..600)], window, split, &q[593 * Q_HEADS * D..])?;
+            for i in 0..7 {
+                check(
+                    &mut failures,
+                    format!("window {window}, split {split}: row {} in a chunk of 7", 593 + i),
+                    row(&chunk, i),
+                    row(&whole, 593 + i),
+                );
+            }
+        }
+        let last = &q[599 * Q_HEADS * D..600 * Q_HEADS * D];
+        let alone = attend(gpu, &cache, &[(0, 599..600)], window, true, last)?;
+        check(&mut failures, format!("window {window}: a decode alone"), &alone, row(&whole, 599));
+        let mut mixed_q: Vec<f32> = (0..44 * Q_HEADS * D).map(|_| draw()).collect();
+        mixed_q[40 * Q_HEADS * D..41 * Q_HEADS * D].copy_from_slice(last);
+        let mixed = attend(gpu, &cache, &[(1, 0..40), (0, 599..600), (2, 297..300)], window, false, &mixed_q)?;
+        check(&mut failures, format!("window {window}: among other sequences"), row(&mixed, 40), row(&whole, 599));
+        for pos in [0, 17, 255, 256, 599] {
+            let want = cache.reference(0, pos, window, &q[pos * Q_HEADS * D..(pos + 1) * Q_HEADS * D]);
+            let err = rel_l2(row(&whole, pos), &want);
+            worst = worst.max(err);
+            if err.is_nan() || err > 1e-2 {
+                failures.push(format!(
+                    "attention: window {window}, position {pos}: {err:.2e} relative from a float64 softmax"
+                ));
+            }
+        }
+    }
+    println!(
+        "attention    tensor cores (flash_attention_64): a row whole = in a chunk = alone split = among other sequences, window 0 and 100: {}; max {worst:.2e} from a float64 softmax",
+        if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
+    );
+    Ok(failures)
+}
+
+/// One bf16 product of `m × n` over `k` through every kernel: see the module's header.
+fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<String>) -> Result<f64> {
+    let mut draw = lcg((m * 7 + n * 13 + k) as u64);
+    let mut values = |len: usize| -> Vec<f32> { (0..len).map(|_| draw()).collect() };
+    let (x, w, bias, y0) = (values(m * k), values(n * k), values(n), values(m * n));
+    let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
+    let (xd, wd, bd) = (gpu.upload(&x)?, gpu.upload(&w16)?, gpu.upload(&bias)?);
+    let xb = gpu.zeros::<u16>(m * k)?;
+    let round = [Arg::Ptr(xb.ptr()), Arg::Ptr(xd.ptr()), Arg::I32(m as i32), Arg::I32(k as i32), Arg::I64(k as i64)];
+    gpu.launch("round_rows_bf16", (m as u32, k.div_ceil(256) as u32, 1), 256, 0, &round)?;
+    let run = |kernel: &str, tile: usize, threads: u32, shared: u32| -> Result<Vec<f32>> {
+        let y = gpu.upload(&y0)?;
+        let args = [
+            Arg::Ptr(y.ptr()),
+            Arg::Ptr(xb.ptr()),
+            Arg::Ptr(wd.ptr()),
+            Arg::Ptr(bd.ptr()),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I64(n as i64),
+            Arg::I32(1),
+        ];
+        gpu.launch(kernel, (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1), threads, shared, &args)?;
+        Ok(gpu.download(&y, m * n)?)
+    };
+    let tile = run("linear_bf16", 64, 128, 0)?;
+    let wide = run("linear_bf16_wide", 128, 256, WIDE_SHARED)?;
+    let chunks = k.div_ceil(256);
+    let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks as u32);
+    let partial = gpu.zeros::<f32>(chunks * m * n)?;
+    let arrivals = gpu.zeros::<u32>((grid.0 * grid.1) as usize)?;
+    let split = |y: u64, counters: u64| -> Result<()> {
+        let args = [
+            Arg::Ptr(partial.ptr()),
+            Arg::Ptr(xb.ptr()),
+            Arg::Ptr(wd.ptr()),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::Ptr(y),
+            Arg::Ptr(bd.ptr()),
+            Arg::I64(n as i64),
+            Arg::I32(1),
+            Arg::Ptr(counters),
+        ];
+        Ok(gpu.launch("linear_bf16_split", grid, 128, 0, &args)?)
+    };
+    let y = gpu.upload(&y0)?;
+    split(0, 0)?;
+    let sum = [
+        Arg::Ptr(y.ptr()),
+        Arg::Ptr(partial.ptr()),
+        Arg::Ptr(bd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(chunks as i32),
+        Arg::I64(n as i64),
+        Arg::I64(0),
+        Arg::I32(1),
+    ];
+    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum)?;
+    let summed = gpu.download(&y, m * n)?;
+    let mut last_block = Vec::new();
+    for _ in 0..2 {
+        let y = gpu.upload(&y0)?;
+        split(y.ptr(), arrivals.ptr())?;
+        last_block.push(gpu.download(&y, m * n)?);
+    }
+    for (what, got) in [
+        ("linear_bf16_wide", &wide),
+        ("linear_bf16_split + linear_chunks_sum", &summed),
+        ("linear_bf16_split, the last blocks adding", &last_block[0]),
+        ("linear_bf16_split, the last blocks adding, again", &last_block[1]),
+    ] {
+        if let Some(why) = differ(got, &tile) {
+            failures.push(format!("products {m} x {n} x {k}: {what} against linear_bf16: {why}"));
+        }
+    }
+    let want: Vec<f64> = (0..m * n)
+        .map(|i| {
+            let (r, c) = (i / n, i % n);
+            let dot: f64 = (0..k).map(|j| widen(bf16_bits(x[r * k + j])) * widen(w16[c * k + j])).sum();
+            y0[i] as f64 + dot + bias[c] as f64
+        })
+        .collect();
+    Ok(rel_l2(&tile, &want))
+}
+
+/// bf16 products of odd sizes (edges, rows not 16-byte aligned, several tiles each way).
+pub fn product_check(gpu: &Gpu) -> Result<Vec<String>> {
+    let mut failures = Vec::new();
+    let mut worst = 0.0f64;
+    for shape in [(37, 50, 600), (37, 50, 601), (150, 140, 600), (300, 260, 1100)] {
+        let err = product_case(gpu, shape, &mut failures)?;
+        worst = worst.max(err);
+        if err.is_nan() || err > 1e-4 {
+            failures.push(format!("products {shape:?}: {err:.2e} relative from a float64 product"));
+        }
+    }
+    println!(
+        "products     bf16 tensor cores: linear_bf16 = linear_bf16_wide = split and summed (two ways), 4 shapes: {}; max {worst:.2e} from a float64 product",
+        if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
+    );
+    Ok(failures)
+}

@@ -1,0 +1,42 @@
+//! The tensor-core kernels (`kernels/cuda/attention.cu`, `kernels/cuda/bf16.cu`) under the CPU
+//! emulation, through the checks `bench device` runs on the GPU (`kvflow::bench::kernel_checks`):
+//! a row's attention output is the same bits whole, in chunks, alone with its parts split over
+//! blocks and merged, and among other sequences, with and without a sliding window, near a
+//! float64 softmax; every bf16 product kernel gives an element the same bits. Through the
+//! executor, the bf16 families whose attention takes the tensor cores keep `bench device`'s
+//! checks: batch invariance and agreement with f32.
+
+use kvflow_kernels::cuda::Gpu;
+
+#[test]
+fn the_tensor_core_kernels_give_a_row_the_same_bits_however_the_work_is_cut() {
+    let gpu = Gpu::emulated().unwrap_or_else(|e| panic!("{e}"));
+    let mut failures = kvflow::bench::kernel_checks::attention_check(&gpu).unwrap();
+    failures.extend(kvflow::bench::kernel_checks::product_check(&gpu).unwrap());
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The families whose attention takes the tensor-core kernel in bf16 (grouped-query heads of 16:
+/// llama, qwen3, qwen3_next's gated attention) keep `bench device`'s bf16 checks through the
+/// executor: a prompt alone = in a batch of 64 = in chunks of 7, a decode alone = in a batch of
+/// 64, bit for bit; greedy tokens and logits within the bf16 tolerance of the f32 path.
+#[test]
+fn bf16_families_on_tensor_core_attention_keep_the_device_checks() {
+    let gpu = Gpu::emulated().unwrap_or_else(|e| panic!("{e}"));
+    let gaps = crate::common::repo().join("benches/results/2026-12-03-h200-transformers-bf16-gap.json");
+    for family in ["llama", "qwen3", "qwen3_next"] {
+        let dir = crate::common::fixture(&format!("hf/{family}"));
+        let (flash, paged) = (gpu.emulated_launches("flash_attention_16"), gpu.emulated_launches("paged_attention"));
+        let failures = kvflow::bench::device::bf16_checks(&gpu, &dir, family, &gaps).unwrap();
+        assert!(failures.is_empty(), "{family}: {failures:#?}");
+        // the f32 model keeps model.cu's kernel; the bf16 one took the tensor cores
+        assert!(
+            gpu.emulated_launches("flash_attention_16") > flash,
+            "{family}: bf16 attention did not take flash_attention_16"
+        );
+        assert!(
+            gpu.emulated_launches("paged_attention") > paged,
+            "{family}: f32 attention did not take paged_attention"
+        );
+    }
+}
