@@ -1,7 +1,8 @@
 // The bfloat16 products of the CUDA executor (`dtype = "bfloat16"`): weights in bf16, each
-// product's input rounded to bf16 (round to nearest even) once, by `round_rows_bf16`, tensor-core
-// matrix products (mma.sync m16n8k16, f32 accumulation), outputs and everything between products
-// in f32. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
+// product's input rounded to bf16 (round to nearest even) as its fragments are built (64-square
+// tiles, no extra launch: decode) or once by `round_rows_bf16` (128-square tiles: prefill),
+// tensor-core matrix products (mma.sync m16n8k16, f32 accumulation), outputs and everything
+// between products in f32. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // Batch invariance (DESIGN §6), as model.cu's `linear`: an element of y = x · Wᵀ is the sum, in
 // order from 0, of its chunks' chains (LINEAR_CHUNK = 256 inputs each, 16 products of 16 inputs
@@ -9,15 +10,16 @@
 // instruction whatever its place in a tile, so the host may split a skinny product by chunk
 // (`linear_bf16_split`, then model.cu's `linear_chunks_sum`) or not, by the batch's shape.
 //
-// Stages of 32 inputs of W and x go to shared memory by cp.async, BF16_STAGES − 1 of them in
-// flight while a stage is multiplied (rows whose K is not a multiple of 8 are not 16-byte aligned:
-// those are staged element by element, the same values in the same places).
+// Stages of 32 inputs of W and x go to shared memory by cp.async, all but one of them in flight
+// while a stage is multiplied (rows that are not 16-byte aligned are staged element by element,
+// the same values in the same places).
 
 #define BF16_TILE 64     // W rows and x rows of a block's tile
 #define BF16_BK 32       // inputs per stage
 #define BF16_PAIRS 16    // bf16 pairs of a stage's row
 #define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
-#define BF16_STAGES 4    // stages in shared memory
+#define BF16_STAGES 3    // stages in shared memory
+#define BF16_XPAD 36     // a staged f32 x row's stride (16-byte aligned)
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
 extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {
@@ -28,6 +30,18 @@ extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int 
 // Whether rows of W and xb can be staged 16 bytes at a time (K a multiple of 8, both aligned).
 __device__ __forceinline__ bool bf16_rows_aligned(const u16* w, const u16* xb, int K) {
     return K % 8 == 0 && ((size_t)w | (size_t)xb) % 16 == 0;
+}
+
+// The 4 floats of x row r (of R, stride x_stride) at inputs k .. k + 4 into dst, zero past R and
+// k_hi; `vector`: 16-byte aligned rows and k_hi a multiple of 4.
+__device__ __forceinline__ void f32_stage_chunk(float* dst, const float* x, int r, int R, long long x_stride, int k,
+                                                int k_hi, bool vector) {
+    if (vector) {
+        bool in = r < R && k < k_hi;
+        cp_async16(dst, in ? x + (size_t)r * x_stride + k : x, in);
+        return;
+    }
+    for (int p = 0; p < 4; p++) dst[p] = r < R && k + p < k_hi ? x[(size_t)r * x_stride + k + p] : 0.0f;
 }
 
 // The 8 bf16 of row r (of R, K long) at inputs k .. k + 8 into dst (4 u32), zero past R and k_hi.
@@ -46,29 +60,33 @@ __device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r
     }
 }
 
-// A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64 (xb:
-// round_rows_bf16's [M × K]), eight 16 × 8 products per step of 16 inputs (those past M skipped).
-// `chunk_out` set: one chunk's chains only, to chunk_out[m · N + n]; else y as model.cu's
-// `linear` writes it.
-__device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const u16* w, const float* bias, int M,
-                                                 int N, int K, long long y_stride, int accumulate, int k_lo,
-                                                 int k_hi, float* chunk_out) {
+// A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64 (f32,
+// rounded to bf16 as the fragments are built), eight 16 × 8 products per step of 16 inputs (those
+// past M skipped). `chunk_out` set: one chunk's chains only, to chunk_out[m · N + n]; else y as
+// model.cu's `linear` writes it.
+__device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long long x_stride, const u16* w,
+                                                 const float* bias, int M, int N, int K, long long y_stride,
+                                                 int accumulate, int k_lo, int k_hi, float* chunk_out) {
     __shared__ __align__(16) u32 Ws[BF16_STAGES][BF16_TILE][BF16_PAD];
-    __shared__ __align__(16) u32 Xs[BF16_STAGES][BF16_TILE][BF16_PAD];
+    __shared__ __align__(16) float Xs[BF16_STAGES][BF16_TILE][BF16_XPAD];
     int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     float acc[8][4], total[8][4];
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) acc[j][c] = total[j][c] = 0.0f;
-    bool vector = bf16_rows_aligned(w, xb, K);
+    bool vector_w = bf16_rows_aligned(w, w, K);
+    bool vector_x = K % 4 == 0 && x_stride % 4 == 0 && (size_t)x % 16 == 0;
     int stages = (k_hi - k_lo + BF16_BK - 1) / BF16_BK;
-    // stage s into its buffer: 256 chunks of 8 inputs each of W and x, two of each a thread
+    // stage s into its buffer: W in 256 chunks of 8 inputs (two a thread), x in 512 of 4 (four)
     auto load = [&](int s) {
         int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 2; i++) {
             int c = tid + 128 * i, row = c / 4, part = c % 4;
-            bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector);
-            bf16_stage_chunk(&Xs[buf][row][4 * part], xb, m0 + row, M, K, k0 + 8 * part, k_hi, vector);
+            bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector_w);
+        }
+        for (int i = 0; i < 4; i++) {
+            int c = tid + 128 * i, row = c / 8, part = c % 8;
+            f32_stage_chunk(&Xs[buf][row][4 * part], x, m0 + row, M, x_stride, k0 + 4 * part, k_hi, vector_x);
         }
     };
     for (int s = 0; s < BF16_STAGES - 1; s++) {
@@ -96,8 +114,9 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const 
             a[3] = Ws[buf][r + 8][kk + 4 + tig];
             for (int j = 0; j < 8; j++) {
                 if (m0 + 8 * j >= M) break;  // the same for every lane of the warp
-                b[0] = Xs[buf][8 * j + gid][kk + tig];
-                b[1] = Xs[buf][8 * j + gid][kk + 4 + tig];
+                const float* xr = &Xs[buf][8 * j + gid][2 * (kk + tig)];  // inputs 2(kk + tig), + 1 and + 8, + 9
+                b[0] = bf16_bits(xr[0]) | (bf16_bits(xr[1]) << 16);
+                b[1] = bf16_bits(xr[8]) | (bf16_bits(xr[9]) << 16);
                 mma_bf16_16816(acc[j], a, b);
             }
         }
@@ -210,11 +229,11 @@ extern "C" __global__ void __launch_bounds__(256) linear_bf16_wide(float* y, con
     linear_bf16_wide_tile(y, xb, w, bias, M, N, K, y_stride, accumulate);
 }
 
-// y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K], x rounded (xb [M × K]);
-// grid (N / 64, M / 64).
-extern "C" __global__ void linear_bf16(float* y, const u16* xb, const u16* w, const float* bias, int M, int N, int K,
-                                       long long y_stride, int accumulate) {
-    linear_bf16_tile(y, xb, w, bias, M, N, K, y_stride, accumulate, 0, K, nullptr);
+// y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K], x f32 (row stride
+// x_stride); grid (N / 64, M / 64).
+extern "C" __global__ void linear_bf16(float* y, const float* x, long long x_stride, const u16* w, const float* bias,
+                                       int M, int N, int K, long long y_stride, int accumulate) {
+    linear_bf16_tile(y, x, x_stride, w, bias, M, N, K, y_stride, accumulate, 0, K, nullptr);
 }
 
 // One chunk's chains of each 64 × 64 tile (blockIdx.z = chunk) to partial[chunk · M · N ..].
@@ -222,10 +241,12 @@ extern "C" __global__ void linear_bf16(float* y, const u16* xb, const u16* w, co
 // the tile's chunks in order into y as model.cu's linear_chunks_sum does — the same operations
 // in the same order, whichever block it is — which saves that launch; without, the host
 // launches linear_chunks_sum.
-extern "C" __global__ void linear_bf16_split(float* partial, const u16* xb, const u16* w, int M, int N, int K, float* y,
-                                             const float* bias, long long y_stride, int accumulate, u32* arrivals) {
+extern "C" __global__ void linear_bf16_split(float* partial, const float* x, long long x_stride, const u16* w, int M,
+                                             int N, int K, float* y, const float* bias, long long y_stride,
+                                             int accumulate, u32* arrivals) {
     int k_lo = blockIdx.z * LINEAR_CHUNK, k_hi = min(K, k_lo + LINEAR_CHUNK);
-    linear_bf16_tile(nullptr, xb, w, nullptr, M, N, K, 0, 0, k_lo, k_hi, partial + (size_t)blockIdx.z * M * N);
+    linear_bf16_tile(nullptr, x, x_stride, w, nullptr, M, N, K, 0, 0, k_lo, k_hi,
+                     partial + (size_t)blockIdx.z * M * N);
     if (!arrivals) return;
     __shared__ int last;
     __threadfence();  // this block's chains are visible to the block that adds them ...

@@ -215,20 +215,23 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
     let xb = gpu.zeros::<u16>(m * k)?;
     let round = [Arg::Ptr(xb.ptr()), Arg::Ptr(xd.ptr()), Arg::I32(m as i32), Arg::I32(k as i32), Arg::I64(k as i64)];
     gpu.launch("round_rows_bf16", (m as u32, k.div_ceil(256) as u32, 1), 256, 0, &round)?;
+    let tail = [
+        Arg::Ptr(bd.ptr()),
+        Arg::I32(m as i32),
+        Arg::I32(n as i32),
+        Arg::I32(k as i32),
+        Arg::I64(n as i64),
+        Arg::I32(1),
+    ];
+    // linear_bf16 reads x in f32 (rounding it as it goes), linear_bf16_wide the rounded copy
     let run = |kernel: &str, tile: usize, threads: u32, shared: u32| -> Result<Vec<f32>> {
         let y = gpu.upload(&y0)?;
-        let args = [
-            Arg::Ptr(y.ptr()),
-            Arg::Ptr(xb.ptr()),
-            Arg::Ptr(wd.ptr()),
-            Arg::Ptr(bd.ptr()),
-            Arg::I32(m as i32),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I64(n as i64),
-            Arg::I32(1),
-        ];
-        gpu.launch(kernel, (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1), threads, shared, &args)?;
+        let head = match kernel {
+            "linear_bf16_wide" => vec![Arg::Ptr(y.ptr()), Arg::Ptr(xb.ptr()), Arg::Ptr(wd.ptr())],
+            _ => vec![Arg::Ptr(y.ptr()), Arg::Ptr(xd.ptr()), Arg::I64(k as i64), Arg::Ptr(wd.ptr())],
+        };
+        let grid = (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1);
+        gpu.launch(kernel, grid, threads, shared, &[&head[..], &tail[..]].concat())?;
         Ok(gpu.download(&y, m * n)?)
     };
     let tile = run("linear_bf16", 64, 128, 0)?;
@@ -240,7 +243,8 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
     let split = |y: u64, counters: u64| -> Result<()> {
         let args = [
             Arg::Ptr(partial.ptr()),
-            Arg::Ptr(xb.ptr()),
+            Arg::Ptr(xd.ptr()),
+            Arg::I64(k as i64),
             Arg::Ptr(wd.ptr()),
             Arg::I32(m as i32),
             Arg::I32(n as i32),

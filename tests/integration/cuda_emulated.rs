@@ -220,11 +220,7 @@ fn bf16_products_match_their_chains(gpu: &Gpu, m: usize, n: usize, k: usize) {
     let round = [Arg::Ptr(xb.ptr()), Arg::Ptr(xd.ptr()), Arg::I32(m as i32), Arg::I32(k as i32), Arg::I64(k as i64)];
     gpu.launch("round_rows_bf16", (m as u32, k.div_ceil(256) as u32, 1), 256, 0, &round).unwrap();
     let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1);
-    let y = gpu.upload(&y0).unwrap();
-    let args = [
-        Arg::Ptr(y.ptr()),
-        Arg::Ptr(xb.ptr()),
-        Arg::Ptr(wd.ptr()),
+    let tail = [
         Arg::Ptr(bd.ptr()),
         Arg::I32(m as i32),
         Arg::I32(n as i32),
@@ -232,19 +228,25 @@ fn bf16_products_match_their_chains(gpu: &Gpu, m: usize, n: usize, k: usize) {
         Arg::I64(n as i64),
         Arg::I32(1),
     ];
-    gpu.launch("linear_bf16", grid, 128, 0, &args).unwrap();
+    // linear_bf16 reads x in f32, rounding it as it builds its fragments
+    let y = gpu.upload(&y0).unwrap();
+    let head = [Arg::Ptr(y.ptr()), Arg::Ptr(xd.ptr()), Arg::I64(k as i64), Arg::Ptr(wd.ptr())];
+    gpu.launch("linear_bf16", grid, 128, 0, &[&head[..], &tail[..]].concat()).unwrap();
     assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16 ({m} x {n} x {k})");
+    // linear_bf16_wide reads the rounded copy
     let y = gpu.upload(&y0).unwrap();
     let wide = (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1);
-    let args = [&[Arg::Ptr(y.ptr())], &args[1..]].concat();
-    gpu.launch("linear_bf16_wide", wide, 256, kvflow_kernels::cuda::sources::WIDE_SHARED, &args).unwrap();
+    let head = [Arg::Ptr(y.ptr()), Arg::Ptr(xb.ptr()), Arg::Ptr(wd.ptr())];
+    let shared = kvflow_kernels::cuda::sources::WIDE_SHARED;
+    gpu.launch("linear_bf16_wide", wide, 256, shared, &[&head[..], &tail[..]].concat()).unwrap();
     assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16_wide ({m} x {n} x {k})");
     let chunks = k.div_ceil(256);
     let partial = gpu.zeros::<f32>(chunks * m * n).unwrap();
     let split = |y: u64, arrivals: u64| {
         [
             Arg::Ptr(partial.ptr()),
-            Arg::Ptr(xb.ptr()),
+            Arg::Ptr(xd.ptr()),
+            Arg::I64(k as i64),
             Arg::Ptr(wd.ptr()),
             Arg::I32(m as i32),
             Arg::I32(n as i32),

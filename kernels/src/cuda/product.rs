@@ -53,8 +53,9 @@ fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan
     LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
-/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`): 128-square
-/// tiles of eight warps where they give every SM two blocks, else 64-square tiles of four warps,
+/// A bf16 product (`kernels/cuda/bf16.cu`): 128-square tiles of eight warps (their input rounded
+/// once by `round_rows_bf16`) where they give every SM two blocks, else 64-square tiles of four
+/// warps (rounding their input as they read it),
 /// split by chunk of k while those would leave SMs without two blocks; all give an element the
 /// same chains.
 fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
@@ -148,39 +149,38 @@ impl Product {
             return Err(CudaError::Unsupported("batched bf16 products".into()));
         }
         let (m, n, k) = (self.m, self.n, self.k);
-        // the input rounded to bf16 once, [m × k], for every tile that reads it
-        let xb = gpu.scratch::<u16>(m * k)?;
-        gpu.launch(
-            "round_rows_bf16",
-            (m as u32, blocks_for(k, 256), 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(xb.ptr()),
-                Arg::Ptr(self.x),
-                Arg::I32(m as i32),
-                Arg::I32(k as i32),
-                Arg::I64(self.x_stride as i64),
-            ],
-        )?;
+        let tail = [
+            Arg::Ptr(self.bias),
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I64(self.y_stride as i64),
+            Arg::I32(self.accumulate as i32),
+        ];
         match bf16_plan(gpu.sms, m, n, k) {
-            LinearPlan::Whole(kernel, grid) => gpu.launch(
-                kernel,
-                grid,
-                if kernel == "linear_bf16_wide" { 256 } else { 128 },
-                if kernel == "linear_bf16_wide" { WIDE_SHARED } else { 0 },
-                &[
-                    Arg::Ptr(self.y),
-                    Arg::Ptr(xb.ptr()),
-                    Arg::Ptr(self.w),
-                    Arg::Ptr(self.bias),
-                    Arg::I32(m as i32),
-                    Arg::I32(n as i32),
-                    Arg::I32(k as i32),
-                    Arg::I64(self.y_stride as i64),
-                    Arg::I32(self.accumulate as i32),
-                ],
-            ),
+            LinearPlan::Whole("linear_bf16_wide", grid) => {
+                // the input rounded to bf16 once, [m × k], for the ldmatrix fragments
+                let xb = gpu.scratch::<u16>(m * k)?;
+                gpu.launch(
+                    "round_rows_bf16",
+                    (m as u32, blocks_for(k, 256), 1),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(xb.ptr()),
+                        Arg::Ptr(self.x),
+                        Arg::I32(m as i32),
+                        Arg::I32(k as i32),
+                        Arg::I64(self.x_stride as i64),
+                    ],
+                )?;
+                let args = [&[Arg::Ptr(self.y), Arg::Ptr(xb.ptr()), Arg::Ptr(self.w)], &tail[..]].concat();
+                gpu.launch("linear_bf16_wide", grid, 256, WIDE_SHARED, &args)
+            }
+            LinearPlan::Whole(kernel, grid) => {
+                let head = [Arg::Ptr(self.y), Arg::Ptr(self.x), Arg::I64(self.x_stride as i64), Arg::Ptr(self.w)];
+                gpu.launch(kernel, grid, 128, 0, &[&head[..], &tail[..]].concat())
+            }
             LinearPlan::Split { chunks, grid } => {
                 let partial = gpu.scratch::<f32>(chunks * m * n)?;
                 // the tile's last block adds its chunks where the device's counters cover the grid
@@ -192,7 +192,8 @@ impl Product {
                     0,
                     &[
                         Arg::Ptr(partial.ptr()),
-                        Arg::Ptr(xb.ptr()),
+                        Arg::Ptr(self.x),
+                        Arg::I64(self.x_stride as i64),
                         Arg::Ptr(self.w),
                         Arg::I32(m as i32),
                         Arg::I32(n as i32),
