@@ -195,14 +195,9 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
     for (int t = t_lo; t <= t_hi; t++) {
         int buf = (t - t_lo) % 2;
-        if (t < t_hi)  // the next tile into the other stage (multiplied in the previous iteration)
-            fa_stage<D>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, table, block_size, row_width,
-                        k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
-        cp_async_commit();
-        cp_async_wait<1>();  // this tile has landed (this thread's part of it) ...
-        __syncthreads();     // ... every thread's
         if (t % PER_PART == 0 && t > t_lo) {
-            // a part ends: fold it in, start the next from fresh
+            // a part ends: fold it in, start the next from fresh (registers and `out` only; the
+            // barrier below brings the warp back together before its mma)
             fa_fold_part<NT>(out, q_heads, d, tig, valid, row_of, head_of, big, total, m, l, o);
             m[0] = m[1] = -KV_INFINITY;
             l[0] = l[1] = 0.0f;
@@ -211,6 +206,12 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
 #pragma unroll
                 for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
         }
+        cp_async_wait<0>();  // this tile has landed (this thread's part of it) ...
+        __syncthreads();     // ... every thread's, and every warp is done with the other stage
+        if (t < t_hi)        // so the next tile goes there, in flight while this one is multiplied
+            fa_stage<D>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, table, block_size, row_width,
+                        k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
+        cp_async_commit();
         const u32* Ks = stage_k(buf);
         const u32* Vs = Ks + FA_KEYS * KP;
         int k0 = t * FA_KEYS;
@@ -278,7 +279,6 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
                 }
             }
         }
-        __syncthreads();  // every warp is done with this stage before the next iteration refills it
     }
     if (split) {
         // the part's max, sum and output to `parts` for flash_attention_merge (m = −∞: no keys)

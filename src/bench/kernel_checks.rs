@@ -2,7 +2,8 @@
 //! the emulation: the same launches, compared bit for bit where the design promises the same bits
 //! and against a float64 reference where it promises closeness.
 //!
-//! - [`attention_check`] (`kernels/cuda/attention.cu`): a row's output is the same bits whole, in a
+//! - [`attention_check`] (`kernels/cuda/attention.cu`, heads of 32, 64 and 80 wide — the last on
+//!   the 128-wide kernel, zero-padded): a row's output is the same bits whole, in a
 //!   chunk, alone with its parts split over blocks and merged, and among other sequences — with
 //!   and without a sliding window — and within 1e-2 (relative L2) of a float64 softmax over the
 //!   same bf16 keys and values.
@@ -14,14 +15,31 @@ use anyhow::Result;
 use kvflow_kernels::cuda::sources::{flash_shared, WIDE_SHARED};
 use kvflow_kernels::cuda::{bf16_bits, Arg, DeviceBuf, Gpu};
 
-const D: usize = 64;
 const KV_HEADS: usize = 2;
 const Q_HEADS: usize = 8;
 const BLOCK: usize = 16;
 /// attention.cu's FA_ROWS and FA_PART.
 const FA_ROWS: usize = 64;
 const FA_PART: usize = 256;
-const ROW_WIDTH: usize = 2 * KV_HEADS * D;
+
+/// The head width `d` and the kernel instance (the widest head it holds) a case runs.
+#[derive(Clone, Copy)]
+struct Heads {
+    d: usize,
+    kernel_width: usize,
+}
+
+impl Heads {
+    /// A cache row: every kv head's key, then every kv head's value.
+    fn row_width(&self) -> usize {
+        2 * KV_HEADS * self.d
+    }
+
+    /// Floats of q (and of the output) per row.
+    fn per_row(&self) -> usize {
+        Q_HEADS * self.d
+    }
+}
 
 fn lcg(seed: u64) -> impl FnMut() -> f32 {
     let mut s = seed;
@@ -54,43 +72,50 @@ struct Cache {
     data: DeviceBuf<u16>,
     host: Vec<u16>,
     tables: Vec<Vec<u32>>,
+    heads: Heads,
 }
 
 impl Cache {
-    fn new(gpu: &Gpu, lengths: &[usize]) -> Result<Cache> {
+    fn new(gpu: &Gpu, lengths: &[usize], heads: Heads) -> Result<Cache> {
         let blocks: usize = lengths.iter().map(|l| l.div_ceil(BLOCK)).sum();
         let mut draw = lcg(3);
-        let host: Vec<u16> = (0..blocks * BLOCK * ROW_WIDTH).map(|_| bf16_bits(draw())).collect();
+        let host: Vec<u16> = (0..blocks * BLOCK * heads.row_width()).map(|_| bf16_bits(draw())).collect();
         let mut order: Vec<u32> = (0..blocks as u32).map(|b| (b * 7 + 3) % blocks as u32).collect();
         let tables = lengths.iter().map(|l| order.drain(..l.div_ceil(BLOCK)).collect()).collect();
-        Ok(Cache { data: gpu.upload(&host)?, host, tables })
+        Ok(Cache { data: gpu.upload(&host)?, host, tables, heads })
     }
 
     /// The float64 softmax attention of one row at `pos` of sequence `seq` (q rounded to bf16).
     fn reference(&self, seq: usize, pos: usize, window: usize, q: &[f32]) -> Vec<f64> {
+        let (width, row_width) = (self.heads.d, self.heads.row_width());
         let lo = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
-        let at = |key: usize| (self.tables[seq][key / BLOCK] as usize * BLOCK + key % BLOCK) * ROW_WIDTH;
-        let mut out = vec![0.0f64; Q_HEADS * D];
+        let at = |key: usize| (self.tables[seq][key / BLOCK] as usize * BLOCK + key % BLOCK) * row_width;
+        let mut out = vec![0.0f64; Q_HEADS * width];
         for h in 0..Q_HEADS {
             let g = h / (Q_HEADS / KV_HEADS);
-            let qh: Vec<f64> = q[h * D..(h + 1) * D].iter().map(|&x| widen(bf16_bits(x))).collect();
+            let qh: Vec<f64> = q[h * width..(h + 1) * width].iter().map(|&x| widen(bf16_bits(x))).collect();
             let scores: Vec<f64> = (lo..=pos)
-                .map(|k| (0..D).map(|d| qh[d] * widen(self.host[at(k) + g * D + d])).sum::<f64>() / (D as f64).sqrt())
+                .map(|k| {
+                    (0..width).map(|col| qh[col] * widen(self.host[at(k) + g * width + col])).sum::<f64>()
+                        / (width as f64).sqrt()
+                })
                 .collect();
             let big = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - big).exp()).collect();
             let total: f64 = weights.iter().sum();
-            for d in 0..D {
-                let v: f64 =
-                    (lo..=pos).zip(&weights).map(|(k, w)| w * widen(self.host[at(k) + (KV_HEADS + g) * D + d])).sum();
-                out[h * D + d] = v / total;
+            for col in 0..width {
+                let v: f64 = (lo..=pos)
+                    .zip(&weights)
+                    .map(|(k, w)| w * widen(self.host[at(k) + (KV_HEADS + g) * width + col]))
+                    .sum();
+                out[h * width + col] = v / total;
             }
         }
         out
     }
 }
 
-/// `flash_attention_64` over one launch's rows — per sequence, its table and the positions of
+/// A `flash_attention_*` kernel over one launch's rows — per sequence, its table and the positions of
 /// its (consecutive) rows — as parts/attention.rs launches it (grid bound; split and merged or
 /// not): the output, `[row][head][d]`.
 fn attend(
@@ -108,19 +133,21 @@ fn attend(
         tables.extend_from_slice(&cache.tables[*seq]);
         positions.extend(range.clone().map(|p| p as i32));
     }
+    let heads = cache.heads;
+    let (width, per_row) = (heads.d, heads.per_row());
     let rows = positions.len();
     let tiles = seqs.len() + (rows - seqs.len()) / (FA_ROWS / (Q_HEADS / KV_HEADS));
     let parts = seqs.iter().map(|(_, r)| r.end).max().unwrap_or(1).div_ceil(FA_PART);
-    let out = gpu.zeros::<f32>(rows * Q_HEADS * D)?;
-    let scratch = gpu.zeros::<f32>(rows * Q_HEADS * parts * (D + 2))?;
-    let q = gpu.upload(&q[..rows * Q_HEADS * D])?;
+    let out = gpu.zeros::<f32>(rows * per_row)?;
+    let scratch = gpu.zeros::<f32>(rows * Q_HEADS * parts * (width + 2))?;
+    let q = gpu.upload(&q[..rows * per_row])?;
     let (tables, table_at, row_at) = (gpu.upload(&tables)?, gpu.upload(&table_at)?, gpu.upload(&row_at)?);
     let positions = gpu.upload(&positions)?;
     let args = [
         Arg::Ptr(out.ptr()),
         Arg::Ptr(scratch.ptr()),
         Arg::Ptr(q.ptr()),
-        Arg::I64((Q_HEADS * D) as i64),
+        Arg::I64(per_row as i64),
         Arg::Ptr(cache.data.ptr()),
         Arg::Ptr(tables.ptr()),
         Arg::Ptr(table_at.ptr()),
@@ -130,79 +157,92 @@ fn attend(
         Arg::I32(rows as i32),
         Arg::I32(Q_HEADS as i32),
         Arg::I32(KV_HEADS as i32),
-        Arg::I32(D as i32),
+        Arg::I32(width as i32),
         Arg::I32(0),
-        Arg::I32((KV_HEADS * D) as i32),
-        Arg::I32(ROW_WIDTH as i32),
+        Arg::I32((KV_HEADS * width) as i32),
+        Arg::I32(heads.row_width() as i32),
         Arg::I32(BLOCK as i32),
         Arg::I32(window as i32),
-        Arg::F32(1.0 / (D as f32).sqrt()),
+        Arg::F32(1.0 / (width as f32).sqrt()),
         Arg::I32((Q_HEADS / KV_HEADS) as i32),
         Arg::I32(split as i32),
     ];
     let grid = (tiles as u32, KV_HEADS as u32, if split { parts as u32 } else { 1 });
-    gpu.launch("flash_attention_64", grid, 128, flash_shared(D), &args)?;
+    let kernel = format!("flash_attention_{}", heads.kernel_width);
+    gpu.launch(&kernel, grid, 128, flash_shared(heads.kernel_width), &args)?;
     if split {
-        let merge = [Arg::Ptr(out.ptr()), Arg::Ptr(scratch.ptr()), Arg::I32(D as i32), Arg::I32(parts as i32)];
+        let merge = [Arg::Ptr(out.ptr()), Arg::Ptr(scratch.ptr()), Arg::I32(width as i32), Arg::I32(parts as i32)];
         gpu.launch("flash_attention_merge", ((rows * Q_HEADS) as u32, 1, 1), 64, 0, &merge)?;
     }
-    Ok(gpu.download(&out, rows * Q_HEADS * D)?)
+    Ok(gpu.download(&out, rows * per_row)?)
 }
 
-/// Row `i` of an attention output (every head).
-fn row(out: &[f32], i: usize) -> &[f32] {
-    &out[i * Q_HEADS * D..(i + 1) * Q_HEADS * D]
+/// Row `i` of an attention output (every head), `per_row` floats a row.
+fn row(out: &[f32], per_row: usize, i: usize) -> &[f32] {
+    &out[i * per_row..(i + 1) * per_row]
 }
 
-/// A prompt of 600 tokens (three parts of keys for its last rows) among three other sequences:
-/// see the module's header. Returns what failed.
+/// The cases: the common head width, the widest kernel (over 48 KiB of shared memory) with a
+/// head it zero-pads, and a narrow one.
+const ATTENTION_CASES: [Heads; 3] =
+    [Heads { d: 64, kernel_width: 64 }, Heads { d: 80, kernel_width: 128 }, Heads { d: 32, kernel_width: 32 }];
+
+/// Per case, a prompt of 600 tokens (three parts of keys for its last rows) among three other
+/// sequences: see the module's header. Returns what failed.
 pub fn attention_check(gpu: &Gpu) -> Result<Vec<String>> {
-    let cache = Cache::new(gpu, &[600, 40, 300, 5])?;
-    let mut draw = lcg(5);
-    let q: Vec<f32> = (0..600 * Q_HEADS * D).map(|_| draw()).collect();
     let mut failures = Vec::new();
+    let mut worst = 0.0f64;
+    for heads in ATTENTION_CASES {
+        worst = worst.max(attention_case(gpu, heads, &mut failures)?);
+    }
+    println!(
+        "attention    tensor cores (flash_attention_{{32,64,128}}, d 32, 64, 80): a row whole = in a chunk = alone split = among other sequences, window 0 and 100: {}; max {worst:.2e} from a float64 softmax",
+        if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
+    );
+    Ok(failures)
+}
+
+fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result<f64> {
+    let cache = Cache::new(gpu, &[600, 40, 300, 5], heads)?;
+    let per_row = heads.per_row();
+    let mut draw = lcg(5);
+    let q: Vec<f32> = (0..600 * per_row).map(|_| draw()).collect();
+    let name = format!("attention (d {} on flash_attention_{})", heads.d, heads.kernel_width);
     let check = |failures: &mut Vec<String>, what: String, a: &[f32], b: &[f32]| {
         if let Some(why) = differ(a, b) {
-            failures.push(format!("attention: {what}: {why}"));
+            failures.push(format!("{name}: {what}: {why}"));
         }
     };
     let mut worst = 0.0f64;
     for window in [0, 100] {
         let whole = attend(gpu, &cache, &[(0, 0..600)], window, false, &q)?;
         for split in [false, true] {
-            let chunk = attend(gpu, &cache, &[(0, 593..600)], window, split, &q[593 * Q_HEADS * D..])?;
+            let chunk = attend(gpu, &cache, &[(0, 593..600)], window, split, &q[593 * per_row..])?;
             for i in 0..7 {
-                check(
-                    &mut failures,
-                    format!("window {window}, split {split}: row {} in a chunk of 7", 593 + i),
-                    row(&chunk, i),
-                    row(&whole, 593 + i),
-                );
+                let what = format!("window {window}, split {split}: row {} in a chunk of 7", 593 + i);
+                check(failures, what, row(&chunk, per_row, i), row(&whole, per_row, 593 + i));
             }
         }
-        let last = &q[599 * Q_HEADS * D..600 * Q_HEADS * D];
+        let last = &q[599 * per_row..600 * per_row];
         let alone = attend(gpu, &cache, &[(0, 599..600)], window, true, last)?;
-        check(&mut failures, format!("window {window}: a decode alone"), &alone, row(&whole, 599));
-        let mut mixed_q: Vec<f32> = (0..44 * Q_HEADS * D).map(|_| draw()).collect();
-        mixed_q[40 * Q_HEADS * D..41 * Q_HEADS * D].copy_from_slice(last);
+        check(failures, format!("window {window}: a decode alone"), &alone, row(&whole, per_row, 599));
+        let mut mixed_q: Vec<f32> = (0..44 * per_row).map(|_| draw()).collect();
+        mixed_q[40 * per_row..41 * per_row].copy_from_slice(last);
         let mixed = attend(gpu, &cache, &[(1, 0..40), (0, 599..600), (2, 297..300)], window, false, &mixed_q)?;
-        check(&mut failures, format!("window {window}: among other sequences"), row(&mixed, 40), row(&whole, 599));
+        let what = format!("window {window}: among other sequences");
+        check(failures, what, row(&mixed, per_row, 40), row(&whole, per_row, 599));
         for pos in [0, 17, 255, 256, 599] {
-            let want = cache.reference(0, pos, window, &q[pos * Q_HEADS * D..(pos + 1) * Q_HEADS * D]);
-            let err = rel_l2(row(&whole, pos), &want);
+            let want = cache.reference(0, pos, window, &q[pos * per_row..(pos + 1) * per_row]);
+            let err = rel_l2(row(&whole, per_row, pos), &want);
             worst = worst.max(err);
             if err.is_nan() || err > 1e-2 {
                 failures.push(format!(
-                    "attention: window {window}, position {pos}: {err:.2e} relative from a float64 softmax"
+                    "{name}: window {window}, position {pos}: {err:.2e} relative from a float64 softmax"
                 ));
             }
         }
     }
-    println!(
-        "attention    tensor cores (flash_attention_64): a row whole = in a chunk = alone split = among other sequences, window 0 and 100: {}; max {worst:.2e} from a float64 softmax",
-        if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
-    );
-    Ok(failures)
+    Ok(worst)
 }
 
 /// One bf16 product of `m × n` over `k` through every kernel: see the module's header.
