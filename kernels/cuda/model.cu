@@ -53,13 +53,12 @@ extern "C" __global__ void rms_norm(float* out, const float* in, const float* we
 // h * head_stride; rotates its first 2 * half values. neox: pairs (i, i + half). interleaved
 // (DeepSeek): pairs (2i, 2i + 1), written back de-interleaved as transformers does. One block
 // per (row, head), one thread per frequency; cos and sin carry the attention scaling.
-extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int half, float scaling,
-                                int interleaved, long long row_stride, int offset, int head_stride) {
-    int r = blockIdx.x, h = blockIdx.y, i = threadIdx.x;
-    float* head = x + (size_t)r * row_stride + offset + (size_t)h * head_stride;
+__device__ __forceinline__ void rope_head(float* head, int position, const float* inv_freq, int half, float scaling,
+                                          int interleaved) {
+    int i = threadIdx.x;
     float a = 0.0f, b = 0.0f, c = 0.0f, s = 0.0f;
     if (i < half) {
-        float angle = (float)positions[r] * inv_freq[i];
+        float angle = (float)position * inv_freq[i];
         c = cosf(angle) * scaling;
         s = sinf(angle) * scaling;
         if (interleaved) { a = head[2 * i]; b = head[2 * i + 1]; }
@@ -70,6 +69,24 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
         head[i] = a * c - b * s;
         head[i + half] = b * c + a * s;
     }
+}
+
+extern "C" __global__ void rope(float* x, const int* positions, const float* inv_freq, int half, float scaling,
+                                int interleaved, long long row_stride, int offset, int head_stride) {
+    int r = blockIdx.x, h = blockIdx.y;
+    rope_head(x + (size_t)r * row_stride + offset + (size_t)h * head_stride, positions[r], inv_freq, half, scaling,
+              interleaved);
+}
+
+// The same over two tensors in one launch (a layer's queries and keys): blocks (r, h < heads)
+// take x's head h, the others y's head h − heads.
+extern "C" __global__ void rope_pair(float* x, long long x_stride, int x_offset, int heads, float* y,
+                                     long long y_stride, int y_offset, const int* positions, const float* inv_freq,
+                                     int half, float scaling, int interleaved, int head_stride) {
+    int r = blockIdx.x, h = blockIdx.y;
+    float* head = h < heads ? x + (size_t)r * x_stride + x_offset + (size_t)h * head_stride
+                            : y + (size_t)r * y_stride + y_offset + (size_t)(h - heads) * head_stride;
+    rope_head(head, positions[r], inv_freq, half, scaling, interleaved);
 }
 
 // y[z][m, n] = (accumulate ? y : 0) + (Σ_c chain_c + bias[n]): k in chunks of LINEAR_CHUNK,

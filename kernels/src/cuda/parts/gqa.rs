@@ -79,8 +79,7 @@ impl Step<'_> {
             self.norm(q, q, qn, t * a.q_heads, a.q_heads, q_stride, 0)?;
             self.norm(qkv.ptr(), qkv.ptr(), kn, t * a.kv_heads, a.kv_heads, width, qp)?;
         }
-        self.rope(q, &a.rope, a.q_heads, q_stride, 0, d)?;
-        self.rope(qkv.ptr(), &a.rope, a.kv_heads, width, qp, d)?;
+        self.rope_pair(&a.rope, (q, a.q_heads, q_stride, 0), (qkv.ptr(), a.kv_heads, width, qp), d)?;
         self.kv.write_rows(self.gpu, kv_layer, qkv.at(qp), width, self.at.write_rows, t)?;
         let attn = self.gpu.scratch::<f32>(t * qw)?;
         self.attention(attn.ptr(), q, q_stride, kv_layer, a.q_heads, a.kv_heads, d, d, 0, kw, a.window, a.scale, None)?;

@@ -189,6 +189,39 @@ impl Step<'_> {
         )
     }
 
+    /// [`Step::rope`] of `heads` heads of `x` and `y_heads` of `y` (a layer's queries and keys,
+    /// each head `head_stride` apart) in one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rope_pair(
+        &self,
+        r: &DevRope,
+        (x, heads, x_stride, x_offset): (u64, usize, usize, usize),
+        (y, y_heads, y_stride, y_offset): (u64, usize, usize, usize),
+        head_stride: usize,
+    ) -> Result<(), CudaError> {
+        self.gpu.launch(
+            "rope_pair",
+            (self.rows as u32, (heads + y_heads) as u32, 1),
+            r.half as u32,
+            0,
+            &[
+                Arg::Ptr(x),
+                Arg::I64(x_stride as i64),
+                Arg::I32(x_offset as i32),
+                Arg::I32(heads as i32),
+                Arg::Ptr(y),
+                Arg::I64(y_stride as i64),
+                Arg::I32(y_offset as i32),
+                Arg::Ptr(self.at.positions),
+                Arg::Ptr(r.inv_freq.ptr()),
+                Arg::I32(r.half as i32),
+                Arg::F32(r.scaling),
+                Arg::I32(r.interleaved as i32),
+                Arg::I32(head_stride as i32),
+            ],
+        )
+    }
+
     pub(super) fn swiglu(&self, act: u64, gu: u64, rows: usize, inter: usize) -> Result<(), CudaError> {
         self.gpu.launch(
             "swiglu",
