@@ -6,7 +6,8 @@
 # It runs `kvflow bench device` (parity with expected.json and the CPU executor, batch invariance,
 # pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
 # index_select gather of the same blocks against its own copy, and `--verify` on an aggregated
-# and a P/D graph with executor = "cuda" for each fixture the cuda executor runs. Raw output goes to
+# and a P/D graph with executor = "cuda" for each fixture the cuda executor runs (and in bf16 for
+# those whose attention takes the tensor cores). Raw output goes to
 # $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,6 +34,18 @@ for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi
       echo "== kvflow run $graph ($model, executor = cuda) --verify"
       "$bin" run "graphs/.$graph-$model.toml" --verify 2>&1 | tail -n 25 || status=1
       rm -f "graphs/.$graph-$model.toml"
+    done
+done
+# bf16 on the tensor cores (attention.cu, bf16.cu): the families whose attention takes them, each
+# graph with dtype = "bfloat16" in the cuda pools' executor settings
+for model in llama qwen3 qwen3_next; do
+    for graph in cuda-aggregated pd-1p1d; do
+      sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"\n\n[pool.executor_settings]/' \
+          -e "s#out/$graph#out/$graph-$model-bf16#" "graphs/$graph.toml" \
+        | sed -e '/^\[pool.executor_settings\]$/a dtype = "bfloat16"' > "graphs/.$graph-$model-bf16.toml"
+      echo "== kvflow run $graph ($model, executor = cuda, dtype = bfloat16) --verify"
+      "$bin" run "graphs/.$graph-$model-bf16.toml" --verify 2>&1 | tail -n 25 || status=1
+      rm -f "graphs/.$graph-$model-bf16.toml"
     done
 done
 # the offload tier with cuda ranks: saves read from device blocks (and slots), loads written into

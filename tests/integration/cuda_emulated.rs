@@ -588,6 +588,32 @@ fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
     }
 }
 
+/// The same in bfloat16 for the families whose attention takes the tensor cores (prompts of 320 to
+/// 896 tokens: several key parts, split over blocks or folded in the block by the step's shape),
+/// with captured decode graphs, aggregated and in P/D (bf16 blocks handed off over tcp): every
+/// request exact against the cuda plain path in bf16.
+#[test]
+fn bf16_cuda_graphs_on_tensor_cores_verify_against_the_cuda_plain_path() {
+    let (_dir, report) = run_pd_cuda_as("hf/llama", "tcp", "bfloat16");
+    assert_exact(&report, "hf/llama P/D in bf16");
+    for model in ["hf/llama", "hf/qwen3_next"] {
+        let dir = tempfile::tempdir().unwrap();
+        let pools =
+            format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}dtype = \"bfloat16\"\n");
+        let trace = short_trace(dir.path());
+        let graph = write_graph_with(
+            dir.path(),
+            model,
+            &trace,
+            "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
+            "32 MiB",
+            &pools,
+        );
+        let report = run_graph(&graph, Overrides::default(), Default::default());
+        assert_exact(&report, model);
+    }
+}
+
 /// Recurrent state on the device through the runtime (qwen3_next_gdn on two cuda ranks): the
 /// requests share their first 512 prompt tokens, so later ones start from a state snapshot the
 /// device kept at a block boundary (`StateOp::Snapshot`, then `Restore` into a new slot) — every
@@ -617,10 +643,15 @@ fn a_gdn_cuda_graph_restores_device_snapshots_on_prefix_hits_and_verifies() {
 
 /// 10 short requests through a 1P1D graph of emulated cuda pools over `backend`, verified.
 fn run_pd_cuda(model: &str, backend: &str) -> (tempfile::TempDir, serde_json::Value) {
+    run_pd_cuda_as(model, backend, "float32")
+}
+
+/// [`run_pd_cuda`] with both pools' products and KV cache in `dtype`.
+fn run_pd_cuda_as(model: &str, backend: &str, dtype: &str) -> (tempfile::TempDir, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let pools = format!(
-        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
-         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}dtype = \"{dtype}\"\n\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}dtype = \"{dtype}\"\n\n\
          [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
     );
     let trace = short_trace(dir.path());
