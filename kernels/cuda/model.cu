@@ -79,14 +79,26 @@ extern "C" __global__ void rope(float* x, const int* positions, const float* inv
 }
 
 // The same over two tensors in one launch (a layer's queries and keys): blocks (r, h < heads)
-// take x's head h, the others y's head h − heads.
+// take x's head h, the others y's head h − heads. With a cache, a y head's block then writes the
+// whole rotated head (d values) and its value head (d values, v_from after it in y) into row
+// write_rows[r] of the cache (rows of cache_width; value heads from v_to), as write_cache_rows
+// would: the rows' keys and values in the cache without a launch of their own.
 extern "C" __global__ void rope_pair(float* x, long long x_stride, int x_offset, int heads, float* y,
                                      long long y_stride, int y_offset, const int* positions, const float* inv_freq,
-                                     int half, float scaling, int interleaved, int head_stride) {
+                                     int half, float scaling, int interleaved, int head_stride, void* cache,
+                                     int kv_bf16, const u32* write_rows, int cache_width, int d, int v_from,
+                                     int v_to) {
     int r = blockIdx.x, h = blockIdx.y;
     float* head = h < heads ? x + (size_t)r * x_stride + x_offset + (size_t)h * head_stride
                             : y + (size_t)r * y_stride + y_offset + (size_t)(h - heads) * head_stride;
     rope_head(head, positions[r], inv_freq, half, scaling, interleaved);
+    if (!cache || h < heads) return;
+    __syncthreads();  // the rotated values, written by other threads
+    size_t row = (size_t)write_rows[r] * cache_width + (size_t)(h - heads) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        kv_store(cache, row + i, head[i], kv_bf16);
+        kv_store(cache, row + v_to + i, head[v_from + i], kv_bf16);
+    }
 }
 
 // y[z][m, n] = (accumulate ? y : 0) + (Σ_c chain_c + bias[n]): k in chunks of LINEAR_CHUNK,

@@ -79,8 +79,15 @@ impl Step<'_> {
             self.norm(q, q, qn, t * a.q_heads, a.q_heads, q_stride, 0)?;
             self.norm(qkv.ptr(), qkv.ptr(), kn, t * a.kv_heads, a.kv_heads, width, qp)?;
         }
-        self.rope_pair(&a.rope, (q, a.q_heads, q_stride, 0), (qkv.ptr(), a.kv_heads, width, qp), d)?;
-        self.kv.write_rows(self.gpu, kv_layer, qkv.at(qp), width, self.at.write_rows, t)?;
+        // queries and keys rotated, then the keys and values into the cache rows — in one launch
+        // where a cache row is [keys | values] of every kv head, as the projection lays them out
+        let (queries, keys) = ((q, a.q_heads, q_stride, 0), (qkv.ptr(), a.kv_heads, width, qp));
+        if self.kv.width(kv_layer) == 2 * kw {
+            self.rope_pair(&a.rope, queries, keys, d, Some((kv_layer, kw)))?;
+        } else {
+            self.rope_pair(&a.rope, queries, keys, d, None)?;
+            self.kv.write_rows(self.gpu, kv_layer, qkv.at(qp), width, self.at.write_rows, t)?;
+        }
         let attn = self.gpu.scratch::<f32>(t * qw)?;
         self.attention(attn.ptr(), q, q_stride, kv_layer, a.q_heads, a.kv_heads, d, d, 0, kw, a.window, a.scale, None)?;
         if let Some((_, gate)) = &split {

@@ -190,7 +190,10 @@ impl Step<'_> {
     }
 
     /// [`Step::rope`] of `heads` heads of `x` and `y_heads` of `y` (a layer's queries and keys,
-    /// each head `head_stride` apart) in one launch.
+    /// each head `head_stride` apart) in one launch; with `cache` (kv layer, value heads `v_from`
+    /// floats after the keys in `y` and in a cache row: rows of [keys | values]), the rows' rotated
+    /// keys and their values then go to the layer's cache rows (as [`crate::cuda::DeviceKv`]'s
+    /// `write_rows` would write them).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rope_pair(
         &self,
@@ -198,7 +201,10 @@ impl Step<'_> {
         (x, heads, x_stride, x_offset): (u64, usize, usize, usize),
         (y, y_heads, y_stride, y_offset): (u64, usize, usize, usize),
         head_stride: usize,
+        cache: Option<(usize, usize)>,
     ) -> Result<(), CudaError> {
+        let (layer, v_from) = cache.unwrap_or((0, 0));
+        let width = if cache.is_some() { self.kv.width(layer) } else { 0 };
         self.gpu.launch(
             "rope_pair",
             (self.rows as u32, (heads + y_heads) as u32, 1),
@@ -218,6 +224,13 @@ impl Step<'_> {
                 Arg::F32(r.scaling),
                 Arg::I32(r.interleaved as i32),
                 Arg::I32(head_stride as i32),
+                Arg::Ptr(if cache.is_some() { self.kv.layer(layer) } else { 0 }),
+                self.kv.bf16_arg(),
+                Arg::Ptr(self.at.write_rows),
+                Arg::I32(width as i32),
+                Arg::I32(head_stride as i32),
+                Arg::I32(v_from as i32),
+                Arg::I32(v_from as i32),
             ],
         )
     }
