@@ -23,8 +23,8 @@
 // cache holding finite values: a key a row does not see but its tile stages still meets the
 // row's zero probability in the P·V product, and 0 · ∞ would not be 0.)
 
-#define FA_THREADS 128  // four warps
-#define FA_ROWS 64      // mma rows of a block: (row, query head) pairs
+// A block has WARPS warps (4: flash_attention_<D>; 1: flash_attention_<D>x1, for steps of one or
+// a few rows a sequence: decode), 16 mma rows each: (row, query head) pairs.
 #define FA_KEYS 64      // keys staged at a time
 #define FA_PART 256     // a row's keys fold in parts of this many from key 0 (parts/attention.rs: FA_PART)
 
@@ -54,12 +54,12 @@ __device__ __forceinline__ float fa_quad_max(float v) {
 
 // Starts staging keys k0 .. k0 + 63 of the tile's sequence into K and V ([key][d pair] each), zero
 // for keys outside [lo, hi] (those no row of the tile sees, never read from the cache) and past d.
-template <int D>
+template <int D, int THREADS>
 __device__ __forceinline__ void fa_stage(u32* K, u32* V, const u16* cache, const u32* table, int block_size,
                                          int row_width, size_t k_base, size_t v_base, int d, int k0, int lo, int hi) {
     constexpr int KP = D / 2 + 4, CHUNKS = D / 8;
     // consecutive threads take consecutive 16-byte chunks of a key
-    for (int e = threadIdx.x; e < FA_KEYS * CHUNKS; e += FA_THREADS) {
+    for (int e = threadIdx.x; e < FA_KEYS * CHUNKS; e += THREADS) {
         int u = e / CHUNKS, c = e % CHUNKS, key = k0 + u;
         bool in = key >= lo && key <= hi && 8 * c < d;
         size_t row = in ? ((size_t)table[key / block_size] * block_size + key % block_size) * row_width : 0;
@@ -96,7 +96,7 @@ __device__ __forceinline__ void fa_fold_part(float* out, int q_heads, int d, int
 // g at k_offset + g·d and V at v_offset + g·d. A row at position p sees keys max(0, p + 1 −
 // window) ..= p (window 0: all). heads_per_block ≤ 64 query heads of the group per block (the
 // group in head parts beyond), 64 / heads_per_block rows a tile.
-template <int D>
+template <int D, int WARPS>
 __device__ void flash_attention_block(float* out, float* parts, const float* q, long long q_stride, const u16* cache,
                                       const u32* tables, const u32* table_at, const int* positions, const u32* row_at,
                                       int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset,
@@ -104,23 +104,24 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
                                       int heads_per_block, int split) {
     constexpr int KP = D / 2 + 4, NT = D / 8, KS = D / 16;
     DYNAMIC_SHARED(u32, staged);  // two stages of [K | V], FA_KEYS rows of KP u32 each
-    __shared__ int scan[FA_THREADS];
+    constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
+    __shared__ int scan[THREADS];
     __shared__ int tile[3];  // sequence, first row, rows
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
-    int per_tile = FA_ROWS / heads_per_block;
+    int per_tile = ROWS / heads_per_block;
 
     // This block's tile: the blockIdx.x-th of the sequences' tiles (each sequence's rows cut
     // every per_tile from its first), found by a prefix sum over the sequences' tile counts.
     if (tid == 0) tile[0] = -1;
     __syncthreads();
     int before = 0, x = blockIdx.x;
-    for (int s0 = 0; s0 < seqs; s0 += FA_THREADS) {
+    for (int s0 = 0; s0 < seqs; s0 += THREADS) {
         int s = s0 + tid;
         int n = s < seqs ? seq_end(row_at, s, seqs, rows) - (int)row_at[s] : 0;
         int count = (n + per_tile - 1) / per_tile;
         scan[tid] = count;
         __syncthreads();
-        for (int off = 1; off < FA_THREADS; off *= 2) {
+        for (int off = 1; off < THREADS; off *= 2) {
             int add = tid >= off ? scan[tid - off] : 0;
             __syncthreads();
             scan[tid] += add;
@@ -132,7 +133,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
             tile[1] = (int)row_at[s] + (x - lo) * per_tile;
             tile[2] = min(per_tile, n - (x - lo) * per_tile);
         }
-        before += scan[FA_THREADS - 1];
+        before += scan[THREADS - 1];
         __syncthreads();
         if (tile[0] >= 0 || before > x) break;
     }
@@ -185,7 +186,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
     }
     auto stage_k = [&](int buf) { return staged + (size_t)buf * 2 * FA_KEYS * KP; };
     if (t_lo <= t_hi)
-        fa_stage<D>(stage_k(0), stage_k(0) + FA_KEYS * KP, cache, table, block_size, row_width, k_base, v_base, d,
+        fa_stage<D, THREADS>(stage_k(0), stage_k(0) + FA_KEYS * KP, cache, table, block_size, row_width, k_base, v_base, d,
                     t_lo * FA_KEYS, lo_first, p_last);
     cp_async_commit();
     float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
@@ -209,7 +210,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         cp_async_wait<0>();  // this tile has landed (this thread's part of it) ...
         __syncthreads();     // ... every thread's, and every warp is done with the other stage
         if (t < t_hi)        // so the next tile goes there, in flight while this one is multiplied
-            fa_stage<D>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, table, block_size, row_width,
+            fa_stage<D, THREADS>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, table, block_size, row_width,
                         k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
         cp_async_commit();
         const u32* Ks = stage_k(buf);
@@ -315,18 +316,30 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
     }
 }
 
-// One kernel per largest head width (d is zero-padded up to it).
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_16(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<16>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+// One kernel per largest head width (d is zero-padded up to it) and block size.
+extern "C" __global__ void __launch_bounds__(128) flash_attention_16(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<16, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_32(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<32>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+extern "C" __global__ void __launch_bounds__(32) flash_attention_16x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<16, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_64(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<64>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+extern "C" __global__ void __launch_bounds__(128) flash_attention_32(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<32, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_128(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<128>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+extern "C" __global__ void __launch_bounds__(32) flash_attention_32x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<32, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(128) flash_attention_64(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<64, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(32) flash_attention_64x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<64, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(128) flash_attention_128(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<128, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+}
+extern "C" __global__ void __launch_bounds__(32) flash_attention_128x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+    flash_attention_block<128, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 
 // out[row, h, :] from the row's parts in `parts` [row, h, part, (m, l, output)], folded in order

@@ -18,8 +18,8 @@ use kvflow_kernels::cuda::{bf16_bits, Arg, DeviceBuf, Gpu};
 const KV_HEADS: usize = 2;
 const Q_HEADS: usize = 8;
 const BLOCK: usize = 16;
-/// attention.cu's FA_ROWS and FA_PART.
-const FA_ROWS: usize = 64;
+/// attention.cu's mma rows a warp, and FA_PART.
+const WARP_ROWS: usize = 16;
 const FA_PART: usize = 256;
 
 /// The head width `d` and the kernel instance (the widest head it holds) a case runs.
@@ -115,15 +115,18 @@ impl Cache {
     }
 }
 
-/// A `flash_attention_*` kernel over one launch's rows — per sequence, its table and the positions of
-/// its (consecutive) rows — as parts/attention.rs launches it (grid bound; split and merged or
-/// not): the output, `[row][head][d]`.
+/// A `flash_attention_*` kernel (blocks of `warps` warps: 4, or 1 for `…x1`) over one launch's
+/// rows — per sequence, its table and the positions of its (consecutive) rows — as
+/// parts/attention.rs launches it (grid bound; split and merged or not): the output,
+/// `[row][head][d]`.
+#[allow(clippy::too_many_arguments)]
 fn attend(
     gpu: &Gpu,
     cache: &Cache,
     seqs: &[(usize, std::ops::Range<usize>)],
     window: usize,
     split: bool,
+    warps: usize,
     q: &[f32],
 ) -> Result<Vec<f32>> {
     let (mut positions, mut row_at, mut tables, mut table_at) = (vec![], vec![], vec![], vec![]);
@@ -136,7 +139,7 @@ fn attend(
     let heads = cache.heads;
     let (width, per_row) = (heads.d, heads.per_row());
     let rows = positions.len();
-    let tiles = seqs.len() + (rows - seqs.len()) / (FA_ROWS / (Q_HEADS / KV_HEADS));
+    let tiles = seqs.len() + (rows - seqs.len()) / (WARP_ROWS * warps / (Q_HEADS / KV_HEADS));
     let parts = seqs.iter().map(|(_, r)| r.end).max().unwrap_or(1).div_ceil(FA_PART);
     let out = gpu.zeros::<f32>(rows * per_row)?;
     let scratch = gpu.zeros::<f32>(rows * Q_HEADS * parts * (width + 2))?;
@@ -169,7 +172,8 @@ fn attend(
     ];
     let grid = (tiles as u32, KV_HEADS as u32, if split { parts as u32 } else { 1 });
     let kernel = format!("flash_attention_{}", heads.kernel_width);
-    gpu.launch(&kernel, grid, 128, flash_shared(heads.kernel_width), &args)?;
+    let kernel = if warps == 1 { format!("{kernel}x1") } else { kernel };
+    gpu.launch(&kernel, grid, 32 * warps as u32, flash_shared(heads.kernel_width), &args)?;
     if split {
         let merge = [Arg::Ptr(out.ptr()), Arg::Ptr(scratch.ptr()), Arg::I32(width as i32), Arg::I32(parts as i32)];
         gpu.launch("flash_attention_merge", ((rows * Q_HEADS) as u32, 1, 1), 64, 0, &merge)?;
@@ -196,7 +200,7 @@ pub fn attention_check(gpu: &Gpu) -> Result<Vec<String>> {
         worst = worst.max(attention_case(gpu, heads, &mut failures)?);
     }
     println!(
-        "attention    tensor cores (flash_attention_{{32,64,128}}, d 32, 64, 80): a row whole = in a chunk = alone split = among other sequences, window 0 and 100: {}; max {worst:.2e} from a float64 softmax",
+        "attention    tensor cores (flash_attention_{{32,64,128}} and their one-warp x1, d 32, 64, 80): a row whole = in a chunk = alone split = among other sequences, window 0 and 100: {}; max {worst:.2e} from a float64 softmax",
         if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
     );
     Ok(failures)
@@ -215,20 +219,20 @@ fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result
     };
     let mut worst = 0.0f64;
     for window in [0, 100] {
-        let whole = attend(gpu, &cache, &[(0, 0..600)], window, false, &q)?;
-        for split in [false, true] {
-            let chunk = attend(gpu, &cache, &[(0, 593..600)], window, split, &q[593 * per_row..])?;
+        let whole = attend(gpu, &cache, &[(0, 0..600)], window, false, 4, &q)?;
+        for (split, warps) in [(false, 4), (true, 4), (false, 1), (true, 1)] {
+            let chunk = attend(gpu, &cache, &[(0, 593..600)], window, split, warps, &q[593 * per_row..])?;
             for i in 0..7 {
-                let what = format!("window {window}, split {split}: row {} in a chunk of 7", 593 + i);
+                let what = format!("window {window}, split {split}, {warps} warps: row {} in a chunk of 7", 593 + i);
                 check(failures, what, row(&chunk, per_row, i), row(&whole, per_row, 593 + i));
             }
         }
         let last = &q[599 * per_row..600 * per_row];
-        let alone = attend(gpu, &cache, &[(0, 599..600)], window, true, last)?;
+        let alone = attend(gpu, &cache, &[(0, 599..600)], window, true, 1, last)?;
         check(failures, format!("window {window}: a decode alone"), &alone, row(&whole, per_row, 599));
         let mut mixed_q: Vec<f32> = (0..44 * per_row).map(|_| draw()).collect();
         mixed_q[40 * per_row..41 * per_row].copy_from_slice(last);
-        let mixed = attend(gpu, &cache, &[(1, 0..40), (0, 599..600), (2, 297..300)], window, false, &mixed_q)?;
+        let mixed = attend(gpu, &cache, &[(1, 0..40), (0, 599..600), (2, 297..300)], window, false, 4, &mixed_q)?;
         let what = format!("window {window}: among other sequences");
         check(failures, what, row(&mixed, per_row, 40), row(&whole, per_row, 599));
         for pos in [0, 17, 255, 256, 599] {

@@ -26,6 +26,10 @@ pub const LARGE_SHARED: &[(&str, u32)] = &[
     ("flash_attention_32", flash_shared(32)),
     ("flash_attention_64", flash_shared(64)),
     ("flash_attention_128", flash_shared(128)),
+    ("flash_attention_16x1", flash_shared(16)),
+    ("flash_attention_32x1", flash_shared(32)),
+    ("flash_attention_64x1", flash_shared(64)),
+    ("flash_attention_128x1", flash_shared(128)),
 ];
 
 /// `kernels/cuda/attention.cu`'s dynamic shared memory for heads up to `width` wide: two stages

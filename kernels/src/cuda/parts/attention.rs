@@ -1,6 +1,7 @@
 //! Paged attention within a step: each query row over the cache rows its sequence sees. On a bf16
 //! cache with keys and values of one width d ≤ 128 (d % 16 == 0), on tensor cores in the
-//! FlashAttention manner (`kernels/cuda/attention.cu`: `flash_attention_{16,32,64,128}`, then
+//! FlashAttention manner (`kernels/cuda/attention.cu`: `flash_attention_{16,32,64,128}` and their
+//! one-warp `…x1` for decode, then
 //! `flash_attention_merge` where a step's few rows are split by key part); otherwise, and where
 //! DeepSeek-V3.2's indexer selects the keys ([`Selection`]), `kernels/cuda/model.cu`'s
 //! `paged_attention` and `attention_merge`. Which kernel a layer takes follows from its sizes and
@@ -25,18 +26,18 @@ const ATTENTION_PARTS_FLOATS: usize = 64 << 20;
 const MAX_QK_WIDTH: usize = 24 * 32;
 const MAX_V_WIDTH: usize = 16 * 32;
 
-/// `kernels/cuda/attention.cu`: a block's mma rows ((row, query head) pairs), its threads, and
-/// the keys of a part (a row's keys fold part by part from key 0).
-const FA_ROWS: usize = 64;
-const FA_THREADS: u32 = 128;
+/// `kernels/cuda/attention.cu`: the mma rows ((row, query head) pairs) of a warp, and the keys of
+/// a part (a row's keys fold part by part from key 0).
+const FA_WARP_ROWS: usize = 16;
 const FA_PART: usize = 256;
 /// The tensor-core kernels by the head width they hold (a narrower d is zero-padded up).
 const FA_WIDTHS: [(usize, &str); 4] =
     [(16, "flash_attention_16"), (32, "flash_attention_32"), (64, "flash_attention_64"), (128, "flash_attention_128")];
 
-/// The dynamic shared memory of a tensor-core attention kernel.
+/// The dynamic shared memory of a tensor-core attention kernel (of four warps or one, `…x1`).
 fn fa_shared(kernel: &str) -> u32 {
-    FA_WIDTHS.iter().find(|(_, name)| *name == kernel).map_or(0, |(width, _)| flash_shared(*width))
+    let base = kernel.strip_suffix("x1").unwrap_or(kernel);
+    FA_WIDTHS.iter().find(|(_, name)| *name == base).map_or(0, |(width, _)| flash_shared(*width))
 }
 
 /// The tensor-core kernel for a layer, where it takes it: a bf16 cache, keys and values of one
@@ -181,9 +182,15 @@ impl Step<'_> {
             return Ok(());
         }
         let group = q_heads / kv_heads;
-        let heads_per_block = group.min(FA_ROWS);
+        // a step of one or two rows a sequence (decode) in blocks of one warp, whose tiles then
+        // hold a sequence's rows alone: four times the blocks in flight; longer ones in blocks of
+        // four warps sharing each key tile among 64 mma rows. Both give a row the same bits.
+        let warps = if group <= FA_WARP_ROWS && self.rows <= 2 * self.seqs { 1 } else { 4 };
+        let kernel = if warps == 1 { format!("{kernel}x1") } else { kernel.to_string() };
+        let rows_per_block = FA_WARP_ROWS * warps;
+        let heads_per_block = group.min(rows_per_block);
         let head_parts = group.div_ceil(heads_per_block);
-        let per_tile = FA_ROWS / heads_per_block;
+        let per_tile = rows_per_block / heads_per_block;
         // at most this many tiles: each sequence's rows cut every `per_tile` from its first
         let tiles = self.seqs + self.rows.saturating_sub(self.seqs) / per_tile;
         let parts = self.index_row.div_ceil(FA_PART).max(1);
@@ -193,10 +200,10 @@ impl Step<'_> {
         let split = parts > 1 && parts <= 65_535 && blocks < 4 * self.gpu.sms && scratch <= ATTENTION_PARTS_FLOATS;
         let partial = self.gpu.scratch::<f32>(if split { scratch } else { 1 })?;
         self.gpu.launch(
-            kernel,
+            &kernel,
             (tiles as u32, (kv_heads * head_parts) as u32, if split { parts as u32 } else { 1 }),
-            FA_THREADS,
-            fa_shared(kernel),
+            32 * warps as u32,
+            fa_shared(&kernel),
             &[
                 Arg::Ptr(out),
                 Arg::Ptr(partial.ptr()),
