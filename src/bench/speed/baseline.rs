@@ -25,10 +25,8 @@ impl Shape {
         let (b, p) = t
             .split_once(['x', 'X', '×'])
             .ok_or_else(|| format!("expected BATCHxPROMPT (say 64x256: batch × prompt tokens), got {text:?}"))?;
-        let field = |what: &str, v: &str| {
-            crate::flags::count(v).map_err(|e| format!("{text:?}: the {what} before/after the x: {e}"))
-        };
-        Ok(Shape { batch: field("batch", b)?, prompt: field("prompt tokens", p)? })
+        let field = |what: &str, v: &str| crate::flags::count(v).map_err(|e| format!("{text:?}: the {what}: {e}"));
+        Ok(Shape { batch: field("batch (before the x)", b)?, prompt: field("prompt tokens (after the x)", p)? })
     }
 
     /// The key of the shape in transformers_speed.py's JSON (`64x256`).
