@@ -349,6 +349,9 @@ def compiled(model, shape, steps):
             position.add_(1)
             return token
 
+        from torch._dynamo.utils import counters
+
+        skips_before = counters["inductor"]["cudagraph_skips"]
         t = synced()
         for _ in range(COMPILED_WARMUP_STEPS):  # compiles, records the CUDA graph, replays
             token = step(token)
@@ -360,7 +363,10 @@ def compiled(model, shape, steps):
                 token = step(token)
             rounds.append((synced() - t) * 1e3 / steps)
         start = prompt + 1 + COMPILED_WARMUP_STEPS
-        note = (f"{COMPILED_WARMUP_STEPS} warm-up steps took {warmup_s:.1f} s (compiling); decode at context "
+        # a step inductor would not put in a CUDA graph is not the anchor meant: said beside it
+        skips = counters["inductor"]["cudagraph_skips"] - skips_before
+        graphs = "CUDA graphs" if skips == 0 else f"CUDA graphs SKIPPED {skips} times (see the raw output)"
+        note = (f"{graphs}; {COMPILED_WARMUP_STEPS} warm-up steps took {warmup_s:.1f} s (compiling); decode at context "
                 f"{start}..{start + ROUNDS * steps}, median of {ROUNDS} rounds of {steps} steps: "
                 f"{', '.join(f'{r:.2f}' for r in rounds)} ms")
         return anchor(name, decode=statistics.median(rounds), note=note)

@@ -130,13 +130,13 @@ fn measure(
     };
     if let Some(bl) = baseline.filter(|_| against.anchors.is_empty()) {
         println!(
-            "anchors      {}: no {name} figures at {} (it has {})",
+            "anchors      {}: no {name} figures at {} (it has {name} at {})",
             args.baseline.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
             shape.key(),
-            bl.shape_keys().join(", ")
+            bl.shape_keys(dtype).join(", ")
         );
     }
-    let prefill_profile = measure_prefill(&mut b, model, &against)?;
+    let (prefill_profile, prefill_tps, matrix_fraction) = measure_prefill(&mut b, model, &against)?;
     let step_ms = measure_decode(args, &mut b, &against)?;
     measure_host_launches(args, &mut b, name, step_ms)?;
     let bound_ms = print_bound(args, model, &against, weight_bytes, copy_gbps, step_ms);
@@ -150,7 +150,30 @@ fn measure(
     if let Some(times) = prefill_profile {
         print_profile(&format!("1 prefill step of {shape} tokens (the warm-up)"), 1, &times);
     }
+    print_summary(&against, prefill_tps, matrix_fraction, step_ms, bound_ms);
     Ok(())
+}
+
+/// The shape's figures on one line (`grep ^summary` gives the table of a run): prefill, its
+/// fraction of the matrix rate, decode, the bound and the fraction reached, each decode anchor.
+fn print_summary(on: &Against, prefill_tps: f64, matrix_fraction: Option<f64>, step_ms: f64, bound_ms: f64) {
+    let anchors: Vec<String> = on
+        .anchors
+        .iter()
+        .filter_map(|a| {
+            let ms = a.decode_ms_per_step.filter(|ms| *ms > 0.0)?;
+            let short = a.name.split([',', '(']).next().unwrap_or(&a.name).trim();
+            Some(format!("{short} {ms:.2} ms (ratio={:.2})", ms / step_ms))
+        })
+        .collect();
+    println!(
+        "summary      {} {}: prefill {prefill_tps:.0} tokens/s ({} of the matmul rate); decode {step_ms:.2} ms/step, bound {bound_ms:.2} ms, {:.3} of it; {}",
+        on.dtype.name(),
+        on.shape,
+        matrix_fraction.map_or("?".into(), |f| format!("{f:.3}")),
+        bound_ms / step_ms,
+        if anchors.is_empty() { "no decode anchor".into() } else { format!("vs {}", anchors.join(", ")) }
+    );
 }
 
 /// The device-to-device copy rate: measured (and printed, with the baseline's matmul rates) the
@@ -185,8 +208,13 @@ fn prefill_flops(model: &models::Model, shape: Shape) -> (f64, f64) {
 }
 
 /// Prefill: every prompt in one step; a warm-up (profiled kernel by kernel on a GPU), then the
-/// median of `ROUNDS` (one round for a long prefill). Returns the warm-up's profile.
-fn measure_prefill(b: &mut CudaBatch, model: &models::Model, on: &Against) -> Result<Option<KernelTimes>> {
+/// median of `ROUNDS` (one round for a long prefill). Returns the warm-up's profile, tokens/s
+/// and the fraction of the matrix rate reached (when the rate was measured).
+fn measure_prefill(
+    b: &mut CudaBatch,
+    model: &models::Model,
+    on: &Against,
+) -> Result<(Option<KernelTimes>, f64, Option<f64>)> {
     let gpu = b.ex.gpu().clone();
     if !gpu.is_emulated() {
         gpu.start_profile();
@@ -210,7 +238,7 @@ fn measure_prefill(b: &mut CudaBatch, model: &models::Model, on: &Against) -> Re
         None => format!("{name} matmul rate not measured"),
     };
     println!(
-        "prefill      kvflow {name}: {shape} tokens in {:.1} ms = {prefill_tps:.0} tokens/s ({how}); {:.1} TFLOP (products {:.1}, attention {:.1}) at {tflops:.1} TFLOP/s = {rate}",
+        "prefill      kvflow {name}: {shape} tokens in {:.1} ms = {prefill_tps:.0} tokens/s ({how}); {:.2} TFLOP (products {:.2}, attention {:.2}) at {tflops:.1} TFLOP/s = {rate}",
         prefill_s * 1e3,
         (products + attention) / 1e12,
         products / 1e12,
@@ -226,7 +254,7 @@ fn measure_prefill(b: &mut CudaBatch, model: &models::Model, on: &Against) -> Re
     if !any {
         println!("prefill      vs transformers: not measured at {}", shape.key());
     }
-    Ok(profile)
+    Ok((profile, prefill_tps, on.matmul_tflops.map(|r| tflops / r)))
 }
 
 /// `; NOTE` when the anchor has a note.

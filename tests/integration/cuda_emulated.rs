@@ -807,6 +807,7 @@ fn speed_sections<'a>(stdout: &'a str, dtype: &str, shapes: &[&str]) -> Vec<&'a 
                 " 0 host waits".to_string(),
                 format!("graphs       kvflow {dtype}: "),
                 format!("bound        {dtype} decode step at {shape}: "),
+                format!("summary      {dtype} {shape}: prefill "),
             ] {
                 assert!(section.contains(&needle), "{dtype} {shape}: no {needle:?} in {section}");
             }
@@ -889,11 +890,15 @@ fn the_speed_bench_runs_the_kimi_spec_through_the_cuda_executor() {
             assert!(first.contains(&needle), "{dtype} 2 × 4: no {needle:?} in {first}");
         }
         // the second shape is not in the baseline: said, not guessed
-        assert!(sections[1].contains(&format!("no {dtype} figures at 1x6 (it has 2x4)")), "{}", sections[1]);
+        assert!(sections[1].contains(&format!("no {dtype} figures at 1x6 (it has {dtype} at 2x4)")), "{}", sections[1]);
         assert!(sections[1].contains("decode       vs transformers: not measured at 1x6"), "{}", sections[1]);
     }
     let bf16 = speed_sections(&stdout, "bfloat16", &["2 × 4"])[0];
     assert!(bf16.contains("decode       vs products alone: 0.50 ms/step"), "{bf16}");
+    assert!(
+        bf16.contains("0.000 of the matmul rate); decode ") && bf16.contains("vs transformers eager 60.00 ms (ratio="),
+        "{bf16}"
+    );
     assert!(
         bf16.contains("anchors      transformers compiled: measured nothing: torch.compile failed: seeded"),
         "{bf16}"

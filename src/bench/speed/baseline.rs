@@ -138,9 +138,10 @@ impl Baseline {
         }
     }
 
-    /// The shapes the baseline holds (for the line saying a shape is missing).
-    pub fn shape_keys(&self) -> Vec<&str> {
-        self.shapes.keys().map(String::as_str).collect()
+    /// The shapes the baseline holds figures for in `dtype` (for the line saying one is missing).
+    pub fn shape_keys(&self, dtype: Dtype) -> Vec<&str> {
+        let holds = |s: &ShapeAnchors| !if dtype == Dtype::Bfloat16 { &s.bfloat16 } else { &s.float32 }.is_empty();
+        self.shapes.iter().filter(|(_, s)| holds(s)).map(|(k, _)| k.as_str()).collect()
     }
 }
 
@@ -189,6 +190,7 @@ mod tests {
         assert!(b.anchors(Shape { batch: 1, prompt: 256 }, Dtype::Bfloat16).is_empty());
         assert_eq!(b.matmul_tflops(Dtype::Float32), None);
         assert_eq!(b.matmul_tflops(Dtype::Bfloat16), Some(700.0));
-        assert_eq!(b.shape_keys(), ["64x256"]);
+        assert_eq!(b.shape_keys(Dtype::Float32), ["64x256"]);
+        assert!(b.anchors(s, Dtype::Bfloat16).len() == 2 && b.shape_keys(Dtype::Bfloat16) == ["64x256"]);
     }
 }
