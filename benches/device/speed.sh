@@ -16,6 +16,9 @@
 # Skip parts with SPEED_SKIP_LONG=1 (16x4096 and 1x32768), SPEED_SKIP_32K=1, SPEED_SKIP_COMPILED=1
 # (transformers' compiled decode), SPEED_SKIP_KIMI=1, SPEED_SKIP_FLA=1, SPEED_SKIP_COMPARE=1;
 # SPEED_NCU=1 adds benches/device/profile.sh (Nsight Compute) on the dense model when time is left.
+# A rehearsal without a GPU (the script's own logic): SPEED_REHEARSAL=1 runs torch on the cpu and
+# kvflow's kernels emulated, with tiny checkpoints already written at SPEED_DENSE_CHECKPOINT and
+# SPEED_CHECKPOINT and tiny shapes in SPEED_SHAPE, SPEED_BATCH1, SPEED_LONG, SPEED_32K.
 # Raw output goes to $OUT/speed-run.txt (or ./speed-run.txt), the anchors' JSON beside it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,11 +30,14 @@ dense=${SPEED_DENSE_CHECKPOINT:-/tmp/llama-1b}
 kimi=${SPEED_CHECKPOINT:-/tmp/kimi-2b}
 total=${SPEED_BUDGET_S:-550}
 steps=${SPEED_STEPS:-16}
+shape=${SPEED_SHAPE:-64x256} batch1=${SPEED_BATCH1:-1x256} long=${SPEED_LONG:-16x4096} s32k=${SPEED_32K:-1x32768}
+rehearsal=() torch_device=cuda
+[ "${SPEED_REHEARSAL:-0}" = 1 ] && rehearsal=(--emulate) torch_device=cpu
 skip() { [ "${!1:-0}" = 1 ]; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"
 status=0
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
@@ -68,17 +74,17 @@ if begin "kvflow seed-checkpoint llama-1b and kimi-2b" 150; then
 fi
 [ -f "$dense/model.safetensors" ] || { echo "no $dense/model.safetensors: nothing to measure"; exit 1; }
 
-dense_shapes="64x256,1x256"
-skip SPEED_SKIP_LONG || dense_shapes="$dense_shapes,16x4096"
-skip SPEED_SKIP_LONG || skip SPEED_SKIP_32K || dense_shapes="$dense_shapes,1x32768"
+dense_shapes="$shape,$batch1"
+skip SPEED_SKIP_LONG || dense_shapes="$dense_shapes,$long"
+skip SPEED_SKIP_LONG || skip SPEED_SKIP_32K || dense_shapes="$dense_shapes,$s32k"
 compiled=()
 skip SPEED_SKIP_COMPILED && compiled=(--no-compiled)
 dense_json=/tmp/speed-llama-1b.json kimi_json=/tmp/speed-kimi-2b.json
 rm -f "$dense_json" "$kimi_json"
 
-if begin "transformers on llama-1b at $dense_shapes (benches/device/transformers_speed.py)" 170 SPEED_SKIP_TRANSFORMERS; then
+if begin "transformers on llama-1b at $dense_shapes (benches/device/transformers_speed.py)" 190 SPEED_SKIP_TRANSFORMERS; then
     timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$dense" "$dense_json" --shapes "$dense_shapes" \
-        --float32-shapes 64x256 --steps "$steps" --deadline-s $(( cap - 10 )) "${compiled[@]}"
+        --float32-shapes "$shape" --steps "$steps" --deadline-s $(( cap - 10 )) --device "$torch_device" "${compiled[@]}"
     ended transformers $?
 fi
 dense_baseline=()
@@ -88,31 +94,31 @@ dense_baseline=()
 speed() {
     local dtype=$1 shapes=$2 ckpt=$3
     shift 3
-    timeout -k 5 "$cap" "$bin" bench speed --model "$ckpt" --dtype "$dtype" --shapes "$shapes" --steps "$steps" "$@"
+    timeout -k 5 "$cap" "$bin" bench speed --model "$ckpt" --dtype "$dtype" --shapes "$shapes" --steps "$steps" "${rehearsal[@]}" "$@"
     ended "kvflow bench speed" $?
 }
-if begin "kvflow bench speed llama-1b 64x256 (float32, bfloat16)" 70; then
-    speed both 64x256 "$dense" "${dense_baseline[@]}"
+if begin "kvflow bench speed llama-1b $shape (float32, bfloat16)" 70; then
+    speed both "$shape" "$dense" "${dense_baseline[@]}"
 fi
-long="1x256"
-skip SPEED_SKIP_LONG || long="1x256,16x4096"
-if begin "kvflow bench speed llama-1b $long (bfloat16)" 80; then
-    speed bfloat16 "$long" "$dense" "${dense_baseline[@]}"
+more="$batch1"
+skip SPEED_SKIP_LONG || more="$batch1,$long"
+if begin "kvflow bench speed llama-1b $more (bfloat16)" 80; then
+    speed bfloat16 "$more" "$dense" "${dense_baseline[@]}"
 fi
 
 if ! skip SPEED_SKIP_KIMI; then
-    if begin "transformers on kimi-2b at 64x256 (benches/device/transformers_speed.py)" 80 SPEED_SKIP_TRANSFORMERS; then
-        timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$kimi" "$kimi_json" --shapes 64x256 \
-            --float32-shapes 64x256 --steps "$steps" --deadline-s $(( cap - 10 )) "${compiled[@]}"
+    if begin "transformers on kimi-2b at $shape (benches/device/transformers_speed.py)" 80 SPEED_SKIP_TRANSFORMERS; then
+        timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$kimi" "$kimi_json" --shapes "$shape" \
+            --float32-shapes "$shape" --steps "$steps" --deadline-s $(( cap - 10 )) --device "$torch_device" "${compiled[@]}"
         ended transformers $?
     fi
-    if [ -f "$kimi_json" ] && begin "transformers on kimi-2b with the flash-linear-attention 0.6.0 kernels" 60 SPEED_SKIP_FLA; then
+    if [ -f "$kimi_json" ] && begin "transformers on kimi-2b with the flash-linear-attention 0.6.0 kernels" 90 SPEED_SKIP_FLA; then
         site=/tmp/fla-site
         rm -rf "$site"
         if python3 -m pip install --quiet --no-index --no-deps --find-links .device-bin/wheels --target "$site" \
             fla-core==0.6.0 flash-linear-attention==0.6.0 einops==0.8.2; then
             PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout -k 5 "$cap" python3 benches/device/transformers_speed.py \
-                "$kimi" "$kimi_json" --fla --shapes 64x256 --steps "$steps" --deadline-s $(( cap - 10 ))
+                "$kimi" "$kimi_json" --fla --shapes "$shape" --steps "$steps" --deadline-s $(( cap - 10 )) --device "$torch_device"
             ended "transformers with fla" $?
         else
             echo "== the wheels in .device-bin/wheels did not install (run benches/device/prepare.sh here)"; status=1
@@ -120,13 +126,13 @@ if ! skip SPEED_SKIP_KIMI; then
     fi
     kimi_baseline=()
     [ -f "$kimi_json" ] && kimi_baseline=(--baseline "$kimi_json") && cp "$kimi_json" "$outdir/"
-    if begin "kvflow bench speed kimi-2b 64x256 (float32, bfloat16)" 60; then
-        speed both 64x256 "$kimi" "${kimi_baseline[@]}"
+    if begin "kvflow bench speed kimi-2b $shape (float32, bfloat16)" 60; then
+        speed both "$shape" "$kimi" "${kimi_baseline[@]}"
     fi
 fi
 
-if ! skip SPEED_SKIP_LONG && begin "kvflow bench speed llama-1b 1x32768 (bfloat16)" 70 SPEED_SKIP_32K; then
-    speed bfloat16 1x32768 "$dense" "${dense_baseline[@]}"
+if ! skip SPEED_SKIP_LONG && begin "kvflow bench speed llama-1b $s32k (bfloat16)" 70 SPEED_SKIP_32K; then
+    speed bfloat16 "$s32k" "$dense" "${dense_baseline[@]}"
 fi
 
 # P/D against aggregated on the one GPU (both graphs with executor = "cuda", the same trace, seed

@@ -51,7 +51,7 @@ COMPILED_WARMUP_STEPS = 8
 # a prefill whose warm-up took longer is timed in one round
 LONG_PREFILL_S = 2.0
 # about how long each part takes at most on the H200 (a part is skipped when less is left)
-NEEDS_S = {"load": 15, "eager": 20, "products": 5, "compiled": 45, "sdpa": 15, "fla": 45}
+NEEDS_S = {"load": 15, "eager": 20, "products": 5, "compiled": 45, "sdpa": 15, "fla": 30}
 
 torch = None  # imported in main, unless --dry-run
 # where it runs: "cuda" on the device machine; "cpu" checks the script's transformers and torch
