@@ -50,6 +50,7 @@ begin() {
     if [ -n "${3:-}" ] && skip "$3"; then echo "== $name: skipped ($3=1) [$(elapsed) s]"; return 1; fi
     if [ "$left" -lt 10 ]; then echo "== $name: skipped, $left s of the $total s left [$(elapsed) s]"; status=1; return 1; fi
     cap=$(( budget < left ? budget : left ))
+    deadline=$(( cap > 20 ? cap - 10 : cap - 2 ))  # transformers_speed.py's own, inside the cap
     echo "== $name (at most $cap s) [$(elapsed) s]"
 }
 # ended NAME RC: says how a part ended when it did not end well.
@@ -84,7 +85,7 @@ rm -f "$dense_json" "$kimi_json"
 
 if begin "transformers on llama-1b at $dense_shapes (benches/device/transformers_speed.py)" 190 SPEED_SKIP_TRANSFORMERS; then
     timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$dense" "$dense_json" --shapes "$dense_shapes" \
-        --float32-shapes "$shape" --steps "$steps" --deadline-s $(( cap - 10 )) --device "$torch_device" "${compiled[@]}"
+        --float32-shapes "$shape" --steps "$steps" --deadline-s "$deadline" --device "$torch_device" "${compiled[@]}"
     ended transformers $?
 fi
 dense_baseline=()
@@ -109,7 +110,7 @@ fi
 if ! skip SPEED_SKIP_KIMI; then
     if begin "transformers on kimi-2b at $shape (benches/device/transformers_speed.py)" 80 SPEED_SKIP_TRANSFORMERS; then
         timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$kimi" "$kimi_json" --shapes "$shape" \
-            --float32-shapes "$shape" --steps "$steps" --deadline-s $(( cap - 10 )) --device "$torch_device" "${compiled[@]}"
+            --float32-shapes "$shape" --steps "$steps" --deadline-s "$deadline" --device "$torch_device" "${compiled[@]}"
         ended transformers $?
     fi
     if [ -f "$kimi_json" ] && begin "transformers on kimi-2b with the flash-linear-attention 0.6.0 kernels" 90 SPEED_SKIP_FLA; then
@@ -118,7 +119,7 @@ if ! skip SPEED_SKIP_KIMI; then
         if python3 -m pip install --quiet --no-index --no-deps --find-links .device-bin/wheels --target "$site" \
             fla-core==0.6.0 flash-linear-attention==0.6.0 einops==0.8.2; then
             PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout -k 5 "$cap" python3 benches/device/transformers_speed.py \
-                "$kimi" "$kimi_json" --fla --shapes "$shape" --steps "$steps" --deadline-s $(( cap - 10 )) --device "$torch_device"
+                "$kimi" "$kimi_json" --fla --shapes "$shape" --steps "$steps" --deadline-s "$deadline" --device "$torch_device"
             ended "transformers with fla" $?
         else
             echo "== the wheels in .device-bin/wheels did not install (run benches/device/prepare.sh here)"; status=1
