@@ -8,9 +8,7 @@
 //! both rates measured in the same run. Prefill is also given as a fraction of the matrix rate.
 //! Ends each shape with where a decode step's and a prefill's device time goes, kernel by kernel.
 
-mod baseline;
-
-pub use baseline::{Anchor, Baseline, Shape};
+pub use crate::bench::speed_baseline::{Anchor, Baseline, Shape};
 
 use crate::bench::cuda_batch::CudaBatch;
 use crate::bench::median;
