@@ -10,6 +10,7 @@ pub mod router;
 pub mod serve;
 pub mod spec;
 pub mod speed;
+pub mod speed_baseline;
 pub mod step;
 pub mod transfer;
 

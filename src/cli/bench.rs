@@ -124,24 +124,32 @@ pub enum BenchCommand {
         #[arg(long, default_value = "benches/results/2026-12-03-h200-transformers-bf16-gap.json")]
         bf16_gap: PathBuf,
     },
-    /// The cuda executor's prefill and decode tokens/s on one GPU beside transformers' (measured
-    /// in the same device run by benches/device/speed.sh) and beside the step's lower bound
-    /// from the copy and matrix rates, then the decode step's device time kernel by kernel.
+    /// The cuda executor's prefill and decode speed on one GPU at each shape, beside the anchors
+    /// benches/device/transformers_speed.py measured in the same device run (transformers eager,
+    /// static cache + compiled decode step, the products alone through cuBLAS, SDPA prefill,
+    /// flash-linear-attention) and beside the decode step's lower bound from the copy and matrix
+    /// rates, then each step's device time kernel by kernel.
     Speed {
         /// A checkpoint folder, a llama GGUF file or a TOML model spec.
         #[arg(long)]
         model: PathBuf,
         #[arg(long, default_value_t = 0)]
         gpu: usize,
+        /// Sequences of the one shape measured (without --shapes).
         #[arg(long, default_value_t = 64, value_parser = flags::count)]
         batch: usize,
-        /// Prompt tokens per request.
+        /// Prompt tokens per request of the one shape measured (without --shapes).
         #[arg(long, default_value_t = 256, value_parser = flags::count)]
         prompt: usize,
+        /// Shapes to measure one after the other, each BATCHxPROMPT (batch × prompt tokens,
+        /// comma-separated: 64x256,1x256,16x4096,1x32768), each on a KV pool sized for it;
+        /// replaces --batch and --prompt.
+        #[arg(long, value_delimiter = ',', value_parser = bench::speed::Shape::parse, conflicts_with_all = ["batch", "prompt"])]
+        shapes: Vec<bench::speed::Shape>,
         /// Decode steps per timed round (three rounds; each figure is their median).
         #[arg(long, default_value_t = 16, value_parser = flags::count)]
         steps: usize,
-        /// transformers' figures (JSON written by benches/device/transformers_speed.py).
+        /// The anchors' figures by shape (JSON written by benches/device/transformers_speed.py).
         #[arg(long)]
         baseline: Option<PathBuf>,
         /// Run the kernels on the CPU instead (a check of the bench itself; its figures say
@@ -192,22 +200,14 @@ pub fn run(what: BenchCommand) -> Result<()> {
         BenchCommand::Device { fixtures, gpu, emulate, blocks_out, bf16_gap } => {
             bench::device::run(&bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out, bf16_gap })
         }
-        BenchCommand::Speed { model, gpu, batch, prompt, steps, baseline, emulate, dtype } => {
+        BenchCommand::Speed { model, gpu, batch, prompt, shapes, steps, baseline, emulate, dtype } => {
             use kvflow_kernels::cuda::Dtype;
             let dtypes = match dtype.as_str() {
                 "both" => vec![Dtype::Float32, Dtype::Bfloat16],
                 one => Dtype::parse(one).into_iter().collect(),
             };
-            bench::speed::run(&bench::speed::SpeedBenchArgs {
-                model,
-                gpu,
-                batch,
-                prompt,
-                steps,
-                baseline,
-                emulate,
-                dtypes,
-            })
+            let shapes = if shapes.is_empty() { vec![bench::speed::Shape { batch, prompt }] } else { shapes };
+            bench::speed::run(&bench::speed::SpeedBenchArgs { model, gpu, shapes, steps, baseline, emulate, dtypes })
         }
         BenchCommand::Model { model, batch, context, decode_steps } => {
             bench::model::run(&bench::model::ModelBenchArgs { model, batch, context, decode_steps })

@@ -854,9 +854,39 @@ fn a_linear_attention_head_too_wide_for_the_cuda_kernels_is_refused_naming_it() 
     assert!(why.contains("head_dim 512 over 256"), "{why}");
 }
 
+/// The lines `kvflow bench speed` prints for `dtype` at each of `shapes` ("2 × 4"): each shape's
+/// section (from its `== DTYPE SHAPE` header) has the prefill, decode, graphs and bound lines, and
+/// no profile (the emulation has no device timer); returns the sections by shape.
+fn speed_sections<'a>(stdout: &'a str, dtype: &str, shapes: &[&str]) -> Vec<&'a str> {
+    assert!(!stdout.contains("\nprofile "), "a profile under emulation: {stdout}");
+    shapes
+        .iter()
+        .map(|shape| {
+            let header = format!("== {dtype} {shape}\n");
+            let start = stdout.find(&header).unwrap_or_else(|| panic!("no {header:?}: {stdout}"));
+            let rest = &stdout[start + header.len()..];
+            let section = &rest[..rest.find("\n== ").map_or(rest.len(), |e| e + 1)];
+            for needle in [
+                format!("prefill      kvflow {dtype}: {shape} tokens in "),
+                "of the ".to_string(),
+                format!("decode       kvflow {dtype}: "),
+                " 0 host waits".to_string(),
+                format!("graphs       kvflow {dtype}: "),
+                format!("bound        {dtype} decode step at {shape}: "),
+                format!("summary      {dtype} {shape}: prefill "),
+            ] {
+                assert!(section.contains(&needle), "{dtype} {shape}: no {needle:?} in {section}");
+            }
+            section
+        })
+        .collect()
+}
+
 /// `kvflow bench speed` end to end on the emulated kernels, on the 2.0 B spec of
-/// benches/device/kimi-2b.toml shrunk to a tiny width (same layout: KDA and MLA layers, experts):
-/// the prefill and decode figures, the step's bound and its parts.
+/// benches/device/kimi-2b.toml shrunk to a tiny width (same layout: KDA and MLA layers, experts),
+/// at two shapes, beside a baseline of transformers_speed.py's format that has figures for the
+/// first shape only: each shape's prefill (with its fraction of the matmul rate), decode and
+/// bound lines, the ratio to each anchor that measured, and why the others did not.
 #[test]
 fn the_speed_bench_runs_the_kimi_spec_through_the_cuda_executor() {
     let spec = std::fs::read_to_string(crate::common::repo().join("benches/device/kimi-2b.toml")).unwrap();
@@ -878,33 +908,141 @@ fn the_speed_bench_runs_the_kimi_spec_through_the_cuda_executor() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kimi-tiny.toml");
     std::fs::write(&path, tiny).unwrap();
-    let p = path.display().to_string();
+    let baseline = dir.path().join("transformers-speed.json");
+    std::fs::write(
+        &baseline,
+        r#"{"transformers": "5.17.0", "torch": "2.11.0", "gpu": "none", "matmul_tflops_float32": 50.0,
+            "matmul_tflops_bfloat16": 700.0, "shapes": {"2x4": {
+              "float32": [{"name": "transformers eager, dynamic cache", "prefill_tokens_per_s": 500.0,
+                           "decode_ms_per_step": 70.0}],
+              "bfloat16": [{"name": "transformers eager, dynamic cache", "prefill_tokens_per_s": 1000.0,
+                            "decode_ms_per_step": 60.0, "note": "seeded"},
+                           {"name": "products alone", "decode_ms_per_step": 0.5},
+                           {"name": "transformers compiled", "error": "torch.compile failed: seeded"}]}}}"#,
+    )
+    .unwrap();
+    let (p, b) = (path.display().to_string(), baseline.display().to_string());
     let out = crate::common::kvflow(&[
         "bench",
         "speed",
         "--model",
         &p,
-        "--batch",
-        "2",
-        "--prompt",
-        "4",
+        "--shapes",
+        "2x4,1x6",
         "--steps",
         "1",
+        "--baseline",
+        &b,
         "--emulate",
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    for needle in [
-        "family hybrid_kda, 16 layers",
-        "prefill      kvflow float32: 2 × 4 tokens",
-        "decode       kvflow float32",
-        "graphs       kvflow float32",
-        "0 host waits",
-        "bound        float32 decode step",
-        "prefill      kvflow bfloat16: 2 × 4 tokens",
-        "decode       kvflow bfloat16",
-        "bound        bfloat16 decode step",
+    assert!(stdout.contains("family hybrid_kda, 16 layers"), "{stdout}");
+    assert!(stdout.contains("torch.matmul 8192²: float32 50.0 TFLOP/s, bfloat16 700.0 TFLOP/s"), "{stdout}");
+    for dtype in ["float32", "bfloat16"] {
+        let sections = speed_sections(&stdout, dtype, &["2 × 4", "1 × 6"]);
+        let rate = if dtype == "float32" { "50.0" } else { "700.0" };
+        for s in &sections {
+            assert!(s.contains(&format!(" of the {dtype} matmul rate ({rate} TFLOP/s, torch 8192², same run)")), "{s}");
+        }
+        let (theirs_prefill, theirs_decode) = if dtype == "float32" { ("500", "70.00") } else { ("1000", "60.00") };
+        let first = sections[0];
+        for needle in [
+            format!("prefill      vs transformers eager, dynamic cache: {theirs_prefill} tokens/s"),
+            format!("decode       vs transformers eager, dynamic cache: {theirs_decode} ms/step, "),
+            " of the bound".to_string(),
+            "ratio=".to_string(),
+        ] {
+            assert!(first.contains(&needle), "{dtype} 2 × 4: no {needle:?} in {first}");
+        }
+        // the second shape is not in the baseline: said, not guessed
+        assert!(sections[1].contains(&format!("no {dtype} figures at 1x6 (it has {dtype} at 2x4)")), "{}", sections[1]);
+        assert!(sections[1].contains("decode       vs transformers: not measured at 1x6"), "{}", sections[1]);
+    }
+    let bf16 = speed_sections(&stdout, "bfloat16", &["2 × 4"])[0];
+    assert!(bf16.contains("decode       vs products alone: 0.50 ms/step"), "{bf16}");
+    assert!(
+        bf16.contains("0.000 of the matmul rate); decode ") && bf16.contains("vs transformers eager 60.00 ms (ratio="),
+        "{bf16}"
+    );
+    assert!(
+        bf16.contains("anchors      transformers compiled: measured nothing: torch.compile failed: seeded"),
+        "{bf16}"
+    );
+}
+
+/// The dense spec of benches/device/llama-1b.toml shrunk to a tiny width through `kvflow bench
+/// speed` on the emulated kernels at two shapes in bfloat16, against the JSON
+/// benches/device/transformers_speed.py writes in its dry run (the two sides agree on the format);
+/// and the bench's refusals of bad shapes and of the old baseline format, each naming what was
+/// wrong.
+#[test]
+fn the_speed_bench_runs_the_dense_spec_at_each_shape_against_the_scripts_json() {
+    let repo = crate::common::repo();
+    let mut tiny = std::fs::read_to_string(repo.join("benches/device/llama-1b.toml")).unwrap();
+    for (from, to) in [
+        ("hidden_size = 2048", "hidden_size = 64"),
+        ("intermediate_size = 8192", "intermediate_size = 128"),
+        ("vocab_size = 32000", "vocab_size = 256"),
+        ("num_hidden_layers = 16", "num_hidden_layers = 2"),
+        ("num_attention_heads = 32", "num_attention_heads = 4"),
+        ("num_key_value_heads = 8", "num_key_value_heads = 2"),
+        ("head_dim = 64", "head_dim = 16"),
     ] {
-        assert!(stdout.contains(needle), "{needle}: {stdout}");
+        assert!(tiny.contains(from), "{from}");
+        tiny = tiny.replace(from, to);
+    }
+    assert!(tiny.contains("tie_word_embeddings = true") && tiny.contains("rope_type = \"llama3\""), "{tiny}");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llama-tiny.toml");
+    std::fs::write(&path, tiny).unwrap();
+    let json = dir.path().join("dry.json");
+    let script = repo.join("benches/device/transformers_speed.py");
+    let dry = std::process::Command::new("python3")
+        .args([script.as_os_str(), path.as_os_str(), json.as_os_str()])
+        .args(["--shapes", "2x4,1x6", "--float32-shapes", "2x4", "--dry-run"])
+        .output()
+        .expect("python3 runs");
+    assert!(dry.status.success(), "{}", String::from_utf8_lossy(&dry.stderr));
+    let (p, j) = (path.display().to_string(), json.display().to_string());
+
+    // bad input first (each refused before any kernel runs)
+    let old = dir.path().join("old.json");
+    std::fs::write(&old, r#"{"transformers": "5.17.0", "torch": "2.11", "float32": {}, "bfloat16": {}}"#).unwrap();
+    let o = old.display().to_string();
+    let out = crate::common::kvflow(&["bench", "speed", "--model", &p, "--baseline", &o, "--emulate"]);
+    crate::common::assert_clean_failure(&out, &[&o, "old one-shape format", "\"shapes\""]);
+    let out = crate::common::kvflow(&["bench", "speed", "--model", &p, "--shapes", "2x0", "--emulate"]);
+    crate::common::assert_clean_failure(&out, &["--shapes", "2x0", "prompt tokens"]);
+    let out = crate::common::kvflow(&["bench", "speed", "--model", &p, "--shapes", "2x4", "--batch", "3", "--emulate"]);
+    crate::common::assert_clean_failure(&out, &["--shapes", "--batch"]);
+    let out = crate::common::kvflow(&["bench", "speed", "--model", &p, "--shapes", "1x200000", "--emulate"]);
+    crate::common::assert_clean_failure(&out, &["--shapes 1x200000", "131072"]);
+
+    let out = crate::common::kvflow(&[
+        "bench",
+        "speed",
+        "--model",
+        &p,
+        "--shapes",
+        "2x4,1x6",
+        "--dtype",
+        "bfloat16",
+        "--steps",
+        "1",
+        "--baseline",
+        &j,
+        "--emulate",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("family mha, 2 layers"), "{stdout}");
+    assert!(!stdout.contains("== float32"), "{stdout}");
+    for section in speed_sections(&stdout, "bfloat16", &["2 × 4", "1 × 6"]) {
+        assert!(section.contains("bfloat16 matmul rate not measured"), "{section}");
+        for part in ["eager", "products", "compiled", "sdpa"] {
+            let line = format!("anchors      {part} (dry run): measured nothing: dry run: nothing measured");
+            assert!(section.contains(&line), "no {line:?} in {section}");
+        }
     }
 }
