@@ -150,7 +150,7 @@ if begin "kvflow compare cuda-aggregated pd-1p1d (executor = cuda, both on this 
 fi
 
 if [ "${SPEED_NCU:-0}" = 1 ] && begin "Nsight Compute on the dense decode step (benches/device/profile.sh)" 120; then
-    SPEED_CHECKPOINT="$dense" timeout -k 5 "$cap" bash benches/device/profile.sh
+    PROFILE_CHECKPOINT="$dense" timeout -k 5 "$cap" bash benches/device/profile.sh
     ended profile.sh $?
 fi
 echo "== done in $(elapsed) s, status $status"
