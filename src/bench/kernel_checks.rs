@@ -249,13 +249,19 @@ fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result
     Ok(worst)
 }
 
-/// One bf16 product of `m × n` over `k` through every kernel: see the module's header.
-fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<String>) -> Result<f64> {
-    let mut draw = lcg((m * 7 + n * 13 + k) as u64);
-    let mut values = |len: usize| -> Vec<f32> { (0..len).map(|_| draw()).collect() };
-    let (x, w, bias, y0) = (values(m * k), values(n * k), values(n), values(m * n));
-    let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
-    let (xd, wd, bd) = (gpu.upload(&x)?, gpu.upload(&w16)?, gpu.upload(&bias)?);
+/// `y0 + x · Wᵀ + bias` (`m × n` over `k`, W bf16) through every bf16 product kernel, each from a
+/// fresh copy of `y0`: `linear_bf16` (x in f32), `linear_bf16_wide` (x rounded by
+/// `round_rows_bf16`), `linear_bf16_split` summed by `linear_chunks_sum`, and by each tile's last
+/// block twice (the counters left zeroed by the first). Each output with the kernel's name.
+pub fn bf16_product_outputs(
+    gpu: &Gpu,
+    (m, n, k): (usize, usize, usize),
+    x: &[f32],
+    w16: &[u16],
+    bias: &[f32],
+    y0: &[f32],
+) -> Result<Vec<(&'static str, Vec<f32>)>> {
+    let (xd, wd, bd) = (gpu.upload(x)?, gpu.upload(w16)?, gpu.upload(bias)?);
     let xb = gpu.zeros::<u16>(m * k)?;
     let round = [Arg::Ptr(xb.ptr()), Arg::Ptr(xd.ptr()), Arg::I32(m as i32), Arg::I32(k as i32), Arg::I64(k as i64)];
     gpu.launch("round_rows_bf16", (m as u32, k.div_ceil(256) as u32, 1), 256, 0, &round)?;
@@ -269,7 +275,7 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
     ];
     // linear_bf16 reads x in f32 (rounding it as it goes), linear_bf16_wide the rounded copy
     let run = |kernel: &str, tile: usize, threads: u32, shared: u32| -> Result<Vec<f32>> {
-        let y = gpu.upload(&y0)?;
+        let y = gpu.upload(y0)?;
         let head = match kernel {
             "linear_bf16_wide" => vec![Arg::Ptr(y.ptr()), Arg::Ptr(xb.ptr()), Arg::Ptr(wd.ptr())],
             _ => vec![Arg::Ptr(y.ptr()), Arg::Ptr(xd.ptr()), Arg::I64(k as i64), Arg::Ptr(wd.ptr())],
@@ -278,8 +284,10 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
         gpu.launch(kernel, grid, threads, shared, &[&head[..], &tail[..]].concat())?;
         Ok(gpu.download(&y, m * n)?)
     };
-    let tile = run("linear_bf16", 64, 128, 0)?;
-    let wide = run("linear_bf16_wide", 128, 256, WIDE_SHARED)?;
+    let mut outputs = vec![
+        ("linear_bf16", run("linear_bf16", 64, 128, 0)?),
+        ("linear_bf16_wide", run("linear_bf16_wide", 128, 256, WIDE_SHARED)?),
+    ];
     let chunks = k.div_ceil(256);
     let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks as u32);
     let partial = gpu.zeros::<f32>(chunks * m * n)?;
@@ -301,7 +309,7 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
         ];
         Ok(gpu.launch("linear_bf16_split", grid, 128, 0, &args)?)
     };
-    let y = gpu.upload(&y0)?;
+    let y = gpu.upload(y0)?;
     split(0, 0)?;
     let sum = [
         Arg::Ptr(y.ptr()),
@@ -315,20 +323,25 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
         Arg::I32(1),
     ];
     gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum)?;
-    let summed = gpu.download(&y, m * n)?;
-    let mut last_block = Vec::new();
-    for _ in 0..2 {
-        let y = gpu.upload(&y0)?;
+    outputs.push(("linear_bf16_split + linear_chunks_sum", gpu.download(&y, m * n)?));
+    for what in ["linear_bf16_split, the last blocks adding", "linear_bf16_split, the last blocks adding, again"] {
+        let y = gpu.upload(y0)?;
         split(y.ptr(), arrivals.ptr())?;
-        last_block.push(gpu.download(&y, m * n)?);
+        outputs.push((what, gpu.download(&y, m * n)?));
     }
-    for (what, got) in [
-        ("linear_bf16_wide", &wide),
-        ("linear_bf16_split + linear_chunks_sum", &summed),
-        ("linear_bf16_split, the last blocks adding", &last_block[0]),
-        ("linear_bf16_split, the last blocks adding, again", &last_block[1]),
-    ] {
-        if let Some(why) = differ(got, &tile) {
+    Ok(outputs)
+}
+
+/// One bf16 product of `m × n` over `k` through every kernel: see the module's header.
+fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<String>) -> Result<f64> {
+    let mut draw = lcg((m * 7 + n * 13 + k) as u64);
+    let mut values = |len: usize| -> Vec<f32> { (0..len).map(|_| draw()).collect() };
+    let (x, w, bias, y0) = (values(m * k), values(n * k), values(n), values(m * n));
+    let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
+    let outputs = bf16_product_outputs(gpu, (m, n, k), &x, &w16, &bias, &y0)?;
+    let (_, tile) = &outputs[0];
+    for (what, got) in &outputs[1..] {
+        if let Some(why) = differ(got, tile) {
             failures.push(format!("products {m} x {n} x {k}: {what} against linear_bf16: {why}"));
         }
     }
@@ -339,7 +352,7 @@ fn product_case(gpu: &Gpu, (m, n, k): (usize, usize, usize), failures: &mut Vec<
             y0[i] as f64 + dot + bias[c] as f64
         })
         .collect();
-    Ok(rel_l2(&tile, &want))
+    Ok(rel_l2(tile, &want))
 }
 
 /// bf16 products of odd sizes (edges, rows not 16-byte aligned, several tiles each way).

@@ -214,62 +214,10 @@ fn bf16_products_match_their_chains(gpu: &Gpu, m: usize, n: usize, k: usize) {
     let widen = |v: f32| f32::from_bits((bf16_bits(v) as u32) << 16);
     let want = chunked_chains(&x, &w, &bias, &y0, (m, n, k), widen);
     let w16: Vec<u16> = w.iter().map(|&v| bf16_bits(v)).collect();
-    let (xd, wd, bd) = (gpu.upload(&x).unwrap(), gpu.upload(&w16).unwrap(), gpu.upload(&bias).unwrap());
-    // the input rounded to bf16 once
-    let xb = gpu.zeros::<u16>(m * k).unwrap();
-    let round = [Arg::Ptr(xb.ptr()), Arg::Ptr(xd.ptr()), Arg::I32(m as i32), Arg::I32(k as i32), Arg::I64(k as i64)];
-    gpu.launch("round_rows_bf16", (m as u32, k.div_ceil(256) as u32, 1), 256, 0, &round).unwrap();
-    let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, 1);
-    let tail = [
-        Arg::Ptr(bd.ptr()),
-        Arg::I32(m as i32),
-        Arg::I32(n as i32),
-        Arg::I32(k as i32),
-        Arg::I64(n as i64),
-        Arg::I32(1),
-    ];
-    // linear_bf16 reads x in f32, rounding it as it builds its fragments
-    let y = gpu.upload(&y0).unwrap();
-    let head = [Arg::Ptr(y.ptr()), Arg::Ptr(xd.ptr()), Arg::I64(k as i64), Arg::Ptr(wd.ptr())];
-    gpu.launch("linear_bf16", grid, 128, 0, &[&head[..], &tail[..]].concat()).unwrap();
-    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16 ({m} x {n} x {k})");
-    // linear_bf16_wide reads the rounded copy
-    let y = gpu.upload(&y0).unwrap();
-    let wide = (n.div_ceil(128) as u32, m.div_ceil(128) as u32, 1);
-    let head = [Arg::Ptr(y.ptr()), Arg::Ptr(xb.ptr()), Arg::Ptr(wd.ptr())];
-    let shared = kvflow_kernels::cuda::sources::WIDE_SHARED;
-    gpu.launch("linear_bf16_wide", wide, 256, shared, &[&head[..], &tail[..]].concat()).unwrap();
-    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "linear_bf16_wide ({m} x {n} x {k})");
-    let chunks = k.div_ceil(256);
-    let partial = gpu.zeros::<f32>(chunks * m * n).unwrap();
-    let split = |y: u64, arrivals: u64| {
-        [
-            Arg::Ptr(partial.ptr()),
-            Arg::Ptr(xd.ptr()),
-            Arg::I64(k as i64),
-            Arg::Ptr(wd.ptr()),
-            Arg::I32(m as i32),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::Ptr(y),
-            Arg::Ptr(bd.ptr()),
-            Arg::I64(n as i64),
-            Arg::I32(1),
-            Arg::Ptr(arrivals),
-        ]
-    };
-    // the chunks to `partial`, then linear_chunks_sum
-    gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split(0, 0)).unwrap();
-    let what = format!("linear_bf16_split + linear_chunks_sum ({m} x {n} x {k})");
-    assert_chunks_sum(gpu, &partial, &bd, &y0, (m, n, chunks), &want, &what);
-    // each tile's last block adds them (twice: the counters are left zeroed)
-    let arrivals = gpu.zeros::<u32>((grid.0 * grid.1) as usize).unwrap();
-    for round in 0..2 {
-        let y = gpu.upload(&y0).unwrap();
-        gpu.launch("linear_bf16_split", (grid.0, grid.1, chunks as u32), 128, 0, &split(y.ptr(), arrivals.ptr()))
-            .unwrap();
-        let what = format!("linear_bf16_split, its last blocks adding ({m} x {n} x {k}, round {round})");
-        assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(&want), "{what}");
+    for (kernel, got) in
+        kvflow::bench::kernel_checks::bf16_product_outputs(gpu, (m, n, k), &x, &w16, &bias, &y0).unwrap()
+    {
+        assert_eq!(bits(&got), bits(&want), "{kernel} ({m} x {n} x {k})");
     }
 }
 
@@ -569,18 +517,7 @@ fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
     let models =
         ["hf/llama", "hf/deepseek_v3", "hf/deepseek_v32", "hf/qwen3_next_gdn", "hf/qwen3_next", "hf/kimi_linear"];
     for model in models {
-        let dir = tempfile::tempdir().unwrap();
-        let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
-        let trace = short_trace(dir.path());
-        let graph = write_graph_with(
-            dir.path(),
-            model,
-            &trace,
-            "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
-            "32 MiB",
-            &pools,
-        );
-        let report = run_graph(&graph, Overrides::default(), Default::default());
+        let (dir, report) = run_aggregated_cuda(model, "float32");
         assert_exact(&report, model);
         let ranks: std::collections::HashSet<u64> =
             records(dir.path()).iter().map(|r| r["rank"].as_u64().unwrap()).collect();
@@ -597,21 +534,21 @@ fn bf16_cuda_graphs_on_tensor_cores_verify_against_the_cuda_plain_path() {
     let (_dir, report) = run_pd_cuda_as("hf/llama", "tcp", "bfloat16");
     assert_exact(&report, "hf/llama P/D in bf16");
     for model in ["hf/llama", "hf/qwen3_next"] {
-        let dir = tempfile::tempdir().unwrap();
-        let pools =
-            format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}dtype = \"bfloat16\"\n");
-        let trace = short_trace(dir.path());
-        let graph = write_graph_with(
-            dir.path(),
-            model,
-            &trace,
-            "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
-            "32 MiB",
-            &pools,
-        );
-        let report = run_graph(&graph, Overrides::default(), Default::default());
+        let (_dir, report) = run_aggregated_cuda(model, "bfloat16");
         assert_exact(&report, model);
     }
+}
+
+/// An aggregated graph of two emulated cuda ranks in `dtype` over [`short_trace`], 10 requests
+/// four at a time, with `--verify`.
+fn run_aggregated_cuda(model: &str, dtype: &str) -> (tempfile::TempDir, serde_json::Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let pools = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}dtype = \"{dtype}\"\n");
+    let trace = short_trace(dir.path());
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
+    let graph = write_graph_with(dir.path(), model, &trace, workload, "32 MiB", &pools);
+    let report = run_graph(&graph, Overrides::default(), Default::default());
+    (dir, report)
 }
 
 /// Recurrent state on the device through the runtime (qwen3_next_gdn on two cuda ranks): the
