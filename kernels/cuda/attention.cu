@@ -4,9 +4,9 @@
 // model.cu's paged_attention takes the rest). Compiled at run time by NVRTC
 // (kernels/src/cuda/sources.rs).
 //
-// A block takes a tile of one sequence's consecutive rows and one kv head: its 64 mma rows are
-// (row, query head of the group) pairs, 16 a warp, so a decode row's group shares one key read and
-// a prefill tile's rows share every staged key tile. Keys are staged 64 at a time by cp.async,
+// A block takes a tile of one sequence's consecutive rows and one kv head: its mma rows are
+// (row, query head of the group) pairs, 16 a warp (four warps, or one for decode steps), so a
+// decode row's group shares one key read and a prefill tile's rows share every staged key tile. Keys are staged 64 at a time by cp.async,
 // the next tile in flight while one is multiplied (two stages of K and V rows in dynamic shared
 // memory: parts/attention.rs `fa_shared`), and each warp runs S = Q·Kᵀ and O += P·V as mma.sync
 // m16n8k16 (q and the probabilities rounded to bf16, f32 accumulation; V's fragments by
