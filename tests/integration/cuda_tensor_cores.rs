@@ -26,17 +26,15 @@ fn bf16_families_on_tensor_core_attention_keep_the_device_checks() {
     let gaps = crate::common::repo().join("benches/results/2026-12-03-h200-transformers-bf16-gap.json");
     for family in ["llama", "qwen3", "qwen3_next"] {
         let dir = crate::common::fixture(&format!("hf/{family}"));
-        let (flash, paged) = (gpu.emulated_launches("flash_attention_16"), gpu.emulated_launches("paged_attention"));
+        let launches = |kernel: &str| gpu.emulated_launches(kernel);
+        let (flash, decode, paged) =
+            (launches("flash_attention_16"), launches("flash_attention_16x1"), launches("paged_attention"));
         let failures = kvflow::bench::device::bf16_checks(&gpu, &dir, family, &gaps).unwrap();
         assert!(failures.is_empty(), "{family}: {failures:#?}");
-        // the f32 model keeps model.cu's kernel; the bf16 one took the tensor cores
-        assert!(
-            gpu.emulated_launches("flash_attention_16") > flash,
-            "{family}: bf16 attention did not take flash_attention_16"
-        );
-        assert!(
-            gpu.emulated_launches("paged_attention") > paged,
-            "{family}: f32 attention did not take paged_attention"
-        );
+        // the f32 model keeps model.cu's kernel; the bf16 one took the tensor cores, its decode
+        // steps in one-warp blocks
+        assert!(launches("flash_attention_16") > flash, "{family}: bf16 prefill did not take flash_attention_16");
+        assert!(launches("flash_attention_16x1") > decode, "{family}: bf16 decode did not take flash_attention_16x1");
+        assert!(launches("paged_attention") > paged, "{family}: f32 attention did not take paged_attention");
     }
 }
