@@ -7,24 +7,31 @@
 # pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
 # index_select gather of the same blocks against its own copy, and `--verify` on an aggregated
 # and a P/D graph with executor = "cuda" for each fixture the cuda executor runs (and in bf16 for
-# those whose attention takes the tensor cores). Raw output goes to
-# $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
+# those whose attention takes the tensor cores), then the offload tier with cuda ranks. Raw output
+# goes to $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
+# The whole took 568 s on the H200 before the bf16 graphs were added: RUN_PARTS picks parts for
+# calls of their own (default "checks verify bf16 offload"), e.g. RUN_PARTS="checks bf16" then
+# RUN_PARTS="verify offload".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}/device-run.txt"
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
+parts=" ${RUN_PARTS:-checks verify bf16 offload} "
+part() { case "$parts" in *" $1 "*) return 0 ;; *) echo "== (part $1 skipped: RUN_PARTS=${RUN_PARTS:-})"; return 1 ;; esac; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if ! ldconfig -p | grep -q libcuda.so; then echo "no libcuda.so on this machine"; fi
+if part checks; then
 echo "== kvflow bench device"
 "$bin" bench device --fixtures fixtures/hf --blocks-out /tmp/pack-blocks.txt || status=1
 echo "== PyTorch index_select of the same 16-token blocks vs its own copy"
 python3 benches/device/torch_gather.py /tmp/pack-blocks.txt || status=1
-for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
+fi
+part verify && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
     for graph in cuda-aggregated pd-1p1d; do
       g=/tmp/$graph-$model.toml
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
@@ -38,7 +45,7 @@ for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi
 done
 # bf16 on the tensor cores (attention.cu, bf16.cu): the families whose attention takes them, each
 # graph with dtype = "bfloat16" in the cuda pools' executor settings
-for model in llama qwen3 qwen3_next; do
+part bf16 && for model in llama qwen3 qwen3_next; do
     for graph in cuda-aggregated pd-1p1d; do
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"\n\n[pool.executor_settings]/' \
           -e "s#out/$graph#out/$graph-$model-bf16#" "graphs/$graph.toml" \
@@ -50,7 +57,7 @@ for model in llama qwen3 qwen3_next; do
 done
 # the offload tier with cuda ranks: saves read from device blocks (and slots), loads written into
 # them (300 requests: enough for prefixes to leave the small KV memory and come back from the store)
-for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
+part offload && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
     sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
         -e "s#out/offload#out/offload-$model#" graphs/offload.toml > "graphs/.offload-$model.toml"
     # a family with recurrent state saves chunks that end where a snapshot is kept (64 tokens)
