@@ -309,12 +309,31 @@ pub fn bf16_product_outputs(
         ];
         Ok(gpu.launch("linear_bf16_split", grid, 128, 0, &args)?)
     };
-    let y = gpu.upload(y0)?;
     split(0, 0)?;
-    let sum = [
+    let summed = sum_chunks(gpu, &partial, &bd, y0, (m, n, chunks))?;
+    outputs.push(("linear_bf16_split + linear_chunks_sum", summed));
+    for what in ["linear_bf16_split, the last blocks adding", "linear_bf16_split, the last blocks adding, again"] {
+        let y = gpu.upload(y0)?;
+        split(y.ptr(), arrivals.ptr())?;
+        outputs.push((what, gpu.download(&y, m * n)?));
+    }
+    Ok(outputs)
+}
+
+/// `y0 + Σ_c partial[c] + bias` (`m × n`, `chunks` partial sums in `partial`) by
+/// `linear_chunks_sum`, from a fresh copy of `y0`: the sum a split product's chunks go through.
+pub fn sum_chunks(
+    gpu: &Gpu,
+    partial: &DeviceBuf<f32>,
+    bias: &DeviceBuf<f32>,
+    y0: &[f32],
+    (m, n, chunks): (usize, usize, usize),
+) -> Result<Vec<f32>> {
+    let y = gpu.upload(y0)?;
+    let args = [
         Arg::Ptr(y.ptr()),
         Arg::Ptr(partial.ptr()),
-        Arg::Ptr(bd.ptr()),
+        Arg::Ptr(bias.ptr()),
         Arg::I32(m as i32),
         Arg::I32(n as i32),
         Arg::I32(chunks as i32),
@@ -322,14 +341,8 @@ pub fn bf16_product_outputs(
         Arg::I64(0),
         Arg::I32(1),
     ];
-    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &sum)?;
-    outputs.push(("linear_bf16_split + linear_chunks_sum", gpu.download(&y, m * n)?));
-    for what in ["linear_bf16_split, the last blocks adding", "linear_bf16_split, the last blocks adding, again"] {
-        let y = gpu.upload(y0)?;
-        split(y.ptr(), arrivals.ptr())?;
-        outputs.push((what, gpu.download(&y, m * n)?));
-    }
-    Ok(outputs)
+    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &args)?;
+    Ok(gpu.download(&y, m * n)?)
 }
 
 /// One bf16 product of `m × n` over `k` through every kernel: see the module's header.

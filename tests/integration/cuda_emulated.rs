@@ -260,20 +260,8 @@ fn assert_chunks_sum(
     want: &[f32],
     what: &str,
 ) {
-    let y = gpu.upload(y0).unwrap();
-    let args = [
-        Arg::Ptr(y.ptr()),
-        Arg::Ptr(partial.ptr()),
-        Arg::Ptr(bias.ptr()),
-        Arg::I32(m as i32),
-        Arg::I32(n as i32),
-        Arg::I32(chunks as i32),
-        Arg::I64(n as i64),
-        Arg::I64(0),
-        Arg::I32(1),
-    ];
-    gpu.launch("linear_chunks_sum", ((m * n).div_ceil(256) as u32, 1, 1), 256, 0, &args).unwrap();
-    assert_eq!(bits(&gpu.download(&y, m * n).unwrap()), bits(want), "{what}");
+    let y = kvflow::bench::kernel_checks::sum_chunks(gpu, partial, bias, y0, (m, n, chunks)).unwrap();
+    assert_eq!(bits(&y), bits(want), "{what}");
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
