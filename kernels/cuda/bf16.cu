@@ -19,7 +19,6 @@
 #define BF16_PAIRS 16    // bf16 pairs of a stage's row
 #define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
 #define BF16_STAGES 3    // stages in shared memory
-#define BF16_XPAD 36     // a staged f32 x row's stride (16-byte aligned)
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
 extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {
@@ -32,16 +31,21 @@ __device__ __forceinline__ bool bf16_rows_aligned(const u16* w, const u16* xb, i
     return K % 8 == 0 && ((size_t)w | (size_t)xb) % 16 == 0;
 }
 
-// The 4 floats of x row r (of R, stride x_stride) at inputs k .. k + 4 into dst, zero past R and
-// k_hi; `vector`: 16-byte aligned rows and k_hi a multiple of 4.
-__device__ __forceinline__ void f32_stage_chunk(float* dst, const float* x, int r, int R, long long x_stride, int k,
-                                                int k_hi, bool vector) {
+// The 4 floats of x row r (of R, stride x_stride) at inputs k .. k + 4, rounded to bf16 and packed
+// in two pairs; zero past R and k_hi. `vector`: 16-byte aligned rows and k_hi a multiple of 4.
+__device__ __forceinline__ uint2 f32_pairs_bf16(const float* x, int r, int R, long long x_stride, int k, int k_hi,
+                                                bool vector) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (vector) {
-        bool in = r < R && k < k_hi;
-        cp_async16(dst, in ? x + (size_t)r * x_stride + k : x, in);
-        return;
+        if (r < R && k < k_hi) {
+            float4 f = *(const float4*)(x + (size_t)r * x_stride + k);
+            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        }
+    } else {
+        for (int p = 0; p < 4; p++)
+            if (r < R && k + p < k_hi) v[p] = x[(size_t)r * x_stride + k + p];
     }
-    for (int p = 0; p < 4; p++) dst[p] = r < R && k + p < k_hi ? x[(size_t)r * x_stride + k + p] : 0.0f;
+    return make_uint2(bf16_bits(v[0]) | (bf16_bits(v[1]) << 16), bf16_bits(v[2]) | (bf16_bits(v[3]) << 16));
 }
 
 // The 8 bf16 of row r (of R, K long) at inputs k .. k + 8 into dst (4 u32), zero past R and k_hi.
@@ -60,15 +64,16 @@ __device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r
     }
 }
 
-// A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64 (f32,
-// rounded to bf16 as the fragments are built), eight 16 × 8 products per step of 16 inputs (those
-// past M skipped). `chunk_out` set: one chunk's chains only, to chunk_out[m · N + n]; else y as
+// A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64, eight
+// 16 × 8 products per step of 16 inputs (those past M skipped). x is read into registers a stage
+// ahead (its loads in flight while a stage is multiplied), rounded to bf16 once there and stored
+// as pairs beside W's. `chunk_out` set: one chunk's chains only, to chunk_out[m · N + n]; else y as
 // model.cu's `linear` writes it.
 __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long long x_stride, const u16* w,
                                                  const float* bias, int M, int N, int K, long long y_stride,
                                                  int accumulate, int k_lo, int k_hi, float* chunk_out) {
     __shared__ __align__(16) u32 Ws[BF16_STAGES][BF16_TILE][BF16_PAD];
-    __shared__ __align__(16) float Xs[BF16_STAGES][BF16_TILE][BF16_XPAD];
+    __shared__ __align__(16) u32 Xs[BF16_STAGES][BF16_TILE][BF16_PAD];
     int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     float acc[8][4], total[8][4];
@@ -77,26 +82,43 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
     bool vector_w = bf16_rows_aligned(w, w, K);
     bool vector_x = K % 4 == 0 && x_stride % 4 == 0 && (size_t)x % 16 == 0;
     int stages = (k_hi - k_lo + BF16_BK - 1) / BF16_BK;
-    // stage s into its buffer: W in 256 chunks of 8 inputs (two a thread), x in 512 of 4 (four)
-    auto load = [&](int s) {
+    // W of stage s into its buffer by cp.async, in 256 chunks of 8 inputs (two a thread)
+    auto load_w = [&](int s) {
         int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 2; i++) {
             int c = tid + 128 * i, row = c / 4, part = c % 4;
             bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector_w);
         }
+    };
+    // x of stage s in 512 chunks of 4 inputs (four a thread), rounded, into registers; then stored
+    uint2 xr[4];
+    auto read_x = [&](int s) {
+        int k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 4; i++) {
             int c = tid + 128 * i, row = c / 8, part = c % 8;
-            f32_stage_chunk(&Xs[buf][row][4 * part], x, m0 + row, M, x_stride, k0 + 4 * part, k_hi, vector_x);
+            xr[i] = f32_pairs_bf16(x, m0 + row, M, x_stride, k0 + 4 * part, k_hi, vector_x);
+        }
+    };
+    auto store_x = [&](int s) {
+        for (int i = 0; i < 4; i++) {
+            int c = tid + 128 * i, row = c / 8, part = c % 8;
+            *(uint2*)&Xs[s % BF16_STAGES][row][2 * part] = xr[i];
         }
     };
     for (int s = 0; s < BF16_STAGES - 1; s++) {
-        if (s < stages) load(s);
+        if (s < stages) {
+            load_w(s);
+            read_x(s);
+            store_x(s);
+        }
         cp_async_commit();
     }
     for (int s = 0; s < stages; s++) {
+        int ahead = s + BF16_STAGES - 1;  // the stage loaded now, into stage s − 1's buffers
+        if (ahead < stages) read_x(ahead);
         cp_async_wait<BF16_STAGES - 2>();  // stage s has landed (this thread's part of it) ...
         __syncthreads();                   // ... every thread's, and stage s − 1 is multiplied
-        if (s + BF16_STAGES - 1 < stages) load(s + BF16_STAGES - 1);  // into stage s − 1's buffer
+        if (ahead < stages) load_w(ahead);
         cp_async_commit();
         int k0 = k_lo + s * BF16_BK, buf = s % BF16_STAGES;
         if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0)
@@ -114,12 +136,12 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
             a[3] = Ws[buf][r + 8][kk + 4 + tig];
             for (int j = 0; j < 8; j++) {
                 if (m0 + 8 * j >= M) break;  // the same for every lane of the warp
-                const float* xr = &Xs[buf][8 * j + gid][2 * (kk + tig)];  // inputs 2(kk + tig), + 1 and + 8, + 9
-                b[0] = bf16_bits(xr[0]) | (bf16_bits(xr[1]) << 16);
-                b[1] = bf16_bits(xr[8]) | (bf16_bits(xr[9]) << 16);
+                b[0] = Xs[buf][8 * j + gid][kk + tig];  // inputs 2(kk + tig), + 1 and + 8, + 9
+                b[1] = Xs[buf][8 * j + gid][kk + 4 + tig];
                 mma_bf16_16816(acc[j], a, b);
             }
         }
+        if (ahead < stages) store_x(ahead);  // its buffer was last read in stage s − 1
     }
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) {

@@ -34,6 +34,7 @@ struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uint2 { unsigned x, y; };
 static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+static inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 
 static uint3 threadIdx, blockIdx, blockDim, gridDim;
 static void* kvflow_dynamic_shared;
