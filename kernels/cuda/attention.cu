@@ -29,12 +29,13 @@
 #define FA_PART 256     // a row's keys fold in parts of this many from key 0 (parts/attention.rs: FA_PART)
 
 // The fold of a part (max m, sum l) into the running (big, sum): the weights of what was folded
-// (wa) and of the part (wb). Written with rounded intrinsics so that no contraction makes the
-// block's fold and flash_attention_merge's differ.
+// (wa) and of the part (wb). Scores and maxima are in base 2 (scaled by log2 e: exp2f is one
+// special-function instruction where expf is several). Written with rounded intrinsics so that no
+// contraction makes the block's fold and flash_attention_merge's differ.
 __device__ __forceinline__ void fa_fold_weights(float* big, float* sum, float m, float l, float* wa, float* wb) {
     float next = fmaxf(*big, m);
-    *wa = expf(__fsub_rn(*big, next));  // the first part: e^−∞ = 0
-    *wb = expf(__fsub_rn(m, next));
+    *wa = exp2f(__fsub_rn(*big, next));  // the first part: 2^−∞ = 0
+    *wb = exp2f(__fsub_rn(m, next));
     *sum = __fadd_rn(__fmul_rn(*sum, *wa), __fmul_rn(l, *wb));
     *big = next;
 }
@@ -142,8 +143,10 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
     int group = q_heads / kv_heads, head_parts = (group + heads_per_block - 1) / heads_per_block;
     int g = blockIdx.y / head_parts, hp = blockIdx.y % head_parts;
     const u32* table = tables + table_at[seq];
-    int p_last = positions[first + n - 1];
-    int lo_first = window > 0 ? max(0, positions[first] + 1 - window) : 0;
+    int p_first = positions[first], p_last = positions[first + n - 1];  // a sequence's rows ascend
+    int lo_first = window > 0 ? max(0, p_first + 1 - window) : 0;
+    int lo_last = window > 0 ? max(0, p_last + 1 - window) : 0;
+    float scale2 = __fmul_rn(scale, 1.4426950408889634f);  // scores in base 2: · log2 e
 
     // this thread's two mma rows: gid and gid + 8 of the warp's 16
     int row_of[2], head_of[2], pos_of[2], lo_of[2];
@@ -229,22 +232,24 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
                     mma_bf16_16816(sc[j], qa[ks], b);
                 }
             }
-            // scores, the rows' masks and maxima (a row's value c / 2 of each pair is row gid + 8u)
+            // scores in base 2, the rows' masks and maxima (a row's value c / 2 of each pair is row
+            // gid + 8u); a tile every row of the block sees whole needs no mask (the same values)
             float tile_max[2] = {-KV_INFINITY, -KV_INFINITY};
+            bool whole = k0 + FA_KEYS - 1 <= p_first && k0 >= lo_last;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     int u = c / 2, key = k0 + 8 * j + 2 * tig + c % 2;
-                    bool sees = valid[u] && key >= lo_of[u] && key <= pos_of[u];
-                    sc[j][c] = sees ? __fmul_rn(sc[j][c], scale) : -KV_INFINITY;
+                    bool sees = whole || (valid[u] && key >= lo_of[u] && key <= pos_of[u]);
+                    sc[j][c] = sees ? __fmul_rn(sc[j][c], scale2) : -KV_INFINITY;
                     tile_max[u] = fmaxf(tile_max[u], sc[j][c]);
                 }
             float corr[2], sum[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int u = 0; u < 2; u++) {
                 float next = fmaxf(m[u], fa_quad_max(tile_max[u]));
-                corr[u] = next == -KV_INFINITY ? 1.0f : expf(__fsub_rn(m[u], next));
+                corr[u] = next == -KV_INFINITY ? 1.0f : exp2f(__fsub_rn(m[u], next));
                 m[u] = next;
             }
 #pragma unroll
@@ -252,7 +257,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     int u = c / 2;
-                    float p = sc[j][c] == -KV_INFINITY ? 0.0f : expf(__fsub_rn(sc[j][c], m[u]));
+                    float p = sc[j][c] == -KV_INFINITY ? 0.0f : exp2f(__fsub_rn(sc[j][c], m[u]));
                     sc[j][c] = p;
                     sum[u] = __fadd_rn(sum[u], p);
                 }

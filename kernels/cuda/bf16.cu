@@ -18,7 +18,7 @@
 #define BF16_BK 32       // inputs per stage
 #define BF16_PAIRS 16    // bf16 pairs of a stage's row
 #define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
-#define BF16_STAGES 3    // stages in shared memory
+#define BF16_STAGES 4    // stages in shared memory (static: 4 · 10 KiB)
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
 extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {
@@ -159,19 +159,22 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
 }
 
 #define WIDE_TILE 128   // linear_bf16_wide: W rows and x rows of a block's tile
-#define WIDE_STAGES 3   // its stages in (dynamic) shared memory: parts/../product.rs WIDE_SHARED
+#define WIDE_BK 64      // its inputs per stage
+#define WIDE_PAD 36     // a staged row's u32 stride (32 pairs and 4 of padding: conflict-free ldmatrix)
+#define WIDE_STAGES 3   // its stages in (dynamic) shared memory: sources.rs WIDE_SHARED
 
 // linear_bf16's products on 128 × 128 tiles of eight warps for long inputs (prefill): warp w
 // multiplies W rows n0 + 32(w % 4) .. + 32 with x rows m0 + 64(w / 4) .. + 64, its fragments read
 // by ldmatrix. Each element goes through the same instructions in the same k order as in
-// linear_bf16_tile — the same bits.
+// linear_bf16_tile — the same bits. FULL: every x row of the tile is within M (no row checks).
+template <bool FULL>
 __device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, const u16* w, const float* bias, int M,
                                                       int N, int K, long long y_stride, int accumulate) {
-    DYNAMIC_SHARED(u32, staged);  // WIDE_STAGES × [W rows | x rows] × BF16_PAD
+    DYNAMIC_SHARED(u32, staged);  // WIDE_STAGES × [W rows | x rows] × WIDE_PAD
     int n0 = blockIdx.x * WIDE_TILE, m0 = blockIdx.y * WIDE_TILE;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     int wn = warp % 4, wm = warp / 4;
-    auto at = [&](int buf, int row) { return staged + ((size_t)buf * 2 * WIDE_TILE + row) * BF16_PAD; };
+    auto at = [&](int buf, int row) { return staged + ((size_t)buf * 2 * WIDE_TILE + row) * WIDE_PAD; };
     float acc[2][8][4], total[2][8][4];
 #pragma unroll
     for (int t = 0; t < 2; t++)
@@ -180,11 +183,12 @@ __device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, c
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[t][j][c] = total[t][j][c] = 0.0f;
     bool vector = bf16_rows_aligned(w, xb, K);
-    int stages = (K + BF16_BK - 1) / BF16_BK;
+    int stages = (K + WIDE_BK - 1) / WIDE_BK;
+    // a stage: W and x each in 1024 chunks of 8 inputs (four of each a thread)
     auto load = [&](int s) {
-        int buf = s % WIDE_STAGES, k0 = s * BF16_BK;
-        for (int i = 0; i < 2; i++) {
-            int c = tid + 256 * i, row = c / 4, part = c % 4;
+        int buf = s % WIDE_STAGES, k0 = s * WIDE_BK;
+        for (int i = 0; i < 4; i++) {
+            int c = tid + 256 * i, row = c / 8, part = c % 8;
             bf16_stage_chunk(at(buf, row) + 4 * part, w, n0 + row, N, K, k0 + 8 * part, K, vector);
             bf16_stage_chunk(at(buf, WIDE_TILE + row) + 4 * part, xb, m0 + row, M, K, k0 + 8 * part, K, vector);
         }
@@ -193,14 +197,15 @@ __device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, c
         if (s < stages) load(s);
         cp_async_commit();
     }
-    int x_rows = min(64, max(0, M - m0 - 64 * wm));  // this warp's x rows within M
+    int x_rows = FULL ? 64 : min(64, max(0, M - m0 - 64 * wm));  // this warp's x rows within M
+    int i = lane / 8, r = lane % 8;
     for (int s = 0; s < stages; s++) {
         cp_async_wait<WIDE_STAGES - 2>();
         __syncthreads();
         if (s + WIDE_STAGES - 1 < stages) load(s + WIDE_STAGES - 1);
         cp_async_commit();
         int buf = s % WIDE_STAGES;
-        if (s > 0 && (s * BF16_BK) % LINEAR_CHUNK == 0)
+        if (s > 0 && (s * WIDE_BK) % LINEAR_CHUNK == 0)
 #pragma unroll
             for (int t = 0; t < 2; t++)
 #pragma unroll
@@ -210,21 +215,21 @@ __device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, c
                         total[t][j][c] += acc[t][j][c];
                         acc[t][j][c] = 0.0f;
                     }
-        for (int kk = 0; kk < BF16_PAIRS; kk += 8) {
+#pragma unroll
+        for (int kk = 0; kk < WIDE_BK / 2; kk += 8) {
             u32 a[2][4];
-            int i = lane / 8, r = lane % 8;
 #pragma unroll
             for (int t = 0; t < 2; t++)
                 ldmatrix_x4(a[t], at(buf, 32 * wn + 16 * t + 8 * (i % 2) + r) + kk + 4 * (i / 2));
 #pragma unroll
             for (int j = 0; j < 8; j += 2) {
-                if (8 * j >= x_rows) continue;  // the same for every lane of the warp
+                if (!FULL && 8 * j >= x_rows) continue;  // the same for every lane of the warp
                 u32 b[4];
                 ldmatrix_x4(b, at(buf, WIDE_TILE + 64 * wm + 8 * j + 8 * (i / 2) + r) + kk + 4 * (i % 2));
 #pragma unroll
                 for (int t = 0; t < 2; t++) {
                     mma_bf16_16816(acc[t][j], a[t], b);
-                    if (8 * (j + 1) < x_rows) mma_bf16_16816(acc[t][j + 1], a[t], b + 2);
+                    if (FULL || 8 * (j + 1) < x_rows) mma_bf16_16816(acc[t][j + 1], a[t], b + 2);
                 }
             }
         }
@@ -244,11 +249,14 @@ __device__ __forceinline__ void linear_bf16_wide_tile(float* y, const u16* xb, c
             }
 }
 
-// As linear_bf16, on 128-square tiles (256 threads; WIDE_STAGES · 2 · 128 · BF16_PAD u32 of
+// As linear_bf16, on 128-square tiles (256 threads; WIDE_STAGES · 2 · 128 · WIDE_PAD u32 of
 // dynamic shared memory); grid (N / 128, M / 128).
 extern "C" __global__ void __launch_bounds__(256) linear_bf16_wide(float* y, const u16* xb, const u16* w, const float* bias, int M, int N, int K,
                                             long long y_stride, int accumulate) {
-    linear_bf16_wide_tile(y, xb, w, bias, M, N, K, y_stride, accumulate);
+    if ((blockIdx.y + 1) * WIDE_TILE <= M)
+        linear_bf16_wide_tile<true>(y, xb, w, bias, M, N, K, y_stride, accumulate);
+    else
+        linear_bf16_wide_tile<false>(y, xb, w, bias, M, N, K, y_stride, accumulate);
 }
 
 // y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K], x f32 (row stride

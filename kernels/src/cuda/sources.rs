@@ -39,8 +39,8 @@ pub const fn flash_shared(width: usize) -> u32 {
 }
 
 /// `kernels/cuda/bf16.cu`'s linear_bf16_wide: WIDE_STAGES (3) × (128 W rows + 128 x rows) ×
-/// BF16_PAD (20) u32.
-pub const WIDE_SHARED: u32 = 3 * 2 * 128 * 20 * 4;
+/// WIDE_PAD (36) u32.
+pub const WIDE_SHARED: u32 = 3 * 2 * 128 * 36 * 4;
 
 /// Whether NVRTC can be loaded here (it needs no GPU).
 pub fn nvrtc_present() -> bool {
