@@ -347,19 +347,32 @@ extern "C" __global__ void __launch_bounds__(32) flash_attention_128x1(float* ou
     flash_attention_block<128, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 
+#define FA_MERGE_AHEAD 16  // parts whose loads are in flight together (the fold itself is serial)
+
 // out[row, h, :] from the row's parts in `parts` [row, h, part, (m, l, output)], folded in order
 // as flash_attention_block folds them (a part without keys, m = −∞, is skipped). Block = row ·
-// q_heads + h, threads over d.
+// q_heads + h, threads over d; each thread reads FA_MERGE_AHEAD parts at once, then folds them.
 extern "C" __global__ void flash_attention_merge(float* out, const float* parts, int d, int splits) {
     const float* p = parts + (size_t)blockIdx.x * splits * (d + 2);
     for (int col = threadIdx.x; col < d; col += blockDim.x) {
         float big = -KV_INFINITY, total = 0.0f, acc = 0.0f;
-        for (int s = 0; s < splits; s++) {
-            const float* part = p + (size_t)s * (d + 2);
-            if (part[0] == -KV_INFINITY) continue;
-            float wa, wb;
-            fa_fold_weights(&big, &total, part[0], part[1], &wa, &wb);
-            acc = fa_fold_value(acc, wa, part[2 + col], wb);
+        for (int s0 = 0; s0 < splits; s0 += FA_MERGE_AHEAD) {
+            float m[FA_MERGE_AHEAD], l[FA_MERGE_AHEAD], o[FA_MERGE_AHEAD];
+#pragma unroll
+            for (int u = 0; u < FA_MERGE_AHEAD; u++) {
+                const float* part = p + (size_t)(s0 + u) * (d + 2);
+                bool in = s0 + u < splits;
+                m[u] = in ? part[0] : -KV_INFINITY;
+                l[u] = in ? part[1] : 0.0f;
+                o[u] = in ? part[2 + col] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < FA_MERGE_AHEAD; u++) {
+                if (m[u] == -KV_INFINITY) continue;
+                float wa, wb;
+                fa_fold_weights(&big, &total, m[u], l[u], &wa, &wb);
+                acc = fa_fold_value(acc, wa, o[u], wb);
+            }
         }
         out[(size_t)blockIdx.x * d + col] = __fdiv_rn(acc, total);
     }

@@ -192,7 +192,8 @@ const ATTENTION_CASES: [Heads; 3] =
     [Heads { d: 64, kernel_width: 64 }, Heads { d: 80, kernel_width: 128 }, Heads { d: 32, kernel_width: 32 }];
 
 /// Per case, a prompt of 600 tokens (three parts of keys for its last rows) among three other
-/// sequences: see the module's header. Returns what failed.
+/// sequences, and a decode at 4,200 keys (17 parts: more than flash_attention_merge reads at
+/// once): see the module's header. Returns what failed.
 pub fn attention_check(gpu: &Gpu) -> Result<Vec<String>> {
     let mut failures = Vec::new();
     let mut worst = 0.0f64;
@@ -207,7 +208,7 @@ pub fn attention_check(gpu: &Gpu) -> Result<Vec<String>> {
 }
 
 fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result<f64> {
-    let cache = Cache::new(gpu, &[600, 40, 300, 5], heads)?;
+    let cache = Cache::new(gpu, &[600, 40, 300, 5, 4200], heads)?;
     let per_row = heads.per_row();
     let mut draw = lcg(5);
     let q: Vec<f32> = (0..600 * per_row).map(|_| draw()).collect();
@@ -235,6 +236,15 @@ fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result
         let mixed = attend(gpu, &cache, &[(1, 0..40), (0, 599..600), (2, 297..300)], window, false, 4, &mixed_q)?;
         let what = format!("window {window}: among other sequences");
         check(failures, what, row(&mixed, per_row, 40), row(&whole, per_row, 599));
+        let long_q: Vec<f32> = (0..per_row).map(|_| draw()).collect();
+        let folded = attend(gpu, &cache, &[(4, 4199..4200)], window, false, 1, &long_q)?;
+        let merged = attend(gpu, &cache, &[(4, 4199..4200)], window, true, 1, &long_q)?;
+        check(failures, format!("window {window}: a decode at 4200 keys split over 17 parts"), &merged, &folded);
+        let err = rel_l2(&folded, &cache.reference(4, 4199, window, &long_q));
+        worst = worst.max(err);
+        if err.is_nan() || err > 1e-2 {
+            failures.push(format!("{name}: window {window}, a decode at 4200 keys: {err:.2e} from a float64 softmax"));
+        }
         for pos in [0, 17, 255, 256, 599] {
             let want = cache.reference(0, pos, window, &q[pos * per_row..(pos + 1) * per_row]);
             let err = rel_l2(row(&whole, per_row, pos), &want);
