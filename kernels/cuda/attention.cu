@@ -55,15 +55,17 @@ __device__ __forceinline__ float fa_quad_max(float v) {
 
 // Starts staging keys k0 .. k0 + 63 of the tile's sequence into K and V ([key][d pair] each), zero
 // for keys outside [lo, hi] (those no row of the tile sees, never read from the cache) and past d.
+// `blocks` holds each key's cache block (read from the table a tile ahead: key_blocks below).
 template <int D, int THREADS>
-__device__ __forceinline__ void fa_stage(u32* K, u32* V, const u16* cache, const u32* table, int block_size,
+__device__ __forceinline__ void fa_stage(u32* K, u32* V, const u16* cache, const u32* blocks, int block_size,
                                          int row_width, size_t k_base, size_t v_base, int d, int k0, int lo, int hi) {
     constexpr int KP = D / 2 + 4, CHUNKS = D / 8;
     // consecutive threads take consecutive 16-byte chunks of a key
+#pragma unroll 4
     for (int e = threadIdx.x; e < FA_KEYS * CHUNKS; e += THREADS) {
         int u = e / CHUNKS, c = e % CHUNKS, key = k0 + u;
         bool in = key >= lo && key <= hi && 8 * c < d;
-        size_t row = in ? ((size_t)table[key / block_size] * block_size + key % block_size) * row_width : 0;
+        size_t row = in ? ((size_t)blocks[u] * block_size + key % block_size) * row_width : 0;
         cp_async16(K + u * KP + 4 * c, cache + (in ? row + k_base + 8 * c : 0), in);
         cp_async16(V + u * KP + 4 * c, cache + (in ? row + v_base + 8 * c : 0), in);
     }
@@ -188,9 +190,33 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         t_hi = min(t_hi, (int)blockIdx.z * PER_PART + PER_PART - 1);
     }
     auto stage_k = [&](int buf) { return staged + (size_t)buf * 2 * FA_KEYS * KP; };
+    // Tile t's keys' cache blocks, in key_blocks[t % 2]: tile t + 2's are read from the table into
+    // registers as tile t begins and stored once it is multiplied (their loads in flight meanwhile,
+    // and none of fa_stage's copies waits on a table read).
+    __shared__ u32 key_blocks[2][FA_KEYS];
+    constexpr int ENTRIES = (FA_KEYS + THREADS - 1) / THREADS;
+    u32 entries[ENTRIES];
+    auto read_entries = [&](int t) {
+#pragma unroll
+        for (int e = 0; e < ENTRIES; e++) {
+            int key = t * FA_KEYS + tid + e * THREADS;
+            bool in = t <= t_hi && tid + e * THREADS < FA_KEYS && key >= lo_first && key <= p_last;
+            entries[e] = in ? table[key / block_size] : 0u;
+        }
+    };
+    auto store_entries = [&](int t) {
+#pragma unroll
+        for (int e = 0; e < ENTRIES; e++)
+            if (tid + e * THREADS < FA_KEYS) key_blocks[t % 2][tid + e * THREADS] = entries[e];
+    };
+    read_entries(t_lo);
+    store_entries(t_lo);
+    read_entries(t_lo + 1);
+    store_entries(t_lo + 1);
+    __syncthreads();
     if (t_lo <= t_hi)
-        fa_stage<D, THREADS>(stage_k(0), stage_k(0) + FA_KEYS * KP, cache, table, block_size, row_width, k_base, v_base, d,
-                    t_lo * FA_KEYS, lo_first, p_last);
+        fa_stage<D, THREADS>(stage_k(0), stage_k(0) + FA_KEYS * KP, cache, key_blocks[t_lo % 2], block_size, row_width,
+                    k_base, v_base, d, t_lo * FA_KEYS, lo_first, p_last);
     cp_async_commit();
     float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
 #pragma unroll
@@ -199,6 +225,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
     for (int t = t_lo; t <= t_hi; t++) {
         int buf = (t - t_lo) % 2;
+        read_entries(t + 2);
         if (t % PER_PART == 0 && t > t_lo) {
             // a part ends: fold it in, start the next from fresh (registers and `out` only; the
             // barrier below brings the warp back together before its mma)
@@ -213,8 +240,8 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         cp_async_wait<0>();  // this tile has landed (this thread's part of it) ...
         __syncthreads();     // ... every thread's, and every warp is done with the other stage
         if (t < t_hi)        // so the next tile goes there, in flight while this one is multiplied
-            fa_stage<D, THREADS>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, table, block_size, row_width,
-                        k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
+            fa_stage<D, THREADS>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, key_blocks[(t + 1) % 2],
+                        block_size, row_width, k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
         cp_async_commit();
         const u32* Ks = stage_k(buf);
         const u32* Vs = Ks + FA_KEYS * KP;
@@ -285,6 +312,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
                 }
             }
         }
+        store_entries(t + 2);  // into tile t's place, read last by fa_stage before this tile's barrier
     }
     if (split) {
         // the part's max, sum and output to `parts` for flash_attention_merge (m = −∞: no keys)

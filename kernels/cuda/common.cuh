@@ -57,10 +57,12 @@ __device__ __forceinline__ void kv_store(void* cache, size_t i, float v, int bf1
 // 16 bytes from global memory to shared memory without the registers (zeros where !full); the
 // copies issued since the last commit form a group, and cp_async_wait<N> waits until at most N
 // of this thread's groups are still in flight (PTX ISA, "cp.async").
+// The copies and ldmatrix carry no "memory" clobber, so that the compiler may move ordinary loads
+// (a cache table's entries, addresses) across them; volatile asm keeps its order among itself,
+// and the wait (which has the clobber) and __syncthreads order them against plain accesses.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
     unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0)
-                 : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -75,16 +77,14 @@ __device__ __forceinline__ void ldmatrix_x4(u32* r, const void* row) {
     unsigned at = (unsigned)__cvta_generic_to_shared(row);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(at)
-                 : "memory");
+                 : "r"(at));
 }
 // The same, transposed: lane t gets in r[i] column t / 4's values at rows 2(t % 4) and 2(t % 4) + 1.
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* row) {
     unsigned at = (unsigned)__cvta_generic_to_shared(row);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(at)
-                 : "memory");
+                 : "r"(at));
 }
 
 // D += A · B for one warp: A 16 × 16 bf16 (row-major fragments), B 16 × 8 bf16 (column-major),
