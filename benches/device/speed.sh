@@ -13,6 +13,10 @@
 # kernel profile, and last, when time is left, the P/D graph against the aggregated one on this GPU
 # (kvflow compare). Each part has a budget of seconds and none runs past SPEED_BUDGET_S (550) in
 # all; the elapsed seconds are printed before each part.
+# SPEED_MODELS picks the models (default "dense kimi"); on the H200 the two do not fit one call's
+# 600 s with every anchor (the dense part took 300 s on 2026-12-05, the KDA model's compiled
+# decode and flash-linear-attention kernels need about 350 s more), so run them as two calls:
+# SPEED_MODELS=dense, then SPEED_MODELS=kimi — each ratio still has its baseline from its own call.
 # Skip parts with SPEED_SKIP_LONG=1 (16x4096 and 1x32768), SPEED_SKIP_32K=1, SPEED_SKIP_COMPILED=1
 # (transformers' compiled decode), SPEED_SKIP_KIMI=1, SPEED_SKIP_FLA=1, SPEED_SKIP_COMPARE=1;
 # SPEED_NCU=1 adds benches/device/profile.sh (Nsight Compute) on the dense model when time is left.
@@ -34,6 +38,14 @@ shape=${SPEED_SHAPE:-64x256} batch1=${SPEED_BATCH1:-1x256} long=${SPEED_LONG:-16
 rehearsal=() torch_device=cuda
 [ "${SPEED_REHEARSAL:-0}" = 1 ] && rehearsal=(--emulate) torch_device=cpu
 skip() { [ "${!1:-0}" = 1 ]; }
+models=" ${SPEED_MODELS:-dense kimi} "
+for m in $models; do
+    case "$m" in dense|kimi) ;; *) echo "SPEED_MODELS: unknown model '$m' (expected dense, kimi or both)" >&2; exit 2 ;; esac
+done
+# wanted MODEL: whether SPEED_MODELS names it (sets the SPEED_SKIP_* variables of the other's parts)
+wanted() { case "$models" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+wanted dense || SPEED_SKIP_DENSE=1
+wanted kimi || SPEED_SKIP_KIMI=1
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
@@ -63,9 +75,11 @@ ended() {
 }
 
 # the two checkpoints, written side by side
-if begin "kvflow seed-checkpoint llama-1b and kimi-2b" 150; then
-    pids=()
-    for pair in "benches/device/llama-1b.toml:$dense" "benches/device/kimi-2b.toml:$kimi"; do
+if begin "kvflow seed-checkpoint ($(echo $models))" 150; then
+    pids=() pairs=()
+    wanted dense && pairs+=("benches/device/llama-1b.toml:$dense")
+    wanted kimi && pairs+=("benches/device/kimi-2b.toml:$kimi")
+    for pair in "${pairs[@]}"; do
         spec=${pair%%:*} dir=${pair#*:}
         [ -f "$dir/model.safetensors" ] || { timeout -k 5 "$cap" "$bin" seed-checkpoint "$spec" "$dir" & pids+=($!); }
     done
@@ -73,7 +87,11 @@ if begin "kvflow seed-checkpoint llama-1b and kimi-2b" 150; then
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     ended "seed-checkpoint" "$rc"
 fi
-[ -f "$dense/model.safetensors" ] || { echo "no $dense/model.safetensors: nothing to measure"; exit 1; }
+for m in $models; do
+    dir=$dense
+    [ "$m" = kimi ] && dir=$kimi
+    [ -f "$dir/model.safetensors" ] || { echo "no $dir/model.safetensors: nothing to measure"; exit 1; }
+done
 
 dense_shapes="$shape,$batch1"
 skip SPEED_SKIP_LONG || dense_shapes="$dense_shapes,$long"
@@ -83,14 +101,6 @@ skip SPEED_SKIP_COMPILED && compiled=(--no-compiled)
 dense_json=/tmp/speed-llama-1b.json kimi_json=/tmp/speed-kimi-2b.json
 rm -f "$dense_json" "$kimi_json"
 
-if begin "transformers on llama-1b at $dense_shapes (benches/device/transformers_speed.py)" 190 SPEED_SKIP_TRANSFORMERS; then
-    timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$dense" "$dense_json" --shapes "$dense_shapes" \
-        --float32-shapes "$shape" --steps "$steps" --deadline-s "$deadline" --device "$torch_device" "${compiled[@]}"
-    ended transformers $?
-fi
-dense_baseline=()
-[ -f "$dense_json" ] && dense_baseline=(--baseline "$dense_json") && cp "$dense_json" "$outdir/"
-
 # speed DTYPE SHAPES CHECKPOINT BASELINE...: kvflow bench speed at those shapes
 speed() {
     local dtype=$1 shapes=$2 ckpt=$3
@@ -98,6 +108,15 @@ speed() {
     timeout -k 5 "$cap" "$bin" bench speed --model "$ckpt" --dtype "$dtype" --shapes "$shapes" --steps "$steps" "${rehearsal[@]}" "$@"
     ended "kvflow bench speed" $?
 }
+
+if wanted dense; then
+if begin "transformers on llama-1b at $dense_shapes (benches/device/transformers_speed.py)" 190 SPEED_SKIP_TRANSFORMERS; then
+    timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$dense" "$dense_json" --shapes "$dense_shapes" \
+        --float32-shapes "$shape" --steps "$steps" --deadline-s "$deadline" --device "$torch_device" "${compiled[@]}"
+    ended transformers $?
+fi
+dense_baseline=()
+[ -f "$dense_json" ] && dense_baseline=(--baseline "$dense_json") && cp "$dense_json" "$outdir/"
 if begin "kvflow bench speed llama-1b $shape (float32, bfloat16)" 70; then
     speed both "$shape" "$dense" "${dense_baseline[@]}"
 fi
@@ -106,14 +125,15 @@ skip SPEED_SKIP_LONG || more="$batch1,$long"
 if begin "kvflow bench speed llama-1b $more (bfloat16)" 80; then
     speed bfloat16 "$more" "$dense" "${dense_baseline[@]}"
 fi
+fi
 
 if ! skip SPEED_SKIP_KIMI; then
-    if begin "transformers on kimi-2b at $shape (benches/device/transformers_speed.py)" 80 SPEED_SKIP_TRANSFORMERS; then
+    if begin "transformers on kimi-2b at $shape (benches/device/transformers_speed.py)" 140 SPEED_SKIP_TRANSFORMERS; then
         timeout -k 5 "$cap" python3 benches/device/transformers_speed.py "$kimi" "$kimi_json" --shapes "$shape" \
             --float32-shapes "$shape" --steps "$steps" --deadline-s "$deadline" --device "$torch_device" "${compiled[@]}"
         ended transformers $?
     fi
-    if [ -f "$kimi_json" ] && begin "transformers on kimi-2b with the flash-linear-attention 0.6.0 kernels" 90 SPEED_SKIP_FLA; then
+    if [ -f "$kimi_json" ] && begin "transformers on kimi-2b with the flash-linear-attention 0.6.0 kernels" 240 SPEED_SKIP_FLA; then
         site=/tmp/fla-site
         rm -rf "$site"
         if python3 -m pip install --quiet --no-index --no-deps --find-links .device-bin/wheels --target "$site" \
@@ -132,13 +152,13 @@ if ! skip SPEED_SKIP_KIMI; then
     fi
 fi
 
-if ! skip SPEED_SKIP_LONG && begin "kvflow bench speed llama-1b $s32k (bfloat16)" 70 SPEED_SKIP_32K; then
+if wanted dense && ! skip SPEED_SKIP_LONG && begin "kvflow bench speed llama-1b $s32k (bfloat16)" 70 SPEED_SKIP_32K; then
     speed bfloat16 "$s32k" "$dense" "${dense_baseline[@]}"
 fi
 
 # P/D against aggregated on the one GPU (both graphs with executor = "cuda", the same trace, seed
 # and 40 requests), side by side through kvflow compare
-if begin "kvflow compare cuda-aggregated pd-1p1d (executor = cuda, both on this GPU) --limit 40 --verify" 45 SPEED_SKIP_COMPARE; then
+if wanted dense && begin "kvflow compare cuda-aggregated pd-1p1d (executor = cuda, both on this GPU) --limit 40 --verify" 45 SPEED_SKIP_COMPARE; then
     for graph in cuda-aggregated pd-1p1d; do
         sed -e 's/^executor = "cpu"/executor = "cuda"/' -e "s#out/$graph#out/compare-$graph#" "graphs/$graph.toml" > "graphs/.compare-$graph.toml"
     done
@@ -149,7 +169,7 @@ if begin "kvflow compare cuda-aggregated pd-1p1d (executor = cuda, both on this 
     rm -f graphs/.compare-cuda-aggregated.toml graphs/.compare-pd-1p1d.toml
 fi
 
-if [ "${SPEED_NCU:-0}" = 1 ] && begin "Nsight Compute on the dense decode step (benches/device/profile.sh)" 120; then
+if wanted dense && [ "${SPEED_NCU:-0}" = 1 ] && begin "Nsight Compute on the dense decode step (benches/device/profile.sh)" 120; then
     PROFILE_CHECKPOINT="$dense" timeout -k 5 "$cap" bash benches/device/profile.sh
     ended profile.sh $?
 fi
