@@ -26,6 +26,12 @@
 // A block has WARPS warps (4: flash_attention_<D>; 1: flash_attention_<D>x1, for steps of one or
 // a few rows a sequence: decode), 16 mma rows each: (row, query head) pairs.
 #define FA_KEYS 64      // keys staged at a time
+#ifndef FA_MIN_BLOCKS
+#define FA_MIN_BLOCKS 1     // __launch_bounds__ blocks a SM, 4-warp kernels (tuning constants: sources.rs)
+#endif
+#ifndef FA_X1_MIN_BLOCKS
+#define FA_X1_MIN_BLOCKS 1  // and 1-warp kernels
+#endif
 #define FA_PART 256     // a row's keys fold in parts of this many from key 0 (parts/attention.rs: FA_PART)
 
 // The fold of a part (max m, sum l) into the running (big, sum): the weights of what was folded
@@ -350,32 +356,34 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
 }
 
 // One kernel per largest head width (d is zero-padded up to it) and block size.
-extern "C" __global__ void __launch_bounds__(128) flash_attention_16(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_16(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<16, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(32) flash_attention_16x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_16x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<16, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(128) flash_attention_32(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_32(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<32, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(32) flash_attention_32x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_32x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<32, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(128) flash_attention_64(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_64(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<64, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(32) flash_attention_64x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_64x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<64, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(128) flash_attention_128(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_128(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<128, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
-extern "C" __global__ void __launch_bounds__(32) flash_attention_128x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
+extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_128x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
     flash_attention_block<128, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 
+#ifndef FA_MERGE_AHEAD
 #define FA_MERGE_AHEAD 16  // parts whose loads are in flight together (the fold itself is serial)
+#endif
 
 // out[row, h, :] from the row's parts in `parts` [row, h, part, (m, l, output)], folded in order
 // as flash_attention_block folds them (a part without keys, m = −∞, is skipped). Block = row ·

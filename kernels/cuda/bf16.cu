@@ -18,7 +18,9 @@
 #define BF16_BK 32       // inputs per stage
 #define BF16_PAIRS 16    // bf16 pairs of a stage's row
 #define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
-#define BF16_STAGES 4    // stages in shared memory (static: 4 · 10 KiB)
+#ifndef BF16_STAGES
+#define BF16_STAGES 4    // stages in shared memory (static: 4 · 10 KiB; a tuning constant, sources.rs)
+#endif
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
 extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {

@@ -123,6 +123,11 @@ pub enum BenchCommand {
         /// transformers_bf16_gap.py): the bf16 check allows max(5e-2, twice that gap).
         #[arg(long, default_value = "benches/results/2026-12-03-h200-transformers-bf16-gap.json")]
         bf16_gap: PathBuf,
+        /// Sets a kernel tuning constant for this run (repeatable): BF16_STAGES (2-4),
+        /// FA_MERGE_AHEAD (1-64), FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see
+        /// kernels/src/cuda/sources.rs TUNABLES. None changes a value's bits.
+        #[arg(long = "tune", value_name = "NAME=VALUE")]
+        tune: Vec<String>,
     },
     /// The cuda executor's prefill and decode speed on one GPU at each shape, beside the anchors
     /// benches/device/transformers_speed.py measured in the same device run (transformers eager,
@@ -159,6 +164,11 @@ pub enum BenchCommand {
         /// The products' weights: float32, bfloat16 or both (one after the other).
         #[arg(long, default_value = "both", value_parser = ["float32", "bfloat16", "both"])]
         dtype: String,
+        /// Sets a kernel tuning constant for this run (repeatable): BF16_STAGES (2-4),
+        /// FA_MERGE_AHEAD (1-64), FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see
+        /// kernels/src/cuda/sources.rs TUNABLES. None changes a value's bits.
+        #[arg(long = "tune", value_name = "NAME=VALUE")]
+        tune: Vec<String>,
     },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
@@ -197,10 +207,12 @@ pub fn run(what: BenchCommand) -> Result<()> {
             let connections = connections as usize;
             bench::transfer::run(&bench::transfer::TransferBenchArgs { tokens, bytes, connections, rounds })
         }
-        BenchCommand::Device { fixtures, gpu, emulate, blocks_out, bf16_gap } => {
+        BenchCommand::Device { fixtures, gpu, emulate, blocks_out, bf16_gap, tune } => {
+            set_tuning(&tune)?;
             bench::device::run(&bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out, bf16_gap })
         }
-        BenchCommand::Speed { model, gpu, batch, prompt, shapes, steps, baseline, emulate, dtype } => {
+        BenchCommand::Speed { model, gpu, batch, prompt, shapes, steps, baseline, emulate, dtype, tune } => {
+            set_tuning(&tune)?;
             use kvflow_kernels::cuda::Dtype;
             let dtypes = match dtype.as_str() {
                 "both" => vec![Dtype::Float32, Dtype::Bfloat16],
@@ -217,4 +229,14 @@ pub fn run(what: BenchCommand) -> Result<()> {
 
 fn parse_bytes(text: &str) -> Result<u64, String> {
     kvflow::graph::parse_byte_size(text)
+}
+
+/// The kernels' tuning constants of `--tune`, printed when any is set.
+fn set_tuning(tune: &[String]) -> anyhow::Result<()> {
+    if tune.is_empty() {
+        return Ok(());
+    }
+    kvflow_kernels::cuda::sources::set_tuning(tune).map_err(anyhow::Error::msg)?;
+    println!("tuning       {}", tune.join(" "));
+    Ok(())
 }

@@ -943,7 +943,11 @@ fn the_speed_bench_runs_the_dense_spec_at_each_shape_against_the_scripts_json() 
     crate::common::assert_clean_failure(&out, &["--shapes", "--batch"]);
     let out = crate::common::kvflow(&["bench", "speed", "--model", &p, "--shapes", "1x200000", "--emulate"]);
     crate::common::assert_clean_failure(&out, &["--shapes 1x200000", "131072"]);
+    let out = crate::common::kvflow(&["bench", "speed", "--model", &p, "--tune", "BF16_STAGES=9", "--emulate"]);
+    crate::common::assert_clean_failure(&out, &["--tune BF16_STAGES=9", "2 to 4"]);
 
+    // with tuning constants set (kernels/src/cuda/sources.rs TUNABLES): the kernels compile with
+    // them and the run goes through
     let out = crate::common::kvflow(&[
         "bench",
         "speed",
@@ -958,9 +962,14 @@ fn the_speed_bench_runs_the_dense_spec_at_each_shape_against_the_scripts_json() 
         "--baseline",
         &j,
         "--emulate",
+        "--tune",
+        "BF16_STAGES=2",
+        "--tune",
+        "FA_MERGE_AHEAD=1",
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("tuning       BF16_STAGES=2 FA_MERGE_AHEAD=1"), "{stdout}");
     assert!(stdout.contains("family mha, 2 layers"), "{stdout}");
     assert!(!stdout.contains("== float32"), "{stdout}");
     for section in speed_sections(&stdout, "bfloat16", &["2 × 4", "1 × 6"]) {

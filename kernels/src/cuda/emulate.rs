@@ -6,7 +6,7 @@
 //! header). Device memory is host memory: a "device pointer" is an address in this process.
 
 use super::error::CudaError;
-use super::sources::{kernel_names, COMMON, SOURCES};
+use super::sources::{kernel_names, tuning_prelude, COMMON, SOURCES};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
@@ -47,7 +47,7 @@ fn parameter_types(source: &str, name: &str) -> Vec<String> {
 
 /// The whole translation unit: header, sources, one launcher per kernel and their table.
 fn translation_unit() -> String {
-    let mut text = format!("{HEADER}\n// ---- kernels/cuda/common.cuh\n{COMMON}\n");
+    let mut text = format!("{HEADER}\n{}// ---- kernels/cuda/common.cuh\n{COMMON}\n", tuning_prelude());
     let mut table = String::from("static const KernelEntry KERNELS[] = {\n");
     for (file, source) in SOURCES {
         text.push_str(&format!("\n// ---- kernels/cuda/{file}\n{source}\n"));

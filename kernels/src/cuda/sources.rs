@@ -42,6 +42,50 @@ pub const fn flash_shared(width: usize) -> u32 {
 /// WIDE_PAD (36) u32.
 pub const WIDE_SHARED: u32 = 3 * 2 * 128 * 36 * 4;
 
+/// The kernels' tuning constants a benchmark may set (`kvflow bench speed --tune NAME=VALUE`):
+/// name, smallest and largest value, what it is. None changes a value's bits (each only moves
+/// work between stages, loads or blocks) or anything the host sizes; each source has its default.
+pub const TUNABLES: &[(&str, i64, i64, &str)] = &[
+    ("BF16_STAGES", 2, 4, "bf16.cu: stages of a 64-square product tile in shared memory (default 4)"),
+    ("FA_MERGE_AHEAD", 1, 64, "attention.cu: parts flash_attention_merge reads at once (default 16)"),
+    ("FA_MIN_BLOCKS", 1, 4, "attention.cu: __launch_bounds__ blocks a SM of the 4-warp kernels (default 1)"),
+    ("FA_X1_MIN_BLOCKS", 1, 16, "attention.cu: __launch_bounds__ blocks a SM of the 1-warp kernels (default 1)"),
+];
+
+static TUNING: std::sync::OnceLock<Vec<(String, i64)>> = std::sync::OnceLock::new();
+
+/// Sets the tuning constants (`NAME=VALUE` each, names from [`TUNABLES`]) for every compilation of
+/// this process, before the first GPU or emulation is opened; errors name the setting and what it
+/// takes.
+pub fn set_tuning(settings: &[String]) -> Result<(), String> {
+    let values = parse_tuning(settings)?;
+    TUNING.set(values).map_err(|_| "the kernels' tuning is set once, before they are compiled".to_string())
+}
+
+/// `NAME=VALUE` settings checked against [`TUNABLES`] (a later one of a name wins).
+fn parse_tuning(settings: &[String]) -> Result<Vec<(String, i64)>, String> {
+    let mut values = Vec::new();
+    for setting in settings {
+        let (name, value) = setting.split_once('=').ok_or_else(|| format!("--tune {setting}: expected NAME=VALUE"))?;
+        let Some(&(_, lo, hi, _)) = TUNABLES.iter().find(|t| t.0 == name) else {
+            let names: Vec<&str> = TUNABLES.iter().map(|t| t.0).collect();
+            return Err(format!("--tune {setting}: no tuning constant {name} (there are {})", names.join(", ")));
+        };
+        let value: i64 = value.parse().map_err(|_| format!("--tune {setting}: {name} takes an integer"))?;
+        if !(lo..=hi).contains(&value) {
+            return Err(format!("--tune {setting}: {name} takes {lo} to {hi}"));
+        }
+        values.retain(|(n, _): &(String, i64)| n != name);
+        values.push((name.to_string(), value));
+    }
+    Ok(values)
+}
+
+/// `#define` lines of the tuning set by [`set_tuning`] (empty without), put before `common.cuh`.
+pub fn tuning_prelude() -> String {
+    TUNING.get().map(|v| v.iter().map(|(n, x)| format!("#define {n} {x}\n")).collect()).unwrap_or_default()
+}
+
 /// Whether NVRTC can be loaded here (it needs no GPU).
 pub fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library.
@@ -50,10 +94,19 @@ pub fn nvrtc_present() -> bool {
 
 /// Compiles every source of [`SOURCES`] to PTX for `arch` (`compute_90`): needs NVRTC, not a GPU.
 pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>, CudaError> {
+    compile_with(arch, &tuning_prelude(), SOURCES)
+}
+
+/// [`compile_sources`] of `sources` after `prelude` (the tuning's `#define`s).
+fn compile_with(
+    arch: &str,
+    prelude: &str,
+    sources: &[(&'static str, &str)],
+) -> Result<Vec<(&'static str, cudarc::nvrtc::Ptx)>, CudaError> {
     if !nvrtc_present() {
         return Err(CudaError::NoNvrtc);
     }
-    SOURCES
+    sources
         .iter()
         .map(|(file, source)| {
             let opts = cudarc::nvrtc::CompileOptions {
@@ -61,7 +114,7 @@ pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, cudarc::nvrtc::P
                 name: Some(file.to_string()),
                 ..Default::default()
             };
-            let source = format!("{COMMON}\n{source}");
+            let source = format!("{prelude}{COMMON}\n{source}");
             match std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(source, opts)) {
                 Ok(Ok(ptx)) => Ok((*file, ptx)),
                 Ok(Err(e)) => {
@@ -113,6 +166,36 @@ mod tests {
             for name in kernel_names(source) {
                 assert!(text.contains(&format!(".entry {name}(")), "{file}: no entry {name} in the PTX");
             }
+        }
+    }
+
+    /// `--tune` takes known names within their ranges, each source keeps a default for every
+    /// tunable it reads, and the sources compile at each tunable's smallest and largest value.
+    #[test]
+    fn tuning_constants_are_checked_and_compile_at_their_limits() {
+        let parse = |s: &[&str]| parse_tuning(&s.iter().map(|x| x.to_string()).collect::<Vec<_>>());
+        assert_eq!(parse(&["BF16_STAGES=3", "BF16_STAGES=2"]).unwrap(), vec![("BF16_STAGES".to_string(), 2)]);
+        assert!(parse(&["BF16_STAGES=5"]).unwrap_err().contains("BF16_STAGES takes 2 to 4"));
+        assert!(parse(&["NO_SUCH=1"]).unwrap_err().contains("no tuning constant NO_SUCH"));
+        assert!(parse(&["BF16_STAGES"]).unwrap_err().contains("expected NAME=VALUE"));
+        assert!(parse(&["FA_MIN_BLOCKS=two"]).unwrap_err().contains("takes an integer"));
+        for (name, ..) in TUNABLES {
+            let guarded = SOURCES.iter().any(|(_, s)| s.contains(&format!("#ifndef {name}\n#define {name} ")));
+            assert!(guarded, "{name}: no source defines its default under #ifndef");
+        }
+        if !nvrtc_present() {
+            assert!(
+                std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),
+                "KVFLOW_REQUIRE_NVRTC is set and libnvrtc.so cannot be loaded"
+            );
+            eprintln!("NOT RUN: libnvrtc.so cannot be loaded here, so the tuned sources were not compiled");
+            return;
+        }
+        let tuned: Vec<(&'static str, &str)> =
+            SOURCES.iter().filter(|(f, _)| *f == "bf16.cu" || *f == "attention.cu").cloned().collect();
+        for pick in [|t: &(&str, i64, i64, &str)| t.1, |t: &(&str, i64, i64, &str)| t.2] {
+            let prelude: String = TUNABLES.iter().map(|t| format!("#define {} {}\n", t.0, pick(t))).collect();
+            compile_with("compute_90", &prelude, &tuned).unwrap_or_else(|e| panic!("{prelude}: {e}"));
         }
     }
 
