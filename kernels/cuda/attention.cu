@@ -6,9 +6,10 @@
 //
 // A block takes a tile of one sequence's consecutive rows and one kv head: its mma rows are
 // (row, query head of the group) pairs, 16 a warp (four warps, or one for decode steps), so a
-// decode row's group shares one key read and a prefill tile's rows share every staged key tile. Keys are staged 64 at a time by cp.async,
-// the next tile in flight while one is multiplied (two stages of K and V rows in dynamic shared
-// memory: parts/attention.rs `fa_shared`), and each warp runs S = Q·Kᵀ and O += P·V as mma.sync
+// decode row's group shares one key read and a prefill tile's rows share every staged key tile.
+// Keys are staged 64 at a time by cp.async, the next tiles in flight while one is multiplied
+// (FA_STAGES, or FA_X1_STAGES, stages of K and V rows in dynamic shared memory: sources.rs
+// `flash_shared`), and each warp runs S = Q·Kᵀ and O += P·V as mma.sync
 // m16n8k16 (q and the probabilities rounded to bf16, f32 accumulation; V's fragments by
 // ldmatrix.trans).
 //
@@ -31,6 +32,12 @@
 #endif
 #ifndef FA_X1_MIN_BLOCKS
 #define FA_X1_MIN_BLOCKS 1  // and 1-warp kernels
+#endif
+#ifndef FA_STAGES
+#define FA_STAGES 2         // stages of K and V tiles in shared memory, 4-warp kernels (sources.rs flash_shared)
+#endif
+#ifndef FA_X1_STAGES
+#define FA_X1_STAGES 2      // and 1-warp kernels
 #endif
 #define FA_PART 256     // a row's keys fold in parts of this many from key 0 (parts/attention.rs: FA_PART)
 
@@ -105,14 +112,14 @@ __device__ __forceinline__ void fa_fold_part(float* out, int q_heads, int d, int
 // g at k_offset + g·d and V at v_offset + g·d. A row at position p sees keys max(0, p + 1 −
 // window) ..= p (window 0: all). heads_per_block ≤ 64 query heads of the group per block (the
 // group in head parts beyond), 64 / heads_per_block rows a tile.
-template <int D, int WARPS>
+template <int D, int WARPS, int STAGES>
 __device__ void flash_attention_block(float* out, float* parts, const float* q, long long q_stride, const u16* cache,
                                       const u32* tables, const u32* table_at, const int* positions, const u32* row_at,
                                       int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset,
                                       int v_offset, int row_width, int block_size, int window, float scale,
                                       int heads_per_block, int split) {
     constexpr int KP = D / 2 + 4, NT = D / 8, KS = D / 16;
-    DYNAMIC_SHARED(u32, staged);  // two stages of [K | V], FA_KEYS rows of KP u32 each
+    DYNAMIC_SHARED(u32, staged);  // STAGES stages of [K | V], FA_KEYS rows of KP u32 each
     constexpr int THREADS = 32 * WARPS, ROWS = 16 * WARPS;
     __shared__ int scan[THREADS];
     __shared__ int tile[3];  // sequence, first row, rows
@@ -196,9 +203,10 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         t_hi = min(t_hi, (int)blockIdx.z * PER_PART + PER_PART - 1);
     }
     auto stage_k = [&](int buf) { return staged + (size_t)buf * 2 * FA_KEYS * KP; };
-    // Tile t's keys' cache blocks, in key_blocks[t % 2]: tile t + 2's are read from the table into
-    // registers as tile t begins and stored once it is multiplied (their loads in flight meanwhile,
-    // and none of fa_stage's copies waits on a table read).
+    // Tile u's keys' cache blocks, in key_blocks[u % 2]: read from the table into registers as the
+    // tile LEAD − 1 before it begins, stored once that one is multiplied (their loads in flight
+    // meanwhile, and none of fa_stage's copies waits on a table read).
+    constexpr int LEAD = STAGES - 1;  // tiles in flight while one is multiplied
     __shared__ u32 key_blocks[2][FA_KEYS];
     constexpr int ENTRIES = (FA_KEYS + THREADS - 1) / THREADS;
     u32 entries[ENTRIES];
@@ -215,23 +223,27 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
         for (int e = 0; e < ENTRIES; e++)
             if (tid + e * THREADS < FA_KEYS) key_blocks[t % 2][tid + e * THREADS] = entries[e];
     };
-    read_entries(t_lo);
-    store_entries(t_lo);
-    read_entries(t_lo + 1);
-    store_entries(t_lo + 1);
-    __syncthreads();
-    if (t_lo <= t_hi)
-        fa_stage<D, THREADS>(stage_k(0), stage_k(0) + FA_KEYS * KP, cache, key_blocks[t_lo % 2], block_size, row_width,
-                    k_base, v_base, d, t_lo * FA_KEYS, lo_first, p_last);
-    cp_async_commit();
+    // tile u goes to stage buffer (u − t_lo) % STAGES; the first LEAD tiles before the loop (a
+    // group each, empty past t_hi), and tile t_lo + LEAD's entries ready for the loop's first stage
+    for (int u = t_lo; u <= t_lo + LEAD; u++) {
+        read_entries(u);
+        store_entries(u);  // its slot was last read before the barrier below, two tiles ago
+        __syncthreads();
+        if (u < t_lo + LEAD) {
+            if (u <= t_hi)
+                fa_stage<D, THREADS>(stage_k(u - t_lo), stage_k(u - t_lo) + FA_KEYS * KP, cache, key_blocks[u % 2],
+                            block_size, row_width, k_base, v_base, d, u * FA_KEYS, lo_first, p_last);
+            cp_async_commit();
+        }
+    }
     float m[2] = {-KV_INFINITY, -KV_INFINITY}, l[2] = {0.0f, 0.0f}, o[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
     for (int t = t_lo; t <= t_hi; t++) {
-        int buf = (t - t_lo) % 2;
-        read_entries(t + 2);
+        int buf = (t - t_lo) % STAGES;
+        read_entries(t + LEAD + 1);
         if (t % PER_PART == 0 && t > t_lo) {
             // a part ends: fold it in, start the next from fresh (registers and `out` only; the
             // barrier below brings the warp back together before its mma)
@@ -243,11 +255,12 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
 #pragma unroll
                 for (int c = 0; c < 4; c++) o[nt][c] = 0.0f;
         }
-        cp_async_wait<0>();  // this tile has landed (this thread's part of it) ...
-        __syncthreads();     // ... every thread's, and every warp is done with the other stage
-        if (t < t_hi)        // so the next tile goes there, in flight while this one is multiplied
-            fa_stage<D, THREADS>(stage_k(buf ^ 1), stage_k(buf ^ 1) + FA_KEYS * KP, cache, key_blocks[(t + 1) % 2],
-                        block_size, row_width, k_base, v_base, d, (t + 1) * FA_KEYS, lo_first, p_last);
+        cp_async_wait<LEAD - 1>();  // this tile has landed (this thread's part of it) ...
+        __syncthreads();            // ... every thread's, and every warp is done with tile t − 1
+        if (t + LEAD <= t_hi)       // so tile t + LEAD goes to its buffer, in flight meanwhile
+            fa_stage<D, THREADS>(stage_k((buf + LEAD) % STAGES), stage_k((buf + LEAD) % STAGES) + FA_KEYS * KP, cache,
+                        key_blocks[(t + LEAD) % 2], block_size, row_width, k_base, v_base, d, (t + LEAD) * FA_KEYS,
+                        lo_first, p_last);
         cp_async_commit();
         const u32* Ks = stage_k(buf);
         const u32* Vs = Ks + FA_KEYS * KP;
@@ -318,7 +331,7 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
                 }
             }
         }
-        store_entries(t + 2);  // into tile t's place, read last by fa_stage before this tile's barrier
+        store_entries(t + LEAD + 1);  // its slot was read last staging tile t + LEAD − 1, before this barrier
     }
     if (split) {
         // the part's max, sum and output to `parts` for flash_attention_merge (m = −∞: no keys)
@@ -357,28 +370,28 @@ __device__ void flash_attention_block(float* out, float* parts, const float* q, 
 
 // One kernel per largest head width (d is zero-padded up to it) and block size.
 extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_16(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<16, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<16, 4, FA_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_16x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<16, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<16, 1, FA_X1_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_32(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<32, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<32, 4, FA_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_32x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<32, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<32, 1, FA_X1_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_64(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<64, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<64, 4, FA_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_64x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<64, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<64, 1, FA_X1_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(128, FA_MIN_BLOCKS) flash_attention_128(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<128, 4>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<128, 4, FA_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 extern "C" __global__ void __launch_bounds__(32, FA_X1_MIN_BLOCKS) flash_attention_128x1(float* out, float* parts, const float* q, long long q_stride, const u16* cache, const u32* tables, const u32* table_at, const int* positions, const u32* row_at, int seqs, int rows, int q_heads, int kv_heads, int d, int k_offset, int v_offset, int row_width, int block_size, int window, float scale, int heads_per_block, int split) {
-    flash_attention_block<128, 1>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
+    flash_attention_block<128, 1, FA_X1_STAGES>(out, parts, q, q_stride, cache, tables, table_at, positions, row_at, seqs, rows, q_heads, kv_heads, d, k_offset, v_offset, row_width, block_size, window, scale, heads_per_block, split);
 }
 
 #ifndef FA_MERGE_AHEAD

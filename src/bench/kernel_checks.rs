@@ -11,7 +11,7 @@
 //!   (summed by `linear_chunks_sum`, or by each tile's last block) give every element the same
 //!   bits, within 1e-4 of a float64 product of the same bf16 values.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use kvflow_kernels::cuda::sources::{flash_shared, WIDE_SHARED};
 use kvflow_kernels::cuda::{bf16_bits, Arg, DeviceBuf, Gpu};
 
@@ -173,7 +173,7 @@ fn attend(
     let grid = (tiles as u32, KV_HEADS as u32, if split { parts as u32 } else { 1 });
     let kernel = format!("flash_attention_{}", heads.kernel_width);
     let kernel = if warps == 1 { format!("{kernel}x1") } else { kernel };
-    gpu.launch(&kernel, grid, 32 * warps as u32, flash_shared(heads.kernel_width), &args)?;
+    gpu.launch(&kernel, grid, 32 * warps as u32, flash_shared(heads.kernel_width, warps == 1), &args)?;
     if split {
         let merge = [Arg::Ptr(out.ptr()), Arg::Ptr(scratch.ptr()), Arg::I32(width as i32), Arg::I32(parts as i32)];
         gpu.launch("flash_attention_merge", ((rows * Q_HEADS) as u32, 1, 1), 64, 0, &merge)?;
@@ -394,4 +394,21 @@ pub fn product_check(gpu: &Gpu) -> Result<Vec<String>> {
         if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
     );
     Ok(failures)
+}
+
+/// `kvflow bench kernels`: the two checks alone on GPU `gpu` (or emulated), in seconds — for a
+/// kernel variant set by `--tune` before the whole `bench device`. Fails when either fails.
+pub fn run(gpu: usize, emulate: bool) -> Result<()> {
+    let gpu = if emulate { Gpu::emulated()? } else { Gpu::open(gpu)? };
+    println!("gpu          {} ({})", gpu.name(), if gpu.is_emulated() { "emulated" } else { gpu.arch() });
+    let mut failures = attention_check(&gpu)?;
+    failures.extend(product_check(&gpu)?);
+    if !failures.is_empty() {
+        for f in &failures {
+            println!("FAILED       {f}");
+        }
+        bail!("{} kernel check(s) failed", failures.len());
+    }
+    println!("checks       all passed");
+    Ok(())
 }

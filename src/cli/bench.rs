@@ -129,6 +129,19 @@ pub enum BenchCommand {
         #[arg(long = "tune", value_name = "NAME=VALUE")]
         tune: Vec<String>,
     },
+    /// The tensor-core kernels' own checks alone (a row's attention and a product's elements
+    /// the same bits however the work is cut, near float64), the part of `bench device` a kernel
+    /// variant set by --tune needs first. Exits non-zero when a check fails.
+    Kernels {
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// Run the kernels on the CPU instead.
+        #[arg(long)]
+        emulate: bool,
+        /// Sets a kernel tuning constant for this run (repeatable): see `bench speed --tune`.
+        #[arg(long = "tune", value_name = "NAME=VALUE")]
+        tune: Vec<String>,
+    },
     /// The cuda executor's prefill and decode speed on one GPU at each shape, beside the anchors
     /// benches/device/transformers_speed.py measured in the same device run (transformers eager,
     /// static cache + compiled decode step, the products alone through cuBLAS, SDPA prefill,
@@ -210,6 +223,10 @@ pub fn run(what: BenchCommand) -> Result<()> {
         BenchCommand::Device { fixtures, gpu, emulate, blocks_out, bf16_gap, tune } => {
             set_tuning(&tune)?;
             bench::device::run(&bench::device::DeviceBenchArgs { fixtures, gpu, emulate, blocks_out, bf16_gap })
+        }
+        BenchCommand::Kernels { gpu, emulate, tune } => {
+            set_tuning(&tune)?;
+            bench::kernel_checks::run(gpu, emulate)
         }
         BenchCommand::Speed { model, gpu, batch, prompt, shapes, steps, baseline, emulate, dtype, tune } => {
             set_tuning(&tune)?;

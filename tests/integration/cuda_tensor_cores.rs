@@ -16,6 +16,38 @@ fn the_tensor_core_kernels_give_a_row_the_same_bits_however_the_work_is_cut() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// A kernel variant set by `--tune` keeps the bits: `kvflow bench kernels` with every tuning
+/// constant away from its default (four and three stages of keys, two of products, merges one
+/// part at a time, tighter launch bounds) passes the same checks.
+#[test]
+fn tuned_kernel_variants_keep_the_bits() {
+    let out = crate::common::kvflow(&[
+        "bench",
+        "kernels",
+        "--emulate",
+        "--tune",
+        "FA_STAGES=4",
+        "--tune",
+        "FA_X1_STAGES=3",
+        "--tune",
+        "BF16_STAGES=2",
+        "--tune",
+        "FA_MERGE_AHEAD=1",
+        "--tune",
+        "FA_MIN_BLOCKS=2",
+        "--tune",
+        "FA_X1_MIN_BLOCKS=4",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    for line in
+        ["tuning       FA_STAGES=4", "attention    tensor cores", "products     bf16", "checks       all passed"]
+    {
+        assert!(stdout.contains(line), "no {line:?} in {stdout}");
+    }
+    assert!(!stdout.contains("DIFFERENT"), "{stdout}");
+}
+
 /// The families whose attention takes the tensor-core kernel in bf16 (grouped-query heads of 16:
 /// llama, qwen3, qwen3_next's gated attention) keep `bench device`'s bf16 checks through the
 /// executor: a prompt alone = in a batch of 64 = in chunks of 7, a decode alone = in a batch of

@@ -8,7 +8,7 @@ use super::emulate::Emulator;
 use super::error::CudaError;
 use super::host_capture::{HostCapture, HostOp};
 use super::launch::Arg;
-use super::sources::{compile_sources, kernel_names, LARGE_SHARED, SOURCES};
+use super::sources::{compile_sources, kernel_names, large_shared, SOURCES};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use parking_lot::Mutex;
@@ -72,11 +72,11 @@ fn kernels_of(ctx: &Arc<CudaContext>, gpu: usize) -> Result<Arc<Kernels>, CudaEr
         let module = guarded(gpu, &format!("loading kernels/cuda/{file}"), || ctx.load_module(ptx))?;
         for name in kernel_names(source) {
             let f = guarded(gpu, &format!("loading kernel {name}"), || module.load_function(&name))?;
-            if let Some((_, bytes)) = LARGE_SHARED.iter().find(|(kernel, _)| *kernel == name) {
+            if let Some(bytes) = large_shared(&name) {
                 let attribute =
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
                 guarded(gpu, &format!("raising {name}'s shared memory to {bytes} bytes"), || {
-                    f.set_attribute(attribute, *bytes as i32)
+                    f.set_attribute(attribute, bytes as i32)
                 })?;
             }
             functions.insert(name, f);

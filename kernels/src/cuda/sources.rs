@@ -18,24 +18,34 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("../../cuda/attention.cu")),
 ];
 
-/// Kernels that take more dynamic shared memory than a launch may without asking (48 KiB), and
-/// how much: the device raises their limit when it loads them.
-pub const LARGE_SHARED: &[(&str, u32)] = &[
-    ("linear_bf16_wide", WIDE_SHARED),
-    ("flash_attention_16", flash_shared(16)),
-    ("flash_attention_32", flash_shared(32)),
-    ("flash_attention_64", flash_shared(64)),
-    ("flash_attention_128", flash_shared(128)),
-    ("flash_attention_16x1", flash_shared(16)),
-    ("flash_attention_32x1", flash_shared(32)),
-    ("flash_attention_64x1", flash_shared(64)),
-    ("flash_attention_128x1", flash_shared(128)),
-];
+/// The dynamic shared memory a kernel takes where it may be more than a launch may take without
+/// asking (48 KiB): the device raises the kernel's limit to it when it loads the kernel.
+pub fn large_shared(kernel: &str) -> Option<u32> {
+    if kernel == "linear_bf16_wide" {
+        return Some(WIDE_SHARED);
+    }
+    let base = kernel.strip_prefix("flash_attention_")?;
+    let (width, one_warp) = match base.strip_suffix("x1") {
+        Some(width) => (width, true),
+        None => (base, false),
+    };
+    width.parse().ok().map(|width| flash_shared(width, one_warp))
+}
 
-/// `kernels/cuda/attention.cu`'s dynamic shared memory for heads up to `width` wide: two stages
-/// of K and V, 64 keys of (width / 2 + 4) u32 each.
-pub const fn flash_shared(width: usize) -> u32 {
-    (2 * 2 * 64 * (width / 2 + 4) * 4) as u32
+/// attention.cu's stages of K and V tiles by default (FA_STAGES, FA_X1_STAGES; `--tune` sets them).
+const FA_STAGES_DEFAULT: i64 = 2;
+
+/// `kernels/cuda/attention.cu`'s dynamic shared memory for heads up to `width` wide, of a 4-warp
+/// kernel or a 1-warp one (`…x1`): its stages of K and V, 64 keys of (width / 2 + 4) u32 each.
+pub fn flash_shared(width: usize, one_warp: bool) -> u32 {
+    let stages = tuned(if one_warp { "FA_X1_STAGES" } else { "FA_STAGES" }, FA_STAGES_DEFAULT) as usize;
+    (stages * 2 * 64 * (width / 2 + 4) * 4) as u32
+}
+
+/// A tuning constant's value for this process: set by [`set_tuning`], else `default` (the
+/// source's own).
+fn tuned(name: &str, default: i64) -> i64 {
+    TUNING.get().and_then(|v| v.iter().find(|(n, _)| n == name).map(|(_, x)| *x)).unwrap_or(default)
 }
 
 /// `kernels/cuda/bf16.cu`'s linear_bf16_wide: WIDE_STAGES (3) × (128 W rows + 128 x rows) ×
@@ -50,6 +60,8 @@ pub const TUNABLES: &[(&str, i64, i64, &str)] = &[
     ("FA_MERGE_AHEAD", 1, 64, "attention.cu: parts flash_attention_merge reads at once (default 16)"),
     ("FA_MIN_BLOCKS", 1, 4, "attention.cu: __launch_bounds__ blocks a SM of the 4-warp kernels (default 1)"),
     ("FA_X1_MIN_BLOCKS", 1, 16, "attention.cu: __launch_bounds__ blocks a SM of the 1-warp kernels (default 1)"),
+    ("FA_STAGES", 2, 4, "attention.cu: stages of K and V tiles of the 4-warp kernels (default 2)"),
+    ("FA_X1_STAGES", 2, 4, "attention.cu: stages of K and V tiles of the 1-warp kernels (default 2)"),
 ];
 
 static TUNING: std::sync::OnceLock<Vec<(String, i64)>> = std::sync::OnceLock::new();
@@ -183,6 +195,15 @@ mod tests {
             let guarded = SOURCES.iter().any(|(_, s)| s.contains(&format!("#ifndef {name}\n#define {name} ")));
             assert!(guarded, "{name}: no source defines its default under #ifndef");
         }
+        // the host sizes the stages' shared memory with the source's default
+        let attention = SOURCES.iter().find(|(f, _)| *f == "attention.cu").unwrap().1;
+        for name in ["FA_STAGES", "FA_X1_STAGES"] {
+            let default = format!("#define {name} {FA_STAGES_DEFAULT} ");
+            assert!(attention.contains(&default), "attention.cu: no {default:?} (sources.rs FA_STAGES_DEFAULT)");
+        }
+        assert_eq!(large_shared("flash_attention_64x1"), Some(2 * 2 * 64 * 36 * 4));
+        assert_eq!(large_shared("flash_attention_128"), Some(2 * 2 * 64 * 68 * 4));
+        assert_eq!(large_shared("flash_attention_merge"), None);
         if !nvrtc_present() {
             assert!(
                 std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),

@@ -12,7 +12,7 @@ use crate::cuda::error::CudaError;
 use crate::cuda::gpu::DeviceBuf;
 use crate::cuda::launch::{reduce_threads, Arg};
 use crate::cuda::rows::StepShape;
-use crate::cuda::sources::flash_shared;
+use crate::cuda::sources::large_shared;
 
 /// `kernels/cuda/model.cu`'s paged_attention: query heads of one kv head per block
 /// (`HEADS_PER_WARP` a warp, up to `ATTENTION_WARPS` warps sharing the staged keys), keys staged
@@ -36,8 +36,7 @@ const FA_WIDTHS: [(usize, &str); 4] =
 
 /// The dynamic shared memory of a tensor-core attention kernel (of four warps or one, `…x1`).
 fn fa_shared(kernel: &str) -> u32 {
-    let base = kernel.strip_suffix("x1").unwrap_or(kernel);
-    FA_WIDTHS.iter().find(|(_, name)| *name == base).map_or(0, |(width, _)| flash_shared(*width))
+    large_shared(kernel).unwrap_or(0)
 }
 
 /// The tensor-core kernel for a layer, where it takes it: a bf16 cache, keys and values of one
