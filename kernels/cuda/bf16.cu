@@ -69,8 +69,8 @@ __device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r
 // A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64, eight
 // 16 × 8 products per step of 16 inputs (those past M skipped). x is read into registers a stage
 // ahead (its loads in flight while a stage is multiplied), rounded to bf16 once there and stored
-// as pairs beside W's. `chunk_out` set: one chunk's chains only, to chunk_out[m · N + n]; else y as
-// model.cu's `linear` writes it.
+// as pairs beside W's. `chunk_out` set: each chunk's chains (k_lo and k_hi on chunk bounds) to
+// chunk_out[chunk · M · N + m · N + n]; else y as model.cu's `linear` writes it.
 __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long long x_stride, const u16* w,
                                                  const float* bias, int M, int N, int K, long long y_stride,
                                                  int accumulate, int k_lo, int k_hi, float* chunk_out) {
@@ -107,6 +107,15 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
             *(uint2*)&Xs[s % BF16_STAGES][row][2 * part] = xr[i];
         }
     };
+    // chunk `chunk`'s chains (acc) to chunk_out[chunk · M · N + m · N + n]
+    auto store_chunk = [&](int chunk) {
+        float* dst = chunk_out + (size_t)chunk * M * N;
+        for (int j = 0; j < 8; j++)
+            for (int c = 0; c < 4; c++) {
+                int n = n0 + 16 * warp + gid + 8 * (c / 2), m = m0 + 8 * j + 2 * tig + c % 2;
+                if (n < N && m < M) dst[(size_t)m * N + n] = acc[j][c];
+            }
+    };
     for (int s = 0; s < BF16_STAGES - 1; s++) {
         if (s < stages) {
             load_w(s);
@@ -123,12 +132,14 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
         if (ahead < stages) load_w(ahead);
         cp_async_commit();
         int k0 = k_lo + s * BF16_BK, buf = s % BF16_STAGES;
-        if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0)
+        if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0) {
+            if (chunk_out) store_chunk(k0 / LINEAR_CHUNK - 1);  // the chunk just ended
             for (int j = 0; j < 8; j++)
                 for (int c = 0; c < 4; c++) {
-                    total[j][c] += acc[j][c];
+                    if (!chunk_out) total[j][c] += acc[j][c];
                     acc[j][c] = 0.0f;
                 }
+        }
         for (int kk = 0; kk < BF16_PAIRS; kk += 8) {
             u32 a[4], b[2];
             int r = 16 * warp + gid;
@@ -145,14 +156,14 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
         }
         if (ahead < stages) store_x(ahead);  // its buffer was last read in stage s − 1
     }
+    if (chunk_out) {
+        store_chunk((k_hi - 1) / LINEAR_CHUNK);
+        return;
+    }
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) {
             int n = n0 + 16 * warp + gid + 8 * (c / 2), m = m0 + 8 * j + 2 * tig + c % 2;
             if (n >= N || m >= M) continue;
-            if (chunk_out) {
-                chunk_out[(size_t)m * N + n] = acc[j][c];
-                continue;
-            }
             float v = total[j][c] + acc[j][c];
             if (bias) v += bias[n];
             float* dst = y + (size_t)m * y_stride + n;
@@ -268,17 +279,17 @@ extern "C" __global__ void linear_bf16(float* y, const float* x, long long x_str
     linear_bf16_tile(y, x, x_stride, w, bias, M, N, K, y_stride, accumulate, 0, K, nullptr);
 }
 
-// One chunk's chains of each 64 × 64 tile (blockIdx.z = chunk) to partial[chunk · M · N ..].
+// The chains of `group` consecutive chunks of each 64 × 64 tile (blockIdx.z = chunk / group) to
+// partial[chunk · M · N ..].
 // With `arrivals` (a zeroed counter per tile, left zeroed), the tile's last block to finish adds
 // the tile's chunks in order into y as model.cu's linear_chunks_sum does — the same operations
 // in the same order, whichever block it is — which saves that launch; without, the host
 // launches linear_chunks_sum.
-extern "C" __global__ void linear_bf16_split(float* partial, const float* x, long long x_stride, const u16* w, int M,
+extern "C" __global__ void __launch_bounds__(128, 4) linear_bf16_split(float* partial, const float* x, long long x_stride, const u16* w, int M,
                                              int N, int K, float* y, const float* bias, long long y_stride,
-                                             int accumulate, u32* arrivals) {
-    int k_lo = blockIdx.z * LINEAR_CHUNK, k_hi = min(K, k_lo + LINEAR_CHUNK);
-    linear_bf16_tile(nullptr, x, x_stride, w, nullptr, M, N, K, 0, 0, k_lo, k_hi,
-                     partial + (size_t)blockIdx.z * M * N);
+                                             int accumulate, u32* arrivals, int group) {
+    int k_lo = blockIdx.z * group * LINEAR_CHUNK, k_hi = min(K, k_lo + group * LINEAR_CHUNK);
+    linear_bf16_tile(nullptr, x, x_stride, w, nullptr, M, N, K, 0, 0, k_lo, k_hi, partial);
     if (!arrivals) return;
     __shared__ int last;
     __threadfence();  // this block's chains are visible to the block that adds them ...
@@ -288,13 +299,13 @@ extern "C" __global__ void linear_bf16_split(float* partial, const float* x, lon
     __syncthreads();
     if (!last) return;
     __threadfence();
-    int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
+    int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE, chunks = (K + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
     for (int e = threadIdx.x; e < BF16_TILE * BF16_TILE; e += blockDim.x) {
         int m = m0 + e / BF16_TILE, n = n0 + e % BF16_TILE;
         if (m >= M || n >= N) continue;
         const float* p = partial + (size_t)m * N + n;
         float v = 0.0f;
-        for (int c = 0; c < (int)gridDim.z; c++) v += __ldcg(p + (size_t)c * M * N);
+        for (int c = 0; c < chunks; c++) v += __ldcg(p + (size_t)c * M * N);
         if (bias) v += bias[n];
         float* dst = y + (size_t)m * y_stride + n;
         *dst = accumulate ? *dst + v : v;

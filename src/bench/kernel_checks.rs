@@ -262,7 +262,8 @@ fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result
 /// `y0 + x · Wᵀ + bias` (`m × n` over `k`, W bf16) through every bf16 product kernel, each from a
 /// fresh copy of `y0`: `linear_bf16` (x in f32), `linear_bf16_wide` (x rounded by
 /// `round_rows_bf16`), `linear_bf16_split` summed by `linear_chunks_sum`, and by each tile's last
-/// block twice (the counters left zeroed by the first). Each output with the kernel's name.
+/// block twice (the counters left zeroed by the first), then with two chunks a block. Each output
+/// with the kernel's name.
 pub fn bf16_product_outputs(
     gpu: &Gpu,
     (m, n, k): (usize, usize, usize),
@@ -299,10 +300,11 @@ pub fn bf16_product_outputs(
         ("linear_bf16_wide", run("linear_bf16_wide", 128, 256, WIDE_SHARED)?),
     ];
     let chunks = k.div_ceil(256);
-    let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks as u32);
     let partial = gpu.zeros::<f32>(chunks * m * n)?;
-    let arrivals = gpu.zeros::<u32>((grid.0 * grid.1) as usize)?;
-    let split = |y: u64, counters: u64| -> Result<()> {
+    let arrivals = gpu.zeros::<u32>(n.div_ceil(64) * m.div_ceil(64))?;
+    // `group` chunks a block (the last group shorter where it does not divide)
+    let split = |y: u64, counters: u64, group: usize| -> Result<()> {
+        let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks.div_ceil(group) as u32);
         let args = [
             Arg::Ptr(partial.ptr()),
             Arg::Ptr(xd.ptr()),
@@ -316,15 +318,20 @@ pub fn bf16_product_outputs(
             Arg::I64(n as i64),
             Arg::I32(1),
             Arg::Ptr(counters),
+            Arg::I32(group as i32),
         ];
         Ok(gpu.launch("linear_bf16_split", grid, 128, 0, &args)?)
     };
-    split(0, 0)?;
+    split(0, 0, 1)?;
     let summed = sum_chunks(gpu, &partial, &bd, y0, (m, n, chunks))?;
     outputs.push(("linear_bf16_split + linear_chunks_sum", summed));
-    for what in ["linear_bf16_split, the last blocks adding", "linear_bf16_split, the last blocks adding, again"] {
+    for (what, group) in [
+        ("linear_bf16_split, the last blocks adding", 1),
+        ("linear_bf16_split, the last blocks adding, again", 1),
+        ("linear_bf16_split, two chunks a block, the last blocks adding", 2),
+    ] {
         let y = gpu.upload(y0)?;
-        split(y.ptr(), arrivals.ptr())?;
+        split(y.ptr(), arrivals.ptr(), group)?;
         outputs.push((what, gpu.download(&y, m * n)?));
     }
     Ok(outputs)
@@ -390,7 +397,7 @@ pub fn product_check(gpu: &Gpu) -> Result<Vec<String>> {
         }
     }
     println!(
-        "products     bf16 tensor cores: linear_bf16 = linear_bf16_wide = split and summed (two ways), 4 shapes: {}; max {worst:.2e} from a float64 product",
+        "products     bf16 tensor cores: linear_bf16 = linear_bf16_wide = split and summed (three ways), 4 shapes: {}; max {worst:.2e} from a float64 product",
         if failures.is_empty() { "bit-identical" } else { "DIFFERENT" }
     );
     Ok(failures)

@@ -6,7 +6,7 @@
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu, TILE_ARRIVALS};
 use super::launch::{blocks_for, Arg};
-use super::sources::WIDE_SHARED;
+use super::sources::{tuned, WIDE_SHARED};
 
 /// Outputs at most this wide (`kernels/cuda/model.cu`'s NARROW_N) summed over at least
 /// [`NARROW_MIN_K`] inputs take `linear_narrow`: long chains on few blocks are what it avoids.
@@ -185,9 +185,11 @@ impl Product {
                 let partial = gpu.scratch::<f32>(chunks * m * n)?;
                 // the tile's last block adds its chunks where the device's counters cover the grid
                 let arrivals = gpu.tile_arrivals().filter(|_| (grid.0 * grid.1) as usize <= TILE_ARRIVALS);
+                // a block runs `group` consecutive chunks (SPLIT_CHUNKS: the same chains either way)
+                let group = tuned("SPLIT_CHUNKS", 1) as usize;
                 gpu.launch(
                     "linear_bf16_split",
-                    grid,
+                    (grid.0, grid.1, chunks.div_ceil(group) as u32),
                     128,
                     0,
                     &[
@@ -203,6 +205,7 @@ impl Product {
                         Arg::I64(self.y_stride as i64),
                         Arg::I32(self.accumulate as i32),
                         Arg::Ptr(arrivals.unwrap_or(0)),
+                        Arg::I32(group as i32),
                     ],
                 )?;
                 match arrivals {
