@@ -124,8 +124,9 @@ pub enum BenchCommand {
         #[arg(long, default_value = "benches/results/2026-12-03-h200-transformers-bf16-gap.json")]
         bf16_gap: PathBuf,
         /// Sets a kernel tuning constant for this run (repeatable): BF16_STAGES (2-4),
-        /// FA_MERGE_AHEAD (1-64), FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see
-        /// kernels/src/cuda/sources.rs TUNABLES. None changes a value's bits.
+        /// SPLIT_CHUNKS (1-8), FA_STAGES and FA_X1_STAGES (2-4), FA_MERGE_AHEAD (1-64),
+        /// FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see kernels/src/cuda/sources.rs
+        /// TUNABLES. None changes a value's bits (`bench kernels --tune` checks it).
         #[arg(long = "tune", value_name = "NAME=VALUE")]
         tune: Vec<String>,
     },
@@ -178,8 +179,9 @@ pub enum BenchCommand {
         #[arg(long, default_value = "both", value_parser = ["float32", "bfloat16", "both"])]
         dtype: String,
         /// Sets a kernel tuning constant for this run (repeatable): BF16_STAGES (2-4),
-        /// FA_MERGE_AHEAD (1-64), FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see
-        /// kernels/src/cuda/sources.rs TUNABLES. None changes a value's bits.
+        /// SPLIT_CHUNKS (1-8), FA_STAGES and FA_X1_STAGES (2-4), FA_MERGE_AHEAD (1-64),
+        /// FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see kernels/src/cuda/sources.rs
+        /// TUNABLES. None changes a value's bits (`bench kernels --tune` checks it).
         #[arg(long = "tune", value_name = "NAME=VALUE")]
         tune: Vec<String>,
     },
