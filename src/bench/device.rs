@@ -96,14 +96,7 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     } else {
         failures.extend(pack);
     }
-    if !failures.is_empty() {
-        for f in &failures {
-            println!("FAILED       {f}");
-        }
-        bail!("{} device check(s) failed", failures.len());
-    }
-    println!("checks       all passed");
-    Ok(())
+    crate::bench::kernel_checks::conclude(&failures, "device")
 }
 
 #[derive(serde::Deserialize)]

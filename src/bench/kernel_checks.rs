@@ -410,11 +410,17 @@ pub fn run(gpu: usize, emulate: bool) -> Result<()> {
     println!("gpu          {} ({})", gpu.name(), if gpu.is_emulated() { "emulated" } else { gpu.arch() });
     let mut failures = attention_check(&gpu)?;
     failures.extend(product_check(&gpu)?);
+    conclude(&failures, "kernel")
+}
+
+/// Prints each failure and fails with their count (`what` check(s) failed), else prints that
+/// every check passed: the end of `bench kernels` and `bench device`.
+pub fn conclude(failures: &[String], what: &str) -> Result<()> {
     if !failures.is_empty() {
-        for f in &failures {
+        for f in failures {
             println!("FAILED       {f}");
         }
-        bail!("{} kernel check(s) failed", failures.len());
+        bail!("{} {what} check(s) failed", failures.len());
     }
     println!("checks       all passed");
     Ok(())
