@@ -6,6 +6,8 @@
 # line per variant and shape. After `bash benches/device/prepare.sh` here, through the device
 # tool, carrying .device-bin:
 #     bash benches/device/sweep.sh "" "BF16_STAGES=3" "FA_X1_STAGES=3 SPLIT_CHUNKS=2" ...
+# With no variant named it runs the defaults and then each constant one step away from its
+# default (about a minute a variant on the H200: the NVRTC compile, the checks, three shapes).
 # SWEEP_SHAPES (default 64x256,1x256,16x4096), SWEEP_STEPS (default 8), SWEEP_BUDGET_S (default
 # 540: a variant that would start past it is skipped, saying so). Raw output goes to
 # $OUT/sweep-run.txt (or ./sweep-run.txt). A rehearsal without a GPU (the script's own logic):
@@ -15,7 +17,8 @@ cd "$(dirname "$0")/../.."
 out="${OUT:-.}/sweep-run.txt"
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
-[ "$#" -gt 0 ] || set -- ""
+[ "$#" -gt 0 ] || set -- "" "BF16_STAGES=3" "SPLIT_CHUNKS=2" "FA_X1_STAGES=3" "FA_X1_STAGES=4" "FA_STAGES=3" \
+    "FA_MIN_BLOCKS=2" "FA_X1_MIN_BLOCKS=8"
 shapes=${SWEEP_SHAPES:-64x256,1x256,16x4096} steps=${SWEEP_STEPS:-8} budget=${SWEEP_BUDGET_S:-540}
 ckpt=${SWEEP_CHECKPOINT:-/tmp/llama-1b}
 emulate=()
