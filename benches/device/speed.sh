@@ -42,9 +42,8 @@ models=" ${SPEED_MODELS:-dense kimi} "
 for m in $models; do
     case "$m" in dense|kimi) ;; *) echo "SPEED_MODELS: unknown model '$m' (expected dense, kimi or both)" >&2; exit 2 ;; esac
 done
-# wanted MODEL: whether SPEED_MODELS names it (sets the SPEED_SKIP_* variables of the other's parts)
+# wanted MODEL: whether SPEED_MODELS names it
 wanted() { case "$models" in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-wanted dense || SPEED_SKIP_DENSE=1
 wanted kimi || SPEED_SKIP_KIMI=1
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

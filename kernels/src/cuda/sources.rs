@@ -52,18 +52,68 @@ pub fn tuned(name: &str, default: i64) -> i64 {
 /// WIDE_PAD (36) u32.
 pub const WIDE_SHARED: u32 = 3 * 2 * 128 * 36 * 4;
 
-/// The kernels' tuning constants a benchmark may set (`kvflow bench speed --tune NAME=VALUE`):
-/// name, smallest and largest value, what it is. None changes a value's bits (each only moves
-/// work between stages, loads or blocks); a source's has its default there under `#ifndef`, a
-/// host one (`(host)`) in the code that reads it through [`tuned`].
-pub const TUNABLES: &[(&str, i64, i64, &str)] = &[
-    ("BF16_STAGES", 2, 4, "bf16.cu: stages of a 64-square product tile in shared memory (default 4)"),
-    ("FA_MERGE_AHEAD", 1, 64, "attention.cu: parts flash_attention_merge reads at once (default 16)"),
-    ("FA_MIN_BLOCKS", 1, 4, "attention.cu: __launch_bounds__ blocks a SM of the 4-warp kernels (default 1)"),
-    ("FA_X1_MIN_BLOCKS", 1, 16, "attention.cu: __launch_bounds__ blocks a SM of the 1-warp kernels (default 1)"),
-    ("FA_STAGES", 2, 4, "attention.cu: stages of K and V tiles of the 4-warp kernels (default 2)"),
-    ("FA_X1_STAGES", 2, 4, "attention.cu: stages of K and V tiles of the 1-warp kernels (default 2)"),
-    ("SPLIT_CHUNKS", 1, 8, "product.rs (host): chunks of k a block of linear_bf16_split runs (default 1)"),
+/// A kernel tuning constant a benchmark may set (`kvflow bench speed --tune NAME=VALUE`). None
+/// changes a value's bits (each only moves work between stages, loads or blocks).
+pub struct Tunable {
+    pub name: &'static str,
+    pub lo: i64,
+    pub hi: i64,
+    /// Read by the host through [`tuned`] (its default there), not a source's `#ifndef` default.
+    pub host: bool,
+    pub what: &'static str,
+}
+
+/// The tuning constants.
+pub const TUNABLES: &[Tunable] = &[
+    Tunable {
+        name: "BF16_STAGES",
+        lo: 2,
+        hi: 4,
+        host: false,
+        what: "bf16.cu: stages of a 64-square product tile in shared memory (default 4)",
+    },
+    Tunable {
+        name: "FA_MERGE_AHEAD",
+        lo: 1,
+        hi: 64,
+        host: false,
+        what: "attention.cu: parts flash_attention_merge reads at once (default 16)",
+    },
+    Tunable {
+        name: "FA_MIN_BLOCKS",
+        lo: 1,
+        hi: 4,
+        host: false,
+        what: "attention.cu: __launch_bounds__ blocks a SM of the 4-warp kernels (default 1)",
+    },
+    Tunable {
+        name: "FA_X1_MIN_BLOCKS",
+        lo: 1,
+        hi: 16,
+        host: false,
+        what: "attention.cu: __launch_bounds__ blocks a SM of the 1-warp kernels (default 1)",
+    },
+    Tunable {
+        name: "FA_STAGES",
+        lo: 2,
+        hi: 4,
+        host: false,
+        what: "attention.cu: stages of K and V tiles of the 4-warp kernels (default 2)",
+    },
+    Tunable {
+        name: "FA_X1_STAGES",
+        lo: 2,
+        hi: 4,
+        host: false,
+        what: "attention.cu: stages of K and V tiles of the 1-warp kernels (default 2)",
+    },
+    Tunable {
+        name: "SPLIT_CHUNKS",
+        lo: 1,
+        hi: 8,
+        host: true,
+        what: "product.rs: chunks of k a block of linear_bf16_split runs (default 1)",
+    },
 ];
 
 static TUNING: std::sync::OnceLock<Vec<(String, i64)>> = std::sync::OnceLock::new();
@@ -81,8 +131,8 @@ fn parse_tuning(settings: &[String]) -> Result<Vec<(String, i64)>, String> {
     let mut values = Vec::new();
     for setting in settings {
         let (name, value) = setting.split_once('=').ok_or_else(|| format!("--tune {setting}: expected NAME=VALUE"))?;
-        let Some(&(_, lo, hi, _)) = TUNABLES.iter().find(|t| t.0 == name) else {
-            let names: Vec<&str> = TUNABLES.iter().map(|t| t.0).collect();
+        let Some(&Tunable { lo, hi, .. }) = TUNABLES.iter().find(|t| t.name == name) else {
+            let names: Vec<&str> = TUNABLES.iter().map(|t| t.name).collect();
             return Err(format!("--tune {setting}: no tuning constant {name} (there are {})", names.join(", ")));
         };
         let value: i64 = value.parse().map_err(|_| format!("--tune {setting}: {name} takes an integer"))?;
@@ -160,17 +210,24 @@ pub fn kernel_names(source: &str) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// The sources compile under NVRTC for Hopper (no GPU needed). Where NVRTC cannot be loaded
-    /// the check cannot run: it says so, and fails when `KVFLOW_REQUIRE_NVRTC` is set (CI sets
-    /// it, after installing NVRTC from PyPI).
+    /// Whether NVRTC can be loaded; where it cannot, says what was not run, and fails when
+    /// `KVFLOW_REQUIRE_NVRTC` is set (CI sets it, after installing NVRTC from PyPI).
+    fn nvrtc_or_not_run(what: &str) -> bool {
+        if nvrtc_present() {
+            return true;
+        }
+        assert!(
+            std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),
+            "KVFLOW_REQUIRE_NVRTC is set and libnvrtc.so cannot be loaded (LD_LIBRARY_PATH?)"
+        );
+        eprintln!("NOT RUN: libnvrtc.so cannot be loaded here, so {what}");
+        false
+    }
+
+    /// The sources compile under NVRTC for Hopper (no GPU needed; see `nvrtc_or_not_run`).
     #[test]
     fn the_cuda_sources_compile_under_nvrtc_for_hopper() {
-        if !nvrtc_present() {
-            assert!(
-                std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),
-                "KVFLOW_REQUIRE_NVRTC is set and libnvrtc.so cannot be loaded (LD_LIBRARY_PATH?)"
-            );
-            eprintln!("NOT RUN: libnvrtc.so cannot be loaded here, so the CUDA sources were not compiled");
+        if !nvrtc_or_not_run("the CUDA sources were not compiled") {
             return;
         }
         let compiled = compile_sources("compute_90").unwrap_or_else(|e| panic!("{e}"));
@@ -193,7 +250,7 @@ mod tests {
         assert!(parse(&["NO_SUCH=1"]).unwrap_err().contains("no tuning constant NO_SUCH"));
         assert!(parse(&["BF16_STAGES"]).unwrap_err().contains("expected NAME=VALUE"));
         assert!(parse(&["FA_MIN_BLOCKS=two"]).unwrap_err().contains("takes an integer"));
-        for (name, ..) in TUNABLES.iter().filter(|t| !t.3.contains("(host)")) {
+        for Tunable { name, .. } in TUNABLES.iter().filter(|t| !t.host) {
             let guarded = SOURCES.iter().any(|(_, s)| s.contains(&format!("#ifndef {name}\n#define {name} ")));
             assert!(guarded, "{name}: no source defines its default under #ifndef");
         }
@@ -206,18 +263,13 @@ mod tests {
         assert_eq!(large_shared("flash_attention_64x1"), Some(2 * 2 * 64 * 36 * 4));
         assert_eq!(large_shared("flash_attention_128"), Some(2 * 2 * 64 * 68 * 4));
         assert_eq!(large_shared("flash_attention_merge"), None);
-        if !nvrtc_present() {
-            assert!(
-                std::env::var_os("KVFLOW_REQUIRE_NVRTC").is_none(),
-                "KVFLOW_REQUIRE_NVRTC is set and libnvrtc.so cannot be loaded"
-            );
-            eprintln!("NOT RUN: libnvrtc.so cannot be loaded here, so the tuned sources were not compiled");
+        if !nvrtc_or_not_run("the tuned sources were not compiled") {
             return;
         }
         let tuned: Vec<(&'static str, &str)> =
             SOURCES.iter().filter(|(f, _)| *f == "bf16.cu" || *f == "attention.cu").cloned().collect();
-        for pick in [|t: &(&str, i64, i64, &str)| t.1, |t: &(&str, i64, i64, &str)| t.2] {
-            let prelude: String = TUNABLES.iter().map(|t| format!("#define {} {}\n", t.0, pick(t))).collect();
+        for pick in [|t: &Tunable| t.lo, |t: &Tunable| t.hi] {
+            let prelude: String = TUNABLES.iter().map(|t| format!("#define {} {}\n", t.name, pick(t))).collect();
             compile_with("compute_90", &prelude, &tuned).unwrap_or_else(|e| panic!("{prelude}: {e}"));
         }
     }

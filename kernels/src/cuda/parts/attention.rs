@@ -34,11 +34,6 @@ const FA_PART: usize = 256;
 const FA_WIDTHS: [(usize, &str); 4] =
     [(16, "flash_attention_16"), (32, "flash_attention_32"), (64, "flash_attention_64"), (128, "flash_attention_128")];
 
-/// The dynamic shared memory of a tensor-core attention kernel (of four warps or one, `…x1`).
-fn fa_shared(kernel: &str) -> u32 {
-    large_shared(kernel).unwrap_or(0)
-}
-
 /// The tensor-core kernel for a layer, where it takes it: a bf16 cache, keys and values of one
 /// width d (a multiple of 16, at most 128), rows of the cache 16-byte aligned, every key, and
 /// query heads in equal groups per kv head.
@@ -202,7 +197,7 @@ impl Step<'_> {
             &kernel,
             (tiles as u32, (kv_heads * head_parts) as u32, if split { parts as u32 } else { 1 }),
             32 * warps as u32,
-            fa_shared(&kernel),
+            large_shared(&kernel).unwrap_or(0),
             &[
                 Arg::Ptr(out),
                 Arg::Ptr(partial.ptr()),
