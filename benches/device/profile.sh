@@ -20,5 +20,5 @@ echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 # one prefill of 64 × 256 launches each kernel a few dozen times: skip 4 prefills' worth
 "$ncu" -k "regex:^($kernels)\$" --launch-skip 400 --launch-count 12 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section WarpStateStats \
     "$bin" bench speed --model "$ckpt" --dtype bfloat16 --shapes 64x256 --steps 2
