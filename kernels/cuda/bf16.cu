@@ -18,8 +18,12 @@
 #define BF16_BK 32       // inputs per stage
 #define BF16_PAIRS 16    // bf16 pairs of a stage's row
 #define BF16_PAD 20      // a staged row's u32 stride (conflict-free fragment loads, 16-byte aligned)
+#define SPLIT_SUM_ELEMENTS 4  // linear_bf16_split's last block: elements a thread adds at once
+#ifndef SPLIT_SUM_AHEAD
+#define SPLIT_SUM_AHEAD 8     // ... and each one's chunks it reads at once (a tuning constant, sources.rs)
+#endif
 #ifndef BF16_STAGES
-#define BF16_STAGES 4    // stages in shared memory (static: 4 · 10 KiB; a tuning constant, sources.rs)
+#define BF16_STAGES 4    // stages in shared memory (a tuning constant, sources.rs)
 #endif
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
@@ -31,23 +35,6 @@ extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int 
 // Whether rows of W and xb can be staged 16 bytes at a time (K a multiple of 8, both aligned).
 __device__ __forceinline__ bool bf16_rows_aligned(const u16* w, const u16* xb, int K) {
     return K % 8 == 0 && ((size_t)w | (size_t)xb) % 16 == 0;
-}
-
-// The 4 floats of x row r (of R, stride x_stride) at inputs k .. k + 4, rounded to bf16 and packed
-// in two pairs; zero past R and k_hi. `vector`: 16-byte aligned rows and k_hi a multiple of 4.
-__device__ __forceinline__ uint2 f32_pairs_bf16(const float* x, int r, int R, long long x_stride, int k, int k_hi,
-                                                bool vector) {
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (vector) {
-        if (r < R && k < k_hi) {
-            float4 f = *(const float4*)(x + (size_t)r * x_stride + k);
-            v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-        }
-    } else {
-        for (int p = 0; p < 4; p++)
-            if (r < R && k + p < k_hi) v[p] = x[(size_t)r * x_stride + k + p];
-    }
-    return make_uint2(bf16_bits(v[0]) | (bf16_bits(v[1]) << 16), bf16_bits(v[2]) | (bf16_bits(v[3]) << 16));
 }
 
 // The 8 bf16 of row r (of R, K long) at inputs k .. k + 8 into dst (4 u32), zero past R and k_hi.
@@ -66,16 +53,33 @@ __device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r
     }
 }
 
+// The 4 floats of x row r (of R, stride x_stride) at inputs k .. k + 4 into dst, zero past k_hi;
+// nothing past R (those rows are never multiplied into a kept output). `vector`: 16-byte aligned
+// rows and k_hi a multiple of 4, staged by cp.async; else element by element.
+__device__ __forceinline__ void f32_stage_chunk(float* dst, const float* x, int r, int R, long long x_stride, int k,
+                                                int k_hi, bool vector) {
+    if (r >= R) return;
+    if (vector) {
+        cp_async16(dst, k < k_hi ? x + (size_t)r * x_stride + k : x, k < k_hi);
+        return;
+    }
+    for (int p = 0; p < 4; p++) dst[p] = k + p < k_hi ? x[(size_t)r * x_stride + k + p] : 0.0f;
+}
+
 // A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64, eight
-// 16 × 8 products per step of 16 inputs (those past M skipped). x is read into registers a stage
-// ahead (its loads in flight while a stage is multiplied), rounded to bf16 once there and stored
-// as pairs beside W's. `chunk_out` set: each chunk's chains (k_lo and k_hi on chunk bounds) to
-// chunk_out[chunk · M · N + m · N + n]; else y as model.cu's `linear` writes it.
+// 16 × 8 products per step of 16 inputs (those past M skipped). Stages of W (bf16) and of x (f32)
+// go to shared memory by cp.async, all but one in flight while a stage is multiplied; a landed
+// stage of x is rounded to bf16 once, by the whole block, into the pairs the fragments read.
+// Dynamic shared memory (sources.rs bf16_tile_shared): BF16_STAGES × W rows, BF16_STAGES × x rows
+// in f32, and one stage of x in bf16 pairs. `chunk_out` set: each chunk's chains (k_lo and k_hi on
+// chunk bounds) to chunk_out[chunk · M · N + m · N + n]; else y as model.cu's `linear` writes it.
 __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long long x_stride, const u16* w,
                                                  const float* bias, int M, int N, int K, long long y_stride,
                                                  int accumulate, int k_lo, int k_hi, float* chunk_out) {
-    __shared__ __align__(16) u32 Ws[BF16_STAGES][BF16_TILE][BF16_PAD];
-    __shared__ __align__(16) u32 Xs[BF16_STAGES][BF16_TILE][BF16_PAD];
+    DYNAMIC_SHARED(u32, staged);
+    u32(*Ws)[BF16_TILE][BF16_PAD] = (u32(*)[BF16_TILE][BF16_PAD])staged;
+    float(*Xf)[BF16_TILE][BF16_BK] = (float(*)[BF16_TILE][BF16_BK])(staged + BF16_STAGES * BF16_TILE * BF16_PAD);
+    u32(*Xs)[BF16_PAD] = (u32(*)[BF16_PAD])(staged + BF16_STAGES * BF16_TILE * (BF16_PAD + BF16_BK));
     int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     float acc[8][4], total[8][4];
@@ -84,27 +88,31 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
     bool vector_w = bf16_rows_aligned(w, w, K);
     bool vector_x = K % 4 == 0 && x_stride % 4 == 0 && (size_t)x % 16 == 0;
     int stages = (k_hi - k_lo + BF16_BK - 1) / BF16_BK;
-    // W of stage s into its buffer by cp.async, in 256 chunks of 8 inputs (two a thread)
-    auto load_w = [&](int s) {
+    int rows = min(BF16_TILE, (M - m0 + 7) / 8 * 8);  // x rows the products read (whole groups of 8)
+    // stage s's W (256 chunks of 8 inputs) and x (512 chunks of 4) into its buffers, by cp.async
+    auto load = [&](int s) {
         int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 2; i++) {
             int c = tid + 128 * i, row = c / 4, part = c % 4;
             bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector_w);
         }
-    };
-    // x of stage s in 512 chunks of 4 inputs (four a thread), rounded, into registers; then stored
-    uint2 xr[4];
-    auto read_x = [&](int s) {
-        int k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 4; i++) {
             int c = tid + 128 * i, row = c / 8, part = c % 8;
-            xr[i] = f32_pairs_bf16(x, m0 + row, M, x_stride, k0 + 4 * part, k_hi, vector_x);
+            f32_stage_chunk(&Xf[buf][row][4 * part], x, m0 + row, M, x_stride, k0 + 4 * part, k_hi, vector_x);
         }
     };
-    auto store_x = [&](int s) {
+    // stage s's x rounded to bf16 pairs (zeros past M within the rows read)
+    auto round_x = [&](int s) {
+        int buf = s % BF16_STAGES;
         for (int i = 0; i < 4; i++) {
             int c = tid + 128 * i, row = c / 8, part = c % 8;
-            *(uint2*)&Xs[s % BF16_STAGES][row][2 * part] = xr[i];
+            if (row >= rows) break;
+            uint2 pairs = make_uint2(0u, 0u);
+            if (m0 + row < M) {
+                float4 f = *(const float4*)&Xf[buf][row][4 * part];
+                pairs = make_uint2(bf16_bits(f.x) | (bf16_bits(f.y) << 16), bf16_bits(f.z) | (bf16_bits(f.w) << 16));
+            }
+            *(uint2*)&Xs[row][2 * part] = pairs;
         }
     };
     // chunk `chunk`'s chains (acc) to chunk_out[chunk · M · N + m · N + n]
@@ -117,20 +125,16 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
             }
     };
     for (int s = 0; s < BF16_STAGES - 1; s++) {
-        if (s < stages) {
-            load_w(s);
-            read_x(s);
-            store_x(s);
-        }
+        if (s < stages) load(s);
         cp_async_commit();
     }
     for (int s = 0; s < stages; s++) {
-        int ahead = s + BF16_STAGES - 1;  // the stage loaded now, into stage s − 1's buffers
-        if (ahead < stages) read_x(ahead);
         cp_async_wait<BF16_STAGES - 2>();  // stage s has landed (this thread's part of it) ...
         __syncthreads();                   // ... every thread's, and stage s − 1 is multiplied
-        if (ahead < stages) load_w(ahead);
+        if (s + BF16_STAGES - 1 < stages) load(s + BF16_STAGES - 1);  // into stage s − 1's buffers
         cp_async_commit();
+        round_x(s);
+        __syncthreads();
         int k0 = k_lo + s * BF16_BK, buf = s % BF16_STAGES;
         if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0) {
             if (chunk_out) store_chunk(k0 / LINEAR_CHUNK - 1);  // the chunk just ended
@@ -148,13 +152,12 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
             a[2] = Ws[buf][r][kk + 4 + tig];
             a[3] = Ws[buf][r + 8][kk + 4 + tig];
             for (int j = 0; j < 8; j++) {
-                if (m0 + 8 * j >= M) break;  // the same for every lane of the warp
-                b[0] = Xs[buf][8 * j + gid][kk + tig];  // inputs 2(kk + tig), + 1 and + 8, + 9
-                b[1] = Xs[buf][8 * j + gid][kk + 4 + tig];
+                if (8 * j >= rows) break;  // the same for every lane of the warp
+                b[0] = Xs[8 * j + gid][kk + tig];  // inputs 2(kk + tig), + 1 and + 8, + 9
+                b[1] = Xs[8 * j + gid][kk + 4 + tig];
                 mma_bf16_16816(acc[j], a, b);
             }
         }
-        if (ahead < stages) store_x(ahead);  // its buffer was last read in stage s − 1
     }
     if (chunk_out) {
         store_chunk((k_hi - 1) / LINEAR_CHUNK);
@@ -300,15 +303,35 @@ extern "C" __global__ void __launch_bounds__(128, 4) linear_bf16_split(float* pa
     if (!last) return;
     __threadfence();
     int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE, chunks = (K + LINEAR_CHUNK - 1) / LINEAR_CHUNK;
-    for (int e = threadIdx.x; e < BF16_TILE * BF16_TILE; e += blockDim.x) {
-        int m = m0 + e / BF16_TILE, n = n0 + e % BF16_TILE;
-        if (m >= M || n >= N) continue;
-        const float* p = partial + (size_t)m * N + n;
-        float v = 0.0f;
-        for (int c = 0; c < chunks; c++) v += __ldcg(p + (size_t)c * M * N);
-        if (bias) v += bias[n];
-        float* dst = y + (size_t)m * y_stride + n;
-        *dst = accumulate ? *dst + v : v;
+    // each thread adds SPLIT_SUM_ELEMENTS elements at once, their chunks SPLIT_SUM_AHEAD at a time:
+    // that many loads in flight, each element's chains still added one after another from chunk 0
+    for (int e0 = threadIdx.x; e0 < BF16_TILE * BF16_TILE; e0 += SPLIT_SUM_ELEMENTS * blockDim.x) {
+        const float* p[SPLIT_SUM_ELEMENTS];
+        float v[SPLIT_SUM_ELEMENTS];
+        bool in[SPLIT_SUM_ELEMENTS];
+        for (int q = 0; q < SPLIT_SUM_ELEMENTS; q++) {
+            int e = e0 + q * blockDim.x, m = m0 + e / BF16_TILE, n = n0 + e % BF16_TILE;
+            in[q] = e < BF16_TILE * BF16_TILE && m < M && n < N;
+            p[q] = partial + (in[q] ? (size_t)m * N + n : 0);
+            v[q] = 0.0f;
+        }
+        for (int c0 = 0; c0 < chunks; c0 += SPLIT_SUM_AHEAD) {
+            float t[SPLIT_SUM_ELEMENTS][SPLIT_SUM_AHEAD];
+            for (int q = 0; q < SPLIT_SUM_ELEMENTS; q++)
+                for (int c = 0; c < SPLIT_SUM_AHEAD; c++)
+                    t[q][c] = in[q] && c0 + c < chunks ? __ldcg(p[q] + (size_t)(c0 + c) * M * N) : 0.0f;
+            for (int q = 0; q < SPLIT_SUM_ELEMENTS; q++)
+                for (int c = 0; c < SPLIT_SUM_AHEAD; c++)
+                    if (c0 + c < chunks) v[q] += t[q][c];
+        }
+        for (int q = 0; q < SPLIT_SUM_ELEMENTS; q++) {
+            if (!in[q]) continue;
+            int e = e0 + q * blockDim.x, m = m0 + e / BF16_TILE, n = n0 + e % BF16_TILE;
+            float r = v[q];
+            if (bias) r += bias[n];
+            float* dst = y + (size_t)m * y_stride + n;
+            *dst = accumulate ? *dst + r : r;
+        }
     }
     if (threadIdx.x == 0) arrivals[tile] = 0u;  // for the next product on this stream
 }

@@ -12,7 +12,7 @@
 //!   bits, within 1e-4 of a float64 product of the same bf16 values.
 
 use anyhow::{bail, Result};
-use kvflow_kernels::cuda::sources::{flash_shared, WIDE_SHARED};
+use kvflow_kernels::cuda::sources::{bf16_tile_shared, flash_shared, WIDE_SHARED};
 use kvflow_kernels::cuda::{bf16_bits, Arg, DeviceBuf, Gpu};
 
 const KV_HEADS: usize = 2;
@@ -296,7 +296,7 @@ pub fn bf16_product_outputs(
         Ok(gpu.download(&y, m * n)?)
     };
     let mut outputs = vec![
-        ("linear_bf16", run("linear_bf16", 64, 128, 0)?),
+        ("linear_bf16", run("linear_bf16", 64, 128, bf16_tile_shared())?),
         ("linear_bf16_wide", run("linear_bf16_wide", 128, 256, WIDE_SHARED)?),
     ];
     let chunks = k.div_ceil(256);
@@ -320,7 +320,7 @@ pub fn bf16_product_outputs(
             Arg::Ptr(counters),
             Arg::I32(group as i32),
         ];
-        Ok(gpu.launch("linear_bf16_split", grid, 128, 0, &args)?)
+        Ok(gpu.launch("linear_bf16_split", grid, 128, bf16_tile_shared(), &args)?)
     };
     split(0, 0, 1)?;
     let summed = sum_chunks(gpu, &partial, &bd, y0, (m, n, chunks))?;

@@ -6,7 +6,7 @@
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu, TILE_ARRIVALS};
 use super::launch::{blocks_for, Arg};
-use super::sources::{tuned, WIDE_SHARED};
+use super::sources::{bf16_tile_shared, tuned, WIDE_SHARED};
 
 /// Outputs at most this wide (`kernels/cuda/model.cu`'s NARROW_N) summed over at least
 /// [`NARROW_MIN_K`] inputs take `linear_narrow`: long chains on few blocks are what it avoids.
@@ -65,7 +65,7 @@ fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
     }
     let grid = (blocks_for(n, 64), blocks_for(m, 64));
     let chunks = k.div_ceil(LINEAR_CHUNK);
-    if (grid.0 * grid.1) < 2 * sms as u32 && chunks > 1 {
+    if (grid.0 * grid.1) < tuned("SPLIT_UNDER", 2) as u32 * sms as u32 && chunks > 1 {
         return LinearPlan::Split { chunks, grid: (grid.0, grid.1, chunks as u32) };
     }
     LinearPlan::Whole("linear_bf16", (grid.0, grid.1, 1))
@@ -179,19 +179,22 @@ impl Product {
             }
             LinearPlan::Whole(kernel, grid) => {
                 let head = [Arg::Ptr(self.y), Arg::Ptr(self.x), Arg::I64(self.x_stride as i64), Arg::Ptr(self.w)];
-                gpu.launch(kernel, grid, 128, 0, &[&head[..], &tail[..]].concat())
+                gpu.launch(kernel, grid, 128, bf16_tile_shared(), &[&head[..], &tail[..]].concat())
             }
             LinearPlan::Split { chunks, grid } => {
                 let partial = gpu.scratch::<f32>(chunks * m * n)?;
                 // the tile's last block adds its chunks where the device's counters cover the grid
-                let arrivals = gpu.tile_arrivals().filter(|_| (grid.0 * grid.1) as usize <= TILE_ARRIVALS);
+                // (unless SPLIT_SUM_LAUNCH: then linear_chunks_sum does)
+                let arrivals = gpu
+                    .tile_arrivals()
+                    .filter(|_| (grid.0 * grid.1) as usize <= TILE_ARRIVALS && tuned("SPLIT_SUM_LAUNCH", 0) == 0);
                 // a block runs `group` consecutive chunks (SPLIT_CHUNKS: the same chains either way)
                 let group = tuned("SPLIT_CHUNKS", 1) as usize;
                 gpu.launch(
                     "linear_bf16_split",
                     (grid.0, grid.1, chunks.div_ceil(group) as u32),
                     128,
-                    0,
+                    bf16_tile_shared(),
                     &[
                         Arg::Ptr(partial.ptr()),
                         Arg::Ptr(self.x),
