@@ -1,7 +1,5 @@
 // The bfloat16 products of the CUDA executor (`dtype = "bfloat16"`): weights in bf16, each
-// product's input rounded to bf16 (round to nearest even) as its fragments are built (64-square
-// tiles, no extra launch: decode) or once by `round_rows_bf16` (128-square tiles: prefill),
-// tensor-core matrix products (mma.sync m16n8k16, f32 accumulation), outputs and everything
+// product's input rounded to bf16 (round to nearest even) once by `round_rows_bf16`, tensor-core matrix products (mma.sync m16n8k16, f32 accumulation), outputs and everything
 // between products in f32. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // Batch invariance (DESIGN §6), as model.cu's `linear`: an element of y = x · Wᵀ is the sum, in
@@ -12,7 +10,8 @@
 //
 // Stages of 32 inputs of W and x go to shared memory by cp.async, all but one of them in flight
 // while a stage is multiplied (rows that are not 16-byte aligned are staged element by element,
-// the same values in the same places).
+// the same values in the same places): 64-square tiles of four warps (decode, and the skinny
+// products split by chunk), 128-square tiles of eight (prefill).
 
 #define BF16_TILE 64     // W rows and x rows of a block's tile
 #define BF16_BK 32       // inputs per stage
@@ -23,7 +22,7 @@
 #define SPLIT_SUM_AHEAD 8     // ... and each one's chunks it reads at once (a tuning constant, sources.rs)
 #endif
 #ifndef BF16_STAGES
-#define BF16_STAGES 4    // stages in shared memory (a tuning constant, sources.rs)
+#define BF16_STAGES 4    // stages in shared memory (static: 4 · 10 KiB; a tuning constant, sources.rs)
 #endif
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
@@ -53,66 +52,34 @@ __device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r
     }
 }
 
-// The 4 floats of x row r (of R, stride x_stride) at inputs k .. k + 4 into dst, zero past k_hi;
-// nothing past R (those rows are never multiplied into a kept output). `vector`: 16-byte aligned
-// rows and k_hi a multiple of 4, staged by cp.async; else element by element.
-__device__ __forceinline__ void f32_stage_chunk(float* dst, const float* x, int r, int R, long long x_stride, int k,
-                                                int k_hi, bool vector) {
-    if (r >= R) return;
-    if (vector) {
-        cp_async16(dst, k < k_hi ? x + (size_t)r * x_stride + k : x, k < k_hi);
-        return;
-    }
-    for (int p = 0; p < 4; p++) dst[p] = k + p < k_hi ? x[(size_t)r * x_stride + k + p] : 0.0f;
-}
-
 // A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64, eight
-// 16 × 8 products per step of 16 inputs (those past M skipped). Stages of W (bf16) and of x (f32)
-// go to shared memory by cp.async, all but one in flight while a stage is multiplied; a landed
-// stage of x is rounded to bf16 once, by the whole block, into the pairs the fragments read.
-// Dynamic shared memory (sources.rs bf16_tile_shared): BF16_STAGES × W rows, BF16_STAGES × x rows
-// in f32, and one stage of x in bf16 pairs. `chunk_out` set: each chunk's chains (k_lo and k_hi on
-// chunk bounds) to chunk_out[chunk · M · N + m · N + n]; else y as model.cu's `linear` writes it.
-__device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long long x_stride, const u16* w,
-                                                 const float* bias, int M, int N, int K, long long y_stride,
-                                                 int accumulate, int k_lo, int k_hi, float* chunk_out) {
-    DYNAMIC_SHARED(u32, staged);
-    u32(*Ws)[BF16_TILE][BF16_PAD] = (u32(*)[BF16_TILE][BF16_PAD])staged;
-    float(*Xf)[BF16_TILE][BF16_BK] = (float(*)[BF16_TILE][BF16_BK])(staged + BF16_STAGES * BF16_TILE * BF16_PAD);
-    u32(*Xs)[BF16_PAD] = (u32(*)[BF16_PAD])(staged + BF16_STAGES * BF16_TILE * (BF16_PAD + BF16_BK));
+// 16 × 8 products per step of 16 inputs (those past M skipped), x rounded to bf16 once before
+// (`round_rows_bf16`, as for linear_bf16_wide). Stages of W and x go to shared memory by
+// cp.async, all but one of them in flight while a stage is multiplied. `chunk_out` set: each
+// chunk's chains (k_lo and k_hi on chunk bounds) to chunk_out[chunk · M · N + m · N + n]; else y
+// as model.cu's `linear` writes it.
+__device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const u16* w, const float* bias, int M,
+                                                 int N, int K, long long y_stride, int accumulate, int k_lo, int k_hi,
+                                                 float* chunk_out) {
+    __shared__ __align__(16) u32 Ws[BF16_STAGES][BF16_TILE][BF16_PAD];
+    __shared__ __align__(16) u32 Xs[BF16_STAGES][BF16_TILE][BF16_PAD];
     int n0 = blockIdx.x * BF16_TILE, m0 = blockIdx.y * BF16_TILE;
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane / 4, tig = lane % 4;
     float acc[8][4], total[8][4];
     for (int j = 0; j < 8; j++)
         for (int c = 0; c < 4; c++) acc[j][c] = total[j][c] = 0.0f;
-    bool vector_w = bf16_rows_aligned(w, w, K);
-    bool vector_x = K % 4 == 0 && x_stride % 4 == 0 && (size_t)x % 16 == 0;
+    bool vector = bf16_rows_aligned(w, xb, K);
     int stages = (k_hi - k_lo + BF16_BK - 1) / BF16_BK;
     int rows = min(BF16_TILE, (M - m0 + 7) / 8 * 8);  // x rows the products read (whole groups of 8)
-    // stage s's W (256 chunks of 8 inputs) and x (512 chunks of 4) into its buffers, by cp.async
+    // stage s's W and x rows into its buffers by cp.async, each in 256 chunks of 8 inputs (x's
+    // rows past those read are not staged)
     auto load = [&](int s) {
         int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 2; i++) {
             int c = tid + 128 * i, row = c / 4, part = c % 4;
-            bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector_w);
-        }
-        for (int i = 0; i < 4; i++) {
-            int c = tid + 128 * i, row = c / 8, part = c % 8;
-            f32_stage_chunk(&Xf[buf][row][4 * part], x, m0 + row, M, x_stride, k0 + 4 * part, k_hi, vector_x);
-        }
-    };
-    // stage s's x rounded to bf16 pairs (zeros past M within the rows read)
-    auto round_x = [&](int s) {
-        int buf = s % BF16_STAGES;
-        for (int i = 0; i < 4; i++) {
-            int c = tid + 128 * i, row = c / 8, part = c % 8;
-            if (row >= rows) break;
-            uint2 pairs = make_uint2(0u, 0u);
-            if (m0 + row < M) {
-                float4 f = *(const float4*)&Xf[buf][row][4 * part];
-                pairs = make_uint2(bf16_bits(f.x) | (bf16_bits(f.y) << 16), bf16_bits(f.z) | (bf16_bits(f.w) << 16));
-            }
-            *(uint2*)&Xs[row][2 * part] = pairs;
+            bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector);
+            if (row < rows)
+                bf16_stage_chunk(&Xs[buf][row][4 * part], xb, m0 + row, M, K, k0 + 8 * part, k_hi, vector);
         }
     };
     // chunk `chunk`'s chains (acc) to chunk_out[chunk · M · N + m · N + n]
@@ -133,8 +100,6 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
         __syncthreads();                   // ... every thread's, and stage s − 1 is multiplied
         if (s + BF16_STAGES - 1 < stages) load(s + BF16_STAGES - 1);  // into stage s − 1's buffers
         cp_async_commit();
-        round_x(s);
-        __syncthreads();
         int k0 = k_lo + s * BF16_BK, buf = s % BF16_STAGES;
         if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0) {
             if (chunk_out) store_chunk(k0 / LINEAR_CHUNK - 1);  // the chunk just ended
@@ -153,8 +118,8 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const float* x, long 
             a[3] = Ws[buf][r + 8][kk + 4 + tig];
             for (int j = 0; j < 8; j++) {
                 if (8 * j >= rows) break;  // the same for every lane of the warp
-                b[0] = Xs[8 * j + gid][kk + tig];  // inputs 2(kk + tig), + 1 and + 8, + 9
-                b[1] = Xs[8 * j + gid][kk + 4 + tig];
+                b[0] = Xs[buf][8 * j + gid][kk + tig];  // inputs 2(kk + tig), + 1 and + 8, + 9
+                b[1] = Xs[buf][8 * j + gid][kk + 4 + tig];
                 mma_bf16_16816(acc[j], a, b);
             }
         }
@@ -275,11 +240,11 @@ extern "C" __global__ void __launch_bounds__(256) linear_bf16_wide(float* y, con
         linear_bf16_wide_tile<false>(y, xb, w, bias, M, N, K, y_stride, accumulate);
 }
 
-// y[m, n] = (accumulate ? y : 0) + (x[m] · W[n] + bias[n]), W bf16 [N × K], x f32 (row stride
-// x_stride); grid (N / 64, M / 64).
-extern "C" __global__ void linear_bf16(float* y, const float* x, long long x_stride, const u16* w, const float* bias,
-                                       int M, int N, int K, long long y_stride, int accumulate) {
-    linear_bf16_tile(y, x, x_stride, w, bias, M, N, K, y_stride, accumulate, 0, K, nullptr);
+// y[m, n] = (accumulate ? y : 0) + (xb[m] · W[n] + bias[n]), W and xb bf16 ([N × K], [M × K]);
+// grid (N / 64, M / 64).
+extern "C" __global__ void linear_bf16(float* y, const u16* xb, const u16* w, const float* bias, int M, int N, int K,
+                                       long long y_stride, int accumulate) {
+    linear_bf16_tile(y, xb, w, bias, M, N, K, y_stride, accumulate, 0, K, nullptr);
 }
 
 // The chains of `group` consecutive chunks of each 64 × 64 tile (blockIdx.z = chunk / group) to
@@ -288,11 +253,11 @@ extern "C" __global__ void linear_bf16(float* y, const float* x, long long x_str
 // the tile's chunks in order into y as model.cu's linear_chunks_sum does — the same operations
 // in the same order, whichever block it is — which saves that launch; without, the host
 // launches linear_chunks_sum.
-extern "C" __global__ void __launch_bounds__(128, 4) linear_bf16_split(float* partial, const float* x, long long x_stride, const u16* w, int M,
+extern "C" __global__ void __launch_bounds__(128, 4) linear_bf16_split(float* partial, const u16* xb, const u16* w, int M,
                                              int N, int K, float* y, const float* bias, long long y_stride,
                                              int accumulate, u32* arrivals, int group) {
     int k_lo = blockIdx.z * group * LINEAR_CHUNK, k_hi = min(K, k_lo + group * LINEAR_CHUNK);
-    linear_bf16_tile(nullptr, x, x_stride, w, nullptr, M, N, K, 0, 0, k_lo, k_hi, partial);
+    linear_bf16_tile(nullptr, xb, w, nullptr, M, N, K, 0, 0, k_lo, k_hi, partial);
     if (!arrivals) return;
     __shared__ int last;
     __threadfence();  // this block's chains are visible to the block that adds them ...

@@ -12,7 +12,7 @@
 //!   bits, within 1e-4 of a float64 product of the same bf16 values.
 
 use anyhow::{bail, Result};
-use kvflow_kernels::cuda::sources::{bf16_tile_shared, flash_shared, WIDE_SHARED};
+use kvflow_kernels::cuda::sources::{flash_shared, WIDE_SHARED};
 use kvflow_kernels::cuda::{bf16_bits, Arg, DeviceBuf, Gpu};
 
 const KV_HEADS: usize = 2;
@@ -260,8 +260,8 @@ fn attention_case(gpu: &Gpu, heads: Heads, failures: &mut Vec<String>) -> Result
 }
 
 /// `y0 + x · Wᵀ + bias` (`m × n` over `k`, W bf16) through every bf16 product kernel, each from a
-/// fresh copy of `y0`: `linear_bf16` (x in f32), `linear_bf16_wide` (x rounded by
-/// `round_rows_bf16`), `linear_bf16_split` summed by `linear_chunks_sum`, and by each tile's last
+/// fresh copy of `y0`, all from x rounded once by `round_rows_bf16`: `linear_bf16`,
+/// `linear_bf16_wide`, `linear_bf16_split` summed by `linear_chunks_sum`, and by each tile's last
 /// block twice (the counters left zeroed by the first), then with two chunks a block. Each output
 /// with the kernel's name.
 pub fn bf16_product_outputs(
@@ -284,19 +284,16 @@ pub fn bf16_product_outputs(
         Arg::I64(n as i64),
         Arg::I32(1),
     ];
-    // linear_bf16 reads x in f32 (rounding it as it goes), linear_bf16_wide the rounded copy
+    // every kernel reads the copy of x rounded once
     let run = |kernel: &str, tile: usize, threads: u32, shared: u32| -> Result<Vec<f32>> {
         let y = gpu.upload(y0)?;
-        let head = match kernel {
-            "linear_bf16_wide" => vec![Arg::Ptr(y.ptr()), Arg::Ptr(xb.ptr()), Arg::Ptr(wd.ptr())],
-            _ => vec![Arg::Ptr(y.ptr()), Arg::Ptr(xd.ptr()), Arg::I64(k as i64), Arg::Ptr(wd.ptr())],
-        };
+        let head = [Arg::Ptr(y.ptr()), Arg::Ptr(xb.ptr()), Arg::Ptr(wd.ptr())];
         let grid = (n.div_ceil(tile) as u32, m.div_ceil(tile) as u32, 1);
         gpu.launch(kernel, grid, threads, shared, &[&head[..], &tail[..]].concat())?;
         Ok(gpu.download(&y, m * n)?)
     };
     let mut outputs = vec![
-        ("linear_bf16", run("linear_bf16", 64, 128, bf16_tile_shared())?),
+        ("linear_bf16", run("linear_bf16", 64, 128, 0)?),
         ("linear_bf16_wide", run("linear_bf16_wide", 128, 256, WIDE_SHARED)?),
     ];
     let chunks = k.div_ceil(256);
@@ -307,8 +304,7 @@ pub fn bf16_product_outputs(
         let grid = (n.div_ceil(64) as u32, m.div_ceil(64) as u32, chunks.div_ceil(group) as u32);
         let args = [
             Arg::Ptr(partial.ptr()),
-            Arg::Ptr(xd.ptr()),
-            Arg::I64(k as i64),
+            Arg::Ptr(xb.ptr()),
             Arg::Ptr(wd.ptr()),
             Arg::I32(m as i32),
             Arg::I32(n as i32),
@@ -320,7 +316,7 @@ pub fn bf16_product_outputs(
             Arg::Ptr(counters),
             Arg::I32(group as i32),
         ];
-        Ok(gpu.launch("linear_bf16_split", grid, 128, bf16_tile_shared(), &args)?)
+        Ok(gpu.launch("linear_bf16_split", grid, 128, 0, &args)?)
     };
     split(0, 0, 1)?;
     let summed = sum_chunks(gpu, &partial, &bd, y0, (m, n, chunks))?;

@@ -6,7 +6,7 @@
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu, TILE_ARRIVALS};
 use super::launch::{blocks_for, Arg};
-use super::sources::{bf16_tile_shared, tuned, WIDE_SHARED};
+use super::sources::{tuned, WIDE_SHARED};
 
 /// Outputs at most this wide (`kernels/cuda/model.cu`'s NARROW_N) summed over at least
 /// [`NARROW_MIN_K`] inputs take `linear_narrow`: long chains on few blocks are what it avoids.
@@ -157,29 +157,26 @@ impl Product {
             Arg::I64(self.y_stride as i64),
             Arg::I32(self.accumulate as i32),
         ];
+        // every bf16 kernel reads the input rounded to bf16 once, [m × k]
+        let xb = gpu.scratch::<u16>(m * k)?;
+        gpu.launch(
+            "round_rows_bf16",
+            (m as u32, blocks_for(k, 256), 1),
+            256,
+            0,
+            &[
+                Arg::Ptr(xb.ptr()),
+                Arg::Ptr(self.x),
+                Arg::I32(m as i32),
+                Arg::I32(k as i32),
+                Arg::I64(self.x_stride as i64),
+            ],
+        )?;
+        let head = [Arg::Ptr(self.y), Arg::Ptr(xb.ptr()), Arg::Ptr(self.w)];
         match bf16_plan(gpu.sms, m, n, k) {
-            LinearPlan::Whole("linear_bf16_wide", grid) => {
-                // the input rounded to bf16 once, [m × k], for the ldmatrix fragments
-                let xb = gpu.scratch::<u16>(m * k)?;
-                gpu.launch(
-                    "round_rows_bf16",
-                    (m as u32, blocks_for(k, 256), 1),
-                    256,
-                    0,
-                    &[
-                        Arg::Ptr(xb.ptr()),
-                        Arg::Ptr(self.x),
-                        Arg::I32(m as i32),
-                        Arg::I32(k as i32),
-                        Arg::I64(self.x_stride as i64),
-                    ],
-                )?;
-                let args = [&[Arg::Ptr(self.y), Arg::Ptr(xb.ptr()), Arg::Ptr(self.w)], &tail[..]].concat();
-                gpu.launch("linear_bf16_wide", grid, 256, WIDE_SHARED, &args)
-            }
             LinearPlan::Whole(kernel, grid) => {
-                let head = [Arg::Ptr(self.y), Arg::Ptr(self.x), Arg::I64(self.x_stride as i64), Arg::Ptr(self.w)];
-                gpu.launch(kernel, grid, 128, bf16_tile_shared(), &[&head[..], &tail[..]].concat())
+                let (threads, shared) = if kernel == "linear_bf16_wide" { (256, WIDE_SHARED) } else { (128, 0) };
+                gpu.launch(kernel, grid, threads, shared, &[&head[..], &tail[..]].concat())
             }
             LinearPlan::Split { chunks, grid } => {
                 let partial = gpu.scratch::<f32>(chunks * m * n)?;
@@ -187,18 +184,17 @@ impl Product {
                 // (unless SPLIT_SUM_LAUNCH: then linear_chunks_sum does)
                 let arrivals = gpu
                     .tile_arrivals()
-                    .filter(|_| (grid.0 * grid.1) as usize <= TILE_ARRIVALS && tuned("SPLIT_SUM_LAUNCH", 0) == 0);
+                    .filter(|_| (grid.0 * grid.1) as usize <= TILE_ARRIVALS && tuned("SPLIT_SUM_LAUNCH", 1) == 0);
                 // a block runs `group` consecutive chunks (SPLIT_CHUNKS: the same chains either way)
                 let group = tuned("SPLIT_CHUNKS", 1) as usize;
                 gpu.launch(
                     "linear_bf16_split",
                     (grid.0, grid.1, chunks.div_ceil(group) as u32),
                     128,
-                    bf16_tile_shared(),
+                    0,
                     &[
                         Arg::Ptr(partial.ptr()),
-                        Arg::Ptr(self.x),
-                        Arg::I64(self.x_stride as i64),
+                        Arg::Ptr(xb.ptr()),
                         Arg::Ptr(self.w),
                         Arg::I32(m as i32),
                         Arg::I32(n as i32),

@@ -21,10 +21,8 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// The dynamic shared memory a kernel takes where it may be more than a launch may take without
 /// asking (48 KiB): the device raises the kernel's limit to it when it loads the kernel.
 pub fn large_shared(kernel: &str) -> Option<u32> {
-    match kernel {
-        "linear_bf16_wide" => return Some(WIDE_SHARED),
-        "linear_bf16" | "linear_bf16_split" => return Some(bf16_tile_shared()),
-        _ => {}
+    if kernel == "linear_bf16_wide" {
+        return Some(WIDE_SHARED);
     }
     let base = kernel.strip_prefix("flash_attention_")?;
     let (width, one_warp) = match base.strip_suffix("x1") {
@@ -48,14 +46,6 @@ pub fn flash_shared(width: usize, one_warp: bool) -> u32 {
 /// source's own).
 pub fn tuned(name: &str, default: i64) -> i64 {
     TUNING.get().and_then(|v| v.iter().find(|(n, _)| n == name).map(|(_, x)| *x)).unwrap_or(default)
-}
-
-/// `kernels/cuda/bf16.cu`'s 64-square tiles (linear_bf16, linear_bf16_split): BF16_STAGES (default
-/// 4) × 64 W rows of 20 u32 (bf16 pairs and padding) and × 64 x rows of 32 f32, and one stage of x
-/// in bf16 pairs (64 rows of 20 u32).
-pub fn bf16_tile_shared() -> u32 {
-    let stages = tuned("BF16_STAGES", 4) as u32;
-    (stages * 64 * (20 + 32) + 64 * 20) * 4
 }
 
 /// `kernels/cuda/bf16.cu`'s linear_bf16_wide: WIDE_STAGES (3) × (128 W rows + 128 x rows) ×
@@ -136,7 +126,7 @@ pub const TUNABLES: &[Tunable] = &[
         lo: 0,
         hi: 1,
         host: true,
-        what: "product.rs: 1 adds a split product's chunks in a launch of their own (default 0: the tile's last block)",
+        what: "product.rs: 0 has the last block of a split product's tile add its chunks (default 1: linear_chunks_sum, a launch of their own)",
     },
     Tunable {
         name: "SPLIT_UNDER",
