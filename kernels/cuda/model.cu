@@ -240,7 +240,8 @@ extern "C" __global__ void linear_chunks_sum(float* y, const float* partial, con
     int m = i / N, n = i % N;
     const float* p = partial + (size_t)z * chunks * M * N + i;
     float v = 0.0f;
-    for (int c = 0; c < chunks; c++) v += p[(size_t)c * M * N];
+#pragma unroll 8
+    for (int c = 0; c < chunks; c++) v += p[(size_t)c * M * N];  // (the loads of 8 chunks in flight)
     if (bias) v += bias[n];
     float* dst = y + (size_t)z * y_batch + (size_t)m * y_stride + n;
     *dst = accumulate ? *dst + v : v;
