@@ -5,7 +5,9 @@
 # (the device machine reaches no registry): fla-core and flash-linear-attention 0.6.0, the
 # flash-linear-attention kernels transformers' kimi_linear binds when importable, and einops
 # 0.8.2, fla-core's one requirement beside torch and triton (both on the device). Downloaded once.
-#     bash benches/device/prepare.sh [--wheels-only]
+#     bash benches/device/prepare.sh [--wheels-only] [--also COMMIT]
+# --also COMMIT builds that commit too (in a worktree under target/, sharing this target folder's
+# dependencies) into .device-bin/kvflow-COMMIT, for sweep.sh's `at=COMMIT` variants.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .device-bin/wheels
@@ -25,6 +27,17 @@ for w in "${wheels[@]}"; do
 done
 echo "wheels: $(ls .device-bin/wheels | tr '\n' ' ')"
 [ "${1:-}" = "--wheels-only" ] && exit 0
+if [ "${1:-}" = "--also" ]; then
+    [ -n "${2:-}" ] || { echo "--also takes a commit" >&2; exit 2; }
+    also=$(git rev-parse --short "$2^{commit}") || { echo "--also $2: not a commit here" >&2; exit 2; }
+    tree="target/also-$also"
+    [ -d "$tree" ] || git worktree add --detach "$tree" "$also" >/dev/null
+    (cd "$tree" && CARGO_TARGET_DIR="$PWD/../also-target" cargo build --release --locked --bin kvflow)
+    cp "target/also-target/release/kvflow" ".device-bin/kvflow-$also"
+    strip ".device-bin/kvflow-$also"
+    echo "ready: .device-bin/kvflow-$also (sweep.sh variants with at=$also)"
+    shift 2
+fi
 cargo build --release --locked
 cp target/release/kvflow .device-bin/kvflow
 strip .device-bin/kvflow

@@ -8,6 +8,9 @@
 #     bash benches/device/sweep.sh "" "BF16_STAGES=3" "FA_X1_STAGES=3 SPLIT_CHUNKS=2" ...
 # With no variant named it runs the defaults and then each constant one step away from its
 # default (about a minute a variant on the H200: the NVRTC compile, the checks, three shapes).
+# A setting `at=COMMIT` runs that variant on the build of an earlier commit, put beside the
+# current one by `bash benches/device/prepare.sh --also COMMIT` (.device-bin/kvflow-COMMIT): the
+# figures of a change and of what it replaced from the same call.
 # SWEEP_SHAPES (default 64x256,1x256,16x4096), SWEEP_STEPS (default 8), SWEEP_BUDGET_S (default
 # 540: a variant that would start past it is skipped, saying so). Raw output goes to
 # $OUT/sweep-run.txt (or ./sweep-run.txt). A rehearsal without a GPU (the script's own logic):
@@ -33,13 +36,21 @@ for variant in "$@"; do
     elapsed=$(( $(date +%s) - start ))
     name=${variant:-defaults}
     if [ "$elapsed" -ge "$budget" ]; then echo "== $name: skipped, $elapsed s of $budget s gone"; status=1; continue; fi
-    tune=()
-    for setting in $variant; do tune+=(--tune "$setting"); done
+    tune=() run=$bin
+    for setting in $variant; do
+        case "$setting" in
+            at=*) run=.device-bin/kvflow-${setting#at=} ;;
+            *) tune+=(--tune "$setting") ;;
+        esac
+    done
+    if [ ! -x "$run" ]; then
+        echo "== $name: no $run (bash benches/device/prepare.sh --also COMMIT builds it)"; status=1; summary+=("$name: no $run"); continue
+    fi
     echo "== $name [$elapsed s]"
-    if ! "$bin" bench kernels "${tune[@]}" "${emulate[@]}"; then
+    if ! "$run" bench kernels "${tune[@]}" "${emulate[@]}"; then
         echo "== $name: the kernel checks failed, not timed"; status=1; summary+=("$name: kernel checks FAILED"); continue
     fi
-    "$bin" bench speed --model "$ckpt" --dtype bfloat16 --shapes "$shapes" --steps "$steps" "${tune[@]}" "${emulate[@]}" > /tmp/sweep-speed.txt 2>&1
+    "$run" bench speed --model "$ckpt" --dtype bfloat16 --shapes "$shapes" --steps "$steps" "${tune[@]}" "${emulate[@]}" > /tmp/sweep-speed.txt 2>&1
     rc=$?
     cat /tmp/sweep-speed.txt
     [ "$rc" = 0 ] || { status=1; summary+=("$name: bench speed exit status $rc"); continue; }
