@@ -6,8 +6,9 @@
 # flash-linear-attention kernels transformers' kimi_linear binds when importable, and einops
 # 0.8.2, fla-core's one requirement beside torch and triton (both on the device). Downloaded once.
 #     bash benches/device/prepare.sh [--wheels-only] [--also COMMIT]
-# --also COMMIT builds that commit too (in a worktree under target/, sharing this target folder's
-# dependencies) into .device-bin/kvflow-COMMIT, for sweep.sh's `at=COMMIT` variants.
+# --also COMMIT builds that commit too (in a worktree under target/, into a target folder of its
+# own: the first build compiles every dependency) into .device-bin/kvflow-COMMIT, for sweep.sh's
+# `at=COMMIT` variants; other commits' builds there are removed (a device call carries 64 MiB).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .device-bin/wheels
@@ -31,8 +32,10 @@ if [ "${1:-}" = "--also" ]; then
     [ -n "${2:-}" ] || { echo "--also takes a commit" >&2; exit 2; }
     also=$(git rev-parse --short "$2^{commit}") || { echo "--also $2: not a commit here" >&2; exit 2; }
     tree="target/also-$also"
+    git worktree prune  # (a worktree whose folder went with target/ is forgotten)
     [ -d "$tree" ] || git worktree add --detach "$tree" "$also" >/dev/null
     (cd "$tree" && CARGO_TARGET_DIR="$PWD/../also-target" cargo build --release --locked --bin kvflow)
+    find .device-bin -maxdepth 1 -name 'kvflow-*' ! -name "kvflow-$also" -delete
     cp "target/also-target/release/kvflow" ".device-bin/kvflow-$also"
     strip ".device-bin/kvflow-$also"
     echo "ready: .device-bin/kvflow-$also (sweep.sh variants with at=$also)"

@@ -123,11 +123,8 @@ pub enum BenchCommand {
         /// transformers_bf16_gap.py): the bf16 check allows max(5e-2, twice that gap).
         #[arg(long, default_value = "benches/results/2026-12-03-h200-transformers-bf16-gap.json")]
         bf16_gap: PathBuf,
-        /// Sets a kernel tuning constant for this run (repeatable): BF16_STAGES (2-4),
-        /// SPLIT_CHUNKS (1-8), FA_STAGES and FA_X1_STAGES (2-4), FA_MERGE_AHEAD (1-64),
-        /// FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see kernels/src/cuda/sources.rs
-        /// TUNABLES. None changes a value's bits (`bench kernels --tune` checks it).
-        #[arg(long = "tune", value_name = "NAME=VALUE")]
+        /// Sets a kernel tuning constant for this run (repeatable); None changes a value's bits.
+        #[arg(long = "tune", value_name = "NAME=VALUE", long_help = tuning_help())]
         tune: Vec<String>,
     },
     /// The tensor-core kernels' own checks alone (a row's attention and a product's elements
@@ -178,11 +175,8 @@ pub enum BenchCommand {
         /// The products' weights: float32, bfloat16 or both (one after the other).
         #[arg(long, default_value = "both", value_parser = ["float32", "bfloat16", "both"])]
         dtype: String,
-        /// Sets a kernel tuning constant for this run (repeatable): BF16_STAGES (2-4),
-        /// SPLIT_CHUNKS (1-8), FA_STAGES and FA_X1_STAGES (2-4), FA_MERGE_AHEAD (1-64),
-        /// FA_MIN_BLOCKS (1-4), FA_X1_MIN_BLOCKS (1-16); see kernels/src/cuda/sources.rs
-        /// TUNABLES. None changes a value's bits (`bench kernels --tune` checks it).
-        #[arg(long = "tune", value_name = "NAME=VALUE")]
+        /// Sets a kernel tuning constant for this run (repeatable); None changes a value's bits.
+        #[arg(long = "tune", value_name = "NAME=VALUE", long_help = tuning_help())]
         tune: Vec<String>,
     },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
@@ -248,6 +242,19 @@ pub fn run(what: BenchCommand) -> Result<()> {
 
 fn parse_bytes(text: &str) -> Result<u64, String> {
     kvflow::graph::parse_byte_size(text)
+}
+
+/// `--tune`'s long help: every tuning constant with its range and what it sets
+/// (kernels/src/cuda/sources.rs TUNABLES).
+fn tuning_help() -> String {
+    let mut help = String::from(
+        "Sets a kernel tuning constant for this run (repeatable). None changes a value's bits \
+         (`bench kernels --tune` checks it). The constants (kernels/src/cuda/sources.rs TUNABLES):",
+    );
+    for t in kvflow_kernels::cuda::sources::TUNABLES {
+        help.push_str(&format!("\n  {} ({}-{}): {}", t.name, t.lo, t.hi, t.what));
+    }
+    help
 }
 
 /// The kernels' tuning constants of `--tune`, printed when any is set.

@@ -53,11 +53,10 @@ fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan
     LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
-/// A bf16 product (`kernels/cuda/bf16.cu`): 128-square tiles of eight warps (their input rounded
-/// once by `round_rows_bf16`) where they give every SM two blocks, else 64-square tiles of four
-/// warps (rounding their input as they read it),
-/// split by chunk of k while those would leave SMs without two blocks; all give an element the
-/// same chains.
+/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`): 128-square
+/// tiles of eight warps where they give every SM two blocks, else 64-square tiles of four warps,
+/// split by chunk of k while those would leave SMs without SPLIT_UNDER (2) blocks; all give an
+/// element the same chains.
 fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
     let wide = (blocks_for(n, 128), blocks_for(m, 128));
     if wide.0 * wide.1 >= 2 * sms as u32 {
