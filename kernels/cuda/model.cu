@@ -29,9 +29,11 @@ extern "C" __global__ void embed_rows(float* out, const float* table, const u32*
 
 // RMSNorm of `rows` vectors of `dim` floats, in place or not: vector j sits at
 // (j / per_row) * row_stride + offset + (j % per_row) * dim. Thread t sums squares of
-// t, t + blockDim, ... in order; a fixed shared-memory tree adds the partial sums.
+// t, t + blockDim, ... in order; a fixed shared-memory tree adds the partial sums. With
+// `out_bf16`, vector j is also written rounded to bf16 at out_bf16[j · dim ..] (a bf16 product's
+// input, so that it needs no `round_rows_bf16` of its own).
 extern "C" __global__ void rms_norm(float* out, const float* in, const float* weight, int dim, int per_row,
-                                    long long row_stride, int offset, float eps) {
+                                    long long row_stride, int offset, float eps, u16* out_bf16) {
     DYNAMIC_SHARED(float, partial);
     int j = blockIdx.x;
     size_t base = (size_t)(j / per_row) * row_stride + offset + (size_t)(j % per_row) * dim;
@@ -46,7 +48,11 @@ extern "C" __global__ void rms_norm(float* out, const float* in, const float* we
     }
     float inv = 1.0f / sqrtf(partial[0] / (float)dim + eps);
     float* y = out + base;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) y[i] = weight[i] * (x[i] * inv);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = weight[i] * (x[i] * inv);
+        y[i] = v;
+        if (out_bf16) out_bf16[(size_t)j * dim + i] = (u16)bf16_bits(v);
+    }
 }
 
 // Rotary embedding of `heads` heads per row, head h of row r at r * row_stride + offset +
@@ -402,12 +408,15 @@ extern "C" __global__ void expert_linear_bf16(float* y, const float* x, const u1
     expert_products(y, x, w, order, offsets, work, per_item, N, K, x_per);
 }
 
-// act[r, i] = silu(gu[r, i]) · gu[r, inter + i]
-extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int inter) {
+// act[r, i] = silu(gu[r, i]) · gu[r, inter + i]; with `act_bf16`, also rounded to bf16 there (the
+// down product's input, as rms_norm's out_bf16).
+extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int inter, u16* act_bf16) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * inter) return;
     size_t r = i / inter, c = i % inter;
-    act[i] = silu(gu[r * 2 * inter + c]) * gu[r * 2 * inter + inter + c];
+    float v = silu(gu[r * 2 * inter + c]) * gu[r * 2 * inter + inter + c];
+    act[i] = v;
+    if (act_bf16) act_bf16[i] = (u16)bf16_bits(v);
 }
 
 #define KEYS_AT_ONCE 4

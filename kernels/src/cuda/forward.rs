@@ -69,17 +69,22 @@ impl DeviceModel {
             ],
         )?;
         let x = gpu.scratch::<f32>(t * hidden)?;
+        // x rounded to bf16 by the norm that writes it, where a bf16 product reads it next
+        let x_bf16 = gpu.scratch::<u16>(t * hidden)?;
+        let rounded_for = |bf16: bool| if bf16 { x_bf16.ptr() } else { 0 };
         for layer in &self.layers {
-            s.norm(x.ptr(), h.ptr(), &layer.input_norm, t, 1, hidden, 0)?;
+            let mixer_bf16 = rounded_for(matches!(&layer.mixer, DevMixer::Gqa(a) if a.qkv.w.is_bf16()));
+            s.norm_rows(x.ptr(), mixer_bf16, h.ptr(), &layer.input_norm, t)?;
             match &layer.mixer {
-                DevMixer::Gqa(a) => s.gqa(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
+                DevMixer::Gqa(a) => s.gqa(h.ptr(), x.ptr(), mixer_bf16, a, layer.kv_layer, hidden)?,
                 DevMixer::Mla(a) => s.mla(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
                 DevMixer::Gdn(g) => s.gdn(h.ptr(), x.ptr(), g, layer.state_offset, hidden)?,
                 DevMixer::Kda(k) => s.kda(h.ptr(), x.ptr(), k, layer.state_offset, hidden)?,
             }
-            s.norm(x.ptr(), h.ptr(), &layer.post_norm, t, 1, hidden, 0)?;
+            let ffn_bf16 = rounded_for(matches!(&layer.ffn, DevFfn::Dense(m) if m.gate_up.w.is_bf16()));
+            s.norm_rows(x.ptr(), ffn_bf16, h.ptr(), &layer.post_norm, t)?;
             match &layer.ffn {
-                DevFfn::Dense(m) => s.mlp(h.ptr(), x.ptr(), m, t, hidden, true)?,
+                DevFfn::Dense(m) => s.mlp(h.ptr(), x.ptr(), ffn_bf16, m, t, hidden, true)?,
                 DevFfn::Moe(m) => s.moe(h.ptr(), x.ptr(), m, hidden)?,
             }
         }
@@ -95,9 +100,14 @@ impl DeviceModel {
             0,
             &[Arg::Ptr(last.ptr()), Arg::Ptr(h.ptr()), Arg::Ptr(at.logit_rows), Arg::I32(hidden as i32)],
         )?;
-        s.norm(last.ptr(), last.ptr(), &self.final_norm, n, 1, hidden, 0)?;
+        let last_bf16 = match self.lm_head.w.is_bf16() {
+            true => Some(gpu.scratch::<u16>(n * hidden)?),
+            false => None,
+        };
+        let last_bf16_ptr = last_bf16.as_ref().map_or(0, DeviceBuf::ptr);
+        s.norm_rows(last.ptr(), last_bf16_ptr, last.ptr(), &self.final_norm, n)?;
         let logits = gpu.scratch::<f32>(n * self.vocab)?;
-        s.linear(logits.ptr(), last.ptr(), &self.lm_head, n, hidden, self.vocab, false)?;
+        s.linear_rounded(logits.ptr(), last.ptr(), last_bf16_ptr, &self.lm_head, n, hidden, self.vocab, false)?;
         gpu.launch(
             "sample_greedy",
             (n as u32, 1, 1),

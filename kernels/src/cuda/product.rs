@@ -74,6 +74,8 @@ fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
 pub(super) struct Product {
     pub y: u64,
     pub x: u64,
+    /// x already rounded to bf16, `m × k` rows of `k` (0: none; a bf16 product rounds x itself).
+    pub x_bf16: u64,
     pub w: u64,
     /// W holds bf16 (`kernels/cuda/bf16.cu`), else f32.
     pub bf16: bool,
@@ -156,22 +158,29 @@ impl Product {
             Arg::I64(self.y_stride as i64),
             Arg::I32(self.accumulate as i32),
         ];
-        // every bf16 kernel reads the input rounded to bf16 once, [m × k]
-        let xb = gpu.scratch::<u16>(m * k)?;
-        gpu.launch(
-            "round_rows_bf16",
-            (m as u32, blocks_for(k, 256), 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(xb.ptr()),
-                Arg::Ptr(self.x),
-                Arg::I32(m as i32),
-                Arg::I32(k as i32),
-                Arg::I64(self.x_stride as i64),
-            ],
-        )?;
-        let head = [Arg::Ptr(self.y), Arg::Ptr(xb.ptr()), Arg::Ptr(self.w)];
+        // every bf16 kernel reads the input rounded to bf16 once, [m × k]: by its producer, or here
+        let rounded;
+        let xb = match self.x_bf16 {
+            0 => {
+                rounded = gpu.scratch::<u16>(m * k)?;
+                gpu.launch(
+                    "round_rows_bf16",
+                    (m as u32, blocks_for(k, 256), 1),
+                    256,
+                    0,
+                    &[
+                        Arg::Ptr(rounded.ptr()),
+                        Arg::Ptr(self.x),
+                        Arg::I32(m as i32),
+                        Arg::I32(k as i32),
+                        Arg::I64(self.x_stride as i64),
+                    ],
+                )?;
+                rounded.ptr()
+            }
+            given => given,
+        };
+        let head = [Arg::Ptr(self.y), Arg::Ptr(xb), Arg::Ptr(self.w)];
         match bf16_plan(gpu.sms, m, n, k) {
             LinearPlan::Whole(kernel, grid) => {
                 let (threads, shared) = if kernel == "linear_bf16_wide" { (256, WIDE_SHARED) } else { (128, 0) };
@@ -193,7 +202,7 @@ impl Product {
                     0,
                     &[
                         Arg::Ptr(partial.ptr()),
-                        Arg::Ptr(xb.ptr()),
+                        Arg::Ptr(xb),
                         Arg::Ptr(self.w),
                         Arg::I32(m as i32),
                         Arg::I32(n as i32),

@@ -42,14 +42,24 @@ pub(crate) fn upload(gpu: &Up, a: &GqaAttention) -> Result<DevGqa, CudaError> {
 }
 
 impl Step<'_> {
-    pub(crate) fn gqa(&self, h: u64, x: u64, a: &DevGqa, kv_layer: usize, hidden: usize) -> Result<(), CudaError> {
+    /// The attention block, its output added into `h`; `x_bf16`: x rounded to bf16, or 0.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gqa(
+        &self,
+        h: u64,
+        x: u64,
+        x_bf16: u64,
+        a: &DevGqa,
+        kv_layer: usize,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
         let (t, d) = (self.rows, a.head_dim);
         let (qw, kw) = (a.q_heads * d, a.kv_heads * d);
         // with the output gate, q_proj's part is [query | gate] per head
         let qp = if a.output_gate { 2 * qw } else { qw };
         let width = qp + 2 * kw;
         let qkv = self.gpu.scratch::<f32>(t * width)?;
-        self.linear(qkv.ptr(), x, &a.qkv, t, hidden, width, false)?;
+        self.linear_rounded(qkv.ptr(), x, x_bf16, &a.qkv, t, hidden, width, false)?;
         // queries: in place in `qkv` (stride `width`), or split from their gates (stride `qw`)
         let split = if a.output_gate {
             let (q, gate) = (self.gpu.scratch::<f32>(t * qw)?, self.gpu.scratch::<f32>(t * qw)?);

@@ -75,9 +75,27 @@ impl Step<'_> {
         y_stride: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
+        self.linear_rounded(y, x, 0, l, m, x_stride, y_stride, accumulate)
+    }
+
+    /// [`Step::linear`] given also x rounded to bf16 (`x_bf16`, `m × k` rows of `k`, or 0), which a
+    /// bf16 product then reads instead of rounding x itself.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear_rounded(
+        &self,
+        y: u64,
+        x: u64,
+        x_bf16: u64,
+        l: &DevLinear,
+        m: usize,
+        x_stride: usize,
+        y_stride: usize,
+        accumulate: bool,
+    ) -> Result<(), CudaError> {
         Product {
             y,
             x,
+            x_bf16,
             w: l.w.ptr(),
             bf16: l.w.is_bf16(),
             bias: l.bias.as_ref().map_or(0, DeviceBuf::ptr),
@@ -113,6 +131,7 @@ impl Step<'_> {
         Product {
             y,
             x,
+            x_bf16: 0,
             w,
             bf16: false,
             bias: 0,
@@ -142,6 +161,27 @@ impl Step<'_> {
         row_stride: usize,
         offset: usize,
     ) -> Result<(), CudaError> {
+        self.norm_into(out, 0, x, n, count, per_row, row_stride, offset)
+    }
+
+    /// RMSNorm of `rows` whole rows of `x` into `out` and, unless `out_bf16` is 0, rounded to bf16
+    /// there too (`rows × dim`: the input of the bf16 products that read `out`).
+    pub(crate) fn norm_rows(&self, out: u64, out_bf16: u64, x: u64, n: &DevNorm, rows: usize) -> Result<(), CudaError> {
+        self.norm_into(out, out_bf16, x, n, rows, 1, n.dim, 0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_into(
+        &self,
+        out: u64,
+        out_bf16: u64,
+        x: u64,
+        n: &DevNorm,
+        count: usize,
+        per_row: usize,
+        row_stride: usize,
+        offset: usize,
+    ) -> Result<(), CudaError> {
         let threads = reduce_threads(n.dim);
         self.gpu.launch(
             "rms_norm",
@@ -157,6 +197,7 @@ impl Step<'_> {
                 Arg::I64(row_stride as i64),
                 Arg::I32(offset as i32),
                 Arg::F32(n.eps),
+                Arg::Ptr(out_bf16),
             ],
         )
     }
@@ -235,30 +276,40 @@ impl Step<'_> {
         )
     }
 
-    pub(super) fn swiglu(&self, act: u64, gu: u64, rows: usize, inter: usize) -> Result<(), CudaError> {
+    /// `act = silu(gate) · up` over `rows` rows of `gu` ([gate | up] each), and rounded to bf16 into
+    /// `act_bf16` unless it is 0.
+    pub(super) fn swiglu(&self, act: u64, act_bf16: u64, gu: u64, rows: usize, inter: usize) -> Result<(), CudaError> {
         self.gpu.launch(
             "swiglu",
             (blocks_for(rows * inter, 256), 1, 1),
             256,
             0,
-            &[Arg::Ptr(act), Arg::Ptr(gu), Arg::I32(rows as i32), Arg::I32(inter as i32)],
+            &[Arg::Ptr(act), Arg::Ptr(gu), Arg::I32(rows as i32), Arg::I32(inter as i32), Arg::Ptr(act_bf16)],
         )
     }
 
-    /// `out (+)= down(silu(gate(x)) · up(x))` over `rows` rows.
+    /// `out (+)= down(silu(gate(x)) · up(x))` over `rows` rows; `x_bf16`: x rounded to bf16, or 0.
+    /// The activations reach a bf16 down product rounded by `swiglu` itself.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn mlp(
         &self,
         out: u64,
         x: u64,
+        x_bf16: u64,
         m: &DevMlp,
         rows: usize,
         hidden: usize,
         accumulate: bool,
     ) -> Result<(), CudaError> {
         let gu = self.gpu.scratch::<f32>(rows * 2 * m.inter)?;
-        self.linear(gu.ptr(), x, &m.gate_up, rows, hidden, 2 * m.inter, false)?;
+        self.linear_rounded(gu.ptr(), x, x_bf16, &m.gate_up, rows, hidden, 2 * m.inter, false)?;
         let act = self.gpu.scratch::<f32>(rows * m.inter)?;
-        self.swiglu(act.ptr(), gu.ptr(), rows, m.inter)?;
-        self.linear(out, act.ptr(), &m.down, rows, m.inter, hidden, accumulate)
+        let act_bf16 = match m.down.w.is_bf16() {
+            true => Some(self.gpu.scratch::<u16>(rows * m.inter)?),
+            false => None,
+        };
+        let act_bf16_ptr = act_bf16.as_ref().map_or(0, DeviceBuf::ptr);
+        self.swiglu(act.ptr(), act_bf16_ptr, gu.ptr(), rows, m.inter)?;
+        self.linear_rounded(out, act.ptr(), act_bf16_ptr, &m.down, rows, m.inter, hidden, accumulate)
     }
 }

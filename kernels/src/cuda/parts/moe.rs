@@ -139,13 +139,13 @@ impl Step<'_> {
         let gu = self.gpu.scratch::<f32>(pairs * 2 * inter)?;
         self.expert_linear(gu.ptr(), x, &m.gate_up, &grouped, 2 * inter, hidden, k)?;
         let act = self.gpu.scratch::<f32>(pairs * inter)?;
-        self.swiglu(act.ptr(), gu.ptr(), pairs, inter)?;
+        self.swiglu(act.ptr(), 0, gu.ptr(), pairs, inter)?;
         let out = self.gpu.scratch::<f32>(pairs * hidden)?;
         self.expert_linear(out.ptr(), act.ptr(), &m.down, &grouped, hidden, inter, 1)?;
         let shared = match &m.shared {
             Some(s) => {
                 let y = self.gpu.scratch::<f32>(t * hidden)?;
-                self.mlp(y.ptr(), x, s, t, hidden, false)?;
+                self.mlp(y.ptr(), x, 0, s, t, hidden, false)?;
                 Some(y)
             }
             None => None,
