@@ -20,8 +20,8 @@ cd "$(dirname "$0")/../.."
 out="${OUT:-.}/sweep-run.txt"
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
-[ "$#" -gt 0 ] || set -- "" "SPLIT_UNDER=1" "BF16_STAGES=3" "SPLIT_UNDER=1 BF16_STAGES=3" "SPLIT_SUM_LAUNCH=0" \
-    "FA_X1_STAGES=3" "FA_STAGES=3" "FA_MIN_BLOCKS=2"
+[ "$#" -gt 0 ] || set -- "" "PDL=1" "SPLIT_UNDER=1" "BF16_STAGES=3" "SPLIT_UNDER=1 BF16_STAGES=3" "SPLIT_SUM_LAUNCH=0" \
+    "FA_X1_STAGES=3" "FA_STAGES=3"
 shapes=${SWEEP_SHAPES:-64x256,1x256,16x4096} steps=${SWEEP_STEPS:-8} budget=${SWEEP_BUDGET_S:-540}
 ckpt=${SWEEP_CHECKPOINT:-/tmp/llama-1b}
 emulate=()

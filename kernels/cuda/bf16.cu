@@ -27,6 +27,7 @@
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).
 extern "C" __global__ void round_rows_bf16(u16* out, const float* x, int M, int K, long long x_stride) {
+    griddep_wait();
     int k = blockIdx.y * blockDim.x + threadIdx.x, m = blockIdx.x;
     if (k < K && m < M) out[(size_t)m * K + k] = (u16)bf16_bits(x[(size_t)m * x_stride + k]);
 }
@@ -73,11 +74,17 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const 
     int rows = min(BF16_TILE, (M - m0 + 7) / 8 * 8);  // x rows the products read (whole groups of 8)
     // stage s's W and x rows into its buffers by cp.async, each in 256 chunks of 8 inputs (x's
     // rows past those read are not staged)
-    auto load = [&](int s) {
+    auto load_w = [&](int s) {
         int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
         for (int i = 0; i < 2; i++) {
             int c = tid + 128 * i, row = c / 4, part = c % 4;
             bf16_stage_chunk(&Ws[buf][row][4 * part], w, n0 + row, N, K, k0 + 8 * part, k_hi, vector);
+        }
+    };
+    auto load_x = [&](int s) {
+        int buf = s % BF16_STAGES, k0 = k_lo + s * BF16_BK;
+        for (int i = 0; i < 2; i++) {
+            int c = tid + 128 * i, row = c / 4, part = c % 4;
             if (row < rows)
                 bf16_stage_chunk(&Xs[buf][row][4 * part], xb, m0 + row, M, K, k0 + 8 * part, k_hi, vector);
         }
@@ -91,14 +98,22 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const 
                 if (n < N && m < M) dst[(size_t)m * N + n] = acc[j][c];
             }
     };
+    // the first stages' weights on their way before the kernel before this one has finished (a
+    // programmatic dependent launch), x's once it has: the first group holds them all
+    for (int s = 0; s < BF16_STAGES - 1; s++)
+        if (s < stages) load_w(s);
+    griddep_wait();
     for (int s = 0; s < BF16_STAGES - 1; s++) {
-        if (s < stages) load(s);
+        if (s < stages) load_x(s);
         cp_async_commit();
     }
     for (int s = 0; s < stages; s++) {
         cp_async_wait<BF16_STAGES - 2>();  // stage s has landed (this thread's part of it) ...
         __syncthreads();                   // ... every thread's, and stage s − 1 is multiplied
-        if (s + BF16_STAGES - 1 < stages) load(s + BF16_STAGES - 1);  // into stage s − 1's buffers
+        if (s + BF16_STAGES - 1 < stages) {  // into stage s − 1's buffers
+            load_w(s + BF16_STAGES - 1);
+            load_x(s + BF16_STAGES - 1);
+        }
         cp_async_commit();
         int k0 = k_lo + s * BF16_BK, buf = s % BF16_STAGES;
         if (k0 > k_lo && (k0 - k_lo) % LINEAR_CHUNK == 0) {
@@ -124,6 +139,7 @@ __device__ __forceinline__ void linear_bf16_tile(float* y, const u16* xb, const 
             }
         }
     }
+    griddep_launch_dependents();
     if (chunk_out) {
         store_chunk((k_hi - 1) / LINEAR_CHUNK);
         return;

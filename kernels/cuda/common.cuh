@@ -14,6 +14,23 @@ typedef unsigned long long u64;
 // NVRTC has no <math.h>: infinity by its bits.
 #define KV_INFINITY __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (sm_90 and later): a kernel the host launches with it
+// (kernels/src/cuda/gpu.rs, PDL_KERNELS, when the PDL tuning constant is set) may start while the
+// kernel before it on the stream still runs. griddep_wait() returns once that kernel has completed
+// and its writes are visible: before it, such a kernel only reads what no kernel writes (weights)
+// and writes nothing. griddep_launch_dependents() lets the next such kernel start. Both are
+// no-ops for a kernel launched the ordinary way (and on older GPUs, and emulated).
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // The rows of sequence s: [row_at[s], row_at[s + 1]) (the last one ends at `rows`).
 __device__ __forceinline__ int seq_end(const u32* row_at, int s, int seqs, int rows) {
     return s + 1 < seqs ? (int)row_at[s + 1] : rows;

@@ -34,6 +34,7 @@ extern "C" __global__ void embed_rows(float* out, const float* table, const u32*
 // input, so that it needs no `round_rows_bf16` of its own).
 extern "C" __global__ void rms_norm(float* out, const float* in, const float* weight, int dim, int per_row,
                                     long long row_stride, int offset, float eps, u16* out_bf16) {
+    griddep_wait();
     DYNAMIC_SHARED(float, partial);
     int j = blockIdx.x;
     size_t base = (size_t)(j / per_row) * row_stride + offset + (size_t)(j % per_row) * dim;
@@ -240,6 +241,7 @@ extern "C" __global__ void __launch_bounds__(256) linear_split(float* partial, c
 // y[z][m, n] = (accumulate ? y : 0) + (Σ_c partial[z][c][m, n] + bias[n]), chunks in order.
 extern "C" __global__ void linear_chunks_sum(float* y, const float* partial, const float* bias, int M, int N,
                                              int chunks, long long y_stride, long long y_batch, int accumulate) {
+    griddep_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     int z = blockIdx.y;
     if (i >= (size_t)M * N) return;
@@ -411,6 +413,7 @@ extern "C" __global__ void expert_linear_bf16(float* y, const float* x, const u1
 // act[r, i] = silu(gu[r, i]) · gu[r, inter + i]; with `act_bf16`, also rounded to bf16 there (the
 // down product's input, as rms_norm's out_bf16).
 extern "C" __global__ void swiglu(float* act, const float* gu, int rows, int inter, u16* act_bf16) {
+    griddep_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * inter) return;
     size_t r = i / inter, c = i % inter;

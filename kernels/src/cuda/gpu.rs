@@ -7,8 +7,8 @@
 use super::emulate::Emulator;
 use super::error::CudaError;
 use super::host_capture::{HostCapture, HostOp};
-use super::launch::Arg;
-use super::sources::{compile_sources, kernel_names, large_shared, SOURCES};
+use super::launch::{launch_programmatic, Arg, PDL_KERNELS};
+use super::sources::{compile_sources, kernel_names, large_shared, tuned, SOURCES};
 use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use parking_lot::Mutex;
@@ -235,18 +235,26 @@ impl Gpu {
                     }
                     None => None,
                 };
-                let mut b = stream.launch_builder(f);
-                for a in args {
-                    match a {
-                        Arg::Ptr(p) => b.arg(p),
-                        Arg::I32(v) => b.arg(v),
-                        Arg::I64(v) => b.arg(v),
-                        Arg::F32(v) => b.arg(v),
-                    };
+                if tuned("PDL", 0) == 1 && PDL_KERNELS.contains(&name) {
+                    ctx.bind_to_thread().map_err(self.err("binding the context"))?;
+                    // SAFETY: every kernel's arguments are built by this crate against its
+                    // signature, and the kernel is one of PDL_KERNELS.
+                    unsafe { launch_programmatic(f.cu_function(), stream.cu_stream(), grid, block, smem, args) }
+                        .map_err(self.err(&format!("launching {name}")))?;
+                } else {
+                    let mut b = stream.launch_builder(f);
+                    for a in args {
+                        match a {
+                            Arg::Ptr(p) => b.arg(p),
+                            Arg::I32(v) => b.arg(v),
+                            Arg::I64(v) => b.arg(v),
+                            Arg::F32(v) => b.arg(v),
+                        };
+                    }
+                    let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+                    // SAFETY: every kernel's arguments are built by this crate against its signature.
+                    unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))?;
                 }
-                let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
-                // SAFETY: every kernel's arguments are built by this crate against its signature.
-                unsafe { b.launch(cfg) }.map(|_| ()).map_err(self.err(&format!("launching {name}")))?;
                 if let Some((launches, start, end)) = timed {
                     end.record(stream).map_err(self.err("recording an event"))?;
                     launches.push((name.to_string(), start, end));
@@ -259,19 +267,7 @@ impl Gpu {
                     capture.ops.push(HostOp::Launch { name, grid, block, smem, args });
                     return Ok(());
                 }
-                let mut values: Vec<[u8; 8]> = args
-                    .iter()
-                    .map(|a| {
-                        let mut v = [0u8; 8];
-                        match a {
-                            Arg::Ptr(p) => v.copy_from_slice(&p.to_ne_bytes()),
-                            Arg::I64(x) => v.copy_from_slice(&x.to_ne_bytes()),
-                            Arg::I32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
-                            Arg::F32(x) => v[..4].copy_from_slice(&x.to_ne_bytes()),
-                        }
-                        v
-                    })
-                    .collect();
+                let mut values: Vec<[u8; 8]> = args.iter().map(Arg::bytes).collect();
                 let mut ptrs: Vec<*mut std::ffi::c_void> =
                     values.iter_mut().map(|v| v.as_mut_ptr() as *mut std::ffi::c_void).collect();
                 *self.emulated_launches.lock().entry(name.to_string()).or_default() += 1;

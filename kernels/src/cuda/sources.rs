@@ -108,6 +108,13 @@ pub const TUNABLES: &[Tunable] = &[
         what: "attention.cu: stages of K and V tiles of the 1-warp kernels (default 2)",
     },
     Tunable {
+        name: "PDL",
+        lo: 0,
+        hi: 1,
+        host: true,
+        what: "launch.rs: 1 launches PDL_KERNELS with programmatic stream serialization (default 0)",
+    },
+    Tunable {
         name: "SPLIT_CHUNKS",
         lo: 1,
         hi: 8,
@@ -292,6 +299,47 @@ mod tests {
         for pick in [|t: &Tunable| t.lo, |t: &Tunable| t.hi] {
             let prelude: String = TUNABLES.iter().map(|t| format!("#define {} {}\n", t.name, pick(t))).collect();
             compile_with("compute_90", &prelude, &tuned).unwrap_or_else(|e| panic!("{prelude}: {e}"));
+        }
+    }
+
+    /// The text of function `name`'s body in the sources (from its signature's `{` to the matching `}`).
+    fn body_of(name: &str) -> String {
+        let (_, source) = SOURCES
+            .iter()
+            .find(|(_, s)| s.contains(&format!(" {name}(")))
+            .unwrap_or_else(|| panic!("no function {name} in kernels/cuda"));
+        let from = source.find(&format!(" {name}(")).unwrap();
+        let open = from + source[from..].find('{').unwrap();
+        let mut depth = 0;
+        for (i, c) in source[open..].char_indices() {
+            depth += match c {
+                '{' => 1,
+                '}' => -1,
+                _ => 0,
+            };
+            if depth == 0 {
+                return source[open..=open + i].to_string();
+            }
+        }
+        panic!("{name}'s body does not close")
+    }
+
+    /// A kernel the host may launch before the one ahead of it has finished (PDL_KERNELS) waits for
+    /// it (`griddep_wait`) first thing, or — the product tiles — once its first weights are staged
+    /// and before the first x is.
+    #[test]
+    fn every_programmatically_launched_kernel_waits_for_the_kernel_before_it() {
+        for name in super::super::launch::PDL_KERNELS {
+            let body = body_of(name);
+            if body.contains("linear_bf16_tile(") {
+                let tile = body_of("linear_bf16_tile");
+                let wait = tile.find("griddep_wait();").expect("linear_bf16_tile calls griddep_wait()");
+                let first_x = tile.find("load_x(s)").expect("linear_bf16_tile stages x");
+                assert!(wait < first_x, "linear_bf16_tile stages x before griddep_wait()");
+                continue;
+            }
+            let first = body[1..].trim_start().lines().next().unwrap_or_default();
+            assert_eq!(first, "griddep_wait();", "{name} does not start with griddep_wait()");
         }
     }
 
