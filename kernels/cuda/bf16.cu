@@ -22,7 +22,7 @@
 #define SPLIT_SUM_AHEAD 8     // ... and each one's chunks it reads at once (a tuning constant, sources.rs)
 #endif
 #ifndef BF16_STAGES
-#define BF16_STAGES 4    // stages in shared memory (static: 4 · 10 KiB; a tuning constant, sources.rs)
+#define BF16_STAGES 3    // stages in shared memory (static: 3 · 10 KiB; a tuning constant, sources.rs)
 #endif
 
 // out[m, k] = bf16(x[m · x_stride + k]): a product's input rounded once; grid (M, K / 256).

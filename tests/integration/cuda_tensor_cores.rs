@@ -18,7 +18,8 @@ fn the_tensor_core_kernels_give_a_row_the_same_bits_however_the_work_is_cut() {
 
 /// A kernel variant set by `--tune` keeps the bits: `kvflow bench kernels` with every tuning
 /// constant away from its default (four and three stages of keys, two of products, merges one
-/// part at a time, tighter launch bounds) passes the same checks.
+/// part at a time, tighter launch bounds, the split's last block reading 3 chunks at once) passes
+/// the same checks.
 #[test]
 fn tuned_kernel_variants_keep_the_bits() {
     let out = crate::common::kvflow(&[
@@ -37,6 +38,8 @@ fn tuned_kernel_variants_keep_the_bits() {
         "FA_MIN_BLOCKS=2",
         "--tune",
         "FA_X1_MIN_BLOCKS=4",
+        "--tune",
+        "SPLIT_SUM_AHEAD=3",
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));

@@ -55,7 +55,7 @@ fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan
 
 /// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`): 128-square
 /// tiles of eight warps where they give every SM two blocks, else 64-square tiles of four warps,
-/// split by chunk of k while those would leave SMs without SPLIT_UNDER (2) blocks; all give an
+/// split by chunk of k while those would leave SMs without SPLIT_UNDER (1) block; all give an
 /// element the same chains.
 fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
     let wide = (blocks_for(n, 128), blocks_for(m, 128));
@@ -64,7 +64,7 @@ fn bf16_plan(sms: usize, m: usize, n: usize, k: usize) -> LinearPlan {
     }
     let grid = (blocks_for(n, 64), blocks_for(m, 64));
     let chunks = k.div_ceil(LINEAR_CHUNK);
-    if (grid.0 * grid.1) < tuned("SPLIT_UNDER", 2) as u32 * sms as u32 && chunks > 1 {
+    if (grid.0 * grid.1) < tuned("SPLIT_UNDER", 1) as u32 * sms as u32 && chunks > 1 {
         return LinearPlan::Split { chunks, grid: (grid.0, grid.1, chunks as u32) };
     }
     LinearPlan::Whole("linear_bf16", (grid.0, grid.1, 1))
@@ -271,6 +271,8 @@ mod tests {
         assert_eq!(bf16_plan(132, 16384, 2048, 2048), LinearPlan::Whole("linear_bf16_wide", (16, 128, 1)));
         assert_eq!(bf16_plan(132, 1024, 2048, 2048), LinearPlan::Whole("linear_bf16", (32, 16, 1)));
         assert_eq!(bf16_plan(132, 64, 2048, 2048), LinearPlan::Split { chunks: 8, grid: (32, 1, 8) });
+        // a tile for every SM: not split (no chains written out and read back)
+        assert_eq!(bf16_plan(132, 64, 16384, 2048), LinearPlan::Whole("linear_bf16", (256, 1, 1)));
         assert_eq!(bf16_plan(132, 64, 32000, 2048), LinearPlan::Whole("linear_bf16", (500, 1, 1)));
     }
 }

@@ -70,7 +70,7 @@ pub const TUNABLES: &[Tunable] = &[
         lo: 2,
         hi: 4,
         host: false,
-        what: "bf16.cu: stages of a 64-square product tile in shared memory (default 4)",
+        what: "bf16.cu: stages of a 64-square product tile in shared memory (default 3)",
     },
     Tunable {
         name: "FA_MERGE_AHEAD",
@@ -140,7 +140,7 @@ pub const TUNABLES: &[Tunable] = &[
         lo: 1,
         hi: 4,
         host: true,
-        what: "product.rs: a bf16 product's 64-square tiles split by chunk while fewer than this many a SM (default 2)",
+        what: "product.rs: a bf16 product's 64-square tiles split by chunk while fewer than this many a SM (default 1)",
     },
 ];
 
