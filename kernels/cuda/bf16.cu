@@ -1,6 +1,7 @@
 // The bfloat16 products of the CUDA executor (`dtype = "bfloat16"`): weights in bf16, each
-// product's input rounded to bf16 (round to nearest even) once by `round_rows_bf16`, tensor-core matrix products (mma.sync m16n8k16, f32 accumulation), outputs and everything
-// between products in f32. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
+// product's input rounded to bf16 (round to nearest even) once — by the kernel that writes it
+// (model.cu's rms_norm, swiglu) or by `round_rows_bf16` — tensor-core matrix products (mma.sync
+// m16n8k16, f32 accumulation), outputs and everything between products in f32. Compiled at run time by NVRTC (kernels/src/cuda/sources.rs).
 //
 // Batch invariance (DESIGN §6), as model.cu's `linear`: an element of y = x · Wᵀ is the sum, in
 // order from 0, of its chunks' chains (LINEAR_CHUNK = 256 inputs each, 16 products of 16 inputs
