@@ -56,7 +56,7 @@ __device__ __forceinline__ void bf16_stage_chunk(u32* dst, const u16* src, int r
 
 // A block of four warps: warp w multiplies W rows n0 + 16w .. + 16 with x rows m0 .. m0 + 64, eight
 // 16 × 8 products per step of 16 inputs (those past M skipped), x rounded to bf16 once before
-// (`round_rows_bf16`, as for linear_bf16_wide). Stages of W and x go to shared memory by
+// (by the kernel that wrote it, or `round_rows_bf16`; as for linear_bf16_wide). Stages of W and x go to shared memory by
 // cp.async, all but one of them in flight while a stage is multiplied. `chunk_out` set: each
 // chunk's chains (k_lo and k_hi on chunk bounds) to chunk_out[chunk · M · N + m · N + n]; else y
 // as model.cu's `linear` writes it.

@@ -53,7 +53,8 @@ fn linear_plan(sms: usize, m: usize, n: usize, k: usize, z: usize) -> LinearPlan
     LinearPlan::Whole(kernel, (blocks_for(n, tile), blocks_for(m, tile), z as u32))
 }
 
-/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once by `round_rows_bf16`): 128-square
+/// A bf16 product (`kernels/cuda/bf16.cu`, its input rounded once: by the kernel that wrote it
+/// — `Product::x_bf16` — or by `round_rows_bf16`): 128-square
 /// tiles of eight warps where they give every SM two blocks, else 64-square tiles of four warps,
 /// split by chunk of k while those would leave SMs without SPLIT_UNDER (1) block; all give an
 /// element the same chains.
@@ -159,6 +160,7 @@ impl Product {
             Arg::I32(self.accumulate as i32),
         ];
         // every bf16 kernel reads the input rounded to bf16 once, [m × k]: by its producer, or here
+        debug_assert!(self.x_bf16 == 0 || self.x_stride == k, "a rounded copy of x is rows of k");
         let rounded;
         let xb = match self.x_bf16 {
             0 => {
