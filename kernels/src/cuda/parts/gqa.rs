@@ -86,8 +86,8 @@ impl Step<'_> {
             None => (qkv.ptr(), width),
         };
         if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-            self.norm(q, q, qn, t * a.q_heads, a.q_heads, q_stride, 0)?;
-            self.norm(qkv.ptr(), qkv.ptr(), kn, t * a.kv_heads, a.kv_heads, width, qp)?;
+            self.norm(q, 0, q, qn, t * a.q_heads, a.q_heads, q_stride, 0)?;
+            self.norm(qkv.ptr(), 0, qkv.ptr(), kn, t * a.kv_heads, a.kv_heads, width, qp)?;
         }
         // queries and keys rotated, then the keys and values into the cache rows — in one launch
         // where a cache row is [keys | values] of every kv head, as the projection lays them out

@@ -149,29 +149,16 @@ impl Step<'_> {
         .launch(self.gpu)
     }
 
-    /// RMSNorm of `count` vectors, `per_row` per row of `row_stride` floats from `offset`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn norm(
-        &self,
-        out: u64,
-        x: u64,
-        n: &DevNorm,
-        count: usize,
-        per_row: usize,
-        row_stride: usize,
-        offset: usize,
-    ) -> Result<(), CudaError> {
-        self.norm_into(out, 0, x, n, count, per_row, row_stride, offset)
-    }
-
     /// RMSNorm of `rows` whole rows of `x` into `out` and, unless `out_bf16` is 0, rounded to bf16
     /// there too (`rows × dim`: the input of the bf16 products that read `out`).
     pub(crate) fn norm_rows(&self, out: u64, out_bf16: u64, x: u64, n: &DevNorm, rows: usize) -> Result<(), CudaError> {
-        self.norm_into(out, out_bf16, x, n, rows, 1, n.dim, 0)
+        self.norm(out, out_bf16, x, n, rows, 1, n.dim, 0)
     }
 
+    /// RMSNorm of `count` vectors, `per_row` per row of `row_stride` floats from `offset`, and
+    /// rounded to bf16 into `out_bf16` (`count × dim`) unless it is 0.
     #[allow(clippy::too_many_arguments)]
-    fn norm_into(
+    pub(crate) fn norm(
         &self,
         out: u64,
         out_bf16: u64,

@@ -77,7 +77,7 @@ impl Step<'_> {
             DevQuery::Lora { a: qa, norm, b } => {
                 let lat = self.gpu.scratch::<f32>(t * qa.n)?;
                 self.linear(lat.ptr(), x, qa, t, hidden, qa.n, false)?;
-                self.norm(lat.ptr(), lat.ptr(), norm, t, 1, qa.n, 0)?;
+                self.norm(lat.ptr(), 0, lat.ptr(), norm, t, 1, qa.n, 0)?;
                 self.linear(q.ptr(), lat.ptr(), b, t, qa.n, heads * qk, false)?;
                 Some((lat, qa.n))
             }
@@ -91,7 +91,7 @@ impl Step<'_> {
         let row_w = ckv_w + a.indexer.as_ref().map_or(0, |ix| ix.head_dim);
         let ckv = self.gpu.scratch::<f32>(t * row_w)?;
         self.linear(ckv.ptr(), x, &a.kv_a, t, hidden, row_w, false)?;
-        self.norm(ckv.ptr(), ckv.ptr(), &a.kv_norm, t, 1, row_w, 0)?;
+        self.norm(ckv.ptr(), 0, ckv.ptr(), &a.kv_norm, t, 1, row_w, 0)?;
         if let Some(rope) = &a.rope {
             self.rope(ckv.ptr(), rope, 1, row_w, lora, 0)?;
             self.rope(q.ptr(), rope, heads, heads * qk, nope, qk)?;
