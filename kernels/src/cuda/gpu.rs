@@ -235,9 +235,10 @@ impl Gpu {
                     }
                     None => None,
                 };
-                // (griddepcontrol is Hopper's and later: elsewhere the kernels would not wait)
-                let hopper = kernels.arch.strip_prefix("compute_").and_then(|c| c.parse::<u32>().ok()) >= Some(90);
-                if hopper && tuned("PDL", 0) == 1 && PDL_KERNELS.contains(&name) {
+                // (griddepcontrol is Hopper's and later: elsewhere the kernels would not wait; the
+                // architecture is read only when PDL is asked for, off the ordinary launch's path)
+                let hopper = || kernels.arch.strip_prefix("compute_").and_then(|c| c.parse::<u32>().ok()) >= Some(90);
+                if tuned("PDL", 0) == 1 && PDL_KERNELS.contains(&name) && hopper() {
                     ctx.bind_to_thread().map_err(self.err("binding the context"))?;
                     // SAFETY: every kernel's arguments are built by this crate against its
                     // signature, and the kernel is one of PDL_KERNELS.
