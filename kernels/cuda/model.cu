@@ -754,20 +754,22 @@ __device__ __forceinline__ u64 mix(u64 state, u64 value) {
     return z ^ (z >> 31);
 }
 
-// Greedy sampling of each logits row, on the device: the argmax (first on a tie) written to the
-// token ring at ring_slots[i], whether the row is all finite, and kvflow_kernels::hash::logits_row
-// of its bit patterns (what --verify compares), into results[i] = {token, finite, hash lo, hash hi}.
-// The hash: each LOGITS_SEGMENT values hashed by one thread, then thread 0 chains the segments'
-// hashes in order, blockDim of them at a time.
+// What sampling needs of a logits row, every thread of the block getting it: the argmax (first on
+// a tie), whether the row is all finite, and kvflow_kernels::hash::logits_row of its bit patterns
+// (what --verify compares). The hash: each LOGITS_SEGMENT values hashed by one thread, then thread
+// 0 chains the segments' hashes in order, blockDim of them at a time.
 #define LOGITS_SEGMENT 256
-extern "C" __global__ void sample_greedy(u32* results, u32* ring, const int* ring_slots, const float* logits,
-                                         int vocab) {
+struct RowSummary {
+    int token;
+    int finite;
+    u64 hash;
+};
+__device__ RowSummary summarize_row(const float* row, int vocab) {
     __shared__ float best_v[256];
     __shared__ int best_i[256];
     __shared__ int all_finite[256];
     __shared__ u64 segment_hash[256];
-    int i = blockIdx.x;
-    const float* row = logits + (size_t)i * vocab;
+    __shared__ RowSummary summary;
     float bv = -KV_INFINITY;
     int bi = -1, finite = 1;
     for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
@@ -811,11 +813,186 @@ extern "C" __global__ void sample_greedy(u32* results, u32* ring, const int* rin
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        u32 token = all_finite[0] ? (u32)best_i[0] : 0u;
-        ring[ring_slots[i]] = token;
-        results[4 * i] = token;
-        results[4 * i + 1] = (u32)all_finite[0];
-        results[4 * i + 2] = (u32)(h & 0xffffffffull);
-        results[4 * i + 3] = (u32)(h >> 32);
+        summary.token = best_i[0];
+        summary.finite = all_finite[0];
+        summary.hash = h;
     }
+    __syncthreads();
+    return summary;
+}
+
+// Row i's token (0 when the row is not all finite) into the ring at ring_slots[i], and
+// results[i] = {token, finite, hash lo, hash hi}. Thread 0 writes.
+__device__ void write_sample(u32* results, u32* ring, const int* ring_slots, int i, u32 token, RowSummary s) {
+    if (threadIdx.x != 0) return;
+    token = s.finite ? token : 0u;
+    ring[ring_slots[i]] = token;
+    results[4 * i] = token;
+    results[4 * i + 1] = (u32)s.finite;
+    results[4 * i + 2] = (u32)(s.hash & 0xffffffffull);
+    results[4 * i + 3] = (u32)(s.hash >> 32);
+}
+
+// Greedy sampling of each logits row, on the device: the argmax.
+extern "C" __global__ void sample_greedy(u32* results, u32* ring, const int* ring_slots, const float* logits,
+                                         int vocab) {
+    int i = blockIdx.x;
+    RowSummary s = summarize_row(logits + (size_t)i * vocab, vocab);
+    write_sample(results, ring, ring_slots, i, (u32)s.token, s);
+}
+
+// ---- seeded draws: the rule and arithmetic of kernels/src/cpu/draw.rs, the same bits ----
+// Every double operation is an intrinsic that rounds once (never contracted into an fma) or an
+// explicit fma, so the host and the device compute the same bits.
+
+static __device__ const u64 INVERSE_FACTORIALS[14] = {
+    0x3ff0000000000000ull, 0x3ff0000000000000ull, 0x3fe0000000000000ull, 0x3fc5555555555555ull,
+    0x3fa5555555555555ull, 0x3f81111111111111ull, 0x3f56c16c16c16c17ull, 0x3f2a01a01a01a01aull,
+    0x3efa01a01a01a01aull, 0x3ec71de3a556c734ull, 0x3e927e4fb7789f5dull, 0x3e5ae64567f544e4ull,
+    0x3e21eed8eff8d898ull, 0x3de6124613a86d0aull};
+
+// kvflow_kernels::cpu::draw::exp_det: e^x for x <= 0 from basic operations alone.
+__device__ double exp_det(double x) {
+    if (!(x >= -745.0)) return 0.0;
+    double k = floor(__dadd_rn(__dmul_rn(x, __longlong_as_double(0x3ff71547652b82fell)), 0.5));
+    double r = fma(-k, __longlong_as_double(0x3fe62e42fee00000ll), x);
+    r = fma(-k, __longlong_as_double(0x3dea39ef35793c76ll), r);
+    double p = __longlong_as_double((long long)INVERSE_FACTORIALS[13]);
+    for (int n = 12; n >= 0; n--) p = fma(p, r, __longlong_as_double((long long)INVERSE_FACTORIALS[n]));
+    long long e = (long long)k;
+    if (e >= -1022) return __dmul_rn(p, __longlong_as_double((e + 1023) << 52));
+    return __dmul_rn(__dmul_rn(p, __longlong_as_double((e + 64 + 1023) << 52)),
+                     __longlong_as_double((long long)(1023 - 64) << 52));
+}
+
+// kvflow_kernels::cpu::draw::rank_key: larger is likelier, ties by the lower id.
+__device__ __forceinline__ u64 rank_key(float logit, int id) {
+    u32 b = __float_as_uint(logit);
+    u32 ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)ordered << 32) | (u64)(0xffffffffu - (u32)id);
+}
+
+__device__ __forceinline__ u64 splitmix64(u64 x) {
+    x += 0x9E3779B97F4A7C15ull;
+    u64 z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// How many of the row's keys are at least `threshold` (every thread gets it).
+__device__ u32 count_from(const float* row, int vocab, u64 threshold) {
+    __shared__ u32 counts[256];
+    u32 c = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) c += rank_key(row[i], i) >= threshold ? 1u : 0u;
+    __syncthreads();
+    counts[threadIdx.x] = c;
+    __syncthreads();
+    for (int step = blockDim.x / 2; step > 0; step /= 2) {
+        if (threadIdx.x < step) counts[threadIdx.x] += counts[threadIdx.x + step];
+        __syncthreads();
+    }
+    return counts[0];
+}
+
+#define MAX_SEGMENTS 2048
+// kvflow_kernels::cpu::draw::Weights::tree over the tokens whose key is at least `threshold`: the
+// segments' sums at tree[0..segments), each level of the pairwise tree after the one below it.
+// Returns the root (every thread gets it).
+__device__ double tree_from(const double* w, const float* row, int vocab, int segment, u64 threshold, double* tree) {
+    int segments = (vocab + segment - 1) / segment;
+    __syncthreads();
+    for (int j = threadIdx.x; j < segments; j += blockDim.x) {
+        double s = 0.0;
+        for (int i = j * segment, end = min(vocab, (j + 1) * segment); i < end; i++)
+            if (rank_key(row[i], i) >= threshold) s = __dadd_rn(s, w[i]);
+        tree[j] = s;
+    }
+    __syncthreads();
+    int at = 0, len = segments;
+    while (len > 1) {
+        int next = (len + 1) / 2;
+        for (int j = threadIdx.x; j < next; j += blockDim.x)
+            tree[at + len + j] = 2 * j + 1 < len ? __dadd_rn(tree[at + 2 * j], tree[at + 2 * j + 1]) : tree[at + 2 * j];
+        __syncthreads();
+        at += len;
+        len = next;
+    }
+    return tree[at];
+}
+
+// The highest key in [lo, hi] at which `enough` holds (it holds at lo, and fails above some key).
+#define HIGHEST_KEY(lo, hi, enough)                         \
+    while (lo < hi) {                                       \
+        u64 d = hi - lo, mid = lo + (d >> 1) + (d & 1ull);  \
+        if (enough) lo = mid; else hi = mid - 1;            \
+    }
+
+// Seeded sampling of each logits row (temperature, top-k, top-p), one block of 256 threads a row:
+// kvflow_kernels::cpu::sampling::sample's token from the same row, the same bits. draws holds
+// DRAW_WORDS a row: temperature (f32 bits), top_k, top_p (f32 bits), seed, request id, position
+// (each u64, low word first); temperature 0 or top_k 1 is greedy. weights: vocab doubles a row.
+#define DRAW_WORDS 9
+extern "C" __global__ void sample_drawn(u32* results, u32* ring, const int* ring_slots, const float* logits,
+                                        const u32* draws, double* weights, int vocab) {
+    __shared__ double tree[2 * MAX_SEGMENTS];
+    int i = blockIdx.x;
+    const float* row = logits + (size_t)i * vocab;
+    RowSummary s = summarize_row(row, vocab);
+    const u32* d = draws + (size_t)i * DRAW_WORDS;
+    float temperature = __uint_as_float(d[0]), top_p = __uint_as_float(d[2]);
+    u32 top_k = d[1];
+    if (!s.finite || !(temperature > 0.0f) || top_k == 1) {
+        write_sample(results, ring, ring_slots, i, (u32)s.token, s);
+        return;
+    }
+    double t = (double)temperature, m = __ddiv_rn((double)row[s.token], t);
+    double* w = weights + (size_t)i * vocab;
+    for (int c = threadIdx.x; c < vocab; c += blockDim.x) w[c] = exp_det(__dsub_rn(__ddiv_rn((double)row[c], t), m));
+    int segment = max(64, (vocab + MAX_SEGMENTS - 1) / MAX_SEGMENTS);
+    u64 most = rank_key(row[s.token], s.token), from = 0;
+    if (top_k > 0 && top_k < (u32)vocab) {
+        u64 hi = most;
+        HIGHEST_KEY(from, hi, count_from(row, vocab, mid) >= top_k)
+    }
+    double total = tree_from(w, row, vocab, segment, from, tree);
+    if (top_p < 1.0f) {
+        double target = __dmul_rn((double)top_p, total);
+        u64 hi = most;
+        HIGHEST_KEY(from, hi, tree_from(w, row, vocab, segment, mid, tree) >= target)
+        total = tree_from(w, row, vocab, segment, from, tree);
+    }
+    if (threadIdx.x != 0) return;
+    u64 seed = d[3] | (u64)d[4] << 32, request = d[5] | (u64)d[6] << 32, position = d[7] | (u64)d[8] << 32;
+    u64 h = splitmix64(splitmix64(splitmix64(seed) ^ request) ^ position);
+    double target = __dmul_rn(__ddiv_rn((double)(h >> 11), 9007199254740992.0), total);
+    // the levels' offsets, then the walk from the root: left while the target is below the sum
+    // through the left child
+    int offsets[16], lens[16], levels = 0, segments = (vocab + segment - 1) / segment;
+    for (int at = 0, len = segments;; len = (len + 1) / 2) {
+        offsets[levels] = at;
+        lens[levels++] = len;
+        if (len == 1) break;
+        at += len;
+    }
+    int node = 0;
+    double before = 0.0;
+    for (int l = levels - 2; l >= 0; l--) {
+        int left = 2 * node;
+        if (left + 1 < lens[l]) {
+            double through_left = __dadd_rn(before, tree[offsets[l] + left]);
+            if (target < through_left) node = left;
+            else { before = through_left; node = left + 1; }
+        } else {
+            node = left;
+        }
+    }
+    u32 token = (u32)s.token;  // rounding left no token: the most likely
+    double running = before;
+    for (int c = node * segment, end = min(vocab, (node + 1) * segment); c < end; c++) {
+        if (rank_key(row[c], c) < from) continue;
+        running = __dadd_rn(running, w[c]);
+        if (target < running) { token = (u32)c; break; }
+    }
+    write_sample(results, ring, ring_slots, i, token, s);
 }

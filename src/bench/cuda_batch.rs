@@ -5,6 +5,7 @@
 
 use crate::bench::Lcg;
 use anyhow::{anyhow, Result};
+use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler};
 use kvflow_kernels::models::Model;
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
@@ -22,12 +23,17 @@ struct Requests {
     tables: Vec<Vec<u32>>,
     /// Each sequence's state slot (families with recurrent state).
     slots: Option<Vec<u32>>,
+    /// How every sequence picks its tokens; sequence i draws as request `REQUEST_IDS + i`.
+    sampling: RequestSampling,
 }
+
+/// The request id of the batch's first sequence (the next ones follow).
+pub const REQUEST_IDS: u64 = 100;
 
 impl Requests {
     fn seq<'a>(&'a self, i: usize, known: &'a [u32], deferred: Option<u64>, start_pos: usize) -> SeqStep<'a> {
         SeqStep {
-            sampler: Default::default(),
+            sampler: Sampler::new(self.sampling, REQUEST_IDS + i as u64),
             next_prompt_token: None,
             key: self.keys[i],
             known,
@@ -87,8 +93,19 @@ impl CudaBatch {
             prompts,
             tables: (0..batch).map(table).collect(),
             slots: keeps_state.then(|| (0..batch as u32).collect()),
+            sampling: RequestSampling::default(),
         };
         Ok(CudaBatch { ex, reqs, last: vec![0; batch], decoded: 0, max_decode, step: 0, samples: Vec::new() })
+    }
+
+    /// Has every sequence pick its tokens by `sampling` (greedy until this is called).
+    pub fn sample_by(&mut self, sampling: RequestSampling) {
+        self.reqs.sampling = sampling;
+    }
+
+    /// Sequence `i`'s prompt.
+    pub fn prompt(&self, i: usize) -> &[u32] {
+        &self.reqs.prompts[i]
     }
 
     /// Launches the next step over `seqs` (built from the batch's requests).

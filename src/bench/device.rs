@@ -78,6 +78,7 @@ pub fn run(args: &DeviceBenchArgs) -> Result<()> {
     failures.extend(topk_check(&gpu)?);
     failures.extend(crate::bench::kernel_checks::attention_check(&gpu)?);
     failures.extend(crate::bench::kernel_checks::product_check(&gpu)?);
+    failures.extend(crate::bench::draw_check::draw_check(&gpu)?);
     let spec = kvflow_kernels::checkpoint::ModelSpec::parse("<default bench spec>".into(), DEFAULT_SPEC)?;
     let bench_model = Arc::new(models::build(&spec.config, &spec.weights)?);
     if !args.emulate {
@@ -514,6 +515,7 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
             dtype: Default::default(),
             cuda_graphs: true,
             test_stale_ring_slot: false,
+            test_draws_keyed_on_row: false,
         };
         let mut b = CudaBatch::new(model, &settings, batch, prompt_len, steps)?;
         b.prefill()?;

@@ -399,13 +399,14 @@ pub fn product_check(gpu: &Gpu) -> Result<Vec<String>> {
     Ok(failures)
 }
 
-/// `kvflow bench kernels`: the two checks alone on GPU `gpu` (or emulated), in seconds — for a
+/// `kvflow bench kernels`: the kernel checks alone (with the seeded draws', `draw_check`) on GPU `gpu` (or emulated), in seconds — for a
 /// kernel variant set by `--tune` before the whole `bench device`. Fails when either fails.
 pub fn run(gpu: usize, emulate: bool) -> Result<()> {
     let gpu = if emulate { Gpu::emulated()? } else { Gpu::open(gpu)? };
     println!("gpu          {} ({})", gpu.name(), if gpu.is_emulated() { "emulated" } else { gpu.arch() });
     let mut failures = attention_check(&gpu)?;
     failures.extend(product_check(&gpu)?);
+    failures.extend(crate::bench::draw_check::draw_check(&gpu)?);
     conclude(&failures, "kernel")
 }
 

@@ -2,6 +2,7 @@
 
 pub mod cuda_batch;
 pub mod device;
+pub mod draw_check;
 pub mod experts;
 pub mod kernel_checks;
 pub mod model;

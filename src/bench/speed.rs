@@ -100,6 +100,7 @@ fn measure(
         dtype,
         cuda_graphs: true,
         test_stale_ring_slot: false,
+        test_draws_keyed_on_row: false,
     };
     let mut b = CudaBatch::new(model, &settings, shape.batch, shape.prompt, decode_steps(args))?;
     let gpu = b.ex.gpu().clone();

@@ -173,7 +173,7 @@ impl<'a> Validator<'a> {
             transfer: self.transfer(raw.transfer.as_ref(), &links)?,
             faults: self.faults(&raw.faults)?,
             offload: self.offload(raw.offload.as_ref(), &memory)?,
-            sampling: self.sampling(&raw.sampling, &pools)?,
+            sampling: self.sampling(&raw.sampling)?,
             pools,
             links,
             memory,
@@ -541,25 +541,12 @@ impl<'a> Validator<'a> {
         })
     }
 
-    /// `[sampling]`: temperature at least 0 (0 is greedy), top_p in (0, 1]. Sampling runs on the
-    /// cpu executors (the cuda executor picks greedily).
-    fn sampling(&self, raw: &RawSampling, pools: &[PoolConfig]) -> Result<RequestSampling, GraphError> {
+    /// `[sampling]`: temperature at least 0 (0 is greedy), top_p in (0, 1].
+    fn sampling(&self, raw: &RawSampling) -> Result<RequestSampling, GraphError> {
         let temperature = self.field("sampling.temperature", raw.temperature.as_ref(), 0.0, check_temperature)?;
         let top_k = raw.top_k.as_ref().map_or(0, |k| *k.get_ref());
         let top_p = self.field("sampling.top_p", raw.top_p.as_ref(), 1.0, check_top_p)?;
         let params = SamplingParams { temperature, top_k, top_p };
-        if !params.is_greedy() {
-            if let Some(pool) = pools.iter().find(|p| p.executor == "cuda") {
-                return Err(self.error(
-                    "sampling.temperature",
-                    raw.temperature.as_ref().map(|t| t.span()),
-                    format!(
-                        "sampling with temperature runs on the cpu executors for now; pool `{}` is on \"cuda\"",
-                        pool.name
-                    ),
-                ));
-            }
-        }
         Ok(RequestSampling { params, seed: raw.seed.unwrap_or(0) })
     }
 

@@ -11,7 +11,7 @@
 use crate::generate::{generate, GenerateOptions};
 use crate::report::{RequestRecord, VerifySummary};
 use anyhow::Result;
-use kvflow_kernels::cpu::sampling::RequestSampling;
+use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler};
 use kvflow_kernels::cuda::{DeviceModel, PlainRunner};
 use kvflow_kernels::models::Model;
 use std::collections::HashMap;
@@ -42,11 +42,11 @@ pub fn reference_for(graph: &crate::graph::Graph) -> Result<Reference> {
     Ok(Reference::Cuda { settings, block_size: graph.memory.block_size })
 }
 
-/// How each request picks its tokens (by id), checked against what the graph runs: sampling with
-/// temperature runs on the cpu executors, and `--verify` has an exact reference for greedy runs
-/// and for seeded sampling without drafting — speculative sampling keeps the target
-/// distribution but not the plain path's draws, so with drafting it is refused (the statistical
-/// test `tests/integration/spec.rs::sampled_drafting_keeps_the_target_distribution` stands in).
+/// How each request picks its tokens (by id), checked against what the graph runs: `--verify` has
+/// an exact reference (on either executor) for greedy runs and for seeded sampling without
+/// drafting — speculative sampling keeps the target distribution but not the plain path's draws,
+/// so with drafting it is refused (the statistical test
+/// `tests/integration/spec.rs::sampled_drafting_keeps_the_target_distribution` stands in).
 pub fn sampling_of_requests(
     graph: &crate::graph::Graph,
     requests: &[crate::trace::Request],
@@ -59,14 +59,6 @@ pub fn sampling_of_requests(
     } else {
         format!("[sampling] temperature = {}", graph.sampling.params.temperature)
     };
-    if let Some(pool) = graph.pools.iter().find(|p| p.executor == "cuda") {
-        anyhow::bail!(
-            "{}: {source}, but pool `{}` runs \"cuda\", which picks greedily; sampling with temperature runs on the \
-             cpu executors for now",
-            graph.path.display(),
-            pool.name
-        );
-    }
     if verify && graph.scheduler.spec.is_some() {
         anyhow::bail!(
             "{}: --verify: {source} and [speculative] drafts: speculative sampling keeps the target's distribution \
@@ -174,7 +166,8 @@ fn check_all(
     for r in queue {
         let (tokens, logits_hash) = match (&runner, &device) {
             (Some(runner), Some((_, _, block_size))) => {
-                let g = runner.generate(&r.prompt, r.output.len(), chunk_tokens, *block_size)?;
+                let sampler = Sampler::new(r.sampling, r.id);
+                let g = runner.generate_by(&r.prompt, r.output.len(), chunk_tokens, *block_size, &sampler)?;
                 (g.tokens, g.logits_hash)
             }
             _ => {

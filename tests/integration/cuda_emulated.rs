@@ -11,6 +11,7 @@ use crate::common::{expected, fixture, load, records, rel_err};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::generate::{generate, GenerateOptions};
 use kvflow::graph::Overrides;
+use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler, SamplingParams};
 use kvflow_kernels::cuda::{Arg, DeviceKv, DeviceModel, DeviceState, Dtype, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
@@ -414,6 +415,7 @@ fn decode_six(deferred: bool, stale: bool) -> Vec<u32> {
             dtype: Default::default(),
             cuda_graphs: true,
             test_stale_ring_slot: stale,
+            test_draws_keyed_on_row: false,
         };
         let mut ex = cuda_rank(&model, &settings);
         let key = SeqKey { index: 0, generation: 1 };
@@ -665,6 +667,7 @@ const EMULATE: CudaSettings = CudaSettings {
     dtype: kvflow_kernels::cuda::Dtype::Float32,
     cuda_graphs: true,
     test_stale_ring_slot: false,
+    test_draws_keyed_on_row: false,
 };
 
 /// Runs one step on `ex` and returns its completion.
@@ -978,5 +981,87 @@ fn the_speed_bench_runs_the_dense_spec_at_each_shape_against_the_scripts_json() 
             let line = format!("anchors      {part} (dry run): measured nothing: dry run: nothing measured");
             assert!(section.contains(&line), "no {line:?} in {section}");
         }
+    }
+}
+
+/// Seeded sampling on the device (`sample_drawn`) draws the token the CPU rule draws from the same
+/// logits row (`kvflow::bench::draw_check`, which `bench device` runs on the GPU): temperatures,
+/// top-k, top-p, ties, vocabularies from 1 to 140,000.
+#[test]
+fn the_device_draws_the_tokens_the_cpu_rule_draws() {
+    let failures = kvflow::bench::draw_check::draw_check(&emulated()).unwrap();
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A request draws the same tokens on a cuda rank in a batch of four — prefill, then decode steps
+/// with two in flight, replayed from captured graphs — as alone on the cuda plain path: each draw is
+/// keyed on (seed, request, position). Keyed on the row's place in the batch instead
+/// (`test_draws_keyed_on_row`), the tokens change.
+#[test]
+fn a_request_draws_the_same_tokens_in_a_batch_on_the_device_as_alone() {
+    let model = Arc::new(load(&fixture("hf/llama")));
+    let sampling = RequestSampling { params: SamplingParams { temperature: 0.8, top_k: 0, top_p: 0.9 }, seed: 5 };
+    let (batch, prompt, steps) = (4, 12, 10);
+    let batched = |keyed_on_row: bool| {
+        let settings = CudaSettings { test_draws_keyed_on_row: keyed_on_row, ..EMULATE };
+        let mut b = kvflow::bench::cuda_batch::CudaBatch::new(&model, &settings, batch, prompt, steps).unwrap();
+        b.sample_by(sampling);
+        b.prefill().unwrap();
+        b.decode(steps, true).unwrap();
+        let mut tokens = vec![Vec::new(); batch];
+        for &(seq, token, _) in &b.samples {
+            tokens[seq as usize].push(token.unwrap());
+        }
+        let prompts: Vec<Vec<u32>> = (0..batch).map(|i| b.prompt(i).to_vec()).collect();
+        (tokens, prompts, b.ex.graph_counts().unwrap())
+    };
+    let (tokens, prompts, counts) = batched(false);
+    assert!(counts.replayed > 0, "decode steps replayed captured graphs: {counts:?}");
+    let gpu = emulated();
+    let dm = DeviceModel::upload_as(&gpu, &model, Dtype::Float32).unwrap();
+    let runner = PlainRunner::new(&gpu, &dm).unwrap();
+    let mut off_greedy = 0;
+    for (i, prompt) in prompts.iter().enumerate() {
+        let sampler = Sampler::new(sampling, kvflow::bench::cuda_batch::REQUEST_IDS + i as u64);
+        let alone = runner.generate_by(prompt, steps + 1, 64, 16, &sampler).unwrap();
+        assert_eq!(tokens[i], alone.tokens, "sequence {i}: in the batch vs alone");
+        off_greedy += usize::from(runner.generate(prompt, steps + 1, 64, 16).unwrap().tokens != alone.tokens);
+    }
+    assert!(off_greedy >= 2, "sampling changed only {off_greedy} of {batch} outputs from greedy");
+    let (keyed_on_row, _, _) = batched(true);
+    assert_ne!(keyed_on_row, tokens, "draws keyed on the batch row must change the tokens");
+}
+
+/// Seeded sampling on cuda pools through the runtime: an aggregated graph of two ranks and a 1P1D
+/// graph over tcp, drawing at temperature 0.8 with top-p 0.9 (the handoff carries the request's
+/// sampling), are exact under `--verify` against the cuda plain path drawing with the same keys,
+/// and most outputs differ from the greedy run's.
+#[test]
+fn sampled_cuda_graphs_verify_against_the_cuda_plain_path() {
+    const SAMPLED: &str = "\n[sampling]\ntemperature = 0.8\ntop_p = 0.9\nseed = 11\n";
+    let aggregated = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
+    let pd = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\n"
+    );
+    for (what, pools) in [("aggregated", aggregated), ("1P1D tcp", pd)] {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = short_trace(dir.path());
+        let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 6";
+        let run = |pools: &str, name: &str| {
+            let graph = write_graph_with(dir.path(), "hf/llama", &trace, workload, "32 MiB", pools);
+            let out = dir.path().join(name);
+            let overrides = Overrides { out: Some(out.clone()), ..Default::default() };
+            let report = run_graph(&graph, overrides, Default::default());
+            assert_exact(&report, &format!("{what} {name}"));
+            let mut lines = crate::common::records_in(&out);
+            lines.sort_by_key(|r| r["id"].as_u64());
+            lines.iter().map(|r| r["output_tokens"].clone()).collect::<Vec<_>>()
+        };
+        let greedy = run(&pools, "greedy");
+        let sampled = run(&format!("{pools}{SAMPLED}"), "sampled");
+        let differ = greedy.iter().zip(&sampled).filter(|(a, b)| a != b).count();
+        assert!(differ * 2 > greedy.len(), "{what}: sampling changed {differ} of {} outputs", greedy.len());
     }
 }

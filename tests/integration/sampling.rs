@@ -116,7 +116,4 @@ fn verify_refuses_sampling_with_drafting_and_bad_settings_are_named() {
         std::fs::write(&bad, text).unwrap();
         assert_clean_failure(&kvflow(&["check", &bad.to_string_lossy()]), &needles);
     }
-    let cuda = "[[pool]]\nname = \"main\"\nranks = 1\nexecutor = \"cuda\"\n";
-    let g = graph(dir.path(), &format!("{cuda}\n{SAMPLED}"), "mooncake_conversation_head.jsonl");
-    assert_clean_failure(&kvflow(&["check", &g.to_string_lossy()]), &["sampling.temperature", "cuda"]);
 }

@@ -3,6 +3,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod draw;
 pub mod gemm;
 pub mod norm;
 pub mod recurrent;

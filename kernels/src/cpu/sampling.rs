@@ -2,6 +2,7 @@
 //! sampling whose randomness is a pure function of `(seed, request id, position)`. A request
 //! therefore samples the same tokens whatever batch, rank or pool it runs in.
 
+use super::draw::Weights;
 use serde::{Deserialize, Serialize};
 
 /// How a request picks tokens. `temperature == 0` means greedy.
@@ -109,57 +110,24 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// The tokens `params` may pick from `logits`, most likely first (ties by id), with their
-/// probabilities after temperature, top-k and top-p (summing to 1).
-fn candidates(logits: &[f32], params: &SamplingParams) -> (Vec<u32>, Vec<f64>) {
-    let t = params.temperature as f64;
-    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
-    if params.top_k > 0 {
-        order.truncate(params.top_k);
-    }
-    let max = logits[order[0] as usize] as f64 / t;
-    let mut probs: Vec<f64> = order.iter().map(|&i| (logits[i as usize] as f64 / t - max).exp()).collect();
-    let total: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= total);
-    if params.top_p < 1.0 {
-        let mut cumulative = 0.0;
-        let mut keep = probs.len();
-        for (i, p) in probs.iter().enumerate() {
-            cumulative += p;
-            if cumulative >= params.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-        probs.truncate(keep);
-        order.truncate(keep);
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-    }
-    (order, probs)
-}
-
-/// The candidate at which the cumulative probability passes `target` (the last one when
-/// rounding leaves `target` past the sum).
-fn inverse_cdf(order: &[u32], probs: &[f64], target: f64) -> u32 {
-    let mut cumulative = 0.0;
-    for (&tok, p) in order.iter().zip(probs) {
-        cumulative += p;
-        if target < cumulative {
-            return tok;
-        }
-    }
-    *order.last().expect("at least one candidate")
-}
-
-/// Picks a token from `logits` under `params`, with the randomness of `key`.
+/// Picks a token from `logits` (every value finite) under `params`, with the randomness of
+/// `key`: the rule of [`super::draw`], which the device kernel `sample_drawn` follows bit for bit.
 pub fn sample(logits: &[f32], params: &SamplingParams, key: SampleKey) -> u32 {
     if params.is_greedy() {
         return argmax(logits);
     }
-    let (order, probs) = candidates(logits, params);
-    inverse_cdf(&order, &probs, key.uniform())
+    let w = Weights::new(logits, params.temperature);
+    let threshold = w.threshold(params.top_k, params.top_p);
+    let kept = |i: usize| w.keys[i] >= threshold;
+    draw(&w, kept, key.uniform(), logits)
+}
+
+/// The token of the kept set at the draw `u` (its most likely one when rounding leaves none).
+fn draw(w: &Weights, kept: impl Fn(usize) -> bool + Copy, u: f64, logits: &[f32]) -> u32 {
+    let tree = w.tree(kept);
+    let total = tree.last().map_or(0.0, |root| root[0]);
+    w.walk(&tree, kept, u * total)
+        .unwrap_or_else(|| (0..logits.len()).filter(|&i| kept(i)).max_by_key(|&i| w.keys[i]).unwrap_or(0) as u32)
 }
 
 /// A request's sampling: its parameters and the seed its draws are keyed on (with its id).
@@ -217,17 +185,20 @@ impl Sampler {
             return Some((token, token == draft));
         }
         finite_argmax(logits)?;
-        let (order, probs) = candidates(logits, &self.sampling.params);
-        let p_draft = order.iter().position(|&t| t == draft).map_or(0.0, |i| probs[i]);
-        if self.key(position, ACCEPT_STREAM).uniform() < p_draft {
+        let params = &self.sampling.params;
+        let w = Weights::new(logits, params.temperature);
+        let threshold = w.threshold(params.top_k, params.top_p);
+        let kept = |i: usize| w.keys[i] >= threshold;
+        let total = w.tree(kept).last().map_or(0.0, |root| root[0]);
+        let p_draft = logits.get(draft as usize).filter(|_| kept(draft as usize)).map_or(0.0, |_| w.w[draft as usize]);
+        if self.key(position, ACCEPT_STREAM).uniform() * total < p_draft {
             return Some((draft, true));
         }
-        let (order, probs): (Vec<u32>, Vec<f64>) = order.iter().zip(&probs).filter(|(&t, _)| t != draft).unzip();
-        if order.is_empty() {
+        let others = |i: usize| kept(i) && i != draft as usize;
+        if !(0..logits.len()).any(others) {
             return Some((draft, true));
         }
-        let target = self.key(position, 0).uniform() * probs.iter().sum::<f64>();
-        Some((inverse_cdf(&order, &probs, target), false))
+        Some((draw(&w, others, self.key(position, 0).uniform(), logits), false))
     }
 }
 
@@ -273,7 +244,9 @@ mod tests {
         // far below the 0.1% critical value 20.5), whichever draft is proposed.
         let logits = [1.0f32, 0.2, -0.5, 0.7, 1.3, -2.0];
         let params = SamplingParams { temperature: 0.8, top_k: 0, top_p: 1.0 };
-        let (order, probs) = candidates(&logits, &params);
+        let w = Weights::new(&logits, params.temperature);
+        let order: Vec<u32> = (0..logits.len() as u32).collect();
+        let probs: Vec<f64> = w.w.iter().map(|x| x / w.w.iter().sum::<f64>()).collect();
         let n = 40_000;
         for draft in [4u32, 2, 5] {
             let mut counts = [0usize; 6];

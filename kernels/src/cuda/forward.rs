@@ -1,9 +1,9 @@
 //! One step of the model on the device, enqueued on the rank's stream and never waited for:
 //! embeddings (a token still in flight is read from the sampled-token ring the step before
 //! wrote), then per layer `h += mixer(norm(h)); h += ffn(norm(h))` as the CPU decoder computes
-//! it, then the final norm, the LM head on the rows that sample, and greedy sampling on the
-//! device into the ring and a results buffer. Activations are stream-ordered allocations, freed
-//! (in stream order) as soon as the step is enqueued.
+//! it, then the final norm, the LM head on the rows that sample, and sampling on the device
+//! (greedy, or seeded draws) into the ring and a results buffer. Activations are stream-ordered
+//! allocations, freed (in stream order) as soon as the step is enqueued.
 
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu};
@@ -11,12 +11,12 @@ use super::kv::DeviceKv;
 use super::launch::Arg;
 use super::model::{DevFfn, DevMixer, DeviceModel};
 use super::parts::Step;
-use super::rows::{RowsOnDevice, StepRows, StepShape};
+use super::rows::{RowsOnDevice, StepRows, StepShape, RESULT_WORDS};
 use super::state::DeviceState;
 
 impl DeviceModel {
     /// Enqueues one step over `rows` (already at `at` on the device) against `kv`: writes each
-    /// row's KV into its cache row, and for each sampling row its greedy token into `ring` at its
+    /// row's KV into its cache row, and for each sampling row its token (greedy, or drawn) into `ring` at its
     /// slot and `RESULT_WORDS` words into `results`. Returns the sampled rows' logits when
     /// `keep_logits` (checks and tests only). Waits for nothing.
     #[allow(clippy::too_many_arguments)]
@@ -108,19 +108,48 @@ impl DeviceModel {
         s.norm_rows(last.ptr(), last_bf16_ptr, last.ptr(), &self.final_norm, n)?;
         let logits = gpu.scratch::<f32>(n * self.vocab)?;
         s.linear_rounded(logits.ptr(), last.ptr(), last_bf16_ptr, &self.lm_head, n, hidden, self.vocab, false)?;
-        gpu.launch(
-            "sample_greedy",
-            (n as u32, 1, 1),
-            256,
-            0,
-            &[
-                Arg::Ptr(results),
-                Arg::Ptr(ring),
-                Arg::Ptr(at.ring_slots),
-                Arg::Ptr(logits.ptr()),
-                Arg::I32(self.vocab as i32),
-            ],
-        )?;
+        enqueue_sampling(gpu, shape, at, ring, results, logits.ptr(), self.vocab)?;
         Ok(keep_logits.then_some(logits))
     }
+}
+
+/// Enqueues the sampling of a step's `shape.sampled` logits rows at `logits`: each row's token
+/// into `ring` and its `RESULT_WORDS` into `results` — `sample_greedy`, or `sample_drawn` when some
+/// row draws with a temperature (it weighs every logit in doubles, in scratch).
+#[allow(clippy::too_many_arguments)]
+fn enqueue_sampling(
+    gpu: &Gpu,
+    shape: StepShape,
+    at: RowsOnDevice,
+    ring: u64,
+    results: u64,
+    logits: u64,
+    vocab: usize,
+) -> Result<(), CudaError> {
+    let n = shape.sampled;
+    let weights = if shape.drawn { Some(gpu.scratch::<f64>(n * vocab)?) } else { None };
+    let mut args = vec![Arg::Ptr(results), Arg::Ptr(ring), Arg::Ptr(at.ring_slots), Arg::Ptr(logits)];
+    if let Some(w) = &weights {
+        args.extend([Arg::Ptr(at.draws), Arg::Ptr(w.ptr())]);
+    }
+    args.push(Arg::I32(vocab as i32));
+    let kernel = if shape.drawn { "sample_drawn" } else { "sample_greedy" };
+    gpu.launch(kernel, (n as u32, 1, 1), 256, 0, &args)
+}
+
+/// The tokens the device samples from given logits (`rows.sampled()` rows of `vocab`, row
+/// after row), as a step samples them: `None` where a row is not all finite. Waits for the
+/// device (checks only).
+pub fn sample_rows(gpu: &Gpu, rows: &StepRows, logits: &[f32], vocab: usize) -> Result<Vec<Option<u32>>, CudaError> {
+    let n = rows.sampled();
+    let mut packed = vec![0u32; rows.words()];
+    rows.pack(&mut packed, 0);
+    let meta = gpu.upload(&packed)?;
+    let at = rows.pack(&mut packed, meta.ptr());
+    let logits = gpu.upload(logits)?;
+    let ring = gpu.zeros::<u32>(rows.ring_slots.iter().max().map_or(1, |&s| s as usize + 1))?;
+    let results = gpu.zeros::<u32>(n * RESULT_WORDS)?;
+    enqueue_sampling(gpu, rows.shape(), at, ring.ptr(), results.ptr(), logits.ptr(), vocab)?;
+    let words = gpu.download(&results, n * RESULT_WORDS)?;
+    Ok(words.chunks(RESULT_WORDS).map(|r| (r[1] != 0).then_some(r[0])).collect())
 }

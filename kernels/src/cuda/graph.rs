@@ -113,11 +113,13 @@ pub struct GraphKey {
     pub seqs: usize,
     pub sampled: usize,
     pub key_parts: usize,
+    pub drawn: bool,
 }
 
 impl GraphKey {
     fn of(shape: StepShape) -> GraphKey {
-        GraphKey { rows: shape.rows, seqs: shape.seqs, sampled: shape.sampled, key_parts: shape.key_parts() }
+        let (rows, seqs, sampled, drawn) = (shape.rows, shape.seqs, shape.sampled, shape.drawn);
+        GraphKey { rows, seqs, sampled, key_parts: shape.key_parts(), drawn }
     }
 }
 

@@ -9,6 +9,7 @@ use super::kv::DeviceKv;
 use super::model::DeviceModel;
 use super::rows::{StepRows, NO_SLOT, RESULT_WORDS};
 use super::state::DeviceState;
+use crate::cpu::sampling::Sampler;
 use crate::hash;
 
 /// One sampled row of a plain step.
@@ -82,14 +83,27 @@ impl<'a> PlainRunner<'a> {
             .collect())
     }
 
-    /// Generates `max_new` tokens after `prompt` alone: prefill in chunks of `chunk` tokens, then
-    /// one token a step, on blocks `0..` of a cache of its own.
+    /// Generates `max_new` greedy tokens after `prompt` alone: [`PlainRunner::generate_by`].
     pub fn generate(
         &self,
         prompt: &[u32],
         max_new: usize,
         chunk: usize,
         block_size: usize,
+    ) -> Result<PlainGeneration, CudaError> {
+        self.generate_by(prompt, max_new, chunk, block_size, &Sampler::default())
+    }
+
+    /// Generates `max_new` tokens after `prompt` alone, each picked by `sampler` (greedy, or its
+    /// seeded draw): prefill in chunks of `chunk` tokens, then one token a step, on blocks `0..`
+    /// of a cache of its own.
+    pub fn generate_by(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        chunk: usize,
+        block_size: usize,
+        sampler: &Sampler,
     ) -> Result<PlainGeneration, CudaError> {
         let mut out = PlainGeneration { logits_hash: hash::EMPTY, ..Default::default() };
         if prompt.is_empty() || max_new == 0 {
@@ -109,7 +123,7 @@ impl<'a> PlainRunner<'a> {
             let end = (fed + chunk.max(1)).min(prompt.len());
             let mut rows = StepRows::default();
             rows.push_seq(&prompt[fed..end], fed, &table, block_size, (end == prompt.len()).then_some(0));
-            rows.in_slot(slot.unwrap_or(NO_SLOT)).prompt_len(prompt.len());
+            rows.in_slot(slot.unwrap_or(NO_SLOT)).prompt_len(prompt.len()).drawn_by(sampler, prompt.len());
             let samples = self.step_in(&kv, state.as_ref(), &rows)?;
             fed = end;
             if let Some(s) = samples.into_iter().next() {
@@ -122,7 +136,7 @@ impl<'a> PlainRunner<'a> {
             let pos = prompt.len() + out.tokens.len() - 1;
             let mut rows = StepRows::default();
             rows.push_seq(&[*out.tokens.last().expect("a token was sampled")], pos, &table, block_size, Some(0));
-            rows.in_slot(slot.unwrap_or(NO_SLOT));
+            rows.in_slot(slot.unwrap_or(NO_SLOT)).drawn_by(sampler, pos + 1);
             let s = self.step_in(&kv, state.as_ref(), &rows)?.remove(0);
             if !self.take(&mut out, s) {
                 break;

@@ -3,11 +3,18 @@
 //! whose parts sit at the same offsets in every step of a [`StepShape`], and where each part lands
 //! on the device ([`RowsOnDevice`]).
 
+use crate::cpu::sampling::Sampler;
+
 /// The high bit of a fed token: the rest is a slot of the sampled-token ring.
 pub const FROM_RING: u32 = 0x8000_0000;
 
 /// u32 words of one sampled row in a step's results: token, finite flag, hash low, hash high.
 pub const RESULT_WORDS: usize = 4;
+
+/// u32 words of one sampled row's draw (`sample_drawn` in `kernels/cuda/model.cu`): temperature
+/// (f32 bits), top-k, top-p (f32 bits), then the key's seed, request id and position (u64 each,
+/// low word first). All zero: greedy.
+pub const DRAW_WORDS: usize = 9;
 
 /// A step's rows as the kernels read them (host side; uploaded as one array).
 #[derive(Clone, Debug, Default)]
@@ -26,6 +33,8 @@ pub struct StepRows {
     /// Rows that sample, and the ring slot each one's token goes to.
     pub logit_rows: Vec<u32>,
     pub ring_slots: Vec<u32>,
+    /// Per sampling row: how it draws ([`DRAW_WORDS`] words).
+    pub draws: Vec<u32>,
     /// Per sequence: its first row (its rows are contiguous, in position order) and its state
     /// slot ([`NO_SLOT`]: none).
     pub row_at: Vec<u32>,
@@ -45,6 +54,8 @@ pub struct StepShape {
     /// The longest index row: attention cuts keys into `index_row / KEY_SPLIT` parts (rounded
     /// up), DeepSeek-V3.2's indexer scores rows this long.
     pub index_row: usize,
+    /// Some row draws with a temperature (`sample_drawn`; else every row takes its argmax).
+    pub drawn: bool,
 }
 
 impl StepShape {
@@ -72,6 +83,7 @@ pub struct RowsOnDevice {
     pub(super) table_at: u64,
     pub(super) logit_rows: u64,
     pub(super) ring_slots: u64,
+    pub(super) draws: u64,
     pub(super) row_at: u64,
     pub(super) slots: u64,
     pub(super) prompt_lens: u64,
@@ -107,7 +119,31 @@ impl StepRows {
         if let Some(slot) = sample {
             self.logit_rows.push(self.tokens.len() as u32 - 1);
             self.ring_slots.push(slot);
+            self.draws.extend_from_slice(&[0; DRAW_WORDS]);
         }
+        self
+    }
+
+    /// Has the sampling row pushed last draw with `sampler`'s parameters and key, for the token
+    /// at `position` (nothing changes for a greedy sampler).
+    pub fn drawn_by(&mut self, sampler: &Sampler, position: usize) -> &mut Self {
+        let (params, at) = (sampler.sampling.params, self.draws.len().saturating_sub(DRAW_WORDS));
+        if sampler.is_greedy() || self.draws.is_empty() {
+            return self;
+        }
+        let (seed, request, position) = (sampler.sampling.seed, sampler.request_id, position as u64);
+        let words = [
+            params.temperature.to_bits(),
+            params.top_k.min(u32::MAX as usize) as u32,
+            params.top_p.to_bits(),
+            seed as u32,
+            (seed >> 32) as u32,
+            request as u32,
+            (request >> 32) as u32,
+            position as u32,
+            (position >> 32) as u32,
+        ];
+        self.draws[at..].copy_from_slice(&words);
         self
     }
 
@@ -130,7 +166,13 @@ impl StepRows {
     /// What the host side of [`DeviceModel::enqueue_step`] reads of these rows: every launch's
     /// grid, scalar and scratch size follows from it (the rest is read on the device).
     pub fn shape(&self) -> StepShape {
-        StepShape { rows: self.rows(), seqs: self.num_seqs(), sampled: self.sampled(), index_row: self.index_row_len() }
+        StepShape {
+            rows: self.rows(),
+            seqs: self.num_seqs(),
+            sampled: self.sampled(),
+            index_row: self.index_row_len(),
+            drawn: self.draws.chunks(DRAW_WORDS).any(|d| d[0] != 0),
+        }
     }
 
     /// Words of the packed rows before the tables (fixed by the shape).
@@ -160,7 +202,7 @@ impl StepRows {
     /// The parts in the order they are packed: every part's length is fixed by the step's
     /// shape except the tables', which go last, so a captured step (`graph.rs`) finds each part
     /// at the same address in every step of its shape.
-    fn parts(&self) -> [&[u32]; 11] {
+    fn parts(&self) -> [&[u32]; 12] {
         [
             &self.tokens,
             &self.positions,
@@ -169,6 +211,7 @@ impl StepRows {
             &self.table_at,
             &self.logit_rows,
             &self.ring_slots,
+            &self.draws,
             &self.row_at,
             &self.slots,
             &self.prompt_lens,
@@ -185,7 +228,7 @@ impl StepRows {
     /// will sit once `out` is copied to device address `base`.
     pub fn pack(&self, out: &mut [u32], base: u64) -> RowsOnDevice {
         let mut at = 0;
-        let mut addr = [0u64; 11];
+        let mut addr = [0u64; 12];
         for (i, part) in self.parts().iter().enumerate() {
             out[at..at + part.len()].copy_from_slice(part);
             addr[i] = base + 4 * at as u64;
@@ -199,10 +242,11 @@ impl StepRows {
             table_at: addr[4],
             logit_rows: addr[5],
             ring_slots: addr[6],
-            row_at: addr[7],
-            slots: addr[8],
-            prompt_lens: addr[9],
-            tables: addr[10],
+            draws: addr[7],
+            row_at: addr[8],
+            slots: addr[9],
+            prompt_lens: addr[10],
+            tables: addr[11],
         }
     }
 }

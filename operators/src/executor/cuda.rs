@@ -1,7 +1,8 @@
 //! `cuda`: a rank's steps on its GPU (one dataflow worker per GPU; DESIGN §4, §6). `launch`
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
 //! handoffs written into their blocks (device to device from a producer on this GPU, else
-//! unpacked from pinned memory), the forward, greedy sampling — records a CUDA event and
+//! unpacked from pinned memory), the forward, sampling (greedy, or each row's seeded draw keyed
+//! on its request and position, as the CPU executor draws) — records a CUDA event and
 //! returns. An export is the blocks themselves, read in place after the step (`SharedKv`), and,
 //! for a family with recurrent state, the slot copied out to pinned memory after the forward
 //! (`DeviceState`); an arriving handoff's state is copied into its slot before the forward. State
@@ -74,6 +75,9 @@ pub struct CudaSettings {
     /// Test only (no graph key sets it): a token in flight is fed from the ring slot of the
     /// sequence's sample before the one it names — deferred output without its mechanism.
     pub test_stale_ring_slot: bool,
+    /// Test only: a row draws keyed on its place in the batch, not its request — seeded sampling
+    /// without the key that makes it batch-invariant.
+    pub test_draws_keyed_on_row: bool,
 }
 
 impl CudaSettings {
@@ -86,6 +90,7 @@ impl CudaSettings {
             dtype: Dtype::parse(s.choice("dtype", &["float32", "bfloat16"], "float32")?).unwrap_or_default(),
             cuda_graphs: s.flag("cuda_graphs", true)?,
             test_stale_ring_slot: false,
+            test_draws_keyed_on_row: false,
         })
     }
 
@@ -149,6 +154,8 @@ pub struct CudaExecutor {
     pinned_floats: PinnedPool<f32>,
     /// With `test_stale_ring_slot`: each sequence's sample before its latest.
     older: Option<HashMap<SeqKey, u32>>,
+    /// `test_draws_keyed_on_row`.
+    draws_keyed_on_row: bool,
     waker: Arc<crate::pool::wake::RankWaker>,
 }
 
@@ -182,6 +189,7 @@ impl CudaExecutor {
             deferred_output: settings.deferred_output,
             graphs: settings.cuda_graphs.then(StepGraphs::default),
             older: settings.test_stale_ring_slot.then(HashMap::new),
+            draws_keyed_on_row: settings.test_draws_keyed_on_row,
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
@@ -294,6 +302,13 @@ impl CudaExecutor {
             rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, slot).prompt_len(s.prompt_len);
             if let Some(state_slot) = s.slot {
                 rows.in_slot(state_slot);
+            }
+            if slot.is_some() {
+                let mut sampler = s.sampler;
+                if self.draws_keyed_on_row {
+                    sampler.request_id = sampling.len() as u64;
+                }
+                rows.drawn_by(&sampler, s.start_pos + fed.len());
             }
             if let Some(slot) = slot {
                 sampling.push(s.key);

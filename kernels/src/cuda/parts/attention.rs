@@ -97,7 +97,9 @@ impl Step<'_> {
         let head_parts = group.div_ceil(warps * HEADS_PER_WARP);
         // every row's keys fit in `splits` parts (index_row ≥ position + 1 ≥ its keys); the
         // rows go in slices so the parts' scratch stays bounded (a row's bits do not depend on it)
-        let splits = StepShape { rows: self.rows, seqs: self.seqs, sampled: 0, index_row: self.index_row }.key_parts();
+        let splits =
+            StepShape { rows: self.rows, seqs: self.seqs, sampled: 0, index_row: self.index_row, drawn: false }
+                .key_parts();
         let per_row = q_heads * splits * (v + 2);
         let slice = (ATTENTION_PARTS_FLOATS / per_row).clamp(1, self.rows);
         let parts = self.gpu.scratch::<f32>(slice * per_row)?;
