@@ -6,11 +6,12 @@
 # It runs `kvflow bench device` (parity with expected.json and the CPU executor, batch invariance,
 # pack/unpack against a device-to-device copy, decode with deferred output on and off), PyTorch's
 # index_select gather of the same blocks against its own copy, and `--verify` on an aggregated
-# and a P/D graph with executor = "cuda" for each fixture the cuda executor runs (and in bf16 for
-# those whose attention takes the tensor cores), then the offload tier with cuda ranks. Raw output
+# and a P/D graph with executor = "cuda" for each fixture the cuda executor runs (greedy, then
+# drawing with a temperature; and in bf16 for those whose attention takes the tensor cores), then
+# the offload tier with cuda ranks. Raw output
 # goes to $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 # The whole took 568 s on the H200 before the bf16 graphs were added: RUN_PARTS picks parts for
-# calls of their own (default "checks verify bf16 offload"), e.g. RUN_PARTS="checks bf16" then
+# calls of their own (default "checks verify sampled bf16 offload"), e.g. RUN_PARTS="checks bf16" then
 # RUN_PARTS="verify offload".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,7 +19,7 @@ out="${OUT:-.}/device-run.txt"
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
-parts=" ${RUN_PARTS:-checks verify bf16 offload} "
+parts=" ${RUN_PARTS:-checks verify sampled bf16 offload} "
 part() { case "$parts" in *" $1 "*) return 0 ;; *) echo "== (part $1 skipped: RUN_PARTS=${RUN_PARTS:-})"; return 1 ;; esac; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -41,6 +42,18 @@ part verify && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn 
       echo "== kvflow run $graph ($model, executor = cuda) --verify"
       "$bin" run "graphs/.$graph-$model.toml" --verify 2>&1 | tail -n 25 || status=1
       rm -f "graphs/.$graph-$model.toml"
+    done
+done
+# seeded sampling on the device (sample_drawn): the same graphs drawing at temperature 0.8 with
+# top-p 0.9, exact against the cuda plain path drawing with the same keys
+part sampled && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn qwen3_next kimi_linear; do
+    for graph in cuda-aggregated pd-1p1d; do
+      sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
+          -e "s#out/$graph#out/$graph-$model-sampled#" "graphs/$graph.toml" > "graphs/.$graph-$model-sampled.toml"
+      printf '\n[sampling]\ntemperature = 0.8\ntop_p = 0.9\nseed = 7\n' >> "graphs/.$graph-$model-sampled.toml"
+      echo "== kvflow run $graph ($model, executor = cuda, temperature 0.8, top-p 0.9) --verify"
+      "$bin" run "graphs/.$graph-$model-sampled.toml" --verify 2>&1 | tail -n 25 || status=1
+      rm -f "graphs/.$graph-$model-sampled.toml"
     done
 done
 # bf16 on the tensor cores (attention.cu, bf16.cu): the families whose attention takes them, each
