@@ -13,10 +13,12 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::unicode::NFC;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, ModelWrapper, Tokenizer};
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, ModelWrapper, SplitDelimiterBehavior, Tokenizer};
 
 /// The work one chat render may do, in minijinja's fuel: about one fuel per instruction and per
 /// 64 bytes of data made or read. Hugging Face templates take a few dozen instructions a message,
@@ -64,7 +66,14 @@ struct ChatTemplate {
 }
 
 /// The GGUF pre-tokenizers kvflow knows (`tokenizer.ggml.pre`).
-const PRE_TOKENIZERS: &str = "smollm, gpt2, default";
+const PRE_TOKENIZERS: &str = "llama-bpe, qwen2, smollm, gpt2, default";
+
+/// Llama 3's split (`llama-bpe`): contractions, letters with one leading non-letter, digits in
+/// runs of up to three, punctuation runs, line breaks, spaces.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen 2's split (`qwen2`): Llama 3's with every digit alone.
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 impl TextModel {
     /// The text side of the model at `path`: a GGUF file, or a checkpoint folder holding
@@ -154,6 +163,20 @@ impl TextModel {
             }
             "gpt2" | "default" => {
                 tokenizer.with_pre_tokenizer(Some(byte_level));
+            }
+            "llama-bpe" | "qwen2" => {
+                // as Llama 3's and Qwen 2's tokenizer.json: the pattern splits, then bytes map to
+                // symbols without a pattern of their own; Qwen 2 composes (NFC) first
+                let pattern = if pre == "qwen2" { QWEN2_SPLIT } else { LLAMA3_SPLIT };
+                let split = Split::new(SplitPattern::Regex(pattern.into()), SplitDelimiterBehavior::Isolated, false)
+                    .map_err(|e| field("tokenizer.ggml.pre", format!("{pre:?}: {e}")))?;
+                let steps = vec![split.into(), ByteLevel::new(false, pre == "llama-bpe", false).into()];
+                tokenizer.with_pre_tokenizer(Some(Sequence::new(steps)));
+                if pre == "qwen2" {
+                    tokenizer
+                        .with_normalizer(Some(NFC))
+                        .map_err(|e| field("tokenizer.ggml.pre", format!("{pre:?}: {e}")))?;
+                }
             }
             other => {
                 return Err(field(

@@ -21,6 +21,7 @@ mod offload;
 mod operability;
 mod peers;
 mod plots;
+mod pretokenizers;
 mod processes;
 mod readme;
 mod recurrent_state;
