@@ -418,3 +418,62 @@ fn an_idle_server_outlives_the_stall_timeout() {
     assert_eq!(code, 0, "{stderr}");
     assert!(!stderr.contains("stall"), "{stderr}");
 }
+
+/// The llama fixture served from an emulated cuda pool: whole and streamed completions are the
+/// greedy tokens the CPU executor generates.
+#[test]
+fn served_from_a_cuda_pool_the_tokens_are_the_cpu_executors() {
+    let _one_at_a_time = HEAVY.lock();
+    let dir = tempfile::tempdir().unwrap();
+    let graph = one_llama_rank_to_serve(dir.path(), "");
+    let cuda = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate = true\n";
+    let text = std::fs::read_to_string(&graph).unwrap().replacen("executor = \"cpu\"\n", cuda, 1);
+    std::fs::write(&graph, text).unwrap();
+    let model = crate::common::load(&fixture("hf/llama"));
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().take(2).map(|p| p.to_vec()).collect();
+    let opts = GenerateOptions { max_new_tokens: 6, ..Default::default() };
+    let expected = generate(&model, &prompts, &opts).unwrap();
+    let served = Served::start(&graph, &dir.path().join("out"), &[]);
+    for (prompt, want) in prompts.iter().zip(&expected) {
+        let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+        let (status, v) = served.post("/v1/completions", &body);
+        assert_eq!((status, ids_of(&v["choices"][0])), (200, want.tokens.clone()), "{v}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (ids, finish, _) = stream_ids(&served.stream("/v1/completions", &streamed));
+        assert_eq!((ids, finish.as_deref()), (want.tokens.clone(), Some("length")));
+    }
+    let (code, stderr) = served.stop();
+    assert_eq!(code, 0, "{stderr}");
+}
+
+/// SmolLM2 served from a cuda pool (emulated here, so a short completion; `benches/device` serves
+/// chats on the GPU): it streams the greedy tokens and text the CPU executor generates.
+#[test]
+#[ignore = "SmolLM2 under the CPU emulation of the kernels takes about two minutes: run it with --ignored"]
+fn smollm2_served_on_a_cuda_pool_answers_as_the_cpu_executor() {
+    let Some(path) = crate::gguf::smollm2() else { return };
+    let _one_at_a_time = HEAVY.lock();
+    let dir = tempfile::tempdir().unwrap();
+    let graph = std::fs::read_to_string(repo().join("graphs/smollm2.toml")).unwrap();
+    let cuda = "executor = \"cuda\"\n\n[pool.executor_settings]\nemulate = true\n";
+    std::fs::write(dir.path().join("cuda.toml"), graph.replacen("executor = \"cpu\"\n", cuda, 1)).unwrap();
+    let text = kvflow::text::TextModel::load(&path).unwrap();
+    let (prompt, n) = ("The capital of France is", 3);
+    let model = crate::common::load(&path);
+    let opts = GenerateOptions { max_new_tokens: n, ..Default::default() };
+    let want = generate(&model, &[text.encode(prompt).unwrap()], &opts).unwrap().remove(0).tokens;
+    let served =
+        Served::start(&dir.path().join("cuda.toml"), &dir.path().join("out"), &["--model", path.to_str().unwrap()]);
+    let body = json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": true});
+    let chunks = served.stream("/v1/completions", &body);
+    let (ids, finish, _) = stream_ids(&chunks);
+    assert_eq!((&ids, finish.as_deref()), (&want, Some("length")), "{chunks:?}");
+    let streamed: String = chunks[..chunks.len() - 1]
+        .iter()
+        .map(|c| serde_json::from_str::<Value>(c).unwrap()["choices"][0]["text"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(streamed, text.decode(&want).unwrap());
+    let (code, stderr) = served.stop();
+    assert_eq!(code, 0, "{stderr}");
+}
