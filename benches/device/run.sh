@@ -11,7 +11,7 @@
 # the offload tier with cuda ranks. Raw output
 # goes to $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 # The whole took 568 s on the H200 before the bf16 graphs were added: RUN_PARTS picks parts for
-# calls of their own (default "checks verify sampled bf16 offload"), e.g. RUN_PARTS="checks bf16" then
+# calls of their own (default "checks verify sampled spec bf16 offload"), e.g. RUN_PARTS="checks bf16" then
 # RUN_PARTS="verify offload".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +19,7 @@ out="${OUT:-.}/device-run.txt"
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
-parts=" ${RUN_PARTS:-checks verify sampled bf16 offload} "
+parts=" ${RUN_PARTS:-checks verify sampled spec bf16 offload} "
 part() { case "$parts" in *" $1 "*) return 0 ;; *) echo "== (part $1 skipped: RUN_PARTS=${RUN_PARTS:-})"; return 1 ;; esac; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -54,6 +54,21 @@ part sampled && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn
       echo "== kvflow run $graph ($model, executor = cuda, temperature 0.8, top-p 0.9) --verify"
       "$bin" run "graphs/.$graph-$model-sampled.toml" --verify 2>&1 | tail -n 25 || status=1
       rm -f "graphs/.$graph-$model-sampled.toml"
+    done
+done
+# n-gram drafting on cuda pools (families without recurrent state; the drafts scored and checked
+# on the device), aggregated and 1P1D, greedy: exact against the cuda plain path
+part spec && for model in llama qwen3 deepseek_v3 deepseek_v32; do
+    for graph in spec pd-1p1d; do
+      sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
+          -e "s#out/$graph#out/$graph-$model-cuda#" "graphs/$graph.toml" > "graphs/.$graph-$model-cuda.toml"
+      grep -q '^\[speculative\]' "graphs/.$graph-$model-cuda.toml" ||
+        printf '\n[speculative]\ndrafter = "ngram"\ndraft_tokens = 4\n' >> "graphs/.$graph-$model-cuda.toml"
+      echo "== kvflow run $graph ($model, executor = cuda, n-gram drafting) --verify"
+      "$bin" run "graphs/.$graph-$model-cuda.toml" --verify 2>&1 | tail -n 25 || status=1
+      python3 -c "import json,sys; print('spec', json.dumps(json.load(open(sys.argv[1]))['spec']))" \
+          "out/$graph-$model-cuda/report.json" 2>/dev/null || true
+      rm -f "graphs/.$graph-$model-cuda.toml"
     done
 done
 # bf16 on the tensor cores (attention.cu, bf16.cu): the families whose attention takes them, each

@@ -896,16 +896,17 @@ __device__ u32 count_from(const float* row, int vocab, u64 threshold) {
 }
 
 #define MAX_SEGMENTS 2048
-// kvflow_kernels::cpu::draw::Weights::tree over the tokens whose key is at least `threshold`: the
-// segments' sums at tree[0..segments), each level of the pairwise tree after the one below it.
-// Returns the root (every thread gets it).
-__device__ double tree_from(const double* w, const float* row, int vocab, int segment, u64 threshold, double* tree) {
+// kvflow_kernels::cpu::draw::Weights::tree over the tokens whose key is at least `threshold`,
+// token `skip` left out (-1: none): the segments' sums at tree[0..segments), each level of the
+// pairwise tree after the one below it. Returns the root (every thread gets it).
+__device__ double tree_from(const double* w, const float* row, int vocab, int segment, u64 threshold, int skip,
+                           double* tree) {
     int segments = (vocab + segment - 1) / segment;
     __syncthreads();
     for (int j = threadIdx.x; j < segments; j += blockDim.x) {
         double s = 0.0;
         for (int i = j * segment, end = min(vocab, (j + 1) * segment); i < end; i++)
-            if (rank_key(row[i], i) >= threshold) s = __dadd_rn(s, w[i]);
+            if (i != skip && rank_key(row[i], i) >= threshold) s = __dadd_rn(s, w[i]);
         tree[j] = s;
     }
     __syncthreads();
@@ -921,6 +922,30 @@ __device__ double tree_from(const double* w, const float* row, int vocab, int se
     return tree[at];
 }
 
+// The highest key at least `threshold` of a token other than `skip` (every thread gets it).
+__device__ u64 most_likely_except(const float* row, int vocab, u64 threshold, int skip) {
+    __shared__ u64 best[256];
+    u64 b = 0;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        u64 k = rank_key(row[i], i);
+        if (i != skip && k >= threshold && k > b) b = k;
+    }
+    __syncthreads();
+    best[threadIdx.x] = b;
+    __syncthreads();
+    for (int step = blockDim.x / 2; step > 0; step /= 2) {
+        if (threadIdx.x < step && best[threadIdx.x + step] > best[threadIdx.x]) best[threadIdx.x] = best[threadIdx.x + step];
+        __syncthreads();
+    }
+    return best[0];
+}
+
+// kvflow_kernels::cpu::sampling::SampleKey::uniform
+__device__ double uniform_draw(u64 seed, u64 request, u64 position) {
+    u64 h = splitmix64(splitmix64(splitmix64(seed) ^ request) ^ position);
+    return __ddiv_rn((double)(h >> 11), 9007199254740992.0);
+}
+
 // The highest key in [lo, hi] at which `enough` holds (it holds at lo, and fails above some key).
 #define HIGHEST_KEY(lo, hi, enough)                         \
     while (lo < hi) {                                       \
@@ -929,10 +954,14 @@ __device__ double tree_from(const double* w, const float* row, int vocab, int se
     }
 
 // Seeded sampling of each logits row (temperature, top-k, top-p), one block of 256 threads a row:
-// kvflow_kernels::cpu::sampling::sample's token from the same row, the same bits. draws holds
-// DRAW_WORDS a row: temperature (f32 bits), top_k, top_p (f32 bits), seed, request id, position
-// (each u64, low word first); temperature 0 or top_k 1 is greedy. weights: vocab doubles a row.
-#define DRAW_WORDS 9
+// kvflow_kernels::cpu::sampling::sample's token from the same row, the same bits — or, for a row
+// that checks a draft, Sampler::check_draft's (the draft kept with probability p(draft), else a
+// token drawn from the rest). draws holds DRAW_WORDS a row: temperature (f32 bits), top_k, top_p
+// (f32 bits), seed, request id, position (each u64, low word first), the draft (NO_DRAFT: none);
+// temperature 0 or top_k 1 is greedy. weights: vocab doubles a row.
+#define DRAW_WORDS 10
+#define NO_DRAFT 0xffffffffu
+#define ACCEPT_STREAM 0x5EC5A11DD4AF7000ull
 extern "C" __global__ void sample_drawn(u32* results, u32* ring, const int* ring_slots, const float* logits,
                                         const u32* draws, double* weights, int vocab) {
     __shared__ double tree[2 * MAX_SEGMENTS];
@@ -955,17 +984,31 @@ extern "C" __global__ void sample_drawn(u32* results, u32* ring, const int* ring
         u64 hi = most;
         HIGHEST_KEY(from, hi, count_from(row, vocab, mid) >= top_k)
     }
-    double total = tree_from(w, row, vocab, segment, from, tree);
+    double total = tree_from(w, row, vocab, segment, from, -1, tree);
     if (top_p < 1.0f) {
         double target = __dmul_rn((double)top_p, total);
         u64 hi = most;
-        HIGHEST_KEY(from, hi, tree_from(w, row, vocab, segment, mid, tree) >= target)
-        total = tree_from(w, row, vocab, segment, from, tree);
+        HIGHEST_KEY(from, hi, tree_from(w, row, vocab, segment, mid, -1, tree) >= target)
+        total = tree_from(w, row, vocab, segment, from, -1, tree);
+    }
+    u64 seed = d[3] | (u64)d[4] << 32, request = d[5] | (u64)d[6] << 32, position = d[7] | (u64)d[8] << 32;
+    int skip = -1;
+    u32 fallback = (u32)s.token;  // rounding left no token: the most likely one drawn from
+    if (d[9] != NO_DRAFT) {
+        // a draft: kept with probability w(draft) / total, else drawn from the other kept tokens
+        int draft = (int)d[9];
+        double p = draft < vocab && rank_key(row[draft], draft) >= from ? w[draft] : 0.0;
+        u64 other = most_likely_except(row, vocab, from, draft);
+        if (__dmul_rn(uniform_draw(seed ^ ACCEPT_STREAM, request, position), total) < p || other == 0) {
+            write_sample(results, ring, ring_slots, i, (u32)draft, s);
+            return;
+        }
+        skip = draft;
+        fallback = 0xffffffffu - (u32)(other & 0xffffffffull);
+        total = tree_from(w, row, vocab, segment, from, skip, tree);
     }
     if (threadIdx.x != 0) return;
-    u64 seed = d[3] | (u64)d[4] << 32, request = d[5] | (u64)d[6] << 32, position = d[7] | (u64)d[8] << 32;
-    u64 h = splitmix64(splitmix64(splitmix64(seed) ^ request) ^ position);
-    double target = __dmul_rn(__ddiv_rn((double)(h >> 11), 9007199254740992.0), total);
+    double target = __dmul_rn(uniform_draw(seed, request, position), total);
     // the levels' offsets, then the walk from the root: left while the target is below the sum
     // through the left child
     int offsets[16], lens[16], levels = 0, segments = (vocab + segment - 1) / segment;
@@ -987,10 +1030,10 @@ extern "C" __global__ void sample_drawn(u32* results, u32* ring, const int* ring
             node = left;
         }
     }
-    u32 token = (u32)s.token;  // rounding left no token: the most likely
+    u32 token = fallback;
     double running = before;
     for (int c = node * segment, end = min(vocab, (node + 1) * segment); c < end; c++) {
-        if (rank_key(row[c], c) < from) continue;
+        if (c == skip || rank_key(row[c], c) < from) continue;
         running = __dadd_rn(running, w[c]);
         if (target < running) { token = (u32)c; break; }
     }

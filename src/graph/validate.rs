@@ -524,11 +524,15 @@ impl<'a> Validator<'a> {
                 Err(format!("{n}; expected ngram_min ({ngram_min}) to 64"))
             }
         })?;
-        if let Some(pool) = pools.iter().find(|p| p.executor == "cuda") {
+        if let Some(pool) = pools.iter().find(|p| p.executor == "cuda").filter(|_| drafter == "mtp") {
             return Err(self.error(
-                "speculative",
-                Some(spanned.span()),
-                format!("speculative decoding runs on the cpu executors for now; pool `{}` is on \"cuda\"", pool.name),
+                "speculative.drafter",
+                raw.drafter.as_ref().map(|d| d.span()),
+                format!(
+                    "the `mtp` drafter runs on the cpu executors for now; pool `{}` is on \"cuda\" (the `ngram` \
+                     drafter runs there)",
+                    pool.name
+                ),
             ));
         }
         Ok(SpecConfig {

@@ -181,14 +181,25 @@ fn check_endpoints(graph: &Graph, opts: &RunOptions) -> Result<()> {
     Ok(())
 }
 
-/// A `cuda` pool that cannot start is refused before the run: a model of another family, or no
-/// driver on this machine (unless the pool emulates the kernels).
+/// A `cuda` pool that cannot start is refused before the run: a model of another family, drafts
+/// for a model with recurrent state, or no driver on this machine (unless the pool emulates the
+/// kernels).
 pub fn check_cuda_pools(graph: &Graph, model: &Model) -> Result<()> {
     for pool in graph.pools.iter().filter(|p| p.executor == "cuda") {
         let settings = kvflow_operators::executor::CudaSettings::read(&pool.executor_settings)
             .map_err(|e| anyhow!("{}: pool {}: {e}", graph.path.display(), pool.name))?;
         if let Some(why) = kvflow_kernels::cuda::unsupported(model) {
             bail!("{}: pool {}: {why}", graph.path.display(), pool.name);
+        }
+        if pool.scheduler.spec.is_some() && model.needs_slots() {
+            bail!(
+                "{}: pool {}: [speculative] on a cuda pool: model_type {} keeps recurrent state, and rolling it \
+                 back on the device after a rejected draft is not built yet; run this model's drafting on the cpu \
+                 executors, or leave [speculative] out",
+                graph.path.display(),
+                pool.name,
+                model.model_type
+            );
         }
         if settings.emulate {
             continue;

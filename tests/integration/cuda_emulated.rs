@@ -1065,3 +1065,34 @@ fn sampled_cuda_graphs_verify_against_the_cuda_plain_path() {
         assert!(differ * 2 > greedy.len(), "{what}: sampling changed {differ} of {} outputs", greedy.len());
     }
 }
+
+/// n-gram speculative decoding on cuda pools: the drafts of a step are scored on the device (a
+/// row after the last known token and after each draft) and checked as the CPU executor checks
+/// them, so greedy drafting gives the plain outputs — `--verify` exact against the cuda plain path
+/// — with drafts really fed and kept (three conversation requests, whose outputs repeat enough to
+/// draft; `benches/device/run.sh` drafts on every attention family, aggregated and 1P1D). A family
+/// with recurrent state and the MTP drafter are refused on cuda by name.
+#[test]
+fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
+    const SPEC: &str = "\n[speculative]\ndrafter = \"ngram\"\ndraft_tokens = 4\n";
+    let aggregated = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
+    let workload = "mode = \"concurrency\"\nconcurrency = 3\nwarmup = 0\nlimit = 3";
+    let dir = tempfile::tempdir().unwrap();
+    let trace = "mooncake_conversation_head.jsonl";
+    let graph = write_graph_with(dir.path(), "hf/llama", trace, workload, "32 MiB", &format!("{aggregated}{SPEC}"));
+    let report = run_graph(&graph, Overrides { max_output_tokens: Some(32), ..Default::default() }, Default::default());
+    assert_exact(&report, "llama drafting on cuda");
+    let spec = &report["spec"];
+    assert!(spec["drafted_tokens"].as_u64().unwrap() > 0, "drafts were fed: {spec}");
+    assert!(spec["accepted_tokens"].as_u64().unwrap() > 0, "drafts were kept: {spec}");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = short_trace(dir.path());
+    let graph =
+        write_graph_with(dir.path(), "hf/qwen3_next", &trace, workload, "32 MiB", &format!("{aggregated}{SPEC}"));
+    let refused = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+    crate::common::assert_clean_failure(&refused, &["[speculative]", "cuda", "recurrent state", "qwen3_next"]);
+    let mtp = format!("{aggregated}{}", SPEC.replace("\"ngram\"", "\"mtp\""));
+    let graph = write_graph_with(dir.path(), "hf/llama", &trace, workload, "32 MiB", &mtp);
+    let refused = crate::common::kvflow(&["check", &graph.to_string_lossy()]);
+    crate::common::assert_clean_failure(&refused, &["speculative.drafter", "mtp", "cuda"]);
+}

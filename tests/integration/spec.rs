@@ -104,9 +104,12 @@ fn bad_speculative_settings_are_refused_naming_the_key() {
         std::fs::write(&graph, text).unwrap();
         assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &needles);
     }
+    // on cuda pools the n-gram drafter runs, the MTP drafter not yet
     let cuda = "[[pool]]\nname = \"main\"\nranks = 1\nexecutor = \"cuda\"\n";
     let graph = spec_graph(dir.path(), "hf/llama", cuda);
-    assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &["speculative", "cuda"]);
+    let text = std::fs::read_to_string(&graph).unwrap().replace("\"ngram\"", "\"mtp\"");
+    std::fs::write(&graph, text).unwrap();
+    assert_clean_failure(&kvflow(&["check", &graph.to_string_lossy()]), &["speculative.drafter", "mtp", "cuda"]);
 }
 
 #[test]

@@ -13,8 +13,14 @@ pub const RESULT_WORDS: usize = 4;
 
 /// u32 words of one sampled row's draw (`sample_drawn` in `kernels/cuda/model.cu`): temperature
 /// (f32 bits), top-k, top-p (f32 bits), then the key's seed, request id and position (u64 each,
-/// low word first). All zero: greedy.
-pub const DRAW_WORDS: usize = 9;
+/// low word first), then the draft the row checks ([`NO_DRAFT`]: none). Temperature 0: greedy.
+pub const DRAW_WORDS: usize = 10;
+
+/// A sampling row that checks no draft.
+pub const NO_DRAFT: u32 = u32::MAX;
+
+/// The draw words of a greedy row that checks no draft.
+const GREEDY_DRAW: [u32; DRAW_WORDS] = [0, 0, 0, 0, 0, 0, 0, 0, 0, NO_DRAFT];
 
 /// A step's rows as the kernels read them (host side; uploaded as one array).
 #[derive(Clone, Debug, Default)]
@@ -101,6 +107,19 @@ impl StepRows {
         block_size: usize,
         sample: Option<u32>,
     ) -> &mut Self {
+        self.push_seq_sampling(tokens, start_pos, table, block_size, sample.as_slice())
+    }
+
+    /// [`StepRows::push_seq`] whose last `ring_slots.len()` rows each sample (a sequence that
+    /// verifies drafts: the row after its last known token and after each draft), in row order.
+    pub fn push_seq_sampling(
+        &mut self,
+        tokens: &[u32],
+        start_pos: usize,
+        table: &[u32],
+        block_size: usize,
+        ring_slots: &[u32],
+    ) -> &mut Self {
         let seq = self.table_at.len() as u32;
         self.table_at.push(self.tables.len() as u32);
         self.tables.extend_from_slice(table);
@@ -116,10 +135,11 @@ impl StepRows {
             let row = table.get(pos / block_size).map_or(0, |b| b * block_size as u32 + (pos % block_size) as u32);
             self.write_rows.push(row);
         }
-        if let Some(slot) = sample {
-            self.logit_rows.push(self.tokens.len() as u32 - 1);
+        let end = self.tokens.len() as u32;
+        for (k, &slot) in ring_slots.iter().enumerate() {
+            self.logit_rows.push(end - (ring_slots.len() - k) as u32);
             self.ring_slots.push(slot);
-            self.draws.extend_from_slice(&[0; DRAW_WORDS]);
+            self.draws.extend_from_slice(&GREEDY_DRAW);
         }
         self
     }
@@ -127,8 +147,15 @@ impl StepRows {
     /// Has the sampling row pushed last draw with `sampler`'s parameters and key, for the token
     /// at `position` (nothing changes for a greedy sampler).
     pub fn drawn_by(&mut self, sampler: &Sampler, position: usize) -> &mut Self {
-        let (params, at) = (sampler.sampling.params, self.draws.len().saturating_sub(DRAW_WORDS));
-        if sampler.is_greedy() || self.draws.is_empty() {
+        let rows = self.sampled();
+        self.row_drawn_by(rows.saturating_sub(1), sampler, position)
+    }
+
+    /// Has sampling row `row` draw with `sampler`'s parameters and key, for the token at
+    /// `position` (nothing changes for a greedy sampler).
+    pub fn row_drawn_by(&mut self, row: usize, sampler: &Sampler, position: usize) -> &mut Self {
+        let (params, at) = (sampler.sampling.params, row * DRAW_WORDS);
+        if sampler.is_greedy() || at >= self.draws.len() {
             return self;
         }
         let (seed, request, position) = (sampler.sampling.seed, sampler.request_id, position as u64);
@@ -143,7 +170,16 @@ impl StepRows {
             position as u32,
             (position >> 32) as u32,
         ];
-        self.draws[at..].copy_from_slice(&words);
+        self.draws[at..at + DRAW_WORDS - 1].copy_from_slice(&words);
+        self
+    }
+
+    /// Has sampling row `row` check `draft` (the speculative-sampling rule when it draws; a
+    /// greedy row's check is its argmax, made on the host).
+    pub fn row_checks_draft(&mut self, row: usize, draft: u32) -> &mut Self {
+        if let Some(word) = self.draws.get_mut(row * DRAW_WORDS + DRAW_WORDS - 1) {
+            *word = draft;
+        }
         self
     }
 

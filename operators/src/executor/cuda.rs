@@ -2,8 +2,9 @@
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
 //! handoffs written into their blocks (device to device from a producer on this GPU, else
 //! unpacked from pinned memory), the forward, sampling (greedy, or each row's seeded draw keyed
-//! on its request and position, as the CPU executor draws) — records a CUDA event and
-//! returns. An export is the blocks themselves, read in place after the step (`SharedKv`), and,
+//! on its request and position, as the CPU executor draws; a sequence that verifies drafts gets
+//! a row after its last known token and after each draft, each checked on the device as the CPU
+//! executor checks it) — records a CUDA event and returns. An export is the blocks themselves, read in place after the step (`SharedKv`), and,
 //! for a family with recurrent state, the slot copied out to pinned memory after the forward
 //! (`DeviceState`); an arriving handoff's state is copied into its slot before the forward. State
 //! copies a step asks for (zero, restore, snapshot) are enqueued in step order.
@@ -28,7 +29,8 @@
 use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::settings::{SettingError, Settings};
 use crate::step::{
-    BlockStore, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
+    BlockStore, DraftCheck, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
+    StepLaunch,
 };
 use kvflow_kernels::cuda::{visible_gpus, CudaError, Dtype};
 use kvflow_kernels::cuda::{
@@ -117,7 +119,9 @@ struct InFlight {
     /// `None`: the step failed at launch (its completion is the error).
     event: Option<Event>,
     error: Option<ExecutorError>,
-    sampling: Vec<SeqKey>,
+    /// The sequences sampled, in row order, each with the drafts it verifies (a row each, after
+    /// the row of its last known token).
+    sampling: Vec<(SeqKey, Vec<u32>)>,
     meta: Option<PinnedBuf<u32>>,
     results: Option<PinnedBuf<u32>>,
     exports: Vec<Exported>,
@@ -271,13 +275,17 @@ impl CudaExecutor {
 
     /// 1. The step's rows: literal tokens, or the ring slot of a token still in flight; each
     ///    sampled row gets a ring slot. Returns the rows and the sequences sampled, in row order.
-    fn step_rows(&mut self, launch: &StepLaunch<'_>) -> Result<(StepRows, Vec<SeqKey>), ExecutorError> {
+    #[allow(clippy::type_complexity)]
+    fn step_rows(&mut self, launch: &StepLaunch<'_>) -> Result<(StepRows, Vec<(SeqKey, Vec<u32>)>), ExecutorError> {
         let mut rows = StepRows::default();
-        let mut sampling = Vec::new();
+        let mut sampling: Vec<(SeqKey, Vec<u32>)> = Vec::new();
         let mut fed = Vec::new();
         for s in launch.seqs() {
-            if !s.drafts.is_empty() {
-                return Err(ExecutorError::Launch("speculative decoding runs on the cpu executors only".into()));
+            if !s.drafts.is_empty() && self.state.is_some() {
+                return Err(ExecutorError::Launch(
+                    "speculative decoding on a cuda pool: rolling recurrent state back on the device is not built yet"
+                        .into(),
+                ));
             }
             fed.clear();
             fed.extend_from_slice(s.known);
@@ -298,24 +306,45 @@ impl CudaExecutor {
                     s.key
                 )));
             }
-            let slot = s.sample.then(|| self.slot());
-            rows.push_seq(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, slot).prompt_len(s.prompt_len);
+            // a verifying sequence samples after its last known token and after each draft
+            fed.extend_from_slice(s.drafts);
+            let slots: Vec<u32> = match s.sample {
+                true => (0..=s.drafts.len()).map(|_| self.slot()).collect(),
+                false => Vec::new(),
+            };
+            let first_row = rows.sampled();
+            rows.push_seq_sampling(&fed, s.start_pos, s.block_table, self.kv.kv.block_size, &slots);
+            rows.prompt_len(s.prompt_len);
             if let Some(state_slot) = s.slot {
                 rows.in_slot(state_slot);
             }
-            if slot.is_some() {
-                let mut sampler = s.sampler;
-                if self.draws_keyed_on_row {
-                    sampler.request_id = sampling.len() as u64;
-                }
-                rows.drawn_by(&sampler, s.start_pos + fed.len());
+            let mut sampler = s.sampler;
+            if self.draws_keyed_on_row {
+                sampler.request_id = sampling.len() as u64;
             }
-            if let Some(slot) = slot {
-                sampling.push(s.key);
-                if let Some(previous) = self.sampled.insert(s.key, (launch.step, slot)) {
-                    if let Some(older) = self.older.as_mut() {
-                        older.insert(s.key, previous.1);
+            // row k chooses the token at the position after the one it reads
+            let first = s.start_pos + fed.len() - s.drafts.len();
+            for k in 0..slots.len() {
+                rows.row_drawn_by(first_row + k, &sampler, first + k);
+                if let Some(&draft) = s.drafts.get(k) {
+                    rows.row_checks_draft(first_row + k, draft);
+                }
+            }
+            if let Some(&slot) = slots.last() {
+                sampling.push((s.key, s.drafts.to_vec()));
+                // A verification's last row is not the sequence's next token until `verify` says
+                // so, and its sequence is not scheduled before: no later launch reads it.
+                let named = if s.drafts.is_empty() { Some((launch.step, slot)) } else { None };
+                match named.and_then(|n| self.sampled.insert(s.key, n)) {
+                    Some(previous) => {
+                        if let Some(older) = self.older.as_mut() {
+                            older.insert(s.key, previous.1);
+                        }
                     }
+                    None if named.is_none() => {
+                        self.sampled.remove(&s.key);
+                    }
+                    None => {}
                 }
             }
         }
@@ -536,15 +565,9 @@ impl CudaExecutor {
             return StepCompletion::of(f.step, Err(e));
         }
         let words = f.results.as_ref().map_or(&[][..], |r| r.as_slice());
-        let sampled = f
-            .sampling
-            .iter()
-            .enumerate()
-            .map(|(i, &seq)| {
-                let r = &words[i * RESULT_WORDS..(i + 1) * RESULT_WORDS];
-                Sampled::one(seq, (r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32)
-            })
-            .collect();
+        let mut rows =
+            words.chunks(RESULT_WORDS).map(|r| ((r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32));
+        let sampled = f.sampling.iter().map(|(seq, drafts)| scored(*seq, drafts, &mut rows)).collect();
         let mut exports = std::mem::take(&mut f.exports);
         for (i, floats, copy) in &f.states_out {
             // the step's event has passed: the copy out is complete
@@ -554,6 +577,22 @@ impl CudaExecutor {
         }
         StepCompletion { step: f.step, result: Ok(sampled), exports, failed: Vec::new() }
     }
+}
+
+/// A sequence's completion from its rows' results: the token after its last known token, and
+/// for each draft whether the row before it chose it and what the row after it chose (the
+/// CPU executor's `score_drafts`; a drawn row keeps a draft by the speculative-sampling rule, so
+/// it chose the draft exactly when it kept it).
+fn scored(seq: SeqKey, drafts: &[u32], rows: &mut impl Iterator<Item = (Option<u32>, u64)>) -> Sampled {
+    let (token, hash) = rows.next().unwrap_or((None, 0));
+    let mut sampled = Sampled::one(seq, token, hash);
+    let mut chose = token;
+    for &draft in drafts {
+        let (next, next_hash) = rows.next().unwrap_or((None, 0));
+        sampled.checks.push(DraftCheck { kept: chose == Some(draft), next, next_hash });
+        chose = next;
+    }
+    sampled
 }
 
 impl Executor for CudaExecutor {

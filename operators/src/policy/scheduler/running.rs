@@ -24,6 +24,12 @@ impl Scheduler {
             i += 1;
             let seq = seqs.get_mut(index);
             let remaining = seq.remaining();
+            // With a drafter, a decode whose token is still in flight waits for it, so the drafter
+            // can propose from it (an executor that completes later would otherwise always have
+            // one in flight, and never draft).
+            if self.config.spec.is_some() && !seq.pending.is_empty() && seq.computed >= seq.prompt_len {
+                continue;
+            }
             if remaining != 1 {
                 if remaining > 1 {
                     prefilling.push(index);
