@@ -16,7 +16,8 @@
 //!
 //! Deferred output: a sequence whose last sampled token is still in flight can be scheduled at
 //! once — its next decode names that token (`Sequence::remaining` counts tokens in flight), so a
-//! pool whose executor completes later still decodes one token per step.
+//! pool whose executor completes later still decodes one token per step. With a drafter, a decode
+//! waits for its token in flight instead (the drafter proposes from it; `running.rs`).
 //!
 //! The policy decides and books memory ids; the state copies it needs (a new slot starts from
 //! zero, a prefix hit restores a snapshot) go into the decision for the executor to apply.
