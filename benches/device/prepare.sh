@@ -35,15 +35,17 @@ if [ "${1:-}" = "--also" ]; then
     git worktree prune  # (a worktree whose folder went with target/ is forgotten)
     [ -d "$tree" ] || git worktree add --detach "$tree" "$also" >/dev/null
     (cd "$tree" && CARGO_TARGET_DIR="$PWD/../also-target" cargo build --release --locked --bin kvflow)
-    find .device-bin -maxdepth 1 -name 'kvflow-*' ! -name "kvflow-$also" -delete
+    find .device-bin -maxdepth 1 -name 'kvflow-*' ! -name "kvflow-$also.xz" -delete
     cp "target/also-target/release/kvflow" ".device-bin/kvflow-$also"
     strip ".device-bin/kvflow-$also"
+    xz -T0 -6 -f ".device-bin/kvflow-$also"  # (binaries.sh unpacks it there)
     echo "ready: .device-bin/kvflow-$also (sweep.sh variants with at=$also)"
     shift 2
 fi
 cargo build --release --locked
 cp target/release/kvflow .device-bin/kvflow
 strip .device-bin/kvflow
+xz -T0 -6 -f .device-bin/kvflow  # (binaries.sh unpacks it there)
 commit=$(git rev-parse --short HEAD)
 if [ -n "$(git status --porcelain --untracked-files=no)" ]; then commit="$commit (with uncommitted changes)"; fi
 echo "$commit" > .device-bin/COMMIT

@@ -9,6 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}/profile-run.txt"
+source benches/device/binaries.sh
 bin=.device-bin/kvflow
 kernels=${1:-"linear_bf16_split|linear_bf16|flash_attention_64x1|flash_attention_64|flash_attention_merge|rope_pair|rms_norm|swiglu|expert_linear_bf16|paged_attention|kda_recurrent|sample_greedy"}
 spec=${PROFILE_SPEC:-benches/device/llama-1b.toml}

@@ -16,6 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}/device-run.txt"
+source benches/device/binaries.sh
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0

@@ -28,6 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 outdir="${OUT:-.}"
 out="$outdir/speed-run.txt"
+source benches/device/binaries.sh
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 dense=${SPEED_DENSE_CHECKPOINT:-/tmp/llama-1b}

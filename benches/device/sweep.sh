@@ -18,6 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-.}/sweep-run.txt"
+source benches/device/binaries.sh
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 [ "$#" -gt 0 ] || set -- "" "PDL=1" "SPLIT_UNDER=1" "BF16_STAGES=3" "SPLIT_UNDER=1 BF16_STAGES=3" "SPLIT_SUM_LAUNCH=0" \
