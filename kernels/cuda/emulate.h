@@ -331,6 +331,8 @@ struct KernelEntry {
     void (*launch)(void**);
 };
 
+// This library's statics serve one launch at a time (emulate.rs holds a copy per launch, and
+// loads one copy per core so that launches from different threads run at once).
 static std::mutex launch_lock;
 
 // Runs kernel `name` over the grid; writes why into `err` and returns non-zero on failure.

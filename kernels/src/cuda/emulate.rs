@@ -3,11 +3,15 @@
 //! from the kernels' signatures are compiled once by the host C++ compiler (`$CXX`, else `c++`)
 //! into a library cached in the temporary folder under the hash of what went in, then loaded.
 //! A launch runs the kernel's blocks one after another, each block's threads as fibers (see the
-//! header). Device memory is host memory: a "device pointer" is an address in this process.
+//! header), on one of several copies of the library (one per core), so launches from different
+//! threads run at once. Device memory is host memory: a "device pointer" is an address in this
+//! process.
 
 use super::error::CudaError;
 use super::sources::{kernel_names, tuning_prelude, COMMON, SOURCES};
+use parking_lot::Mutex;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 const HEADER: &str = include_str!("../../cuda/emulate.h");
@@ -24,9 +28,18 @@ type LaunchFn = unsafe extern "C" fn(
     err_len: i32,
 ) -> i32;
 
+/// The emulation: copies of one library, each with statics of its own (the launched block's
+/// threadIdx, its fibers, its shared memory), so launches from different threads (ranks, tests)
+/// run at once, each on a copy no other launch holds.
 pub struct Emulator {
+    copies: Vec<LibraryCopy>,
+}
+
+struct LibraryCopy {
     _lib: libloading::Library,
     launch: LaunchFn,
+    /// Held for a launch: a copy's statics serve one launch at a time.
+    busy: Mutex<()>,
 }
 
 /// The parameter types of kernel `name` in `source`, in order.
@@ -104,14 +117,32 @@ fn build() -> Result<Emulator, String> {
         }
         std::fs::rename(&tmp, &lib).map_err(|e| format!("cannot place {}: {e}", lib.display()))?;
     }
-    // SAFETY: the library is the one just built from this crate's sources; its one entry point
-    // has the signature of `LaunchFn`.
+    // One copy per core (the loader shares one file's statics among its loads, so each copy is a
+    // file of its own, written once beside the library).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let mut copies = vec![load(&lib)?];
+    for i in 1..cores {
+        let copy = lib.with_extension(format!("copy{i}.so"));
+        if !copy.exists() {
+            let tmp = lib.with_extension(format!("copy{i}.{}.so", std::process::id()));
+            std::fs::copy(&lib, &tmp)
+                .map_err(|e| format!("cannot copy {} to {}: {e}", lib.display(), tmp.display()))?;
+            std::fs::rename(&tmp, &copy).map_err(|e| format!("cannot place {}: {e}", copy.display()))?;
+        }
+        copies.push(load(&copy)?);
+    }
+    Ok(Emulator { copies })
+}
+
+fn load(lib: &std::path::Path) -> Result<LibraryCopy, String> {
+    // SAFETY: the library is one built from this crate's sources; its one entry point has the
+    // signature of `LaunchFn`.
     unsafe {
-        let l = libloading::Library::new(&lib).map_err(|e| format!("cannot load {}: {e}", lib.display()))?;
+        let l = libloading::Library::new(lib).map_err(|e| format!("cannot load {}: {e}", lib.display()))?;
         let launch = *l
             .get::<LaunchFn>(b"kvflow_emulate_launch\0")
             .map_err(|e| format!("{}: no kvflow_emulate_launch: {e}", lib.display()))?;
-        Ok(Emulator { _lib: l, launch })
+        Ok(LibraryCopy { _lib: l, launch, busy: Mutex::new(()) })
     }
 }
 
@@ -137,10 +168,16 @@ impl Emulator {
         let cname =
             std::ffi::CString::new(name).map_err(|_| CudaError::Unsupported("a kernel name with a NUL".into()))?;
         let mut err = [0 as std::ffi::c_char; 256];
+        // a copy no launch holds, else this thread's own one to wait for
+        let free = self.copies.iter().find_map(|c| c.busy.try_lock().map(|held| (c, held)));
+        let (copy, _held) = free.unwrap_or_else(|| {
+            let c = &self.copies[thread_number() % self.copies.len()];
+            (c, c.busy.lock())
+        });
         // SAFETY: `args` point at values of the kernel's parameter types (built by `Gpu::launch`
         // from the same signatures), alive for the call.
         let rc = unsafe {
-            (self.launch)(cname.as_ptr(), grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr(), 256)
+            (copy.launch)(cname.as_ptr(), grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr(), 256)
         };
         if rc != 0 {
             // SAFETY: the launcher wrote a NUL-terminated message.
@@ -149,6 +186,13 @@ impl Emulator {
         }
         Ok(())
     }
+}
+
+/// A number for the calling thread, given out in turn.
+fn thread_number() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local!(static NUMBER: usize = NEXT.fetch_add(1, Ordering::Relaxed));
+    NUMBER.with(|n| *n)
 }
 
 #[cfg(test)]
