@@ -5,6 +5,8 @@
 //! Figures: output tokens per second of decode (from the first output token to the last, summed
 //! over requests) and end to end, the acceptance rate and the mean accepted length (tokens a
 //! verification step gives). `--verify` stays off: the tests show the outputs are the same.
+//! `--executor cuda` runs both on a cuda pool (deferred output, CUDA graphs, `--dtype`), where the
+//! drafts are scored on the device.
 
 use super::median;
 use crate::graph::Graph;
@@ -20,6 +22,31 @@ pub struct SpecBenchArgs {
     pub outputs: usize,
     pub draft_tokens: usize,
     pub rounds: usize,
+    pub executor: SpecExecutor,
+    /// The KV pool's bytes, as `[memory] budget_bytes` takes them.
+    pub kv_budget: String,
+}
+
+/// The pool's executor: `cpu`, or `cuda` with deferred output and CUDA graphs in `dtype`
+/// (`emulate`: its kernels on the CPU).
+pub struct SpecExecutor {
+    pub name: String,
+    pub dtype: String,
+    pub emulate: bool,
+}
+
+impl SpecExecutor {
+    /// The pool's `executor` line and, for cuda, its `[pool.executor_settings]`.
+    fn toml(&self) -> String {
+        if self.name != "cuda" {
+            return format!("executor = \"{}\"\n", self.name);
+        }
+        format!(
+            "executor = \"cuda\"\n\n[pool.executor_settings]\ndeferred_output = true\ncuda_graphs = true\n\
+             dtype = \"{}\"\nemulate = {}\n",
+            self.dtype, self.emulate
+        )
+    }
 }
 
 /// A Mooncake trace of `requests` prompts, each 2 distinct trace blocks repeated 4 times (16
@@ -50,11 +77,13 @@ fn write_graph(dir: &Path, args: &SpecBenchArgs, trace: &Path, spec: bool) -> Re
         String::new()
     };
     let text = format!(
-        "[model]\npath = \"{model}\"\n\n[memory]\nbudget_bytes = \"64 MiB\"\n\n[scheduler]\nmax_running = 8\n\
-         max_batched_tokens = 256\n\n[[pool]]\nname = \"main\"\nranks = 1\n\n{speculative}\n[workload]\n\
+        "[model]\npath = \"{model}\"\n\n[memory]\nbudget_bytes = \"{budget}\"\n\n[scheduler]\nmax_running = 8\n\
+         max_batched_tokens = 256\n\n[[pool]]\nname = \"main\"\nranks = 1\n{executor}\n{speculative}\n[workload]\n\
          trace = \"{trace}\"\nmode = \"concurrency\"\nconcurrency = 4\nblock_tokens = 16\nmax_output_tokens = {outputs}\n\
          seed = 1\n\n[report]\nout = \"{out}\"\n",
         model = model.display(),
+        budget = args.kv_budget,
+        executor = args.executor.toml(),
         trace = trace.display(),
         outputs = args.outputs,
         out = dir.join(if spec { "out-spec" } else { "out-plain" }).display(),
@@ -94,12 +123,19 @@ pub fn run(args: &SpecBenchArgs) -> Result<()> {
     let trace = write_trace(&dir, args.requests, args.outputs)?;
     let (plain, spec) = (write_graph(&dir, args, &trace, false)?, write_graph(&dir, args, &trace, true)?);
     println!(
-        "spec         {} requests of 128 repetitive prompt tokens and {} outputs, n-gram drafts of {}, {} rounds, model {}",
+        "spec         {} requests of 128 repetitive prompt tokens and {} outputs, n-gram drafts of {}, {} rounds, model {}, \
+         executor {}{}",
         args.requests,
         args.outputs,
         args.draft_tokens,
         args.rounds,
-        args.model.display()
+        args.model.display(),
+        args.executor.name,
+        match (args.executor.name.as_str(), args.executor.emulate) {
+            ("cuda", true) => format!(" ({}, emulated on the CPU: its figures say nothing of a GPU's)", args.executor.dtype),
+            ("cuda", false) => format!(" ({}, deferred output, CUDA graphs)", args.executor.dtype),
+            _ => String::new(),
+        }
     );
     let mut rows: Vec<[f64; 6]> = Vec::new();
     let mut last = Value::Null;

@@ -41,6 +41,19 @@ pub enum BenchCommand {
         /// Rounds; each figure is their median.
         #[arg(long, default_value_t = 3, value_parser = flags::count)]
         rounds: usize,
+        /// The pool's executor: cpu, or cuda (deferred output and CUDA graphs, as
+        /// graphs/cuda-aggregated.toml).
+        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+        executor: String,
+        /// The cuda pool's weights: float32 or bfloat16.
+        #[arg(long, default_value = "float32", value_parser = ["float32", "bfloat16"])]
+        dtype: String,
+        /// The cuda pool's kernels on the CPU instead (a check of the bench itself).
+        #[arg(long)]
+        emulate: bool,
+        /// The KV pool's bytes (as [memory] budget_bytes: "64 MiB", "4 GiB").
+        #[arg(long, default_value = "64 MiB")]
+        kv_budget: String,
     },
     /// `kvflow serve` on SmolLM2 over loopback: requests/s and TTFT p50/p99 at each concurrency,
     /// beside llama-cpp-python's server on the same GGUF when it is installed.
@@ -200,8 +213,21 @@ pub fn run(what: BenchCommand) -> Result<()> {
         BenchCommand::Step { ranks, seqs, steps, expert_parallel: false } => {
             bench::step::run(&bench::step::StepBenchArgs { ranks, seqs, steps })
         }
-        BenchCommand::Spec { model, requests, outputs, draft_tokens, rounds } => {
-            bench::spec::run(&bench::spec::SpecBenchArgs { model, requests, outputs, draft_tokens, rounds })
+        BenchCommand::Spec { model, requests, outputs, draft_tokens, rounds, executor, dtype, emulate, kv_budget } => {
+            anyhow::ensure!(
+                executor == "cuda" || (!emulate && dtype == "float32"),
+                "--emulate and --dtype are settings of a cuda pool (--executor cuda)"
+            );
+            let executor = bench::spec::SpecExecutor { name: executor, dtype, emulate };
+            bench::spec::run(&bench::spec::SpecBenchArgs {
+                model,
+                requests,
+                outputs,
+                draft_tokens,
+                rounds,
+                executor,
+                kv_budget,
+            })
         }
         BenchCommand::Serve { model, requests, concurrency, max_tokens } => {
             bench::serve::run(&bench::serve::ServeBenchArgs { model, requests, concurrency, max_tokens })

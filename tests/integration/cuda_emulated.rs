@@ -1096,3 +1096,24 @@ fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
     let refused = crate::common::kvflow(&["check", &graph.to_string_lossy()]);
     crate::common::assert_clean_failure(&refused, &["speculative.drafter", "mtp", "cuda"]);
 }
+
+/// `kvflow bench spec --executor cuda`: the plain and the drafting run both on a cuda pool (here
+/// emulated), figures and acceptance printed; the cuda pool's flags are refused without it.
+#[test]
+fn the_spec_bench_drafts_on_a_cuda_pool() {
+    let args = ["bench", "spec", "--requests", "2", "--outputs", "12", "--rounds", "1", "--executor", "cuda"];
+    let out = crate::common::kvflow(&[&args[..], &["--emulate", "--kv-budget", "32 MiB"]].concat());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("executor cuda (float32, emulated"), "{stdout}");
+    let accepted: f64 = stdout
+        .split("mean accepted length ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no mean accepted length: {stdout}"));
+    assert!(accepted > 1.0, "drafts were kept on the cuda pool: {stdout}");
+    assert!(stdout.contains("decode_ratio="), "{stdout}");
+    let out = crate::common::kvflow(&["bench", "spec", "--emulate"]);
+    crate::common::assert_clean_failure(&out, &["--emulate", "--executor cuda"]);
+}
