@@ -11,7 +11,7 @@
 # the offload tier with cuda ranks. Raw output
 # goes to $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 # The whole took 568 s on the H200 before the bf16 graphs were added: RUN_PARTS picks parts for
-# calls of their own (default "checks verify sampled spec bf16 offload"), e.g. RUN_PARTS="checks bf16" then
+# calls of their own (default "checks verify sampled spec specbench bf16 offload"), e.g. RUN_PARTS="checks bf16" then
 # RUN_PARTS="verify offload".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +20,7 @@ source benches/device/binaries.sh
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
-parts=" ${RUN_PARTS:-checks verify sampled spec bf16 offload} "
+parts=" ${RUN_PARTS:-checks verify sampled spec specbench bf16 offload} "
 part() { case "$parts" in *" $1 "*) return 0 ;; *) echo "== (part $1 skipped: RUN_PARTS=${RUN_PARTS:-})"; return 1 ;; esac; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -72,6 +72,17 @@ part spec && for model in llama qwen3 deepseek_v3 deepseek_v32; do
       rm -f "graphs/.$graph-$model-cuda.toml"
     done
 done
+# n-gram drafting against plain decoding on the GPU (kvflow bench spec: the same repetitive
+# workload with and without [speculative], taking turns), on the seeded dense 1 B of
+# benches/device/llama-1b.toml in bf16 — a model of seeded weights, whose greedy outputs fall into
+# loops that prompt lookup then proposes from — and on the llama fixture
+if part specbench; then
+    [ -f /tmp/llama-1b/model.safetensors ] || "$bin" seed-checkpoint benches/device/llama-1b.toml /tmp/llama-1b || status=1
+    echo "== kvflow bench spec (dense 1 B, executor = cuda, bfloat16)"
+    "$bin" bench spec --model /tmp/llama-1b --executor cuda --dtype bfloat16 --kv-budget "4 GiB" || status=1
+    echo "== kvflow bench spec (llama fixture, executor = cuda)"
+    "$bin" bench spec --executor cuda || status=1
+fi
 # bf16 on the tensor cores (attention.cu, bf16.cu): the families whose attention takes them, each
 # graph with dtype = "bfloat16" in the cuda pools' executor settings
 part bf16 && for model in llama qwen3 qwen3_next; do
