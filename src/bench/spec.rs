@@ -47,6 +47,15 @@ impl SpecExecutor {
             self.dtype, self.emulate
         )
     }
+
+    /// The executor as the bench's first line names it.
+    fn describe(&self) -> String {
+        match (self.name.as_str(), self.emulate) {
+            ("cuda", true) => format!("cuda ({}, emulated on the CPU: its figures say nothing of a GPU's)", self.dtype),
+            ("cuda", false) => format!("cuda ({}, deferred output, CUDA graphs)", self.dtype),
+            (name, _) => name.to_string(),
+        }
+    }
 }
 
 /// A Mooncake trace of `requests` prompts, each 2 distinct trace blocks repeated 4 times (16
@@ -124,18 +133,13 @@ pub fn run(args: &SpecBenchArgs) -> Result<()> {
     let (plain, spec) = (write_graph(&dir, args, &trace, false)?, write_graph(&dir, args, &trace, true)?);
     println!(
         "spec         {} requests of 128 repetitive prompt tokens and {} outputs, n-gram drafts of {}, {} rounds, model {}, \
-         executor {}{}",
+         executor {}",
         args.requests,
         args.outputs,
         args.draft_tokens,
         args.rounds,
         args.model.display(),
-        args.executor.name,
-        match (args.executor.name.as_str(), args.executor.emulate) {
-            ("cuda", true) => format!(" ({}, emulated on the CPU: its figures say nothing of a GPU's)", args.executor.dtype),
-            ("cuda", false) => format!(" ({}, deferred output, CUDA graphs)", args.executor.dtype),
-            _ => String::new(),
-        }
+        args.executor.describe()
     );
     let mut rows: Vec<[f64; 6]> = Vec::new();
     let mut last = Value::Null;
