@@ -57,9 +57,10 @@ part sampled && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn
       rm -f "graphs/.$graph-$model-sampled.toml"
     done
 done
-# n-gram drafting on cuda pools (families without recurrent state; the drafts scored and checked
-# on the device), aggregated and 1P1D, greedy: exact against the cuda plain path
-part spec && for model in llama qwen3 deepseek_v3 deepseek_v32; do
+# n-gram drafting on cuda pools (the drafts scored and checked on the device; a rejected draft
+# rolls recurrent state back on the device), every family, aggregated and 1P1D, greedy: exact
+# against the cuda plain path
+part spec && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next qwen3_next_gdn kimi_linear; do
     for graph in spec pd-1p1d; do
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
           -e "s#out/$graph#out/$graph-$model-cuda#" "graphs/$graph.toml" > "graphs/.$graph-$model-cuda.toml"

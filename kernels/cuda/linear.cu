@@ -7,6 +7,10 @@
 //
 // A slot holds, per linear layer from its offset: the conv window [channels × (K − 1)], oldest
 // input first, then S per value head [v_heads × d_k × d_v] (row = key channel).
+//
+// A sequence that verifies drafts (keeps[s] != NO_SLOT) also has the state after each of its
+// rows written to kept row keeps[s] + (row − row_at[s]) (each kernel its own part of the layer's
+// section), so a rejected draft rolls back by one copy (kernels/src/cuda/state.rs).
 
 #define NO_SLOT 0xffffffffu
 
@@ -77,6 +81,21 @@ __device__ __forceinline__ void la_move_column(float* col, float* S, int dk, int
         }
 }
 
+// Thread j's column of head h's state (in registers or in S) into the kept section `keep` (null:
+// the sequence keeps nothing), at the head's place after the conv window.
+__device__ __forceinline__ void la_keep_column(float* keep, int conv_width, int h, const float* col, const float* S,
+                                               bool in_registers, int dk, int dv, int j) {
+    if (!keep || j >= dv) return;
+    float* K = keep + conv_width + (size_t)h * dk * dv;
+    if (in_registers) {
+#pragma unroll
+        for (int i = 0; i < LA_REG_DK; i++)
+            if (i < dk) K[i * dv + j] = col[i];
+    } else {
+        for (int i = 0; i < dk; i++) K[i * dv + j] = S[i * dv + j];
+    }
+}
+
 // The sum of the block's values x (one per thread) over a fixed shared-memory tree of blockDim
 // (a power of two) partial sums; every thread gets it.
 __device__ float la_block_sum(float* partial, int j, float x) {
@@ -114,6 +133,13 @@ __device__ void la_stage_qk(float* qs, float* ks, float* partial, int j, const f
     *ik = 1.0f / sqrtf(la_block_sum(partial, j, sk) + eps);
 }
 
+// Where sequence s keeps the state after row `row` (its layer's section; null when it keeps none).
+__device__ __forceinline__ float* la_kept(float* kept, const u32* keeps, const u32* row_at, int s, int row,
+                                          long long state_width, int layer_offset) {
+    if (keeps[s] == NO_SLOT) return nullptr;
+    return kept + (size_t)(keeps[s] + (row - row_at[s])) * state_width + layer_offset;
+}
+
 // Zeroes n floats (a slot that starts from the zero state).
 extern "C" __global__ void zero_floats(float* p, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -127,7 +153,8 @@ extern "C" __global__ void zero_floats(float* p, long long n) {
 // (KDA: [q | k | v], nk = heads, r = 1).
 extern "C" __global__ void gdn_conv(float* out, const float* proj, int proj_width, const float* weight, float* states,
                                     long long state_width, int layer_offset, const u32* slots, const u32* row_at,
-                                    int seqs, int rows, int nk, int dk, int r, int dv, int K, int grouped) {
+                                    float* kept, const u32* keeps, int seqs, int rows, int nk, int dk, int r, int dv,
+                                    int K, int grouped) {
     int s = blockIdx.x;
     int channels = 2 * nk * dk + nk * r * dv;
     int c = blockIdx.y * blockDim.x + threadIdx.x;
@@ -143,6 +170,9 @@ extern "C" __global__ void gdn_conv(float* out, const float* proj, int proj_widt
         out[(size_t)row * channels + c] = la_silu(acc);
         for (int j = 0; j + 1 < K - 1; j++) window[j] = window[j + 1];
         if (K > 1) window[K - 2] = x;
+        float* keep = la_kept(kept, keeps, row_at, s, row, state_width, layer_offset);
+        if (keep)
+            for (int j = 0; j < K - 1; j++) keep[(size_t)c * (K - 1) + j] = window[j];
     }
 }
 
@@ -155,9 +185,9 @@ extern "C" __global__ void gdn_conv(float* out, const float* proj, int proj_widt
 // fixed shared-memory tree of blockDim (a power of two ≥ d_v) partial sums.
 extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const float* proj, int proj_width,
                                          float* states, long long state_width, int layer_offset, int conv_width,
-                                         const u32* slots, const u32* row_at, int seqs, int rows, const float* neg_a,
-                                         const float* dt_bias, const float* norm_w, float norm_eps, float l2_eps,
-                                         int nk, int nv, int dk, int dv) {
+                                         const u32* slots, const u32* row_at, float* kept, const u32* keeps, int seqs,
+                                         int rows, const float* neg_a, const float* dt_bias, const float* norm_w,
+                                         float norm_eps, float l2_eps, int nk, int nv, int dk, int dv) {
     DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d_k decays, q and k
     float* decays = partial + blockDim.x;
     float *qs = decays + dk, *ks = qs + dk;
@@ -192,6 +222,8 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
             float z = p[g * group + 2 * dk + r * dv + jl * dv + j];
             out[((size_t)row * nv + h) * dv + j] = norm_w[j] * (o * inv) * la_silu(z);
         }
+        la_keep_column(la_kept(kept, keeps, row_at, s, row, state_width, layer_offset), conv_width, h, col, S,
+                       in_registers, dk, dv, j);
     }
     if (in_registers) la_move_column(col, S, dk, dv, j, false);
 }
@@ -204,8 +236,9 @@ extern "C" __global__ void gdn_recurrent(float* out, const float* conv, const fl
 extern "C" __global__ void kda_recurrent(float* out, const float* conv, const float* proj, int proj_width,
                                          const float* forget, const float* gate, float* states, long long state_width,
                                          int layer_offset, int conv_width, const u32* slots, const u32* row_at,
-                                         int seqs, int rows, const float* neg_a, const float* dt_bias,
-                                         const float* norm_w, float norm_eps, float l2_eps, int heads, int d) {
+                                         float* kept, const u32* keeps, int seqs, int rows, const float* neg_a,
+                                         const float* dt_bias, const float* norm_w, float norm_eps, float l2_eps,
+                                         int heads, int d) {
     DYNAMIC_SHARED(float, partial);  // blockDim partial sums, then d decays, q and k
     float* decays = partial + blockDim.x;
     float *qs = decays + d, *ks = qs + d;
@@ -236,6 +269,8 @@ extern "C" __global__ void kda_recurrent(float* out, const float* conv, const fl
             float g = gate[(size_t)row * hd + h * d + j];
             out[(size_t)row * hd + h * d + j] = norm_w[j] * (o * inv) * la_sigmoid(g);
         }
+        la_keep_column(la_kept(kept, keeps, row_at, s, row, state_width, layer_offset), conv_width, h, col, S,
+                       in_registers, d, d, j);
     }
     if (in_registers) la_move_column(col, S, d, d, j, false);
 }

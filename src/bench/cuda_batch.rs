@@ -79,6 +79,7 @@ impl CudaBatch {
             keeps_kv,
             keeps_state,
             prefix_keyed_by_prompt_len: false,
+            verify_rows: 0,
         };
         let ctx = ExecutorContext::standalone("bench", model.clone(), layout);
         let ex = CudaExecutor::new(&ctx, settings).map_err(|e| anyhow!(e))?;

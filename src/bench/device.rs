@@ -352,7 +352,7 @@ fn invariance(gpu: &Gpu, dm: &DeviceModel, name: &str) -> Result<Vec<String>> {
     // A family with recurrent state: sequence s in slot s, started from zero for each prefill.
     let state = match dm.state_width {
         0 => None,
-        width => Some(DeviceState::new(gpu, width, 64, 1)?),
+        width => Some(DeviceState::new(gpu, width, 64, 1, 0)?),
     };
     let slot = |s: usize| if state.is_some() { s as u32 } else { NO_SLOT };
     let zero = |slots: std::ops::Range<usize>| -> Result<()> {

@@ -249,6 +249,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         keeps_kv: true,
         keeps_state: false,
         prefix_keyed_by_prompt_len: false,
+        verify_rows: 0,
     };
     let requests: Vec<Request> = (0..ranks * seqs)
         .map(|i| Request {

@@ -191,16 +191,6 @@ pub fn check_cuda_pools(graph: &Graph, model: &Model) -> Result<()> {
         if let Some(why) = kvflow_kernels::cuda::unsupported(model) {
             bail!("{}: pool {}: {why}", graph.path.display(), pool.name);
         }
-        if pool.scheduler.spec.is_some() && model.needs_slots() {
-            bail!(
-                "{}: pool {}: [speculative] on a cuda pool: model_type {} keeps recurrent state, and rolling it \
-                 back on the device after a rejected draft is not built yet; run this model's drafting on the cpu \
-                 executors, or leave [speculative] out",
-                graph.path.display(),
-                pool.name,
-                model.model_type
-            );
-        }
         if settings.emulate {
             continue;
         }

@@ -70,6 +70,7 @@ fn build(
             keeps_kv: true,
             keeps_state: false,
             prefix_keyed_by_prompt_len: false,
+            verify_rows: 0,
         };
         let waker = Arc::new(RankWaker::default());
         let executor = Box::new(NullExecutor::new(Delay::default()));

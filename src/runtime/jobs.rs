@@ -117,7 +117,8 @@ pub fn pool_job(
     registry: &Registry,
     store: Option<&Arc<dyn ObjectStore>>,
 ) -> Result<PoolJob> {
-    let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request)
+    let verifies = pool.role != crate::graph::PoolRole::Prefill;
+    let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request, verifies)
         .with_context(|| format!("{}: pool `{}`", graph.path.display(), pool.name))?;
     let scheduler = pool.scheduler;
     let named = |what: &str, name: &str, known: Vec<String>| {

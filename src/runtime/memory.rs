@@ -8,12 +8,15 @@ use kvflow_kernels::models::{Family, Model};
 use kvflow_operators::policy::memory::MemoryLayout;
 
 /// The layout of one rank's budget. `largest_request` is the most tokens (prompt + output) one
-/// request of the workload needs; the budget must hold at least that.
+/// request of the workload needs; the budget must hold at least that. `verifies`: the pool
+/// verifies drafts (with `[speculative]`, not a prefill pool), so each state slot also keeps the
+/// state after every position a verification feeds.
 pub fn plan_memory(
     model: &Model,
     mem: &MemoryConfig,
     sched: &SchedulerConfig,
     largest_request: usize,
+    verifies: bool,
 ) -> Result<MemoryLayout> {
     let budget = mem.budget_bytes as usize;
     let state_bytes = model.state_bytes_per_slot();
@@ -21,13 +24,19 @@ pub fn plan_memory(
     let keeps_state = model.needs_slots();
     let keeps_kv = model.needs_blocks();
     let slots = if keeps_state { sched.max_running } else { 0 };
-    let slot_bytes = slots * state_bytes;
+    let verify_rows = match sched.spec {
+        Some(spec) if verifies && keeps_state => spec.draft_tokens + 1,
+        _ => 0,
+    };
+    let slot_bytes = slots * state_bytes * (1 + verify_rows);
     if slot_bytes > budget {
         bail!(
             "memory.budget_bytes: {budget} bytes per rank cannot hold the state slots of scheduler.max_running = {} \
-             requests ({state_bytes} bytes each for this {} model)",
+             requests ({state_bytes} bytes each for this {} model, {} per request with the {verify_rows} states a \
+             verification keeps)",
             sched.max_running,
-            model.family
+            model.family,
+            state_bytes * (1 + verify_rows)
         );
     }
     let snapshots = if keeps_state && sched.prefix_cache && state_bytes > 0 {
@@ -53,5 +62,6 @@ pub fn plan_memory(
         keeps_kv,
         keeps_state,
         prefix_keyed_by_prompt_len: model.family == Family::SparseMla,
+        verify_rows,
     })
 }

@@ -15,8 +15,9 @@ use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler, SamplingParams};
 use kvflow_kernels::cuda::{Arg, DeviceKv, DeviceModel, DeviceState, Dtype, Gpu, PlainRunner, StepRows};
 use kvflow_operators::executor::{CudaExecutor, CudaSettings, Executor, ExecutorContext};
 use kvflow_operators::policy::memory::MemoryLayout;
+use kvflow_operators::rank::TestSwitches;
 use kvflow_operators::step::{
-    BlockStore, ImportFrom, KvExport, KvImport, SeqKey, SeqSlice, SeqStep, StepCompletion, StepLaunch,
+    BlockStore, ImportFrom, KvExport, KvImport, SeqKey, SeqSlice, SeqStep, StateOp, StepCompletion, StepLaunch,
 };
 use kvflow_operators::transfer::{Handoff, TransferId};
 use std::sync::Arc;
@@ -314,7 +315,7 @@ fn a_gdn_sequence_is_batch_invariant_and_resumes_from_a_device_snapshot() {
     assert!(dm.state_width > 0 && dm.kv_widths.is_empty(), "gdn keeps state and no paged KV");
     let runner = PlainRunner::new(&gpu, &dm).unwrap();
     let kv = DeviceKv::new(&gpu, &dm.kv_widths, 16, 1, dm.dtype).unwrap();
-    let state = DeviceState::new(&gpu, dm.state_width, 8, 1).unwrap();
+    let state = DeviceState::new(&gpu, dm.state_width, 8, 1, 0).unwrap();
     let vocab = model.vocab_size as u32;
     let prompt: Vec<u32> = (0..11).map(|i| (i * 37 + 5) % vocab).collect();
     let zero_all = || (0..8).for_each(|s| state.zero_slot(&gpu, s).unwrap());
@@ -670,12 +671,20 @@ const EMULATE: CudaSettings = CudaSettings {
     test_draws_keyed_on_row: false,
 };
 
-/// Runs one step on `ex` and returns its completion.
-fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], exports: &[KvExport]) -> StepCompletion {
+/// Runs step `t` of one sequence on `ex`, with the state copies `before` and the handoffs, and
+/// returns its completion.
+fn one_step(
+    ex: &mut dyn Executor,
+    t: u64,
+    seq: SeqStep<'_>,
+    before: &[StateOp],
+    imports: &[KvImport],
+    exports: &[KvExport],
+) -> StepCompletion {
     let seqs = [seq];
     let launch = StepLaunch {
-        step: 0,
-        before: &[],
+        step: t,
+        before,
         after: &[],
         applied_through: None,
         sampling: &[seq.key],
@@ -689,6 +698,28 @@ fn one_step(ex: &mut dyn Executor, seq: SeqStep<'_>, imports: &[KvImport], expor
         ex.poll(&mut done);
     }
     done.remove(0)
+}
+
+/// A verification on a cuda rank keeps the drafts greedy decoding agrees with and rolls the rest
+/// back on the device: the state after each fed position is kept by the linear layers' kernels,
+/// and `StateOp::Rewind` copies the one after the last kept draft into the slot (spec.rs's
+/// check, on every family; without the rewind the recurrent families' next rows differ).
+#[test]
+fn a_cuda_verification_rolls_recurrent_state_back_on_the_device() {
+    for name in crate::common::FIXTURES {
+        let model = Arc::new(load(&fixture(name)));
+        let layout = MemoryLayout {
+            slots: 1,
+            keeps_kv: model.needs_blocks(),
+            keeps_state: model.needs_slots(),
+            verify_rows: 5,
+            ..MemoryLayout::kv_only(16, 4)
+        };
+        let new = || CudaExecutor::new(&ExecutorContext::standalone("t", model.clone(), layout), &EMULATE).unwrap();
+        crate::spec::verification_keeps_and_rolls_back(name, &model, new, |ex, t, seq, before| {
+            one_step(ex, t, seq, before, &[], &[])
+        });
+    }
 }
 
 /// A handoff between two cuda pools on one device goes device to device: the producer's export
@@ -715,7 +746,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         next_prompt_token: None,
     };
     let export = KvExport { key, blocks: vec![0], slot: None };
-    let done = one_step(&mut producer, prefill, &[], &[export]);
+    let done = one_step(&mut producer, 0, prefill, &[], &[], &[export]);
     let t0 = done.result.unwrap()[0].token.unwrap();
     assert_eq!(t0, case.greedy[0]);
     let exported = done.exports.into_iter().next().unwrap();
@@ -750,7 +781,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let import =
         KvImport { key, blocks: vec![2], slot: None, snapshot: None, from: ImportFrom::Handoff(handoff.clone()) };
     let mut consumer = cuda_rank(&model, &EMULATE);
-    let next = one_step(&mut consumer, decode, std::slice::from_ref(&import), &[]);
+    let next = one_step(&mut consumer, 0, decode, &[], std::slice::from_ref(&import), &[]);
     assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "the consumer continues from T0");
     assert_eq!(consumer.imports(), (1, 0), "imported device to device, nothing staged through the host");
     // a CPU rank reads the same blocks through the host
@@ -759,7 +790,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         kvflow_operators::executor::CpuStepRunner::new(&ctx),
         Default::default(),
     );
-    let next = one_step(&mut cpu, decode, &[import], &[]);
+    let next = one_step(&mut cpu, 0, decode, &[], &[import], &[]);
     assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "a CPU consumer of a GPU producer");
 }
 
@@ -1069,28 +1100,31 @@ fn sampled_cuda_graphs_verify_against_the_cuda_plain_path() {
 /// n-gram speculative decoding on cuda pools: the drafts of a step are scored on the device (a
 /// row after the last known token and after each draft) and checked as the CPU executor checks
 /// them, so greedy drafting gives the plain outputs — `--verify` exact against the cuda plain path
-/// — with drafts really fed and kept (three conversation requests, whose outputs repeat enough to
-/// draft; `benches/device/run.sh` drafts on every attention family, aggregated and 1P1D). A family
-/// with recurrent state and the MTP drafter are refused on cuda by name.
+/// — with drafts really fed, kept (llama) and rejected (three conversation requests, whose outputs
+/// repeat enough to draft; `benches/device/run.sh` drafts on every family, aggregated and 1P1D).
+/// The recurrent families roll each rejection back on the device
+/// ([`a_cuda_verification_rolls_recurrent_state_back_on_the_device`] takes the rollback away).
+/// The MTP drafter is refused on cuda by name.
 #[test]
 fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
     const SPEC: &str = "\n[speculative]\ndrafter = \"ngram\"\ndraft_tokens = 4\n";
     let aggregated = format!("[[pool]]\nname = \"main\"\nrole = \"aggregated\"\nranks = 2\n{EMULATED}");
     let workload = "mode = \"concurrency\"\nconcurrency = 3\nwarmup = 0\nlimit = 3";
-    let dir = tempfile::tempdir().unwrap();
     let trace = "mooncake_conversation_head.jsonl";
-    let graph = write_graph_with(dir.path(), "hf/llama", trace, workload, "32 MiB", &format!("{aggregated}{SPEC}"));
-    let report = run_graph(&graph, Overrides { max_output_tokens: Some(32), ..Default::default() }, Default::default());
-    assert_exact(&report, "llama drafting on cuda");
-    let spec = &report["spec"];
-    assert!(spec["drafted_tokens"].as_u64().unwrap() > 0, "drafts were fed: {spec}");
-    assert!(spec["accepted_tokens"].as_u64().unwrap() > 0, "drafts were kept: {spec}");
+    // (the recurrent families reject from their first drafts: shorter outputs do)
+    for (model, outputs) in [("hf/llama", 32), ("hf/qwen3_next", 16), ("hf/kimi_linear", 16)] {
+        let dir = tempfile::tempdir().unwrap();
+        let graph = write_graph_with(dir.path(), model, trace, workload, "32 MiB", &format!("{aggregated}{SPEC}"));
+        let outputs = Overrides { max_output_tokens: Some(outputs), ..Default::default() };
+        let report = run_graph(&graph, outputs, TestSwitches::default());
+        assert_exact(&report, &format!("{model} drafting on cuda"));
+        let spec = &report["spec"];
+        let (drafted, accepted) = (spec["drafted_tokens"].as_u64().unwrap(), spec["accepted_tokens"].as_u64().unwrap());
+        assert!(drafted > accepted, "{model}: drafts were rejected: {spec}");
+        assert!(model != "hf/llama" || accepted > 0, "{model}: drafts were kept: {spec}");
+    }
     let dir = tempfile::tempdir().unwrap();
     let trace = short_trace(dir.path());
-    let graph =
-        write_graph_with(dir.path(), "hf/qwen3_next", &trace, workload, "32 MiB", &format!("{aggregated}{SPEC}"));
-    let refused = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
-    crate::common::assert_clean_failure(&refused, &["[speculative]", "cuda", "recurrent state", "qwen3_next"]);
     let mtp = format!("{aggregated}{}", SPEC.replace("\"ngram\"", "\"mtp\""));
     let graph = write_graph_with(dir.path(), "hf/llama", &trace, workload, "32 MiB", &mtp);
     let refused = crate::common::kvflow(&["check", &graph.to_string_lossy()]);

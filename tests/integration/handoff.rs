@@ -32,6 +32,7 @@ pub(crate) fn runner_drafting(model: &Arc<Model>, mtp_drafts: usize) -> CpuStepR
         keeps_kv: model.needs_blocks(),
         keeps_state: model.needs_slots(),
         prefix_keyed_by_prompt_len: false,
+        verify_rows: 0,
     };
     let ctx = ExecutorContext {
         pool: "p".into(),

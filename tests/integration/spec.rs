@@ -10,7 +10,6 @@ use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_kernels::cpu::sampling::{RequestSampling, Sampler, SamplingParams};
 use kvflow_kernels::models::{self, LogitsWanted, SeqInput};
-use kvflow_operators::executor::CpuStepRunner;
 use kvflow_operators::rank::TestSwitches;
 use kvflow_operators::step::{SeqKey, SeqStep, StateOp};
 use serde_json::Value;
@@ -129,72 +128,87 @@ fn expert_parallel_pools_draft_exactly_on_every_moe_family() {
 
 #[test]
 fn a_verification_keeps_the_drafts_greedy_decoding_agrees_with_and_rolls_back_the_rest() {
-    // On one executor: a prompt, then plain decodes (the oracle: T0 = t0, t1, t2, ...). On
-    // another: the prompt, then one verification feeding t0 with drafts [t1, t2, wrong, t4] — it
-    // must sample t1, t2, t3 with the oracle's logits rows, keeping 2 drafts — then plain decodes
-    // from t3, which must give the oracle's t4 and t5 rows bit for bit (the KV and the state as
-    // after t3). Without the rollback (test switch) the recurrent families' next rows differ.
     for name in FIXTURES {
         let model = Arc::new(models::load(&fixture(name)).unwrap());
-        let vocab = model.vocab_size as u32;
-        let prompt: Vec<u32> = (0..37u32).map(|i| (i * 7 + 3) % vocab).collect();
-        let p = prompt.len();
-        let key = SeqKey { index: 0, generation: 1 };
-        let blocks: Vec<u32> =
-            if model.needs_blocks() { (0..(p + 16).div_ceil(BLOCK) as u32).collect() } else { vec![] };
-        let slot = model.needs_slots().then_some(0);
-        let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
-        // What `verify` asks of the sequence's next launch after a rejection (the rollback):
-        // its slot back to the state after the last token that held, fed at p + 2.
-        let rewind: Vec<StateOp> = slot.map(|slot| StateOp::Rewind { slot, position: p + 2 }).into_iter().collect();
-        let run = |r: &mut CpuStepRunner, t: u64, known: &[u32], start_pos: usize, drafts: &[u32], rewinds: bool| {
-            let s = SeqStep {
-                key,
-                known,
-                drafts,
-                deferred: None,
-                start_pos,
-                block_table: &blocks,
-                slot,
-                prompt_len: p,
-                sample: true,
-                sampler: Sampler::default(),
-                next_prompt_token: None,
-            };
-            let before: &[StateOp] = match t {
-                0 => &zero,
-                _ if rewinds => &rewind,
-                _ => &[],
-            };
-            step(r, t, s, before, &[], &[]).result.unwrap().remove(0)
+        verification_keeps_and_rolls_back(
+            name,
+            &model,
+            || runner(&model),
+            |r, t, s, before| step(r, t, s, before, &[], &[]),
+        );
+    }
+}
+
+/// On one executor: a prompt, then plain decodes (the oracle: T0 = t0, t1, t2, ...). On another:
+/// the prompt, then one verification feeding t0 with drafts [t1, t2, wrong, t4] — it must sample
+/// t1, t2, t3 with the oracle's logits rows, keeping 2 drafts — then plain decodes from t3, which
+/// must give the oracle's t4 and t5 rows bit for bit (the KV and the state as after t3). Without
+/// the rollback (no `StateOp::Rewind`) the recurrent families' next rows differ. `new` makes an
+/// executor with room for one sequence of 53 tokens in slot 0 and a verification of 5 rows;
+/// `step` runs one step on it.
+pub(crate) fn verification_keeps_and_rolls_back<R>(
+    name: &str,
+    model: &Arc<kvflow_kernels::models::Model>,
+    new: impl Fn() -> R,
+    step: impl Fn(&mut R, u64, SeqStep<'_>, &[StateOp]) -> kvflow_operators::step::StepCompletion,
+) {
+    let vocab = model.vocab_size as u32;
+    let prompt: Vec<u32> = (0..37u32).map(|i| (i * 7 + 3) % vocab).collect();
+    let p = prompt.len();
+    let key = SeqKey { index: 0, generation: 1 };
+    let blocks: Vec<u32> = if model.needs_blocks() { (0..(p + 16).div_ceil(BLOCK) as u32).collect() } else { vec![] };
+    let slot = model.needs_slots().then_some(0);
+    let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
+    // What `verify` asks of the sequence's next launch after a rejection (the rollback):
+    // its slot back to the state after the last token that held, fed at p + 2.
+    let rewind: Vec<StateOp> = slot.map(|slot| StateOp::Rewind { slot, position: p + 2 }).into_iter().collect();
+    let run = |r: &mut R, t: u64, known: &[u32], start_pos: usize, drafts: &[u32], rewinds: bool| {
+        let s = SeqStep {
+            key,
+            known,
+            drafts,
+            deferred: None,
+            start_pos,
+            block_table: &blocks,
+            slot,
+            prompt_len: p,
+            sample: true,
+            sampler: Sampler::default(),
+            next_prompt_token: None,
         };
-        let mut plain = runner(&model);
-        let mut oracle = vec![run(&mut plain, 0, &prompt, 0, &[], false)];
-        for i in 0..6 {
-            let last = [oracle[i].token.unwrap()];
-            oracle.push(run(&mut plain, 1 + i as u64, &last, p + i, &[], false));
-        }
-        let token = |i: usize| oracle[i].token.unwrap();
-        for keep in [false, true] {
-            let mut spec = runner(&model);
-            assert_eq!(run(&mut spec, 0, &prompt, 0, &[], false), oracle[0], "{name}: the prompt's row");
-            let drafts = [token(1), token(2), (token(3) + 1) % vocab, token(4)];
-            let verified = run(&mut spec, 1, &[token(0)], p, &drafts, false);
-            assert_eq!((verified.token, verified.logits_hash), (oracle[1].token, oracle[1].logits_hash), "{name}");
-            assert_eq!(verified.kept_drafts(), 2, "{name}: the first two drafts hold");
-            assert_eq!(
-                verified.verified().skip(1).collect::<Vec<_>>(),
-                vec![(oracle[2].token, oracle[2].logits_hash), (oracle[3].token, oracle[3].logits_hash)],
-                "{name}: two drafts kept, then the oracle's token where the wrong draft stood"
-            );
-            let next = run(&mut spec, 2, &[token(3)], p + 3, &[], !keep);
-            let after = run(&mut spec, 3, &[token(4)], p + 4, &[], false);
-            let exact = next == oracle[4] && after == oracle[5];
-            if !keep || slot.is_none() {
-                assert!(exact, "{name} (rollback {}): the decodes after it are the oracle's", !keep);
-            } else {
-                assert!(!exact, "{name}: without the rollback the state after the rejected drafts shows");
-            }
+        let before: &[StateOp] = match t {
+            0 => &zero,
+            _ if rewinds => &rewind,
+            _ => &[],
+        };
+        step(r, t, s, before).result.unwrap().remove(0)
+    };
+    let mut plain = new();
+    let mut oracle = vec![run(&mut plain, 0, &prompt, 0, &[], false)];
+    for i in 0..6 {
+        let last = [oracle[i].token.unwrap()];
+        oracle.push(run(&mut plain, 1 + i as u64, &last, p + i, &[], false));
+    }
+    let token = |i: usize| oracle[i].token.unwrap();
+    for keep in [false, true] {
+        let mut spec = new();
+        assert_eq!(run(&mut spec, 0, &prompt, 0, &[], false), oracle[0], "{name}: the prompt's row");
+        let drafts = [token(1), token(2), (token(3) + 1) % vocab, token(4)];
+        let verified = run(&mut spec, 1, &[token(0)], p, &drafts, false);
+        assert_eq!((verified.token, verified.logits_hash), (oracle[1].token, oracle[1].logits_hash), "{name}");
+        assert_eq!(verified.kept_drafts(), 2, "{name}: the first two drafts hold");
+        assert_eq!(
+            verified.verified().skip(1).collect::<Vec<_>>(),
+            vec![(oracle[2].token, oracle[2].logits_hash), (oracle[3].token, oracle[3].logits_hash)],
+            "{name}: two drafts kept, then the oracle's token where the wrong draft stood"
+        );
+        let next = run(&mut spec, 2, &[token(3)], p + 3, &[], !keep);
+        let after = run(&mut spec, 3, &[token(4)], p + 4, &[], false);
+        let exact = next == oracle[4] && after == oracle[5];
+        if !keep || slot.is_none() {
+            assert!(exact, "{name} (rollback {}): the decodes after it are the oracle's", !keep);
+        } else {
+            assert!(!exact, "{name}: without the rollback the state after the rejected drafts shows");
         }
     }
 }

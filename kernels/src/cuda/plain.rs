@@ -115,7 +115,7 @@ impl<'a> PlainRunner<'a> {
         // One slot of its own, zeroed, when the family keeps recurrent state.
         let state = match self.model.state_width {
             0 => None,
-            width => Some(DeviceState::new(self.gpu, width, 1, 0)?),
+            width => Some(DeviceState::new(self.gpu, width, 1, 0, 0)?),
         };
         let slot = state.as_ref().map(|_| 0);
         let mut fed = 0;

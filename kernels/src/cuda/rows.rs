@@ -45,6 +45,9 @@ pub struct StepRows {
     /// slot ([`NO_SLOT`]: none).
     pub row_at: Vec<u32>,
     pub slots: Vec<u32>,
+    /// Per sequence: the first row of the device state's kept states its slot's state after
+    /// each of its rows goes to (a verification, for a rollback), or [`NO_SLOT`].
+    pub keeps: Vec<u32>,
     /// Per sequence: its request's prompt length (DeepSeek-V3.2's indexer ranks a prompt row's
     /// keys in a row as long as the prompt; see `kernels/cuda/indexer.cu`).
     pub prompt_lens: Vec<u32>,
@@ -92,6 +95,7 @@ pub struct RowsOnDevice {
     pub(super) draws: u64,
     pub(super) row_at: u64,
     pub(super) slots: u64,
+    pub(super) keeps: u64,
     pub(super) prompt_lens: u64,
 }
 
@@ -125,6 +129,7 @@ impl StepRows {
         self.tables.extend_from_slice(table);
         self.row_at.push(self.tokens.len() as u32);
         self.slots.push(NO_SLOT);
+        self.keeps.push(NO_SLOT);
         self.prompt_lens.push((start_pos + tokens.len()) as u32);
         for (i, &t) in tokens.iter().enumerate() {
             let pos = start_pos + i;
@@ -191,6 +196,15 @@ impl StepRows {
         self
     }
 
+    /// Has sequence `seq` keep its slot's state after each of its rows, from kept row `first`
+    /// on (`DeviceState::track_rows`).
+    pub fn keeps_states(&mut self, seq: usize, first: u32) -> &mut Self {
+        if let Some(k) = self.keeps.get_mut(seq) {
+            *k = first;
+        }
+        self
+    }
+
     /// Gives the sequence pushed last a prompt of `len` tokens.
     pub fn prompt_len(&mut self, len: usize) -> &mut Self {
         if let Some(last) = self.prompt_lens.last_mut() {
@@ -227,6 +241,12 @@ impl StepRows {
         self.tokens.len()
     }
 
+    /// How many rows sequence `seq` has.
+    pub fn seq_rows(&self, seq: usize) -> usize {
+        let end = self.row_at.get(seq + 1).map_or(self.rows(), |&r| r as usize);
+        end - self.row_at[seq] as usize
+    }
+
     pub fn num_seqs(&self) -> usize {
         self.row_at.len()
     }
@@ -238,7 +258,7 @@ impl StepRows {
     /// The parts in the order they are packed: every part's length is fixed by the step's
     /// shape except the tables', which go last, so a captured step (`graph.rs`) finds each part
     /// at the same address in every step of its shape.
-    fn parts(&self) -> [&[u32]; 12] {
+    fn parts(&self) -> [&[u32]; 13] {
         [
             &self.tokens,
             &self.positions,
@@ -250,6 +270,7 @@ impl StepRows {
             &self.draws,
             &self.row_at,
             &self.slots,
+            &self.keeps,
             &self.prompt_lens,
             &self.tables,
         ]
@@ -264,7 +285,7 @@ impl StepRows {
     /// will sit once `out` is copied to device address `base`.
     pub fn pack(&self, out: &mut [u32], base: u64) -> RowsOnDevice {
         let mut at = 0;
-        let mut addr = [0u64; 12];
+        let mut addr = [0u64; 13];
         for (i, part) in self.parts().iter().enumerate() {
             out[at..at + part.len()].copy_from_slice(part);
             addr[i] = base + 4 * at as u64;
@@ -281,8 +302,9 @@ impl StepRows {
             draws: addr[7],
             row_at: addr[8],
             slots: addr[9],
-            prompt_lens: addr[10],
-            tables: addr[11],
+            keeps: addr[10],
+            prompt_lens: addr[11],
+            tables: addr[12],
         }
     }
 }

@@ -174,7 +174,9 @@ impl CudaExecutor {
         let kv = Arc::new(SharedKv::new(kv, &gpu).map_err(|e| e.to_string())?);
         let state = match model.state_width {
             0 => None,
-            width => Some(DeviceState::new(&gpu, width, l.slots, l.snapshots).map_err(|e| e.to_string())?),
+            width => {
+                Some(DeviceState::new(&gpu, width, l.slots, l.snapshots, l.verify_rows).map_err(|e| e.to_string())?)
+            }
         };
         let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
         gpu.wait().map_err(|e| e.to_string())?;
@@ -251,9 +253,10 @@ impl CudaExecutor {
         if let Some(applied) = launch.applied_through {
             self.sampled.retain(|_, (when, _)| *when > applied);
         }
-        let (rows, sampling) = self.step_rows(launch)?;
+        let (mut rows, sampling) = self.step_rows(launch)?;
         let gpu = self.gpu.clone();
         self.copy_states_before(&gpu, launch)?;
+        self.keep_verified_states(launch, &mut rows)?;
         let mut staged = self.stage_metadata(&gpu, launch, &rows)?;
         let (imports, states_in) = self.import_handoffs(&gpu, launch, &staged.block_lists)?;
         let results = self.enqueue_forward(&gpu, launch, &rows, &mut staged)?;
@@ -281,12 +284,6 @@ impl CudaExecutor {
         let mut sampling: Vec<(SeqKey, Vec<u32>)> = Vec::new();
         let mut fed = Vec::new();
         for s in launch.seqs() {
-            if !s.drafts.is_empty() && self.state.is_some() {
-                return Err(ExecutorError::Launch(
-                    "speculative decoding on a cuda pool: rolling recurrent state back on the device is not built yet"
-                        .into(),
-                ));
-            }
             fed.clear();
             fed.extend_from_slice(s.known);
             if let Some(at) = s.deferred {
@@ -352,16 +349,34 @@ impl CudaExecutor {
     }
 
     /// 2. The state copies the step asks for before its forward, in step order.
+    /// A rejected draft's rollback (`Rewind`) is one copy from the states the verification kept.
     fn copy_states_before(&self, gpu: &Gpu, launch: &StepLaunch<'_>) -> Result<(), ExecutorError> {
         let Some(state) = &self.state else { return Ok(()) };
         for op in launch.before {
             match *op {
                 StateOp::Zero { slot } => state.zero_slot(gpu, slot).map_err(fail)?,
                 StateOp::Restore { snapshot, slot } => state.restore(gpu, snapshot, slot).map_err(fail)?,
-                StateOp::Rewind { .. } => {
-                    return Err(ExecutorError::Launch("speculative decoding runs on the cpu executors only".into()))
+                StateOp::Rewind { slot, position } => {
+                    if !state.rewind(gpu, slot, position).map_err(fail)? {
+                        let why = format!("slot {slot} kept no state after position {position} to roll back to");
+                        return Err(ExecutorError::Launch(why));
+                    }
                 }
                 StateOp::Snapshot { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// 3. What a rejected draft must not leave behind: a verifying sequence with a state slot
+    ///    has the state after each position it feeds kept on the device (after this step's own
+    ///    rollbacks, which read the previous verification's).
+    fn keep_verified_states(&self, launch: &StepLaunch<'_>, rows: &mut StepRows) -> Result<(), ExecutorError> {
+        let Some(state) = &self.state else { return Ok(()) };
+        for (i, s) in launch.seqs().enumerate() {
+            if let (Some(slot), false) = (s.slot, s.drafts.is_empty()) {
+                let first = state.track_rows(slot, s.start_pos, rows.seq_rows(i)).map_err(fail)?;
+                rows.keeps_states(i, first);
             }
         }
         Ok(())
@@ -476,7 +491,7 @@ impl CudaExecutor {
         Ok((imports, states_in))
     }
 
-    /// 3. The forward and sampling (already enqueued when replayed), the snapshots of the
+    /// 4. The forward and sampling (already enqueued when replayed), the snapshots of the
     ///    boundaries the step reached after it, and the results copied back to pinned memory.
     fn enqueue_forward(
         &mut self,
@@ -510,7 +525,7 @@ impl CudaExecutor {
         Ok(results)
     }
 
-    /// 4. Exports: the blocks, read in place once this step has completed (the producer holds
+    /// 5. Exports: the blocks, read in place once this step has completed (the producer holds
     ///    them until the consumer's ack), and each export's state slot as this step leaves it (the
     ///    state at the prompt boundary), copied out in stream order after the forward; the record
     ///    holds the copy until completion.

@@ -28,6 +28,11 @@ pub struct MemoryLayout {
     pub keeps_state: bool,
     /// Prefix keys also carry the prompt length (DeepSeek-V3.2: its prompt rows depend on it).
     pub prefix_keyed_by_prompt_len: bool,
+    /// States kept per slot while a sequence verifies drafts (its slot after each fed position,
+    /// for a rejected draft's rollback): `draft_tokens + 1` in a pool that verifies with
+    /// recurrent state, else 0. Budgeted beside the slots; the cuda executor keeps them on the
+    /// device.
+    pub verify_rows: usize,
 }
 
 impl MemoryLayout {
@@ -52,6 +57,7 @@ impl MemoryLayout {
             keeps_kv: true,
             keeps_state: false,
             prefix_keyed_by_prompt_len: false,
+            verify_rows: 0,
         }
     }
 }
@@ -384,6 +390,7 @@ mod tests {
             keeps_kv: true,
             keeps_state: true,
             prefix_keyed_by_prompt_len: false,
+            verify_rows: 0,
         })
     }
 

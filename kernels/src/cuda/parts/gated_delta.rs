@@ -66,6 +66,8 @@ impl Step<'_> {
         args.extend([
             Arg::Ptr(self.at.slots),
             Arg::Ptr(self.at.row_at),
+            Arg::Ptr(state.kept_base()),
+            Arg::Ptr(self.at.keeps),
             Arg::I32(self.seqs as i32),
             Arg::I32(t as i32),
             Arg::I32(nk as i32),
@@ -85,6 +87,8 @@ impl Step<'_> {
             Arg::I32(g.conv_width as i32),
             Arg::Ptr(self.at.slots),
             Arg::Ptr(self.at.row_at),
+            Arg::Ptr(state.kept_base()),
+            Arg::Ptr(self.at.keeps),
             Arg::I32(self.seqs as i32),
             Arg::I32(t as i32),
             Arg::Ptr(g.neg_a.ptr()),
