@@ -53,12 +53,16 @@ impl KvSource {
     /// The blocks' KV, packed by layer, handed to `piece` in pieces of about `piece_floats`
     /// through one staging buffer: a host cache is locked one block at a time, never while
     /// `piece` runs (a socket write does not hold back the producer's steps); device blocks are
-    /// copied out first, on a stream of the reader's own.
+    /// copied out a layer at a time into pinned staging, on a stream of the reader's own, each
+    /// layer handed on while the next is copied out. A failed device read hands on what it had
+    /// (the consumer refuses the import by its size).
     pub fn stream(&self, piece_floats: usize, mut piece: impl FnMut(&[f32])) {
         let cache = match &self.store {
             BlockStore::Host(cache) => cache,
-            BlockStore::Device(_) => {
-                self.read().chunks(piece_floats.max(1)).for_each(piece);
+            BlockStore::Device(shared) => {
+                if let Err(e) = shared.stream_layers(&self.blocks, piece_floats, piece) {
+                    tracing::error!("streaming a handoff's blocks from the GPU: {e}");
+                }
                 return;
             }
         };

@@ -777,6 +777,16 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         recycle: None,
         on_drop: Default::default(),
     });
+    // what a tcp sender streams: a layer at a time (through pinned staging, each layer handed on
+    // while the next is copied out), cut into pieces, the bytes of the whole read
+    let source = handoff.source.as_ref().unwrap();
+    let (mut pieces, mut streamed) = (0, Vec::new());
+    source.stream(7, |piece| {
+        pieces += 1;
+        streamed.extend_from_slice(piece);
+    });
+    assert_eq!(bits(&streamed), bits(&source.read()), "streamed, the whole read");
+    assert!(pieces >= 2 * model.num_layers(), "{pieces} pieces: cut as asked");
     let decode = SeqStep { known: &[t0], start_pos: case.prompt.len(), block_table: &[2], ..prefill };
     let import =
         KvImport { key, blocks: vec![2], slot: None, snapshot: None, from: ImportFrom::Handoff(handoff.clone()) };
@@ -1129,6 +1139,22 @@ fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
     let graph = write_graph_with(dir.path(), "hf/llama", &trace, workload, "32 MiB", &mtp);
     let refused = crate::common::kvflow(&["check", &graph.to_string_lossy()]);
     crate::common::assert_clean_failure(&refused, &["speculative.drafter", "mtp", "cuda"]);
+}
+
+/// T0 exactly once with drafting on cuda pools: the producer (a cuda rank) drafts from T0, the
+/// handoff carries the drafts over tcp with the KV streamed from device memory and the recurrent
+/// state, and the consumer's first decode (a cuda rank) verifies T0 and exactly those drafts,
+/// rolling rejected ones back on the device (spec.rs's check; the test switch takes the
+/// producer's drafts away).
+#[test]
+fn a_cuda_consumers_first_decode_verifies_the_cuda_producers_drafts() {
+    let pools = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n[[pool]]\nname = \"decode\"\n\
+         role = \"decode\"\nranks = 1\n{EMULATED}\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\n\
+         endpoint = \"127.0.0.1:0\"\n"
+    );
+    let outputs = Overrides { max_output_tokens: Some(16), limit: Some(4), ..Default::default() };
+    crate::spec::first_decodes_verify_the_producers_drafts("hf/kimi_linear", &pools, outputs);
 }
 
 /// `kvflow bench spec --executor cuda`: the plain and the drafting run both on a cuda pool (here

@@ -377,21 +377,27 @@ fn a_producer_drafts_from_t0_and_the_consumers_first_decode_verifies_those_draft
     // Every family, over tcp for some (the drafts ride on the wire) and inproc for the rest.
     for (i, model) in FIXTURES.iter().copied().enumerate() {
         let pools = if i % 2 == 0 { &tcp } else { &inproc };
-        let dir = tempfile::tempdir().unwrap();
-        let graph = spec_graph(dir.path(), model, pools);
-        let report = run_graph(&graph, long_outputs(), TestSwitches::default());
-        assert_exact(&report, model);
-        let spec = &report["spec"];
-        let (sent, fed) = (spec["handed_off_drafts"].as_u64().unwrap(), spec["first_decode_drafts"].as_u64().unwrap());
-        assert!(sent > 0 && fed == sent, "{model}: the first decodes verify the producer's drafts: {spec}");
-        assert!(spec["first_decodes"].as_u64().unwrap() > 0);
-        let switches = TestSwitches { drafter_successors_only_when_verifying: true, ..Default::default() };
-        let without = run_graph(&graph, long_outputs(), switches);
-        assert_exact(&without, model);
-        let spec = &without["spec"];
-        assert_eq!(spec["handed_off_drafts"], 0, "{model}: without the field the producer drafts nothing: {spec}");
-        assert_eq!(spec["first_decode_drafts"], 0, "{model}: {spec}");
+        first_decodes_verify_the_producers_drafts(model, pools, long_outputs());
     }
+}
+
+/// A 1P1D graph of `pools` drafting on `model`: exact, every draft the producer handed off fed by
+/// a first decode; with `drafter_successors_only_when_verifying` none made and none fed.
+pub(crate) fn first_decodes_verify_the_producers_drafts(model: &str, pools: &str, outputs: Overrides) {
+    let dir = tempfile::tempdir().unwrap();
+    let graph = spec_graph(dir.path(), model, pools);
+    let report = run_graph(&graph, outputs.clone(), TestSwitches::default());
+    assert_exact(&report, model);
+    let spec = &report["spec"];
+    let (sent, fed) = (spec["handed_off_drafts"].as_u64().unwrap(), spec["first_decode_drafts"].as_u64().unwrap());
+    assert!(sent > 0 && fed == sent, "{model}: the first decodes verify the producer's drafts: {spec}");
+    assert!(spec["first_decodes"].as_u64().unwrap() > 0);
+    let switches = TestSwitches { drafter_successors_only_when_verifying: true, ..Default::default() };
+    let without = run_graph(&graph, outputs, switches);
+    assert_exact(&without, model);
+    let spec = &without["spec"];
+    assert_eq!(spec["handed_off_drafts"], 0, "{model}: without the field the producer drafts nothing: {spec}");
+    assert_eq!(spec["first_decode_drafts"], 0, "{model}: {spec}");
 }
 
 /// The seeded DeepSeek-V3 of `benches/specs/deepseek_mtp.toml`, with its MTP layer, written as a

@@ -429,6 +429,15 @@ impl Gpu {
         }
     }
 
+    /// Waits for the work before `event` (a host-device synchronisation, counted).
+    pub fn wait_for(&self, event: &Event) -> Result<(), CudaError> {
+        self.host_waits.fetch_add(1, Ordering::Relaxed);
+        match &event.0 {
+            Some(e) => e.synchronize().map_err(self.err("waiting for the GPU")),
+            None => Ok(()),
+        }
+    }
+
     /// Waits for everything enqueued so far: a host-device synchronisation, counted.
     pub fn wait(&self) -> Result<(), CudaError> {
         self.host_waits.fetch_add(1, Ordering::Relaxed);

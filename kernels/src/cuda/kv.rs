@@ -7,7 +7,7 @@
 //! they are read); a packed buffer is always f32.
 
 use super::error::CudaError;
-use super::gpu::{DeviceBuf, Gpu};
+use super::gpu::{DeviceBuf, Event, Gpu, PinnedBuf};
 use super::launch::Arg;
 use super::weights::{bf16_bits, Dtype};
 use std::sync::Arc;
@@ -120,6 +120,21 @@ impl DeviceKv {
         self.move_blocks(gpu, "unpack_blocks", packed, blocks, n)
     }
 
+    /// Enqueues the gather of layer `layer` of `n` blocks (listed at device address `blocks`)
+    /// into `packed`: that layer's part of what [`DeviceKv::pack`] writes.
+    pub fn pack_layer(&self, gpu: &Gpu, layer: usize, packed: u64, blocks: u64, n: usize) -> Result<(), CudaError> {
+        let args = [
+            Arg::Ptr(packed),
+            Arg::Ptr(self.layer_ptrs.at(layer)),
+            Arg::Ptr(self.widths_dev.at(layer)),
+            Arg::Ptr(blocks),
+            Arg::I32(n as i32),
+            Arg::I32(self.block_size as i32),
+            self.bf16_arg(),
+        ];
+        gpu.launch("pack_blocks", (n as u32, 1, 1), 256, 0, &args)
+    }
+
     fn move_blocks(&self, gpu: &Gpu, kernel: &str, packed: u64, blocks: u64, n: usize) -> Result<(), CudaError> {
         let args = [
             Arg::Ptr(packed),
@@ -207,6 +222,47 @@ impl SharedKv {
     /// emulated in this process).
     pub fn same_device(&self, gpu: &Gpu) -> bool {
         self.reader.is_emulated() == gpu.is_emulated() && self.reader.ordinal == gpu.ordinal
+    }
+
+    /// The KV of `blocks`, packed by layer, handed to `piece` a layer at a time (then cut into
+    /// pieces of at most `piece_floats`): each layer is packed and copied into pinned staging on
+    /// the reader's stream while the layer before it is handed on from the other of two staging
+    /// buffers, so a socket write overlaps the copy-out rather than following all of it.
+    pub fn stream_layers(
+        &self,
+        blocks: &[u32],
+        piece_floats: usize,
+        mut piece: impl FnMut(&[f32]),
+    ) -> Result<(), CudaError> {
+        self.kv.check_blocks(blocks)?;
+        let n = blocks.len();
+        let layer_floats: Vec<usize> = self.kv.widths.iter().map(|w| n * self.kv.block_size * w).collect();
+        let largest = layer_floats.iter().copied().max().unwrap_or(0);
+        if n == 0 || largest == 0 {
+            return Ok(());
+        }
+        let list = self.reader.upload(blocks)?;
+        let packed = [self.reader.scratch::<f32>(largest)?, self.reader.scratch::<f32>(largest)?];
+        let mut staging = [self.reader.pinned::<f32>(largest)?, self.reader.pinned::<f32>(largest)?];
+        let mut copied: Vec<Event> = Vec::with_capacity(2);
+        let mut hand_on = |staging: &PinnedBuf<f32>, floats: usize| {
+            staging.as_slice()[..floats].chunks(piece_floats.max(1)).for_each(&mut piece)
+        };
+        for (l, &floats) in layer_floats.iter().enumerate() {
+            let (dev, host) = (&packed[l % 2], &mut staging[l % 2]);
+            self.kv.pack_layer(&self.reader, l, dev.ptr(), list.ptr(), n)?;
+            self.reader.copy_to_host(host, dev.ptr(), floats)?;
+            copied.push(self.reader.record()?);
+            if l > 0 {
+                // the layer before this one, while this one is copied out
+                self.reader.wait_for(&copied[l - 1])?;
+                hand_on(&staging[(l - 1) % 2], layer_floats[l - 1]);
+            }
+        }
+        let last = layer_floats.len() - 1;
+        self.reader.wait_for(&copied[last])?;
+        hand_on(&staging[last % 2], layer_floats[last]);
+        Ok(())
     }
 
     /// The KV of `blocks`, packed by layer, copied to the host (waits, on the reader's stream).
