@@ -1,4 +1,4 @@
-# Sourced by run.sh, speed.sh, sweep.sh and profile.sh on the device machine: prepare.sh keeps the
+# Sourced by run.sh, speed.sh, sweep.sh, profile.sh and serve_smollm2.sh on the device machine: prepare.sh keeps the
 # stripped binaries xz-compressed in .device-bin/ (kvflow.xz, kvflow-COMMIT.xz: about 6 MB each
 # against 19 MB, so a call's 64 MiB holds the working tree and two builds); unpack each once.
 for packed in .device-bin/*.xz; do
