@@ -6,9 +6,12 @@
 # $OUT/serve-smollm2.txt (or ./serve-smollm2.txt); exits non-zero when any text differs.
 #
 # The device machine reaches no network, and one call carries 64 MiB with the working tree: the
-# GGUF (98 MB) goes over in pieces, one a call, on a warm machine (carried folders stay while it is
-# warm): `bash benches/device/serve_smollm2.sh --split` here writes .device-gguf-1 … -4 (listed in
-# .git/info/exclude), each call carries one, and the last call runs this script there.
+# GGUF (98 MB) goes over in pieces, one a call, on a warm machine: `bash
+# benches/device/serve_smollm2.sh --split` here writes .device-gguf-1 … -4 (listed in
+# .git/info/exclude); each call carries one and copies it into /tmp/smollm2-pieces (a carried
+# folder is gone at the next call, /tmp stays while the machine is warm) —
+#     mkdir -p /tmp/smollm2-pieces && cp .device-gguf-*/* /tmp/smollm2-pieces/
+# — and the last call (carrying .device-bin and .device-gguf-4) runs this script there.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -34,9 +37,11 @@ echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 gguf=/tmp/$gguf_name
-cat .device-gguf-*/piece-* > "$gguf" || exit 1
-if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" != "$(cat .device-gguf-4/SHA256)" ]; then
-    echo "the GGUF pieces do not make the file they were cut from (a piece missing?): $(ls .device-gguf-*)"
+pieces=/tmp/smollm2-pieces
+mkdir -p "$pieces" && cp .device-gguf-*/* "$pieces"/ 2>/dev/null
+cat "$pieces"/piece-* > "$gguf" || exit 1
+if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" != "$(cat "$pieces"/SHA256 2>/dev/null)" ]; then
+    echo "the GGUF pieces do not make the file they were cut from (a piece missing?): $(ls "$pieces")"
     exit 1
 fi
 sed -e 's/^executor = "cpu"/executor = "cuda"/' graphs/smollm2.toml > graphs/.smollm2-cuda.toml

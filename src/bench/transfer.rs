@@ -182,6 +182,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         floats_per_block,
         kv,
         source: None,
+        landed: None,
         state: None,
         started_ms: 0.0,
         t0_ms: 0.0,

@@ -770,6 +770,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         floats_per_block: source.floats_per_block,
         kv: Vec::new(),
         source: Some(source),
+        landed: None,
         state: None,
         started_ms: 0.0,
         t0_ms: 0.0,

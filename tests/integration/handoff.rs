@@ -133,6 +133,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             kv: exported.kv,
             // The producer's blocks, read in place by the consumer's import (one copy).
             source: exported.source,
+            landed: None,
             state: exported.state,
             started_ms: 0.0,
             t0_ms: 0.0,

@@ -429,6 +429,15 @@ impl Gpu {
         }
     }
 
+    /// Has this stream's later work wait on the GPU for the work before `event` (recorded on
+    /// another stream of the same device): no host wait.
+    pub fn stream_waits_for(&self, event: &Event) -> Result<(), CudaError> {
+        match (&self.backend, &event.0) {
+            (Backend::Cuda { stream, .. }, Some(e)) => stream.wait(e).map_err(self.err("ordering after an event")),
+            _ => Ok(()),
+        }
+    }
+
     /// Waits for the work before `event` (a host-device synchronisation, counted).
     pub fn wait_for(&self, event: &Event) -> Result<(), CudaError> {
         self.host_waits.fetch_add(1, Ordering::Relaxed);

@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod graph;
 mod host_capture;
 pub mod kv;
+pub mod landing;
 pub mod launch;
 pub mod model;
 pub mod parts;
@@ -46,6 +47,7 @@ pub use error::CudaError;
 pub use gpu::{driver_present, visible_gpus, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
 pub use graph::{GraphCounts, GraphKey, StepGraph, StepGraphs};
 pub use kv::{DeviceKv, SharedKv};
+pub use landing::{LandedKv, Landing, LandingKv};
 pub use launch::Arg;
 pub use model::{unsupported, DeviceModel};
 /// DeepSeek-V3.2's key selection on the device (`cuda::indexer::torch_topk_on_device`).

@@ -294,6 +294,7 @@ impl Rank {
             },
             kv: exported.kv,
             source: exported.source,
+            landed: None,
             state: exported.state.filter(|_| !self.switches.handoff_without_state),
             started_ms: seq.started_ms.unwrap_or_else(wall_ms),
             t0_ms: seq.stream.token_times.first.unwrap_or_else(wall_ms),

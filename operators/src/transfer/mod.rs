@@ -51,6 +51,9 @@ pub struct Handoff {
     /// blocks are read in place from the producer's cache (which holds them until the ack).
     pub kv: Vec<f32>,
     pub source: Option<crate::kv_source::KvSource>,
+    /// The same KV landed in a cuda consumer's device memory piece by piece as it arrived (then
+    /// `kv` is empty).
+    pub landed: Option<Landed>,
     /// The state slot at the prompt boundary (before T0), for families with recurrent state.
     pub state: Option<Vec<f32>>,
     /// When the prefill's first chunk ran and when T0 became known (`wall_ms`).
@@ -69,9 +72,13 @@ pub struct Handoff {
 impl Handoff {
     /// The KV floats it carries (read from the producer's blocks when in place).
     pub fn kv_floats(&self) -> std::borrow::Cow<'_, [f32]> {
-        match &self.source {
-            Some(source) => std::borrow::Cow::Owned(source.read()),
-            None => std::borrow::Cow::Borrowed(&self.kv),
+        match (&self.source, &self.landed) {
+            (Some(source), _) => std::borrow::Cow::Owned(source.read()),
+            (None, Some(landed)) => std::borrow::Cow::Owned(landed.0.read().unwrap_or_else(|e| {
+                tracing::error!("reading a landed handoff back from the GPU: {e}");
+                Vec::new()
+            })),
+            (None, None) => std::borrow::Cow::Borrowed(&self.kv),
         }
     }
 
@@ -89,6 +96,16 @@ impl Drop for Handoff {
         if let Some(f) = self.on_drop.0.lock().take() {
             f();
         }
+    }
+}
+
+/// A handoff's KV in a cuda consumer's device memory (equal only to itself).
+#[derive(Clone, Debug)]
+pub struct Landed(pub std::sync::Arc<kvflow_kernels::cuda::LandedKv>);
+
+impl PartialEq for Landed {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
     }
 }
 

@@ -307,6 +307,7 @@ pub(crate) mod tests {
             floats_per_block: 6,
             kv: vec![0.5; 12],
             source: None,
+            landed: None,
             state: Some(vec![1.0; 3]),
             started_ms: 0.0,
             t0_ms: 0.0,

@@ -545,6 +545,7 @@ fn serve_frames(
             floats_per_block: layout.floats_per_block,
             kv: floats,
             source: None,
+            landed: None,
             state,
             started_ms: d.started_ms,
             t0_ms: d.t0_ms,
