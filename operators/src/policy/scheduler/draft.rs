@@ -59,6 +59,18 @@ fn draft_limit(seq: &Sequence, spec: &SpecConfig) -> usize {
     spec.draft_tokens.min(outputs_left.saturating_sub(1))
 }
 
+/// Whether `seq`'s next decode would draft at its recent acceptance (else it decodes plainly,
+/// and need not wait for a token in flight for the drafter to see it).
+pub(super) fn drafts_next(seq: &Sequence, spec: &SpecConfig) -> bool {
+    spec.width(seq.spec.draft_acceptance, draft_limit(seq, spec)) > 0
+}
+
+/// A decode that drafted nothing for keeping next to nothing: hope returns slowly, so it tries
+/// again.
+fn hope(seq: &mut Sequence) {
+    seq.spec.draft_acceptance = (seq.spec.draft_acceptance + 0.05).min(1.0);
+}
+
 /// `propose(t)` for one sequence: when it decodes next with nothing in flight and has nothing
 /// proposed, the drafter's proposal after its last token (`draft_limit` tokens at most) goes
 /// into `seq.proposed`, for the scheduler to book at the width it earns. Returns how many.
@@ -85,6 +97,9 @@ pub(super) fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecCon
     let limit = draft_limit(seq, &spec).min(room);
     let mut drafts = std::mem::take(&mut seq.spec.proposed);
     if !seq.pending.is_empty() || seq.computed < seq.prompt_len {
+        if !seq.pending.is_empty() && !drafts_next(seq, &spec) {
+            hope(seq); // a decode with its token in flight, not drafting (see `drafts_next`)
+        }
         return 1;
     }
     if seq.kind.awaits_import() {
@@ -101,8 +116,7 @@ pub(super) fn draft_into(seq: &mut Sequence, mem: &mut RankMemory, spec: SpecCon
     }
     let width = spec.width(seq.spec.draft_acceptance, limit);
     if width == 0 {
-        // Not drafting while it keeps next to nothing; hope returns slowly, so it tries again.
-        seq.spec.draft_acceptance = (seq.spec.draft_acceptance + 0.05).min(1.0);
+        hope(seq);
         return 1;
     }
     drafts.truncate(width);

@@ -199,6 +199,32 @@ fn a_decode_carries_drafts_only_with_nothing_in_flight_and_blocks_for_them() {
 }
 
 #[test]
+fn a_decode_that_would_draft_nothing_goes_on_with_its_token_in_flight() {
+    // With a drafter on, a decode whose token is in flight waits for it (the drafter proposes
+    // from it) — but a request that keeps next to nothing drafts at width 0, so it decodes on
+    // at plain decoding's pace (an executor with deferred output keeps a step in flight), its
+    // hope of drafting again growing a little each step.
+    let spec = SpecConfig {
+        draft_tokens: 4,
+        drafter: crate::policy::drafter::Drafter::Ngram(crate::policy::drafter::NgramDrafter { min_n: 1, max_n: 2 }),
+        widen_buckets: false,
+    };
+    let config = SchedulerConfig { spec: Some(spec), ..config(64, 64) };
+    let (mut s, mut seqs, mut mem) = (Scheduler::new(config), Sequences::default(), memory(16));
+    let a = add(&mut s, &mut seqs, 1, vec![5, 6, 7, 5, 6], 12);
+    run(&s.schedule(&mut seqs, &mut mem, 1), &mut seqs, 1);
+    let d = s.schedule(&mut seqs, &mut mem, 2); // a decode, its token in flight after this
+    assert_eq!((d.chunks.len(), d.chunks[0].deferred), (1, None));
+    seqs.get_mut(a).spec.draft_acceptance = 1.0;
+    assert!(s.schedule(&mut seqs, &mut mem, 3).is_empty(), "it drafts next: it waits for its token");
+    seqs.get_mut(a).spec.draft_acceptance = 0.0;
+    let d = s.schedule(&mut seqs, &mut mem, 4);
+    assert_eq!(d.chunks.len(), 1, "it would draft nothing: it decodes on");
+    assert_eq!((d.chunks[0].deferred, d.chunks[0].drafts), (Some(2), 0), "with the token of step 2 in flight");
+    assert!(seqs.get(a).spec.draft_acceptance > 0.0, "hope returns");
+}
+
+#[test]
 fn the_draft_width_is_a_bucket_that_never_exceeds_what_the_request_can_use() {
     // A property over random schedules: whatever the recent acceptance and the outputs left,
     // a chunk carries at most the scheduler's limit of drafts, at a configured width, with

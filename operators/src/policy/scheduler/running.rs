@@ -3,7 +3,11 @@
 //! youngest running request is preempted (it gives its memory back and recomputes later) until
 //! the chunk fits or the request itself was the youngest.
 
-use super::{book, draft::draft_into, RankMemory, Scheduler, Sequence, Sequences, StepDecision};
+use super::{
+    book,
+    draft::{draft_into, drafts_next},
+    RankMemory, Scheduler, Sequence, Sequences, StepDecision,
+};
 
 impl Scheduler {
     /// Books the decodes of the running requests (those with exactly one token left to feed),
@@ -26,9 +30,12 @@ impl Scheduler {
             let remaining = seq.remaining();
             // With a drafter, a decode whose token is still in flight waits for it, so the drafter
             // can propose from it (an executor that completes later would otherwise always have
-            // one in flight, and never draft).
-            if self.config.spec.is_some() && !seq.pending.is_empty() && seq.computed >= seq.prompt_len {
-                continue;
+            // one in flight, and never draft) — unless at its recent acceptance it would draft
+            // nothing: then it decodes on with its token in flight, at plain decoding's pace.
+            if let Some(spec) = self.config.spec {
+                if !seq.pending.is_empty() && seq.computed >= seq.prompt_len && drafts_next(seq, &spec) {
+                    continue;
+                }
             }
             if remaining != 1 {
                 if remaining > 1 {
