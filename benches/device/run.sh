@@ -83,6 +83,14 @@ if part specbench; then
     "$bin" bench spec --model /tmp/llama-1b --executor cuda --dtype bfloat16 --kv-budget "4 GiB" || status=1
     echo "== kvflow bench spec (llama fixture, executor = cuda)"
     "$bin" bench spec --executor cuda || status=1
+    # a trained model continues a repeated passage by copying it: SmolLM2-135M-Instruct, when its
+    # GGUF's pieces were carried (serve_smollm2.sh)
+    if source benches/device/smollm2_gguf.sh; then
+        for dtype in float32 bfloat16; do
+            echo "== kvflow bench spec (SmolLM2-135M-Instruct GGUF, executor = cuda, $dtype)"
+            "$bin" bench spec --model "$gguf" --executor cuda --dtype $dtype --kv-budget "2 GiB" || status=1
+        done
+    fi
 fi
 # bf16 on the tensor cores (attention.cu, bf16.cu): the families whose attention takes them, each
 # graph with dtype = "bfloat16" in the cuda pools' executor settings

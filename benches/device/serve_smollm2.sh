@@ -14,7 +14,6 @@
 # — and the last call (carrying .device-bin and .device-gguf-4) runs this script there.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-gguf_name=SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "${1:-}" = "--split" ]; then
     src=$(bash tools/fetch_smollm2.sh) || exit 1
     exclude=$(git rev-parse --git-path info/exclude)
@@ -36,14 +35,7 @@ exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 echo "commit: $(cat .device-bin/COMMIT 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-gguf=/tmp/$gguf_name
-pieces=/tmp/smollm2-pieces
-mkdir -p "$pieces" && cp .device-gguf-*/* "$pieces"/ 2>/dev/null
-cat "$pieces"/piece-* > "$gguf" || exit 1
-if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" != "$(cat "$pieces"/SHA256 2>/dev/null)" ]; then
-    echo "the GGUF pieces do not make the file they were cut from (a piece missing?): $(ls "$pieces")"
-    exit 1
-fi
+source benches/device/smollm2_gguf.sh || exit 1
 sed -e 's/^executor = "cpu"/executor = "cuda"/' graphs/smollm2.toml > graphs/.smollm2-cuda.toml
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null; rm -f graphs/.smollm2-cuda.toml' EXIT

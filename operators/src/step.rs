@@ -77,6 +77,14 @@ impl ImportFrom {
         }
     }
 
+    /// The KV landed in this consumer's device memory as it arrived, if it was.
+    pub fn landed(&self) -> Option<&crate::transfer::Landed> {
+        match self {
+            ImportFrom::Handoff(h) => h.landed.as_ref(),
+            ImportFrom::Store { .. } => None,
+        }
+    }
+
     /// The KV floats it writes, packed by layer (read from the producer's blocks when in place).
     pub fn kv_floats(&self) -> std::borrow::Cow<'_, [f32]> {
         match self {

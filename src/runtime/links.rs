@@ -15,7 +15,9 @@
 use crate::graph::{Graph, LinkConfig, PoolConfig, PoolRole, TransferBackend};
 use crate::runtime::pool::PoolHandoff;
 use anyhow::{anyhow, bail, Result};
+use kvflow_kernels::cuda::Landing;
 use kvflow_kernels::models::Model;
+use kvflow_operators::executor::CudaSettings;
 use kvflow_operators::messages::AdmissionKind;
 use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::pool::emit::EventSink;
@@ -325,6 +327,7 @@ impl Wires<'_> {
                 token: self.token.clone(),
                 expect_links: served_here.then_some(links_in),
                 max_links: (!self.options.serve_any_producer).then_some(links_in),
+                landing: self.landing(pool)?,
             };
             let listener = TcpConsumer::bind(&endpoint, consumer, consumer_layout(model, pool), consumer_options)
                 .map_err(|e| anyhow!("{}: decode pool `{}`: {e}", graph.path.display(), pool.name))?;
@@ -336,6 +339,21 @@ impl Wires<'_> {
             listeners.push((pool.name.clone(), listener));
         }
         Ok((listeners, served))
+    }
+
+    /// Where a cuda decode pool's tcp handoffs land: in device memory on its first rank's GPU,
+    /// piece by piece as they arrive (a rank on another GPU reads them back through the host).
+    fn landing(&self, pool: &PoolConfig) -> Result<Option<(Arc<Landing>, Arc<TransferCounters>)>> {
+        if pool.executor != "cuda" {
+            return Ok(None);
+        }
+        let at = |e: String| {
+            anyhow!("{}: decode pool `{}`: landing handoffs on the GPU: {e}", self.graph.path.display(), pool.name)
+        };
+        let settings = CudaSettings::read(&pool.executor_settings).map_err(|e| at(e.to_string()))?;
+        let gpu = if settings.emulate { 0 } else { settings.gpu_of(0).map_err(|e| at(e.to_string()))? };
+        let landing = Landing::open(gpu, settings.emulate).map_err(|e| at(e.to_string()))?;
+        Ok(Some((Arc::new(landing), self.counters.clone())))
     }
 
     /// Where prefill pool `pool` hands off: its links, all inproc or all tcp, to decode pools of

@@ -66,7 +66,7 @@ pub struct LinkFigures {
 
 impl LinkFigures {
     fn read(&self) -> LinkTotals {
-        let mut counters = [0; 8];
+        let mut counters = [0; kvflow_operators::transfer::faults::TRANSFER_COUNTERS];
         for (slot, (_, value)) in counters.iter_mut().zip(self.counters.snapshot()) {
             *slot = value;
         }
@@ -79,7 +79,7 @@ impl LinkFigures {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LinkTotals {
     pub socket_bytes: u64,
-    pub counters: [u64; 8],
+    pub counters: [u64; kvflow_operators::transfer::faults::TRANSFER_COUNTERS],
 }
 
 impl LinkTotals {

@@ -795,6 +795,29 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
     let next = one_step(&mut consumer, 0, decode, &[], std::slice::from_ref(&import), &[]);
     assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "the consumer continues from T0");
     assert_eq!(consumer.imports(), (1, 0), "imported device to device, nothing staged through the host");
+    // the same KV landed in device memory piece by piece, as a cuda consumer's tcp receiver
+    // lands it (here 5 floats a piece): unpacked from there, nothing staged at the step
+    let floats = source.read();
+    let landing = kvflow_kernels::cuda::Landing::open(0, true).unwrap();
+    let mut into = landing.begin(floats.len(), 5).unwrap();
+    let mut at = 0;
+    while at < floats.len() {
+        let piece = into.next_piece().unwrap();
+        let n = piece.len();
+        piece.copy_from_slice(&floats[at..at + n]);
+        into.landed().unwrap();
+        at += n;
+    }
+    let mut landed = (*handoff).clone();
+    landed.source = None;
+    landed.landed = Some(kvflow_operators::transfer::Landed(Arc::new(into.finish().unwrap())));
+    let from = ImportFrom::Handoff(Arc::new(landed));
+    let landed_import = KvImport { key, blocks: vec![3], slot: None, snapshot: None, from };
+    let mut lands = cuda_rank(&model, &EMULATE);
+    let decode_3 = SeqStep { block_table: &[3], ..decode };
+    let next = one_step(&mut lands, 0, decode_3, &[], &[landed_import], &[]);
+    assert_eq!(next.result.unwrap()[0].token, Some(case.greedy[1]), "a consumer of the landed KV continues from T0");
+    assert_eq!(lands.imports(), (1, 0), "unpacked from device memory, nothing staged through the host");
     // a CPU rank reads the same blocks through the host
     let ctx = ExecutorContext::standalone("c", model.clone(), MemoryLayout::kv_only(16, 4));
     let mut cpu = kvflow_operators::executor::CpuExecutor::new(
@@ -1144,9 +1167,9 @@ fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
 
 /// T0 exactly once with drafting on cuda pools: the producer (a cuda rank) drafts from T0, the
 /// handoff carries the drafts over tcp with the KV streamed from device memory and the recurrent
-/// state, and the consumer's first decode (a cuda rank) verifies T0 and exactly those drafts,
-/// rolling rejected ones back on the device (spec.rs's check; the test switch takes the
-/// producer's drafts away).
+/// state, the consumer lands each piece of the KV in device memory as it arrives, and its first
+/// decode (a cuda rank) verifies T0 and exactly those drafts, rolling rejected ones back on the
+/// device (spec.rs's check; the test switch takes the producer's drafts away).
 #[test]
 fn a_cuda_consumers_first_decode_verifies_the_cuda_producers_drafts() {
     let pools = format!(
@@ -1155,7 +1178,9 @@ fn a_cuda_consumers_first_decode_verifies_the_cuda_producers_drafts() {
          endpoint = \"127.0.0.1:0\"\n"
     );
     let outputs = Overrides { max_output_tokens: Some(16), limit: Some(4), ..Default::default() };
-    crate::spec::first_decodes_verify_the_producers_drafts("hf/kimi_linear", &pools, outputs);
+    let report = crate::spec::first_decodes_verify_the_producers_drafts("hf/kimi_linear", &pools, outputs);
+    let handoff = &report["handoff"];
+    assert_eq!(handoff["landed_on_device"], report["completed"], "every handoff landed on the device: {handoff}");
 }
 
 /// `kvflow bench spec --executor cuda`: the plain and the drafting run both on a cuda pool (here

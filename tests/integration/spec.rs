@@ -382,8 +382,9 @@ fn a_producer_drafts_from_t0_and_the_consumers_first_decode_verifies_those_draft
 }
 
 /// A 1P1D graph of `pools` drafting on `model`: exact, every draft the producer handed off fed by
-/// a first decode; with `drafter_successors_only_when_verifying` none made and none fed.
-pub(crate) fn first_decodes_verify_the_producers_drafts(model: &str, pools: &str, outputs: Overrides) {
+/// a first decode; with `drafter_successors_only_when_verifying` none made and none fed. Returns
+/// the report of the run with drafts.
+pub(crate) fn first_decodes_verify_the_producers_drafts(model: &str, pools: &str, outputs: Overrides) -> Value {
     let dir = tempfile::tempdir().unwrap();
     let graph = spec_graph(dir.path(), model, pools);
     let report = run_graph(&graph, outputs.clone(), TestSwitches::default());
@@ -398,6 +399,7 @@ pub(crate) fn first_decodes_verify_the_producers_drafts(model: &str, pools: &str
     let spec = &without["spec"];
     assert_eq!(spec["handed_off_drafts"], 0, "{model}: without the field the producer drafts nothing: {spec}");
     assert_eq!(spec["first_decode_drafts"], 0, "{model}: {spec}");
+    report
 }
 
 /// The seeded DeepSeek-V3 of `benches/specs/deepseek_mtp.toml`, with its MTP layer, written as a

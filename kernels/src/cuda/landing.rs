@@ -110,6 +110,12 @@ impl LandedKv {
     }
 }
 
+impl std::fmt::Debug for Landing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Landing(GPU {})", self.gpu.ordinal)
+    }
+}
+
 impl std::fmt::Debug for LandedKv {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "LandedKv({} floats on GPU {})", self.floats, self.gpu.ordinal)

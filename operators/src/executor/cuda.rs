@@ -32,6 +32,7 @@ use crate::step::{
     BlockStore, DraftCheck, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
     StepLaunch,
 };
+use crate::transfer::Landed;
 use kvflow_kernels::cuda::{visible_gpus, CudaError, Dtype};
 use kvflow_kernels::cuda::{
     DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, RowsOnDevice, SharedKv,
@@ -349,7 +350,7 @@ impl CudaExecutor {
     }
 
     /// 2. The state copies the step asks for before its forward, in step order.
-    /// A rejected draft's rollback (`Rewind`) is one copy from the states the verification kept.
+    ///    A rejected draft's rollback (`Rewind`) is one copy from the states the verification kept.
     fn copy_states_before(&self, gpu: &Gpu, launch: &StepLaunch<'_>) -> Result<(), ExecutorError> {
         let Some(state) = &self.state else { return Ok(()) };
         for op in launch.before {
@@ -475,8 +476,24 @@ impl CudaExecutor {
                     continue;
                 }
             }
-            let kv = h.kv_floats();
             let floats = import.blocks.len() * fpb;
+            if let Some(Landed(landed)) = h.landed().filter(|l| l.0.same_device(gpu)) {
+                // landed in device memory as it arrived: unpacked once the landing's copies are
+                // done (this stream waits for them on the GPU)
+                if landed.floats != floats {
+                    return Err(bad(format!(
+                        "{} KV floats for {} blocks of {fpb}",
+                        landed.floats,
+                        import.blocks.len()
+                    )));
+                }
+                gpu.stream_waits_for(&landed.event).map_err(fail)?;
+                self.kv.kv.unpack(gpu, landed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
+                self.imported_on_device += 1;
+                imports.push((import.clone(), None));
+                continue;
+            }
+            let kv = h.kv_floats();
             if kv.len() != floats {
                 return Err(bad(format!("{} KV floats for {} blocks of {fpb}", kv.len(), import.blocks.len())));
             }

@@ -75,7 +75,12 @@ pub struct TransferCounters {
     pub delayed: AtomicU64,
     pub corrupted: AtomicU64,
     pub duplicated: AtomicU64,
+    /// Handoffs a cuda consumer's tcp receiver landed in device memory piece by piece.
+    pub landed_on_device: AtomicU64,
 }
+
+/// How many counters [`TransferCounters::snapshot`] gives.
+pub const TRANSFER_COUNTERS: usize = 9;
 
 impl TransferCounters {
     pub fn bump(counter: &AtomicU64) {
@@ -83,7 +88,7 @@ impl TransferCounters {
     }
 
     /// The counters as `(name, value)` pairs, for the report.
-    pub fn snapshot(&self) -> [(&'static str, u64); 8] {
+    pub fn snapshot(&self) -> [(&'static str, u64); TRANSFER_COUNTERS] {
         let v = |c: &AtomicU64| c.load(Ordering::Relaxed);
         [
             ("retries", v(&self.retries)),
@@ -94,6 +99,7 @@ impl TransferCounters {
             ("faults_delayed", v(&self.delayed)),
             ("faults_corrupted", v(&self.corrupted)),
             ("faults_duplicated", v(&self.duplicated)),
+            ("landed_on_device", v(&self.landed_on_device)),
         ]
     }
 }

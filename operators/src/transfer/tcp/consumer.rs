@@ -20,7 +20,7 @@ use crate::messages::Event;
 use crate::pool::emit::EventSink;
 use crate::transfer::inproc::{Ack, ConsumerPool};
 use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
-use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferId};
+use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferCounters, TransferId};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -44,6 +44,9 @@ pub struct ConsumerOptions {
     /// How many distinct producer links it takes (`None`: any number); a producer registering
     /// a link beyond them is refused.
     pub max_links: Option<usize>,
+    /// A cuda pool's: where each handoff's KV lands in device memory as it arrives (else it is
+    /// received into host memory), and the counters that count it.
+    pub landing: Option<(Arc<kvflow_kernels::cuda::Landing>, Arc<crate::transfer::TransferCounters>)>,
 }
 
 /// A producer link as the consumer knows it.
@@ -505,29 +508,17 @@ fn serve_frames(
                 return;
             }
         };
-        // Receive the payload, checksumming as it arrives.
-        let (kv_floats, state_floats) =
-            (d.kv_blocks * layout.floats_per_block, if d.has_state { layout.state_floats } else { 0 });
-        let mut crc = Crc32c::new();
-        let mut floats = recycler.take(kv_floats + state_floats);
-        let checked = d.checked;
-        if read_floats(&mut conn, &mut floats, |bytes| {
-            if checked {
-                crc.update(bytes)
+        let payload = match receive_payload(&mut conn, &d, &layout, options, &recycler) {
+            Err(()) => return,
+            Ok(Err(why)) => {
+                acker.ack(d.request, d.transfer, Err(why));
+                continue;
             }
-        })
-        .is_err()
-        {
-            return;
+            Ok(Ok(payload)) => payload,
+        };
+        if let (Some(_), Some((_, counters))) = (&payload.landed, &options.landing) {
+            TransferCounters::bump(&counters.landed_on_device);
         }
-        let Ok(sent_crc) = read_u32(&mut conn) else { return };
-        if d.checked && crc.value() != sent_crc {
-            let why =
-                format!("{CHECKSUM_REFUSAL} {:#010x}, expected {sent_crc:#010x}: the bytes were damaged", crc.value());
-            acker.ack(d.request, d.transfer, Err(why));
-            continue;
-        }
-        let state = d.has_state.then(|| floats.split_off(kv_floats));
         let h = Handoff {
             transfer: d.transfer,
             request: d.request,
@@ -543,10 +534,10 @@ fn serve_frames(
             skip_blocks: d.skip_blocks,
             kv_blocks: d.kv_blocks,
             floats_per_block: layout.floats_per_block,
-            kv: floats,
+            kv: payload.kv,
             source: None,
-            landed: None,
-            state,
+            landed: payload.landed,
+            state: payload.state,
             started_ms: d.started_ms,
             t0_ms: d.t0_ms,
             to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_blocks: d.skip_blocks as u32 }),
@@ -561,4 +552,106 @@ fn serve_frames(
         shared.origin.lock().insert(h.request, link);
         pool.deliver(Arc::new(h), acker.clone());
     }
+}
+
+/// A handoff's payload as received: its KV (in host memory, or landed in device memory) and its
+/// state.
+struct Payload {
+    kv: Vec<f32>,
+    landed: Option<crate::transfer::Landed>,
+    state: Option<Vec<f32>>,
+}
+
+/// Receives `d`'s payload and checksum from `conn`, checksumming as it arrives: the KV lands in
+/// device memory piece by piece when the pool has a landing. `Err(())`: the connection ended;
+/// `Ok(Err(why))`: the handoff is refused (damaged bytes, or a device that failed to take them).
+fn receive_payload(
+    conn: &mut impl std::io::Read,
+    d: &crate::transfer::Descriptor,
+    layout: &ConsumerLayout,
+    options: &ConsumerOptions,
+    recycler: &Recycler,
+) -> Result<Result<Payload, String>, ()> {
+    let (kv_floats, state_floats) =
+        (d.kv_blocks * layout.floats_per_block, if d.has_state { layout.state_floats } else { 0 });
+    let mut crc = Crc32c::new();
+    let mut seen = |bytes: &[u8]| {
+        if d.checked {
+            crc.update(bytes)
+        }
+    };
+    let (mut floats, landed) = match &options.landing {
+        Some((landing, _)) => {
+            let landed = land(conn, landing, kv_floats, &mut seen).map_err(|_| ())?;
+            let mut state = recycler.take(state_floats);
+            read_floats(conn, &mut state, &mut seen).map_err(|_| ())?;
+            (state, Some(landed))
+        }
+        None => {
+            let mut floats = recycler.take(kv_floats + state_floats);
+            read_floats(conn, &mut floats, &mut seen).map_err(|_| ())?;
+            (floats, None)
+        }
+    };
+    let sent_crc = read_u32(conn).map_err(|_| ())?;
+    if d.checked && crc.value() != sent_crc {
+        let why =
+            format!("{CHECKSUM_REFUSAL} {:#010x}, expected {sent_crc:#010x}: the bytes were damaged", crc.value());
+        return Ok(Err(why));
+    }
+    Ok(Ok(match landed {
+        Some(Err(why)) => return Ok(Err(format!("landing the handoff in device memory: {why}"))),
+        // landed: `floats` holds the state alone
+        Some(Ok(landed)) => Payload {
+            kv: Vec::new(),
+            landed: Some(crate::transfer::Landed(Arc::new(landed))),
+            state: d.has_state.then_some(floats),
+        },
+        None => {
+            let state = d.has_state.then(|| floats.split_off(kv_floats));
+            Payload { kv: floats, landed: None, state }
+        }
+    }))
+}
+
+/// Receives `floats` KV floats from `conn` into device memory through `landing`, a piece at a
+/// time (each piece copied to the device while the next is read), feeding the bytes to `seen`.
+/// `Err` from the socket ends the connection; `Ok(Err(why))` when the device failed (the rest of
+/// the payload is still read, so the stream stays in step, and the handoff is refused).
+fn land(
+    conn: &mut impl std::io::Read,
+    landing: &kvflow_kernels::cuda::Landing,
+    floats: usize,
+    seen: &mut impl FnMut(&[u8]),
+) -> std::io::Result<Result<kvflow_kernels::cuda::LandedKv, String>> {
+    let mut into = match landing.begin(floats, crate::transfer::PIECE_FLOATS) {
+        Ok(into) => into,
+        Err(e) => return skip_floats(conn, floats, seen).map(|_| Err(e.to_string())),
+    };
+    let mut left = floats;
+    while left > 0 {
+        let piece = match into.next_piece() {
+            Ok(piece) => piece,
+            Err(e) => return skip_floats(conn, left, seen).map(|_| Err(e.to_string())),
+        };
+        let n = piece.len();
+        read_floats(conn, piece, &mut *seen)?;
+        if let Err(e) = into.landed() {
+            return skip_floats(conn, left - n, seen).map(|_| Err(e.to_string()));
+        }
+        left -= n;
+    }
+    Ok(into.finish().map_err(|e| e.to_string()))
+}
+
+/// Reads and drops `floats` floats (feeding their bytes to `seen`).
+fn skip_floats(conn: &mut impl std::io::Read, floats: usize, seen: &mut impl FnMut(&[u8])) -> std::io::Result<()> {
+    let mut sink = vec![0f32; floats.min(crate::transfer::PIECE_FLOATS)];
+    let mut left = floats;
+    while left > 0 {
+        let n = left.min(sink.len());
+        read_floats(conn, &mut sink[..n], &mut *seen)?;
+        left -= n;
+    }
+    Ok(())
 }
