@@ -58,17 +58,19 @@ part sampled && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next_gdn
     done
 done
 # n-gram drafting on cuda pools (the drafts scored and checked on the device; a rejected draft
-# rolls recurrent state back on the device), every family, aggregated and 1P1D, greedy: exact
-# against the cuda plain path
+# rolls recurrent state back on the device), every family, aggregated and 1P1D (inproc, and tcp:
+# the KV streamed out of the producer's device memory a layer at a time and landed in the
+# consumer's piece by piece), greedy: exact against the cuda plain path
 part spec && for model in llama qwen3 deepseek_v3 deepseek_v32 qwen3_next qwen3_next_gdn kimi_linear; do
-    for graph in spec pd-1p1d; do
+    for graph in spec pd-1p1d pd-1p1d-tcp; do
       sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
           -e "s#out/$graph#out/$graph-$model-cuda#" "graphs/$graph.toml" > "graphs/.$graph-$model-cuda.toml"
       grep -q '^\[speculative\]' "graphs/.$graph-$model-cuda.toml" ||
         printf '\n[speculative]\ndrafter = "ngram"\ndraft_tokens = 4\n' >> "graphs/.$graph-$model-cuda.toml"
       echo "== kvflow run $graph ($model, executor = cuda, n-gram drafting) --verify"
       "$bin" run "graphs/.$graph-$model-cuda.toml" --verify 2>&1 | tail -n 25 || status=1
-      python3 -c "import json,sys; print('spec', json.dumps(json.load(open(sys.argv[1]))['spec']))" \
+      python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('spec', json.dumps(r['spec'])); \
+print('landed_on_device', r['handoff'].get('landed_on_device'), 'of', r['completed'], 'completed')" \
           "out/$graph-$model-cuda/report.json" 2>/dev/null || true
       rm -f "graphs/.$graph-$model-cuda.toml"
     done
