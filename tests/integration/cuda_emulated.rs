@@ -681,18 +681,7 @@ fn one_step(
     imports: &[KvImport],
     exports: &[KvExport],
 ) -> StepCompletion {
-    let seqs = [seq];
-    let launch = StepLaunch {
-        step: t,
-        before,
-        after: &[],
-        applied_through: None,
-        sampling: &[seq.key],
-        batch: &SeqSlice(&seqs),
-        imports,
-        exports,
-    };
-    ex.launch(&launch, 0);
+    crate::handoff::with_launch(t, seq, before, imports, exports, |launch| ex.launch(launch, 0));
     let mut done = Vec::new();
     while done.is_empty() {
         ex.poll(&mut done);

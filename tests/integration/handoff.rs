@@ -58,15 +58,15 @@ impl SeqSource for One<'_> {
     }
 }
 
-/// Runs one step of one sequence through every phase.
-pub(crate) fn step(
-    r: &mut CpuStepRunner,
+/// Step `t` of one sequence, with the state copies `before` and the handoffs, handed to `run`.
+pub(crate) fn with_launch<R>(
     t: u64,
     seq: SeqStep<'_>,
     before: &[StateOp],
     imports: &[KvImport],
     exports: &[KvExport],
-) -> StepCompletion {
+    run: impl FnOnce(&StepLaunch<'_>) -> R,
+) -> R {
     let batch = One(seq);
     let sampling = [seq.key];
     let launch = StepLaunch {
@@ -79,8 +79,22 @@ pub(crate) fn step(
         imports,
         exports,
     };
-    let mut owned = Some(OwnedStep::copy_of(&launch));
-    (0..r.phases()).find_map(|phase| r.run_phase(phase, owned.take())).expect("the last phase completes the step")
+    run(&launch)
+}
+
+/// Runs one step of one sequence through every phase.
+pub(crate) fn step(
+    r: &mut CpuStepRunner,
+    t: u64,
+    seq: SeqStep<'_>,
+    before: &[StateOp],
+    imports: &[KvImport],
+    exports: &[KvExport],
+) -> StepCompletion {
+    with_launch(t, seq, before, imports, exports, |launch| {
+        let mut owned = Some(OwnedStep::copy_of(launch));
+        (0..r.phases()).find_map(|phase| r.run_phase(phase, owned.take())).expect("the last phase completes the step")
+    })
 }
 
 #[test]
