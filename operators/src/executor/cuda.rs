@@ -1,13 +1,14 @@
 //! `cuda`: a rank's steps on its GPU (one dataflow worker per GPU; DESIGN §4, §6). `launch`
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
-//! handoffs written into their blocks (device to device from a producer on this GPU, else
-//! unpacked from pinned memory), the forward, sampling (greedy, or each row's seeded draw keyed
+//! handoffs written into their blocks (device to device from a producer on this GPU, from the
+//! device memory a tcp handoff landed in, else unpacked from pinned memory), the forward, sampling (greedy, or each row's seeded draw keyed
 //! on its request and position, as the CPU executor draws; a sequence that verifies drafts gets
 //! a row after its last known token and after each draft, each checked on the device as the CPU
 //! executor checks it) — records a CUDA event and returns. An export is the blocks themselves, read in place after the step (`SharedKv`), and,
 //! for a family with recurrent state, the slot copied out to pinned memory after the forward
 //! (`DeviceState`); an arriving handoff's state is copied into its slot before the forward. State
-//! copies a step asks for (zero, restore, snapshot) are enqueued in step order.
+//! copies a step asks for (zero, restore, snapshot, and a rejected draft's rewind — one copy from
+//! the states the verification's kernels kept after each fed position) are enqueued in step order.
 //! `poll` asks each event, oldest first, whether it has passed (never waits). A decode whose
 //! previous token is still in flight is fed from the device ring slot the previous step's
 //! sampling writes, so the host never waits for sampled tokens to schedule the next step
@@ -24,7 +25,8 @@
 //! instead of launching kernel by kernel, kvflow_kernels::cuda::graph; false: always launched).
 //! Which time it holds: the rank's step, from launch to completion.
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
-//! `test_stale_ring_slot` removes it), and that a record owns what its step reads.
+//! `test_stale_ring_slot` removes it), the device rollback of a rejected draft (the rewind;
+//! `keep_rejected_state` removes it), and that a record owns what its step reads.
 
 use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::settings::{SettingError, Settings};
