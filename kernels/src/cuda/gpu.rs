@@ -182,6 +182,12 @@ impl Gpu {
         .with_tile_arrivals()
     }
 
+    /// Whether `other`'s kernels can read this one's memory (the same device, or both emulated
+    /// in this process).
+    pub fn same_device(&self, other: &Gpu) -> bool {
+        self.is_emulated() == other.is_emulated() && self.ordinal == other.ordinal
+    }
+
     pub fn is_emulated(&self) -> bool {
         matches!(self.backend, Backend::Host(_))
     }

@@ -221,7 +221,7 @@ impl SharedKv {
     /// Whether `gpu` can read these blocks with its own kernels (the same device, or both
     /// emulated in this process).
     pub fn same_device(&self, gpu: &Gpu) -> bool {
-        self.reader.is_emulated() == gpu.is_emulated() && self.reader.ordinal == gpu.ordinal
+        self.reader.same_device(gpu)
     }
 
     /// The KV of `blocks`, packed by layer, handed to `piece` a layer at a time (then cut into

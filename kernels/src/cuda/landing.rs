@@ -96,7 +96,7 @@ pub struct LandedKv {
 impl LandedKv {
     /// Whether `gpu`'s kernels can read it (the same device, or both emulated).
     pub fn same_device(&self, gpu: &Gpu) -> bool {
-        self.gpu.is_emulated() == gpu.is_emulated() && self.gpu.ordinal == gpu.ordinal
+        self.gpu.same_device(gpu)
     }
 
     /// Its device address.
