@@ -27,6 +27,23 @@ extern "C" __global__ void embed_rows(float* out, const float* table, const u32*
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
 }
 
+// The MTP layer's input before its norms: row r is [table[token(r), :], hidden[r, :]] (2 * hidden
+// floats), the token read as embed_rows reads it.
+extern "C" __global__ void join_embedded(float* out, const float* table, const u32* tokens, const u32* ring,
+                                         const float* hidden_rows, int hidden, int vocab) {
+    int r = blockIdx.x;
+    u32 t = tokens[r];
+    if (t & FROM_RING) t = ring[t & ~FROM_RING];
+    if (t >= (u32)vocab) t = 0;  // a placeholder the host already failed (never read past the table)
+    const float* e = table + (size_t)t * hidden;
+    const float* h = hidden_rows + (size_t)r * hidden;
+    float* dst = out + (size_t)r * 2 * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        dst[i] = e[i];
+        dst[hidden + i] = h[i];
+    }
+}
+
 // RMSNorm of `rows` vectors of `dim` floats, in place or not: vector j sits at
 // (j / per_row) * row_stride + offset + (j % per_row) * dim. Thread t sums squares of
 // t, t + blockDim, ... in order; a fixed shared-memory tree adds the partial sums. With

@@ -157,7 +157,7 @@ impl<'a> Validator<'a> {
         let mut scheduler = self.scheduler(&raw.scheduler, &raw.memory, "", &DEFAULT_SCHEDULER)?;
         let mut pools = self.pools(&raw.pool, &memory, &scheduler)?;
         if let Some(spanned) = &raw.speculative {
-            let spec = self.speculative(spanned, &pools)?;
+            let spec = self.speculative(spanned)?;
             scheduler.spec = Some(spec);
             for pool in &mut pools {
                 pool.scheduler.spec = Some(spec);
@@ -502,7 +502,7 @@ impl<'a> Validator<'a> {
 
     /// `[speculative]`: the drafter and how many drafts a decode carries; every pool's decodes
     /// draft (a prefill pool's requests never decode, so never draft).
-    fn speculative(&self, spanned: &Spanned<RawSpeculative>, pools: &[PoolConfig]) -> Result<SpecConfig, GraphError> {
+    fn speculative(&self, spanned: &Spanned<RawSpeculative>) -> Result<SpecConfig, GraphError> {
         let raw = spanned.get_ref();
         let drafter =
             self.field("speculative.drafter", raw.drafter.as_ref(), "ngram".to_string(), |d| match d.as_str() {
@@ -524,17 +524,6 @@ impl<'a> Validator<'a> {
                 Err(format!("{n}; expected ngram_min ({ngram_min}) to 64"))
             }
         })?;
-        if let Some(pool) = pools.iter().find(|p| p.executor == "cuda").filter(|_| drafter == "mtp") {
-            return Err(self.error(
-                "speculative.drafter",
-                raw.drafter.as_ref().map(|d| d.span()),
-                format!(
-                    "the `mtp` drafter runs on the cpu executors for now; pool `{}` is on \"cuda\" (the `ngram` \
-                     drafter runs there)",
-                    pool.name
-                ),
-            ));
-        }
         Ok(SpecConfig {
             draft_tokens,
             drafter: match drafter.as_str() {

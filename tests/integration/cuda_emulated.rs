@@ -711,6 +711,71 @@ fn a_cuda_verification_rolls_recurrent_state_back_on_the_device() {
     }
 }
 
+/// The MTP drafter on a cuda rank: after each step the layer's passes run on the device over the
+/// positions whose successor now holds — a middle prompt chunk's last one paired with the next
+/// prompt token, a verification's kept prefix and the token after it — and chain on their own
+/// output. The drafts equal the CPU executor's, step by step: a prompt in two chunks, then
+/// decodes verifying two right drafts and a wrong one, then none right.
+#[test]
+fn a_cuda_rank_drafts_with_the_mtp_layer_as_the_cpu_executor_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(load(&crate::spec::mtp_checkpoint(dir.path())));
+    let k = 3;
+    let mut cpu = crate::handoff::runner_drafting(&model, k);
+    let ctx = ExecutorContext {
+        mtp_drafts: k,
+        ..ExecutorContext::standalone("t", model.clone(), MemoryLayout::kv_only(16, 64))
+    };
+    let mut cuda = CudaExecutor::new(&ctx, &EMULATE).unwrap();
+    let prompt: Vec<u32> = (0..37u32).map(|i| (i * 29 + 11) % model.vocab_size as u32).collect();
+    let table: Vec<u32> = (0..5).collect();
+    let key = SeqKey { index: 0, generation: 1 };
+    let seq = |known: &'static [u32], drafts: &'static [u32], start_pos: usize, sample: bool| SeqStep {
+        key,
+        known,
+        deferred: None,
+        drafts,
+        start_pos,
+        block_table: Box::leak(table.clone().into_boxed_slice()),
+        slot: None,
+        prompt_len: prompt.len(),
+        sample,
+        sampler: Sampler::default(),
+        next_prompt_token: (start_pos + known.len() < prompt.len()).then(|| prompt[start_pos + known.len()]),
+    };
+    let leak = |v: Vec<u32>| -> &'static [u32] { Box::leak(v.into_boxed_slice()) };
+    // the greedy continuation, for drafts that hold
+    let mut plain = crate::handoff::runner(&model);
+    let mut greedy = vec![];
+    let first = crate::handoff::step(&mut plain, 1, seq(leak(prompt.clone()), &[], 0, true), &[], &[], &[]);
+    greedy.push(first.result.unwrap()[0].token.unwrap());
+    for t in 0..3 {
+        let s = seq(leak(vec![greedy[t]]), &[], prompt.len() + t, true);
+        greedy.push(crate::handoff::step(&mut plain, 2 + t as u64, s, &[], &[], &[]).result.unwrap()[0].token.unwrap());
+    }
+    let wrong = (greedy[3] + 1) % model.vocab_size as u32;
+    let steps = [
+        seq(leak(prompt[..16].to_vec()), &[], 0, false),
+        seq(leak(prompt[16..].to_vec()), &[], 16, true),
+        seq(leak(vec![greedy[0]]), leak(vec![greedy[1], greedy[2], wrong]), prompt.len(), true),
+        seq(leak(vec![greedy[3]]), leak(vec![wrong, wrong]), prompt.len() + 3, true),
+    ];
+    let mut drafted = 0;
+    for (t, s) in steps.into_iter().enumerate() {
+        let on_cpu = crate::handoff::step(&mut cpu, t as u64, s, &[], &[], &[]).result.unwrap();
+        let on_cuda = one_step(&mut cuda, t as u64, s, &[], &[], &[]).result.unwrap();
+        let tokens = |v: &[kvflow_operators::step::Sampled]| {
+            v.iter().map(|x| (x.token, x.kept_drafts(), x.drafts.clone())).collect::<Vec<_>>()
+        };
+        assert_eq!(tokens(&on_cuda), tokens(&on_cpu), "step {t}");
+        drafted += on_cuda.iter().map(|x| x.drafts.len()).sum::<usize>();
+        if t == 2 {
+            assert_eq!(on_cuda[0].kept_drafts(), 2, "two drafts held");
+        }
+    }
+    assert_eq!(drafted, 3 * k, "every sampling step drafted {k}");
+}
+
 /// A handoff between two cuda pools on one device goes device to device: the producer's export
 /// is its blocks in place, and the consumer copies them into its own with a kernel — no host
 /// staging — then continues from T0 exactly. A CPU consumer of the same handoff reads the blocks
@@ -1127,7 +1192,6 @@ fn sampled_cuda_graphs_verify_against_the_cuda_plain_path() {
 /// repeat enough to draft; `benches/device/run.sh` drafts on every family, aggregated and 1P1D).
 /// The recurrent families roll each rejection back on the device
 /// ([`a_cuda_verification_rolls_recurrent_state_back_on_the_device`] takes the rollback away).
-/// The MTP drafter is refused on cuda by name.
 #[test]
 fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
     const SPEC: &str = "\n[speculative]\ndrafter = \"ngram\"\ndraft_tokens = 4\n";
@@ -1146,12 +1210,42 @@ fn ngram_drafting_on_cuda_pools_gives_the_plain_outputs() {
         assert!(drafted > accepted, "{model}: drafts were rejected: {spec}");
         assert!(model != "hf/llama" || accepted > 0, "{model}: drafts were kept: {spec}");
     }
+}
+
+/// The MTP drafter on cuda pools (the seeded DeepSeek-V3 with its MTP layer): `--verify` exact
+/// against the cuda plain path, aggregated and 1P1D over tcp, drafts really fed; the producer's
+/// drafts from T0 travel with the handoff (the MTP layer's KV streamed from and landed into device
+/// memory with the rest) and are the consumer's first drafts. A model without an MTP layer is
+/// refused by name.
+#[test]
+fn mtp_drafting_on_cuda_pools_is_exact_and_hands_its_drafts_off() {
     let dir = tempfile::tempdir().unwrap();
-    let trace = short_trace(dir.path());
-    let mtp = format!("{aggregated}{}", SPEC.replace("\"ngram\"", "\"mtp\""));
-    let graph = write_graph_with(dir.path(), "hf/llama", &trace, workload, "32 MiB", &mtp);
-    let refused = crate::common::kvflow(&["check", &graph.to_string_lossy()]);
-    crate::common::assert_clean_failure(&refused, &["speculative.drafter", "mtp", "cuda"]);
+    let ckpt = crate::spec::mtp_checkpoint(dir.path());
+    let link = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n[[pool]]\nname = \"decode\"\n\
+         role = \"decode\"\nranks = 1\n{EMULATED}\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\n\
+         endpoint = \"127.0.0.1:0\"\n"
+    );
+    let cases = [("aggregated", format!("[[pool]]\nname = \"main\"\nranks = 2\n{EMULATED}")), ("1P1D tcp", link)];
+    for (what, pools) in cases {
+        let run_dir = dir.path().join(what.replace(' ', "-"));
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let graph = crate::spec::mtp_graph(&run_dir, &ckpt.to_string_lossy(), &pools, &[("limit = 8", "limit = 4")]);
+        let outputs = Overrides { max_output_tokens: Some(16), ..Default::default() };
+        let report = run_graph(&graph, outputs, TestSwitches::default());
+        assert_exact(&report, what);
+        let spec = &report["spec"];
+        assert!(spec["drafted_tokens"].as_u64().unwrap() > 0, "{what}: MTP drafts were fed: {spec}");
+        if what.starts_with("1P1D") {
+            let sent = spec["handed_off_drafts"].as_u64().unwrap();
+            assert!(sent > 0 && spec["first_decode_drafts"] == sent, "{what}: {spec}");
+            assert_eq!(report["handoff"]["landed_on_device"], report["completed"], "{what}: {}", report["handoff"]);
+        }
+    }
+    let pools = format!("[[pool]]\nname = \"main\"\nranks = 1\n{EMULATED}");
+    let graph = crate::spec::mtp_graph(dir.path(), "hf/llama", &pools, &[]);
+    let refused = crate::common::kvflow(&["run", &graph.to_string_lossy()]);
+    crate::common::assert_clean_failure(&refused, &["speculative.drafter", "holds no MTP layer"]);
 }
 
 /// T0 exactly once with drafting on cuda pools: the producer (a cuda rank) drafts from T0, the

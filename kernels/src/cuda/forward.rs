@@ -9,15 +9,39 @@ use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu};
 use super::kv::DeviceKv;
 use super::launch::Arg;
-use super::model::{DevFfn, DevMixer, DeviceModel};
+use super::model::{DevFfn, DevLayer, DevMixer, DeviceModel};
 use super::parts::Step;
 use super::rows::{RowsOnDevice, StepRows, StepShape, RESULT_WORDS};
 use super::state::DeviceState;
 
+impl Step<'_> {
+    /// One decoder layer over the step's rows: `h += mixer(norm(h)); h += ffn(norm(h))`, with `x`
+    /// (and `x_bf16`, where a bf16 product reads it) as the normed rows.
+    pub(crate) fn layer(&self, layer: &DevLayer, h: u64, x: u64, x_bf16: u64, hidden: usize) -> Result<(), CudaError> {
+        let t = self.rows;
+        let rounded_for = |bf16: bool| if bf16 { x_bf16 } else { 0 };
+        let mixer_bf16 = rounded_for(matches!(&layer.mixer, DevMixer::Gqa(a) if a.qkv.w.is_bf16()));
+        self.norm_rows(x, mixer_bf16, h, &layer.input_norm, t)?;
+        match &layer.mixer {
+            DevMixer::Gqa(a) => self.gqa(h, x, mixer_bf16, a, layer.kv_layer, hidden)?,
+            DevMixer::Mla(a) => self.mla(h, x, a, layer.kv_layer, hidden)?,
+            DevMixer::Gdn(g) => self.gdn(h, x, g, layer.state_offset, hidden)?,
+            DevMixer::Kda(k) => self.kda(h, x, k, layer.state_offset, hidden)?,
+        }
+        let ffn_bf16 = rounded_for(matches!(&layer.ffn, DevFfn::Dense(m) if m.gate_up.w.is_bf16()));
+        self.norm_rows(x, ffn_bf16, h, &layer.post_norm, t)?;
+        match &layer.ffn {
+            DevFfn::Dense(m) => self.mlp(h, x, ffn_bf16, m, t, hidden, true),
+            DevFfn::Moe(m) => self.moe(h, x, m, hidden),
+        }
+    }
+}
+
 impl DeviceModel {
     /// Enqueues one step over `rows` (already at `at` on the device) against `kv`: writes each
     /// row's KV into its cache row, and for each sampling row its token (greedy, or drawn) into `ring` at its
-    /// slot and `RESULT_WORDS` words into `results`. Returns the sampled rows' logits when
+    /// slot and `RESULT_WORDS` words into `results`; every row's final-normed hidden state into
+    /// `hidden_out` unless it is 0. Returns the sampled rows' logits when
     /// `keep_logits` (checks and tests only). Waits for nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn enqueue_step(
@@ -29,13 +53,15 @@ impl DeviceModel {
         at: RowsOnDevice,
         ring: u64,
         results: u64,
+        hidden_out: u64,
         keep_logits: bool,
     ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
-        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, keep_logits)
+        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, keep_logits)
     }
 
     /// [`DeviceModel::enqueue_step`] from the rows' shape alone (what a captured step is built
-    /// from): the rows themselves are read on the device at `at`.
+    /// from): the rows themselves are read on the device at `at`. Unless `hidden_out` is 0, every
+    /// row's final-normed hidden state is written there (`rows × hidden`, for the MTP drafter).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn enqueue_shaped(
         &self,
@@ -46,6 +72,7 @@ impl DeviceModel {
         at: RowsOnDevice,
         ring: u64,
         results: u64,
+        hidden_out: u64,
         keep_logits: bool,
     ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
         let (t, hidden) = (shape.rows, self.hidden);
@@ -71,22 +98,12 @@ impl DeviceModel {
         let x = gpu.scratch::<f32>(t * hidden)?;
         // x rounded to bf16 by the norm that writes it, where a bf16 product reads it next
         let x_bf16 = gpu.scratch::<u16>(t * hidden)?;
-        let rounded_for = |bf16: bool| if bf16 { x_bf16.ptr() } else { 0 };
         for layer in &self.layers {
-            let mixer_bf16 = rounded_for(matches!(&layer.mixer, DevMixer::Gqa(a) if a.qkv.w.is_bf16()));
-            s.norm_rows(x.ptr(), mixer_bf16, h.ptr(), &layer.input_norm, t)?;
-            match &layer.mixer {
-                DevMixer::Gqa(a) => s.gqa(h.ptr(), x.ptr(), mixer_bf16, a, layer.kv_layer, hidden)?,
-                DevMixer::Mla(a) => s.mla(h.ptr(), x.ptr(), a, layer.kv_layer, hidden)?,
-                DevMixer::Gdn(g) => s.gdn(h.ptr(), x.ptr(), g, layer.state_offset, hidden)?,
-                DevMixer::Kda(k) => s.kda(h.ptr(), x.ptr(), k, layer.state_offset, hidden)?,
-            }
-            let ffn_bf16 = rounded_for(matches!(&layer.ffn, DevFfn::Dense(m) if m.gate_up.w.is_bf16()));
-            s.norm_rows(x.ptr(), ffn_bf16, h.ptr(), &layer.post_norm, t)?;
-            match &layer.ffn {
-                DevFfn::Dense(m) => s.mlp(h.ptr(), x.ptr(), ffn_bf16, m, t, hidden, true)?,
-                DevFfn::Moe(m) => s.moe(h.ptr(), x.ptr(), m, hidden)?,
-            }
+            s.layer(layer, h.ptr(), x.ptr(), x_bf16.ptr(), hidden)?;
+        }
+        if hidden_out != 0 {
+            // every row's final-normed hidden state, for the MTP drafter
+            s.norm_rows(hidden_out, 0, h.ptr(), &self.final_norm, t)?;
         }
         let n = shape.sampled;
         if n == 0 {
@@ -117,7 +134,7 @@ impl DeviceModel {
 /// into `ring` and its `RESULT_WORDS` into `results` — `sample_greedy`, or `sample_drawn` when some
 /// row draws with a temperature (it weighs every logit in doubles, in scratch).
 #[allow(clippy::too_many_arguments)]
-fn enqueue_sampling(
+pub(super) fn enqueue_sampling(
     gpu: &Gpu,
     shape: StepShape,
     at: RowsOnDevice,

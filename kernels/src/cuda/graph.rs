@@ -130,6 +130,8 @@ struct Captured {
     /// Words of tables `rows` has room for.
     table_room: usize,
     results: DeviceBuf<u32>,
+    /// Every row's final-normed hidden state (for the MTP drafter), when kept.
+    hidden: Option<DeviceBuf<f32>>,
     last_replayed: u64,
 }
 
@@ -146,6 +148,8 @@ pub struct GraphCounts {
 #[derive(Default)]
 pub struct StepGraphs {
     captured: HashMap<GraphKey, Captured>,
+    /// Captured steps also write every row's final-normed hidden state (the MTP drafter reads it).
+    pub keep_hidden: bool,
     seen: HashSet<GraphKey>,
     steps: u64,
     pub counts: GraphCounts,
@@ -153,8 +157,9 @@ pub struct StepGraphs {
 
 impl StepGraphs {
     /// Enqueues a step through its shape's graph: `packed` holds `rows` as [`StepRows::pack`]
-    /// packs them (any base). Returns the device address the step's results are written to, or
-    /// `None`: enqueue this step directly.
+    /// packs them (any base). Returns the device address the step's results are written to (and
+    /// with `keep_hidden` its hidden states, valid until the shape's next replay), or `None`:
+    /// enqueue this step directly.
     #[allow(clippy::too_many_arguments)]
     pub fn enqueue(
         &mut self,
@@ -165,7 +170,7 @@ impl StepGraphs {
         rows: &StepRows,
         packed: &PinnedBuf<u32>,
         ring: u64,
-    ) -> Result<Option<u64>, CudaError> {
+    ) -> Result<Option<(u64, u64)>, CudaError> {
         let shape = rows.shape();
         let key = GraphKey::of(shape);
         self.steps += 1;
@@ -183,7 +188,7 @@ impl StepGraphs {
                 let oldest = self.captured.iter().min_by_key(|(_, c)| c.last_replayed).map(|(k, _)| *k);
                 self.captured.remove(&oldest.expect("a kept graph"));
             }
-            let captured = Self::capture(gpu, model, kv, state, rows, ring)?;
+            let captured = Self::capture(gpu, model, kv, state, rows, ring, self.keep_hidden)?;
             self.captured.insert(key, captured);
             self.counts.captured += 1;
         }
@@ -192,7 +197,7 @@ impl StepGraphs {
         gpu.copy_to_device(c.rows.ptr(), packed, rows.words())?;
         gpu.replay(&c.graph)?;
         self.counts.replayed += 1;
-        Ok(Some(c.results.ptr()))
+        Ok(Some((c.results.ptr(), c.hidden.as_ref().map_or(0, DeviceBuf::ptr))))
     }
 
     /// Captures `rows`' shape: its rows buffer has room for twice these tables.
@@ -203,15 +208,18 @@ impl StepGraphs {
         state: Option<&DeviceState>,
         rows: &StepRows,
         ring: u64,
+        keep_hidden: bool,
     ) -> Result<Captured, CudaError> {
         let table_room = (2 * (rows.words() - rows.words_before_tables())).max(64);
         let buffer = gpu.zeros::<u32>(rows.words_before_tables() + table_room)?;
         let results = gpu.zeros::<u32>(rows.sampled() * RESULT_WORDS)?;
+        let hidden = keep_hidden.then(|| gpu.zeros::<f32>(rows.rows() * model.hidden)).transpose()?;
+        let hidden_out = hidden.as_ref().map_or(0, DeviceBuf::ptr);
         // only the addresses matter here: each step copies its own rows in before the replay
         let at = rows.pack(&mut vec![0; rows.words()], buffer.ptr());
         let graph = gpu.capture(|| {
-            model.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results.ptr(), false).map(|_| ())
+            model.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results.ptr(), hidden_out, false).map(|_| ())
         })?;
-        Ok(Captured { graph, rows: buffer, table_room, results, last_replayed: 0 })
+        Ok(Captured { graph, rows: buffer, table_room, results, hidden, last_replayed: 0 })
     }
 }

@@ -4,8 +4,8 @@
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
 //! Dependencies point one way: `error`, `sources`, `launch` ← `emulate`, `host_capture` ← `gpu`
-//! ← `weights` (← `kv`), `product`, `rows`, `state` ← `parts` ← `model` ← `forward`, `graph`,
-//! `plain`. The device records an emulated capture into `host_capture`, which `graph` replays: the
+//! ← `weights` (← `kv`), `product`, `rows`, `state` ← `parts` ← `model` ← `forward` ← `mtp`,
+//! `graph`, `plain`. The device records an emulated capture into `host_capture`, which `graph` replays: the
 //! device never imports the graph code, nor the emulation the device.
 //!
 //! - [`error`]: what can go wrong ([`CudaError`]).
@@ -20,6 +20,7 @@
 //! - [`parts`]: one file per model part — its weights, their upload, its launches in a step.
 //! - [`model`]: a [`crate::models::Model`] uploaded (families mha, mla, sparse_mla, gdn, hybrid_gdn, hybrid_kda).
 //! - [`forward`]: one step enqueued, sampling on the device.
+//! - [`mtp`]: a pass of DeepSeek's MTP drafter layer, enqueued after a step.
 //! - [`graph`]: a step shape's launches captured once into a CUDA graph, then replayed.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
 //! - [`state`]: recurrent state slots and snapshots.
@@ -35,6 +36,7 @@ pub mod kv;
 pub mod landing;
 pub mod launch;
 pub mod model;
+pub mod mtp;
 pub mod parts;
 pub mod plain;
 pub mod product;

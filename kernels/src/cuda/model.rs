@@ -9,6 +9,7 @@
 
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu};
+use super::mtp::{self, DevMtp};
 use super::parts::gated_delta::{self, DevGdn};
 use super::parts::gqa::{self, DevGqa};
 use super::parts::kda::{self, DevKda};
@@ -16,7 +17,7 @@ use super::parts::layers::{self, DevLinear, DevMlp, DevNorm};
 use super::parts::mla::{self, DevMla};
 use super::parts::moe::{self, DevMoe};
 use super::weights::{Dtype, Up};
-use crate::models::layer::{Ffn, Mixer};
+use crate::models::layer::{DecoderLayer, Ffn, Mixer};
 use crate::models::{Family, Model};
 
 // Built once per layer at load: the size of a variant costs nothing.
@@ -54,6 +55,8 @@ pub struct DeviceModel {
     pub(crate) layers: Vec<DevLayer>,
     pub(crate) final_norm: DevNorm,
     pub(crate) lm_head: DevLinear,
+    /// DeepSeek's MTP layer, when the checkpoint holds one (`mtp.rs`).
+    pub(crate) mtp: Option<DevMtp>,
     /// Row width of each KV layer.
     pub kv_widths: Vec<usize>,
     /// Floats of recurrent state per request (0: the family keeps none).
@@ -125,25 +128,9 @@ impl DeviceModel {
         let mut layers = Vec::with_capacity(model.layers.len());
         for (l, layer) in model.layers.iter().enumerate() {
             let (kv_layer, state_offset) = model.binding(l);
-            let mixer = match &layer.mixer {
-                Mixer::Gqa(a) => DevMixer::Gqa(gqa::upload(gpu, a)?),
-                Mixer::Mla(a) => DevMixer::Mla(mla::upload(gpu, a)?),
-                Mixer::Gdn(g) => DevMixer::Gdn(gated_delta::upload(gpu, g)?),
-                Mixer::Kda(k) => DevMixer::Kda(kda::upload(gpu, k)?),
-            };
-            let ffn = match &layer.ffn {
-                Ffn::Dense(m) => DevFfn::Dense(layers::mlp(gpu, m)?),
-                Ffn::Moe(m) => DevFfn::Moe(moe::upload(gpu, m)?),
-            };
-            layers.push(DevLayer {
-                input_norm: layers::norm(gpu, &layer.input_norm)?,
-                mixer,
-                kv_layer: kv_layer.unwrap_or(0),
-                state_offset,
-                post_norm: layers::norm(gpu, &layer.post_norm)?,
-                ffn,
-            });
+            layers.push(upload_layer(gpu, layer, kv_layer.unwrap_or(0), state_offset)?);
         }
+        let mtp = model.mtp().map(|m| mtp::upload(gpu, m)).transpose()?;
         let final_norm = layers::norm(gpu, &model.final_norm)?;
         let lm_head = layers::linear(gpu, &model.lm_head)?;
         let weight_bytes = (gpu.uploaded_bytes() - uploaded_before) as usize;
@@ -154,6 +141,7 @@ impl DeviceModel {
             layers,
             final_norm,
             lm_head,
+            mtp,
             kv_widths: model.kv_row_widths(),
             state_width: model.state_width(),
             weight_bytes,
@@ -162,4 +150,32 @@ impl DeviceModel {
         gpu.wait()?;
         Ok(dm)
     }
+}
+
+/// One decoder layer's weights on the device, writing KV layer `kv_layer` (attention) or its
+/// state from `state_offset` in a slot (linear attention).
+pub(crate) fn upload_layer(
+    gpu: &Up,
+    layer: &DecoderLayer,
+    kv_layer: usize,
+    state_offset: usize,
+) -> Result<DevLayer, CudaError> {
+    let mixer = match &layer.mixer {
+        Mixer::Gqa(a) => DevMixer::Gqa(gqa::upload(gpu, a)?),
+        Mixer::Mla(a) => DevMixer::Mla(mla::upload(gpu, a)?),
+        Mixer::Gdn(g) => DevMixer::Gdn(gated_delta::upload(gpu, g)?),
+        Mixer::Kda(k) => DevMixer::Kda(kda::upload(gpu, k)?),
+    };
+    let ffn = match &layer.ffn {
+        Ffn::Dense(m) => DevFfn::Dense(layers::mlp(gpu, m)?),
+        Ffn::Moe(m) => DevFfn::Moe(moe::upload(gpu, m)?),
+    };
+    Ok(DevLayer {
+        input_norm: layers::norm(gpu, &layer.input_norm)?,
+        mixer,
+        kv_layer,
+        state_offset,
+        post_norm: layers::norm(gpu, &layer.post_norm)?,
+        ffn,
+    })
 }

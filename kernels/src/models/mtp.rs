@@ -17,13 +17,13 @@ use super::parts::layers::{Linear, RmsNorm};
 use crate::checkpoint::{LoadError, WeightSource};
 
 pub struct MtpLayer {
-    enorm: RmsNorm,
-    hnorm: RmsNorm,
+    pub(crate) enorm: RmsNorm,
+    pub(crate) hnorm: RmsNorm,
     /// `[hidden × 2·hidden]`: the normed embedding, then the normed hidden state.
-    eh_proj: Linear,
-    block: DecoderLayer,
-    head_norm: RmsNorm,
-    head: Linear,
+    pub(crate) eh_proj: Linear,
+    pub(crate) block: DecoderLayer,
+    pub(crate) head_norm: RmsNorm,
+    pub(crate) head: Linear,
     pub(crate) binding: CacheBinding,
 }
 

@@ -29,6 +29,7 @@
 //! `keep_rejected_state` removes it), and that a record owns what its step reads.
 
 use super::contract::{Executor, ExecutorContext, ExecutorKind};
+use super::cuda_mtp::{MtpPasses, MtpPlan};
 use super::settings::{SettingError, Settings};
 use crate::step::{
     BlockStore, DraftCheck, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
@@ -49,7 +50,8 @@ use std::sync::Arc;
 /// The device buffers live until the step is enqueued.
 struct Staged {
     meta: PinnedBuf<u32>,
-    replayed: Option<u64>,
+    /// Where a replayed graph writes the results and (keeping them) the hidden states.
+    replayed: Option<(u64, u64)>,
     block_lists: Vec<u64>,
     direct: Option<(DeviceBuf<u32>, RowsOnDevice)>,
     results_dev: Option<DeviceBuf<u32>>,
@@ -135,6 +137,9 @@ struct InFlight {
     states_in: Vec<PinnedBuf<f32>>,
     /// Exports' state slots, copied out after the forward: (export index, floats, pinned copy).
     states_out: Vec<(usize, usize, PinnedBuf<f32>)>,
+    /// With the MTP drafter: the drafting planned at launch, then its passes once enqueued.
+    mtp: Option<MtpPlan>,
+    passes: Option<MtpPasses>,
 }
 
 pub struct CudaExecutor {
@@ -163,6 +168,8 @@ pub struct CudaExecutor {
     older: Option<HashMap<SeqKey, u32>>,
     /// `test_draws_keyed_on_row`.
     draws_keyed_on_row: bool,
+    /// The MTP drafter: drafts proposed after each sampled token (0: none).
+    mtp_drafts: usize,
     waker: Arc<crate::pool::wake::RankWaker>,
 }
 
@@ -183,6 +190,7 @@ impl CudaExecutor {
         };
         let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
         gpu.wait().map_err(|e| e.to_string())?;
+        let mtp_drafts = if model.has_mtp() { ctx.mtp_drafts } else { 0 };
         tracing::info!(pool = %ctx.pool, rank = ctx.rank, gpu = ordinal, name = %gpu.name(), arch = gpu.arch(), "cuda executor ready");
         Ok(CudaExecutor {
             gpu,
@@ -196,9 +204,10 @@ impl CudaExecutor {
             sampled: HashMap::new(),
             in_flight: VecDeque::new(),
             deferred_output: settings.deferred_output,
-            graphs: settings.cuda_graphs.then(StepGraphs::default),
+            graphs: settings.cuda_graphs.then(|| graphs_keeping_hidden(mtp_drafts > 0)),
             older: settings.test_stale_ring_slot.then(HashMap::new),
             draws_keyed_on_row: settings.test_draws_keyed_on_row,
+            mtp_drafts,
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
@@ -228,7 +237,7 @@ impl CudaExecutor {
     /// Turns captured graphs on or off from the next step (benches compare the two).
     pub fn use_graphs(&mut self, on: bool) {
         if on != self.graphs.is_some() {
-            self.graphs = on.then(StepGraphs::default);
+            self.graphs = on.then(|| graphs_keeping_hidden(self.mtp_drafts > 0));
         }
     }
 
@@ -262,7 +271,12 @@ impl CudaExecutor {
         self.keep_verified_states(launch, &mut rows)?;
         let mut staged = self.stage_metadata(&gpu, launch, &rows)?;
         let (imports, states_in) = self.import_handoffs(&gpu, launch, &staged.block_lists)?;
-        let results = self.enqueue_forward(&gpu, launch, &rows, &mut staged)?;
+        let mtp = match (self.mtp_drafts, rows.rows()) {
+            (0, _) | (_, 0) => None,
+            (_, t) => Some(MtpPlan::of(launch, &rows, gpu.scratch::<f32>(t * self.model.hidden).map_err(fail)?)),
+        };
+        let hidden_out = mtp.as_ref().map_or(0, |p| p.hidden.ptr());
+        let results = self.enqueue_forward(&gpu, launch, &rows, &mut staged, hidden_out)?;
         let (exports, states_out) = self.export_handoffs(&gpu, launch)?;
         let event = gpu.record().map_err(fail)?;
         Ok(InFlight {
@@ -276,6 +290,8 @@ impl CudaExecutor {
             imports,
             states_in,
             states_out,
+            mtp,
+            passes: None,
         })
     }
 
@@ -511,21 +527,29 @@ impl CudaExecutor {
     }
 
     /// 4. The forward and sampling (already enqueued when replayed), the snapshots of the
-    ///    boundaries the step reached after it, and the results copied back to pinned memory.
+    ///    boundaries the step reached after it, and the results copied back to pinned memory;
+    ///    every row's final-normed hidden state into `hidden_out` unless it is 0 (the MTP drafter).
     fn enqueue_forward(
         &mut self,
         gpu: &Gpu,
         launch: &StepLaunch<'_>,
         rows: &StepRows,
         staged: &mut Staged,
+        hidden_out: u64,
     ) -> Result<PinnedBuf<u32>, ExecutorError> {
         let n = rows.sampled();
         let results_at = match (staged.replayed, &staged.direct) {
-            (Some(results_at), _) => results_at,
+            (Some((results_at, hidden_at)), _) => {
+                if hidden_out != 0 {
+                    let bytes = rows.rows() * self.model.hidden * 4;
+                    gpu.copy_on_device(hidden_out, hidden_at, bytes).map_err(fail)?;
+                }
+                results_at
+            }
             (None, Some((_, at))) => {
                 let dev = staged.results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
-                let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
-                model.enqueue_step(gpu, kv, state, rows, *at, self.ring.ptr(), dev.ptr(), false).map_err(fail)?;
+                let (model, kv, state, ring) = (&self.model, &self.kv.kv, self.state.as_ref(), self.ring.ptr());
+                model.enqueue_step(gpu, kv, state, rows, *at, ring, dev.ptr(), hidden_out, false).map_err(fail)?;
                 dev.ptr()
             }
             (None, None) => unreachable!("a step not replayed is enqueued directly"),
@@ -583,6 +607,9 @@ impl CudaExecutor {
     /// The completion of a finished record; its pinned buffers go back to the pools.
     fn complete(&mut self, mut f: InFlight) -> StepCompletion {
         let completion = Self::completion_of(&mut f);
+        if let Some(passes) = f.passes.take() {
+            passes.give_back(&mut self.pinned_words);
+        }
         self.pinned_words.give_back(f.meta.take());
         self.pinned_words.give_back(f.results.take());
         for (_, staged) in f.imports.drain(..) {
@@ -598,10 +625,10 @@ impl CudaExecutor {
         if let Some(e) = f.error.take() {
             return StepCompletion::of(f.step, Err(e));
         }
-        let words = f.results.as_ref().map_or(&[][..], |r| r.as_slice());
-        let mut rows =
-            words.chunks(RESULT_WORDS).map(|r| ((r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32));
-        let sampled = f.sampling.iter().map(|(seq, drafts)| scored(*seq, drafts, &mut rows)).collect();
+        let mut sampled = Self::sampled_of(f);
+        if let Some(passes) = &f.passes {
+            passes.drafts_into(&mut sampled);
+        }
         let mut exports = std::mem::take(&mut f.exports);
         for (i, floats, copy) in &f.states_out {
             // the step's event has passed: the copy out is complete
@@ -610,6 +637,34 @@ impl CudaExecutor {
             }
         }
         StepCompletion { step: f.step, result: Ok(sampled), exports, failed: Vec::new() }
+    }
+
+    /// What a completed forward sampled, sequence by sequence.
+    fn sampled_of(f: &InFlight) -> Vec<Sampled> {
+        let words = f.results.as_ref().map_or(&[][..], |r| r.as_slice());
+        let mut rows =
+            words.chunks(RESULT_WORDS).map(|r| ((r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32));
+        f.sampling.iter().map(|(seq, drafts)| scored(*seq, drafts, &mut rows)).collect()
+    }
+
+    /// 6. With the MTP drafter, once a step's forward has completed: its draft passes, enqueued
+    ///    on the stream (`cuda_mtp.rs`), and the event the step now completes at.
+    fn enqueue_drafting(&mut self, f: &mut InFlight) -> Result<(), ExecutorError> {
+        let Some(plan) = &f.mtp else { return Ok(()) };
+        let sampled = Self::sampled_of(f);
+        let Self { gpu, model, kv, ring, next_slot, pinned_words, mtp_drafts, .. } = self;
+        let mut slot = || {
+            let s = *next_slot;
+            *next_slot = (s + 1) % RING_SLOTS;
+            s as u32
+        };
+        let passes = plan
+            .enqueue(gpu, model, &kv.kv, ring.ptr(), &sampled, *mtp_drafts, &mut slot, pinned_words)
+            .map_err(fail)?;
+        f.passes = Some(passes);
+        f.event = Some(gpu.record().map_err(fail)?);
+        let waker = self.waker.clone();
+        self.gpu.when_reached(Box::new(move || waker.wake())).map_err(fail)
     }
 }
 
@@ -646,6 +701,8 @@ impl Executor for CudaExecutor {
             imports: Vec::new(),
             states_in: Vec::new(),
             states_out: Vec::new(),
+            mtp: None,
+            passes: None,
         });
         self.in_flight.push_back(record);
         if !self.deferred_output {
@@ -665,7 +722,17 @@ impl Executor for CudaExecutor {
             match done {
                 Ok(false) => break,
                 Ok(true) => {
-                    let f = self.in_flight.pop_front().expect("front exists");
+                    let mut f = self.in_flight.pop_front().expect("front exists");
+                    if f.error.is_none() && f.mtp.is_some() && f.passes.is_none() {
+                        // the forward is done: the draft passes next, then the step completes
+                        match self.enqueue_drafting(&mut f) {
+                            Ok(()) => {
+                                self.in_flight.push_front(f);
+                                continue;
+                            }
+                            Err(e) => f.error = Some(e),
+                        }
+                    }
                     out.push(self.complete(f));
                 }
                 Err(e) => {
@@ -700,8 +767,15 @@ impl Drop for CudaExecutor {
     }
 }
 
+/// A rank's captured steps, also keeping every row's hidden state for the MTP drafter.
+fn graphs_keeping_hidden(keep_hidden: bool) -> StepGraphs {
+    let mut graphs = StepGraphs::default();
+    graphs.keep_hidden = keep_hidden;
+    graphs
+}
+
 /// Pinned host buffers for reuse, smallest first.
-struct PinnedPool<T> {
+pub(super) struct PinnedPool<T> {
     spare: Vec<PinnedBuf<T>>,
 }
 
@@ -713,14 +787,14 @@ impl<T> Default for PinnedPool<T> {
 
 impl<T: Copy + Default> PinnedPool<T> {
     /// A buffer of at least `len` elements: a spare one, else a new one (sized to a power of two).
-    fn take(&mut self, gpu: &Gpu, len: usize) -> Result<PinnedBuf<T>, CudaError> {
+    pub(super) fn take(&mut self, gpu: &Gpu, len: usize) -> Result<PinnedBuf<T>, CudaError> {
         match self.spare.iter().position(|b| b.len() >= len) {
             Some(i) => Ok(self.spare.remove(i)),
             None => gpu.pinned(len.next_power_of_two().max(1024)),
         }
     }
 
-    fn give_back(&mut self, buf: Option<PinnedBuf<T>>) {
+    pub(super) fn give_back(&mut self, buf: Option<PinnedBuf<T>>) {
         if let Some(buf) = buf {
             let at = self.spare.partition_point(|b| b.len() <= buf.len());
             self.spare.insert(at, buf);

@@ -14,13 +14,15 @@
 //!   `delay_steps` launches (default 1, plus a seeded `jitter_steps`, default 0), or as soon as it
 //!   is computed once the rank has nothing more to launch. `delay_steps = 0` is synchronous.
 //! - `cuda`: the model on the rank's GPU, launched asynchronously and completed by CUDA events
-//!   (`cuda.rs`; families mha, mla, gdn, hybrid_gdn and hybrid_kda).
+//!   (`cuda.rs`; families mha, mla, gdn, hybrid_gdn and hybrid_kda; the MTP drafter's passes in
+//!   `cuda_mtp.rs`).
 //! - `null`: no math, every sampled token is 0 (only for measuring coordination; `delay_steps`
 //!   as above).
 
 mod contract;
 mod cpu;
 mod cuda;
+mod cuda_mtp;
 mod deferred;
 mod gate;
 mod mtp;
