@@ -11,7 +11,7 @@
 # the offload tier with cuda ranks. Raw output
 # goes to $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 # The whole took 568 s on the H200 before the bf16 graphs were added: RUN_PARTS picks parts for
-# calls of their own (default "checks verify sampled spec specbench bf16 offload"), e.g. RUN_PARTS="checks bf16" then
+# calls of their own (default "checks verify sampled spec mtp specbench bf16 offload"), e.g. RUN_PARTS="checks bf16" then
 # RUN_PARTS="verify offload".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +20,7 @@ source benches/device/binaries.sh
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
-parts=" ${RUN_PARTS:-checks verify sampled spec specbench bf16 offload} "
+parts=" ${RUN_PARTS:-checks verify sampled spec mtp specbench bf16 offload} "
 part() { case "$parts" in *" $1 "*) return 0 ;; *) echo "== (part $1 skipped: RUN_PARTS=${RUN_PARTS:-})"; return 1 ;; esac; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -75,6 +75,27 @@ print('landed_on_device', r['handoff'].get('landed_on_device'), 'of', r['complet
       rm -f "graphs/.$graph-$model-cuda.toml"
     done
 done
+# the MTP drafter on cuda pools (its layer's passes on the device after each step), on the seeded
+# DeepSeek-V3 of benches/specs/deepseek_mtp.toml: graphs/spec.toml with drafter = "mtp"
+# (aggregated) and graphs/spec-mtp.toml (1P1D over inproc: the producer's drafts from T0 handed
+# off; expert parallelism dropped: it runs on the cpu executors for now), greedy, exact against
+# the cuda plain path
+if part mtp; then
+    [ -f /tmp/deepseek-mtp/model.safetensors ] ||
+        "$bin" seed-checkpoint benches/specs/deepseek_mtp.toml /tmp/deepseek-mtp || status=1
+    sed -e 's#"../fixtures/hf/llama"#"/tmp/deepseek-mtp"#' -e 's/^executor = "cpu"/executor = "cuda"/' \
+        -e 's/"ngram"/"mtp"/' -e 's#out/spec"#out/spec-mtp-aggregated-cuda"#' graphs/spec.toml > graphs/.spec-mtp-aggregated-cuda.toml
+    sed -e 's#^path = .*#path = "/tmp/deepseek-mtp"#' -e '/^expert_parallel = true/d' \
+        -e 's/^\(role = .*\)$/\1\nexecutor = "cuda"/' -e 's#out/spec-mtp"#out/spec-mtp-cuda"#' \
+        graphs/spec-mtp.toml > graphs/.spec-mtp-cuda.toml
+    for graph in spec-mtp-aggregated-cuda spec-mtp-cuda; do
+        echo "== kvflow run $graph (seeded DeepSeek-V3 with its MTP layer, executor = cuda, MTP drafting) --verify"
+        "$bin" run "graphs/.$graph.toml" --verify 2>&1 | tail -n 25 || status=1
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('spec', json.dumps(r['spec']))" \
+            "out/$graph/report.json" 2>/dev/null || true
+        rm -f "graphs/.$graph.toml"
+    done
+fi
 # n-gram drafting against plain decoding on the GPU (kvflow bench spec: the same repetitive
 # workload with and without [speculative], taking turns), on the seeded dense 1 B of
 # benches/device/llama-1b.toml in bf16 — a model of seeded weights, whose greedy outputs fall into
