@@ -9,7 +9,11 @@
 //! (`DeviceState`); an arriving handoff's state is copied into its slot before the forward. State
 //! copies a step asks for (zero, restore, snapshot, and a rejected draft's rewind — one copy from
 //! the states the verification's kernels kept after each fed position) are enqueued in step order.
-//! `poll` asks each event, oldest first, whether it has passed (never waits). A decode whose
+//! `poll` asks each event, oldest first, whether it has passed (never waits); with deferred
+//! output a host function after each step wakes the rank as that step completes, so tokens are
+//! applied and streamed as they are computed, not in a burst when the stream runs dry. With the
+//! MTP drafter a step's forward also keeps every row's hidden state, and once its samples are
+//! known the drafter's passes are enqueued and the step completes after them (`cuda_mtp.rs`). A decode whose
 //! previous token is still in flight is fed from the device ring slot the previous step's
 //! sampling writes, so the host never waits for sampled tokens to schedule the next step
 //! (deferred output on the device). Each in-flight
@@ -704,7 +708,16 @@ impl Executor for CudaExecutor {
             mtp: None,
             passes: None,
         });
+        let launched = record.event.is_some();
         self.in_flight.push_back(record);
+        if launched && self.deferred_output {
+            // The rank is woken as this step completes, not when the stream runs dry: each
+            // token is applied (and streamed) when computed, however far ahead the rank launched.
+            let waker = self.waker.clone();
+            if let Err(e) = self.gpu.when_reached(Box::new(move || waker.wake())) {
+                tracing::error!("cuda: {e}");
+            }
+        }
         if !self.deferred_output {
             // For comparison only: the host waits for the step before the next is scheduled.
             if let Err(e) = self.gpu.wait() {
