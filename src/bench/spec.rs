@@ -102,10 +102,14 @@ fn write_graph(dir: &Path, args: &SpecBenchArgs, trace: &Path, spec: bool) -> Re
     Ok(path)
 }
 
-/// (decode tokens/s, output tokens/s end to end, the report).
-fn run_once(graph: &Path) -> Result<(f64, f64, Value)> {
+/// (decode tokens/s, output tokens/s end to end, the report, how its cuda steps went through
+/// CUDA graphs: captured, replayed, launched directly).
+fn run_once(graph: &Path) -> Result<(f64, f64, Value, [u64; 3])> {
     let graph = Graph::load(graph).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let before = kvflow_kernels::cuda::process_graph_counts();
     let outcome = runtime::run(&graph, &RunOptions::default(), &Default::default())?;
+    let after = kvflow_kernels::cuda::process_graph_counts();
+    let graphs = [after.captured - before.captured, after.replayed - before.replayed, after.launched - before.launched];
     let report = outcome.report.context("the run wrote no report")?;
     anyhow::ensure!(report["failed"] == 0, "requests failed: {}", report["failures"]);
     let lines = std::fs::read_to_string(outcome.out_dir.join("requests.jsonl"))?;
@@ -119,7 +123,7 @@ fn run_once(graph: &Path) -> Result<(f64, f64, Value)> {
         }
     }
     let decode = if seconds > 0.0 { tokens / seconds } else { 0.0 };
-    Ok((decode, report["output_tokens_per_s"].as_f64().unwrap_or(0.0), report))
+    Ok((decode, report["output_tokens_per_s"].as_f64().unwrap_or(0.0), report, graphs))
 }
 
 pub fn run(args: &SpecBenchArgs) -> Result<()> {
@@ -143,9 +147,11 @@ pub fn run(args: &SpecBenchArgs) -> Result<()> {
     );
     let mut rows: Vec<[f64; 6]> = Vec::new();
     let mut last = Value::Null;
+    let mut graphs = [[0; 3]; 2];
     for _ in 0..args.rounds {
-        let (p_decode, p_e2e, _) = run_once(&plain)?;
-        let (s_decode, s_e2e, report) = run_once(&spec)?;
+        let (p_decode, p_e2e, _, p_graphs) = run_once(&plain)?;
+        let (s_decode, s_e2e, report, s_graphs) = run_once(&spec)?;
+        graphs = [p_graphs, s_graphs];
         let rate = report["spec"]["acceptance_rate"].as_f64().unwrap_or(0.0);
         let len = report["spec"]["mean_accepted_len"].as_f64().unwrap_or(0.0);
         rows.push([p_decode, s_decode, p_e2e, s_e2e, rate, len]);
@@ -161,6 +167,14 @@ pub fn run(args: &SpecBenchArgs) -> Result<()> {
         col(5),
         last["spec"]["verify_steps"]
     );
+    if args.executor.name == "cuda" {
+        for (run, [captured, replayed, launched]) in ["plain", "n-gram"].iter().zip(graphs) {
+            println!(
+                "graphs       {run} (last round): {replayed} steps replayed, {captured} captured, {launched} launched \
+                 directly"
+            );
+        }
+    }
     println!("decode_ratio={:.3}", median(rows.iter().map(|r| r[1] / r[0]).collect()));
     println!("e2e_ratio={:.3}", median(rows.iter().map(|r| r[3] / r[2]).collect()));
     Ok(())

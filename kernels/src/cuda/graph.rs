@@ -6,8 +6,9 @@
 //! replays the graph: one launch instead of hundreds. Decode steps repeat their shape for
 //! `KEY_SPLIT` tokens of context at a time, so nearly all of them replay.
 //!
-//! A shape is captured on its second step (a shape seen once, as a prefill's mostly is, is not
-//! worth a capture). Steps that move handoffs, models with DeepSeek-V3.2's indexer (its score
+//! A decode or verification shape (every row samples; the executor pads them to few shapes) is
+//! captured when first seen; any other on its second step (a shape seen once, as a prefill's
+//! mostly is, is not worth a capture). Steps that move handoffs, models with DeepSeek-V3.2's indexer (its score
 //! rows are as wide as the step's longest row, not a function of the key parts), and steps while
 //! launches are being timed are launched directly. The rows' tables go last in the packed rows
 //! (`StepRows::parts`), so a graph holds room for more tables than its first step had and is
@@ -32,10 +33,11 @@ use super::rows::{StepRows, StepShape, RESULT_WORDS};
 use super::state::DeviceState;
 use cudarc::driver::sys;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Graphs one executor keeps (each holds its launches and a reservation of its scratch); the
 /// least recently replayed goes first.
-const KEPT: usize = 16;
+const KEPT: usize = 64;
 
 /// Shapes remembered as seen once (then forgotten all at once: prefill shapes rarely repeat).
 const SEEN_AT_MOST: usize = 4096;
@@ -135,6 +137,16 @@ struct Captured {
     last_replayed: u64,
 }
 
+/// Every rank's [`GraphCounts`] in this process, summed (captured, replayed, launched): what a
+/// bench that runs a whole graph reads ([`process_graph_counts`]).
+static PROCESS_COUNTS: [AtomicU64; 3] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// How every rank of this process offered steps to its graphs so far.
+pub fn process_graph_counts() -> GraphCounts {
+    let [captured, replayed, launched] = PROCESS_COUNTS.each_ref().map(|c| c.load(Ordering::Relaxed));
+    GraphCounts { captured, replayed, launched }
+}
+
 /// How the steps offered to [`StepGraphs::enqueue`] went.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GraphCounts {
@@ -177,8 +189,11 @@ impl StepGraphs {
         if self.seen.len() >= SEEN_AT_MOST {
             self.seen.clear();
         }
-        if shape.rows == 0 || shape.sampled == 0 || model.has_indexer() || gpu.is_profiling() || self.seen.insert(key) {
+        // a decode or verification shape (every row samples) recurs: captured when first seen
+        let first_sight = shape.rows != shape.sampled && self.seen.insert(key);
+        if shape.rows == 0 || shape.sampled == 0 || model.has_indexer() || gpu.is_profiling() || first_sight {
             self.counts.launched += 1;
+            PROCESS_COUNTS[2].fetch_add(1, Ordering::Relaxed);
             return Ok(None);
         }
         let tables = rows.words() - rows.words_before_tables();
@@ -191,12 +206,14 @@ impl StepGraphs {
             let captured = Self::capture(gpu, model, kv, state, rows, ring, self.keep_hidden)?;
             self.captured.insert(key, captured);
             self.counts.captured += 1;
+            PROCESS_COUNTS[0].fetch_add(1, Ordering::Relaxed);
         }
         let c = self.captured.get_mut(&key).expect("captured above");
         c.last_replayed = self.steps;
         gpu.copy_to_device(c.rows.ptr(), packed, rows.words())?;
         gpu.replay(&c.graph)?;
         self.counts.replayed += 1;
+        PROCESS_COUNTS[1].fetch_add(1, Ordering::Relaxed);
         Ok(Some((c.results.ptr(), c.hidden.as_ref().map_or(0, DeviceBuf::ptr))))
     }
 

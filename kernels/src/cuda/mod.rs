@@ -47,7 +47,7 @@ pub mod weights;
 
 pub use error::CudaError;
 pub use gpu::{driver_present, visible_gpus, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
-pub use graph::{GraphCounts, GraphKey, StepGraph, StepGraphs};
+pub use graph::{process_graph_counts, GraphCounts, GraphKey, StepGraph, StepGraphs};
 pub use kv::{DeviceKv, SharedKv};
 pub use landing::{LandedKv, Landing, LandingKv};
 pub use launch::Arg;

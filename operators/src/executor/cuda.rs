@@ -34,6 +34,7 @@
 
 use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::cuda_mtp::{MtpPasses, MtpPlan};
+use super::cuda_padding;
 use super::settings::{SettingError, Settings};
 use crate::step::{
     BlockStore, DraftCheck, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
@@ -68,6 +69,13 @@ fn fail(e: CudaError) -> ExecutorError {
 
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
+
+/// The next slot of the ring, `next` advanced past it.
+fn ring_slot(next: &mut usize) -> u32 {
+    let s = *next;
+    *next = (s + 1) % RING_SLOTS;
+    s as u32
+}
 
 const KEYS: &[&str] = &["gpus", "deferred_output", "emulate", "dtype", "cuda_graphs"];
 
@@ -174,6 +182,8 @@ pub struct CudaExecutor {
     draws_keyed_on_row: bool,
     /// The MTP drafter: drafts proposed after each sampled token (0: none).
     mtp_drafts: usize,
+    /// The blocks padding rows write (`cuda_padding.rs`), where steps are padded.
+    padding: Option<Vec<u32>>,
     waker: Arc<crate::pool::wake::RankWaker>,
 }
 
@@ -184,7 +194,13 @@ impl CudaExecutor {
         let model = DeviceModel::upload_as(&gpu, &ctx.model, settings.dtype).map_err(|e| e.to_string())?;
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
-        let kv = DeviceKv::new(&gpu, &model.kv_widths, l.block_size, blocks, model.dtype).map_err(|e| e.to_string())?;
+        // decode and verification steps padded to few shapes (graphs replay), where they can be
+        let pads = settings.cuda_graphs && l.keeps_kv && model.state_width == 0 && !model.has_indexer();
+        let padding: Option<Vec<u32>> =
+            pads.then(|| (blocks..blocks + cuda_padding::padding_blocks(l.block_size)).map(|b| b as u32).collect());
+        let all_blocks = blocks + padding.as_ref().map_or(0, Vec::len);
+        let kv =
+            DeviceKv::new(&gpu, &model.kv_widths, l.block_size, all_blocks, model.dtype).map_err(|e| e.to_string())?;
         let kv = Arc::new(SharedKv::new(kv, &gpu).map_err(|e| e.to_string())?);
         let state = match model.state_width {
             0 => None,
@@ -212,6 +228,7 @@ impl CudaExecutor {
             older: settings.test_stale_ring_slot.then(HashMap::new),
             draws_keyed_on_row: settings.test_draws_keyed_on_row,
             mtp_drafts,
+            padding,
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
@@ -251,9 +268,7 @@ impl CudaExecutor {
     }
 
     fn slot(&mut self) -> u32 {
-        let s = self.next_slot;
-        self.next_slot = (self.next_slot + 1) % RING_SLOTS;
-        s as u32
+        ring_slot(&mut self.next_slot)
     }
 
     /// Enqueues the step; `Err` when it cannot run (nothing it enqueued is waited for). In
@@ -367,6 +382,10 @@ impl CudaExecutor {
                     None => {}
                 }
             }
+        }
+        if let Some(table) = self.padding.as_ref().filter(|_| self.graphs.is_some()) {
+            let (bs, next_slot) = (self.kv.kv.block_size, &mut self.next_slot);
+            cuda_padding::pad(&mut rows, table, bs, &mut || ring_slot(next_slot));
         }
         Ok((rows, sampling))
     }

@@ -23,6 +23,7 @@ mod contract;
 mod cpu;
 mod cuda;
 mod cuda_mtp;
+mod cuda_padding;
 mod deferred;
 mod gate;
 mod mtp;
