@@ -9,7 +9,6 @@
 
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Gpu};
-use super::mtp::{self, DevMtp};
 use super::parts::gated_delta::{self, DevGdn};
 use super::parts::gqa::{self, DevGqa};
 use super::parts::kda::{self, DevKda};
@@ -18,6 +17,7 @@ use super::parts::mla::{self, DevMla};
 use super::parts::moe::{self, DevMoe};
 use super::weights::{Dtype, Up};
 use crate::models::layer::{DecoderLayer, Ffn, Mixer};
+use crate::models::mtp::MtpLayer;
 use crate::models::{Family, Model};
 
 // Built once per layer at load: the size of a variant costs nothing.
@@ -130,7 +130,7 @@ impl DeviceModel {
             let (kv_layer, state_offset) = model.binding(l);
             layers.push(upload_layer(gpu, layer, kv_layer.unwrap_or(0), state_offset)?);
         }
-        let mtp = model.mtp().map(|m| mtp::upload(gpu, m)).transpose()?;
+        let mtp = model.mtp().map(|m| upload_mtp(gpu, m)).transpose()?;
         let final_norm = layers::norm(gpu, &model.final_norm)?;
         let lm_head = layers::linear(gpu, &model.lm_head)?;
         let weight_bytes = (gpu.uploaded_bytes() - uploaded_before) as usize;
@@ -177,5 +177,28 @@ pub(crate) fn upload_layer(
         state_offset,
         post_norm: layers::norm(gpu, &layer.post_norm)?,
         ffn,
+    })
+}
+
+/// DeepSeek's MTP layer on the device (its pass: `mtp.rs`).
+pub(crate) struct DevMtp {
+    pub enorm: DevNorm,
+    pub hnorm: DevNorm,
+    /// `[hidden × 2·hidden]`: the normed embedding, then the normed hidden state.
+    pub eh_proj: DevLinear,
+    pub block: DevLayer,
+    pub head_norm: DevNorm,
+    pub head: DevLinear,
+}
+
+fn upload_mtp(gpu: &Up, m: &MtpLayer) -> Result<DevMtp, CudaError> {
+    let kv_layer = m.binding.kv_layer.unwrap_or(0);
+    Ok(DevMtp {
+        enorm: layers::norm(gpu, &m.enorm)?,
+        hnorm: layers::norm(gpu, &m.hnorm)?,
+        eh_proj: layers::linear(gpu, &m.eh_proj)?,
+        block: upload_layer(gpu, &m.block, kv_layer, 0)?,
+        head_norm: layers::norm(gpu, &m.head_norm)?,
+        head: layers::linear(gpu, &m.head)?,
     })
 }

@@ -10,34 +10,9 @@ use super::forward::enqueue_sampling;
 use super::gpu::Gpu;
 use super::kv::DeviceKv;
 use super::launch::Arg;
-use super::model::{upload_layer, DevLayer, DeviceModel};
-use super::parts::layers::{self, DevLinear, DevNorm};
+use super::model::DeviceModel;
 use super::parts::Step;
 use super::rows::{RowsOnDevice, StepRows};
-use super::weights::Up;
-use crate::models::mtp::MtpLayer;
-
-pub(crate) struct DevMtp {
-    enorm: DevNorm,
-    hnorm: DevNorm,
-    /// `[hidden × 2·hidden]`: the normed embedding, then the normed hidden state.
-    eh_proj: DevLinear,
-    block: DevLayer,
-    head_norm: DevNorm,
-    head: DevLinear,
-}
-
-pub(crate) fn upload(gpu: &Up, m: &MtpLayer) -> Result<DevMtp, CudaError> {
-    let kv_layer = m.binding.kv_layer.unwrap_or(0);
-    Ok(DevMtp {
-        enorm: layers::norm(gpu, &m.enorm)?,
-        hnorm: layers::norm(gpu, &m.hnorm)?,
-        eh_proj: layers::linear(gpu, &m.eh_proj)?,
-        block: upload_layer(gpu, &m.block, kv_layer, 0)?,
-        head_norm: layers::norm(gpu, &m.head_norm)?,
-        head: layers::linear(gpu, &m.head)?,
-    })
-}
 
 impl DeviceModel {
     /// Whether the model drafts with an MTP layer.

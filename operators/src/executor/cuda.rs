@@ -35,13 +35,15 @@
 use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::cuda_mtp::{MtpPasses, MtpPlan};
 use super::cuda_padding;
-use super::settings::{SettingError, Settings};
+use super::cuda_settings::CudaSettings;
+use super::pinned_pool::PinnedPool;
+use super::settings::SettingError;
 use crate::step::{
     BlockStore, DraftCheck, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
     StepLaunch,
 };
 use crate::transfer::Landed;
-use kvflow_kernels::cuda::{visible_gpus, CudaError, Dtype};
+use kvflow_kernels::cuda::CudaError;
 use kvflow_kernels::cuda::{
     DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, RowsOnDevice, SharedKv,
     StepGraphs, StepRows, FROM_RING, RESULT_WORDS,
@@ -75,59 +77,6 @@ fn ring_slot(next: &mut usize) -> u32 {
     let s = *next;
     *next = (s + 1) % RING_SLOTS;
     s as u32
-}
-
-const KEYS: &[&str] = &["gpus", "deferred_output", "emulate", "dtype", "cuda_graphs"];
-
-/// What a `cuda` pool's settings say.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct CudaSettings {
-    pub gpus: Option<Vec<usize>>,
-    pub deferred_output: bool,
-    /// Run the kernels on the CPU (checks without a GPU; slow).
-    pub emulate: bool,
-    /// How the products' weights sit on the GPU.
-    pub dtype: Dtype,
-    /// Replay a step shape's captured launches (kvflow_kernels::cuda::graph) for steps without
-    /// handoffs.
-    pub cuda_graphs: bool,
-    /// Test only (no graph key sets it): a token in flight is fed from the ring slot of the
-    /// sequence's sample before the one it names — deferred output without its mechanism.
-    pub test_stale_ring_slot: bool,
-    /// Test only: a row draws keyed on its place in the batch, not its request — seeded sampling
-    /// without the key that makes it batch-invariant.
-    pub test_draws_keyed_on_row: bool,
-}
-
-impl CudaSettings {
-    pub fn read(table: &toml::Table) -> Result<Self, SettingError> {
-        let s = Settings::new(table, KEYS)?;
-        Ok(CudaSettings {
-            gpus: s.counts("gpus")?,
-            deferred_output: s.flag("deferred_output", true)?,
-            emulate: s.flag("emulate", false)?,
-            dtype: Dtype::parse(s.choice("dtype", &["float32", "bfloat16"], "float32")?).unwrap_or_default(),
-            cuda_graphs: s.flag("cuda_graphs", true)?,
-            test_stale_ring_slot: false,
-            test_draws_keyed_on_row: false,
-        })
-    }
-
-    /// The GPU rank `rank` of the pool runs on (or the CPU emulation).
-    pub fn open(&self, rank: usize) -> Result<Arc<Gpu>, CudaError> {
-        if self.emulate {
-            return Gpu::emulated();
-        }
-        Gpu::open(self.gpu_of(rank)?)
-    }
-
-    /// The GPU of rank `rank` of the pool.
-    pub fn gpu_of(&self, rank: usize) -> Result<usize, CudaError> {
-        match &self.gpus {
-            Some(list) => Ok(list[rank % list.len()]),
-            None => Ok(rank % visible_gpus()?.max(1)),
-        }
-    }
 }
 
 /// A step the GPU has been given and not finished.
@@ -804,37 +753,6 @@ fn graphs_keeping_hidden(keep_hidden: bool) -> StepGraphs {
     let mut graphs = StepGraphs::default();
     graphs.keep_hidden = keep_hidden;
     graphs
-}
-
-/// Pinned host buffers for reuse, smallest first.
-pub(super) struct PinnedPool<T> {
-    spare: Vec<PinnedBuf<T>>,
-}
-
-impl<T> Default for PinnedPool<T> {
-    fn default() -> Self {
-        PinnedPool { spare: Vec::new() }
-    }
-}
-
-impl<T: Copy + Default> PinnedPool<T> {
-    /// A buffer of at least `len` elements: a spare one, else a new one (sized to a power of two).
-    pub(super) fn take(&mut self, gpu: &Gpu, len: usize) -> Result<PinnedBuf<T>, CudaError> {
-        match self.spare.iter().position(|b| b.len() >= len) {
-            Some(i) => Ok(self.spare.remove(i)),
-            None => gpu.pinned(len.next_power_of_two().max(1024)),
-        }
-    }
-
-    pub(super) fn give_back(&mut self, buf: Option<PinnedBuf<T>>) {
-        if let Some(buf) = buf {
-            let at = self.spare.partition_point(|b| b.len() <= buf.len());
-            self.spare.insert(at, buf);
-            if self.spare.len() > 64 {
-                self.spare.remove(0);
-            }
-        }
-    }
 }
 
 pub(super) struct CudaKind;

@@ -15,7 +15,7 @@
 //! token that holds; the next step's pass 0 writes them again before an MTP row reads them
 //! (passes are enqueued in step order: completions are taken oldest first).
 
-use super::cuda::PinnedPool;
+use super::pinned_pool::PinnedPool;
 use crate::step::{Sampled, StepLaunch};
 use kvflow_kernels::cuda::{
     CudaError, DeviceBuf, DeviceKv, DeviceModel, Gpu, PinnedBuf, StepRows, FROM_RING, RESULT_WORDS,
