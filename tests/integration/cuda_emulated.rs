@@ -394,13 +394,59 @@ fn replayed_decode_graphs_give_the_bits_of_direct_launches() {
         assert_eq!(none, None);
         assert_eq!(direct.len(), batch * (steps + 1));
         assert_eq!(replayed, direct, "{family}: graph replays changed a sample");
-        // positions 60..131: key parts 1, 2 and 3, each shape launched once, then captured
-        // on its second step and replayed from then on (the prefill is launched directly)
+        // positions 60..131: key parts 1, 2 and 3, each decode shape captured when first seen
+        // and replayed from then on (the prefill is launched directly)
         let counts = counts.unwrap();
         assert_eq!(counts.captured, 3, "{family}: {counts:?}");
-        assert_eq!(counts.launched, 1 + 3, "{family}: {counts:?}");
-        assert_eq!(counts.replayed, steps as u64 - 3, "{family}: {counts:?}");
+        assert_eq!(counts.launched, 1, "{family}: {counts:?}");
+        assert_eq!(counts.replayed, steps as u64, "{family}: {counts:?}");
     }
+}
+
+/// Verification steps of varying width replay one graph: a cuda rank pads a step whose every row
+/// samples to a multiple of 8 rows (a padding sequence over blocks no request holds), so
+/// verifications of 1, 2 and 3 drafts and a plain decode share a shape — captured once, replayed
+/// every time — and sample what the same steps launched directly sample.
+#[test]
+fn verifications_of_any_width_replay_the_graph_of_their_padded_shape() {
+    let model = Arc::new(load(&fixture("hf/llama")));
+    let prompt: Vec<u32> = (0..20u32).map(|i| (i * 13 + 7) % model.vocab_size as u32).collect();
+    let table: Vec<u32> = (0..4).collect();
+    let key = SeqKey { index: 0, generation: 1 };
+    let run = |graphs: bool| {
+        let mut ex = cuda_rank(&model, &CudaSettings { cuda_graphs: graphs, ..EMULATE });
+        let step = |ex: &mut CudaExecutor, t: u64, known: &[u32], drafts: &[u32], start_pos: usize| {
+            let seq = SeqStep {
+                key,
+                known,
+                deferred: None,
+                drafts,
+                start_pos,
+                block_table: &table,
+                slot: None,
+                prompt_len: prompt.len(),
+                sample: true,
+                sampler: Sampler::default(),
+                next_prompt_token: None,
+            };
+            let done = one_step(ex, t, seq, &[], &[], &[]).result.unwrap().remove(0);
+            (done.token.unwrap(), done.checks.iter().map(|c| (c.kept, c.next)).collect::<Vec<_>>())
+        };
+        let mut samples = vec![step(&mut ex, 0, &prompt, &[], 0)];
+        let mut pos = prompt.len();
+        for (t, width) in [3usize, 1, 2, 0, 3].into_iter().enumerate() {
+            let last = samples.last().unwrap().0;
+            let drafts: Vec<u32> = (0..width as u32).map(|d| (last + d * 5 + 1) % model.vocab_size as u32).collect();
+            samples.push(step(&mut ex, t as u64 + 1, &[last], &drafts, pos));
+            pos += 1; // every draft is rejected or not: the next decode feeds after the first row
+        }
+        (samples, ex.graph_counts())
+    };
+    let (direct, _) = run(false);
+    let (replayed, counts) = run(true);
+    assert_eq!(replayed, direct, "padding and replays changed a sample");
+    let counts = counts.unwrap();
+    assert_eq!((counts.captured, counts.replayed, counts.launched), (1, 5, 1), "{counts:?}");
 }
 
 /// Six greedy tokens after the first llama case's prompt, each decode launched before the
