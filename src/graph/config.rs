@@ -161,6 +161,19 @@ pub struct PoolConfig {
     pub hosts: Vec<String>,
 }
 
+impl PoolConfig {
+    /// Whether the pool's decodes verify drafts: with `[speculative]`, every pool but a prefill
+    /// pool's (a producer drafts for its handoffs, never verifies).
+    pub fn verifies(&self) -> bool {
+        self.scheduler.spec.is_some() && self.role != PoolRole::Prefill
+    }
+
+    /// Rows a decode of the pool feeds at most: its token and, where it verifies, its drafts.
+    pub fn verification_width(&self) -> usize {
+        1 + self.scheduler.spec.filter(|_| self.verifies()).map_or(0, |s| s.draft_tokens)
+    }
+}
+
 /// Conditional disaggregation of a decode pool (DESIGN §8, `[pool.disaggregation]`): the rule
 /// its ranks decide with, checked here (`max_prefill_queue` at least 1).
 pub use kvflow_operators::rank::DisaggregationRule as DisaggregationConfig;

@@ -101,8 +101,7 @@ pub(crate) fn expert_parallel_job(
     let mtp_drafts = pool.scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens);
     let draft_passes = kvflow_operators::executor::draft_passes(model, true, mtp_drafts);
     let mtp_layer = model.num_layers();
-    let verifies = pool.role != crate::graph::PoolRole::Prefill;
-    let spec_width = 1 + pool.scheduler.spec.filter(|_| verifies).map_or(0, |s| s.draft_tokens);
+    let spec_width = pool.verification_width();
     Ok(Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers, draft_passes, mtp_layer, spec_width }))
 }
 
@@ -117,8 +116,7 @@ pub fn pool_job(
     registry: &Registry,
     store: Option<&Arc<dyn ObjectStore>>,
 ) -> Result<PoolJob> {
-    let verifies = pool.role != crate::graph::PoolRole::Prefill;
-    let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request, verifies)
+    let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request, pool.verifies())
         .with_context(|| format!("{}: pool `{}`", graph.path.display(), pool.name))?;
     let scheduler = pool.scheduler;
     let named = |what: &str, name: &str, known: Vec<String>| {
