@@ -112,20 +112,10 @@ impl MtpPlan {
                 proposing += 1;
                 proposing - 1
             });
-            // the tokens that hold at the fed positions, then the one after the last of them
-            let (valid, next) = match proposes.map(|j| &sampled[j]) {
-                Some(x) => (s.fed.len() - s.drafts + x.kept_drafts().min(s.drafts), x.last_verified()),
-                None => (s.fed.len(), s.next_prompt_token),
-            };
-            let mut successors = s.fed[1..valid].to_vec();
-            match next {
-                Some(next) => successors.push(next),
-                None if proposes.is_some() => continue, // a non-finite sample: nothing to draft from
-                None => {}
-            }
-            if successors.is_empty() {
+            let sampled = proposes.map(|j| &sampled[j]);
+            let Some(successors) = super::mtp::successors(&s.fed, s.drafts, sampled, s.next_prompt_token) else {
                 continue;
-            }
+            };
             let slots: Vec<u32> = proposes.iter().map(|_| slot()).collect();
             rows.push_seq_sampling(&successors, s.start_pos, &s.table, bs, &slots);
             rows.prompt_len(s.prompt_len);

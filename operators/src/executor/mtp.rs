@@ -59,22 +59,9 @@ impl MtpDrafting {
             let here = first_row;
             first_row += fed.len();
             let proposes = sampled.iter().position(|x| x.seq == s.key);
-            // The tokens that hold at the fed positions, then the one after the last of them (the
-            // drafts that hold by the rule `verify` applies to the same scores, `kept_drafts`:
-            // the layer must run on what holds, in this step).
-            let (valid, next) = match proposes.map(|j| &sampled[j]) {
-                Some(x) => (fed.len() - s.drafts + x.kept_drafts().min(s.drafts), x.last_verified()),
-                None => (fed.len(), s.next_prompt_token),
-            };
-            let mut successors: Vec<u32> = fed[1..valid].to_vec();
-            match next {
-                Some(next) => successors.push(next),
-                None if proposes.is_some() => continue, // a non-finite sample: nothing to draft from
-                None => {}
-            }
-            if successors.is_empty() {
+            let Some(successors) = successors(fed, s.drafts, proposes.map(|j| &sampled[j]), s.next_prompt_token) else {
                 continue;
-            }
+            };
             let hidden = out_hidden[here * d..(here + successors.len()) * d].to_vec();
             parts.push(MtpRows { seq: i, successors, start_pos: s.start_pos, hidden, proposes });
         }
@@ -163,6 +150,30 @@ impl MtpDrafting {
             !self.chains.is_empty()
         }
     }
+}
+
+/// The successor tokens of a sequence's fed positions, which the MTP layer runs over: the tokens
+/// that hold at the fed positions after the first, then the one after the last of them — the
+/// drafts that hold by the rule `verify` applies to the same scores (`kept_drafts`: the layer must
+/// run on what holds, in this step) and the last token that holds, or for a sequence that did not
+/// sample, the prompt's next token. `None`: nothing to run (a non-finite sample, or no successor).
+pub(super) fn successors(
+    fed: &[u32],
+    drafts: usize,
+    sampled: Option<&Sampled>,
+    next_prompt_token: Option<u32>,
+) -> Option<Vec<u32>> {
+    let (valid, next) = match sampled {
+        Some(x) => (fed.len() - drafts + x.kept_drafts().min(drafts), x.last_verified()),
+        None => (fed.len(), next_prompt_token),
+    };
+    let mut successors = fed[1..valid].to_vec();
+    match next {
+        Some(next) => successors.push(next),
+        None if sampled.is_some() => return None,
+        None => {}
+    }
+    (!successors.is_empty()).then_some(successors)
 }
 
 /// Every pass of `step`'s drafting on this rank alone (no expert parallelism).
