@@ -1,32 +1,33 @@
 //! `cuda`: a rank's steps on its GPU (one dataflow worker per GPU; DESIGN §4, §6). `launch`
 //! enqueues the whole step on the rank's stream — its rows' metadata through pinned memory,
 //! handoffs written into their blocks (device to device from a producer on this GPU, from the
-//! device memory a tcp handoff landed in, else unpacked from pinned memory), the forward, sampling (greedy, or each row's seeded draw keyed
-//! on its request and position, as the CPU executor draws; a sequence that verifies drafts gets
-//! a row after its last known token and after each draft, each checked on the device as the CPU
-//! executor checks it) — records a CUDA event and returns. An export is the blocks themselves, read in place after the step (`SharedKv`), and,
-//! for a family with recurrent state, the slot copied out to pinned memory after the forward
-//! (`DeviceState`); an arriving handoff's state is copied into its slot before the forward. State
-//! copies a step asks for (zero, restore, snapshot, and a rejected draft's rewind — one copy from
-//! the states the verification's kernels kept after each fed position) are enqueued in step order.
-//! `poll` asks each event, oldest first, whether it has passed (never waits); with deferred
-//! output a host function after each step wakes the rank as that step completes, so tokens are
-//! applied and streamed as they are computed, not in a burst when the stream runs dry. With the
-//! MTP drafter a step's forward also keeps every row's hidden state, and once its samples are
-//! known the drafter's passes are enqueued and the step completes after them (`cuda_mtp.rs`). A decode whose
-//! previous token is still in flight is fed from the device ring slot the previous step's
-//! sampling writes, so the host never waits for sampled tokens to schedule the next step
-//! (deferred output on the device). Each in-flight
-//! record owns what the GPU still reads or writes: pinned metadata and result buffers, and the
-//! handoffs it imports (their producers hold the blocks until those drop).
+//! device memory a tcp handoff landed in, else unpacked from pinned memory), the forward, sampling
+//! (greedy, or each row's seeded draw keyed on its request and position, as the CPU executor draws;
+//! a sequence that verifies drafts gets a row after its last known token and after each draft, each
+//! checked on the device as the CPU executor checks it) — records a CUDA event and returns. An
+//! export is the blocks themselves, read in place after the step (`SharedKv`), and, for a family
+//! with recurrent state, the slot copied out to pinned memory after the forward (`DeviceState`); an
+//! arriving handoff's state is copied into its slot before the forward. State copies a step asks
+//! for (zero, restore, snapshot, and a rejected draft's rewind — one copy from the states the
+//! verification's kernels kept after each fed position) are enqueued in step order. `poll` asks
+//! each event, oldest first, whether it has passed (never waits); with deferred output a host
+//! function after each step wakes the rank as that step completes, so tokens are applied and
+//! streamed as they are computed, not in a burst when the stream runs dry. With the MTP drafter a
+//! step's forward also keeps every row's hidden state, and once its samples are known the drafter's
+//! passes are enqueued and the step completes after them (`cuda_mtp.rs`). A decode whose previous
+//! token is still in flight is fed from the device ring slot the previous step's sampling writes,
+//! so the host never waits for sampled tokens to schedule the next step (deferred output on the
+//! device). Each in-flight record owns what the GPU still reads or writes: pinned metadata and
+//! result buffers, and the handoffs it imports (their producers hold the blocks until those drop).
 //!
 //! Settings: `gpus = [..]` (a rank uses `gpus[rank % len]`, else GPU `rank % visible`),
 //! `deferred_output = true` (false: the host waits for each step before the next launch —
 //! counted, for comparison), `emulate = false` (true: the same kernels on the CPU, for checks
 //! on machines without a GPU), `dtype = "float32"` (`"bfloat16"`: the products' weights in bf16
 //! on tensor cores and the KV cache in bf16, kvflow_kernels::cuda::Dtype), `cuda_graphs = true`
-//! (a step without handoffs whose shape was seen before replays the shape's captured CUDA graph
-//! instead of launching kernel by kernel, kvflow_kernels::cuda::graph; false: always launched).
+//! (a step without handoffs replays its shape's captured CUDA graph instead of launching kernel
+//! by kernel, kvflow_kernels::cuda::graph, decode and verification steps padded to few shapes,
+//! `cuda_padding.rs`; false: always launched, never padded).
 //! Which time it holds: the rank's step, from launch to completion.
 //! Which guarantee it carries: deferred output (the ring slot a token in flight is read from;
 //! `test_stale_ring_slot` removes it), the device rollback of a rejected draft (the rewind;
