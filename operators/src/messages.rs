@@ -256,12 +256,15 @@ pub struct ExpertRows {
     pub payload: Payload,
 }
 
-/// The floats an expert exchange moves. Today they travel with the message (host memory); a
-/// GPU backend adds a variant naming device memory the receiver copies from, while timely
-/// still carries the counts.
+/// The floats an expert exchange moves: in the message (host memory), or rows in a rank's
+/// device memory that the receiver copies device to device on its own stream after the sender's
+/// event — timely then carries the pairs, the counts and the event, never the floats. Device rows
+/// stay in their process (a pool that exchanges them runs on one device).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Payload {
     Host(Vec<f32>),
+    #[serde(skip)]
+    Device(kvflow_kernels::cuda::DeviceRows),
 }
 
 impl Payload {
@@ -269,6 +272,15 @@ impl Payload {
     pub fn bytes(&self) -> usize {
         match self {
             Payload::Host(v) => std::mem::size_of_val(&v[..]),
+            Payload::Device(rows) => rows.bytes(),
+        }
+    }
+
+    /// The floats of a host payload (none for device rows).
+    pub fn host(&self) -> &[f32] {
+        match self {
+            Payload::Host(v) => v,
+            Payload::Device(_) => &[],
         }
     }
 }

@@ -5,6 +5,7 @@ mod bad_input;
 mod batch_invariance;
 mod common;
 mod cuda_emulated;
+mod cuda_experts;
 mod cuda_tensor_cores;
 mod disaggregated;
 mod docs;

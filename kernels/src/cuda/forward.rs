@@ -18,6 +18,23 @@ impl Step<'_> {
     /// One decoder layer over the step's rows: `h += mixer(norm(h)); h += ffn(norm(h))`, with `x`
     /// (and `x_bf16`, where a bf16 product reads it) as the normed rows.
     pub(crate) fn layer(&self, layer: &DevLayer, h: u64, x: u64, x_bf16: u64, hidden: usize) -> Result<(), CudaError> {
+        let ffn_bf16 = self.attend(layer, h, x, x_bf16, hidden)?;
+        match &layer.ffn {
+            DevFfn::Dense(m) => self.mlp(h, x, ffn_bf16, m, self.rows, hidden, true),
+            DevFfn::Moe(m) => self.moe(h, x, m, hidden),
+        }
+    }
+
+    /// A layer up to its FFN: `h += mixer(norm(h))`, then the FFN's input `norm(h)` into `x`
+    /// (and rounded into `x_bf16` when a dense bf16 FFN reads it: returned, else 0).
+    pub(crate) fn attend(
+        &self,
+        layer: &DevLayer,
+        h: u64,
+        x: u64,
+        x_bf16: u64,
+        hidden: usize,
+    ) -> Result<u64, CudaError> {
         let t = self.rows;
         let rounded_for = |bf16: bool| if bf16 { x_bf16 } else { 0 };
         let mixer_bf16 = rounded_for(matches!(&layer.mixer, DevMixer::Gqa(a) if a.qkv.w.is_bf16()));
@@ -30,10 +47,7 @@ impl Step<'_> {
         }
         let ffn_bf16 = rounded_for(matches!(&layer.ffn, DevFfn::Dense(m) if m.gate_up.w.is_bf16()));
         self.norm_rows(x, ffn_bf16, h, &layer.post_norm, t)?;
-        match &layer.ffn {
-            DevFfn::Dense(m) => self.mlp(h, x, ffn_bf16, m, t, hidden, true),
-            DevFfn::Moe(m) => self.moe(h, x, m, hidden),
-        }
+        Ok(ffn_bf16)
     }
 }
 
@@ -80,7 +94,25 @@ impl DeviceModel {
             return Ok(None);
         }
         let s = Step { gpu, kv, state, rows: t, seqs: shape.seqs, at, index_row: shape.index_row };
-        let h = gpu.scratch::<f32>(t * hidden)?;
+        let h = self.embed_rows(gpu, t, at, ring)?;
+        let x = gpu.scratch::<f32>(t * hidden)?;
+        // x rounded to bf16 by the norm that writes it, where a bf16 product reads it next
+        let x_bf16 = gpu.scratch::<u16>(t * hidden)?;
+        for layer in &self.layers {
+            s.layer(layer, h.ptr(), x.ptr(), x_bf16.ptr(), hidden)?;
+        }
+        self.enqueue_head(&s, shape, h.ptr(), ring, results, hidden_out, keep_logits)
+    }
+
+    /// The embeddings of a step's `t` rows (a token still in flight read from `ring`).
+    pub(crate) fn embed_rows(
+        &self,
+        gpu: &Gpu,
+        t: usize,
+        at: RowsOnDevice,
+        ring: u64,
+    ) -> Result<DeviceBuf<f32>, CudaError> {
+        let h = gpu.scratch::<f32>(t * self.hidden)?;
         gpu.launch(
             "embed_rows",
             (t as u32, 1, 1),
@@ -91,19 +123,31 @@ impl DeviceModel {
                 Arg::Ptr(self.embed.ptr()),
                 Arg::Ptr(at.tokens),
                 Arg::Ptr(ring),
-                Arg::I32(hidden as i32),
+                Arg::I32(self.hidden as i32),
                 Arg::I32(self.vocab as i32),
             ],
         )?;
-        let x = gpu.scratch::<f32>(t * hidden)?;
-        // x rounded to bf16 by the norm that writes it, where a bf16 product reads it next
-        let x_bf16 = gpu.scratch::<u16>(t * hidden)?;
-        for layer in &self.layers {
-            s.layer(layer, h.ptr(), x.ptr(), x_bf16.ptr(), hidden)?;
-        }
+        Ok(h)
+    }
+
+    /// After the layers, over the hidden states `h`: every row's final-normed state into
+    /// `hidden_out` unless it is 0, then the final norm, the LM head and sampling of the rows
+    /// that sample.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn enqueue_head(
+        &self,
+        s: &Step<'_>,
+        shape: StepShape,
+        h: u64,
+        ring: u64,
+        results: u64,
+        hidden_out: u64,
+        keep_logits: bool,
+    ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
+        let (gpu, at, hidden) = (s.gpu, s.at, self.hidden);
         if hidden_out != 0 {
             // every row's final-normed hidden state, for the MTP drafter
-            s.norm_rows(hidden_out, 0, h.ptr(), &self.final_norm, t)?;
+            s.norm_rows(hidden_out, 0, h, &self.final_norm, shape.rows)?;
         }
         let n = shape.sampled;
         if n == 0 {
@@ -115,7 +159,7 @@ impl DeviceModel {
             (n as u32, 1, 1),
             256,
             0,
-            &[Arg::Ptr(last.ptr()), Arg::Ptr(h.ptr()), Arg::Ptr(at.logit_rows), Arg::I32(hidden as i32)],
+            &[Arg::Ptr(last.ptr()), Arg::Ptr(h), Arg::Ptr(at.logit_rows), Arg::I32(hidden as i32)],
         )?;
         let last_bf16 = match self.lm_head.w.is_bf16() {
             true => Some(gpu.scratch::<u16>(n * hidden)?),

@@ -4,7 +4,7 @@
 //! memory, and a step enqueued on a rank's stream without the host ever waiting for it.
 //!
 //! Dependencies point one way: `error`, `sources`, `launch` ← `emulate`, `host_capture` ← `gpu`
-//! ← `weights` (← `kv`), `product`, `rows`, `state` ← `parts` ← `model` ← `forward` ← `mtp`,
+//! ← `weights` (← `kv`), `product`, `rows`, `state` ← `parts` ← `model` ← `forward` ← `mtp`, `experts`,
 //! `graph`, `plain`. The device records an emulated capture into `host_capture`, which `graph` replays: the
 //! device never imports the graph code, nor the emulation the device.
 //!
@@ -21,6 +21,8 @@
 //! - [`model`]: a [`crate::models::Model`] uploaded (families mha, mla, sparse_mla, gdn, hybrid_gdn, hybrid_kda).
 //! - [`forward`]: one step enqueued, sampling on the device.
 //! - [`mtp`]: a pass of DeepSeek's MTP drafter layer, enqueued after a step.
+//! - [`experts`]: a step split at its MoE blocks, their experts served by other ranks (expert
+//!   parallelism), the rows moving device to device.
 //! - [`graph`]: a step shape's launches captured once into a CUDA graph, then replayed.
 //! - [`kv`]: the paged cache, pack/unpack/copy of a request's blocks.
 //! - [`state`]: recurrent state slots and snapshots.
@@ -28,6 +30,7 @@
 
 pub mod emulate;
 pub mod error;
+pub mod experts;
 pub mod forward;
 pub mod gpu;
 pub mod graph;
@@ -46,6 +49,7 @@ pub mod state;
 pub mod weights;
 
 pub use error::CudaError;
+pub use experts::{DeviceRows, SplitStep};
 pub use gpu::{driver_present, visible_gpus, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
 pub use graph::{process_graph_counts, GraphCounts, GraphKey, StepGraph, StepGraphs};
 pub use kv::{DeviceKv, SharedKv};

@@ -83,9 +83,6 @@ pub fn unsupported(model: &Model) -> Option<String> {
             model.model_type
         ));
     }
-    if !model.holds_every_expert() {
-        return Some("the model holds only one rank's experts (expert parallelism runs on the cpu executor)".into());
-    }
     for (l, layer) in model.layers.iter().enumerate() {
         match &layer.mixer {
             // one thread per value of a head's output, in one block (`kernels/cuda/linear.cu`)

@@ -82,7 +82,7 @@ pub(super) const KEY_SPLIT: usize = 64;
 pub const NO_SLOT: u32 = u32::MAX;
 
 /// Device addresses of an uploaded [`StepRows`].
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct RowsOnDevice {
     pub(super) tokens: u64,
     pub(super) positions: u64,

@@ -151,8 +151,9 @@ impl CpuStepRunner {
             for &(e, _) in route {
                 let msg = &mut out[expert_owner(experts, e, place.ranks)];
                 msg.pairs.push((r as u32, e as u32));
-                let Payload::Host(x) = &mut msg.payload;
-                x.extend_from_slice(&routed.x[r * h..(r + 1) * h]);
+                if let Payload::Host(x) = &mut msg.payload {
+                    x.extend_from_slice(&routed.x[r * h..(r + 1) * h]);
+                }
             }
         }
         out.retain(|m| !m.pairs.is_empty());
@@ -163,6 +164,11 @@ impl CpuStepRunner {
     /// rows dispatched to it: each expert once, over its rows from every sender in sender order.
     pub fn run_experts(&self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
         let Some(place) = self.experts else { return Vec::new() };
+        if let Some(m) = rows.iter().find(|m| !matches!(m.payload, Payload::Host(_))) {
+            // (its senders' combine names each pair left without a result)
+            tracing::error!(from = m.from, "cpu experts: rows in device memory reached a cpu rank");
+            return Vec::new();
+        }
         let h = self.model.hidden_size;
         let mtp = self.model.mtp();
         let (experts, run): (usize, Box<RunExpert>) = match (moe.checked_sub(self.moe_layers.len()), mtp) {
@@ -185,13 +191,8 @@ impl CpuStepRunner {
             if at.is_empty() {
                 continue;
             }
-            let x: Vec<f32> = at
-                .iter()
-                .flat_map(|&(m, i)| {
-                    let Payload::Host(x) = &rows[m].payload;
-                    x[i * h..(i + 1) * h].iter().copied()
-                })
-                .collect();
+            let x: Vec<f32> =
+                at.iter().flat_map(|&(m, i)| rows[m].payload.host()[i * h..(i + 1) * h].iter().copied()).collect();
             let Some(y) = run(e, &x, at.len()) else { continue };
             for (j, &(m, i)) in at.iter().enumerate() {
                 results[m][i * h..(i + 1) * h].copy_from_slice(&y[j * h..(j + 1) * h]);
@@ -374,7 +375,7 @@ impl<'a> ExpertResults<'a> {
     pub(super) fn new(results: &'a [ExpertRows], routed: Option<RoutedRows<'_>>, h: usize) -> Self {
         let mut found = HashMap::new();
         for m in results {
-            let Payload::Host(y) = &m.payload;
+            let Payload::Host(y) = &m.payload else { continue };
             for (i, &pair) in m.pairs.iter().enumerate() {
                 found.insert(pair, &y[i * h..(i + 1) * h]);
             }

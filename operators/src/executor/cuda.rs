@@ -40,8 +40,8 @@ use super::cuda_settings::CudaSettings;
 use super::pinned_pool::PinnedPool;
 use super::settings::SettingError;
 use crate::step::{
-    BlockStore, DraftCheck, ExecutorError, Exported, KvImport, KvSource, Sampled, SeqKey, StateOp, StepCompletion,
-    StepLaunch,
+    BlockStore, DraftCheck, ExecutorError, Exported, KvExport, KvImport, KvSource, Sampled, SeqKey, StateOp,
+    StepCompletion, StepLaunch,
 };
 use crate::transfer::Landed;
 use kvflow_kernels::cuda::CudaError;
@@ -51,6 +51,11 @@ use kvflow_kernels::cuda::{
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+
+// (a child of this module: it reads the executor's fields)
+#[path = "cuda_experts.rs"]
+mod experts;
+use experts::{Exchanged, ExpertSide};
 
 /// What `enqueue` staged for a step: its metadata in pinned memory, and either the device
 /// address a replayed graph writes the results to, or the metadata's device copy (with the
@@ -102,6 +107,32 @@ struct InFlight {
     /// With the MTP drafter: the drafting planned at launch, then its passes once enqueued.
     mtp: Option<MtpPlan>,
     passes: Option<MtpPasses>,
+    /// Expert parallel: what the step's stream read of other ranks' memory and its staged
+    /// indices (`cuda_experts.rs`), and the sequences that lost an expert result, with why.
+    exchanged: Exchanged,
+    failed: Vec<(SeqKey, String)>,
+}
+
+impl InFlight {
+    /// A step enqueued up to its forward (its event and results come later).
+    fn started(step: u64, sampling: Vec<(SeqKey, Vec<u32>)>) -> InFlight {
+        InFlight {
+            step,
+            event: None,
+            error: None,
+            sampling,
+            meta: None,
+            results: None,
+            exports: Vec::new(),
+            imports: Vec::new(),
+            states_in: Vec::new(),
+            states_out: Vec::new(),
+            mtp: None,
+            passes: None,
+            exchanged: Exchanged::default(),
+            failed: Vec::new(),
+        }
+    }
 }
 
 pub struct CudaExecutor {
@@ -135,6 +166,9 @@ pub struct CudaExecutor {
     /// The blocks padding rows write (`cuda_padding.rs`), where steps are padded.
     padding: Option<Vec<u32>>,
     waker: Arc<crate::pool::wake::RankWaker>,
+    /// Expert parallel (`cuda_experts.rs`): this rank's experts, the step between its MoE
+    /// exchanges, and what serving other ranks' rows holds until the GPU is past it.
+    experts: Option<ExpertSide>,
 }
 
 impl CudaExecutor {
@@ -145,7 +179,9 @@ impl CudaExecutor {
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
         // decode and verification steps padded to few shapes (graphs replay), where they can be
-        let pads = settings.cuda_graphs && l.keeps_kv && model.state_width == 0 && !model.has_indexer();
+        let experts = ctx.experts.map(|place| ExpertSide::new(place, &ctx.model));
+        let graphs = settings.cuda_graphs && experts.is_none();
+        let pads = graphs && l.keeps_kv && model.state_width == 0 && !model.has_indexer();
         let padding: Option<Vec<u32>> =
             pads.then(|| (blocks..blocks + cuda_padding::padding_blocks(l.block_size)).map(|b| b as u32).collect());
         let all_blocks = blocks + padding.as_ref().map_or(0, Vec::len);
@@ -174,7 +210,7 @@ impl CudaExecutor {
             sampled: HashMap::new(),
             in_flight: VecDeque::new(),
             deferred_output: settings.deferred_output,
-            graphs: settings.cuda_graphs.then(|| graphs_keeping_hidden(mtp_drafts > 0)),
+            graphs: graphs.then(|| graphs_keeping_hidden(mtp_drafts > 0)),
             older: settings.test_stale_ring_slot.then(HashMap::new),
             draws_keyed_on_row: settings.test_draws_keyed_on_row,
             mtp_drafts,
@@ -182,6 +218,7 @@ impl CudaExecutor {
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
+            experts,
         })
     }
 
@@ -207,7 +244,7 @@ impl CudaExecutor {
 
     /// Turns captured graphs on or off from the next step (benches compare the two).
     pub fn use_graphs(&mut self, on: bool) {
-        if on != self.graphs.is_some() {
+        if on != self.graphs.is_some() && self.experts.is_none() {
             self.graphs = on.then(|| graphs_keeping_hidden(self.mtp_drafts > 0));
         }
     }
@@ -225,7 +262,7 @@ impl CudaExecutor {
     /// stream order: the state copies before the forward, the rows' metadata, the handoffs into
     /// their blocks, the forward and sampling, the snapshots after it, the results back to pinned
     /// memory, the exports' state slots; then the event the step completes at.
-    fn enqueue(&mut self, launch: &StepLaunch<'_>) -> Result<InFlight, ExecutorError> {
+    fn enqueue(&mut self, launch: &StepLaunch<'_>) -> Result<Option<InFlight>, ExecutorError> {
         if self.state.is_none() && (!launch.before.is_empty() || !launch.after.is_empty()) {
             return Err(ExecutorError::Launch(
                 "the model keeps no recurrent state, and state copies were asked".into(),
@@ -239,29 +276,52 @@ impl CudaExecutor {
         self.copy_states_before(&gpu, launch)?;
         self.keep_verified_states(launch, &mut rows)?;
         let mut staged = self.stage_metadata(&gpu, launch, &rows)?;
-        let (imports, states_in) = self.import_handoffs(&gpu, launch, &staged.block_lists)?;
-        let mtp = match (self.mtp_drafts, rows.rows()) {
+        let mut record = InFlight::started(launch.step, sampling);
+        (record.imports, record.states_in) = self.import_handoffs(&gpu, launch, &staged.block_lists)?;
+        if self.experts.is_some() && rows.rows() > 0 {
+            // run MoE layer by MoE layer; the record goes in flight after the last exchange
+            return self.begin_split(&gpu, launch, &rows, staged, record).map(|()| None);
+        }
+        record.mtp = match (self.mtp_drafts, rows.rows()) {
             (0, _) | (_, 0) => None,
             (_, t) => Some(MtpPlan::of(launch, &rows, gpu.scratch::<f32>(t * self.model.hidden).map_err(fail)?)),
         };
-        let hidden_out = mtp.as_ref().map_or(0, |p| p.hidden.ptr());
-        let results = self.enqueue_forward(&gpu, launch, &rows, &mut staged, hidden_out)?;
-        let (exports, states_out) = self.export_handoffs(&gpu, launch)?;
-        let event = gpu.record().map_err(fail)?;
-        Ok(InFlight {
-            step: launch.step,
-            event: Some(event),
-            error: None,
-            sampling,
-            meta: Some(staged.meta),
-            results: Some(results),
-            exports,
-            imports,
-            states_in,
-            states_out,
-            mtp,
-            passes: None,
-        })
+        let hidden_out = record.mtp.as_ref().map_or(0, |p| p.hidden.ptr());
+        let results_at = self.enqueue_forward(&gpu, &rows, &mut staged, hidden_out)?;
+        self.end_step(&gpu, &mut record, staged.meta, rows.sampled(), results_at, launch.after, launch.exports)?;
+        Ok(Some(record))
+    }
+
+    /// The end of a step enqueued up to its results at `results_at` (`sampled` rows): the
+    /// snapshots of the boundaries it reached, the results back to pinned memory, the exports;
+    /// then the event it completes at.
+    #[allow(clippy::too_many_arguments)]
+    fn end_step(
+        &mut self,
+        gpu: &Gpu,
+        record: &mut InFlight,
+        meta: PinnedBuf<u32>,
+        sampled: usize,
+        results_at: u64,
+        after: &[StateOp],
+        exports: &[KvExport],
+    ) -> Result<(), ExecutorError> {
+        if let Some(state) = &self.state {
+            for op in after {
+                if let StateOp::Snapshot { slot, snapshot } = *op {
+                    state.snapshot(gpu, slot, snapshot).map_err(fail)?;
+                }
+            }
+        }
+        let mut results = self.pinned_words.take(gpu, sampled * RESULT_WORDS).map_err(fail)?;
+        if sampled > 0 {
+            gpu.copy_to_host(&mut results, results_at, sampled * RESULT_WORDS).map_err(fail)?;
+        }
+        record.meta = Some(meta);
+        record.results = Some(results);
+        (record.exports, record.states_out) = self.export_handoffs(gpu, exports)?;
+        record.event = Some(gpu.record().map_err(fail)?);
+        Ok(())
     }
 
     /// 1. The step's rows: literal tokens, or the ring slot of a token still in flight; each
@@ -499,19 +559,18 @@ impl CudaExecutor {
         Ok((imports, states_in))
     }
 
-    /// 4. The forward and sampling (already enqueued when replayed), the snapshots of the
-    ///    boundaries the step reached after it, and the results copied back to pinned memory;
-    ///    every row's final-normed hidden state into `hidden_out` unless it is 0 (the MTP drafter).
+    /// 4. The forward and sampling (already enqueued when replayed); every row's final-normed
+    ///    hidden state into `hidden_out` unless it is 0 (the MTP drafter). Returns where the
+    ///    results are on the device.
     fn enqueue_forward(
         &mut self,
         gpu: &Gpu,
-        launch: &StepLaunch<'_>,
         rows: &StepRows,
         staged: &mut Staged,
         hidden_out: u64,
-    ) -> Result<PinnedBuf<u32>, ExecutorError> {
+    ) -> Result<u64, ExecutorError> {
         let n = rows.sampled();
-        let results_at = match (staged.replayed, &staged.direct) {
+        Ok(match (staged.replayed, &staged.direct) {
             (Some((results_at, hidden_at)), _) => {
                 if hidden_out != 0 {
                     let bytes = rows.rows() * self.model.hidden * 4;
@@ -526,19 +585,7 @@ impl CudaExecutor {
                 dev.ptr()
             }
             (None, None) => unreachable!("a step not replayed is enqueued directly"),
-        };
-        if let Some(state) = &self.state {
-            for op in launch.after {
-                if let StateOp::Snapshot { slot, snapshot } = *op {
-                    state.snapshot(gpu, slot, snapshot).map_err(fail)?;
-                }
-            }
-        }
-        let mut results = self.pinned_words.take(gpu, n * RESULT_WORDS).map_err(fail)?;
-        if n > 0 {
-            gpu.copy_to_host(&mut results, results_at, n * RESULT_WORDS).map_err(fail)?;
-        }
-        Ok(results)
+        })
     }
 
     /// 5. Exports: the blocks, read in place once this step has completed (the producer holds
@@ -549,12 +596,12 @@ impl CudaExecutor {
     fn export_handoffs(
         &mut self,
         gpu: &Gpu,
-        launch: &StepLaunch<'_>,
+        asked: &[KvExport],
     ) -> Result<(Vec<Exported>, Vec<(usize, usize, PinnedBuf<f32>)>), ExecutorError> {
         let fpb = self.kv.kv.floats_per_block();
         let mut exports = Vec::new();
         let mut states_out = Vec::new();
-        for e in launch.exports {
+        for e in asked {
             if let Some(slot) = e.slot {
                 let state = self.state.as_ref().ok_or_else(|| {
                     ExecutorError::Launch("a slot export from a model that keeps no recurrent state".into())
@@ -591,6 +638,9 @@ impl CudaExecutor {
         for staged in f.states_in.drain(..).chain(f.states_out.drain(..).map(|(_, _, b)| b)) {
             self.pinned_floats.give_back(Some(staged));
         }
+        for staged in std::mem::take(&mut f.exchanged).released() {
+            self.pinned_words.give_back(Some(staged));
+        }
         completion
     }
 
@@ -609,7 +659,7 @@ impl CudaExecutor {
                 e.state = Some(copy.as_slice()[..*floats].to_vec());
             }
         }
-        StepCompletion { step: f.step, result: Ok(sampled), exports, failed: Vec::new() }
+        StepCompletion { step: f.step, result: Ok(sampled), exports, failed: std::mem::take(&mut f.failed) }
     }
 
     /// What a completed forward sampled, sequence by sequence.
@@ -618,6 +668,26 @@ impl CudaExecutor {
         let mut rows =
             words.chunks(RESULT_WORDS).map(|r| ((r[1] != 0).then_some(r[0]), r[2] as u64 | (r[3] as u64) << 32));
         f.sampling.iter().map(|(seq, drafts)| scored(*seq, drafts, &mut rows)).collect()
+    }
+
+    /// A record whose step is enqueued whole (or failed) goes in flight: the rank is woken as
+    /// it completes, not when the stream runs dry, so each token is applied (and streamed) when
+    /// computed, however far ahead the rank launched.
+    fn go_in_flight(&mut self, record: InFlight) {
+        let launched = record.event.is_some();
+        self.in_flight.push_back(record);
+        if launched && self.deferred_output {
+            let waker = self.waker.clone();
+            if let Err(e) = self.gpu.when_reached(Box::new(move || waker.wake())) {
+                tracing::error!("cuda: {e}");
+            }
+        }
+        if !self.deferred_output {
+            // For comparison only: the host waits for the step before the next is scheduled.
+            if let Err(e) = self.gpu.wait() {
+                tracing::error!("cuda: {e}");
+            }
+        }
     }
 
     /// 6. With the MTP drafter, once a step's forward has completed: its draft passes, enqueued
@@ -662,40 +732,26 @@ impl Executor for CudaExecutor {
         1
     }
 
+    fn expert_parallel(&mut self) -> Option<&mut dyn super::contract::ExpertParallel> {
+        self.experts.is_some().then_some(self as &mut dyn super::contract::ExpertParallel)
+    }
+
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
-        let record = self.enqueue(step).unwrap_or_else(|e| InFlight {
-            step: step.step,
-            event: None,
-            error: Some(e),
-            sampling: Vec::new(),
-            meta: None,
-            results: None,
-            exports: Vec::new(),
-            imports: Vec::new(),
-            states_in: Vec::new(),
-            states_out: Vec::new(),
-            mtp: None,
-            passes: None,
-        });
-        let launched = record.event.is_some();
-        self.in_flight.push_back(record);
-        if launched && self.deferred_output {
-            // The rank is woken as this step completes, not when the stream runs dry: each
-            // token is applied (and streamed) when computed, however far ahead the rank launched.
-            let waker = self.waker.clone();
-            if let Err(e) = self.gpu.when_reached(Box::new(move || waker.wake())) {
-                tracing::error!("cuda: {e}");
+        let record = match self.enqueue(step) {
+            Ok(Some(record)) => record,
+            // expert parallel: in flight after its last exchange (`cuda_experts.rs`)
+            Ok(None) => return,
+            Err(e) => {
+                let mut failed = InFlight::started(step.step, Vec::new());
+                failed.error = Some(e);
+                failed
             }
-        }
-        if !self.deferred_output {
-            // For comparison only: the host waits for the step before the next is scheduled.
-            if let Err(e) = self.gpu.wait() {
-                tracing::error!("cuda: {e}");
-            }
-        }
+        };
+        self.go_in_flight(record);
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        self.release_served();
         while let Some(front) = self.in_flight.front() {
             let done = match &front.event {
                 None => Ok(true),
@@ -743,7 +799,7 @@ impl Drop for CudaExecutor {
     /// Nothing the GPU may still use is freed under it (a run ends with no step in flight; this
     /// is for one that did not).
     fn drop(&mut self) {
-        if self.in_flight.iter().any(|f| f.event.is_some()) {
+        if self.in_flight.iter().any(|f| f.event.is_some()) || self.serves_rows() {
             let _ = self.gpu.wait();
         }
     }

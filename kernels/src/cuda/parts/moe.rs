@@ -20,9 +20,13 @@ pub(crate) struct DevMoe {
     pub topk_group: usize,
     pub norm_topk_prob: bool,
     pub scaling: f32,
-    /// Every expert's `[gate; up]` rows, `[experts × 2·inter × hidden]`.
+    /// The experts held (all of them, or one rank's range under expert parallelism): their
+    /// weights below are theirs alone, expert `first_expert + i` at `i`.
+    pub first_expert: usize,
+    pub held: usize,
+    /// Every held expert's `[gate; up]` rows, `[held × 2·inter × hidden]`.
     pub gate_up: DevWeight,
-    /// Every expert's down rows, `[experts × hidden × inter]`.
+    /// Every held expert's down rows, `[held × hidden × inter]`.
     pub down: DevWeight,
     pub inter: usize,
     pub shared: Option<DevMlp>,
@@ -48,6 +52,8 @@ pub(crate) fn upload(gpu: &Up, m: &MoeBlock) -> Result<DevMoe, CudaError> {
         topk_group: r.topk_group,
         norm_topk_prob: r.norm_topk_prob,
         scaling: r.scaling,
+        first_expert: m.first_expert,
+        held: m.experts.len(),
         gate_up: gpu.weight(&gate_up, false)?,
         down: gpu.weight(&down, false)?,
         inter,
@@ -57,7 +63,6 @@ pub(crate) fn upload(gpu: &Up, m: &MoeBlock) -> Result<DevMoe, CudaError> {
 }
 
 impl Step<'_> {
-    #[allow(clippy::too_many_arguments)]
     /// Routed expert products over the pairs grouped by expert (`order`, `offsets`).
     #[allow(clippy::too_many_arguments)]
     fn expert_linear(
@@ -91,8 +96,31 @@ impl Step<'_> {
         )
     }
 
+    /// The block over the step's rows, every expert held here: routing, the routed experts'
+    /// products, then [`Step::moe_combine`].
     pub(crate) fn moe(&self, h: u64, x: u64, m: &DevMoe, hidden: usize) -> Result<(), CudaError> {
-        let (t, k, inter) = (self.rows, m.top_k, m.inter);
+        if m.held != m.num_experts {
+            return Err(CudaError::Unsupported(format!(
+                "a MoE block holding {} of its {} experts runs only expert parallel",
+                m.held, m.num_experts
+            )));
+        }
+        let (experts, weights) = self.route(x, m, hidden)?;
+        let pairs = self.rows * m.top_k;
+        let out = self.gpu.scratch::<f32>(pairs * hidden)?;
+        self.expert_products(out.ptr(), x, experts.ptr(), pairs, m.top_k, m, hidden)?;
+        self.moe_combine(h, x, out.ptr(), weights.ptr(), m, hidden)
+    }
+
+    /// The router and `route` over the step's rows: each row's `top_k` experts in ascending
+    /// order and their weights, `[rows × top_k]` each.
+    pub(crate) fn route(
+        &self,
+        x: u64,
+        m: &DevMoe,
+        hidden: usize,
+    ) -> Result<(DeviceBuf<i32>, DeviceBuf<f32>), CudaError> {
+        let (t, k) = (self.rows, m.top_k);
         let logits = self.gpu.scratch::<f32>(t * m.num_experts)?;
         self.linear(logits.ptr(), x, &m.router, t, hidden, m.num_experts, false)?;
         let experts = self.gpu.scratch::<i32>(t * k)?;
@@ -118,30 +146,60 @@ impl Step<'_> {
                 Arg::F32(m.scaling),
             ],
         )?;
-        let pairs = t * k;
-        let ne = m.num_experts;
-        let grouped = GroupedPairs::new(self.gpu, pairs, ne)?;
+        Ok((experts, weights))
+    }
+
+    /// `out[p] = expert(experts[p])(x[p / x_per])` over `pairs` pairs, `experts` holding each
+    /// pair's held expert (its index among the held ones): grouped by expert, each expert's
+    /// `[gate; up]`, SwiGLU and down products over its pairs. A pair's value does not depend on
+    /// the others (`expert_products` in `kernels/cuda/model.cu`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn expert_products(
+        &self,
+        out: u64,
+        x: u64,
+        experts: u64,
+        pairs: usize,
+        x_per: usize,
+        m: &DevMoe,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
+        let (inter, held) = (m.inter, m.held);
+        let grouped = GroupedPairs::new(self.gpu, pairs, held)?;
         self.gpu.launch(
             "group_pairs",
             (1, 1, 1),
             256,
-            (ne * 4) as u32,
+            (held * 4) as u32,
             &[
                 Arg::Ptr(grouped.order.ptr()),
                 Arg::Ptr(grouped.offsets.ptr()),
                 Arg::Ptr(grouped.work.ptr()),
-                Arg::Ptr(experts.ptr()),
+                Arg::Ptr(experts),
                 Arg::I32(pairs as i32),
-                Arg::I32(ne as i32),
+                Arg::I32(held as i32),
                 Arg::I32(grouped.per_item as i32),
             ],
         )?;
         let gu = self.gpu.scratch::<f32>(pairs * 2 * inter)?;
-        self.expert_linear(gu.ptr(), x, &m.gate_up, &grouped, 2 * inter, hidden, k)?;
+        self.expert_linear(gu.ptr(), x, &m.gate_up, &grouped, 2 * inter, hidden, x_per)?;
         let act = self.gpu.scratch::<f32>(pairs * inter)?;
         self.swiglu(act.ptr(), 0, gu.ptr(), pairs, inter)?;
-        let out = self.gpu.scratch::<f32>(pairs * hidden)?;
-        self.expert_linear(out.ptr(), act.ptr(), &m.down, &grouped, hidden, inter, 1)?;
+        self.expert_linear(out, act.ptr(), &m.down, &grouped, hidden, inter, 1)
+    }
+
+    /// `h += Σ_k weight · expert_out[row, k]` over each row's routes in ascending expert order,
+    /// plus the shared experts (and their gate) over `x`.
+    pub(crate) fn moe_combine(
+        &self,
+        h: u64,
+        x: u64,
+        expert_out: u64,
+        weights: u64,
+        m: &DevMoe,
+        hidden: usize,
+    ) -> Result<(), CudaError> {
+        let t = self.rows;
         let shared = match &m.shared {
             Some(s) => {
                 let y = self.gpu.scratch::<f32>(t * hidden)?;
@@ -165,12 +223,12 @@ impl Step<'_> {
             0,
             &[
                 Arg::Ptr(h),
-                Arg::Ptr(out.ptr()),
-                Arg::Ptr(weights.ptr()),
+                Arg::Ptr(expert_out),
+                Arg::Ptr(weights),
                 Arg::Ptr(shared.as_ref().map_or(0, DeviceBuf::ptr)),
                 Arg::Ptr(shared_gate.as_ref().map_or(0, DeviceBuf::ptr)),
                 Arg::I32(t as i32),
-                Arg::I32(k as i32),
+                Arg::I32(m.top_k as i32),
                 Arg::I32(hidden as i32),
             ],
         )
