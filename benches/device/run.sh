@@ -11,7 +11,7 @@
 # the offload tier with cuda ranks. Raw output
 # goes to $OUT/device-run.txt (or ./device-run.txt). Exits non-zero when any check fails.
 # The whole took 568 s on the H200 before the bf16 graphs were added: RUN_PARTS picks parts for
-# calls of their own (default "checks verify sampled spec mtp specbench bf16 offload"), e.g. RUN_PARTS="checks bf16" then
+# calls of their own (default "checks verify sampled spec mtp experts specbench bf16 offload"), e.g. RUN_PARTS="checks bf16" then
 # RUN_PARTS="verify offload".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,7 +20,7 @@ source benches/device/binaries.sh
 bin=.device-bin/kvflow
 if [ ! -x "$bin" ]; then echo "no $bin: run benches/device/prepare.sh first and carry .device-bin" >&2; exit 2; fi
 status=0
-parts=" ${RUN_PARTS:-checks verify sampled spec mtp specbench bf16 offload} "
+parts=" ${RUN_PARTS:-checks verify sampled spec mtp experts specbench bf16 offload} "
 part() { case "$parts" in *" $1 "*) return 0 ;; *) echo "== (part $1 skipped: RUN_PARTS=${RUN_PARTS:-})"; return 1 ;; esac; }
 exec > >(tee "$out") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -75,6 +75,38 @@ print('landed_on_device', r['handoff'].get('landed_on_device'), 'of', r['complet
       rm -f "graphs/.$graph-$model-cuda.toml"
     done
 done
+# expert parallelism on cuda ranks of one GPU (each rank holds its share of the experts; routed
+# rows and expert results move device to device on the receiver's stream after the sender's
+# event): the MoE families on 2, 4 and 8 ranks, aggregated and 1P1D, greedy, exact against the
+# cuda plain path; then the seed's regression configuration with n-gram drafting (8 + 8 ranks)
+if part experts; then
+    for model in deepseek_v3 deepseek_v32 qwen3_next kimi_linear; do
+        for ranks in 2 4 8; do
+            for graph in cuda-aggregated pd-1p1d; do
+                g="graphs/.$graph-$model-ep$ranks.toml"
+                sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
+                    -e "s/^ranks = .*/ranks = $ranks\nexpert_parallel = true/" \
+                    -e "s#out/$graph\"#out/$graph-$model-ep$ranks\"#" "graphs/$graph.toml" > "$g"
+                echo "== kvflow run $graph ($model, executor = cuda, expert_parallel on $ranks ranks) --verify"
+                "$bin" run "$g" --verify 2>&1 | tail -n 12 || status=1
+                python3 -c "import json,sys; r=json.load(open(sys.argv[1])); \
+[print('rank', s['pool'], s['rank'], 'expert_bytes', s['expert_bytes'], 'exchange_bytes', s['exchange_bytes'], \
+'exchange_host_bytes', s['exchange_host_bytes']) for s in r['rank_stats']]" \
+                    "out/$graph-$model-ep$ranks/report.json" 2>/dev/null || true
+                rm -f "$g"
+            done
+        done
+    done
+    sed -e 's/^executor = "cpu"/executor = "cuda"/' -e 's#out/regress-1p1d-dpa8-spec"#out/regress-1p1d-dpa8-spec-cuda"#' \
+        graphs/regress-1p1d-dpa8-spec.toml > graphs/.regress-1p1d-dpa8-spec-cuda.toml
+    echo "== kvflow run regress-1p1d-dpa8-spec (kimi_linear, executor = cuda, 8 + 8 expert-parallel ranks) --verify"
+    "$bin" run graphs/.regress-1p1d-dpa8-spec-cuda.toml --verify 2>&1 | tail -n 25 || status=1
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('completed', r['completed'], 'spec', json.dumps(r['spec'])); \
+[print('rank', s['pool'], s['rank'], 'expert_bytes', s['expert_bytes'], 'exchange_bytes', s['exchange_bytes'], \
+'exchange_host_bytes', s['exchange_host_bytes']) for s in r['rank_stats']]" \
+        out/regress-1p1d-dpa8-spec-cuda/report.json 2>/dev/null || true
+    rm -f graphs/.regress-1p1d-dpa8-spec-cuda.toml
+fi
 # the MTP drafter on cuda pools (its layer's passes on the device after each step), on the seeded
 # DeepSeek-V3 of benches/specs/deepseek_mtp.toml: graphs/spec.toml with drafter = "mtp"
 # (aggregated) and graphs/spec-mtp.toml (1P1D over inproc: the producer's drafts from T0 handed

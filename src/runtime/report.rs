@@ -59,13 +59,15 @@ fn rank_figures(stats: &[&RankStats]) -> Map<String, Value> {
 /// One entry per rank of every pool (of every process, for a pool spread over processes): its
 /// steps, the steps it launched nothing in, the handoffs it sent and took (and the events it
 /// relayed back from a decode pool in another process), the bytes of
-/// routed-expert weights it holds, the bytes it sent through expert exchanges, the chunks it
+/// routed-expert weights it holds, the bytes it sent through expert exchanges (and of them the
+/// floats that crossed in host memory), the chunks it
 /// saved to and loaded from the offload store, the cache events it reported to the routing
 /// index, and the drafts it fed.
 fn rank_stats(stats: &[(String, Vec<RankStats>)]) -> Value {
     let entry = |pool: &String, s: &RankStats| {
         json!({"pool": pool, "rank": s.rank, "steps": s.steps, "empty_steps": s.empty_steps,
                "expert_bytes": s.expert_bytes, "exchange_bytes": s.exchange_bytes, "expert_rows": s.expert_rows,
+               "exchange_host_bytes": s.exchange_host_bytes,
                "forward_tokens": s.forward_tokens, "handoffs_out": s.handoffs_out, "handoffs_in": s.handoffs_in,
                "relayed_events": s.relayed_events, "index_events": s.index_events,
                "index_offload_events": s.index_offload_events, "index_resyncs": s.index_resyncs, "saved_chunks": s.offload.saved_chunks, "loaded_chunks": s.offload.loaded_chunks,

@@ -112,8 +112,7 @@ fn dispatch<'scope>(
                             );
                             withheld.push(rows_cap.clone());
                         } else {
-                            rank.stats.exchange_bytes +=
-                                sent.iter().filter(|m| m.to != rank.index).map(|m| m.bytes() as u64).sum::<u64>();
+                            rank.count_exchange(&sent);
                             rows_session.session(&rows_cap).give_iterator(sent.into_iter());
                         }
                         token_session.session(&token_cap).give(token);
@@ -155,8 +154,7 @@ fn experts<'scope>(
                     got.sort_by_key(|m| m.from);
                     let mut rank = rank.borrow_mut();
                     let results = rank.run_experts(at.moe, &got);
-                    rank.stats.exchange_bytes +=
-                        results.iter().filter(|m| m.to != rank.index).map(|m| m.bytes() as u64).sum::<u64>();
+                    rank.count_exchange(&results);
                     output.session(&cap).give_iterator(results.into_iter());
                 }
             }

@@ -2,7 +2,7 @@
 //! executor at each MoE layer (see `crate::pool::experts`).
 
 use super::Rank;
-use crate::messages::{ExpertPair, ExpertRows};
+use crate::messages::{ExpertPair, ExpertRows, Payload};
 
 impl Rank {
     /// The rows this rank's step in progress routed at MoE layer `moe`, by owning rank.
@@ -28,6 +28,16 @@ impl Rank {
     pub fn combine_experts(&mut self, moe: usize, results: Vec<ExpertRows>, missing: &[ExpertPair]) {
         if let Some(ep) = self.executor.expert_parallel() {
             ep.combine(moe, results, missing);
+        }
+    }
+
+    /// Counts what `sent` moves to other ranks: all its bytes, and the floats in host memory.
+    pub fn count_exchange(&mut self, sent: &[ExpertRows]) {
+        for m in sent.iter().filter(|m| m.to != self.index) {
+            self.stats.exchange_bytes += m.bytes() as u64;
+            if let Payload::Host(_) = m.payload {
+                self.stats.exchange_host_bytes += m.payload.bytes() as u64;
+            }
         }
     }
 }

@@ -46,6 +46,9 @@ pub struct RankStats {
     pub expert_bytes: u64,
     pub exchange_bytes: u64,
     pub expert_rows: u64,
+    /// Of `exchange_bytes`, the floats that crossed in host memory (0 on cuda ranks: their
+    /// rows move device to device).
+    pub exchange_host_bytes: u64,
     /// The offload tier's counters.
     pub offload: super::OffloadStats,
     /// Router `kv-aware`: cache events this rank reported to the routing index (device and
