@@ -80,8 +80,9 @@ done
 # event): the MoE families on 2, 4 and 8 ranks, aggregated and 1P1D, greedy, exact against the
 # cuda plain path; then the seed's regression configuration with n-gram drafting (8 + 8 ranks)
 if part experts; then
-    for model in deepseek_v3 deepseek_v32 qwen3_next kimi_linear; do
-        for ranks in 2 4 8; do
+    # (EP_MODELS, EP_RANKS: a part of the sweep per device call)
+    for model in ${EP_MODELS:-deepseek_v3 deepseek_v32 qwen3_next kimi_linear}; do
+        for ranks in ${EP_RANKS:-2 4 8}; do
             for graph in cuda-aggregated pd-1p1d; do
                 g="graphs/.$graph-$model-ep$ranks.toml"
                 sed -e "s#fixtures/hf/llama#fixtures/hf/$model#" -e 's/^executor = "cpu"/executor = "cuda"/' \
@@ -97,15 +98,17 @@ if part experts; then
             done
         done
     done
-    sed -e 's/^executor = "cpu"/executor = "cuda"/' -e 's#out/regress-1p1d-dpa8-spec"#out/regress-1p1d-dpa8-spec-cuda"#' \
-        graphs/regress-1p1d-dpa8-spec.toml > graphs/.regress-1p1d-dpa8-spec-cuda.toml
-    echo "== kvflow run regress-1p1d-dpa8-spec (kimi_linear, executor = cuda, 8 + 8 expert-parallel ranks) --verify"
-    "$bin" run graphs/.regress-1p1d-dpa8-spec-cuda.toml --verify 2>&1 | tail -n 25 || status=1
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('completed', r['completed'], 'spec', json.dumps(r['spec'])); \
-[print('rank', s['pool'], s['rank'], 'expert_bytes', s['expert_bytes'], 'exchange_bytes', s['exchange_bytes'], \
-'exchange_host_bytes', s['exchange_host_bytes']) for s in r['rank_stats']]" \
-        out/regress-1p1d-dpa8-spec-cuda/report.json 2>/dev/null || true
-    rm -f graphs/.regress-1p1d-dpa8-spec-cuda.toml
+    if [ "${EP_REGRESS:-1}" = 1 ]; then
+        sed -e 's/^executor = "cpu"/executor = "cuda"/' -e 's#out/regress-1p1d-dpa8-spec"#out/regress-1p1d-dpa8-spec-cuda"#' \
+            graphs/regress-1p1d-dpa8-spec.toml > graphs/.regress-1p1d-dpa8-spec-cuda.toml
+        echo "== kvflow run regress-1p1d-dpa8-spec (kimi_linear, executor = cuda, 8 + 8 expert-parallel ranks) --verify"
+        "$bin" run graphs/.regress-1p1d-dpa8-spec-cuda.toml --verify 2>&1 | tail -n 25 || status=1
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('completed', r['completed'], 'spec', json.dumps(r['spec'])); \
+    [print('rank', s['pool'], s['rank'], 'expert_bytes', s['expert_bytes'], 'exchange_bytes', s['exchange_bytes'], \
+    'exchange_host_bytes', s['exchange_host_bytes']) for s in r['rank_stats']]" \
+            out/regress-1p1d-dpa8-spec-cuda/report.json 2>/dev/null || true
+        rm -f graphs/.regress-1p1d-dpa8-spec-cuda.toml
+    fi
 fi
 # the MTP drafter on cuda pools (its layer's passes on the device after each step), on the seeded
 # DeepSeek-V3 of benches/specs/deepseek_mtp.toml: graphs/spec.toml with drafter = "mtp"
