@@ -1,14 +1,17 @@
-//! Expert parallelism on cuda ranks (emulated: the same kernels on the CPU): every MoE family
-//! exact against the cuda plain path with its experts over several ranks, aggregated and 1P1D;
-//! each rank holds only its own experts and exchanges rows device to device.
+//! Expert parallelism on cuda ranks (emulated: the same kernels on the CPU; the GPU's runs are
+//! `benches/device/run.sh`'s `experts` part): MoE families exact against the cuda plain path with
+//! their experts over several ranks, aggregated and 1P1D, each rank holding only its own experts
+//! and exchanging rows device to device (no float crosses in host memory); an expert result that
+//! never comes back fails the requests that lost it, never a silent zero.
 
-use crate::common::repo;
+use crate::common::{records, repo};
 use crate::runtime::{assert_exact, run_graph, write_graph_with};
 use kvflow::graph::Overrides;
 use kvflow_kernels::models::{load, load_expert_shard};
+use kvflow_operators::rank::TestSwitches;
 use serde_json::Value;
 
-const WORKLOAD: &str = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 6";
+const WORKLOAD: &str = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 4";
 
 fn ep_cuda_pool(name: &str, role: &str, ranks: usize) -> String {
     format!(
@@ -18,7 +21,8 @@ fn ep_cuda_pool(name: &str, role: &str, ranks: usize) -> String {
     )
 }
 
-/// Every rank holds exactly its own share of the experts and sent rows to the others.
+/// Every rank holds exactly its own share of the experts, sent rows to the others, and none of
+/// the floats it sent crossed in host memory.
 fn assert_device_exchange(report: &Value, model: &str, ranks: usize, what: &str) {
     let dir = repo().join("fixtures").join(model);
     let whole = load(&dir).unwrap().expert_bytes() as u64;
@@ -28,18 +32,46 @@ fn assert_device_exchange(report: &Value, model: &str, ranks: usize, what: &str)
         assert_eq!(s["expert_bytes"].as_u64(), Some(share), "{what}: rank {rank}: {s}");
         assert!(share < whole, "{what}: rank {rank} holds every expert");
         assert!(s["exchange_bytes"].as_u64().unwrap() > 0, "{what}: rank {rank} exchanged nothing: {s}");
+        assert_eq!(s["exchange_host_bytes"].as_u64(), Some(0), "{what}: rank {rank} sent floats through the host: {s}");
     }
 }
 
 #[test]
 fn moe_families_on_expert_parallel_cuda_ranks_are_exact_against_the_cuda_plain_path() {
-    for (model, ranks) in [("hf/deepseek_v3", 2), ("hf/qwen3_next", 4), ("hf/kimi_linear", 2), ("hf/deepseek_v32", 2)] {
+    let aggregated = ep_cuda_pool("main", "aggregated", 2);
+    let pd = format!(
+        "{}\n{}\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\n",
+        ep_cuda_pool("prefill", "prefill", 2),
+        ep_cuda_pool("decode", "decode", 2)
+    );
+    for (model, pools, what) in [("hf/deepseek_v3", &aggregated, "aggregated"), ("hf/kimi_linear", &pd, "1P1D")] {
         let dir = tempfile::tempdir().unwrap();
-        let pools = ep_cuda_pool("main", "aggregated", ranks);
-        let graph = write_graph_with(dir.path(), model, "mooncake_conversation_head.jsonl", WORKLOAD, "32 MiB", &pools);
+        let graph = write_graph_with(dir.path(), model, "mooncake_conversation_head.jsonl", WORKLOAD, "32 MiB", pools);
         let report = run_graph(&graph, Overrides::default(), Default::default());
-        let what = format!("{model} aggregated on {ranks} expert-parallel cuda ranks");
+        let what = format!("{model} {what} on expert-parallel cuda ranks of 2");
         assert_exact(&report, &what);
-        assert_device_exchange(&report, model, ranks, &what);
+        assert_device_exchange(&report, model, 2, &what);
     }
+}
+
+#[test]
+fn a_cuda_rank_left_without_expert_results_fails_the_requests_that_lost_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 6";
+    let pools = ep_cuda_pool("main", "aggregated", 2);
+    let graph =
+        write_graph_with(dir.path(), "hf/deepseek_v3", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let switches = TestSwitches { send_no_expert_results: Some((1, 3, 0)), ..Default::default() };
+    let report = run_graph(&graph, Overrides::default(), switches);
+    let lines = records(dir.path());
+    let failed: Vec<&Value> = lines.iter().filter(|r| !r["failure"].is_null()).collect();
+    assert!(!failed.is_empty(), "requests whose tokens met rank 1's experts at step 3 fail");
+    for r in &failed {
+        assert_eq!(r["failure"], "expert-combine", "{r}");
+        let error = r["error"].as_str().unwrap();
+        assert!(error.contains("step 3") && error.contains("on rank 1") && error.contains("no result"), "{error}");
+    }
+    assert_eq!(report["completed"].as_u64().unwrap() + failed.len() as u64, 6, "every request ends");
+    assert_eq!(report["verify"]["mismatched"], 0, "no request completed with a silent zero");
+    assert_ne!(report["stalled"], true, "the watchdog never fired");
 }
