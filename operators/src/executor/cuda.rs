@@ -176,6 +176,19 @@ pub struct CudaExecutor {
 
 impl CudaExecutor {
     pub fn new(ctx: &ExecutorContext, settings: &CudaSettings) -> Result<Self, String> {
+        if let (Some(place), false) = (ctx.experts, settings.emulate) {
+            // (the exchanged rows are copied device to device within one GPU)
+            let (first, own) = (settings.gpu_of(0), settings.gpu_of(ctx.rank));
+            if let (Ok(first), Ok(own)) = (first, own) {
+                if first != own {
+                    return Err(format!(
+                        "pool {}: expert_parallel = true on cuda keeps a pool's {} ranks on one GPU, but rank {} would \
+                         use GPU {own} and rank 0 GPU {first}; set executor_settings.gpus = [{first}]",
+                        ctx.pool, place.ranks, ctx.rank
+                    ));
+                }
+            }
+        }
         let gpu = settings.open(ctx.rank).map_err(|e| e.to_string())?;
         let ordinal = gpu.ordinal;
         let model = DeviceModel::upload_as(&gpu, &ctx.model, settings.dtype).map_err(|e| e.to_string())?;
