@@ -187,9 +187,9 @@ impl DeviceModel {
         self.moe_block(0).map(|m| (m.first_expert, m.held))
     }
 
-    /// Enqueues a step up to its first MoE block's routing (or, without one, to its end, as
-    /// [`DeviceModel::continue_split`] then does nothing more): the embeddings, the layers
-    /// before, and the routes copied to `routes` (pinned, `rows × top_k` at least).
+    /// Enqueues a step up to its first MoE block's routing: the embeddings, the layers before,
+    /// and the routes copied to `routes` (pinned, `rows × top_k` at least). A model without a
+    /// MoE block is refused (it has nothing to split at).
     #[allow(clippy::too_many_arguments)]
     pub fn begin_split(
         &self,
@@ -201,6 +201,9 @@ impl DeviceModel {
         ring: u64,
         routes: PinnedBuf<u32>,
     ) -> Result<SplitStep, CudaError> {
+        if self.max_top_k() == 0 {
+            return Err(CudaError::Unsupported("a step split at MoE blocks of a model without one".into()));
+        }
         let t = shape.rows;
         let h = self.embed_rows(gpu, t, at, ring)?;
         let mut split = SplitStep {
