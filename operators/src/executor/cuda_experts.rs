@@ -86,8 +86,7 @@ impl CudaExecutor {
         let Some((_, at)) = staged.direct.as_ref() else {
             return Err(ExecutorError::Launch("an expert-parallel step is never replayed".into()));
         };
-        let widest = self.model_top_k();
-        let routes = self.pinned_words.take(gpu, rows.rows() * widest).map_err(fail)?;
+        let routes = self.pinned_words.take(gpu, rows.rows() * self.model.max_top_k()).map_err(fail)?;
         let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
         let split = model.begin_split(gpu, kv, state, rows.shape(), *at, self.ring.ptr(), routes).map_err(fail)?;
         let results = gpu.scratch::<u32>(rows.sampled() * RESULT_WORDS).map_err(fail)?;
@@ -108,11 +107,6 @@ impl CudaExecutor {
         });
         self.end_split_if_done();
         Ok(())
-    }
-
-    /// The widest `top_k` of the model's MoE blocks (what a block's routes take).
-    fn model_top_k(&self) -> usize {
-        self.model.max_top_k()
     }
 
     /// Once the split step's layers are all enqueued (its head too): its end, and in flight.
@@ -266,17 +260,19 @@ impl ExpertParallel for CudaExecutor {
         // each result's row in the received buffer; its last row is zeros
         let mut found: HashMap<(u32, u32), u32> = HashMap::new();
         let mut payloads = Vec::new();
+        let mut received = 0;
         for m in results {
             if let Payload::Device(rows) = m.payload {
                 if rows.rows == m.pairs.len() {
                     for (i, &pair) in m.pairs.iter().enumerate() {
-                        found.insert(pair, (payloads.iter().map(|r: &DeviceRows| r.rows).sum::<usize>() + i) as u32);
+                        found.insert(pair, (received + i) as u32);
                     }
+                    received += rows.rows;
                     payloads.push(rows);
                 }
             }
         }
-        let zero_row = payloads.iter().map(|r| r.rows).sum::<usize>() as u32;
+        let zero_row = received as u32;
         let k = split.top_k;
         let mut index = Vec::with_capacity(split.routes.len());
         for (i, &e) in split.routes.iter().enumerate() {
