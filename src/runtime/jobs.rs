@@ -100,14 +100,6 @@ pub(crate) fn expert_parallel_job(
     }
     let mtp_drafts = pool.scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens);
     let draft_passes = kvflow_operators::executor::draft_passes(model, true, mtp_drafts);
-    if pool.executor == "cuda" && draft_passes > 0 {
-        return Err(anyhow!(
-            "{}: pool `{}`: the mtp drafter's passes under expert_parallel = true run on the \"cpu\" executor for \
-             now (a cuda pool drafts with \"ngram\" under expert parallelism, or with \"mtp\" without it)",
-            graph.path.display(),
-            pool.name
-        ));
-    }
     if pool.executor == "cuda" && pool.hosts.len() > 1 {
         return Err(anyhow!(
             "{}: pool `{}`: a cuda pool with expert_parallel = true exchanges its rows in device memory, so its \

@@ -302,14 +302,16 @@ pub fn spawn_watchdog(
                 }
                 quiet_now.push((name, watch, since.elapsed(), in_vain));
             }
-            // A pool stalls at the timeout; a pool that waits in vain is named beside it even if
-            // not quiet as long, since the stalled one may only wait behind it (a prefill pool
-            // waiting for its decode pool's end), so the diagnosis says what the run waits on.
+            // A pool stalls at the timeout; a pool that waits in vain, or has been quiet for half
+            // the timeout, is named beside it even if not quiet as long, since the stalled one may
+            // only wait behind it (a decode pool waiting for handoffs a stalled prefill pool
+            // withholds; a prefill pool waiting for its decode pool's end), so the diagnosis says
+            // what the run waits on.
             let stalls = |quiet_for: Duration| quiet_for >= timeout && started.elapsed() >= timeout;
             let mut stalled = Vec::new();
             if quiet_now.iter().any(|(_, _, quiet_for, _)| stalls(*quiet_for)) {
                 for (name, watch, quiet_for, in_vain) in &quiet_now {
-                    if !stalls(*quiet_for) && in_vain.is_empty() {
+                    if *quiet_for < timeout / 2 && in_vain.is_empty() {
                         continue;
                     }
                     let mut text = format!("pool {name}: {}", watch.diagnose(*quiet_for, timeout));

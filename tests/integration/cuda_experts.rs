@@ -75,3 +75,48 @@ fn a_cuda_rank_left_without_expert_results_fails_the_requests_that_lost_them() {
     assert_eq!(report["verify"]["mismatched"], 0, "no request completed with a silent zero");
     assert_ne!(report["stalled"], true, "the watchdog never fired");
 }
+
+/// The seed's hang on cuda ranks: P/D pools of 2 expert-parallel cuda ranks with the MTP drafter,
+/// whose MoE block makes each draft pass an exchange of its experts (device to device, as the
+/// model's); prompt chunks of 16 tokens, so a producer rank often runs only a middle chunk
+/// (nothing sampled, nothing to draft) while its peer samples T0 and drafts. It still joins every
+/// draft pass: the run ends exact, drafts fed and handed off. With the test switch a rank that
+/// samples nothing skips them, and the watchdog names `dispatch[mtp.0]` in the producer pool.
+#[test]
+fn cuda_ranks_join_every_mtp_draft_pass_and_a_rank_that_skips_them_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = crate::spec::mtp_checkpoint(dir.path());
+    let pools = format!(
+        "{}\n{}\n[[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"inproc\"\n",
+        ep_cuda_pool("prefill", "prefill", 2),
+        ep_cuda_pool("decode", "decode", 2)
+    );
+    let edits = [("draft_tokens = 4", "draft_tokens = 3"), ("limit = 8", "limit = 6")];
+    let graph = crate::spec::mtp_graph(dir.path(), &ckpt.to_string_lossy(), &pools, &edits);
+    let outputs = Overrides { max_output_tokens: Some(24), ..Default::default() };
+    let report = run_graph(&graph, outputs, TestSwitches::default());
+    assert_exact(&report, "P/D expert-parallel cuda ranks with MTP draft passes");
+    let spec = &report["spec"];
+    assert!(spec["drafted_tokens"].as_u64().unwrap() > 0, "MTP drafts were fed: {spec}");
+    let sent = spec["handed_off_drafts"].as_u64().unwrap();
+    assert!(sent > 0 && spec["first_decode_drafts"] == sent, "the producer's drafts from T0 handed off: {spec}");
+    let ranks = report["rank_stats"].as_array().unwrap();
+    let prefill: Vec<&Value> = ranks.iter().filter(|r| r["pool"] == "prefill").collect();
+    let joined_idle: u64 = prefill.iter().map(|r| r["draft_passes_without_samples"].as_u64().unwrap()).sum();
+    assert!(joined_idle > 0, "producer ranks joined draft passes with nothing sampled: {prefill:?}");
+    for r in ranks {
+        assert!(r["exchange_bytes"].as_u64().unwrap() > 0, "experts really exchanged: {r}");
+        assert_eq!(r["exchange_host_bytes"].as_u64(), Some(0), "no float crossed in host memory: {r}");
+    }
+
+    let _one_at_a_time = crate::runtime::HEAVY.lock();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
+        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "5"])
+        .args(["--test-switch", "skip-draft-passes-without-samples"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
+    let culprit = stderr.lines().skip_while(|l| !l.starts_with("pool prefill: stall")).nth(1).unwrap_or_default();
+    assert!(culprit.contains("holding the pool back: operator `dispatch[mtp.0]`"), "in:\n{stderr}");
+}

@@ -11,7 +11,7 @@
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Event, Gpu, PinnedBuf};
 use super::kv::DeviceKv;
-use super::model::{DevFfn, DeviceModel};
+use super::model::{DevFfn, DevLayer, DeviceModel};
 use super::parts::moe::DevMoe;
 use super::parts::Step;
 use super::rows::{RowsOnDevice, StepShape};
@@ -86,9 +86,10 @@ impl DeviceRows {
     }
 }
 
-/// A step between its MoE exchanges: its activations, where it stands, and what its stream
-/// still reads.
+/// A step — or an MTP pass (`mtp`: its one layer is the MTP block) — between its MoE exchanges:
+/// its activations, where it stands, and what its stream still reads.
 pub struct SplitStep {
+    mtp: bool,
     shape: StepShape,
     at: RowsOnDevice,
     ring: u64,
@@ -111,7 +112,7 @@ pub struct SplitStep {
 impl SplitStep {
     /// The MoE block routed and waiting for its experts, with its `top_k`, if any.
     pub fn routed_top_k(&self, model: &DeviceModel) -> Option<usize> {
-        self.routed.as_ref().and_then(|_| model.moe_at(self.layer)).map(|m| m.top_k)
+        self.routed.as_ref().and_then(|_| model.split_moe(self)).map(|m| m.top_k)
     }
 
     /// Every row's experts at the routed block, `[rows × top_k]` ascending per row; waits for
@@ -137,15 +138,16 @@ impl SplitStep {
         DeviceRows::of(gpu, out, n, width)
     }
 
-    /// Everything the step's stream reads that it holds, returned once it has completed.
-    pub fn into_held(self) -> (Vec<DeviceRows>, Vec<PinnedBuf<u32>>) {
+    /// Everything the step's stream reads that it holds, to keep until it has completed, and
+    /// its hidden rows (an MTP pass's output, which the next pass reads).
+    pub fn into_held(self) -> (DeviceBuf<f32>, Vec<DeviceRows>, Vec<PinnedBuf<u32>>) {
         let mut staged = self.staged;
         staged.push(self.routes);
-        (self.held, staged)
+        (self.h, self.held, staged)
     }
 
     pub fn finished(&self, model: &DeviceModel) -> bool {
-        self.layer >= model.layers.len()
+        self.layer >= model.split_layers(self).len()
     }
 }
 
@@ -160,26 +162,37 @@ fn gather_rows(gpu: &Gpu, out: u64, src: u64, index: u64, n: usize, width: usize
 }
 
 impl DeviceModel {
-    /// The MoE block of layer `layer`, if it is one.
-    fn moe_at(&self, layer: usize) -> Option<&DevMoe> {
-        match &self.layers.get(layer)?.ffn {
+    /// The layers a split runs: the model's, or an MTP pass's one.
+    fn split_layers(&self, split: &SplitStep) -> &[DevLayer] {
+        match (split.mtp, &self.mtp) {
+            (true, Some(m)) => std::slice::from_ref(&m.block),
+            (true, None) => &[],
+            (false, _) => &self.layers,
+        }
+    }
+
+    /// The MoE block of the split's current layer, if it is one.
+    fn split_moe(&self, split: &SplitStep) -> Option<&DevMoe> {
+        match &self.split_layers(split).get(split.layer)?.ffn {
             DevFfn::Moe(m) => Some(m),
             DevFfn::Dense(_) => None,
         }
     }
 
-    /// The `moe`-th MoE block of the model.
-    fn moe_block(&self, moe: usize) -> Option<&DevMoe> {
-        self.layers.iter().filter_map(|l| if let DevFfn::Moe(m) = &l.ffn { Some(m) } else { None }).nth(moe)
+    /// The model's MoE blocks in order, then the MTP layer's if it is one.
+    fn moe_blocks(&self) -> impl Iterator<Item = &DevMoe> {
+        let mtp = self.mtp.as_ref().map(|m| &m.block);
+        self.layers.iter().chain(mtp).filter_map(|l| if let DevFfn::Moe(m) = &l.ffn { Some(m) } else { None })
     }
 
-    /// The widest `top_k` of the model's MoE blocks (0 without one).
+    /// The `moe`-th MoE block (after the model's, the MTP layer's).
+    fn moe_block(&self, moe: usize) -> Option<&DevMoe> {
+        self.moe_blocks().nth(moe)
+    }
+
+    /// The widest `top_k` of the MoE blocks (0 without one).
     pub fn max_top_k(&self) -> usize {
-        self.layers
-            .iter()
-            .filter_map(|l| if let DevFfn::Moe(m) = &l.ffn { Some(m.top_k) } else { None })
-            .max()
-            .unwrap_or(0)
+        self.moe_blocks().map(|m| m.top_k).max().unwrap_or(0)
     }
 
     /// The first MoE block's held experts: `(first, held)` (every block holds the same range).
@@ -207,6 +220,7 @@ impl DeviceModel {
         let t = shape.rows;
         let h = self.embed_rows(gpu, t, at, ring)?;
         let mut split = SplitStep {
+            mtp: false,
             shape,
             at,
             ring,
@@ -225,6 +239,48 @@ impl DeviceModel {
         Ok(split)
     }
 
+    /// Enqueues an MTP pass (as [`DeviceModel::enqueue_mtp_pass`]) up to its MoE block's
+    /// routing, the routes copied to `routes`; `continue_split` runs it on to its drafts. An MTP
+    /// layer without a MoE block is refused (it has nothing to split at).
+    #[allow(clippy::too_many_arguments)]
+    pub fn begin_mtp_split(
+        &self,
+        gpu: &Gpu,
+        kv: &DeviceKv,
+        shape: StepShape,
+        at: RowsOnDevice,
+        hidden_in: u64,
+        ring: u64,
+        routes: PinnedBuf<u32>,
+    ) -> Result<SplitStep, CudaError> {
+        let m = self.mtp_layer()?;
+        if !matches!(m.block.ffn, DevFfn::Moe(_)) {
+            return Err(CudaError::Unsupported("an MTP pass split at the MoE block of a dense MTP layer".into()));
+        }
+        let (t, d) = (shape.rows, self.hidden);
+        let h = gpu.scratch::<f32>(t * d)?;
+        let s = Step { gpu, kv, state: None, rows: t, seqs: shape.seqs, at, index_row: shape.index_row };
+        self.mtp_input(&s, m, ring, hidden_in, h.ptr())?;
+        let mut split = SplitStep {
+            mtp: true,
+            shape,
+            at,
+            ring,
+            hidden: d,
+            h,
+            x: gpu.scratch::<f32>(t * d)?,
+            x_bf16: gpu.scratch::<u16>(t * d)?,
+            layer: 0,
+            routed: None,
+            routes,
+            routes_ready: None,
+            held: Vec::new(),
+            staged: Vec::new(),
+        };
+        self.run_to_routing(gpu, kv, None, &mut split)?;
+        Ok(split)
+    }
+
     /// Runs the layers from the split's current one: whole layers up to the next MoE block, whose
     /// mixer and routing it enqueues, then stops.
     fn run_to_routing(
@@ -237,7 +293,7 @@ impl DeviceModel {
         let (shape, hidden) = (split.shape, self.hidden);
         let s = Step { gpu, kv, state, rows: shape.rows, seqs: shape.seqs, at: split.at, index_row: shape.index_row };
         let (h, x, x_bf16) = (split.h.ptr(), split.x.ptr(), split.x_bf16.ptr());
-        while let Some(layer) = self.layers.get(split.layer) {
+        while let Some(layer) = self.split_layers(split).get(split.layer) {
             let DevFfn::Moe(m) = &layer.ffn else {
                 s.layer(layer, h, x, x_bf16, hidden)?;
                 split.layer += 1;
@@ -291,8 +347,9 @@ impl DeviceModel {
     /// owners' rows, in any order) copied after their events into one buffer whose last row is
     /// zeros, `index` (staged, `rows × top_k`) naming each route's row there — and runs on to
     /// the next routing. Once the layers are done it enqueues the head as
-    /// [`DeviceModel::enqueue_head`] does (`results_at`, `hidden_out`). The step holds the
-    /// results and the index until it completes.
+    /// [`DeviceModel::enqueue_head`] does (`results_at`, `hidden_out`), or an MTP pass's as
+    /// [`DeviceModel::enqueue_mtp_pass`] does (`results_at`). The step holds the results and the
+    /// index until it completes.
     #[allow(clippy::too_many_arguments)]
     pub fn continue_split(
         &self,
@@ -306,7 +363,8 @@ impl DeviceModel {
         hidden_out: u64,
     ) -> Result<(), CudaError> {
         let (shape, hidden) = (split.shape, self.hidden);
-        if let (Some((_, weights)), Some(m)) = (split.routed.take(), self.moe_at(split.layer)) {
+        let state = if split.mtp { None } else { state };
+        if let (Some((_, weights)), Some(m)) = (split.routed.take(), self.split_moe(split)) {
             let received = results.iter().map(|r| r.rows).sum::<usize>();
             let recv = gpu.zeros::<f32>((received + 1) * hidden)?;
             let mut at = 0;
@@ -330,7 +388,10 @@ impl DeviceModel {
         if split.finished(self) {
             let s =
                 Step { gpu, kv, state, rows: shape.rows, seqs: shape.seqs, at: split.at, index_row: shape.index_row };
-            self.enqueue_head(&s, shape, split.h.ptr(), split.ring, results_at, hidden_out, false)?;
+            match split.mtp {
+                true => self.mtp_head(&s, self.mtp_layer()?, shape, split.h.ptr(), split.ring, results_at)?,
+                false => _ = self.enqueue_head(&s, shape, split.h.ptr(), split.ring, results_at, hidden_out, false)?,
+            }
         }
         Ok(())
     }

@@ -4,20 +4,25 @@
 //! `x = eh_proj([enorm(embed(t)), hnorm(h)])`, one decoder layer over `x` writing the MTP layer of
 //! the paged cache, then `shared_head.head(shared_head.norm(·))` on the rows that sample, sampled
 //! greedily into the ring and a results buffer as a step's rows are. Enqueued, never waited for.
+//! Under expert parallelism a pass is split at its MoE block as a step is (`experts.rs`).
 
 use super::error::CudaError;
 use super::forward::enqueue_sampling;
 use super::gpu::Gpu;
 use super::kv::DeviceKv;
 use super::launch::Arg;
-use super::model::DeviceModel;
+use super::model::{DevMtp, DeviceModel};
 use super::parts::Step;
-use super::rows::{RowsOnDevice, StepRows};
+use super::rows::{RowsOnDevice, StepRows, StepShape};
 
 impl DeviceModel {
     /// Whether the model drafts with an MTP layer.
     pub fn has_mtp(&self) -> bool {
         self.mtp.is_some()
+    }
+
+    pub(crate) fn mtp_layer(&self) -> Result<&DevMtp, CudaError> {
+        self.mtp.as_ref().ok_or_else(|| CudaError::Unsupported("the model holds no MTP layer".into()))
     }
 
     /// Enqueues one MTP pass over `rows` (at `at` on the device; each row's token the successor
@@ -37,17 +42,32 @@ impl DeviceModel {
         ring: u64,
         results: u64,
     ) -> Result<(), CudaError> {
-        let Some(m) = &self.mtp else {
-            return Err(CudaError::Unsupported("the model holds no MTP layer".into()));
-        };
+        let m = self.mtp_layer()?;
         let shape = rows.shape();
         let (t, d) = (shape.rows, self.hidden);
         if t == 0 {
             return Ok(());
         }
         let s = Step { gpu, kv, state: None, rows: t, seqs: shape.seqs, at, index_row: shape.index_row };
-        let joined = gpu.scratch::<f32>(t * 2 * d)?;
-        gpu.launch(
+        self.mtp_input(&s, m, ring, hidden_in, hidden_out)?;
+        let x = gpu.scratch::<f32>(t * d)?;
+        let x_bf16 = gpu.scratch::<u16>(t * d)?;
+        s.layer(&m.block, hidden_out, x.ptr(), x_bf16.ptr(), d)?;
+        self.mtp_head(&s, m, shape, hidden_out, ring, results)
+    }
+
+    /// The pass's input: `h = eh_proj([enorm(embed(t)), hnorm(hidden_in)])` into `h`.
+    pub(crate) fn mtp_input(
+        &self,
+        s: &Step<'_>,
+        m: &DevMtp,
+        ring: u64,
+        hidden_in: u64,
+        h: u64,
+    ) -> Result<(), CudaError> {
+        let (t, d) = (s.rows, self.hidden);
+        let joined = s.gpu.scratch::<f32>(t * 2 * d)?;
+        s.gpu.launch(
             "join_embedded",
             (t as u32, 1, 1),
             256,
@@ -55,7 +75,7 @@ impl DeviceModel {
             &[
                 Arg::Ptr(joined.ptr()),
                 Arg::Ptr(self.embed.ptr()),
-                Arg::Ptr(at.tokens),
+                Arg::Ptr(s.at.tokens),
                 Arg::Ptr(ring),
                 Arg::Ptr(hidden_in),
                 Arg::I32(d as i32),
@@ -64,11 +84,21 @@ impl DeviceModel {
         )?;
         s.norm(joined.ptr(), 0, joined.ptr(), &m.enorm, t, 1, 2 * d, 0)?;
         s.norm(joined.ptr(), 0, joined.ptr(), &m.hnorm, t, 1, 2 * d, d)?;
-        s.linear(hidden_out, joined.ptr(), &m.eh_proj, t, 2 * d, d, false)?;
-        let x = gpu.scratch::<f32>(t * d)?;
-        let x_bf16 = gpu.scratch::<u16>(t * d)?;
-        s.layer(&m.block, hidden_out, x.ptr(), x_bf16.ptr(), d)?;
-        let n = shape.sampled;
+        s.linear(h, joined.ptr(), &m.eh_proj, t, 2 * d, d, false)
+    }
+
+    /// The pass's end: the shared head over its sampling rows of `h`, sampled into `ring` and
+    /// `results`.
+    pub(crate) fn mtp_head(
+        &self,
+        s: &Step<'_>,
+        m: &DevMtp,
+        shape: StepShape,
+        h: u64,
+        ring: u64,
+        results: u64,
+    ) -> Result<(), CudaError> {
+        let (gpu, at, d, n) = (s.gpu, s.at, self.hidden, shape.sampled);
         if n == 0 {
             return Ok(());
         }
@@ -78,7 +108,7 @@ impl DeviceModel {
             (n as u32, 1, 1),
             256,
             0,
-            &[Arg::Ptr(last.ptr()), Arg::Ptr(hidden_out), Arg::Ptr(at.logit_rows), Arg::I32(d as i32)],
+            &[Arg::Ptr(last.ptr()), Arg::Ptr(h), Arg::Ptr(at.logit_rows), Arg::I32(d as i32)],
         )?;
         s.norm_rows(last.ptr(), 0, last.ptr(), &m.head_norm, n)?;
         let logits = gpu.scratch::<f32>(n * self.vocab)?;

@@ -195,7 +195,9 @@ impl CudaExecutor {
         let l = &ctx.layout;
         let blocks = if l.keeps_kv { l.blocks } else { 0 };
         // decode and verification steps padded to few shapes (graphs replay), where they can be
-        let experts = ctx.experts.map(|place| ExpertSide::new(place, &ctx.model));
+        let mtp_drafts = if model.has_mtp() { ctx.mtp_drafts } else { 0 };
+        let draft_passes = super::mtp::draft_passes(&ctx.model, ctx.experts.is_some(), mtp_drafts);
+        let experts = ctx.experts.map(|place| ExpertSide::new(place, &ctx.model, draft_passes));
         let graphs = settings.cuda_graphs && experts.is_none();
         let pads = graphs && l.keeps_kv && model.state_width == 0 && !model.has_indexer();
         let padding: Option<Vec<u32>> =
@@ -212,7 +214,6 @@ impl CudaExecutor {
         };
         let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
         gpu.wait().map_err(|e| e.to_string())?;
-        let mtp_drafts = if model.has_mtp() { ctx.mtp_drafts } else { 0 };
         tracing::info!(pool = %ctx.pool, rank = ctx.rank, gpu = ordinal, name = %gpu.name(), arch = gpu.arch(), "cuda executor ready");
         Ok(CudaExecutor {
             gpu,
@@ -294,14 +295,14 @@ impl CudaExecutor {
         let mut staged = self.stage_metadata(&gpu, launch, &rows)?;
         let mut record = InFlight::started(launch.step, sampling);
         (record.imports, record.states_in) = self.import_handoffs(&gpu, launch, &staged.block_lists)?;
-        if self.experts.is_some() && rows.rows() > 0 {
-            // run MoE layer by MoE layer; the record goes in flight after the last exchange
-            return self.begin_split(&gpu, launch, &rows, staged, record).map(|()| None);
-        }
         record.mtp = match (self.mtp_drafts, rows.rows()) {
             (0, _) | (_, 0) => None,
             (_, t) => Some(MtpPlan::of(launch, &rows, gpu.scratch::<f32>(t * self.model.hidden).map_err(fail)?)),
         };
+        if self.experts.is_some() && rows.rows() > 0 {
+            // run MoE layer by MoE layer; the record goes in flight after the last exchange
+            return self.begin_split(&gpu, launch, &rows, staged, record).map(|()| None);
+        }
         let hidden_out = record.mtp.as_ref().map_or(0, |p| p.hidden.ptr());
         let results_at = self.enqueue_forward(&gpu, &rows, &mut staged, hidden_out)?;
         self.end_step(&gpu, &mut record, staged.meta, rows.sampled(), results_at, launch.after, launch.exports)?;
@@ -322,6 +323,20 @@ impl CudaExecutor {
         after: &[StateOp],
         exports: &[KvExport],
     ) -> Result<(), ExecutorError> {
+        record.meta = Some(meta);
+        self.end_forward(gpu, record, sampled, results_at, after)?;
+        self.end_exports(gpu, record, exports)
+    }
+
+    /// The first half of [`Self::end_step`]: the snapshots, and the results back to pinned memory.
+    fn end_forward(
+        &mut self,
+        gpu: &Gpu,
+        record: &mut InFlight,
+        sampled: usize,
+        results_at: u64,
+        after: &[StateOp],
+    ) -> Result<(), ExecutorError> {
         if let Some(state) = &self.state {
             for op in after {
                 if let StateOp::Snapshot { slot, snapshot } = *op {
@@ -333,8 +348,13 @@ impl CudaExecutor {
         if sampled > 0 {
             gpu.copy_to_host(&mut results, results_at, sampled * RESULT_WORDS).map_err(fail)?;
         }
-        record.meta = Some(meta);
         record.results = Some(results);
+        Ok(())
+    }
+
+    /// The second half of [`Self::end_step`] (after an expert-parallel step's draft passes, which
+    /// write the MTP layer's KV the exports carry): the exports, and the event it completes at.
+    fn end_exports(&mut self, gpu: &Gpu, record: &mut InFlight, exports: &[KvExport]) -> Result<(), ExecutorError> {
         (record.exports, record.states_out) = self.export_handoffs(gpu, exports)?;
         record.event = Some(gpu.record().map_err(fail)?);
         Ok(())

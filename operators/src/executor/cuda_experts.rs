@@ -3,7 +3,10 @@
 //! to the next (kvflow_kernels::cuda::experts). The rows a rank routes and the results of the
 //! experts it holds stay in device memory ([`Payload::Device`]): the receiver copies them on its
 //! own stream after the sender's event, so timely carries the pairs, the counts and the events,
-//! never the floats. The host reads back only each block's routes (who gets which rows).
+//! never the floats. The host reads back only each block's routes (who gets which rows). With
+//! the MTP drafter and a MoE MTP layer, the step samples after its last MoE block (the host waits
+//! for its samples) and its draft passes follow as further exchanges, each split at the MTP
+//! layer's MoE block the same way; every rank joins every pass, with rows or without.
 //!
 //! Which time it holds: the rank's step `t`, from launch through each MoE block's exchange; the
 //! record goes in flight (`cuda.rs`) after the last one.
@@ -13,10 +16,11 @@
 //! each row's routes in ascending expert order from the unsplit layout, so the result is the
 //! unsplit model's bit for bit. A pair that got no result fails its request, never a silent zero.
 
-use super::{fail, CudaExecutor, InFlight, Staged};
+use super::super::cuda_mtp::{DraftChains, MtpPasses, PlannedPass};
+use super::{fail, ring_slot, CudaExecutor, InFlight, Staged};
 use crate::executor::contract::{ExpertParallel, ExpertPlacement};
 use crate::messages::{ExpertPair, ExpertRows, Payload};
-use crate::step::{ExecutorError, KvExport, SeqKey, StateOp, StepLaunch};
+use crate::step::{ExecutorError, KvExport, Sampled, SeqKey, StateOp, StepLaunch};
 use kvflow_kernels::cuda::{DeviceBuf, DeviceRows, Event, Gpu, PinnedBuf, SplitStep, StepRows, RESULT_WORDS};
 use kvflow_kernels::models::parts::moe::{expert_owner, expert_range};
 use kvflow_kernels::models::Model;
@@ -27,6 +31,10 @@ pub(super) struct ExpertSide {
     place: ExpertPlacement,
     /// The model's MoE layers: `(layer, experts)`.
     moe_layers: Vec<(usize, usize)>,
+    /// With a MoE MTP layer: the draft passes after them (each an exchange of its experts), and
+    /// the layer, numbered after the model's, with its experts.
+    draft_passes: usize,
+    mtp_block: (usize, usize),
     /// The step between its exchanges.
     split: Option<SplitRecord>,
     /// Rows served to other ranks, held (with their staged expert ids) until the GPU is past
@@ -35,8 +43,18 @@ pub(super) struct ExpertSide {
 }
 
 impl ExpertSide {
-    pub(super) fn new(place: ExpertPlacement, model: &Model) -> ExpertSide {
-        ExpertSide { place, moe_layers: model.moe_layers(), split: None, serving: VecDeque::new() }
+    pub(super) fn new(place: ExpertPlacement, model: &Model, draft_passes: usize) -> ExpertSide {
+        let mtp_block = (model.num_layers(), model.mtp().map_or(0, |m| m.num_experts()));
+        let moe_layers = model.moe_layers();
+        ExpertSide { place, moe_layers, draft_passes, mtp_block, split: None, serving: VecDeque::new() }
+    }
+
+    /// Exchange `moe`'s block: `(layer, experts)` — a model layer's, or a draft pass's.
+    fn block(&self, moe: usize) -> Option<(usize, usize)> {
+        match moe.checked_sub(self.moe_layers.len()) {
+            None => self.moe_layers.get(moe).copied(),
+            Some(pass) => (pass < self.draft_passes).then_some(self.mtp_block),
+        }
     }
 }
 
@@ -68,9 +86,57 @@ struct SplitRecord {
     keys: Vec<SeqKey>,
     after: Vec<StateOp>,
     exports: Vec<KvExport>,
-    /// The routed block's routes, read at dispatch: `[rows × top_k]`.
-    routes: Vec<u32>,
+    /// The routed block's routes, read at dispatch.
+    routes: Routes,
+    /// With draft passes: the step sampled, its passes under way.
+    drafting: Option<SplitDrafting>,
+}
+
+/// A routed block's routes, read at dispatch: `[rows × top_k]`.
+#[derive(Default)]
+struct Routes {
+    experts: Vec<u32>,
     top_k: usize,
+}
+
+/// Expert parallel with a MoE MTP layer: a step's samples, known once its layers have run, and
+/// its draft passes, one exchange each.
+struct SplitDrafting {
+    sampled: Vec<Sampled>,
+    chains: DraftChains,
+    passes: MtpPasses,
+    /// The pass between its routing and its combine.
+    pass: Option<PassSplit>,
+    /// Draft passes this rank has joined (combined, or had no rows for).
+    joined: usize,
+    /// The last pass's output hidden rows (the next pass reads them).
+    previous: Option<DeviceBuf<f32>>,
+    /// What the passes' streams read, held until the step completes.
+    held: Exchanged,
+}
+
+/// A draft pass split at the MTP layer's MoE block.
+struct PassSplit {
+    planned: PlannedPass,
+    split: SplitStep,
+    /// Its rows' metadata on the device (the combine's kernels read it) and its results.
+    _meta: DeviceBuf<u32>,
+    results: DeviceBuf<u32>,
+    routes: Routes,
+}
+
+impl SplitRecord {
+    /// The split waiting at exchange `moe` (`model_blocks` the model's MoE layers): the step's,
+    /// or its draft pass's; with where its routes are kept.
+    fn at_exchange(&mut self, moe: usize, model_blocks: usize) -> Option<(&mut SplitStep, &mut Routes)> {
+        match moe.checked_sub(model_blocks) {
+            None => Some((&mut self.split, &mut self.routes)),
+            Some(pass) => {
+                let drafting = self.drafting.as_mut().filter(|d| d.joined == pass)?;
+                drafting.pass.as_mut().map(|p| (&mut p.split, &mut p.routes))
+            }
+        }
+    }
 }
 
 impl CudaExecutor {
@@ -102,31 +168,122 @@ impl CudaExecutor {
             keys: launch.seqs().map(|s| s.key).collect(),
             after: launch.after.to_vec(),
             exports: launch.exports.to_vec(),
-            routes: Vec::new(),
-            top_k: 0,
+            routes: Routes::default(),
+            drafting: None,
         });
         self.end_split_if_done();
         Ok(())
     }
 
-    /// Once the split step's layers are all enqueued (its head too): its end, and in flight.
+    /// Once the split step's layers are all enqueued (its head too): its draft passes, if it
+    /// has any, then its end, and in flight.
     fn end_split_if_done(&mut self) {
         let Some(side) = self.experts.as_mut() else { return };
         if !side.split.as_ref().is_some_and(|s| s.split.finished(&self.model)) {
             return;
         }
-        let Some(SplitRecord { mut record, split, staged, results, sampled, after, exports, .. }) = side.split.take()
+        let drafts = side.draft_passes > 0 && side.split.as_ref().is_some_and(|s| s.record.mtp.is_some());
+        if drafts {
+            if let Err(e) = self.advance_drafting() {
+                return self.fail_split(e);
+            }
+            let side = self.experts.as_ref().expect("expert parallel");
+            let joined = side.split.as_ref().and_then(|s| s.drafting.as_ref()).map_or(0, |d| d.joined);
+            if joined < side.draft_passes {
+                return;
+            }
+        }
+        let side = self.experts.as_mut().expect("expert parallel");
+        let Some(SplitRecord { mut record, split, staged, results, sampled, after, exports, drafting, .. }) =
+            side.split.take()
         else {
             return;
         };
         let gpu = self.gpu.clone();
-        let (rows, staged_words) = split.into_held();
+        let (_, rows, staged_words) = split.into_held();
         record.exchanged = Exchanged { rows, staged: staged_words };
-        if let Err(e) = self.end_step(&gpu, &mut record, staged.meta, sampled, results.ptr(), &after, &exports) {
+        let ended = match drafting {
+            Some(d) => {
+                record.meta = Some(staged.meta);
+                record.exchanged.rows.extend(d.held.rows);
+                record.exchanged.staged.extend(d.held.staged);
+                record.passes = Some(d.passes);
+                self.end_exports(&gpu, &mut record, &exports)
+            }
+            None => self.end_step(&gpu, &mut record, staged.meta, sampled, results.ptr(), &after, &exports),
+        };
+        if let Err(e) = ended {
             record.error = Some(e);
             record.event = None;
         }
         self.go_in_flight(record);
+    }
+
+    /// The draft passes of a step whose layers are enqueued: at the first call its samples
+    /// (results back to the host, waited for), then the next pass up to its routing, unless one
+    /// waits at its exchange or all have been joined. A pass with no rows is joined at once by
+    /// nothing here: the rank still joins its exchange, sending nothing (`dispatch`).
+    fn advance_drafting(&mut self) -> Result<(), ExecutorError> {
+        let gpu = self.gpu.clone();
+        let side = self.experts.as_mut().expect("expert parallel");
+        let split = side.split.as_mut().expect("a split step");
+        if split.drafting.is_none() {
+            let mut record = std::mem::replace(&mut split.record, InFlight::started(0, Vec::new()));
+            let (sampled, results, after) = (split.sampled, split.results.ptr(), std::mem::take(&mut split.after));
+            let ended = self.end_forward(&gpu, &mut record, sampled, results, &after);
+            let split = self.experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
+            split.record = record;
+            ended?;
+            gpu.wait_for(&gpu.record().map_err(fail)?).map_err(fail)?;
+            let sampled = Self::sampled_of(&split.record);
+            let k = self.mtp_drafts;
+            split.drafting = Some(SplitDrafting {
+                sampled,
+                chains: DraftChains::new(k),
+                passes: MtpPasses::default(),
+                pass: None,
+                joined: 0,
+                previous: None,
+                held: Exchanged::default(),
+            });
+        }
+        let Self { gpu, model, kv, ring, next_slot, pinned_words, experts, .. } = self;
+        let side = experts.as_mut().expect("expert parallel");
+        let split = side.split.as_mut().expect("a split step");
+        let (Some(drafting), Some(plan)) = (split.drafting.as_mut(), split.record.mtp.as_ref()) else { return Ok(()) };
+        if drafting.pass.is_some() || drafting.joined >= side.draft_passes {
+            return Ok(());
+        }
+        let mut slot = || ring_slot(next_slot);
+        let previous = drafting.previous.take();
+        let (d, bs) = (model.hidden, kv.kv.block_size);
+        let planned = drafting.chains.next_pass(plan, gpu, d, bs, &drafting.sampled, previous.as_ref(), &mut slot);
+        let Some(planned) = planned.map_err(fail)? else { return Ok(()) };
+        let (at, meta) = drafting.passes.stage(gpu, &planned.rows, pinned_words).map_err(fail)?;
+        let routes = pinned_words.take(gpu, planned.rows.rows() * model.max_top_k()).map_err(fail)?;
+        let shape = planned.rows.shape();
+        let split_pass = model.begin_mtp_split(gpu, &kv.kv, shape, at, planned.hidden_in.ptr(), ring.ptr(), routes);
+        let results = gpu.scratch::<u32>(shape.sampled.max(1) * RESULT_WORDS).map_err(fail)?;
+        let split = split_pass.map_err(fail)?;
+        drafting.pass = Some(PassSplit { planned, split, _meta: meta, results, routes: Routes::default() });
+        Ok(())
+    }
+
+    /// A draft pass's exchange is over (combined, or it had no rows here): its drafts back to
+    /// pinned memory, and the rank joins the next pass, or ends the step.
+    fn end_draft_pass(&mut self) -> Result<(), ExecutorError> {
+        let Self { gpu, pinned_words, experts, .. } = self;
+        let split = experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
+        let drafting = split.drafting.as_mut().expect("a draft pass");
+        if let Some(pass) = drafting.pass.take() {
+            drafting.passes.read_back(gpu, &pass.planned, pass.results.ptr(), pinned_words).map_err(fail)?;
+            let (hidden, rows, staged) = pass.split.into_held();
+            drafting.previous = Some(hidden);
+            drafting.held.rows.extend(rows);
+            drafting.held.staged.extend(staged);
+        }
+        drafting.joined += 1;
+        Ok(())
     }
 
     /// The split step failed: it completes with the error once nothing it enqueued runs.
@@ -157,13 +314,24 @@ impl CudaExecutor {
     }
 }
 
+impl CudaExecutor {
+    /// The split waiting at exchange `moe`, if this rank has one there.
+    fn split_at(&mut self, moe: usize) -> Option<(&mut SplitStep, &mut Routes)> {
+        let side = self.experts.as_mut()?;
+        let blocks = side.moe_layers.len();
+        side.split.as_mut()?.at_exchange(moe, blocks)
+    }
+}
+
 impl ExpertParallel for CudaExecutor {
     fn dispatch(&mut self, moe: usize) -> Vec<ExpertRows> {
-        let Some(side) = self.experts.as_mut() else { return Vec::new() };
-        let (place, Some(&(_, experts))) = (side.place, side.moe_layers.get(moe)) else { return Vec::new() };
-        let Some(split) = side.split.as_mut() else { return Vec::new() };
-        let Some(k) = split.split.routed_top_k(&self.model) else { return Vec::new() };
-        let routes = match split.split.routes(&self.gpu, k) {
+        let Some(side) = self.experts.as_ref() else { return Vec::new() };
+        let (place, Some((_, experts))) = (side.place, side.block(moe)) else { return Vec::new() };
+        let (gpu, blocks) = (self.gpu.clone(), side.moe_layers.len());
+        let Self { experts: Some(side), model, .. } = self else { return Vec::new() };
+        let Some((split, _)) = side.split.as_mut().and_then(|s| s.at_exchange(moe, blocks)) else { return Vec::new() };
+        let Some(k) = split.routed_top_k(model) else { return Vec::new() };
+        let routes = match split.routes(&gpu, k) {
             Ok(r) => r.to_vec(),
             Err(e) => {
                 self.fail_split(fail(e));
@@ -176,12 +344,11 @@ impl ExpertParallel for CudaExecutor {
             by_rank[expert_owner(experts, e as usize, place.ranks)].push(((i / k) as u32, e));
         }
         let n = routes.len();
-        let gpu = self.gpu.clone();
         let gathered = self.pinned_words.take(&gpu, n).map_err(fail).and_then(|mut index| {
             let order = by_rank.iter().flatten().map(|&(row, _)| row);
             index.as_mut_slice().iter_mut().zip(order).for_each(|(slot, row)| *slot = row);
-            let split = self.experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
-            split.split.gather(&gpu, index, n).map_err(fail)
+            let (split, _) = self.split_at(moe).expect("a split step");
+            split.gather(&gpu, index, n).map_err(fail)
         });
         let gathered = match gathered {
             Ok(g) => g,
@@ -190,8 +357,8 @@ impl ExpertParallel for CudaExecutor {
                 return Vec::new();
             }
         };
-        let split = self.experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
-        (split.routes, split.top_k) = (routes, k);
+        let (_, kept) = self.split_at(moe).expect("a split step");
+        *kept = Routes { experts: routes, top_k: k };
         let mut at = 0;
         let mut out = Vec::new();
         for (to, pairs) in by_rank.into_iter().enumerate().filter(|(_, p)| !p.is_empty()) {
@@ -205,7 +372,9 @@ impl ExpertParallel for CudaExecutor {
     fn run_experts(&mut self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
         self.release_served();
         let Some(side) = self.experts.as_ref() else { return Vec::new() };
-        let (place, Some(&(_, experts))) = (side.place, side.moe_layers.get(moe)) else { return Vec::new() };
+        let (place, Some((_, experts))) = (side.place, side.block(moe)) else { return Vec::new() };
+        // (every draft pass runs the one MTP block, numbered after the model's)
+        let block = moe.min(side.moe_layers.len());
         let held = expert_range(experts, place.rank, place.ranks);
         let mut inputs = Vec::with_capacity(rows.len());
         for m in rows {
@@ -229,7 +398,7 @@ impl ExpertParallel for CudaExecutor {
                 *slot = (e - held.start) as u32;
             }
             let refs: Vec<&DeviceRows> = inputs.iter().collect();
-            let out = self.model.serve_experts(&gpu, &self.kv.kv, moe, &refs, &ids).map_err(|e| e.to_string())?;
+            let out = self.model.serve_experts(&gpu, &self.kv.kv, block, &refs, &ids).map_err(|e| e.to_string())?;
             let done = gpu.record().map_err(|e| e.to_string())?;
             Ok((out, done, ids))
         });
@@ -254,9 +423,21 @@ impl ExpertParallel for CudaExecutor {
     }
 
     fn combine(&mut self, moe: usize, results: Vec<ExpertRows>, _missing: &[ExpertPair]) {
-        let Some(side) = self.experts.as_mut() else { return };
-        let (place, Some(&(layer, experts))) = (side.place, side.moe_layers.get(moe)) else { return };
-        let Some(split) = side.split.as_mut() else { return };
+        let Some(side) = self.experts.as_ref() else { return };
+        let (place, blocks, Some((layer, experts))) = (side.place, side.moe_layers.len(), side.block(moe)) else {
+            return;
+        };
+        let draft_pass = moe >= blocks;
+        let Some(routes) = self.split_at(moe).map(|(_, r)| std::mem::take(r)) else {
+            // no step here, or a draft pass without rows here: joined all the same
+            if draft_pass && self.experts.as_ref().is_some_and(|s| s.split.is_some()) {
+                if let Err(e) = self.end_draft_pass() {
+                    return self.fail_split(e);
+                }
+                self.end_split_if_done();
+            }
+            return;
+        };
         // each result's row in the received buffer; its last row is zeros
         let mut found: HashMap<(u32, u32), u32> = HashMap::new();
         let mut payloads = Vec::new();
@@ -273,33 +454,49 @@ impl ExpertParallel for CudaExecutor {
             }
         }
         let zero_row = received as u32;
-        let k = split.top_k;
-        let mut index = Vec::with_capacity(split.routes.len());
-        for (i, &e) in split.routes.iter().enumerate() {
-            let row = (i / k.max(1)) as u32;
+        let k = routes.top_k.max(1);
+        let mut index = Vec::with_capacity(routes.experts.len());
+        let mut lost = Vec::new();
+        for (i, &e) in routes.experts.iter().enumerate() {
+            let row = (i / k) as u32;
             index.push(found.get(&(row, e)).copied().unwrap_or_else(|| {
-                let (seq, owner) = (split.seq_of_row[row as usize], expert_owner(experts, e as usize, place.ranks));
-                let key = split.keys[seq];
-                if !split.record.failed.iter().any(|(s, _)| *s == key) {
-                    let why = format!(
-                        "MoE layer {moe} (model layer {layer}) of step {}: expert {e} on rank {owner} returned no result \
-                         for this request's token (row {row}); its output would be wrong, so the request fails",
-                        split.record.step
-                    );
-                    split.record.failed.push((key, why));
-                }
+                lost.push((row, e));
                 zero_row
             }));
         }
+        let split = self.experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
+        match (draft_pass, split.drafting.as_mut()) {
+            // drafts only propose: a lost result drops the step's drafts, no request fails
+            (true, Some(drafting)) => drafting.passes.lost |= !lost.is_empty(),
+            _ => {
+                for (row, e) in lost {
+                    let (seq, owner) = (split.seq_of_row[row as usize], expert_owner(experts, e as usize, place.ranks));
+                    let key = split.keys[seq];
+                    if !split.record.failed.iter().any(|(s, _)| *s == key) {
+                        let why = format!(
+                            "MoE layer {moe} (model layer {layer}) of step {}: expert {e} on rank {owner} returned no \
+                             result for this request's token (row {row}); its output would be wrong, so the request fails",
+                            split.record.step
+                        );
+                        split.record.failed.push((key, why));
+                    }
+                }
+            }
+        }
         let gpu = self.gpu.clone();
-        let staged = self.pinned_words.take(&gpu, index.len()).map_err(fail).and_then(|mut staged| {
+        let continued = self.pinned_words.take(&gpu, index.len()).map_err(fail).and_then(|mut staged| {
             staged.as_mut_slice()[..index.len()].copy_from_slice(&index);
-            let split = self.experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
-            let (model, kv, state) = (&self.model, &self.kv.kv, self.state.as_ref());
-            let results_at = split.results.ptr();
-            model.continue_split(&gpu, kv, state, &mut split.split, payloads, staged, results_at, 0).map_err(fail)
+            let Self { model, kv, state, experts, .. } = self;
+            let split = experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
+            let hidden_out = split.record.mtp.as_ref().map_or(0, |p| p.hidden.ptr());
+            let (at, results_at, state) = match split.drafting.as_mut().and_then(|d| d.pass.as_mut()) {
+                Some(pass) if draft_pass => (&mut pass.split, pass.results.ptr(), None),
+                _ => (&mut split.split, split.results.ptr(), state.as_ref()),
+            };
+            model.continue_split(&gpu, &kv.kv, state, at, payloads, staged, results_at, hidden_out).map_err(fail)
         });
-        match staged {
+        let ended = continued.and_then(|()| if draft_pass { self.end_draft_pass() } else { Ok(()) });
+        match ended {
             Ok(()) => self.end_split_if_done(),
             Err(e) => self.fail_split(e),
         }

@@ -18,7 +18,7 @@
 use super::pinned_pool::PinnedPool;
 use crate::step::{Sampled, StepLaunch};
 use kvflow_kernels::cuda::{
-    CudaError, DeviceBuf, DeviceKv, DeviceModel, Gpu, PinnedBuf, StepRows, FROM_RING, RESULT_WORDS,
+    CudaError, DeviceBuf, DeviceKv, DeviceModel, Gpu, PinnedBuf, RowsOnDevice, StepRows, FROM_RING, RESULT_WORDS,
 };
 
 /// One sequence of a step, as the drafter needs it once the step's samples are known.
@@ -44,22 +44,126 @@ pub(super) struct MtpPlan {
 
 /// A step's drafting enqueued: what the GPU reads and writes until it is done, and where each
 /// sampling sequence's drafts land in `results`, pass by pass.
+#[derive(Default)]
 pub(super) struct MtpPasses {
     metas: Vec<PinnedBuf<u32>>,
     /// Per pass: its sampling rows' results.
     results: Vec<PinnedBuf<u32>>,
     /// Per pass: (index into the step's `Sampled`, its row of the pass's results).
     reads: Vec<Vec<(usize, usize)>>,
+    /// Expert parallel: a pass lost an expert result, so the step proposes no draft (drafts
+    /// only propose: no request fails).
+    pub(super) lost: bool,
 }
 
-/// A draft chain in progress: its sequence's `Sampled`, its table, the position its next row
-/// writes, and where the previous pass left its draft (ring slot) and hidden row.
-struct Chain<'a> {
+/// A draft chain in progress: its sequence's `Sampled`, its sequence in the plan, the position
+/// its next row writes, and where the previous pass left its draft (ring slot) and hidden row.
+struct Chain {
     sampled: usize,
-    seq: &'a PlannedSeq,
+    seq: usize,
     at: usize,
     slot: u32,
     row: usize,
+}
+
+/// The drafting of a step whose samples are known, pass by pass: pass 0 over each sequence's
+/// positions whose successor is known, then passes chaining the layer on its own output.
+pub(super) struct DraftChains {
+    chains: Vec<Chain>,
+    /// Passes planned so far.
+    planned: usize,
+    k: usize,
+}
+
+/// One pass to enqueue: its rows, its input hidden rows (copies enqueued), and which
+/// sequence's draft each of its sampling rows is.
+pub(super) struct PlannedPass {
+    pub(super) rows: StepRows,
+    pub(super) hidden_in: DeviceBuf<f32>,
+    reads: Vec<(usize, usize)>,
+}
+
+impl DraftChains {
+    /// The drafting of `k` passes.
+    pub(super) fn new(k: usize) -> DraftChains {
+        DraftChains { chains: Vec::new(), planned: 0, k }
+    }
+
+    /// The next pass of `plan`'s step, which sampled `sampled`, its hidden input copied on the
+    /// stream from the forward's rows (pass 0) or `previous` (the last pass's output); `slot`
+    /// gives ring slots. `None`: no pass is left (`k` planned, or no chain goes on).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn next_pass(
+        &mut self,
+        plan: &MtpPlan,
+        gpu: &Gpu,
+        d: usize,
+        bs: usize,
+        sampled: &[Sampled],
+        previous: Option<&DeviceBuf<f32>>,
+        slot: &mut dyn FnMut() -> u32,
+    ) -> Result<Option<PlannedPass>, CudaError> {
+        if self.planned >= self.k {
+            return Ok(None);
+        }
+        self.planned += 1;
+        let mut rows = StepRows::default();
+        if self.planned == 1 {
+            let mut sources = Vec::new(); // (first hidden row of the step, rows)
+            let mut proposing = 0;
+            for (i, s) in plan.seqs.iter().enumerate() {
+                let proposes = s.samples.then(|| {
+                    proposing += 1;
+                    proposing - 1
+                });
+                let sampled = proposes.map(|j| &sampled[j]);
+                let Some(successors) = super::mtp::successors(&s.fed, s.drafts, sampled, s.next_prompt_token) else {
+                    continue;
+                };
+                let slots: Vec<u32> = proposes.iter().map(|_| slot()).collect();
+                rows.push_seq_sampling(&successors, s.start_pos, &s.table, bs, &slots);
+                rows.prompt_len(s.prompt_len);
+                sources.push((s.first_row, successors.len()));
+                if let (Some(j), Some(&slot)) = (proposes, slots.first()) {
+                    let at = s.start_pos + successors.len();
+                    self.chains.push(Chain { sampled: j, seq: i, at, slot, row: rows.rows() - 1 });
+                }
+            }
+            if rows.rows() == 0 {
+                return Ok(None);
+            }
+            let hidden_in = gpu.scratch::<f32>(rows.rows() * d)?;
+            let mut cursor = 0;
+            for (from, n) in sources {
+                gpu.copy_on_device(hidden_in.at(cursor * d), plan.hidden.at(from * d), n * d * 4)?;
+                cursor += n;
+            }
+            return Ok(Some(self.planned_pass(rows, hidden_in)));
+        }
+        // each draft chained on the previous one; a chain stops where its step's blocks end
+        self.chains.retain(|c| plan.seqs[c.seq].table.len() * bs > c.at);
+        let Some(previous) = previous.filter(|_| !self.chains.is_empty()) else {
+            self.chains.clear();
+            return Ok(None);
+        };
+        let hidden_in = gpu.scratch::<f32>(self.chains.len() * d)?;
+        for (i, c) in self.chains.iter_mut().enumerate() {
+            let seq = &plan.seqs[c.seq];
+            let next = slot();
+            rows.push_seq_sampling(&[FROM_RING | c.slot], c.at, &seq.table, bs, &[next]);
+            rows.prompt_len(seq.prompt_len);
+            c.slot = next;
+            gpu.copy_on_device(hidden_in.at(i * d), previous.at(c.row * d), d * 4)?;
+            c.row = i;
+            c.at += 1;
+        }
+        Ok(Some(self.planned_pass(rows, hidden_in)))
+    }
+
+    fn planned_pass(&self, rows: StepRows, hidden_in: DeviceBuf<f32>) -> PlannedPass {
+        let reads = self.chains.iter().enumerate().map(|(i, c)| (c.sampled, i)).collect();
+        PlannedPass { rows, hidden_in, reads }
+    }
 }
 
 impl MtpPlan {
@@ -99,104 +203,67 @@ impl MtpPlan {
         slot: &mut dyn FnMut() -> u32,
         pinned: &mut PinnedPool<u32>,
     ) -> Result<MtpPasses, CudaError> {
-        let d = model.hidden;
-        let bs = kv.block_size;
-        let mut passes = MtpPasses { metas: Vec::new(), results: Vec::new(), reads: Vec::new() };
-        // pass 0
-        let mut rows = StepRows::default();
-        let mut sources = Vec::new(); // (first hidden row of the step, rows)
-        let mut chains = Vec::new();
-        let mut proposing = 0;
-        for s in &self.seqs {
-            let proposes = s.samples.then(|| {
-                proposing += 1;
-                proposing - 1
-            });
-            let sampled = proposes.map(|j| &sampled[j]);
-            let Some(successors) = super::mtp::successors(&s.fed, s.drafts, sampled, s.next_prompt_token) else {
-                continue;
-            };
-            let slots: Vec<u32> = proposes.iter().map(|_| slot()).collect();
-            rows.push_seq_sampling(&successors, s.start_pos, &s.table, bs, &slots);
-            rows.prompt_len(s.prompt_len);
-            sources.push((s.first_row, successors.len()));
-            if let (Some(j), Some(&slot)) = (proposes, slots.first()) {
-                let at = s.start_pos + successors.len();
-                chains.push(Chain { sampled: j, seq: s, at, slot, row: rows.rows() - 1 });
-            }
-        }
-        if rows.rows() == 0 {
-            return Ok(passes);
-        }
-        let hidden_in = gpu.scratch::<f32>(rows.rows() * d)?;
-        let mut cursor = 0;
-        for (from, n) in sources {
-            gpu.copy_on_device(hidden_in.at(cursor * d), self.hidden.at(from * d), n * d * 4)?;
-            cursor += n;
-        }
-        let mut hidden_out = passes.pass(gpu, model, kv, ring, &rows, &hidden_in, pinned)?;
-        passes.reads.push(chains.iter().enumerate().map(|(i, c)| (c.sampled, i)).collect());
-        // passes 1..k, each draft chained on the previous one; a chain stops where its step's
-        // blocks end
-        for _ in 1..k {
-            chains.retain(|c| c.seq.table.len() * bs > c.at);
-            if chains.is_empty() {
-                break;
-            }
-            let mut rows = StepRows::default();
-            let hidden_in = gpu.scratch::<f32>(chains.len() * d)?;
-            for (i, c) in chains.iter_mut().enumerate() {
-                c.slot = {
-                    let next = slot();
-                    rows.push_seq_sampling(&[FROM_RING | c.slot], c.at, &c.seq.table, bs, &[next]);
-                    rows.prompt_len(c.seq.prompt_len);
-                    next
-                };
-                gpu.copy_on_device(hidden_in.at(i * d), hidden_out.at(c.row * d), d * 4)?;
-                c.row = i;
-                c.at += 1;
-            }
-            hidden_out = passes.pass(gpu, model, kv, ring, &rows, &hidden_in, pinned)?;
-            passes.reads.push(chains.iter().enumerate().map(|(i, c)| (c.sampled, i)).collect());
+        let mut passes = MtpPasses::default();
+        let mut chains = DraftChains::new(k);
+        let mut previous = None;
+        while let Some(pass) =
+            chains.next_pass(self, gpu, model.hidden, kv.block_size, sampled, previous.as_ref(), slot)?
+        {
+            let (at, meta_dev) = passes.stage(gpu, &pass.rows, pinned)?;
+            let hidden_out = gpu.scratch::<f32>(pass.rows.rows() * model.hidden)?;
+            let results = gpu.scratch::<u32>(pass.rows.sampled().max(1) * RESULT_WORDS)?;
+            let (rows, hidden_in) = (&pass.rows, pass.hidden_in.ptr());
+            model.enqueue_mtp_pass(gpu, kv, rows, at, hidden_in, hidden_out.ptr(), ring, results.ptr())?;
+            drop(meta_dev); // (freed in stream order, after the pass)
+            passes.read_back(gpu, &pass, results.ptr(), pinned)?;
+            previous = Some(hidden_out);
         }
         Ok(passes)
     }
 }
 
 impl MtpPasses {
-    /// Enqueues one pass over `rows` fed `hidden_in`, its results copied back to pinned memory;
-    /// returns its output hidden rows.
-    #[allow(clippy::too_many_arguments)]
-    fn pass(
+    /// Stages `rows`' metadata (pinned, held with the passes) and copies it to the device:
+    /// where the rows sit there, and the device copy, which lives while the pass's kernels run.
+    pub(super) fn stage(
         &mut self,
         gpu: &Gpu,
-        model: &DeviceModel,
-        kv: &DeviceKv,
-        ring: u64,
         rows: &StepRows,
-        hidden_in: &DeviceBuf<f32>,
         pinned: &mut PinnedPool<u32>,
-    ) -> Result<DeviceBuf<f32>, CudaError> {
+    ) -> Result<(RowsOnDevice, DeviceBuf<u32>), CudaError> {
         let mut meta = pinned.take(gpu, rows.words())?;
         let meta_dev = gpu.scratch::<u32>(rows.words().max(1))?;
         let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
         gpu.copy_to_device(meta_dev.ptr(), &meta, rows.words())?;
-        let hidden_out = gpu.scratch::<f32>(rows.rows() * model.hidden)?;
-        let n = rows.sampled();
-        let results = gpu.scratch::<u32>(n.max(1) * RESULT_WORDS)?;
-        model.enqueue_mtp_pass(gpu, kv, rows, at, hidden_in.ptr(), hidden_out.ptr(), ring, results.ptr())?;
+        self.metas.push(meta);
+        Ok((at, meta_dev))
+    }
+
+    /// Copies `pass`'s results (at `results` on the device) back to pinned memory once its
+    /// kernels have written them.
+    pub(super) fn read_back(
+        &mut self,
+        gpu: &Gpu,
+        pass: &PlannedPass,
+        results: u64,
+        pinned: &mut PinnedPool<u32>,
+    ) -> Result<(), CudaError> {
+        let n = pass.rows.sampled();
         let mut back = pinned.take(gpu, n * RESULT_WORDS)?;
         if n > 0 {
-            gpu.copy_to_host(&mut back, results.ptr(), n * RESULT_WORDS)?;
+            gpu.copy_to_host(&mut back, results, n * RESULT_WORDS)?;
         }
-        self.metas.push(meta);
         self.results.push(back);
-        Ok(hidden_out)
+        self.reads.push(pass.reads.clone());
+        Ok(())
     }
 
     /// Once the passes are done: each sequence's drafts, in order, up to its first row that
     /// held a NaN or an infinity.
     pub(super) fn drafts_into(&self, sampled: &mut [Sampled]) {
+        if self.lost {
+            return;
+        }
         let mut alive = vec![true; sampled.len()];
         for (pass, results) in self.reads.iter().zip(&self.results) {
             let words = results.as_slice();
