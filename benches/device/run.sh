@@ -112,9 +112,9 @@ if part experts; then
 fi
 # the MTP drafter on cuda pools (its layer's passes on the device after each step), on the seeded
 # DeepSeek-V3 of benches/specs/deepseek_mtp.toml: graphs/spec.toml with drafter = "mtp"
-# (aggregated) and graphs/spec-mtp.toml (1P1D over inproc: the producer's drafts from T0 handed
-# off; expert parallelism dropped: it runs on the cpu executors for now), greedy, exact against
-# the cuda plain path
+# (aggregated), graphs/spec-mtp.toml without expert parallelism (1P1D over inproc: the producer's
+# drafts from T0 handed off) and as it is (2 + 2 expert-parallel ranks: the draft passes are
+# exchanges of the MTP layer's experts every rank joins), greedy, exact against the cuda plain path
 if part mtp; then
     [ -f /tmp/deepseek-mtp/model.safetensors ] ||
         "$bin" seed-checkpoint benches/specs/deepseek_mtp.toml /tmp/deepseek-mtp || status=1
@@ -123,10 +123,16 @@ if part mtp; then
     sed -e 's#^path = .*#path = "/tmp/deepseek-mtp"#' -e '/^expert_parallel = true/d' \
         -e 's/^\(role = .*\)$/\1\nexecutor = "cuda"/' -e 's#out/spec-mtp"#out/spec-mtp-cuda"#' \
         graphs/spec-mtp.toml > graphs/.spec-mtp-cuda.toml
-    for graph in spec-mtp-aggregated-cuda spec-mtp-cuda; do
+    sed -e 's#^path = .*#path = "/tmp/deepseek-mtp"#' \
+        -e 's/^\(role = .*\)$/\1\nexecutor = "cuda"/' -e 's#out/spec-mtp"#out/spec-mtp-ep-cuda"#' \
+        graphs/spec-mtp.toml > graphs/.spec-mtp-ep-cuda.toml
+    for graph in spec-mtp-aggregated-cuda spec-mtp-cuda spec-mtp-ep-cuda; do
         echo "== kvflow run $graph (seeded DeepSeek-V3 with its MTP layer, executor = cuda, MTP drafting) --verify"
         "$bin" run "graphs/.$graph.toml" --verify 2>&1 | tail -n 25 || status=1
-        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('spec', json.dumps(r['spec']))" \
+        python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('spec', json.dumps(r['spec'])); \
+[print('rank', s['pool'], s['rank'], 'expert_bytes', s['expert_bytes'], 'exchange_bytes', s['exchange_bytes'], \
+'exchange_host_bytes', s['exchange_host_bytes'], 'draft_passes_without_samples', s['draft_passes_without_samples']) \
+for s in r['rank_stats'] if s['exchange_bytes'] > 0]" \
             "out/$graph/report.json" 2>/dev/null || true
         rm -f "graphs/.$graph.toml"
     done
