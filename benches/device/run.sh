@@ -141,15 +141,21 @@ fi
 # workload with and without [speculative], taking turns), on the seeded dense 1 B of
 # benches/device/llama-1b.toml in bf16 — a model of seeded weights, whose greedy outputs fall into
 # loops that prompt lookup then proposes from — and on the llama fixture
+# (SPEC_MODELS: which of them, default "llama-1b fixture smollm2")
+spec_models=" ${SPEC_MODELS:-llama-1b fixture smollm2} "
 if part specbench; then
-    [ -f /tmp/llama-1b/model.safetensors ] || "$bin" seed-checkpoint benches/device/llama-1b.toml /tmp/llama-1b || status=1
-    echo "== kvflow bench spec (dense 1 B, executor = cuda, bfloat16)"
-    "$bin" bench spec --model /tmp/llama-1b --executor cuda --dtype bfloat16 --kv-budget "4 GiB" || status=1
-    echo "== kvflow bench spec (llama fixture, executor = cuda)"
-    "$bin" bench spec --executor cuda || status=1
+    if [[ "$spec_models" == *" llama-1b "* ]]; then
+        [ -f /tmp/llama-1b/model.safetensors ] || "$bin" seed-checkpoint benches/device/llama-1b.toml /tmp/llama-1b || status=1
+        echo "== kvflow bench spec (dense 1 B, executor = cuda, bfloat16)"
+        "$bin" bench spec --model /tmp/llama-1b --executor cuda --dtype bfloat16 --kv-budget "4 GiB" || status=1
+    fi
+    if [[ "$spec_models" == *" fixture "* ]]; then
+        echo "== kvflow bench spec (llama fixture, executor = cuda)"
+        "$bin" bench spec --executor cuda || status=1
+    fi
     # a trained model continues a repeated passage by copying it: SmolLM2-135M-Instruct, when its
     # GGUF's pieces were carried (serve_smollm2.sh)
-    if source benches/device/smollm2_gguf.sh; then
+    if [[ "$spec_models" == *" smollm2 "* ]] && source benches/device/smollm2_gguf.sh; then
         for dtype in float32 bfloat16; do
             echo "== kvflow bench spec (SmolLM2-135M-Instruct GGUF, executor = cuda, $dtype)"
             "$bin" bench spec --model "$gguf" --executor cuda --dtype $dtype --kv-budget "2 GiB" || status=1
