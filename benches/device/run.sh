@@ -150,8 +150,10 @@ if part specbench; then
         "$bin" bench spec --model /tmp/llama-1b --executor cuda --dtype bfloat16 --kv-budget "4 GiB" || status=1
     fi
     if [[ "$spec_models" == *" fixture "* ]]; then
-        echo "== kvflow bench spec (llama fixture, executor = cuda)"
-        "$bin" bench spec --executor cuda || status=1
+        for k in 4 8; do
+            echo "== kvflow bench spec (llama fixture, executor = cuda, n-gram drafts of $k)"
+            "$bin" bench spec --executor cuda --draft-tokens $k || status=1
+        done
     fi
     # a trained model continues a repeated passage by copying it: SmolLM2-135M-Instruct, when its
     # GGUF's pieces were carried (serve_smollm2.sh)

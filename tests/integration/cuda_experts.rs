@@ -109,14 +109,6 @@ fn cuda_ranks_join_every_mtp_draft_pass_and_a_rank_that_skips_them_is_named() {
         assert_eq!(r["exchange_host_bytes"].as_u64(), Some(0), "no float crossed in host memory: {r}");
     }
 
-    let _one_at_a_time = crate::runtime::HEAVY.lock();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args(["run", &graph.to_string_lossy(), "--stall-timeout", "5"])
-        .args(["--test-switch", "skip-draft-passes-without-samples"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
-    let culprit = stderr.lines().skip_while(|l| !l.starts_with("pool prefill: stall")).nth(1).unwrap_or_default();
+    let (culprit, stderr) = crate::spec::stall_culprit(&graph, "skip-draft-passes-without-samples", "5", "prefill");
     assert!(culprit.contains("holding the pool back: operator `dispatch[mtp.0]`"), "in:\n{stderr}");
 }

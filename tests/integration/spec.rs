@@ -547,22 +547,24 @@ fn every_rank_joins_the_draft_passes_and_a_rank_that_skips_them_is_named_by_the_
         assert_eq!(dot.matches(op).count(), 2, "{op} once per pool in:\n{dot}");
     }
 
+    let (culprit, stderr) = stall_culprit(&graph, "skip-draft-passes-without-samples", "2", "prefill");
+    assert!(culprit.contains("holding the pool back: operator `dispatch[mtp.0]`"), "in:\n{stderr}");
+}
+
+/// Runs `graph` with `--test-switch switch` and `--stall-timeout timeout` (one heavy run at a
+/// time), expects the stall's exit status 3, and returns the line naming what holds `pool` back,
+/// with the whole stderr.
+pub(crate) fn stall_culprit(graph: &Path, switch: &str, timeout: &str, pool: &str) -> (String, String) {
     let _one_at_a_time = crate::runtime::HEAVY.lock();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"))
-        .args([
-            "run",
-            &graph.to_string_lossy(),
-            "--stall-timeout",
-            "2",
-            "--test-switch",
-            "skip-draft-passes-without-samples",
-        ])
+        .args(["run", &graph.to_string_lossy(), "--stall-timeout", timeout, "--test-switch", switch])
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(out.status.code(), Some(3), "a stall exits with status 3: {stderr}");
-    let culprit = stderr.lines().skip_while(|l| !l.starts_with("pool prefill: stall")).nth(1).unwrap_or_default();
-    assert!(culprit.contains("holding the pool back: operator `dispatch[mtp.0]`"), "in:\n{stderr}");
+    let header = format!("pool {pool}: stall");
+    let culprit = stderr.lines().skip_while(|l| !l.starts_with(&header)).nth(1).unwrap_or_default().to_string();
+    (culprit, stderr)
 }
 
 #[test]

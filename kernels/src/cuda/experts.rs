@@ -110,6 +110,24 @@ pub struct SplitStep {
 }
 
 impl SplitStep {
+    /// A split at its first layer, its hidden rows `h` (`rows × hidden`) ready.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        gpu: &Gpu,
+        mtp: bool,
+        shape: StepShape,
+        at: RowsOnDevice,
+        ring: u64,
+        hidden: usize,
+        h: DeviceBuf<f32>,
+        routes: PinnedBuf<u32>,
+    ) -> Result<SplitStep, CudaError> {
+        let n = shape.rows * hidden;
+        let (x, x_bf16) = (gpu.scratch::<f32>(n)?, gpu.scratch::<u16>(n)?);
+        let (layer, routed, routes_ready, held, staged) = (0, None, None, Vec::new(), Vec::new());
+        Ok(SplitStep { mtp, shape, at, ring, hidden, h, x, x_bf16, layer, routed, routes, routes_ready, held, staged })
+    }
+
     /// The MoE block routed and waiting for its experts, with its `top_k`, if any.
     pub fn routed_top_k(&self, model: &DeviceModel) -> Option<usize> {
         self.routed.as_ref().and_then(|_| model.split_moe(self)).map(|m| m.top_k)
@@ -217,24 +235,8 @@ impl DeviceModel {
         if self.max_top_k() == 0 {
             return Err(CudaError::Unsupported("a step split at MoE blocks of a model without one".into()));
         }
-        let t = shape.rows;
-        let h = self.embed_rows(gpu, t, at, ring)?;
-        let mut split = SplitStep {
-            mtp: false,
-            shape,
-            at,
-            ring,
-            hidden: self.hidden,
-            h,
-            x: gpu.scratch::<f32>(t * self.hidden)?,
-            x_bf16: gpu.scratch::<u16>(t * self.hidden)?,
-            layer: 0,
-            routed: None,
-            routes,
-            routes_ready: None,
-            held: Vec::new(),
-            staged: Vec::new(),
-        };
+        let h = self.embed_rows(gpu, shape.rows, at, ring)?;
+        let mut split = SplitStep::new(gpu, false, shape, at, ring, self.hidden, h, routes)?;
         self.run_to_routing(gpu, kv, state, &mut split)?;
         Ok(split)
     }
@@ -261,22 +263,7 @@ impl DeviceModel {
         let h = gpu.scratch::<f32>(t * d)?;
         let s = Step { gpu, kv, state: None, rows: t, seqs: shape.seqs, at, index_row: shape.index_row };
         self.mtp_input(&s, m, ring, hidden_in, h.ptr())?;
-        let mut split = SplitStep {
-            mtp: true,
-            shape,
-            at,
-            ring,
-            hidden: d,
-            h,
-            x: gpu.scratch::<f32>(t * d)?,
-            x_bf16: gpu.scratch::<u16>(t * d)?,
-            layer: 0,
-            routed: None,
-            routes,
-            routes_ready: None,
-            held: Vec::new(),
-            staged: Vec::new(),
-        };
+        let mut split = SplitStep::new(gpu, true, shape, at, ring, d, h, routes)?;
         self.run_to_routing(gpu, kv, None, &mut split)?;
         Ok(split)
     }
