@@ -213,6 +213,8 @@ impl CudaExecutor {
             None => self.end_step(&gpu, &mut record, staged.meta, sampled, results.ptr(), &after, &exports),
         };
         if let Err(e) = ended {
+            // (what it enqueued may still write what it holds, which its completion gives back)
+            let _ = self.gpu.wait();
             record.error = Some(e);
             record.event = None;
         }
@@ -262,9 +264,9 @@ impl CudaExecutor {
         let (at, meta) = drafting.passes.stage(gpu, &planned.rows, pinned_words).map_err(fail)?;
         let routes = pinned_words.take(gpu, planned.rows.rows() * model.max_top_k()).map_err(fail)?;
         let shape = planned.rows.shape();
-        let split_pass = model.begin_mtp_split(gpu, &kv.kv, shape, at, planned.hidden_in.ptr(), ring.ptr(), routes);
         let results = gpu.scratch::<u32>(shape.sampled.max(1) * RESULT_WORDS).map_err(fail)?;
-        let split = split_pass.map_err(fail)?;
+        let (hidden_in, ring) = (planned.hidden_in.ptr(), ring.ptr());
+        let split = model.begin_mtp_split(gpu, &kv.kv, shape, at, hidden_in, ring, routes).map_err(fail)?;
         drafting.pass = Some(PassSplit { planned, split, _meta: meta, results, routes: Routes::default() });
         Ok(())
     }
@@ -275,12 +277,13 @@ impl CudaExecutor {
         let Self { gpu, pinned_words, experts, .. } = self;
         let split = experts.as_mut().and_then(|s| s.split.as_mut()).expect("a split step");
         let drafting = split.drafting.as_mut().expect("a draft pass");
-        if let Some(pass) = drafting.pass.take() {
-            drafting.passes.read_back(gpu, &pass.planned, pass.results.ptr(), pinned_words).map_err(fail)?;
-            let (hidden, rows, staged) = pass.split.into_held();
+        if let Some(PassSplit { planned, split, results, .. }) = drafting.pass.take() {
+            // (held first: a failed read-back ends the step, which waits before letting go)
+            let (hidden, rows, staged) = split.into_held();
             drafting.previous = Some(hidden);
             drafting.held.rows.extend(rows);
             drafting.held.staged.extend(staged);
+            drafting.passes.read_back(gpu, &planned, results.ptr(), pinned_words).map_err(fail)?;
         }
         drafting.joined += 1;
         Ok(())
