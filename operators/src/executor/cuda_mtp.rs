@@ -7,7 +7,9 @@
 //! token), then passes 1..k chaining the layer on its own output, each draft read from the ring
 //! slot the previous pass sampled into (the host never waits for a draft). The step completes
 //! when the passes have, its drafts in `Sampled::drafts`; a producer's exports are read after
-//! them, so the MTP layer's KV travels with the rest.
+//! them, so the MTP layer's KV travels with the rest. Passes are planned one at a time
+//! (`DraftChains`): under expert parallelism with a MoE MTP layer, `cuda_experts.rs` enqueues
+//! each as an exchange of the MTP layer's experts, after the step's last MoE block.
 //!
 //! Which time it holds: the step's, from its forward's completion to its own.
 //! Which guarantee it carries: none of its own — drafts only propose, and the next step's
