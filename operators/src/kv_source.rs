@@ -1,6 +1,9 @@
 //! Where the KV blocks an export names are read from: in place in the producer rank's cache
-//! (host or device), which holds them until the consumer's ack. Shared by the step (an export,
-//! an import) and the transfer engine (a handoff carries its source), below both.
+//! (host or device), which holds them until their reader is done — a cuda producer's handoff
+//! (the consumer's ack) or a save (its completion). Shared by the step (an export, an import)
+//! and the transfer engine (a handoff carries its source), below both. A CPU producer's handoff
+//! carries a copy instead (`KvExport::copy_out`): a host cache is locked while its rank's step
+//! runs.
 
 /// Blocks of a producer rank's KV cache that a handoff reads in place (one copy, into the
 /// consumer's blocks, or onto a socket): the producer must hold them until the consumer's ack.

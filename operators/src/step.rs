@@ -23,6 +23,12 @@ pub struct KvExport {
     pub key: SeqKey,
     pub blocks: Vec<u32>,
     pub slot: Option<SlotId>,
+    /// The step copies the blocks out (packed by layer) before it completes, where a reader in
+    /// place would wait for this rank's later steps (a CPU rank's steps hold its cache): a
+    /// handoff, whose transfer then moves at the link's speed whatever the producer computes.
+    /// Otherwise the blocks are read in place, held until their reader is done (a save, fenced by
+    /// its pin; on a GPU every export, read on a stream of the reader's own).
+    pub copy_out: bool,
 }
 
 /// What an export copied out, reported with the step's completion.

@@ -1,31 +1,28 @@
 //! `kvflow bench transfer`: handoffs over the tcp backend on loopback against a plain TCP stream
 //! of the same bytes, measured in the same run. Each handoff is one request of `--tokens` tokens
-//! of the default bench model (its prompt's KV, packed by layer, read in place from the producer's
-//! blocks), sent by a link of `--connections` tcp connections (a graph's `[transfer]
+//! of the default bench model (its prompt's KV, packed by layer: the copy a prefill rank's step
+//! makes of its blocks), sent by a link of `--connections` tcp connections (a graph's `[transfer]
 //! connections`) to a `TcpConsumer` that checks the descriptor, receives and checksums the
 //! payload, and puts it in its inbox; a handoff counts when the consumer has taken it. The
 //! baseline writes the same total bytes over one TCP connection in 4 MiB `write_all` calls with
 //! TCP_NODELAY, timed until the reader has them all. Each figure is the median of `--rounds`
 //! rounds, the ways of measuring taking turns within a round (so a slow spell of the machine
 //! hits them alike); the ratio is the median of the rounds' own ratios. Also printed, earlier: the handoff figures with checksums off and over one
-//! connection, and the inproc cost (the consumer copying the producer's blocks in place into its
-//! own: one copy) per MiB beside a plain memcpy of the same bytes.
+//! connection, and the inproc cost (the producer's step copying the blocks out, the consumer's
+//! import copying them into its own) per MiB beside two plain memcpys of the same bytes.
 
 use super::median;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::checkpoint::ModelSpec;
-use kvflow_kernels::kv::{PagedKvCache, StatePool};
+use kvflow_kernels::kv::PagedKvCache;
 use kvflow_kernels::models;
-use kvflow_kernels::models::ModelCache;
 use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::pool::wake::RankWaker;
-use kvflow_operators::step::{BlockStore, KvSource};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
     AckQueue, ConsumerPool, Handoff, HandoffInbox, HandoffSink, LinkOptions, LinkTarget, Taken, TcpConsumer, TcpLink,
     TcpLinks, TransferId,
 };
-use parking_lot::RwLock;
 use std::io::{Read, Write};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -203,32 +200,35 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         "handoff      one request of {} tokens of the default bench model: {mib:.1} MiB of KV ({} blocks)",
         args.tokens, blocks
     );
-    // inproc: the consumer's import copies the producer's blocks in place into its own (what
-    // an inproc handoff costs), against a memcpy of the same bytes.
+    // inproc: the producer's step copies the prompt's blocks out (the handoff owns them) and the
+    // consumer's import copies them into its own blocks — what an inproc handoff costs — against
+    // a memcpy of the same bytes, twice.
     let mut a = PagedKvCache::new(BLOCK, blocks, &widths);
     let mut b = PagedKvCache::new(BLOCK, blocks, &widths);
     let ids: Vec<u32> = (0..blocks as u32).collect();
     a.import_blocks(&ids, &h.kv).map_err(|e| anyhow!("{e}"))?;
-    b.copy_blocks_from(&a, &ids, &ids).map_err(|e| anyhow!("{e}"))?; // fault the pages in first
+    let mut out = Vec::new();
+    a.export_blocks(&ids, &mut out); // fault the pages in first
+    b.import_blocks(&ids, &out).map_err(|e| anyhow!("{e}"))?;
     let started = Instant::now();
-    b.copy_blocks_from(&a, &ids, &ids).map_err(|e| anyhow!("{e}"))?;
+    out.clear();
+    a.export_blocks(&ids, &mut out);
+    b.import_blocks(&ids, &out).map_err(|e| anyhow!("{e}"))?;
     let inproc_ms = started.elapsed().as_secs_f64() * 1e3;
     let mut copy = vec![0f32; h.kv.len()];
     copy.copy_from_slice(std::hint::black_box(&h.kv)); // fault the pages in first, as above
     let started = Instant::now();
     copy.copy_from_slice(std::hint::black_box(&h.kv));
+    out.copy_from_slice(std::hint::black_box(&copy));
     let memcpy_ms = started.elapsed().as_secs_f64() * 1e3;
-    std::hint::black_box(&copy);
+    std::hint::black_box(&out);
     println!(
-        "inproc       in-place copy into the consumer's blocks {:.3} ms per MiB; memcpy {:.3} ms per MiB",
+        "inproc       copy-out by the producer's step and import into the consumer's blocks {:.3} ms per MiB; \
+         two memcpys {:.3} ms per MiB",
         inproc_ms / mib,
         memcpy_ms / mib
     );
-    // Over tcp the handoffs read the producer's blocks in place, as a prefill rank's do.
-    let cache = ModelCache { kv: a, states: StatePool::new(0, 0, 0) };
-    let source = KvSource { store: BlockStore::Host(Arc::new(RwLock::new(cache))), blocks: ids, floats_per_block };
-    let mut h = h;
-    (h.kv, h.source) = (Vec::new(), Some(source));
+    // Over tcp the handoffs send the copy the producer's step made, as a prefill rank's do.
     let (n, total) = (args.connections, args.bytes);
     let mut rounds: [Vec<f64>; 4] = Default::default();
     let progress = indicatif::ProgressBar::new(args.rounds as u64);

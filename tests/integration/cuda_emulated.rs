@@ -845,7 +845,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         sampler: Default::default(),
         next_prompt_token: None,
     };
-    let export = KvExport { key, blocks: vec![0], slot: None };
+    let export = KvExport { key, blocks: vec![0], slot: None, copy_out: true };
     let done = one_step(&mut producer, 0, prefill, &[], &[], &[export]);
     let t0 = done.result.unwrap()[0].token.unwrap();
     assert_eq!(t0, case.greedy[0]);

@@ -182,13 +182,18 @@ fn a_duplicate_handoff_is_taken_once_and_without_the_check_reaches_a_rank_again(
     }
 }
 
-/// Producer frees after ack: an inproc handoff is read in place, from the producer's blocks,
-/// by the consumer's import (one copy). Every transfer here waits 100 ms before it reaches the
-/// consumer, while the prefill pool goes on prefilling: with the mechanism the producer holds
-/// the blocks until the ack and every output is exact; without it (test switch) the blocks are
-/// reused by the next prefills before the consumer reads them, and outputs go wrong.
+/// Producer frees after ack, and handoffs own their bytes. Every transfer here waits 100 ms
+/// before it reaches the consumer, while the prefill pool goes on prefilling into blocks freed
+/// at once (no prefix cache).
+/// - A handoff read in place (test switch `read-handoffs-in-place`: inproc's one copy and tcp's
+///   send read the producer's blocks, as the cuda executor's do on a stream of their own) is
+///   exact because the producer holds the blocks until the ack; freeing them when the handoff is
+///   sent (`free-before-ack`) lets the next prefills reuse them first, and outputs mismatch.
+/// - A CPU handoff as it is carries the copy the step that completed its prompt made: even with
+///   the blocks freed at send, every output is exact — the transfer reads nothing of the
+///   producer's cache, so it never waits for the producer's later steps either.
 #[test]
-fn the_producer_frees_after_the_ack_and_without_it_the_consumer_reads_reused_blocks() {
+fn the_producer_frees_after_the_ack_and_a_handoff_owns_the_copy_its_step_made() {
     let faults = "delay_ms = 100.0\ndelay_probability = 1.0";
     let run_with = |switches: TestSwitches| {
         let dir = tempfile::tempdir().unwrap();
@@ -207,14 +212,22 @@ fn the_producer_frees_after_the_ack_and_without_it_the_consumer_reads_reused_blo
         std::fs::write(&graph, text).unwrap();
         run_graph(&graph, Overrides::default(), switches)
     };
-    let with = run_with(TestSwitches::default());
-    assert_eq!(with["verify"]["mismatched"], 0, "{}", with["verify"]);
-    assert_eq!(with["completed"], 12);
-    let without = run_with(TestSwitches { free_before_ack: true, ..Default::default() });
+    let in_place = run_with(TestSwitches { read_handoffs_in_place: true, ..Default::default() });
+    assert_eq!(in_place["verify"]["mismatched"], 0, "{}", in_place["verify"]);
+    assert_eq!(in_place["completed"], 12);
+    let in_place_freed =
+        run_with(TestSwitches { read_handoffs_in_place: true, free_before_ack: true, ..Default::default() });
     assert!(
-        without["verify"]["mismatched"].as_u64().unwrap() > 0,
-        "freeing before the ack lets the consumer read reused blocks: {}",
-        without["verify"]
+        in_place_freed["verify"]["mismatched"].as_u64().unwrap() > 0,
+        "freeing before the ack lets an in-place reader read reused blocks: {}",
+        in_place_freed["verify"]
+    );
+    let owned_freed = run_with(TestSwitches { free_before_ack: true, ..Default::default() });
+    assert_eq!(owned_freed["completed"], 12);
+    assert_eq!(
+        owned_freed["verify"]["mismatched"], 0,
+        "a handoff that owns its copy is exact whatever becomes of the producer's blocks: {}",
+        owned_freed["verify"]
     );
 }
 

@@ -111,7 +111,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         let blocks: Vec<u32> = if model.needs_blocks() { (0..p.div_ceil(BLOCK) as u32).collect() } else { vec![] };
         let slot = model.needs_slots().then_some(0);
         let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
-        let export = [KvExport { key, blocks: blocks.clone(), slot }];
+        let export = [KvExport { key, blocks: blocks.clone(), slot, copy_out: true }];
         let prefill = SeqStep {
             drafts: &[],
             key,
@@ -143,9 +143,9 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             fingerprint: model.layout_fingerprint(BLOCK),
             skip_blocks: 0,
             kv_blocks: blocks.len(),
-            floats_per_block: exported.source.as_ref().filter(|_| !blocks.is_empty()).map_or(0, |s| s.floats_per_block),
+            floats_per_block: if blocks.is_empty() { 0 } else { exported.kv.len() / blocks.len() },
+            // The copy the producer's step made of its blocks (the handoff owns it).
             kv: exported.kv,
-            // The producer's blocks, read in place by the consumer's import (one copy).
             source: exported.source,
             landed: None,
             state: exported.state,

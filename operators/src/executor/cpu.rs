@@ -8,9 +8,10 @@
 //! the kept state). With the `mtp` drafter the MTP layer's passes follow sampling
 //! (`super::mtp`; under expert parallelism as draft passes every rank joins). A decode whose
 //! previous token was still in flight at launch names it by (sequence, step); the runner resolves
-//! it from the tokens it sampled itself. The storage sits behind a `RwLock` shared with the
-//! handoffs that read a prefill's blocks in place (a consumer's import, a tcp link's send, one
-//! block at a time): such a reader waits while a phase of this rank holds the lock.
+//! it from the tokens it sampled itself. The storage sits behind a `RwLock` that a phase of this
+//! rank holds while it runs, shared with the saves that read a chunk's blocks in place (such a
+//! reader waits for the phase). A handoff's blocks are copied out by the step that completes
+//! its prompt (`KvExport::copy_out`), so its transfer never waits for this rank's later steps.
 //! [`CpuExecutor`] runs it on the rank's own thread (`cpu`); `DeferredExecutor` on a thread of
 //! its own (`cpu-deferred`).
 
@@ -339,7 +340,9 @@ impl CpuStepRunner {
     }
 
     /// What the step's exports ask for (after its forward and snapshots): the state slot,
-    /// copied now, and the blocks, to be read in place by the consumer.
+    /// copied now, and the blocks — copied now too (`copy_out`: a handoff, which then owns its
+    /// bytes and never waits for this rank's later steps, which hold the cache), or named in
+    /// place for their reader (a save).
     fn export(&self, exports: &[KvExport]) -> Vec<Exported> {
         let cache = self.cache.read();
         let floats_per_block = cache.kv.floats_per_block();
@@ -347,6 +350,11 @@ impl CpuStepRunner {
             .iter()
             .map(|e| {
                 let state = e.slot.map(|slot| cache.states.slot(slot).to_vec());
+                if e.copy_out {
+                    let mut kv = Vec::new();
+                    cache.kv.export_blocks(&e.blocks, &mut kv);
+                    return Exported { key: e.key, kv, source: None, state };
+                }
                 let source = KvSource {
                     store: BlockStore::Host(self.cache.clone()),
                     blocks: e.blocks.clone(),

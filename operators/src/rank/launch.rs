@@ -93,7 +93,9 @@ impl Rank {
                         Some(first) if self.switches.export_admission_slot => Some(first),
                         _ => seq.slot,
                     };
-                    exports.push(KvExport { key: c.key, blocks, slot });
+                    // Copied out by the step (test switch: named in place, read through the cache).
+                    let copy_out = !self.switches.read_handoffs_in_place;
+                    exports.push(KvExport { key: c.key, blocks, slot, copy_out });
                 }
                 RequestKind::Consumer(consumer) => {
                     if !std::mem::take(&mut consumer.awaits_import) {

@@ -59,7 +59,8 @@ impl Rank {
                 off.next_id += 1;
                 self.memory.pin_for_save(id, &blocks);
                 off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key });
-                saves.push(KvExport { key: c.key, blocks, slot: if layout.keeps_state { seq.slot } else { None } });
+                let slot = if layout.keeps_state { seq.slot } else { None };
+                saves.push(KvExport { key: c.key, blocks, slot, copy_out: false });
             }
         }
         saves

@@ -49,6 +49,11 @@ pub struct TestSwitches {
     /// sent, not when the consumer's ack comes (removes "producer frees after ack": the
     /// consumer reads blocks in place that may already hold another request's KV).
     pub free_before_ack: bool,
+    /// A CPU prefill rank's handoffs name its blocks in place, read through its cache lock,
+    /// instead of carrying the copy the step that completed the prompt made (removes "handoffs
+    /// own their bytes": a transfer waits for each of the producer's later steps, and reads
+    /// whatever the blocks hold when it gets to them).
+    pub read_handoffs_in_place: bool,
     /// A prefill pool's handoff reads the state slot its request got when first admitted, not
     /// the one it holds when the handoff is built (removes "current slot": a request that was
     /// preempted and came back in another slot hands off whatever the old slot holds now).
@@ -126,6 +131,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("export-state-after-t0", ""),
     ("deliver-duplicate-handoffs", ""),
     ("free-before-ack", ""),
+    ("read-handoffs-in-place", ""),
     ("export-admission-slot", ""),
     ("withhold-dispatch", "RANK:STEP:MOE"),
     ("send-no-expert-results", "RANK:STEP:MOE"),
@@ -225,6 +231,7 @@ impl TestSwitches {
             "export-state-after-t0" => &mut self.export_state_after_t0,
             "deliver-duplicate-handoffs" => &mut self.deliver_duplicate_handoffs,
             "free-before-ack" => &mut self.free_before_ack,
+            "read-handoffs-in-place" => &mut self.read_handoffs_in_place,
             "export-admission-slot" => &mut self.export_admission_slot,
             "release-saves-early" => &mut self.release_saves_early,
             "watchdog-ignores-what-pools-await" => &mut self.watchdog_ignores_what_pools_await,

@@ -1,9 +1,10 @@
 //! The `inproc` transfer backend: producer and consumer pools in one process, and the consumer
 //! pool's inbox, which every backend delivers into. A handoff moves as an `Arc` (no
-//! serialization, no socket). It names the producer's blocks in place (`KvSource`), and the
-//! consumer's executor copies them straight into the blocks it allocated, before the step that
-//! first reads them: one copy. Such a handoff is acked when the consumer lets go of it, after that
-//! copy. One that carries its own bytes (tcp) is acked when it is taken. The producer holds the
+//! serialization, no socket). It carries the copy of the prompt's blocks a CPU producer's step
+//! made, or names a cuda producer's blocks in place (`KvSource`); the consumer's executor copies
+//! them into the blocks it allocated, before the step that first reads them. A handoff read in
+//! place is acked when the consumer lets go of it, after that copy. One that carries its own
+//! bytes (a CPU producer's, or any over tcp) is acked when it is taken. The producer holds the
 //! request's blocks and slot until the ack arrives. A cancelled request's transfer is aborted explicitly (the consumer drops
 //! it, or cancels what it began, and answers), never left to a timeout.
 
