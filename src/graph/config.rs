@@ -189,6 +189,10 @@ pub struct LinkConfig {
     /// The consumer's listen address: `Some` for `tcp` (default `127.0.0.1:0`), `None` for
     /// `inproc`.
     pub endpoint: Option<Endpoint>,
+    /// The link's rate in bytes a second (`bandwidth = "100 MB/s"`): handoffs leave no faster
+    /// (a token bucket on the sender, shared by the link's connections). `None`: as fast as the
+    /// backend moves them.
+    pub bandwidth: Option<u64>,
 }
 
 /// How a link moves handoffs (DESIGN §8; `link.backend`).

@@ -43,7 +43,7 @@ use std::path::Path;
 pub use config::*;
 pub use error::{GraphError, Location};
 pub use overrides::Overrides;
-pub use rules::{host_port, parse_byte_size, parse_endpoint, MAX_DEPLOYMENT_TOKEN_BYTES};
+pub use rules::{host_port, parse_byte_size, parse_endpoint, parse_link_rate, MAX_DEPLOYMENT_TOKEN_BYTES};
 
 use error::toml_error;
 use raw::RawGraph;
@@ -259,6 +259,7 @@ mod tests {
                 to: "decode".to_string(),
                 backend: TransferBackend::Tcp,
                 endpoint: Some(Endpoint { host: "127.0.0.1".to_string(), port: 0 }),
+                bandwidth: None,
             }]
         );
         assert_eq!(

@@ -106,6 +106,7 @@ pub(super) struct RawLink {
     pub(super) to: Option<Spanned<String>>,
     pub(super) backend: Option<Spanned<String>>,
     pub(super) endpoint: Option<Spanned<String>>,
+    pub(super) bandwidth: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]

@@ -312,6 +312,34 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// Parses a link rate in bytes per second: a byte count per second, such as `"100 MB/s"` or
+/// `"1.5 GiB/s"` (the units of [`parse_byte_size`]), or bits per second, `"10 Gbit/s"`,
+/// `"400 Mbit/s"` (kbit, Mbit, Gbit, Tbit: powers of 1000). More than 0.
+pub fn parse_link_rate(text: &str) -> Result<u64, String> {
+    let expected = || format!("\"{text}\" is not a rate such as \"100 MB/s\" or \"10 Gbit/s\"");
+    let per_second = text.trim().strip_suffix("/s").ok_or_else(expected)?;
+    let bits: Option<(&str, f64)> =
+        ["kbit", "mbit", "gbit", "tbit"].iter().zip([1e3, 1e6, 1e9, 1e12]).find_map(|(unit, m)| {
+            let lower = per_second.to_ascii_lowercase();
+            lower.strip_suffix(unit).map(|n| (&per_second[..n.len()], m / 8.0))
+        });
+    let bytes = match bits {
+        Some((number, bytes_per_unit)) => {
+            let n: f64 = number.trim().parse().map_err(|_| expected())?;
+            let bytes = (n * bytes_per_unit).floor();
+            if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+                return Err(format!("\"{text}\" is too large"));
+            }
+            bytes as u64
+        }
+        None => parse_byte_size(per_second).map_err(|e| format!("{}: {e}", expected()))?,
+    };
+    if bytes == 0 {
+        return Err(format!("\"{text}\" is no rate: it must be more than 0 bytes a second"));
+    }
+    Ok(bytes)
+}
+
 /// `host:port` (IPv6 as `[addr]:port`), as [`parse_endpoint`] reads it.
 impl FromStr for Endpoint {
     type Err = String;
@@ -348,6 +376,19 @@ mod tests {
         assert!(parse_byte_size("1.2.3 MB").is_err());
         assert!(parse_byte_size("-1 MB").is_err());
         assert!(parse_byte_size("99999999999 TiB").unwrap_err().contains("too large"));
+    }
+
+    #[test]
+    fn link_rates_parse_bytes_and_bits_per_second() {
+        assert_eq!(parse_link_rate("100 MB/s"), Ok(100_000_000));
+        assert_eq!(parse_link_rate("1.5 GiB/s"), Ok(3 << 29));
+        assert_eq!(parse_link_rate("10 Gbit/s"), Ok(1_250_000_000));
+        assert_eq!(parse_link_rate("400Mbit/s"), Ok(50_000_000));
+        assert_eq!(parse_link_rate("4096/s"), Ok(4096));
+        for bad in ["100 MB", "fast/s", "0 MB/s", "-1 MB/s", "10 Gbits/s", "1e400 Gbit/s"] {
+            let e = parse_link_rate(bad).expect_err(bad);
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
     }
 
     #[test]

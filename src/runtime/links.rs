@@ -24,8 +24,8 @@ use kvflow_operators::pool::emit::EventSink;
 use kvflow_operators::rank::{PrefillTarget, RemotePrefill};
 use kvflow_operators::transfer::wire::ConsumerLayout;
 use kvflow_operators::transfer::{
-    ConsumerOptions, ConsumerPool, EventRelay, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkTarget,
-    TcpConsumer, TcpLink, TcpLinks, TransferCounters,
+    ConsumerOptions, ConsumerPool, EventRelay, Faults, HandoffInbox, HandoffSink, InprocLinks, LinkOptions, LinkRate,
+    LinkTarget, TcpConsumer, TcpLink, TcpLinks, TransferCounters,
 };
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -167,6 +167,11 @@ fn listen_endpoint(graph: &Graph, to: &str, endpoints: &HashMap<String, String>)
 }
 
 /// Where a producer of this process reaches decode pool `link.to`, which runs in another.
+/// `link`'s rate (`bandwidth`), if it has one.
+fn link_rate(link: &LinkConfig) -> Option<Arc<LinkRate>> {
+    link.bandwidth.map(|bytes_per_s| Arc::new(LinkRate::new(bytes_per_s as f64)))
+}
+
 fn remote_address(graph: &Graph, link: &LinkConfig, endpoints: &HashMap<String, String>) -> Result<SocketAddr> {
     let place = format!("{}: link {} → {}", graph.path.display(), link.from, link.to);
     if link.backend != TransferBackend::Tcp {
@@ -388,7 +393,8 @@ impl Wires<'_> {
                     inbox: self.inboxes[&l.to].clone(),
                 })
                 .collect();
-            Ok(Arc::new(InprocLinks { consumers, faults: self.faults, counters: self.counters.clone() }))
+            let rates = out.iter().map(|l| link_rate(l)).collect();
+            Ok(Arc::new(InprocLinks { consumers, rates, faults: self.faults, counters: self.counters.clone() }))
         } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
             self.tcp_links(pool, &out, fingerprint)
         } else {
@@ -407,7 +413,9 @@ impl Wires<'_> {
         let (graph, options) = (self.graph, self.options);
         let mut links = Vec::new();
         let connections = graph.transfer.connections;
-        for l in out.iter().flat_map(|l| std::iter::repeat_n(l, connections)) {
+        // One rate per link, shared by its connections.
+        let out: Vec<(&LinkConfig, Option<Arc<LinkRate>>)> = out.iter().map(|l| (*l, link_rate(l))).collect();
+        for (l, rate) in out.iter().flat_map(|l| std::iter::repeat_n(l, connections)) {
             let remote = !self.local(&l.to);
             let addr = if remote { remote_address(graph, l, options.endpoints)? } else { self.bound[&l.to] };
             let target = LinkTarget { to: l.to.clone(), addr, fingerprint, token: self.token.clone(), link_id: 0 };
@@ -421,6 +429,7 @@ impl Wires<'_> {
                     None => (options.remote_events)(&l.to),
                 }),
                 patience: if remote { options.patience } else { Duration::ZERO },
+                rate: rate.clone(),
             };
             let link = Arc::new(
                 TcpLink::connect(target, link_options)

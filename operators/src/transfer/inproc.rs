@@ -9,7 +9,7 @@
 //! it, or cancels what it began, and answers), never left to a timeout.
 
 use super::faults::{Fault, Faults, TransferCounters};
-use super::{Handoff, TransferId};
+use super::{Handoff, LinkRate, TransferId};
 use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::pool::admit::Ingress;
 use crate::pool::wake::RankWaker;
@@ -17,6 +17,7 @@ use kvflow_kernels::hash;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Instant;
 
 /// Where a consumer's answer to one handoff goes: `Ok` once it has the bytes, `Err` when it
 /// refused them (a bad checksum, a layout it cannot hold) or the transfer was aborted.
@@ -254,6 +255,9 @@ pub fn link_of(request: u64, back_to: Option<BackTo>, n: usize) -> usize {
 /// `inproc` links to decode pools of this process.
 pub struct InprocLinks {
     pub consumers: Vec<ConsumerPool>,
+    /// Each link's rate (`[[link]] bandwidth`), by consumer: a handoff is delivered once its
+    /// bytes would have left at that rate, behind those sent over the link before it.
+    pub rates: Vec<Option<Arc<LinkRate>>>,
     pub faults: Faults,
     pub counters: Arc<TransferCounters>,
 }
@@ -263,7 +267,8 @@ impl HandoffSink for InprocLinks {
         if self.consumers.is_empty() {
             return Err("no decode pool is linked".into());
         }
-        let to = &self.consumers[link_of(h.request, h.to, self.consumers.len())];
+        let link = link_of(h.request, h.to, self.consumers.len());
+        let to = &self.consumers[link];
         if to.ingress.is_closed() {
             return Err(format!("decode pool {} no longer takes handoffs", to.name));
         }
@@ -286,18 +291,23 @@ impl HandoffSink for InprocLinks {
         } else {
             1
         };
+        // Held back until its bytes would have left at the link's rate, and by a delay fault.
+        let mut due = self.rates.get(link).and_then(Option::as_ref).map(|rate| rate.reserve(h.payload_bytes()));
         if self.faults.strikes(Fault::Delay, h.request, 0) {
             TransferCounters::bump(&self.counters.delayed);
-            let (to, delay) = (to.clone(), self.faults.delay);
+            due = Some(due.unwrap_or_else(Instant::now) + self.faults.delay);
+        }
+        if let Some(due) = due {
+            let to = to.clone();
             std::thread::Builder::new()
                 .name("kvflow-delayed-handoff".into())
                 .spawn(move || {
-                    std::thread::sleep(delay);
+                    std::thread::sleep(due.saturating_duration_since(Instant::now()));
                     for _ in 0..copies {
                         to.deliver(h.clone(), ack.clone());
                     }
                 })
-                .map_err(|e| format!("cannot delay the transfer: {e}"))?;
+                .map_err(|e| format!("cannot hold the transfer back: {e}"))?;
         } else {
             for _ in 0..copies {
                 to.deliver(h.clone(), ack.clone());

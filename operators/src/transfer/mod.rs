@@ -6,6 +6,7 @@
 
 pub mod faults;
 pub mod inproc;
+pub mod rate;
 pub mod relay;
 pub mod tcp;
 pub mod wire;
@@ -17,6 +18,7 @@ pub use inproc::{
     handoff_admission, pick_link, Ack, AckQueue, AckRecord, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks,
     Taken, ABORTED,
 };
+pub use rate::LinkRate;
 pub use relay::{EventRelay, RelayQueue};
 pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, LostProducer, TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};

@@ -13,7 +13,7 @@ use super::super::config::{
 use super::super::config::{DEFAULT_FAULTS, DEFAULT_TRANSFER, DEFAULT_TRANSFER_BACKEND};
 use super::super::error::{line_of, quoted_list, GraphError};
 use super::super::raw::{RawFaults, RawLink, RawPool, RawTransfer};
-use super::super::rules::{deployment_token, milliseconds, parse_endpoint, probability};
+use super::super::rules::{deployment_token, milliseconds, parse_endpoint, parse_link_rate, probability};
 
 use super::Validator;
 
@@ -106,7 +106,8 @@ impl Validator<'_> {
                     Some(endpoint)
                 }
             };
-            links.push(LinkConfig { from, to, backend, endpoint });
+            let bandwidth = self.optional_field("link.bandwidth", link.bandwidth.as_ref(), |r| parse_link_rate(&r))?;
+            links.push(LinkConfig { from, to, backend, endpoint, bandwidth });
             header_spans.push(spanned.span());
         }
         Ok(links)

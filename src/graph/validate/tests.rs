@@ -356,8 +356,13 @@ fn slo_values_must_be_positive() {
 #[test]
 fn a_linked_pair_gets_every_default() {
     let graph = Fixture::new().graph(&linked_plus(""));
-    let inproc =
-        LinkConfig { from: "p".to_string(), to: "d".to_string(), backend: TransferBackend::Inproc, endpoint: None };
+    let inproc = LinkConfig {
+        from: "p".to_string(),
+        to: "d".to_string(),
+        backend: TransferBackend::Inproc,
+        endpoint: None,
+        bandwidth: None,
+    };
     assert_eq!(graph.links, vec![inproc]);
     assert!(graph.is_disaggregated());
     assert!(graph.pools.iter().all(|pool| pool.disaggregation == DisaggregationConfig::default()));
@@ -487,6 +492,15 @@ fn bad_endpoints_name_the_key_and_line() {
     for (text, message) in cases {
         let error = fixture.error(&linked_plus(&format!("backend = \"tcp\"\nendpoint = \"{text}\"\n")));
         assert_key_error(&error, "link.endpoint", 13, &[message]);
+    }
+}
+
+#[test]
+fn a_bad_link_rate_names_the_key_the_line_and_the_form_expected() {
+    let fixture = Fixture::new();
+    for (text, message) in [("100 MB", "a rate such as \"100 MB/s\""), ("0 Gbit/s", "more than 0 bytes a second")] {
+        let error = fixture.error(&linked_plus(&format!("bandwidth = \"{text}\"\n")));
+        assert_key_error(&error, "link.bandwidth", 12, &[message]);
     }
 }
 

@@ -16,7 +16,7 @@ use crate::pool::emit::EventSink;
 use crate::transfer::faults::{Fault, Faults, TransferCounters};
 use crate::transfer::inproc::{link_of, Ack, AckQueue, HandoffSink};
 use crate::transfer::wire::encode_descriptor;
-use crate::transfer::{stream_payload, Handoff, TransferId};
+use crate::transfer::{stream_payload, Handoff, LinkRate, TransferId};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -117,6 +117,7 @@ struct LinkShared {
     faults: Faults,
     counters: Arc<TransferCounters>,
     socket_bytes: Arc<AtomicU64>,
+    rate: Option<Arc<LinkRate>>,
     conn: Mutex<Conn>,
     unanswered: Mutex<HashMap<u64, Unanswered>>,
     /// Where answered requests' acks went (a duplicate ack goes there too, to be dropped and
@@ -157,6 +158,9 @@ pub struct LinkOptions {
     /// How long to keep trying to reach a consumer that is not listening yet (saying so every
     /// 10 s); zero: one try.
     pub patience: Duration,
+    /// The link's rate (`[[link]] bandwidth`), shared by its connections: each piece of a
+    /// handoff leaves once the bytes before it would have at that rate.
+    pub rate: Option<Arc<LinkRate>>,
 }
 
 /// How often a link waiting for its consumer says so.
@@ -177,6 +181,7 @@ impl TcpLink {
             faults: options.faults,
             counters: options.counters,
             socket_bytes: options.socket_bytes,
+            rate: options.rate,
             conn: Mutex::new(Conn { stream: Some(stream), epoch: 0, dead: None }),
             unanswered: Default::default(),
             answered: Default::default(),
@@ -353,7 +358,8 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
         let mut written = 0u64;
         let mut outcome = Ok(());
         for copy in 0..copies {
-            outcome = write_handoff(stream, &h, s.checksum, drop_midway, corrupt && copy == 0, &mut written);
+            let rate = s.rate.as_deref();
+            outcome = write_handoff(stream, &h, s.checksum, drop_midway, corrupt && copy == 0, rate, &mut written);
             if outcome.is_err() || drop_midway {
                 break; // a second copy after a cut one would be read as the rest of the first
             }
@@ -386,9 +392,12 @@ fn write_handoff(
     checksum: bool,
     drop_midway: bool,
     corrupt: bool,
+    rate: Option<&LinkRate>,
     written: &mut u64,
 ) -> std::io::Result<()> {
     let descriptor = encode_descriptor(h, checksum.then_some(0));
+    let pace = |bytes: usize| rate.inspect(|r| r.pace(bytes as u64));
+    pace(4 + descriptor.len());
     stream.write_all(&(descriptor.len() as u32).to_le_bytes())?;
     stream.write_all(&descriptor)?;
     *written += 4 + descriptor.len() as u64;
@@ -399,6 +408,7 @@ fn write_handoff(
         if sent.is_err() || (drop_midway && payload >= total / 2) {
             return;
         }
+        pace(bytes.len());
         sent = if corrupt && payload == 0 {
             let mut damaged = bytes.to_vec();
             damaged[0] ^= 0x5a;

@@ -1,0 +1,67 @@
+//! A link's rate (`[[link]] bandwidth`): a token bucket on the sending side that lets a link's
+//! bytes leave no faster than the rate, so a run on loopback with a small model moves its KV the
+//! way a slower link moves a large model's. The bucket holds no burst: each send reserves the
+//! link for its bytes after whatever was reserved before it (handoffs over one link share its
+//! rate, whichever connection or thread sends them), and is due when the last of them has left.
+
+use parking_lot::Mutex;
+use std::time::{Duration, Instant};
+
+/// One link's rate, shared by everything that sends over the link.
+#[derive(Debug)]
+pub struct LinkRate {
+    bytes_per_s: f64,
+    /// When the bytes reserved so far have all left.
+    free_at: Mutex<Instant>,
+}
+
+impl LinkRate {
+    /// A link that moves `bytes_per_s` bytes a second (> 0).
+    pub fn new(bytes_per_s: f64) -> Self {
+        LinkRate { bytes_per_s, free_at: Mutex::new(Instant::now()) }
+    }
+
+    /// Reserves the link for `bytes`, after what was reserved before; returns when they have
+    /// left at the link's rate.
+    pub fn reserve(&self, bytes: u64) -> Instant {
+        let mut free_at = self.free_at.lock();
+        let start = (*free_at).max(Instant::now());
+        *free_at = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s);
+        *free_at
+    }
+
+    /// Sends `bytes` at the link's rate: waits until they have left.
+    pub fn pace(&self, bytes: u64) {
+        let due = self.reserve(bytes);
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sends_over_one_link_queue_behind_each_other_at_its_rate() {
+        let rate = LinkRate::new(1e6); // 1 MB/s
+        let started = Instant::now();
+        let first = rate.reserve(100_000);
+        let second = rate.reserve(50_000);
+        let (a, b) = (first - started, second - started);
+        assert!(a >= Duration::from_millis(100) && a < Duration::from_millis(150), "{a:?}");
+        assert!(b >= Duration::from_millis(150) && b < Duration::from_millis(200), "{b:?}: after the first");
+    }
+
+    #[test]
+    fn a_link_left_idle_holds_no_credit_for_later() {
+        let rate = LinkRate::new(1e6);
+        rate.reserve(1_000);
+        std::thread::sleep(Duration::from_millis(20));
+        let asked = Instant::now();
+        let due = rate.reserve(10_000);
+        assert!(due - asked >= Duration::from_millis(10), "{:?}: no burst from the idle time", due - asked);
+    }
+}
