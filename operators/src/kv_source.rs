@@ -5,8 +5,9 @@
 //! carries a copy instead (`KvExport::copy_out`): a host cache is locked while its rank's step
 //! runs.
 
-/// Blocks of a producer rank's KV cache that a handoff reads in place (one copy, into the
-/// consumer's blocks, or onto a socket): the producer must hold them until the consumer's ack.
+/// Blocks of a rank's KV cache read in place by a cuda producer's handoff (one copy, into the
+/// consumer's blocks, or onto a socket) or by a save: the rank holds them until their reader is
+/// done (the consumer's ack, the save's completion).
 #[derive(Clone)]
 pub struct KvSource {
     pub store: BlockStore,

@@ -198,8 +198,8 @@ pub struct LinkConfig {
 /// How a link moves handoffs (DESIGN §8; `link.backend`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TransferBackend {
-    /// Both pools in one process: no serialization and no socket, one copy into the consumer's
-    /// own blocks.
+    /// Both pools in one process: no serialization and no socket; the consumer copies the
+    /// handoff's KV into its own blocks.
     Inproc,
     /// A TCP connection to the consumer's endpoint, on loopback or across hosts.
     Tcp,

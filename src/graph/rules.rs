@@ -317,7 +317,11 @@ pub fn parse_byte_size(text: &str) -> Result<u64, String> {
 /// `"400 Mbit/s"` (kbit, Mbit, Gbit, Tbit: powers of 1000). More than 0.
 pub fn parse_link_rate(text: &str) -> Result<u64, String> {
     let expected = || format!("\"{text}\" is not a rate such as \"100 MB/s\" or \"10 Gbit/s\"");
-    let per_second = text.trim().strip_suffix("/s").ok_or_else(expected)?;
+    let trimmed = text.trim();
+    let per_second = match trimmed.len().checked_sub(2).and_then(|at| trimmed.get(at..)) {
+        Some(suffix) if suffix.eq_ignore_ascii_case("/s") => &trimmed[..trimmed.len() - 2],
+        _ => return Err(expected()),
+    };
     let bits: Option<(&str, f64)> =
         ["kbit", "mbit", "gbit", "tbit"].iter().zip([1e3, 1e6, 1e9, 1e12]).find_map(|(unit, m)| {
             let lower = per_second.to_ascii_lowercase();
@@ -325,7 +329,7 @@ pub fn parse_link_rate(text: &str) -> Result<u64, String> {
         });
     let bytes = match bits {
         Some((number, bytes_per_unit)) => {
-            let n: f64 = number.trim().parse().map_err(|_| expected())?;
+            let n: f64 = number.trim().parse().ok().filter(|n: &f64| n.is_finite()).ok_or_else(expected)?;
             let bytes = (n * bytes_per_unit).floor();
             if !bytes.is_finite() || bytes >= u64::MAX as f64 {
                 return Err(format!("\"{text}\" is too large"));
@@ -385,7 +389,8 @@ mod tests {
         assert_eq!(parse_link_rate("10 Gbit/s"), Ok(1_250_000_000));
         assert_eq!(parse_link_rate("400Mbit/s"), Ok(50_000_000));
         assert_eq!(parse_link_rate("4096/s"), Ok(4096));
-        for bad in ["100 MB", "fast/s", "0 MB/s", "-1 MB/s", "10 Gbits/s", "1e400 Gbit/s"] {
+        assert_eq!(parse_link_rate("100 MB/S"), Ok(100_000_000));
+        for bad in ["100 MB", "fast/s", "0 MB/s", "-1 MB/s", "10 Gbits/s", "1e400 Gbit/s", "NaN Gbit/s", "/s"] {
             let e = parse_link_rate(bad).expect_err(bad);
             assert!(e.contains(bad), "{bad}: {e}");
         }

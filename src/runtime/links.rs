@@ -166,12 +166,12 @@ fn listen_endpoint(graph: &Graph, to: &str, endpoints: &HashMap<String, String>)
     Some(link.endpoint.as_ref().map_or("127.0.0.1:0".to_string(), ToString::to_string))
 }
 
-/// Where a producer of this process reaches decode pool `link.to`, which runs in another.
 /// `link`'s rate (`bandwidth`), if it has one.
 fn link_rate(link: &LinkConfig) -> Option<Arc<LinkRate>> {
     link.bandwidth.map(|bytes_per_s| Arc::new(LinkRate::new(bytes_per_s as f64)))
 }
 
+/// Where a producer of this process reaches decode pool `link.to`, which runs in another.
 fn remote_address(graph: &Graph, link: &LinkConfig, endpoints: &HashMap<String, String>) -> Result<SocketAddr> {
     let place = format!("{}: link {} → {}", graph.path.display(), link.from, link.to);
     if link.backend != TransferBackend::Tcp {

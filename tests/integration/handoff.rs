@@ -111,7 +111,12 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         let blocks: Vec<u32> = if model.needs_blocks() { (0..p.div_ceil(BLOCK) as u32).collect() } else { vec![] };
         let slot = model.needs_slots().then_some(0);
         let zero: Vec<StateOp> = slot.map(|slot| StateOp::Zero { slot }).into_iter().collect();
-        let export = [KvExport { key, blocks: blocks.clone(), slot, copy_out: true }];
+        // The blocks named in place (a cuda producer's way, and the test switch's), and copied out
+        // by the step (a CPU producer's handoff).
+        let export = [
+            KvExport { key, blocks: blocks.clone(), slot, copy_out: false },
+            KvExport { key, blocks: blocks.clone(), slot, copy_out: true },
+        ];
         let prefill = SeqStep {
             drafts: &[],
             key,
@@ -128,7 +133,8 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         let done = step(&mut producer, 0, prefill, &zero, &[], &export);
         let sampled = done.result.unwrap();
         let t0 = sampled[0].token.unwrap();
-        let exported = done.exports.into_iter().next().unwrap();
+        let mut exports = done.exports.into_iter();
+        let (exported, copied) = (exports.next().unwrap(), exports.next().unwrap());
         let handoff = Arc::new(Handoff {
             sampling: Default::default(),
             drafts: Vec::new(),
@@ -143,9 +149,9 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             fingerprint: model.layout_fingerprint(BLOCK),
             skip_blocks: 0,
             kv_blocks: blocks.len(),
-            floats_per_block: if blocks.is_empty() { 0 } else { exported.kv.len() / blocks.len() },
-            // The copy the producer's step made of its blocks (the handoff owns it).
+            floats_per_block: exported.source.as_ref().filter(|_| !blocks.is_empty()).map_or(0, |s| s.floats_per_block),
             kv: exported.kv,
+            // The producer's blocks, read in place by the consumer's import (one copy).
             source: exported.source,
             landed: None,
             state: exported.state,
@@ -193,12 +199,13 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             (tokens, chain)
         };
         let (tokens, chain) = decode_from(handoff.clone());
-        // The same bytes read out of the producer's blocks (what a socket carries) continue the
-        // same way.
-        let mut read_out = (*handoff).clone();
-        (read_out.kv, read_out.source) = (handoff.kv_floats().into_owned(), None);
-        let handoff = Arc::new(read_out);
-        assert_eq!(decode_from(handoff.clone()), (tokens.clone(), chain), "{name}: in place and read out agree");
+        // The copy the step made (what a CPU producer's handoff carries, inproc or over a socket)
+        // is the blocks' bytes, and continues the same way.
+        assert_eq!(copied.kv, handoff.kv_floats().into_owned(), "{name}: the step's copy is the blocks read out");
+        let mut owned = (*handoff).clone();
+        (owned.kv, owned.source) = (copied.kv, None);
+        let handoff = Arc::new(owned);
+        assert_eq!(decode_from(handoff.clone()), (tokens.clone(), chain), "{name}: in place and the copy agree");
         let opts = GenerateOptions { max_new_tokens: outputs, ..Default::default() };
         let reference = generate(&model, std::slice::from_ref(&prompt), &opts).unwrap().remove(0);
         assert_eq!(tokens, reference.tokens, "{name}: tokens");

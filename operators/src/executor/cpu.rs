@@ -45,7 +45,7 @@ pub(super) struct Running {
 /// The model, the rank's storage, and the tokens it sampled.
 pub struct CpuStepRunner {
     pub(super) model: Arc<Model>,
-    /// Shared with the handoffs that read its blocks in place (`KvSource`).
+    /// Shared with the saves that read its blocks in place (`KvSource`; handoffs carry a copy).
     pub(super) cache: Arc<RwLock<ModelCache>>,
     /// Layers of each phase (from the model config).
     pub(super) phases: Vec<Range<usize>>,
@@ -280,7 +280,8 @@ impl CpuStepRunner {
             let from = &import.from;
             let bad = |e: String| ExecutorError::Launch(format!("{}: {e}", from.describe()));
             let landed = match from.source() {
-                // In place: one copy from the producer's blocks (it holds them until our ack).
+                // In place (test switch `read-handoffs-in-place`): one copy from the producer's
+                // blocks, under its lock (it holds them until our ack).
                 Some(KvSource { store: BlockStore::Host(producer), blocks, .. }) => {
                     let producer = producer.read();
                     cache.kv.copy_blocks_from(&producer.kv, blocks, &import.blocks)

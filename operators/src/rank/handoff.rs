@@ -4,7 +4,7 @@
 //!
 //! On a prefill pool (the producer): a request admitted `PrefillOnly` samples T0 only; the step
 //! that reaches its prompt boundary copies its state slot (read then — the state before T0) and
-//! names its KV blocks in place; when T0 arrives the handoff is built and sent (with the drafts
+//! its KV blocks (a cuda rank names them in place); when T0 arrives the handoff is built and sent (with the drafts
 //! its drafter made from T0), and the request stays held, blocks and slot with it, until the
 //! consumer's ack for that transfer comes back (producer frees after ack). In a process of a
 //! prefill pool spread over processes, the remote decode pool's events for the rank's requests

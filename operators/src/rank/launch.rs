@@ -5,7 +5,8 @@
 //! the step's writes in launch order, so a later step that reads them runs after them. Handoffs
 //! ride on the same order: an arrived one is imported before the step that feeds its T0, and a
 //! prefill-only request's slot is copied out after the step that samples T0 (part of that step),
-//! its blocks named in place — the request holds them until the consumer's ack.
+//! its blocks copied out too (a cuda rank names them in place) — the request holds them until the
+//! consumer's ack.
 
 use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};

@@ -107,8 +107,6 @@ enum Job {
 struct Conn {
     stream: Option<TcpStream>,
     epoch: u64,
-    /// Set when the peer is gone for good: later sends fail with it.
-    dead: Option<String>,
 }
 
 struct LinkShared {
@@ -118,7 +116,11 @@ struct LinkShared {
     counters: Arc<TransferCounters>,
     socket_bytes: Arc<AtomicU64>,
     rate: Option<Arc<LinkRate>>,
+    /// The writing half, held by the sending thread for a whole handoff (paced at the link's
+    /// rate): the rank's thread never takes it.
     conn: Mutex<Conn>,
+    /// Set when the peer is gone for good: later sends fail with it at once.
+    dead: Mutex<Option<String>>,
     unanswered: Mutex<HashMap<u64, Unanswered>>,
     /// Where answered requests' acks went (a duplicate ack goes there too, to be dropped and
     /// counted by the rank).
@@ -182,7 +184,8 @@ impl TcpLink {
             counters: options.counters,
             socket_bytes: options.socket_bytes,
             rate: options.rate,
-            conn: Mutex::new(Conn { stream: Some(stream), epoch: 0, dead: None }),
+            conn: Mutex::new(Conn { stream: Some(stream), epoch: 0 }),
+            dead: Mutex::new(None),
             unanswered: Default::default(),
             answered: Default::default(),
             jobs: Mutex::new(jobs),
@@ -207,8 +210,8 @@ impl TcpLink {
     /// Queues `h` for sending; `ack` hears the consumer's answer, or the failure.
     pub fn send_arc(&self, h: Arc<Handoff>, ack: Arc<AckQueue>) -> Result<String, String> {
         let s = &self.shared;
-        if let Some(why) = &s.conn.lock().dead {
-            return Err(why.clone());
+        if let Some(why) = s.dead.lock().clone() {
+            return Err(why);
         }
         let request = h.request;
         let u = Unanswered { handoff: h, ack, attempt: 0, sent_on: None, cut: false, resends: 0 };
@@ -478,7 +481,7 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
             }
             Err(e) => {
                 let dead = format!("{why}, and reconnecting failed: {e}");
-                conn.dead = Some(dead.clone());
+                *s.dead.lock() = Some(dead.clone());
                 drop(conn);
                 tracing::error!(link = %s.target.to, "{dead}");
                 let all: Vec<u64> = s.unanswered.lock().keys().copied().collect();
