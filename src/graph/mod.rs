@@ -259,7 +259,7 @@ mod tests {
                 to: "decode".to_string(),
                 backend: TransferBackend::Tcp,
                 endpoint: Some(Endpoint { host: "127.0.0.1".to_string(), port: 0 }),
-                bandwidth: None,
+                bandwidth: Some(100_000_000),
             }]
         );
         assert_eq!(
