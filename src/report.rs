@@ -68,6 +68,10 @@ pub struct RequestRecord {
     pub prefill_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub transfer_ms: Option<f64>,
+    /// Of a streamed handoff's transfer, the part that moved while its prefill ran (not part of
+    /// TTFT's sum: `transfer_ms` is what was left after T0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transfer_overlapped_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_decode_ms: Option<f64>,
     /// When the run learnt that it ended — finished, failed or cancelled (ms since the run
@@ -222,6 +226,7 @@ pub struct Tally {
     prefill: Latency,
     transfer: Latency,
     first_decode: Latency,
+    transfer_overlapped: Latency,
     output_tokens: usize,
     good: usize,
     prompt_tokens: usize,
@@ -247,6 +252,7 @@ impl Default for Tally {
             prefill: Latency::default(),
             transfer: Latency::default(),
             first_decode: Latency::default(),
+            transfer_overlapped: Latency::default(),
             output_tokens: 0,
             good: 0,
             prompt_tokens: 0,
@@ -292,6 +298,7 @@ impl Tally {
             (&mut self.prefill, r.prefill_ms),
             (&mut self.transfer, r.transfer_ms),
             (&mut self.first_decode, r.first_decode_ms),
+            (&mut self.transfer_overlapped, r.transfer_overlapped_ms),
         ];
         for (latency, value) in latencies {
             if let Some(ms) = value {
@@ -323,6 +330,8 @@ impl Tally {
                 "transfer": self.transfer.json(),
                 "first_decode": self.first_decode.json(),
             },
+            // A streamed handoff's transfer while its prefill ran (outside TTFT's sum).
+            "transfer_overlapped_ms": self.transfer_overlapped.json(),
             "output_tokens_per_s": per_s(self.output_tokens as f64),
             "goodput_rps": per_s(self.good as f64),
             "prefix_hit_rate": if self.prompt_tokens > 0 { self.cached as f64 / self.prompt_tokens as f64 } else { 0.0 },

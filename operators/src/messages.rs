@@ -207,8 +207,15 @@ pub enum Event {
     /// Its prefill finished and it moved on, to the decode pool `to` (not an end: that pool
     /// reports the end).
     HandedOff { id: u64, rank: usize, to: String, started_ms: f64, t0_ms: f64, bytes: u64, preemptions: usize },
-    /// A decode rank took its handoff (`wall_ms`): the end of its transfer.
-    Received { id: u64, rank: usize, taken_ms: f64 },
+    /// A decode rank took its handoff (`wall_ms`): the end of its transfer; `overlapped_ms` of
+    /// it moved ahead in pieces while the prefill ran (`Handoff::overlapped_ms`).
+    Received {
+        id: u64,
+        rank: usize,
+        taken_ms: f64,
+        #[serde(default)]
+        overlapped_ms: f64,
+    },
     /// A streaming request's output tokens from `offset` on (not an end: its end event carries
     /// every output token again). Sent at the step that sampled them; a P/D request's T0 comes
     /// from the prefill pool and again, with the rest, from the decode pool, so a reader orders

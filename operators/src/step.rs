@@ -78,7 +78,7 @@ impl ImportFrom {
     /// A producer's blocks it reads in place, if it does.
     pub fn source(&self) -> Option<&KvSource> {
         match self {
-            ImportFrom::Handoff(h) => h.source.as_ref(),
+            ImportFrom::Handoff(h) => h.in_place(),
             ImportFrom::Store { .. } => None,
         }
     }
@@ -86,7 +86,7 @@ impl ImportFrom {
     /// The KV landed in this consumer's device memory as it arrived, if it was.
     pub fn landed(&self) -> Option<&crate::transfer::Landed> {
         match self {
-            ImportFrom::Handoff(h) => h.landed.as_ref(),
+            ImportFrom::Handoff(h) => h.landed_whole(),
             ImportFrom::Store { .. } => None,
         }
     }

@@ -66,7 +66,7 @@ fn handoffs_gb_per_s(
             link.map(Arc::new).map_err(|e| anyhow!(e))
         })
         .collect::<Result<_>>()?;
-    let link = TcpLinks { links, connections };
+    let link = TcpLinks::new(links, connections, Vec::new());
     let acks = AckQueue::new(Arc::new(RankWaker::default()));
     let bytes = h.payload_bytes();
     let count = total.div_ceil(bytes).max(1);
@@ -177,6 +177,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         skip_blocks: 0,
         kv_blocks: blocks,
         floats_per_block,
+        streamed: Vec::new(),
         kv,
         source: None,
         landed: None,

@@ -17,6 +17,8 @@ const ROWS: &[(&str, &[&str])] = &[
     ("TPOT p50 ms", &["tpot_ms", "p50"]),
     ("TPOT p99 ms", &["tpot_ms", "p99"]),
     ("queue p50 ms", &["queue_ms", "p50"]),
+    ("transfer after T0 p50 ms", &["ttft_split_ms", "transfer", "p50"]),
+    ("transfer overlapped p50 ms", &["transfer_overlapped_ms", "p50"]),
     ("e2e p50 ms", &["e2e_ms", "p50"]),
     ("output tokens/s", &["output_tokens_per_s"]),
     ("goodput req/s", &["goodput_rps"]),

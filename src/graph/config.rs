@@ -193,6 +193,10 @@ pub struct LinkConfig {
     /// (a token bucket on the sender, shared by the link's connections). `None`: as fast as the
     /// backend moves them.
     pub bandwidth: Option<u64>,
+    /// Prompts of at least this many tokens hand off in pieces while they prefill (each
+    /// completed chunk's blocks sent at once, the rest with T0); shorter ones go whole. `None`
+    /// (the default): every handoff goes whole, after its prefill.
+    pub stream_min_tokens: Option<usize>,
 }
 
 /// How a link moves handoffs (DESIGN §8; `link.backend`).

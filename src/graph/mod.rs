@@ -260,6 +260,7 @@ mod tests {
                 backend: TransferBackend::Tcp,
                 endpoint: Some(Endpoint { host: "127.0.0.1".to_string(), port: 0 }),
                 bandwidth: Some(100_000_000),
+                stream_min_tokens: Some(1024),
             }]
         );
         assert_eq!(

@@ -107,6 +107,7 @@ pub(super) struct RawLink {
     pub(super) backend: Option<Spanned<String>>,
     pub(super) endpoint: Option<Spanned<String>>,
     pub(super) bandwidth: Option<Spanned<String>>,
+    pub(super) stream_min_tokens: Option<Spanned<usize>>,
 }
 
 #[derive(Deserialize)]

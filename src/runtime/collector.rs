@@ -174,13 +174,14 @@ impl Collector {
                 let handoff = Handoff { rank, to, started_ms, t0_ms, bytes, preemptions };
                 self.handed_off(pool, id, handoff);
             }
-            Event::Received { taken_ms, .. } => {
+            Event::Received { taken_ms, overlapped_ms, .. } => {
                 let start = self.start_ms;
                 let Some(open) = self.open.get_mut(&id) else {
                     return tracing::warn!(pool, request = id, "handoff taken for a request not in flight: dropped");
                 };
                 let r = &mut open.record;
                 r.received_ms = Some(taken_ms - start);
+                r.transfer_overlapped_ms = Some(overlapped_ms);
                 if let Some(t0) = r.t0_ms {
                     self.metrics.transferred(r.warmup, taken_ms - start - t0);
                 }

@@ -61,6 +61,9 @@ pub struct WireOptions<'a> {
     pub patience: Duration,
     /// Test switch: the inboxes deliver duplicate handoffs (`TestSwitches::deliver_duplicate_handoffs`).
     pub deliver_duplicates: bool,
+    /// Test switch: the consumers take a streamed handoff that lacks pieces
+    /// (`TestSwitches::accept_missing_pieces`).
+    pub accept_missing_pieces: bool,
     /// Test switch: the listeners register any number of producer links
     /// (`TestSwitches::serve_any_producer`).
     pub serve_any_producer: bool,
@@ -90,11 +93,19 @@ pub(crate) fn consumer_layout(model: &Model, pool: &PoolConfig) -> ConsumerLayou
     ConsumerLayout {
         fingerprint: model.layout_fingerprint(bs),
         block_size: bs,
-        floats_per_block: if model.needs_blocks() { model.kv_row_widths().iter().sum::<usize>() * bs } else { 0 },
+        floats_per_block: kv_layers(model, bs).iter().sum(),
         state_floats: model.state_bytes_per_slot() / 4,
         vocab_size: model.vocab_size,
         max_prompt: model.max_positions.unwrap_or(1 << 24),
     }
+}
+
+/// Floats of one block in each layer of `model` at `block_size` (none for a model without KV).
+fn kv_layers(model: &Model, block_size: usize) -> Vec<usize> {
+    if !model.needs_blocks() {
+        return Vec::new();
+    }
+    model.kv_row_widths().iter().map(|w| w * block_size).collect()
 }
 
 /// Whether new requests of a run of `pools` enter its decode pools, whose ranks pick up each
@@ -234,6 +245,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
         .map(|p| {
             let mut inbox = HandoffInbox::new(faults, counters.clone());
             inbox.deliver_duplicates = options.deliver_duplicates;
+            inbox.accept_missing_pieces = options.accept_missing_pieces;
             (p.name.clone(), Arc::new(inbox))
         })
         .collect();
@@ -269,6 +281,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
             PoolRole::Prefill => PoolHandoff::Out {
                 sink: wires.handoff_sink(pool)?,
                 fingerprint: model.layout_fingerprint(pool.memory.block_size),
+                kv_layers: kv_layers(model, pool.memory.block_size),
                 queue: queues[&pool.name].clone(),
                 relay: options.relay.clone(),
             },
@@ -394,7 +407,9 @@ impl Wires<'_> {
                 })
                 .collect();
             let rates = out.iter().map(|l| link_rate(l)).collect();
-            Ok(Arc::new(InprocLinks { consumers, rates, faults: self.faults, counters: self.counters.clone() }))
+            let stream_min_tokens = out.iter().map(|l| l.stream_min_tokens).collect();
+            let (faults, counters) = (self.faults, self.counters.clone());
+            Ok(Arc::new(InprocLinks { consumers, rates, stream_min_tokens, faults, counters }))
         } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
             self.tcp_links(pool, &out, fingerprint)
         } else {
@@ -440,6 +455,7 @@ impl Wires<'_> {
             }
             links.push(link);
         }
-        Ok(Arc::new(TcpLinks { links, connections }))
+        let stream_min_tokens = out.iter().map(|(l, _)| l.stream_min_tokens).collect();
+        Ok(Arc::new(TcpLinks::new(links, connections, stream_min_tokens)))
     }
 }

@@ -119,6 +119,8 @@ pub enum PoolHandoff {
     Out {
         sink: Arc<dyn HandoffSink>,
         fingerprint: u64,
+        /// Floats of one block in each layer (what a streamed piece is packed by).
+        kv_layers: Vec<usize>,
         queue: Arc<std::sync::atomic::AtomicUsize>,
         relay: Option<Arc<EventRelay>>,
     },
@@ -420,8 +422,8 @@ impl WorkerJob {
         rank.stats.expert_bytes = expert_bytes;
         match &job.handoff {
             PoolHandoff::None => rank,
-            PoolHandoff::Out { sink, fingerprint, queue, relay } => {
-                let rank = rank.with_handoff_out(sink.clone(), *fingerprint, queue.clone());
+            PoolHandoff::Out { sink, fingerprint, kv_layers, queue, relay } => {
+                let rank = rank.with_handoff_out(sink.clone(), *fingerprint, queue.clone()).with_kv_layers(kv_layers);
                 match relay {
                     Some(relay) => rank.with_event_relay(relay.clone()),
                     None => rank,

@@ -215,6 +215,8 @@ fn handoff(summary: &RunSummary, stats: &[&RankStats], backend: &str, ctx: &RunC
         "bytes": stats.iter().map(|s| s.handoff_bytes).sum::<u64>(),
         "socket_bytes": ctx.socket_bytes,
         "saved_bytes": stats.iter().map(|s| s.handoff_saved_bytes).sum::<u64>(),
+        "pieces": stats.iter().map(|s| s.pieces_out).sum::<u64>(),
+        "streamed_bytes": stats.iter().map(|s| s.streamed_bytes).sum::<u64>(),
         "local_prefills": stats.iter().map(|s| s.local_prefills).sum::<u64>(),
         "remote_prefills": stats.iter().map(|s| s.remote_prefills).sum::<u64>(),
         "mean_ms": h.transfer.mean(),

@@ -54,6 +54,7 @@ pub(super) fn serve_handoffs(
         remote_events: &nowhere_for,
         patience: Duration::ZERO,
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+        accept_missing_pieces: opts.switches.accept_missing_pieces,
         serve_any_producer: opts.switches.serve_any_producer,
         relay: None,
     };
@@ -126,6 +127,7 @@ pub(super) fn run_beside_driver(
         remote_events: &nowhere_for,
         patience: if stall.is_zero() { Duration::from_secs(3600) } else { stall },
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+        accept_missing_pieces: opts.switches.accept_missing_pieces,
         serve_any_producer: opts.switches.serve_any_producer,
         relay: Some(relay),
     };

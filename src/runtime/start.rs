@@ -163,6 +163,7 @@ fn wire(
         remote_events: &remote_events,
         patience: if stall_timeout.is_zero() { Duration::from_secs(3600) } else { stall_timeout },
         deliver_duplicates: opts.switches.deliver_duplicate_handoffs,
+        accept_missing_pieces: opts.switches.accept_missing_pieces,
         serve_any_producer: opts.switches.serve_any_producer,
         relay: None,
     };

@@ -868,6 +868,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         skip_blocks: 0,
         kv_blocks: 1,
         floats_per_block: source.floats_per_block,
+        streamed: Vec::new(),
         kv: Vec::new(),
         source: Some(source),
         landed: None,

@@ -150,6 +150,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             skip_blocks: 0,
             kv_blocks: blocks.len(),
             floats_per_block: exported.source.as_ref().filter(|_| !blocks.is_empty()).map_or(0, |s| s.floats_per_block),
+            streamed: Vec::new(),
             kv: exported.kv,
             // The producer's blocks, read in place by the consumer's import (one copy).
             source: exported.source,

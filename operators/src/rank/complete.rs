@@ -61,9 +61,16 @@ impl Rank {
         let mut exports = c.exports;
         let saved = exports.split_off(record.handoff_exports.min(exports.len()));
         self.offload_completed(c.step, c.result.is_ok(), saved);
-        if let Some(out) = self.handoff_out.as_mut() {
-            // Only a prefill pool's requests export for a handoff.
-            out.exported.extend(exports.into_iter().map(|e| (e.key, e)));
+        // Only a prefill pool's requests export for a handoff: pieces leave now, a handoff's
+        // export waits for its T0.
+        for e in exports {
+            if !c.result.is_ok() {
+                break;
+            } else if record.pieces.contains(&e.key) {
+                self.send_piece(e);
+            } else if let Some(out) = self.handoff_out.as_mut() {
+                out.exported.insert(e.key, e);
+            }
         }
         let sampled = match c.result {
             Ok(sampled) => sampled,

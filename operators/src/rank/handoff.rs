@@ -33,6 +33,14 @@ impl Rank {
         self
     }
 
+    /// Floats of one block in each layer (what a streamed piece is packed by).
+    pub fn with_kv_layers(mut self, kv_layers: &[usize]) -> Self {
+        if let Some(out) = self.handoff_out.as_mut() {
+            out.kv_layers = kv_layers.to_vec();
+        }
+        self
+    }
+
     /// The decode pool's events for this rank's requests come back through `relay` (a prefill
     /// pool spread over processes): the rank emits them, and stays in flight until each
     /// request's end has come.
@@ -183,7 +191,8 @@ impl Rank {
             return None;
         }
         self.stats.handoffs_in += 1;
-        self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms: wall_ms() }));
+        let (taken_ms, overlapped_ms) = (wall_ms(), h.overlapped_ms());
+        self.events.push((self.step, Event::Received { id: a.id, rank: self.index, taken_ms, overlapped_ms }));
         let mut seq = Sequence::new(a.id, a.prompt, a.max_output_tokens, a.warmup);
         seq.stream.delivery = a.delivery; // T0 may be a stop token
                                           // Its leading blocks are the prefix this rank kept for it; the rest arrive.
@@ -257,7 +266,7 @@ impl Rank {
     pub(super) fn hand_off(&mut self, index: usize, step: u64) -> bool {
         let Some(out) = self.handoff_out.as_mut() else { return false };
         let seq = self.seqs.get_mut(index);
-        let Some(producer) = seq.kind.producer() else { return false };
+        let Some(producer) = seq.kind.producer_mut() else { return false };
         let (outputs, back_to, t0_chain) = (producer.handoff_outputs, producer.back_to, producer.t0_chain);
         let key = seq.key;
         let exported = out.exported.remove(&key);
@@ -266,9 +275,14 @@ impl Rank {
             self.fail(index, step, "handoff", why);
             return true;
         };
-        let nonce = out.next_nonce;
-        out.next_nonce += 1;
+        // A streamed handoff is the transfer its first piece began (in the generation it has now).
+        let stream = self.seqs.get_mut(index).kind.producer_mut().and_then(|p| p.stream.take());
+        let seq = self.seqs.get_mut(index);
+        let nonce = stream.as_ref().map_or(out.next_nonce, |s| s.transfer.nonce);
+        out.next_nonce += u64::from(stream.is_none());
         let transfer = TransferId { nonce, generation: key.generation };
+        let streamed = stream.map_or(Vec::new(), |s| s.sent);
+        let streamed_blocks: usize = streamed.iter().map(|p| p.blocks).sum();
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
         let skip_blocks = back_to.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
@@ -287,11 +301,13 @@ impl Rank {
             fingerprint: out.fingerprint,
             skip_blocks,
             kv_blocks,
-            floats_per_block: match (&exported.source, kv_blocks) {
+            floats_per_block: match (&exported.source, kv_blocks - streamed_blocks.min(kv_blocks)) {
+                _ if !streamed.is_empty() => out.kv_layers.iter().sum(),
                 (_, 0) => 0,
                 (Some(source), _) => source.floats_per_block,
                 (None, n) => exported.kv.len() / n,
             },
+            streamed,
             kv: exported.kv,
             source: exported.source,
             landed: None,
@@ -407,6 +423,9 @@ impl Rank {
         match &mut seq.kind {
             RequestKind::Whole => {}
             RequestKind::Producer(producer) => {
+                if let Some(stream) = producer.stream.take().filter(|_| producer.in_transfer.is_none()) {
+                    self.drop_pieces(seq.id, &stream, producer.back_to);
+                }
                 let Some(out) = self.handoff_out.as_mut() else { return };
                 out.exported.remove(&seq.key);
                 if std::mem::take(&mut producer.in_prefill_queue) {

@@ -20,6 +20,8 @@ pub struct HandoffOut {
     pub sink: Arc<dyn HandoffSink>,
     /// The model's layout fingerprint at this pool's block size.
     pub fingerprint: u64,
+    /// Floats of one block in each layer (what a streamed piece is packed by).
+    pub(super) kv_layers: Vec<usize>,
     pub(super) acks: Arc<AckQueue>,
     pub(super) next_nonce: u64,
     /// The pool's queue of prefills decode ranks asked for (they weigh it when deciding).
@@ -45,6 +47,7 @@ impl HandoffOut {
         HandoffOut {
             sink,
             fingerprint,
+            kv_layers: Vec::new(),
             acks,
             next_nonce: 1,
             queue,

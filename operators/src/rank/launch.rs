@@ -13,7 +13,7 @@ use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
 use crate::policy::scheduler::{Chunk, StepDecision};
 use crate::policy::sequence::{RequestKind, Sequences};
-use crate::step::{ImportFrom, KvExport, KvImport, SeqSource, SeqStep, StateOp, StepLaunch};
+use crate::step::{ImportFrom, KvExport, KvImport, SeqKey, SeqSource, SeqStep, StateOp, StepLaunch};
 use kvflow_kernels::cpu::sampling::Sampler;
 use std::collections::HashMap;
 
@@ -67,10 +67,18 @@ impl Rank {
     /// the step that samples its T0 (the state at the prompt boundary); an arrived handoff is
     /// imported before the step that feeds T0 — and only then: a request that had to start over
     /// recomputes instead.
-    fn handoff_ops(&mut self, chunks: &[Chunk]) -> (Vec<KvImport>, Vec<KvExport>) {
+    /// A streaming request's earlier chunks export their completed blocks as pieces (listed in
+    /// `pieces`, by sequence) and its handoff's export takes the rest.
+    fn handoff_ops(&mut self, chunks: &[Chunk], pieces: &mut Vec<SeqKey>) -> (Vec<KvImport>, Vec<KvExport>) {
         let (mut imports, mut exports) = (Vec::new(), Vec::new());
         let bs = self.memory.layout.block_size;
         for c in chunks {
+            if let Some(piece) = self.piece_export(c) {
+                pieces.push(c.key);
+                exports.push(piece);
+                continue;
+            }
+            let ahead = self.exported_ahead(c);
             let seq = self.seqs.get_mut(c.seq);
             match &mut seq.kind {
                 RequestKind::Whole => {}
@@ -84,9 +92,10 @@ impl Rank {
                     }
                     let n = if self.memory.layout.keeps_kv { seq.prompt_len.div_ceil(bs) } else { 0 };
                     let n = n.min(seq.blocks.len());
-                    // Blocks the decode rank already holds are not exported (prefix reuse).
+                    // Blocks the decode rank already holds are not exported (prefix reuse), nor
+                    // those sent ahead in pieces.
                     let skip = producer.back_to.map_or(0, |b| b.skip_blocks as usize).min(n);
-                    let blocks = seq.blocks.blocks()[skip..n].to_vec();
+                    let blocks = seq.blocks.blocks()[(skip + ahead).min(n)..n].to_vec();
                     // The slot it holds now, read by this step (test switch: the one it was
                     // first admitted with, which a preemption may have given to another request).
                     let first = self.handoff_out.as_mut().and_then(|o| o.admission_slots.remove(&seq.id));
@@ -146,7 +155,8 @@ impl Rank {
         // 2. handoffs: exported after the step that samples T0 (a prefill pool), written in
         //    before the step that feeds it (a decode pool); prefixes loaded from the offload
         //    store written in (and published) before the step that admits them
-        let (mut imports, mut exports) = self.handoff_ops(&decided.chunks);
+        let mut pieces = Vec::new();
+        let (mut imports, mut exports) = self.handoff_ops(&decided.chunks, &mut pieces);
         imports.extend(self.restore_imports(t, &decided.chunks, &mut published));
         // 3. offload saves: after the step's forward too, the handoffs' exports first
         let handoff_exports = exports.len();
@@ -193,6 +203,7 @@ impl Rank {
             restoring,
             published,
             handoff_exports,
+            pieces,
             draft_from: decided.chunks.iter().filter(|c| c.drafter_successors).map(|c| c.key).collect(),
         });
         self.memory.steps_in_flight_from(self.oldest_in_flight());

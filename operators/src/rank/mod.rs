@@ -32,6 +32,7 @@ mod recent_set;
 mod spec;
 mod stats;
 mod step_summary;
+mod stream;
 mod switches;
 
 pub use disaggregate::leave_queue;
@@ -67,6 +68,8 @@ struct StepRecord {
     published: Vec<u64>,
     /// Its exports that are handoffs; the ones after them are offload saves.
     handoff_exports: usize,
+    /// The sequences whose handoff export is a piece sent ahead (`stream`).
+    pieces: Vec<SeqKey>,
     /// Those whose drafter proposes from the token the step samples (`Chunk::drafter_successors`).
     draft_from: Vec<SeqKey>,
 }

@@ -24,6 +24,10 @@ pub struct RankStats {
     pub handoff_bytes: u64,
     /// Bytes a handoff did not send because the decode rank already held those blocks.
     pub handoff_saved_bytes: u64,
+    /// Pieces of handoffs sent ahead while their prefill ran, and their bytes (a part of
+    /// `handoff_bytes`).
+    pub pieces_out: u64,
+    pub streamed_bytes: u64,
     pub handoffs_in: u64,
     /// Events of a decode pool in another process that came back through this rank (a prefill
     /// pool spread over processes, `transfer::relay`).

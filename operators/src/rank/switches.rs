@@ -54,6 +54,10 @@ pub struct TestSwitches {
     /// own their bytes": a transfer waits for each of the producer's later steps, and reads
     /// whatever the blocks hold when it gets to them).
     pub read_handoffs_in_place: bool,
+    /// A tcp consumer takes a streamed handoff whose pieces did not all arrive, reading the
+    /// missing blocks as zeros, instead of refusing it so that it is sent again whole (removes
+    /// "a streamed handoff is all or nothing": the request decodes from a partial prompt).
+    pub accept_missing_pieces: bool,
     /// A prefill pool's handoff reads the state slot its request got when first admitted, not
     /// the one it holds when the handoff is built (removes "current slot": a request that was
     /// preempted and came back in another slot hands off whatever the old slot holds now).
@@ -132,6 +136,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("deliver-duplicate-handoffs", ""),
     ("free-before-ack", ""),
     ("read-handoffs-in-place", ""),
+    ("accept-missing-pieces", ""),
     ("export-admission-slot", ""),
     ("withhold-dispatch", "RANK:STEP:MOE"),
     ("send-no-expert-results", "RANK:STEP:MOE"),
@@ -232,6 +237,7 @@ impl TestSwitches {
             "deliver-duplicate-handoffs" => &mut self.deliver_duplicate_handoffs,
             "free-before-ack" => &mut self.free_before_ack,
             "read-handoffs-in-place" => &mut self.read_handoffs_in_place,
+            "accept-missing-pieces" => &mut self.accept_missing_pieces,
             "export-admission-slot" => &mut self.export_admission_slot,
             "release-saves-early" => &mut self.release_saves_early,
             "watchdog-ignores-what-pools-await" => &mut self.watchdog_ignores_what_pools_await,

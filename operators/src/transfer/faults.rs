@@ -77,10 +77,14 @@ pub struct TransferCounters {
     pub duplicated: AtomicU64,
     /// Handoffs a cuda consumer's tcp receiver landed in device memory piece by piece.
     pub landed_on_device: AtomicU64,
+    /// Pieces of streamed handoffs a tcp consumer staged, and handoffs it refused for lacking
+    /// some (each then sent again whole).
+    pub pieces_staged: AtomicU64,
+    pub refused_for_pieces: AtomicU64,
 }
 
 /// How many counters [`TransferCounters::snapshot`] gives.
-pub const TRANSFER_COUNTERS: usize = 9;
+pub const TRANSFER_COUNTERS: usize = 11;
 
 impl TransferCounters {
     pub fn bump(counter: &AtomicU64) {
@@ -100,6 +104,8 @@ impl TransferCounters {
             ("faults_corrupted", v(&self.corrupted)),
             ("faults_duplicated", v(&self.duplicated)),
             ("landed_on_device", v(&self.landed_on_device)),
+            ("pieces_staged", v(&self.pieces_staged)),
+            ("refused_for_pieces", v(&self.refused_for_pieces)),
         ]
     }
 }

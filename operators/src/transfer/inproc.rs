@@ -9,7 +9,7 @@
 //! it, or cancels what it began, and answers), never left to a timeout.
 
 use super::faults::{Fault, Faults, TransferCounters};
-use super::{Handoff, LinkRate, TransferId};
+use super::{Handoff, KvPiece, LinkRate, TransferId};
 use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::pool::admit::Ingress;
 use crate::pool::wake::RankWaker;
@@ -68,6 +68,9 @@ pub struct HandoffInbox {
     pub counters: Arc<TransferCounters>,
     /// Test switch (`TestSwitches::deliver_duplicate_handoffs`): every copy is delivered.
     pub deliver_duplicates: bool,
+    /// Test switch (`TestSwitches::accept_missing_pieces`): a streamed handoff whose pieces did
+    /// not all arrive is taken, the missing blocks read as zeros.
+    pub accept_missing_pieces: bool,
 }
 
 #[derive(Default)]
@@ -90,7 +93,13 @@ pub enum Taken {
 
 impl HandoffInbox {
     pub fn new(faults: Faults, counters: Arc<TransferCounters>) -> Self {
-        HandoffInbox { state: Default::default(), faults, counters, deliver_duplicates: false }
+        HandoffInbox {
+            state: Default::default(),
+            faults,
+            counters,
+            deliver_duplicates: false,
+            accept_missing_pieces: false,
+        }
     }
 
     /// A handoff arrived. Returns whether its admission should follow through the pool's
@@ -221,6 +230,22 @@ pub trait HandoffSink: Send + Sync {
     /// asked for it), was cancelled: ask the consumer to drop it (its answer is the transfer's
     /// ack). Also how a decode rank waiting for a remote prefill that failed hears of it.
     fn abort(&self, request: u64, transfer: TransferId, back_to: Option<BackTo>);
+
+    /// The shortest prompt whose handoff over the link request `request` takes leaves in
+    /// pieces while it prefills (`[[link]] stream_min_tokens`); `None`: that link sends whole.
+    fn stream_min_tokens(&self, _request: u64, _back_to: Option<BackTo>) -> Option<usize> {
+        None
+    }
+
+    /// Sends `piece` ahead of its handoff (over the link the handoff will take). Returns it as
+    /// the producer keeps it: the handoff carries it (a retry sends it again, whole).
+    fn send_piece(&self, piece: KvPiece, _back_to: Option<BackTo>) -> Result<Arc<KvPiece>, String> {
+        Ok(Arc::new(piece))
+    }
+
+    /// Request `request`, which sent pieces of transfer `transfer`, will not hand off: the
+    /// consumer drops what it staged.
+    fn drop_pieces(&self, _request: u64, _transfer: TransferId, _back_to: Option<BackTo>) {}
 }
 
 /// The admission a handoff enters its decode pool with.
@@ -258,6 +283,8 @@ pub struct InprocLinks {
     /// Each link's rate (`[[link]] bandwidth`), by consumer: a handoff is delivered once its
     /// bytes would have left at that rate, behind those sent over the link before it.
     pub rates: Vec<Option<Arc<LinkRate>>>,
+    /// Each link's `stream_min_tokens`, by consumer.
+    pub stream_min_tokens: Vec<Option<usize>>,
     pub faults: Faults,
     pub counters: Arc<TransferCounters>,
 }
@@ -292,7 +319,8 @@ impl HandoffSink for InprocLinks {
             1
         };
         // Held back until its bytes would have left at the link's rate, and by a delay fault.
-        let mut due = self.rates.get(link).and_then(Option::as_ref).map(|rate| rate.reserve(h.payload_bytes()));
+        // (Its pieces went at their own time: what is left moves now.)
+        let mut due = self.rates.get(link).and_then(Option::as_ref).map(|rate| rate.reserve(h.unstreamed_bytes()));
         if self.faults.strikes(Fault::Delay, h.request, 0) {
             TransferCounters::bump(&self.counters.delayed);
             due = Some(due.unwrap_or_else(Instant::now) + self.faults.delay);
@@ -320,5 +348,21 @@ impl HandoffSink for InprocLinks {
         if let Some(to) = self.consumers.get(link_of(request, back_to, self.consumers.len())) {
             to.abort(request);
         }
+    }
+
+    fn stream_min_tokens(&self, request: u64, back_to: Option<BackTo>) -> Option<usize> {
+        let link = link_of(request, back_to, self.consumers.len());
+        self.stream_min_tokens.get(link).copied().flatten()
+    }
+
+    /// In one process a piece moves as an `Arc` its handoff carries: it is counted as arrived
+    /// when its bytes would have, at the link's rate.
+    fn send_piece(&self, mut piece: KvPiece, back_to: Option<BackTo>) -> Result<Arc<KvPiece>, String> {
+        let link = link_of(piece.request, back_to, self.consumers.len());
+        let rate = self.rates.get(link).and_then(Option::as_ref);
+        let lag =
+            rate.map_or(Default::default(), |r| r.reserve(piece.bytes()).saturating_duration_since(Instant::now()));
+        piece.arrived_ms = crate::messages::wall_ms() + lag.as_secs_f64() * 1000.0;
+        Ok(Arc::new(piece))
     }
 }

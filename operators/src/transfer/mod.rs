@@ -8,6 +8,7 @@ pub mod faults;
 pub mod inproc;
 pub mod rate;
 pub mod relay;
+pub mod stream;
 pub mod tcp;
 pub mod wire;
 
@@ -20,6 +21,8 @@ pub use inproc::{
 };
 pub use rate::LinkRate;
 pub use relay::{EventRelay, RelayQueue};
+use std::sync::Arc;
+pub use stream::{KvPiece, MergeError, StagedPieces};
 pub use tcp::{ConsumerOptions, LinkOptions, LinkTarget, LostProducer, TcpConsumer, TcpLink, TcpLinks};
 pub use wire::{decode_descriptor, encode_descriptor, ConsumerLayout, Descriptor, WireError};
 
@@ -46,11 +49,15 @@ pub struct Handoff {
     pub fingerprint: u64,
     /// Prompt blocks the consumer already holds (not sent).
     pub skip_blocks: usize,
-    /// Blocks whose KV `kv` carries.
+    /// Blocks whose KV the handoff moves (the ones sent ahead in `streamed`, then `kv`'s).
     pub kv_blocks: usize,
     pub floats_per_block: usize,
-    /// KV of blocks `skip_blocks..`, packed by layer — empty when `source` is set: then the
-    /// blocks are read in place from the producer's cache (which holds them until the ack).
+    /// Pieces sent ahead while the prefill ran (`stream`), in block order: the first blocks of
+    /// the `kv_blocks`.
+    pub streamed: Vec<Arc<KvPiece>>,
+    /// KV of the blocks after the streamed ones, packed by layer — empty when `source` is set:
+    /// then the blocks are read in place from the producer's cache (which holds them until the
+    /// ack).
     pub kv: Vec<f32>,
     pub source: Option<crate::kv_source::KvSource>,
     /// The same KV landed in a cuda consumer's device memory piece by piece as it arrived (then
@@ -72,8 +79,38 @@ pub struct Handoff {
 }
 
 impl Handoff {
-    /// The KV floats it carries (read from the producer's blocks when in place).
+    /// The KV floats it carries, packed by layer over all its blocks (read from the producer's
+    /// blocks when in place; the streamed pieces merged in).
     pub fn kv_floats(&self) -> std::borrow::Cow<'_, [f32]> {
+        if !self.streamed.is_empty() {
+            let rest = self.unstreamed_floats();
+            let rest_blocks = self.kv_blocks.saturating_sub(self.streamed_blocks());
+            return std::borrow::Cow::Owned(stream::merge(&self.streamed, &rest, rest_blocks).unwrap_or_else(|e| {
+                tracing::error!(request = self.request, "merging a streamed handoff: {e}");
+                Vec::new()
+            }));
+        }
+        self.unstreamed_floats()
+    }
+
+    /// Blocks sent ahead in pieces.
+    pub fn streamed_blocks(&self) -> usize {
+        self.streamed.iter().map(|p| p.blocks).sum()
+    }
+
+    /// The producer's blocks it reads in place — only when it reads all of them so (a streamed
+    /// handoff merges its pieces on the host).
+    pub fn in_place(&self) -> Option<&crate::kv_source::KvSource> {
+        self.source.as_ref().filter(|_| self.streamed.is_empty())
+    }
+
+    /// Its KV landed in a consumer's device memory, when all of it was.
+    pub fn landed_whole(&self) -> Option<&Landed> {
+        self.landed.as_ref().filter(|_| self.streamed.is_empty())
+    }
+
+    /// The KV of the blocks after the streamed ones.
+    fn unstreamed_floats(&self) -> std::borrow::Cow<'_, [f32]> {
         match (&self.source, &self.landed) {
             (Some(source), _) => std::borrow::Cow::Owned(source.read()),
             (None, Some(landed)) => std::borrow::Cow::Owned(landed.0.read().unwrap_or_else(|e| {
@@ -84,9 +121,26 @@ impl Handoff {
         }
     }
 
-    /// Bytes of its payload (KV and state).
+    /// Bytes of its payload (KV and state), the streamed pieces' included.
     pub fn payload_bytes(&self) -> u64 {
         4 * (self.kv_blocks * self.floats_per_block + self.state.as_ref().map_or(0, Vec::len)) as u64
+    }
+
+    /// Bytes it moves after its pieces (what is left to send at T0).
+    pub fn unstreamed_bytes(&self) -> u64 {
+        self.payload_bytes() - 4 * (self.streamed_blocks() * self.floats_per_block) as u64
+    }
+
+    /// How long its pieces moved before T0 (ms): from the first piece sent to the last that
+    /// arrived, up to T0 — the transfer that overlapped the prefill.
+    pub fn overlapped_ms(&self) -> f64 {
+        let first = self.streamed.iter().map(|p| p.sent_ms).fold(f64::INFINITY, f64::min);
+        let last = self.streamed.iter().map(|p| p.arrived_ms).fold(f64::NEG_INFINITY, f64::max);
+        if self.streamed.is_empty() {
+            0.0
+        } else {
+            (last.min(self.t0_ms) - first).max(0.0)
+        }
     }
 }
 
@@ -216,8 +270,9 @@ pub fn read_floats(r: &mut impl std::io::Read, floats: &mut [f32], mut seen: imp
 
 /// The payload of `h` as bytes (KV floats, then state floats, little endian), fed to `sink` in
 /// pieces while its checksum is computed (when `checksum`) — the same pass, never a second one
-/// over the bytes. Returns the checksum (0 when not computed).
-pub fn stream_payload(h: &Handoff, checksum: bool, mut sink: impl FnMut(&[u8])) -> u32 {
+/// over the bytes. `whole`: the streamed pieces' KV too (merged in), else only what follows
+/// them. Returns the checksum (0 when not computed).
+pub fn stream_payload(h: &Handoff, checksum: bool, whole: bool, mut sink: impl FnMut(&[u8])) -> u32 {
     let mut crc = Crc32c::new();
     let mut send = |floats: &[f32]| {
         let bytes = le_bytes(floats);
@@ -227,6 +282,7 @@ pub fn stream_payload(h: &Handoff, checksum: bool, mut sink: impl FnMut(&[u8])) 
         sink(&bytes);
     };
     match &h.source {
+        _ if whole && !h.streamed.is_empty() => h.kv_floats().chunks(PIECE_FLOATS).for_each(&mut send),
         // Read in place from the producer's blocks, a staged piece at a time.
         Some(source) => source.stream(PIECE_FLOATS, &mut send),
         None => h.kv.chunks(PIECE_FLOATS).for_each(&mut send),

@@ -119,7 +119,10 @@ mod tests {
         relay.expect(3, &a);
         relay.forget(3);
         let mut sink = relay.sink();
-        sink.events(0, vec![Event::Received { id: 1, rank: 0, taken_ms: 0.0 }, finished(2), finished(3)]);
+        sink.events(
+            0,
+            vec![Event::Received { id: 1, rank: 0, taken_ms: 0.0, overlapped_ms: 0.0 }, finished(2), finished(3)],
+        );
         assert!(a.waker.take() && b.waker.take(), "both ranks woken");
         assert_eq!(a.drain().iter().map(Event::id).collect::<Vec<_>>(), [1]);
         assert_eq!(b.drain().iter().map(Event::id).collect::<Vec<_>>(), [2]);

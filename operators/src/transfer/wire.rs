@@ -9,7 +9,7 @@ use crate::messages::Delivery;
 use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"KVFH");
-const VERSION: u16 = 3;
+const VERSION: u16 = 4;
 /// The most drafts a handoff carries (`[speculative] draft_tokens` is at most 16).
 pub const MAX_HANDOFF_DRAFTS: usize = 16;
 const HAS_STATE: u16 = 1;
@@ -18,7 +18,7 @@ const UNCHECKED: u16 = 4;
 const STREAM: u16 = 8;
 /// Bytes of the fixed header.
 pub const HEADER_BYTES: usize =
-    4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + SAMPLING_BYTES;
+    4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + SAMPLING_BYTES;
 /// Temperature, top-k, top-p, seed, the count of drafts and of stop tokens (which follow the
 /// prompt, in that order).
 const SAMPLING_BYTES: usize = 4 + 4 + 4 + 8 + 4 + 4;
@@ -53,8 +53,10 @@ pub struct Descriptor {
     pub logits_hash: u64,
     /// Prompt blocks the consumer already holds (not sent).
     pub skip_blocks: usize,
-    /// Blocks whose KV the payload carries.
+    /// Blocks whose KV the handoff moves: the first `streamed_blocks` of them arrived ahead in
+    /// pieces, the payload carries the rest.
     pub kv_blocks: usize,
+    pub streamed_blocks: usize,
     pub has_state: bool,
     /// CRC32C of the payload bytes (over tcp it follows the payload instead: this is 0).
     pub checksum: u32,
@@ -70,7 +72,8 @@ pub struct Descriptor {
 impl Descriptor {
     /// Bytes of payload after the header and prompt.
     pub fn payload_bytes(&self, layout: &ConsumerLayout) -> usize {
-        4 * (self.kv_blocks * layout.floats_per_block + if self.has_state { layout.state_floats } else { 0 })
+        let blocks = self.kv_blocks - self.streamed_blocks;
+        4 * (blocks * layout.floats_per_block + if self.has_state { layout.state_floats } else { 0 })
     }
 }
 
@@ -126,7 +129,8 @@ impl Reader<'_> {
 /// The header and prompt of `h` (the payload follows, see [`super::payload_bytes`]).
 /// `checksum`: the payload's CRC32C, `Some(0)` when it follows the payload (a stream computes it
 /// while sending), or `None` when the transfer is not checksummed (`[transfer] checksum = false`).
-pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
+/// `streamed_blocks`: the blocks the payload leaves out, sent ahead in pieces (0: it is whole).
+pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>, streamed_blocks: usize) -> Vec<u8> {
     let unchecked = checksum.is_none();
     let checksum = checksum.unwrap_or(0);
     let mut out =
@@ -148,6 +152,7 @@ pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>) -> Vec<u8> {
     out.extend_from_slice(&(h.prompt.len() as u32).to_le_bytes());
     out.extend_from_slice(&(h.skip_blocks as u32).to_le_bytes());
     out.extend_from_slice(&(h.kv_blocks as u32).to_le_bytes());
+    out.extend_from_slice(&(streamed_blocks as u32).to_le_bytes());
     out.extend_from_slice(&(h.floats_per_block as u32).to_le_bytes());
     out.extend_from_slice(&(h.state.as_ref().map_or(0, Vec::len) as u32).to_le_bytes());
     out.extend_from_slice(&checksum.to_le_bytes());
@@ -195,6 +200,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
     let prompt_len = r.u32() as usize;
     let skip_blocks = r.u32() as usize;
     let kv_blocks = r.u32() as usize;
+    let streamed_blocks = r.u32() as usize;
     let floats_per_block = r.u32() as usize;
     let state_floats = r.u32() as usize;
     let checksum = r.u32();
@@ -230,6 +236,9 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
             expected: prompt_blocks.saturating_sub(skip_blocks),
         });
     }
+    if streamed_blocks > kv_blocks {
+        return Err(WireError::Geometry { what: "KV blocks sent ahead", got: streamed_blocks, expected: kv_blocks });
+    }
     let has_state = flags & HAS_STATE != 0;
     match (has_state, layout.state_floats) {
         (false, w) if w > 0 => return Err(WireError::MissingState),
@@ -264,6 +273,7 @@ pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descr
         logits_hash,
         skip_blocks,
         kv_blocks,
+        streamed_blocks,
         has_state,
         checksum,
         checked: flags & UNCHECKED == 0,
@@ -305,6 +315,7 @@ pub(crate) mod tests {
             skip_blocks: 1,
             kv_blocks: 2,
             floats_per_block: 6,
+            streamed: Vec::new(),
             kv: vec![0.5; 12],
             source: None,
             landed: None,
@@ -320,7 +331,7 @@ pub(crate) mod tests {
     #[test]
     fn a_descriptor_round_trips() {
         let h = handoff();
-        let bytes = encode_descriptor(&h, Some(123));
+        let bytes = encode_descriptor(&h, Some(123), 0);
         let (d, used) = decode_descriptor(&bytes, &layout()).unwrap();
         assert_eq!(used, bytes.len());
         assert_eq!((d.request, d.t0, d.skip_blocks, d.kv_blocks, d.checksum), (41, 42, 1, 2, 123));
@@ -339,7 +350,7 @@ pub(crate) mod tests {
             h
         };
         let refuse = |h: Handoff, layout: ConsumerLayout| {
-            decode_descriptor(&encode_descriptor(&h, Some(0)), &layout).unwrap_err()
+            decode_descriptor(&encode_descriptor(&h, Some(0), 0), &layout).unwrap_err()
         };
         assert!(matches!(
             refuse(ok.clone(), ConsumerLayout { fingerprint: 1, ..layout() }),
@@ -363,7 +374,7 @@ pub(crate) mod tests {
     /// what it was given).
     #[test]
     fn random_and_truncated_messages_never_panic() {
-        let valid = encode_descriptor(&handoff(), Some(5));
+        let valid = encode_descriptor(&handoff(), Some(5), 0);
         let mut state = 0x1234_5678_9ABC_DEF0u64;
         let mut next = || {
             state ^= state << 13;

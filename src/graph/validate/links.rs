@@ -107,7 +107,8 @@ impl Validator<'_> {
                 }
             };
             let bandwidth = self.optional_field("link.bandwidth", link.bandwidth.as_ref(), |r| parse_link_rate(&r))?;
-            links.push(LinkConfig { from, to, backend, endpoint, bandwidth });
+            let stream_min_tokens = link.stream_min_tokens.as_ref().map(|v| *v.get_ref());
+            links.push(LinkConfig { from, to, backend, endpoint, bandwidth, stream_min_tokens });
             header_spans.push(spanned.span());
         }
         Ok(links)

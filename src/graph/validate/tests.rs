@@ -362,6 +362,7 @@ fn a_linked_pair_gets_every_default() {
         backend: TransferBackend::Inproc,
         endpoint: None,
         bandwidth: None,
+        stream_min_tokens: None,
     };
     assert_eq!(graph.links, vec![inproc]);
     assert!(graph.is_disaggregated());

@@ -12,6 +12,7 @@
 //! ([`TcpConsumer::lose_vanished`]): the requests it handed off that are still here are cancelled
 //! at once, and it may not come back.
 
+use super::pieces::{self, DROP_PIECES_FRAME, PIECES_REFUSAL, PIECE_FRAME};
 use super::{
     put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ABORT_SEEN,
     TAG_ACK, TAG_DONE, TAG_EVENTS,
@@ -19,6 +20,7 @@ use super::{
 use crate::messages::Event;
 use crate::pool::emit::EventSink;
 use crate::transfer::inproc::{Ack, ConsumerPool};
+use crate::transfer::stream::{check_cover, zeros_for_missing, StagedPieces};
 use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
 use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferCounters, TransferId};
 use parking_lot::Mutex;
@@ -465,12 +467,38 @@ fn serve_frames(
     let acker: Arc<dyn Ack> = Arc::new(LinkAck { link, shared: shared.clone() });
     let max_descriptor = HEADER_BYTES + 4 * (layout.max_prompt + MAX_HANDOFF_DRAFTS);
     let recycler = Recycler::default();
+    // Pieces of streamed handoffs that came by this connection (they go with it).
+    let mut staged = StagedPieces::default();
     while let Ok(len) = read_u32(&mut conn) {
+        if len == PIECE_FRAME {
+            match pieces::read_piece(&mut conn, &layout) {
+                Ok(Ok(piece)) => {
+                    TransferCounters::bump(&pool.inbox.counters.pieces_staged);
+                    staged.put(piece);
+                }
+                // Not staged: its handoff will be refused and sent again whole.
+                Ok(Err(why)) => tracing::warn!(pool = %pool.name, "a streamed piece was damaged ({why}): dropped"),
+                Err(e) => {
+                    tracing::error!(pool = %pool.name, "a streamed piece refused: {e}; connection closed");
+                    return;
+                }
+            }
+            continue;
+        }
+        if len == DROP_PIECES_FRAME {
+            let Ok(request) = read_u64(&mut conn) else { return };
+            if read_u64(&mut conn).is_err() {
+                return;
+            }
+            staged.drop_request(request);
+            continue;
+        }
         if len == ABORT_FRAME {
             let Ok(request) = read_u64(&mut conn) else { return };
             if read_u64(&mut conn).and_then(|_| read_u32(&mut conn)).is_err() {
                 return;
             }
+            staged.drop_request(request);
             pool.abort(request);
             // Said back, so the producer stops sending it again after a reconnection.
             if let Some(back) = shared.acker(link) {
@@ -508,10 +536,24 @@ fn serve_frames(
                 return;
             }
         };
+        // Pieces sent ahead, all of them staged, or the handoff is refused (after its payload is
+        // read, so the stream stays in step) and sent again whole.
+        let mut streamed = staged.take(d.request, d.transfer);
+        let cover = check_cover(&streamed, d.streamed_blocks, layout.floats_per_block);
+        if cover.is_err() && pool.inbox.accept_missing_pieces {
+            streamed = zeros_for_missing(streamed, d.streamed_blocks, layout.floats_per_block);
+            // test switch
+        }
         let payload = match receive_payload(&mut conn, &d, &layout, options, &recycler) {
             Err(()) => return,
             Ok(Err(why)) => {
                 acker.ack(d.request, d.transfer, Err(why));
+                continue;
+            }
+            Ok(Ok(_)) if cover.is_err() && !pool.inbox.accept_missing_pieces => {
+                TransferCounters::bump(&pool.inbox.counters.refused_for_pieces);
+                let why = cover.err().map(|e| e.to_string()).unwrap_or_default();
+                acker.ack(d.request, d.transfer, Err(format!("{PIECES_REFUSAL}: {why}")));
                 continue;
             }
             Ok(Ok(payload)) => payload,
@@ -534,6 +576,7 @@ fn serve_frames(
             skip_blocks: d.skip_blocks,
             kv_blocks: d.kv_blocks,
             floats_per_block: layout.floats_per_block,
+            streamed,
             kv: payload.kv,
             source: None,
             landed: payload.landed,
@@ -572,15 +615,17 @@ fn receive_payload(
     options: &ConsumerOptions,
     recycler: &Recycler,
 ) -> Result<Result<Payload, String>, ()> {
+    let kv_blocks = d.kv_blocks - d.streamed_blocks;
     let (kv_floats, state_floats) =
-        (d.kv_blocks * layout.floats_per_block, if d.has_state { layout.state_floats } else { 0 });
+        (kv_blocks * layout.floats_per_block, if d.has_state { layout.state_floats } else { 0 });
     let mut crc = Crc32c::new();
     let mut seen = |bytes: &[u8]| {
         if d.checked {
             crc.update(bytes)
         }
     };
-    let (mut floats, landed) = match &options.landing {
+    // (A streamed handoff's KV is merged on the host: it is not landed in pieces.)
+    let (mut floats, landed) = match options.landing.as_ref().filter(|_| d.streamed_blocks == 0) {
         Some((landing, _)) => {
             let landed = land(conn, landing, kv_floats, &mut seen).map_err(|_| ())?;
             let mut state = recycler.take(state_floats);

@@ -6,6 +6,7 @@
 //! the run's collector, failing the requests a vanished peer still owed. Runs on its own threads,
 //! never on a rank's step; what it sends it owns (an `Arc` of the handoff).
 
+use super::pieces;
 use super::{
     read_status, read_u32, read_u64, read_u8, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, MAX_EVENTS_BYTES,
     TAG_ABORT_SEEN, TAG_ACK, TAG_DONE, TAG_EVENTS,
@@ -16,7 +17,7 @@ use crate::pool::emit::EventSink;
 use crate::transfer::faults::{Fault, Faults, TransferCounters};
 use crate::transfer::inproc::{link_of, Ack, AckQueue, HandoffSink};
 use crate::transfer::wire::encode_descriptor;
-use crate::transfer::{stream_payload, Handoff, LinkRate, TransferId};
+use crate::transfer::{stream_payload, Handoff, KvPiece, LinkRate, TransferId};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -91,6 +92,9 @@ struct Unanswered {
     cut: bool,
     /// Times it was sent again, whole, after a drop that cut another transfer (bounded too).
     resends: u32,
+    /// Sent with the pieces streamed ahead in its payload (a resend, or a consumer that lacked
+    /// some of them).
+    whole: bool,
 }
 
 /// How often a transfer that was written whole is sent again after drops that cut others.
@@ -99,6 +103,8 @@ const MAX_RESENDS: u32 = 3;
 /// What the sending thread does next.
 enum Job {
     Send(u64),
+    Piece(Arc<KvPiece>),
+    DropPieces(u64, TransferId),
     Abort(u64, TransferId),
     Close,
 }
@@ -214,7 +220,7 @@ impl TcpLink {
             return Err(why);
         }
         let request = h.request;
-        let u = Unanswered { handoff: h, ack, attempt: 0, sent_on: None, cut: false, resends: 0 };
+        let u = Unanswered { handoff: h, ack, attempt: 0, sent_on: None, cut: false, resends: 0, whole: false };
         s.unanswered.lock().insert(request, u);
         let _ = s.jobs.lock().send(Job::Send(request));
         Ok(s.target.to.clone())
@@ -328,6 +334,18 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
                 }
                 continue;
             }
+            Job::Piece(piece) => {
+                send_piece(s, &piece);
+                continue;
+            }
+            Job::DropPieces(request, transfer) => {
+                let mut conn = s.conn.lock();
+                if let Some(stream) = conn.stream.as_mut() {
+                    // Lost with a connection that drops: its pieces went with it.
+                    let _ = stream.write_all(&pieces::drop_frame(request, transfer));
+                }
+                continue;
+            }
             Job::Close => {
                 let mut conn = s.conn.lock();
                 if let Some(stream) = conn.stream.as_mut() {
@@ -337,8 +355,9 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
             }
             Job::Send(request) => request,
         };
-        let (h, attempt) = match s.unanswered.lock().get(&request) {
-            Some(u) if u.sent_on.is_none() => (u.handoff.clone(), u.attempt),
+        let (h, attempt, whole) = match s.unanswered.lock().get(&request) {
+            // Sent again: whole (the pieces may have gone with a connection that dropped).
+            Some(u) if u.sent_on.is_none() => (u.handoff.clone(), u.attempt, u.whole || u.attempt + u.resends > 0),
             _ => continue, // answered, failed or aborted meanwhile, or already sent
         };
         if s.faults.strikes(Fault::Delay, request, attempt) {
@@ -362,7 +381,8 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
         let mut outcome = Ok(());
         for copy in 0..copies {
             let rate = s.rate.as_deref();
-            outcome = write_handoff(stream, &h, s.checksum, drop_midway, corrupt && copy == 0, rate, &mut written);
+            let faults = (drop_midway, corrupt && copy == 0);
+            outcome = write_handoff(stream, &h, whole, s.checksum, faults, rate, &mut written);
             if outcome.is_err() || drop_midway {
                 break; // a second copy after a cut one would be read as the rest of the first
             }
@@ -387,27 +407,29 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
     }
 }
 
-/// Writes one handoff frame; `drop_midway` stops halfway through the payload, `corrupt`
-/// damages a byte after the checksum took it in. Adds the bytes written to `written`.
+/// Writes one handoff frame — `whole`: with the KV its pieces sent ahead; `faults`: drop
+/// midway (stop halfway through the payload), corrupt (damage a byte after the checksum took it
+/// in). Adds the bytes written to `written`.
 fn write_handoff(
     stream: &mut TcpStream,
     h: &Handoff,
+    whole: bool,
     checksum: bool,
-    drop_midway: bool,
-    corrupt: bool,
+    (drop_midway, corrupt): (bool, bool),
     rate: Option<&LinkRate>,
     written: &mut u64,
 ) -> std::io::Result<()> {
-    let descriptor = encode_descriptor(h, checksum.then_some(0));
+    let ahead = if whole { 0 } else { h.streamed_blocks() };
+    let descriptor = encode_descriptor(h, checksum.then_some(0), ahead);
     let pace = |bytes: usize| rate.inspect(|r| r.pace(bytes as u64));
     pace(4 + descriptor.len());
     stream.write_all(&(descriptor.len() as u32).to_le_bytes())?;
     stream.write_all(&descriptor)?;
     *written += 4 + descriptor.len() as u64;
-    let total = h.payload_bytes();
+    let total = if whole { h.payload_bytes() } else { h.unstreamed_bytes() };
     let mut sent = Ok(());
     let mut payload = 0u64;
-    let crc = stream_payload(h, checksum, |bytes| {
+    let crc = stream_payload(h, checksum, whole, |bytes: &[u8]| {
         if sent.is_err() || (drop_midway && payload >= total / 2) {
             return;
         }
@@ -430,6 +452,26 @@ fn write_handoff(
     *written += 4;
     stream.flush()
 }
+
+/// Writes a piece on the current connection (paced); a piece that cannot be written, or that
+/// a drop fault strikes, is lost — its handoff is then refused and sent again whole.
+fn send_piece(s: &LinkShared, piece: &KvPiece) {
+    if s.faults.strikes(Fault::Drop, piece.request, PIECE_FAULTS + piece.first_block as u32) {
+        TransferCounters::bump(&s.counters.dropped);
+        return;
+    }
+    let mut conn = s.conn.lock();
+    let Some(stream) = conn.stream.as_mut() else { return };
+    let mut written = 0;
+    let sent = pieces::write_piece(stream, piece, s.checksum, s.rate.as_deref(), &mut written);
+    s.socket_bytes.fetch_add(written, Ordering::Relaxed);
+    if sent.is_err() {
+        let _ = stream.shutdown(Shutdown::Both); // the ack thread sees it end and reconnects
+    }
+}
+
+/// Fault draws for a request's pieces start here (a handoff's own draws are its attempts).
+const PIECE_FAULTS: u32 = 1 << 16;
 
 /// The link's ack thread: hands each answer to the rank that sent the handoff; when the
 /// connection ends, reconnects once and sends again what was unanswered, or fails it.
@@ -495,10 +537,20 @@ fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
     }
 }
 
-/// The consumer answered `request`'s transfer. A damaged payload is sent once more; an answer
+/// The consumer answered `request`'s transfer. A damaged payload is sent once more, one that
+/// lacked pieces streamed ahead is sent whole; an answer
 /// for a request already answered goes to its rank, which drops it as stale.
 fn answer(s: &LinkShared, request: u64, transfer: TransferId, outcome: Result<(), String>) {
     if let Err(why) = &outcome {
+        if why.starts_with(pieces::PIECES_REFUSAL) {
+            // Sent again whole, at once: not a retry (a whole handoff lacks no piece).
+            if let Some(u) = s.unanswered.lock().get_mut(&request).filter(|u| !u.whole) {
+                (u.whole, u.sent_on) = (true, None);
+                TransferCounters::bump(&s.counters.retries);
+                let _ = s.jobs.lock().send(Job::Send(request));
+                return;
+            }
+        }
         if why.starts_with(CHECKSUM_REFUSAL) {
             if let Some(u) = s.unanswered.lock().get_mut(&request) {
                 u.cut = true;
@@ -602,6 +654,11 @@ pub struct TcpLinks {
     pub links: Vec<Arc<TcpLink>>,
     /// Connections to each decode pool (at least 1).
     pub connections: usize,
+    /// Each decode pool's link's `stream_min_tokens`.
+    stream_min_tokens: Vec<Option<usize>>,
+    /// The connection each streaming request's pieces went by (its handoff and any abort follow
+    /// them there), until its handoff leaves or its pieces are dropped.
+    streams: Mutex<HashMap<u64, usize>>,
 }
 
 impl TcpLinks {
@@ -610,6 +667,17 @@ impl TcpLinks {
         let per_pool = self.connections.max(1);
         let pool = link_of(request, back_to, self.links.len() / per_pool);
         self.links.get(pool * per_pool..(pool + 1) * per_pool).unwrap_or(&[])
+    }
+
+    /// `connections` links to each decode pool (pool by pool), whose links stream from
+    /// `stream_min_tokens` (by pool).
+    pub fn new(links: Vec<Arc<TcpLink>>, connections: usize, stream_min_tokens: Vec<Option<usize>>) -> Self {
+        TcpLinks { links, connections, stream_min_tokens, streams: Default::default() }
+    }
+
+    /// The connection request `request`'s pieces went by, if it streams.
+    fn stream_link(&self, request: u64) -> Option<&Arc<TcpLink>> {
+        self.streams.lock().get(&request).and_then(|&i| self.links.get(i))
     }
 }
 
@@ -629,17 +697,59 @@ impl HandoffSink for TcpLinks {
     /// flight together go over different connections).
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
         let connections = self.connections_of(h.request, h.to);
-        let Some(link) = connections.iter().min_by_key(|link| link.unanswered()) else {
+        let streamed = self.stream_link(h.request).cloned();
+        self.streams.lock().remove(&h.request);
+        let Some(link) = streamed.as_ref().or_else(|| connections.iter().min_by_key(|link| link.unanswered())) else {
             return Err("no decode pool is linked".into());
         };
         link.send_arc(Arc::new(h), ack)
+    }
+
+    fn stream_min_tokens(&self, request: u64, back_to: Option<BackTo>) -> Option<usize> {
+        let pools = self.links.len() / self.connections.max(1);
+        self.stream_min_tokens.get(link_of(request, back_to, pools)).copied().flatten()
+    }
+
+    /// Over the connection the request's first piece took (the fewest handoffs unanswered then).
+    fn send_piece(&self, piece: KvPiece, back_to: Option<BackTo>) -> Result<Arc<KvPiece>, String> {
+        let link = match self.stream_link(piece.request) {
+            Some(link) => link.clone(),
+            None => {
+                let connections = self.connections_of(piece.request, back_to);
+                let Some(link) = connections.iter().min_by_key(|link| link.unanswered()) else {
+                    return Err("no decode pool is linked".into());
+                };
+                let index = self.links.iter().position(|l| Arc::ptr_eq(l, link)).unwrap_or(0);
+                self.streams.lock().insert(piece.request, index);
+                link.clone()
+            }
+        };
+        let s = &link.shared;
+        if let Some(why) = s.dead.lock().clone() {
+            return Err(why);
+        }
+        let mut piece = piece;
+        piece.arrived_ms = piece.sent_ms; // the consumer's copy says when it arrived
+        let piece = Arc::new(piece);
+        let _ = s.jobs.lock().send(Job::Piece(piece.clone()));
+        Ok(piece)
+    }
+
+    fn drop_pieces(&self, request: u64, transfer: TransferId, _back_to: Option<BackTo>) {
+        let link = self.stream_link(request).cloned();
+        self.streams.lock().remove(&request);
+        if let Some(link) = link {
+            let _ = link.shared.jobs.lock().send(Job::DropPieces(request, transfer));
+        }
     }
 
     /// Aborts over the connection that carries the transfer (behind it), else any of the pool's:
     /// the consumer drops the request whichever of its connections the abort comes by.
     fn abort(&self, request: u64, transfer: TransferId, back_to: Option<BackTo>) {
         let connections = self.connections_of(request, back_to);
-        let Some(link) = connections.iter().find(|link| link.holds(request)).or(connections.first()) else { return };
+        let streamed = self.stream_link(request).cloned();
+        let held = connections.iter().find(|link| link.holds(request));
+        let Some(link) = held.or(streamed.as_ref()).or(connections.first()) else { return };
         let _ = link.shared.jobs.lock().send(Job::Abort(request, transfer));
     }
 }

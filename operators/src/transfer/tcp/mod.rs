@@ -9,7 +9,8 @@
 //! producer computes while sending and the consumer while receiving, verified before the ack;
 //! with `[transfer] checksum = false` none is computed); an abort (a request cancelled while in
 //! transfer, or after: the consumer drops or cancels it and answers); a close (the producer's
-//! pool ended: no more handoffs on this link).
+//! pool ended: no more handoffs on this link); a piece of a streamed handoff, sent ahead while
+//! its prefill runs, and the drop of a request's pieces (`pieces`).
 //!
 //! Consumer → producer: acks (or refusals); and when the decode pool runs in another process,
 //! the events of the requests that came over the link (their tokens, for the report) and, when
@@ -22,6 +23,7 @@
 
 mod consumer;
 mod link;
+mod pieces;
 #[cfg(test)]
 mod tests;
 

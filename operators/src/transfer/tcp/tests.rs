@@ -30,7 +30,7 @@ fn spread(connections: usize) -> (Vec<usize>, Vec<u64>) {
             Arc::new(TcpLink::connect(target, options).expect("registers"))
         })
         .collect();
-    let sink = TcpLinks { links, connections };
+    let sink = TcpLinks::new(links, connections, Vec::new());
     let acks = AckQueue::new(Arc::new(RankWaker::default()));
     for id in 0..4 {
         let mut h = handoff();

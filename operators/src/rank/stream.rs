@@ -1,0 +1,121 @@
+//! A prefill rank's streamed handoffs (DESIGN §8, `transfer::stream`). Time: a piece is
+//! exported by the step that completes its blocks (launch `t`, copied out after that step's
+//! forward) and sent when that step's completion is applied — while later chunks compute; the
+//! handoff at T0 carries what is left. Guarantee: every block leaves exactly once, in order, as
+//! part of the one transfer its request has (fixed at the first piece); pieces of a request
+//! that will not hand off are dropped at the consumer; the request keeps its blocks until the
+//! handoff's ack as before.
+
+use super::Rank;
+use crate::messages::wall_ms;
+use crate::policy::scheduler::Chunk;
+use crate::policy::sequence::StreamOut;
+use crate::step::{Exported, KvExport};
+use crate::transfer::{KvPiece, TransferId};
+
+impl Rank {
+    /// The export that sends prefill chunk `c`'s completed blocks ahead of its handoff, if its
+    /// request streams (its link's `stream_min_tokens`, its prompt at least that long) and the
+    /// chunk completes blocks not exported yet.
+    pub(super) fn piece_export(&mut self, c: &Chunk) -> Option<KvExport> {
+        let (out, layout) = (self.handoff_out.as_mut()?, &self.memory.layout);
+        let seq = self.seqs.get_mut(c.seq);
+        let producer = seq.kind.producer_mut()?;
+        if !c.prefill || c.sample || !layout.keeps_kv || out.kv_layers.is_empty() || producer.in_transfer.is_some() {
+            return None;
+        }
+        if producer.stream.is_none() {
+            let min = out.sink.stream_min_tokens(seq.id, producer.back_to)?;
+            if seq.prompt_len < min.max(1) {
+                return None;
+            }
+            let transfer = TransferId { nonce: out.next_nonce, generation: seq.key.generation };
+            out.next_nonce += 1;
+            producer.stream =
+                Some(StreamOut { transfer, exported_blocks: 0, launched: Default::default(), sent: Vec::new() });
+        }
+        let bs = layout.block_size;
+        let n = seq.prompt_len.div_ceil(bs).min(seq.blocks.len());
+        let skip = producer.back_to.map_or(0, |b| b.skip_blocks as usize).min(n);
+        // Whole blocks only: the block the chunk ends in is written on by the next chunk.
+        let full = ((c.start + c.len).min(seq.prompt_len) / bs).min(n);
+        let stream = producer.stream.as_mut()?;
+        let (from, to) = (stream.exported_blocks, full.saturating_sub(skip));
+        if to <= from {
+            return None;
+        }
+        stream.exported_blocks = to;
+        stream.launched.push_back((from, to - from, c.key.generation));
+        let blocks = seq.blocks.blocks()[skip + from..skip + to].to_vec();
+        Some(KvExport { key: c.key, blocks, slot: None, copy_out: true })
+    }
+
+    /// The first block (after those the consumer holds) that the handoff at T0 still exports.
+    pub(super) fn exported_ahead(&self, c: &Chunk) -> usize {
+        let producer = self.seqs.get(c.seq).kind.producer();
+        producer.and_then(|p| p.stream.as_ref()).map_or(0, |s| s.exported_blocks)
+    }
+
+    /// A step completed a piece it exported: it leaves now, over the link its handoff will take.
+    /// A piece of a request that ended meanwhile is dropped (its consumer was told); one of a
+    /// request preempted meanwhile still leaves (its bytes were copied before its blocks went).
+    pub(super) fn send_piece(&mut self, e: Exported) {
+        let Some(out) = self.handoff_out.as_ref() else { return };
+        let index = e.key.index as usize;
+        let Some(seq) = self.seqs.held_at_mut(index) else { return };
+        let id = seq.id;
+        let Some(producer) = seq.kind.producer_mut() else { return };
+        let back_to = producer.back_to;
+        let Some(stream) = producer.stream.as_mut() else { return };
+        // Launched by this request (in this generation or one before a preemption), in order.
+        let Some(&(first_block, blocks, generation)) = stream.launched.front() else { return };
+        if generation != e.key.generation {
+            return; // another request's, which ended: its slot holds this one now
+        }
+        stream.launched.pop_front();
+        let kv = match e.source {
+            // A cuda rank names its blocks in place: read now, while the request holds them.
+            Some(source) if e.kv.is_empty() => source.read(),
+            _ => e.kv,
+        };
+        let per_block: usize = out.kv_layers.iter().sum();
+        let piece = KvPiece {
+            request: id,
+            transfer: stream.transfer,
+            first_block,
+            blocks,
+            layer_floats: out.kv_layers.clone(),
+            kv,
+            sent_ms: wall_ms(),
+            arrived_ms: 0.0,
+        };
+        let sent = if piece.kv.len() == blocks * per_block {
+            out.sink.send_piece(piece, back_to)
+        } else {
+            Err(format!(
+                "a piece of {blocks} block(s) holds {} floats, {} expected",
+                piece.kv.len(),
+                blocks * per_block
+            ))
+        };
+        match sent {
+            Ok(piece) => {
+                self.stats.pieces_out += 1;
+                self.stats.streamed_bytes += piece.bytes();
+                stream.sent.push(piece);
+            }
+            Err(why) => {
+                let step = self.step;
+                self.fail(index, step, "handoff", format!("cannot send a piece of the handoff ahead: {why}"));
+            }
+        }
+    }
+
+    /// A streaming request that will not hand off (it failed or was cancelled before T0): the
+    /// consumer drops the pieces it staged.
+    pub(super) fn drop_pieces(&self, id: u64, stream: &StreamOut, back_to: Option<crate::request::BackTo>) {
+        if let (Some(out), false) = (self.handoff_out.as_ref(), stream.sent.is_empty()) {
+            out.sink.drop_pieces(id, stream.transfer, back_to);
+        }
+    }
+}
