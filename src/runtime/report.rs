@@ -217,6 +217,7 @@ fn handoff(summary: &RunSummary, stats: &[&RankStats], backend: &str, ctx: &RunC
         "saved_bytes": stats.iter().map(|s| s.handoff_saved_bytes).sum::<u64>(),
         "pieces": stats.iter().map(|s| s.pieces_out).sum::<u64>(),
         "streamed_bytes": stats.iter().map(|s| s.streamed_bytes).sum::<u64>(),
+        "streams_dropped": stats.iter().map(|s| s.streams_dropped).sum::<u64>(),
         "local_prefills": stats.iter().map(|s| s.local_prefills).sum::<u64>(),
         "remote_prefills": stats.iter().map(|s| s.remote_prefills).sum::<u64>(),
         "mean_ms": h.transfer.mean(),

@@ -325,3 +325,45 @@ fn a_link_rate_holds_each_handoff_back_for_its_bytes_at_that_rate() {
         assert_eq!(checked, 8, "{backend}");
     }
 }
+
+/// Streamed handoffs (`stream_min_tokens`): every family's prompts leave chunk by chunk while
+/// they prefill, the handoff at T0 carrying the rest and the state — exact over `inproc`; over
+/// `tcp` at a link rate the consumer staged the pieces before T0, and part of each transfer
+/// overlapped the prefill, so what was left after T0 is less than the whole.
+#[test]
+fn a_streamed_handoff_sends_completed_chunks_ahead_and_stays_exact_on_every_family() {
+    let streamed = |backend: &str, rate: &str| {
+        ONE_P_ONE_D.replace(
+            "to = \"decode\"\n",
+            &format!("to = \"decode\"\nbackend = \"{backend}\"\nstream_min_tokens = 1\n{rate}"),
+        )
+    };
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
+    for model in FIXTURES {
+        let (_dir, report) = run_pd_on(model, &streamed("inproc", ""), "", workload);
+        let what = format!("{model} 1P1D streamed over inproc");
+        assert_exact(&report, &what);
+        assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{what}: {report}");
+        let h = &report["handoff"];
+        let (pieces, streamed_bytes, bytes) =
+            (h["pieces"].as_u64().unwrap(), h["streamed_bytes"].as_u64().unwrap(), h["bytes"].as_u64().unwrap());
+        if model == "hf/qwen3_next_gdn" {
+            // Recurrent state only, no KV blocks: its handoff is the state, at T0.
+            assert_eq!(pieces, 0, "{what}: {h}");
+            continue;
+        }
+        assert!(pieces >= 8, "{what}: every handoff streamed some of its blocks: {h}");
+        assert!(streamed_bytes > 0 && streamed_bytes < bytes, "{what}: the rest went with T0: {h}");
+    }
+    for model in ["hf/llama", "hf/kimi_linear"] {
+        let (dir, report) = run_pd_on(model, &streamed("tcp", "bandwidth = \"4 MB/s\"\n"), "", workload);
+        let what = format!("{model} 1P1D streamed over tcp at 4 MB/s");
+        assert_exact(&report, &what);
+        let h = &report["handoff"];
+        assert!(h["pieces_staged"].as_u64().unwrap() > 0, "{what}: {h}");
+        assert_eq!(h["refused_for_pieces"], 0, "{what}: no piece was lost: {h}");
+        let overlapped =
+            records(dir.path()).iter().filter(|r| r["transfer_overlapped_ms"].as_f64() > Some(0.0)).count();
+        assert!(overlapped > 0, "{what}: some transfer moved while its prefill ran");
+    }
+}

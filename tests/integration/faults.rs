@@ -102,10 +102,19 @@ fn the_fault_matrix_ends_every_request_completed_and_exact_or_failed_with_its_ca
 fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
     // Every transfer is held back 300 ms, so a request sits "in transfer" long enough for its
     // prefill rank to cancel it there; the abort reaches the consumer before the handoff does.
-    let stages = [(7, "queued"), (0, "prefilling"), (2, "in transfer"), (4, "in transfer"), (1, "decoding")];
+    let plain = [(7, "queued"), (0, "prefilling"), (2, "in transfer"), (4, "in transfer"), (1, "decoding")];
+    // Streamed: request 3 is cancelled between two pieces of its handoff (reported "prefilling").
+    let streamed = [plain.as_slice(), &[(3, "between pieces")]].concat();
     // The decode rank asked for each prefill, and its cancel travels to the prefill pool; also
-    // with a rule of its own ([pool.disaggregation]).
-    for (backend, rule) in [("inproc", false), ("tcp", false), ("inproc", true)] {
+    // with a rule of its own ([pool.disaggregation]); and with every handoff streamed.
+    for (backend, rule, stream) in [
+        ("inproc", false, false),
+        ("tcp", false, false),
+        ("inproc", true, false),
+        ("inproc", false, true),
+        ("tcp", false, true),
+    ] {
+        let stages = if stream { &streamed[..] } else { &plain[..] };
         let switches = TestSwitches {
             cancel_at_stage: stages.iter().map(|(id, s)| (*id, s.to_string())).collect(),
             ..Default::default()
@@ -127,10 +136,14 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
         let text = std::fs::read_to_string(&graph)
             .unwrap()
             .replace("max_running = 16", "max_running = 2")
-            .replace("chunk_tokens = 64", "chunk_tokens = 16");
+            .replace("chunk_tokens = 64", "chunk_tokens = 16")
+            .replace(
+                "to = \"decode\"\n",
+                if stream { "to = \"decode\"\nstream_min_tokens = 1\n" } else { "to = \"decode\"\n" },
+            );
         std::fs::write(&graph, text).unwrap();
         let report = run_graph(&graph, Overrides::default(), switches);
-        let what = format!("cancel at every stage over {backend} (a rule of its own: {rule})");
+        let what = format!("cancel at every stage over {backend} (a rule of its own: {rule}, streamed: {stream})");
         assert_all_accounted(&report, dir.path(), &what);
         let mut errors: Vec<(u64, String)> = records(dir.path())
             .iter()
@@ -138,13 +151,18 @@ fn cancelling_at_every_stage_of_a_handoff_frees_both_sides() {
             .map(|r| (r["id"].as_u64().unwrap(), r["error"].as_str().unwrap().to_string()))
             .collect();
         errors.sort();
+        let reported = |s: &str| if s == "between pieces" { "prefilling".to_string() } else { s.to_string() };
         let mut expected: Vec<(u64, String)> =
-            stages.iter().map(|(id, s)| (*id, format!("cancelled while {s}"))).collect();
+            stages.iter().map(|(id, s)| (*id, format!("cancelled while {}", reported(s)))).collect();
         expected.sort();
         assert_eq!(errors, expected, "{what}");
-        assert_eq!(report["cancelled"], 5, "{what}");
+        assert_eq!(report["cancelled"], stages.len(), "{what}");
         assert_eq!(report["failed"], 0, "{what}");
         let h = &report["handoff"];
+        if stream {
+            assert!(h["pieces"].as_u64().unwrap() > 0, "{what}: handoffs streamed: {h}");
+            assert!(h["streams_dropped"].as_u64().unwrap() >= 1, "{what}: the pieces of request 3 were dropped: {h}");
+        }
         // In process the abort reaches the inbox while the delivery is held back, so it is
         // aborted there. Over tcp the abort travels behind the delivery on the same connection:
         // whether the decode rank took the handoff in between (then it cancels it there) is a
@@ -288,4 +306,38 @@ fn a_handoff_found_aborted_gives_back_the_prefix_blocks_its_decode_rank_kept_for
         assert!(line.starts_with("pool decode rank 0"), "{line}");
         assert!(line.contains("prefix block(s)") && line.contains("no longer awaits its handoff"), "{line}");
     }
+}
+
+/// A streamed handoff is all or nothing: pieces lost on the way (drop faults strike pieces
+/// too) make the tcp consumer refuse the handoff that needs them, and the producer sends it
+/// again whole — every output exact. Taking it with the missing blocks read as zeros (test
+/// switch `accept_missing_pieces`) decodes from a partial prompt: outputs differ.
+#[test]
+fn a_streamed_handoff_lacking_a_piece_is_refused_and_sent_again_whole() {
+    let run_with = |switches: TestSwitches| {
+        let dir = tempfile::tempdir().unwrap();
+        let graph = write_graph_with(
+            dir.path(),
+            "hf/llama",
+            "mooncake_conversation_head.jsonl",
+            "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10",
+            "32 MiB",
+            &pools("tcp", "drop_connection = 0.2")
+                .replace("to = \"decode\"\n", "to = \"decode\"\nstream_min_tokens = 1\n"),
+        );
+        run_graph(&graph, Overrides::default(), switches)
+    };
+    let report = run_with(TestSwitches::default());
+    let h = &report["handoff"];
+    assert!(h["refused_for_pieces"].as_u64().unwrap() > 0, "some handoff lacked a lost piece: {h}");
+    // (A handoff itself lost twice fails, streamed or not: those are the only failures.)
+    let lost_twice = h["transfer_failures"].as_u64().unwrap();
+    assert_eq!(report["completed"].as_u64().unwrap() + lost_twice, 10, "each was sent again whole: {h}");
+    assert_eq!(report["verify"]["mismatched"], 0, "{}", report["verify"]);
+    let accepted = run_with(TestSwitches { accept_missing_pieces: true, ..Default::default() });
+    assert!(
+        accepted["verify"]["mismatched"].as_u64().unwrap() > 0,
+        "a handoff taken without its pieces decodes from a partial prompt: {}",
+        accepted["verify"]
+    );
 }

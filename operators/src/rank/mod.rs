@@ -351,6 +351,15 @@ impl Rank {
         }
     }
 
+    /// Whether request `index` stands at `stage` (test switch `cancel_at_stage`): one of
+    /// [`Self::stage`]'s, or "between pieces" — prefilling with some of its handoff streamed
+    /// ahead.
+    fn at_stage(&self, index: usize, stage: &str) -> bool {
+        let streamed =
+            self.seqs.get(index).kind.producer().and_then(|p| p.stream.as_ref()).is_some_and(|s| !s.sent.is_empty());
+        self.stage(index) == stage || (stage == "between pieces" && streamed && self.stage(index) == "prefilling")
+    }
+
     /// Frees every request of `ids` this rank holds, wherever it stands (its steps in flight keep
     /// what they read until they complete), and reports each as cancelled with what it had
     /// produced. Ids it does not hold are someone else's (or done).
@@ -417,7 +426,7 @@ impl Rank {
                 .switches
                 .cancel_at_stage
                 .iter()
-                .filter(|(id, stage)| self.seqs.index_of(*id).is_some_and(|i| self.stage(i) == stage))
+                .filter(|(id, stage)| self.seqs.index_of(*id).is_some_and(|i| self.at_stage(i, stage)))
                 .map(|(id, _)| *id)
                 .collect();
             self.switches.cancel_at_stage.retain(|(id, _)| !due.contains(id));

@@ -28,6 +28,8 @@ pub struct RankStats {
     /// `handoff_bytes`).
     pub pieces_out: u64,
     pub streamed_bytes: u64,
+    /// Streamed handoffs whose request ended before T0 (its pieces dropped at the consumer).
+    pub streams_dropped: u64,
     pub handoffs_in: u64,
     /// Events of a decode pool in another process that came back through this rank (a prefill
     /// pool spread over processes, `transfer::relay`).

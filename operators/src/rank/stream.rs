@@ -113,9 +113,10 @@ impl Rank {
 
     /// A streaming request that will not hand off (it failed or was cancelled before T0): the
     /// consumer drops the pieces it staged.
-    pub(super) fn drop_pieces(&self, id: u64, stream: &StreamOut, back_to: Option<crate::request::BackTo>) {
+    pub(super) fn drop_pieces(&mut self, id: u64, stream: &StreamOut, back_to: Option<crate::request::BackTo>) {
         if let (Some(out), false) = (self.handoff_out.as_ref(), stream.sent.is_empty()) {
             out.sink.drop_pieces(id, stream.transfer, back_to);
+            self.stats.streams_dropped += 1;
         }
     }
 }
