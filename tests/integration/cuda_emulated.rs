@@ -568,7 +568,7 @@ fn an_aggregated_cuda_graph_verifies_against_the_cuda_plain_path() {
 /// request exact against the cuda plain path in bf16.
 #[test]
 fn bf16_cuda_graphs_on_tensor_cores_verify_against_the_cuda_plain_path() {
-    let (_dir, report) = run_pd_cuda_as("hf/llama", "tcp", "bfloat16");
+    let (_dir, report) = run_pd_cuda_as("hf/llama", "backend = \"tcp\"\n", "bfloat16");
     assert_exact(&report, "hf/llama P/D in bf16");
     for model in ["hf/llama", "hf/qwen3_next"] {
         let (_dir, report) = run_aggregated_cuda(model, "bfloat16");
@@ -617,16 +617,16 @@ fn a_gdn_cuda_graph_restores_device_snapshots_on_prefix_hits_and_verifies() {
 
 /// 10 short requests through a 1P1D graph of emulated cuda pools over `backend`, verified.
 fn run_pd_cuda(model: &str, backend: &str) -> (tempfile::TempDir, serde_json::Value) {
-    run_pd_cuda_as(model, backend, "float32")
+    run_pd_cuda_as(model, &format!("backend = \"{backend}\"\n"), "float32")
 }
 
-/// [`run_pd_cuda`] with both pools' products and KV cache in `dtype`.
-fn run_pd_cuda_as(model: &str, backend: &str, dtype: &str) -> (tempfile::TempDir, serde_json::Value) {
+/// [`run_pd_cuda`] with both pools' products and KV cache in `dtype`, the link's keys `link`.
+fn run_pd_cuda_as(model: &str, link: &str, dtype: &str) -> (tempfile::TempDir, serde_json::Value) {
     let dir = tempfile::tempdir().unwrap();
     let pools = format!(
         "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}dtype = \"{dtype}\"\n\n\
          [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}dtype = \"{dtype}\"\n\n\
-         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\n"
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\n{link}"
     );
     let trace = short_trace(dir.path());
     let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 10";
@@ -672,6 +672,12 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
             assert_eq!(r["pools"], serde_json::json!(["prefill", "decode"]), "{backend}: {r}");
         }
     }
+    // Streamed: the cuda prefill rank's pieces are read from its device blocks as each chunk's
+    // step completes, and leave over tcp while later chunks compute.
+    let (_dir, report) = run_pd_cuda_as("hf/qwen3", "backend = \"tcp\"\nstream_min_tokens = 1\n", "float32");
+    assert_exact(&report, "hf/qwen3 1P1D cuda over tcp, streamed");
+    let h = &report["handoff"];
+    assert!(h["pieces"].as_u64().unwrap() > 0 && h["pieces_staged"].as_u64().unwrap() > 0, "streamed: {h}");
 }
 
 /// Without a driver, a run with a cuda pool is refused before it starts, naming the pool and

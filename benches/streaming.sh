@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Streamed handoffs against whole ones (issue 42 §1): prompts arriving faster than one prefill rank
+# serves them, handed off over tcp on loopback at a link rate (graphs/pd-1p1d-tcp.toml's pools and
+# link, `bandwidth` set) to one decode rank — once with every handoff whole after its prefill, once
+# with `stream_min_tokens` set, so each completed chunk's blocks leave while the next computes. One
+# `kvflow compare` of the two graphs (same trace, seed and --verify), then the ratio of the TTFT
+# split's transfer (what was left after T0) and of TTFT, p50, streamed over whole.
+#     bash benches/streaming.sh [PROMPT_TOKENS=4096] [REQUESTS=8] [GAP_MS=1800] [RATE="100 MB/s"] [STREAM_MIN=1024]
+# Needs a release build; writes under target/streaming-<tokens>/. The model is the seeded
+# Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written there once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tokens=${1:-4096} requests=${2:-8} gap=${3:-1800} rate=${4:-100 MB/s} stream_min=${5:-1024}
+bin=./target/release/kvflow
+[ -x "$bin" ] || { echo "no $bin: cargo build --release first" >&2; exit 2; }
+work=target/streaming-$tokens
+mkdir -p "$work"
+[ -f "$work/model/model.safetensors" ] || "$bin" seed-checkpoint benches/specs/mha_small.toml "$work/model" >/dev/null
+python3 - "$work/trace.jsonl" "$tokens" "$requests" "$gap" <<'PY'
+import json, sys
+path, tokens, requests, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+blocks = (tokens + 511) // 512  # a mooncake trace names one id per 512-token block
+with open(path, "w") as f:
+    for i in range(requests):
+        # every prompt its own blocks: no prefix is shared, each is prefilled whole
+        ids = [100000 * (i + 1) + j for j in range(blocks)]
+        f.write(json.dumps({"timestamp": i * gap, "input_length": tokens, "output_length": 8, "hash_ids": ids}) + "\n")
+PY
+root=$(pwd)
+graph() {  # graph NAME EXTRA_LINK_KEYS
+    sed -e "s#^path = .*#path = \"$root/$work/model\"#" \
+        -e "s#^budget_bytes = .*#budget_bytes = \"1 GiB\"#" \
+        -e "s#^max_batched_tokens = .*#max_batched_tokens = 512#" \
+        -e "s#^chunk_tokens = .*#chunk_tokens = 512#" \
+        -e "s#^trace = .*#trace = \"$root/$work/trace.jsonl\"#" \
+        -e "s#^time_scale = .*#time_scale = 1.0#" \
+        -e "s#^warmup = .*#warmup = 0#" \
+        -e "s#^limit = .*#limit = $requests#" \
+        -e "s#^max_output_tokens = .*#max_output_tokens = 8#" \
+        -e "s#^block_tokens = .*#block_tokens = 512#" \
+        -e "s#^endpoint = .*#endpoint = \"127.0.0.1:0\"\nbandwidth = \"$rate\"$2#" \
+        graphs/pd-1p1d-tcp.toml > "$work/$1.toml"
+}
+graph whole ""
+graph streamed "\nstream_min_tokens = $stream_min"
+echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, model benches/specs/mha_small.toml, commit $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
+"$bin" compare "$work/whole.toml" "$work/streamed.toml" --verify --out "$work/out" 2>"$work/compare.log" ||
+    { echo "the comparison failed (see $work/compare.log)"; tail -5 "$work/compare.log"; exit 1; }
+python3 - "$work/out/whole/report.json" "$work/out/streamed/report.json" <<'PY'
+import json, sys
+whole, streamed = (json.load(open(p)) for p in sys.argv[1:])
+for name, r in (("whole", whole), ("streamed", streamed)):
+    h = r["handoff"]
+    print(f"{name:<9} transfer after T0 p50 {r['ttft_split_ms']['transfer']['p50']:8.1f} ms | overlapped p50 "
+          f"{r['transfer_overlapped_ms']['p50']:8.1f} ms | TTFT p50 {r['ttft_ms']['p50']:8.1f} ms p99 {r['ttft_ms']['p99']:8.1f} ms | "
+          f"{h['bytes'] / max(h['count'], 1) / 1e6:.1f} MB a handoff, {h['pieces']} pieces | completed {r['completed']}/{r['requests']}, "
+          f"verify {r['verify']['mismatched']}/{r['verify']['checked']} mismatched")
+ratio = lambda f: f(streamed) / f(whole)
+print(f"transfer_after_t0_p50_ratio={ratio(lambda r: r['ttft_split_ms']['transfer']['p50']):.4f} "
+      f"ttft_p50_ratio={ratio(lambda r: r['ttft_ms']['p50']):.4f} (streamed over whole)")
+PY
