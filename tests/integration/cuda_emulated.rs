@@ -673,8 +673,17 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
         }
     }
     // Streamed: the cuda prefill rank's pieces are read from its device blocks as each chunk's
-    // step completes, and leave over tcp while later chunks compute.
-    let (_dir, report) = run_pd_cuda_as("hf/qwen3", "backend = \"tcp\"\nstream_min_tokens = 1\n", "float32");
+    // step completes, and leave over tcp while later chunks compute (prompts of several chunks).
+    let dir = tempfile::tempdir().unwrap();
+    let pools = format!(
+        "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
+         [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n{EMULATED}\n\
+         [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"tcp\"\nstream_min_tokens = 1\n"
+    );
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 6";
+    let graph =
+        write_graph_with(dir.path(), "hf/qwen3", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let report = run_graph(&graph, Overrides::default(), Default::default());
     assert_exact(&report, "hf/qwen3 1P1D cuda over tcp, streamed");
     let h = &report["handoff"];
     assert!(h["pieces"].as_u64().unwrap() > 0 && h["pieces_staged"].as_u64().unwrap() > 0, "streamed: {h}");

@@ -1,29 +1,64 @@
-//! The handoff descriptor on the wire (DESIGN §8): a fixed little-endian header (with the
-//! request's sampling), the prompt's tokens, the producer's drafts and the request's stop tokens, then the payload — KV floats packed by layer, then the state slot's floats. The
-//! consumer decodes the header against what *it* allocates ([`ConsumerLayout`]) before a byte of
-//! payload is read, so a descriptor can never make it write outside the blocks and the slot it
-//! allocated for that request.
+//! The handoff descriptor on the wire (DESIGN §8), encoded with bincode 2 ([`WireDescriptor`]):
+//! the transfer, the request's sampling, the prompt's tokens, the producer's drafts and the
+//! request's stop tokens; the payload follows it as raw bytes — KV floats packed by layer, then
+//! the state slot's floats. The consumer checks the decoded descriptor against what *it*
+//! allocates ([`ConsumerLayout`]) before a byte of payload is read, so a descriptor can never
+//! make it write outside the blocks and the slot it allocated for that request. The protocol's
+//! version is agreed once, at registration (`tcp::frames`).
 
 use super::{Handoff, TransferId};
 use crate::messages::Delivery;
+use bincode::{Decode, Encode};
 use kvflow_kernels::cpu::sampling::{RequestSampling, SamplingParams};
 
-const MAGIC: u32 = u32::from_le_bytes(*b"KVFH");
-const VERSION: u16 = 4;
 /// The most drafts a handoff carries (`[speculative] draft_tokens` is at most 16).
 pub const MAX_HANDOFF_DRAFTS: usize = 16;
-const HAS_STATE: u16 = 1;
-const WARMUP: u16 = 2;
-const UNCHECKED: u16 = 4;
-const STREAM: u16 = 8;
-/// Bytes of the fixed header.
-pub const HEADER_BYTES: usize =
-    4 + 2 + 2 + 8 + 4 + 8 + 8 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4 + 4 + 4 + 8 + 8 + 4 + SAMPLING_BYTES;
-/// Temperature, top-k, top-p, seed, the count of drafts and of stop tokens (which follow the
-/// prompt, in that order).
-const SAMPLING_BYTES: usize = 4 + 4 + 4 + 8 + 4 + 4;
-/// `to_rank` of a handoff no decode rank asked for.
-const NO_RANK: u32 = u32::MAX;
+/// The most bytes a descriptor may take (a prompt of about 3 million tokens): the limit its
+/// decode runs under, so a claimed length never allocates beyond it.
+pub const MAX_DESCRIPTOR_BYTES: usize = 16 << 20;
+
+/// The bincode configuration of the handoff's frames, with the most bytes one may take.
+pub(crate) type FrameConfig<const LIMIT: usize> = bincode::config::Configuration<
+    bincode::config::LittleEndian,
+    bincode::config::Varint,
+    bincode::config::Limit<LIMIT>,
+>;
+
+/// [`FrameConfig`] with `LIMIT`.
+pub(crate) const fn frame_config<const LIMIT: usize>() -> FrameConfig<LIMIT> {
+    bincode::config::standard().with_little_endian().with_variable_int_encoding().with_limit::<LIMIT>()
+}
+
+/// A handoff's descriptor as bincode encodes it.
+#[derive(Clone, Debug, PartialEq, Encode, Decode)]
+pub struct WireDescriptor {
+    pub nonce: u64,
+    pub generation: u32,
+    pub request: u64,
+    pub fingerprint: u64,
+    pub t0: u32,
+    pub logits_hash: u64,
+    pub max_output_tokens: u64,
+    pub skip_blocks: u32,
+    pub kv_blocks: u32,
+    pub streamed_blocks: u32,
+    pub floats_per_block: u32,
+    pub state_floats: u32,
+    /// CRC32C of the payload, `None` when the transfer is not checksummed.
+    pub checksum: Option<u32>,
+    pub warmup: bool,
+    pub stream: bool,
+    pub started_ms: f64,
+    pub t0_ms: f64,
+    pub to_rank: Option<u32>,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub seed: u64,
+    pub prompt: Vec<u32>,
+    pub drafts: Vec<u32>,
+    pub stop_tokens: Vec<u32>,
+}
 
 /// What the consumer's rank holds per block and per slot, and how long a prompt it takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,12 +115,8 @@ impl Descriptor {
 /// Why a descriptor was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
-    #[error("descriptor truncated: {got} bytes, {needed} needed")]
-    Truncated { got: usize, needed: usize },
-    #[error("not a kvflow handoff (magic {0:#010x})")]
-    BadMagic(u32),
-    #[error("handoff version {0}, this kvflow speaks {VERSION}")]
-    BadVersion(u16),
+    #[error("not a handoff descriptor: {0}")]
+    Decode(String),
     #[error("layout fingerprint {got:#018x} differs from this pool's {expected:#018x} (family, geometry, block size or dtype)")]
     LayoutMismatch { got: u64, expected: u64 },
     #[error("{what}: {got}, this pool expects {expected}")]
@@ -104,184 +135,130 @@ pub enum WireError {
     Sampling(String),
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> [u8; N] {
-        let out = self.bytes[self.at..self.at + N].try_into().expect("length checked by the caller");
-        self.at += N;
-        out
-    }
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes(self.take())
-    }
-    fn u32(&mut self) -> u32 {
-        u32::from_le_bytes(self.take())
-    }
-    fn u64(&mut self) -> u64 {
-        u64::from_le_bytes(self.take())
-    }
-}
-
-/// The header and prompt of `h` (the payload follows, see [`super::payload_bytes`]).
-/// `checksum`: the payload's CRC32C, `Some(0)` when it follows the payload (a stream computes it
-/// while sending), or `None` when the transfer is not checksummed (`[transfer] checksum = false`).
-/// `streamed_blocks`: the blocks the payload leaves out, sent ahead in pieces (0: it is whole).
-pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>, streamed_blocks: usize) -> Vec<u8> {
-    let unchecked = checksum.is_none();
-    let checksum = checksum.unwrap_or(0);
-    let mut out =
-        Vec::with_capacity(HEADER_BYTES + 4 * (h.prompt.len() + h.drafts.len() + h.delivery.stop_tokens.len()));
-    let flags = if h.state.is_some() { HAS_STATE } else { 0 }
-        | if h.warmup { WARMUP } else { 0 }
-        | if unchecked { UNCHECKED } else { 0 }
-        | if h.delivery.stream { STREAM } else { 0 };
-    out.extend_from_slice(&MAGIC.to_le_bytes());
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&h.transfer.nonce.to_le_bytes());
-    out.extend_from_slice(&h.transfer.generation.to_le_bytes());
-    out.extend_from_slice(&h.request.to_le_bytes());
-    out.extend_from_slice(&h.fingerprint.to_le_bytes());
-    out.extend_from_slice(&h.t0.to_le_bytes());
-    out.extend_from_slice(&h.logits_hash.to_le_bytes());
-    out.extend_from_slice(&(h.max_output_tokens as u64).to_le_bytes());
-    out.extend_from_slice(&(h.prompt.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(h.skip_blocks as u32).to_le_bytes());
-    out.extend_from_slice(&(h.kv_blocks as u32).to_le_bytes());
-    out.extend_from_slice(&(streamed_blocks as u32).to_le_bytes());
-    out.extend_from_slice(&(h.floats_per_block as u32).to_le_bytes());
-    out.extend_from_slice(&(h.state.as_ref().map_or(0, Vec::len) as u32).to_le_bytes());
-    out.extend_from_slice(&checksum.to_le_bytes());
-    out.extend_from_slice(&h.started_ms.to_bits().to_le_bytes());
-    out.extend_from_slice(&h.t0_ms.to_bits().to_le_bytes());
-    out.extend_from_slice(&h.to.map_or(NO_RANK, |b| b.rank).to_le_bytes());
-    let sampling = &h.sampling.params;
-    out.extend_from_slice(&sampling.temperature.to_bits().to_le_bytes());
-    out.extend_from_slice(&u32::try_from(sampling.top_k).unwrap_or(u32::MAX).to_le_bytes());
-    out.extend_from_slice(&sampling.top_p.to_bits().to_le_bytes());
-    out.extend_from_slice(&h.sampling.seed.to_le_bytes());
-    out.extend_from_slice(&(h.drafts.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(h.delivery.stop_tokens.len() as u32).to_le_bytes());
-    for t in h.prompt.iter().chain(&h.drafts).chain(&h.delivery.stop_tokens) {
-        out.extend_from_slice(&t.to_le_bytes());
-    }
-    out
-}
-
-/// Decodes a header and prompt from the start of `bytes`, checking every size against `layout`.
-/// Returns the descriptor and how many bytes it took.
-pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descriptor, usize), WireError> {
-    if bytes.len() < HEADER_BYTES {
-        return Err(WireError::Truncated { got: bytes.len(), needed: HEADER_BYTES });
-    }
-    let mut r = Reader { bytes, at: 0 };
-    let magic = r.u32();
-    if magic != MAGIC {
-        return Err(WireError::BadMagic(magic));
-    }
-    let version = r.u16();
-    if version != VERSION {
-        return Err(WireError::BadVersion(version));
-    }
-    let flags = r.u16();
-    let transfer = TransferId { nonce: r.u64(), generation: r.u32() };
-    let request = r.u64();
-    let fingerprint = r.u64();
-    if fingerprint != layout.fingerprint {
-        return Err(WireError::LayoutMismatch { got: fingerprint, expected: layout.fingerprint });
-    }
-    let t0 = r.u32();
-    let logits_hash = r.u64();
-    let max_output_tokens = usize::try_from(r.u64()).unwrap_or(usize::MAX);
-    let prompt_len = r.u32() as usize;
-    let skip_blocks = r.u32() as usize;
-    let kv_blocks = r.u32() as usize;
-    let streamed_blocks = r.u32() as usize;
-    let floats_per_block = r.u32() as usize;
-    let state_floats = r.u32() as usize;
-    let checksum = r.u32();
-    let started_ms = f64::from_bits(r.u64());
-    let t0_ms = f64::from_bits(r.u64());
-    let to_rank = Some(r.u32()).filter(|&rank| rank != NO_RANK);
-    let (temperature, top_k, top_p) = (f32::from_bits(r.u32()), r.u32() as usize, f32::from_bits(r.u32()));
-    let sampling = RequestSampling { params: SamplingParams { temperature, top_k, top_p }, seed: r.u64() };
-    let draft_count = r.u32() as usize;
-    if draft_count > MAX_HANDOFF_DRAFTS {
-        return Err(WireError::Geometry { what: "drafts", got: draft_count, expected: MAX_HANDOFF_DRAFTS });
-    }
-    let stop_count = r.u32() as usize;
-    if stop_count > Delivery::MAX_STOP_TOKENS {
-        return Err(WireError::Geometry { what: "stop tokens", got: stop_count, expected: Delivery::MAX_STOP_TOKENS });
-    }
-    sampling.params.check().map_err(WireError::Sampling)?;
-    if prompt_len == 0 || prompt_len > layout.max_prompt {
-        return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
-    }
-    if floats_per_block != layout.floats_per_block {
-        return Err(WireError::Geometry {
-            what: "floats per block",
-            got: floats_per_block,
-            expected: layout.floats_per_block,
-        });
-    }
-    let prompt_blocks = if layout.floats_per_block == 0 { 0 } else { prompt_len.div_ceil(layout.block_size) };
-    if skip_blocks > prompt_blocks || kv_blocks != prompt_blocks - skip_blocks {
-        return Err(WireError::Geometry {
-            what: "KV blocks sent",
-            got: kv_blocks,
-            expected: prompt_blocks.saturating_sub(skip_blocks),
-        });
-    }
-    if streamed_blocks > kv_blocks {
-        return Err(WireError::Geometry { what: "KV blocks sent ahead", got: streamed_blocks, expected: kv_blocks });
-    }
-    let has_state = flags & HAS_STATE != 0;
-    match (has_state, layout.state_floats) {
-        (false, w) if w > 0 => return Err(WireError::MissingState),
-        (true, 0) => return Err(WireError::UnexpectedState),
-        (true, w) if state_floats != w => {
-            return Err(WireError::Geometry { what: "state floats", got: state_floats, expected: w })
+impl WireDescriptor {
+    /// `h`'s descriptor. `checksum`: the payload's CRC32C, `Some(0)` when it follows the payload
+    /// (a stream computes it while sending), or `None` when the transfer is not checksummed
+    /// (`[transfer] checksum = false`). `streamed_blocks`: the blocks the payload leaves out,
+    /// sent ahead in pieces (0: it is whole).
+    pub fn of(h: &Handoff, checksum: Option<u32>, streamed_blocks: usize) -> WireDescriptor {
+        let sampling = &h.sampling.params;
+        WireDescriptor {
+            nonce: h.transfer.nonce,
+            generation: h.transfer.generation,
+            request: h.request,
+            fingerprint: h.fingerprint,
+            t0: h.t0,
+            logits_hash: h.logits_hash,
+            max_output_tokens: h.max_output_tokens as u64,
+            skip_blocks: h.skip_blocks as u32,
+            kv_blocks: h.kv_blocks as u32,
+            streamed_blocks: streamed_blocks as u32,
+            floats_per_block: h.floats_per_block as u32,
+            state_floats: h.state.as_ref().map_or(0, Vec::len) as u32,
+            checksum,
+            warmup: h.warmup,
+            stream: h.delivery.stream,
+            started_ms: h.started_ms,
+            t0_ms: h.t0_ms,
+            to_rank: h.to.map(|b| b.rank),
+            temperature: sampling.temperature,
+            top_k: u32::try_from(sampling.top_k).unwrap_or(u32::MAX),
+            top_p: sampling.top_p,
+            seed: h.sampling.seed,
+            prompt: h.prompt.clone(),
+            drafts: h.drafts.clone(),
+            stop_tokens: h.delivery.stop_tokens.clone(),
         }
-        _ => {}
     }
-    let needed = HEADER_BYTES + 4 * (prompt_len + draft_count + stop_count);
-    if bytes.len() < needed {
-        return Err(WireError::Truncated { got: bytes.len(), needed });
+
+    /// Checks it against what this consumer allocates: every size, every token, the sampling.
+    pub fn check(self, layout: &ConsumerLayout) -> Result<Descriptor, WireError> {
+        let w = self;
+        if w.fingerprint != layout.fingerprint {
+            return Err(WireError::LayoutMismatch { got: w.fingerprint, expected: layout.fingerprint });
+        }
+        if w.drafts.len() > MAX_HANDOFF_DRAFTS {
+            return Err(WireError::Geometry { what: "drafts", got: w.drafts.len(), expected: MAX_HANDOFF_DRAFTS });
+        }
+        if w.stop_tokens.len() > Delivery::MAX_STOP_TOKENS {
+            let (got, expected) = (w.stop_tokens.len(), Delivery::MAX_STOP_TOKENS);
+            return Err(WireError::Geometry { what: "stop tokens", got, expected });
+        }
+        let params = SamplingParams { temperature: w.temperature, top_k: w.top_k as usize, top_p: w.top_p };
+        params.check().map_err(WireError::Sampling)?;
+        let prompt_len = w.prompt.len();
+        if prompt_len == 0 || prompt_len > layout.max_prompt {
+            return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
+        }
+        if w.floats_per_block as usize != layout.floats_per_block {
+            let (got, expected) = (w.floats_per_block as usize, layout.floats_per_block);
+            return Err(WireError::Geometry { what: "floats per block", got, expected });
+        }
+        let (skip_blocks, kv_blocks, streamed_blocks) =
+            (w.skip_blocks as usize, w.kv_blocks as usize, w.streamed_blocks as usize);
+        let prompt_blocks = if layout.floats_per_block == 0 { 0 } else { prompt_len.div_ceil(layout.block_size) };
+        if skip_blocks > prompt_blocks || kv_blocks != prompt_blocks - skip_blocks {
+            let expected = prompt_blocks.saturating_sub(skip_blocks);
+            return Err(WireError::Geometry { what: "KV blocks sent", got: kv_blocks, expected });
+        }
+        if streamed_blocks > kv_blocks {
+            return Err(WireError::Geometry {
+                what: "KV blocks sent ahead",
+                got: streamed_blocks,
+                expected: kv_blocks,
+            });
+        }
+        let has_state = w.state_floats > 0;
+        match (has_state, layout.state_floats) {
+            (false, f) if f > 0 => return Err(WireError::MissingState),
+            (true, 0) => return Err(WireError::UnexpectedState),
+            (true, f) if w.state_floats as usize != f => {
+                return Err(WireError::Geometry { what: "state floats", got: w.state_floats as usize, expected: f })
+            }
+            _ => {}
+        }
+        let vocab = layout.vocab_size;
+        let tokens = w.prompt.iter().chain([&w.t0]).chain(&w.drafts).chain(&w.stop_tokens);
+        if let Some((position, &token)) = tokens.enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return Err(WireError::Token { token, position, vocab });
+        }
+        Ok(Descriptor {
+            transfer: TransferId { nonce: w.nonce, generation: w.generation },
+            request: w.request,
+            prompt: w.prompt,
+            max_output_tokens: usize::try_from(w.max_output_tokens).unwrap_or(usize::MAX),
+            warmup: w.warmup,
+            sampling: RequestSampling { params, seed: w.seed },
+            drafts: w.drafts,
+            delivery: Delivery { stop_tokens: w.stop_tokens, stream: w.stream },
+            t0: w.t0,
+            logits_hash: w.logits_hash,
+            skip_blocks,
+            kv_blocks,
+            streamed_blocks,
+            has_state,
+            checksum: w.checksum.unwrap_or(0),
+            checked: w.checksum.is_some(),
+            started_ms: w.started_ms,
+            t0_ms: w.t0_ms,
+            to_rank: w.to_rank,
+        })
     }
-    let prompt: Vec<u32> = (0..prompt_len).map(|_| r.u32()).collect();
-    let drafts: Vec<u32> = (0..draft_count).map(|_| r.u32()).collect();
-    let stop_tokens: Vec<u32> = (0..stop_count).map(|_| r.u32()).collect();
-    let vocab = layout.vocab_size;
-    let tokens = prompt.iter().chain([&t0]).chain(&drafts).chain(&stop_tokens);
-    if let Some((position, &token)) = tokens.enumerate().find(|(_, &t)| t as usize >= vocab) {
-        return Err(WireError::Token { token, position, vocab });
-    }
-    let descriptor = Descriptor {
-        transfer,
-        request,
-        prompt,
-        max_output_tokens,
-        warmup: flags & WARMUP != 0,
-        sampling,
-        drafts,
-        delivery: Delivery { stop_tokens, stream: flags & STREAM != 0 },
-        t0,
-        logits_hash,
-        skip_blocks,
-        kv_blocks,
-        streamed_blocks,
-        has_state,
-        checksum,
-        checked: flags & UNCHECKED == 0,
-        started_ms,
-        t0_ms,
-        to_rank,
-    };
-    Ok((descriptor, needed))
+}
+
+/// `h`'s descriptor, encoded (the payload follows it; see [`WireDescriptor::of`]).
+pub fn encode_descriptor(h: &Handoff, checksum: Option<u32>, streamed_blocks: usize) -> Vec<u8> {
+    let config = frame_config::<MAX_DESCRIPTOR_BYTES>();
+    bincode::encode_to_vec(WireDescriptor::of(h, checksum, streamed_blocks), config).unwrap_or_default()
+}
+
+/// Decodes a descriptor from the start of `bytes` and checks it against `layout`. Returns the
+/// descriptor and how many bytes it took.
+pub fn decode_descriptor(bytes: &[u8], layout: &ConsumerLayout) -> Result<(Descriptor, usize), WireError> {
+    let config = frame_config::<MAX_DESCRIPTOR_BYTES>();
+    let (w, used): (WireDescriptor, usize) =
+        bincode::decode_from_slice(bytes, config).map_err(|e| WireError::Decode(e.to_string()))?;
+    Ok((w.check(layout)?, used))
 }
 
 #[cfg(test)]

@@ -12,20 +12,18 @@
 //! ([`TcpConsumer::lose_vanished`]): the requests it handed off that are still here are cancelled
 //! at once, and it may not come back.
 
-use super::pieces::{self, DROP_PIECES_FRAME, PIECES_REFUSAL, PIECE_FRAME};
-use super::{
-    put_status, read_u32, read_u64, write_status, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, TAG_ABORT_SEEN,
-    TAG_ACK, TAG_DONE, TAG_EVENTS,
-};
+use super::frames::{self, ToConsumer, ToProducer};
+use super::pieces::{self, PIECES_REFUSAL};
+use super::{read_u32, write_status, CHECKSUM_REFUSAL};
 use crate::messages::Event;
 use crate::pool::emit::EventSink;
 use crate::transfer::inproc::{Ack, ConsumerPool};
 use crate::transfer::stream::{check_cover, zeros_for_missing, StagedPieces};
-use crate::transfer::wire::{decode_descriptor, ConsumerLayout, HEADER_BYTES, MAX_HANDOFF_DRAFTS};
+use crate::transfer::wire::ConsumerLayout;
 use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferCounters, TransferId};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -91,13 +89,8 @@ impl TcpAcker {
 
 impl Ack for TcpAcker {
     fn ack(&self, request: u64, transfer: TransferId, outcome: Result<(), String>) {
-        let mut frame = Vec::with_capacity(32);
-        frame.push(TAG_ACK);
-        frame.extend_from_slice(&request.to_le_bytes());
-        frame.extend_from_slice(&transfer.nonce.to_le_bytes());
-        frame.extend_from_slice(&transfer.generation.to_le_bytes());
-        put_status(&mut frame, &outcome);
-        self.write(&frame);
+        let (nonce, generation, refused) = (transfer.nonce, transfer.generation, outcome.err());
+        self.write(&frames::encode(&ToProducer::Ack { request, nonce, generation, refused }));
     }
 }
 
@@ -260,8 +253,7 @@ impl TcpConsumer {
 
     /// The pool ended: tells every producer link its end-of-run check.
     pub fn finish(&self, outcome: Result<(), String>) {
-        let mut frame = vec![TAG_DONE];
-        put_status(&mut frame, &outcome);
+        let frame = frames::encode(&ToProducer::Done { failed: outcome.err() });
         let ackers: Vec<Arc<TcpAcker>> = self.shared.ackers.lock().values().cloned().collect();
         for acker in ackers {
             acker.write(&frame);
@@ -313,14 +305,9 @@ impl EventSink for RemoteEvents {
     }
 }
 
-/// An events frame: the tag, the body's length, the events as JSON.
+/// An events frame.
 fn events_frame(events: &[Event]) -> Vec<u8> {
-    let body = serde_json::to_vec(events).unwrap_or_else(|_| b"[]".to_vec());
-    let mut frame = Vec::with_capacity(5 + body.len());
-    frame.push(TAG_EVENTS);
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
-    frame
+    frames::encode(&ToProducer::Events(events.to_vec()))
 }
 
 /// Reads the registration: the producer's fingerprint, token and link id, checked.
@@ -330,22 +317,18 @@ fn register(
     layout: &ConsumerLayout,
     token: Option<&str>,
 ) -> std::io::Result<Result<u64, String>> {
-    if read_u32(conn)? != HELLO {
-        return Ok(Err("not a kvflow producer".into()));
-    }
-    let fingerprint = read_u64(conn)?;
-    let mut len = [0; 2];
-    conn.read_exact(&mut len)?;
-    let mut presented = vec![0; u16::from_le_bytes(len) as usize];
-    conn.read_exact(&mut presented)?;
-    let link = read_u64(conn)?;
+    let hello = match frames::read_hello(conn)? {
+        Ok(hello) => hello,
+        Err(why) => return Ok(Err(why)),
+    };
+    let (fingerprint, presented, link) = (hello.fingerprint, hello.token, hello.link_id);
     if fingerprint != layout.fingerprint {
         return Ok(Err(format!(
             "layout fingerprint {fingerprint:#018x} differs from decode pool {pool}'s {:#018x}",
             layout.fingerprint
         )));
     }
-    if token.is_some_and(|t| t.as_bytes() != presented) {
+    if token.is_some_and(|t| t != presented) {
         return Ok(Err(format!("decode pool {pool} refused the deployment token")));
     }
     Ok(Ok(link))
@@ -465,75 +448,64 @@ fn serve_frames(
     shared: &Arc<Shared>,
 ) {
     let acker: Arc<dyn Ack> = Arc::new(LinkAck { link, shared: shared.clone() });
-    let max_descriptor = HEADER_BYTES + 4 * (layout.max_prompt + MAX_HANDOFF_DRAFTS);
     let recycler = Recycler::default();
     // Pieces of streamed handoffs that came by this connection (they go with it).
     let mut staged = StagedPieces::default();
-    while let Ok(len) = read_u32(&mut conn) {
-        if len == PIECE_FRAME {
-            match pieces::read_piece(&mut conn, &layout) {
-                Ok(Ok(piece)) => {
-                    TransferCounters::bump(&pool.inbox.counters.pieces_staged);
-                    staged.put(piece);
+    loop {
+        let frame = match frames::read_to_consumer(&mut conn) {
+            Ok(frame) => frame,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                // What follows cannot be found again in the stream.
+                return tracing::error!(pool = %pool.name, "a frame refused: {e}; connection closed");
+            }
+            Err(_) => return, // the connection ended
+        };
+        let w = match frame {
+            ToConsumer::Handoff(w) => w,
+            ToConsumer::Piece(header) => {
+                match pieces::read_piece(&mut conn, header, &layout) {
+                    Ok(Ok(piece)) => {
+                        TransferCounters::bump(&pool.inbox.counters.pieces_staged);
+                        staged.put(piece);
+                    }
+                    // Not staged: its handoff will be refused and sent again whole.
+                    Ok(Err(why)) => tracing::warn!(pool = %pool.name, "a streamed piece was damaged ({why}): dropped"),
+                    Err(e) => {
+                        return tracing::error!(pool = %pool.name, "a streamed piece refused: {e}; connection closed")
+                    }
                 }
-                // Not staged: its handoff will be refused and sent again whole.
-                Ok(Err(why)) => tracing::warn!(pool = %pool.name, "a streamed piece was damaged ({why}): dropped"),
-                Err(e) => {
-                    tracing::error!(pool = %pool.name, "a streamed piece refused: {e}; connection closed");
-                    return;
+                continue;
+            }
+            ToConsumer::DropPieces { request, .. } => {
+                staged.drop_request(request);
+                continue;
+            }
+            ToConsumer::Abort { request, .. } => {
+                staged.drop_request(request);
+                pool.abort(request);
+                // Said back, so the producer stops sending it again after a reconnection.
+                if let Some(back) = shared.acker(link) {
+                    back.write(&frames::encode(&ToProducer::AbortSeen { request }));
                 }
+                continue;
             }
-            continue;
-        }
-        if len == DROP_PIECES_FRAME {
-            let Ok(request) = read_u64(&mut conn) else { return };
-            if read_u64(&mut conn).is_err() {
-                return;
+            ToConsumer::Close => {
+                let mut links = shared.links.lock();
+                if let Some(state) = links.get_mut(&link) {
+                    state.closed = true;
+                }
+                let closed = links.values().filter(|l| l.closed).count();
+                if options.expect_links.is_some_and(|n| closed >= n) {
+                    pool.ingress.close();
+                }
+                continue;
             }
-            staged.drop_request(request);
-            continue;
-        }
-        if len == ABORT_FRAME {
-            let Ok(request) = read_u64(&mut conn) else { return };
-            if read_u64(&mut conn).and_then(|_| read_u32(&mut conn)).is_err() {
-                return;
-            }
-            staged.drop_request(request);
-            pool.abort(request);
-            // Said back, so the producer stops sending it again after a reconnection.
-            if let Some(back) = shared.acker(link) {
-                let mut frame = vec![TAG_ABORT_SEEN];
-                frame.extend_from_slice(&request.to_le_bytes());
-                back.write(&frame);
-            }
-            continue;
-        }
-        if len == CLOSE_FRAME {
-            let mut links = shared.links.lock();
-            if let Some(state) = links.get_mut(&link) {
-                state.closed = true;
-            }
-            let closed = links.values().filter(|l| l.closed).count();
-            if options.expect_links.is_some_and(|n| closed >= n) {
-                pool.ingress.close();
-            }
-            continue;
-        }
-        let len = len as usize;
-        if len > max_descriptor {
-            tracing::error!(pool = %pool.name, len, "handoff descriptor longer than any this pool takes: connection closed");
-            return;
-        }
-        let mut descriptor = vec![0; len];
-        if conn.read_exact(&mut descriptor).is_err() {
-            return;
-        }
-        let d = match decode_descriptor(&descriptor, &layout) {
-            Ok((d, _)) => d,
+        };
+        let d = match w.check(&layout) {
+            Ok(d) => d,
             Err(e) => {
                 // The payload's length is unknown: the stream cannot be resynchronised.
-                tracing::error!(pool = %pool.name, "handoff refused: {e}; connection closed");
-                return;
+                return tracing::error!(pool = %pool.name, "handoff refused: {e}; connection closed");
             }
         };
         // Pieces sent ahead, all of them staged, or the handoff is refused (after its payload is

@@ -6,21 +6,19 @@
 //! the run's collector, failing the requests a vanished peer still owed. Runs on its own threads,
 //! never on a rank's step; what it sends it owns (an `Arc` of the handoff).
 
+use super::frames::{self, Hello, ToConsumer, ToProducer};
 use super::pieces;
-use super::{
-    read_status, read_u32, read_u64, read_u8, ABORT_FRAME, CHECKSUM_REFUSAL, CLOSE_FRAME, HELLO, MAX_EVENTS_BYTES,
-    TAG_ABORT_SEEN, TAG_ACK, TAG_DONE, TAG_EVENTS,
-};
+use super::{read_status, CHECKSUM_REFUSAL};
 use crate::messages::BackTo;
 use crate::messages::Event;
 use crate::pool::emit::EventSink;
 use crate::transfer::faults::{Fault, Faults, TransferCounters};
 use crate::transfer::inproc::{link_of, Ack, AckQueue, HandoffSink};
-use crate::transfer::wire::encode_descriptor;
+use crate::transfer::wire::WireDescriptor;
 use crate::transfer::{stream_payload, Handoff, KvPiece, LinkRate, TransferId};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -57,14 +55,9 @@ impl LinkTarget {
         let mut stream =
             TcpStream::connect(self.addr).map_err(|e| failed(format!("cannot connect to {where_}: {e}")))?;
         let _ = stream.set_nodelay(true);
-        let token = self.token.as_deref().unwrap_or("").as_bytes();
-        let mut hello = Vec::new();
-        hello.extend_from_slice(&HELLO.to_le_bytes());
-        hello.extend_from_slice(&self.fingerprint.to_le_bytes());
-        hello.extend_from_slice(&(token.len() as u16).to_le_bytes());
-        hello.extend_from_slice(token);
-        hello.extend_from_slice(&self.link_id.to_le_bytes());
-        stream.write_all(&hello).map_err(|e| failed(format!("{where_}: {e}")))?;
+        let token = self.token.clone().unwrap_or_default();
+        let hello = Hello { fingerprint: self.fingerprint, token, link_id: self.link_id };
+        frames::write_hello(&mut stream, &hello).map_err(|e| failed(format!("{where_}: {e}")))?;
         read_status(&mut stream).map_err(|e| failed(format!("{where_}: {e}")))?.map_err(|why| ConnectFailure {
             why: format!("{where_} refused the registration: {why}"),
             refused: true,
@@ -323,10 +316,8 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
         let request = match job {
             Job::Abort(request, transfer) => {
                 s.aborts.lock().insert(request, transfer);
-                let mut frame = ABORT_FRAME.to_le_bytes().to_vec();
-                frame.extend_from_slice(&request.to_le_bytes());
-                frame.extend_from_slice(&transfer.nonce.to_le_bytes());
-                frame.extend_from_slice(&transfer.generation.to_le_bytes());
+                let (nonce, generation) = (transfer.nonce, transfer.generation);
+                let frame = frames::encode(&ToConsumer::Abort { request, nonce, generation });
                 let mut conn = s.conn.lock();
                 if let Some(stream) = conn.stream.as_mut() {
                     // Lost with a connection that drops: sent again on the next one.
@@ -349,7 +340,7 @@ fn send_loop(s: &LinkShared, queue: Receiver<Job>) {
             Job::Close => {
                 let mut conn = s.conn.lock();
                 if let Some(stream) = conn.stream.as_mut() {
-                    let _ = stream.write_all(&CLOSE_FRAME.to_le_bytes()).and_then(|_| stream.flush());
+                    let _ = stream.write_all(&frames::encode(&ToConsumer::Close)).and_then(|_| stream.flush());
                 }
                 continue;
             }
@@ -420,12 +411,11 @@ fn write_handoff(
     written: &mut u64,
 ) -> std::io::Result<()> {
     let ahead = if whole { 0 } else { h.streamed_blocks() };
-    let descriptor = encode_descriptor(h, checksum.then_some(0), ahead);
+    let descriptor = frames::encode(&ToConsumer::Handoff(WireDescriptor::of(h, checksum.then_some(0), ahead)));
     let pace = |bytes: usize| rate.inspect(|r| r.pace(bytes as u64));
-    pace(4 + descriptor.len());
-    stream.write_all(&(descriptor.len() as u32).to_le_bytes())?;
+    pace(descriptor.len());
     stream.write_all(&descriptor)?;
-    *written += 4 + descriptor.len() as u64;
+    *written += descriptor.len() as u64;
     let total = if whole { h.payload_bytes() } else { h.unstreamed_bytes() };
     let mut sent = Ok(());
     let mut payload = 0u64;
@@ -478,15 +468,17 @@ const PIECE_FAULTS: u32 = 1 << 16;
 fn ack_loop(s: &LinkShared, mut reading: TcpStream, mut epoch: u64) {
     loop {
         let reason = loop {
-            match read_frame(&mut reading) {
-                Ok(Frame::Ack(request, transfer, outcome)) => answer(s, request, transfer, outcome),
-                Ok(Frame::Events(events)) => forward_events(s, events),
-                Ok(Frame::AbortSeen(request)) => {
+            match frames::read_to_producer(&mut reading) {
+                Ok(ToProducer::Ack { request, nonce, generation, refused }) => {
+                    answer(s, request, TransferId { nonce, generation }, refused.map_or(Ok(()), Err))
+                }
+                Ok(ToProducer::Events(events)) => forward_events(s, events),
+                Ok(ToProducer::AbortSeen { request }) => {
                     s.aborts.lock().remove(&request);
                 }
-                Ok(Frame::Done(outcome)) => {
+                Ok(ToProducer::Done { failed }) => {
                     // The remote pool ended: nothing more comes on this link.
-                    *s.done.lock() = Some(outcome);
+                    *s.done.lock() = Some(failed.map_or(Ok(()), Err));
                     s.remote.lock().take();
                     return;
                 }
@@ -581,38 +573,6 @@ fn answer(s: &LinkShared, request: u64, transfer: TransferId, outcome: Result<()
                 queue.ack(request, transfer, outcome);
             }
         }
-    }
-}
-
-/// A consumer → producer frame.
-enum Frame {
-    Ack(u64, TransferId, Result<(), String>),
-    Events(Vec<Event>),
-    Done(Result<(), String>),
-    AbortSeen(u64),
-}
-
-fn read_frame(r: &mut TcpStream) -> std::io::Result<Frame> {
-    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
-    match read_u8(r)? {
-        TAG_ACK => {
-            let request = read_u64(r)?;
-            let nonce = read_u64(r)?;
-            let generation = read_u32(r)?;
-            Ok(Frame::Ack(request, TransferId { nonce, generation }, read_status(r)?))
-        }
-        TAG_EVENTS => {
-            let len = read_u32(r)? as usize;
-            if len > MAX_EVENTS_BYTES {
-                return Err(bad(format!("an events frame of {len} bytes (at most {MAX_EVENTS_BYTES})")));
-            }
-            let mut body = vec![0; len];
-            r.read_exact(&mut body)?;
-            serde_json::from_slice(&body).map(Frame::Events).map_err(|e| bad(format!("bad events frame: {e}")))
-        }
-        TAG_DONE => Ok(Frame::Done(read_status(r)?)),
-        TAG_ABORT_SEEN => Ok(Frame::AbortSeen(read_u64(r)?)),
-        tag => Err(bad(format!("unknown frame tag {tag}"))),
     }
 }
 

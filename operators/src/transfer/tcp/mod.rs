@@ -3,14 +3,15 @@
 //! Each producer link connects and registers with the layout fingerprint, the deployment token
 //! and its link id; the consumer refuses a mismatch.
 //!
-//! Producer → consumer, one frame after another: a handoff (the descriptor's length, the
-//! descriptor — checked against the consumer's own layout before a byte of payload is read —,
-//! the payload streamed in pieces, KV floats then state floats, and its CRC32C, which the
-//! producer computes while sending and the consumer while receiving, verified before the ack;
-//! with `[transfer] checksum = false` none is computed); an abort (a request cancelled while in
-//! transfer, or after: the consumer drops or cancels it and answers); a close (the producer's
-//! pool ended: no more handoffs on this link); a piece of a streamed handoff, sent ahead while
-//! its prefill runs, and the drop of a request's pieces (`pieces`).
+//! Every frame is bincode 2 (`frames`: its length, then its body, decoded under a byte limit);
+//! registration agrees the protocol version first. Producer → consumer, one frame after
+//! another: a handoff (its descriptor — checked against the consumer's own layout before a byte
+//! of payload is read —, then the payload as raw bytes, KV floats then state floats, and its
+//! CRC32C, which the producer computes while sending and the consumer while receiving, verified
+//! before the ack; with `[transfer] checksum = false` none is computed); an abort (a request
+//! cancelled while in transfer, or after: the consumer drops or cancels it and answers); a close
+//! (the producer's pool ended: no more handoffs on this link); a piece of a streamed handoff,
+//! sent ahead while its prefill runs, and the drop of a request's pieces (`pieces`).
 //!
 //! Consumer → producer: acks (or refusals); and when the decode pool runs in another process,
 //! the events of the requests that came over the link (their tokens, for the report) and, when
@@ -22,38 +23,20 @@
 //! timeout.
 
 mod consumer;
+mod frames;
 mod link;
 mod pieces;
 #[cfg(test)]
 mod tests;
 
 pub use consumer::{ConsumerOptions, LostProducer, TcpConsumer};
+pub use frames::PROTOCOL;
 pub use link::{LinkOptions, LinkTarget, TcpLink, TcpLinks};
 
 use std::io::{Read, Write};
 
-const HELLO: u32 = u32::from_le_bytes(*b"KVFR");
-/// In place of a descriptor's length: an abort frame (request, nonce, generation) follows.
-const ABORT_FRAME: u32 = u32::MAX;
-/// In place of a descriptor's length: the producer's pool ended; nothing more on this link.
-const CLOSE_FRAME: u32 = u32::MAX - 1;
 /// How a consumer's refusal of a damaged payload begins (the producer sends it once more).
 const CHECKSUM_REFUSAL: &str = "checksum";
-
-/// What a consumer → producer frame carries (its first byte).
-const TAG_ACK: u8 = 0;
-const TAG_EVENTS: u8 = 1;
-const TAG_DONE: u8 = 2;
-/// The consumer has an abort (so the producer stops sending it again after reconnecting).
-const TAG_ABORT_SEEN: u8 = 3;
-/// The longest events frame a producer reads (a request's tokens are in it).
-const MAX_EVENTS_BYTES: usize = 64 << 20;
-
-fn read_u8(r: &mut impl Read) -> std::io::Result<u8> {
-    let mut b = [0; 1];
-    r.read_exact(&mut b)?;
-    Ok(b[0])
-}
 
 fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
     let mut b = [0; 4];
@@ -61,24 +44,14 @@ fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
     Ok(u32::from_le_bytes(b))
 }
 
-fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
-    let mut b = [0; 8];
-    r.read_exact(&mut b)?;
-    Ok(u64::from_le_bytes(b))
-}
-
-/// A status and message frame (0 = ok), appended to `frame`.
-fn put_status(frame: &mut Vec<u8>, outcome: &Result<(), String>) {
+/// The answer to a registration: a byte (0 = ok), a u16 length and a message — the shape every
+/// kvflow version reads, so a peer of another version hears why it is refused.
+fn write_status(w: &mut impl Write, outcome: &Result<(), String>) -> std::io::Result<()> {
     let message = outcome.as_ref().err().map_or("", String::as_str);
     let message = &message.as_bytes()[..message.len().min(u16::MAX as usize)];
-    frame.push(u8::from(outcome.is_err()));
+    let mut frame = vec![u8::from(outcome.is_err())];
     frame.extend_from_slice(&(message.len() as u16).to_le_bytes());
     frame.extend_from_slice(message);
-}
-
-fn write_status(w: &mut impl Write, outcome: &Result<(), String>) -> std::io::Result<()> {
-    let mut frame = Vec::new();
-    put_status(&mut frame, outcome);
     w.write_all(&frame)?;
     w.flush()
 }
