@@ -5,17 +5,24 @@
 # with `stream_min_tokens` set, so each completed chunk's blocks leave while the next computes. One
 # `kvflow compare` of the two graphs (same trace, seed and --verify), then the ratio of the TTFT
 # split's transfer (what was left after T0) and of TTFT, p50, streamed over whole.
-#     bash benches/streaming.sh [PROMPT_TOKENS=4096] [REQUESTS=8] [GAP_MS=1800] [RATE="100 MB/s"] [STREAM_MIN=1024]
-# Needs a release build; writes under target/streaming-<tokens>/. The model is the seeded
-# Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written there once.
+#     bash benches/streaming.sh [PROMPT_TOKENS=4096] [REQUESTS=8] [GAP_MS=1800] [RATE="100 MB/s"|none] [STREAM_MIN=1024]
+# Needs a release build; writes under target/streaming-<tokens>/ (or $WORK). The model is the
+# seeded Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written
+# there once. On the GPU (benches/device/streaming.sh): BIN=.device-bin/kvflow, SPEC (a seeded
+# spec), EXECUTOR=cuda and DTYPE (both pools), BUDGET (each rank's memory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tokens=${1:-4096} requests=${2:-8} gap=${3:-1800} rate=${4:-100 MB/s} stream_min=${5:-1024}
-bin=./target/release/kvflow
+bin=${BIN:-./target/release/kvflow} spec=${SPEC:-benches/specs/mha_small.toml}
+executor=${EXECUTOR:-cpu} dtype=${DTYPE:-float32} budget=${BUDGET:-1 GiB}
 [ -x "$bin" ] || { echo "no $bin: cargo build --release first" >&2; exit 2; }
-work=target/streaming-$tokens
+work=${WORK:-target/streaming-$tokens}
 mkdir -p "$work"
-[ -f "$work/model/model.safetensors" ] || "$bin" seed-checkpoint benches/specs/mha_small.toml "$work/model" >/dev/null
+[ -f "$work/model/model.safetensors" ] || "$bin" seed-checkpoint "$spec" "$work/model" >/dev/null
+settings=""
+[ "$executor" = cuda ] && settings="\n[pool.executor_settings]\ndtype = \"$dtype\""
+bandwidth="\nbandwidth = \"$rate\""
+[ "$rate" = none ] && bandwidth=""
 python3 - "$work/trace.jsonl" "$tokens" "$requests" "$gap" <<'PY'
 import json, sys
 path, tokens, requests, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -26,24 +33,26 @@ with open(path, "w") as f:
         ids = [100000 * (i + 1) + j for j in range(blocks)]
         f.write(json.dumps({"timestamp": i * gap, "input_length": tokens, "output_length": 8, "hash_ids": ids}) + "\n")
 PY
-root=$(pwd)
+case "$work" in /*) root="" ;; *) root="$(pwd)/" ;; esac
 graph() {  # graph NAME EXTRA_LINK_KEYS
-    sed -e "s#^path = .*#path = \"$root/$work/model\"#" \
-        -e "s#^budget_bytes = .*#budget_bytes = \"1 GiB\"#" \
+    sed -e "s#^path = .*#path = \"$root$work/model\"#" \
+        -e "s#^budget_bytes = .*#budget_bytes = \"$budget\"#" \
+        -e "s#^executor = .*#executor = \"$executor\"$settings#" \
         -e "s#^max_batched_tokens = .*#max_batched_tokens = 512#" \
         -e "s#^chunk_tokens = .*#chunk_tokens = 512#" \
-        -e "s#^trace = .*#trace = \"$root/$work/trace.jsonl\"#" \
+        -e "s#^trace = .*#trace = \"$root$work/trace.jsonl\"#" \
         -e "s#^time_scale = .*#time_scale = 1.0#" \
         -e "s#^warmup = .*#warmup = 0#" \
         -e "s#^limit = .*#limit = $requests#" \
         -e "s#^max_output_tokens = .*#max_output_tokens = 8#" \
         -e "s#^block_tokens = .*#block_tokens = 512#" \
-        -e "s#^endpoint = .*#endpoint = \"127.0.0.1:0\"\nbandwidth = \"$rate\"$2#" \
+        -e "s#^endpoint = .*#endpoint = \"127.0.0.1:0\"$bandwidth$2#" \
         graphs/pd-1p1d-tcp.toml > "$work/$1.toml"
 }
 graph whole ""
 graph streamed "\nstream_min_tokens = $stream_min"
-echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, model benches/specs/mha_small.toml, commit $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
+commit=$(cat .device-bin/COMMIT 2>/dev/null || git rev-parse --short HEAD)
+echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
 "$bin" compare "$work/whole.toml" "$work/streamed.toml" --verify --out "$work/out" 2>"$work/compare.log" ||
     { echo "the comparison failed (see $work/compare.log)"; tail -5 "$work/compare.log"; exit 1; }
 python3 - "$work/out/whole/report.json" "$work/out/streamed/report.json" <<'PY'
@@ -53,9 +62,11 @@ for name, r in (("whole", whole), ("streamed", streamed)):
     h = r["handoff"]
     print(f"{name:<9} transfer after T0 p50 {r['ttft_split_ms']['transfer']['p50']:8.1f} ms | overlapped p50 "
           f"{r['transfer_overlapped_ms']['p50']:8.1f} ms | TTFT p50 {r['ttft_ms']['p50']:8.1f} ms p99 {r['ttft_ms']['p99']:8.1f} ms | "
+          f"2nd token p50 {r['second_token_ms']['p50']:8.1f} ms | prefill p50 {r['ttft_split_ms']['prefill']['p50']:7.1f} ms | "
           f"{h['bytes'] / max(h['count'], 1) / 1e6:.1f} MB a handoff, {h['pieces']} pieces | completed {r['completed']}/{r['requests']}, "
           f"verify {r['verify']['mismatched']}/{r['verify']['checked']} mismatched")
 ratio = lambda f: f(streamed) / f(whole)
 print(f"transfer_after_t0_p50_ratio={ratio(lambda r: r['ttft_split_ms']['transfer']['p50']):.4f} "
-      f"ttft_p50_ratio={ratio(lambda r: r['ttft_ms']['p50']):.4f} (streamed over whole)")
+      f"ttft_p50_ratio={ratio(lambda r: r['ttft_ms']['p50']):.4f} "
+      f"second_token_p50_ratio={ratio(lambda r: r['second_token_ms']['p50']):.4f} (streamed over whole)")
 PY

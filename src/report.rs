@@ -26,6 +26,10 @@ pub struct RequestRecord {
     pub input_len: usize,
     pub output_len: usize,
     pub ttft_ms: Option<f64>,
+    /// Arrival → its second token, the first decoded from T0 (in P/D, on the decode pool after
+    /// the handoff: TTFT's T0 leaves from the prefill pool, the transfer shows here).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub second_token_ms: Option<f64>,
     pub tpot_ms: Option<f64>,
     pub e2e_ms: Option<f64>,
     pub queue_ms: Option<f64>,
@@ -220,6 +224,7 @@ pub struct Tally {
     cancelled: usize,
     warmup_completed: usize,
     ttft: Latency,
+    second_token: Latency,
     tpot: Latency,
     e2e: Latency,
     queue: Latency,
@@ -246,6 +251,7 @@ impl Default for Tally {
             cancelled: 0,
             warmup_completed: 0,
             ttft: Latency::default(),
+            second_token: Latency::default(),
             tpot: Latency::default(),
             e2e: Latency::default(),
             queue: Latency::default(),
@@ -292,6 +298,7 @@ impl Tally {
         self.good += usize::from(meets(r, slo));
         let latencies = [
             (&mut self.ttft, r.ttft_ms),
+            (&mut self.second_token, r.second_token_ms),
             (&mut self.tpot, r.tpot_ms),
             (&mut self.e2e, r.e2e_ms),
             (&mut self.queue, r.queue_ms),
@@ -321,6 +328,7 @@ impl Tally {
             "cancelled": self.cancelled,
             "warmup_completed": self.warmup_completed,
             "ttft_ms": self.ttft.json(),
+            "second_token_ms": self.second_token.json(),
             "tpot_ms": self.tpot.json(),
             "e2e_ms": self.e2e.json(),
             "queue_ms": self.queue.json(),

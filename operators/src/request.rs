@@ -33,8 +33,9 @@ impl Delivery {
 pub struct BackTo {
     pub link: u16,
     pub rank: u32,
-    /// Leading prompt blocks that rank already holds: not sent (decode-side prefix reuse).
-    pub skip_blocks: u32,
+    /// Leading prompt tokens that rank already holds (whole blocks of its own): not sent
+    /// (decode-side prefix reuse; a producer of smaller blocks skips the ones they cover).
+    pub skip_tokens: u32,
 }
 
 /// When a request's output tokens became known (`wall_ms`): the first and the last (TTFT, TPOT

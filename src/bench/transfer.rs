@@ -174,6 +174,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         t0: 1,
         logits_hash: 0,
         fingerprint: model.layout_fingerprint(BLOCK),
+        block_size: BLOCK,
         skip_blocks: 0,
         kv_blocks: blocks,
         floats_per_block,

@@ -14,6 +14,7 @@ const ROWS: &[(&str, &[&str])] = &[
     ("failed", &["failed"]),
     ("TTFT p50 ms", &["ttft_ms", "p50"]),
     ("TTFT p99 ms", &["ttft_ms", "p99"]),
+    ("2nd token p50 ms", &["second_token_ms", "p50"]),
     ("TPOT p50 ms", &["tpot_ms", "p50"]),
     ("TPOT p99 ms", &["tpot_ms", "p99"]),
     ("queue p50 ms", &["queue_ms", "p50"]),

@@ -266,6 +266,7 @@ impl Collector {
         let arrival = r.arrival_ms;
         r.queue_ms = started_ms.map(|s| s - start - arrival);
         r.ttft_ms = times.first.map(|f| f - start - arrival);
+        r.second_token_ms = times.second.map(|s| s - start - arrival);
         // The TTFT split: T0 in hand on the decoding rank is when it took the handoff (P/D),
         // or when it sampled T0 (aggregated).
         let t0 = times.first.map(|f| f - start);

@@ -91,13 +91,22 @@ fn faults(graph: &Graph) -> Faults {
 pub(crate) fn consumer_layout(model: &Model, pool: &PoolConfig) -> ConsumerLayout {
     let bs = pool.memory.block_size;
     ConsumerLayout {
-        fingerprint: model.layout_fingerprint(bs),
+        fingerprint: model.handoff_fingerprint(),
         block_size: bs,
         floats_per_block: kv_layers(model, bs).iter().sum(),
         state_floats: model.state_bytes_per_slot() / 4,
         vocab_size: model.vocab_size,
         max_prompt: model.max_positions.unwrap_or(1 << 24),
     }
+}
+
+/// The element type pool `pool` keeps its KV in: a cuda pool's `dtype` setting, float32 otherwise.
+fn kv_dtype(pool: &PoolConfig) -> Result<&'static str> {
+    if pool.executor != "cuda" {
+        return Ok("float32");
+    }
+    let settings = CudaSettings::read(&pool.executor_settings).map_err(|e| anyhow!("pool `{}`: {e}", pool.name))?;
+    Ok(settings.dtype.name())
 }
 
 /// Floats of one block in each layer of `model` at `block_size` (none for a model without KV).
@@ -246,6 +255,8 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
             let mut inbox = HandoffInbox::new(faults, counters.clone());
             inbox.deliver_duplicates = options.deliver_duplicates;
             inbox.accept_missing_pieces = options.accept_missing_pieces;
+            inbox.block_size = p.memory.block_size;
+            inbox.kv_rows = if model.needs_blocks() { model.kv_row_widths() } else { Vec::new() };
             (p.name.clone(), Arc::new(inbox))
         })
         .collect();
@@ -280,7 +291,7 @@ pub fn wire(graph: &Graph, pools: &[&PoolConfig], model: &Model, options: &WireO
             ),
             PoolRole::Prefill => PoolHandoff::Out {
                 sink: wires.handoff_sink(pool)?,
-                fingerprint: model.layout_fingerprint(pool.memory.block_size),
+                fingerprint: model.handoff_fingerprint(),
                 kv_layers: kv_layers(model, pool.memory.block_size),
                 queue: queues[&pool.name].clone(),
                 relay: options.relay.clone(),
@@ -374,23 +385,25 @@ impl Wires<'_> {
         Ok(Some((Arc::new(landing), self.counters.clone())))
     }
 
-    /// Where prefill pool `pool` hands off: its links, all inproc or all tcp, to decode pools of
-    /// the same memory layout.
+    /// Where prefill pool `pool` hands off: its links, all inproc or all tcp, to decode pools
+    /// whose KV has the same element type (block sizes may differ: the consumer re-cuts them).
     fn handoff_sink(&mut self, pool: &PoolConfig) -> Result<Arc<dyn HandoffSink>> {
         let graph = self.graph;
         let out = graph.links_from(&pool.name);
-        let fingerprint = self.model.layout_fingerprint(pool.memory.block_size);
+        let fingerprint = self.model.handoff_fingerprint();
         for link in &out {
             let to = graph.pool(&link.to)?;
-            if self.model.layout_fingerprint(to.memory.block_size) != fingerprint {
+            let (from_dtype, to_dtype) = (kv_dtype(pool)?, kv_dtype(to)?);
+            if from_dtype != to_dtype {
                 bail!(
-                    "{}: link {} → {}: the pools' memory layouts differ (block size {} against {}); a handoff \
-                     needs the same layout on both sides",
+                    "{}: link {} → {}: prefill pool `{}` keeps its KV in {from_dtype}, decode pool `{}` in {to_dtype}; \
+                     a handoff is not converted between element types (it would not be exact): give both pools \
+                     the same dtype",
                     graph.path.display(),
                     link.from,
                     link.to,
-                    pool.memory.block_size,
-                    to.memory.block_size
+                    pool.name,
+                    to.name
                 );
             }
         }

@@ -880,6 +880,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         t0,
         logits_hash: 0,
         fingerprint: model.layout_fingerprint(16),
+        block_size: 16,
         skip_blocks: 0,
         kv_blocks: 1,
         floats_per_block: source.floats_per_block,

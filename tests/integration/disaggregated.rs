@@ -367,3 +367,41 @@ fn a_streamed_handoff_sends_completed_chunks_ahead_and_stays_exact_on_every_fami
         assert!(overlapped > 0, "{what}: some transfer moved while its prefill ran");
     }
 }
+
+/// P and D of different block sizes: the prefill pool's blocks of 8 or 32 tokens become the
+/// decode pool's blocks of 16 at its inbox (`transfer::reblock`) — exact on every family over
+/// inproc, and over tcp (streamed too); the decode rank's held prefix (requests share their
+/// first blocks) is skipped in the producer's blocks it covers. KV of another element type is
+/// refused before the run, naming both.
+#[test]
+fn a_prefill_pool_of_other_block_sizes_hands_off_exactly_and_another_dtype_is_refused() {
+    let with_blocks = |bs: usize, link: &str| {
+        ONE_P_ONE_D
+            .replacen("ranks = 1\n", &format!("ranks = 1\n[pool.memory]\nblock_size = {bs}\n"), 1)
+            .replace("to = \"decode\"\n", &format!("to = \"decode\"\n{link}"))
+    };
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 8";
+    for model in FIXTURES {
+        for bs in [8, 32] {
+            let (_dir, report) = run_pd_on(model, &with_blocks(bs, ""), "", workload);
+            let what = format!("{model}: prefill blocks of {bs}, decode blocks of 16, inproc");
+            assert_exact(&report, &what);
+            assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{what}: {report}");
+            assert_eq!(report["handoff"]["received"], 8, "{what}");
+        }
+    }
+    for link in ["backend = \"tcp\"\n", "backend = \"tcp\"\nstream_min_tokens = 1\n"] {
+        for bs in [8, 32] {
+            let (_dir, report) = run_pd_on("hf/llama", &with_blocks(bs, link), "", workload);
+            assert_exact(&report, &format!("hf/llama: prefill blocks of {bs}, decode blocks of 16, {link}"));
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bf16 = "executor = \"cuda\"\n[pool.executor_settings]\nemulate = true\ndtype = \"bfloat16\"\n\n[[link]]";
+    let pools = ONE_P_ONE_D.replace("\n[[link]]", &format!("\n{bf16}"));
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+    let g = kvflow::graph::Graph::load(&graph).unwrap();
+    let e = format!("{:#}", kvflow::runtime::run(&g, &Default::default(), &Default::default()).err().expect("refused"));
+    assert!(e.contains("float32") && e.contains("bfloat16") && e.contains("`decode`"), "{e}");
+}

@@ -147,6 +147,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             t0,
             logits_hash: hash::chain_row(hash::EMPTY, sampled[0].logits_hash),
             fingerprint: model.layout_fingerprint(BLOCK),
+            block_size: BLOCK,
             skip_blocks: 0,
             kv_blocks: blocks.len(),
             floats_per_block: exported.source.as_ref().filter(|_| !blocks.is_empty()).map_or(0, |s| s.floats_per_block),

@@ -181,6 +181,12 @@ impl Model {
         crate::kv::layout_fingerprint(&self.model_type, &self.kv_row_widths(), self.state_width, block_size)
     }
 
+    /// The fingerprint two pools of this model compare before they exchange handoffs: the
+    /// layout's, its block size left out (a consumer re-cuts a producer's blocks into its own).
+    pub fn handoff_fingerprint(&self) -> u64 {
+        self.layout_fingerprint(0)
+    }
+
     /// Bytes of paged cache one block takes (0 for families without paged KV).
     pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
         PagedKvCache::bytes_per_block(block_size, &self.kv_row_widths())

@@ -61,8 +61,8 @@ impl Rank {
         target.queue.fetch_add(1, Ordering::SeqCst);
         let (link, rank) = (target.link, self.index as u32);
         // The prefix this rank holds stays held for the handoff, and is not sent.
-        let skip_blocks = self.memory.reserve_prefix(&seq) as u32;
-        let back_to = BackTo { link, rank, skip_blocks };
+        let skip_tokens = (self.memory.reserve_prefix(&seq) * self.memory.layout.block_size) as u32;
+        let back_to = BackTo { link, rank, skip_tokens };
         let remote = self.remote_prefill.as_mut().expect("checked above");
         let target = &remote.setup.targets[pick];
         // (the prefill pool's own index, if any, says what its ranks hold)

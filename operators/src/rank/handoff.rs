@@ -285,7 +285,7 @@ impl Rank {
         let streamed_blocks: usize = streamed.iter().map(|p| p.blocks).sum();
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
-        let skip_blocks = back_to.map_or(0, |b| b.skip_blocks as usize).min(kv_blocks);
+        let skip_blocks = back_to.map_or(0, |b| b.skip_tokens as usize / self.memory.layout.block_size).min(kv_blocks);
         let kv_blocks = kv_blocks - skip_blocks;
         let handoff = Handoff {
             transfer,
@@ -299,6 +299,7 @@ impl Rank {
             t0: seq.tokens[seq.prompt_len],
             logits_hash: t0_chain.unwrap_or(seq.logits_hash),
             fingerprint: out.fingerprint,
+            block_size: self.memory.layout.block_size,
             skip_blocks,
             kv_blocks,
             floats_per_block: match (&exported.source, kv_blocks - streamed_blocks.min(kv_blocks)) {

@@ -94,7 +94,7 @@ impl Rank {
                     let n = n.min(seq.blocks.len());
                     // Blocks the decode rank already holds are not exported (prefix reuse), nor
                     // those sent ahead in pieces.
-                    let skip = producer.back_to.map_or(0, |b| b.skip_blocks as usize).min(n);
+                    let skip = producer.back_to.map_or(0, |b| b.skip_tokens as usize / bs).min(n);
                     let blocks = seq.blocks.blocks()[(skip + ahead).min(n)..n].to_vec();
                     // The slot it holds now, read by this step (test switch: the one it was
                     // first admitted with, which a preemption may have given to another request).

@@ -36,7 +36,7 @@ impl Rank {
         }
         let bs = layout.block_size;
         let n = seq.prompt_len.div_ceil(bs).min(seq.blocks.len());
-        let skip = producer.back_to.map_or(0, |b| b.skip_blocks as usize).min(n);
+        let skip = producer.back_to.map_or(0, |b| b.skip_tokens as usize / bs).min(n);
         // Whole blocks only: the block the chunk ends in is written on by the next chunk.
         let full = ((c.start + c.len).min(seq.prompt_len) / bs).min(n);
         let stream = producer.stream.as_mut()?;

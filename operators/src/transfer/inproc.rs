@@ -71,6 +71,10 @@ pub struct HandoffInbox {
     /// Test switch (`TestSwitches::accept_missing_pieces`): a streamed handoff whose pieces did
     /// not all arrive is taken, the missing blocks read as zeros.
     pub accept_missing_pieces: bool,
+    /// The pool's block size and its layers' floats a token: a handoff of other blocks is cut
+    /// into these before it is taken (`reblock`; 0: taken as it comes).
+    pub block_size: usize,
+    pub kv_rows: Vec<usize>,
 }
 
 #[derive(Default)]
@@ -99,13 +103,24 @@ impl HandoffInbox {
             counters,
             deliver_duplicates: false,
             accept_missing_pieces: false,
+            block_size: 0,
+            kv_rows: Vec::new(),
         }
     }
 
-    /// A handoff arrived. Returns whether its admission should follow through the pool's
-    /// ingress: not for a duplicate (acked again if it was already taken, so a producer whose
+    /// A handoff arrived (cut into this pool's blocks first, when the producer's differ).
+    /// Returns whether its admission should follow through the pool's ingress: not for a
+    /// duplicate (acked again if it was already taken, so a producer whose
     /// ack was lost hears it) or for an aborted transfer (refused).
     pub fn put(&self, h: Arc<Handoff>, ack: Arc<dyn Ack>) -> bool {
+        let (id, transfer) = (h.request, h.transfer);
+        let h = match super::reblock::to_consumer_blocks(h, self.block_size, &self.kv_rows) {
+            Ok(h) => h,
+            Err(why) => {
+                ack.ack(id, transfer, Err(format!("its blocks cannot become this pool's: {why}")));
+                return false;
+            }
+        };
         let mut s = self.state.lock();
         let id = h.request;
         if s.aborted.contains(&id) {

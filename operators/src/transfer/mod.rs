@@ -7,6 +7,7 @@
 pub mod faults;
 pub mod inproc;
 pub mod rate;
+pub mod reblock;
 pub mod relay;
 pub mod stream;
 pub mod tcp;
@@ -47,6 +48,9 @@ pub struct Handoff {
     pub logits_hash: u64,
     /// The producer's layout fingerprint (`Model::layout_fingerprint`).
     pub fingerprint: u64,
+    /// Tokens a block of the producer holds: `skip_blocks`, `kv_blocks` and `floats_per_block`
+    /// count its blocks (the consumer's inbox re-cuts them into its own, `reblock`).
+    pub block_size: usize,
     /// Prompt blocks the consumer already holds (not sent).
     pub skip_blocks: usize,
     /// Blocks whose KV the handoff moves (the ones sent ahead in `streamed`, then `kv`'s).

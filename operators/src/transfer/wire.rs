@@ -39,6 +39,8 @@ pub struct WireDescriptor {
     pub t0: u32,
     pub logits_hash: u64,
     pub max_output_tokens: u64,
+    /// Tokens a block of the producer holds (the blocks below count them).
+    pub block_size: u32,
     pub skip_blocks: u32,
     pub kv_blocks: u32,
     pub streamed_blocks: u32,
@@ -51,6 +53,8 @@ pub struct WireDescriptor {
     pub started_ms: f64,
     pub t0_ms: f64,
     pub to_rank: Option<u32>,
+    /// The prompt tokens the rank that asked already holds.
+    pub to_skip_tokens: u32,
     pub temperature: f32,
     pub top_k: u32,
     pub top_p: f32,
@@ -86,6 +90,8 @@ pub struct Descriptor {
     pub delivery: Delivery,
     pub t0: u32,
     pub logits_hash: u64,
+    /// Tokens a block of the producer holds (the blocks here count them).
+    pub block_size: usize,
     /// Prompt blocks the consumer already holds (not sent).
     pub skip_blocks: usize,
     /// Blocks whose KV the handoff moves: the first `streamed_blocks` of them arrived ahead in
@@ -102,13 +108,20 @@ pub struct Descriptor {
     pub t0_ms: f64,
     /// The consumer's rank that asked for this prefill (the router places it there), if one did.
     pub to_rank: Option<u32>,
+    /// The prompt tokens that rank already holds.
+    pub to_skip_tokens: u32,
 }
 
 impl Descriptor {
+    /// Floats of one of the producer's blocks (of this pool's floats a token).
+    pub fn floats_per_block(&self, layout: &ConsumerLayout) -> usize {
+        layout.floats_per_block / layout.block_size.max(1) * self.block_size
+    }
+
     /// Bytes of payload after the header and prompt.
     pub fn payload_bytes(&self, layout: &ConsumerLayout) -> usize {
         let blocks = self.kv_blocks - self.streamed_blocks;
-        4 * (blocks * layout.floats_per_block + if self.has_state { layout.state_floats } else { 0 })
+        4 * (blocks * self.floats_per_block(layout) + if self.has_state { layout.state_floats } else { 0 })
     }
 }
 
@@ -150,6 +163,7 @@ impl WireDescriptor {
             t0: h.t0,
             logits_hash: h.logits_hash,
             max_output_tokens: h.max_output_tokens as u64,
+            block_size: h.block_size as u32,
             skip_blocks: h.skip_blocks as u32,
             kv_blocks: h.kv_blocks as u32,
             streamed_blocks: streamed_blocks as u32,
@@ -161,6 +175,7 @@ impl WireDescriptor {
             started_ms: h.started_ms,
             t0_ms: h.t0_ms,
             to_rank: h.to.map(|b| b.rank),
+            to_skip_tokens: h.to.map_or(0, |b| b.skip_tokens),
             temperature: sampling.temperature,
             top_k: u32::try_from(sampling.top_k).unwrap_or(u32::MAX),
             top_p: sampling.top_p,
@@ -190,13 +205,16 @@ impl WireDescriptor {
         if prompt_len == 0 || prompt_len > layout.max_prompt {
             return Err(WireError::PromptLength { got: prompt_len, max: layout.max_prompt });
         }
-        if w.floats_per_block as usize != layout.floats_per_block {
-            let (got, expected) = (w.floats_per_block as usize, layout.floats_per_block);
+        // Any block size: the same floats a token (the inbox re-cuts them into this pool's blocks).
+        let block_size = w.block_size as usize;
+        let per_token = layout.floats_per_block / layout.block_size.max(1);
+        if layout.floats_per_block > 0 && (block_size == 0 || w.floats_per_block as usize != per_token * block_size) {
+            let (got, expected) = (w.floats_per_block as usize, per_token * block_size);
             return Err(WireError::Geometry { what: "floats per block", got, expected });
         }
         let (skip_blocks, kv_blocks, streamed_blocks) =
             (w.skip_blocks as usize, w.kv_blocks as usize, w.streamed_blocks as usize);
-        let prompt_blocks = if layout.floats_per_block == 0 { 0 } else { prompt_len.div_ceil(layout.block_size) };
+        let prompt_blocks = if layout.floats_per_block == 0 { 0 } else { prompt_len.div_ceil(block_size) };
         if skip_blocks > prompt_blocks || kv_blocks != prompt_blocks - skip_blocks {
             let expected = prompt_blocks.saturating_sub(skip_blocks);
             return Err(WireError::Geometry { what: "KV blocks sent", got: kv_blocks, expected });
@@ -233,6 +251,7 @@ impl WireDescriptor {
             delivery: Delivery { stop_tokens: w.stop_tokens, stream: w.stream },
             t0: w.t0,
             logits_hash: w.logits_hash,
+            block_size,
             skip_blocks,
             kv_blocks,
             streamed_blocks,
@@ -242,6 +261,7 @@ impl WireDescriptor {
             started_ms: w.started_ms,
             t0_ms: w.t0_ms,
             to_rank: w.to_rank,
+            to_skip_tokens: w.to_skip_tokens,
         })
     }
 }
@@ -269,7 +289,7 @@ pub(crate) mod tests {
         ConsumerLayout {
             fingerprint: 77,
             block_size: 4,
-            floats_per_block: 6,
+            floats_per_block: 8,
             state_floats: 3,
             vocab_size: 100,
             max_prompt: 64,
@@ -289,11 +309,12 @@ pub(crate) mod tests {
             t0: 42,
             logits_hash: 0xABCD,
             fingerprint: 77,
+            block_size: 4,
             skip_blocks: 1,
             kv_blocks: 2,
-            floats_per_block: 6,
+            floats_per_block: 8,
             streamed: Vec::new(),
-            kv: vec![0.5; 12],
+            kv: vec![0.5; 16],
             source: None,
             landed: None,
             state: Some(vec![1.0; 3]),
@@ -315,7 +336,7 @@ pub(crate) mod tests {
         assert_eq!(d.prompt, h.prompt);
         assert_eq!((d.sampling, &d.drafts, &d.delivery), (h.sampling, &h.drafts, &h.delivery));
         assert!(d.warmup && d.has_state);
-        assert_eq!(d.payload_bytes(&layout()), 4 * (12 + 3));
+        assert_eq!(d.payload_bytes(&layout()), 4 * (16 + 3));
     }
 
     #[test]

@@ -511,9 +511,10 @@ fn serve_frames(
         // Pieces sent ahead, all of them staged, or the handoff is refused (after its payload is
         // read, so the stream stays in step) and sent again whole.
         let mut streamed = staged.take(d.request, d.transfer);
-        let cover = check_cover(&streamed, d.streamed_blocks, layout.floats_per_block);
+        let per_block = d.floats_per_block(&layout);
+        let cover = check_cover(&streamed, d.streamed_blocks, per_block);
         if cover.is_err() && pool.inbox.accept_missing_pieces {
-            streamed = zeros_for_missing(streamed, d.streamed_blocks, layout.floats_per_block);
+            streamed = zeros_for_missing(streamed, d.streamed_blocks, per_block);
             // test switch
         }
         let payload = match receive_payload(&mut conn, &d, &layout, options, &recycler) {
@@ -547,7 +548,8 @@ fn serve_frames(
             fingerprint: layout.fingerprint,
             skip_blocks: d.skip_blocks,
             kv_blocks: d.kv_blocks,
-            floats_per_block: layout.floats_per_block,
+            block_size: d.block_size,
+            floats_per_block: per_block,
             streamed,
             kv: payload.kv,
             source: None,
@@ -555,7 +557,7 @@ fn serve_frames(
             state: payload.state,
             started_ms: d.started_ms,
             t0_ms: d.t0_ms,
-            to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_blocks: d.skip_blocks as u32 }),
+            to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_tokens: d.to_skip_tokens }),
             recycle: Some(recycler.clone()),
             on_drop: Default::default(),
         };
@@ -589,15 +591,17 @@ fn receive_payload(
 ) -> Result<Result<Payload, String>, ()> {
     let kv_blocks = d.kv_blocks - d.streamed_blocks;
     let (kv_floats, state_floats) =
-        (kv_blocks * layout.floats_per_block, if d.has_state { layout.state_floats } else { 0 });
+        (kv_blocks * d.floats_per_block(layout), if d.has_state { layout.state_floats } else { 0 });
     let mut crc = Crc32c::new();
     let mut seen = |bytes: &[u8]| {
         if d.checked {
             crc.update(bytes)
         }
     };
-    // (A streamed handoff's KV is merged on the host: it is not landed in pieces.)
-    let (mut floats, landed) = match options.landing.as_ref().filter(|_| d.streamed_blocks == 0) {
+    // (A streamed handoff's KV is merged on the host, one of other blocks re-cut there: neither
+    // is landed in pieces.)
+    let whole_in_own_blocks = d.streamed_blocks == 0 && d.block_size == layout.block_size;
+    let (mut floats, landed) = match options.landing.as_ref().filter(|_| whole_in_own_blocks) {
         Some((landing, _)) => {
             let landed = land(conn, landing, kv_floats, &mut seen).map_err(|_| ())?;
             let mut state = recycler.take(state_floats);

@@ -66,14 +66,15 @@ pub(super) fn read_piece(
     let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
     let (first_block, blocks) = (header.first_block as usize, header.blocks as usize);
     let layer_floats: Vec<usize> = header.layer_floats.iter().map(|&n| n as usize).collect();
-    let most_blocks = layout.max_prompt.div_ceil(layout.block_size.max(1));
+    // Blocks of any size, of this pool's floats a token.
+    let per_token = layout.floats_per_block / layout.block_size.max(1);
     let per_block: usize = layer_floats.iter().sum();
-    if per_block != layout.floats_per_block || per_block == 0 {
+    if per_token == 0 || per_block == 0 || per_block % per_token != 0 {
         return Err(bad(format!(
-            "a piece of {per_block} floats a block, this pool holds {} (layout)",
-            layout.floats_per_block
+            "a piece of {per_block} floats a block, this pool holds {per_token} a token (layout)"
         )));
     }
+    let most_blocks = layout.max_prompt.div_ceil(per_block / per_token);
     if blocks == 0 || first_block.saturating_add(blocks) > most_blocks {
         return Err(bad(format!("a piece of blocks {first_block}..+{blocks}: this pool takes at most {most_blocks}")));
     }
