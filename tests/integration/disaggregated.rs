@@ -405,3 +405,30 @@ fn a_prefill_pool_of_other_block_sizes_hands_off_exactly_and_another_dtype_is_re
     let e = format!("{:#}", kvflow::runtime::run(&g, &Default::default(), &Default::default()).err().expect("refused"));
     assert!(e.contains("float32") && e.contains("bfloat16") && e.contains("`decode`"), "{e}");
 }
+
+/// A streaming prefill rank short of blocks preempts requests mid-prompt, after some of their
+/// pieces left: each starts its stream over under a new transfer (the consumer drops the old
+/// pieces), and every output stays exact — over inproc and tcp.
+#[test]
+fn a_streaming_request_preempted_mid_prompt_streams_again_and_stays_exact() {
+    for backend in ["inproc", "tcp"] {
+        let pools = format!(
+            "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n[pool.memory]\nbudget_bytes = \"3 MiB\"\n\
+             [pool.scheduler]\nmax_batched_tokens = 512\nchunk_tokens = 32\n\n\
+             [[pool]]\nname = \"decode\"\nrole = \"decode\"\nranks = 1\n\n\
+             [[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\nstream_min_tokens = 1\n"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let workload = "mode = \"concurrency\"\nconcurrency = 16\nwarmup = 0\nlimit = 32";
+        let graph =
+            write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
+        let report = run_graph(&graph, Overrides::default(), Default::default());
+        let what = format!("streamed over {backend}, preempted mid-prompt");
+        assert_exact(&report, &what);
+        assert!(report["pools"]["prefill"]["preemptions"].as_u64().unwrap() > 0, "{what}: nothing was preempted");
+        let h = &report["handoff"];
+        assert!(h["pieces"].as_u64().unwrap() > 0, "{what}: {h}");
+        assert!(h["streams_dropped"].as_u64().unwrap() > 0, "{what}: a preempted stream started over: {h}");
+        assert!(report["accounting_errors"].as_array().unwrap().is_empty(), "{what}: {report}");
+    }
+}

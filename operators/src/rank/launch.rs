@@ -138,6 +138,7 @@ impl Rank {
         self.stats.steps += 1;
         self.stats.step_times.record(wall_ms());
         self.stats.preemptions += decided.preempted.len() as u64;
+        self.restart_streams(&decided.preempted);
         self.note_failures_and_admissions(t, &decided);
         if decided.is_empty() {
             self.stats.empty_steps += 1;

@@ -57,8 +57,8 @@ impl Rank {
     }
 
     /// A step completed a piece it exported: it leaves now, over the link its handoff will take.
-    /// A piece of a request that ended meanwhile is dropped (its consumer was told); one of a
-    /// request preempted meanwhile still leaves (its bytes were copied before its blocks went).
+    /// A piece of a request that ended or was preempted meanwhile is dropped (its consumer was
+    /// told; a preempted one streams again).
     pub(super) fn send_piece(&mut self, e: Exported) {
         let Some(out) = self.handoff_out.as_ref() else { return };
         let index = e.key.index as usize;
@@ -73,11 +73,9 @@ impl Rank {
             return; // another request's, which ended: its slot holds this one now
         }
         stream.launched.pop_front();
-        let kv = match e.source {
-            // A cuda rank names its blocks in place: read now, while the request holds them.
-            Some(source) if e.kv.is_empty() => source.read(),
-            _ => e.kv,
-        };
+        // A cuda rank names its blocks in place: the link reads them, not this thread (the
+        // request holds them until the ack; a preemption restarts the stream).
+        let source = e.source.filter(|_| e.kv.is_empty());
         let per_block: usize = out.kv_layers.iter().sum();
         let piece = KvPiece {
             request: id,
@@ -85,18 +83,15 @@ impl Rank {
             first_block,
             blocks,
             layer_floats: out.kv_layers.clone(),
-            kv,
+            kv: e.kv,
+            source,
             sent_ms: wall_ms(),
             arrived_ms: 0.0,
         };
-        let sent = if piece.kv.len() == blocks * per_block {
+        let sent = if piece.len() == blocks * per_block {
             out.sink.send_piece(piece, back_to)
         } else {
-            Err(format!(
-                "a piece of {blocks} block(s) holds {} floats, {} expected",
-                piece.kv.len(),
-                blocks * per_block
-            ))
+            Err(format!("a piece of {blocks} block(s) holds {} floats, {} expected", piece.len(), blocks * per_block))
         };
         match sent {
             Ok(piece) => {
@@ -107,6 +102,20 @@ impl Rank {
             Err(why) => {
                 let step = self.step;
                 self.fail(index, step, "handoff", format!("cannot send a piece of the handoff ahead: {why}"));
+            }
+        }
+    }
+
+    /// Preempted requests that were streaming start their stream over (under a new transfer,
+    /// from their first block): what they sent named blocks they no longer hold.
+    pub(super) fn restart_streams(&mut self, preempted: &[u64]) {
+        for &id in preempted {
+            let Some(index) = self.seqs.index_of(id) else { continue };
+            let seq = self.seqs.get_mut(index);
+            let Some(producer) = seq.kind.producer_mut() else { continue };
+            if let Some(stream) = producer.stream.take() {
+                let back_to = producer.back_to;
+                self.drop_pieces(id, &stream, back_to);
             }
         }
     }

@@ -1,7 +1,9 @@
 //! Streaming handoffs (DESIGN §8): a prefill's completed chunks leave as pieces while its later
 //! chunks compute, and its handoff carries only what was not sent ahead. A piece is the KV of a
-//! run of whole prompt blocks, packed by layer, copied out by the step that completed them (the
-//! piece owns its bytes; the producer keeps the blocks until the handoff's ack all the same).
+//! run of whole prompt blocks, packed by layer: copied out by the CPU step that completed them,
+//! or named in place in a cuda rank's device memory (read by the link, on a stream of its own,
+//! never by the rank's thread); the producer keeps the blocks until the handoff's ack, and a
+//! producer preempted mid-stream starts its stream over under a new transfer.
 //! The consumer stages what arrives and takes the handoff only once every piece is there:
 //! merged with the rest into the handoff's layout, or refused (then the producer sends it
 //! whole) — it never decodes from a partial prompt. An abort at any point drops the staged
@@ -23,16 +25,35 @@ pub struct KvPiece {
     pub blocks: usize,
     /// Floats of one block in each layer, in order (their sum is the floats of a block).
     pub layer_floats: Vec<usize>,
-    /// Packed by layer: every block's floats of layer 0, then layer 1, …
+    /// Packed by layer: every block's floats of layer 0, then layer 1, … — empty when `source`
+    /// names the blocks in place.
     pub kv: Vec<f32>,
+    pub source: Option<crate::kv_source::KvSource>,
     /// When it was handed to the link, and when its last byte reached the consumer (`wall_ms`).
     pub sent_ms: f64,
     pub arrived_ms: f64,
 }
 
 impl KvPiece {
+    /// Its floats (read from the producer's blocks when in place).
+    pub fn floats(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.source {
+            Some(source) => std::borrow::Cow::Owned(source.read()),
+            None => std::borrow::Cow::Borrowed(&self.kv),
+        }
+    }
+
+    /// How many floats it carries.
+    pub fn len(&self) -> usize {
+        self.source.as_ref().map_or(self.kv.len(), |s| s.blocks.len() * s.floats_per_block)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn bytes(&self) -> u64 {
-        4 * self.kv.len() as u64
+        4 * self.len() as u64
     }
 }
 
@@ -58,10 +79,10 @@ pub fn check_cover(pieces: &[Arc<KvPiece>], streamed: usize, floats_per_block: u
         if p.layer_floats.iter().sum::<usize>() != floats_per_block {
             return Err(MergeError::Layers { got: p.layer_floats.iter().sum(), expected: floats_per_block });
         }
-        if p.kv.len() != p.blocks * floats_per_block {
+        if p.len() != p.blocks * floats_per_block {
             return Err(MergeError::Size {
                 what: "a streamed piece",
-                got: p.kv.len(),
+                got: p.len(),
                 expected: p.blocks * floats_per_block,
             });
         }
@@ -95,8 +116,9 @@ pub fn merge(pieces: &[Arc<KvPiece>], rest: &[f32], rest_blocks: usize) -> Resul
             expected: rest_blocks * per_block,
         });
     }
-    let parts = pieces.iter().map(|p| (&p.kv[..], p.blocks)).chain(std::iter::once((rest, rest_blocks)));
-    let parts: Vec<(&[f32], usize)> = parts.collect();
+    let floats: Vec<std::borrow::Cow<'_, [f32]>> = pieces.iter().map(|p| p.floats()).collect();
+    let parts = floats.iter().zip(pieces).map(|(kv, p)| (&kv[..], p.blocks));
+    let parts: Vec<(&[f32], usize)> = parts.chain(std::iter::once((rest, rest_blocks))).collect();
     let total: usize = parts.iter().map(|(kv, _)| kv.len()).sum();
     let mut out = Vec::with_capacity(total);
     // Layer l of a part starts after its blocks' floats of the layers before l.
@@ -130,7 +152,7 @@ pub fn zeros_for_missing(pieces: Vec<Arc<KvPiece>>, streamed: usize, floats_per_
             }
             None => {
                 let kv = vec![0.0; floats_per_block];
-                out.push(Arc::new(KvPiece { first_block: b, blocks: 1, kv, ..(*first).clone() }));
+                out.push(Arc::new(KvPiece { first_block: b, blocks: 1, kv, source: None, ..(*first).clone() }));
                 b += 1;
             }
         }
@@ -204,6 +226,7 @@ mod tests {
             blocks,
             layer_floats: vec![2, 3],
             kv: packed(first..first + blocks),
+            source: None,
             sent_ms: 0.0,
             arrived_ms: 0.0,
         }

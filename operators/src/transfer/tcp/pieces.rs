@@ -41,15 +41,25 @@ pub(super) fn write_piece(
     w.write_all(&header)?;
     *written += header.len() as u64;
     let mut crc = Crc32c::new();
-    for floats in piece.kv.chunks(PIECE_FLOATS) {
+    let mut sent = Ok(());
+    let mut send = |floats: &[f32]| {
+        if sent.is_err() {
+            return;
+        }
         let bytes = le_bytes(floats);
         pace(bytes.len());
         if checksum {
             crc.update(&bytes);
         }
-        w.write_all(&bytes)?;
+        sent = w.write_all(&bytes);
         *written += bytes.len() as u64;
+    };
+    match &piece.source {
+        // In a cuda rank's device memory: read a staged piece at a time, on this thread.
+        Some(source) => source.stream(PIECE_FLOATS, &mut send),
+        None => piece.kv.chunks(PIECE_FLOATS).for_each(&mut send),
     }
+    sent?;
     w.write_all(&(if checksum { crc.value() } else { 0 }).to_le_bytes())?;
     *written += 4;
     w.flush()
@@ -92,7 +102,7 @@ pub(super) fn read_piece(
     let transfer = TransferId { nonce: header.nonce, generation: header.generation };
     let arrived_ms = crate::messages::wall_ms();
     let (request, sent_ms) = (header.request, header.sent_ms);
-    Ok(Ok(KvPiece { request, transfer, first_block, blocks, layer_floats, kv, sent_ms, arrived_ms }))
+    Ok(Ok(KvPiece { request, transfer, first_block, blocks, layer_floats, kv, source: None, sent_ms, arrived_ms }))
 }
 
 /// The drop frame for `request`'s pieces of `transfer`.
@@ -122,6 +132,7 @@ mod tests {
             blocks: 2,
             layer_floats: vec![2, 4],
             kv: (0..12).map(|i| i as f32).collect(),
+            source: None,
             sent_ms: 12.5,
             arrived_ms: 0.0,
         }
