@@ -18,16 +18,7 @@ bin=./target/release/kvflow
 work=target/busy-producer
 mkdir -p "$work"
 [ -f "$work/model/model.safetensors" ] || "$bin" seed-checkpoint benches/specs/mha_small.toml "$work/model" >/dev/null
-python3 - "$work/trace.jsonl" "$tokens" "$requests" "$gap" <<'PY'
-import json, sys
-path, tokens, requests, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-blocks = (tokens + 511) // 512  # a mooncake trace names one id per 512-token block
-with open(path, "w") as f:
-    for i in range(requests):
-        # every prompt its own blocks: no prefix is shared, each is prefilled whole
-        ids = [100000 * (i + 1) + j for j in range(blocks)]
-        f.write(json.dumps({"timestamp": i * gap, "input_length": tokens, "output_length": 8, "hash_ids": ids}) + "\n")
-PY
+python3 benches/long_prompts.py "$work/trace.jsonl" "$tokens" "$requests" "$gap"
 root=$(pwd)
 sed -e "s#^path = .*#path = \"$root/$work/model\"#" \
     -e "s#^budget_bytes = .*#budget_bytes = \"1 GiB\"#" \

@@ -9,12 +9,13 @@
 # Needs a release build; writes under target/streaming-<tokens>/ (or $WORK). The model is the
 # seeded Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written
 # there once. On the GPU (benches/device/streaming.sh): BIN=.device-bin/kvflow, SPEC (a seeded
-# spec), EXECUTOR=cuda and DTYPE (both pools), BUDGET (each rank's memory).
+# spec), EXECUTOR=cuda and DTYPE (both pools), BUDGET (each rank's memory); CHUNK: the prefill
+# chunk (default 512 tokens).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tokens=${1:-4096} requests=${2:-8} gap=${3:-1800} rate=${4:-100 MB/s} stream_min=${5:-1024}
 bin=${BIN:-./target/release/kvflow} spec=${SPEC:-benches/specs/mha_small.toml}
-executor=${EXECUTOR:-cpu} dtype=${DTYPE:-float32} budget=${BUDGET:-1 GiB}
+executor=${EXECUTOR:-cpu} dtype=${DTYPE:-float32} budget=${BUDGET:-1 GiB} chunk=${CHUNK:-512}
 [ -x "$bin" ] || { echo "no $bin: cargo build --release first" >&2; exit 2; }
 work=${WORK:-target/streaming-$tokens}
 mkdir -p "$work"
@@ -23,23 +24,14 @@ settings=""
 [ "$executor" = cuda ] && settings="\n[pool.executor_settings]\ndtype = \"$dtype\""
 bandwidth="\nbandwidth = \"$rate\""
 [ "$rate" = none ] && bandwidth=""
-python3 - "$work/trace.jsonl" "$tokens" "$requests" "$gap" <<'PY'
-import json, sys
-path, tokens, requests, gap = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-blocks = (tokens + 511) // 512  # a mooncake trace names one id per 512-token block
-with open(path, "w") as f:
-    for i in range(requests):
-        # every prompt its own blocks: no prefix is shared, each is prefilled whole
-        ids = [100000 * (i + 1) + j for j in range(blocks)]
-        f.write(json.dumps({"timestamp": i * gap, "input_length": tokens, "output_length": 8, "hash_ids": ids}) + "\n")
-PY
+python3 benches/long_prompts.py "$work/trace.jsonl" "$tokens" "$requests" "$gap"
 case "$work" in /*) root="" ;; *) root="$(pwd)/" ;; esac
 graph() {  # graph NAME EXTRA_LINK_KEYS
     sed -e "s#^path = .*#path = \"$root$work/model\"#" \
         -e "s#^budget_bytes = .*#budget_bytes = \"$budget\"#" \
         -e "s#^executor = .*#executor = \"$executor\"$settings#" \
         -e "s#^max_batched_tokens = .*#max_batched_tokens = 512#" \
-        -e "s#^chunk_tokens = .*#chunk_tokens = 512#" \
+        -e "s#^chunk_tokens = .*#chunk_tokens = $chunk#" \
         -e "s#^trace = .*#trace = \"$root$work/trace.jsonl\"#" \
         -e "s#^time_scale = .*#time_scale = 1.0#" \
         -e "s#^warmup = .*#warmup = 0#" \
@@ -52,7 +44,7 @@ graph() {  # graph NAME EXTRA_LINK_KEYS
 graph whole ""
 graph streamed "\nstream_min_tokens = $stream_min"
 commit=$(cat .device-bin/COMMIT 2>/dev/null || git rev-parse --short HEAD)
-echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
+echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, chunks of $chunk, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
 "$bin" compare "$work/whole.toml" "$work/streamed.toml" --verify --out "$work/out" 2>"$work/compare.log" ||
     { echo "the comparison failed (see $work/compare.log)"; tail -5 "$work/compare.log"; exit 1; }
 python3 - "$work/out/whole/report.json" "$work/out/streamed/report.json" <<'PY'

@@ -122,20 +122,6 @@ pub struct ProducerState {
     /// counts in the prefill pool's queue.
     pub back_to: Option<BackTo>,
     pub in_prefill_queue: bool,
-    /// Its prompt's KV leaving in pieces while it prefills (`[[link]] stream_min_tokens`).
-    pub stream: Option<StreamOut>,
-}
-
-/// A producer's handoff under way in pieces: its transfer (its nonce fixed at the first piece),
-/// the blocks the launched steps export ahead (counted from the first block the handoff sends),
-/// the pieces of launched steps not completed yet (first block, count and the generation that
-/// launched it, in launch order), and the pieces sent (its handoff carries them).
-#[derive(Debug)]
-pub struct StreamOut {
-    pub transfer: TransferId,
-    pub exported_blocks: usize,
-    pub launched: std::collections::VecDeque<(usize, usize, u32)>,
-    pub sent: Vec<std::sync::Arc<crate::transfer::KvPiece>>,
 }
 
 /// A decode pool's request that arrived as a handoff (the consumer's side).

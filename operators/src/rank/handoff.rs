@@ -276,12 +276,14 @@ impl Rank {
             return true;
         };
         // A streamed handoff is the transfer its first piece began (in the generation it has now).
-        let stream = self.seqs.get_mut(index).kind.producer_mut().and_then(|p| p.stream.take());
+        let stream = self.take_stream(self.seqs.get(index).id);
         let seq = self.seqs.get_mut(index);
+        let Some(out) = self.handoff_out.as_mut() else { return false };
         let nonce = stream.as_ref().map_or(out.next_nonce, |s| s.transfer.nonce);
         out.next_nonce += u64::from(stream.is_none());
         let transfer = TransferId { nonce, generation: key.generation };
         let streamed = stream.map_or(Vec::new(), |s| s.sent);
+        let sent_ahead = !streamed.is_empty();
         let streamed_blocks: usize = streamed.iter().map(|p| p.blocks).sum();
         let kv_blocks = seq.prompt_len.div_ceil(self.memory.layout.block_size);
         let kv_blocks = if self.memory.layout.keeps_kv { kv_blocks } else { 0 };
@@ -346,6 +348,9 @@ impl Rank {
                     .push((step, Event::HandedOff { id, rank: self.index, to, started_ms, t0_ms, bytes, preemptions }));
             }
             Err(why) => {
+                if sent_ahead {
+                    out.sink.drop_pieces(id, transfer, back_to); // what the consumer staged goes
+                }
                 self.stop_awaiting(id);
                 self.fail(index, step, "handoff", format!("cannot hand off: {why}"));
             }
@@ -424,8 +429,8 @@ impl Rank {
         match &mut seq.kind {
             RequestKind::Whole => {}
             RequestKind::Producer(producer) => {
-                if let Some(stream) = producer.stream.take().filter(|_| producer.in_transfer.is_none()) {
-                    self.drop_pieces(seq.id, &stream, producer.back_to);
+                if producer.in_transfer.is_none() {
+                    self.end_stream(seq.id, producer.back_to);
                 }
                 let Some(out) = self.handoff_out.as_mut() else { return };
                 out.exported.remove(&seq.key);

@@ -8,6 +8,7 @@
 
 use super::recent_set::RecentSet;
 use crate::pool::admit::Ingress;
+use crate::request::TransferId;
 use crate::step::{Exported, SeqKey};
 use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, RelayQueue};
 use kvflow_kernels::kv::SlotId;
@@ -35,6 +36,9 @@ pub struct HandoffOut {
     pub(super) exported: HashMap<SeqKey, Exported>,
     /// Test switch `export_admission_slot` only: the slot each request got when first admitted.
     pub(super) admission_slots: HashMap<u64, SlotId>,
+    /// Requests whose prompt's KV leaves in pieces while they prefill, by id (`stream`), until
+    /// their handoff leaves or they end.
+    pub(super) streams: HashMap<u64, StreamOut>,
 }
 
 impl HandoffOut {
@@ -55,8 +59,21 @@ impl HandoffOut {
             awaiting: HashMap::new(),
             exported: HashMap::new(),
             admission_slots: HashMap::new(),
+            streams: HashMap::new(),
         }
     }
+}
+
+/// A producer's handoff under way in pieces: its transfer (its nonce fixed at the first piece),
+/// the blocks the launched steps export ahead (counted from the first block the handoff sends),
+/// the pieces of launched steps not completed yet (first block, count and the generation that
+/// launched it, in launch order), and the pieces sent (its handoff carries them).
+#[derive(Debug)]
+pub(super) struct StreamOut {
+    pub(super) transfer: TransferId,
+    pub(super) exported_blocks: usize,
+    pub(super) launched: std::collections::VecDeque<(usize, usize, u32)>,
+    pub(super) sent: Vec<Arc<crate::transfer::KvPiece>>,
 }
 
 /// Events of a remote decode pool relayed to this rank (`transfer::relay`).

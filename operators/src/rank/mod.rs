@@ -355,8 +355,7 @@ impl Rank {
     /// [`Self::stage`]'s, or "between pieces" — prefilling with some of its handoff streamed
     /// ahead.
     fn at_stage(&self, index: usize, stage: &str) -> bool {
-        let streamed =
-            self.seqs.get(index).kind.producer().and_then(|p| p.stream.as_ref()).is_some_and(|s| !s.sent.is_empty());
+        let streamed = self.streaming(self.seqs.get(index).id);
         self.stage(index) == stage || (stage == "between pieces" && streamed && self.stage(index) == "prefilling")
     }
 

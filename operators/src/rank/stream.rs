@@ -6,10 +6,10 @@
 //! that will not hand off are dropped at the consumer; the request keeps its blocks until the
 //! handoff's ack as before.
 
+use super::handoff_state::StreamOut;
 use super::Rank;
 use crate::messages::wall_ms;
 use crate::policy::scheduler::Chunk;
-use crate::policy::sequence::StreamOut;
 use crate::step::{Exported, KvExport};
 use crate::transfer::{KvPiece, TransferId};
 
@@ -19,27 +19,27 @@ impl Rank {
     /// chunk completes blocks not exported yet.
     pub(super) fn piece_export(&mut self, c: &Chunk) -> Option<KvExport> {
         let (out, layout) = (self.handoff_out.as_mut()?, &self.memory.layout);
-        let seq = self.seqs.get_mut(c.seq);
-        let producer = seq.kind.producer_mut()?;
+        let seq = self.seqs.get(c.seq);
+        let producer = seq.kind.producer()?;
         if !c.prefill || c.sample || !layout.keeps_kv || out.kv_layers.is_empty() || producer.in_transfer.is_some() {
             return None;
         }
-        if producer.stream.is_none() {
+        if !out.streams.contains_key(&seq.id) {
             let min = out.sink.stream_min_tokens(seq.id, producer.back_to)?;
             if seq.prompt_len < min.max(1) {
                 return None;
             }
             let transfer = TransferId { nonce: out.next_nonce, generation: seq.key.generation };
             out.next_nonce += 1;
-            producer.stream =
-                Some(StreamOut { transfer, exported_blocks: 0, launched: Default::default(), sent: Vec::new() });
+            let stream = StreamOut { transfer, exported_blocks: 0, launched: Default::default(), sent: Vec::new() };
+            out.streams.insert(seq.id, stream);
         }
         let bs = layout.block_size;
         let n = seq.prompt_len.div_ceil(bs).min(seq.blocks.len());
         let skip = producer.back_to.map_or(0, |b| b.skip_tokens as usize / bs).min(n);
         // Whole blocks only: the block the chunk ends in is written on by the next chunk.
         let full = ((c.start + c.len).min(seq.prompt_len) / bs).min(n);
-        let stream = producer.stream.as_mut()?;
+        let stream = out.streams.get_mut(&seq.id)?;
         let (from, to) = (stream.exported_blocks, full.saturating_sub(skip));
         if to <= from {
             return None;
@@ -52,22 +52,27 @@ impl Rank {
 
     /// The first block (after those the consumer holds) that the handoff at T0 still exports.
     pub(super) fn exported_ahead(&self, c: &Chunk) -> usize {
-        let producer = self.seqs.get(c.seq).kind.producer();
-        producer.and_then(|p| p.stream.as_ref()).map_or(0, |s| s.exported_blocks)
+        let streams = self.handoff_out.as_ref().map(|o| &o.streams);
+        streams.and_then(|s| s.get(&self.seqs.get(c.seq).id)).map_or(0, |s| s.exported_blocks)
+    }
+
+    /// Whether request `id` has sent pieces of its handoff ahead.
+    pub(super) fn streaming(&self, id: u64) -> bool {
+        self.handoff_out.as_ref().and_then(|o| o.streams.get(&id)).is_some_and(|s| !s.sent.is_empty())
     }
 
     /// A step completed a piece it exported: it leaves now, over the link its handoff will take.
     /// A piece of a request that ended or was preempted meanwhile is dropped (its consumer was
     /// told; a preempted one streams again).
     pub(super) fn send_piece(&mut self, e: Exported) {
-        let Some(out) = self.handoff_out.as_ref() else { return };
+        let Some(out) = self.handoff_out.as_mut() else { return };
         let index = e.key.index as usize;
         let Some(seq) = self.seqs.held_at_mut(index) else { return };
         let id = seq.id;
-        let Some(producer) = seq.kind.producer_mut() else { return };
+        let Some(producer) = seq.kind.producer() else { return };
         let back_to = producer.back_to;
-        let Some(stream) = producer.stream.as_mut() else { return };
-        // Launched by this request (in this generation or one before a preemption), in order.
+        let Some(stream) = out.streams.get_mut(&id) else { return };
+        // Launched by this request in this generation (a preemption restarts the stream), in order.
         let Some(&(first_block, blocks, generation)) = stream.launched.front() else { return };
         if generation != e.key.generation {
             return; // another request's, which ended: its slot holds this one now
@@ -99,6 +104,7 @@ impl Rank {
                 self.stats.streamed_bytes += piece.bytes();
                 stream.sent.push(piece);
             }
+            // (fail ends the stream: it drops what was sent)
             Err(why) => {
                 let step = self.step;
                 self.fail(index, step, "handoff", format!("cannot send a piece of the handoff ahead: {why}"));
@@ -110,22 +116,24 @@ impl Rank {
     /// from their first block): what they sent named blocks they no longer hold.
     pub(super) fn restart_streams(&mut self, preempted: &[u64]) {
         for &id in preempted {
-            let Some(index) = self.seqs.index_of(id) else { continue };
-            let seq = self.seqs.get_mut(index);
-            let Some(producer) = seq.kind.producer_mut() else { continue };
-            if let Some(stream) = producer.stream.take() {
-                let back_to = producer.back_to;
-                self.drop_pieces(id, &stream, back_to);
-            }
+            let back_to = self.seqs.index_of(id).and_then(|i| self.seqs.get(i).kind.producer()).and_then(|p| p.back_to);
+            self.end_stream(id, back_to);
         }
     }
 
-    /// A streaming request that will not hand off (it failed or was cancelled before T0): the
-    /// consumer drops the pieces it staged.
-    pub(super) fn drop_pieces(&mut self, id: u64, stream: &StreamOut, back_to: Option<crate::request::BackTo>) {
-        if let (Some(out), false) = (self.handoff_out.as_ref(), stream.sent.is_empty()) {
+    /// Request `id`'s stream ends before its handoff leaves (it failed, was cancelled or
+    /// preempted before T0): the consumer drops the pieces it staged.
+    pub(super) fn end_stream(&mut self, id: u64, back_to: Option<crate::request::BackTo>) {
+        let Some(out) = self.handoff_out.as_mut() else { return };
+        let Some(stream) = out.streams.remove(&id) else { return };
+        if !stream.sent.is_empty() {
             out.sink.drop_pieces(id, stream.transfer, back_to);
             self.stats.streams_dropped += 1;
         }
+    }
+
+    /// Request `id`'s stream, taken by its handoff at T0 (it carries the pieces sent).
+    pub(super) fn take_stream(&mut self, id: u64) -> Option<StreamOut> {
+        self.handoff_out.as_mut().and_then(|o| o.streams.remove(&id))
     }
 }

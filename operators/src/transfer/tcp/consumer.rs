@@ -19,7 +19,7 @@ use crate::messages::Event;
 use crate::pool::emit::EventSink;
 use crate::transfer::inproc::{Ack, ConsumerPool};
 use crate::transfer::stream::{check_cover, zeros_for_missing, StagedPieces};
-use crate::transfer::wire::ConsumerLayout;
+use crate::transfer::wire::{ConsumerLayout, Descriptor};
 use crate::transfer::{read_floats, Crc32c, Handoff, Recycler, TransferCounters, TransferId};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -490,14 +490,7 @@ fn serve_frames(
                 continue;
             }
             ToConsumer::Close => {
-                let mut links = shared.links.lock();
-                if let Some(state) = links.get_mut(&link) {
-                    state.closed = true;
-                }
-                let closed = links.values().filter(|l| l.closed).count();
-                if options.expect_links.is_some_and(|n| closed >= n) {
-                    pool.ingress.close();
-                }
+                link_closed(shared, link, pool, options);
                 continue;
             }
         };
@@ -534,33 +527,7 @@ fn serve_frames(
         if let (Some(_), Some((_, counters))) = (&payload.landed, &options.landing) {
             TransferCounters::bump(&counters.landed_on_device);
         }
-        let h = Handoff {
-            transfer: d.transfer,
-            request: d.request,
-            prompt: d.prompt,
-            max_output_tokens: d.max_output_tokens,
-            warmup: d.warmup,
-            sampling: d.sampling,
-            drafts: d.drafts,
-            delivery: d.delivery,
-            t0: d.t0,
-            logits_hash: d.logits_hash,
-            fingerprint: layout.fingerprint,
-            skip_blocks: d.skip_blocks,
-            kv_blocks: d.kv_blocks,
-            block_size: d.block_size,
-            floats_per_block: per_block,
-            streamed,
-            kv: payload.kv,
-            source: None,
-            landed: payload.landed,
-            state: payload.state,
-            started_ms: d.started_ms,
-            t0_ms: d.t0_ms,
-            to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_tokens: d.to_skip_tokens }),
-            recycle: Some(recycler.clone()),
-            on_drop: Default::default(),
-        };
+        let h = handoff_of(d, &layout, streamed, payload, &recycler);
         if shared.stopped_taking.load(Ordering::SeqCst) {
             let why = format!("decode pool {} is ending and takes no more handoffs", pool.name);
             acker.ack(h.request, h.transfer, Err(why));
@@ -568,6 +535,55 @@ fn serve_frames(
         }
         shared.origin.lock().insert(h.request, link);
         pool.deliver(Arc::new(h), acker.clone());
+    }
+}
+
+/// Link `link` sent its close frame: once every link the pool expects has, its ingress closes.
+fn link_closed(shared: &Shared, link: u64, pool: &ConsumerPool, options: &ConsumerOptions) {
+    let mut links = shared.links.lock();
+    if let Some(state) = links.get_mut(&link) {
+        state.closed = true;
+    }
+    let closed = links.values().filter(|l| l.closed).count();
+    if options.expect_links.is_some_and(|n| closed >= n) {
+        pool.ingress.close();
+    }
+}
+
+/// The handoff descriptor `d` names, with the pieces it streamed ahead and its payload.
+fn handoff_of(
+    d: Descriptor,
+    layout: &ConsumerLayout,
+    streamed: Vec<Arc<crate::transfer::KvPiece>>,
+    payload: Payload,
+    recycler: &Recycler,
+) -> Handoff {
+    Handoff {
+        transfer: d.transfer,
+        request: d.request,
+        fingerprint: layout.fingerprint,
+        skip_blocks: d.skip_blocks,
+        kv_blocks: d.kv_blocks,
+        block_size: d.block_size,
+        floats_per_block: d.floats_per_block(layout),
+        streamed,
+        kv: payload.kv,
+        source: None,
+        landed: payload.landed,
+        state: payload.state,
+        started_ms: d.started_ms,
+        t0_ms: d.t0_ms,
+        to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_tokens: d.to_skip_tokens }),
+        recycle: Some(recycler.clone()),
+        on_drop: Default::default(),
+        prompt: d.prompt,
+        max_output_tokens: d.max_output_tokens,
+        warmup: d.warmup,
+        sampling: d.sampling,
+        drafts: d.drafts,
+        delivery: d.delivery,
+        t0: d.t0,
+        logits_hash: d.logits_hash,
     }
 }
 
