@@ -6,7 +6,8 @@
 //! as computed; the MTP drafter's proposal for the next step is kept on the sequence
 //! (`Sequence::model_drafts`, a copy); a producer's request whose step sampled T0 with
 //! "drafter needs successor tokens" set drafts from T0 for its handoff now. A streaming
-//! request's new tokens leave as an event of the step that sampled them.
+//! request's new tokens leave as an event of the step that sampled them; a streamed handoff's
+//! piece its step exported leaves over the link now (`stream`), never before its step completed.
 
 use super::Rank;
 use crate::messages::{wall_ms, Event};

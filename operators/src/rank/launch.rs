@@ -6,7 +6,8 @@
 //! ride on the same order: an arrived one is imported before the step that feeds its T0, and a
 //! prefill-only request's slot is copied out after the step that samples T0 (part of that step),
 //! its blocks copied out too (a cuda rank names them in place) — the request holds them until the
-//! consumer's ack.
+//! consumer's ack. On a streaming link the earlier prompt chunks export the whole blocks they
+//! complete as pieces (`stream`), and the export at T0 takes only the blocks after them.
 
 use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};

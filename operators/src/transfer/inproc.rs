@@ -5,8 +5,10 @@
 //! them into the blocks it allocated, before the step that first reads them. A handoff read in
 //! place is acked when the consumer lets go of it, after that copy. One that carries its own
 //! bytes (a CPU producer's, or any over tcp) is acked when it is taken. The producer holds the
-//! request's blocks and slot until the ack arrives. A cancelled request's transfer is aborted explicitly (the consumer drops
-//! it, or cancels what it began, and answers), never left to a timeout.
+//! request's blocks and slot until the ack arrives. A handoff from a pool of another block size
+//! is cut into the consumer pool's blocks when it reaches the inbox (`reblock`). A cancelled
+//! request's transfer is aborted explicitly (the consumer drops it, or cancels what it began, and
+//! answers), never left to a timeout.
 
 use super::faults::{Fault, Faults, TransferCounters};
 use super::{Handoff, KvPiece, LinkRate, TransferId};

@@ -77,6 +77,13 @@ pub struct ConsumerLayout {
     pub max_prompt: usize,
 }
 
+impl ConsumerLayout {
+    /// Floats of one token's KV across every layer (a block of any size holds a multiple).
+    pub fn floats_per_token(&self) -> usize {
+        self.floats_per_block / self.block_size.max(1)
+    }
+}
+
 /// A decoded header: everything but the payload, which follows it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Descriptor {
@@ -115,7 +122,7 @@ pub struct Descriptor {
 impl Descriptor {
     /// Floats of one of the producer's blocks (of this pool's floats a token).
     pub fn floats_per_block(&self, layout: &ConsumerLayout) -> usize {
-        layout.floats_per_block / layout.block_size.max(1) * self.block_size
+        layout.floats_per_token() * self.block_size
     }
 
     /// Bytes of payload after the header and prompt.
@@ -207,7 +214,7 @@ impl WireDescriptor {
         }
         // Any block size: the same floats a token (the inbox re-cuts them into this pool's blocks).
         let block_size = w.block_size as usize;
-        let per_token = layout.floats_per_block / layout.block_size.max(1);
+        let per_token = layout.floats_per_token();
         if layout.floats_per_block > 0 && (block_size == 0 || w.floats_per_block as usize != per_token * block_size) {
             let (got, expected) = (w.floats_per_block as usize, per_token * block_size);
             return Err(WireError::Geometry { what: "floats per block", got, expected });

@@ -639,6 +639,21 @@ impl TcpLinks {
     fn stream_link(&self, request: u64) -> Option<&Arc<TcpLink>> {
         self.streams.lock().get(&request).and_then(|&i| self.links.get(i))
     }
+
+    /// [`Self::stream_link`], forgotten: its handoff leaves, or its pieces are dropped.
+    fn take_stream_link(&self, request: u64) -> Option<&Arc<TcpLink>> {
+        self.streams.lock().remove(&request).and_then(|i| self.links.get(i))
+    }
+
+    /// The index (in `links`) of the connection to request `request`'s decode pool with the
+    /// fewest handoffs unanswered (so handoffs in flight together go over different ones).
+    fn least_loaded(&self, request: u64, back_to: Option<BackTo>) -> Result<usize, String> {
+        let per_pool = self.connections.max(1);
+        let first = link_of(request, back_to, self.links.len() / per_pool) * per_pool;
+        let connections = self.connections_of(request, back_to);
+        let least = connections.iter().enumerate().min_by_key(|(_, link)| link.unanswered());
+        least.map(|(i, _)| first + i).ok_or_else(|| "no decode pool is linked".to_string())
+    }
 }
 
 impl TcpLink {
@@ -653,14 +668,11 @@ impl TcpLink {
 }
 
 impl HandoffSink for TcpLinks {
-    /// Sends over the pool's connection with the fewest handoffs unanswered (so handoffs in
-    /// flight together go over different connections).
+    /// Sends over the connection its pieces went by, else the pool's least loaded one.
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
-        let connections = self.connections_of(h.request, h.to);
-        let streamed = self.stream_link(h.request).cloned();
-        self.streams.lock().remove(&h.request);
-        let Some(link) = streamed.as_ref().or_else(|| connections.iter().min_by_key(|link| link.unanswered())) else {
-            return Err("no decode pool is linked".into());
+        let link = match self.take_stream_link(h.request) {
+            Some(link) => link,
+            None => &self.links[self.least_loaded(h.request, h.to)?],
         };
         link.send_arc(Arc::new(h), ack)
     }
@@ -673,15 +685,11 @@ impl HandoffSink for TcpLinks {
     /// Over the connection the request's first piece took (the fewest handoffs unanswered then).
     fn send_piece(&self, piece: KvPiece, back_to: Option<BackTo>) -> Result<Arc<KvPiece>, String> {
         let link = match self.stream_link(piece.request) {
-            Some(link) => link.clone(),
+            Some(link) => link,
             None => {
-                let connections = self.connections_of(piece.request, back_to);
-                let Some(link) = connections.iter().min_by_key(|link| link.unanswered()) else {
-                    return Err("no decode pool is linked".into());
-                };
-                let index = self.links.iter().position(|l| Arc::ptr_eq(l, link)).unwrap_or(0);
+                let index = self.least_loaded(piece.request, back_to)?;
                 self.streams.lock().insert(piece.request, index);
-                link.clone()
+                &self.links[index]
             }
         };
         let s = &link.shared;
@@ -696,9 +704,7 @@ impl HandoffSink for TcpLinks {
     }
 
     fn drop_pieces(&self, request: u64, transfer: TransferId, _back_to: Option<BackTo>) {
-        let link = self.stream_link(request).cloned();
-        self.streams.lock().remove(&request);
-        if let Some(link) = link {
+        if let Some(link) = self.take_stream_link(request) {
             let _ = link.shared.jobs.lock().send(Job::DropPieces(request, transfer));
         }
     }

@@ -77,7 +77,7 @@ pub(super) fn read_piece(
     let (first_block, blocks) = (header.first_block as usize, header.blocks as usize);
     let layer_floats: Vec<usize> = header.layer_floats.iter().map(|&n| n as usize).collect();
     // Blocks of any size, of this pool's floats a token.
-    let per_token = layout.floats_per_block / layout.block_size.max(1);
+    let per_token = layout.floats_per_token();
     let per_block: usize = layer_floats.iter().sum();
     if per_token == 0 || per_block == 0 || per_block % per_token != 0 {
         return Err(bad(format!(
