@@ -8,6 +8,7 @@ pub mod kv_index;
 pub mod kv_router;
 pub mod memory;
 pub mod prefix_cache;
+pub mod routed_blocks;
 pub mod router;
 pub mod routers;
 pub mod scheduler;

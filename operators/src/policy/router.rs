@@ -29,6 +29,12 @@ pub trait Router {
     fn expected_hit_tokens(&self) -> usize {
         0
     }
+
+    /// The pool's cache events, each rank's in order after its snapshot (if it sent one), as
+    /// `align` takes them from the step's reports before routing the step's admissions — the
+    /// same on every rank. A router that keeps its own view of the ranks' caches reads them.
+    fn observe(&mut self, _snapshot: Option<&super::kv_index::CacheSnapshot>, _events: &[super::kv_index::CacheEvent]) {
+    }
 }
 
 /// Least outstanding tokens, with prefix affinity: a request whose prompt starts with blocks

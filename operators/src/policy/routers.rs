@@ -10,6 +10,10 @@ use super::router::{affinity_capacity, LeastOutstanding, RoundRobin, Router, Rou
 /// each admission's cached prefixes per rank.
 pub const KV_AWARE: &str = "kv-aware";
 
+/// The fewest routed blocks `kv-aware` remembers unconfirmed, whatever the pool holds (a pool of
+/// a few blocks still follows a burst; 4,096 entries are about 100 KB).
+const MIN_ROUTED_CAPACITY: usize = 1 << 12;
+
 /// Routers by name. kvflow registers `least-outstanding`, `round-robin` and `kv-aware`; programs embedding
 /// kvflow add their own with [`RouterRegistry::register`] before building a pool.
 #[derive(Clone)]
@@ -25,7 +29,8 @@ impl Default for RouterRegistry {
         });
         r.register("round-robin", |_ctx: RouterContext| Box::new(RoundRobin::default()) as Box<dyn Router>);
         r.register(KV_AWARE, |ctx: RouterContext| {
-            let settings = KvAwareSettings { block_size: ctx.block_size, ..Default::default() };
+            let routed_capacity = ctx.ranks.saturating_mul(ctx.blocks_per_rank).max(MIN_ROUTED_CAPACITY);
+            let settings = KvAwareSettings { block_size: ctx.block_size, routed_capacity, ..Default::default() };
             Box::new(KvAware::new(settings)) as Box<dyn Router>
         });
         r

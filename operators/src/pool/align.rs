@@ -62,12 +62,14 @@ pub struct CacheEventRoute {
 }
 
 impl CacheEventRoute {
-    /// Takes the events and snapshots out of `reports` (rank-ordered), applies them to the index
-    /// where this worker holds it, and returns the ranks that owe a snapshot.
-    fn take(&mut self, reports: &mut [RankReport]) -> Vec<usize> {
+    /// Takes the events and snapshots out of `reports` (rank-ordered), shows them to the router,
+    /// applies them to the index where this worker holds it, and returns the ranks that owe a
+    /// snapshot.
+    fn take(&mut self, reports: &mut [RankReport], router: &mut dyn Router) -> Vec<usize> {
         let mut index = self.index.as_ref().map(|i| i.lock());
         for r in reports.iter_mut() {
             let (snapshot, events) = self.order.take(r.cache_snapshot.take(), std::mem::take(&mut r.cache_events));
+            router.observe(snapshot.as_ref(), &events);
             if let Some(index) = index.as_mut() {
                 if let Some(s) = &snapshot {
                     index.resync(s);
@@ -124,7 +126,7 @@ pub fn align<'scope>(
                     }
                     let Some((cap, mut got)) = stash.remove(&t) else { break };
                     got.sort_by_key(|r| r.rank);
-                    let resync = cache_events.as_mut().map(|c| c.take(&mut got)).unwrap_or_default();
+                    let resync = cache_events.as_mut().map(|c| c.take(&mut got, router.as_mut())).unwrap_or_default();
                     let mut plan = match complete_set(t, &got, ranks) {
                         Ok(()) => derive_plan(t, got, router.as_mut(), keys, &collectives),
                         Err(fault) => faulted_plan(t, got, fault, &collectives),
