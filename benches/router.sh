@@ -5,17 +5,19 @@
 # the bound no router over four ranks can beat (every prefix lands where the next request finds
 # it). One `kvflow compare` of the four, then prefix hit rates and the ratios the issue asks for.
 #     bash benches/router.sh [TRACE=traces/mooncake_synthetic_tail500.jsonl] [FIRST_LINE=201] [COUNT=300]
-# The model is the seeded Qwen3-shaped benches/specs/qwen3_router.toml (not a fixture), written
-# once under target/router/. VERIFY=1 adds --verify. Needs a release build.
+# The model is the seeded Qwen3-shaped benches/specs/qwen3_router.toml (not a fixture; SPEC names
+# another seeded spec), written once under target/router/. VERIFY=1 adds --verify; BIN another
+# build. Needs a release build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 trace=${1:-traces/mooncake_synthetic_tail500.jsonl} first=${2:-201} count=${3:-300}
 bin=${BIN:-./target/release/kvflow}
 [ -x "$bin" ] || { echo "no $bin: cargo build --release first" >&2; exit 2; }
 root=$(pwd)
-model=target/router/model
-[ -f "$model/model.safetensors" ] || "$bin" seed-checkpoint benches/specs/qwen3_router.toml "$model" >/dev/null
-work=target/router/$(basename "$trace" .jsonl)-$first-$count
+spec=${SPEC:-benches/specs/qwen3_router.toml}
+model=target/router/$(basename "$spec" .toml)
+[ -f "$model/model.safetensors" ] || "$bin" seed-checkpoint "$spec" "$model" >/dev/null
+work=target/router/$(basename "$spec" .toml)-$(basename "$trace" .jsonl)-$first-$count
 mkdir -p "$work"
 sed -n "${first},$((first + count - 1))p" "$trace" >"$work/trace.jsonl"
 [ "$(wc -l <"$work/trace.jsonl")" -eq "$count" ] || { echo "$trace has fewer than $((first + count - 1)) lines" >&2; exit 2; }
@@ -34,7 +36,7 @@ done
 swap graphs/router-round-robin.toml one-rank-bound -e 's#^ranks = .*#ranks = 1#' -e 's#^budget_bytes = .*#budget_bytes = "64 MiB"#'
 date -u
 git rev-parse --short HEAD
-echo "window: $trace lines $first-$((first + count - 1))"
+echo "window: $trace lines $first-$((first + count - 1)); model: seeded $spec"
 verify=()
 [ "${VERIFY:-0}" = 1 ] && verify=(--verify)
 "$bin" compare "$work"/router-kv-aware.toml "$work"/router-least-outstanding.toml "$work"/router-round-robin.toml \

@@ -28,9 +28,10 @@ use super::router::{RouteRequest, Router};
 
 /// The router's knobs. Dynamo's shape, with a prefill block weighing twice a block of load: a
 /// prefix recomputed on another rank costs this request its blocks and the pool their memory a
-/// second time, which evicts sooner what later requests would reuse. On held-out windows of the
-/// Mooncake synthetic trace, weight 2 against 1 raised the hit rate from 0.86–0.95 of the
-/// one-rank bound to 0.92–0.98 at about the same TTFT p99 (benches/results/*-router-*.txt).
+/// second time, which evicts sooner what later requests would reuse. With the routed-blocks
+/// table, it raised the hit rate by 0.01–0.03 on the heavy-reuse windows of the Mooncake
+/// synthetic trace at about the same TTFT p99, and left the others within run-to-run noise
+/// (benches/results/2026-12-06-cpu-4cc230b-router-windows.txt).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvAwareSettings {
     /// Tokens per block (the pool's paged block size, the index's unit).
