@@ -7,7 +7,8 @@
 //! width, the layers that exchange, the draft passes every rank joins).
 //!
 //! Under router `kv-aware` it also takes the ranks' cache events out of the reports, in each
-//! rank's order; the worker holding the routing index hands them to it, and a rank whose events
+//! rank's order, and shows them to the router before it routes (`Router::observe`: the same on
+//! every rank); the worker holding the routing index hands them to it, and a rank whose events
 //! came with a gap is named in the plan to send its whole cache (the same on every rank).
 //!
 //! Holds a capability for `t` from the first report of `t` until the plan is emitted.
