@@ -75,11 +75,6 @@ impl KvAware {
         KvAware { routed: RoutedBlocks::new(settings.routed_capacity), settings, last_hit_tokens: 0 }
     }
 
-    /// (block hashes known, routed blocks remembered) of its table.
-    pub fn table_sizes(&self) -> (usize, usize) {
-        self.routed.sizes()
-    }
-
     /// The blocks of `req`'s prefix `rank` holds in a tier, as reported (and, on the device,
     /// as the router's table holds them). The offload tier's store is shared by
     /// the pool's ranks (any rank loads what another saved), so what any rank reported there

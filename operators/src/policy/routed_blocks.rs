@@ -122,7 +122,8 @@ impl RoutedBlocks {
     }
 
     /// (block hashes known, routed blocks remembered): both bounded by the pool's size.
-    pub fn sizes(&self) -> (usize, usize) {
+    #[cfg(test)]
+    fn sizes(&self) -> (usize, usize) {
         (self.blocks.len(), self.routed_order.len())
     }
 }
