@@ -83,10 +83,11 @@ impl ImportFrom {
         }
     }
 
-    /// The KV landed in this consumer's device memory as it arrived, if it was.
-    pub fn landed(&self) -> Option<&crate::transfer::Landed> {
+    /// The KV landed in this consumer's device memory as it arrived, if all of it was: (first
+    /// block, blocks, landed) parts in block order.
+    pub fn landed(&self) -> Option<Vec<(usize, usize, &crate::transfer::Landed)>> {
         match self {
-            ImportFrom::Handoff(h) => h.landed_whole(),
+            ImportFrom::Handoff(h) => h.landed_parts(),
             ImportFrom::Store { .. } => None,
         }
     }

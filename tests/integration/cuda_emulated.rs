@@ -687,6 +687,10 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
     assert_exact(&report, "hf/qwen3 1P1D cuda over tcp, streamed");
     let h = &report["handoff"];
     assert!(h["pieces"].as_u64().unwrap() > 0 && h["pieces_staged"].as_u64().unwrap() > 0, "streamed: {h}");
+    // each piece landed in the decode rank's device memory as it came, and the rest after it:
+    // the import only unpacks on the device
+    assert_eq!(h["pieces_landed_on_device"], h["pieces_staged"], "streamed: {h}");
+    assert_eq!(h["landed_on_device"], report["completed"], "streamed: {h}");
 }
 
 /// Without a driver, a run with a cuda pool is refused before it starts, naming the pool and

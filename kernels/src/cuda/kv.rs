@@ -9,6 +9,7 @@
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Event, Gpu, PinnedBuf};
 use super::launch::Arg;
+use super::pinned_pool::SharedPinned;
 use super::weights::{bf16_bits, Dtype};
 use std::sync::Arc;
 
@@ -209,13 +210,15 @@ pub struct SharedKv {
     pub kv: DeviceKv,
     /// The GPU the blocks live on (its own stream and host-wait count: not the rank's).
     reader: Arc<Gpu>,
+    /// The reader's staging, kept for the next handoff (freeing it would wait for the device).
+    staging: SharedPinned,
 }
 
 impl SharedKv {
     /// Shares `kv`, which lives on `gpu`'s device.
     pub fn new(kv: DeviceKv, gpu: &Gpu) -> Result<Self, CudaError> {
         let reader = if gpu.is_emulated() { Gpu::emulated()? } else { Gpu::open(gpu.ordinal)? };
-        Ok(SharedKv { kv, reader })
+        Ok(SharedKv { kv, reader, staging: SharedPinned::default() })
     }
 
     /// Whether `gpu` can read these blocks with its own kernels (the same device, or both
@@ -243,7 +246,7 @@ impl SharedKv {
         }
         let list = self.reader.upload(blocks)?;
         let packed = [self.reader.scratch::<f32>(largest)?, self.reader.scratch::<f32>(largest)?];
-        let mut staging = [self.reader.pinned::<f32>(largest)?, self.reader.pinned::<f32>(largest)?];
+        let mut staging = [self.staging.take(&self.reader, largest)?, self.staging.take(&self.reader, largest)?];
         let mut copied: Vec<Event> = Vec::with_capacity(2);
         let mut hand_on = |staging: &PinnedBuf<f32>, floats: usize| {
             staging.as_slice()[..floats].chunks(piece_floats.max(1)).for_each(&mut piece)
@@ -262,6 +265,8 @@ impl SharedKv {
         let last = layer_floats.len() - 1;
         self.reader.wait_for(&copied[last])?;
         hand_on(&staging[last % 2], layer_floats[last]);
+        // (both copies are done: the last one waited for, the one before it before it)
+        staging.into_iter().for_each(|buf| self.staging.give_back(buf));
         Ok(())
     }
 

@@ -6,18 +6,21 @@
 
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Event, Gpu, PinnedBuf};
+use super::pinned_pool::SharedPinned;
 use std::sync::Arc;
 
-/// Where a pool's handoffs land: one GPU, reached through a stream of its own (never a rank's).
+/// Where a pool's handoffs land: one GPU, reached through a stream of its own (never a rank's),
+/// with staging kept from one payload to the next (freeing pinned memory waits for the device).
 pub struct Landing {
     gpu: Arc<Gpu>,
+    staging: Arc<SharedPinned>,
 }
 
 impl Landing {
     /// Lands on GPU `ordinal` (or in this process's emulation of the kernels).
     pub fn open(ordinal: usize, emulated: bool) -> Result<Self, CudaError> {
         let gpu = if emulated { Gpu::emulated()? } else { Gpu::open(ordinal)? };
-        Ok(Landing { gpu })
+        Ok(Landing { gpu, staging: Arc::default() })
     }
 
     /// Device memory for a payload of `floats` floats, filled piece by piece.
@@ -27,7 +30,8 @@ impl Landing {
             gpu: self.gpu.clone(),
             buf: self.gpu.scratch::<f32>(floats.max(1))?,
             floats,
-            staging: [self.gpu.pinned::<f32>(piece)?, self.gpu.pinned::<f32>(piece)?],
+            staging: [self.staging.take(&self.gpu, piece)?, self.staging.take(&self.gpu, piece)?],
+            spares: self.staging.clone(),
             copied: [None, None],
             at: 0,
             turn: 0,
@@ -42,6 +46,7 @@ pub struct LandingKv {
     buf: DeviceBuf<f32>,
     floats: usize,
     staging: [PinnedBuf<f32>; 2],
+    spares: Arc<SharedPinned>,
     /// The copy out of each staging buffer in flight, if any.
     copied: [Option<Event>; 2],
     /// Floats landed (or being copied) so far.
@@ -78,9 +83,11 @@ impl LandingKv {
             return Err(CudaError::Unsupported(format!("{} of {} floats landed", self.at, self.floats)));
         }
         let event = self.gpu.record()?;
-        // (the staging buffers stay alive until their copies are done: freed after the event)
+        // (the staging buffers stay alive until their copies are done: kept after the event)
         self.gpu.wait_for(&event)?;
-        Ok(LandedKv { gpu: self.gpu, buf: self.buf, floats: self.floats, event })
+        let LandingKv { gpu, buf, floats, staging, spares, .. } = self;
+        staging.into_iter().for_each(|b| spares.give_back(b));
+        Ok(LandedKv { gpu, buf, floats, event })
     }
 }
 

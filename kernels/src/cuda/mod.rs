@@ -41,6 +41,7 @@ pub mod launch;
 pub mod model;
 pub mod mtp;
 pub mod parts;
+mod pinned_pool;
 pub mod plain;
 pub mod product;
 pub mod rows;
@@ -58,6 +59,7 @@ pub use launch::Arg;
 pub use model::{unsupported, DeviceModel};
 /// DeepSeek-V3.2's key selection on the device (`cuda::indexer::torch_topk_on_device`).
 pub use parts::indexer;
+pub use pinned_pool::{PinnedPool, SharedPinned};
 pub use plain::{PlainGeneration, PlainRunner, PlainSample};
 pub use rows::{RowsOnDevice, StepRows, StepShape, FROM_RING, NO_SLOT, RESULT_WORDS};
 pub use state::DeviceState;

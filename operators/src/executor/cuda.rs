@@ -40,12 +40,12 @@ use super::contract::{Executor, ExecutorContext, ExecutorKind};
 use super::cuda_mtp::{MtpPasses, MtpPlan};
 use super::cuda_padding;
 use super::cuda_settings::CudaSettings;
-use super::pinned_pool::PinnedPool;
 use super::settings::SettingError;
 use crate::step::{
     DraftCheck, ExecutorError, Exported, KvExport, KvImport, Sampled, SeqKey, StateOp, StepCompletion, StepLaunch,
 };
 use kvflow_kernels::cuda::CudaError;
+use kvflow_kernels::cuda::PinnedPool;
 use kvflow_kernels::cuda::{
     DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, RowsOnDevice, SharedKv,
     StepGraphs, StepRows, FROM_RING, RESULT_WORDS,

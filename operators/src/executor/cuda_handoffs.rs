@@ -68,18 +68,23 @@ impl CudaExecutor {
                 }
             }
             let floats = import.blocks.len() * fpb;
-            if let Some(Landed(landed)) = h.landed().filter(|l| l.0.same_device(gpu)) {
-                // landed in device memory as it arrived: unpacked once the landing's copies are
-                // done (this stream waits for them on the GPU)
-                if landed.floats != floats {
+            if let Some(parts) = h.landed().filter(|parts| parts.iter().all(|(_, _, l)| l.0.same_device(gpu))) {
+                // landed in device memory as it arrived (a streamed handoff's pieces each at its
+                // blocks): unpacked once the landing's copies are done (this stream waits for
+                // them on the GPU)
+                let landed: usize = parts.iter().map(|(_, _, Landed(l))| l.floats).sum();
+                let blocks: usize = parts.iter().map(|(_, n, _)| n).sum();
+                if landed != floats || blocks != import.blocks.len() {
                     return Err(bad(format!(
-                        "{} KV floats for {} blocks of {fpb}",
-                        landed.floats,
+                        "{landed} KV floats in {blocks} blocks for {} of {fpb}",
                         import.blocks.len()
                     )));
                 }
-                gpu.stream_waits_for(&landed.event).map_err(fail)?;
-                self.kv.kv.unpack(gpu, landed.ptr(), block_lists[i], import.blocks.len()).map_err(fail)?;
+                for (first, n, Landed(part)) in parts.into_iter().filter(|(_, n, _)| *n > 0) {
+                    gpu.stream_waits_for(&part.event).map_err(fail)?;
+                    let list = block_lists[i] + (first * std::mem::size_of::<u32>()) as u64;
+                    self.kv.kv.unpack(gpu, part.ptr(), list, n).map_err(fail)?;
+                }
                 self.imported_on_device += 1;
                 imports.push((import.clone(), None));
                 continue;

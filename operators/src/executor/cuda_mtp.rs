@@ -17,8 +17,8 @@
 //! token that holds; the next step's pass 0 writes them again before an MTP row reads them
 //! (passes are enqueued in step order: completions are taken oldest first).
 
-use super::pinned_pool::PinnedPool;
 use crate::step::{Sampled, StepLaunch};
+use kvflow_kernels::cuda::PinnedPool;
 use kvflow_kernels::cuda::{
     CudaError, DeviceBuf, DeviceKv, DeviceModel, Gpu, PinnedBuf, RowsOnDevice, StepRows, FROM_RING, RESULT_WORDS,
 };

@@ -31,7 +31,6 @@ mod mtp;
 pub use mtp::draft_passes;
 mod null;
 mod owned_step;
-mod pinned_pool;
 mod settings;
 
 pub use contract::{Executor, ExecutorContext, ExecutorKind, ExpertParallel, ExpertPlacement};

@@ -90,6 +90,7 @@ impl Rank {
             layer_floats: out.kv_layers.clone(),
             kv: e.kv,
             source,
+            landed: None,
             sent_ms: wall_ms(),
             arrived_ms: 0.0,
         };

@@ -81,10 +81,12 @@ pub struct TransferCounters {
     /// some (each then sent again whole).
     pub pieces_staged: AtomicU64,
     pub refused_for_pieces: AtomicU64,
+    /// Of the staged pieces, those a cuda consumer landed in device memory as they arrived.
+    pub pieces_landed_on_device: AtomicU64,
 }
 
 /// How many counters [`TransferCounters::snapshot`] gives.
-pub const TRANSFER_COUNTERS: usize = 11;
+pub const TRANSFER_COUNTERS: usize = 12;
 
 impl TransferCounters {
     pub fn bump(counter: &AtomicU64) {
@@ -106,6 +108,7 @@ impl TransferCounters {
             ("landed_on_device", v(&self.landed_on_device)),
             ("pieces_staged", v(&self.pieces_staged)),
             ("refused_for_pieces", v(&self.refused_for_pieces)),
+            ("pieces_landed_on_device", v(&self.pieces_landed_on_device)),
         ]
     }
 }

@@ -108,9 +108,16 @@ impl Handoff {
         self.source.as_ref().filter(|_| self.streamed.is_empty())
     }
 
-    /// Its KV landed in a consumer's device memory, when all of it was.
-    pub fn landed_whole(&self) -> Option<&Landed> {
-        self.landed.as_ref().filter(|_| self.streamed.is_empty())
+    /// Its KV in a consumer's device memory, when all of it landed there: (first block, blocks,
+    /// landed) in block order — the pieces streamed ahead, then the rest.
+    pub fn landed_parts(&self) -> Option<Vec<(usize, usize, &Landed)>> {
+        let streamed = self.streamed_blocks();
+        let mut parts = Vec::with_capacity(self.streamed.len() + 1);
+        for p in &self.streamed {
+            parts.push((p.first_block, p.blocks, p.landed.as_ref()?));
+        }
+        parts.push((streamed, self.kv_blocks.saturating_sub(streamed), self.landed.as_ref()?));
+        Some(parts)
     }
 
     /// The KV of the blocks after the streamed ones.

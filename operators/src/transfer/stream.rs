@@ -29,6 +29,8 @@ pub struct KvPiece {
     /// names the blocks in place.
     pub kv: Vec<f32>,
     pub source: Option<crate::kv_source::KvSource>,
+    /// Its floats in a cuda consumer's device memory, landed as they arrived (`kv` then empty).
+    pub landed: Option<super::Landed>,
     /// When it was handed to the link, and when its last byte reached the consumer (`wall_ms`).
     pub sent_ms: f64,
     pub arrived_ms: f64,
@@ -37,15 +39,23 @@ pub struct KvPiece {
 impl KvPiece {
     /// Its floats (read from the producer's blocks when in place).
     pub fn floats(&self) -> std::borrow::Cow<'_, [f32]> {
-        match &self.source {
-            Some(source) => std::borrow::Cow::Owned(source.read()),
-            None => std::borrow::Cow::Borrowed(&self.kv),
+        match (&self.source, &self.landed) {
+            (Some(source), _) => std::borrow::Cow::Owned(source.read()),
+            (None, Some(landed)) => std::borrow::Cow::Owned(landed.0.read().unwrap_or_else(|e| {
+                tracing::error!(request = self.request, "reading a landed piece back from the GPU: {e}");
+                Vec::new()
+            })),
+            (None, None) => std::borrow::Cow::Borrowed(&self.kv),
         }
     }
 
     /// How many floats it carries.
     pub fn len(&self) -> usize {
-        self.source.as_ref().map_or(self.kv.len(), |s| s.blocks.len() * s.floats_per_block)
+        match (&self.source, &self.landed) {
+            (Some(s), _) => s.blocks.len() * s.floats_per_block,
+            (None, Some(landed)) => landed.0.floats,
+            (None, None) => self.kv.len(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -152,7 +162,14 @@ pub fn zeros_for_missing(pieces: Vec<Arc<KvPiece>>, streamed: usize, floats_per_
             }
             None => {
                 let kv = vec![0.0; floats_per_block];
-                out.push(Arc::new(KvPiece { first_block: b, blocks: 1, kv, source: None, ..(*first).clone() }));
+                out.push(Arc::new(KvPiece {
+                    first_block: b,
+                    blocks: 1,
+                    kv,
+                    source: None,
+                    landed: None,
+                    ..(*first).clone()
+                }));
                 b += 1;
             }
         }
@@ -227,6 +244,7 @@ mod tests {
             layer_floats: vec![2, 3],
             kv: packed(first..first + blocks),
             source: None,
+            landed: None,
             sent_ms: 0.0,
             arrived_ms: 0.0,
         }

@@ -13,6 +13,7 @@
 //! at once, and it may not come back.
 
 use super::frames::{self, ToConsumer, ToProducer};
+use super::landing::land;
 use super::pieces::{self, PIECES_REFUSAL};
 use super::{read_u32, write_status, CHECKSUM_REFUSAL};
 use crate::messages::Event;
@@ -463,9 +464,12 @@ fn serve_frames(
         let w = match frame {
             ToConsumer::Handoff(w) => w,
             ToConsumer::Piece(header) => {
-                match pieces::read_piece(&mut conn, header, &layout) {
+                match pieces::read_piece(&mut conn, header, &layout, options.landing.as_ref().map(|(l, _)| &**l)) {
                     Ok(Ok(piece)) => {
                         TransferCounters::bump(&pool.inbox.counters.pieces_staged);
+                        if let (Some(_), Some((_, counters))) = (&piece.landed, &options.landing) {
+                            TransferCounters::bump(&counters.pieces_landed_on_device);
+                        }
                         staged.put(piece);
                     }
                     // Not staged: its handoff will be refused and sent again whole.
@@ -614,10 +618,10 @@ fn receive_payload(
             crc.update(bytes)
         }
     };
-    // (A streamed handoff's KV is merged on the host, one of other blocks re-cut there: neither
-    // is landed in pieces.)
-    let whole_in_own_blocks = d.streamed_blocks == 0 && d.block_size == layout.block_size;
-    let (mut floats, landed) = match options.landing.as_ref().filter(|_| whole_in_own_blocks) {
+    // (the blocks after a streamed handoff's pieces land as the pieces did; blocks of another
+    // size are re-cut on the host)
+    let own_blocks = d.block_size == layout.block_size;
+    let (mut floats, landed) = match options.landing.as_ref().filter(|_| own_blocks) {
         Some((landing, _)) => {
             let landed = land(conn, landing, kv_floats, &mut seen).map_err(|_| ())?;
             let mut state = recycler.take(state_floats);
@@ -649,46 +653,4 @@ fn receive_payload(
             Payload { kv: floats, landed: None, state }
         }
     }))
-}
-
-/// Receives `floats` KV floats from `conn` into device memory through `landing`, a piece at a
-/// time (each piece copied to the device while the next is read), feeding the bytes to `seen`.
-/// `Err` from the socket ends the connection; `Ok(Err(why))` when the device failed (the rest of
-/// the payload is still read, so the stream stays in step, and the handoff is refused).
-fn land(
-    conn: &mut impl std::io::Read,
-    landing: &kvflow_kernels::cuda::Landing,
-    floats: usize,
-    seen: &mut impl FnMut(&[u8]),
-) -> std::io::Result<Result<kvflow_kernels::cuda::LandedKv, String>> {
-    let mut into = match landing.begin(floats, crate::transfer::PIECE_FLOATS) {
-        Ok(into) => into,
-        Err(e) => return skip_floats(conn, floats, seen).map(|_| Err(e.to_string())),
-    };
-    let mut left = floats;
-    while left > 0 {
-        let piece = match into.next_piece() {
-            Ok(piece) => piece,
-            Err(e) => return skip_floats(conn, left, seen).map(|_| Err(e.to_string())),
-        };
-        let n = piece.len();
-        read_floats(conn, piece, &mut *seen)?;
-        if let Err(e) = into.landed() {
-            return skip_floats(conn, left - n, seen).map(|_| Err(e.to_string()));
-        }
-        left -= n;
-    }
-    Ok(into.finish().map_err(|e| e.to_string()))
-}
-
-/// Reads and drops `floats` floats (feeding their bytes to `seen`).
-fn skip_floats(conn: &mut impl std::io::Read, floats: usize, seen: &mut impl FnMut(&[u8])) -> std::io::Result<()> {
-    let mut sink = vec![0f32; floats.min(crate::transfer::PIECE_FLOATS)];
-    let mut left = floats;
-    while left > 0 {
-        let n = left.min(sink.len());
-        read_floats(conn, &mut sink[..n], &mut *seen)?;
-        left -= n;
-    }
-    Ok(())
 }

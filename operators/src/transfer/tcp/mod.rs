@@ -24,6 +24,7 @@
 
 mod consumer;
 mod frames;
+mod landing;
 mod link;
 mod pieces;
 #[cfg(test)]

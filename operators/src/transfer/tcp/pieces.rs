@@ -6,10 +6,12 @@
 //! abort, a drop frame, or the end of their connection.
 
 use super::frames::{self, PieceHeader, ToConsumer};
+use super::landing::land;
 use super::read_u32;
 use crate::checksum::Crc32c;
 use crate::transfer::wire::ConsumerLayout;
-use crate::transfer::{le_bytes, read_floats, KvPiece, LinkRate, TransferId, PIECE_FLOATS};
+use crate::transfer::{le_bytes, read_floats, KvPiece, Landed, LinkRate, TransferId, PIECE_FLOATS};
+use kvflow_kernels::cuda::Landing;
 use std::io::{Read, Write};
 
 /// How a consumer's refusal of a handoff whose pieces it lacks begins (the producer sends it
@@ -65,13 +67,16 @@ pub(super) fn write_piece(
     w.flush()
 }
 
-/// Reads the floats of the piece `header` announced, its shape checked against `layout` first.
-/// `Err`: the connection cannot go on (it ended, or the header does not fit this pool);
-/// `Ok(Err(why))`: the piece was read but is not staged (damaged bytes).
+/// Reads the floats of the piece `header` announced, its shape checked against `layout` first:
+/// into device memory through `landing` when the pool has one and the piece's blocks are of its
+/// own size (a piece to re-cut stays on the host). `Err`: the connection cannot go on (it ended,
+/// or the header does not fit this pool); `Ok(Err(why))`: the piece was read but is not staged
+/// (damaged bytes, or a device that failed to take them).
 pub(super) fn read_piece(
     r: &mut impl Read,
     header: PieceHeader,
     layout: &ConsumerLayout,
+    landing: Option<&Landing>,
 ) -> std::io::Result<Result<KvPiece, String>> {
     let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
     let (first_block, blocks) = (header.first_block as usize, header.blocks as usize);
@@ -88,13 +93,26 @@ pub(super) fn read_piece(
     if blocks == 0 || first_block.saturating_add(blocks) > most_blocks {
         return Err(bad(format!("a piece of blocks {first_block}..+{blocks}: this pool takes at most {most_blocks}")));
     }
-    let mut kv = vec![0f32; blocks * per_block];
     let mut crc = Crc32c::new();
-    read_floats(r, &mut kv, |bytes| {
+    let mut seen = |bytes: &[u8]| {
         if header.checked {
             crc.update(bytes)
         }
-    })?;
+    };
+    let (mut kv, mut landed) = (Vec::new(), None);
+    match landing.filter(|_| per_block == per_token * layout.block_size) {
+        Some(landing) => match land(r, landing, blocks * per_block, &mut seen)? {
+            Ok(kv) => landed = Some(Landed(std::sync::Arc::new(kv))),
+            Err(why) => {
+                read_u32(r)?;
+                return Ok(Err(format!("landing in device memory: {why}")));
+            }
+        },
+        None => {
+            kv = vec![0f32; blocks * per_block];
+            read_floats(r, &mut kv, &mut seen)?;
+        }
+    }
     let sent_crc = read_u32(r)?;
     if header.checked && crc.value() != sent_crc {
         return Ok(Err(format!("checksum {:#010x}, expected {sent_crc:#010x}", crc.value())));
@@ -102,7 +120,18 @@ pub(super) fn read_piece(
     let transfer = TransferId { nonce: header.nonce, generation: header.generation };
     let arrived_ms = crate::messages::wall_ms();
     let (request, sent_ms) = (header.request, header.sent_ms);
-    Ok(Ok(KvPiece { request, transfer, first_block, blocks, layer_floats, kv, source: None, sent_ms, arrived_ms }))
+    Ok(Ok(KvPiece {
+        request,
+        transfer,
+        first_block,
+        blocks,
+        layer_floats,
+        kv,
+        source: None,
+        landed,
+        sent_ms,
+        arrived_ms,
+    }))
 }
 
 /// The drop frame for `request`'s pieces of `transfer`.
@@ -119,7 +148,7 @@ mod tests {
     fn read(bytes: &[u8]) -> std::io::Result<Result<KvPiece, String>> {
         let mut r = bytes;
         match frames::read_to_consumer(&mut r)? {
-            ToConsumer::Piece(header) => read_piece(&mut r, header, &layout()),
+            ToConsumer::Piece(header) => read_piece(&mut r, header, &layout(), None),
             other => panic!("not a piece: {other:?}"),
         }
     }
@@ -133,6 +162,7 @@ mod tests {
             layer_floats: vec![2, 4],
             kv: (0..12).map(|i| i as f32).collect(),
             source: None,
+            landed: None,
             sent_ms: 12.5,
             arrived_ms: 0.0,
         }
