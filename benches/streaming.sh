@@ -10,7 +10,7 @@
 # seeded Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written
 # there once. On the GPU (benches/device/streaming.sh): BIN=.device-bin/kvflow, SPEC (a seeded
 # spec), EXECUTOR=cuda and DTYPE (both pools), BUDGET (each rank's memory); CHUNK: the prefill
-# chunk (default 512 tokens).
+# chunk (default 512 tokens); COMMIT names the binary's commit when it is not .device-bin/COMMIT's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tokens=${1:-4096} requests=${2:-8} gap=${3:-1800} rate=${4:-100 MB/s} stream_min=${5:-1024}
@@ -43,7 +43,7 @@ graph() {  # graph NAME EXTRA_LINK_KEYS
 }
 graph whole ""
 graph streamed "\nstream_min_tokens = $stream_min"
-commit=$(cat .device-bin/COMMIT 2>/dev/null || git rev-parse --short HEAD)
+commit=${COMMIT:-$(cat .device-bin/COMMIT 2>/dev/null || git rev-parse --short HEAD)}
 echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, chunks of $chunk, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
 "$bin" compare "$work/whole.toml" "$work/streamed.toml" --verify --out "$work/out" 2>"$work/compare.log" ||
     { echo "the comparison failed (see $work/compare.log)"; tail -5 "$work/compare.log"; exit 1; }
