@@ -10,12 +10,13 @@
 # seeded Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written
 # there once. On the GPU (benches/device/streaming.sh): BIN=.device-bin/kvflow, SPEC (a seeded
 # spec), EXECUTOR=cuda and DTYPE (both pools), BUDGET (each rank's memory); CHUNK: the prefill
-# chunk (default 512 tokens); COMMIT names the binary's commit when it is not .device-bin/COMMIT's.
+# chunk (default 512 tokens); WARMUP: requests before the measured ones (default 0; on the GPU the
+# first requests pay for the kernels' first launches); COMMIT names the binary's commit when it is not .device-bin/COMMIT's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tokens=${1:-4096} requests=${2:-8} gap=${3:-1800} rate=${4:-100 MB/s} stream_min=${5:-1024}
 bin=${BIN:-./target/release/kvflow} spec=${SPEC:-benches/specs/mha_small.toml}
-executor=${EXECUTOR:-cpu} dtype=${DTYPE:-float32} budget=${BUDGET:-1 GiB} chunk=${CHUNK:-512}
+executor=${EXECUTOR:-cpu} dtype=${DTYPE:-float32} budget=${BUDGET:-1 GiB} chunk=${CHUNK:-512} warmup=${WARMUP:-0}
 [ -x "$bin" ] || { echo "no $bin: cargo build --release first" >&2; exit 2; }
 work=${WORK:-target/streaming-$tokens}
 mkdir -p "$work"
@@ -24,7 +25,7 @@ settings=""
 [ "$executor" = cuda ] && settings="\n[pool.executor_settings]\ndtype = \"$dtype\""
 bandwidth="\nbandwidth = \"$rate\""
 [ "$rate" = none ] && bandwidth=""
-python3 benches/long_prompts.py "$work/trace.jsonl" "$tokens" "$requests" "$gap"
+python3 benches/long_prompts.py "$work/trace.jsonl" "$tokens" "$((requests + warmup))" "$gap"
 case "$work" in /*) root="" ;; *) root="$(pwd)/" ;; esac
 graph() {  # graph NAME EXTRA_LINK_KEYS
     sed -e "s#^path = .*#path = \"$root$work/model\"#" \
@@ -34,7 +35,7 @@ graph() {  # graph NAME EXTRA_LINK_KEYS
         -e "s#^chunk_tokens = .*#chunk_tokens = $chunk#" \
         -e "s#^trace = .*#trace = \"$root$work/trace.jsonl\"#" \
         -e "s#^time_scale = .*#time_scale = 1.0#" \
-        -e "s#^warmup = .*#warmup = 0#" \
+        -e "s#^warmup = .*#warmup = $warmup#" \
         -e "s#^limit = .*#limit = $requests#" \
         -e "s#^max_output_tokens = .*#max_output_tokens = 8#" \
         -e "s#^block_tokens = .*#block_tokens = 512#" \
@@ -44,7 +45,7 @@ graph() {  # graph NAME EXTRA_LINK_KEYS
 graph whole ""
 graph streamed "\nstream_min_tokens = $stream_min"
 commit=${COMMIT:-$(cat .device-bin/COMMIT 2>/dev/null || git rev-parse --short HEAD)}
-echo "streamed vs whole handoffs: $requests prompts of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, chunks of $chunk, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
+echo "streamed vs whole handoffs: $requests prompts (after $warmup warmup) of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, chunks of $chunk, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
 "$bin" compare "$work/whole.toml" "$work/streamed.toml" --verify --out "$work/out" 2>"$work/compare.log" ||
     { echo "the comparison failed (see $work/compare.log)"; tail -5 "$work/compare.log"; exit 1; }
 python3 - "$work/out/whole/report.json" "$work/out/streamed/report.json" <<'PY'

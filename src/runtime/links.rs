@@ -393,17 +393,6 @@ impl Wires<'_> {
         let fingerprint = self.model.handoff_fingerprint();
         for link in &out {
             let to = graph.pool(&link.to)?;
-            if link.stream_min_tokens.is_some() && to.executor == "cuda" {
-                // Measured on an H100 (benches/results/2026-12-06-h100-bd850f2-streaming.txt).
-                tracing::warn!(
-                    "{}: link {} → {} streams into a cuda pool: its pieces are merged on the host and imported \
-                     through it by the decode rank, which is slower than a whole handoff landed on the device \
-                     as it arrives",
-                    graph.path.display(),
-                    link.from,
-                    link.to
-                );
-            }
             let (from_dtype, to_dtype) = (kv_dtype(pool)?, kv_dtype(to)?);
             if from_dtype != to_dtype {
                 bail!(
