@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
 # Streamed against whole handoffs on the GPU (issue 42 §1): benches/streaming.sh with both pools
 # on `executor = "cuda"` in bf16 and the seeded dense 1.0 B Llama of benches/device/llama-1b.toml,
-# 4,096-token prompts arriving faster than the prefill rank serves them, over tcp on loopback —
-# once without a link rate, once at 10 Gbit/s. Carry .device-bin (benches/device/prepare.sh).
-# Raw output goes to $OUT/streaming-run.txt (or ./streaming-run.txt).
-#     bash benches/device/streaming.sh [REQUESTS=16] [GAP_MS=150]
+# over tcp on loopback, after 2 warmup requests:
+#   - 4,096-token prompts 500 ms apart (the prefill rank keeps up) at 10 Gbit/s;
+#   - 4,096-token prompts 150 ms apart (faster than the prefill rank serves them), no link rate;
+#   - 256-token prompts 100 ms apart in chunks of 64, every prompt streamed, at 10 Gbit/s.
+# Then, with `CPU=1`, the CPU acceptance case on this machine's cores (8 prompts of 4,096 tokens,
+# 1,800 ms apart, 100 MB/s). Carry .device-bin (benches/device/prepare.sh). Raw output goes to
+# $OUT/streaming-run.txt (or ./streaming-run.txt), each run's requests.jsonl beside it.
+#     bash benches/device/streaming.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benches/device/binaries.sh
-out="${OUT:-.}/streaming-run.txt"
-exec > >(tee "$out") 2>&1
+out="${OUT:-.}"
+exec > >(tee "$out/streaming-run.txt") 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || echo "no nvidia-smi"
-requests=${1:-16} gap=${2:-150}
-export BIN=.device-bin/kvflow SPEC=benches/device/llama-1b.toml EXECUTOR=cuda DTYPE=bfloat16 BUDGET="16 GiB" WORK=/tmp/streaming-gpu
+export BIN=${BIN:-.device-bin/kvflow} WARMUP=${WARMUP:-2}
 status=0
-for rate in none "10 Gbit/s"; do
-    bash benches/streaming.sh 4096 "$requests" "$gap" "$rate" 1024 || status=1
-done
+run() {  # run NAME ARGS… (benches/streaming.sh's), its requests kept as $out/NAME-*.jsonl
+    local name=$1
+    shift
+    WORK=/tmp/streaming-$name bash benches/streaming.sh "$@" || status=1
+    for v in whole streamed; do cp "/tmp/streaming-$name/out/$v/requests.jsonl" "$out/$name-$v.jsonl" 2>/dev/null; done
+}
+gpu() { SPEC=benches/device/llama-1b.toml EXECUTOR=cuda DTYPE=bfloat16 BUDGET="16 GiB" run "$@"; }
+gpu gpu-4096-500 4096 16 500 "10 Gbit/s" 1024
+gpu gpu-4096-150 4096 16 150 none 1024
+CHUNK=64 gpu gpu-256 256 16 100 "10 Gbit/s" 1
+[ "${CPU:-0}" = 1 ] && WARMUP=0 run cpu-4096 4096 8 1800 "100 MB/s" 1024
 exit $status
