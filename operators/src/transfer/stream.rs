@@ -4,9 +4,9 @@
 //! or named in place in a cuda rank's device memory (read by the link, on a stream of its own,
 //! never by the rank's thread); the producer keeps the blocks until the handoff's ack, and a
 //! producer preempted mid-stream starts its stream over under a new transfer.
-//! The consumer stages what arrives and takes the handoff only once every piece is there:
-//! merged with the rest into the handoff's layout, or refused (then the producer sends it
-//! whole) — it never decodes from a partial prompt. An abort at any point drops the staged
+//! The consumer stages what arrives (a cuda consumer over tcp lands each piece in device memory
+//! as it comes) and takes the handoff only once every piece is there: imported with the rest, or
+//! refused (then the producer sends it whole) — it never decodes from a partial prompt. An abort at any point drops the staged
 //! pieces.
 
 use super::TransferId;
