@@ -6,6 +6,7 @@
 
 pub mod faults;
 pub mod inproc;
+mod landed;
 pub mod rate;
 pub mod reblock;
 pub mod relay;
@@ -20,6 +21,7 @@ pub use inproc::{
     handoff_admission, pick_link, Ack, AckQueue, AckRecord, ConsumerPool, HandoffInbox, HandoffSink, InprocLinks,
     Taken, ABORTED,
 };
+pub use landed::Landed;
 pub use rate::LinkRate;
 pub use relay::{EventRelay, RelayQueue};
 use std::sync::Arc;
@@ -163,16 +165,6 @@ impl Drop for Handoff {
         if let Some(f) = self.on_drop.0.lock().take() {
             f();
         }
-    }
-}
-
-/// A handoff's KV in a cuda consumer's device memory (equal only to itself).
-#[derive(Clone, Debug)]
-pub struct Landed(pub std::sync::Arc<kvflow_kernels::cuda::LandedKv>);
-
-impl PartialEq for Landed {
-    fn eq(&self, other: &Self) -> bool {
-        std::sync::Arc::ptr_eq(&self.0, &other.0)
     }
 }
 

@@ -30,7 +30,7 @@ pub struct KvPiece {
     pub kv: Vec<f32>,
     pub source: Option<crate::kv_source::KvSource>,
     /// Its floats in a cuda consumer's device memory, landed as they arrived (`kv` then empty).
-    pub landed: Option<super::Landed>,
+    pub landed: Option<super::landed::Landed>,
     /// When it was handed to the link, and when its last byte reached the consumer (`wall_ms`).
     pub sent_ms: f64,
     pub arrived_ms: f64,
