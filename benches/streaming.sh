@@ -44,7 +44,8 @@ graph() {  # graph NAME EXTRA_LINK_KEYS
 }
 graph whole ""
 graph streamed "\nstream_min_tokens = $stream_min"
-commit=${COMMIT:-$(cat .device-bin/COMMIT 2>/dev/null || git rev-parse --short HEAD)}
+case "$bin" in .device-bin/*) built=$(cat .device-bin/COMMIT 2>/dev/null) ;; *) built="" ;; esac
+commit=${COMMIT:-${built:-$(git rev-parse --short HEAD)}}
 echo "streamed vs whole handoffs: $requests prompts (after $warmup warmup) of $tokens tokens, $gap ms apart, 1P1D over tcp on loopback at $rate, stream_min_tokens = $stream_min, chunks of $chunk, model $spec, executor $executor ($dtype), commit $commit, $(nproc) cores, $(date -u +%Y-%m-%dT%H:%MZ)"
 "$bin" compare "$work/whole.toml" "$work/streamed.toml" --verify --out "$work/out" 2>"$work/compare.log" ||
     { echo "the comparison failed (see $work/compare.log)"; tail -5 "$work/compare.log"; exit 1; }
