@@ -5,6 +5,17 @@
 #[derive(Clone, Debug)]
 pub struct Landed(pub std::sync::Arc<kvflow_kernels::cuda::LandedKv>);
 
+impl Landed {
+    /// A copy on the host (a consumer that cannot unpack it on its device; waits), empty when
+    /// the device fails to give it back (the import then refuses it by its size).
+    pub fn read_back(&self, request: u64) -> Vec<f32> {
+        self.0.read().unwrap_or_else(|e| {
+            tracing::error!(request, "reading landed KV back from the GPU: {e}");
+            Vec::new()
+        })
+    }
+}
+
 impl PartialEq for Landed {
     fn eq(&self, other: &Self) -> bool {
         std::sync::Arc::ptr_eq(&self.0, &other.0)

@@ -41,10 +41,7 @@ impl KvPiece {
     pub fn floats(&self) -> std::borrow::Cow<'_, [f32]> {
         match (&self.source, &self.landed) {
             (Some(source), _) => std::borrow::Cow::Owned(source.read()),
-            (None, Some(landed)) => std::borrow::Cow::Owned(landed.0.read().unwrap_or_else(|e| {
-                tracing::error!(request = self.request, "reading a landed piece back from the GPU: {e}");
-                Vec::new()
-            })),
+            (None, Some(landed)) => std::borrow::Cow::Owned(landed.read_back(self.request)),
             (None, None) => std::borrow::Cow::Borrowed(&self.kv),
         }
     }
