@@ -1,6 +1,7 @@
 //! `cuda`'s side of a P/D handoff (DESIGN §6): an arriving handoff written into its blocks before
 //! the step's forward — device to device from a producer on this GPU, from the device memory a
-//! tcp handoff landed in, else unpacked from pinned memory — with its recurrent state into its
+//! tcp handoff landed in (a streamed one's pieces each unpacked at its own blocks), else unpacked
+//! from pinned memory — with its recurrent state into its
 //! slot; and a step's exports, its blocks read in place once it completed and its state slot
 //! copied out after its forward.
 //!

@@ -1,9 +1,10 @@
 //! A streamed handoff's pieces on a tcp link (`transfer::stream`): the producer's sending thread
 //! writes each piece as it comes (paced at the link's rate, checksummed as it goes), and the
-//! consumer stages it on the connection it came by, checked against its own layout before a
-//! byte of payload is read. A piece that does not arrive whole is not staged: the handoff that
-//! needs it is then refused, and sent again whole. Staged pieces go with their handoff, an
-//! abort, a drop frame, or the end of their connection.
+//! consumer stages it on the connection it came by (a cuda pool lands its floats in device
+//! memory as they arrive), checked against its own layout before a byte of payload is read. A
+//! piece that does not arrive whole is not staged: the handoff that needs it is then refused,
+//! and sent again whole. Staged pieces go with their handoff, an abort, a drop frame, or the end
+//! of their connection.
 
 use super::frames::{self, PieceHeader, ToConsumer};
 use super::landing::land;
