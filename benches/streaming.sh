@@ -10,8 +10,8 @@
 # seeded Llama-shaped benches/specs/mha_small.toml (4 layers, hidden 512; not a fixture), written
 # there once. On the GPU (benches/device/streaming.sh): BIN=.device-bin/kvflow, SPEC (a seeded
 # spec), EXECUTOR=cuda and DTYPE (both pools), BUDGET (each rank's memory); CHUNK: the prefill
-# chunk (default 512 tokens); WARMUP: requests before the measured ones (default 0; on the GPU the
-# first requests pay for the kernels' first launches); COMMIT names the binary's commit when it is not .device-bin/COMMIT's.
+# chunk (default 512 tokens); WARMUP: requests before the measured ones, then a 5 s pause (default 0;
+# on the GPU the first requests pay for the kernels' first launches); COMMIT names the binary's commit when it is not .device-bin/COMMIT's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tokens=${1:-4096} requests=${2:-8} gap=${3:-1800} rate=${4:-100 MB/s} stream_min=${5:-1024}
@@ -25,7 +25,7 @@ settings=""
 [ "$executor" = cuda ] && settings="\n[pool.executor_settings]\ndtype = \"$dtype\""
 bandwidth="\nbandwidth = \"$rate\""
 [ "$rate" = none ] && bandwidth=""
-python3 benches/long_prompts.py "$work/trace.jsonl" "$tokens" "$((requests + warmup))" "$gap"
+python3 benches/long_prompts.py "$work/trace.jsonl" "$tokens" "$((requests + warmup))" "$gap" "$warmup"
 case "$work" in /*) root="" ;; *) root="$(pwd)/" ;; esac
 graph() {  # graph NAME EXTRA_LINK_KEYS
     sed -e "s#^path = .*#path = \"$root$work/model\"#" \

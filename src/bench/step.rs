@@ -266,11 +266,14 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
     let (tx, rx) = std::sync::mpsc::channel();
     let collector = Collector::new(n, tx, false);
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
+    let starting = Arc::new(crate::runtime::starting::Starting::default());
+    starting.expect(ranks);
     let job = PoolJob {
         handoff: Default::default(),
         routing_index: false,
         links_here: None,
         gauges: Vec::new(),
+        starting: Some(starting.clone()),
         name: "bench".into(),
         ranks,
         model,
@@ -289,6 +292,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
     let pool = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), None)?;
     let driver = spawn_driver(DriverJob {
         pools: vec![EntryPool { name: "bench".into(), ingress, kind: Default::default(), also_cancel: Vec::new() }],
+        starting,
         placement: Placement { choice: PoolChoice::Seeded, seed: 0 },
         selection,
         mode: ArrivalMode::Concurrency(n),

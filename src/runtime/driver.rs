@@ -47,6 +47,8 @@ impl CancelPlan {
 pub struct DriverJob {
     /// The pools new requests enter (at least one).
     pub pools: Vec<EntryPool>,
+    /// This process's ranks still building their executors: nothing is released before them.
+    pub starting: Arc<super::starting::Starting>,
     pub placement: Placement,
     pub selection: Selection,
     pub mode: ArrivalMode,
@@ -72,6 +74,7 @@ pub fn spawn_driver(job: DriverJob) -> std::io::Result<JoinHandle<()>> {
 fn run(job: DriverJob) {
     let DriverJob {
         pools,
+        starting,
         placement,
         mut selection,
         mode,
@@ -84,6 +87,8 @@ fn run(job: DriverJob) {
         sampling,
     } = job;
     let entries = Arc::new(Entries::new(pools, placement, collector, max_context));
+    let waited = starting.wait(&interrupted);
+    tracing::debug!("every rank built its executor after {:.1} s: releasing the workload", waited.as_secs_f64());
     let (warmup, epoch) = (selection.warmup, Instant::now());
     let due: DueCancels = Default::default();
     let canceller_done = Arc::new(AtomicBool::new(false));

@@ -170,6 +170,7 @@ pub fn pool_job(
         routing_index: pool.router == kvflow_operators::policy::router::KV_AWARE,
         links_here: None,
         gauges: (0..pool.ranks).map(|_| Default::default()).collect(),
+        starting: None,
         offload: match (store, &graph.offload) {
             (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
             _ => None,

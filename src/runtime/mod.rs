@@ -28,6 +28,7 @@ mod prepare;
 mod report;
 mod serve;
 mod start;
+pub(crate) mod starting;
 mod verify;
 mod watchdog;
 

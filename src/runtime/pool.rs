@@ -54,6 +54,8 @@ pub struct PoolJob {
     pub links_here: Option<LinkFigures>,
     /// Where rank r publishes its memory and queues each step (`gauges[r]`; empty: nowhere).
     pub gauges: Vec<Arc<kvflow_operators::rank::RankGauges>>,
+    /// Told when each of its workers here has built its rank (the trace driver waits for it).
+    pub starting: Option<Arc<super::starting::Starting>>,
 }
 
 /// What one process's tcp links moved: bytes that crossed a socket, and the transfer engine's
@@ -352,7 +354,10 @@ impl WorkerJob {
     fn run(&self, worker: &mut timely::worker::Worker) -> RankResults {
         let (index, peers) = (worker.index(), worker.peers());
         let waker = Arc::new(RankWaker::default());
+        let starting = self.job.starting.as_ref().map(|s| s.rank());
+        std::thread::sleep(std::time::Duration::from_millis(self.job.switches.slow_rank_build_ms));
         let rank = Rc::new(RefCell::new(self.rank(index, peers, waker.clone())));
+        drop(starting);
         let parts = self.parts(rank.clone(), waker, index, peers);
         worker.dataflow::<u64, _, _>(move |scope| {
             build_pool_graph(scope, parts);

@@ -77,6 +77,8 @@ struct StartedPools {
     entries: Vec<EntryPool>,
     watches: Vec<(String, Watch)>,
     gauges: PoolGauges,
+    /// This process's ranks still building their executors.
+    starting: Arc<super::starting::Starting>,
 }
 
 /// Starts everything: the pools, what releases their requests, and what watches them.
@@ -116,7 +118,14 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     let sampled_gauges = started.gauges.clone();
     let watched_pools: HashMap<_, _> =
         started.gauges.iter().map(|(name, g)| (name.clone(), (g.clone(), ingresses[name].clone()))).collect();
-    let releasing = Releasing { entries: started.entries, gauges: started.gauges, selection, largest, completions: rx };
+    let releasing = Releasing {
+        entries: started.entries,
+        gauges: started.gauges,
+        starting: started.starting,
+        selection,
+        largest,
+        completions: rx,
+    };
     let releaser = start_releasing(graph, opts, &model, &collector, &interrupted, releasing)?;
     let finished = Arc::new(AtomicBool::new(false));
     let run_start_ms = collector.lock().start_ms();
@@ -182,8 +191,13 @@ fn start_pools(
     batches: &Sender<EventBatch>,
     also_cancel: &[Arc<Ingress>],
 ) -> Result<StartedPools> {
-    let mut started =
-        StartedPools { running: Vec::new(), entries: Vec::new(), watches: Vec::new(), gauges: Vec::new() };
+    let mut started = StartedPools {
+        running: Vec::new(),
+        entries: Vec::new(),
+        watches: Vec::new(),
+        gauges: Vec::new(),
+        starting: Arc::default(),
+    };
     for (mut job, pool) in jobs.into_iter().zip(pools) {
         let name = job.name.clone();
         started.gauges.push((name.clone(), job.gauges.clone()));
@@ -193,6 +207,11 @@ fn start_pools(
         let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
         // The ranks of this process: rank r of a spread pool runs in process r / ranks-per-process.
         let here = 0..job.ranks / opts.cluster.as_ref().map_or(1, |c| c.processes);
+        // (test switch: the driver does not wait for them)
+        if !opts.switches.release_before_ranks_are_built {
+            started.starting.expect(here.len());
+            job.starting = Some(started.starting.clone());
+        }
         let running = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?;
         started.running.push((pool.role, here, running));
         if let Some(kind) = Wiring::entry_kind(graph, pools, pool) {
@@ -207,6 +226,7 @@ fn start_pools(
 struct Releasing {
     entries: Vec<EntryPool>,
     gauges: PoolGauges,
+    starting: Arc<super::starting::Starting>,
     selection: crate::workload::Selection,
     largest: usize,
     completions: Receiver<u64>,
@@ -221,7 +241,7 @@ fn start_releasing(
     interrupted: &Arc<AtomicBool>,
     releasing: Releasing,
 ) -> Result<JoinHandle<()>> {
-    let Releasing { entries, gauges, selection, largest, completions } = releasing;
+    let Releasing { entries, gauges, starting, selection, largest, completions } = releasing;
     let placement = Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed };
     let grace = opts.grace.unwrap_or(Duration::from_secs(10));
     Ok(match &opts.front_end {
@@ -236,6 +256,7 @@ fn start_releasing(
         })?,
         None => spawn_driver(DriverJob {
             pools: entries,
+            starting,
             placement,
             selection,
             mode: arrival_mode(graph),

@@ -1,6 +1,7 @@
 //! Operability: cancellation at every stage frees everything at once and leaves the other
 //! requests' outputs unchanged; a workload can cancel a seeded fraction; Ctrl-C ends a replay
-//! within its grace period with a valid partial report.
+//! within its grace period with a valid partial report; a replay releases nothing before every
+//! rank has built its executor, so start-up is not counted in any request's latency.
 
 use crate::common::{kvflow, records, repo, report, wait_within_or_kill};
 use crate::runtime::write_graph;
@@ -255,4 +256,25 @@ fn compare_checks_every_graph_before_it_runs_the_first() {
     assert!(!stderr.contains("== "), "a graph ran before the second was checked: {stderr}");
     assert!(!cmp.exists(), "the first graph's report was written: {stderr}");
     assert!(started.elapsed() < Duration::from_secs(60));
+}
+
+#[test]
+fn a_replay_releases_nothing_before_every_rank_is_built() {
+    // Test switch `slow-rank-build-ms` makes each rank take 1.5 s more to build its executor,
+    // as a large model loading would; `release-before-ranks-are-built` removes the driver's wait.
+    let slow = 1500.0;
+    for wait in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let workload = "mode = \"concurrency\"\nconcurrency = 2\nlimit = 4";
+        let graph = write_graph(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB");
+        let mut args = vec!["run", graph.to_str().unwrap(), "--test-switch", "slow-rank-build-ms=1500"];
+        if !wait {
+            args.extend(["--test-switch", "release-before-ranks-are-built"]);
+        }
+        let out = kvflow(&args);
+        assert!(out.status.success(), "wait {wait}: {}", String::from_utf8_lossy(&out.stderr));
+        let first_queued = records(dir.path()).iter().map(|r| r["queue_ms"].as_f64().unwrap()).fold(0.0, f64::max);
+        // (a prompt of the fixture prefills in milliseconds: queueing past 1.5 s is the start-up)
+        assert_eq!(first_queued < slow * 0.9, wait, "wait {wait}: the longest queueing was {first_queued:.0} ms");
+    }
 }

@@ -119,6 +119,12 @@ pub struct TestSwitches {
     /// for that request (removes their release: they stay reserved for good, and the accounting
     /// check must name them).
     pub handoff_keeps_reserved_prefix_on_abort: bool,
+    /// Each rank takes this many milliseconds more to build its executor (provokes a slow start:
+    /// a large model loading).
+    pub slow_rank_build_ms: u64,
+    /// The trace driver releases requests without waiting for the ranks to be built (removes
+    /// the wait: the first requests queue behind the start-up and their TTFT counts it).
+    pub release_before_ranks_are_built: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -154,6 +160,8 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("prefill-drops-silently", "ID"),
     ("watchdog-ignores-what-pools-await", ""),
     ("handoff-keeps-reserved-prefix-on-abort", ""),
+    ("slow-rank-build-ms", "MS"),
+    ("release-before-ranks-are-built", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -210,6 +218,7 @@ impl TestSwitches {
             "prefill-drops-silently" => self.prefill_drops_silently = Some(number(arg).map_err(bad)?),
             "slow-saves-ms" => self.slow_saves_ms = number(arg).map_err(bad)?,
             "slow-loads-ms" => self.slow_loads_ms = number(arg).map_err(bad)?,
+            "slow-rank-build-ms" => self.slow_rank_build_ms = number(arg).map_err(bad)?,
             "cancel-at-stage" => self.cancel_at_stage.extend(cancellations(arg).map_err(bad)?),
             "hold-capability" => {
                 let [operator, rank, step] = fields(arg).map_err(bad)?;
@@ -250,6 +259,7 @@ impl TestSwitches {
             "serve-any-producer" => &mut self.serve_any_producer,
             "keep-vanished-producers" => &mut self.keep_vanished_producers,
             "handoff-keeps-reserved-prefix-on-abort" => &mut self.handoff_keeps_reserved_prefix_on_abort,
+            "release-before-ranks-are-built" => &mut self.release_before_ranks_are_built,
             _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
         };
         *field = true;
