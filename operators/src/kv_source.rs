@@ -13,6 +13,9 @@ pub struct KvSource {
     pub store: BlockStore,
     pub blocks: Vec<u32>,
     pub floats_per_block: usize,
+    /// Device blocks a step still in flight writes (a piece sent as its step launched): when
+    /// each layer is written, which a reader waits for before it reads that layer.
+    pub marks: Option<std::sync::Arc<kvflow_kernels::cuda::LayerMarks>>,
 }
 
 /// Where the blocks of a [`KvSource`] live.
@@ -45,7 +48,7 @@ impl KvSource {
                 (kv, waited)
             }
             BlockStore::Device(shared) => {
-                let kv = shared.read(&self.blocks).unwrap_or_else(|e| {
+                let kv = shared.read(&self.blocks, self.marks.as_deref()).unwrap_or_else(|e| {
                     tracing::error!("reading a handoff's blocks from the GPU: {e}");
                     Vec::new()
                 });
@@ -64,7 +67,7 @@ impl KvSource {
         let cache = match &self.store {
             BlockStore::Host(cache) => cache,
             BlockStore::Device(shared) => {
-                if let Err(e) = shared.stream_layers(&self.blocks, piece_floats, piece) {
+                if let Err(e) = shared.stream_layers(&self.blocks, self.marks.as_deref(), piece_floats, piece) {
                     tracing::error!("streaming a handoff's blocks from the GPU: {e}");
                 }
                 return;

@@ -29,6 +29,11 @@ pub struct KvExport {
     /// Otherwise the blocks are read in place, held until their reader is done (a save, fenced by
     /// its pin; on a GPU every export, read on a stream of the reader's own).
     pub copy_out: bool,
+    /// A streamed piece that leaves as its step launches, each layer read once the forward wrote
+    /// it (an executor that [`exports_at_launch`]); else it leaves with the step's completion.
+    ///
+    /// [`exports_at_launch`]: crate::executor::Executor::exports_at_launch
+    pub at_launch: bool,
 }
 
 /// What an export copied out, reported with the step's completion.

@@ -216,6 +216,7 @@ fn handoff(summary: &RunSummary, stats: &[&RankStats], backend: &str, ctx: &RunC
         "socket_bytes": ctx.socket_bytes,
         "saved_bytes": stats.iter().map(|s| s.handoff_saved_bytes).sum::<u64>(),
         "pieces": stats.iter().map(|s| s.pieces_out).sum::<u64>(),
+        "pieces_at_launch": stats.iter().map(|s| s.pieces_at_launch).sum::<u64>(),
         "streamed_bytes": stats.iter().map(|s| s.streamed_bytes).sum::<u64>(),
         "streams_dropped": stats.iter().map(|s| s.streams_dropped).sum::<u64>(),
         "local_prefills": stats.iter().map(|s| s.local_prefills).sum::<u64>(),

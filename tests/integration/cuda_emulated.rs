@@ -672,8 +672,11 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
             assert_eq!(r["pools"], serde_json::json!(["prefill", "decode"]), "{backend}: {r}");
         }
     }
-    // Streamed: the cuda prefill rank's pieces are read from its device blocks as each chunk's
-    // step completes, and leave over tcp while later chunks compute (prompts of several chunks).
+    // Streamed: the cuda prefill rank's pieces leave as each chunk's step launches, named in
+    // place with the marks of their KV layers (the link reads a layer once the forward wrote
+    // it), over tcp while later layers and chunks compute (prompts of several chunks) — the
+    // chunk that samples T0 too. Test switch `pieces-at-completion` sends them as each step
+    // completes instead, and the last chunk's blocks with the handoff.
     let dir = tempfile::tempdir().unwrap();
     let pools = format!(
         "[[pool]]\nname = \"prefill\"\nrole = \"prefill\"\nranks = 1\n{EMULATED}\n\
@@ -683,14 +686,23 @@ fn a_pd_cuda_graph_hands_off_kv_and_verifies_over_inproc_and_tcp() {
     let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 6";
     let graph =
         write_graph_with(dir.path(), "hf/qwen3", "mooncake_conversation_head.jsonl", workload, "32 MiB", &pools);
-    let report = run_graph(&graph, Overrides::default(), Default::default());
-    assert_exact(&report, "hf/qwen3 1P1D cuda over tcp, streamed");
-    let h = &report["handoff"];
-    assert!(h["pieces"].as_u64().unwrap() > 0 && h["pieces_staged"].as_u64().unwrap() > 0, "streamed: {h}");
-    // each piece landed in the decode rank's device memory as it came, and the rest after it:
-    // the import only unpacks on the device
-    assert_eq!(h["pieces_landed_on_device"], h["pieces_staged"], "streamed: {h}");
-    assert_eq!(h["landed_on_device"], report["completed"], "streamed: {h}");
+    let mut streamed_bytes = Vec::new();
+    for at_launch in [true, false] {
+        let switches = TestSwitches { pieces_at_completion: !at_launch, ..Default::default() };
+        let report = run_graph(&graph, Overrides::default(), switches);
+        assert_exact(&report, &format!("hf/qwen3 1P1D cuda over tcp, streamed, at launch {at_launch}"));
+        let h = &report["handoff"];
+        assert!(h["pieces"].as_u64().unwrap() > 0 && h["pieces_staged"].as_u64().unwrap() > 0, "streamed: {h}");
+        let at_launch_count = if at_launch { h["pieces"].clone() } else { 0.into() };
+        assert_eq!(h["pieces_at_launch"], at_launch_count, "at launch {at_launch}: {h}");
+        // each piece landed in the decode rank's device memory as it came, and the rest after
+        // it: the import only unpacks on the device
+        assert_eq!(h["pieces_landed_on_device"], h["pieces_staged"], "streamed: {h}");
+        assert_eq!(h["landed_on_device"], report["completed"], "streamed: {h}");
+        streamed_bytes.push(h["streamed_bytes"].as_u64().unwrap());
+    }
+    // at launch, the step that samples T0 sends its whole blocks ahead too
+    assert!(streamed_bytes[0] > streamed_bytes[1], "streamed bytes at launch, at completion: {streamed_bytes:?}");
 }
 
 /// Without a driver, a run with a cuda pool is refused before it starts, naming the pool and
@@ -864,7 +876,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         sampler: Default::default(),
         next_prompt_token: None,
     };
-    let export = KvExport { key, blocks: vec![0], slot: None, copy_out: true };
+    let export = KvExport { key, blocks: vec![0], slot: None, copy_out: true, at_launch: false };
     let done = one_step(&mut producer, 0, prefill, &[], &[], &[export]);
     let t0 = done.result.unwrap()[0].token.unwrap();
     assert_eq!(t0, case.greedy[0]);

@@ -114,8 +114,8 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
         // The blocks named in place (a cuda producer's way, and the test switch's), and copied out
         // by the step (a CPU producer's handoff).
         let export = [
-            KvExport { key, blocks: blocks.clone(), slot, copy_out: false },
-            KvExport { key, blocks: blocks.clone(), slot, copy_out: true },
+            KvExport { key, blocks: blocks.clone(), slot, copy_out: false, at_launch: false },
+            KvExport { key, blocks: blocks.clone(), slot, copy_out: true, at_launch: false },
         ];
         let prefill = SeqStep {
             drafts: &[],

@@ -484,7 +484,13 @@ fn mtp_kv_a_producer_hands_off_equals_the_mtp_kv_recomputed_in_one_pass() {
     };
     let leak = |v: &[u32]| -> &'static [u32] { Box::leak(v.to_vec().into_boxed_slice()) };
     // Named in place, so the rows are read straight from the producer's cache.
-    let export = [kvflow_operators::step::KvExport { key, blocks: blocks.clone(), slot: None, copy_out: false }];
+    let export = [kvflow_operators::step::KvExport {
+        key,
+        blocks: blocks.clone(),
+        slot: None,
+        copy_out: false,
+        at_launch: false,
+    }];
     let mut whole = runner_drafting(&model, 4);
     let one = step(&mut whole, 0, seq(leak(&prompt), 0, true), &[], &[], &export);
     let mut producer = runner_drafting(&model, 4);

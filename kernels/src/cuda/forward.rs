@@ -6,8 +6,8 @@
 //! allocations, freed (in stream order) as soon as the step is enqueued.
 
 use super::error::CudaError;
-use super::gpu::{DeviceBuf, Gpu};
-use super::kv::DeviceKv;
+use super::gpu::{DeviceBuf, Event, Gpu};
+use super::kv::{DeviceKv, LayerMarks};
 use super::launch::Arg;
 use super::model::{DevFfn, DevLayer, DevMixer, DeviceModel};
 use super::parts::Step;
@@ -70,7 +70,27 @@ impl DeviceModel {
         hidden_out: u64,
         keep_logits: bool,
     ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
-        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, keep_logits)
+        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, keep_logits, None)
+    }
+
+    /// [`DeviceModel::enqueue_step`] (no logits kept), also recording when each KV layer is
+    /// written: `None` for marks when some KV layer is not written by the forward (an MTP
+    /// layer's, written by the draft passes after it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_step_marked(
+        &self,
+        gpu: &Gpu,
+        kv: &DeviceKv,
+        state: Option<&DeviceState>,
+        rows: &StepRows,
+        at: RowsOnDevice,
+        ring: u64,
+        results: u64,
+        hidden_out: u64,
+    ) -> Result<Option<LayerMarks>, CudaError> {
+        let mut marks: Vec<Option<Event>> = (0..kv.num_layers()).map(|_| None).collect();
+        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, false, Some(&mut marks))?;
+        Ok(marks.into_iter().collect::<Option<Vec<Event>>>().map(LayerMarks))
     }
 
     /// [`DeviceModel::enqueue_step`] from the rows' shape alone (what a captured step is built
@@ -88,6 +108,7 @@ impl DeviceModel {
         results: u64,
         hidden_out: u64,
         keep_logits: bool,
+        mut marks: Option<&mut Vec<Option<Event>>>,
     ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
         let (t, hidden) = (shape.rows, self.hidden);
         if t == 0 {
@@ -100,6 +121,10 @@ impl DeviceModel {
         let x_bf16 = gpu.scratch::<u16>(t * hidden)?;
         for layer in &self.layers {
             s.layer(layer, h.ptr(), x.ptr(), x_bf16.ptr(), hidden)?;
+            let writes_kv = matches!(layer.mixer, DevMixer::Gqa(_) | DevMixer::Mla(_));
+            if let Some(mark) = marks.as_deref_mut().and_then(|m| m.get_mut(layer.kv_layer)).filter(|_| writes_kv) {
+                *mark = Some(gpu.record()?);
+            }
         }
         self.enqueue_head(&s, shape, h.ptr(), ring, results, hidden_out, keep_logits)
     }

@@ -235,7 +235,9 @@ impl StepGraphs {
         // only the addresses matter here: each step copies its own rows in before the replay
         let at = rows.pack(&mut vec![0; rows.words()], buffer.ptr());
         let graph = gpu.capture(|| {
-            model.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results.ptr(), hidden_out, false).map(|_| ())
+            model
+                .enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results.ptr(), hidden_out, false, None)
+                .map(|_| ())
         })?;
         Ok(Captured { graph, rows: buffer, table_room, results, hidden, last_replayed: 0 })
     }

@@ -203,6 +203,15 @@ impl DeviceKv {
     }
 }
 
+/// When each KV layer of a step's blocks is written: an event per KV layer, recorded on the
+/// rank's stream after the decoder layer that writes it ([`DeviceModel::enqueue_step_marked`]).
+/// A reader on a stream of its own has its stream wait, on the GPU, for layer `l`'s event before
+/// it reads layer `l`: the blocks leave layer by layer while the step's later layers compute.
+/// A step that completed has passed every mark (waiting on them costs nothing then).
+///
+/// [`DeviceModel::enqueue_step_marked`]: super::model::DeviceModel::enqueue_step_marked
+pub struct LayerMarks(pub Vec<Event>);
+
 /// A rank's device cache as a handoff reads it in place: a consumer on the same device copies
 /// the blocks device to device (`DeviceKv::copy_from` on its own stream); anyone else reads them
 /// through a stream of its own here (never the producer rank's, whose steps it would wait for).
@@ -230,14 +239,19 @@ impl SharedKv {
     /// The KV of `blocks`, packed by layer, handed to `piece` a layer at a time (then cut into
     /// pieces of at most `piece_floats`): each layer is packed and copied into pinned staging on
     /// the reader's stream while the layer before it is handed on from the other of two staging
-    /// buffers, so a socket write overlaps the copy-out rather than following all of it.
+    /// buffers, so a socket write overlaps the copy-out rather than following all of it. With
+    /// `marks` (blocks a step still in flight writes), layer `l` is read after its mark.
     pub fn stream_layers(
         &self,
         blocks: &[u32],
+        marks: Option<&LayerMarks>,
         piece_floats: usize,
         mut piece: impl FnMut(&[f32]),
     ) -> Result<(), CudaError> {
         self.kv.check_blocks(blocks)?;
+        if marks.is_some_and(|m| m.0.len() != self.kv.num_layers()) {
+            return Err(CudaError::Unsupported("a mark for each KV layer".into()));
+        }
         let n = blocks.len();
         let layer_floats: Vec<usize> = self.kv.widths.iter().map(|w| n * self.kv.block_size * w).collect();
         let largest = layer_floats.iter().copied().max().unwrap_or(0);
@@ -253,6 +267,9 @@ impl SharedKv {
         };
         for (l, &floats) in layer_floats.iter().enumerate() {
             let (dev, host) = (&packed[l % 2], &mut staging[l % 2]);
+            if let Some(marks) = marks {
+                self.reader.stream_waits_for(&marks.0[l])?;
+            }
             self.kv.pack_layer(&self.reader, l, dev.ptr(), list.ptr(), n)?;
             self.reader.copy_to_host(host, dev.ptr(), floats)?;
             copied.push(self.reader.record()?);
@@ -270,9 +287,13 @@ impl SharedKv {
         Ok(())
     }
 
-    /// The KV of `blocks`, packed by layer, copied to the host (waits, on the reader's stream).
-    pub fn read(&self, blocks: &[u32]) -> Result<Vec<f32>, CudaError> {
+    /// The KV of `blocks`, packed by layer, copied to the host (waits, on the reader's stream;
+    /// with `marks`, for the last of them first).
+    pub fn read(&self, blocks: &[u32], marks: Option<&LayerMarks>) -> Result<Vec<f32>, CudaError> {
         self.kv.check_blocks(blocks)?;
+        if let Some(last) = marks.and_then(|m| m.0.last()) {
+            self.reader.stream_waits_for(last)?;
+        }
         let floats = blocks.len() * self.kv.floats_per_block();
         let list = self.reader.upload(blocks)?;
         let packed = self.reader.scratch::<f32>(floats)?;

@@ -53,7 +53,7 @@ pub use error::CudaError;
 pub use experts::{DeviceRows, SplitStep};
 pub use gpu::{driver_present, visible_gpus, DeviceBuf, Event, Gpu, KernelTimes, PinnedBuf};
 pub use graph::{process_graph_counts, GraphCounts, GraphKey, StepGraph, StepGraphs};
-pub use kv::{DeviceKv, SharedKv};
+pub use kv::{DeviceKv, LayerMarks, SharedKv};
 pub use landing::{LandedKv, Landing, LandingKv};
 pub use launch::Arg;
 pub use model::{unsupported, DeviceModel};

@@ -110,6 +110,18 @@ impl DeviceModel {
         self.layers.iter().any(|l| matches!(&l.mixer, DevMixer::Mla(a) if a.indexer.is_some()))
     }
 
+    /// Whether the forward's decoder layers write every KV layer (an MTP layer's KV is written
+    /// by the draft passes after it): what [`DeviceModel::enqueue_step_marked`] marks.
+    pub fn forward_writes_every_kv_layer(&self) -> bool {
+        let written: std::collections::BTreeSet<usize> = self
+            .layers
+            .iter()
+            .filter(|l| matches!(l.mixer, DevMixer::Gqa(_) | DevMixer::Mla(_)))
+            .map(|l| l.kv_layer)
+            .collect();
+        !self.kv_widths.is_empty() && written.len() == self.kv_widths.len()
+    }
+
     /// Uploads `model` to `gpu` in f32 (waits for the copies: this is load time, not a step).
     pub fn upload(gpu: &Gpu, model: &Model) -> Result<DeviceModel, CudaError> {
         DeviceModel::upload_as(gpu, model, Dtype::Float32)

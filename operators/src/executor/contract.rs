@@ -6,7 +6,7 @@ use super::settings::SettingError;
 use crate::messages::{ExpertPair, ExpertRows};
 use crate::policy::memory::MemoryLayout;
 use crate::pool::wake::RankWaker;
-use crate::step::{StepCompletion, StepLaunch};
+use crate::step::{Exported, StepCompletion, StepLaunch};
 use kvflow_kernels::models::Model;
 use std::sync::Arc;
 
@@ -22,6 +22,17 @@ pub trait Executor {
     /// The rank has nothing more to launch: complete what is in flight as soon as it is computed,
     /// and wake the rank when it is.
     fn flush(&mut self);
+    /// Whether it hands back the exports marked [`KvExport::at_launch`] as it launches their
+    /// step ([`Executor::take_launched_exports`]), each layer readable once the forward wrote
+    /// it; otherwise they come with the step's completion like every export.
+    ///
+    /// [`KvExport::at_launch`]: crate::step::KvExport::at_launch
+    fn exports_at_launch(&self) -> bool {
+        false
+    }
+    /// The `at_launch` exports of the steps launched since it was last asked, each with its
+    /// index among its step's exports (its completion still lists every export).
+    fn take_launched_exports(&mut self, _out: &mut Vec<(usize, Exported)>) {}
     /// Its side of expert parallelism, if it has one (a pool with `expert_parallel = true`
     /// needs it).
     fn expert_parallel(&mut self) -> Option<&mut dyn ExpertParallel> {

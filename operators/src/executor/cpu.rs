@@ -360,6 +360,7 @@ impl CpuStepRunner {
                     store: BlockStore::Host(self.cache.clone()),
                     blocks: e.blocks.clone(),
                     floats_per_block,
+                    marks: None,
                 };
                 Exported { key: e.key, kv: Vec::new(), source: Some(source), state }
             })

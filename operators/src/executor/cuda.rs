@@ -47,8 +47,8 @@ use crate::step::{
 use kvflow_kernels::cuda::CudaError;
 use kvflow_kernels::cuda::PinnedPool;
 use kvflow_kernels::cuda::{
-    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, PinnedBuf, RowsOnDevice, SharedKv,
-    StepGraphs, StepRows, FROM_RING, RESULT_WORDS,
+    DeviceBuf, DeviceKv, DeviceModel, DeviceState, Event, Gpu, GraphCounts, LayerMarks, PinnedBuf, RowsOnDevice,
+    SharedKv, StepGraphs, StepRows, FROM_RING, RESULT_WORDS,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -172,6 +172,8 @@ pub struct CudaExecutor {
     /// Expert parallel (`cuda_experts.rs`): this rank's experts, the step between its MoE
     /// exchanges, and what serving other ranks' rows holds until the GPU is past it.
     experts: Option<ExpertSide>,
+    /// Exports handed back as their step launched (`cuda_handoffs.rs`), until the rank takes them.
+    launched_exports: Vec<(usize, Exported)>,
 }
 
 impl CudaExecutor {
@@ -236,6 +238,7 @@ impl CudaExecutor {
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
             experts,
+            launched_exports: Vec::new(),
         })
     }
 
@@ -304,8 +307,13 @@ impl CudaExecutor {
             return self.begin_split(&gpu, launch, &rows, staged, record).map(|()| None);
         }
         let hidden_out = record.mtp.as_ref().map_or(0, |p| p.hidden.ptr());
-        let results_at = self.enqueue_forward(&gpu, &rows, &mut staged, hidden_out)?;
+        // streamed pieces leave now, each layer once the forward wrote it (`cuda_handoffs.rs`)
+        let marking = self.exports_at_launch() && launch.exports.iter().any(|e| e.at_launch);
+        let (results_at, marks) = self.enqueue_forward(&gpu, &rows, &mut staged, hidden_out, marking)?;
         self.end_step(&gpu, &mut record, staged.meta, rows.sampled(), results_at, launch.after, launch.exports)?;
+        if let Some(marks) = marks {
+            self.hand_out_at_launch(launch.exports, &record.exports, Arc::new(marks));
+        }
         Ok(Some(record))
     }
 
@@ -515,16 +523,26 @@ impl CudaExecutor {
 
     /// 4. The forward and sampling (already enqueued when replayed); every row's final-normed
     ///    hidden state into `hidden_out` unless it is 0 (the MTP drafter). Returns where the
-    ///    results are on the device.
+    ///    results are on the device, and with `marking` (a step with exports, never replayed)
+    ///    when each KV layer is written.
     fn enqueue_forward(
         &mut self,
         gpu: &Gpu,
         rows: &StepRows,
         staged: &mut Staged,
         hidden_out: u64,
-    ) -> Result<u64, ExecutorError> {
+        marking: bool,
+    ) -> Result<(u64, Option<LayerMarks>), ExecutorError> {
         let n = rows.sampled();
-        Ok(match (staged.replayed, &staged.direct) {
+        if let (true, None, Some((_, at))) = (marking, staged.replayed, &staged.direct) {
+            let dev = staged.results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
+            let (model, kv, state, ring) = (&self.model, &self.kv.kv, self.state.as_ref(), self.ring.ptr());
+            let marks =
+                model.enqueue_step_marked(gpu, kv, state, rows, *at, ring, dev.ptr(), hidden_out).map_err(fail)?;
+            let marks = marks.ok_or_else(|| ExecutorError::Launch("a KV layer the forward does not write".into()))?;
+            return Ok((dev.ptr(), Some(marks)));
+        }
+        let results_at = match (staged.replayed, &staged.direct) {
             (Some((results_at, hidden_at)), _) => {
                 if hidden_out != 0 {
                     let bytes = rows.rows() * self.model.hidden * 4;
@@ -539,7 +557,8 @@ impl CudaExecutor {
                 dev.ptr()
             }
             (None, None) => unreachable!("a step not replayed is enqueued directly"),
-        })
+        };
+        Ok((results_at, None))
     }
 
     /// The completion of a finished record; its pinned buffers go back to the pools.
@@ -652,6 +671,16 @@ impl Executor for CudaExecutor {
 
     fn expert_parallel(&mut self) -> Option<&mut dyn super::contract::ExpertParallel> {
         self.experts.is_some().then_some(self as &mut dyn super::contract::ExpertParallel)
+    }
+
+    /// Without expert parallelism or the MTP drafter (their steps write KV after the forward's
+    /// layers), when the forward writes every KV layer.
+    fn exports_at_launch(&self) -> bool {
+        self.experts.is_none() && self.mtp_drafts == 0 && self.model.forward_writes_every_kv_layer()
+    }
+
+    fn take_launched_exports(&mut self, out: &mut Vec<(usize, Exported)>) {
+        out.append(&mut self.launched_exports);
     }
 
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {

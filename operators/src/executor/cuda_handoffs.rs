@@ -14,7 +14,7 @@
 use super::{fail, CudaExecutor};
 use crate::step::{BlockStore, ExecutorError, Exported, KvExport, KvImport, KvSource, StepLaunch};
 use crate::transfer::Landed;
-use kvflow_kernels::cuda::{Gpu, PinnedBuf};
+use kvflow_kernels::cuda::{Gpu, LayerMarks, PinnedBuf};
 use std::sync::Arc;
 
 impl CudaExecutor {
@@ -105,6 +105,21 @@ impl CudaExecutor {
         Ok((imports, states_in))
     }
 
+    /// Exports marked `at_launch` (a streamed piece) leave as their step is enqueued: each names
+    /// its blocks in place with the marks of the KV layers the forward writes, so the link reads
+    /// layer `l` once it is written, while the later layers compute. (The completion still lists
+    /// them; the rank sends each once.)
+    pub(super) fn hand_out_at_launch(&mut self, asked: &[KvExport], exported: &[Exported], marks: Arc<LayerMarks>) {
+        for (i, (a, e)) in asked.iter().zip(exported).enumerate().filter(|(_, (a, _))| a.at_launch) {
+            let mut early = e.clone();
+            if let Some(source) = early.source.as_mut() {
+                source.marks = Some(marks.clone());
+            }
+            debug_assert!(a.slot.is_none(), "a piece carries no state");
+            self.launched_exports.push((i, early));
+        }
+    }
+
     /// 5. Exports: the blocks, read in place once this step has completed (the producer holds
     ///    them until the consumer's ack), and each export's state slot as this step leaves it (the
     ///    state at the prompt boundary), copied out in stream order after the forward; the record
@@ -134,6 +149,7 @@ impl CudaExecutor {
                     store: BlockStore::Device(self.kv.clone()),
                     blocks: e.blocks.clone(),
                     floats_per_block: fpb,
+                    marks: None,
                 }),
                 state: None,
             });

@@ -64,9 +64,11 @@ impl Rank {
         self.offload_completed(c.step, c.result.is_ok(), saved);
         // Only a prefill pool's requests export for a handoff: pieces leave now, a handoff's
         // export waits for its T0.
-        for e in exports {
+        for (i, e) in exports.into_iter().enumerate() {
             if !c.result.is_ok() {
                 break;
+            } else if record.sent_at_launch.contains(&i) {
+                continue;
             } else if record.pieces.contains(&e.key) {
                 self.send_piece(e);
             } else if let Some(out) = self.handoff_out.as_mut() {

@@ -75,9 +75,13 @@ impl Rank {
         let bs = self.memory.layout.block_size;
         for c in chunks {
             if let Some(piece) = self.piece_export(c) {
-                pieces.push(c.key);
+                if !piece.at_launch {
+                    pieces.push(c.key);
+                }
                 exports.push(piece);
-                continue;
+                if !c.sample {
+                    continue;
+                }
             }
             let ahead = self.exported_ahead(c);
             let seq = self.seqs.get_mut(c.seq);
@@ -106,7 +110,7 @@ impl Rank {
                     };
                     // Copied out by the step (test switch: named in place, read through the cache).
                     let copy_out = !self.switches.read_handoffs_in_place;
-                    exports.push(KvExport { key: c.key, blocks, slot, copy_out });
+                    exports.push(KvExport { key: c.key, blocks, slot, copy_out, at_launch: false });
                 }
                 RequestKind::Consumer(consumer) => {
                     if !std::mem::take(&mut consumer.awaits_import) {
@@ -190,6 +194,18 @@ impl Rank {
         for phase in 0..self.executor.phases() {
             self.executor.launch(&launch, phase);
         }
+        // pieces that leave as their step launches (their completion lists them again)
+        let mut sent_at_launch = Vec::new();
+        let mut launched = Vec::new();
+        self.executor.take_launched_exports(&mut launched);
+        for (index, mut e) in launched {
+            if self.switches.unmarked_pieces {
+                e.source.iter_mut().for_each(|s| s.marks = None);
+            }
+            sent_at_launch.push(index);
+            self.stats.pieces_at_launch += 1;
+            self.send_piece(e);
+        }
         let mut keys = self.spare_keys.pop().unwrap_or_default();
         keys.clear();
         keys.extend(decided.chunks.iter().map(|c| c.key));
@@ -206,6 +222,7 @@ impl Rank {
             published,
             handoff_exports,
             pieces,
+            sent_at_launch,
             draft_from: decided.chunks.iter().filter(|c| c.drafter_successors).map(|c| c.key).collect(),
         });
         self.memory.steps_in_flight_from(self.oldest_in_flight());

@@ -68,8 +68,10 @@ struct StepRecord {
     published: Vec<u64>,
     /// Its exports that are handoffs; the ones after them are offload saves.
     handoff_exports: usize,
-    /// The sequences whose handoff export is a piece sent ahead (`stream`).
+    /// The sequences whose handoff export is a piece sent ahead when the step completes (`stream`).
     pieces: Vec<SeqKey>,
+    /// Its exports (by index) that were pieces sent as it launched (`stream`).
+    sent_at_launch: Vec<usize>,
     /// Those whose drafter proposes from the token the step samples (`Chunk::drafter_successors`).
     draft_from: Vec<SeqKey>,
 }

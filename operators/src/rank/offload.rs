@@ -60,7 +60,7 @@ impl Rank {
                 self.memory.pin_for_save(id, &blocks);
                 off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key });
                 let slot = if layout.keeps_state { seq.slot } else { None };
-                saves.push(KvExport { key: c.key, blocks, slot, copy_out: false });
+                saves.push(KvExport { key: c.key, blocks, slot, copy_out: false, at_launch: false });
             }
         }
         saves

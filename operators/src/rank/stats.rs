@@ -28,6 +28,9 @@ pub struct RankStats {
     /// `handoff_bytes`).
     pub pieces_out: u64,
     pub streamed_bytes: u64,
+    /// Of those, pieces sent as their step launched, read layer by layer as the forward wrote
+    /// them (a cuda rank).
+    pub pieces_at_launch: u64,
     /// Streamed handoffs whose request ended before T0 (its pieces dropped at the consumer).
     pub streams_dropped: u64,
     pub handoffs_in: u64,

@@ -1,7 +1,11 @@
 //! A prefill rank's streamed handoffs (DESIGN §8, `transfer::stream`). Time: a piece is
 //! exported by the step that completes its blocks (launch `t`, copied out after that step's
 //! forward) and sent when that step's completion is applied — while later chunks compute; the
-//! handoff at T0 carries what is left. Guarantee: every block leaves exactly once, in order, as
+//! handoff at T0 carries what is left. On an executor that exports at launch (cuda), a piece is
+//! sent as its step launches, named in place with the marks of its KV layers: the link reads
+//! each layer once the forward wrote it, while the later layers compute — and the step that
+//! samples T0 sends its whole blocks that way too, so the handoff carries only the last, partial
+//! block and the state. Guarantee: every block leaves exactly once, in order, as
 //! part of the one transfer its request has (fixed at the first piece); pieces of a request
 //! that will not hand off are dropped at the consumer; the request keeps its blocks until the
 //! handoff's ack as before.
@@ -16,12 +20,20 @@ use crate::transfer::{KvPiece, TransferId};
 impl Rank {
     /// The export that sends prefill chunk `c`'s completed blocks ahead of its handoff, if its
     /// request streams (its link's `stream_min_tokens`, its prompt at least that long) and the
-    /// chunk completes blocks not exported yet.
+    /// chunk completes blocks not exported yet — the chunk that samples T0 too when the piece
+    /// leaves as the step launches (layer by layer).
     pub(super) fn piece_export(&mut self, c: &Chunk) -> Option<KvExport> {
+        let at_launch = self.executor.exports_at_launch() && !self.switches.pieces_at_completion;
         let (out, layout) = (self.handoff_out.as_mut()?, &self.memory.layout);
         let seq = self.seqs.get(c.seq);
         let producer = seq.kind.producer()?;
-        if !c.prefill || c.sample || !layout.keeps_kv || out.kv_layers.is_empty() || producer.in_transfer.is_some() {
+        let last_chunk_waits = c.sample && !at_launch;
+        if !c.prefill
+            || last_chunk_waits
+            || !layout.keeps_kv
+            || out.kv_layers.is_empty()
+            || producer.in_transfer.is_some()
+        {
             return None;
         }
         if !out.streams.contains_key(&seq.id) {
@@ -47,7 +59,7 @@ impl Rank {
         stream.exported_blocks = to;
         stream.launched.push_back((from, to - from, c.key.generation));
         let blocks = seq.blocks.blocks()[skip + from..skip + to].to_vec();
-        Some(KvExport { key: c.key, blocks, slot: None, copy_out: true })
+        Some(KvExport { key: c.key, blocks, slot: None, copy_out: true, at_launch })
     }
 
     /// The first block (after those the consumer holds) that the handoff at T0 still exports.

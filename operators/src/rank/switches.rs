@@ -125,6 +125,13 @@ pub struct TestSwitches {
     /// The trace driver releases requests without waiting for the ranks to be built (removes
     /// the wait: the first requests queue behind the start-up and their TTFT counts it).
     pub release_before_ranks_are_built: bool,
+    /// Streamed pieces leave when their step completes even on an executor that exports at
+    /// launch (removes layer-wise streaming: the chunk that samples T0 then goes with the handoff).
+    pub pieces_at_completion: bool,
+    /// Pieces sent at launch go without their layers' marks (removes the wait for the forward:
+    /// the link reads blocks the step is still writing — on a GPU, `--verify` sees it; emulated
+    /// kernels have run when the step is enqueued).
+    pub unmarked_pieces: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -162,6 +169,8 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("handoff-keeps-reserved-prefix-on-abort", ""),
     ("slow-rank-build-ms", "MS"),
     ("release-before-ranks-are-built", ""),
+    ("pieces-at-completion", ""),
+    ("unmarked-pieces", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -260,6 +269,8 @@ impl TestSwitches {
             "keep-vanished-producers" => &mut self.keep_vanished_producers,
             "handoff-keeps-reserved-prefix-on-abort" => &mut self.handoff_keeps_reserved_prefix_on_abort,
             "release-before-ranks-are-built" => &mut self.release_before_ranks_are_built,
+            "pieces-at-completion" => &mut self.pieces_at_completion,
+            "unmarked-pieces" => &mut self.unmarked_pieces,
             _ => unreachable!("every switch of SWITCHES without an argument has its arm: {name}"),
         };
         *field = true;
