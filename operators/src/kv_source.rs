@@ -3,7 +3,8 @@
 //! (the consumer's ack) or a save (its completion). Shared by the step (an export, an import)
 //! and the transfer engine (a handoff carries its source), below both. A CPU producer's handoff
 //! carries a copy instead (`KvExport::copy_out`): a host cache is locked while its rank's step
-//! runs.
+//! runs. A cuda piece sent as its step launched carries the marks of its KV layers, which every
+//! reader waits for on the GPU.
 
 /// Blocks of a rank's KV cache read in place by a cuda producer's handoff (one copy, into the
 /// consumer's blocks, or onto a socket) or by a save: the rank holds them until their reader is

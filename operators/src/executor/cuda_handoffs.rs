@@ -3,13 +3,14 @@
 //! tcp handoff landed in (a streamed one's pieces each unpacked at its own blocks), else unpacked
 //! from pinned memory — with its recurrent state into its
 //! slot; and a step's exports, its blocks read in place once it completed and its state slot
-//! copied out after its forward.
+//! copied out after its forward — except streamed pieces, handed back as the step is enqueued
+//! with an event per KV layer (`LayerMarks`), read layer by layer once the forward wrote them.
 //!
 //! Which time it holds: the step's, from its launch to its completion (the record owns what the
 //! GPU reads).
 //! Which guarantee it carries: the producer holds the blocks until the consumer's record, which
 //! owns the handoff, lets go of it; a state lands after the slot's own copies and before the
-//! forward that reads it.
+//! forward that reads it; a piece handed out at launch is read no sooner than its layers' marks.
 
 use super::{fail, CudaExecutor};
 use crate::step::{BlockStore, ExecutorError, Exported, KvExport, KvImport, KvSource, StepLaunch};
