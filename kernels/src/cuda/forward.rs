@@ -7,7 +7,7 @@
 
 use super::error::CudaError;
 use super::gpu::{DeviceBuf, Event, Gpu};
-use super::kv::{DeviceKv, LayerMarks};
+use super::kv::DeviceKv;
 use super::launch::Arg;
 use super::model::{DevFfn, DevLayer, DevMixer, DeviceModel};
 use super::parts::Step;
@@ -56,7 +56,8 @@ impl DeviceModel {
     /// row's KV into its cache row, and for each sampling row its token (greedy, or drawn) into `ring` at its
     /// slot and `RESULT_WORDS` words into `results`; every row's final-normed hidden state into
     /// `hidden_out` unless it is 0. Returns the sampled rows' logits when
-    /// `keep_logits` (checks and tests only). Waits for nothing.
+    /// `keep_logits` (checks and tests only). With `marks` ([`LayerMarks::unset`]), records when
+    /// each KV layer is written. Waits for nothing.
     #[allow(clippy::too_many_arguments)]
     pub fn enqueue_step(
         &self,
@@ -69,28 +70,9 @@ impl DeviceModel {
         results: u64,
         hidden_out: u64,
         keep_logits: bool,
+        marks: Option<&mut Vec<Option<Event>>>,
     ) -> Result<Option<DeviceBuf<f32>>, CudaError> {
-        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, keep_logits, None)
-    }
-
-    /// [`DeviceModel::enqueue_step`] (no logits kept), also recording when each KV layer is
-    /// written: `None` for marks when some KV layer is not written by the forward (an MTP
-    /// layer's, written by the draft passes after it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn enqueue_step_marked(
-        &self,
-        gpu: &Gpu,
-        kv: &DeviceKv,
-        state: Option<&DeviceState>,
-        rows: &StepRows,
-        at: RowsOnDevice,
-        ring: u64,
-        results: u64,
-        hidden_out: u64,
-    ) -> Result<Option<LayerMarks>, CudaError> {
-        let mut marks: Vec<Option<Event>> = (0..kv.num_layers()).map(|_| None).collect();
-        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, false, Some(&mut marks))?;
-        Ok(marks.into_iter().collect::<Option<Vec<Event>>>().map(LayerMarks))
+        self.enqueue_shaped(gpu, kv, state, rows.shape(), at, ring, results, hidden_out, keep_logits, marks)
     }
 
     /// [`DeviceModel::enqueue_step`] from the rows' shape alone (what a captured step is built

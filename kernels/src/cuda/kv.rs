@@ -204,13 +204,26 @@ impl DeviceKv {
 }
 
 /// When each KV layer of a step's blocks is written: an event per KV layer, recorded on the
-/// rank's stream after the decoder layer that writes it ([`DeviceModel::enqueue_step_marked`]).
+/// rank's stream after the decoder layer that writes it ([`DeviceModel::enqueue_step`]).
 /// A reader on a stream of its own has its stream wait, on the GPU, for layer `l`'s event before
 /// it reads layer `l`: the blocks leave layer by layer while the step's later layers compute.
 /// A step that completed has passed every mark (waiting on them costs nothing then).
 ///
-/// [`DeviceModel::enqueue_step_marked`]: super::model::DeviceModel::enqueue_step_marked
+/// [`DeviceModel::enqueue_step`]: super::model::DeviceModel::enqueue_step
 pub struct LayerMarks(pub Vec<Event>);
+
+impl LayerMarks {
+    /// No mark yet for any of `kv_layers` KV layers: what a marked enqueue fills.
+    pub fn unset(kv_layers: usize) -> Vec<Option<Event>> {
+        (0..kv_layers).map(|_| None).collect()
+    }
+
+    /// The marks, if the enqueue marked every KV layer (an MTP layer's KV is written by the
+    /// draft passes after the forward: not marked).
+    pub fn of(marked: Vec<Option<Event>>) -> Option<LayerMarks> {
+        marked.into_iter().collect::<Option<Vec<Event>>>().map(LayerMarks)
+    }
+}
 
 /// A rank's device cache as a handoff reads it in place: a consumer on the same device copies
 /// the blocks device to device (`DeviceKv::copy_from` on its own stream); anyone else reads them

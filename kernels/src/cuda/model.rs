@@ -111,7 +111,7 @@ impl DeviceModel {
     }
 
     /// Whether the forward's decoder layers write every KV layer (an MTP layer's KV is written
-    /// by the draft passes after it): what [`DeviceModel::enqueue_step_marked`] marks.
+    /// by the draft passes after it): what [`DeviceModel::enqueue_step`] can mark.
     pub fn forward_writes_every_kv_layer(&self) -> bool {
         let written: std::collections::BTreeSet<usize> = self
             .layers

@@ -62,7 +62,8 @@ impl<'a> PlainRunner<'a> {
         let at = rows.pack(meta.as_mut_slice(), meta_dev.ptr());
         self.gpu.copy_to_device(meta_dev.ptr(), &meta, rows.words())?;
         let results = self.gpu.scratch::<u32>(n * RESULT_WORDS)?;
-        let logits = self.model.enqueue_step(self.gpu, kv, state, rows, at, self.ring.ptr(), results.ptr(), 0, true)?;
+        let logits =
+            self.model.enqueue_step(self.gpu, kv, state, rows, at, self.ring.ptr(), results.ptr(), 0, true, None)?;
         let mut host_results = self.gpu.pinned::<u32>(n * RESULT_WORDS)?;
         let mut host_logits = self.gpu.pinned::<f32>(n * self.model.vocab)?;
         if let Some(l) = &logits {

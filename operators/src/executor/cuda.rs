@@ -534,14 +534,7 @@ impl CudaExecutor {
         marking: bool,
     ) -> Result<(u64, Option<LayerMarks>), ExecutorError> {
         let n = rows.sampled();
-        if let (true, None, Some((_, at))) = (marking, staged.replayed, &staged.direct) {
-            let dev = staged.results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
-            let (model, kv, state, ring) = (&self.model, &self.kv.kv, self.state.as_ref(), self.ring.ptr());
-            let marks =
-                model.enqueue_step_marked(gpu, kv, state, rows, *at, ring, dev.ptr(), hidden_out).map_err(fail)?;
-            let marks = marks.ok_or_else(|| ExecutorError::Launch("a KV layer the forward does not write".into()))?;
-            return Ok((dev.ptr(), Some(marks)));
-        }
+        let mut marked = marking.then(|| LayerMarks::unset(self.kv.kv.num_layers()));
         let results_at = match (staged.replayed, &staged.direct) {
             (Some((results_at, hidden_at)), _) => {
                 if hidden_out != 0 {
@@ -553,12 +546,19 @@ impl CudaExecutor {
             (None, Some((_, at))) => {
                 let dev = staged.results_dev.insert(gpu.scratch::<u32>(n * RESULT_WORDS).map_err(fail)?);
                 let (model, kv, state, ring) = (&self.model, &self.kv.kv, self.state.as_ref(), self.ring.ptr());
-                model.enqueue_step(gpu, kv, state, rows, *at, ring, dev.ptr(), hidden_out, false).map_err(fail)?;
+                let marks = marked.as_mut();
+                model
+                    .enqueue_step(gpu, kv, state, rows, *at, ring, dev.ptr(), hidden_out, false, marks)
+                    .map_err(fail)?;
                 dev.ptr()
             }
             (None, None) => unreachable!("a step not replayed is enqueued directly"),
         };
-        Ok((results_at, None))
+        // (a replayed step has no exports, so nothing to mark)
+        let unwritten = || ExecutorError::Launch("a KV layer the forward does not write".into());
+        let marks = marked.filter(|_| staged.replayed.is_none()).map(|m| LayerMarks::of(m).ok_or_else(unwritten));
+        let marks = marks.transpose()?;
+        Ok((results_at, marks))
     }
 
     /// The completion of a finished record; its pinned buffers go back to the pools.
