@@ -174,6 +174,8 @@ pub struct CudaExecutor {
     experts: Option<ExpertSide>,
     /// Exports handed back as their step launched (`cuda_handoffs.rs`), until the rank takes them.
     launched_exports: Vec<(usize, Exported)>,
+    /// Whether it does (`Executor::exports_at_launch`): fixed by the model and the pool.
+    exports_at_launch: bool,
 }
 
 impl CudaExecutor {
@@ -217,6 +219,8 @@ impl CudaExecutor {
         let ring = gpu.zeros::<u32>(RING_SLOTS).map_err(|e| e.to_string())?;
         gpu.wait().map_err(|e| e.to_string())?;
         tracing::info!(pool = %ctx.pool, rank = ctx.rank, gpu = ordinal, name = %gpu.name(), arch = gpu.arch(), "cuda executor ready");
+        // (pieces leave at launch where every KV layer is written by the forward's layers)
+        let exports_at_launch = experts.is_none() && mtp_drafts == 0 && model.forward_writes_every_kv_layer();
         Ok(CudaExecutor {
             gpu,
             model,
@@ -237,6 +241,7 @@ impl CudaExecutor {
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
+            exports_at_launch,
             experts,
             launched_exports: Vec::new(),
         })
@@ -676,7 +681,7 @@ impl Executor for CudaExecutor {
     /// Without expert parallelism or the MTP drafter (their steps write KV after the forward's
     /// layers), when the forward writes every KV layer.
     fn exports_at_launch(&self) -> bool {
-        self.experts.is_none() && self.mtp_drafts == 0 && self.model.forward_writes_every_kv_layer()
+        self.exports_at_launch
     }
 
     fn take_launched_exports(&mut self, out: &mut Vec<(usize, Exported)>) {
