@@ -100,7 +100,12 @@ static int current;
 static void* scheduler_sp;
 static void (*current_kernel)(void**);
 static void** current_args;
-static float warp_slots[MAX_THREADS / 32][32];
+// A warp's exchanges (shuffles, ballots, mma and ldmatrix fragments) go through slots of two
+// phases: a lane flips its phase at each exchange, so a lane already at the next exchange writes
+// the other phase while slower lanes still read this one, and one warp barrier an exchange is
+// enough (a lane two exchanges on has passed the barrier every lane reached after reading).
+static float warp_slots[MAX_THREADS / 32][2][32];
+static int exchange_phase[MAX_THREADS];
 
 // Counts kept as fibers arrive, so the scheduler never scans for a released barrier.
 static int finished, at_block_barrier;
@@ -117,53 +122,60 @@ static void fiber_entry() {
     std::abort();  // a finished fiber is never resumed
 }
 
+// Parks this fiber at a barrier and runs the next runnable lane of its warp, straight from fiber
+// to fiber (the scheduler's round over the warp would run it next anyway: one switch, not two),
+// or returns to the scheduler after the warp's last lane.
 static void yield_at(FiberState state) {
-    fibers[current].state = state;
+    int from = current, warp = from / 32;
+    fibers[from].state = state;
     if (state == AT_BLOCK_BARRIER) at_block_barrier++;
-    if (state == AT_WARP_BARRIER) warp_waiting[current / 32]++;
-    kvflow_switch(&fibers[current].sp, scheduler_sp);
+    if (state == AT_WARP_BARRIER) warp_waiting[warp]++;
+    for (int t = from + 1; t < warp * 32 + lanes_of_warp(warp); t++)
+        if (fibers[t].state == RUNNABLE) {
+            current = t;
+            threadIdx = {(unsigned)t, 0, 0};
+            kvflow_switch(&fibers[from].sp, fibers[t].sp);
+            return;
+        }
+    kvflow_switch(&fibers[from].sp, scheduler_sp);
 }
 
 static void __syncthreads() { yield_at(AT_BLOCK_BARRIER); }
 static void __syncwarp(unsigned = 0xffffffffu) { yield_at(AT_WARP_BARRIER); }
 
+// This lane's phase for its next exchange (flipped).
+static int next_phase() { return exchange_phase[current] ^= 1; }
+
+// Every lane's v, after the warp barrier.
+static const float* exchange(float v) {
+    int warp = current / 32, lane = current % 32, phase = next_phase();
+    warp_slots[warp][phase][lane] = v;
+    __syncwarp();
+    return warp_slots[warp][phase];
+}
+
 static float __shfl_down_sync(unsigned, float v, int offset) {
-    int warp = current / 32, lane = current % 32;
-    warp_slots[warp][lane] = v;
-    __syncwarp();
-    int src = lane + offset;
-    float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
-    __syncwarp();
-    return r;
+    const float* lanes = exchange(v);
+    int src = current % 32 + offset;
+    return src < lanes_of_warp(current / 32) ? lanes[src] : v;
 }
 
 static float __shfl_sync(unsigned, float v, int src) {
-    int warp = current / 32, lane = current % 32;
-    warp_slots[warp][lane] = v;
-    __syncwarp();
-    float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
-    __syncwarp();
-    return r;
+    const float* lanes = exchange(v);
+    return src < lanes_of_warp(current / 32) ? lanes[src] : v;
 }
 
 static float __shfl_xor_sync(unsigned, float v, int mask) {
-    int warp = current / 32, lane = current % 32;
-    warp_slots[warp][lane] = v;
-    __syncwarp();
-    int src = lane ^ mask;
-    float r = src < lanes_of_warp(warp) ? warp_slots[warp][src] : v;
-    __syncwarp();
-    return r;
+    const float* lanes = exchange(v);
+    int src = current % 32 ^ mask;
+    return src < lanes_of_warp(current / 32) ? lanes[src] : v;
 }
 
 static unsigned __ballot_sync(unsigned, bool pred) {
-    int warp = current / 32, lane = current % 32;
-    warp_slots[warp][lane] = pred ? 1.0f : 0.0f;
-    __syncwarp();
+    const float* lanes = exchange(pred ? 1.0f : 0.0f);
     unsigned mask = 0;
-    for (int l = 0; l < lanes_of_warp(warp); l++)
-        if (warp_slots[warp][l] != 0.0f) mask |= 1u << l;
-    __syncwarp();
+    for (int l = 0; l < lanes_of_warp(current / 32); l++)
+        if (lanes[l] != 0.0f) mask |= 1u << l;
     return mask;
 }
 
@@ -173,15 +185,15 @@ static int __popc(unsigned v) { return __builtin_popcount(v); }
 // "Matrix fragments for mma.m16n8k16"): each output adds its 16 products in k order, one fma each.
 // A GPU's tensor cores add them their own way: the emulation keeps the fragments' layout, not the
 // hardware's bits.
-static unsigned mma_slots[MAX_THREADS / 32][32][6];
+static unsigned mma_slots[MAX_THREADS / 32][2][32][6];
 static void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
-    int warp = current / 32, lane = current % 32;
-    for (int i = 0; i < 4; i++) mma_slots[warp][lane][i] = a[i];
-    mma_slots[warp][lane][4] = b[0];
-    mma_slots[warp][lane][5] = b[1];
+    int warp = current / 32, lane = current % 32, phase = next_phase();
+    for (int i = 0; i < 4; i++) mma_slots[warp][phase][lane][i] = a[i];
+    mma_slots[warp][phase][lane][4] = b[0];
+    mma_slots[warp][phase][lane][5] = b[1];
     __syncwarp();
     auto half = [&](int holder, int reg, int k) {
-        unsigned v = mma_slots[warp][holder][reg];
+        unsigned v = mma_slots[warp][phase][holder][reg];
         return __uint_as_float(((k & 1) ? v >> 16 : v & 0xffffu) << 16);
     };
     auto A = [&](int row, int k) { return half((row % 8) * 4 + (k % 8) / 2, (row >= 8) + 2 * (k >= 8), k); };
@@ -194,38 +206,35 @@ static void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
         for (int k = 0; k < 16; k++) s = std::fmaf(A(row, k), B(k, col), s);
         out[c] = s;
     }
-    __syncwarp();
     for (int c = 0; c < 4; c++) d[c] = out[c];
 }
 
 // ldmatrix .x4: lane 8i + j gives row j of matrix i; lane t gets row t / 4's 32 bits at 4(t % 4).
-static const unsigned char* ldmatrix_rows[MAX_THREADS / 32][32];
-static void ldmatrix_x4(unsigned* r, const void* row) {
-    int warp = current / 32, lane = current % 32;
+static const unsigned char* ldmatrix_slots[MAX_THREADS / 32][2][32];
+// Every lane's row address, after the warp barrier.
+static const unsigned char* const* ldmatrix_rows(const void* row) {
+    int warp = current / 32, lane = current % 32, phase = next_phase();
     if ((uintptr_t)row % 16 != 0) kvflow_fault = "ldmatrix with a row not 16-byte aligned";
-    ldmatrix_rows[warp][lane] = (const unsigned char*)row;
+    ldmatrix_slots[warp][phase][lane] = (const unsigned char*)row;
     __syncwarp();
-    unsigned out[4];
-    for (int i = 0; i < 4; i++) std::memcpy(&out[i], ldmatrix_rows[warp][8 * i + lane / 4] + 4 * (lane % 4), 4);
-    __syncwarp();
-    for (int i = 0; i < 4; i++) r[i] = out[i];
+    return ldmatrix_slots[warp][phase];
+}
+static void ldmatrix_x4(unsigned* r, const void* row) {
+    const unsigned char* const* rows = ldmatrix_rows(row);
+    int lane = current % 32;
+    for (int i = 0; i < 4; i++) std::memcpy(&r[i], rows[8 * i + lane / 4] + 4 * (lane % 4), 4);
 }
 
 // ldmatrix .x4.trans: lane t gets column t / 4 of rows 2(t % 4) and 2(t % 4) + 1 of matrix i.
 static void ldmatrix_x4_trans(unsigned* r, const void* row) {
-    int warp = current / 32, lane = current % 32;
-    if ((uintptr_t)row % 16 != 0) kvflow_fault = "ldmatrix with a row not 16-byte aligned";
-    ldmatrix_rows[warp][lane] = (const unsigned char*)row;
-    __syncwarp();
-    unsigned out[4];
+    const unsigned char* const* rows = ldmatrix_rows(row);
+    int lane = current % 32;
     for (int i = 0; i < 4; i++) {
         unsigned short lo, hi;
-        std::memcpy(&lo, ldmatrix_rows[warp][8 * i + 2 * (lane % 4)] + 2 * (lane / 4), 2);
-        std::memcpy(&hi, ldmatrix_rows[warp][8 * i + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
-        out[i] = lo | ((unsigned)hi << 16);
+        std::memcpy(&lo, rows[8 * i + 2 * (lane % 4)] + 2 * (lane / 4), 2);
+        std::memcpy(&hi, rows[8 * i + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
+        r[i] = lo | ((unsigned)hi << 16);
     }
-    __syncwarp();
-    for (int i = 0; i < 4; i++) r[i] = out[i];
 }
 
 // One block runs at a time: atomics and fences need nothing more.
@@ -269,12 +278,16 @@ static inline void cp_async_wait() {
     pending.resize(kept);
 }
 
+// Each fiber's stack top sits at its own offset in the cache (t * 192 bytes, wrapping at 64 KiB):
+// tops 128 KiB apart would all fall in one cache set, and every switch would miss L1 and L2.
+static const size_t STACK_STAGGER = 64 * 1024;
 static void start_fiber(int t) {
     pending_copies[t].clear();
     copy_groups[t] = 0;
+    exchange_phase[t] = 0;
     Fiber& f = fibers[t];
-    if (!f.stack) f.stack = (char*)std::malloc(STACK_BYTES);
-    uintptr_t top = ((uintptr_t)(f.stack + STACK_BYTES)) & ~(uintptr_t)15;
+    if (!f.stack) f.stack = (char*)std::malloc(STACK_BYTES + STACK_STAGGER);
+    uintptr_t top = ((uintptr_t)(f.stack + STACK_BYTES + (size_t)t * 192 % STACK_STAGGER)) & ~(uintptr_t)15;
     void** sp = (void**)top;
     *--sp = nullptr;                    // fiber_entry's return address (it never returns)
     *--sp = (void*)&fiber_entry;        // where the first switch returns to
