@@ -7,7 +7,7 @@
 //! attention (each key/value head shared by `q_heads / kv_heads` query heads) and absorbed MLA
 //! (one shared "head" whose key is `[latent | rope key]` and whose value is the latent itself).
 
-use super::simd::{axpy, dot, Best};
+use super::simd::{axpy_rows, dot, Best};
 use crate::kv::KvLayer;
 
 /// Where keys and values sit in a cache row, and how heads share them.
@@ -58,8 +58,6 @@ pub fn attend_row(
             sum += *s;
         }
         let oh = &mut out[h * v_dim..(h + 1) * v_dim];
-        for (&p, &r) in scores.iter().zip(keys) {
-            axpy::<Best>(oh, p / sum, &layer.row(r)[v0..v0 + v_dim]);
-        }
+        axpy_rows::<Best>(oh, keys.len(), |k| (scores[k] / sum, &layer.row(keys[k])[v0..v0 + v_dim]));
     }
 }

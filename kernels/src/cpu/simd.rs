@@ -193,6 +193,49 @@ pub fn axpy<L: Lanes>(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// `y += a_k * x_k` for k in 0..n in order, where `term(k)` gives (a_k, x_k): the bits of n
+/// `axpy` calls, but each 32-float tile of `y` stays in registers over all n terms instead of
+/// being loaded and stored once a term.
+#[inline(always)]
+pub fn axpy_rows<'x, L: Lanes>(y: &mut [f32], n: usize, mut term: impl FnMut(usize) -> (f32, &'x [f32])) {
+    let len = y.len();
+    let py = y.as_mut_ptr();
+    let mut i = 0;
+    unsafe {
+        while i + 32 <= len {
+            let mut acc =
+                [L::load(py.add(i)), L::load(py.add(i + 8)), L::load(py.add(i + 16)), L::load(py.add(i + 24))];
+            for k in 0..n {
+                let (a, x) = term(k);
+                debug_assert_eq!(x.len(), len);
+                let (va, px) = (L::splat(a), x.as_ptr().add(i));
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = L::fma(va, L::load(px.add(8 * j)), *acc);
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                L::store(py.add(i + 8 * j), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= len {
+            let mut acc = L::load(py.add(i));
+            for k in 0..n {
+                let (a, x) = term(k);
+                acc = L::fma(L::splat(a), L::load(x.as_ptr().add(i)), acc);
+            }
+            L::store(py.add(i), acc);
+            i += 8;
+        }
+    }
+    for (i, y) in y.iter_mut().enumerate().skip(i) {
+        for k in 0..n {
+            let (a, x) = term(k);
+            *y = fma_scalar::<L>(a, x[i], *y);
+        }
+    }
+}
+
 /// One scalar `a * b + c` with the same rounding as the lanes of `L` (fused on AVX2).
 #[inline(always)]
 pub fn fma_scalar<L: Lanes>(a: f32, b: f32, c: f32) -> f32 {
@@ -214,6 +257,26 @@ mod tests {
         let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert_eq!(dot::<Portable>(&a, &b), want);
         assert_eq!(dot::<Best>(&a, &b), want);
+    }
+
+    #[test]
+    fn axpy_rows_gives_the_bits_of_one_axpy_a_row() {
+        for len in [5, 8, 19, 32, 45, 64, 77] {
+            let rows: Vec<Vec<f32>> =
+                (0..7).map(|k| (0..len).map(|i| ((i * 7 + k * 13) % 11) as f32 * 0.37 - 1.1).collect()).collect();
+            let weights: Vec<f32> = (0..7).map(|k| 0.1 + k as f32 * 0.173).collect();
+            let mut one_by_one = vec![0.25f32; len];
+            for (w, row) in weights.iter().zip(&rows) {
+                axpy::<Best>(&mut one_by_one, *w, row);
+            }
+            let mut tiled = vec![0.25f32; len];
+            axpy_rows::<Best>(&mut tiled, rows.len(), |k| (weights[k], &rows[k]));
+            assert_eq!(
+                tiled.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                one_by_one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "length {len}"
+            );
+        }
     }
 
     #[test]
