@@ -9,7 +9,8 @@
 #   - 256-token prompts 100 ms apart in chunks of 64, every prompt streamed, at 10 Gbit/s;
 #   - with `BUSY=1`, 4,096-token prompts 150 ms apart (faster than the prefill rank serves
 #     them), no link rate.
-# `QUICK=1` leaves out the chunk-by-chunk variant. Then, with `CPU=1`, the CPU acceptance case on this machine's cores (8 prompts of 4,096 tokens,
+# `QUICK=1` leaves out the chunk-by-chunk variant; `FIRST=1` stops after the first case and its
+# unmarked variant. Then, with `CPU=1`, the CPU acceptance case on this machine's cores (8 prompts of 4,096 tokens,
 # 1,800 ms apart, 100 MB/s). Carry .device-bin (benches/device/prepare.sh). Raw output goes to
 # $OUT/streaming-run.txt (or ./streaming-run.txt), each run's requests.jsonl beside it.
 #     bash benches/device/streaming.sh
@@ -44,6 +45,7 @@ PY
 }
 gpu gpu-4096-500 4096 16 500 "10 Gbit/s" 1024
 variant gpu-4096-500 unmarked-pieces
+[ "${FIRST:-0}" = 1 ] && exit $status
 [ "${QUICK:-0}" = 1 ] || variant gpu-4096-500 pieces-at-completion
 CHUNK=64 gpu gpu-256 256 16 100 "10 Gbit/s" 1
 [ "${BUSY:-0}" = 1 ] && gpu gpu-4096-150 4096 16 150 none 1024
