@@ -20,6 +20,8 @@ use std::time::{Duration, Instant};
 
 /// Requests in flight for several seconds: the decode side always holds some.
 const BUSY: &str = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 40";
+/// A workload that outlasts any signal a test sends it, however fast the machine (the signal ends it).
+const OUTLASTING: &str = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 400";
 
 /// `kvflow run GRAPH --pools prefill --endpoint decode=ADDR ARGS…`, its stderr piped.
 fn start_producer(graph: &Path, addr: &str, args: &[&str]) -> Child {
@@ -251,9 +253,8 @@ impl Launched {
 fn sigterm_to_launch_drains_every_process_and_writes_the_report_within_10_s() {
     let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
-    let workload = "mode = \"concurrency\"\nconcurrency = 4\nwarmup = 0\nlimit = 400";
     let graph =
-        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", workload, "32 MiB", TCP_1P1D);
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", OUTLASTING, "32 MiB", TCP_1P1D);
     let mut launched = Launched::start(&graph, &["--grace-period", "3"]);
     launched.until_started();
     std::thread::sleep(Duration::from_secs(3)); // requests in flight on both sides
@@ -281,7 +282,9 @@ fn sigterm_to_launch_drains_every_process_and_writes_the_report_within_10_s() {
 fn launch_reports_a_process_killed_by_a_signal_as_such() {
     let _one_at_a_time = HEAVY.lock();
     let dir = tempfile::tempdir().unwrap();
-    let graph = write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", BUSY, "32 MiB", TCP_1P1D);
+    // (40 requests finished within the 2 s before the kill, once the CPU attention was faster)
+    let graph =
+        write_graph_with(dir.path(), "hf/llama", "mooncake_conversation_head.jsonl", OUTLASTING, "32 MiB", TCP_1P1D);
     let mut launched = Launched::start(&graph, &[]);
     launched.until_started();
     std::thread::sleep(Duration::from_secs(2));
