@@ -58,6 +58,9 @@ pub fn attend_row(
             sum += *s;
         }
         let oh = &mut out[h * v_dim..(h + 1) * v_dim];
-        axpy_rows::<Best>(oh, keys.len(), |k| (scores[k] / sum, &layer.row(keys[k])[v0..v0 + v_dim]));
+        for s in scores.iter_mut() {
+            *s /= sum;
+        }
+        axpy_rows::<Best>(oh, keys.len(), |k| (scores[k], &layer.row(keys[k])[v0..v0 + v_dim]));
     }
 }
