@@ -68,6 +68,26 @@ impl fmt::Display for ChunkKey {
     }
 }
 
+impl ChunkKey {
+    /// The key whose text form is `text` (as [`fmt::Display`] writes it), if it is one.
+    pub fn parse(text: &str) -> Option<ChunkKey> {
+        let rest = text.strip_prefix("kvflow1-")?;
+        let (namespace, rest) = rest.split_once("/s")?;
+        let (shards, digest) = rest.split_once('/')?;
+        let (shard, shards) = shards.split_once("of")?;
+        let hex = |s: &str| (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok()).flatten();
+        if digest.len() != 32 {
+            return None;
+        }
+        Some(ChunkKey {
+            namespace: Namespace(hex(namespace)?),
+            shard: shard.parse().ok()?,
+            shards: shards.parse().ok()?,
+            digest: Digest([hex(&digest[..16])?, hex(&digest[16..])?]),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,5 +107,8 @@ mod tests {
         let key = ChunkKey { namespace: ns, shard: 0, shards: 1, digest: da[0] };
         let text = key.to_string();
         assert!(text.starts_with("kvflow1-") && text.contains("/s0of1/") && text.len() == 8 + 16 + 7 + 32, "{text}");
+        assert_eq!(ChunkKey::parse(&text), Some(key), "the text form reads back");
+        assert_eq!(ChunkKey::parse(&text[..text.len() - 1]), None);
+        assert_eq!(ChunkKey::parse("kvflow1-zz/s0of1/00"), None);
     }
 }

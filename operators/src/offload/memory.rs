@@ -1,6 +1,7 @@
 //! `memory`: the default store — objects in this process's memory, least recently used evicted
 //! first once their bytes pass the capacity. A chunk's shard objects are evicted together.
 
+use super::eviction_log::EvictionLog;
 use super::{decode_object, ChunkKey, ChunkObject, Digest, ObjectStore, StoreError};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -22,14 +23,9 @@ struct Inner {
     by_use: BTreeMap<u64, (u64, Digest)>,
     clock: u64,
     bytes: u64,
-    /// The shard keys evicted, newest last (at most `EVICTION_LOG` of them), and how many older
-    /// ones were dropped from its front.
-    evicted: std::collections::VecDeque<ChunkKey>,
-    evicted_dropped: u64,
+    /// The shard keys evicted.
+    evicted: EvictionLog,
 }
-
-/// Evicted keys the store remembers for [`ObjectStore::evicted_since`].
-const EVICTION_LOG: usize = 1 << 16;
 
 impl Inner {
     fn touch(&mut self, key: &ChunkKey) {
@@ -50,11 +46,7 @@ impl Inner {
         self.by_use.remove(&used);
         if let Some((_, keys)) = self.chunks.remove(&chunk) {
             for k in keys {
-                self.evicted.push_back(k);
-                if self.evicted.len() > EVICTION_LOG {
-                    self.evicted.pop_front();
-                    self.evicted_dropped += 1;
-                }
+                self.evicted.push(k);
                 if let Some(v) = self.objects.remove(&k) {
                     self.bytes -= v.len() as u64;
                 }
@@ -85,12 +77,7 @@ impl MemoryStore {
 
 impl ObjectStore for MemoryStore {
     fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
-        let s = self.inner.lock();
-        let end = s.evicted_dropped + s.evicted.len() as u64;
-        if cursor < s.evicted_dropped {
-            return (end, None);
-        }
-        (end, Some(s.evicted.iter().skip((cursor - s.evicted_dropped) as usize).copied().collect()))
+        self.inner.lock().evicted.since(cursor)
     }
 
     fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {

@@ -9,10 +9,12 @@
 //! tokens, so one key names one prefix in one layout — whichever rank or pool saved it.
 
 mod disk;
+mod eviction_log;
 mod key;
 mod loader;
 mod memory;
 mod object;
+mod redis_store;
 mod saver;
 mod worker;
 
@@ -21,6 +23,7 @@ pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
 pub use loader::{spawn_loader, LoadDone, LoadJob, Loaded, Loader, RestoredPrefix};
 pub use memory::MemoryStore;
 pub use object::{check_object, decode_object, encode_object, read_object, ChunkObject, ObjectError};
+pub use redis_store::{LocalRedis, LocalRedisError, RedisConfig, RedisStore};
 pub use saver::{spawn_saver, SaveDone, SaveJob, SaveOutcome, Saver};
 
 /// Why a store could not do what it was asked.
@@ -33,6 +36,23 @@ pub enum StoreError {
     /// The backing medium failed (a disk error, a refused connection).
     #[error("{0}")]
     Io(String),
+}
+
+/// What went wrong with a store during the run, by kind (a store that cannot fail counts none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreFaults {
+    /// Loads that found no chunk whole: no manifest, or a manifest without its data.
+    pub missing: u64,
+    /// Loads that found bytes unlike their manifest, or a chunk from before a restart.
+    pub damaged: u64,
+    /// Operations that found the store unreachable.
+    pub down: u64,
+    /// Operations slower than the store's timeout.
+    pub timeouts: u64,
+    /// Saves refused for lack of memory.
+    pub full: u64,
+    /// Restarts and flushes seen (each time, what the process knew of the store was dropped).
+    pub restarts: u64,
 }
 
 /// Where saved chunks live. Objects are whole (a put is all or nothing); a get of a missing,
@@ -54,6 +74,15 @@ pub trait ObjectStore: Send + Sync {
     /// evicts: nothing, ever.
     fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
         (cursor, Some(Vec::new()))
+    }
+    /// Moves on each time the store loses what it held before (a restart, a flush): a rank then
+    /// forgets which chunks it saved, and saves them again.
+    fn generation(&self) -> u64 {
+        0
+    }
+    /// What went wrong so far, by kind.
+    fn faults(&self) -> StoreFaults {
+        StoreFaults::default()
     }
     /// The decoded object under `key`, if the store holds a sound one (a damaged one is a miss).
     /// A store may read it straight into the floats, without a copy of the bytes in between.

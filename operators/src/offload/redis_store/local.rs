@@ -1,0 +1,104 @@
+//! A Redis server of this machine's own, on a free loopback port, without persistence: what
+//! `kvflow bench offload --store redis` measures against (beside `redis-benchmark` on the same
+//! server) and what the tests run their stores on — a real server, never a mock. It can be
+//! stopped, paused (SIGSTOP: a store slower than any timeout) and restarted on the same port.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct LocalRedis {
+    pub port: u16,
+    /// Extra `redis-server` arguments (`--maxmemory 1mb`…), kept for restarts.
+    args: Vec<String>,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+/// Why no local server could be started.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalRedisError {
+    #[error("redis-server is not installed (Debian: apt-get install redis-server)")]
+    NotInstalled,
+    #[error("{0}")]
+    Start(String),
+}
+
+impl LocalRedis {
+    /// Starts `redis-server` on a free port of 127.0.0.1 with `args` added.
+    pub fn start(args: &[&str]) -> Result<Self, LocalRedisError> {
+        if Command::new("redis-server").arg("--version").stdout(Stdio::null()).status().is_err() {
+            return Err(LocalRedisError::NotInstalled);
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| LocalRedisError::Start(format!("no free loopback port: {e}")))?
+            .port();
+        let dir = std::env::temp_dir().join(format!("kvflow-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| LocalRedisError::Start(format!("{}: {e}", dir.display())))?;
+        let mut server = LocalRedis { port, args: args.iter().map(|s| s.to_string()).collect(), dir, child: None };
+        server.restart()?;
+        Ok(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Starts the server again (after [`Self::kill`]), on the same port, empty.
+    pub fn restart(&mut self) -> Result<(), LocalRedisError> {
+        self.kill();
+        let port = self.port.to_string();
+        let child = Command::new("redis-server")
+            .args(["--port", &port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(["--dir", &self.dir.to_string_lossy()])
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| LocalRedisError::Start(format!("cannot start redis-server: {e}")))?;
+        self.child = Some(child);
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            if self.ping() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        Err(LocalRedisError::Start(format!("redis-server on port {port} did not answer within 10 s")))
+    }
+
+    /// Whether the server answers PING.
+    pub fn ping(&self) -> bool {
+        let Ok(client) = redis::Client::open(self.url()) else { return false };
+        let Ok(mut con) = client.get_connection_with_timeout(Duration::from_millis(500)) else { return false };
+        redis::cmd("PING").query::<String>(&mut con).is_ok()
+    }
+
+    /// Kills the server (SIGKILL) and waits for it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Stops (`true`: SIGSTOP) or resumes (`false`: SIGCONT) the server: while stopped, it
+    /// accepts connections and answers nothing.
+    pub fn pause(&self, paused: bool) {
+        if let Some(child) = &self.child {
+            let signal = if paused { "-STOP" } else { "-CONT" };
+            let _ = Command::new("kill").args([signal, &child.id().to_string()]).status();
+        }
+    }
+}
+
+impl Drop for LocalRedis {
+    fn drop(&mut self) {
+        self.pause(false);
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,386 @@
+//! `redis`: the store shared by every process and host that names it — Redis, or Valkey (the
+//! same protocol), through the `redis` crate's blocking client. What it keeps in the database:
+//! - `<key>`, a chunk's object (`object.rs`), and `<key>#m`, its manifest (`manifest.rs`), both
+//!   with a lease of `lease_ms`, written in one MULTI/EXEC with an entry on the log: a chunk is
+//!   visible whole or not at all. A load renews the leases of the chunks it read, and only those.
+//! - `kvflow1:log`, a capped stream of publications and renewals, which every process tails into
+//!   its own index (`index.rs`, `tail.rs`). `contains` answers from that index and never asks the
+//!   store, so an admission never waits for the network.
+//! - `kvflow1:epoch`, a token the first process sets. With the server's run id it tells a restart
+//!   or a flush: the index is dropped at once, and a manifest written to another run of the server
+//!   is a miss.
+//!
+//! A store that is down, slower than `timeout_ms` or full makes saves fail (the save thread drops
+//! them) and loads miss; while it is down `contains` is false, so no load is started; each kind is
+//! counted and logged once (`faults.rs`), and the tail retries with a back-off.
+
+mod faults;
+mod index;
+mod local;
+mod manifest;
+mod tail;
+#[cfg(test)]
+mod tests;
+
+use super::{decode_object, ChunkKey, ChunkObject, ObjectStore, StoreError, StoreFaults};
+use faults::{FaultKind, Faults};
+use index::Index;
+pub use local::{LocalRedis, LocalRedisError};
+use manifest::Manifest;
+use parking_lot::{Condvar, Mutex};
+use redis::{Connection, IntoConnectionInfo};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The stream of publications and renewals every process tails.
+const LOG: &str = "kvflow1:log";
+/// The token that tells a flush (set by the first process to find it missing).
+const EPOCH: &str = "kvflow1:epoch";
+/// Entries the log keeps (about: trimmed with `MAXLEN ~`); a process that falls further behind
+/// misses only hits.
+const LOG_ENTRIES: usize = 1 << 20;
+/// Connections kept open between operations.
+const IDLE_CONNECTIONS: usize = 8;
+
+/// How to reach the store and how long its chunks live.
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// `redis://host:port/db` or `rediss://…` (TLS), without a password.
+    pub url: String,
+    pub password: Option<String>,
+    /// A chunk expires this long after it was saved or last loaded.
+    pub lease: Duration,
+    /// The longest an operation may take before it counts as failed.
+    pub timeout: Duration,
+}
+
+pub struct RedisStore {
+    shared: Arc<Shared>,
+    tail: Option<std::thread::JoinHandle<()>>,
+}
+
+struct Shared {
+    client: redis::Client,
+    config: RedisConfig,
+    idle: Mutex<Vec<Connection>>,
+    index: Mutex<Index>,
+    /// The server's run id as last seen (written into each manifest).
+    run_id: Mutex<String>,
+    /// Set by a failed operation, cleared by the tail's next successful poll.
+    down: AtomicBool,
+    faults: Faults,
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+/// Why an operation failed.
+#[derive(Debug)]
+enum Failure {
+    Fault(FaultKind, String),
+    Refused(String),
+}
+
+impl Failure {
+    fn of(e: redis::RedisError) -> Self {
+        let text = e.to_string();
+        if e.is_timeout() {
+            Failure::Fault(FaultKind::Timeout, text)
+        } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
+            Failure::Fault(FaultKind::Down, text)
+        } else if e.code() == Some("OOM") || text.contains("OOM") {
+            Failure::Fault(FaultKind::Full, text)
+        } else {
+            Failure::Refused(text)
+        }
+    }
+}
+
+impl RedisStore {
+    /// Connects to the store at `config.url` and reads its log into this process's index. A store
+    /// that cannot be reached now is not an error (it may come up later: the tail retries), but a
+    /// URL the client cannot use, or a password it refuses, is.
+    pub fn open(config: RedisConfig) -> Result<Self, StoreError> {
+        let mut info = config
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| StoreError::Io(format!("`{}` is not a Redis URL the client can use: {e}", config.url)))?;
+        if let Some(password) = &config.password {
+            let settings = info.redis_settings().clone().set_password(password);
+            info = info.set_redis_settings(settings);
+        }
+        let client = redis::Client::open(info).map_err(|e| StoreError::Io(format!("{}: {e}", config.url)))?;
+        let shared = Arc::new(Shared {
+            client,
+            config,
+            idle: Mutex::new(Vec::new()),
+            index: Mutex::new(Index::default()),
+            run_id: Mutex::new(String::new()),
+            down: AtomicBool::new(false),
+            faults: Faults::default(),
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+        });
+        let mut tail = tail::Tail::default();
+        match tail.poll(&shared) {
+            Ok(()) => {}
+            Err(Failure::Refused(why)) => {
+                return Err(StoreError::Io(format!("{} refused kvflow: {why}", shared.config.url)))
+            }
+            Err(Failure::Fault(kind, why)) => {
+                shared.down.store(true, Ordering::Relaxed);
+                shared.faults.note(kind, || format!("{} at start ({why}); retrying", shared.config.url));
+            }
+        }
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("offload-redis-tail".into())
+                .spawn(move || tail.run(&shared))
+                .map_err(|e| StoreError::Io(format!("cannot start the store's tail thread: {e}")))?
+        };
+        Ok(RedisStore { shared, tail: Some(thread) })
+    }
+
+    /// Chunks this process's index holds.
+    pub fn indexed_chunks(&self) -> usize {
+        self.shared.index.lock().len()
+    }
+}
+
+impl Drop for RedisStore {
+    fn drop(&mut self) {
+        *self.shared.stop.lock() = true;
+        self.shared.wake.notify_all();
+        if let Some(t) = self.tail.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Shared {
+    /// Runs `op` on a connection (an idle one, or a new one), which goes back to the idle ones
+    /// when `op` succeeds; a failure marks the store down when it is a connection's.
+    fn with<T>(&self, op: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, Failure> {
+        let idle = self.idle.lock().pop();
+        let done = match idle {
+            Some(con) => Ok(con),
+            None => self.connect(),
+        }
+        .and_then(|mut con| op(&mut con).map(|v| (v, con)));
+        match done {
+            Ok((v, con)) => {
+                let mut idle = self.idle.lock();
+                if idle.len() < IDLE_CONNECTIONS {
+                    idle.push(con);
+                }
+                Ok(v)
+            }
+            Err(e) => {
+                let failure = Failure::of(e);
+                if matches!(failure, Failure::Fault(FaultKind::Down | FaultKind::Timeout, _)) {
+                    self.down.store(true, Ordering::Relaxed);
+                    self.idle.lock().clear();
+                }
+                Err(failure)
+            }
+        }
+    }
+
+    fn connect(&self) -> redis::RedisResult<Connection> {
+        let timeout = self.config.timeout;
+        let con = self.client.get_connection_with_timeout(timeout)?;
+        con.set_read_timeout(Some(timeout))?;
+        con.set_write_timeout(Some(timeout))?;
+        Ok(con)
+    }
+
+    fn lease_ms(&self) -> u64 {
+        self.config.lease.as_millis().max(1) as u64
+    }
+
+    /// Counts `failure` by its kind and says what it was.
+    fn note(&self, what: &str, key: &ChunkKey, failure: Failure) -> String {
+        match failure {
+            Failure::Fault(kind, why) => {
+                let text = format!("{what} {key}: {why}");
+                self.faults.note(kind, || text.clone());
+                text
+            }
+            Failure::Refused(why) => format!("{what} {key}: the store refused it: {why}"),
+        }
+    }
+
+    /// The object under `key` if the store holds it whole, on this run of the server, as its
+    /// manifest describes it; its lease (and its manifest's) renewed. Anything else is a miss,
+    /// counted by kind.
+    fn load(&self, key: &ChunkKey) -> Option<Vec<u8>> {
+        if self.down.load(Ordering::Relaxed) {
+            return None;
+        }
+        let name = key.to_string();
+        let manifest_name = format!("{name}#m");
+        let read = self.with(|con| {
+            redis::pipe().cmd("INFO").arg("server").get(&manifest_name).get(&name).query::<(
+                String,
+                Option<Vec<u8>>,
+                Option<Vec<u8>>,
+            )>(con)
+        });
+        let (info, manifest, object) = match read {
+            Ok(r) => r,
+            Err(failure) => {
+                self.note("loading", key, failure);
+                return None;
+            }
+        };
+        let run_id = tail::run_id(&info).unwrap_or_default();
+        let why = match (manifest.as_deref().map(Manifest::decode), &object) {
+            (None, _) => Some((FaultKind::Missing, "no manifest (expired, evicted, or never published)".to_string())),
+            (Some(None), _) => Some((FaultKind::Damaged, "its manifest is not one".to_string())),
+            (Some(Some(_)), None) => Some((FaultKind::Missing, "a manifest without its data".to_string())),
+            (Some(Some(m)), Some(object)) => m.mismatch(object, &run_id).map(|why| (FaultKind::Damaged, why)),
+        };
+        if let Some((kind, why)) = why {
+            self.faults.note(kind, || format!("{name}: {why}; a miss, the request recomputes"));
+            self.index.lock().forget(key);
+            return None;
+        }
+        self.renew(key, &name, &manifest_name);
+        object
+    }
+
+    /// Renews the leases of `key`'s object and manifest, and tells the other processes.
+    fn renew(&self, key: &ChunkKey, name: &str, manifest_name: &str) {
+        let lease = self.lease_ms();
+        let renewed = self.with(|con| {
+            redis::pipe()
+                .cmd("PEXPIRE")
+                .arg(name)
+                .arg(lease)
+                .ignore()
+                .cmd("PEXPIRE")
+                .arg(manifest_name)
+                .arg(lease)
+                .ignore()
+                .cmd("XADD")
+                .arg(LOG)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(LOG_ENTRIES)
+                .arg("*")
+                .arg("k")
+                .arg(name)
+                .arg("e")
+                .arg("r")
+                .arg("l")
+                .arg(lease)
+                .ignore()
+                .query::<()>(con)
+        });
+        match renewed {
+            Ok(()) => {
+                let mut index = self.index.lock();
+                let until = index.store_now_ms() + lease;
+                index.renew(*key, until);
+            }
+            Err(failure) => {
+                self.note("renewing the lease of", key, failure);
+            }
+        }
+    }
+}
+
+impl ObjectStore for RedisStore {
+    fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
+        let s = &*self.shared;
+        if s.down.load(Ordering::Relaxed) {
+            return Err(StoreError::Io("the store is unreachable (retrying in the background)".into()));
+        }
+        let name = key.to_string();
+        let manifest = Manifest::of(object, &s.run_id.lock()).encode();
+        let lease = s.lease_ms();
+        let written = s.with(|con| {
+            redis::pipe()
+                .atomic()
+                .cmd("SET")
+                .arg(&name)
+                .arg(object)
+                .arg("PX")
+                .arg(lease)
+                .ignore()
+                .cmd("SET")
+                .arg(format!("{name}#m"))
+                .arg(manifest)
+                .arg("PX")
+                .arg(lease)
+                .ignore()
+                .cmd("XADD")
+                .arg(LOG)
+                .arg("MAXLEN")
+                .arg("~")
+                .arg(LOG_ENTRIES)
+                .arg("*")
+                .arg("k")
+                .arg(&name)
+                .arg("e")
+                .arg("p")
+                .arg("n")
+                .arg(object.len())
+                .arg("l")
+                .arg(lease)
+                .ignore()
+                .query::<()>(con)
+        });
+        match written {
+            Ok(()) => {
+                let mut index = s.index.lock();
+                let until = index.store_now_ms() + lease;
+                index.publish(*key, object.len() as u64, until);
+                Ok(())
+            }
+            Err(Failure::Fault(FaultKind::Full, why)) => {
+                s.faults.note(FaultKind::Full, || format!("saving {name}: {why}"));
+                Err(StoreError::Full(why))
+            }
+            Err(failure) => Err(StoreError::Io(s.note("saving", key, failure))),
+        }
+    }
+
+    fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.shared.load(key))
+    }
+
+    fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {
+        let Some(bytes) = self.shared.load(key) else { return Ok(None) };
+        match decode_object(&bytes) {
+            Ok(object) => Ok(Some(object)),
+            Err(e) => {
+                self.shared.faults.note(FaultKind::Damaged, || format!("{key} is not a sound object ({e})"));
+                self.shared.index.lock().forget(key);
+                Ok(None)
+            }
+        }
+    }
+
+    fn contains(&self, key: &ChunkKey) -> bool {
+        !self.shared.down.load(Ordering::Relaxed) && self.shared.index.lock().holds(key)
+    }
+
+    fn bytes(&self) -> u64 {
+        self.shared.index.lock().bytes()
+    }
+
+    fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
+        self.shared.index.lock().evicted.since(cursor)
+    }
+
+    fn generation(&self) -> u64 {
+        self.shared.index.lock().generation
+    }
+
+    fn faults(&self) -> StoreFaults {
+        self.shared.faults.snapshot()
+    }
+}
