@@ -12,6 +12,9 @@
 #   check kvflow against tools/smollm2_reference.py's committed outputs; KVFLOW_REQUIRE_SMOLLM2.
 # - The `openai` Python client and prometheus_client's parser, which check `kvflow serve`
 #   (tools/serve_client_check.py); KVFLOW_REQUIRE_PY_CLIENTS.
+# And from Debian's packages, when it is missing and this user may install: redis-server (the
+# shared offload store's tests start their own on loopback); KVFLOW_REQUIRE_REDIS then makes a
+# test fail rather than skip when it cannot start one.
 # `.ci/run` calls this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +63,17 @@ if [ ! -e "$py/openai" ] || [ ! -e "$py/prometheus_client" ]; then
   pip_install "$py" "openai==3.60.0" "prometheus-client==0.26.0"
 fi
 export PYTHONPATH="$py${PYTHONPATH:+:$PYTHONPATH}" KVFLOW_REQUIRE_PY_CLIENTS=1
+
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "tools/test.sh: installing redis-server (Debian's package) for the shared offload store's tests" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+fi
+if command -v redis-server >/dev/null 2>&1; then
+  export KVFLOW_REQUIRE_REDIS=1
+else
+  echo "tools/test.sh: redis-server is not installed and cannot be installed here: the shared offload store's tests will say they skipped" >&2
+fi
 
 echo "+ cargo test --workspace --locked $*"
 cargo test --workspace --locked "$@"

@@ -268,6 +268,9 @@ pub struct OffloadConfig {
     pub chunk_tokens: usize,
     /// A failed save is tried again this many times, then dropped (default 3).
     pub max_retries: usize,
+    /// Saves a rank may have in flight (launched, waiting or being written); a chunk completed
+    /// beyond them is not saved, and counted (default 64).
+    pub max_pending_saves: usize,
 }
 
 /// Which store the offload tier uses.
@@ -277,6 +280,22 @@ pub enum OffloadStore {
     Memory { capacity_bytes: u64 },
     /// One file per object under `path` (relative to the graph file's folder); it outlives the run.
     Disk { path: PathBuf },
+    /// A Redis or Valkey server shared by every process that names it (`redis_store` in
+    /// kvflow-operators says what it keeps there).
+    Redis(RedisStoreConfig),
+}
+
+/// `store = "redis"`: where the server is and how long chunks live there.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RedisStoreConfig {
+    /// `redis://host:port/db` or `rediss://…` (TLS); never with a password in it.
+    pub url: String,
+    /// The environment variable that holds the password, if the server wants one.
+    pub password_env: Option<String>,
+    /// A chunk expires this long after it was saved or last loaded (default 1 h).
+    pub lease_ms: u64,
+    /// An operation slower than this counts as failed (default 2 s).
+    pub timeout_ms: u64,
 }
 
 /// What every transfer carries (`[transfer]`; only in a graph with links).

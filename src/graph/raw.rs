@@ -127,6 +127,11 @@ pub(super) struct RawOffload {
     pub(super) capacity_bytes: Option<Spanned<toml::Value>>,
     pub(super) path: Option<Spanned<String>>,
     pub(super) max_retries: Option<Spanned<usize>>,
+    pub(super) max_pending_saves: Option<Spanned<usize>>,
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) password_env: Option<Spanned<String>>,
+    pub(super) lease_ms: Option<Spanned<u64>>,
+    pub(super) timeout_ms: Option<Spanned<u64>>,
 }
 
 #[derive(Default, Deserialize)]

@@ -9,7 +9,8 @@ use toml::Spanned;
 
 use super::config::{
     known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Graph, MemoryConfig, OffloadConfig,
-    OffloadStore, PoolChoice, PoolConfig, PoolRole, SchedulerConfig, SloConfig, WorkloadConfig, WorkloadMode,
+    OffloadStore, PoolChoice, PoolConfig, PoolRole, RedisStoreConfig, SchedulerConfig, SloConfig, WorkloadConfig,
+    WorkloadMode,
 };
 use super::error::{line_of, quoted_list, GraphError, Location};
 use super::overrides::CommandLineKeys;
@@ -466,38 +467,98 @@ impl<'a> Validator<'a> {
             }
         })?;
         let kind = self.field("offload.store", raw.store.as_ref(), "memory".to_string(), |s| {
-            if ["memory", "disk"].contains(&s.as_str()) {
+            if ["memory", "disk", "redis"].contains(&s.as_str()) {
                 Ok(s)
             } else {
-                Err(format!("`{s}` is not an offload store; known: `memory`, `disk`"))
+                Err(format!("`{s}` is not an offload store; known: `memory`, `disk`, `redis`"))
             }
         })?;
-        let store = if kind == "disk" {
-            let Some(path) = &raw.path else {
-                return Err(self.error(
-                    "offload.path",
-                    Some(spanned.span()),
-                    "missing: store = \"disk\" needs a folder",
-                ));
-            };
-            if let Some(c) = &raw.capacity_bytes {
-                return Err(self.error(
-                    "offload.capacity_bytes",
-                    Some(c.span()),
-                    "only the memory store has a capacity",
-                ));
+        // Keys only some stores take, and which.
+        let only = |key: &str, span: Option<std::ops::Range<usize>>, store: &str, what: &str| {
+            span.map_or(Ok(()), |span| {
+                Err(self.error(key, Some(span), &format!("only the {store} store has {what} (this one is `{kind}`)")))
+            })
+        };
+        if kind != "disk" {
+            only("offload.path", raw.path.as_ref().map(|v| v.span()), "disk", "a folder")?;
+        }
+        if kind != "memory" {
+            only("offload.capacity_bytes", raw.capacity_bytes.as_ref().map(|v| v.span()), "memory", "a capacity")?;
+        }
+        if kind != "redis" {
+            only("offload.url", raw.url.as_ref().map(|v| v.span()), "redis", "a URL")?;
+            only("offload.password_env", raw.password_env.as_ref().map(|v| v.span()), "redis", "a password")?;
+            only("offload.lease_ms", raw.lease_ms.as_ref().map(|v| v.span()), "redis", "leases")?;
+            only("offload.timeout_ms", raw.timeout_ms.as_ref().map(|v| v.span()), "redis", "a timeout")?;
+        }
+        let store = match kind.as_str() {
+            "disk" => {
+                let Some(path) = &raw.path else {
+                    return Err(self.error(
+                        "offload.path",
+                        Some(spanned.span()),
+                        "missing: store = \"disk\" needs a folder",
+                    ));
+                };
+                OffloadStore::Disk { path: self.resolve(path.get_ref()) }
             }
-            OffloadStore::Disk { path: self.resolve(path.get_ref()) }
-        } else {
-            if let Some(p) = &raw.path {
-                return Err(self.error("offload.path", Some(p.span()), "only the disk store has a folder"));
+            "redis" => OffloadStore::Redis(self.redis_store(spanned)?),
+            _ => {
+                let capacity_bytes =
+                    self.field("offload.capacity_bytes", raw.capacity_bytes.as_ref(), 1 << 30, |v| byte_budget(&v))?;
+                OffloadStore::Memory { capacity_bytes }
             }
-            let capacity_bytes =
-                self.field("offload.capacity_bytes", raw.capacity_bytes.as_ref(), 1 << 30, |v| byte_budget(&v))?;
-            OffloadStore::Memory { capacity_bytes }
         };
         let max_retries = raw.max_retries.as_ref().map_or(3, |r| *r.get_ref());
-        Ok(Some(OffloadConfig { store, chunk_tokens, max_retries }))
+        let max_pending_saves = self.field("offload.max_pending_saves", raw.max_pending_saves.as_ref(), 64, |n| {
+            if n == 0 {
+                Err("0 saves in flight would save nothing; expected at least 1".to_string())
+            } else {
+                Ok(n)
+            }
+        })?;
+        Ok(Some(OffloadConfig { store, chunk_tokens, max_retries, max_pending_saves }))
+    }
+
+    /// `store = "redis"`'s keys: a `redis://` or `rediss://` URL without a password (that comes
+    /// from the environment variable `password_env` names), the lease and the timeout.
+    fn redis_store(&self, spanned: &Spanned<RawOffload>) -> Result<RedisStoreConfig, GraphError> {
+        let raw = spanned.get_ref();
+        let Some(url) = &raw.url else {
+            return Err(self.error(
+                "offload.url",
+                Some(spanned.span()),
+                "missing: store = \"redis\" needs the server's URL (`redis://127.0.0.1:6379/0`, or `rediss://` for TLS)",
+            ));
+        };
+        let url = self.checked("offload.url", url, |u| {
+            let Some(rest) = u.strip_prefix("redis://").or_else(|| u.strip_prefix("rediss://")) else {
+                return Err(format!("`{u}` is not a Redis URL; expected `redis://host:port/db` or `rediss://…` (TLS)"));
+            };
+            let authority = rest.split('/').next().unwrap_or("");
+            if authority.rsplit_once('@').is_some_and(|(user, _)| user.contains(':')) {
+                return Err("holds a password; a graph never does: put it in an environment variable and name \
+                            that in offload.password_env"
+                    .to_string());
+            }
+            if authority.rsplit('@').next().is_none_or(str::is_empty) {
+                return Err(format!("`{u}` names no host"));
+            }
+            Ok(u)
+        })?;
+        let password_env = self.optional_field("offload.password_env", raw.password_env.as_ref(), |name| {
+            if name.is_empty() || name.contains('=') || name.contains('\0') {
+                Err(format!("`{name}` is not an environment variable's name"))
+            } else {
+                Ok(name)
+            }
+        })?;
+        let positive = |what: &'static str| {
+            move |ms: u64| if ms == 0 { Err(format!("0 ms; expected a positive {what}")) } else { Ok(ms) }
+        };
+        let lease_ms = self.field("offload.lease_ms", raw.lease_ms.as_ref(), 3_600_000, positive("lease"))?;
+        let timeout_ms = self.field("offload.timeout_ms", raw.timeout_ms.as_ref(), 2_000, positive("timeout"))?;
+        Ok(RedisStoreConfig { url, password_env, lease_ms, timeout_ms })
     }
 
     /// `[speculative]`: the drafter and how many drafts a decode carries; every pool's decodes

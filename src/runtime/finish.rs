@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 /// Waits for the run to end, checks and reports it.
 pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Instant) -> Result<RunOutcome> {
-    let Running { model, layouts, note, collector, threads, kv_sampler, interrupted, links } = running;
+    let Running { model, layouts, note, collector, threads, kv_sampler, interrupted, links, store } = running;
     let results = join_all(threads, &links.remote_links)?;
     let (stats, mut accounting) = check_ranks(&results);
     accounting.extend(serve::unclaimed_handoffs(&links.inboxes));
@@ -67,6 +67,7 @@ pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Insta
             .iter()
             .filter_map(|r| r.routing_index.clone().map(|(last, resyncs)| (r.name.clone(), last, resyncs)))
             .collect(),
+        store_faults: store.as_ref().map(|s| s.faults()),
     };
     let mut report = run_report(&summary, &verify, &context);
     report["kv_usage"] = kv_sampler.join().map_err(|_| anyhow!("the KV sampler panicked"))?.into();

@@ -1,13 +1,14 @@
 //! The run's offload store (`[offload]`, DESIGN §9) and each pool's part in it: the namespace its
 //! chunks are keyed under, checked against the pool's layout before the run.
 
-use crate::graph::{Graph, OffloadConfig, OffloadStore, PoolConfig};
+use crate::graph::{Graph, OffloadConfig, OffloadStore, PoolConfig, RedisStoreConfig};
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
-use kvflow_operators::offload::{DiskStore, MemoryStore, Namespace, ObjectStore};
+use kvflow_operators::offload::{DiskStore, MemoryStore, Namespace, ObjectStore, RedisConfig, RedisStore};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::rank::OffloadSetup;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Opens the graph's store, shared by every pool and rank of the run.
 pub fn open_store(graph: &Graph) -> Result<Option<Arc<dyn ObjectStore>>> {
@@ -17,7 +18,30 @@ pub fn open_store(graph: &Graph) -> Result<Option<Arc<dyn ObjectStore>>> {
         OffloadStore::Disk { path } => {
             Arc::new(DiskStore::open(path).map_err(|e| anyhow!("{}: offload.path: {e}", graph.path.display()))?)
         }
+        OffloadStore::Redis(redis) => Arc::new(open_redis(graph, redis)?),
     }))
+}
+
+/// Connects to the graph's Redis store, with the password from the environment variable the
+/// graph names. A server that is not up yet is no error (saves drop and loads miss until it is).
+fn open_redis(graph: &Graph, config: &RedisStoreConfig) -> Result<RedisStore> {
+    let password = match &config.password_env {
+        Some(name) => Some(std::env::var(name).map_err(|_| {
+            anyhow!(
+                "{}: offload.password_env: the environment variable `{name}` is not set (or not UTF-8); it should \
+                 hold the Redis password",
+                graph.path.display()
+            )
+        })?),
+        None => None,
+    };
+    RedisStore::open(RedisConfig {
+        url: config.url.clone(),
+        password,
+        lease: Duration::from_millis(config.lease_ms),
+        timeout: Duration::from_millis(config.timeout_ms),
+    })
+    .map_err(|e| anyhow!("{}: offload.url: {e}", graph.path.display()))
 }
 
 /// The namespace of a pool's chunks: everything that changes their bytes.
@@ -25,6 +49,7 @@ pub fn namespace(model: &Model, layout: &MemoryLayout, chunk_tokens: usize) -> N
     let facts = [
         ("model_type", model.model_type.clone()),
         ("weights", format!("{:016x}", model.weights_fingerprint())),
+        ("config", format!("{:016x}", model.config_fingerprint)),
         ("layout", format!("{:016x}", model.layout_fingerprint(layout.block_size))),
         ("block_size", layout.block_size.to_string()),
         ("chunk_tokens", chunk_tokens.to_string()),
@@ -77,6 +102,7 @@ pub fn setup(
         namespace: namespace(model, layout, config.chunk_tokens),
         chunk_tokens: config.chunk_tokens,
         max_retries: config.max_retries,
+        max_pending_saves: config.max_pending_saves,
         chunk_kv_floats: per_block.floats_per_block * config.chunk_tokens / layout.block_size,
         state_floats: if layout.keeps_state { per_block.state_floats } else { 0 },
     })

@@ -14,6 +14,7 @@ use crate::registry::Registry;
 use crate::workload::Selection;
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
+use kvflow_operators::offload::ObjectStore;
 use std::sync::Arc;
 
 /// A run ready to start.
@@ -30,6 +31,8 @@ pub struct Prepared<'g> {
     /// Whether this process runs pools new requests enter: it drives the workload and writes
     /// the report. One running only decode pools serves the handoffs that come to it.
     pub drives: bool,
+    /// The offload tier's store, shared by the pools (its faults go in the report).
+    pub store: Option<Arc<dyn ObjectStore>>,
 }
 
 /// The checks of a run that need neither its model nor its workload (`kvflow compare` makes
@@ -103,7 +106,7 @@ pub fn prepare<'g>(graph: &'g Graph, opts: &RunOptions, registry: &Registry) -> 
         crate::report::check_output_dir(&graph.report_dir)
             .map_err(|why| anyhow!("{}: report.out (or --out): {why}", graph.path.display()))?;
     }
-    Ok(Prepared { pools, model, selection, largest, jobs, drives })
+    Ok(Prepared { pools, model, selection, largest, jobs, drives, store })
 }
 
 /// The longest request rank memory is planned for. Requests longer than the model's context are

@@ -35,6 +35,8 @@ pub struct RunContext<'a> {
     pub transfer: Vec<(&'static str, u64)>,
     /// Per pool under router `kv-aware`: the routing index's last event per rank, and resyncs.
     pub routing_index: Vec<(String, std::collections::BTreeMap<u32, u64>, u64)>,
+    /// What went wrong with the offload store, by kind (with an offload tier).
+    pub store_faults: Option<kvflow_operators::offload::StoreFaults>,
 }
 
 fn memory(layout: &MemoryLayout) -> Value {
@@ -96,6 +98,7 @@ fn offload(stats: &[&RankStats]) -> Value {
         "save_gb_per_s": rate(saved, seconds(|o| o.save_seconds)),
         "load_gb_per_s": rate(loaded, seconds(|o| o.load_seconds)),
         "dropped_saves": sum(|o| o.dropped_saves),
+        "pending_limit_saves": sum(|o| o.pending_limit_saves),
         "found_in_store": sum(|o| o.found_in_store),
         "loads": sum(|o| o.loads),
         "failed_loads": sum(|o| o.failed_loads),
@@ -179,7 +182,9 @@ pub fn run_report(summary: &RunSummary, verify: &VerifySummary, ctx: &RunContext
         top.insert("routing_index".into(), Value::Object(pools));
     }
     if g.offload.is_some() {
-        top.insert("offload".into(), offload(&all_stats));
+        let mut figures = offload(&all_stats);
+        figures["store_faults"] = json!(ctx.store_faults.unwrap_or_default());
+        top.insert("offload".into(), figures);
     }
     if g.scheduler.spec.is_some() {
         top.insert("spec".into(), spec(&all_stats));

@@ -44,6 +44,7 @@ pub struct Running {
     pub kv_sampler: JoinHandle<Vec<serde_json::Value>>,
     pub interrupted: Arc<AtomicBool>,
     pub links: LinksOfRun,
+    pub store: Option<Arc<dyn kvflow_operators::offload::ObjectStore>>,
 }
 
 /// The threads of a running run that end with it.
@@ -83,7 +84,7 @@ struct StartedPools {
 
 /// Starts everything: the pools, what releases their requests, and what watches them.
 pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result<Running> {
-    let Prepared { pools, model, selection, largest, jobs, .. } = prepared;
+    let Prepared { pools, model, selection, largest, jobs, store, .. } = prepared;
     let layouts = jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
     let note = selection.note.clone();
     if let Some(n) = &note {
@@ -151,6 +152,7 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
         kv_sampler,
         interrupted,
         links,
+        store,
     })
 }
 

@@ -19,6 +19,7 @@ mod hf_fixtures;
 mod hostile_requests;
 mod hosts;
 mod offload;
+mod offload_redis;
 mod operability;
 mod peers;
 mod plots;

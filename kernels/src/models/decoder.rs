@@ -19,6 +19,9 @@ pub struct Model {
     /// The longest sequence (prompt + output) the model was trained for, from the config's
     /// `max_position_embeddings` (`None` when the config gives none).
     pub max_positions: Option<usize>,
+    /// A hash of the whole config the model was built from (RoPE scaling and every other field
+    /// that may change its math; 0 for a model built without one).
+    pub config_fingerprint: u64,
     pub(crate) embed: Vec<f32>,
     pub(crate) layers: Vec<DecoderLayer>,
     pub(crate) final_norm: RmsNorm,
@@ -81,6 +84,7 @@ impl Model {
             })
             .collect();
         Ok(Model {
+            config_fingerprint: 0,
             family,
             model_type: model_type.to_string(),
             vocab_size: vocab,

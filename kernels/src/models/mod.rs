@@ -82,7 +82,28 @@ pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, Lo
         Family::HybridKda => kimi_linear::build(cfg, weights),
     }?;
     model.max_positions = max_positions;
+    model.config_fingerprint = config_fingerprint(&cfg.value);
     Ok(model)
+}
+
+/// A hash of a config, its objects' keys in sorted order (the same config written in another
+/// order hashes the same).
+fn config_fingerprint(value: &serde_json::Value) -> u64 {
+    use serde_json::Value;
+    let text =
+        |h: u64, s: &str| s.bytes().fold(crate::hash::mix(h, s.len() as u64), |h, b| crate::hash::mix(h, b as u64));
+    fn walk(h: u64, v: &Value, text: &dyn Fn(u64, &str) -> u64) -> u64 {
+        match v {
+            Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                keys.into_iter().fold(crate::hash::mix(h, 1), |h, k| walk(text(h, k), &map[k], text))
+            }
+            Value::Array(items) => items.iter().fold(crate::hash::mix(h, 2), |h, v| walk(h, v, text)),
+            other => text(crate::hash::mix(h, 3), &other.to_string()),
+        }
+    }
+    walk(crate::hash::EMPTY, value, &text)
 }
 
 /// The model's context from the first of [`crate::checkpoint::CONTEXT_KEYS`] the config sets (`None`: no limit).

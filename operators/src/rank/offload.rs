@@ -9,7 +9,9 @@
 //! blocks return to the pool only when the save's completion record comes back. One save is in
 //! the thread per request (its later jobs wait behind it, pinned); a chunk is saved once by this
 //! rank (whichever request filled it first), and not at all when the store already holds it
-//! (the save thread asks, off the step path).
+//! (the save thread asks, off the step path). At most `max_pending_saves` saves are in flight on
+//! a rank; a chunk completed beyond them is not saved, and counted. When the store loses what it
+//! held (its generation moves on: a restart, a flush), the rank forgets which chunks it saved.
 
 use super::offload_state::Launched;
 use super::Rank;
@@ -32,6 +34,11 @@ impl Rank {
         let Some(off) = self.offload.as_mut() else { return Vec::new() };
         let layout = self.memory.layout;
         let (bs, c_tokens) = (layout.block_size, off.setup.chunk_tokens);
+        let generation = off.setup.store.generation();
+        if generation != off.store_generation {
+            off.known.clear();
+            off.store_generation = generation;
+        }
         let mut saves = Vec::new();
         for c in chunks.iter().filter(|c| c.prefill) {
             let seq = self.seqs.get(c.seq);
@@ -42,9 +49,15 @@ impl Rank {
                     continue;
                 }
                 let Some(&digest) = seq.offload.chunk_digests.get(k) else { continue };
-                if !off.known.insert(digest) {
+                if off.known.contains(&digest) {
                     continue;
                 }
+                if off.launched.len() + off.writing.len() >= off.setup.max_pending_saves {
+                    // Bounded: the chunk is not saved now (a later prompt holding it may save it).
+                    off.stats.pending_limit_saves += 1;
+                    continue;
+                }
+                off.known.insert(digest);
                 if self.cache_reports.is_some() {
                     let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
                     off.chunk_hashes.insert(digest, hashes.map(<[u64]>::to_vec).unwrap_or_default());

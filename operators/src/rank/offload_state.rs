@@ -15,6 +15,9 @@ pub struct OffloadSetup {
     pub namespace: Namespace,
     pub chunk_tokens: usize,
     pub max_retries: usize,
+    /// Saves in flight (launched, waiting or being written) beyond which a completed chunk is
+    /// not saved (counted in `pending_limit_saves`).
+    pub max_pending_saves: usize,
     /// What one chunk's object holds in this layout: KV floats, and state floats (0: none). A
     /// loaded object of another shape is refused (the request recomputes).
     pub chunk_kv_floats: usize,
@@ -28,6 +31,8 @@ pub struct OffloadStats {
     pub saved_bytes: u64,
     pub save_seconds: f64,
     pub dropped_saves: u64,
+    /// Chunks not saved because `max_pending_saves` saves were in flight.
+    pub pending_limit_saves: u64,
     /// Chunks not saved because the store already held them (saved by another rank, pool or run).
     pub found_in_store: u64,
     /// Loads started, and those that failed (the request recomputed) or whose request had gone.
@@ -87,6 +92,9 @@ pub struct RankOffload {
     pub(super) chunk_hashes: HashMap<Digest, Vec<u64>>,
     pub(super) reported: HashMap<ChunkKey, Vec<u64>>,
     pub(super) evictions_seen: u64,
+    /// The store's generation when `known` was last true of it (a restart or flush since: the
+    /// chunks it remembers saving are gone, and are saved again).
+    pub(super) store_generation: u64,
     pub stats: OffloadStats,
 }
 
@@ -115,6 +123,7 @@ impl RankOffload {
             chunk_hashes: HashMap::new(),
             reported: HashMap::new(),
             evictions_seen: 0,
+            store_generation: 0,
             stats: OffloadStats::default(),
         }
     }

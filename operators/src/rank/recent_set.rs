@@ -34,9 +34,19 @@ impl<T: Copy + Eq + Hash> RecentSet<T> {
         true
     }
 
+    pub(super) fn contains(&self, item: &T) -> bool {
+        self.members.contains(item)
+    }
+
     /// Forgets `item`; whether it was remembered.
     pub(super) fn remove(&mut self, item: &T) -> bool {
         self.members.remove(item)
+    }
+
+    /// Forgets every member.
+    pub(super) fn clear(&mut self) {
+        self.members.clear();
+        self.order.clear();
     }
 
     #[cfg(test)]

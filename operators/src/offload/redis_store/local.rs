@@ -42,6 +42,24 @@ impl LocalRedis {
         Ok(server)
     }
 
+    /// For tests: [`Self::start`], or `None` after saying the test skipped when redis-server is
+    /// not installed — unless `KVFLOW_REQUIRE_REDIS` is set (tools/test.sh sets it where it could
+    /// install one), which makes that a failure. Any other failure to start panics.
+    #[doc(hidden)]
+    pub fn start_or_skip(args: &[&str]) -> Option<Self> {
+        match LocalRedis::start(args) {
+            Ok(server) => Some(server),
+            Err(LocalRedisError::NotInstalled) if std::env::var_os("KVFLOW_REQUIRE_REDIS").is_none() => {
+                eprintln!(
+                    "skipped: redis-server is not installed (tools/test.sh installs it; with KVFLOW_REQUIRE_REDIS set \
+                     this fails instead)"
+                );
+                None
+            }
+            Err(e) => panic!("cannot start a local redis-server: {e}"),
+        }
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
@@ -72,9 +90,23 @@ impl LocalRedis {
 
     /// Whether the server answers PING.
     pub fn ping(&self) -> bool {
-        let Ok(client) = redis::Client::open(self.url()) else { return false };
-        let Ok(mut con) = client.get_connection_with_timeout(Duration::from_millis(500)) else { return false };
-        redis::cmd("PING").query::<String>(&mut con).is_ok()
+        self.command::<String>(redis::cmd("PING")).is_some()
+    }
+
+    /// Keys the server holds (0 when it does not answer).
+    pub fn keys(&self) -> u64 {
+        self.command(redis::cmd("DBSIZE")).unwrap_or(0)
+    }
+
+    /// Empties the server.
+    pub fn flush(&self) {
+        self.command::<()>(redis::cmd("FLUSHALL")).expect("the local redis-server flushes");
+    }
+
+    fn command<T: redis::FromRedisValue>(&self, cmd: redis::Cmd) -> Option<T> {
+        let client = redis::Client::open(self.url()).ok()?;
+        let mut con = client.get_connection_with_timeout(Duration::from_millis(500)).ok()?;
+        cmd.query(&mut con).ok()
     }
 
     /// Kills the server (SIGKILL) and waits for it.

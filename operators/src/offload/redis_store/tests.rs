@@ -2,18 +2,11 @@
 //! is installed; `KVFLOW_REQUIRE_REDIS` makes that a failure, as CI sets it).
 
 use super::super::{chunk_digests, encode_object, ChunkKey, ChunkObject, Namespace, ObjectStore, StoreError};
-use super::{LocalRedis, LocalRedisError, RedisConfig, RedisStore};
+use super::{LocalRedis, RedisConfig, RedisStore};
 use std::time::{Duration, Instant};
 
 fn server(args: &[&str]) -> Option<LocalRedis> {
-    match LocalRedis::start(args) {
-        Ok(s) => Some(s),
-        Err(LocalRedisError::NotInstalled) if std::env::var_os("KVFLOW_REQUIRE_REDIS").is_none() => {
-            eprintln!("skipped: redis-server is not installed (tools/test.sh installs it; KVFLOW_REQUIRE_REDIS fails instead)");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+    LocalRedis::start_or_skip(args)
 }
 
 fn store(server: &LocalRedis, lease_ms: u64) -> RedisStore {
