@@ -7,6 +7,7 @@ pub mod experts;
 pub mod kernel_checks;
 pub mod model;
 pub mod offload;
+pub mod offload_redis;
 pub mod router;
 pub mod serve;
 pub mod spec;

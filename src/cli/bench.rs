@@ -72,8 +72,18 @@ pub enum BenchCommand {
         max_tokens: usize,
     },
     /// Offload chunk objects saved to and loaded from the memory and disk stores (GB/s), beside
-    /// memcpy and plain file writes and reads of the same bytes.
+    /// memcpy and plain file writes and reads of the same bytes; with `--store redis`, through the
+    /// shared Redis store beside redis-benchmark SET and GET of the same value size.
     Offload {
+        /// `local` (the memory and disk stores) or `redis`.
+        #[arg(long, default_value = "local", value_parser = ["local", "redis"])]
+        store: String,
+        /// With `--store redis`: the server (default: a redis-server the bench starts on loopback).
+        #[arg(long)]
+        url: Option<String>,
+        /// With `--store redis`: threads saving and loading at once (and redis-benchmark's -c).
+        #[arg(long, default_value_t = 1, value_parser = flags::count)]
+        clients: usize,
         /// Bytes of KV per chunk (at most 1 GiB, and 4 GiB for all of a round's chunks).
         #[arg(long, default_value = "4 MiB", value_parser = bench::offload::chunk_bytes)]
         chunk_bytes: usize,
@@ -232,8 +242,13 @@ pub fn run(what: BenchCommand) -> Result<()> {
         BenchCommand::Serve { model, requests, concurrency, max_tokens } => {
             bench::serve::run(&bench::serve::ServeBenchArgs { model, requests, concurrency, max_tokens })
         }
-        BenchCommand::Offload { chunk_bytes, chunks, rounds, dir } => {
-            bench::offload::run(&bench::offload::OffloadBenchArgs { chunk_bytes, chunks, rounds, dir })
+        BenchCommand::Offload { store, url, clients, chunk_bytes, chunks, rounds, dir } => {
+            if store == "redis" {
+                use bench::offload_redis::{run, RedisBenchArgs};
+                run(&RedisBenchArgs { chunk_bytes, chunks, rounds, url, clients })
+            } else {
+                bench::offload::run(&bench::offload::OffloadBenchArgs { chunk_bytes, chunks, rounds, dir })
+            }
         }
         BenchCommand::Router { ranks, blocks, chain, decisions } => {
             bench::router::run(&bench::router::RouterBenchArgs { ranks, blocks, chain, decisions })

@@ -213,20 +213,23 @@ impl Shared {
     }
 
     /// The object under `key` if the store holds it whole, on this run of the server, as its
-    /// manifest describes it; its lease (and its manifest's) renewed. Anything else is a miss,
-    /// counted by kind.
+    /// manifest describes it. Anything else is a miss, counted by kind. The leases of the object
+    /// and its manifest are renewed in the same round trip as the read (a miss renews nothing:
+    /// the keys are gone, or no process will read them again once the index forgets them).
     fn load(&self, key: &ChunkKey) -> Option<Vec<u8>> {
         if self.down.load(Ordering::Relaxed) {
             return None;
         }
         let name = key.to_string();
         let manifest_name = format!("{name}#m");
+        let lease = self.lease_ms();
         let read = self.with(|con| {
-            redis::pipe().cmd("INFO").arg("server").get(&manifest_name).get(&name).query::<(
-                String,
-                Option<Vec<u8>>,
-                Option<Vec<u8>>,
-            )>(con)
+            let mut pipe = redis::pipe();
+            pipe.cmd("INFO").arg("server").get(&manifest_name).get(&name);
+            pipe.cmd("PEXPIRE").arg(&name).arg(lease).ignore();
+            pipe.cmd("PEXPIRE").arg(&manifest_name).arg(lease).ignore();
+            log_entry(&mut pipe, &name, "r", None, lease);
+            pipe.query::<(String, Option<Vec<u8>>, Option<Vec<u8>>)>(con)
         });
         let (info, manifest, object) = match read {
             Ok(r) => r,
@@ -242,54 +245,27 @@ impl Shared {
             (Some(Some(_)), None) => Some((FaultKind::Missing, "a manifest without its data".to_string())),
             (Some(Some(m)), Some(object)) => m.mismatch(object, &run_id).map(|why| (FaultKind::Damaged, why)),
         };
+        let mut index = self.index.lock();
         if let Some((kind, why)) = why {
             self.faults.note(kind, || format!("{name}: {why}; a miss, the request recomputes"));
-            self.index.lock().forget(key);
+            index.forget(key);
             return None;
         }
-        self.renew(key, &name, &manifest_name);
+        let until = index.store_now_ms() + lease;
+        index.renew(*key, until);
         object
     }
+}
 
-    /// Renews the leases of `key`'s object and manifest, and tells the other processes.
-    fn renew(&self, key: &ChunkKey, name: &str, manifest_name: &str) {
-        let lease = self.lease_ms();
-        let renewed = self.with(|con| {
-            redis::pipe()
-                .cmd("PEXPIRE")
-                .arg(name)
-                .arg(lease)
-                .ignore()
-                .cmd("PEXPIRE")
-                .arg(manifest_name)
-                .arg(lease)
-                .ignore()
-                .cmd("XADD")
-                .arg(LOG)
-                .arg("MAXLEN")
-                .arg("~")
-                .arg(LOG_ENTRIES)
-                .arg("*")
-                .arg("k")
-                .arg(name)
-                .arg("e")
-                .arg("r")
-                .arg("l")
-                .arg(lease)
-                .ignore()
-                .query::<()>(con)
-        });
-        match renewed {
-            Ok(()) => {
-                let mut index = self.index.lock();
-                let until = index.store_now_ms() + lease;
-                index.renew(*key, until);
-            }
-            Err(failure) => {
-                self.note("renewing the lease of", key, failure);
-            }
-        }
+/// Adds to `pipe` the log entry that tells every process `name` was published (`"p"`, `bytes`
+/// long) or renewed (`"r"`) with a lease of `lease` ms.
+fn log_entry(pipe: &mut redis::Pipeline, name: &str, event: &str, bytes: Option<usize>, lease: u64) {
+    pipe.cmd("XADD").arg(LOG).arg("MAXLEN").arg("~").arg(LOG_ENTRIES).arg("*");
+    pipe.arg("k").arg(name).arg("e").arg(event).arg("l").arg(lease);
+    if let Some(n) = bytes {
+        pipe.arg("n").arg(n);
     }
+    pipe.ignore();
 }
 
 impl ObjectStore for RedisStore {
@@ -302,36 +278,12 @@ impl ObjectStore for RedisStore {
         let manifest = Manifest::of(object, &s.run_id.lock()).encode();
         let lease = s.lease_ms();
         let written = s.with(|con| {
-            redis::pipe()
-                .atomic()
-                .cmd("SET")
-                .arg(&name)
-                .arg(object)
-                .arg("PX")
-                .arg(lease)
-                .ignore()
-                .cmd("SET")
-                .arg(format!("{name}#m"))
-                .arg(manifest)
-                .arg("PX")
-                .arg(lease)
-                .ignore()
-                .cmd("XADD")
-                .arg(LOG)
-                .arg("MAXLEN")
-                .arg("~")
-                .arg(LOG_ENTRIES)
-                .arg("*")
-                .arg("k")
-                .arg(&name)
-                .arg("e")
-                .arg("p")
-                .arg("n")
-                .arg(object.len())
-                .arg("l")
-                .arg(lease)
-                .ignore()
-                .query::<()>(con)
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            pipe.cmd("SET").arg(&name).arg(object).arg("PX").arg(lease).ignore();
+            pipe.cmd("SET").arg(format!("{name}#m")).arg(manifest).arg("PX").arg(lease).ignore();
+            log_entry(&mut pipe, &name, "p", Some(object.len()), lease);
+            pipe.query::<()>(con)
         });
         match written {
             Ok(()) => {
