@@ -186,3 +186,32 @@ fn saves_beyond_max_pending_saves_are_dropped_and_counted() {
     let report = run_graph(&unbounded, Overrides::default(), TestSwitches { slow_saves_ms: 50, ..Default::default() });
     assert_eq!(report["offload"]["pending_limit_saves"], 0, "{}", report["offload"]);
 }
+
+#[test]
+fn a_password_comes_from_the_variable_the_graph_names_and_a_wrong_one_is_refused_before_serving() {
+    let Some(server) = LocalRedis::start_or_skip(&["--requirepass", "kv-secret"]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 6";
+    let extra = "password_env = \"KVFLOW_TEST_REDIS_PASSWORD\"\n";
+    let graph = redis_graph(dir.path(), "hf/llama", ONE_POOL, &server.url(), workload, extra);
+    let run = |password: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvflow"));
+        cmd.args(["run", &graph.to_string_lossy(), "--verify"]).env_remove("KVFLOW_TEST_REDIS_PASSWORD");
+        if let Some(p) = password {
+            cmd.env("KVFLOW_TEST_REDIS_PASSWORD", p);
+        }
+        cmd.output().unwrap()
+    };
+    let out = run(None);
+    let stderr = crate::common::assert_clean_failure(&out, &["offload.password_env", "KVFLOW_TEST_REDIS_PASSWORD"]);
+    assert!(stderr.contains("not set"), "{stderr}");
+    let out = run(Some("not-the-pass-42"));
+    let stderr = crate::common::assert_clean_failure(&out, &["offload.url", &server.url(), "refused"]);
+    assert!(!stderr.contains("not-the-pass-42") && !stderr.contains("kv-secret"), "no password is shown: {stderr}");
+    let out = run(Some("kv-secret"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("out/report.json")).unwrap()).unwrap();
+    assert_exact(&report, "with the password");
+    assert!(report["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", report["offload"]);
+}

@@ -757,6 +757,34 @@ fn offload_chunk_tokens_are_bounded_like_other_token_counts() {
     assert_eq!(graph.offload.map(|o| o.chunk_tokens), Some(1 << 24));
 }
 
+#[test]
+fn a_redis_store_needs_a_url_without_a_password_and_its_keys_stay_with_it() {
+    let fixture = Fixture::new();
+    let redis = |rest: &str| minimal_plus(&format!("[offload]\nstore = \"redis\"\n{rest}"));
+    let error = fixture.error(&redis(""));
+    assert_eq!(error.key(), Some("offload.url"), "{error}");
+    assert!(error.to_string().contains("needs the server's URL"), "{error}");
+    let error = fixture.error(&redis("url = \"redis://:s3cret@127.0.0.1:6379/0\"\n"));
+    assert_key_error(&error, "offload.url", 8, &["holds a password", "offload.password_env"]);
+    assert!(!error.to_string().contains("s3cret"), "the password is never shown: {error}");
+    let error = fixture.error(&redis("url = \"http://127.0.0.1:6379\"\n"));
+    assert_key_error(&error, "offload.url", 8, &["not a Redis URL", "redis://"]);
+    let error = fixture.error(&redis("url = \"redis://127.0.0.1\"\nlease_ms = 0\n"));
+    assert_key_error(&error, "offload.lease_ms", 9, &["positive lease"]);
+    let error = fixture.error(&minimal_plus("[offload]\nstore = \"disk\"\npath = \"s\"\nurl = \"redis://h\"\n"));
+    assert_key_error(&error, "offload.url", 9, &["only the redis store", "`disk`"]);
+    let error = fixture.error(&redis("url = \"redis://h\"\ncapacity_bytes = 10\n"));
+    assert_key_error(&error, "offload.capacity_bytes", 9, &["only the memory store"]);
+    let error = fixture.error(&minimal_plus("[offload]\nmax_pending_saves = 0\n"));
+    assert_key_error(&error, "offload.max_pending_saves", 7, &["at least 1"]);
+    let graph = fixture.graph(&redis("url = \"rediss://user@cache.internal:6380/2\"\npassword_env = \"KV_PW\"\n"));
+    let offload = graph.offload.unwrap();
+    assert_eq!(offload.max_pending_saves, 64);
+    let OffloadStore::Redis(r) = offload.store else { panic!("a redis store") };
+    assert_eq!((r.url.as_str(), r.password_env.as_deref()), ("rediss://user@cache.internal:6380/2", Some("KV_PW")));
+    assert_eq!((r.lease_ms, r.timeout_ms), (3_600_000, 2_000));
+}
+
 // --- the graphs the repository ships ------------------------------------------------------
 
 fn shipped(name: &str) -> Graph {

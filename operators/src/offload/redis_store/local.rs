@@ -88,9 +88,14 @@ impl LocalRedis {
         Err(LocalRedisError::Start(format!("redis-server on port {port} did not answer within 10 s")))
     }
 
-    /// Whether the server answers PING.
+    /// Whether the server answers PING (with PONG, or with an error when it wants a password).
     pub fn ping(&self) -> bool {
-        self.command::<String>(redis::cmd("PING")).is_some()
+        use std::io::{Read, Write};
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.port));
+        let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)) else { return false };
+        let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+        let mut first = [0u8; 1];
+        s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut first).is_ok() && matches!(first[0], b'+' | b'-')
     }
 
     /// Keys the server holds (0 when it does not answer).

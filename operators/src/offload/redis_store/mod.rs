@@ -14,6 +14,7 @@
 //! them) and loads miss; while it is down `contains` is false, so no load is started; each kind is
 //! counted and logged once (`faults.rs`), and the tail retries with a back-off.
 
+mod connection;
 mod faults;
 mod index;
 mod local;
@@ -23,77 +24,20 @@ mod tail;
 mod tests;
 
 use super::{decode_object, ChunkKey, ChunkObject, ObjectStore, StoreError, StoreFaults};
+pub use connection::RedisConfig;
+use connection::{log_entry, run_id, Failure, Shared};
 use faults::{FaultKind, Faults};
 use index::Index;
 pub use local::{LocalRedis, LocalRedisError};
 use manifest::Manifest;
 use parking_lot::{Condvar, Mutex};
-use redis::{Connection, IntoConnectionInfo};
+use redis::IntoConnectionInfo;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
-
-/// The stream of publications and renewals every process tails.
-const LOG: &str = "kvflow1:log";
-/// The token that tells a flush (set by the first process to find it missing).
-const EPOCH: &str = "kvflow1:epoch";
-/// Entries the log keeps (about: trimmed with `MAXLEN ~`); a process that falls further behind
-/// misses only hits.
-const LOG_ENTRIES: usize = 1 << 20;
-/// Connections kept open between operations.
-const IDLE_CONNECTIONS: usize = 8;
-
-/// How to reach the store and how long its chunks live.
-#[derive(Clone, Debug)]
-pub struct RedisConfig {
-    /// `redis://host:port/db` or `rediss://…` (TLS), without a password.
-    pub url: String,
-    pub password: Option<String>,
-    /// A chunk expires this long after it was saved or last loaded.
-    pub lease: Duration,
-    /// The longest an operation may take before it counts as failed.
-    pub timeout: Duration,
-}
 
 pub struct RedisStore {
     shared: Arc<Shared>,
     tail: Option<std::thread::JoinHandle<()>>,
-}
-
-struct Shared {
-    client: redis::Client,
-    config: RedisConfig,
-    idle: Mutex<Vec<Connection>>,
-    index: Mutex<Index>,
-    /// The server's run id as last seen (written into each manifest).
-    run_id: Mutex<String>,
-    /// Set by a failed operation, cleared by the tail's next successful poll.
-    down: AtomicBool,
-    faults: Faults,
-    stop: Mutex<bool>,
-    wake: Condvar,
-}
-
-/// Why an operation failed.
-#[derive(Debug)]
-enum Failure {
-    Fault(FaultKind, String),
-    Refused(String),
-}
-
-impl Failure {
-    fn of(e: redis::RedisError) -> Self {
-        let text = e.to_string();
-        if e.is_timeout() {
-            Failure::Fault(FaultKind::Timeout, text)
-        } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
-            Failure::Fault(FaultKind::Down, text)
-        } else if e.code() == Some("OOM") || text.contains("OOM") {
-            Failure::Fault(FaultKind::Full, text)
-        } else {
-            Failure::Refused(text)
-        }
-    }
 }
 
 impl RedisStore {
@@ -160,58 +104,6 @@ impl Drop for RedisStore {
 }
 
 impl Shared {
-    /// Runs `op` on a connection (an idle one, or a new one), which goes back to the idle ones
-    /// when `op` succeeds; a failure marks the store down when it is a connection's.
-    fn with<T>(&self, op: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, Failure> {
-        let idle = self.idle.lock().pop();
-        let done = match idle {
-            Some(con) => Ok(con),
-            None => self.connect(),
-        }
-        .and_then(|mut con| op(&mut con).map(|v| (v, con)));
-        match done {
-            Ok((v, con)) => {
-                let mut idle = self.idle.lock();
-                if idle.len() < IDLE_CONNECTIONS {
-                    idle.push(con);
-                }
-                Ok(v)
-            }
-            Err(e) => {
-                let failure = Failure::of(e);
-                if matches!(failure, Failure::Fault(FaultKind::Down | FaultKind::Timeout, _)) {
-                    self.down.store(true, Ordering::Relaxed);
-                    self.idle.lock().clear();
-                }
-                Err(failure)
-            }
-        }
-    }
-
-    fn connect(&self) -> redis::RedisResult<Connection> {
-        let timeout = self.config.timeout;
-        let con = self.client.get_connection_with_timeout(timeout)?;
-        con.set_read_timeout(Some(timeout))?;
-        con.set_write_timeout(Some(timeout))?;
-        Ok(con)
-    }
-
-    fn lease_ms(&self) -> u64 {
-        self.config.lease.as_millis().max(1) as u64
-    }
-
-    /// Counts `failure` by its kind and says what it was.
-    fn note(&self, what: &str, key: &ChunkKey, failure: Failure) -> String {
-        match failure {
-            Failure::Fault(kind, why) => {
-                let text = format!("{what} {key}: {why}");
-                self.faults.note(kind, || text.clone());
-                text
-            }
-            Failure::Refused(why) => format!("{what} {key}: the store refused it: {why}"),
-        }
-    }
-
     /// The object under `key` if the store holds it whole, on this run of the server, as its
     /// manifest describes it. Anything else is a miss, counted by kind. The leases of the object
     /// and its manifest are renewed in the same round trip as the read (a miss renews nothing:
@@ -238,7 +130,7 @@ impl Shared {
                 return None;
             }
         };
-        let run_id = tail::run_id(&info).unwrap_or_default();
+        let run_id = run_id(&info).unwrap_or_default();
         let why = match (manifest.as_deref().map(Manifest::decode), &object) {
             (None, _) => Some((FaultKind::Missing, "no manifest (expired, evicted, or never published)".to_string())),
             (Some(None), _) => Some((FaultKind::Damaged, "its manifest is not one".to_string())),
@@ -255,17 +147,6 @@ impl Shared {
         index.renew(*key, until);
         object
     }
-}
-
-/// Adds to `pipe` the log entry that tells every process `name` was published (`"p"`, `bytes`
-/// long) or renewed (`"r"`) with a lease of `lease` ms.
-fn log_entry(pipe: &mut redis::Pipeline, name: &str, event: &str, bytes: Option<usize>, lease: u64) {
-    pipe.cmd("XADD").arg(LOG).arg("MAXLEN").arg("~").arg(LOG_ENTRIES).arg("*");
-    pipe.arg("k").arg(name).arg("e").arg(event).arg("l").arg(lease);
-    if let Some(n) = bytes {
-        pipe.arg("n").arg(n);
-    }
-    pipe.ignore();
 }
 
 impl ObjectStore for RedisStore {

@@ -5,7 +5,9 @@
 //! is tried after a back-off that doubles from [`POLL`] to [`MAX_BACKOFF`]; one that succeeds
 //! marks it up.
 
-use super::{ChunkKey, Failure, FaultKind, Shared, EPOCH, LOG};
+use super::super::ChunkKey;
+use super::connection::{Failure, Shared, EPOCH, LOG};
+use super::faults::FaultKind;
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use redis::Value;
 use std::sync::atomic::Ordering;
@@ -24,11 +26,6 @@ pub struct Tail {
     cursor: Option<String>,
     run_id: Option<String>,
     epoch: Option<String>,
-}
-
-/// The run id in an `INFO server` reply.
-pub fn run_id(info: &str) -> Option<String> {
-    info.lines().find_map(|l| l.strip_prefix("run_id:")).map(|s| s.trim().to_string())
 }
 
 impl Tail {
@@ -65,7 +62,7 @@ impl Tail {
     pub fn poll(&mut self, shared: &Shared) -> Result<(), Failure> {
         let (info, epoch, time): (String, Option<String>, (u64, u64)) =
             shared.with(|con| redis::pipe().cmd("INFO").arg("server").get(EPOCH).cmd("TIME").query(con))?;
-        let run_id = run_id(&info).unwrap_or_default();
+        let run_id = super::connection::run_id(&info).unwrap_or_default();
         let epoch = match epoch {
             Some(e) => e,
             None => {

@@ -1,0 +1,139 @@
+//! The connection side of the shared store: its keys in the database, the state a store's
+//! threads share (connections, index, faults), and how an operation runs on a connection and
+//! what its failure means.
+
+use super::super::ChunkKey;
+use super::faults::{FaultKind, Faults};
+use super::index::Index;
+use parking_lot::{Condvar, Mutex};
+use redis::Connection;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// How to reach the store and how long its chunks live.
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    /// `redis://host:port/db` or `rediss://…` (TLS), without a password.
+    pub url: String,
+    pub password: Option<String>,
+    /// A chunk expires this long after it was saved or last loaded.
+    pub lease: Duration,
+    /// The longest an operation may take before it counts as failed.
+    pub timeout: Duration,
+}
+
+/// The stream of publications and renewals every process tails.
+pub const LOG: &str = "kvflow1:log";
+/// The token that tells a flush (set by the first process to find it missing).
+pub const EPOCH: &str = "kvflow1:epoch";
+/// Entries the log keeps (about: trimmed with `MAXLEN ~`); a process that falls further behind
+/// misses only hits.
+pub const LOG_ENTRIES: usize = 1 << 20;
+/// Connections kept open between operations.
+pub const IDLE_CONNECTIONS: usize = 8;
+
+pub struct Shared {
+    pub client: redis::Client,
+    pub config: RedisConfig,
+    pub idle: Mutex<Vec<Connection>>,
+    pub index: Mutex<Index>,
+    /// The server's run id as last seen (written into each manifest).
+    pub run_id: Mutex<String>,
+    /// Set by a failed operation, cleared by the tail's next successful poll.
+    pub down: AtomicBool,
+    pub faults: Faults,
+    pub stop: Mutex<bool>,
+    pub wake: Condvar,
+}
+
+/// Why an operation failed.
+#[derive(Debug)]
+pub enum Failure {
+    Fault(FaultKind, String),
+    Refused(String),
+}
+
+impl Failure {
+    pub fn of(e: redis::RedisError) -> Self {
+        let text = e.to_string();
+        if e.is_timeout() {
+            Failure::Fault(FaultKind::Timeout, text)
+        } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
+            Failure::Fault(FaultKind::Down, text)
+        } else if e.code() == Some("OOM") || text.contains("OOM") {
+            Failure::Fault(FaultKind::Full, text)
+        } else {
+            Failure::Refused(text)
+        }
+    }
+}
+
+impl Shared {
+    /// Runs `op` on a connection (an idle one, or a new one), which goes back to the idle ones
+    /// when `op` succeeds; a failure marks the store down when it is a connection's.
+    pub fn with<T>(&self, op: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, Failure> {
+        let idle = self.idle.lock().pop();
+        let done = match idle {
+            Some(con) => Ok(con),
+            None => self.connect(),
+        }
+        .and_then(|mut con| op(&mut con).map(|v| (v, con)));
+        match done {
+            Ok((v, con)) => {
+                let mut idle = self.idle.lock();
+                if idle.len() < IDLE_CONNECTIONS {
+                    idle.push(con);
+                }
+                Ok(v)
+            }
+            Err(e) => {
+                let failure = Failure::of(e);
+                if matches!(failure, Failure::Fault(FaultKind::Down | FaultKind::Timeout, _)) {
+                    self.down.store(true, Ordering::Relaxed);
+                    self.idle.lock().clear();
+                }
+                Err(failure)
+            }
+        }
+    }
+
+    fn connect(&self) -> redis::RedisResult<Connection> {
+        let timeout = self.config.timeout;
+        let con = self.client.get_connection_with_timeout(timeout)?;
+        con.set_read_timeout(Some(timeout))?;
+        con.set_write_timeout(Some(timeout))?;
+        Ok(con)
+    }
+
+    pub fn lease_ms(&self) -> u64 {
+        self.config.lease.as_millis().max(1) as u64
+    }
+
+    /// Counts `failure` by its kind and says what it was.
+    pub fn note(&self, what: &str, key: &ChunkKey, failure: Failure) -> String {
+        match failure {
+            Failure::Fault(kind, why) => {
+                let text = format!("{what} {key}: {why}");
+                self.faults.note(kind, || text.clone());
+                text
+            }
+            Failure::Refused(why) => format!("{what} {key}: the store refused it: {why}"),
+        }
+    }
+}
+
+/// Adds to `pipe` the log entry that tells every process `name` was published (`"p"`, `bytes`
+/// long) or renewed (`"r"`) with a lease of `lease` ms.
+pub fn log_entry(pipe: &mut redis::Pipeline, name: &str, event: &str, bytes: Option<usize>, lease: u64) {
+    pipe.cmd("XADD").arg(LOG).arg("MAXLEN").arg("~").arg(LOG_ENTRIES).arg("*");
+    pipe.arg("k").arg(name).arg("e").arg(event).arg("l").arg(lease);
+    if let Some(n) = bytes {
+        pipe.arg("n").arg(n);
+    }
+    pipe.ignore();
+}
+
+/// The run id in an `INFO server` reply.
+pub fn run_id(info: &str) -> Option<String> {
+    info.lines().find_map(|l| l.strip_prefix("run_id:")).map(|s| s.trim().to_string())
+}
