@@ -42,6 +42,8 @@ pub struct Shared {
     /// Set by a failed operation, cleared by the tail's next successful poll.
     pub down: AtomicBool,
     pub faults: Faults,
+    /// Test switch: a manifest written to an earlier run of the server is trusted.
+    pub trust_earlier_runs: AtomicBool,
     pub stop: Mutex<bool>,
     pub wake: Condvar,
 }

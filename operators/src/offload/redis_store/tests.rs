@@ -133,6 +133,14 @@ fn a_restarted_or_flushed_store_is_trusted_for_nothing_it_held() {
     redis::cmd("SET").arg(format!("{}#m", k[0])).arg(manifest).query::<()>(&mut con).unwrap();
     assert_eq!(s.get(&k[0]).unwrap(), None);
     assert_eq!(s.faults().damaged, 1);
+    // Without the run-id check the stale chunk's bytes would be served.
+    redis::cmd("SET")
+        .arg(format!("{}#m", k[0]))
+        .arg(super::Manifest::of(&object(0), "an-earlier-run").encode())
+        .query::<()>(&mut con)
+        .unwrap();
+    s.trust_earlier_runs();
+    assert_eq!(s.get(&k[0]).unwrap(), Some(object(0)));
 }
 
 #[test]
