@@ -215,3 +215,29 @@ fn a_password_comes_from_the_variable_the_graph_names_and_a_wrong_one_is_refused
     assert_exact(&report, "with the password");
     assert!(report["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", report["offload"]);
 }
+
+#[test]
+fn the_routing_index_learns_of_chunks_another_process_published() {
+    let Some(server) = LocalRedis::start_or_skip(&[]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let pools = "[[pool]]\nname = \"main\"\nranks = 2\nrouter = \"kv-aware\"\n";
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 12";
+    let graph = redis_graph(dir.path(), "hf/qwen3", pools, &server.url(), workload, "");
+    let first = run_graph(&graph, Overrides::default(), TestSwitches::default());
+    assert_exact(&first, "the publishing run");
+    let published = first["offload"]["saved_chunks"].as_u64().unwrap();
+    assert!(published > 2, "{}", first["offload"]);
+    // Another process serving one request: its ranks hear of every chunk the first published.
+    let second = run_graph(&graph, Overrides { limit: Some(1), ..Default::default() }, TestSwitches::default());
+    assert_exact(&second, "the second run");
+    assert_eq!(second["offload"]["saved_chunks"], 0, "it saved nothing itself: {}", second["offload"]);
+    for rank in second["rank_stats"].as_array().unwrap() {
+        // (an offload-tier event per chunk; the rank that served nothing heard of them all too)
+        let events = rank["index_offload_events"].as_u64().unwrap();
+        assert!(
+            events >= published,
+            "rank {}: {events} offload-tier events, {published} chunks published",
+            rank["rank"]
+        );
+    }
+}

@@ -1,7 +1,7 @@
 //! `memory`: the default store — objects in this process's memory, least recently used evicted
 //! first once their bytes pass the capacity. A chunk's shard objects are evicted together.
 
-use super::eviction_log::EvictionLog;
+use super::recent_log::RecentLog;
 use super::{decode_object, ChunkKey, ChunkObject, Digest, ObjectStore, StoreError};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -24,7 +24,7 @@ struct Inner {
     clock: u64,
     bytes: u64,
     /// The shard keys evicted.
-    evicted: EvictionLog,
+    evicted: RecentLog<ChunkKey>,
 }
 
 impl Inner {

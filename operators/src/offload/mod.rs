@@ -9,11 +9,11 @@
 //! tokens, so one key names one prefix in one layout — whichever rank or pool saved it.
 
 mod disk;
-mod eviction_log;
 mod key;
 mod loader;
 mod memory;
 mod object;
+mod recent_log;
 mod redis_store;
 mod saver;
 mod worker;
@@ -62,6 +62,19 @@ pub struct StoreFaults {
 pub trait ObjectStore: Send + Sync {
     /// Stores `object` under `key`, replacing what was there.
     fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError>;
+    /// [`Self::put`] of a chunk whose blocks have the prefix hashes `hashes`: a store shared with
+    /// other processes publishes them, so their routing indexes learn of the chunk.
+    fn put_chunk(&self, key: &ChunkKey, object: &[u8], hashes: &[u64]) -> Result<(), StoreError> {
+        let _ = hashes;
+        self.put(key, object)
+    }
+    /// The chunks published to the store after position `cursor` of its log of publications,
+    /// with their blocks' prefix hashes, and the log's end; `None` when the log no longer reaches
+    /// back that far. A store no other process writes: nothing, ever (a rank reports its own
+    /// saves as they complete).
+    fn published_since(&self, cursor: u64) -> (u64, Option<Vec<(ChunkKey, Vec<u64>)>>) {
+        (cursor, Some(Vec::new()))
+    }
     /// The object under `key`, if the store holds a sound one.
     fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError>;
     /// Whether the store holds an object under `key` (a cheap check; `get` may still miss).

@@ -20,6 +20,8 @@ pub struct SaveJob {
     pub key: ChunkKey,
     pub source: KvSource,
     pub state: Option<Vec<f32>>,
+    /// The prefix hashes of the chunk's blocks (published with it by a shared store).
+    pub hashes: Vec<u64>,
 }
 
 /// How a save ended.
@@ -100,7 +102,7 @@ fn save_one(
     let object = encode_object(&ChunkObject { kv, state: job.state.clone() });
     let mut last = String::new();
     for _ in 0..=max_retries {
-        match store.put(&job.key, &object) {
+        match store.put_chunk(&job.key, &object, &job.hashes) {
             Ok(()) => {
                 *backoff = Backoff { until: None, next: FIRST_BACKOFF };
                 let seconds = started.elapsed().saturating_sub(waited).as_secs_f64();

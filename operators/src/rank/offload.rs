@@ -58,9 +58,10 @@ impl Rank {
                     continue;
                 }
                 off.known.insert(digest);
+                let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
+                let hashes = hashes.map(<[u64]>::to_vec).unwrap_or_default();
                 if self.cache_reports.is_some() {
-                    let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
-                    off.chunk_hashes.insert(digest, hashes.map(<[u64]>::to_vec).unwrap_or_default());
+                    off.chunk_hashes.insert(digest, hashes.clone());
                 }
                 let key = off.key(digest);
                 let blocks = if layout.keeps_kv {
@@ -71,7 +72,7 @@ impl Rank {
                 let id = off.next_id;
                 off.next_id += 1;
                 self.memory.pin_for_save(id, &blocks);
-                off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key });
+                off.launched.push(Launched { step: t, id, seq: c.key, request: seq.id, key, hashes });
                 let slot = if layout.keeps_state { seq.slot } else { None };
                 saves.push(KvExport { key: c.key, blocks, slot, copy_out: false, at_launch: false });
             }
@@ -93,7 +94,7 @@ impl Rank {
             match export.and_then(|e| e.source.map(|s| (s, e.state))) {
                 Some((source, state)) => {
                     off.writing.insert(l.id, (l.request, l.key.digest));
-                    off.ready.push(SaveJob { id: l.id, key: l.key, source, state });
+                    off.ready.push(SaveJob { id: l.id, key: l.key, source, state, hashes: l.hashes });
                 }
                 None => {
                     off.known.remove(&l.key.digest);
@@ -170,8 +171,10 @@ impl Rank {
                 continue;
             };
             let hashes = off.chunk_hashes.remove(&digest);
-            if let (Some(hashes), false) = (hashes, matches!(d.outcome, SaveOutcome::Dropped { .. })) {
+            let stored = !matches!(d.outcome, SaveOutcome::Dropped { .. });
+            if let Some(hashes) = hashes.filter(|_| stored && !off.reported.contains_key(&d.key)) {
                 // the store holds the chunk now: the routing index hears of it as the offload tier
+                // (unless it heard already, from the store's log of publications)
                 self.memory.prefix.note_tier(OFFLOAD, &hashes, true);
                 off.reported.insert(d.key, hashes);
             }
@@ -232,11 +235,21 @@ impl Rank {
         }
     }
 
-    /// Reports to the routing index the chunks it reported that the store has since evicted:
-    /// it reads the store's eviction log from where it last stopped (work in proportion to the
-    /// evictions, not to what it reported), and scans only if the log no longer reaches back.
+    /// Reports to the routing index what changed in the store: the chunks of its layout that
+    /// other processes published (a shared store's log), and those it reported that the store
+    /// has since evicted. It reads both logs from where it last stopped (work in proportion to
+    /// the changes, not to what it reported), and scans only if the eviction log no longer
+    /// reaches back.
     pub(super) fn report_offload_evictions(&mut self) {
         let Some(off) = self.offload.as_mut() else { return };
+        let (end, published) = off.setup.store.published_since(off.publications_seen);
+        off.publications_seen = end;
+        for (key, hashes) in published.unwrap_or_default() {
+            if key.namespace == off.setup.namespace && !off.reported.contains_key(&key) {
+                self.memory.prefix.note_tier(OFFLOAD, &hashes, true);
+                off.reported.insert(key, hashes);
+            }
+        }
         let store = off.setup.store.clone();
         let (end, evicted) = store.evicted_since(off.evictions_seen);
         if end == off.evictions_seen {

@@ -57,6 +57,8 @@ pub(super) struct Launched {
     pub(super) seq: SeqKey,
     pub(super) request: u64,
     pub(super) key: ChunkKey,
+    /// Its blocks' prefix hashes.
+    pub(super) hashes: Vec<u64>,
 }
 
 /// A load in flight: the request (in the generation it was started for) and its chunks.
@@ -92,6 +94,8 @@ pub struct RankOffload {
     pub(super) chunk_hashes: HashMap<Digest, Vec<u64>>,
     pub(super) reported: HashMap<ChunkKey, Vec<u64>>,
     pub(super) evictions_seen: u64,
+    /// How far it read the store's log of chunks other processes published.
+    pub(super) publications_seen: u64,
     /// The store's generation when `known` was last true of it (a restart or flush since: the
     /// chunks it remembers saving are gone, and are saved again).
     pub(super) store_generation: u64,
@@ -123,6 +127,7 @@ impl RankOffload {
             chunk_hashes: HashMap::new(),
             reported: HashMap::new(),
             evictions_seen: 0,
+            publications_seen: 0,
             store_generation: 0,
             stats: OffloadStats::default(),
         }

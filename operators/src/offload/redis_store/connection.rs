@@ -124,13 +124,14 @@ impl Shared {
     }
 }
 
-/// Adds to `pipe` the log entry that tells every process `name` was published (`"p"`, `bytes`
-/// long) or renewed (`"r"`) with a lease of `lease` ms.
-pub fn log_entry(pipe: &mut redis::Pipeline, name: &str, event: &str, bytes: Option<usize>, lease: u64) {
+/// Adds to `pipe` the log entry that tells every process `name` was published (`"p"`, with its
+/// length and its blocks' prefix hashes) or renewed (`"r"`) with a lease of `lease` ms.
+pub fn log_entry(pipe: &mut redis::Pipeline, name: &str, event: &str, published: Option<(usize, &[u64])>, lease: u64) {
     pipe.cmd("XADD").arg(LOG).arg("MAXLEN").arg("~").arg(LOG_ENTRIES).arg("*");
     pipe.arg("k").arg(name).arg("e").arg(event).arg("l").arg(lease);
-    if let Some(n) = bytes {
-        pipe.arg("n").arg(n);
+    if let Some((bytes, hashes)) = published {
+        let hashes: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+        pipe.arg("n").arg(bytes).arg("h").arg(hashes);
     }
     pipe.ignore();
 }

@@ -4,7 +4,7 @@
 //! restarts or is flushed (its `generation` then moves on). Keys it stops holding go on an
 //! eviction log for the routing index.
 
-use super::super::eviction_log::EvictionLog;
+use super::super::recent_log::RecentLog;
 use super::super::ChunkKey;
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
@@ -20,7 +20,9 @@ pub struct Index {
     held: HashMap<ChunkKey, Held>,
     by_expiry: BTreeSet<(u64, ChunkKey)>,
     bytes: u64,
-    pub evicted: EvictionLog,
+    pub evicted: RecentLog<ChunkKey>,
+    /// Chunks published with their blocks' prefix hashes (for the routing index).
+    pub published: RecentLog<(ChunkKey, Vec<u64>)>,
     /// The store's clock minus this process's (`local_ms`), from the last poll.
     offset_ms: i64,
     started: Instant,
@@ -34,7 +36,8 @@ impl Default for Index {
             held: HashMap::new(),
             by_expiry: BTreeSet::new(),
             bytes: 0,
-            evicted: EvictionLog::default(),
+            evicted: RecentLog::default(),
+            published: RecentLog::default(),
             offset_ms: 0,
             started: Instant::now(),
             generation: 0,

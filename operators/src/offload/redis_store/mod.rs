@@ -162,6 +162,10 @@ impl Shared {
 
 impl ObjectStore for RedisStore {
     fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
+        self.put_chunk(key, object, &[])
+    }
+
+    fn put_chunk(&self, key: &ChunkKey, object: &[u8], hashes: &[u64]) -> Result<(), StoreError> {
         let s = &*self.shared;
         if s.down.load(Ordering::Relaxed) {
             return Err(StoreError::Io("the store is unreachable (retrying in the background)".into()));
@@ -174,7 +178,7 @@ impl ObjectStore for RedisStore {
             pipe.atomic();
             pipe.cmd("SET").arg(&name).arg(object).arg("PX").arg(lease).ignore();
             pipe.cmd("SET").arg(format!("{name}#m")).arg(manifest).arg("PX").arg(lease).ignore();
-            log_entry(&mut pipe, &name, "p", Some(object.len()), lease);
+            log_entry(&mut pipe, &name, "p", Some((object.len(), hashes)), lease);
             pipe.query::<()>(con)
         });
         match written {
@@ -218,6 +222,10 @@ impl ObjectStore for RedisStore {
 
     fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
         self.shared.index.lock().evicted.since(cursor)
+    }
+
+    fn published_since(&self, cursor: u64) -> (u64, Option<Vec<(ChunkKey, Vec<u64>)>>) {
+        self.shared.index.lock().published.since(cursor)
     }
 
     fn generation(&self) -> u64 {

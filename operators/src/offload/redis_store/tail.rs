@@ -111,7 +111,19 @@ impl Tail {
                 let number = |name: &str| field(name).and_then(|v| v.parse::<u64>().ok());
                 if let (Some(key), Some(lease)) = (field("k").as_deref().and_then(ChunkKey::parse), number("l")) {
                     match field("e").as_deref() {
-                        Some("p") => index.publish(key, number("n").unwrap_or(0), at_ms + lease),
+                        Some("p") => {
+                            index.publish(key, number("n").unwrap_or(0), at_ms + lease);
+                            let hashes =
+                                entry.map.get("h").and_then(|v| redis::from_redis_value::<Vec<u8>>(v.clone()).ok());
+                            let hashes: Vec<u64> = hashes
+                                .unwrap_or_default()
+                                .chunks_exact(8)
+                                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                                .collect();
+                            if !hashes.is_empty() {
+                                index.published.push((key, hashes));
+                            }
+                        }
                         Some("r") => index.renew(key, at_ms + lease),
                         _ => {}
                     }
