@@ -67,7 +67,9 @@ export PYTHONPATH="$py${PYTHONPATH:+:$PYTHONPATH}" KVFLOW_REQUIRE_PY_CLIENTS=1
 if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "tools/test.sh: installing redis-server (Debian's package) for the shared offload store's tests" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q redis-server >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; }
+  apt-get install -y -q redis-server >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; } ||
+    echo "tools/test.sh: apt-get could not install redis-server" >&2
 fi
 if command -v redis-server >/dev/null 2>&1; then
   export KVFLOW_REQUIRE_REDIS=1
