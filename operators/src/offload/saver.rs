@@ -43,6 +43,8 @@ pub struct SaveDone {
     pub id: u64,
     pub key: ChunkKey,
     pub outcome: SaveOutcome,
+    /// The job's prefix hashes, back to the rank (which reports a stored chunk to the routing index).
+    pub hashes: Vec<u64>,
 }
 
 /// The back-off after a dropped save: 1 s, doubling to 30 s; a stored save resets it.
@@ -70,7 +72,7 @@ pub fn spawn_saver(
     let mut backoff = Backoff { until: None, next: FIRST_BACKOFF };
     Worker::spawn(name, waker, move |job: SaveJob| {
         let outcome = save_one(&*store, &job, max_retries, read_delay, &mut backoff);
-        SaveDone { id: job.id, key: job.key, outcome }
+        SaveDone { id: job.id, key: job.key, outcome, hashes: job.hashes }
         // the job (and the source's cache handle) goes before the rank is told
     })
 }

@@ -205,7 +205,7 @@ impl Rank {
         if self.cache_reports.is_none() {
             return (Vec::new(), None);
         }
-        self.report_offload_evictions();
+        self.report_offload_tier();
         let mut events = self.memory.prefix.take_events();
         if let Some(n) = self.switches.drop_cache_event_every.filter(|&n| n > 0) {
             events.retain(|e| e.seq % n != 0); // test switch: events lost on the way

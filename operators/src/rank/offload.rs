@@ -60,9 +60,6 @@ impl Rank {
                 off.known.insert(digest);
                 let hashes = seq.prompt_hashes.get(k * c_tokens / bs..(k + 1) * c_tokens / bs);
                 let hashes = hashes.map(<[u64]>::to_vec).unwrap_or_default();
-                if self.cache_reports.is_some() {
-                    off.chunk_hashes.insert(digest, hashes.clone());
-                }
                 let key = off.key(digest);
                 let blocks = if layout.keeps_kv {
                     seq.blocks.blocks()[k * c_tokens / bs..(k + 1) * c_tokens / bs].to_vec()
@@ -98,7 +95,6 @@ impl Rank {
                 }
                 None => {
                     off.known.remove(&l.key.digest);
-                    off.chunk_hashes.remove(&l.key.digest);
                     self.memory.release_save(l.id);
                     self.note_dropped_save(|| format!("step {step} gave no copy of {} (seq {})", l.key, l.seq));
                 }
@@ -147,7 +143,6 @@ impl Rank {
             }
             if let Some((_, digest)) = off.writing.remove(&id) {
                 off.known.remove(&digest);
-                off.chunk_hashes.remove(&digest);
             }
             self.memory.release_save(id);
             self.note_dropped_save(|| format!("save of {key} dropped: the save thread is gone"));
@@ -170,13 +165,12 @@ impl Rank {
                 tracing::error!(pool = %self.pool, rank = self.index, "offload: a completion for save {} it does not await", d.id);
                 continue;
             };
-            let hashes = off.chunk_hashes.remove(&digest);
             let stored = !matches!(d.outcome, SaveOutcome::Dropped { .. });
-            if let Some(hashes) = hashes.filter(|_| stored && !off.reported.contains_key(&d.key)) {
+            if self.cache_reports.is_some() && stored && !off.reported.contains_key(&d.key) {
                 // the store holds the chunk now: the routing index hears of it as the offload tier
                 // (unless it heard already, from the store's log of publications)
-                self.memory.prefix.note_tier(OFFLOAD, &hashes, true);
-                off.reported.insert(d.key, hashes);
+                self.memory.prefix.note_tier(OFFLOAD, &d.hashes, true);
+                off.reported.insert(d.key, d.hashes.clone());
             }
             match &d.outcome {
                 SaveOutcome::Stored { bytes, seconds } => {
@@ -240,7 +234,7 @@ impl Rank {
     /// has since evicted. It reads both logs from where it last stopped (work in proportion to
     /// the changes, not to what it reported), and scans only if the eviction log no longer
     /// reaches back.
-    pub(super) fn report_offload_evictions(&mut self) {
+    pub(super) fn report_offload_tier(&mut self) {
         let Some(off) = self.offload.as_mut() else { return };
         let (end, published) = off.setup.store.published_since(off.publications_seen);
         off.publications_seen = end;

@@ -88,10 +88,8 @@ pub struct RankOffload {
     pub(super) loading: HashMap<u64, Loading>,
     pub(super) load_jobs: Vec<LoadJob>,
     pub(super) failed_now: Vec<LoadDone>,
-    /// Under router `kv-aware`: each chunk being saved, its blocks' prefix hashes; and each
-    /// chunk the store holds that this rank reported to the routing index, and how far it read
-    /// the store's eviction log.
-    pub(super) chunk_hashes: HashMap<Digest, Vec<u64>>,
+    /// Under router `kv-aware`: each chunk the store holds that this rank reported to the
+    /// routing index (its blocks' prefix hashes), and how far it read the store's eviction log.
     pub(super) reported: HashMap<ChunkKey, Vec<u64>>,
     pub(super) evictions_seen: u64,
     /// How far it read the store's log of chunks other processes published.
@@ -124,7 +122,6 @@ impl RankOffload {
             loading: HashMap::new(),
             load_jobs: Vec::new(),
             failed_now: Vec::new(),
-            chunk_hashes: HashMap::new(),
             reported: HashMap::new(),
             evictions_seen: 0,
             publications_seen: 0,

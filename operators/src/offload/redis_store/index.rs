@@ -119,8 +119,4 @@ impl Index {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
-
-    pub fn len(&self) -> usize {
-        self.held.len()
-    }
 }

@@ -94,11 +94,6 @@ impl RedisStore {
     pub fn trust_earlier_runs(&self) {
         self.shared.trust_earlier_runs.store(true, Ordering::Relaxed);
     }
-
-    /// Chunks this process's index holds.
-    pub fn indexed_chunks(&self) -> usize {
-        self.shared.index.lock().len()
-    }
 }
 
 impl Drop for RedisStore {
