@@ -1,11 +1,12 @@
 //! `kvflow bench offload --store redis`: saving and loading chunk objects through the shared
 //! store, beside `redis-benchmark` SET and GET of values of the same size on the same server,
-//! measured in the same run with the same number of clients (SET on distinct keys, as chunks are). A save is `put` (the object and its
-//! manifest in one MULTI/EXEC with a log entry); a load is `get_object` (manifest, object and the
-//! server's run id in one round trip, the checksum checked, the floats decoded, then the leases
-//! renewed). Without `--url` the bench starts its own `redis-server` on loopback
-//! (`LocalRedis`). Each figure is the median of `--rounds`; each ratio the median of the rounds'
-//! own ratios. Target ≥ 0.7 for loads.
+//! measured in the same run with the same number of clients (SET on distinct keys, as chunks
+//! are). A save is `put` (the object and its manifest in one MULTI/EXEC with a log entry); a load
+//! is `get_object` (manifest, object and the server's run id in one round trip, the checksum
+//! checked, the floats decoded, then the leases renewed; over plain TCP the object is decoded as
+//! its bytes arrive, `redis_store/wire.rs`). Without `--url` the bench starts its own
+//! `redis-server` on loopback (`LocalRedis`). Each figure is the median of `--rounds`; each ratio
+//! the median of the rounds' own ratios. Target ≥ 0.7 for loads.
 
 use super::median;
 use anyhow::{anyhow, bail, Context, Result};

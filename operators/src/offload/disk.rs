@@ -102,7 +102,7 @@ impl ObjectStore for DiskStore {
         };
         let len = usize::try_from(len).unwrap_or(usize::MAX);
         match read_object(&mut std::io::BufReader::with_capacity(1 << 16, file), len) {
-            Ok(object) => Ok(Some(object)),
+            Ok((object, _)) => Ok(Some(object)),
             Err(e) => {
                 tracing::warn!(
                     "offload store: {} is not a sound object ({e}); removed, treated as a miss",

@@ -88,8 +88,8 @@ fn parse_header(header: &[u8; HEADER], len: usize) -> Result<(usize, Option<usiz
 }
 
 /// The object read from `r`, `len` bytes long, checked like [`decode_object`], its floats read
-/// straight into their vectors (no copy of the whole object in between).
-pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<ChunkObject, ObjectError> {
+/// straight into their vectors (no copy of the whole object in between), and its checksum.
+pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<(ChunkObject, u32), ObjectError> {
     if len < HEADER + 4 {
         return Err(ObjectError::Truncated(len));
     }
@@ -119,7 +119,7 @@ pub fn read_object(r: &mut impl std::io::Read, len: usize) -> Result<ChunkObject
     if stored != computed {
         return Err(ObjectError::Checksum { stored, computed });
     }
-    Ok(ChunkObject { kv, state })
+    Ok((ChunkObject { kv, state }, stored))
 }
 
 /// The bytes of `v`, writable.
@@ -184,7 +184,7 @@ mod tests {
             magic[0] = b'X';
             assert_eq!(decode_object(&magic), Err(ObjectError::Magic));
             // Read from a stream, the same checks.
-            assert_eq!(read_object(&mut &bytes[..], bytes.len()).unwrap(), object);
+            assert_eq!(read_object(&mut &bytes[..], bytes.len()).unwrap().0, object);
             assert!(matches!(read_object(&mut &flipped[..], flipped.len()), Err(ObjectError::Checksum { .. })));
             assert!(read_object(&mut &bytes[..bytes.len() - 2], bytes.len()).is_err(), "a short stream");
             assert_eq!(read_object(&mut &magic[..], magic.len()), Err(ObjectError::Magic));

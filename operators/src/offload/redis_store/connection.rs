@@ -5,6 +5,7 @@
 use super::super::ChunkKey;
 use super::faults::{FaultKind, Faults};
 use super::index::Index;
+use super::wire::Wire;
 use parking_lot::{Condvar, Mutex};
 use redis::Connection;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,6 +37,8 @@ pub struct Shared {
     pub client: redis::Client,
     pub config: RedisConfig,
     pub idle: Mutex<Vec<Connection>>,
+    /// Idle wires for loads (none where the store is reached over TLS).
+    pub idle_wires: Mutex<Vec<Wire>>,
     pub index: Mutex<Index>,
     /// The server's run id as last seen (written into each manifest).
     pub run_id: Mutex<String>,
@@ -62,7 +65,24 @@ impl Failure {
             Failure::Fault(FaultKind::Timeout, text)
         } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
             Failure::Fault(FaultKind::Down, text)
-        } else if e.code() == Some("OOM") || text.contains("OOM") {
+        } else {
+            Failure::of_server(text)
+        }
+    }
+
+    /// A failure of the connection itself.
+    pub fn of_io(e: std::io::Error) -> Self {
+        match e.kind() {
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+                Failure::Fault(FaultKind::Timeout, e.to_string())
+            }
+            _ => Failure::Fault(FaultKind::Down, e.to_string()),
+        }
+    }
+
+    /// The server's error reply `text`.
+    pub fn of_server(text: String) -> Self {
+        if text.starts_with("OOM") || text.contains("OOM") {
             Failure::Fault(FaultKind::Full, text)
         } else {
             Failure::Refused(text)
@@ -74,25 +94,41 @@ impl Shared {
     /// Runs `op` on a connection (an idle one, or a new one), which goes back to the idle ones
     /// when `op` succeeds; a failure marks the store down when it is a connection's.
     pub fn with<T>(&self, op: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T, Failure> {
-        let idle = self.idle.lock().pop();
-        let done = match idle {
+        self.pooled(&self.idle, || self.connect().map_err(Failure::of), |con| op(con).map_err(Failure::of))
+    }
+
+    /// Runs `op` on an idle wire or a new one, as [`Shared::with`] does on a connection; `None`
+    /// where the store has no wire (TLS).
+    pub fn with_wire<T>(&self, op: impl FnOnce(&mut Wire) -> Result<T, Failure>) -> Option<Result<T, Failure>> {
+        let info = self.client.get_connection_info();
+        Wire::serves(info).then(|| self.pooled(&self.idle_wires, || Wire::connect(info, self.config.timeout), op))
+    }
+
+    fn pooled<C, T>(
+        &self,
+        idle: &Mutex<Vec<C>>,
+        connect: impl FnOnce() -> Result<C, Failure>,
+        op: impl FnOnce(&mut C) -> Result<T, Failure>,
+    ) -> Result<T, Failure> {
+        let taken = idle.lock().pop();
+        let done = match taken {
             Some(con) => Ok(con),
-            None => self.connect(),
+            None => connect(),
         }
         .and_then(|mut con| op(&mut con).map(|v| (v, con)));
         match done {
             Ok((v, con)) => {
-                let mut idle = self.idle.lock();
+                let mut idle = idle.lock();
                 if idle.len() < IDLE_CONNECTIONS {
                     idle.push(con);
                 }
                 Ok(v)
             }
-            Err(e) => {
-                let failure = Failure::of(e);
+            Err(failure) => {
                 if matches!(failure, Failure::Fault(FaultKind::Down | FaultKind::Timeout, _)) {
                     self.down.store(true, Ordering::Relaxed);
                     self.idle.lock().clear();
+                    self.idle_wires.lock().clear();
                 }
                 Err(failure)
             }

@@ -39,9 +39,10 @@ impl Manifest {
         })
     }
 
-    /// Why `object`, read from server `run_id`, is not the one this manifest describes.
-    pub fn mismatch(&self, object: &[u8], run_id: &str) -> Option<String> {
-        let found = Manifest::of(object, run_id);
+    /// Why an object of `len` bytes with checksum `crc`, read from server `run_id`, is not the one
+    /// this manifest describes.
+    pub fn mismatch(&self, len: u64, crc: u32, run_id: &str) -> Option<String> {
+        let found = Manifest { len, crc, run_id: run_id.to_string() };
         if self.run_id != run_id {
             Some(format!("written to the server before its restart (run id {}, now {run_id})", self.run_id))
         } else if found.len != self.len || found.crc != self.crc {
@@ -64,9 +65,10 @@ mod tests {
         let object = b"some object bytes\x01\x02\x03\x04";
         let m = Manifest::of(object, "abc");
         assert_eq!(Manifest::decode(&m.encode()), Some(m.clone()));
-        assert_eq!(m.mismatch(object, "abc"), None);
-        assert!(m.mismatch(object, "def").unwrap().contains("restart"));
-        assert!(m.mismatch(&object[1..], "abc").unwrap().contains("the manifest says"));
+        assert_eq!(m.mismatch(m.len, m.crc, "abc"), None);
+        assert!(m.mismatch(m.len, m.crc, "def").unwrap().contains("restart"));
+        assert!(m.mismatch(m.len - 1, m.crc, "abc").unwrap().contains("the manifest says"));
+        assert!(m.mismatch(m.len, m.crc ^ 1, "abc").unwrap().contains("the manifest says"));
         assert_eq!(Manifest::decode(b"kvm1short"), None);
     }
 }

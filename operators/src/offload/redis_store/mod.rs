@@ -22,8 +22,9 @@ mod manifest;
 mod tail;
 #[cfg(test)]
 mod tests;
+mod wire;
 
-use super::{decode_object, ChunkKey, ChunkObject, ObjectStore, StoreError, StoreFaults};
+use super::{decode_object, encode_object, read_object, ChunkKey, ChunkObject, ObjectStore, StoreError, StoreFaults};
 pub use connection::RedisConfig;
 use connection::{log_entry, run_id, Failure, Shared};
 use faults::{FaultKind, Faults};
@@ -34,6 +35,7 @@ use parking_lot::{Condvar, Mutex};
 use redis::IntoConnectionInfo;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use wire::Reply;
 
 pub struct RedisStore {
     shared: Arc<Shared>,
@@ -59,6 +61,7 @@ impl RedisStore {
             client,
             config,
             idle: Mutex::new(Vec::new()),
+            idle_wires: Mutex::new(Vec::new()),
             index: Mutex::new(Index::default()),
             run_id: Mutex::new(String::new()),
             down: AtomicBool::new(false),
@@ -111,22 +114,38 @@ impl Shared {
     /// manifest describes it. Anything else is a miss, counted by kind. The leases of the object
     /// and its manifest are renewed in the same round trip as the read (a miss renews nothing:
     /// the keys are gone, or no process will read them again once the index forgets them).
-    fn load(&self, key: &ChunkKey) -> Option<Vec<u8>> {
+    /// Over a wire the object is decoded as its bytes arrive, straight into its floats.
+    fn load(&self, key: &ChunkKey) -> Option<ChunkObject> {
         if self.down.load(Ordering::Relaxed) {
             return None;
         }
         let name = key.to_string();
         let manifest_name = format!("{name}#m");
         let lease = self.lease_ms();
-        let read = self.with(|con| {
-            let mut pipe = redis::pipe();
-            pipe.cmd("INFO").arg("server").get(&manifest_name).get(&name);
-            pipe.cmd("PEXPIRE").arg(&name).arg(lease).ignore();
-            pipe.cmd("PEXPIRE").arg(&manifest_name).arg(lease).ignore();
-            log_entry(&mut pipe, &name, "r", None, lease);
-            pipe.query::<(String, Option<Vec<u8>>, Option<Vec<u8>>)>(con)
-        });
-        let (info, manifest, object) = match read {
+        let mut pipe = redis::pipe();
+        pipe.cmd("INFO").arg("server").get(&manifest_name).get(&name);
+        pipe.cmd("PEXPIRE").arg(&name).arg(lease).ignore();
+        pipe.cmd("PEXPIRE").arg(&manifest_name).arg(lease).ignore();
+        log_entry(&mut pipe, &name, "r", None, lease);
+        let read = match self.with_wire(|wire| {
+            let (replies, object) =
+                wire.round_trip_streaming(&pipe.get_packed_pipeline(), pipe.len(), 2, |r, len| {
+                    read_object(&mut { r }, len).map(|(object, crc)| (object, len as u64, crc))
+                })?;
+            Ok((load_replies(replies)?, object))
+        }) {
+            Some(read) => read,
+            None => self.with(|con| pipe.query::<(String, Option<Vec<u8>>, Option<Vec<u8>>)>(con)).map(
+                |(info, manifest, bytes)| {
+                    let object = bytes.map(|b| {
+                        let crc = Manifest::of(&b, "").crc;
+                        decode_object(&b).map(|object| (object, b.len() as u64, crc))
+                    });
+                    ((info, manifest), object)
+                },
+            ),
+        };
+        let ((info, manifest), object) = match read {
             Ok(r) => r,
             Err(failure) => {
                 self.note("loading", key, failure);
@@ -134,25 +153,49 @@ impl Shared {
             }
         };
         let run_id = run_id(&info).unwrap_or_default();
-        let why = match (manifest.as_deref().map(Manifest::decode), &object) {
-            (None, _) => Some((FaultKind::Missing, "no manifest (expired, evicted, or never published)".to_string())),
-            (Some(None), _) => Some((FaultKind::Damaged, "its manifest is not one".to_string())),
-            (Some(Some(_)), None) => Some((FaultKind::Missing, "a manifest without its data".to_string())),
-            (Some(Some(m)), Some(object)) => {
+        let checked = match (manifest.as_deref().map(Manifest::decode), object) {
+            (None, _) => Err((FaultKind::Missing, "no manifest (expired, evicted, or never published)".to_string())),
+            (Some(None), _) => Err((FaultKind::Damaged, "its manifest is not one".to_string())),
+            (Some(Some(_)), None) => Err((FaultKind::Missing, "a manifest without its data".to_string())),
+            (Some(Some(_)), Some(Err(e))) => Err((FaultKind::Damaged, format!("not a sound object ({e})"))),
+            (Some(Some(m)), Some(Ok((object, len, crc)))) => {
                 let now = if self.trust_earlier_runs.load(Ordering::Relaxed) { &m.run_id } else { &run_id };
-                m.mismatch(object, now).map(|why| (FaultKind::Damaged, why))
+                match m.mismatch(len, crc, now) {
+                    Some(why) => Err((FaultKind::Damaged, why)),
+                    None => Ok(object),
+                }
             }
         };
         let mut index = self.index.lock();
-        if let Some((kind, why)) = why {
-            self.faults.note(kind, || format!("{name}: {why}; a miss, the request recomputes"));
-            index.forget(key);
-            return None;
+        match checked {
+            Err((kind, why)) => {
+                self.faults.note(kind, || format!("{name}: {why}; a miss, the request recomputes"));
+                index.forget(key);
+                None
+            }
+            Ok(object) => {
+                let until = index.store_now_ms() + lease;
+                index.renew(*key, until);
+                Some(object)
+            }
         }
-        let until = index.store_now_ms() + lease;
-        index.renew(*key, until);
-        object
     }
+}
+
+/// A load's (server info, manifest) from its replies on a wire (the object came streamed); any
+/// error reply fails the load, as it does through the crate.
+fn load_replies(replies: Vec<Reply>) -> Result<(String, Option<Vec<u8>>), Failure> {
+    if let Some(Reply::Error(why)) = replies.iter().find(|r| matches!(r, Reply::Error(_))) {
+        return Err(Failure::of_server(why.clone()));
+    }
+    let mut replies = replies.into_iter();
+    let mut value = |what: &str| match replies.next() {
+        Some(Reply::Bytes(b)) => Ok(Some(b)),
+        Some(Reply::Nil) => Ok(None),
+        _ => Err(Failure::Refused(format!("the store answered a load's {what} with neither a value nor nil"))),
+    };
+    let info = value("INFO")?.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    Ok((info, value("manifest GET")?))
 }
 
 impl ObjectStore for RedisStore {
@@ -191,20 +234,14 @@ impl ObjectStore for RedisStore {
         }
     }
 
+    /// The object's bytes, encoded again from the checked object a load returns (only tests and
+    /// tools read a store's bytes; the loader reads objects).
     fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.shared.load(key))
+        Ok(self.shared.load(key).map(|object| encode_object(&object)))
     }
 
     fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {
-        let Some(bytes) = self.shared.load(key) else { return Ok(None) };
-        match decode_object(&bytes) {
-            Ok(object) => Ok(Some(object)),
-            Err(e) => {
-                self.shared.faults.note(FaultKind::Damaged, || format!("{key} is not a sound object ({e})"));
-                self.shared.index.lock().forget(key);
-                Ok(None)
-            }
-        }
+        Ok(self.shared.load(key))
     }
 
     fn contains(&self, key: &ChunkKey) -> bool {

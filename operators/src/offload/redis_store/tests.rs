@@ -67,7 +67,7 @@ fn another_process_finds_what_one_published_and_namespaces_stay_apart() {
 fn a_torn_or_damaged_chunk_is_a_miss_never_bytes() {
     let Some(server) = server(&[]) else { return };
     let s = store(&server, 60_000);
-    let k = keys(&[("model", "torn")], 3);
+    let k = keys(&[("model", "torn")], 4);
     let mut con = raw(&server);
     // Data without a manifest: never published, never read.
     redis::cmd("SET").arg(k[0].to_string()).arg(object(0)).query::<()>(&mut con).unwrap();
@@ -82,8 +82,14 @@ fn a_torn_or_damaged_chunk_is_a_miss_never_bytes() {
     s.put(&k[2], &object(2)).unwrap();
     redis::cmd("SETRANGE").arg(k[2].to_string()).arg(40).arg("garbage").query::<()>(&mut con).unwrap();
     assert_eq!(s.get_object(&k[2]).unwrap(), None);
+    // A value that is not an object from its first bytes: refused there, the rest of it drained,
+    // so the connection reads the next load's replies in step.
+    redis::cmd("SETRANGE").arg(k[2].to_string()).arg(0).arg("X").query::<()>(&mut con).unwrap();
+    assert_eq!(s.get_object(&k[2]).unwrap(), None);
+    s.put(&k[3], &object(3)).unwrap();
+    assert_eq!(s.get_object(&k[3]).unwrap().map(|o| o.kv[0]), Some(3.0));
     let f = s.faults();
-    assert_eq!((f.missing, f.damaged), (2, 1), "{f:?}");
+    assert_eq!((f.missing, f.damaged), (2, 2), "{f:?}");
 }
 
 #[test]
@@ -171,4 +177,38 @@ fn a_store_down_slow_or_full_drops_saves_misses_loads_and_comes_back() {
     server.restart().unwrap();
     eventually("saves work again once it is back", || s.put(&k[3], &object(3)).is_ok());
     assert!(s.contains(&k[3]));
+}
+
+#[test]
+fn a_load_reads_over_its_wire_what_the_crate_reads_with_a_password_and_a_database() {
+    let Some(server) = server(&["--requirepass", "kv-secret"]) else { return };
+    let url = format!("redis://127.0.0.1:{}/3", server.port);
+    let config = RedisConfig {
+        url: url.clone(),
+        password: Some("kv-secret".into()),
+        lease: Duration::from_secs(60),
+        timeout: Duration::from_secs(5),
+    };
+    let store = RedisStore::open(config).unwrap();
+    let key = keys(&[("model", "wire")], 1)[0];
+    let object = encode_object(&ChunkObject { kv: (0..300_000).map(|i| i as f32 * 0.25).collect(), state: None });
+    store.put(&key, &object).unwrap();
+    assert_eq!(store.get(&key).unwrap().as_deref(), Some(&object[..]), "the wire logged in and selected database 3");
+    let client = redis::Client::open(format!("redis://:kv-secret@127.0.0.1:{}/3", server.port)).unwrap();
+    let through_crate: Vec<u8> =
+        redis::cmd("GET").arg(key.to_string()).query(&mut client.get_connection().unwrap()).unwrap();
+    assert_eq!(through_crate, object);
+    let info = client.get_connection_info();
+    let mut wire = super::wire::Wire::connect(info, Duration::from_secs(5)).unwrap();
+    let mut pipe = redis::pipe();
+    pipe.get(key.to_string()).get("no such key").cmd("NO-SUCH-COMMAND");
+    let replies = wire.round_trip(&pipe.get_packed_pipeline(), pipe.len()).unwrap();
+    assert_eq!(replies[0], super::wire::Reply::Bytes(object));
+    assert_eq!(replies[1], super::wire::Reply::Nil);
+    assert!(matches!(&replies[2], super::wire::Reply::Error(e) if e.contains("unknown command")), "{:?}", replies[2]);
+    let wrong = redis::Client::open(format!("redis://:wrong@127.0.0.1:{}/3", server.port)).unwrap();
+    assert!(
+        super::wire::Wire::connect(wrong.get_connection_info(), Duration::from_secs(5)).is_err(),
+        "a wrong password is refused"
+    );
 }
