@@ -3,7 +3,7 @@
 //! what its failure means.
 
 use super::super::ChunkKey;
-use super::faults::{FaultKind, Faults};
+use super::faults::{Failure, FaultKind, Faults};
 use super::index::Index;
 use super::wire::Wire;
 use parking_lot::{Condvar, Mutex};
@@ -49,45 +49,6 @@ pub struct Shared {
     pub trust_earlier_runs: AtomicBool,
     pub stop: Mutex<bool>,
     pub wake: Condvar,
-}
-
-/// Why an operation failed.
-#[derive(Debug)]
-pub enum Failure {
-    Fault(FaultKind, String),
-    Refused(String),
-}
-
-impl Failure {
-    pub fn of(e: redis::RedisError) -> Self {
-        let text = e.to_string();
-        if e.is_timeout() {
-            Failure::Fault(FaultKind::Timeout, text)
-        } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
-            Failure::Fault(FaultKind::Down, text)
-        } else {
-            Failure::of_server(text)
-        }
-    }
-
-    /// A failure of the connection itself.
-    pub fn of_io(e: std::io::Error) -> Self {
-        match e.kind() {
-            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
-                Failure::Fault(FaultKind::Timeout, e.to_string())
-            }
-            _ => Failure::Fault(FaultKind::Down, e.to_string()),
-        }
-    }
-
-    /// The server's error reply `text`.
-    pub fn of_server(text: String) -> Self {
-        if text.starts_with("OOM") || text.contains("OOM") {
-            Failure::Fault(FaultKind::Full, text)
-        } else {
-            Failure::Refused(text)
-        }
-    }
 }
 
 impl Shared {

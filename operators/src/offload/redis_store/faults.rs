@@ -1,6 +1,6 @@
-//! What went wrong with the shared store, by kind: counted for the report, and logged once a kind
-//! until the store is reachable again (a store that is down would otherwise print a line a
-//! chunk).
+//! What went wrong with the shared store, by kind: how an operation's failure is told (a fault of
+//! a kind, or a refusal), counted for the report, and logged once a kind until the store is
+//! reachable again (a store that is down would otherwise print a line a chunk).
 
 use super::super::StoreFaults;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -78,6 +78,45 @@ impl Faults {
             timeouts: n(FaultKind::Timeout),
             full: n(FaultKind::Full),
             restarts: n(FaultKind::Restart),
+        }
+    }
+}
+
+/// Why an operation failed.
+#[derive(Debug)]
+pub enum Failure {
+    Fault(FaultKind, String),
+    Refused(String),
+}
+
+impl Failure {
+    pub fn of(e: redis::RedisError) -> Self {
+        let text = e.to_string();
+        if e.is_timeout() {
+            Failure::Fault(FaultKind::Timeout, text)
+        } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
+            Failure::Fault(FaultKind::Down, text)
+        } else {
+            Failure::of_server(text)
+        }
+    }
+
+    /// A failure of the connection itself.
+    pub fn of_io(e: std::io::Error) -> Self {
+        match e.kind() {
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+                Failure::Fault(FaultKind::Timeout, e.to_string())
+            }
+            _ => Failure::Fault(FaultKind::Down, e.to_string()),
+        }
+    }
+
+    /// The server's error reply `text`.
+    pub fn of_server(text: String) -> Self {
+        if text.starts_with("OOM") || text.contains("OOM") {
+            Failure::Fault(FaultKind::Full, text)
+        } else {
+            Failure::Refused(text)
         }
     }
 }

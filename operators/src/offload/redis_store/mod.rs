@@ -26,8 +26,8 @@ mod wire;
 
 use super::{decode_object, encode_object, read_object, ChunkKey, ChunkObject, ObjectStore, StoreError, StoreFaults};
 pub use connection::RedisConfig;
-use connection::{log_entry, run_id, Failure, Shared};
-use faults::{FaultKind, Faults};
+use connection::{log_entry, run_id, Shared};
+use faults::{Failure, FaultKind, Faults};
 use index::Index;
 pub use local::{LocalRedis, LocalRedisError};
 use manifest::Manifest;

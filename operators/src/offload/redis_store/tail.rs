@@ -6,8 +6,8 @@
 //! marks it up.
 
 use super::super::ChunkKey;
-use super::connection::{Failure, Shared, EPOCH, LOG};
-use super::faults::FaultKind;
+use super::connection::{Shared, EPOCH, LOG};
+use super::faults::{Failure, FaultKind};
 use redis::streams::{StreamReadOptions, StreamReadReply};
 use redis::Value;
 use std::sync::atomic::Ordering;

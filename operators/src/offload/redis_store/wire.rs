@@ -5,7 +5,7 @@
 //! load slower than `redis-benchmark` GET of the same bytes on the same server. A `rediss://`
 //! store (TLS) has no wire: its loads go through the crate.
 
-use super::connection::Failure;
+use super::faults::Failure;
 use redis::{ConnectionAddr, ConnectionInfo};
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
