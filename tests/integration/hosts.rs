@@ -72,9 +72,9 @@ fn launch_runs_a_pool_over_the_hosts_it_lists() {
 }
 
 /// Two network namespaces joined by a veth pair, removed on drop.
-struct TwoHosts {
-    names: [String; 2],
-    addresses: [String; 2],
+pub struct TwoHosts {
+    pub names: [String; 2],
+    pub addresses: [String; 2],
 }
 
 impl TwoHosts {
@@ -127,14 +127,14 @@ impl TwoHosts {
     }
 
     /// The two hosts, or `None` after saying why this machine cannot make them.
-    fn create_or_skip() -> Option<TwoHosts> {
+    pub fn create_or_skip() -> Option<TwoHosts> {
         TwoHosts::create()
             .map_err(|why| println!("skipped: cannot create network namespaces here (needs CAP_NET_ADMIN): {why}"))
             .ok()
     }
 
     /// `kvflow ARGS` run inside namespace `host`.
-    fn kvflow(&self, host: usize, args: &[&str]) -> Command {
+    pub fn kvflow(&self, host: usize, args: &[&str]) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.names[host], env!("CARGO_BIN_EXE_kvflow")]).args(args);
         c

@@ -3,11 +3,14 @@
 //! family exact with it on one pool and on 1P1D, a second process loading what the first saved,
 //! namespaces kept apart by the model's config, and a store restarted, killed or slower than the
 //! save rate mid-run — the run always finishes exact, with every block back and each fault counted.
+//! Across two hosts (network namespaces, as `hosts.rs` makes them), a prompt prefilled on one is
+//! loaded on the other from the store on the first.
 //! The store's own guarantees (torn writes, leases, restarts, timeouts) are tested beside it in
 //! kvflow-operators (`offload::redis_store::tests`).
 
 use crate::common::{kvflow, FIXTURES};
-use crate::runtime::{assert_exact, run_graph, write_graph_with};
+use crate::hosts::TwoHosts;
+use crate::runtime::{assert_exact, run_graph, write_graph_with, HEAVY};
 use kvflow::graph::Overrides;
 use kvflow_operators::offload::LocalRedis;
 use kvflow_operators::rank::TestSwitches;
@@ -31,7 +34,11 @@ fn redis_graph(dir: &Path, model: &str, pools: &str, url: &str, workload: &str, 
 
 /// `kvflow run graph --verify` in a process of its own; its report.
 fn run_process(graph: &Path) -> Value {
-    let out = kvflow(&["run", &graph.to_string_lossy(), "--verify"]);
+    report_after(graph, kvflow(&["run", &graph.to_string_lossy(), "--verify"]))
+}
+
+/// The report of `graph`'s run, which ended with `out`.
+fn report_after(graph: &Path, out: std::process::Output) -> Value {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = std::fs::read_to_string(graph.parent().unwrap().join("out/report.json")).unwrap();
     serde_json::from_str(&text).unwrap()
@@ -68,6 +75,37 @@ fn every_family_is_exact_over_redis_and_a_second_process_loads_what_the_first_sa
             assert_eq!(second["offload"]["store_faults"]["missing"], 0, "{what}: {}", second["offload"]);
         }
     }
+}
+
+#[test]
+fn a_prompt_prefilled_on_one_host_is_loaded_on_another_from_the_store_they_share() {
+    let _one_at_a_time = HEAVY.lock();
+    let Some(hosts) = TwoHosts::create_or_skip() else { return };
+    // The store runs on host A, listening on its address with a password (a server reachable
+    // from other hosts needs one: without it Redis answers only loopback); host B reaches it over
+    // the veth.
+    let launcher = ["ip", "netns", "exec", hosts.names[0].as_str()];
+    let Some(server) = LocalRedis::start_on_or_skip(&launcher, &hosts.addresses[0], &["--requirepass", "kv-hosts"])
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8";
+    let extra = "password_env = \"KVFLOW_TEST_REDIS_PASSWORD\"\n";
+    let graph = redis_graph(dir.path(), "hf/llama", ONE_POOL, &server.url(), workload, extra);
+    let run_on = |host: usize| {
+        let mut run = hosts.kvflow(host, &["run", &graph.to_string_lossy(), "--verify"]);
+        let out = run.env("KVFLOW_TEST_REDIS_PASSWORD", "kv-hosts").output().unwrap();
+        report_after(&graph, out)
+    };
+    let a = run_on(0);
+    assert_exact(&a, "host A");
+    assert!(a["offload"]["saved_chunks"].as_u64().unwrap() > 0, "{}", a["offload"]);
+    let b = run_on(1);
+    assert_exact(&b, "host B");
+    let o = &b["offload"];
+    assert!(o["offload_hit_tokens"].as_u64().unwrap() >= CHUNK as u64, "host B loaded what host A prefilled: {o}");
+    assert_eq!((o["failed_loads"].as_u64(), o["store_faults"]["missing"].as_u64()), (Some(0), Some(0)), "{o}");
 }
 
 #[test]
