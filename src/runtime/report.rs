@@ -100,6 +100,7 @@ fn offload(stats: &[&RankStats]) -> Value {
         "dropped_saves": sum(|o| o.dropped_saves),
         "pending_limit_saves": sum(|o| o.pending_limit_saves),
         "found_in_store": sum(|o| o.found_in_store),
+        "store_lookups": sum(|o| o.store_lookups),
         "loads": sum(|o| o.loads),
         "failed_loads": sum(|o| o.failed_loads),
         "stale_loads": sum(|o| o.stale_loads),

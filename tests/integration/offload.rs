@@ -462,6 +462,33 @@ fn a_store_folder_that_cannot_be_written_is_found_before_serving() {
 }
 
 #[test]
+fn a_prompt_with_no_chunk_to_load_is_never_looked_up_in_the_store() {
+    // Prompts of 32 tokens (one chunk: a load must leave a token to compute, so none can load)
+    // against prompts of 128; all share their first trace blocks.
+    for (input_length, hash_ids, looked_up) in [(1024, "0", false), (4096, "0, 1, 2, 3, 4, 5, 6", true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let trace = dir.path().join("trace.jsonl");
+        let lines: String = (0..8)
+            .map(|i| {
+                format!(
+                    "{{\"timestamp\": {i}, \"input_length\": {input_length}, \"output_length\": 4, \"hash_ids\": [{hash_ids}, {}]}}\n",
+                    100 + i
+                )
+            })
+            .collect();
+        std::fs::write(&trace, lines).unwrap();
+        let pools =
+            format!("[[pool]]\nname = \"main\"\nranks = 1\n\n[offload]\nstore = \"memory\"\nchunk_tokens = {CHUNK}\n");
+        let workload = "mode = \"concurrency\"\nconcurrency = 2\nlimit = 8";
+        let graph = write_graph_with(dir.path(), "hf/llama", &trace.to_string_lossy(), workload, "3 MiB", &pools);
+        let report = run_graph(&graph, Overrides::default(), TestSwitches::default());
+        assert_exact(&report, &format!("{input_length}-token trace prompts"));
+        let o = &report["offload"];
+        assert_eq!(o["store_lookups"].as_u64().unwrap() > 0, looked_up, "{input_length}: {o}");
+    }
+}
+
+#[test]
 fn an_offload_chunk_longer_than_the_context_is_refused() {
     // 16384 tokens is a multiple of the block size and below 2^24, but the llama fixture's
     // context is 8192 positions: no prompt could fill a chunk, and the run would save nothing.

@@ -70,6 +70,7 @@ impl Rank {
             m.blocks.release(b);
         }
         let wanted: Vec<Vec<ChunkKey>> = (first..most).map(|k| vec![off.key(seq.offload.chunk_digests[k])]).collect();
+        off.stats.store_lookups += 1;
         let held = longest_prefix(&*off.setup.store, &wanted);
         if held == 0 || (first + held) * c <= hit {
             for b in kept {

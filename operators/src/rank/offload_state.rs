@@ -35,6 +35,9 @@ pub struct OffloadStats {
     pub pending_limit_saves: u64,
     /// Chunks not saved because the store already held them (saved by another rank, pool or run).
     pub found_in_store: u64,
+    /// Times a prompt's chunks were looked up in the store (a prompt without a chunk to load
+    /// beyond its last token, one chunk long or shorter, never is).
+    pub store_lookups: u64,
     /// Loads started, and those that failed (the request recomputed) or whose request had gone.
     pub loads: u64,
     pub failed_loads: u64,
