@@ -16,5 +16,6 @@ pub mod policy;
 pub mod pool;
 pub mod rank;
 pub mod request;
+pub mod sim;
 pub mod step;
 pub mod transfer;
