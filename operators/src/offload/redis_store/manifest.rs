@@ -15,8 +15,7 @@ pub struct Manifest {
 impl Manifest {
     /// The manifest of `object` (an encoded chunk object, CRC32C last) on server `run_id`.
     pub fn of(object: &[u8], run_id: &str) -> Self {
-        let crc = object.len().checked_sub(4).map_or(0, |at| u32::from_le_bytes(object[at..].try_into().expect("4")));
-        Manifest { len: object.len() as u64, crc, run_id: run_id.to_string() }
+        Manifest { len: object.len() as u64, crc: trailer_crc(object), run_id: run_id.to_string() }
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -54,6 +53,11 @@ impl Manifest {
             None
         }
     }
+}
+
+/// The checksum an encoded object ends with (0 for fewer than 4 bytes).
+pub fn trailer_crc(object: &[u8]) -> u32 {
+    object.len().checked_sub(4).map_or(0, |at| u32::from_le_bytes(object[at..].try_into().expect("4")))
 }
 
 #[cfg(test)]

@@ -24,7 +24,9 @@ mod tail;
 mod tests;
 mod wire;
 
-use super::{decode_object, encode_object, read_object, ChunkKey, ChunkObject, ObjectStore, StoreError, StoreFaults};
+use super::{
+    decode_object, encode_object, read_object, ChunkKey, ChunkObject, ObjectError, ObjectStore, StoreError, StoreFaults,
+};
 pub use connection::RedisConfig;
 use connection::{log_entry, run_id, Shared};
 use faults::{Failure, FaultKind, Faults};
@@ -119,33 +121,8 @@ impl Shared {
         if self.down.load(Ordering::Relaxed) {
             return None;
         }
-        let name = key.to_string();
-        let manifest_name = format!("{name}#m");
-        let lease = self.lease_ms();
-        let mut pipe = redis::pipe();
-        pipe.cmd("INFO").arg("server").get(&manifest_name).get(&name);
-        pipe.cmd("PEXPIRE").arg(&name).arg(lease).ignore();
-        pipe.cmd("PEXPIRE").arg(&manifest_name).arg(lease).ignore();
-        log_entry(&mut pipe, &name, "r", None, lease);
-        let read = match self.with_wire(|wire| {
-            let (replies, object) =
-                wire.round_trip_streaming(&pipe.get_packed_pipeline(), pipe.len(), 2, |r, len| {
-                    read_object(&mut { r }, len).map(|(object, crc)| (object, len as u64, crc))
-                })?;
-            Ok((load_replies(replies)?, object))
-        }) {
-            Some(read) => read,
-            None => self.with(|con| pipe.query::<(String, Option<Vec<u8>>, Option<Vec<u8>>)>(con)).map(
-                |(info, manifest, bytes)| {
-                    let object = bytes.map(|b| {
-                        let crc = Manifest::of(&b, "").crc;
-                        decode_object(&b).map(|object| (object, b.len() as u64, crc))
-                    });
-                    ((info, manifest), object)
-                },
-            ),
-        };
-        let ((info, manifest), object) = match read {
+        let (name, lease) = (key.to_string(), self.lease_ms());
+        let LoadRead { info, manifest, object } = match self.read(&load_pipe(&name, lease)) {
             Ok(r) => r,
             Err(failure) => {
                 self.note("loading", key, failure);
@@ -180,6 +157,48 @@ impl Shared {
             }
         }
     }
+
+    /// Runs a load's `pipe` (INFO, the manifest's GET, the object's GET, then renewals): over a
+    /// wire, decoding the object as its bytes arrive; through the crate where there is none.
+    fn read(&self, pipe: &redis::Pipeline) -> Result<LoadRead, Failure> {
+        let over_wire = self.with_wire(|wire| {
+            let (replies, object) =
+                wire.round_trip_streaming(&pipe.get_packed_pipeline(), pipe.len(), 2, |r, len| {
+                    read_object(&mut { r }, len).map(|(object, crc)| (object, len as u64, crc))
+                })?;
+            let (info, manifest) = load_replies(replies)?;
+            Ok(LoadRead { info, manifest, object })
+        });
+        over_wire.unwrap_or_else(|| self.read_through_crate(pipe))
+    }
+
+    /// [`Shared::read`] through the `redis` crate: the whole reply, then the object decoded.
+    fn read_through_crate(&self, pipe: &redis::Pipeline) -> Result<LoadRead, Failure> {
+        let (info, manifest, bytes) = self.with(|con| pipe.query::<(String, Option<Vec<u8>>, Option<Vec<u8>>)>(con))?;
+        let object = bytes.map(|b| decode_object(&b).map(|o| (o, b.len() as u64, manifest::trailer_crc(&b))));
+        Ok(LoadRead { info, manifest, object })
+    }
+}
+
+/// A load of chunk `name`: the server's INFO, the manifest, the object, the two leases renewed
+/// for `lease` ms, and the renewal on the log.
+fn load_pipe(name: &str, lease: u64) -> redis::Pipeline {
+    let manifest_name = format!("{name}#m");
+    let mut pipe = redis::pipe();
+    pipe.cmd("INFO").arg("server").get(&manifest_name).get(name);
+    pipe.cmd("PEXPIRE").arg(name).arg(lease).ignore();
+    pipe.cmd("PEXPIRE").arg(&manifest_name).arg(lease).ignore();
+    log_entry(&mut pipe, name, "r", None, lease);
+    pipe
+}
+
+/// What a load's round trip read: the server's INFO, the manifest, and the object decoded and
+/// checked against its own checksum (with its length and that checksum), if they were there.
+#[derive(Debug, PartialEq)]
+struct LoadRead {
+    info: String,
+    manifest: Option<Vec<u8>>,
+    object: Option<Result<(ChunkObject, u64, u32), ObjectError>>,
 }
 
 /// A load's (server info, manifest) from its replies on a wire (the object came streamed); any

@@ -203,9 +203,14 @@ fn a_load_reads_over_its_wire_what_the_crate_reads_with_a_password_and_a_databas
     let mut pipe = redis::pipe();
     pipe.get(key.to_string()).get("no such key").cmd("NO-SUCH-COMMAND");
     let replies = wire.round_trip(&pipe.get_packed_pipeline(), pipe.len()).unwrap();
-    assert_eq!(replies[0], super::wire::Reply::Bytes(object));
+    assert_eq!(replies[0], super::wire::Reply::Bytes(object.clone()));
     assert_eq!(replies[1], super::wire::Reply::Nil);
     assert!(matches!(&replies[2], super::wire::Reply::Error(e) if e.contains("unknown command")), "{:?}", replies[2]);
+    // A load reads the same through the crate (the path of a TLS store) as over its wire.
+    let pipe = super::load_pipe(&key.to_string(), 60_000);
+    let (wired, through_crate) = (store.shared.read(&pipe).unwrap(), store.shared.read_through_crate(&pipe).unwrap());
+    assert!(matches!(&wired.object, Some(Ok((o, len, _))) if *len == object.len() as u64 && o.kv[3] == 0.75));
+    assert_eq!((wired.manifest, wired.object), (through_crate.manifest, through_crate.object));
     let wrong = redis::Client::open(format!("redis://:wrong@127.0.0.1:{}/3", server.port)).unwrap();
     assert!(
         super::wire::Wire::connect(wrong.get_connection_info(), Duration::from_secs(5)).is_err(),
