@@ -183,7 +183,11 @@ pub enum LoopSignal {
 
 /// Milliseconds since the Unix epoch: the clock every process of a run shares (the driver stamps
 /// releases with it, ranks stamp tokens with it), so latencies hold across processes of a host.
+/// On the thread that steps a simulated run, the virtual time instead (`crate::sim::clock`).
 pub fn wall_ms() -> f64 {
+    if let Some(clock) = crate::sim::clock::VirtualClock::current() {
+        return clock.now_ms();
+    }
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1000.0)
 }
 

@@ -274,6 +274,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         links_here: None,
         gauges: Vec::new(),
         starting: Some(starting.clone()),
+        lockstep: None,
         name: "bench".into(),
         ranks,
         model,

@@ -121,6 +121,12 @@ impl Collector {
         self.verifier = verifier;
     }
 
+    /// Times count from the virtual clock's start (a simulated run: `wall_ms` reads the virtual
+    /// time on the thread that steps it, where this collector's events are applied).
+    pub fn on_virtual_clock(&mut self) {
+        self.start_ms = 0.0;
+    }
+
     /// Notes that the run was interrupted now.
     pub fn interrupted_now(&mut self) {
         self.interrupted_ms.get_or_insert(wall_ms() - self.start_ms);

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 /// Waits for the run to end, checks and reports it.
 pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Instant) -> Result<RunOutcome> {
-    let Running { model, layouts, note, collector, threads, kv_sampler, interrupted, links, store } = running;
+    let Running { model, layouts, note, collector, threads, kv_sampler, interrupted, links, store, clock } = running;
     let results = join_all(threads, &links.remote_links)?;
     let (stats, mut accounting) = check_ranks(&results);
     accounting.extend(serve::unclaimed_handoffs(&links.inboxes));
@@ -51,7 +51,8 @@ pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Insta
         interrupted: interrupted.load(Ordering::SeqCst),
         interrupted_ms,
         grace: opts.grace.unwrap_or(Duration::from_secs(10)),
-        wall_s: started.elapsed().as_secs_f64(),
+        wall_s: clock.as_ref().map_or(started.elapsed().as_secs_f64(), |c| c.now_ms() / 1e3),
+        simulated: clock.is_some(),
         pools: &layouts,
         stats: &stats,
         accounting: &accounting,

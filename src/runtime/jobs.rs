@@ -171,6 +171,7 @@ pub fn pool_job(
         links_here: None,
         gauges: (0..pool.ranks).map(|_| Default::default()).collect(),
         starting: None,
+        lockstep: None,
         offload: match (store, &graph.offload) {
             (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
             _ => None,

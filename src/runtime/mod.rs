@@ -27,6 +27,7 @@ pub(crate) mod pool;
 mod prepare;
 mod report;
 mod serve;
+mod simulated;
 mod start;
 pub(crate) mod starting;
 mod verify;

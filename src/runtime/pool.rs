@@ -56,6 +56,9 @@ pub struct PoolJob {
     pub gauges: Vec<Arc<kvflow_operators::rank::RankGauges>>,
     /// Told when each of its workers here has built its rank (the trace driver waits for it).
     pub starting: Option<Arc<super::starting::Starting>>,
+    /// A simulated run: its workers step only when the run's stepper says, one at a time
+    /// (`super::simulated`), on the virtual clock.
+    pub lockstep: Option<super::simulated::Lockstep>,
 }
 
 /// What one process's tcp links moved: bytes that crossed a socket, and the transfer engine's
@@ -353,17 +356,15 @@ impl WorkerJob {
     /// back its rank's end-of-run result (gathered on worker 0 in a pool spread over processes).
     fn run(&self, worker: &mut timely::worker::Worker) -> RankResults {
         let (index, peers) = (worker.index(), worker.peers());
-        let waker = Arc::new(RankWaker::default());
-        let starting = self.job.starting.as_ref().map(|s| s.rank());
-        std::thread::sleep(std::time::Duration::from_millis(self.job.switches.slow_rank_build_ms));
-        let rank = Rc::new(RefCell::new(self.rank(index, peers, waker.clone())));
-        drop(starting);
-        let parts = self.parts(rank.clone(), waker, index, peers);
-        worker.dataflow::<u64, _, _>(move |scope| {
-            build_pool_graph(scope, parts);
-        });
-        while worker.has_dataflows() {
-            worker.step_or_park(None);
+        let scheduled = self.job.lockstep.as_ref().map(|l| l.count_schedules(worker));
+        let rank = self.build(worker);
+        match (&self.job.lockstep, scheduled) {
+            (Some(lockstep), Some(scheduled)) => lockstep.run(worker, &self.job.name, &scheduled),
+            _ => {
+                while worker.has_dataflows() {
+                    worker.step_or_park(None);
+                }
+            }
         }
         let result = rank.borrow_mut().finish_run();
         match &self.job.cluster {
@@ -375,6 +376,21 @@ impl WorkerJob {
             }
             None => RankResults { all_ranks: false, ranks: vec![result], links_elsewhere: LinkTotals::default() },
         }
+    }
+
+    /// Builds the worker's rank and its pool graph.
+    fn build(&self, worker: &mut timely::worker::Worker) -> Rc<RefCell<Rank>> {
+        let (index, peers) = (worker.index(), worker.peers());
+        let waker = Arc::new(RankWaker::default());
+        let starting = self.job.starting.as_ref().map(|s| s.rank());
+        std::thread::sleep(std::time::Duration::from_millis(self.job.switches.slow_rank_build_ms));
+        let rank = Rc::new(RefCell::new(self.rank(index, peers, waker.clone())));
+        drop(starting);
+        let parts = self.parts(rank.clone(), waker, index, peers);
+        worker.dataflow::<u64, _, _>(move |scope| {
+            build_pool_graph(scope, parts);
+        });
+        rank
     }
 
     /// Rank `index`'s executor (an expert-parallel rank holds only its own experts), and the
@@ -399,6 +415,7 @@ impl WorkerJob {
                 waker: waker.clone(),
                 experts: placement,
                 mtp_drafts: job.scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens),
+                clock: job.lockstep.as_ref().map(|l| l.clock.clone()),
             };
             job.executor.build(&job.executor_settings, ctx)
         });

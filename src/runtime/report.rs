@@ -23,6 +23,8 @@ pub struct RunContext<'a> {
     pub interrupted_ms: Option<f64>,
     pub grace: Duration,
     pub wall_s: f64,
+    /// The run kept a virtual clock (every executor `sim`).
+    pub simulated: bool,
     /// Per pool run: name, ranks, memory layout, executor.
     pub pools: &'a [(String, usize, MemoryLayout, String)],
     /// Per pool: the counters of its ranks in this process.
@@ -162,7 +164,10 @@ pub fn run_report(summary: &RunSummary, verify: &VerifySummary, ctx: &RunContext
         "interrupted": ctx.interrupted,
         "interrupted_ms": ctx.interrupted_ms,
         "grace_s": ctx.grace.as_secs_f64(),
+        // A simulated run's length on its virtual clock (its time on this machine would make two
+        // runs of one seed differ).
         "wall_s": ctx.wall_s,
+        "clock": if ctx.simulated { "virtual" } else { "wall" },
         // One layout when every pool shares it; per pool under "pools" otherwise.
         "memory": if layouts.windows(2).all(|w| w[0] == w[1]) { layouts.first().map(memory) } else { None },
         "accounting_errors": ctx.accounting,

@@ -12,6 +12,7 @@ use super::jobs::{arrival_mode, pools_executor};
 use super::links::{self, Wiring};
 use super::options::{RunOptions, EXIT_STALL, PROCESS_LOST};
 use super::pool::{start_pool, PoolResult, RunningPool};
+use super::simulated::{lockstep, spawn_stepper, AppliedSink, SimReleases, StepperJob};
 use super::prepare::Prepared;
 use super::watchdog::{spawn_watchdog, Awaited, Watch};
 use crate::graph::{Graph, PoolRole};
@@ -21,6 +22,7 @@ use kvflow_kernels::models::Model;
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::pool::admit::Ingress;
 use kvflow_operators::pool::emit::EventSink;
+use kvflow_operators::sim::clock::VirtualClock;
 use kvflow_operators::transfer::{HandoffInbox, TcpConsumer, TcpLink, TransferCounters};
 use parking_lot::Mutex;
 use serde_json::json;
@@ -45,6 +47,8 @@ pub struct Running {
     pub interrupted: Arc<AtomicBool>,
     pub links: LinksOfRun,
     pub store: Option<Arc<dyn kvflow_operators::offload::ObjectStore>>,
+    /// A simulated run's virtual clock.
+    pub clock: Option<Arc<VirtualClock>>,
 }
 
 /// The threads of a running run that end with it.
@@ -80,11 +84,32 @@ struct StartedPools {
     gauges: PoolGauges,
     /// This process's ranks still building their executors.
     starting: Arc<super::starting::Starting>,
+    /// A simulated run: what its stepper steps the pools' workers with.
+    stepper: Option<StepperJob>,
+}
+
+/// Where the pools' events go: the collector thread, or (a simulated run) the collector itself,
+/// on the stepper's thread.
+#[derive(Clone, Copy)]
+struct Sinks<'a> {
+    batches: &'a Sender<EventBatch>,
+    collector: &'a SharedCollector,
+    clock: Option<&'a Arc<VirtualClock>>,
+}
+
+impl Sinks<'_> {
+    fn of(&self, pool: &str) -> Box<dyn EventSink + Send> {
+        match self.clock {
+            Some(_) => Box::new(AppliedSink { pool: pool.into(), collector: self.collector.clone() }),
+            None => Box::new(CollectorSink { pool: pool.into(), batches: self.batches.clone() }),
+        }
+    }
 }
 
 /// Starts everything: the pools, what releases their requests, and what watches them.
 pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result<Running> {
     let Prepared { pools, model, selection, largest, jobs, store, .. } = prepared;
+    let clock = super::simulated::is_simulated(graph, &pools, opts)?.then(VirtualClock::new);
     let layouts = jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
     let note = selection.note.clone();
     if let Some(n) = &note {
@@ -96,6 +121,9 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     // ended (the watchdog waits on an idle pool only once they have).
     let total = if opts.front_end.is_some() { usize::MAX } else { selection.requests.len() };
     let collector = Collector::new(total, tx, opts.show_progress && opts.front_end.is_none());
+    if clock.is_some() {
+        collector.lock().on_virtual_clock();
+    }
     super::report::report_as_requests_end(graph, opts, &model, &collector)?;
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
     let mut wiring = wire(graph, opts, &pools, &model, &batches)?;
@@ -105,7 +133,8 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     let upstream = if decode_first { PoolRole::Decode } else { PoolRole::Prefill };
     let downstream = wiring.downstream_ingresses(graph, &pools);
     let also_cancel = if decode_first { Vec::new() } else { downstream.clone() };
-    let started = start_pools(graph, opts, &pools, jobs, &mut wiring, &batches, &also_cancel)?;
+    let sinks = Sinks { batches: &batches, collector: &collector, clock: clock.as_ref() };
+    let mut started = start_pools(graph, opts, &pools, jobs, &mut wiring, sinks, &also_cancel)?;
     drop(batches);
     let ingresses = wiring.ingress.clone();
     let links = LinksOfRun {
@@ -127,10 +156,20 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
         largest,
         completions: rx,
     };
-    let releaser = start_releasing(graph, opts, &model, &collector, &interrupted, releasing)?;
     let finished = Arc::new(AtomicBool::new(false));
-    let run_start_ms = collector.lock().start_ms();
-    let kv_sampler = spawn_kv_sampler(sampled_gauges, run_start_ms, finished.clone())?;
+    let (releaser, kv_sampler) = match started.stepper.take() {
+        Some(job) => {
+            // The stepper releases the workload and samples the KV usage on the virtual clock.
+            let releases = sim_releases(graph, &model, &collector, releasing);
+            let on_stall = stall_exit(&collector, &graph.report_dir);
+            (std::thread::spawn(|| {}), spawn_stepper(job, releases, sampled_gauges, Box::new(on_stall))?)
+        }
+        None => {
+            let releaser = start_releasing(graph, opts, &model, &collector, &interrupted, releasing)?;
+            let run_start_ms = collector.lock().start_ms();
+            (releaser, spawn_kv_sampler(sampled_gauges, run_start_ms, finished.clone())?)
+        }
+    };
     // Pools whose computation has ended (their joiner says so).
     let ended_pools: Arc<Mutex<HashSet<String>>> = Arc::default();
     // What the watchdog reads of each pool beside timely's logs (test switch: nothing).
@@ -140,7 +179,11 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
         ended_pools: ended_pools.clone(),
     });
     let watched = (started.watches, awaited);
-    let watchdog = start_watchdog(graph, opts, watched, &collector, &ended_pools, &finished)?;
+    // A simulated run's stepper names a stall itself, at once.
+    let watchdog = match clock {
+        Some(_) => None,
+        None => start_watchdog(graph, opts, watched, &collector, &ended_pools, &finished)?,
+    };
     let ends = PoolEnds { upstream, downstream, remote_links: links.remote_links.clone(), ended_pools };
     let joiners = join_in_background(started.running, &collector, ends);
     Ok(Running {
@@ -153,6 +196,7 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
         interrupted,
         links,
         store,
+        clock,
     })
 }
 
@@ -190,7 +234,7 @@ fn start_pools(
     pools: &[&crate::graph::PoolConfig],
     jobs: Vec<super::pool::PoolJob>,
     wiring: &mut Wiring,
-    batches: &Sender<EventBatch>,
+    sinks: Sinks<'_>,
     also_cancel: &[Arc<Ingress>],
 ) -> Result<StartedPools> {
     let mut started = StartedPools {
@@ -199,22 +243,36 @@ fn start_pools(
         watches: Vec::new(),
         gauges: Vec::new(),
         starting: Arc::default(),
+        stepper: None,
     };
+    let lockstep = sinks.clock.map(|clock| {
+        let (lockstep, stepper) = lockstep(clock.clone(), &jobs.iter().map(|j| (j.name.clone(), j.ranks)).collect::<Vec<_>>());
+        started.stepper = Some(stepper);
+        lockstep
+    });
     for (mut job, pool) in jobs.into_iter().zip(pools) {
         let name = job.name.clone();
         started.gauges.push((name.clone(), job.gauges.clone()));
         let ingress = wiring.ingress[&name].clone();
         job.handoff = wiring.handoff.remove(&name).unwrap_or_default();
         let watch = Watch::default();
-        let sink = CollectorSink { pool: name.as_str().into(), batches: batches.clone() };
+        let sink = sinks.of(&name);
         // The ranks of this process: rank r of a spread pool runs in process r / ranks-per-process.
         let here = 0..job.ranks / opts.cluster.as_ref().map_or(1, |c| c.processes);
         // (test switch: the driver does not wait for them)
-        if !opts.switches.release_before_ranks_are_built {
-            started.starting.expect(here.len());
-            job.starting = Some(started.starting.clone());
-        }
-        let running = start_pool(job, Some(ingress.clone()), Some(Box::new(sink)), Some(watch.clone()))?;
+        let running = match &lockstep {
+            Some(lockstep) => {
+                job.lockstep = Some(lockstep.clone());
+                start_pool(job, Some(ingress.clone()), Some(sink), None)?
+            }
+            None => {
+                if !opts.switches.release_before_ranks_are_built {
+                    started.starting.expect(here.len());
+                    job.starting = Some(started.starting.clone());
+                }
+                start_pool(job, Some(ingress.clone()), Some(sink), Some(watch.clone()))?
+            }
+        };
         started.running.push((pool.role, here, running));
         if let Some(kind) = Wiring::entry_kind(graph, pools, pool) {
             started.entries.push(EntryPool { name: name.clone(), ingress, kind, also_cancel: also_cancel.to_vec() });
@@ -277,6 +335,24 @@ fn start_releasing(
     })
 }
 
+/// A simulated run's releases: the trace driver's rules, on the virtual clock.
+fn sim_releases(graph: &Graph, model: &Model, collector: &SharedCollector, releasing: Releasing) -> SimReleases {
+    let Releasing { entries, selection, completions, .. } = releasing;
+    let placement = Placement { choice: graph.workload.pool_choice, seed: graph.workload.seed };
+    SimReleases {
+        entries: Arc::new(Entries::new(entries, placement, collector.clone(), model.max_positions)),
+        selection,
+        mode: arrival_mode(graph),
+        cancel: CancelPlan {
+            fraction: graph.workload.cancel_fraction,
+            after_ms: graph.workload.cancel_after_ms,
+            seed: graph.workload.seed,
+        },
+        sampling: graph.sampling,
+        completions,
+    }
+}
+
 /// The stall watchdog (none with `--stall-timeout 0`): with requests pending, a pool whose
 /// capabilities stop changing stalls the run, which keeps what completed in a partial report
 /// marked stalled and exits with [`EXIT_STALL`].
@@ -310,21 +386,26 @@ fn start_watchdog(
         },
         awaited,
         finished.clone(),
-        move |diagnosis| {
-            // Straight to the process's stderr: a test harness's capture would lose it at the exit.
-            let _ = writeln!(std::io::stderr(), "{diagnosis}");
-            // Keep what completed: a partial report, marked stalled.
-            let summary = stalled_collector.lock().finish();
-            let written = summary.and_then(|s| {
-                write_report(&dir, &s.report(&Default::default(), json!({"stalled": true, "stall": diagnosis})))
-            });
-            if let Err(e) = written {
-                eprintln!("cannot write the partial report: {e}");
-            }
-            std::process::exit(EXIT_STALL);
-        },
+        stall_exit(&stalled_collector, &dir),
     )?;
     Ok(Some(watchdog))
+}
+
+/// What a stalled run does: says why, keeps what completed in a partial report marked stalled,
+/// and exits with [`EXIT_STALL`].
+fn stall_exit(collector: &SharedCollector, dir: &std::path::Path) -> impl FnOnce(String) + Send + 'static {
+    let (collector, dir) = (collector.clone(), dir.to_path_buf());
+    move |diagnosis| {
+        // Straight to the process's stderr: a test harness's capture would lose it at the exit.
+        let _ = writeln!(std::io::stderr(), "{diagnosis}");
+        let summary = collector.lock().finish();
+        let written = summary
+            .and_then(|s| write_report(&dir, &s.report(&Default::default(), json!({"stalled": true, "stall": diagnosis}))));
+        if let Err(e) = written {
+            eprintln!("cannot write the partial report: {e}");
+        }
+        std::process::exit(EXIT_STALL);
+    }
 }
 
 /// What happens as the pools end: once every upstream pool has, the downstream ingresses and the
@@ -391,29 +472,53 @@ fn spawn_kv_sampler(
     finished: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<Vec<serde_json::Value>>> {
     std::thread::Builder::new().name("kvflow-kv-sampler".into()).spawn(move || {
-        let mut interval = Duration::from_millis(100);
-        let mut samples: Vec<(f64, Box<[f64]>)> = Vec::new();
+        let mut samples = KvSamples::default();
         while !finished.load(Ordering::SeqCst) {
-            let shares = pools
-                .iter()
-                .map(|(_, ranks)| {
-                    let (used, total) =
-                        ranks.iter().map(|g| g.get()).fold((0, 0), |(u, t), g| (u + g.used_blocks, t + g.total_blocks));
-                    if total > 0 {
-                        used as f64 / total as f64
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
-            samples.push(((kvflow_operators::messages::wall_ms() - run_start_ms) / 1000.0, shares));
-            if samples.len() > 2000 {
-                samples = samples.into_iter().step_by(2).collect();
-                interval *= 2;
-            }
-            std::thread::sleep(interval);
+            samples.take((kvflow_operators::messages::wall_ms() - run_start_ms) / 1000.0, &pools);
+            std::thread::sleep(samples.interval);
         }
-        samples
+        samples.json(&pools)
+    })
+}
+
+/// The `kv_usage` timeline: each pool's share of KV blocks held, sampled every `interval`
+/// (which doubles, halving the samples kept, whenever they pass 2,000).
+pub struct KvSamples {
+    pub interval: Duration,
+    samples: Vec<(f64, Box<[f64]>)>,
+}
+
+impl Default for KvSamples {
+    fn default() -> Self {
+        KvSamples { interval: Duration::from_millis(100), samples: Vec::new() }
+    }
+}
+
+impl KvSamples {
+    /// Samples every pool's share now, `t_s` seconds into the run.
+    pub fn take(&mut self, t_s: f64, pools: &PoolGauges) {
+        let shares = pools
+            .iter()
+            .map(|(_, ranks)| {
+                let (used, total) =
+                    ranks.iter().map(|g| g.get()).fold((0, 0), |(u, t), g| (u + g.used_blocks, t + g.total_blocks));
+                if total > 0 {
+                    used as f64 / total as f64
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        self.samples.push((t_s, shares));
+        if self.samples.len() > 2000 {
+            self.samples = std::mem::take(&mut self.samples).into_iter().step_by(2).collect();
+            self.interval *= 2;
+        }
+    }
+
+    /// The timeline as report.json holds it.
+    pub fn json(self, pools: &PoolGauges) -> Vec<serde_json::Value> {
+        self.samples
             .into_iter()
             .map(|(t_s, shares)| {
                 let shares: serde_json::Map<String, serde_json::Value> =
@@ -421,5 +526,5 @@ fn spawn_kv_sampler(
                 json!({"t_s": t_s, "pools": shares})
             })
             .collect()
-    })
+    }
 }

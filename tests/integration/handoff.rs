@@ -42,6 +42,7 @@ pub(crate) fn runner_drafting(model: &Arc<Model>, mtp_drafts: usize) -> CpuStepR
         waker: Arc::new(RankWaker::default()),
         experts: None,
         mtp_drafts,
+        clock: None,
     };
     CpuStepRunner::new(&ctx)
 }

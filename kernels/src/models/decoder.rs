@@ -238,6 +238,15 @@ impl Model {
         self.layers.iter().map(bytes).sum()
     }
 
+    /// The experts a token routes to in a MoE layer (the first one's `top_k`; 0 without MoE).
+    pub fn experts_per_token(&self) -> usize {
+        let top_k = |l: &DecoderLayer| match &l.ffn {
+            Ffn::Moe(m) => Some(m.routing.top_k),
+            Ffn::Dense(_) => None,
+        };
+        self.layers.iter().find_map(top_k).unwrap_or(0)
+    }
+
     /// Whether every MoE layer holds all its routed experts (a model loaded whole).
     pub fn holds_every_expert(&self) -> bool {
         self.layers.iter().all(|l| !matches!(&l.ffn, Ffn::Moe(m) if !m.holds_every_expert()))

@@ -78,6 +78,8 @@ pub struct ExecutorContext {
     pub experts: Option<ExpertPlacement>,
     /// With the `mtp` drafter: drafts the executor proposes after each sampled token (0: none).
     pub mtp_drafts: usize,
+    /// The run's virtual clock, in a simulated run (the `sim` executor needs it).
+    pub clock: Option<Arc<crate::sim::clock::VirtualClock>>,
 }
 
 impl ExecutorContext {
@@ -91,6 +93,7 @@ impl ExecutorContext {
             waker: Arc::new(RankWaker::default()),
             experts: None,
             mtp_drafts: 0,
+            clock: None,
         }
     }
 

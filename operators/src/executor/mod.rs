@@ -18,6 +18,8 @@
 //!   `cuda_mtp.rs`).
 //! - `null`: no math, every sampled token is 0 (only for measuring coordination; `delay_steps`
 //!   as above).
+//! - `sim`: no math either: a step takes the time a cost model gives it on the run's virtual
+//!   clock, and its tokens are a seeded draw (`sim.rs`; a simulated run, issue 44).
 
 mod contract;
 mod cpu;
@@ -32,6 +34,8 @@ pub use mtp::draft_passes;
 mod null;
 mod owned_step;
 mod settings;
+mod sim;
+pub use sim::{shape_of, SimExecutor, StepCost};
 
 pub use contract::{Executor, ExecutorContext, ExecutorKind, ExpertParallel, ExpertPlacement};
 pub use cpu::{CpuExecutor, CpuStepRunner};
@@ -46,7 +50,7 @@ pub use settings::{SettingError, Settings};
 use crate::step::{StepCompletion, StepLaunch};
 use std::sync::Arc;
 
-/// Executors by name. kvflow registers `cpu`, `cpu-deferred`, `null` and `cuda`.
+/// Executors by name. kvflow registers `cpu`, `cpu-deferred`, `null`, `cuda` and `sim`.
 #[derive(Clone)]
 pub struct ExecutorRegistry {
     kinds: Vec<(String, Arc<dyn ExecutorKind>)>,
@@ -59,6 +63,7 @@ impl Default for ExecutorRegistry {
         r.register("cpu-deferred", DeferredKind);
         r.register("null", NullKind);
         r.register("cuda", cuda::CudaKind);
+        r.register("sim", sim::SimKind);
         r
     }
 }

@@ -84,6 +84,32 @@ impl Settings<'_> {
         }
     }
 
+    /// A positive, finite number (an integer or a float), `default` when absent.
+    pub fn number(&self, key: &str, default: f64) -> Result<f64, SettingError> {
+        let value = match self.table.get(key) {
+            None => return Ok(default),
+            Some(toml::Value::Float(x)) => *x,
+            Some(toml::Value::Integer(n)) => *n as f64,
+            Some(other) => {
+                return Err(SettingError { key: key.to_string(), message: format!("expected a number, got {other}") })
+            }
+        };
+        if value.is_finite() && value > 0.0 {
+            Ok(value)
+        } else {
+            Err(SettingError { key: key.to_string(), message: format!("expected a positive number, got {value}") })
+        }
+    }
+
+    /// A string, `None` when absent.
+    pub fn text(&self, key: &str) -> Result<Option<&str>, SettingError> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(toml::Value::String(s)) => Ok(Some(s)),
+            Some(other) => Err(SettingError { key: key.to_string(), message: format!("expected a string, got {other}") }),
+        }
+    }
+
     /// A list of non-negative integers, `None` when absent.
     pub fn counts(&self, key: &str) -> Result<Option<Vec<usize>>, SettingError> {
         let bad = |other: &toml::Value| SettingError {

@@ -3,6 +3,7 @@
 //! measured steps with interpolation between its points (`table.rs`). The `sim` executor, the
 //! virtual clock and `kvflow plan` that will use them are not built yet.
 
+pub mod clock;
 pub mod roofline;
 pub mod table;
 

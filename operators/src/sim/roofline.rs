@@ -10,6 +10,7 @@
 //! attention's two products over each token's context.
 
 use super::StepShape;
+use kvflow_kernels::models::Model;
 
 /// What one step of a model costs, by the parts that scale differently.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,6 +54,32 @@ impl Default for Efficiency {
 }
 
 impl ModelShape {
+    /// The shape of `model` with its weights in `weight_bytes` bytes each and its KV cache in
+    /// `kv_bytes` (the recurrent state stays f32). Routed experts count apart from the dense
+    /// weights: a step reads only those its tokens route to.
+    pub fn of(model: &Model, weight_bytes: usize, kv_bytes: usize) -> ModelShape {
+        let moe = model.moe_layers();
+        let experts = moe.iter().map(|&(_, n)| n).max().unwrap_or(0);
+        let total_experts: usize = moe.iter().map(|&(_, n)| n).sum();
+        let per_token = model.experts_per_token();
+        // f32 bytes of the experts held, so params of one expert:
+        let expert_params = (model.expert_bytes() / 4).checked_div(total_experts).unwrap_or(0) as f64;
+        let active = (model.body_macs_per_token() + model.lm_head_macs()) as f64;
+        let routed_active = (moe.len() * per_token) as f64 * expert_params;
+        let ctx = 4096;
+        ModelShape {
+            dense_bytes: (active - routed_active).max(0.0) * weight_bytes as f64,
+            moe_layers: moe.len(),
+            experts,
+            experts_per_token: per_token,
+            expert_bytes: expert_params * weight_bytes as f64,
+            active_params: active,
+            kv_bytes_per_position: (model.kv_row_widths().iter().sum::<usize>() * kv_bytes) as f64,
+            attention_flops_per_position: 2.0 * model.attention_macs(ctx) as f64 / ctx as f64,
+            state_bytes_per_row: (model.state_width() * 4) as f64,
+        }
+    }
+
     /// Expected distinct experts `tokens` tokens route to in one MoE layer (uniform routing).
     pub fn experts_touched(&self, tokens: usize) -> f64 {
         if self.experts == 0 || tokens == 0 {

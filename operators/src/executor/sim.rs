@@ -1,0 +1,257 @@
+//! `sim`: a simulated rank (issue 44). A step computes nothing: its duration comes from a cost
+//! model over its shape (`crate::sim`: a roofline over the model's config and a machine, or a
+//! table measured on a device), and it completes when the run's virtual clock reaches its end.
+//! Steps run one after another on the simulated device, as on a GPU's stream: a step launched
+//! while another runs starts when that one ends. Its tokens are a seeded draw per (sequence,
+//! position), the same every run.
+//!
+//! Settings: `table = "calibration.json"` (a measured table; else the roofline, with
+//! `bandwidth_gbps` (4800), `matrix_tflops` (989), `step_overhead_us` (30),
+//! `efficiency_bandwidth` (0.8), `efficiency_matrix` (0.6) — an H200's figures by default),
+//! `dtype = "bfloat16" | "float32"` (the bytes a weight and a KV element take; bfloat16),
+//! `seed` (0), `draft_acceptance` (0.7: the chance a draft holds, under speculative decoding).
+//!
+//! Which time it holds: the rank's step, from launch to its completion's virtual instant.
+//! Which guarantee it carries: completions in launch order, each once, never before their time.
+
+use super::contract::{Executor, ExecutorContext, ExecutorKind};
+use super::settings::{SettingError, Settings};
+use crate::pool::wake::RankWaker;
+use crate::sim::clock::{ns_of_seconds, VirtualClock};
+use crate::sim::roofline::{step_seconds, Efficiency, Hardware, ModelShape};
+use crate::sim::table::MeasuredTable;
+use crate::sim::StepShape;
+use crate::step::{DraftCheck, Exported, Sampled, StepCompletion, StepLaunch};
+use kvflow_kernels::hash;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+const KEYS: &[&str] = &[
+    "table",
+    "bandwidth_gbps",
+    "matrix_tflops",
+    "step_overhead_us",
+    "efficiency_bandwidth",
+    "efficiency_matrix",
+    "dtype",
+    "seed",
+    "draft_acceptance",
+];
+
+/// What a step costs.
+pub enum StepCost {
+    Roofline { model: ModelShape, hardware: Hardware, efficiency: Efficiency },
+    Measured(MeasuredTable),
+}
+
+impl StepCost {
+    pub fn seconds(&self, step: &StepShape) -> f64 {
+        match self {
+            StepCost::Roofline { model, hardware, efficiency } => step_seconds(model, hardware, efficiency, step),
+            StepCost::Measured(table) => table.step_seconds(step),
+        }
+    }
+}
+
+/// The settings, read.
+struct SimSettings {
+    table: Option<String>,
+    hardware: Hardware,
+    efficiency: Efficiency,
+    element_bytes: usize,
+    seed: u64,
+    draft_acceptance: f64,
+}
+
+fn read_settings(table: &toml::Table) -> Result<SimSettings, SettingError> {
+    let s = Settings::new(table, KEYS)?;
+    let acceptance = s.number("draft_acceptance", 0.7)?;
+    if acceptance > 1.0 {
+        let message = format!("expected a chance between 0 and 1, got {acceptance}");
+        return Err(SettingError { key: "draft_acceptance".into(), message });
+    }
+    Ok(SimSettings {
+        table: s.text("table")?.map(str::to_string),
+        hardware: Hardware {
+            bandwidth: s.number("bandwidth_gbps", 4800.0)? * 1e9,
+            matrix_flops: s.number("matrix_tflops", 989.0)? * 1e12,
+            step_overhead_s: s.number("step_overhead_us", 30.0)? * 1e-6,
+        },
+        efficiency: Efficiency {
+            bandwidth: s.number("efficiency_bandwidth", 0.8)?.min(1.0),
+            matrix: s.number("efficiency_matrix", 0.6)?.min(1.0),
+        },
+        element_bytes: if s.choice("dtype", &["bfloat16", "float32"], "bfloat16")? == "float32" { 4 } else { 2 },
+        seed: s.count("seed", 0)?,
+        draft_acceptance: acceptance,
+    })
+}
+
+/// Reads a measured table (JSON, as `kvflow bench calibrate` writes it), checked.
+pub fn read_table(path: &str) -> Result<MeasuredTable, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("executor_settings.table: cannot read {path}: {e}"))?;
+    let table: MeasuredTable =
+        serde_json::from_str(&text).map_err(|e| format!("executor_settings.table: {path} is not a step table: {e}"))?;
+    table.validate().map_err(|e| format!("executor_settings.table: {path}: {e}"))?;
+    Ok(table)
+}
+
+pub struct SimKind;
+
+impl ExecutorKind for SimKind {
+    fn check(&self, settings: &toml::Table) -> Result<(), SettingError> {
+        read_settings(settings).map(|_| ())
+    }
+
+    fn build(&self, settings: &toml::Table, ctx: ExecutorContext) -> Result<Box<dyn Executor>, String> {
+        let s = read_settings(settings).map_err(|e| e.to_string())?;
+        let clock = ctx.clock.clone().ok_or("executor sim runs only in a simulated run (every pool's executor sim)")?;
+        let cost = match &s.table {
+            Some(path) => StepCost::Measured(read_table(path)?),
+            None => StepCost::Roofline {
+                model: ModelShape::of(&ctx.model, s.element_bytes, s.element_bytes),
+                hardware: s.hardware,
+                efficiency: s.efficiency,
+            },
+        };
+        Ok(Box::new(SimExecutor {
+            clock,
+            waker: ctx.waker.clone(),
+            cost,
+            vocab: ctx.model.vocab_size.max(1) as u64,
+            seed: s.seed,
+            acceptance: s.draft_acceptance,
+            mtp_drafts: ctx.mtp_drafts,
+            order: ctx.rank as u64,
+            device_free_ns: 0,
+            in_flight: VecDeque::new(),
+            busy_ns: 0,
+        }))
+    }
+}
+
+/// One rank's simulated device.
+pub struct SimExecutor {
+    clock: Arc<VirtualClock>,
+    waker: Arc<RankWaker>,
+    cost: StepCost,
+    vocab: u64,
+    seed: u64,
+    acceptance: f64,
+    mtp_drafts: usize,
+    order: u64,
+    /// When the step last launched ends: the next one starts then at the earliest.
+    device_free_ns: u64,
+    /// Launched steps, in launch order, each with its end.
+    in_flight: VecDeque<(u64, StepCompletion)>,
+    /// Time the device spent on steps.
+    busy_ns: u64,
+}
+
+/// The shape of a launched step, for its cost.
+pub fn shape_of(step: &StepLaunch<'_>) -> StepShape {
+    let mut shape = StepShape::default();
+    for seq in step.seqs() {
+        let (len, start) = (seq.len(), seq.start_pos);
+        if len == 0 {
+            continue;
+        }
+        let end = start + len;
+        shape.context_positions += end;
+        shape.attended_positions += (end * (end + 1) - start * (start + 1)) / 2;
+        if len == 1 && start >= seq.prompt_len.saturating_sub(1) && seq.drafts.is_empty() {
+            shape.decode_rows += 1;
+        } else {
+            shape.prefill_tokens += len;
+            shape.prefill_rows += 1;
+        }
+    }
+    shape
+}
+
+impl SimExecutor {
+    /// A draw in `[0, 1)` keyed on the sequence, a position and what it is for.
+    fn draw(&self, key: crate::step::SeqKey, position: usize, what: u64) -> u64 {
+        let k = (key.index as u64) << 32 | key.generation as u64;
+        hash::mix(hash::mix(hash::mix(hash::mix(hash::EMPTY, self.seed), k), position as u64), what)
+    }
+
+    fn token(&self, key: crate::step::SeqKey, position: usize) -> (u32, u64) {
+        let d = self.draw(key, position, 1);
+        ((d % self.vocab) as u32, d)
+    }
+
+    fn holds(&self, key: crate::step::SeqKey, position: usize) -> bool {
+        ((self.draw(key, position, 2) >> 11) as f64 / (1u64 << 53) as f64) < self.acceptance
+    }
+
+    fn sampled(&self, step: &StepLaunch<'_>) -> Vec<Sampled> {
+        let mut out = Vec::with_capacity(step.sampling.len());
+        for seq in step.seqs().filter(|s| s.sample) {
+            let first = seq.start_pos + seq.len() - seq.drafts.len();
+            let (token, hash) = self.token(seq.key, first);
+            let mut s = Sampled::one(seq.key, Some(token), hash);
+            for (i, &draft) in seq.drafts.iter().enumerate() {
+                let (next, next_hash) = self.token(seq.key, first + i + 1);
+                s.checks.push(DraftCheck { kept: draft == token || self.holds(seq.key, first + i), next: Some(next), next_hash });
+            }
+            let last = first + s.kept_drafts();
+            s.drafts = (0..self.mtp_drafts).map(|i| self.token(seq.key, last + 1 + i).0).collect();
+            out.push(s);
+        }
+        out
+    }
+
+    /// Time the simulated device spent on steps.
+    pub fn busy_ns(&self) -> u64 {
+        self.busy_ns
+    }
+}
+
+impl Executor for SimExecutor {
+    fn phases(&self) -> usize {
+        1
+    }
+
+    fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
+        let took = ns_of_seconds(self.cost.seconds(&shape_of(step)));
+        let start = self.device_free_ns.max(self.clock.now_ns());
+        let end = start + took;
+        self.device_free_ns = end;
+        self.busy_ns += took;
+        let mut completion = StepCompletion::of(step.step, Ok(self.sampled(step)));
+        // What a step copies out carries no KV here: nothing was computed.
+        completion.exports = step
+            .exports
+            .iter()
+            .map(|e| Exported { key: e.key, kv: Vec::new(), source: None, state: None })
+            .collect();
+        self.in_flight.push_back((end, completion));
+        let waker = self.waker.clone();
+        self.clock.at(end, self.order, Box::new(move || waker.wake()));
+    }
+
+    fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        let now = self.clock.now_ns();
+        while self.in_flight.front().is_some_and(|(end, _)| *end <= now) {
+            out.extend(self.in_flight.pop_front().map(|(_, c)| c));
+        }
+    }
+
+    fn flush(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_name_a_bad_key_and_the_roofline_is_the_default() {
+        let bad: toml::Table = toml::from_str("draft_acceptance = 1.5\n").unwrap();
+        assert_eq!(read_settings(&bad).err().unwrap().key, "draft_acceptance");
+        let bad: toml::Table = toml::from_str("bandwidth_gbps = 0\n").unwrap();
+        assert_eq!(read_settings(&bad).err().unwrap().key, "bandwidth_gbps");
+        let s = read_settings(&toml::Table::new()).unwrap();
+        assert!(s.table.is_none() && s.element_bytes == 2 && s.hardware.bandwidth == 4.8e12);
+    }
+}
