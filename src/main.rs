@@ -45,6 +45,11 @@ enum Command {
         #[command(flatten)]
         flags: Box<RunFlags>,
     },
+    /// Sweeps a simulated graph (every pool's executor "sim") over ranks per pool and prefill
+    /// chunk sizes, and prints each configuration's goodput per GPU under the SLO, best first
+    /// (plan.json, and plan.png with --plot, in the report folder).
+    #[command(allow_negative_numbers = true)]
+    Plan(Box<cli::plan::PlanArgs>),
     /// Starts every process of a graph on this machine (a decode pool reached over tcp in its own
     /// process, a pool listing several hosts as one process each) and waits for the run; the same
     /// run flags (after `--`) go to every process.
@@ -141,6 +146,10 @@ fn run() -> Result<i32> {
         Command::Compare { graphs, flags } => {
             let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
             cli::compare::compare(&graphs, &flags, &interrupts)
+        }
+        Command::Plan(args) => {
+            let interrupts = kvflow::signals::watch().context("cannot set up SIGINT/SIGTERM handling")?;
+            cli::plan::plan(*args, &interrupts)
         }
         Command::Launch { graph, run_flags } => {
             let registry = kvflow::registry::Registry::default();

@@ -155,6 +155,18 @@ fn tokens_per_second(records: &[RequestRecord]) -> Vec<(f64, f64)> {
     tokens.iter().enumerate().map(|(i, n)| ((i as f64 + 0.5) * width, n / width)).collect()
 }
 
+/// One chart of lines (a series each) into `path`.
+pub fn line_chart(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+) -> Result<()> {
+    register_font();
+    chart(path, title, x_label, y_label, series).with_context(|| format!("cannot draw {}", path.display()))
+}
+
 fn chart(path: &Path, title: &str, x_label: &str, y_label: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<()> {
     let root = BitMapBackend::new(path, (WIDTH, HEIGHT)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;

@@ -5,4 +5,5 @@ pub mod bench;
 pub mod check;
 pub mod compare;
 pub mod generate;
+pub mod plan;
 pub mod run;

@@ -18,6 +18,7 @@ mod finish;
 pub mod front;
 mod hostfile;
 mod jobs;
+mod kv_usage;
 mod links;
 mod memory;
 mod offload;

@@ -20,8 +20,8 @@ use super::collector::{Collector, SharedCollector};
 use super::driver::CancelPlan;
 use super::entry::{Entries, Release};
 use super::front::PoolGauges;
+use super::kv_usage::KvSamples;
 use super::options::RunOptions;
-use super::start::KvSamples;
 use crate::graph::{Graph, PoolConfig};
 use crate::trace::Request;
 use crate::workload::{release_offsets, ArrivalMode, Selection};
@@ -279,6 +279,8 @@ impl Lockstep {
 /// What the stepper is handed: the workers' lines, how many there are, the pools in order.
 pub struct StepperJob {
     pub clock: Arc<VirtualClock>,
+    /// Test switch `advance-clock-while-busy`: the clock moves after every pass.
+    pub advance_while_busy: bool,
     lines: Receiver<WorkerLine>,
     pub workers: usize,
     pub pools: Vec<String>,
@@ -289,6 +291,7 @@ pub fn lockstep(clock: Arc<VirtualClock>, pools: &[(String, usize)]) -> (Lockste
     let (register, lines) = channel();
     let job = StepperJob {
         clock: clock.clone(),
+        advance_while_busy: false,
         lines,
         workers: pools.iter().map(|(_, ranks)| ranks).sum(),
         pools: pools.iter().map(|(name, _)| name.clone()).collect(),
@@ -306,7 +309,7 @@ pub fn spawn_stepper(
     on_stall: Box<dyn FnOnce(String) + Send>,
 ) -> std::io::Result<std::thread::JoinHandle<Vec<serde_json::Value>>> {
     std::thread::Builder::new().name("kvflow-stepper".into()).spawn(move || {
-        let StepperJob { clock, lines, workers, pools } = job;
+        let StepperJob { clock, lines, workers, pools, advance_while_busy } = job;
         let _entered = clock.enter();
         let mut lines: Vec<WorkerLine> = lines.iter().take(workers).collect();
         let place = |l: &WorkerLine| (pools.iter().position(|p| *p == l.pool), l.index);
@@ -330,11 +333,14 @@ pub fn spawn_stepper(
             if let Some(cl) = closed_loop.as_mut() {
                 cl.on_completions(&releaser, &clock);
             }
-            if active {
+            if active && !advance_while_busy {
                 continue;
             }
             // Nothing more happens at this instant: on to the next event.
             let Some(due) = clock.next_due_ns() else {
+                if active {
+                    continue;
+                }
                 let mut waiting: Vec<&str> =
                     lines.iter().zip(&ended).filter(|(_, e)| !**e).map(|(l, _)| l.pool.as_str()).collect();
                 waiting.dedup();

@@ -9,11 +9,12 @@ use super::driver::{spawn_driver, CancelPlan, DriverJob};
 use super::entry::{Entries, EntryPool, Placement};
 use super::front::{FrontEndJob, PoolGauges};
 use super::jobs::{arrival_mode, pools_executor};
+use super::kv_usage::spawn_kv_sampler;
 use super::links::{self, Wiring};
 use super::options::{RunOptions, EXIT_STALL, PROCESS_LOST};
 use super::pool::{start_pool, PoolResult, RunningPool};
-use super::simulated::{lockstep, spawn_stepper, AppliedSink, SimReleases, StepperJob};
 use super::prepare::Prepared;
+use super::simulated::{lockstep, spawn_stepper, AppliedSink, SimReleases, StepperJob};
 use super::watchdog::{spawn_watchdog, Awaited, Watch};
 use crate::graph::{Graph, PoolRole};
 use crate::report::write_report;
@@ -158,7 +159,8 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     };
     let finished = Arc::new(AtomicBool::new(false));
     let (releaser, kv_sampler) = match started.stepper.take() {
-        Some(job) => {
+        Some(mut job) => {
+            job.advance_while_busy = opts.switches.advance_clock_while_busy;
             // The stepper releases the workload and samples the KV usage on the virtual clock.
             let releases = sim_releases(graph, &model, &collector, releasing);
             let on_stall = stall_exit(&collector, &graph.report_dir);
@@ -246,7 +248,8 @@ fn start_pools(
         stepper: None,
     };
     let lockstep = sinks.clock.map(|clock| {
-        let (lockstep, stepper) = lockstep(clock.clone(), &jobs.iter().map(|j| (j.name.clone(), j.ranks)).collect::<Vec<_>>());
+        let (lockstep, stepper) =
+            lockstep(clock.clone(), &jobs.iter().map(|j| (j.name.clone(), j.ranks)).collect::<Vec<_>>());
         started.stepper = Some(stepper);
         lockstep
     });
@@ -399,8 +402,9 @@ fn stall_exit(collector: &SharedCollector, dir: &std::path::Path) -> impl FnOnce
         // Straight to the process's stderr: a test harness's capture would lose it at the exit.
         let _ = writeln!(std::io::stderr(), "{diagnosis}");
         let summary = collector.lock().finish();
-        let written = summary
-            .and_then(|s| write_report(&dir, &s.report(&Default::default(), json!({"stalled": true, "stall": diagnosis}))));
+        let written = summary.and_then(|s| {
+            write_report(&dir, &s.report(&Default::default(), json!({"stalled": true, "stall": diagnosis})))
+        });
         if let Err(e) = written {
             eprintln!("cannot write the partial report: {e}");
         }
@@ -459,72 +463,4 @@ fn join_in_background(
             })
         })
         .collect()
-}
-
-/// Samples every pool's share of KV blocks held (its ranks' gauges) until `finished`, for the
-/// report's `kv_usage` timeline (`kvflow plot` draws it): every 100 ms, halving the samples kept
-/// (and doubling the interval) whenever they pass 2,000. A sample is kept as its numbers (a time
-/// and one share per pool, tens of bytes) and written as JSON only at the end: a server samples
-/// for as long as it runs.
-fn spawn_kv_sampler(
-    pools: PoolGauges,
-    run_start_ms: f64,
-    finished: Arc<AtomicBool>,
-) -> std::io::Result<std::thread::JoinHandle<Vec<serde_json::Value>>> {
-    std::thread::Builder::new().name("kvflow-kv-sampler".into()).spawn(move || {
-        let mut samples = KvSamples::default();
-        while !finished.load(Ordering::SeqCst) {
-            samples.take((kvflow_operators::messages::wall_ms() - run_start_ms) / 1000.0, &pools);
-            std::thread::sleep(samples.interval);
-        }
-        samples.json(&pools)
-    })
-}
-
-/// The `kv_usage` timeline: each pool's share of KV blocks held, sampled every `interval`
-/// (which doubles, halving the samples kept, whenever they pass 2,000).
-pub struct KvSamples {
-    pub interval: Duration,
-    samples: Vec<(f64, Box<[f64]>)>,
-}
-
-impl Default for KvSamples {
-    fn default() -> Self {
-        KvSamples { interval: Duration::from_millis(100), samples: Vec::new() }
-    }
-}
-
-impl KvSamples {
-    /// Samples every pool's share now, `t_s` seconds into the run.
-    pub fn take(&mut self, t_s: f64, pools: &PoolGauges) {
-        let shares = pools
-            .iter()
-            .map(|(_, ranks)| {
-                let (used, total) =
-                    ranks.iter().map(|g| g.get()).fold((0, 0), |(u, t), g| (u + g.used_blocks, t + g.total_blocks));
-                if total > 0 {
-                    used as f64 / total as f64
-                } else {
-                    0.0
-                }
-            })
-            .collect();
-        self.samples.push((t_s, shares));
-        if self.samples.len() > 2000 {
-            self.samples = std::mem::take(&mut self.samples).into_iter().step_by(2).collect();
-            self.interval *= 2;
-        }
-    }
-
-    /// The timeline as report.json holds it.
-    pub fn json(self, pools: &PoolGauges) -> Vec<serde_json::Value> {
-        self.samples
-            .into_iter()
-            .map(|(t_s, shares)| {
-                let shares: serde_json::Map<String, serde_json::Value> =
-                    pools.iter().zip(shares.iter()).map(|((name, _), share)| (name.clone(), json!(share))).collect();
-                json!({"t_s": t_s, "pools": shares})
-            })
-            .collect()
-    }
 }

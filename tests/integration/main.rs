@@ -34,6 +34,7 @@ mod sampling;
 mod seeded_models;
 mod serve;
 mod serve_access;
+mod simulation;
 mod soak;
 mod spec;
 mod structure;

@@ -106,7 +106,9 @@ impl Settings<'_> {
         match self.table.get(key) {
             None => Ok(None),
             Some(toml::Value::String(s)) => Ok(Some(s)),
-            Some(other) => Err(SettingError { key: key.to_string(), message: format!("expected a string, got {other}") }),
+            Some(other) => {
+                Err(SettingError { key: key.to_string(), message: format!("expected a string, got {other}") })
+            }
         }
     }
 

@@ -89,7 +89,8 @@ fn read_settings(table: &toml::Table) -> Result<SimSettings, SettingError> {
 
 /// Reads a measured table (JSON, as `kvflow bench calibrate` writes it), checked.
 pub fn read_table(path: &str) -> Result<MeasuredTable, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("executor_settings.table: cannot read {path}: {e}"))?;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("executor_settings.table: cannot read {path}: {e}"))?;
     let table: MeasuredTable =
         serde_json::from_str(&text).map_err(|e| format!("executor_settings.table: {path} is not a step table: {e}"))?;
     table.validate().map_err(|e| format!("executor_settings.table: {path}: {e}"))?;
@@ -193,7 +194,11 @@ impl SimExecutor {
             let mut s = Sampled::one(seq.key, Some(token), hash);
             for (i, &draft) in seq.drafts.iter().enumerate() {
                 let (next, next_hash) = self.token(seq.key, first + i + 1);
-                s.checks.push(DraftCheck { kept: draft == token || self.holds(seq.key, first + i), next: Some(next), next_hash });
+                s.checks.push(DraftCheck {
+                    kept: draft == token || self.holds(seq.key, first + i),
+                    next: Some(next),
+                    next_hash,
+                });
             }
             let last = first + s.kept_drafts();
             s.drafts = (0..self.mtp_drafts).map(|i| self.token(seq.key, last + 1 + i).0).collect();
@@ -221,11 +226,8 @@ impl Executor for SimExecutor {
         self.busy_ns += took;
         let mut completion = StepCompletion::of(step.step, Ok(self.sampled(step)));
         // What a step copies out carries no KV here: nothing was computed.
-        completion.exports = step
-            .exports
-            .iter()
-            .map(|e| Exported { key: e.key, kv: Vec::new(), source: None, state: None })
-            .collect();
+        completion.exports =
+            step.exports.iter().map(|e| Exported { key: e.key, kv: Vec::new(), source: None, state: None }).collect();
         self.in_flight.push_back((end, completion));
         let waker = self.waker.clone();
         self.clock.at(end, self.order, Box::new(move || waker.wake()));

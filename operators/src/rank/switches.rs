@@ -132,6 +132,9 @@ pub struct TestSwitches {
     /// the link reads blocks the step is still writing — on a GPU, `--verify` sees it; emulated
     /// kernels have run when the step is enqueued).
     pub unmarked_pieces: bool,
+    /// A simulated run's clock moves to the next event after every pass over the workers, busy
+    /// or not (removes the discrete-event rule: work still to do at an instant happens later).
+    pub advance_clock_while_busy: bool,
 }
 
 /// Every switch `TestSwitches::set` knows: its name and the argument it takes ("" for none).
@@ -171,6 +174,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("release-before-ranks-are-built", ""),
     ("pieces-at-completion", ""),
     ("unmarked-pieces", ""),
+    ("advance-clock-while-busy", ""),
 ];
 
 /// The stages `cancel-at-stage` accepts, as written on the command line.
@@ -249,6 +253,7 @@ impl TestSwitches {
     fn turn_on(&mut self, name: &str) -> Result<(), SwitchError> {
         let field = match name {
             "align-without-waiting" => &mut self.align_without_waiting,
+            "advance-clock-while-busy" => &mut self.advance_clock_while_busy,
             "accept-stale-completions" => &mut self.accept_stale_completions,
             "handoff-without-state" => &mut self.handoff_without_state,
             "export-state-after-t0" => &mut self.export_state_after_t0,

@@ -1,7 +1,8 @@
-//! Simulation (issue 44, begun): what a step costs without running it. So far the cost models
-//! only — the analytic roofline over a model's shape and a machine (`roofline.rs`) and a table of
-//! measured steps with interpolation between its points (`table.rs`). The `sim` executor, the
-//! virtual clock and `kvflow plan` that will use them are not built yet.
+//! Simulation (issue 44): what a step costs without running it — the analytic roofline over a
+//! model's shape and a machine (`roofline.rs`) and a table of measured steps with interpolation
+//! between its points (`table.rs`) — and the virtual clock a simulated run keeps (`clock.rs`).
+//! The `sim` executor (`crate::executor`) prices its steps with them; the run's stepper
+//! (`src/runtime/simulated.rs` of the kvflow crate) moves the clock.
 
 pub mod clock;
 pub mod roofline;

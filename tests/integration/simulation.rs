@@ -1,0 +1,163 @@
+//! Simulated runs (issue 44): executor `sim` on the virtual clock — reproducible byte for byte,
+//! timed by the cost model, run by the engine's own operators (a guarantee switch changes a
+//! simulated run as it changes a real one), stalls named at once, and what cannot be simulated yet
+//! refused by name.
+
+use crate::common::{assert_clean_failure, kvflow, records_in, report_in};
+use crate::runtime::{kvflow_heavy, ranks_used, write_graph_with};
+use std::path::{Path, PathBuf};
+
+/// A pool of `ranks` on `executor` (with its settings, TOML lines).
+fn pool(ranks: usize, executor: &str, settings: &str) -> String {
+    let table = if settings.is_empty() { String::new() } else { format!("[pool.executor_settings]\n{settings}\n") };
+    format!("[[pool]]\nname = \"main\"\nranks = {ranks}\nexecutor = \"{executor}\"\n{table}")
+}
+
+/// 60 requests of the head trace at its own times (sped up), a fifth of them cancelled.
+const REPLAY: &str =
+    "mode = \"timestamps\"\ntime_scale = 0.3\nwarmup = 2\nlimit = 60\ncancel_fraction = 0.2\ncancel_after_ms = 40";
+
+fn graph(dir: &Path, workload: &str, pools: &str) -> PathBuf {
+    write_graph_with(dir, "hf/kimi_linear", "mooncake_conversation_head.jsonl", workload, "64 MiB", pools)
+}
+
+fn run_ok(graph: &Path, extra: &[&str]) {
+    let mut args = vec!["run", graph.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let out = kvflow(&args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn two_simulated_runs_of_one_seed_write_byte_identical_reports_and_another_seed_does_not() {
+    let runs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    for (dir, seed) in runs.iter().zip([1, 1, 2]) {
+        // 5 ms a step: requests last long enough to be cancelled
+        let g = graph(dir.path(), REPLAY, &pool(2, "sim", &format!("seed = {seed}\nstep_overhead_us = 5000")));
+        run_ok(&g, &[]);
+    }
+    let bytes = |dir: &tempfile::TempDir, file: &str| std::fs::read(dir.path().join("out").join(file)).unwrap();
+    for file in ["report.json", "requests.jsonl"] {
+        assert!(bytes(&runs[0], file) == bytes(&runs[1], file), "{file} differs between two runs of one seed");
+    }
+    assert!(bytes(&runs[0], "requests.jsonl") != bytes(&runs[2], "requests.jsonl"), "the seed draws the tokens");
+    let out = runs[0].path().join("out");
+    let r = report_in(&out);
+    assert_eq!(r["clock"], "virtual");
+    assert!(r["cancelled"].as_u64().unwrap() > 0, "the workload's cancellations ran: {r}");
+    assert_eq!(r["failed"], 0);
+    assert_eq!(r["completed"].as_u64().unwrap() + r["cancelled"].as_u64().unwrap(), 60);
+    assert_eq!(ranks_used(&out).len(), 2, "requests spread over both ranks");
+    assert!(r["accounting_errors"].as_array().unwrap().is_empty());
+    // Released at the trace's times (scaled): the last arrival is where the trace puts it.
+    let last_arrival = records_in(&out).iter().map(|rec| rec["arrival_ms"].as_f64().unwrap()).fold(0.0, f64::max);
+    assert!(last_arrival > 1000.0 && r["wall_s"].as_f64().unwrap() * 1e3 >= last_arrival, "{last_arrival} {r}");
+}
+
+/// A measured table of one time per step: every step takes it, one after another on the
+/// simulated device, so a decoding request gets a token per step — as long as the clock waits
+/// for every worker to finish what an instant holds.
+#[test]
+fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let table = dir.path().join("steps.json");
+    let json = r#"{"prefill_tokens": [0, 4096], "decode_rows": [0, 256], "context": [0, 65536], "seconds": [0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]}"#;
+    std::fs::write(&table, json).unwrap();
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
+    let g = graph(dir.path(), workload, &pool(1, "sim", &format!("table = {:?}", table.display().to_string())));
+    run_ok(&g, &[]);
+    let r = report_in(&dir.path().join("out"));
+    assert_eq!(r["completed"], 12, "{r}");
+    let tpot = r["tpot_ms"]["p50"].as_f64().unwrap();
+    assert!((10.0..10.5).contains(&tpot), "a token per 10 ms step: TPOT p50 {tpot}");
+    let ttft = r["ttft_ms"]["p50"].as_f64().unwrap();
+    assert!(ttft >= 10.0, "the first token comes after at least one step: {ttft}");
+    // Without the discrete-event rule (the clock moves after every pass, busy or not), what an
+    // instant still had to do happens later: the same steps no longer give a token per step.
+    let out = kvflow(&["run", g.to_str().unwrap(), "--test-switch", "advance-clock-while-busy"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let drifted = report_in(&dir.path().join("out"));
+    let (tpot, first) = (drifted["tpot_ms"]["p50"].as_f64().unwrap(), drifted["ttft_ms"]["p50"].as_f64().unwrap());
+    assert!(
+        !(10.0..10.5).contains(&tpot) || (first - ttft).abs() >= 10.0,
+        "without the rule the timing drifts: TPOT p50 {tpot}, TTFT p50 {first} against {ttft}"
+    );
+    // A table that cannot price steps is refused, naming the setting.
+    std::fs::write(&table, r#"{"prefill_tokens": [0], "decode_rows": [0], "context": [0], "seconds": []}"#).unwrap();
+    let out = kvflow(&["run", g.to_str().unwrap()]);
+    assert_clean_failure(&out, &["executor_settings.table", "1 points"]);
+}
+
+/// The simulator runs the engine's operators, not a model of them: the accounting switch that
+/// makes a real run fail its end-of-run check makes a simulated one fail it the same way.
+#[test]
+fn a_guarantee_switch_changes_a_simulated_run_as_it_changes_a_real_one() {
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8";
+    for executor in ["sim", "cpu"] {
+        let dir = tempfile::tempdir().unwrap();
+        let g = graph(dir.path(), workload, &pool(1, executor, ""));
+        let g = g.to_str().unwrap();
+        let clean = kvflow_heavy(&["run", g]);
+        assert!(clean.status.success(), "{executor}: {}", String::from_utf8_lossy(&clean.stderr));
+        let leaky = kvflow_heavy(&["run", g, "--test-switch", "leak-blocks-of=0"]);
+        let stderr = String::from_utf8_lossy(&leaky.stderr);
+        assert_eq!(leaky.status.code(), Some(4), "{executor}: {stderr}");
+        assert!(stderr.contains("leaked by request 0"), "{executor}: {stderr}");
+        let r = report_in(&dir.path().join("out"));
+        assert!(!r["accounting_errors"].as_array().unwrap().is_empty(), "{executor}");
+    }
+}
+
+/// A pool that can never end (a capability held forever) stalls a simulated run: nothing is
+/// due, so the stepper names it at once instead of waiting for the watchdog's timeout.
+#[test]
+fn a_simulated_run_that_can_never_end_is_named_as_stalled_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = graph(dir.path(), "mode = \"concurrency\"\nconcurrency = 2\nlimit = 4", &pool(1, "sim", ""));
+    let started = std::time::Instant::now();
+    let out = kvflow(&["run", g.to_str().unwrap(), "--test-switch", "hold-capability=forward:0:3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("simulated run stalled") && stderr.contains("main"), "{stderr}");
+    assert!(started.elapsed().as_secs() < 30, "named at once, not after a timeout");
+    assert_eq!(report_in(&dir.path().join("out"))["stalled"], true);
+}
+
+#[test]
+fn what_a_simulated_run_cannot_do_yet_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let mixed = format!("{}\n[[pool]]\nname = \"other\"\nranks = 1\nexecutor = \"cpu\"\n", pool(1, "sim", ""));
+    let g = graph(dir.path(), "limit = 4", &mixed);
+    assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), &["pool `other`", "\"cpu\"", "every pool's executor"]);
+    let g = graph(dir.path(), "limit = 4", &pool(1, "sim", ""));
+    assert_clean_failure(&kvflow(&["run", g.to_str().unwrap(), "--verify"]), &["--verify", "computes no tokens"]);
+    let g = graph(dir.path(), "limit = 4", &pool(1, "sim", "draft_acceptance = 2.0"));
+    assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), &["executor_settings.draft_acceptance"]);
+}
+
+/// `kvflow plan` sweeps a simulated graph and ranks its configurations by goodput per GPU: the
+/// table is printed best first, plan.json holds it, and the best configuration beats the worst.
+#[test]
+fn kvflow_plan_ranks_configurations_by_goodput_per_gpu_and_draws_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let bundled = crate::common::repo().join("graphs/sim-aggregated.toml");
+    let out = dir.path().join("plan");
+    let (g, o) = (bundled.to_str().unwrap(), out.to_str().unwrap());
+    let flags = ["--sweep-ranks", "1,4", "--sweep-chunk-tokens", "64", "--limit", "60", "--out", o, "--plot"];
+    let mut args = vec!["plan", g];
+    args.extend_from_slice(&flags);
+    let run = kvflow_heavy(&args);
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.lines().next().is_some_and(|l| l.contains("goodput/GPU")), "{stdout}");
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(rows.len(), 2, "one row a configuration");
+    let per_gpu = |r: &serde_json::Value| r["goodput_per_gpu"].as_f64().unwrap();
+    assert!(per_gpu(&rows[0]) > per_gpu(&rows[1]), "best first, and it beats the worst: {rows:?}");
+    assert!(rows.iter().all(|r| r["completed"] == 60), "{rows:?}");
+    assert!(out.join("plan.png").exists() && out.join("ranks4-chunk64").join("report.json").exists());
+    // A graph that is not simulated is refused.
+    let real = crate::common::repo().join("graphs/quickstart.toml");
+    assert_clean_failure(&kvflow(&["plan", real.to_str().unwrap()]), &["every pool's executor must be \"sim\""]);
+}
