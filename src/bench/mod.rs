@@ -1,5 +1,6 @@
 //! `kvflow bench …`: benchmarks that print figures beside a baseline measured in the same run.
 
+pub mod calibrate;
 pub mod cuda_batch;
 pub mod device;
 pub mod draw_check;

@@ -202,6 +202,37 @@ pub enum BenchCommand {
         #[arg(long = "tune", value_name = "NAME=VALUE", long_help = tuning_help())]
         tune: Vec<String>,
     },
+    /// The step table a simulated run prices steps with (executor "sim", executor_settings.table):
+    /// decode steps over rows × context and prefill steps over prompt tokens, measured on the GPU
+    /// with the cuda executor as a rank drives it, written as JSON.
+    Calibrate {
+        /// A checkpoint folder, a llama GGUF file or a TOML model spec.
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        gpu: usize,
+        /// The products' weights and the KV cache: float32 or bfloat16.
+        #[arg(long, default_value = "bfloat16", value_parser = ["float32", "bfloat16"])]
+        dtype: String,
+        /// Prompt tokens of the prefill points (increasing).
+        #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024,4096", value_parser = flags::count)]
+        prefill: Vec<usize>,
+        /// Decode rows of the decode points (increasing).
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16,64", value_parser = flags::count)]
+        rows: Vec<usize>,
+        /// Context per decode row (increasing).
+        #[arg(long, value_delimiter = ',', default_value = "256,1024,4096", value_parser = flags::count)]
+        context: Vec<usize>,
+        /// Decode steps timed at each point.
+        #[arg(long, default_value_t = 32, value_parser = flags::count)]
+        steps: usize,
+        /// Where the table goes.
+        #[arg(long, default_value = "calibration.json")]
+        out: PathBuf,
+        /// Run the kernels on the CPU instead (a check of the bench itself).
+        #[arg(long)]
+        emulate: bool,
+    },
     /// Prefill/decode tokens/s and GFLOP/s of one executor thread against two GEMM baselines.
     Model {
         /// Checkpoint folder or TOML model spec (default: a seeded mha model, hidden 1024).
@@ -274,6 +305,20 @@ pub fn run(what: BenchCommand) -> Result<()> {
             };
             let shapes = if shapes.is_empty() { vec![bench::speed::Shape { batch, prompt }] } else { shapes };
             bench::speed::run(&bench::speed::SpeedBenchArgs { model, gpu, shapes, steps, baseline, emulate, dtypes })
+        }
+        BenchCommand::Calibrate { model, gpu, dtype, prefill, rows, context, steps, out, emulate } => {
+            let dtype = kvflow_kernels::cuda::Dtype::parse(&dtype).ok_or_else(|| anyhow::anyhow!("--dtype {dtype}"))?;
+            bench::calibrate::run(&bench::calibrate::CalibrateArgs {
+                model,
+                gpu,
+                dtype,
+                prefill,
+                rows,
+                context,
+                steps,
+                out,
+                emulate,
+            })
         }
         BenchCommand::Model { model, batch, context, decode_steps } => {
             bench::model::run(&bench::model::ModelBenchArgs { model, batch, context, decode_steps })

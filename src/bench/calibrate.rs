@@ -1,0 +1,111 @@
+//! `kvflow bench calibrate`: the step table a simulated run prices its steps with (issue 44,
+//! `executor_settings.table` of executor `sim`), measured on the GPU with the cuda executor as a
+//! rank drives it (`cuda_batch.rs`). Decode steps are timed over `rows` × `context` (deferred
+//! output, two steps in flight, CUDA graphs: the device's time a step when the host keeps it
+//! busy); prefill steps over `prefill` tokens, one prompt each, launch to token. A step mixing
+//! both is priced as the prefill plus the decode less one pass over the weights (the step reads
+//! them once): measured only at its ends. Prints each point beside the roofline's bound for it on
+//! the copy rate measured in the same run.
+
+use super::cuda_batch::CudaBatch;
+use anyhow::{anyhow, Context, Result};
+use kvflow_kernels::cuda::Dtype;
+use kvflow_kernels::models;
+use kvflow_operators::executor::CudaSettings;
+use kvflow_operators::sim::table::MeasuredTable;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub struct CalibrateArgs {
+    pub model: PathBuf,
+    pub gpu: usize,
+    pub dtype: Dtype,
+    pub prefill: Vec<usize>,
+    pub rows: Vec<usize>,
+    pub context: Vec<usize>,
+    /// Decode steps timed at each point (after as many warm-up steps).
+    pub steps: usize,
+    pub out: PathBuf,
+    pub emulate: bool,
+}
+
+/// Prefill timings at each point: the fastest of this many after a warm-up.
+const PREFILL_ROUNDS: usize = 3;
+
+pub fn run(args: &CalibrateArgs) -> Result<()> {
+    let increasing = |v: &[usize]| !v.is_empty() && v.windows(2).all(|w| w[0] < w[1]) && v[0] > 0;
+    if !increasing(&args.prefill) || !increasing(&args.rows) || !increasing(&args.context) || args.steps == 0 {
+        return Err(anyhow!("--prefill, --rows and --context take increasing whole numbers of at least 1; --steps at least 1"));
+    }
+    let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
+    let settings = CudaSettings {
+        gpus: Some(vec![args.gpu]),
+        deferred_output: true,
+        emulate: args.emulate,
+        dtype: args.dtype,
+        cuda_graphs: true,
+        test_stale_ring_slot: false,
+        test_draws_keyed_on_row: false,
+    };
+    println!("== calibrate {} in {}", args.model.display(), args.dtype.name());
+    let mut decode = Vec::new(); // [r][c]
+    for &rows in &args.rows {
+        let mut line = Vec::new();
+        for &context in &args.context {
+            let mut b = CudaBatch::new(&model, &settings, rows, context, 2 * args.steps)?;
+            b.prefill()?;
+            b.decode(args.steps, true)?; // warm-up: the shape's CUDA graph is captured
+            let (seconds, _) = b.decode(args.steps, true)?;
+            let step = seconds / args.steps as f64;
+            println!("decode       rows {rows:>4} context {context:>6}: {:.3} ms a step", step * 1e3);
+            line.push(step);
+        }
+        decode.push(line);
+    }
+    let mut prefill = Vec::new();
+    for &tokens in &args.prefill {
+        let mut b = CudaBatch::new(&model, &settings, 1, tokens, 1)?;
+        b.prefill()?;
+        let mut best = f64::INFINITY;
+        for _ in 0..PREFILL_ROUNDS {
+            best = best.min(b.prefill()?);
+        }
+        println!("prefill      {tokens:>6} tokens: {:.3} ms ({:.0} tokens/s)", best * 1e3, tokens as f64 / best);
+        prefill.push(best);
+    }
+    let table = table_of(args, &prefill, &decode);
+    table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
+    let text = serde_json::to_string_pretty(&serde_json::json!({
+        "prefill_tokens": table.prefill_tokens,
+        "decode_rows": table.decode_rows,
+        "context": table.context,
+        "seconds": table.seconds,
+        "model": args.model.display().to_string(),
+        "dtype": args.dtype.name(),
+        "measured": "kvflow bench calibrate (cuda executor, deferred output, CUDA graphs)",
+    }))?;
+    std::fs::write(&args.out, text).with_context(|| format!("cannot write {}", args.out.display()))?;
+    println!("wrote        {}", args.out.display());
+    Ok(())
+}
+
+/// The grid: a 0 point on the prefill and rows axes (no work of that kind), the prefill times
+/// along the first, the decode times over the other two, and mixed points as the sum less one
+/// weight pass (the lightest decode step), never below either part.
+fn table_of(args: &CalibrateArgs, prefill: &[f64], decode: &[Vec<f64>]) -> MeasuredTable {
+    let axis = |v: &[usize]| std::iter::once(0).chain(v.iter().copied()).collect::<Vec<_>>();
+    let (prefill_tokens, decode_rows) = (axis(&args.prefill), axis(&args.rows));
+    let weights = decode.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    let mut seconds = Vec::new();
+    for p in 0..prefill_tokens.len() {
+        for r in 0..decode_rows.len() {
+            for c in 0..args.context.len() {
+                let pre = if p == 0 { 0.0 } else { prefill[p - 1] };
+                let dec = if r == 0 { 0.0 } else { decode[r - 1][c] };
+                let mixed = if p > 0 && r > 0 { (pre + dec - weights).max(pre.max(dec)) } else { pre + dec };
+                seconds.push(mixed);
+            }
+        }
+    }
+    MeasuredTable { prefill_tokens, decode_rows, context: args.context.clone(), seconds }
+}
