@@ -139,14 +139,15 @@ fn check_processes(graph: &Graph, pools: &[&PoolConfig], cluster: Option<&Cluste
     Ok(())
 }
 
-/// Checks the rank memory this process is asked to hold (every pool's budgets together)
-/// against what the machine has, before anything is allocated. (Each pool's rank count is
+/// Checks the rank memory this process is asked to hold (every pool's budgets together, a
+/// simulated pool's aside) against what the machine has, before anything is allocated. (Each pool's rank count is
 /// bounded by the graph's rules.)
 fn check_machine(graph: &Graph, pools: &[&PoolConfig], processes: usize) -> Result<()> {
     let Some(available) = models::available_memory() else { return Ok(()) };
     let mut total: u128 = 0;
     let mut parts = Vec::new();
-    for pool in pools {
+    // A simulated rank holds no KV or state: its blocks are only counted.
+    for pool in pools.iter().filter(|p| p.executor != super::simulated::SIM) {
         let here = (pool.ranks / processes.max(1)).max(1) as u128;
         let bytes = here * pool.memory.budget_bytes as u128;
         total += bytes;
