@@ -8,6 +8,7 @@
 # Raw output in $OUT (or /tmp/sim-fidelity): the run's text, the table, both reports.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source benches/device/binaries.sh
 bin=.device-bin/kvflow
 out="${OUT:-/tmp/sim-fidelity}"
 mkdir -p "$out"
