@@ -254,7 +254,8 @@ impl Lockstep {
         scheduled
     }
 
-    /// Steps the worker whenever the stepper says, until its pool ends (or the stepper gives up).
+    /// Steps the worker whenever the stepper says — each time until nothing more runs on it — until
+    /// its pool ends (or the stepper gives up).
     pub fn run(&self, worker: &mut timely::worker::Worker, pool: &str, scheduled: &Rc<Cell<u64>>) {
         let _entered = self.clock.enter();
         let (go, orders) = channel();
@@ -262,10 +263,18 @@ impl Lockstep {
         let line = WorkerLine { pool: pool.to_string(), index: worker.index(), go, stepped };
         if self.register.send(line).is_ok() {
             while let Ok(Go::Step) = orders.recv() {
-                let before = scheduled.get();
-                worker.step_or_park(Some(Duration::ZERO));
-                let ended = !worker.has_dataflows();
-                if report.send(Stepped { active: scheduled.get() != before, ended }).is_err() || ended {
+                // Steps until nothing more runs here (what it sent the others waits for their turn).
+                let (mut active, mut ended) = (false, false);
+                while !ended {
+                    let before = scheduled.get();
+                    worker.step_or_park(Some(Duration::ZERO));
+                    ended = !worker.has_dataflows();
+                    if scheduled.get() == before {
+                        break;
+                    }
+                    active = true;
+                }
+                if report.send(Stepped { active, ended }).is_err() || ended {
                     break;
                 }
             }
