@@ -56,7 +56,7 @@ fn two_simulated_runs_of_one_seed_write_byte_identical_reports_and_another_seed_
 
 /// A measured table of one time per step: every step takes it, one after another on the
 /// simulated device, so a decoding request gets a token per step — as long as the clock waits
-/// for every worker to finish what an instant holds.
+/// for every worker to finish what an instant holds (two ranks: each step aligns them).
 #[test]
 fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
     let dir = tempfile::tempdir().unwrap();
@@ -64,7 +64,7 @@ fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
     let json = r#"{"prefill_tokens": [0, 4096], "decode_rows": [0, 256], "context": [0, 65536], "seconds": [0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]}"#;
     std::fs::write(&table, json).unwrap();
     let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
-    let g = graph(dir.path(), workload, &pool(1, "sim", &format!("table = {:?}", table.display().to_string())));
+    let g = graph(dir.path(), workload, &pool(2, "sim", &format!("table = {:?}", table.display().to_string())));
     run_ok(&g, &[]);
     let r = report_in(&dir.path().join("out"));
     assert_eq!(r["completed"], 12, "{r}");
