@@ -35,7 +35,9 @@ const PREFILL_ROUNDS: usize = 3;
 pub fn run(args: &CalibrateArgs) -> Result<()> {
     let increasing = |v: &[usize]| !v.is_empty() && v.windows(2).all(|w| w[0] < w[1]) && v[0] > 0;
     if !increasing(&args.prefill) || !increasing(&args.rows) || !increasing(&args.context) || args.steps == 0 {
-        return Err(anyhow!("--prefill, --rows and --context take increasing whole numbers of at least 1; --steps at least 1"));
+        return Err(anyhow!(
+            "--prefill, --rows and --context take increasing whole numbers of at least 1; --steps at least 1"
+        ));
     }
     let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
     let settings = CudaSettings {

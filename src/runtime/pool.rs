@@ -356,11 +356,12 @@ impl WorkerJob {
     /// back its rank's end-of-run result (gathered on worker 0 in a pool spread over processes).
     fn run(&self, worker: &mut timely::worker::Worker) -> RankResults {
         let (index, peers) = (worker.index(), worker.peers());
-        let scheduled = self.job.lockstep.as_ref().map(|l| l.count_schedules(worker));
+        // (a simulated run counts what each step schedules, from before the graph is built)
+        let stepped = self.job.lockstep.as_ref().map(|l| (l, l.count_schedules(worker)));
         let rank = self.build(worker);
-        match (&self.job.lockstep, scheduled) {
-            (Some(lockstep), Some(scheduled)) => lockstep.run(worker, &self.job.name, &scheduled),
-            _ => {
+        match stepped {
+            Some((lockstep, scheduled)) => lockstep.run(worker, &self.job.name, &scheduled),
+            None => {
                 while worker.has_dataflows() {
                     worker.step_or_park(None);
                 }
