@@ -111,3 +111,32 @@ fn table_of(args: &CalibrateArgs, prefill: &[f64], decode: &[Vec<f64>]) -> Measu
     }
     MeasuredTable { prefill_tokens, decode_rows, context: args.context.clone(), seconds }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mixed_step_is_priced_as_its_parts_less_one_weight_pass() {
+        let args = CalibrateArgs {
+            model: PathBuf::new(),
+            gpu: 0,
+            dtype: Dtype::Bfloat16,
+            prefill: vec![64],
+            rows: vec![1, 8],
+            context: vec![256, 1024],
+            steps: 1,
+            out: PathBuf::new(),
+            emulate: true,
+        };
+        // decode[r][c]: the lightest step (1 row, 256) is the weight pass
+        let decode = vec![vec![1.0, 1.5], vec![2.0, 4.0]];
+        let t = table_of(&args, &[3.0], &decode);
+        t.validate().unwrap();
+        assert_eq!((t.prefill_tokens.clone(), t.decode_rows.clone()), (vec![0, 64], vec![0, 1, 8]));
+        assert_eq!(t.at(0, 8, 1024), 4.0, "a decode point as measured");
+        assert_eq!(t.at(64, 0, 256), 3.0, "a prefill point as measured");
+        assert_eq!(t.at(64, 8, 1024), 3.0 + 4.0 - 1.0, "both, one weight pass less");
+        assert_eq!(t.at(64, 1, 256), 3.0, "never below the larger part");
+    }
+}
