@@ -40,15 +40,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         ));
     }
     let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
-    let settings = CudaSettings {
-        gpus: Some(vec![args.gpu]),
-        deferred_output: true,
-        emulate: args.emulate,
-        dtype: args.dtype,
-        cuda_graphs: true,
-        test_stale_ring_slot: false,
-        test_draws_keyed_on_row: false,
-    };
+    let settings = CudaSettings::on_gpu(args.gpu, args.emulate, args.dtype);
     println!("== calibrate {} in {}", args.model.display(), args.dtype.name());
     let mut decode = Vec::new(); // [r][c]
     for &rows in &args.rows {

@@ -508,15 +508,8 @@ fn decode_bench(model: &Arc<Model>, gpu: usize, emulate: bool) -> Result<()> {
     let (batch, prompt_len, steps): (usize, usize, usize) = if emulate { (4, 16, 8) } else { (64, 128, 64) };
     let mut figures = Vec::new();
     for deferred in [true, false] {
-        let settings = CudaSettings {
-            gpus: Some(vec![gpu]),
-            deferred_output: deferred,
-            emulate,
-            dtype: Default::default(),
-            cuda_graphs: true,
-            test_stale_ring_slot: false,
-            test_draws_keyed_on_row: false,
-        };
+        let settings =
+            CudaSettings { deferred_output: deferred, ..CudaSettings::on_gpu(gpu, emulate, Default::default()) };
         let mut b = CudaBatch::new(model, &settings, batch, prompt_len, steps)?;
         b.prefill()?;
         let (secs, waits) = b.decode(steps, deferred)?;

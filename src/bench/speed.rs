@@ -93,15 +93,7 @@ fn measure(
     copy_gbps: &mut Option<f64>,
 ) -> Result<()> {
     let t0 = Instant::now();
-    let settings = CudaSettings {
-        gpus: Some(vec![args.gpu]),
-        deferred_output: true,
-        emulate: args.emulate,
-        dtype,
-        cuda_graphs: true,
-        test_stale_ring_slot: false,
-        test_draws_keyed_on_row: false,
-    };
+    let settings = CudaSettings::on_gpu(args.gpu, args.emulate, dtype);
     let mut b = CudaBatch::new(model, &settings, shape.batch, shape.prompt, decode_steps(args))?;
     let gpu = b.ex.gpu().clone();
     let weight_bytes = b.ex.device_model().weight_bytes;

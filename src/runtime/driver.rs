@@ -100,17 +100,7 @@ fn run(job: DriverJob) {
             let id = req.id;
             // Its cancellation is due a while after this moment.
             let cancel_at = epoch.elapsed().as_micros() + (cancel.after_ms * 1000.0) as u128;
-            let released = entries.release(|_| {
-                Ok::<_, Infallible>(Release {
-                    id,
-                    warmup: (id as usize) < warmup,
-                    sampling: req.sampling(sampling),
-                    prompt: req.prompt,
-                    max_output_tokens: req.max_output_tokens,
-                    delivery: Default::default(),
-                    watcher: None,
-                })
-            });
+            let released = entries.release(|_| Ok::<_, Infallible>(Release::of_trace(req, warmup, sampling)));
             let entered = released.unwrap_or_else(|never| match never {});
             if entered && cancel.picks(id) {
                 due.lock().push(std::cmp::Reverse((cancel_at, id)));

@@ -68,6 +68,22 @@ pub struct Release {
     pub watcher: Option<Watcher>,
 }
 
+impl Release {
+    /// A trace request as the workload releases it: a warmup request when its id is below
+    /// `warmup`, sampling as its line says (else `sampling`), no stop tokens beyond the model's.
+    pub fn of_trace(request: crate::trace::Request, warmup: usize, sampling: RequestSampling) -> Release {
+        Release {
+            id: request.id,
+            warmup: (request.id as usize) < warmup,
+            sampling: request.sampling(sampling),
+            prompt: request.prompt,
+            max_output_tokens: request.max_output_tokens,
+            delivery: Default::default(),
+            watcher: None,
+        }
+    }
+}
+
 /// A run's entry pools, and the entry pool each released request went to.
 pub struct Entries {
     pools: Vec<EntryPool>,

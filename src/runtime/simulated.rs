@@ -125,15 +125,7 @@ impl Releaser {
     /// Releases `request` now (and queues its cancellation if the workload cancels it).
     fn release(&self, clock: &Arc<VirtualClock>, request: Request) {
         let id = request.id;
-        let release = Release {
-            id,
-            warmup: (id as usize) < self.warmup,
-            sampling: request.sampling(self.sampling),
-            prompt: request.prompt,
-            max_output_tokens: request.max_output_tokens,
-            delivery: Default::default(),
-            watcher: None,
-        };
+        let release = Release::of_trace(request, self.warmup, self.sampling);
         let entered = self.entries.release(|_: &Collector| Ok::<_, Infallible>(release)).unwrap_or_else(|n| match n {});
         if entered && self.cancel.picks(id) {
             let entries = self.entries.clone();

@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::path::Path;
 
 /// One pool of `ranks` ranks on `executor`, with its settings table (if any).
-fn pool(ranks: usize, executor: &str, settings: &str) -> String {
+pub(crate) fn pool(ranks: usize, executor: &str, settings: &str) -> String {
     let table = if settings.is_empty() { String::new() } else { format!("[pool.executor_settings]\n{settings}\n") };
     format!("[[pool]]\nname = \"main\"\nranks = {ranks}\nexecutor = \"{executor}\"\n{table}")
 }

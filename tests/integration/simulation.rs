@@ -3,15 +3,10 @@
 //! simulated run as it changes a real one), stalls named at once, and what cannot be simulated yet
 //! refused by name.
 
+use crate::asynchronous::pool;
 use crate::common::{assert_clean_failure, kvflow, records_in, report_in};
 use crate::runtime::{kvflow_heavy, ranks_used, write_graph_with};
 use std::path::{Path, PathBuf};
-
-/// A pool of `ranks` on `executor` (with its settings, TOML lines).
-fn pool(ranks: usize, executor: &str, settings: &str) -> String {
-    let table = if settings.is_empty() { String::new() } else { format!("[pool.executor_settings]\n{settings}\n") };
-    format!("[[pool]]\nname = \"main\"\nranks = {ranks}\nexecutor = \"{executor}\"\n{table}")
-}
 
 /// 60 requests of the head trace at its own times (sped up), a fifth of them cancelled.
 const REPLAY: &str =

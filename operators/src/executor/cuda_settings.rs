@@ -28,6 +28,20 @@ pub struct CudaSettings {
 }
 
 impl CudaSettings {
+    /// A bench's settings: one GPU, the defaults a graph gets (deferred output, CUDA graphs) in
+    /// `dtype`, on the CPU when `emulate`.
+    pub fn on_gpu(gpu: usize, emulate: bool, dtype: Dtype) -> Self {
+        CudaSettings {
+            gpus: Some(vec![gpu]),
+            deferred_output: true,
+            emulate,
+            dtype,
+            cuda_graphs: true,
+            test_stale_ring_slot: false,
+            test_draws_keyed_on_row: false,
+        }
+    }
+
     pub fn read(table: &toml::Table) -> Result<Self, SettingError> {
         let s = Settings::new(table, KEYS)?;
         Ok(CudaSettings {
