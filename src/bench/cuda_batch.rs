@@ -58,6 +58,8 @@ pub struct CudaBatch {
     step: u64,
     /// Every sample taken so far, in completion order: (sequence, token, logits row hash).
     pub samples: Vec<(u32, Option<u32>, u64)>,
+    /// The host's time in the executor's `launch` calls so far (seconds).
+    pub launch_seconds: f64,
 }
 
 impl CudaBatch {
@@ -96,7 +98,16 @@ impl CudaBatch {
             slots: keeps_state.then(|| (0..batch as u32).collect()),
             sampling: RequestSampling::default(),
         };
-        Ok(CudaBatch { ex, reqs, last: vec![0; batch], decoded: 0, max_decode, step: 0, samples: Vec::new() })
+        Ok(CudaBatch {
+            ex,
+            reqs,
+            last: vec![0; batch],
+            decoded: 0,
+            max_decode,
+            step: 0,
+            samples: Vec::new(),
+            launch_seconds: 0.0,
+        })
     }
 
     /// Has every sequence pick its tokens by `sampling` (greedy until this is called).
@@ -145,7 +156,9 @@ impl CudaBatch {
         let zero: Vec<StateOp> = reqs.slots.iter().flatten().map(|&slot| StateOp::Zero { slot: slot as _ }).collect();
         let seqs: Vec<SeqStep<'_>> = (0..reqs.keys.len()).map(|i| reqs.seq(i, &reqs.prompts[i], None, 0)).collect();
         self.step += 1;
+        let host = Instant::now();
         Self::launch(&mut self.ex, reqs, self.step, &seqs, &zero);
+        self.launch_seconds += host.elapsed().as_secs_f64();
         drop(seqs);
         let mut done = Vec::new();
         while self.take(&mut done)? == 0 {
@@ -178,7 +191,9 @@ impl CudaBatch {
                 })
                 .collect();
             self.step += 1;
+            let host = Instant::now();
             Self::launch(&mut self.ex, reqs, self.step, &seqs, &[]);
+            self.launch_seconds += host.elapsed().as_secs_f64();
             drop(seqs);
             self.decoded += 1;
             launched += 1;

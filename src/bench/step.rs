@@ -226,6 +226,14 @@ fn pool_ms_per_step(ranks: usize, seqs: usize, outputs: usize, delay: u64) -> Re
     pool_run(PoolRun { ranks, seqs, outputs, model, executor: "null", settings, experts: None })
 }
 
+/// The engine's host time a step (seconds) of a one-rank pool batching `rows` decoding
+/// requests, with the no-math executor completing one launch late as a deferred GPU rank does:
+/// the least of a few runs (`kvflow bench calibrate`'s host figures).
+pub(crate) fn engine_seconds_per_step(rows: usize) -> Result<f64> {
+    let runs = (0..3).map(|_| pool_ms_per_step(1, rows, 200, 1).map(|(ms, _)| ms / 1e3));
+    Ok(least(runs.collect::<Result<Vec<_>>>()?))
+}
+
 /// One bench pool: `ranks` ranks of `seqs` decoding requests of `outputs` tokens each.
 pub(crate) struct PoolRun {
     pub ranks: usize,
@@ -275,6 +283,7 @@ pub(crate) fn pool_run(run: PoolRun) -> Result<(f64, u64)> {
         gauges: Vec::new(),
         starting: Some(starting.clone()),
         lockstep: None,
+        log_steps: false,
         name: "bench".into(),
         ranks,
         model,

@@ -44,6 +44,8 @@ pub struct Graph {
     pub slo: SloConfig,
     /// Where the report (report.json, requests.jsonl) is written.
     pub report_dir: PathBuf,
+    /// `report.steps`: every rank logs its launched steps into `steps.jsonl` (off by default).
+    pub report_steps: bool,
     /// `[serve]`: what `kvflow serve` takes.
     pub serve: ServeConfig,
 }

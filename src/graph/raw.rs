@@ -194,4 +194,5 @@ pub(super) struct RawSlo {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawReport {
     pub(super) out: Option<Spanned<String>>,
+    pub(super) steps: Option<bool>,
 }

@@ -182,6 +182,7 @@ impl<'a> Validator<'a> {
             workload: self.workload(&raw.workload)?,
             slo: self.slo(&raw.slo)?,
             report_dir,
+            report_steps: raw.report.steps.unwrap_or(false),
             serve,
         })
     }

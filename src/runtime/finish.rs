@@ -6,7 +6,7 @@
 
 use super::options::{RunOptions, RunOutcome, EXIT_ACCOUNTING, EXIT_FAILED_REQUESTS, EXIT_OK, EXIT_VERIFY_MISMATCH};
 use super::pool::{check_ranks, LinkTotals, PoolResult};
-use super::report::{run_report, RunContext};
+use super::report::{run_report, write_steps, RunContext};
 use super::serve;
 use super::start::{RunThreads, Running};
 use crate::graph::Graph;
@@ -74,6 +74,8 @@ pub fn finish(graph: &Graph, opts: &RunOptions, running: Running, started: Insta
     report["kv_usage"] = kv_sampler.join().map_err(|_| anyhow!("the KV sampler panicked"))?.into();
     write_report(&graph.report_dir, &report)
         .with_context(|| format!("cannot write the report into {}", graph.report_dir.display()))?;
+    write_steps(&graph.report_dir, &stats)
+        .with_context(|| format!("cannot write steps.jsonl into {}", graph.report_dir.display()))?;
     if !accounting.is_empty() {
         eprintln!("end-of-run check failed:\n{}", accounting.join("\n"));
     }

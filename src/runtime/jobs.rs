@@ -172,6 +172,7 @@ pub fn pool_job(
         gauges: (0..pool.ranks).map(|_| Default::default()).collect(),
         starting: None,
         lockstep: None,
+        log_steps: graph.report_steps,
         offload: match (store, &graph.offload) {
             (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
             _ => None,

@@ -59,6 +59,8 @@ pub struct PoolJob {
     /// A simulated run: its workers step only when the run's stepper says, one at a time
     /// (`super::simulated`), on the virtual clock.
     pub lockstep: Option<super::simulated::Lockstep>,
+    /// Every rank logs its launched steps (`[report] steps`).
+    pub log_steps: bool,
 }
 
 /// What one process's tcp links moved: bytes that crossed a socket, and the transfer engine's
@@ -435,6 +437,9 @@ impl WorkerJob {
             Rank::new(index, &job.name, job.layout, job.scheduler, exec, waker).with_switches(job.switches.clone());
         if let Some(setup) = &job.offload {
             rank = rank.with_offload(setup.clone());
+        }
+        if job.log_steps {
+            rank = rank.logging_steps();
         }
         if job.routing_index {
             rank = rank.reporting_cache_events();

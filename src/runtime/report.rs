@@ -128,6 +128,30 @@ fn spec(stats: &[&RankStats]) -> Value {
     })
 }
 
+/// Writes `steps.jsonl` into `dir` when the run logged its steps (`[report] steps`): a line
+/// per launched step of every rank — pool, rank, step, its shape, and when it launched and when
+/// its completion was applied, in ms since the run's first launch. Nothing when none logged.
+pub fn write_steps(dir: &std::path::Path, stats: &[(String, Vec<RankStats>)]) -> std::io::Result<()> {
+    let logged = stats.iter().flat_map(|(pool, ranks)| ranks.iter().map(move |r| (pool, r)));
+    let logged: Vec<_> = logged.filter_map(|(pool, r)| r.steps_log.as_ref().map(|l| (pool, r.rank, l))).collect();
+    if logged.is_empty() {
+        return Ok(());
+    }
+    let origin = logged.iter().flat_map(|(_, _, l)| l.iter().map(|e| e.launched_ms)).fold(f64::INFINITY, f64::min);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(dir.join("steps.jsonl"))?);
+    for (pool, rank, log) in logged {
+        for e in log {
+            let mut line = serde_json::to_value(e).map_err(std::io::Error::other)?;
+            line["pool"] = json!(pool);
+            line["rank"] = json!(rank);
+            line["launched_ms"] = json!(e.launched_ms - origin);
+            line["done_ms"] = json!(e.done_ms.map(|d| d - origin));
+            std::io::Write::write_all(&mut out, format!("{line}\n").as_bytes())?;
+        }
+    }
+    std::io::Write::flush(&mut out)
+}
+
 /// Sets up where the run's records go as its requests end: `requests.jsonl` in the report
 /// folder, the report's figures under the graph's SLO, and `--verify`'s checker.
 pub fn report_as_requests_end(

@@ -35,7 +35,7 @@ mod null;
 mod owned_step;
 mod settings;
 mod sim;
-pub use sim::{shape_of, SimExecutor, StepCost};
+pub use sim::{SimExecutor, StepCost};
 
 pub use contract::{Executor, ExecutorContext, ExecutorKind, ExpertParallel, ExpertPlacement};
 pub use cpu::{CpuExecutor, CpuStepRunner};

@@ -2,12 +2,16 @@
 //! model over its shape (`crate::sim`: a roofline over the model's config and a machine, or a
 //! table measured on a device), and it completes when the run's virtual clock reaches its end.
 //! Steps run one after another on the simulated device, as on a GPU's stream: a step launched
-//! while another runs starts when that one ends. Its tokens are a seeded draw per (sequence,
+//! while another runs starts when that one ends. Before the device, a step takes the rank's host
+//! thread: launching it and the engine's own work a step (measured into the table by
+//! `kvflow bench calibrate`, plus `host_us_per_step`), one step after another, so a step reaches
+//! the device no sooner than the host has it ready. Its tokens are a seeded draw per (sequence,
 //! position), the same every run.
 //!
 //! Settings: `table = "calibration.json"` (a measured table; else the roofline, with
 //! `bandwidth_gbps` (4800), `matrix_tflops` (989), `step_overhead_us` (30),
 //! `efficiency_bandwidth` (0.8), `efficiency_matrix` (0.6) — an H200's figures by default),
+//! `host_us_per_step` (0: host time a step beyond what the table measured),
 //! `dtype = "bfloat16" | "float32"` (the bytes a weight and a KV element take; bfloat16),
 //! `seed` (0), `draft_acceptance` (0.7: the chance a draft holds, under speculative decoding).
 //!
@@ -31,6 +35,7 @@ const KEYS: &[&str] = &[
     "bandwidth_gbps",
     "matrix_tflops",
     "step_overhead_us",
+    "host_us_per_step",
     "efficiency_bandwidth",
     "efficiency_matrix",
     "dtype",
@@ -45,10 +50,19 @@ pub enum StepCost {
 }
 
 impl StepCost {
+    /// The device's time.
     pub fn seconds(&self, step: &StepShape) -> f64 {
         match self {
             StepCost::Roofline { model, hardware, efficiency } => step_seconds(model, hardware, efficiency, step),
             StepCost::Measured(table) => table.step_seconds(step),
+        }
+    }
+
+    /// The host's time (what the table measured; the roofline knows none).
+    pub fn host_seconds(&self, step: &StepShape) -> f64 {
+        match self {
+            StepCost::Roofline { .. } => 0.0,
+            StepCost::Measured(table) => table.host_step_seconds(step),
         }
     }
 }
@@ -58,6 +72,7 @@ struct SimSettings {
     table: Option<String>,
     hardware: Hardware,
     efficiency: Efficiency,
+    host_s_per_step: f64,
     element_bytes: usize,
     seed: u64,
     draft_acceptance: f64,
@@ -81,6 +96,7 @@ fn read_settings(table: &toml::Table) -> Result<SimSettings, SettingError> {
             bandwidth: s.number("efficiency_bandwidth", 0.8)?.min(1.0),
             matrix: s.number("efficiency_matrix", 0.6)?.min(1.0),
         },
+        host_s_per_step: s.number("host_us_per_step", 0.0)? * 1e-6,
         element_bytes: if s.choice("dtype", &["bfloat16", "float32"], "bfloat16")? == "float32" { 4 } else { 2 },
         seed: s.count("seed", 0)?,
         draft_acceptance: acceptance,
@@ -119,11 +135,13 @@ impl ExecutorKind for SimKind {
             clock,
             waker: ctx.waker.clone(),
             cost,
+            host_s_per_step: s.host_s_per_step,
             vocab: ctx.model.vocab_size.max(1) as u64,
             seed: s.seed,
             acceptance: s.draft_acceptance,
             mtp_drafts: ctx.mtp_drafts,
             order: ctx.rank as u64,
+            host_free_ns: 0,
             device_free_ns: 0,
             in_flight: VecDeque::new(),
             busy_ns: 0,
@@ -136,38 +154,20 @@ pub struct SimExecutor {
     clock: Arc<VirtualClock>,
     waker: Arc<RankWaker>,
     cost: StepCost,
+    host_s_per_step: f64,
     vocab: u64,
     seed: u64,
     acceptance: f64,
     mtp_drafts: usize,
     order: u64,
+    /// When the host has launched the last step: the next launch starts then at the earliest.
+    host_free_ns: u64,
     /// When the step last launched ends: the next one starts then at the earliest.
     device_free_ns: u64,
     /// Launched steps, in launch order, each with its end.
     in_flight: VecDeque<(u64, StepCompletion)>,
     /// Time the device spent on steps.
     busy_ns: u64,
-}
-
-/// The shape of a launched step, for its cost.
-pub fn shape_of(step: &StepLaunch<'_>) -> StepShape {
-    let mut shape = StepShape::default();
-    for seq in step.seqs() {
-        let (len, start) = (seq.len(), seq.start_pos);
-        if len == 0 {
-            continue;
-        }
-        let end = start + len;
-        shape.context_positions += end;
-        shape.attended_positions += (end * (end + 1) - start * (start + 1)) / 2;
-        if len == 1 && start >= seq.prompt_len.saturating_sub(1) && seq.drafts.is_empty() {
-            shape.decode_rows += 1;
-        } else {
-            shape.prefill_tokens += len;
-            shape.prefill_rows += 1;
-        }
-    }
-    shape
 }
 
 impl SimExecutor {
@@ -219,8 +219,11 @@ impl Executor for SimExecutor {
     }
 
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
-        let took = ns_of_seconds(self.cost.seconds(&shape_of(step)));
-        let start = self.device_free_ns.max(self.clock.now_ns());
+        let shape = StepShape::of(step);
+        let host = ns_of_seconds(self.cost.host_seconds(&shape) + self.host_s_per_step);
+        let took = ns_of_seconds(self.cost.seconds(&shape));
+        self.host_free_ns = self.host_free_ns.max(self.clock.now_ns()) + host;
+        let start = self.device_free_ns.max(self.host_free_ns);
         let end = start + took;
         self.device_free_ns = end;
         self.busy_ns += took;

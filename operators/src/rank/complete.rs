@@ -54,6 +54,10 @@ impl Rank {
             tracing::error!(pool = %self.pool, rank = self.index, step = c.step, "completion out of launch order");
         }
         let record = self.in_flight.remove(pos).expect("found above");
+        if let Some(entry) = self.stats.steps_log.iter_mut().flat_map(|l| l.iter_mut().rev()).find(|e| e.step == c.step)
+        {
+            entry.done_ms = Some(wall_ms());
+        }
         self.memory.steps_in_flight_from(self.oldest_in_flight());
         for &(snapshot, generation) in &record.restoring {
             self.memory.release_held(Held::Snapshot, snapshot, generation);

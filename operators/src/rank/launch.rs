@@ -9,6 +9,7 @@
 //! consumer's ack. On a streaming link the earlier prompt chunks export the whole blocks they
 //! complete as pieces (`stream`), and the export at T0 takes only the blocks after them.
 
+use super::stats::StepEntry;
 use super::{Rank, StepRecord};
 use crate::messages::{wall_ms, Event};
 use crate::policy::scheduler::snapshot_boundaries;
@@ -191,6 +192,10 @@ impl Rank {
             exports: &exports,
             batch: &batch,
         };
+        if let Some(log) = self.stats.steps_log.as_mut() {
+            let shape = crate::sim::StepShape::of(&launch);
+            log.push(StepEntry { step: t, launched_ms: wall_ms(), done_ms: None, shape });
+        }
         for phase in 0..self.executor.phases() {
             self.executor.launch(&launch, phase);
         }

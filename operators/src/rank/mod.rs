@@ -168,6 +168,12 @@ impl Rank {
         }
     }
 
+    /// Keeps every launched step's shape and times (`[report] steps`).
+    pub fn logging_steps(mut self) -> Self {
+        self.stats.steps_log = Some(Vec::new());
+        self
+    }
+
     /// Publishes its memory and queues into `gauges` at every `schedule`.
     pub fn with_gauges(mut self, gauges: Arc<RankGauges>) -> Self {
         self.gauges = Some(gauges);

@@ -78,6 +78,21 @@ pub struct RankStats {
     pub utilization: Utilization,
     /// Speculative decoding: verification steps, drafts fed and drafts kept.
     pub spec: SpecStats,
+    /// Every launched step, when the run asked for them (`[report] steps`); else `None`.
+    #[serde(default)]
+    pub steps_log: Option<Vec<StepEntry>>,
+}
+
+/// One launched step (`[report] steps`, written to `steps.jsonl`): its shape, when it launched
+/// and when its completion was applied (`wall_ms`, virtual in a simulated run).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepEntry {
+    pub step: u64,
+    pub launched_ms: f64,
+    /// `None`: never completed (the run ended with it in flight).
+    pub done_ms: Option<f64>,
+    #[serde(flatten)]
+    pub shape: crate::sim::StepShape,
 }
 
 pub use super::step_summary::{Distribution, StepTimes, Utilization, STEADY_SKIP};

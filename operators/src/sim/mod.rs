@@ -9,7 +9,7 @@ pub mod roofline;
 pub mod table;
 
 /// What a step computes, as far as its cost depends on it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepShape {
     /// Prompt tokens computed, over how many rows.
     pub prefill_tokens: usize,
@@ -23,6 +23,28 @@ pub struct StepShape {
 }
 
 impl StepShape {
+    /// The shape of a launched step: a row of one token at the prompt's end or beyond (no
+    /// drafts) decodes, any other row computes prompt tokens.
+    pub fn of(step: &crate::step::StepLaunch<'_>) -> Self {
+        let mut shape = StepShape::default();
+        for seq in step.seqs() {
+            let (len, start) = (seq.len(), seq.start_pos);
+            if len == 0 {
+                continue;
+            }
+            let end = start + len;
+            shape.context_positions += end;
+            shape.attended_positions += (end * (end + 1) - start * (start + 1)) / 2;
+            if len == 1 && start >= seq.prompt_len.saturating_sub(1) && seq.drafts.is_empty() {
+                shape.decode_rows += 1;
+            } else {
+                shape.prefill_tokens += len;
+                shape.prefill_rows += 1;
+            }
+        }
+        shape
+    }
+
     /// `rows` decodes whose contexts sum to `context` positions.
     pub fn decode(rows: usize, context: usize) -> Self {
         StepShape { decode_rows: rows, context_positions: context, attended_positions: context, ..Default::default() }

@@ -3,6 +3,11 @@
 //! by interpolating linearly along each axis (trilinear). Beyond the last point of an axis the
 //! last two points' slope carries on (a larger batch costs more than the largest measured, never
 //! the same); below the first point the first point's value holds.
+//!
+//! Beside the device's time, the host's: what launching a step took the rank's thread at each
+//! grid point (`host_seconds`), and what the engine's own operators take a step over the rows it
+//! batches (`engine`, measured with an executor that does no math). A rank's thread does both
+//! one step after another, so a step reaches the device no sooner than they allow.
 
 use super::StepShape;
 
@@ -13,6 +18,21 @@ pub struct MeasuredTable {
     pub decode_rows: Vec<usize>,
     pub context: Vec<usize>,
     /// `seconds[(p * decode_rows.len() + r) * context.len() + c]`.
+    pub seconds: Vec<f64>,
+    /// The host's time to launch the step at each point, indexed as `seconds` (empty: not
+    /// measured, none charged).
+    #[serde(default)]
+    pub host_seconds: Vec<f64>,
+    /// The engine's host time a step, over the rows it batches (none: not measured).
+    #[serde(default)]
+    pub engine: Option<EngineHost>,
+}
+
+/// The engine's own host time a step (scheduling, bookkeeping, the dataflow's exchanges) over
+/// the rows a step batches, in seconds.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EngineHost {
+    pub rows: Vec<usize>,
     pub seconds: Vec<f64>,
 }
 
@@ -41,10 +61,38 @@ impl MeasuredTable {
         if self.seconds.len() != expected {
             return Err(TableError::Size { expected, got: self.seconds.len() });
         }
-        match self.seconds.iter().position(|s| !s.is_finite() || *s < 0.0) {
-            Some(i) => Err(TableError::Time(self.seconds[i], i)),
+        if !self.host_seconds.is_empty() && self.host_seconds.len() != expected {
+            return Err(TableError::Size { expected, got: self.host_seconds.len() });
+        }
+        if let Some(engine) = &self.engine {
+            if engine.rows.is_empty() || engine.rows.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(TableError::Axis("engine.rows"));
+            }
+            if engine.seconds.len() != engine.rows.len() {
+                return Err(TableError::Size { expected: engine.rows.len(), got: engine.seconds.len() });
+            }
+        }
+        let engine = self.engine.iter().flat_map(|e| &e.seconds);
+        let times = self.seconds.iter().chain(&self.host_seconds).chain(engine);
+        match times.enumerate().find(|(_, s)| !s.is_finite() || **s < 0.0) {
+            Some((i, s)) => Err(TableError::Time(*s, i)),
             None => Ok(()),
         }
+    }
+
+    /// The host's time for `step` on the rank's thread: its launch and the engine's work.
+    pub fn host_step_seconds(&self, step: &StepShape) -> f64 {
+        let launch = if self.host_seconds.is_empty() {
+            0.0
+        } else {
+            let context = step.context_positions.checked_div(step.decode_rows).unwrap_or(0);
+            interpolate(self, &self.host_seconds, step.prefill_tokens, step.decode_rows, context)
+        };
+        let engine = self.engine.as_ref().map_or(0.0, |e| {
+            let s = span(&e.rows, step.prefill_rows + step.decode_rows);
+            s.weights().map(|(i, w)| w * e.seconds[i]).sum::<f64>().max(0.0)
+        });
+        launch + engine
     }
 
     /// The time of `step` (the table must be valid).
@@ -55,19 +103,24 @@ impl MeasuredTable {
 
     /// The time at (`prefill`, `rows`, `context`), interpolated.
     pub fn at(&self, prefill: usize, rows: usize, context: usize) -> f64 {
-        let (p, r, c) =
-            (span(&self.prefill_tokens, prefill), span(&self.decode_rows, rows), span(&self.context, context));
-        let (nr, nc) = (self.decode_rows.len(), self.context.len());
-        let mut total = 0.0;
-        for (pi, pw) in p.weights() {
-            for (ri, rw) in r.weights() {
-                for (ci, cw) in c.weights() {
-                    total += pw * rw * cw * self.seconds[(pi * nr + ri) * nc + ci];
-                }
+        interpolate(self, &self.seconds, prefill, rows, context)
+    }
+}
+
+/// `values` (laid out over `table`'s grid) at (`prefill`, `rows`, `context`), interpolated.
+fn interpolate(table: &MeasuredTable, values: &[f64], prefill: usize, rows: usize, context: usize) -> f64 {
+    let (p, r, c) =
+        (span(&table.prefill_tokens, prefill), span(&table.decode_rows, rows), span(&table.context, context));
+    let (nr, nc) = (table.decode_rows.len(), table.context.len());
+    let mut total = 0.0;
+    for (pi, pw) in p.weights() {
+        for (ri, rw) in r.weights() {
+            for (ci, cw) in c.weights() {
+                total += pw * rw * cw * values[(pi * nr + ri) * nc + ci];
             }
         }
-        total.max(0.0)
     }
+    total.max(0.0)
 }
 
 /// Where a value falls on an axis: two points and the weight of the second (beyond the ends the
@@ -112,7 +165,9 @@ mod tests {
                 }
             }
         }
-        (MeasuredTable { prefill_tokens, decode_rows, context, seconds }, cost)
+        let table =
+            MeasuredTable { prefill_tokens, decode_rows, context, seconds, host_seconds: Vec::new(), engine: None };
+        (table, cost)
     }
 
     #[test]
@@ -141,5 +196,23 @@ mod tests {
         let (mut table, _) = linear();
         table.seconds[3] = f64::NAN;
         assert!(matches!(table.validate(), Err(TableError::Time(_, 3))));
+        let (mut table, _) = linear();
+        table.host_seconds = vec![0.0; 5];
+        assert!(matches!(table.validate(), Err(TableError::Size { expected: 18, got: 5 })));
+        let (mut table, _) = linear();
+        table.engine = Some(EngineHost { rows: vec![8, 1], seconds: vec![0.0, 0.0] });
+        assert_eq!(table.validate(), Err(TableError::Axis("engine.rows")));
+    }
+
+    #[test]
+    fn the_host_time_is_the_launch_at_the_point_and_the_engine_over_the_rows() {
+        let (mut table, cost) = linear();
+        let step = StepShape::decode(8, 8 * 4096);
+        assert_eq!(table.host_step_seconds(&step), 0.0, "nothing measured, nothing charged");
+        table.host_seconds = table.seconds.iter().map(|s| s / 10.0).collect();
+        table.engine = Some(EngineHost { rows: vec![1, 64], seconds: vec![1e-4, 8e-4] });
+        table.validate().unwrap();
+        let want = cost(0, 8, 4096) / 10.0 + 1e-4 + 7.0 / 63.0 * 7e-4;
+        assert!((table.host_step_seconds(&step) - want).abs() < 1e-9);
     }
 }
