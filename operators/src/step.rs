@@ -46,6 +46,8 @@ pub struct Exported {
     pub source: Option<KvSource>,
     /// The state slot, read by the step (the handoff owns this copy).
     pub state: Option<Vec<f32>>,
+    /// A simulated step's export: no bytes, the sizes they would have.
+    pub simulated: Option<crate::transfer::SimulatedPayload>,
 }
 
 /// Before the forward (after the state copies): write KV into the blocks and state into the slot

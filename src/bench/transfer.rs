@@ -188,6 +188,7 @@ pub fn run(args: &TransferBenchArgs) -> Result<()> {
         to: None,
         recycle: None,
         on_drop: Default::default(),
+        simulated: None,
     };
     let layout = ConsumerLayout {
         fingerprint: h.fingerprint,

@@ -209,17 +209,22 @@ pub enum TransferBackend {
     Inproc,
     /// A TCP connection to the consumer's endpoint, on loopback or across hosts.
     Tcp,
+    /// A simulated run's link (every pool's executor `sim`): a handoff moves no bytes and
+    /// arrives when the virtual clock reaches the end of its transfer at the link's
+    /// `bandwidth` (behind the handoffs sent over the link before it; none: at once).
+    Sim,
 }
 
 impl TransferBackend {
     /// Every backend, in the order errors list them.
-    pub const ALL: [TransferBackend; 2] = [TransferBackend::Inproc, TransferBackend::Tcp];
+    pub const ALL: [TransferBackend; 3] = [TransferBackend::Inproc, TransferBackend::Tcp, TransferBackend::Sim];
 
     /// The name used in graph files.
     pub fn name(self) -> &'static str {
         match self {
             TransferBackend::Inproc => "inproc",
             TransferBackend::Tcp => "tcp",
+            TransferBackend::Sim => "sim",
         }
     }
 

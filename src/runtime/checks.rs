@@ -75,13 +75,14 @@ fn check_pools(graph: &Graph, pools: &[&PoolConfig]) -> Result<()> {
         );
     }
     if graph.faults.corrupt > 0.0 {
-        if let Some(link) = graph.links.iter().find(|l| l.backend == crate::graph::TransferBackend::Inproc) {
+        if let Some(link) = graph.links.iter().find(|l| l.backend != crate::graph::TransferBackend::Tcp) {
             bail!(
-                "{}: [faults] corrupt: link {} → {} is inproc, which moves no bytes to damage (and checksums \
+                "{}: [faults] corrupt: link {} → {} is {}, which moves no bytes to damage (and checksums \
                  none); corruption applies to tcp links",
                 graph.path.display(),
                 link.from,
-                link.to
+                link.to,
+                link.backend
             );
         }
     }

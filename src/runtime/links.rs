@@ -71,6 +71,8 @@ pub struct WireOptions<'a> {
     /// events of a decode pool in another process come back through the ranks that handed
     /// their requests off (`transfer::relay`), not to `remote_events`.
     pub relay: Option<Arc<EventRelay>>,
+    /// A simulated run's clock, for its `sim` links.
+    pub clock: Option<Arc<kvflow_operators::sim::clock::VirtualClock>>,
 }
 
 /// The graph's `[faults]` as the transfer engine draws them.
@@ -407,7 +409,8 @@ impl Wires<'_> {
                 );
             }
         }
-        if out.iter().all(|l| l.backend == TransferBackend::Inproc) {
+        let simulated = out.iter().all(|l| l.backend == TransferBackend::Sim);
+        if simulated || out.iter().all(|l| l.backend == TransferBackend::Inproc) {
             if let Some(l) = out.iter().find(|l| !self.local(&l.to)) {
                 remote_address(graph, l, self.options.endpoints)?; // fails: names the fix
             }
@@ -422,14 +425,25 @@ impl Wires<'_> {
             let rates = out.iter().map(|l| link_rate(l)).collect();
             let stream_min_tokens = out.iter().map(|l| l.stream_min_tokens).collect();
             let (faults, counters) = (self.faults, self.counters.clone());
-            Ok(Arc::new(InprocLinks { consumers, rates, stream_min_tokens, faults, counters }))
+            let clock = match (simulated, &self.options.clock) {
+                (false, _) => None,
+                (true, Some(clock)) => Some(clock.clone()),
+                (true, None) => bail!(
+                    "{}: prefill pool `{}`: backend \"sim\" links run only in a simulated run (every pool's executor \
+                     \"sim\"); use \"inproc\" or \"tcp\"",
+                    graph.path.display(),
+                    pool.name
+                ),
+            };
+            Ok(Arc::new(InprocLinks { consumers, rates, stream_min_tokens, faults, counters, clock }))
         } else if out.iter().all(|l| l.backend == TransferBackend::Tcp) {
             self.tcp_links(pool, &out, fingerprint)
         } else {
             bail!(
-                "{}: prefill pool `{}` has both inproc and tcp links; one backend per prefill pool",
+                "{}: prefill pool `{}` has links of backends {}; one backend per prefill pool",
                 graph.path.display(),
-                pool.name
+                pool.name,
+                out.iter().map(|l| format!("\"{}\"", l.backend)).collect::<Vec<_>>().join(", ")
             );
         }
     }

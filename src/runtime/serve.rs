@@ -57,6 +57,7 @@ pub(super) fn serve_handoffs(
         accept_missing_pieces: opts.switches.accept_missing_pieces,
         serve_any_producer: opts.switches.serve_any_producer,
         relay: None,
+        clock: None,
     };
     let mut wiring = links::wire(graph, pools, model, &options)?;
     if wiring.served.len() != pools.len() {
@@ -130,6 +131,7 @@ pub(super) fn run_beside_driver(
         accept_missing_pieces: opts.switches.accept_missing_pieces,
         serve_any_producer: opts.switches.serve_any_producer,
         relay: Some(relay),
+        clock: None,
     };
     let mut wiring = links::wire(graph, pools, model, &options)?;
     let remote_links = std::mem::take(&mut wiring.remote_links);

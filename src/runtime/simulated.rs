@@ -22,7 +22,7 @@ use super::entry::{Entries, Release};
 use super::front::PoolGauges;
 use super::kv_usage::KvSamples;
 use super::options::RunOptions;
-use crate::graph::{Graph, PoolConfig};
+use crate::graph::{Graph, PoolConfig, TransferBackend};
 use crate::trace::Request;
 use crate::workload::{release_offsets, ArrivalMode, Selection};
 use anyhow::{anyhow, Result};
@@ -59,8 +59,17 @@ pub fn is_simulated(graph: &Graph, pools: &[&PoolConfig], opts: &RunOptions) -> 
         ));
     }
     let refuse = |what: &str| Err(anyhow!("{at}: a simulated run (executor \"sim\") cannot {what} yet (issue 44)"));
-    if !graph.links.is_empty() {
-        return refuse("move handoffs over [[link]]s");
+    if let Some(link) = graph.links.iter().find(|l| l.backend != TransferBackend::Sim) {
+        return Err(anyhow!(
+            "{at}: link {} → {} has backend \"{}\": a simulated run's handoffs move on its virtual clock, over \
+             backend = \"sim\" links",
+            link.from,
+            link.to,
+            link.backend
+        ));
+    }
+    if let Some(link) = graph.links.iter().find(|l| l.stream_min_tokens.is_some()) {
+        return refuse(&format!("stream handoffs in pieces (link {} → {} stream_min_tokens)", link.from, link.to));
     }
     if graph.offload.is_some() {
         return refuse("use an [offload] store");
@@ -135,16 +144,22 @@ impl Releaser {
     }
 }
 
-/// Requests not released yet (closed loop), and the collector's completions.
-struct ClosedLoop {
+/// The requests' ends the collector reports: a closed loop releases one of the requests left
+/// for each; once every request has ended, the entry pools close (as the driver closes them —
+/// not at the last release: a decode pool that took new requests takes their handoffs after).
+struct Ends {
+    /// Requests not released yet (closed loop).
     left: VecDeque<Request>,
+    closed_loop: bool,
     completions: Receiver<u64>,
+    ended: usize,
+    closed: bool,
 }
 
 impl SimReleases {
-    /// Queues the open loop's releases (and the close after the last); a closed loop releases
-    /// its first requests now and returns the rest, one to release per completion.
-    fn start(self, clock: &Arc<VirtualClock>) -> (Arc<Releaser>, Option<ClosedLoop>) {
+    /// Queues the open loop's releases; a closed loop releases its first requests now and keeps
+    /// the rest, one to release per end.
+    fn start(self, clock: &Arc<VirtualClock>) -> (Arc<Releaser>, Ends) {
         let SimReleases { entries, selection, mode, cancel, sampling, completions } = self;
         let (total, warmup) = (selection.requests.len(), selection.warmup);
         let releaser = Arc::new(Releaser { entries, total, warmup, cancel, sampling });
@@ -159,41 +174,29 @@ impl SimReleases {
             for request in first {
                 releaser.release(clock, request);
             }
-            if requests.is_empty() {
-                releaser.entries.close();
-            }
-            return (releaser, Some(ClosedLoop { left: requests, completions }));
+            return (releaser, Ends { left: requests, closed_loop: true, completions, ended: 0, closed: false });
         };
-        let mut last = 0;
         for (request, offset) in requests.into_iter().zip(offsets) {
-            let at = offset.as_nanos() as u64;
-            last = last.max(at);
             let (r, c) = (releaser.clone(), clock.clone());
-            clock.at(at, request.id, Box::new(move || r.release(&c, request)));
+            clock.at(offset.as_nanos() as u64, request.id, Box::new(move || r.release(&c, request)));
         }
-        let entries = releaser.entries.clone();
-        clock.at(last, u64::MAX, Box::new(move || entries.close()));
-        (releaser, None)
+        (releaser, Ends { left: VecDeque::new(), closed_loop: false, completions, ended: 0, closed: false })
     }
 }
 
-impl ClosedLoop {
-    /// One release now for each completion the collector reported.
+impl Ends {
+    /// Takes the ends the collector reported: a closed loop releases one request now for each;
+    /// the entry pools close once every request has ended.
     fn on_completions(&mut self, releaser: &Arc<Releaser>, clock: &Arc<VirtualClock>) {
         while self.completions.try_recv().is_ok() {
-            let Some(request) = self.left.pop_front() else { continue };
+            self.ended += 1;
+            let Some(request) = self.left.pop_front().filter(|_| self.closed_loop) else { continue };
             let (r, c) = (releaser.clone(), clock.clone());
-            let last = self.left.is_empty();
-            clock.at(
-                clock.now_ns(),
-                request.id,
-                Box::new(move || {
-                    r.release(&c, request);
-                    if last {
-                        r.entries.close();
-                    }
-                }),
-            );
+            clock.at(clock.now_ns(), request.id, Box::new(move || r.release(&c, request)));
+        }
+        if !self.closed && self.ended >= releaser.total {
+            releaser.entries.close();
+            self.closed = true;
         }
     }
 }
@@ -302,6 +305,10 @@ pub fn lockstep(clock: Arc<VirtualClock>, pools: &[(String, usize)]) -> (Lockste
 
 /// Starts the stepper: it takes every worker's line, releases the workload and steps the run on
 /// the virtual clock until every pool has ended; returns the `kv_usage` timeline. A run whose
+/// How long a simulated run with nothing due and nothing running waits (wall time) for a pool's
+/// end to reach the pools after it before it is called stalled.
+const ENDING_GRACE: Duration = Duration::from_millis(250);
+
 /// pools wait on nothing due stalls: `on_stall` hears why.
 pub fn spawn_stepper(
     job: StepperJob,
@@ -316,10 +323,11 @@ pub fn spawn_stepper(
         let place = |l: &WorkerLine| (pools.iter().position(|p| *p == l.pool), l.index);
         lines.sort_by_key(place);
         let started = Instant::now();
-        let (releaser, mut closed_loop) = releases.start(&clock);
+        let (releaser, mut ends) = releases.start(&clock);
         let mut samples = KvSamples::default();
         let mut next_sample_ns = 0u64;
         let mut ended = vec![false; lines.len()];
+        let mut quiet_since = None;
         loop {
             let mut active = false;
             for (line, ended) in lines.iter().zip(ended.iter_mut()).filter(|(_, e)| !**e) {
@@ -331,8 +339,9 @@ pub fn spawn_stepper(
             if ended.iter().all(|e| *e) {
                 break;
             }
-            if let Some(cl) = closed_loop.as_mut() {
-                cl.on_completions(&releaser, &clock);
+            ends.on_completions(&releaser, &clock);
+            if active {
+                quiet_since = None;
             }
             if active && !advance_while_busy {
                 continue;
@@ -340,6 +349,13 @@ pub fn spawn_stepper(
             // Nothing more happens at this instant: on to the next event.
             let Some(due) = clock.next_due_ns() else {
                 if active {
+                    continue;
+                }
+                // A pool that ended closes the pools after it from its joiner's thread: a
+                // moment of wall time for that before the run is called stalled (the virtual
+                // clock stands still meanwhile, so the run's figures do not depend on it).
+                if quiet_since.get_or_insert_with(Instant::now).elapsed() < ENDING_GRACE {
+                    std::thread::sleep(Duration::from_millis(1));
                     continue;
                 }
                 let mut waiting: Vec<&str> =

@@ -127,7 +127,7 @@ pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result
     }
     super::report::report_as_requests_end(graph, opts, &model, &collector)?;
     let (batches, collector_thread) = spawn_collector_thread(collector.clone())?;
-    let mut wiring = wire(graph, opts, &pools, &model, &batches)?;
+    let mut wiring = wire(graph, opts, &pools, &model, &batches, clock.as_ref())?;
     // New requests enter the entry pools; the pools downstream of them close once every entry
     // pool has ended (cancels reach them through the entry pools' ranks, or directly).
     let decode_first = links::decode_first(graph, &pools);
@@ -210,6 +210,7 @@ fn wire(
     pools: &[&crate::graph::PoolConfig],
     model: &Model,
     batches: &Sender<EventBatch>,
+    clock: Option<&Arc<VirtualClock>>,
 ) -> Result<Wiring> {
     let stall_timeout = opts.stall_timeout.unwrap_or(Duration::from_secs(60));
     let remote_events = |to: &str| -> Box<dyn EventSink + Send> {
@@ -223,6 +224,7 @@ fn wire(
         accept_missing_pieces: opts.switches.accept_missing_pieces,
         serve_any_producer: opts.switches.serve_any_producer,
         relay: None,
+        clock: clock.cloned(),
     };
     links::wire(graph, pools, model, &wire_options)
 }

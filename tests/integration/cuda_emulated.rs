@@ -910,6 +910,7 @@ fn a_handoff_between_cuda_ranks_on_one_device_goes_device_to_device() {
         to: None,
         recycle: None,
         on_drop: Default::default(),
+        simulated: None,
     });
     // what a tcp sender streams: a layer at a time (through pinned staging, each layer handed on
     // while the next is copied out), cut into pieces, the bytes of the whole read

@@ -163,6 +163,7 @@ fn a_handoff_between_executors_continues_bit_identically_on_every_family() {
             to: None,
             recycle: None,
             on_drop: Default::default(),
+            simulated: None,
         });
         // Consumer: other block ids and another slot.
         let decode_from = |handoff: Arc<Handoff>| {

@@ -354,7 +354,7 @@ impl CpuStepRunner {
                 if e.copy_out {
                     let mut kv = Vec::new();
                     cache.kv.export_blocks(&e.blocks, &mut kv);
-                    return Exported { key: e.key, kv, source: None, state };
+                    return Exported { key: e.key, kv, source: None, state, simulated: None };
                 }
                 let source = KvSource {
                     store: BlockStore::Host(self.cache.clone()),
@@ -362,7 +362,7 @@ impl CpuStepRunner {
                     floats_per_block,
                     marks: None,
                 };
-                Exported { key: e.key, kv: Vec::new(), source: Some(source), state }
+                Exported { key: e.key, kv: Vec::new(), source: Some(source), state, simulated: None }
             })
             .collect()
     }

@@ -153,6 +153,7 @@ impl CudaExecutor {
                     marks: None,
                 }),
                 state: None,
+                simulated: None,
             });
         }
         Ok((exports, states_out))

@@ -26,6 +26,7 @@ use crate::sim::roofline::{step_seconds, Efficiency, Hardware, ModelShape};
 use crate::sim::table::MeasuredTable;
 use crate::sim::StepShape;
 use crate::step::{DraftCheck, Exported, Sampled, StepCompletion, StepLaunch};
+use crate::transfer::SimulatedPayload;
 use kvflow_kernels::hash;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -140,6 +141,7 @@ impl ExecutorKind for SimKind {
             seed: s.seed,
             acceptance: s.draft_acceptance,
             mtp_drafts: ctx.mtp_drafts,
+            state_floats: if ctx.layout.keeps_state { ctx.model.state_width() } else { 0 },
             order: ctx.rank as u64,
             host_free_ns: 0,
             device_free_ns: 0,
@@ -159,6 +161,8 @@ pub struct SimExecutor {
     seed: u64,
     acceptance: f64,
     mtp_drafts: usize,
+    /// The floats of a state slot an export would copy (0 without recurrent state).
+    state_floats: usize,
     order: u64,
     /// When the host has launched the last step: the next launch starts then at the earliest.
     host_free_ns: u64,
@@ -228,9 +232,13 @@ impl Executor for SimExecutor {
         self.device_free_ns = end;
         self.busy_ns += took;
         let mut completion = StepCompletion::of(step.step, Ok(self.sampled(step)));
-        // What a step copies out carries no KV here: nothing was computed.
-        completion.exports =
-            step.exports.iter().map(|e| Exported { key: e.key, kv: Vec::new(), source: None, state: None }).collect();
+        // What a step copies out carries no bytes here (nothing was computed), only its sizes.
+        let simulated = Some(SimulatedPayload { state_floats: self.state_floats });
+        completion.exports = step
+            .exports
+            .iter()
+            .map(|e| Exported { key: e.key, kv: Vec::new(), source: None, state: None, simulated })
+            .collect();
         self.in_flight.push_back((end, completion));
         let waker = self.waker.clone();
         self.clock.at(end, self.order, Box::new(move || waker.wake()));

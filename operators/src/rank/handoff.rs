@@ -20,7 +20,7 @@ use super::Rank;
 use crate::messages::{wall_ms, Admission, AdmissionKind, Event};
 use crate::policy::sequence::{ConsumerState, ProducerState, RequestKind, Sequence};
 use crate::step::SeqKey;
-use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, Taken, TransferId};
+use crate::transfer::{AckQueue, EventRelay, Handoff, HandoffInbox, HandoffSink, SimulatedPayload, Taken, TransferId};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
@@ -160,12 +160,12 @@ impl Rank {
                 return None;
             }
         };
-        if self.memory.layout.keeps_state != h.state.is_some() {
+        if self.memory.layout.keeps_state != h.carries_state() {
             // All or nothing: KV without the recurrent state (or state this model does not keep)
             // is refused, never run on a zeroed half.
             let why = format!(
                 "the handoff carries {} state slot, but this model {} one (all-or-nothing state)",
-                if h.state.is_some() { "a" } else { "no" },
+                if h.carries_state() { "a" } else { "no" },
                 if self.memory.layout.keeps_state { "needs" } else { "has no" }
             );
             self.memory.release_reserved(a.id);
@@ -305,7 +305,7 @@ impl Rank {
             skip_blocks,
             kv_blocks,
             floats_per_block: match (&exported.source, kv_blocks - streamed_blocks.min(kv_blocks)) {
-                _ if !streamed.is_empty() => out.kv_layers.iter().sum(),
+                _ if !streamed.is_empty() || exported.simulated.is_some() => out.kv_layers.iter().sum(),
                 (_, 0) => 0,
                 (Some(source), _) => source.floats_per_block,
                 (None, n) => exported.kv.len() / n,
@@ -320,6 +320,9 @@ impl Rank {
             to: back_to,
             recycle: None,
             on_drop: Default::default(),
+            simulated: exported.simulated.map(|s| SimulatedPayload {
+                state_floats: if self.switches.handoff_without_state { 0 } else { s.state_floats },
+            }),
         };
         let bytes = handoff.payload_bytes();
         self.stats.handoff_saved_bytes += 4 * (skip_blocks * handoff.floats_per_block) as u64;

@@ -15,6 +15,7 @@ use super::{Handoff, KvPiece, LinkRate, TransferId};
 use crate::messages::{Admission, AdmissionKind, BackTo};
 use crate::pool::admit::Ingress;
 use crate::pool::wake::RankWaker;
+use crate::sim::clock::VirtualClock;
 use kvflow_kernels::hash;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet};
@@ -304,7 +305,14 @@ pub struct InprocLinks {
     pub stream_min_tokens: Vec<Option<usize>>,
     pub faults: Faults,
     pub counters: Arc<TransferCounters>,
+    /// Backend `sim`: the simulated run's clock, on which a handoff arrives when its bytes would
+    /// have moved (`None`: `inproc`, on the wall clock).
+    pub clock: Option<Arc<VirtualClock>>,
 }
+
+/// Where a simulated handoff's arrival falls among the events of one virtual instant: after
+/// the steps' completions (ordered by rank).
+const ARRIVAL_ORDER: u64 = 1 << 32;
 
 impl HandoffSink for InprocLinks {
     fn send(&self, h: Handoff, ack: Arc<AckQueue>) -> Result<String, String> {
@@ -335,9 +343,30 @@ impl HandoffSink for InprocLinks {
         } else {
             1
         };
+        let rate = self.rates.get(link).and_then(Option::as_ref);
+        if let Some(clock) = &self.clock {
+            // Simulated: it arrives when the virtual clock reaches the end of its transfer.
+            let now = clock.now_ns();
+            let mut due = rate.map_or(now, |rate| rate.reserve_virtual(now, h.unstreamed_bytes()));
+            if self.faults.strikes(Fault::Delay, h.request, 0) {
+                TransferCounters::bump(&self.counters.delayed);
+                due += self.faults.delay.as_nanos() as u64;
+            }
+            let (to, name) = (to.clone(), to.name.clone());
+            clock.at(
+                due,
+                ARRIVAL_ORDER,
+                Box::new(move || {
+                    for _ in 0..copies {
+                        to.deliver(h.clone(), ack.clone());
+                    }
+                }),
+            );
+            return Ok(name);
+        }
         // Held back until its bytes would have left at the link's rate, and by a delay fault.
         // (Its pieces went at their own time: what is left moves now.)
-        let mut due = self.rates.get(link).and_then(Option::as_ref).map(|rate| rate.reserve(h.unstreamed_bytes()));
+        let mut due = rate.map(|rate| rate.reserve(h.unstreamed_bytes()));
         if self.faults.strikes(Fault::Delay, h.request, 0) {
             TransferCounters::bump(&self.counters.delayed);
             due = Some(due.unwrap_or_else(Instant::now) + self.faults.delay);

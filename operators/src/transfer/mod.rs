@@ -82,6 +82,16 @@ pub struct Handoff {
     /// Runs when the handoff is dropped: a consumer reading `source` in place acks then — it
     /// no longer needs the producer's blocks.
     pub on_drop: OnDrop,
+    /// A simulated run's handoff (executor `sim`): its sizes without its bytes (`kv` is empty
+    /// and `state` is `None`; `kv_blocks` and `floats_per_block` say what it would move).
+    pub simulated: Option<SimulatedPayload>,
+}
+
+/// What a simulated handoff would carry beside its KV blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimulatedPayload {
+    /// The state slot's floats (0 for a model without recurrent state).
+    pub state_floats: usize,
 }
 
 impl Handoff {
@@ -133,7 +143,13 @@ impl Handoff {
 
     /// Bytes of its payload (KV and state), the streamed pieces' included.
     pub fn payload_bytes(&self) -> u64 {
-        4 * (self.kv_blocks * self.floats_per_block + self.state.as_ref().map_or(0, Vec::len)) as u64
+        let state = self.simulated.map_or(self.state.as_ref().map_or(0, Vec::len), |s| s.state_floats);
+        4 * (self.kv_blocks * self.floats_per_block + state) as u64
+    }
+
+    /// Whether it carries the request's state slot (a simulated one: would carry).
+    pub fn carries_state(&self) -> bool {
+        self.state.is_some() || self.simulated.is_some_and(|s| s.state_floats > 0)
     }
 
     /// Bytes it moves after its pieces (what is left to send at T0).

@@ -6,6 +6,9 @@
 //! [`CREDIT`] of idle time: what a send loses to oversleeping or to writing its bytes is made up
 //! by the next, so a link keeps its rate at 10–400 Gbit/s as at 100 MB/s, and an idle link still
 //! lets no more than that burst go at once.
+//!
+//! A simulated run's link (backend `sim`) keeps the same queue on the virtual clock
+//! (`reserve_virtual`), without the credit: nothing oversleeps there.
 
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
@@ -19,12 +22,22 @@ pub struct LinkRate {
     bytes_per_s: f64,
     /// When the bytes reserved so far have all left.
     free_at: Mutex<Instant>,
+    /// The same on a simulated run's virtual clock, in ns.
+    free_at_ns: Mutex<u64>,
 }
 
 impl LinkRate {
     /// A link that moves `bytes_per_s` bytes a second (> 0).
     pub fn new(bytes_per_s: f64) -> Self {
-        LinkRate { bytes_per_s, free_at: Mutex::new(Instant::now()) }
+        LinkRate { bytes_per_s, free_at: Mutex::new(Instant::now()), free_at_ns: Mutex::new(0) }
+    }
+
+    /// Reserves the link for `bytes` at virtual instant `now_ns`, after what was reserved
+    /// before; returns the virtual instant they have left.
+    pub fn reserve_virtual(&self, now_ns: u64, bytes: u64) -> u64 {
+        let mut free_at = self.free_at_ns.lock();
+        *free_at = (*free_at).max(now_ns) + (bytes as f64 / self.bytes_per_s * 1e9).round() as u64;
+        *free_at
     }
 
     /// Reserves the link for `bytes`, after what was reserved before; returns when they have
@@ -60,6 +73,14 @@ mod tests {
         let (a, b) = (first - started, second - started);
         assert!(a >= Duration::from_millis(100) && a < Duration::from_millis(150), "{a:?}");
         assert!(b >= Duration::from_millis(150) && b < Duration::from_millis(200), "{b:?}: after the first");
+    }
+
+    #[test]
+    fn on_the_virtual_clock_sends_queue_behind_each_other_and_an_idle_link_starts_afresh() {
+        let rate = LinkRate::new(1e9); // 1 GB/s: a byte a ns
+        assert_eq!(rate.reserve_virtual(1_000, 500), 1_500);
+        assert_eq!(rate.reserve_virtual(1_200, 300), 1_800, "behind the first");
+        assert_eq!(rate.reserve_virtual(5_000, 100), 5_100, "idle meanwhile: no credit, no queue");
     }
 
     #[test]

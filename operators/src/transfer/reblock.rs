@@ -33,6 +33,12 @@ pub fn reblock(h: &Handoff, block_size: usize, kv_rows: &[usize]) -> Result<Hand
     }
     let to_blocks = prompt_len.div_ceil(block_size).saturating_sub(skip);
     let from = h.kv_floats();
+    if h.simulated.is_some() {
+        // sizes without bytes: only the blocks are cut again
+        let mut cut = recut(h, block_size, skip, to_blocks, per_token * block_size, Vec::new());
+        cut.simulated = h.simulated;
+        return Ok(cut);
+    }
     if from.len() != h.kv_blocks * h.floats_per_block {
         return Err(format!(
             "the handoff carries {} KV floats, {} expected",
@@ -51,7 +57,13 @@ pub fn reblock(h: &Handoff, block_size: usize, kv_rows: &[usize]) -> Result<Hand
         from_layer += h.kv_blocks * h.block_size * width;
         to_layer += to_blocks * block_size * width;
     }
-    Ok(Handoff {
+    Ok(recut(h, block_size, skip, to_blocks, per_token * block_size, kv))
+}
+
+/// `h` in blocks of `block_size` tokens: `blocks` of them after the `skip` the consumer holds,
+/// `floats_per_block` each, carrying `kv`.
+fn recut(h: &Handoff, block_size: usize, skip: usize, blocks: usize, floats_per_block: usize, kv: Vec<f32>) -> Handoff {
+    Handoff {
         transfer: h.transfer,
         request: h.request,
         prompt: h.prompt.clone(),
@@ -65,8 +77,8 @@ pub fn reblock(h: &Handoff, block_size: usize, kv_rows: &[usize]) -> Result<Hand
         fingerprint: h.fingerprint,
         block_size,
         skip_blocks: skip,
-        kv_blocks: to_blocks,
-        floats_per_block: per_token * block_size,
+        kv_blocks: blocks,
+        floats_per_block,
         streamed: Vec::new(),
         kv,
         source: None,
@@ -77,7 +89,8 @@ pub fn reblock(h: &Handoff, block_size: usize, kv_rows: &[usize]) -> Result<Hand
         to: h.to,
         recycle: None,
         on_drop: Default::default(),
-    })
+        simulated: None,
+    }
 }
 
 /// [`reblock`] when `h`'s blocks are not the consumer's, else `h` as it is.

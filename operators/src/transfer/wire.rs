@@ -330,6 +330,7 @@ pub(crate) mod tests {
             to: None,
             recycle: None,
             on_drop: Default::default(),
+            simulated: None,
         }
     }
 

@@ -45,7 +45,7 @@ impl Validator<'_> {
                 })
             })?;
             let spread = pools.iter().find(|p| p.name == from && p.hosts.len() > 1);
-            if let (Some(p), TransferBackend::Inproc) = (spread, backend) {
+            if let (Some(p), TransferBackend::Inproc | TransferBackend::Sim) = (spread, backend) {
                 return Err(self.error(
                     "link.backend",
                     link.backend.as_ref().map(Spanned::span).or(Some(spanned.span())),
@@ -57,14 +57,14 @@ impl Validator<'_> {
                 ));
             }
             let endpoint = match (backend, &link.endpoint) {
-                (TransferBackend::Inproc, None) => None,
-                (TransferBackend::Inproc, Some(endpoint)) => {
+                (TransferBackend::Inproc | TransferBackend::Sim, None) => None,
+                (TransferBackend::Inproc | TransferBackend::Sim, Some(endpoint)) => {
                     let defaulted = if link.backend.is_none() { " (the default)" } else { "" };
                     return Err(self.error(
                         "link.endpoint",
                         Some(endpoint.span()),
                         format!(
-                            "the backend is \"inproc\"{defaulted}, which has no endpoint: both pools run in one \
+                            "the backend is \"{backend}\"{defaulted}, which has no endpoint: both pools run in one \
                              process; remove it, or set backend = \"tcp\""
                         ),
                     ));

@@ -580,6 +580,7 @@ fn handoff_of(
         to: d.to_rank.map(|rank| crate::messages::BackTo { link: 0, rank, skip_tokens: d.to_skip_tokens }),
         recycle: Some(recycler.clone()),
         on_drop: Default::default(),
+        simulated: None,
         prompt: d.prompt,
         max_output_tokens: d.max_output_tokens,
         warmup: d.warmup,
