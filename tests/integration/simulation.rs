@@ -103,6 +103,59 @@ fn a_guarantee_switch_changes_a_simulated_run_as_it_changes_a_real_one() {
     }
 }
 
+/// One prefill and one decode pool of `executor`, joined by a link of `backend` at `bandwidth`.
+fn one_p_one_d(executor: &str, backend: &str, bandwidth: &str) -> String {
+    let pool =
+        |name: &str| format!("[[pool]]\nname = \"{name}\"\nrole = \"{name}\"\nranks = 1\nexecutor = \"{executor}\"\n");
+    format!(
+        "{}{}[[link]]\nfrom = \"prefill\"\nto = \"decode\"\nbackend = \"{backend}\"\nbandwidth = \"{bandwidth}\"\n",
+        pool("prefill"),
+        pool("decode")
+    )
+}
+
+/// P/D under simulation: the engine's own handoff path (export, link, inbox, take, ack) with
+/// `sim` links whose transfers take the virtual clock's time for their bytes at the link's
+/// bandwidth — a link ten times slower moves each handoff about ten times longer — and the
+/// all-or-nothing state rule refuses a handoff without its state half as in a real run.
+#[test]
+fn a_simulated_disaggregated_run_moves_its_handoffs_at_the_links_bandwidth() {
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 12";
+    let mut mean_ms = Vec::new();
+    for bandwidth in ["50 MB/s", "5 MB/s"] {
+        let dir = tempfile::tempdir().unwrap();
+        let g = graph(dir.path(), workload, &one_p_one_d("sim", "sim", bandwidth));
+        run_ok(&g, &[]);
+        let r = report_in(&dir.path().join("out"));
+        assert_eq!(r["completed"], 12, "{r}");
+        assert_eq!(r["handoff"]["backend"], "sim");
+        assert_eq!(r["handoff"]["count"], 12, "every request handed off: {r}");
+        assert!(r["handoff"]["bytes"].as_u64().unwrap() > 0, "the handoffs' sizes are counted: {r}");
+        assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{r}");
+        mean_ms.push(r["handoff"]["mean_ms"].as_f64().unwrap());
+    }
+    assert!(mean_ms[0] > 0.0 && mean_ms[1] > 8.0 * mean_ms[0], "a handoff takes its bytes' time: {mean_ms:?}");
+    // The same refusal as a real run's (tests/integration/disaggregated.rs), from the same code.
+    let dir = tempfile::tempdir().unwrap();
+    let g = graph(dir.path(), workload, &one_p_one_d("sim", "sim", "50 MB/s"));
+    let out = kvflow(&["run", g.to_str().unwrap(), "--test-switch", "handoff-without-state"]);
+    assert!(!out.status.success(), "the requests fail");
+    let r = report_in(&dir.path().join("out"));
+    assert_eq!(r["completed"], 0, "{r}");
+    for rec in records_in(&dir.path().join("out")) {
+        assert_eq!(rec["failure"], "handoff", "{rec}");
+        assert!(rec["error"].as_str().unwrap().contains("all-or-nothing"), "{rec}");
+    }
+    // A simulated run's links are `sim` links, and a `sim` link runs only in a simulated run.
+    let g = graph(dir.path(), workload, &one_p_one_d("sim", "inproc", "50 MB/s"));
+    assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), &["link prefill → decode", "backend = \"sim\""]);
+    let g = graph(dir.path(), workload, &one_p_one_d("cpu", "sim", "50 MB/s"));
+    assert_clean_failure(
+        &kvflow(&["run", g.to_str().unwrap()]),
+        &["backend \"sim\" links run only in a simulated run"],
+    );
+}
+
 /// A pool that can never end (a capability held forever) stalls a simulated run: nothing is
 /// due, so the stepper names it at once instead of waiting for the watchdog's timeout.
 #[test]
