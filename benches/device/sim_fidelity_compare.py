@@ -1,6 +1,7 @@
 """Compares a real run with its simulation (benches/device/sim_fidelity.sh): the report's
 figures side by side with their ratio, then the steps of both step logs (`[report] steps`,
-matched by pool, rank and step) by kind — each step's service time (its completion less the
+matched by pool, rank and launch order: step numbers count the pool's empty steps too, which
+differ between the two clocks) by kind — each step's service time (its completion less the
 later of its launch and the completion before it) and the host's gaps (a launch after the
 completion before it) — so a mispriced kind of step shows.
 
@@ -36,15 +37,15 @@ def steps(path):
         e = json.loads(line)
         by_rank.setdefault((e["pool"], e["rank"]), []).append(e)
     timed = {}
-    for entries in by_rank.values():
+    for (pool, rank), entries in by_rank.items():
         entries.sort(key=lambda e: e["step"])
         before = None
-        for e in entries:
+        for n, e in enumerate(entries):
             if e["done_ms"] is None:
                 continue
             start = e["launched_ms"] if before is None else max(e["launched_ms"], before)
             gap = 0.0 if before is None else max(0.0, e["launched_ms"] - before)
-            timed[(e["pool"], e["rank"], e["step"])] = (e, e["done_ms"] - start, gap)
+            timed[(pool, rank, n)] = (e, e["done_ms"] - start, gap)
             before = e["done_ms"]
     return timed
 
@@ -54,7 +55,8 @@ def kind(e):
     if p == 0:
         return f"decode rows {'1-4' if r <= 4 else '5-16' if r <= 16 else '17+'}"
     size = "<=256" if p <= 256 else "<=1024" if p <= 1024 else ">1024"
-    return f"{'mixed' if r else 'prefill'} {size} tok"
+    prefix = e.get("prefill_prefix_positions", 0) / p
+    return f"{'mixed' if r else 'prefill'} {size} tok, prefix {'<4k' if prefix < 4096 else '>=4k'}"
 
 
 def compare_steps(real, sim):
@@ -76,14 +78,14 @@ def compare_steps(real, sim):
         k[3].append(s_gap)
     print(f"steps matched: {sum(len(k[0]) for k in kinds.values())} (real {len(real)}, simulated {len(sim)}); "
           f"shapes differing: {shapes_differ}")
-    print(f"{'kind':<22} {'steps':>6} {'real ms':>9} {'sim ms':>9} {'sim/real':>9} {'real gap':>9} {'sim gap':>9}")
+    print(f"{'kind':<34} {'steps':>6} {'real ms':>9} {'sim ms':>9} {'sim/real':>9} {'real gap':>9} {'sim gap':>9}")
     total = [0.0, 0.0]
     for name in sorted(kinds):
         r, s, rg, sg = kinds[name]
         total[0] += sum(r)
         total[1] += sum(s)
         mr, ms = statistics.mean(r), statistics.mean(s)
-        print(f"{name:<22} {len(r):>6} {mr:>9.3f} {ms:>9.3f} {ms / mr if mr else 0:>9.3f} "
+        print(f"{name:<34} {len(r):>6} {mr:>9.3f} {ms:>9.3f} {ms / mr if mr else 0:>9.3f} "
               f"{statistics.mean(rg):>9.3f} {statistics.mean(sg):>9.3f}")
     print(f"service time, all steps: real {total[0]:.0f} ms, simulated {total[1]:.0f} ms "
           f"({total[1] / total[0] if total[0] else 0:.3f})")

@@ -32,6 +32,18 @@ pub const REQUEST_IDS: u64 = 100;
 
 impl Requests {
     fn seq<'a>(&'a self, i: usize, known: &'a [u32], deferred: Option<u64>, start_pos: usize) -> SeqStep<'a> {
+        self.chunk(i, known, deferred, start_pos, true)
+    }
+
+    /// Sequence `i`'s step over `known` from `start_pos`, sampling at its end or not.
+    fn chunk<'a>(
+        &'a self,
+        i: usize,
+        known: &'a [u32],
+        deferred: Option<u64>,
+        start_pos: usize,
+        sample: bool,
+    ) -> SeqStep<'a> {
         SeqStep {
             sampler: Sampler::new(self.sampling, REQUEST_IDS + i as u64),
             next_prompt_token: None,
@@ -43,7 +55,7 @@ impl Requests {
             block_table: &self.tables[i],
             slot: self.slots.as_ref().map(|s| s[i] as _),
             prompt_len: self.prompts[i].len(),
-            sample: true,
+            sample,
         }
     }
 }
@@ -120,14 +132,22 @@ impl CudaBatch {
         &self.reqs.prompts[i]
     }
 
-    /// Launches the next step over `seqs` (built from the batch's requests).
-    fn launch(ex: &mut CudaExecutor, reqs: &Requests, step: u64, seqs: &[SeqStep<'_>], before: &[StateOp]) {
+    /// Launches the next step over `seqs` (built from the batch's requests; each samples when
+    /// `sampling`).
+    fn launch(
+        ex: &mut CudaExecutor,
+        reqs: &Requests,
+        step: u64,
+        seqs: &[SeqStep<'_>],
+        before: &[StateOp],
+        sampling: bool,
+    ) {
         let l = StepLaunch {
             step,
             before,
             after: &[],
             applied_through: None,
-            sampling: &reqs.keys,
+            sampling: if sampling { &reqs.keys } else { &[] },
             batch: &SeqSlice(seqs),
             imports: &[],
             exports: &[],
@@ -151,13 +171,42 @@ impl CudaBatch {
     /// Prefills every prompt in one step (their slots zeroed first) and waits for its tokens;
     /// returns the seconds from launch to the last token.
     pub fn prefill(&mut self) -> Result<f64> {
+        self.prefill_span(0, usize::MAX)
+    }
+
+    /// Prefills the first `prefix` tokens of every prompt in one step (their slots zeroed
+    /// first), sampling nothing, and waits for it.
+    pub fn prefill_prefix(&mut self, prefix: usize) -> Result<()> {
+        self.prefill_span(0, prefix).map(|_| ())
+    }
+
+    /// Computes every prompt's tokens after the first `prefix` (cached by `prefill_prefix`) in
+    /// one step and waits for its tokens; returns the seconds from launch to the last token.
+    /// Again and again if asked: each time writes the same positions (a model with recurrent
+    /// state runs on from where it was: the same work).
+    pub fn prefill_rest(&mut self, prefix: usize) -> Result<f64> {
+        self.prefill_span(prefix, usize::MAX)
+    }
+
+    /// One step over every prompt's tokens `from..to` (slots zeroed first when `from` is 0;
+    /// sampling at the prompt's end only), waited for; the seconds from launch to completion.
+    fn prefill_span(&mut self, from: usize, to: usize) -> Result<f64> {
         let t = Instant::now();
         let reqs = &self.reqs;
-        let zero: Vec<StateOp> = reqs.slots.iter().flatten().map(|&slot| StateOp::Zero { slot: slot as _ }).collect();
-        let seqs: Vec<SeqStep<'_>> = (0..reqs.keys.len()).map(|i| reqs.seq(i, &reqs.prompts[i], None, 0)).collect();
+        let zero: Vec<StateOp> = match from {
+            0 => reqs.slots.iter().flatten().map(|&slot| StateOp::Zero { slot: slot as _ }).collect(),
+            _ => Vec::new(),
+        };
+        let whole = to >= reqs.prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let seqs: Vec<SeqStep<'_>> = (0..reqs.keys.len())
+            .map(|i| {
+                let prompt = &reqs.prompts[i];
+                reqs.chunk(i, &prompt[from.min(prompt.len())..to.min(prompt.len())], None, from, whole)
+            })
+            .collect();
         self.step += 1;
         let host = Instant::now();
-        Self::launch(&mut self.ex, reqs, self.step, &seqs, &zero);
+        Self::launch(&mut self.ex, reqs, self.step, &seqs, &zero, whole);
         self.launch_seconds += host.elapsed().as_secs_f64();
         drop(seqs);
         let mut done = Vec::new();
@@ -192,7 +241,7 @@ impl CudaBatch {
                 .collect();
             self.step += 1;
             let host = Instant::now();
-            Self::launch(&mut self.ex, reqs, self.step, &seqs, &[]);
+            Self::launch(&mut self.ex, reqs, self.step, &seqs, &[], true);
             self.launch_seconds += host.elapsed().as_secs_f64();
             drop(seqs);
             self.decoded += 1;

@@ -203,8 +203,9 @@ pub enum BenchCommand {
         tune: Vec<String>,
     },
     /// The step table a simulated run prices steps with (executor "sim", executor_settings.table):
-    /// decode steps over rows × context and prefill steps over prompt tokens, measured on the GPU
-    /// with the cuda executor as a rank drives it, written as JSON.
+    /// decode steps over rows × context and prefill chunks over tokens × cached prefix, measured
+    /// on the GPU with the cuda executor as a rank drives it, with the host's launch and the
+    /// engine's own time a step, written as JSON.
     Calibrate {
         /// A checkpoint folder, a llama GGUF file or a TOML model spec.
         #[arg(long)]
@@ -214,9 +215,12 @@ pub enum BenchCommand {
         /// The products' weights and the KV cache: float32 or bfloat16.
         #[arg(long, default_value = "bfloat16", value_parser = ["float32", "bfloat16"])]
         dtype: String,
-        /// Prompt tokens of the prefill points (increasing).
+        /// Tokens of the prefill chunks (increasing).
         #[arg(long, value_delimiter = ',', default_value = "16,64,256,1024,4096", value_parser = flags::count)]
         prefill: Vec<usize>,
+        /// Positions cached before a prefill chunk (increasing, from 0).
+        #[arg(long, value_delimiter = ',', default_value = "0,1024,4096,16384")]
+        prefix: Vec<usize>,
         /// Decode rows of the decode points (increasing).
         #[arg(long, value_delimiter = ',', default_value = "1,4,16,64", value_parser = flags::count)]
         rows: Vec<usize>,
@@ -306,13 +310,14 @@ pub fn run(what: BenchCommand) -> Result<()> {
             let shapes = if shapes.is_empty() { vec![bench::speed::Shape { batch, prompt }] } else { shapes };
             bench::speed::run(&bench::speed::SpeedBenchArgs { model, gpu, shapes, steps, baseline, emulate, dtypes })
         }
-        BenchCommand::Calibrate { model, gpu, dtype, prefill, rows, context, steps, out, emulate } => {
+        BenchCommand::Calibrate { model, gpu, dtype, prefill, prefix, rows, context, steps, out, emulate } => {
             let dtype = kvflow_kernels::cuda::Dtype::parse(&dtype).ok_or_else(|| anyhow::anyhow!("--dtype {dtype}"))?;
             bench::calibrate::run(&bench::calibrate::CalibrateArgs {
                 model,
                 gpu,
                 dtype,
                 prefill,
+                prefix,
                 rows,
                 context,
                 steps,

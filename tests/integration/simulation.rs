@@ -56,7 +56,8 @@ fn two_simulated_runs_of_one_seed_write_byte_identical_reports_and_another_seed_
 fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
     let dir = tempfile::tempdir().unwrap();
     let table = dir.path().join("steps.json");
-    let json = r#"{"prefill_tokens": [0, 4096], "decode_rows": [0, 256], "context": [0, 65536], "seconds": [0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01]}"#;
+    let json = r#"{"decode_rows": [1, 256], "context": [0, 65536], "decode_seconds": [0.01, 0.01, 0.01, 0.01],
+        "prefill_tokens": [1, 4096], "prefill_prefix": [0, 65536], "prefill_seconds": [0.01, 0.01, 0.01, 0.01]}"#;
     std::fs::write(&table, json).unwrap();
     let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
     let g = graph(dir.path(), workload, &pool(2, "sim", &format!("table = {:?}", table.display().to_string())));
@@ -78,9 +79,10 @@ fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
         "without the rule the timing drifts: TPOT p50 {tpot}, TTFT p50 {first} against {ttft}"
     );
     // A table that cannot price steps is refused, naming the setting.
-    std::fs::write(&table, r#"{"prefill_tokens": [0], "decode_rows": [0], "context": [0], "seconds": []}"#).unwrap();
+    let json = json.replace("\"decode_seconds\": [0.01, 0.01, 0.01, 0.01]", "\"decode_seconds\": [0.01]");
+    std::fs::write(&table, json).unwrap();
     let out = kvflow(&["run", g.to_str().unwrap()]);
-    assert_clean_failure(&out, &["executor_settings.table", "1 points"]);
+    assert_clean_failure(&out, &["executor_settings.table", "`decode_seconds` holds 1 times for a grid of 4 points"]);
 }
 
 /// The simulator runs the engine's operators, not a model of them: the accounting switch that

@@ -14,8 +14,12 @@ pub struct StepShape {
     /// Prompt tokens computed, over how many rows.
     pub prefill_tokens: usize,
     pub prefill_rows: usize,
-    /// Rows decoding one token each.
+    /// Positions cached before each prompt token's chunk, summed over the prompt tokens (a
+    /// chunk of `n` tokens from position `s` adds `n · s`).
+    pub prefill_prefix_positions: usize,
+    /// Rows decoding one token each, and the positions they read, summed over them.
     pub decode_rows: usize,
+    pub decode_context_positions: usize,
     /// KV positions the step reads, summed over its rows (each row's context at its end).
     pub context_positions: usize,
     /// Positions attended, summed over the step's tokens (each token's own context).
@@ -37,9 +41,11 @@ impl StepShape {
             shape.attended_positions += (end * (end + 1) - start * (start + 1)) / 2;
             if len == 1 && start >= seq.prompt_len.saturating_sub(1) && seq.drafts.is_empty() {
                 shape.decode_rows += 1;
+                shape.decode_context_positions += end;
             } else {
                 shape.prefill_tokens += len;
                 shape.prefill_rows += 1;
+                shape.prefill_prefix_positions += len * start;
             }
         }
         shape
@@ -47,7 +53,13 @@ impl StepShape {
 
     /// `rows` decodes whose contexts sum to `context` positions.
     pub fn decode(rows: usize, context: usize) -> Self {
-        StepShape { decode_rows: rows, context_positions: context, attended_positions: context, ..Default::default() }
+        StepShape {
+            decode_rows: rows,
+            decode_context_positions: context,
+            context_positions: context,
+            attended_positions: context,
+            ..Default::default()
+        }
     }
 
     /// One prompt chunk of `tokens` tokens ending at position `end`.
@@ -57,6 +69,7 @@ impl StepShape {
         StepShape {
             prefill_tokens: tokens,
             prefill_rows: usize::from(tokens > 0),
+            prefill_prefix_positions: tokens * start,
             context_positions: end,
             attended_positions: attended,
             ..Default::default()

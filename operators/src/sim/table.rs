@@ -1,28 +1,40 @@
-//! The measured step cost (issue 44's calibration): step times measured on a device over a grid of
-//! prefill tokens, decode rows and context per decode row, and a step between grid points priced
-//! by interpolating linearly along each axis (trilinear). Beyond the last point of an axis the
-//! last two points' slope carries on (a larger batch costs more than the largest measured, never
-//! the same); below the first point the first point's value holds.
+//! The measured step cost (issue 44's calibration): step times measured on a device over two
+//! grids — decode steps over rows × context per row, and prefill chunks over tokens × the
+//! positions already cached before the chunk (its prefix: a chunk late in a long prompt attends
+//! to all of them) — and a step between grid points priced by interpolating linearly along each
+//! axis. Beyond the last point of an axis the last two points' slope carries on (a larger batch
+//! costs more than the largest measured, never the same); below the first point the first
+//! point's value holds. A step mixing both is priced as its prefill part plus its decode part
+//! less one pass over the weights (the step reads them once; the lightest decode step stands
+//! for that pass), never below the larger part.
 //!
-//! Beside the device's time, the host's: what launching a step took the rank's thread at each
-//! grid point (`host_seconds`), and what the engine's own operators take a step over the rows it
-//! batches (`engine`, measured with an executor that does no math). A rank's thread does both
-//! one step after another, so a step reaches the device no sooner than they allow.
+//! Beside the device's time, the host's: what launching a step took the rank's thread on each
+//! grid (`*_launch_seconds`, a mixed step's the larger part's: it is one launch), and what the
+//! engine's own operators take a step over the rows it batches (`engine`, measured with an
+//! executor that does no math). A rank's thread does both one step after another, so a step
+//! reaches the device no sooner than they allow.
 
 use super::StepShape;
 
-/// A grid of measured step times, in seconds.
+/// Measured step times, in seconds.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MeasuredTable {
-    pub prefill_tokens: Vec<usize>,
+    /// Decode steps: `decode_seconds[r * context.len() + c]` for `decode_rows[r]` rows of
+    /// `context[c]` positions each.
     pub decode_rows: Vec<usize>,
     pub context: Vec<usize>,
-    /// `seconds[(p * decode_rows.len() + r) * context.len() + c]`.
-    pub seconds: Vec<f64>,
-    /// The host's time to launch the step at each point, indexed as `seconds` (empty: not
+    pub decode_seconds: Vec<f64>,
+    /// Prefill chunks: `prefill_seconds[p * prefill_prefix.len() + x]` for a chunk of
+    /// `prefill_tokens[p]` tokens after `prefill_prefix[x]` cached positions.
+    pub prefill_tokens: Vec<usize>,
+    pub prefill_prefix: Vec<usize>,
+    pub prefill_seconds: Vec<f64>,
+    /// The host's time to launch each point, indexed as the grid's seconds (empty: not
     /// measured, none charged).
     #[serde(default)]
-    pub host_seconds: Vec<f64>,
+    pub decode_launch_seconds: Vec<f64>,
+    #[serde(default)]
+    pub prefill_launch_seconds: Vec<f64>,
     /// The engine's host time a step, over the rows it batches (none: not measured).
     #[serde(default)]
     pub engine: Option<EngineHost>,
@@ -41,86 +53,121 @@ pub struct EngineHost {
 pub enum TableError {
     #[error("axis `{0}` is empty or not strictly increasing")]
     Axis(&'static str),
-    #[error("{got} times for a grid of {expected} points")]
-    Size { expected: usize, got: usize },
-    #[error("time {0} at point {1} is not a finite, non-negative number of seconds")]
-    Time(f64, usize),
+    #[error("`{name}` holds {got} times for a grid of {expected} points")]
+    Size { name: &'static str, expected: usize, got: usize },
+    #[error("`{name}` holds {time} at point {at}: not a finite, non-negative number of seconds")]
+    Time { name: &'static str, time: f64, at: usize },
+}
+
+/// One grid: two axes and a time at each point (`values[i * second.len() + j]`).
+struct Grid<'a> {
+    first: &'a [usize],
+    second: &'a [usize],
+    values: &'a [f64],
+}
+
+impl Grid<'_> {
+    /// The time at (`a`, `b`), interpolated (0 for an empty grid).
+    fn at(&self, a: usize, b: usize) -> f64 {
+        if self.values.is_empty() {
+            return 0.0;
+        }
+        let mut total = 0.0;
+        for (i, wi) in span(self.first, a).weights() {
+            for (j, wj) in span(self.second, b).weights() {
+                total += wi * wj * self.values[i * self.second.len() + j];
+            }
+        }
+        total.max(0.0)
+    }
 }
 
 impl MeasuredTable {
+    fn decode(&self) -> Grid<'_> {
+        Grid { first: &self.decode_rows, second: &self.context, values: &self.decode_seconds }
+    }
+
+    fn prefill(&self) -> Grid<'_> {
+        Grid { first: &self.prefill_tokens, second: &self.prefill_prefix, values: &self.prefill_seconds }
+    }
+
     /// Checks the axes and the times.
     pub fn validate(&self) -> Result<(), TableError> {
-        for (name, axis) in
-            [("prefill_tokens", &self.prefill_tokens), ("decode_rows", &self.decode_rows), ("context", &self.context)]
-        {
+        let axes: [(&'static str, &[usize]); 4] = [
+            ("decode_rows", &self.decode_rows),
+            ("context", &self.context),
+            ("prefill_tokens", &self.prefill_tokens),
+            ("prefill_prefix", &self.prefill_prefix),
+        ];
+        for (name, axis) in axes {
             if axis.is_empty() || axis.windows(2).any(|w| w[0] >= w[1]) {
                 return Err(TableError::Axis(name));
             }
         }
-        let expected = self.prefill_tokens.len() * self.decode_rows.len() * self.context.len();
-        if self.seconds.len() != expected {
-            return Err(TableError::Size { expected, got: self.seconds.len() });
-        }
-        if !self.host_seconds.is_empty() && self.host_seconds.len() != expected {
-            return Err(TableError::Size { expected, got: self.host_seconds.len() });
-        }
+        let (decode, prefill) =
+            (self.decode_rows.len() * self.context.len(), self.prefill_tokens.len() * self.prefill_prefix.len());
+        let mut times: Vec<(&'static str, &[f64], usize, bool)> = vec![
+            ("decode_seconds", &self.decode_seconds, decode, false),
+            ("prefill_seconds", &self.prefill_seconds, prefill, false),
+            ("decode_launch_seconds", &self.decode_launch_seconds, decode, true),
+            ("prefill_launch_seconds", &self.prefill_launch_seconds, prefill, true),
+        ];
         if let Some(engine) = &self.engine {
             if engine.rows.is_empty() || engine.rows.windows(2).any(|w| w[0] >= w[1]) {
                 return Err(TableError::Axis("engine.rows"));
             }
-            if engine.seconds.len() != engine.rows.len() {
-                return Err(TableError::Size { expected: engine.rows.len(), got: engine.seconds.len() });
+            times.push(("engine.seconds", &engine.seconds, engine.rows.len(), false));
+        }
+        for (name, values, expected, optional) in times {
+            if values.len() != expected && !(optional && values.is_empty()) {
+                return Err(TableError::Size { name, expected, got: values.len() });
+            }
+            if let Some((at, &time)) = values.iter().enumerate().find(|(_, s)| !s.is_finite() || **s < 0.0) {
+                return Err(TableError::Time { name, time, at });
             }
         }
-        let engine = self.engine.iter().flat_map(|e| &e.seconds);
-        let times = self.seconds.iter().chain(&self.host_seconds).chain(engine);
-        match times.enumerate().find(|(_, s)| !s.is_finite() || **s < 0.0) {
-            Some((i, s)) => Err(TableError::Time(*s, i)),
-            None => Ok(()),
+        Ok(())
+    }
+
+    /// The device's time for `step` (the table must be valid).
+    pub fn step_seconds(&self, step: &StepShape) -> f64 {
+        let (prefill, decode) = self.parts(step, &self.prefill(), &self.decode());
+        match (step.prefill_tokens > 0, step.decode_rows > 0) {
+            (true, true) => {
+                let weights = self.decode_seconds.iter().copied().fold(f64::INFINITY, f64::min);
+                (prefill + decode - weights).max(prefill.max(decode))
+            }
+            (true, false) => prefill,
+            (false, true) => decode,
+            (false, false) => 0.0,
         }
     }
 
     /// The host's time for `step` on the rank's thread: its launch and the engine's work.
     pub fn host_step_seconds(&self, step: &StepShape) -> f64 {
-        let launch = if self.host_seconds.is_empty() {
-            0.0
-        } else {
-            let context = step.context_positions.checked_div(step.decode_rows).unwrap_or(0);
-            interpolate(self, &self.host_seconds, step.prefill_tokens, step.decode_rows, context)
-        };
+        let launch = |values| Grid { values, ..self.prefill() };
+        let prefill = launch(&self.prefill_launch_seconds);
+        let decode = Grid { values: &self.decode_launch_seconds, ..self.decode() };
+        let (prefill, decode) = self.parts(step, &prefill, &decode);
         let engine = self.engine.as_ref().map_or(0.0, |e| {
-            let s = span(&e.rows, step.prefill_rows + step.decode_rows);
-            s.weights().map(|(i, w)| w * e.seconds[i]).sum::<f64>().max(0.0)
+            let rows = Grid { first: &e.rows, second: &[0], values: &e.seconds };
+            rows.at(step.prefill_rows + step.decode_rows, 0)
         });
-        launch + engine
+        prefill.max(decode) + engine
     }
 
-    /// The time of `step` (the table must be valid).
-    pub fn step_seconds(&self, step: &StepShape) -> f64 {
-        let context = step.context_positions.checked_div(step.decode_rows).unwrap_or(0);
-        self.at(step.prefill_tokens, step.decode_rows, context)
+    /// The prefill part and the decode part of `step` on two grids (0 for a part it lacks).
+    fn parts(&self, step: &StepShape, prefill: &Grid<'_>, decode: &Grid<'_>) -> (f64, f64) {
+        let pre = match step.prefill_tokens {
+            0 => 0.0,
+            tokens => prefill.at(tokens, step.prefill_prefix_positions / tokens),
+        };
+        let dec = match step.decode_rows {
+            0 => 0.0,
+            rows => decode.at(rows, step.decode_context_positions / rows),
+        };
+        (pre, dec)
     }
-
-    /// The time at (`prefill`, `rows`, `context`), interpolated.
-    pub fn at(&self, prefill: usize, rows: usize, context: usize) -> f64 {
-        interpolate(self, &self.seconds, prefill, rows, context)
-    }
-}
-
-/// `values` (laid out over `table`'s grid) at (`prefill`, `rows`, `context`), interpolated.
-fn interpolate(table: &MeasuredTable, values: &[f64], prefill: usize, rows: usize, context: usize) -> f64 {
-    let (p, r, c) =
-        (span(&table.prefill_tokens, prefill), span(&table.decode_rows, rows), span(&table.context, context));
-    let (nr, nc) = (table.decode_rows.len(), table.context.len());
-    let mut total = 0.0;
-    for (pi, pw) in p.weights() {
-        for (ri, rw) in r.weights() {
-            for (ci, cw) in c.weights() {
-                total += pw * rw * cw * values[(pi * nr + ri) * nc + ci];
-            }
-        }
-    }
-    total.max(0.0)
 }
 
 /// Where a value falls on an axis: two points and the weight of the second (beyond the ends the
@@ -153,66 +200,96 @@ fn span(axis: &[usize], x: usize) -> Span {
 mod tests {
     use super::*;
 
-    /// A table of a cost linear in each axis: interpolation and extrapolation reproduce it.
-    fn linear() -> (MeasuredTable, impl Fn(usize, usize, usize) -> f64) {
-        let cost = |p: usize, r: usize, c: usize| 1e-3 + 2e-6 * p as f64 + 5e-5 * r as f64 + 1e-9 * (r * c) as f64;
-        let (prefill_tokens, decode_rows, context) = (vec![0, 256, 1024], vec![1, 8, 64], vec![128, 4096]);
-        let mut seconds = Vec::new();
-        for &p in &prefill_tokens {
-            for &r in &decode_rows {
-                for &c in &context {
-                    seconds.push(cost(p, r, c));
-                }
-            }
+    /// A table of costs linear in each axis: decode `1 ms + 50 µs a row + 1 ns a position`,
+    /// prefill `2 µs a token + 1 ns a token per cached position`.
+    fn linear() -> MeasuredTable {
+        let decode = |r: usize, c: usize| 1e-3 + 5e-5 * r as f64 + 1e-9 * (r * c) as f64;
+        let prefill = |p: usize, x: usize| 2e-6 * p as f64 + 1e-9 * (p * x) as f64;
+        let (decode_rows, context) = (vec![1, 8, 64], vec![128, 4096]);
+        let (prefill_tokens, prefill_prefix) = (vec![16, 256, 1024], vec![0, 4096]);
+        MeasuredTable {
+            decode_seconds: decode_rows.iter().flat_map(|&r| context.iter().map(move |&c| decode(r, c))).collect(),
+            prefill_seconds: prefill_tokens
+                .iter()
+                .flat_map(|&p| prefill_prefix.iter().map(move |&x| prefill(p, x)))
+                .collect(),
+            decode_rows,
+            context,
+            prefill_tokens,
+            prefill_prefix,
+            decode_launch_seconds: Vec::new(),
+            prefill_launch_seconds: Vec::new(),
+            engine: None,
         }
-        let table =
-            MeasuredTable { prefill_tokens, decode_rows, context, seconds, host_seconds: Vec::new(), engine: None };
-        (table, cost)
+    }
+
+    fn step(prefill: usize, prefix: usize, rows: usize, context: usize) -> StepShape {
+        StepShape {
+            prefill_tokens: prefill,
+            prefill_rows: usize::from(prefill > 0),
+            prefill_prefix_positions: prefill * prefix,
+            decode_rows: rows,
+            decode_context_positions: rows * context,
+            ..Default::default()
+        }
     }
 
     #[test]
-    fn points_between_and_beyond_the_grid_follow_its_slopes() {
-        let (table, cost) = linear();
+    fn steps_between_and_beyond_the_grid_follow_its_slopes_and_a_mixed_step_reads_the_weights_once() {
+        let table = linear();
         table.validate().unwrap();
-        for (p, r, c) in [(0, 1, 128), (256, 8, 4096), (600, 20, 1000), (2048, 64, 4096), (1024, 128, 4096)] {
-            let (got, want) = (table.at(p, r, c), cost(p, r, c));
-            // r·c is not linear in each axis separately only inside a cell of both: allow that.
-            assert!((got - want).abs() <= 0.02 * want, "({p}, {r}, {c}): {got} vs {want}");
+        let decode = |r: usize, c: usize| 1e-3 + 5e-5 * r as f64 + 1e-9 * (r * c) as f64;
+        let prefill = |p: usize, x: usize| 2e-6 * p as f64 + 1e-9 * (p * x) as f64;
+        let close = |got: f64, want: f64| (got - want).abs() <= 0.02 * want;
+        for (r, c) in [(1, 128), (8, 4096), (20, 1000), (128, 4096)] {
+            // r·c is not linear in each axis separately inside a cell of both: allow that
+            assert!(close(table.step_seconds(&step(0, 0, r, c)), decode(r, c)), "decode ({r}, {c})");
         }
-        assert!(table.at(4096, 64, 4096) > table.at(1024, 64, 4096), "beyond the grid costs more");
-        assert_eq!(table.at(0, 0, 0), table.at(0, 1, 128), "below the grid, its first point");
-        let step = StepShape { decode_rows: 8, context_positions: 8 * 4096, ..StepShape::prefill(256, 256) };
-        assert_eq!(table.step_seconds(&step), table.at(256, 8, 4096));
+        for (p, x) in [(16, 0), (600, 1000), (1024, 4096), (2048, 16384)] {
+            assert!(close(table.step_seconds(&step(p, x, 0, 0)), prefill(p, x)), "prefill ({p}, {x})");
+        }
+        assert!(table.step_seconds(&step(512, 30_000, 0, 0)) > table.step_seconds(&step(512, 4096, 0, 0)));
+        let weights = decode(1, 128);
+        let mixed = table.step_seconds(&step(1024, 4096, 8, 4096));
+        assert!(close(mixed, prefill(1024, 4096) + decode(8, 4096) - weights), "one weight pass less: {mixed}");
+        let (small, decode_only) = (step(16, 0, 64, 4096), step(0, 0, 64, 4096));
+        assert_eq!(table.step_seconds(&small), table.step_seconds(&decode_only), "never below the larger part");
+        assert_eq!(table.step_seconds(&StepShape::default()), 0.0);
     }
 
     #[test]
     fn a_table_that_cannot_price_steps_is_refused_naming_why() {
-        let (mut table, _) = linear();
+        let mut table = linear();
         table.decode_rows = vec![1, 64, 8];
         assert_eq!(table.validate(), Err(TableError::Axis("decode_rows")));
-        let (mut table, _) = linear();
-        table.seconds.pop();
-        assert!(matches!(table.validate(), Err(TableError::Size { expected: 18, got: 17 })));
-        let (mut table, _) = linear();
-        table.seconds[3] = f64::NAN;
-        assert!(matches!(table.validate(), Err(TableError::Time(_, 3))));
-        let (mut table, _) = linear();
-        table.host_seconds = vec![0.0; 5];
-        assert!(matches!(table.validate(), Err(TableError::Size { expected: 18, got: 5 })));
-        let (mut table, _) = linear();
+        let mut table = linear();
+        table.prefill_seconds.pop();
+        assert!(matches!(table.validate(), Err(TableError::Size { name: "prefill_seconds", expected: 6, got: 5 })));
+        let mut table = linear();
+        table.decode_seconds[3] = f64::NAN;
+        assert!(matches!(table.validate(), Err(TableError::Time { name: "decode_seconds", at: 3, .. })));
+        let mut table = linear();
+        table.decode_launch_seconds = vec![0.0; 5];
+        assert!(matches!(table.validate(), Err(TableError::Size { name: "decode_launch_seconds", .. })));
+        let mut table = linear();
         table.engine = Some(EngineHost { rows: vec![8, 1], seconds: vec![0.0, 0.0] });
         assert_eq!(table.validate(), Err(TableError::Axis("engine.rows")));
     }
 
     #[test]
     fn the_host_time_is_the_launch_at_the_point_and_the_engine_over_the_rows() {
-        let (mut table, cost) = linear();
-        let step = StepShape::decode(8, 8 * 4096);
-        assert_eq!(table.host_step_seconds(&step), 0.0, "nothing measured, nothing charged");
-        table.host_seconds = table.seconds.iter().map(|s| s / 10.0).collect();
+        let mut table = linear();
+        let decode = step(0, 0, 8, 4096);
+        assert_eq!(table.host_step_seconds(&decode), 0.0, "nothing measured, nothing charged");
+        table.decode_launch_seconds = table.decode_seconds.iter().map(|s| s / 10.0).collect();
+        table.prefill_launch_seconds = vec![1e-4; 6];
         table.engine = Some(EngineHost { rows: vec![1, 64], seconds: vec![1e-4, 8e-4] });
         table.validate().unwrap();
-        let want = cost(0, 8, 4096) / 10.0 + 1e-4 + 7.0 / 63.0 * 7e-4;
-        assert!((table.host_step_seconds(&step) - want).abs() < 1e-9);
+        let engine = 1e-4 + 7.0 / 63.0 * 7e-4;
+        let want = table.step_seconds(&decode) / 10.0 + engine;
+        assert!((table.host_step_seconds(&decode) - want).abs() < 1e-9);
+        let mixed = step(256, 0, 8, 4096);
+        let want = (table.step_seconds(&decode) / 10.0).max(1e-4) + 1e-4 + 8.0 / 63.0 * 7e-4;
+        assert!((table.host_step_seconds(&mixed) - want).abs() < 1e-9, "one launch: the larger part's");
     }
 }
