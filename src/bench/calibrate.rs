@@ -10,6 +10,9 @@
 //!   with an executor that does no math (`bench step`'s pool) — so a simulated rank hands the
 //!   device a step no sooner than a real one.
 //!
+//! - the device's wake-up: a prefill after an idle gap against one right behind another, over a
+//!   few gaps.
+//!
 //! A step mixing prefill and decode is priced from both grids when the table is read.
 
 use super::cuda_batch::CudaBatch;
@@ -18,7 +21,7 @@ use anyhow::{anyhow, Context, Result};
 use kvflow_kernels::cuda::Dtype;
 use kvflow_kernels::models;
 use kvflow_operators::executor::CudaSettings;
-use kvflow_operators::sim::table::{EngineHost, MeasuredTable};
+use kvflow_operators::sim::table::{EngineHost, IdleCost, MeasuredTable};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -38,6 +41,12 @@ pub struct CalibrateArgs {
 
 /// Prefill timings at each point: the fastest of this many after a warm-up.
 const PREFILL_ROUNDS: usize = 3;
+
+/// The idle gaps the wake-up is measured after (µs), the prompt it is measured on, and the
+/// rounds at each gap (the median counts).
+const IDLE_GAPS_US: [usize; 6] = [0, 2_000, 10_000, 50_000, 200_000, 700_000];
+const IDLE_PROMPT: usize = 1024;
+const IDLE_ROUNDS: usize = 5;
 
 pub fn run(args: &CalibrateArgs) -> Result<()> {
     let increasing = |v: &[usize], from: usize| !v.is_empty() && v.windows(2).all(|w| w[0] < w[1]) && v[0] >= from;
@@ -65,6 +74,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         decode_launch_seconds: Vec::new(),
         prefill_launch_seconds: Vec::new(),
         engine: None,
+        idle: None,
     };
     for &rows in &args.rows {
         for &context in &args.context {
@@ -113,6 +123,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         engine.seconds.push(seconds);
     }
     table.engine = Some(engine);
+    table.idle = Some(idle_cost(&model, &settings)?);
     table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
     let mut json = serde_json::to_value(&table)?;
     json["model"] = args.model.display().to_string().into();
@@ -122,4 +133,34 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     std::fs::write(&args.out, text).with_context(|| format!("cannot write {}", args.out.display()))?;
     println!("wrote    {}", args.out.display());
     Ok(())
+}
+
+/// The extra time of a prefill that starts after the device sat idle, over `IDLE_GAPS_US`: the
+/// median at each gap less the median right behind another step (never below 0).
+fn idle_cost(model: &Arc<models::Model>, settings: &CudaSettings) -> Result<IdleCost> {
+    let mut b = CudaBatch::new(model, settings, 1, IDLE_PROMPT, 1)?;
+    b.prefill()?;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut at_gap = Vec::new();
+    for &gap in &IDLE_GAPS_US {
+        let mut times = Vec::new();
+        for _ in 0..IDLE_ROUNDS {
+            if gap == 0 {
+                b.prefill()?; // right behind another
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(gap as u64));
+            }
+            times.push(b.prefill()?);
+        }
+        at_gap.push(median(times));
+    }
+    let warm = at_gap[0];
+    let extra: Vec<f64> = at_gap.iter().map(|t| (t - warm).max(0.0)).collect();
+    for (gap, extra) in IDLE_GAPS_US.iter().zip(&extra) {
+        println!("idle     {:>6} ms before a {IDLE_PROMPT}-token prefill: {:+.3} ms", gap / 1000, extra * 1e3);
+    }
+    Ok(IdleCost { gap_us: IDLE_GAPS_US.to_vec(), extra_seconds: extra })
 }

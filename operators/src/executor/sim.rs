@@ -5,7 +5,8 @@
 //! while another runs starts when that one ends. Before the device, a step takes the rank's host
 //! thread: launching it and the engine's own work a step (measured into the table by
 //! `kvflow bench calibrate`, plus `host_us_per_step`), one step after another, so a step reaches
-//! the device no sooner than the host has it ready. Its tokens are a seeded draw per (sequence,
+//! the device no sooner than the host has it ready; one that starts after the device sat idle
+//! takes the wake-up the table measured. Its tokens are a seeded draw per (sequence,
 //! position), the same every run.
 //!
 //! Settings: `table = "calibration.json"` (a measured table; else the roofline, with
@@ -64,6 +65,15 @@ impl StepCost {
         match self {
             StepCost::Roofline { .. } => 0.0,
             StepCost::Measured(table) => table.host_step_seconds(step),
+        }
+    }
+
+    /// The device's extra time for a step that starts after `gap_ns` idle (what the table
+    /// measured; the roofline knows none).
+    pub fn idle_seconds(&self, gap_ns: u64) -> f64 {
+        match self {
+            StepCost::Roofline { .. } => 0.0,
+            StepCost::Measured(table) => table.idle_seconds(gap_ns),
         }
     }
 }
@@ -225,9 +235,10 @@ impl Executor for SimExecutor {
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
         let shape = StepShape::of(step);
         let host = ns_of_seconds(self.cost.host_seconds(&shape) + self.host_s_per_step);
-        let took = ns_of_seconds(self.cost.seconds(&shape));
         self.host_free_ns = self.host_free_ns.max(self.clock.now_ns()) + host;
         let start = self.device_free_ns.max(self.host_free_ns);
+        let idle = if self.busy_ns == 0 { 0 } else { start - self.device_free_ns };
+        let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
         let end = start + took;
         self.device_free_ns = end;
         self.busy_ns += took;

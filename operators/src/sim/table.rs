@@ -13,6 +13,11 @@
 //! engine's own operators take a step over the rows it batches (`engine`, measured with an
 //! executor that does no math). A rank's thread does both one step after another, so a step
 //! reaches the device no sooner than they allow.
+//!
+//! And the device's wake-up: a step that starts after the device sat idle takes longer than one
+//! behind another (a GPU lowers its clocks when idle: on an H100 the first 2,048-token prefill
+//! after 0.7 s of idle took 60 ms, the ones behind it 35 ms). `idle` holds the extra time over
+//! the idle gap before the step, measured; past its last gap the last extra holds.
 
 use super::StepShape;
 
@@ -38,6 +43,16 @@ pub struct MeasuredTable {
     /// The engine's host time a step, over the rows it batches (none: not measured).
     #[serde(default)]
     pub engine: Option<EngineHost>,
+    /// The extra time of a step that starts after the device was idle (none: not measured).
+    #[serde(default)]
+    pub idle: Option<IdleCost>,
+}
+
+/// A step's extra time over the idle gap before it (`gap_us`, increasing from 0).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct IdleCost {
+    pub gap_us: Vec<usize>,
+    pub extra_seconds: Vec<f64>,
 }
 
 /// The engine's own host time a step (scheduling, bookkeeping, the dataflow's exchanges) over
@@ -118,6 +133,12 @@ impl MeasuredTable {
             }
             times.push(("engine.seconds", &engine.seconds, engine.rows.len(), false));
         }
+        if let Some(idle) = &self.idle {
+            if idle.gap_us.first() != Some(&0) || idle.gap_us.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(TableError::Axis("idle.gap_us"));
+            }
+            times.push(("idle.extra_seconds", &idle.extra_seconds, idle.gap_us.len(), false));
+        }
         for (name, values, expected, optional) in times {
             if values.len() != expected && !(optional && values.is_empty()) {
                 return Err(TableError::Size { name, expected, got: values.len() });
@@ -154,6 +175,14 @@ impl MeasuredTable {
             rows.at(step.prefill_rows + step.decode_rows, 0)
         });
         prefill.max(decode) + engine
+    }
+
+    /// The extra time of a step that starts `gap_ns` after the device last ran one.
+    pub fn idle_seconds(&self, gap_ns: u64) -> f64 {
+        let Some(idle) = &self.idle else { return 0.0 };
+        let last = idle.gap_us.last().copied().unwrap_or(0);
+        let gap = Grid { first: &idle.gap_us, second: &[0], values: &idle.extra_seconds };
+        gap.at(((gap_ns / 1000) as usize).min(last), 0)
     }
 
     /// The prefill part and the decode part of `step` on two grids (0 for a part it lacks).
@@ -220,6 +249,7 @@ mod tests {
             decode_launch_seconds: Vec::new(),
             prefill_launch_seconds: Vec::new(),
             engine: None,
+            idle: None,
         }
     }
 
@@ -274,6 +304,20 @@ mod tests {
         let mut table = linear();
         table.engine = Some(EngineHost { rows: vec![8, 1], seconds: vec![0.0, 0.0] });
         assert_eq!(table.validate(), Err(TableError::Axis("engine.rows")));
+    }
+
+    #[test]
+    fn a_step_after_an_idle_gap_costs_the_extra_measured_for_that_gap_and_no_more_past_the_last() {
+        let mut table = linear();
+        assert_eq!(table.idle_seconds(1_000_000_000), 0.0, "nothing measured, nothing charged");
+        table.idle = Some(IdleCost { gap_us: vec![0, 10_000, 500_000], extra_seconds: vec![0.0, 0.002, 0.025] });
+        table.validate().unwrap();
+        assert_eq!(table.idle_seconds(0), 0.0);
+        assert!((table.idle_seconds(5_000_000) - 0.001).abs() < 1e-12, "half way to 10 ms");
+        assert_eq!(table.idle_seconds(500_000_000), 0.025);
+        assert_eq!(table.idle_seconds(30_000_000_000), 0.025, "past the last gap, its extra");
+        table.idle = Some(IdleCost { gap_us: vec![10, 20], extra_seconds: vec![0.0, 0.0] });
+        assert_eq!(table.validate(), Err(TableError::Axis("idle.gap_us")));
     }
 
     #[test]
