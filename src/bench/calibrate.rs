@@ -42,8 +42,8 @@ pub struct CalibrateArgs {
 /// Prefill timings at each point: the fastest of this many after a warm-up.
 const PREFILL_ROUNDS: usize = 3;
 
-/// The idle gaps the wake-up is measured after (µs), the prompt it is measured on, and the
-/// rounds at each gap (the median counts).
+/// The idle gaps the wake-up is measured after (µs), the prompt it is measured on (at most; no
+/// longer than the longest prefill point), and the rounds at each gap (the median counts).
 const IDLE_GAPS_US: [usize; 6] = [0, 2_000, 10_000, 50_000, 200_000, 700_000];
 const IDLE_PROMPT: usize = 1024;
 const IDLE_ROUNDS: usize = 5;
@@ -123,7 +123,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         engine.seconds.push(seconds);
     }
     table.engine = Some(engine);
-    table.idle = Some(idle_cost(&model, &settings)?);
+    let idle_prompt = IDLE_PROMPT.min(args.prefill.last().copied().unwrap_or(IDLE_PROMPT));
+    table.idle = Some(idle_cost(&model, &settings, idle_prompt)?);
     table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
     let mut json = serde_json::to_value(&table)?;
     json["model"] = args.model.display().to_string().into();
@@ -137,8 +138,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
 
 /// The extra time of a prefill that starts after the device sat idle, over `IDLE_GAPS_US`: the
 /// median at each gap less the median right behind another step (never below 0).
-fn idle_cost(model: &Arc<models::Model>, settings: &CudaSettings) -> Result<IdleCost> {
-    let mut b = CudaBatch::new(model, settings, 1, IDLE_PROMPT, 1)?;
+fn idle_cost(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize) -> Result<IdleCost> {
+    let mut b = CudaBatch::new(model, settings, 1, prompt, 1)?;
     b.prefill()?;
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -160,7 +161,7 @@ fn idle_cost(model: &Arc<models::Model>, settings: &CudaSettings) -> Result<Idle
     let warm = at_gap[0];
     let extra: Vec<f64> = at_gap.iter().map(|t| (t - warm).max(0.0)).collect();
     for (gap, extra) in IDLE_GAPS_US.iter().zip(&extra) {
-        println!("idle     {:>6} ms before a {IDLE_PROMPT}-token prefill: {:+.3} ms", gap / 1000, extra * 1e3);
+        println!("idle     {:>6} ms before a {prompt}-token prefill: {:+.3} ms", gap / 1000, extra * 1e3);
     }
     Ok(IdleCost { gap_us: IDLE_GAPS_US.to_vec(), extra_seconds: extra })
 }
