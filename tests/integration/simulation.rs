@@ -207,6 +207,23 @@ fn kvflow_plan_ranks_configurations_by_goodput_per_gpu_and_draws_them() {
     assert!(per_gpu(&rows[0]) > per_gpu(&rows[1]), "best first, and it beats the worst: {rows:?}");
     assert!(rows.iter().all(|r| r["completed"] == 60), "{rows:?}");
     assert!(out.join("plan.png").exists() && out.join("ranks4-chunk64").join("report.json").exists());
+    // A P/D graph's prefill and decode pools sweep apart, each configuration's pools as named.
+    let pd = crate::common::repo().join("graphs/sim-pd.toml");
+    let flags = ["--sweep-prefill-ranks", "1,2", "--sweep-decode-ranks", "1", "--sweep-chunk-tokens", "64"];
+    let mut args = vec!["plan", pd.to_str().unwrap(), "--limit", "40", "--out", o];
+    args.extend_from_slice(&flags);
+    let run = kvflow_heavy(&args);
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for (layout, prefill) in [("2P1D", 2), ("1P1D", 1)] {
+        let r = report_in(&out.join(format!("{layout}-chunk64")));
+        assert_eq!(r["pools"]["prefill"]["ranks"], prefill, "{layout}");
+        assert_eq!(r["pools"]["decode"]["ranks"], 1, "{layout}");
+        assert_eq!(r["completed"], 40, "{layout}");
+        assert!(rows.iter().any(|row| row["ranks"]["prefill"] == prefill && row["gpus"] == prefill + 1), "{rows:?}");
+    }
     // A graph that is not simulated is refused.
     let real = crate::common::repo().join("graphs/quickstart.toml");
     assert_clean_failure(&kvflow(&["plan", real.to_str().unwrap()]), &["every pool's executor must be \"sim\""]);
