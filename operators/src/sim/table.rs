@@ -166,8 +166,7 @@ impl MeasuredTable {
 
     /// The host's time for `step` on the rank's thread: its launch and the engine's work.
     pub fn host_step_seconds(&self, step: &StepShape) -> f64 {
-        let launch = |values| Grid { values, ..self.prefill() };
-        let prefill = launch(&self.prefill_launch_seconds);
+        let prefill = Grid { values: &self.prefill_launch_seconds, ..self.prefill() };
         let decode = Grid { values: &self.decode_launch_seconds, ..self.decode() };
         let (prefill, decode) = self.parts(step, &prefill, &decode);
         let engine = self.engine.as_ref().map_or(0.0, |e| {
