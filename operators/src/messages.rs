@@ -276,6 +276,12 @@ pub enum Payload {
     Host(Vec<f32>),
     #[serde(skip)]
     Device(kvflow_kernels::cuda::DeviceRows),
+    /// A simulated exchange (executor `sim`): no floats, the bytes they would be and the virtual
+    /// instant they are at the receiver.
+    Simulated {
+        bytes: usize,
+        at_ns: u64,
+    },
 }
 
 impl Payload {
@@ -284,6 +290,7 @@ impl Payload {
         match self {
             Payload::Host(v) => std::mem::size_of_val(&v[..]),
             Payload::Device(rows) => rows.bytes(),
+            Payload::Simulated { bytes, .. } => *bytes,
         }
     }
 
@@ -291,7 +298,7 @@ impl Payload {
     pub fn host(&self) -> &[f32] {
         match self {
             Payload::Host(v) => v,
-            Payload::Device(_) => &[],
+            Payload::Device(_) | Payload::Simulated { .. } => &[],
         }
     }
 }

@@ -40,6 +40,7 @@ fn one(spec: &std::path::Path, ranks: usize, seqs: usize, outputs: usize, expert
     let model = Arc::new(models::load(spec)?);
     let moe_layers = model.moe_layers().into_iter().map(|(layer, _)| layer).collect();
     let experts = expert_parallel.then(|| ExpertParallelJob {
+        simulated: false,
         checkpoint: spec.to_path_buf(),
         moe_layers,
         draft_passes: 0,

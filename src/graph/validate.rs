@@ -312,13 +312,13 @@ impl<'a> Validator<'a> {
                 (pool.memory.clone().unwrap_or_default(), pool.scheduler.clone().unwrap_or_default());
             let expert_parallel = pool.expert_parallel.as_ref().is_some_and(|e| *e.get_ref());
             if let (true, Some(e)) = (expert_parallel, &pool.expert_parallel) {
-                if executor != "cpu" && executor != "cuda" {
+                if !["cpu", "cuda", "sim"].contains(&executor.as_str()) {
                     return Err(self.error(
                         "pool.expert_parallel",
                         Some(e.span()),
                         format!(
-                            "expert_parallel = true runs on the \"cpu\" and \"cuda\" executors (they have dispatch, \
-                             experts and combine phases); pool `{name_value}` uses \"{executor}\""
+                            "expert_parallel = true runs on the \"cpu\", \"cuda\" and \"sim\" executors (they have \
+                             dispatch, experts and combine phases); pool `{name_value}` uses \"{executor}\""
                         ),
                     ));
                 }

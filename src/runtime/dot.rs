@@ -225,10 +225,11 @@ pub fn render(graph: &Graph, registry: &Registry, extend: Option<Extension>) -> 
     // Each pool's admit and forward, for the links between pools.
     let mut ends = std::collections::HashMap::new();
     let all: Vec<&PoolConfig> = graph.pools.iter().collect();
-    // An expert-parallel pool's chain follows the model's MoE layers (and the MTP drafter's passes).
+    // An expert-parallel pool's chain follows the model's MoE layers (and the MTP drafter's
+    // passes): its shapes say them, no weight is read.
     let model = if graph.pools.iter().any(|p| p.expert_parallel) {
         Some(
-            kvflow_kernels::models::load(&graph.model)
+            kvflow_kernels::models::load_shapes(&graph.model)
                 .map_err(|e| anyhow!("cannot load model {} (for its MoE layers): {e}", graph.model.display()))?,
         )
     } else {

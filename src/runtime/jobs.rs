@@ -15,9 +15,12 @@ use kvflow_kernels::models::{self, Model};
 use kvflow_operators::offload::ObjectStore;
 use std::sync::Arc;
 
-/// Loads the graph's model.
+/// Loads the graph's model: a simulated graph's (every pool's executor `sim`) from its config
+/// alone — its shapes, no weights — so it need not fit this machine nor have a checkpoint.
 pub fn load_model(graph: &Graph) -> Result<Arc<Model>> {
-    let model = models::load(&graph.model).with_context(|| format!("cannot load model {}", graph.model.display()))?;
+    let simulated = !graph.pools.is_empty() && graph.pools.iter().all(|p| p.executor == super::simulated::SIM);
+    let load = if simulated { models::load_shapes } else { models::load };
+    let model = load(&graph.model).with_context(|| format!("cannot load model {}", graph.model.display()))?;
     Ok(Arc::new(model))
 }
 
@@ -111,7 +114,15 @@ pub(crate) fn expert_parallel_job(
     }
     let mtp_layer = model.num_layers();
     let spec_width = pool.verification_width();
-    Ok(Some(ExpertParallelJob { checkpoint: graph.model.clone(), moe_layers, draft_passes, mtp_layer, spec_width }))
+    let simulated = pool.executor == super::simulated::SIM;
+    Ok(Some(ExpertParallelJob {
+        checkpoint: graph.model.clone(),
+        simulated,
+        moe_layers,
+        draft_passes,
+        mtp_layer,
+        spec_width,
+    }))
 }
 
 /// One pool's job: its memory layout for the model and workload, its scheduler, router and

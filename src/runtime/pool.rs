@@ -103,6 +103,8 @@ impl LinkTotals {
 #[derive(Clone, Debug)]
 pub struct ExpertParallelJob {
     pub checkpoint: std::path::PathBuf,
+    /// A simulated pool's: its ranks load nothing, each prices its share from the model's shapes.
+    pub simulated: bool,
     pub moe_layers: Vec<usize>,
     /// The MTP drafter's passes after them (each an exchange of the MTP layer's experts), and
     /// the MTP layer's index.
@@ -403,12 +405,21 @@ impl WorkerJob {
         let job = &self.job;
         let rank_model = match &job.experts {
             None => Ok(job.model.clone()),
+            // A simulated rank prices its share of the experts from the whole model's shapes.
+            Some(e) if e.simulated => Ok(job.model.clone()),
             Some(e) => kvflow_kernels::models::load_expert_shard(&e.checkpoint, index, peers)
                 .map(Arc::new)
                 .map_err(|err| format!("loading rank {index}'s experts from {}: {err}", e.checkpoint.display())),
         };
         let placement = job.experts.as_ref().map(|_| ExpertPlacement { rank: index, ranks: peers });
-        let expert_bytes = rank_model.as_ref().map_or(0, |m| m.expert_bytes() as u64);
+        let expert_bytes = match &job.experts {
+            Some(e) if e.simulated => {
+                let range = |n| kvflow_kernels::models::parts::moe::expert_range(n, index, peers).len();
+                let (mine, all) = job.model.moe_layers().iter().fold((0, 0), |(m, a), &(_, n)| (m + range(n), a + n));
+                (job.model.expert_bytes() * mine).checked_div(all).unwrap_or(0) as u64
+            }
+            _ => rank_model.as_ref().map_or(0, |m| m.expert_bytes() as u64),
+        };
         let exec = rank_model.and_then(|model| {
             let ctx = ExecutorContext {
                 pool: job.name.clone(),

@@ -9,8 +9,8 @@
 //! this machine is. The operators — admit, schedule, align, forward, verify,
 //! the router, the scheduler, the accounting — are the real ones, unchanged.
 //!
-//! Not simulated yet: handoff links, the offload store, expert parallelism, `kvflow serve` and
-//! pools spread over processes (refused, naming what).
+//! Not simulated yet: the offload store, streamed handoffs, `kvflow serve` and pools spread over
+//! processes (refused, naming what).
 //!
 //! Which time it holds: the run's virtual time, from the first release to the last pool's end.
 //! Which guarantee it carries: the clock moves only when no worker anywhere can progress (the
@@ -73,9 +73,6 @@ pub fn is_simulated(graph: &Graph, pools: &[&PoolConfig], opts: &RunOptions) -> 
     }
     if graph.offload.is_some() {
         return refuse("use an [offload] store");
-    }
-    if let Some(p) = pools.iter().find(|p| p.expert_parallel) {
-        return refuse(&format!("run pool `{}` expert-parallel", p.name));
     }
     if opts.front_end.is_some() {
         return refuse("serve requests over HTTP (kvflow serve): it replays a trace");

@@ -239,7 +239,7 @@ fn bad_expert_parallel_settings_are_refused_naming_the_key() {
         (
             "hf/deepseek_v3",
             "expert_parallel = true\nexecutor = \"null\"",
-            vec!["pool.expert_parallel", "\"cpu\" and \"cuda\" executors", "\"null\""],
+            vec!["pool.expert_parallel", "\"cpu\", \"cuda\" and \"sim\" executors", "\"null\""],
         ),
         ("hf/deepseek_v3", "admission = \"maybe\"", vec!["pool.admission", "`maybe`", "`optimistic`, `reserve`"]),
         ("hf/llama", "expert_parallel = true", vec!["pool `main`", "needs a MoE model", "llama"]),

@@ -228,3 +228,36 @@ fn kvflow_plan_ranks_configurations_by_goodput_per_gpu_and_draws_them() {
     let real = crate::common::repo().join("graphs/quickstart.toml");
     assert_clean_failure(&kvflow(&["plan", real.to_str().unwrap()]), &["every pool's executor must be \"sim\""]);
 }
+
+/// Expert parallelism under simulation: the engine's own dispatch, experts and combine operators
+/// move every MoE layer's rows between the ranks (each rank sends some and prices its share of
+/// the experts), and an exchange takes its bytes' time on the experts' link — a link a million
+/// times slower makes every token slower, while the requests, the accounting and the rows moved
+/// stay the same.
+#[test]
+fn a_simulated_expert_parallel_pool_exchanges_its_rows_and_pays_for_their_bytes() {
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8";
+    let mut tpot = Vec::new();
+    let mut rows = Vec::new();
+    for gbps in ["1000", "0.001"] {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = format!("expert_link_gbps = {gbps}\nexpert_link_latency_us = 0.001");
+        let pools =
+            pool(2, "sim", &settings).replace("executor = \"sim\"", "executor = \"sim\"\nexpert_parallel = true");
+        let g = graph(dir.path(), workload, &pools);
+        run_ok(&g, &[]);
+        let r = report_in(&dir.path().join("out"));
+        assert_eq!(r["completed"], 8, "{r}");
+        assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{r}");
+        let stats = r["rank_stats"].as_array().unwrap();
+        assert_eq!(stats.len(), 2);
+        for s in stats {
+            assert!(s["exchange_bytes"].as_u64().unwrap() > 0, "every rank sent rows to the other: {s}");
+            assert!(s["expert_bytes"].as_u64().unwrap() > 0, "every rank prices its share: {s}");
+        }
+        rows.push(stats.iter().map(|s| s["expert_rows"].as_u64().unwrap()).sum::<u64>());
+        tpot.push(r["tpot_ms"]["p50"].as_f64().unwrap());
+    }
+    assert_eq!(rows[0], rows[1], "the same rows moved: {rows:?}");
+    assert!(tpot[1] > 10.0 * tpot[0], "an exchange takes its bytes' time: TPOT p50 {tpot:?}");
+}

@@ -10,6 +10,7 @@ mod fields;
 pub mod gguf;
 mod random;
 mod safetensors_dir;
+mod shapes;
 
 pub use checks::{MAX_DIM, MAX_LAYERS};
 pub use config::{parse_rope, ConfigOrigin, ConfigSource, CONTEXT_KEYS, ROPE_KEYS};
@@ -17,6 +18,7 @@ pub use error::LoadError;
 pub(crate) use fields::keys_of;
 pub use random::{ModelSpec, RandomWeights};
 pub use safetensors_dir::{parse_safetensors_header, SafetensorsDir, TensorHeader};
+pub use shapes::ShapesOnly;
 
 /// A source of named f32 tensors.
 pub trait WeightSource {
@@ -29,5 +31,10 @@ pub trait WeightSource {
     /// ([`ExpertShard`](crate::models::parts::moe::ExpertShard)).
     fn experts_to_load(&self, num_experts: usize) -> std::ops::Range<usize> {
         0..num_experts
+    }
+    /// Whether the source holds shapes and no values ([`ShapesOnly`]): the parts that read a
+    /// large tensor keep its dimensions alone.
+    fn shapes_only(&self) -> bool {
+        false
     }
 }

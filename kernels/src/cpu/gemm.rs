@@ -45,6 +45,12 @@ impl PackedMatrix {
         PackedMatrix { n, k, panels }
     }
 
+    /// A matrix of `[n × k]` that holds no values (a model built from its shapes alone): it can
+    /// be measured, not applied.
+    pub fn shape_only(n: usize, k: usize) -> Self {
+        PackedMatrix { n, k, panels: Vec::new() }
+    }
+
     /// Packs the transpose of a row-major `[k × n]` matrix, i.e. computes `x · M` for `M[k × n]`.
     pub fn from_columns(m: &[f32], k: usize, n: usize) -> Self {
         assert_eq!(m.len(), n * k);
@@ -80,9 +86,9 @@ impl PackedMatrix {
         self.k
     }
 
-    /// Bytes held by the packed panels.
+    /// Bytes of the packed panels (what a matrix of its shape holds, also when it holds none).
     pub fn bytes(&self) -> usize {
-        self.panels.len() * 4
+        self.n.div_ceil(NR) * NR * self.k * 4
     }
 
     /// `out[m × n] = x[m × k] · Wᵀ` (overwrites `out`).

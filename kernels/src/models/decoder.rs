@@ -64,8 +64,11 @@ impl Model {
         tie_word_embeddings: bool,
         layers: Vec<DecoderLayer>,
     ) -> Result<Model, LoadError> {
-        let embed = w.tensor("model.embed_tokens.weight", &[vocab, hidden])?;
-        let lm_head = if tie_word_embeddings {
+        // A model of shapes alone keeps no embeddings; its tied head is a matrix of their shape.
+        let embed = if w.shapes_only() { Vec::new() } else { w.tensor("model.embed_tokens.weight", &[vocab, hidden])? };
+        let lm_head = if tie_word_embeddings && w.shapes_only() {
+            Linear { weight: crate::cpu::gemm::PackedMatrix::shape_only(vocab, hidden), bias: None }
+        } else if tie_word_embeddings {
             Linear::from_parts(&embed, vocab, hidden, None)
         } else {
             Linear::load(w, "lm_head", hidden, vocab, false)?

@@ -280,3 +280,55 @@ fn mutated_fixture_configs_never_panic() {
     }
     assert!(accepted > 100 && built == BUILDS, "accepted {accepted}, built {built}");
 }
+
+/// What a simulated run reads of a model: its geometry and its cost.
+#[allow(clippy::type_complexity)]
+fn geometry(m: &Model) -> (Vec<usize>, usize, Vec<(usize, usize)>, usize, usize, [usize; 4], bool, u64, u64) {
+    let macs = [m.num_layers(), m.body_macs_per_token(), m.lm_head_macs(), m.attention_macs(64)];
+    let fingerprints = (m.layout_fingerprint(16), m.config_fingerprint);
+    (
+        m.kv_row_widths(),
+        m.state_width(),
+        m.moe_layers(),
+        m.expert_bytes(),
+        m.experts_per_token(),
+        macs,
+        m.mtp().is_some(),
+        fingerprints.0,
+        fingerprints.1,
+    )
+}
+
+#[test]
+fn a_model_built_from_its_config_alone_has_the_loaded_models_geometry_and_no_weights() {
+    for name in FIXTURES {
+        let loaded = load(&fixture(name)).unwrap();
+        let shapes = super::load_shapes(&fixture(name)).unwrap();
+        assert_eq!(geometry(&shapes), geometry(&loaded), "{name}");
+        assert_eq!(
+            (shapes.vocab_size, shapes.hidden_size, shapes.max_positions),
+            (loaded.vocab_size, loaded.hidden_size, loaded.max_positions)
+        );
+        assert!(shapes.embeddings().is_empty() && !loaded.embeddings().is_empty(), "{name}");
+    }
+    // Its config.json names the same model.
+    let config = fixture("llama").join("config.json");
+    assert_eq!(geometry(&super::load_shapes(&config).unwrap()), geometry(&load(&fixture("llama")).unwrap()));
+}
+
+#[test]
+fn a_trillion_parameter_config_builds_from_its_shapes_and_refuses_its_weights() {
+    let k3 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/models/kimi-k3-shape");
+    let e = load(&k3).err().expect("a model of a trillion parameters does not fit").to_string();
+    assert!(e.contains("config.json") && e.contains("experts"), "{e}");
+    let m = super::load_shapes(&k3).unwrap();
+    assert_eq!(m.num_layers(), 61);
+    assert_eq!(m.moe_layers().len(), 60);
+    assert!(m.moe_layers().iter().all(|&(_, n)| n == 384) && m.experts_per_token() == 8);
+    // MLA on every fourth layer (a latent of 512 and 64 rope dims a position), KDA state between.
+    assert_eq!(m.kv_row_widths(), vec![576; 15]);
+    assert!(m.state_width() > 0);
+    // 384 × 60 experts of 3 × 7,168 × 2,048 parameters: about a trillion, in f32 bytes.
+    let expert_params = m.expert_bytes() as f64 / 4.0;
+    assert!((expert_params / (384.0 * 60.0 * 3.0 * 7168.0 * 2048.0) - 1.0).abs() < 0.01, "{expert_params}");
+}

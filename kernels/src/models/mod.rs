@@ -37,7 +37,7 @@ pub use size::{available_memory, human_bytes, ModelSize};
 pub use step::{Phase, StepActivations};
 
 use crate::checkpoint::gguf::{gguf_config, GgufFile, GgufWeights};
-use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, WeightSource};
+use crate::checkpoint::{ConfigSource, LoadError, ModelSpec, SafetensorsDir, ShapesOnly, WeightSource};
 use parts::moe::ExpertShard;
 use std::path::Path;
 
@@ -56,6 +56,13 @@ fn family_of(cfg: &ConfigSource) -> Result<Family, LoadError> {
 /// model's estimated size against the memory available. Allocates no weight; any JSON value
 /// gives a result or an error, never a panic.
 pub fn check(cfg: &ConfigSource) -> Result<ModelSize, LoadError> {
+    let size = check_config(cfg)?;
+    size.check_fits(&cfg.path)?;
+    Ok(size)
+}
+
+/// [`check`] without the memory: the config read and validated, the model's size estimated.
+fn check_config(cfg: &ConfigSource) -> Result<ModelSize, LoadError> {
     let size = match family_of(cfg)? {
         Family::Mha => mha::Config::read(cfg)?.size(),
         family @ (Family::Mla | Family::SparseMla) => {
@@ -66,13 +73,16 @@ pub fn check(cfg: &ConfigSource) -> Result<ModelSize, LoadError> {
         Family::HybridKda => kimi_linear::Config::read(cfg)?.size(cfg)?,
     };
     max_positions(cfg)?;
-    size.check_fits(&cfg.path)?;
     Ok(size)
 }
 
-/// Builds the model a config describes from `weights`, once [`check`] passes.
+/// Builds the model a config describes from `weights`, once [`check`] passes (a source of
+/// shapes alone holds nothing, so its model need not fit this machine's memory).
 pub fn build(cfg: &ConfigSource, weights: &dyn WeightSource) -> Result<Model, LoadError> {
-    check(cfg)?;
+    match weights.shapes_only() {
+        true => check_config(cfg)?,
+        false => check(cfg)?,
+    };
     let max_positions = max_positions(cfg)?;
     let mut model = match family_of(cfg)? {
         Family::Mha => mha::build(cfg, weights),
@@ -171,6 +181,32 @@ fn load_for(source: &Path, shard: Option<(usize, usize)>) -> Result<Model, LoadE
     }
     // A checkpoint folder: its config is checked in full before a safetensors file is opened.
     load_checkpoint(source)
+}
+
+/// The model `source` describes (a checkpoint folder, its `config.json`, a GGUF file or a model
+/// spec), built from its config alone with [`ShapesOnly`]: its geometry and cost, none of its
+/// values (no safetensors file is opened). What a simulated run loads: the model need not fit
+/// this machine, nor exist beyond its config.
+pub fn load_shapes(source: &Path) -> Result<Model, LoadError> {
+    let checkpoint = |dir: &Path| -> Result<Model, LoadError> {
+        let config = ConfigSource::read(dir)?;
+        // Its safetensors headers, when it has them, say which optional tensors it holds.
+        let headers = SafetensorsDir::open(dir).ok();
+        build(&config, &ShapesOnly { present: headers.as_ref().map(|h| h as &dyn WeightSource) })
+    };
+    let config_alone = |config: &ConfigSource| build(config, &ShapesOnly { present: None });
+    if source.is_file() && source.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        let file = GgufFile::open(source)?;
+        let config = gguf_config(&file)?;
+        return build(&config, &ShapesOnly { present: Some(&GgufWeights::new(&file, &config)) });
+    }
+    if source.is_file() && source.file_name().is_some_and(|n| n == "config.json") {
+        return checkpoint(source.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")));
+    }
+    if source.is_file() {
+        return config_alone(&ModelSpec::read(source)?.config);
+    }
+    checkpoint(source)
 }
 
 /// Writes the seeded model of the spec at `spec` as a Hugging Face checkpoint in `dir`:

@@ -35,6 +35,7 @@ mod null;
 mod owned_step;
 mod settings;
 mod sim;
+mod sim_experts;
 pub use sim::{SimExecutor, StepCost};
 
 pub use contract::{Executor, ExecutorContext, ExecutorKind, ExpertParallel, ExpertPlacement};

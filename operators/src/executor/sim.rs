@@ -14,13 +14,18 @@
 //! `efficiency_bandwidth` (0.8), `efficiency_matrix` (0.6) — an H200's figures by default),
 //! `host_us_per_step` (0: host time a step beyond what the table measured),
 //! `dtype = "bfloat16" | "float32"` (the bytes a weight and a KV element take; bfloat16),
-//! `seed` (0), `draft_acceptance` (0.7: the chance a draft holds, under speculative decoding).
+//! `seed` (0), `draft_acceptance` (0.7: the chance a draft holds, under speculative decoding),
+//! and for an expert-parallel pool (`sim_experts.rs`; costed by the roofline)
+//! `expert_link_gbps` (450: a rank's link for its expert exchanges) and `expert_link_latency_us`
+//! (5).
 //!
 //! Which time it holds: the rank's step, from launch to its completion's virtual instant.
 //! Which guarantee it carries: completions in launch order, each once, never before their time.
 
-use super::contract::{Executor, ExecutorContext, ExecutorKind};
+use super::contract::{Executor, ExecutorContext, ExecutorKind, ExpertParallel};
 use super::settings::{SettingError, Settings};
+use super::sim_experts::{ExchangeLink, InStep, SimExperts};
+use crate::messages::{ExpertPair, ExpertRows};
 use crate::pool::wake::RankWaker;
 use crate::sim::clock::{ns_of_seconds, VirtualClock};
 use crate::sim::roofline::{step_seconds, Efficiency, Hardware, ModelShape};
@@ -43,6 +48,8 @@ const KEYS: &[&str] = &[
     "dtype",
     "seed",
     "draft_acceptance",
+    "expert_link_gbps",
+    "expert_link_latency_us",
 ];
 
 /// What a step costs.
@@ -87,6 +94,7 @@ struct SimSettings {
     element_bytes: usize,
     seed: u64,
     draft_acceptance: f64,
+    expert_link: ExchangeLink,
 }
 
 fn read_settings(table: &toml::Table) -> Result<SimSettings, SettingError> {
@@ -111,6 +119,10 @@ fn read_settings(table: &toml::Table) -> Result<SimSettings, SettingError> {
         element_bytes: if s.choice("dtype", &["bfloat16", "float32"], "bfloat16")? == "float32" { 4 } else { 2 },
         seed: s.count("seed", 0)?,
         draft_acceptance: acceptance,
+        expert_link: ExchangeLink {
+            bytes_per_s: s.number("expert_link_gbps", 450.0)? * 1e9,
+            latency_s: s.number("expert_link_latency_us", 5.0)? * 1e-6,
+        },
     })
 }
 
@@ -134,14 +146,36 @@ impl ExecutorKind for SimKind {
     fn build(&self, settings: &toml::Table, ctx: ExecutorContext) -> Result<Box<dyn Executor>, String> {
         let s = read_settings(settings).map_err(|e| e.to_string())?;
         let clock = ctx.clock.clone().ok_or("executor sim runs only in a simulated run (every pool's executor sim)")?;
+        let shape = ModelShape::of(&ctx.model, s.element_bytes, s.element_bytes);
         let cost = match &s.table {
+            Some(_) if ctx.experts.is_some() => {
+                return Err("executor_settings.table: an expert-parallel sim pool is costed by the roofline (a \
+                            measured table times whole steps of one device); leave `table` out"
+                    .into())
+            }
             Some(path) => StepCost::Measured(read_table(path)?),
-            None => StepCost::Roofline {
-                model: ModelShape::of(&ctx.model, s.element_bytes, s.element_bytes),
+            None => StepCost::Roofline { model: shape.clone(), hardware: s.hardware, efficiency: s.efficiency },
+        };
+        let experts = ctx.experts.map(|place| {
+            let mut experts: Vec<usize> = ctx.model.moe_layers().iter().map(|&(_, n)| n).collect();
+            let model_layers = experts.len();
+            let passes = super::draft_passes(&ctx.model, true, ctx.mtp_drafts);
+            experts.extend(ctx.model.mtp().map(|m| vec![m.num_experts(); passes]).unwrap_or_default());
+            SimExperts {
+                place,
+                experts,
+                model_layers,
+                top_k: ctx.model.experts_per_token(),
+                row_bytes: ctx.model.hidden_size * s.element_bytes,
+                shape,
                 hardware: s.hardware,
                 efficiency: s.efficiency,
-            },
-        };
+                link: s.expert_link,
+                seed: s.seed,
+                free_ns: 0,
+                current: None,
+            }
+        });
         Ok(Box::new(SimExecutor {
             clock,
             waker: ctx.waker.clone(),
@@ -157,6 +191,7 @@ impl ExecutorKind for SimKind {
             device_free_ns: 0,
             in_flight: VecDeque::new(),
             busy_ns: 0,
+            experts,
         }))
     }
 }
@@ -182,6 +217,8 @@ pub struct SimExecutor {
     in_flight: VecDeque<(u64, StepCompletion)>,
     /// Time the device spent on steps.
     busy_ns: u64,
+    /// An expert-parallel rank's experts: its steps complete after their last MoE layer.
+    experts: Option<SimExperts>,
 }
 
 impl SimExecutor {
@@ -225,6 +262,32 @@ impl SimExecutor {
     pub fn busy_ns(&self) -> u64 {
         self.busy_ns
     }
+
+    /// The step that ran from `start` completes at `end`.
+    fn complete_at(&mut self, start: u64, end: u64, completion: StepCompletion) {
+        self.device_free_ns = end;
+        self.busy_ns += end - start;
+        self.in_flight.push_back((end, completion));
+        let waker = self.waker.clone();
+        self.clock.at(end, self.order, Box::new(move || waker.wake()));
+    }
+}
+
+impl ExpertParallel for SimExecutor {
+    fn dispatch(&mut self, moe: usize) -> Vec<ExpertRows> {
+        self.experts.as_mut().map_or_else(Vec::new, |e| e.dispatch(moe))
+    }
+
+    fn run_experts(&mut self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
+        let now = self.clock.now_ns();
+        self.experts.as_mut().map_or_else(Vec::new, |e| e.run_experts(now, moe, rows))
+    }
+
+    fn combine(&mut self, moe: usize, results: Vec<ExpertRows>, missing: &[ExpertPair]) {
+        if let Some((start, end, completion)) = self.experts.as_mut().and_then(|e| e.combine(moe, &results, missing)) {
+            self.complete_at(start, end, completion);
+        }
+    }
 }
 
 impl Executor for SimExecutor {
@@ -236,12 +299,9 @@ impl Executor for SimExecutor {
         let shape = StepShape::of(step);
         let host = ns_of_seconds(self.cost.host_seconds(&shape) + self.host_s_per_step);
         self.host_free_ns = self.host_free_ns.max(self.clock.now_ns()) + host;
-        let start = self.device_free_ns.max(self.host_free_ns);
-        let idle = if self.busy_ns == 0 { 0 } else { start - self.device_free_ns };
-        let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
-        let end = start + took;
-        self.device_free_ns = end;
-        self.busy_ns += took;
+        let device_free = self.device_free_ns.max(self.experts.as_ref().map_or(0, |e| e.free_ns));
+        let start = device_free.max(self.host_free_ns);
+        let idle = if self.busy_ns == 0 { 0 } else { start - device_free };
         let mut completion = StepCompletion::of(step.step, Ok(self.sampled(step)));
         // What a step copies out carries no bytes here (nothing was computed), only its sizes.
         let simulated = Some(SimulatedPayload { state_floats: self.state_floats });
@@ -250,9 +310,17 @@ impl Executor for SimExecutor {
             .iter()
             .map(|e| Exported { key: e.key, kv: Vec::new(), source: None, state: None, simulated })
             .collect();
-        self.in_flight.push_back((end, completion));
-        let waker = self.waker.clone();
-        self.clock.at(end, self.order, Box::new(move || waker.wake()));
+        if let (Some(experts), StepCost::Roofline { model, hardware, efficiency }) = (&mut self.experts, &self.cost) {
+            // Its own part now; its experts' part as its MoE layers' exchanges run.
+            let own = ns_of_seconds(step_seconds(&model.without_routed_experts(), hardware, efficiency, &shape));
+            let rows = step.seqs().flat_map(|s| (0..s.len()).map(move |i| (s.key, s.start_pos + i))).collect();
+            let sampled_rows = step.seqs().filter(|s| s.sample).map(|s| (s.key, s.start_pos + s.len() - 1)).collect();
+            let in_step = InStep { cursor_ns: start, segment_ns: 0, started_ns: start, rows, sampled_rows, completion };
+            experts.begin(start, own, in_step);
+            return;
+        }
+        let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
+        self.complete_at(start, start + took, completion);
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {
@@ -263,6 +331,13 @@ impl Executor for SimExecutor {
     }
 
     fn flush(&mut self) {}
+
+    fn expert_parallel(&mut self) -> Option<&mut dyn ExpertParallel> {
+        match self.experts {
+            Some(_) => Some(self),
+            None => None,
+        }
+    }
 }
 
 #[cfg(test)]

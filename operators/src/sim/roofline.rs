@@ -22,6 +22,8 @@ pub struct ModelShape {
     pub experts: usize,
     pub experts_per_token: usize,
     pub expert_bytes: f64,
+    /// One routed expert's parameters.
+    pub expert_params: f64,
     /// Weights a token computes with (dense and its routed experts), in parameters.
     pub active_params: f64,
     /// KV bytes one position holds over all layers.
@@ -73,11 +75,19 @@ impl ModelShape {
             experts,
             experts_per_token: per_token,
             expert_bytes: expert_params * weight_bytes as f64,
+            expert_params,
             active_params: active,
             kv_bytes_per_position: (model.kv_row_widths().iter().sum::<usize>() * kv_bytes) as f64,
             attention_flops_per_position: 2.0 * model.attention_macs(ctx) as f64 / ctx as f64,
             state_bytes_per_row: (model.state_width() * 4) as f64,
         }
+    }
+
+    /// The step without its routed experts (an expert-parallel rank's own part: its experts run
+    /// over the rows every rank sends them, costed apart).
+    pub fn without_routed_experts(&self) -> ModelShape {
+        let routed = (self.moe_layers * self.experts_per_token) as f64 * self.expert_params;
+        ModelShape { moe_layers: 0, active_params: (self.active_params - routed).max(0.0), ..self.clone() }
     }
 
     /// Expected distinct experts `tokens` tokens route to in one MoE layer (uniform routing).
@@ -161,6 +171,7 @@ mod tests {
             experts: 64,
             experts_per_token: 4,
             expert_bytes: 1e7,
+            expert_params: 5e6,
             active_params: 1.2e9,
             kv_bytes_per_position: 1e5,
             attention_flops_per_position: 4e5,

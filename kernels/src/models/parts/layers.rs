@@ -35,13 +35,17 @@ impl Linear {
     ) -> Result<Self, LoadError> {
         let mut rows = Vec::new();
         let mut biases = Vec::new();
+        let out: usize = out_dims.iter().sum();
+        if w.shapes_only() {
+            let bias = bias.then(|| vec![0.0; out]);
+            return Ok(Linear { weight: PackedMatrix::shape_only(out, in_dim), bias });
+        }
         for (prefix, &out) in prefixes.iter().zip(out_dims) {
             rows.extend(w.tensor(&format!("{prefix}.weight"), &[out, in_dim])?);
             if bias {
                 biases.extend(w.tensor(&format!("{prefix}.bias"), &[out])?);
             }
         }
-        let out: usize = out_dims.iter().sum();
         Ok(Self::from_parts(&rows, out, in_dim, bias.then_some(biases)))
     }
 

@@ -228,10 +228,18 @@ pub(crate) fn load_mla(
         },
         None => QueryProjection::Plain(Linear::load(w, &format!("{prefix}.q_proj"), hidden, heads * qk, false)?),
     };
-    let kv_b = w.tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v_dim), kv_lora])?;
     let mut absorb_k = Vec::with_capacity(heads);
     let mut absorb_v = Vec::with_capacity(heads);
+    let kv_b = match w.shapes_only() {
+        true => Vec::new(),
+        false => w.tensor(&format!("{prefix}.kv_b_proj.weight"), &[heads * (nope + v_dim), kv_lora])?,
+    };
     for head in 0..heads {
+        if w.shapes_only() {
+            absorb_k.push(PackedMatrix::shape_only(kv_lora, nope));
+            absorb_v.push(PackedMatrix::shape_only(v_dim, kv_lora));
+            continue;
+        }
         let base = head * (nope + v_dim) * kv_lora;
         // rows [nope × lora] of W_uk: q_lat = q_nope · W_uk
         absorb_k.push(PackedMatrix::from_columns(&kv_b[base..base + nope * kv_lora], nope, kv_lora));

@@ -47,6 +47,10 @@ impl WeightSource for ExpertShard<'_> {
         self.inner.contains(name)
     }
 
+    fn shapes_only(&self) -> bool {
+        self.inner.shapes_only()
+    }
+
     fn experts_to_load(&self, num_experts: usize) -> std::ops::Range<usize> {
         expert_range(num_experts, self.rank, self.ranks)
     }
