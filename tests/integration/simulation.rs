@@ -261,3 +261,28 @@ fn a_simulated_expert_parallel_pool_exchanges_its_rows_and_pays_for_their_bytes(
     assert_eq!(rows[0], rows[1], "the same rows moved: {rows:?}");
     assert!(tpot[1] > 10.0 * tpot[0], "an exchange takes its bytes' time: TPOT p50 {tpot:?}");
 }
+
+/// A simulated run needs only the model's config: a folder holding `config.json` and no weights
+/// runs (the same run as on the whole checkpoint, byte for byte), while a real run of it fails
+/// naming what is missing.
+#[test]
+fn a_simulated_run_needs_only_the_models_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let config_only = dir.path().join("config-only");
+    std::fs::create_dir_all(&config_only).unwrap();
+    let fixture = crate::common::repo().join("fixtures/hf/kimi_linear/config.json");
+    std::fs::copy(fixture, config_only.join("config.json")).unwrap();
+    let workload = "mode = \"concurrency\"\nconcurrency = 4\nlimit = 8";
+    let g = graph(dir.path(), workload, &pool(1, "sim", ""));
+    run_ok(&g, &[]);
+    let whole = std::fs::read(dir.path().join("out/requests.jsonl")).unwrap();
+    let text = std::fs::read_to_string(&g).unwrap();
+    let model_line = text.lines().find(|l| l.starts_with("path = ")).unwrap().to_string();
+    let shapes = text.replace(&model_line, &format!("path = {:?}", config_only.display().to_string()));
+    std::fs::write(&g, shapes).unwrap();
+    run_ok(&g, &[]);
+    assert!(whole == std::fs::read(dir.path().join("out/requests.jsonl")).unwrap(), "the same run");
+    let real = std::fs::read_to_string(&g).unwrap().replace("executor = \"sim\"", "executor = \"cpu\"");
+    std::fs::write(&g, real).unwrap();
+    assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), &["cannot load model", "config-only"]);
+}
