@@ -325,13 +325,37 @@ pub fn spawn_stepper(
         let mut next_sample_ns = 0u64;
         let mut ended = vec![false; lines.len()];
         let mut quiet_since = None;
+        // Each pool's workers, by their place in `lines`.
+        let mut spans: Vec<std::ops::Range<usize>> = Vec::new();
+        for (i, line) in lines.iter().enumerate() {
+            match spans.last_mut() {
+                Some(span) if place(&lines[span.start]).0 == place(line).0 => span.end = i + 1,
+                _ => spans.push(i..i + 1),
+            }
+        }
         loop {
+            // A round: each pool in turn, its workers stepped until a pass over them is quiet (an
+            // exchange between its ranks takes several passes, and the other pools need not step
+            // through them); the instant is over when a whole round is quiet.
             let mut active = false;
-            for (line, ended) in lines.iter().zip(ended.iter_mut()).filter(|(_, e)| !**e) {
-                let step = line.go.send(Go::Step).ok().and_then(|_| line.stepped.recv().ok());
-                let step = step.unwrap_or(Stepped { active: false, ended: true });
-                active |= step.active;
-                *ended = step.ended;
+            for span in &spans {
+                loop {
+                    let mut pool_active = false;
+                    for i in span.clone() {
+                        if ended[i] {
+                            continue;
+                        }
+                        let line = &lines[i];
+                        let step = line.go.send(Go::Step).ok().and_then(|_| line.stepped.recv().ok());
+                        let step = step.unwrap_or(Stepped { active: false, ended: true });
+                        pool_active |= step.active;
+                        ended[i] = step.ended;
+                    }
+                    active |= pool_active;
+                    if !pool_active || advance_while_busy {
+                        break;
+                    }
+                }
             }
             if ended.iter().all(|e| *e) {
                 break;
