@@ -316,7 +316,7 @@ impl Executor for SimExecutor {
             let rows = step.seqs().flat_map(|s| (0..s.len()).map(move |i| (s.key, s.start_pos + i))).collect();
             let sampled_rows = step.seqs().filter(|s| s.sample).map(|s| (s.key, s.start_pos + s.len() - 1)).collect();
             let in_step = InStep { cursor_ns: start, segment_ns: 0, started_ns: start, rows, sampled_rows, completion };
-            experts.begin(start, own, in_step);
+            experts.begin(own, in_step);
             return;
         }
         let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));

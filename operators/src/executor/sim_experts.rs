@@ -64,11 +64,10 @@ pub struct InStep {
 }
 
 impl SimExperts {
-    /// The step's own part, cut around its MoE layers.
-    pub fn begin(&mut self, start_ns: u64, own_ns: u64, step: InStep) {
-        let segments = self.experts.len() as u64 + 1;
-        self.current =
-            Some(InStep { cursor_ns: start_ns, segment_ns: own_ns / segments, started_ns: start_ns, ..step });
+    /// Starts `step`, its own part of `own_ns` cut into segments around its MoE layers.
+    pub fn begin(&mut self, own_ns: u64, step: InStep) {
+        let segment_ns = own_ns / (self.experts.len() as u64 + 1);
+        self.current = Some(InStep { segment_ns, ..step });
     }
 
     /// Which `top_k` distinct experts of `n` a row routes to at layer `moe`.
