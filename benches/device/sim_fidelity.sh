@@ -26,7 +26,10 @@ fidelity() { # fidelity NAME: one model's calibration, real run, simulated run a
     [ -f "$ckpt/model.safetensors" ] || timeout -k 5 150 "$bin" seed-checkpoint "benches/device/$name.toml" "$ckpt" || return 1
     echo "== $name: checkpoint ready [$(( $(date +%s) - start )) s]"
     local table="$dir/table.json"
-    timeout -k 5 "${CALIBRATE_TIMEOUT:-300}" "$bin" bench calibrate --model "$ckpt" --dtype bfloat16 --out "$table" || return 1
+    # (CALIBRATE_FLAGS: a coarser grid, e.g. "--prefix 0,4096 --context 256,4096 --steps 16", for a short call)
+    # shellcheck disable=SC2086
+    timeout -k 5 "${CALIBRATE_TIMEOUT:-300}" "$bin" bench calibrate --model "$ckpt" --dtype bfloat16 --out "$table" \
+        ${CALIBRATE_FLAGS:-} || return 1
     echo "== $name: calibrated [$(( $(date +%s) - start )) s]"
     graph() { # graph EXECUTOR SETTINGS OUT
         sed -e "s#MODEL#$ckpt#" -e "s#EXECUTOR#$1#" -e "s#SETTINGS#$2#" \
