@@ -41,7 +41,8 @@ pub struct PoolJob {
     pub switches: TestSwitches,
     /// What its ranks hand off to, or take handoffs from (P/D).
     pub handoff: PoolHandoff,
-    /// `expert_parallel = true`: each rank loads its own experts from the checkpoint.
+    /// `expert_parallel = true`: each rank loads its own experts from the checkpoint (a
+    /// simulated rank loads nothing and prices its share from the model's shapes).
     pub experts: Option<ExpertParallelJob>,
     /// `[offload]`: the store its ranks save full prompt chunks to.
     pub offload: Option<OffloadSetup>,

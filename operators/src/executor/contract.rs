@@ -74,7 +74,8 @@ pub struct ExecutorContext {
     pub model: Arc<Model>,
     pub layout: MemoryLayout,
     pub waker: Arc<RankWaker>,
-    /// Set in a pool with `expert_parallel = true` (then `model` holds this rank's experts).
+    /// Set in a pool with `expert_parallel = true` (then `model` holds this rank's experts; a
+    /// simulated rank's `model` is the whole model's shapes, its share given by the placement).
     pub experts: Option<ExpertPlacement>,
     /// With the `mtp` drafter: drafts the executor proposes after each sampled token (0: none).
     pub mtp_drafts: usize,
