@@ -304,6 +304,12 @@ impl Payload {
 }
 
 impl ExpertRows {
+    /// The result message `from` sends back for `self`'s rows: the same pairs, `payload` holding
+    /// their experts' outputs.
+    pub fn reply(&self, from: usize, payload: Payload) -> ExpertRows {
+        ExpertRows { moe: self.moe, from, to: self.from, pairs: self.pairs.clone(), payload }
+    }
+
     /// Bytes this message moves between ranks: its payload and its (row, expert) list.
     pub fn bytes(&self) -> usize {
         self.payload.bytes() + std::mem::size_of_val(&self.pairs[..])

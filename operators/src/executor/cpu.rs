@@ -199,16 +199,7 @@ impl CpuStepRunner {
                 results[m][i * h..(i + 1) * h].copy_from_slice(&y[j * h..(j + 1) * h]);
             }
         }
-        rows.iter()
-            .zip(results)
-            .map(|(m, y)| ExpertRows {
-                moe,
-                from: place.rank,
-                to: m.from,
-                pairs: m.pairs.clone(),
-                payload: Payload::Host(y),
-            })
-            .collect()
+        rows.iter().zip(results).map(|(m, y)| m.reply(place.rank, Payload::Host(y))).collect()
     }
 
     /// Sums the expert results of MoE layer `moe` into the step in progress (a row that got none

@@ -420,7 +420,7 @@ impl ExpertParallel for CudaExecutor {
             .map(|m| {
                 let payload = Payload::Device(out.slice(at, m.pairs.len()));
                 at += m.pairs.len();
-                ExpertRows { moe, from: place.rank, to: m.from, pairs: m.pairs.clone(), payload }
+                m.reply(place.rank, payload)
             })
             .collect()
     }

@@ -278,9 +278,9 @@ impl ExpertParallel for SimExecutor {
         self.experts.as_mut().map_or_else(Vec::new, |e| e.dispatch(moe))
     }
 
-    fn run_experts(&mut self, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
+    fn run_experts(&mut self, _moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
         let now = self.clock.now_ns();
-        self.experts.as_mut().map_or_else(Vec::new, |e| e.run_experts(now, moe, rows))
+        self.experts.as_mut().map_or_else(Vec::new, |e| e.run_experts(now, rows))
     }
 
     fn combine(&mut self, moe: usize, results: Vec<ExpertRows>, missing: &[ExpertPair]) {

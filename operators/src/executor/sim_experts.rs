@@ -113,7 +113,7 @@ impl SimExperts {
         self.send(out, ready)
     }
 
-    pub fn run_experts(&mut self, now_ns: u64, moe: usize, rows: &[ExpertRows]) -> Vec<ExpertRows> {
+    pub fn run_experts(&mut self, now_ns: u64, rows: &[ExpertRows]) -> Vec<ExpertRows> {
         if rows.is_empty() {
             return Vec::new();
         }
@@ -131,16 +131,7 @@ impl SimExperts {
             Some(step) => step.cursor_ns = done,
             None => self.free_ns = done,
         }
-        let results = rows
-            .iter()
-            .map(|m| ExpertRows {
-                moe,
-                from: self.place.rank,
-                to: m.from,
-                pairs: m.pairs.clone(),
-                payload: Payload::Host(Vec::new()),
-            })
-            .collect();
+        let results = rows.iter().map(|m| m.reply(self.place.rank, Payload::Host(Vec::new()))).collect();
         self.send(results, done)
     }
 
