@@ -290,7 +290,37 @@ pub enum OffloadStore {
     /// A Redis or Valkey server shared by every process that names it (`redis_store` in
     /// kvflow-operators says what it keeps there).
     Redis(RedisStoreConfig),
+    /// A simulated run's store (every pool's executor `sim`): sized chunks, least recently
+    /// used evicted first past `capacity_bytes`, each save and load taking the latency plus its
+    /// bytes at the store's rate (`offload::SimulatedStore` in kvflow-operators).
+    Sim(SimStoreConfig),
 }
+
+impl OffloadStore {
+    /// Its name in a graph (`store = "…"`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            OffloadStore::Memory { .. } => "memory",
+            OffloadStore::Disk { .. } => "disk",
+            OffloadStore::Redis(_) => "redis",
+            OffloadStore::Sim(_) => "sim",
+        }
+    }
+}
+
+/// `store = "sim"`: its capacity and rates.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimStoreConfig {
+    pub capacity_bytes: u64,
+    /// GB/s a rank's saves move (default 8).
+    pub save_gbps: f64,
+    /// GB/s a rank's loads move (default 8).
+    pub load_gbps: f64,
+    /// µs every save and load takes beside its bytes (default 20).
+    pub latency_us: f64,
+}
+
+impl Eq for SimStoreConfig {}
 
 /// `store = "redis"`: where the server is and how long chunks live there.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -132,6 +132,9 @@ pub(super) struct RawOffload {
     pub(super) password_env: Option<Spanned<String>>,
     pub(super) lease_ms: Option<Spanned<u64>>,
     pub(super) timeout_ms: Option<Spanned<u64>>,
+    pub(super) save_gbps: Option<Spanned<f64>>,
+    pub(super) load_gbps: Option<Spanned<f64>>,
+    pub(super) latency_us: Option<Spanned<f64>>,
 }
 
 #[derive(Default, Deserialize)]

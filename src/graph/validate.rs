@@ -9,8 +9,8 @@ use toml::Spanned;
 
 use super::config::{
     known_trace_formats, AdmissionPolicy, ComponentNames, DisaggregationConfig, Graph, MemoryConfig, OffloadConfig,
-    OffloadStore, PoolChoice, PoolConfig, PoolRole, RedisStoreConfig, SchedulerConfig, SloConfig, WorkloadConfig,
-    WorkloadMode,
+    OffloadStore, PoolChoice, PoolConfig, PoolRole, RedisStoreConfig, SchedulerConfig, SimStoreConfig, SloConfig,
+    WorkloadConfig, WorkloadMode,
 };
 use super::error::{line_of, quoted_list, GraphError, Location};
 use super::overrides::CommandLineKeys;
@@ -468,10 +468,10 @@ impl<'a> Validator<'a> {
             }
         })?;
         let kind = self.field("offload.store", raw.store.as_ref(), "memory".to_string(), |s| {
-            if ["memory", "disk", "redis"].contains(&s.as_str()) {
+            if ["memory", "disk", "redis", "sim"].contains(&s.as_str()) {
                 Ok(s)
             } else {
-                Err(format!("`{s}` is not an offload store; known: `memory`, `disk`, `redis`"))
+                Err(format!("`{s}` is not an offload store; known: `memory`, `disk`, `redis`, `sim`"))
             }
         })?;
         // Keys only some stores take, and which.
@@ -483,8 +483,13 @@ impl<'a> Validator<'a> {
         if kind != "disk" {
             only("offload.path", raw.path.as_ref().map(|v| v.span()), "disk", "a folder")?;
         }
-        if kind != "memory" {
+        if kind != "memory" && kind != "sim" {
             only("offload.capacity_bytes", raw.capacity_bytes.as_ref().map(|v| v.span()), "memory", "a capacity")?;
+        }
+        if kind != "sim" {
+            only("offload.save_gbps", raw.save_gbps.as_ref().map(|v| v.span()), "sim", "a save rate")?;
+            only("offload.load_gbps", raw.load_gbps.as_ref().map(|v| v.span()), "sim", "a load rate")?;
+            only("offload.latency_us", raw.latency_us.as_ref().map(|v| v.span()), "sim", "a latency")?;
         }
         if kind != "redis" {
             only("offload.url", raw.url.as_ref().map(|v| v.span()), "redis", "a URL")?;
@@ -507,7 +512,11 @@ impl<'a> Validator<'a> {
             _ => {
                 let capacity_bytes =
                     self.field("offload.capacity_bytes", raw.capacity_bytes.as_ref(), 1 << 30, |v| byte_budget(&v))?;
-                OffloadStore::Memory { capacity_bytes }
+                if kind == "sim" {
+                    OffloadStore::Sim(self.sim_store(raw, capacity_bytes)?)
+                } else {
+                    OffloadStore::Memory { capacity_bytes }
+                }
             }
         };
         let max_retries = raw.max_retries.as_ref().map_or(3, |r| *r.get_ref());
@@ -519,6 +528,27 @@ impl<'a> Validator<'a> {
             }
         })?;
         Ok(Some(OffloadConfig { store, chunk_tokens, max_retries, max_pending_saves }))
+    }
+
+    /// `store = "sim"`'s rates: positive and finite, the latency at least 0.
+    fn sim_store(&self, raw: &RawOffload, capacity_bytes: u64) -> Result<SimStoreConfig, GraphError> {
+        let rate = |gbps: f64| {
+            if gbps.is_finite() && gbps > 0.0 {
+                Ok(gbps)
+            } else {
+                Err(format!("{gbps} GB/s; expected a positive rate"))
+            }
+        };
+        let save_gbps = self.field("offload.save_gbps", raw.save_gbps.as_ref(), 8.0, rate)?;
+        let load_gbps = self.field("offload.load_gbps", raw.load_gbps.as_ref(), 8.0, rate)?;
+        let latency_us = self.field("offload.latency_us", raw.latency_us.as_ref(), 20.0, |us: f64| {
+            if us.is_finite() && us >= 0.0 {
+                Ok(us)
+            } else {
+                Err(format!("{us} µs; expected 0 or more"))
+            }
+        })?;
+        Ok(SimStoreConfig { capacity_bytes, save_gbps, load_gbps, latency_us })
     }
 
     /// `store = "redis"`'s keys: a `redis://` or `rediss://` URL without a password (that comes

@@ -12,7 +12,6 @@ use crate::trace::{read_trace, synthesize, SynthOptions, TraceFormat};
 use crate::workload::{select, ArrivalMode, Selection};
 use anyhow::{anyhow, bail, Context, Result};
 use kvflow_kernels::models::{self, Model};
-use kvflow_operators::offload::ObjectStore;
 use std::sync::Arc;
 
 /// Loads the graph's model: a simulated graph's (every pool's executor `sim`) from its config
@@ -134,7 +133,7 @@ pub fn pool_job(
     largest_request: usize,
     opts: &RunOptions,
     registry: &Registry,
-    store: Option<&Arc<dyn ObjectStore>>,
+    store: Option<&offload::RunStore>,
 ) -> Result<PoolJob> {
     let layout = plan_memory(model, &pool.memory, &pool.scheduler, largest_request, pool.verifies())
         .with_context(|| format!("{}: pool `{}`", graph.path.display(), pool.name))?;
@@ -185,7 +184,7 @@ pub fn pool_job(
         lockstep: None,
         log_steps: graph.report_steps,
         offload: match (store, &graph.offload) {
-            (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store.clone())?),
+            (Some(store), Some(config)) => Some(offload::setup(graph, pool, model, &layout, config, store)?),
             _ => None,
         },
     })

@@ -4,22 +4,42 @@
 use crate::graph::{Graph, OffloadConfig, OffloadStore, PoolConfig, RedisStoreConfig};
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
-use kvflow_operators::offload::{DiskStore, MemoryStore, Namespace, ObjectStore, RedisConfig, RedisStore};
+use kvflow_operators::offload::{
+    DiskStore, MemoryStore, Namespace, ObjectStore, RedisConfig, RedisStore, SimulatedStore,
+};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::rank::OffloadSetup;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Opens the graph's store, shared by every pool and rank of the run.
-pub fn open_store(graph: &Graph) -> Result<Option<Arc<dyn ObjectStore>>> {
+/// The run's store, shared by every pool and rank; a simulated one with its rates.
+#[derive(Clone)]
+pub struct RunStore {
+    pub store: Arc<dyn ObjectStore>,
+    pub simulated: Option<Arc<SimulatedStore>>,
+}
+
+/// Opens the graph's store.
+pub fn open_store(graph: &Graph) -> Result<Option<RunStore>> {
     let Some(config) = &graph.offload else { return Ok(None) };
-    Ok(Some(match &config.store {
+    let store: Arc<dyn ObjectStore> = match &config.store {
         OffloadStore::Memory { capacity_bytes } => Arc::new(MemoryStore::new(*capacity_bytes)),
         OffloadStore::Disk { path } => {
             Arc::new(DiskStore::open(path).map_err(|e| anyhow!("{}: offload.path: {e}", graph.path.display()))?)
         }
         OffloadStore::Redis(redis) => Arc::new(open_redis(graph, redis)?),
-    }))
+        OffloadStore::Sim(sim) => {
+            let store = Arc::new(MemoryStore::new(sim.capacity_bytes));
+            let simulated = Arc::new(SimulatedStore {
+                store: store.clone(),
+                save_bytes_per_s: sim.save_gbps * 1e9,
+                load_bytes_per_s: sim.load_gbps * 1e9,
+                latency_ns: (sim.latency_us * 1e3).round() as u64,
+            });
+            return Ok(Some(RunStore { store, simulated: Some(simulated) }));
+        }
+    };
+    Ok(Some(RunStore { store, simulated: None }))
 }
 
 /// Connects to the graph's Redis store, with the password from the environment variable the
@@ -70,7 +90,7 @@ pub fn setup(
     model: &Model,
     layout: &MemoryLayout,
     config: &OffloadConfig,
-    store: Arc<dyn ObjectStore>,
+    store: &RunStore,
 ) -> Result<OffloadSetup> {
     if layout.keeps_state {
         let every = pool.scheduler.snapshot_interval_blocks * layout.block_size;
@@ -98,7 +118,8 @@ pub fn setup(
     }
     let per_block = super::links::consumer_layout(model, pool);
     Ok(OffloadSetup {
-        store,
+        store: store.store.clone(),
+        simulated: store.simulated.clone(),
         namespace: namespace(model, layout, config.chunk_tokens),
         chunk_tokens: config.chunk_tokens,
         max_retries: config.max_retries,

@@ -448,7 +448,7 @@ impl WorkerJob {
         let mut rank =
             Rank::new(index, &job.name, job.layout, job.scheduler, exec, waker).with_switches(job.switches.clone());
         if let Some(setup) = &job.offload {
-            rank = rank.with_offload(setup.clone());
+            rank = rank.with_offload(setup.clone(), job.lockstep.as_ref().map(|l| l.clock.clone()));
         }
         if job.log_steps {
             rank = rank.logging_steps();

@@ -14,7 +14,6 @@ use crate::registry::Registry;
 use crate::workload::Selection;
 use anyhow::{anyhow, bail, Result};
 use kvflow_kernels::models::Model;
-use kvflow_operators::offload::ObjectStore;
 use std::sync::Arc;
 
 /// A run ready to start.
@@ -32,7 +31,7 @@ pub struct Prepared<'g> {
     /// the report. One running only decode pools serves the handoffs that come to it.
     pub drives: bool,
     /// The offload tier's store, shared by the pools (its faults go in the report).
-    pub store: Option<Arc<dyn ObjectStore>>,
+    pub store: Option<offload::RunStore>,
 }
 
 /// The checks of a run that need neither its model nor its workload (`kvflow compare` makes

@@ -9,8 +9,8 @@
 //! this machine is. The operators — admit, schedule, align, forward, verify,
 //! the router, the scheduler, the accounting — are the real ones, unchanged.
 //!
-//! Not simulated yet: the offload store, streamed handoffs, `kvflow serve` and pools spread over
-//! processes (refused, naming what).
+//! Not simulated yet: streamed handoffs, `kvflow serve` and pools spread over processes
+//! (refused, naming what).
 //!
 //! Which time it holds: the run's virtual time, from the first release to the last pool's end.
 //! Which guarantee it carries: the clock moves only when no worker anywhere can progress (the
@@ -22,7 +22,7 @@ use super::entry::{Entries, Release};
 use super::front::PoolGauges;
 use super::kv_usage::KvSamples;
 use super::options::RunOptions;
-use crate::graph::{Graph, PoolConfig, TransferBackend};
+use crate::graph::{Graph, OffloadStore, PoolConfig, TransferBackend};
 use crate::trace::Request;
 use crate::workload::{release_offsets, ArrivalMode, Selection};
 use anyhow::{anyhow, Result};
@@ -71,8 +71,11 @@ pub fn is_simulated(graph: &Graph, pools: &[&PoolConfig], opts: &RunOptions) -> 
     if let Some(link) = graph.links.iter().find(|l| l.stream_min_tokens.is_some()) {
         return refuse(&format!("stream handoffs in pieces (link {} → {} stream_min_tokens)", link.from, link.to));
     }
-    if graph.offload.is_some() {
-        return refuse("use an [offload] store");
+    if let Some(offload) = graph.offload.as_ref().filter(|o| !matches!(o.store, OffloadStore::Sim(_))) {
+        return Err(anyhow!(
+            "{at}: offload.store is \"{}\": a simulated run's chunks move on its virtual clock, in store = \"sim\"",
+            offload.store.kind()
+        ));
     }
     if opts.front_end.is_some() {
         return refuse("serve requests over HTTP (kvflow serve): it replays a trace");

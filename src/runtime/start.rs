@@ -16,9 +16,9 @@ use super::pool::{start_pool, PoolResult, RunningPool};
 use super::prepare::Prepared;
 use super::simulated::{lockstep, spawn_stepper, AppliedSink, SimReleases, StepperJob};
 use super::watchdog::{spawn_watchdog, Awaited, Watch};
-use crate::graph::{Graph, PoolRole};
+use crate::graph::{Graph, OffloadStore, PoolRole};
 use crate::report::write_report;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::pool::admit::Ingress;
@@ -110,7 +110,15 @@ impl Sinks<'_> {
 /// Starts everything: the pools, what releases their requests, and what watches them.
 pub fn start(graph: &Graph, opts: &RunOptions, prepared: Prepared<'_>) -> Result<Running> {
     let Prepared { pools, model, selection, largest, jobs, store, .. } = prepared;
+    let store = store.map(|s| s.store);
     let clock = super::simulated::is_simulated(graph, &pools, opts)?.then(VirtualClock::new);
+    if clock.is_none() && graph.offload.as_ref().is_some_and(|o| matches!(o.store, OffloadStore::Sim(_))) {
+        bail!(
+            "{}: offload.store: store = \"sim\" holds a simulated run's chunks (every pool's executor \"sim\"); \
+             use \"memory\", \"disk\" or \"redis\"",
+            graph.path.display()
+        );
+    }
     let layouts = jobs.iter().map(|j| (j.name.clone(), j.ranks, j.layout, pools_executor(graph, &j.name))).collect();
     let note = selection.note.clone();
     if let Some(n) = &note {

@@ -286,3 +286,73 @@ fn a_simulated_run_needs_only_the_models_config() {
     std::fs::write(&g, real).unwrap();
     assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), &["cannot load model", "config-only"]);
 }
+
+/// `store = "sim"`: the engine's own offload tier (which chunks are saved, the blocks a save
+/// pins, the lookup at admission, the request waiting for its load, the restored prefix) over a
+/// store of sized chunks whose saves and loads take the virtual clock's time for their bytes at
+/// the store's rates. A load a thousand times slower delays the requests that wait for it; a
+/// slow save keeps its place among the saves in flight until its end, so more chunks go unsaved
+/// for `max_pending_saves`. Two runs give the same records byte for byte, and a store that is not
+/// simulated is refused in a simulated run, as the sim store is in a real one.
+#[test]
+fn a_simulated_offload_store_moves_its_chunks_at_its_rates_on_the_virtual_clock() {
+    // graphs/offload.toml's tier: little KV memory, so prefixes leave HBM while the store holds them
+    let workload = "mode = \"concurrency\"\nconcurrency = 16\nlimit = 200\nwarmup = 8";
+    let offload = "[offload]\nchunk_tokens = 32\ncapacity_bytes = \"256 MiB\"\nmax_pending_saves = 8\nstore = \"sim\"";
+    let run = |rates: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let pools = format!("{}\n{offload}\n{rates}\n", pool(2, "sim", ""));
+        let g = write_graph_with(
+            dir.path(),
+            "hf/llama",
+            "mooncake_conversation_first5min.jsonl",
+            workload,
+            "4 MiB",
+            &pools,
+        );
+        run_ok(&g, &[]);
+        let out = dir.path().join("out");
+        let r = report_in(&out);
+        assert_eq!(r["completed"], 200, "{r}");
+        assert!(r["accounting_errors"].as_array().unwrap().is_empty(), "{r}");
+        let slowest = records_in(&out).iter().map(|rec| rec["ttft_ms"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max);
+        (r, std::fs::read(out.join("requests.jsonl")).unwrap(), slowest)
+    };
+    let (r, records, slowest) = run("save_gbps = 20.0\nload_gbps = 20.0\nlatency_us = 20.0");
+    let o = &r["offload"];
+    assert!(o["saved_chunks"].as_u64().unwrap() > 10, "chunks saved: {o}");
+    assert!(o["loaded_chunks"].as_u64().unwrap() > 0 && o["offload_hit_tokens"].as_u64().unwrap() > 0, "{o}");
+    assert_eq!(o["failed_loads"], 0, "{o}");
+    for (what, ops) in [("saved", "saved_chunks"), ("loaded", "loads")] {
+        // each save and each load takes the latency, then its bytes at 20 GB/s
+        let (bytes, ops) = (o[format!("{what}_bytes")].as_f64().unwrap(), o[ops].as_f64().unwrap());
+        let expected = bytes / (ops * 20e-6 + bytes / 20e9) / 1e9;
+        let measured = o[if what == "saved" { "save_gb_per_s" } else { "load_gb_per_s" }].as_f64().unwrap();
+        assert!(
+            (measured / expected - 1.0).abs() < 0.01,
+            "{what} at the store's rate: {measured} GB/s, not {expected}"
+        );
+    }
+    assert_eq!(run("save_gbps = 20.0\nload_gbps = 20.0\nlatency_us = 20.0").1, records, "one seed, one run");
+    let (_, _, slowest_loading) = run("save_gbps = 20.0\nload_gbps = 0.002\nlatency_us = 20.0");
+    assert!(slowest_loading > slowest + 50.0, "slow loads delay their requests: {slowest_loading} vs {slowest} ms");
+    let (slow_saves, _, _) = run("save_gbps = 0.002\nload_gbps = 20.0\nlatency_us = 20.0");
+    let unsaved = |r: &serde_json::Value| r["offload"]["pending_limit_saves"].as_u64().unwrap();
+    assert!(unsaved(&slow_saves) > unsaved(&r), "slow saves hold their places: {}", slow_saves["offload"]);
+    // Each store runs on its own clock only.
+    let dir = tempfile::tempdir().unwrap();
+    for (executor, store, refusal) in
+        [("sim", "memory", &["offload.store is \"memory\"", "store = \"sim\""][..]), ("cpu", "sim", &["simulated run"])]
+    {
+        let pools = format!("{}\n[offload]\nchunk_tokens = 32\nstore = \"{store}\"\n", pool(1, executor, ""));
+        let g = write_graph_with(
+            dir.path(),
+            "hf/llama",
+            "mooncake_conversation_first5min.jsonl",
+            "limit = 4",
+            "4 MiB",
+            &pools,
+        );
+        assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), refusal);
+    }
+}

@@ -23,6 +23,17 @@ pub struct Loaded {
     pub objects: Vec<ChunkObject>,
     pub bytes: u64,
     pub seconds: f64,
+    /// A simulated run's load (`store = "sim"`): its objects hold no floats, `bytes` is what
+    /// they would have held.
+    pub sized: bool,
+}
+
+impl Loaded {
+    /// A simulated load of `chunks` chunks, `bytes` in all.
+    pub fn sized(chunks: usize, bytes: u64, seconds: f64) -> Self {
+        let objects = vec![ChunkObject { kv: Vec::new(), state: None }; chunks];
+        Loaded { objects, bytes, seconds, sized: true }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -77,7 +88,7 @@ fn load_all(store: &dyn ObjectStore, keys: &[ChunkKey]) -> Result<Loaded, String
         }
     }
     let floats: usize = objects.iter().map(|o| o.kv.len() + o.state.as_ref().map_or(0, Vec::len)).sum();
-    Ok(Loaded { objects, bytes: 4 * floats as u64, seconds: started.elapsed().as_secs_f64() })
+    Ok(Loaded { objects, bytes: 4 * floats as u64, seconds: started.elapsed().as_secs_f64(), sized: false })
 }
 
 #[cfg(test)]

@@ -1,5 +1,8 @@
 //! `memory`: the default store — objects in this process's memory, least recently used evicted
 //! first once their bytes pass the capacity. A chunk's shard objects are evicted together.
+//!
+//! A simulated run's store (`store = "sim"`) is one of these holding sized objects: no bytes,
+//! the size the object would have counted against the capacity ([`MemoryStore::put_sized`]).
 
 use super::recent_log::RecentLog;
 use super::{decode_object, ChunkKey, ChunkObject, Digest, ObjectStore, StoreError};
@@ -15,8 +18,9 @@ pub struct MemoryStore {
 
 #[derive(Default)]
 struct Inner {
-    /// Shared, so a load decodes outside the lock.
-    objects: HashMap<ChunkKey, Arc<[u8]>>,
+    /// Shared, so a load decodes outside the lock; with the bytes each counts (its length, or
+    /// a sized object's size).
+    objects: HashMap<ChunkKey, (Arc<[u8]>, u64)>,
     /// Per chunk: its last use and its shard keys.
     chunks: HashMap<(u64, Digest), (u64, Vec<ChunkKey>)>,
     /// Chunks by last use.
@@ -47,8 +51,8 @@ impl Inner {
         if let Some((_, keys)) = self.chunks.remove(&chunk) {
             for k in keys {
                 self.evicted.push(k);
-                if let Some(v) = self.objects.remove(&k) {
-                    self.bytes -= v.len() as u64;
+                if let Some((_, counted)) = self.objects.remove(&k) {
+                    self.bytes -= counted;
                 }
             }
         }
@@ -64,8 +68,8 @@ impl MemoryStore {
 }
 
 impl MemoryStore {
-    /// The object under `key`, shared, marked as used.
-    fn shared(&self, key: &ChunkKey) -> Option<Arc<[u8]>> {
+    /// The object under `key`, shared, with the bytes it counts, marked as used.
+    fn shared(&self, key: &ChunkKey) -> Option<(Arc<[u8]>, u64)> {
         let mut s = self.inner.lock();
         let found = s.objects.get(key).cloned();
         if found.is_some() {
@@ -73,15 +77,19 @@ impl MemoryStore {
         }
         found
     }
-}
 
-impl ObjectStore for MemoryStore {
-    fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
-        self.inner.lock().evicted.since(cursor)
+    /// Stores a sized object under `key`: no bytes, `size` counted against the capacity (a
+    /// simulated run's save).
+    pub fn put_sized(&self, key: &ChunkKey, size: u64) -> Result<(), StoreError> {
+        self.insert(key, Arc::from(&[][..]), size)
     }
 
-    fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
-        let size = object.len() as u64;
+    /// The bytes the object under `key` counts, marked as used (a simulated run's load).
+    pub fn size_of(&self, key: &ChunkKey) -> Option<u64> {
+        self.shared(key).map(|(_, size)| size)
+    }
+
+    fn insert(&self, key: &ChunkKey, object: Arc<[u8]>, size: u64) -> Result<(), StoreError> {
         if size > self.capacity {
             return Err(StoreError::Full(format!(
                 "an object of {size} bytes is larger than the store ({} bytes)",
@@ -89,8 +97,8 @@ impl ObjectStore for MemoryStore {
             )));
         }
         let mut s = self.inner.lock();
-        if let Some(old) = s.objects.remove(key) {
-            s.bytes -= old.len() as u64;
+        if let Some((_, old)) = s.objects.remove(key) {
+            s.bytes -= old;
         }
         let chunk = (key.namespace.0, key.digest);
         while s.bytes + size > self.capacity {
@@ -101,19 +109,29 @@ impl ObjectStore for MemoryStore {
                 )));
             }
         }
-        s.objects.insert(*key, Arc::from(object));
+        s.objects.insert(*key, (object, size));
         s.bytes += size;
         s.touch(key);
         Ok(())
     }
+}
+
+impl ObjectStore for MemoryStore {
+    fn evicted_since(&self, cursor: u64) -> (u64, Option<Vec<ChunkKey>>) {
+        self.inner.lock().evicted.since(cursor)
+    }
+
+    fn put(&self, key: &ChunkKey, object: &[u8]) -> Result<(), StoreError> {
+        self.insert(key, Arc::from(object), object.len() as u64)
+    }
 
     fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>, StoreError> {
-        Ok(self.shared(key).map(|bytes| bytes.to_vec()))
+        Ok(self.shared(key).map(|(bytes, _)| bytes.to_vec()))
     }
 
     /// Decoded straight from the stored bytes (one copy, outside the lock).
     fn get_object(&self, key: &ChunkKey) -> Result<Option<ChunkObject>, StoreError> {
-        let Some(bytes) = self.shared(key) else { return Ok(None) };
+        let Some((bytes, _)) = self.shared(key) else { return Ok(None) };
         match decode_object(&bytes) {
             Ok(object) => Ok(Some(object)),
             Err(e) => {

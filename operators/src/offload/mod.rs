@@ -16,15 +16,17 @@ mod object;
 mod recent_log;
 mod redis_store;
 mod saver;
+mod simulated;
 mod worker;
 
 pub use disk::DiskStore;
 pub use key::{chunk_digests, ChunkKey, Digest, Namespace};
 pub use loader::{spawn_loader, LoadDone, LoadJob, Loaded, Loader, RestoredPrefix};
 pub use memory::MemoryStore;
-pub use object::{check_object, decode_object, encode_object, read_object, ChunkObject, ObjectError};
+pub use object::{check_object, decode_object, encode_object, object_bytes, read_object, ChunkObject, ObjectError};
 pub use redis_store::{LocalRedis, LocalRedisError, RedisConfig, RedisStore};
-pub use saver::{spawn_saver, SaveDone, SaveJob, SaveOutcome, Saver};
+pub use saver::{spawn_saver, SaveDone, SaveJob, SaveOutcome, SavePayload, Saver};
+pub use simulated::{clocked_loader, clocked_saver, SimulatedStore};
 
 /// Why a store could not do what it was asked.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -29,6 +29,11 @@ pub enum ObjectError {
     Checksum { stored: u32, computed: u32 },
 }
 
+/// The bytes an object of `kv` KV floats and `state` state floats (`None`: no state) takes.
+pub fn object_bytes(kv: usize, state: Option<usize>) -> u64 {
+    (HEADER + 4 * (kv + state.unwrap_or(0)) + 4) as u64
+}
+
 /// The bytes of `object`.
 pub fn encode_object(object: &ChunkObject) -> Vec<u8> {
     let state = object.state.as_deref().unwrap_or(&[]);

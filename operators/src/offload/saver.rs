@@ -13,15 +13,23 @@ use crate::step::KvSource;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// One chunk to save: its key, the blocks it reads in place, and the state at its end.
+/// One chunk to save: its key and what it writes.
 #[derive(Clone)]
 pub struct SaveJob {
     pub id: u64,
     pub key: ChunkKey,
-    pub source: KvSource,
-    pub state: Option<Vec<f32>>,
+    pub payload: SavePayload,
     /// The prefix hashes of the chunk's blocks (published with it by a shared store).
     pub hashes: Vec<u64>,
+}
+
+/// What a save writes.
+#[derive(Clone)]
+pub enum SavePayload {
+    /// The blocks it reads in place, and the state at the chunk's end.
+    Blocks { source: KvSource, state: Option<Vec<f32>> },
+    /// A simulated step's chunk (executor `sim`): no bytes, the size its object would have.
+    Sized(u64),
 }
 
 /// How a save ended.
@@ -91,17 +99,22 @@ fn save_one(
     if store.contains(&job.key) {
         return SaveOutcome::Found;
     }
+    let SavePayload::Blocks { source, state } = &job.payload else {
+        return SaveOutcome::Dropped {
+            why: "a simulated chunk has no bytes to store (store = \"sim\" holds it)".into(),
+        };
+    };
     if !read_delay.is_zero() {
         std::thread::sleep(read_delay);
     }
     // The save's time: reading its blocks, encoding and storing them (not the wait for the
     // rank's step to let go of its cache).
     let started = Instant::now();
-    let (kv, waited) = job.source.read_waiting();
-    if kv.is_empty() && !job.source.blocks.is_empty() {
+    let (kv, waited) = source.read_waiting();
+    if kv.is_empty() && !source.blocks.is_empty() {
         return SaveOutcome::Dropped { why: "its blocks could not be read".into() };
     }
-    let object = encode_object(&ChunkObject { kv, state: job.state.clone() });
+    let object = encode_object(&ChunkObject { kv, state: state.clone() });
     let mut last = String::new();
     for _ in 0..=max_retries {
         match store.put_chunk(&job.key, &object, &job.hashes) {

@@ -135,7 +135,7 @@ impl Rank {
                         && o.state.as_ref().map_or(0, Vec::len) == state
                         && o.state.is_some() == (state > 0)
                 };
-                match loaded.objects.iter().position(|o| !fits(o)) {
+                match loaded.objects.iter().position(|o| !loaded.sized && !fits(o)) {
                     Some(i) => {
                         Err(format!("chunk {i} does not have this layout's shape ({kv} KV and {state} state floats)"))
                     }

@@ -49,6 +49,7 @@ use crate::policy::memory::{MemoryLayout, RankMemory};
 use crate::policy::scheduler::{Scheduler, SchedulerConfig, StepDecision};
 use crate::policy::sequence::{Sequence, Sequences};
 use crate::pool::wake::RankWaker;
+use crate::sim::clock::VirtualClock;
 use crate::step::{SeqKey, StepCompletion};
 use kvflow_kernels::kv::SnapshotId;
 use std::collections::VecDeque;
@@ -243,10 +244,18 @@ impl Rank {
     /// Saves full prompt chunks to the offload tier's store, and loads prefixes back, through a
     /// save thread and a load thread of its own (the tier is a cache: if a thread cannot start,
     /// this rank uses no store, and says so).
-    pub fn with_offload(mut self, setup: OffloadSetup) -> Self {
-        use crate::offload::{spawn_loader, spawn_saver};
+    /// In a simulated run (`clock`) with a simulated store, both are workers on the virtual
+    /// clock instead.
+    pub fn with_offload(mut self, setup: OffloadSetup, clock: Option<Arc<VirtualClock>>) -> Self {
+        use crate::offload::{clocked_loader, clocked_saver, spawn_loader, spawn_saver};
         use std::time::Duration;
         let (pool, index, waker) = (&self.pool, self.index, &self.waker);
+        if let (Some(sim), Some(clock)) = (&setup.simulated, clock) {
+            let saver = clocked_saver(sim.clone(), clock.clone(), waker.clone(), index as u64);
+            let loader = clocked_loader(sim.clone(), clock, waker.clone(), index as u64);
+            self.offload = Some(RankOffload::new(setup, saver, loader));
+            return self;
+        }
         let save_delay = Duration::from_millis(self.switches.slow_saves_ms);
         let load_delay = Duration::from_millis(self.switches.slow_loads_ms);
         let saver = spawn_saver(

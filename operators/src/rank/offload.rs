@@ -15,7 +15,7 @@
 
 use super::offload_state::Launched;
 use super::Rank;
-use crate::offload::{ChunkKey, SaveDone, SaveJob, SaveOutcome};
+use crate::offload::{ChunkKey, SaveDone, SaveJob, SaveOutcome, SavePayload};
 use crate::policy::kv_index::OFFLOAD;
 use crate::policy::scheduler::Chunk;
 use crate::step::{Exported, KvExport};
@@ -88,10 +88,16 @@ impl Rank {
         for l in mine {
             let off = self.offload.as_mut().expect("checked above");
             let export = if ok { saved.next() } else { None };
-            match export.and_then(|e| e.source.map(|s| (s, e.state))) {
-                Some((source, state)) => {
+            let payload = export.and_then(|e| match (e.source, e.simulated) {
+                (Some(source), _) => Some(SavePayload::Blocks { source, state: e.state }),
+                // a simulated step's chunk: the bytes its object would have (f32, as stored)
+                (None, Some(_)) => Some(SavePayload::Sized(off.setup.chunk_object_bytes())),
+                (None, None) => None,
+            });
+            match payload {
+                Some(payload) => {
                     off.writing.insert(l.id, (l.request, l.key.digest));
-                    off.ready.push(SaveJob { id: l.id, key: l.key, source, state, hashes: l.hashes });
+                    off.ready.push(SaveJob { id: l.id, key: l.key, payload, hashes: l.hashes });
                 }
                 None => {
                     off.known.remove(&l.key.digest);

@@ -3,7 +3,9 @@
 //! with it is in `offload` (saves) and `load` (loads).
 
 use super::recent_set::RecentSet;
-use crate::offload::{ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveJob, Saver};
+use crate::offload::{
+    object_bytes, ChunkKey, Digest, LoadDone, LoadJob, Loader, Namespace, ObjectStore, SaveJob, Saver, SimulatedStore,
+};
 use crate::step::SeqKey;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -22,6 +24,16 @@ pub struct OffloadSetup {
     /// loaded object of another shape is refused (the request recomputes).
     pub chunk_kv_floats: usize,
     pub state_floats: usize,
+    /// A simulated run's store (`store = "sim"`): the rank's save and load threads become
+    /// workers on the virtual clock, moving sized chunks at the store's rates.
+    pub simulated: Option<Arc<SimulatedStore>>,
+}
+
+impl OffloadSetup {
+    /// The bytes one chunk's object takes in this layout.
+    pub fn chunk_object_bytes(&self) -> u64 {
+        object_bytes(self.chunk_kv_floats, (self.state_floats > 0).then_some(self.state_floats))
+    }
 }
 
 /// The tier's counters of one rank.
