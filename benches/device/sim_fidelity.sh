@@ -14,6 +14,9 @@ cd "$(dirname "$0")/../.."
 source benches/device/binaries.sh
 bin=.device-bin/kvflow
 out="${OUT:-/tmp/sim-fidelity}"
+# The offload graph's KV memory per rank and chunk size (OFFLOAD=0: no offload graph).
+OFFLOAD_BUDGET="${OFFLOAD_BUDGET:-4 GiB}"
+OFFLOAD_CHUNK="${OFFLOAD_CHUNK:-256}"
 mkdir -p "$out"
 exec > >(tee "$out/sim-fidelity-run.txt") 2>&1
 echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -31,9 +34,14 @@ fidelity() { # fidelity NAME: one model's calibration, real run, simulated run a
     timeout -k 5 "${CALIBRATE_TIMEOUT:-300}" "$bin" bench calibrate --model "$ckpt" --dtype bfloat16 --out "$table" \
         ${CALIBRATE_FLAGS:-} || return 1
     echo "== $name: calibrated [$(( $(date +%s) - start )) s]"
-    graph() { # graph EXECUTOR SETTINGS OUT
+    graph() { # graph EXECUTOR SETTINGS OUT [OFFLOAD_STORE]: with a store, the offload graph
         sed -e "s#MODEL#$ckpt#" -e "s#EXECUTOR#$1#" -e "s#SETTINGS#$2#" \
             -e "s#TRACE#$PWD/traces/mooncake_conversation_head.jsonl#" -e "s#OUT#$3#" benches/device/sim-fidelity.toml > "$3.toml"
+        if [ -n "${4:-}" ]; then
+            # Little KV memory (prefixes leave it while the store keeps them), the store in host memory.
+            sed -i -e "s#^budget_bytes = .*#budget_bytes = \"$OFFLOAD_BUDGET\"#" "$3.toml"
+            printf '\n[offload]\n%s\ncapacity_bytes = "64 GiB"\nchunk_tokens = %s\n' "$4" "$OFFLOAD_CHUNK" >> "$3.toml"
+        fi
         echo "$3.toml"
     }
     timeout -k 5 240 "$bin" run "$(graph cuda 'dtype = "bfloat16"' "$dir/real")" --stall-timeout 120 || echo "== the real run: exit status $?"
@@ -41,6 +49,22 @@ fidelity() { # fidelity NAME: one model's calibration, real run, simulated run a
     timeout -k 5 120 "$bin" run "$(graph sim "table = \"$table\"" "$dir/sim")" || echo "== the simulated run: exit status $?"
     echo "== $name: simulated run done [$(( $(date +%s) - start )) s]"
     python3 benches/device/sim_fidelity_compare.py "$dir/real" "$dir/sim"
+    [ "${OFFLOAD:-1}" = 1 ] || return 0
+    # The offload graph: the real run's store is in host memory; the simulated one moves its
+    # chunks at the save and load rates that real run measured (its report's offload figures).
+    timeout -k 5 240 "$bin" run "$(graph cuda 'dtype = "bfloat16"' "$dir/real-offload" 'store = "memory"')" --stall-timeout 120 \
+        || echo "== the real offload run: exit status $?"
+    echo "== $name: real offload run done [$(( $(date +%s) - start )) s]"
+    local rates
+    rates=$(python3 -c 'import json, sys
+o = json.load(open(sys.argv[1]))["offload"]
+print("store = \"sim\"\nsave_gbps = %.4f\nload_gbps = %.4f\nlatency_us = 0.0" % (o["save_gb_per_s"] or 1.0, o["load_gb_per_s"] or 1.0))' \
+        "$dir/real-offload/report.json") || { echo "== $name: the real offload run wrote no report"; return 1; }
+    echo "== $name: the store's rates, from the real offload run: $(echo "$rates" | tr '\n' ' ')"
+    timeout -k 5 120 "$bin" run "$(graph sim "table = \"$table\"" "$dir/sim-offload" "$rates")" \
+        || echo "== the simulated offload run: exit status $?"
+    echo "== $name: simulated offload run done [$(( $(date +%s) - start )) s]"
+    python3 benches/device/sim_fidelity_compare.py "$dir/real-offload" "$dir/sim-offload"
 }
 for name in "${@:-llama-1b}"; do
     fidelity "$name" || echo "== $name: stopped"

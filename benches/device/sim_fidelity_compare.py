@@ -25,6 +25,14 @@ def figures(real, sim):
         ratio = f"{s / r:.3f}" if isinstance(r, (int, float)) and isinstance(s, (int, float)) and r else "-"
         fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v if v is not None else "-")
         print(f"{label:<18} {fmt(r):>12} {fmt(s):>12} {ratio:>9}")
+    # The offload tier's counts, when the graph has one.
+    for label, key in [("saved chunks", "saved_chunks"), ("loads", "loads"), ("loaded chunks", "loaded_chunks"),
+                       ("offload hit tokens", "offload_hit_tokens"), ("unsaved (limit)", "pending_limit_saves")]:
+        r, s = (real.get("offload") or {}).get(key), (sim.get("offload") or {}).get(key)
+        if r is None and s is None:
+            continue
+        ratio = f"{s / r:.3f}" if isinstance(r, (int, float)) and isinstance(s, (int, float)) and r else "-"
+        print(f"{label:<18} {str(r):>12} {str(s):>12} {ratio:>9}")
 
 
 def steps(path):
