@@ -55,13 +55,15 @@ pub fn clocked_saver(sim: Arc<SimulatedStore>, clock: Arc<VirtualClock>, waker: 
         let (start, end) = sim.schedule(&mut free, now, if found { 0 } else { bytes }, sim.save_bytes_per_s);
         let store = sim.store.clone();
         let finish: Finish<SaveDone> = Box::new(move || {
-            let outcome = match () {
-                _ if found => SaveOutcome::Found,
-                _ if bytes == 0 => SaveOutcome::Dropped { why: "a save of real blocks in a simulated run".into() },
-                _ => match store.put_sized(&key, bytes) {
+            let outcome = if found {
+                SaveOutcome::Found
+            } else if bytes == 0 {
+                SaveOutcome::Dropped { why: "a save of real blocks in a simulated run".into() }
+            } else {
+                match store.put_sized(&key, bytes) {
                     Ok(()) => SaveOutcome::Stored { bytes, seconds: (end - start) as f64 / 1e9 },
                     Err(e) => SaveOutcome::Dropped { why: format!("1 try failed: {e}") },
-                },
+                }
             };
             SaveDone { id, key, outcome, hashes }
         });
@@ -79,7 +81,8 @@ pub fn clocked_loader(sim: Arc<SimulatedStore>, clock: Arc<VirtualClock>, waker:
         let (start, end) = sim.schedule(&mut free, now, bytes, sim.load_bytes_per_s);
         let store = sim.store.clone();
         let finish: Finish<LoadDone> = Box::new(move || {
-            let missing = job.keys.iter().position(|k| store.size_of(k).is_none());
+            // (evicted since it started: the load fails, as a real one finding a chunk gone does)
+            let missing = job.keys.iter().position(|k| !store.contains(k));
             let outcome = match missing {
                 Some(i) => Err(format!("chunk {i} of {} ({}) is missing", job.keys.len(), job.keys[i])),
                 None => Ok(Loaded::sized(job.keys.len(), bytes, (end - start) as f64 / 1e9)),
