@@ -2,13 +2,16 @@
 # Simulation fidelity (issue 44), in one device call, for each model named (the seeded specs
 # benches/device/NAME.toml; default llama-1b): writes the checkpoint, measures its step table on
 # the GPU (`kvflow bench calibrate`, bfloat16: device, launch and engine times), replays 200
-# requests of the Mooncake head trace through one cuda rank (benches/device/sim-fidelity.toml,
+# requests of the Mooncake conversation trace through one cuda rank (its first 203 rows that fit
+# the model's context with 128 output tokens: the head trace for llama-1b; shorter ones for
+# kimi-2b, whose context is 8,192; benches/device/sim-fidelity.toml,
 # every step logged), then simulates the same replay (executor "sim") from that table and prints
 # TTFT, TPOT and throughput of both side by side with their ratio, then the steps' times by kind
 # (real against simulated: what the cost model misprices). Carry .device-bin (prepare.sh):
 #     bash benches/device/sim_fidelity.sh [llama-1b] [kimi-2b]
 # Raw output in $OUT (or /tmp/sim-fidelity): the run's text, and per model the table, both
-# reports and both step logs.
+# reports and both step logs (also packed as NAME-runs.tar.xz, one folder up, so that the
+# device tool brings them back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benches/device/binaries.sh
@@ -28,7 +31,14 @@ fidelity() { # fidelity NAME: one model's calibration, real run, simulated run a
     mkdir -p "$dir"
     [ -f "$ckpt/model.safetensors" ] || timeout -k 5 150 "$bin" seed-checkpoint "benches/device/$name.toml" "$ckpt" || return 1
     echo "== $name: checkpoint ready [$(( $(date +%s) - start )) s]"
-    local table="$dir/table.json"
+    local table="$dir/table.json" trace="$dir/trace.jsonl"
+    python3 -c 'import json, sys
+config = json.load(open(sys.argv[1] + "/config.json"))
+fits = config.get("max_position_embeddings", 1 << 30) - 128
+rows = [line for line in open("traces/mooncake_conversation.jsonl") if json.loads(line)["input_length"] <= fits]
+open(sys.argv[2], "w").writelines(rows[:203])
+print("== the trace: the first %d rows of the Mooncake conversation trace with at most %d prompt tokens" % (min(203, len(rows)), fits))' \
+        "$ckpt" "$trace" || return 1
     # (CALIBRATE_FLAGS: a coarser grid, e.g. "--prefix 0,4096 --context 256,4096 --steps 16", for a short call)
     # shellcheck disable=SC2086
     timeout -k 5 "${CALIBRATE_TIMEOUT:-300}" "$bin" bench calibrate --model "$ckpt" --dtype bfloat16 --out "$table" \
@@ -36,7 +46,7 @@ fidelity() { # fidelity NAME: one model's calibration, real run, simulated run a
     echo "== $name: calibrated [$(( $(date +%s) - start )) s]"
     graph() { # graph EXECUTOR SETTINGS OUT [OFFLOAD_STORE]: with a store, the offload graph
         sed -e "s#MODEL#$ckpt#" -e "s#EXECUTOR#$1#" -e "s#SETTINGS#$2#" \
-            -e "s#TRACE#$PWD/traces/mooncake_conversation_head.jsonl#" -e "s#OUT#$3#" benches/device/sim-fidelity.toml > "$3.toml"
+            -e "s#TRACE#$trace#" -e "s#OUT#$3#" benches/device/sim-fidelity.toml > "$3.toml"
         if [ -n "${4:-}" ]; then
             # Little KV memory (prefixes leave it while the store keeps them), the store in host memory.
             sed -i -e "s#^budget_bytes = .*#budget_bytes = \"$OFFLOAD_BUDGET\"#" "$3.toml"
@@ -68,4 +78,5 @@ print("store = \"sim\"\nsave_gbps = %.4f\nload_gbps = %.4f\nlatency_us = 0.0" % 
 }
 for name in "${@:-llama-1b}"; do
     fidelity "$name" || echo "== $name: stopped"
+    tar -cJf "$out/$name-runs.tar.xz" -C "$out" "$name" && echo "== $name: packed $out/$name-runs.tar.xz"
 done

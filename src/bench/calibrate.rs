@@ -5,11 +5,16 @@
 //!   device's time a step when the host keeps it busy);
 //! - prefill chunks over `prefill` tokens × `prefix` positions cached before the chunk, one
 //!   prompt each, launch to token (a chunk late in a long prompt attends to all its prefix);
+//! - prefill steps without a prefix split evenly among `prompts` prompts (what a step's prompt
+//!   count costs apart from its tokens);
 //! - the host's side: the time the executor's `launch` took the thread at each point, and the
 //!   engine's own time a step over the rows it batches — a one-rank pool of the real operators
 //!   with an executor that does no math (`bench step`'s pool) — so a simulated rank hands the
 //!   device a step no sooner than a real one.
 //!
+//! - a save's device reads: the rate a chunk's blocks are read off the device at (as the save
+//!   thread reads them, on a stream of its own), and a prefill's time beside such reads running
+//!   back to back against alone;
 //! - the device's wake-up: a prefill after an idle gap against one right behind another, over a
 //!   few gaps.
 //!
@@ -21,9 +26,11 @@ use anyhow::{anyhow, Context, Result};
 use kvflow_kernels::cuda::Dtype;
 use kvflow_kernels::models;
 use kvflow_operators::executor::CudaSettings;
-use kvflow_operators::sim::table::{EngineHost, IdleCost, MeasuredTable};
+use kvflow_operators::sim::table::{EngineHost, IdleCost, MeasuredTable, PrefillSplit, SaveReads};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 pub struct CalibrateArgs {
     pub model: PathBuf,
@@ -31,6 +38,7 @@ pub struct CalibrateArgs {
     pub dtype: Dtype,
     pub prefill: Vec<usize>,
     pub prefix: Vec<usize>,
+    pub prompts: Vec<usize>,
     pub rows: Vec<usize>,
     pub context: Vec<usize>,
     /// Decode steps timed at each point (after as many warm-up steps).
@@ -54,11 +62,13 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         || !increasing(&args.rows, 1)
         || !increasing(&args.context, 1)
         || !increasing(&args.prefix, 0)
+        || !increasing(&args.prompts, 1)
+        || args.prompts[0] != 1
         || args.steps == 0
     {
         return Err(anyhow!(
             "--prefill, --rows and --context take increasing whole numbers of at least 1, --prefix increasing whole \
-             numbers from 0; --steps at least 1"
+             numbers from 0, --prompts increasing from 1; --steps at least 1"
         ));
     }
     let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
@@ -75,6 +85,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         prefill_launch_seconds: Vec::new(),
         engine: None,
         idle: None,
+        prefill_split: None,
+        save_reads: None,
     };
     for &rows in &args.rows {
         for &context in &args.context {
@@ -116,6 +128,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             table.prefill_launch_seconds.push(launch);
         }
     }
+    table.prefill_split = Some(prefill_split(&model, &settings, &args.prefill, &args.prompts)?);
     let mut engine = EngineHost { rows: args.rows.clone(), seconds: Vec::new() };
     for &rows in &args.rows {
         let seconds = engine_seconds_per_step(rows)?;
@@ -125,6 +138,9 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     table.engine = Some(engine);
     let idle_prompt = IDLE_PROMPT.min(args.prefill.last().copied().unwrap_or(IDLE_PROMPT));
     table.idle = Some(idle_cost(&model, &settings, idle_prompt)?);
+    if model.needs_blocks() {
+        table.save_reads = Some(save_reads(&model, &settings, idle_prompt)?);
+    }
     table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
     let mut json = serde_json::to_value(&table)?;
     json["model"] = args.model.display().to_string().into();
@@ -134,6 +150,72 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     std::fs::write(&args.out, text).with_context(|| format!("cannot write {}", args.out.display()))?;
     println!("wrote    {}", args.out.display());
     Ok(())
+}
+
+/// Prefill steps of each of `tokens` split evenly among each of `prompts` (the fastest of
+/// `PREFILL_ROUNDS` after a warm-up; a split leaving a prompt no token is timed as one token a
+/// prompt).
+fn prefill_split(
+    model: &Arc<models::Model>,
+    settings: &CudaSettings,
+    tokens: &[usize],
+    prompts: &[usize],
+) -> Result<PrefillSplit> {
+    let mut seconds = Vec::new();
+    for &total in tokens {
+        for &n in prompts {
+            let mut b = CudaBatch::new(model, settings, n, (total / n).max(1), 1)?;
+            b.prefill()?; // warm-up
+            let best =
+                (0..PREFILL_ROUNDS).map(|_| b.prefill()).try_fold(f64::INFINITY, |best, t| t.map(|t| best.min(t)))?;
+            println!("prefill {total:>6} tokens over {n:>3} prompts: {:8.3} ms", best * 1e3);
+            seconds.push(best);
+        }
+    }
+    Ok(PrefillSplit { prompts: prompts.to_vec(), seconds })
+}
+
+/// A save's device reads (`SaveReads`): chunks of `SAVE_CHUNK_TOKENS` (or the prompt's blocks)
+/// read back to back alone, then the median of `IDLE_ROUNDS` prefills of `prompt` tokens beside
+/// such reads against alone.
+fn save_reads(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize) -> Result<SaveReads> {
+    const SAVE_CHUNK_TOKENS: usize = 256;
+    const READS: usize = 20;
+    let mut b = CudaBatch::new(model, settings, 1, prompt, 1)?;
+    b.prefill()?;
+    let kv = b.ex.shared_kv().clone();
+    let blocks: Vec<u32> = (0..(SAVE_CHUNK_TOKENS.min(prompt) / 16).max(1) as u32).collect();
+    let read = || kv.read(&blocks, None).map(|floats| floats.len() * 4).map_err(|e| anyhow!("a save's read: {e}"));
+    read()?; // warm-up
+    let t = Instant::now();
+    let bytes: usize = (0..READS).map(|_| read()).sum::<Result<usize>>()?;
+    let read_bytes_per_s = bytes as f64 / t.elapsed().as_secs_f64();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let alone = median((0..IDLE_ROUNDS).map(|_| b.prefill()).collect::<Result<_>>()?);
+    let stop = AtomicBool::new(false);
+    let beside = std::thread::scope(|s| {
+        let reader = s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                read()?;
+            }
+            Ok::<(), anyhow::Error>(())
+        });
+        let times = (0..IDLE_ROUNDS).map(|_| b.prefill()).collect::<Result<Vec<f64>>>();
+        stop.store(true, Ordering::Relaxed);
+        reader.join().map_err(|_| anyhow!("the save reader panicked"))??;
+        times.map(median)
+    })?;
+    let step_slowdown = (beside / alone).max(1.0);
+    println!(
+        "save     reads at {:.2} GB/s; a {prompt}-token prefill beside them {:.3} ms, alone {:.3} ms ({step_slowdown:.2}x)",
+        read_bytes_per_s / 1e9,
+        beside * 1e3,
+        alone * 1e3
+    );
+    Ok(SaveReads { read_bytes_per_s, step_slowdown })
 }
 
 /// The extra time of a prefill that starts after the device sat idle, over `IDLE_GAPS_US`: the

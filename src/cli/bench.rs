@@ -221,6 +221,10 @@ pub enum BenchCommand {
         /// Positions cached before a prefill chunk (increasing, from 0).
         #[arg(long, value_delimiter = ',', default_value = "0,1024,4096,16384")]
         prefix: Vec<usize>,
+        /// Prompts a prefill point without a prefix is also split among (increasing, from 1):
+        /// what a step's prompt count costs apart from its tokens.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16", value_parser = flags::count)]
+        prompts: Vec<usize>,
         /// Decode rows of the decode points (increasing).
         #[arg(long, value_delimiter = ',', default_value = "1,4,16,64", value_parser = flags::count)]
         rows: Vec<usize>,
@@ -310,7 +314,7 @@ pub fn run(what: BenchCommand) -> Result<()> {
             let shapes = if shapes.is_empty() { vec![bench::speed::Shape { batch, prompt }] } else { shapes };
             bench::speed::run(&bench::speed::SpeedBenchArgs { model, gpu, shapes, steps, baseline, emulate, dtypes })
         }
-        BenchCommand::Calibrate { model, gpu, dtype, prefill, prefix, rows, context, steps, out, emulate } => {
+        BenchCommand::Calibrate { model, gpu, dtype, prefill, prefix, prompts, rows, context, steps, out, emulate } => {
             let dtype = kvflow_kernels::cuda::Dtype::parse(&dtype).ok_or_else(|| anyhow::anyhow!("--dtype {dtype}"))?;
             bench::calibrate::run(&bench::calibrate::CalibrateArgs {
                 model,
@@ -318,6 +322,7 @@ pub fn run(what: BenchCommand) -> Result<()> {
                 dtype,
                 prefill,
                 prefix,
+                prompts,
                 rows,
                 context,
                 steps,

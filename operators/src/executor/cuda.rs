@@ -252,6 +252,11 @@ impl CudaExecutor {
         &self.model
     }
 
+    /// The rank's paged KV as a save reads it in place (for `bench calibrate`'s save reads).
+    pub fn shared_kv(&self) -> &Arc<SharedKv> {
+        &self.kv
+    }
+
     /// The rank's GPU.
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu

@@ -14,6 +14,17 @@
 //! executor that does no math). A rank's thread does both one step after another, so a step
 //! reaches the device no sooner than they allow.
 //!
+//! A prefill step over several prompts costs more than one prompt of as many tokens (each prompt
+//! is a sequence of its own to the kernels: on an H100, llama-1b's steps of several prompts over
+//! 1,024 tokens took 45 ms against 35 ms for one). `prefill_split` holds prefill steps split
+//! evenly among a few prompt counts, and a step pays the difference its prompt count makes at its
+//! tokens (added to its prefill part, which never goes below 0).
+//!
+//! A save reads its chunk's blocks off the device on a stream of its own while the rank's steps
+//! run, and steps are slower meanwhile. `save_reads` holds the device's read rate and a step's
+//! time beside reads back to back against alone; a step beside a save is priced by the share of
+//! the save's time that reads the device (the save's rate over the read rate).
+//!
 //! And the device's wake-up: a step that starts after the device sat idle takes longer than one
 //! behind another (a GPU lowers its clocks when idle: on an H100 the first 2,048-token prefill
 //! after 0.7 s of idle took 60 ms, the ones behind it 35 ms). `idle` holds the extra time over
@@ -46,6 +57,28 @@ pub struct MeasuredTable {
     /// The extra time of a step that starts after the device was idle (none: not measured).
     #[serde(default)]
     pub idle: Option<IdleCost>,
+    /// Prefill steps split among several prompts (none: not measured, nothing charged).
+    #[serde(default)]
+    pub prefill_split: Option<PrefillSplit>,
+    /// What a save's device reads cost the steps beside them (none: not measured, nothing).
+    #[serde(default)]
+    pub save_reads: Option<SaveReads>,
+}
+
+/// A save's device reads: the rate its chunk's blocks are read off the device at, and a step's
+/// time beside reads back to back over its time alone (at least 1).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SaveReads {
+    pub read_bytes_per_s: f64,
+    pub step_slowdown: f64,
+}
+
+/// Prefill steps without a prefix split evenly among prompts: `seconds[p * prompts.len() + k]`
+/// for `prefill_tokens[p]` tokens over `prompts[k]` prompts (`prompts` increasing from 1).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PrefillSplit {
+    pub prompts: Vec<usize>,
+    pub seconds: Vec<f64>,
 }
 
 /// A step's extra time over the idle gap before it (`gap_us`, increasing from 0).
@@ -139,6 +172,25 @@ impl MeasuredTable {
             }
             times.push(("idle.extra_seconds", &idle.extra_seconds, idle.gap_us.len(), false));
         }
+        if let Some(split) = &self.prefill_split {
+            if split.prompts.first() != Some(&1) || split.prompts.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(TableError::Axis("prefill_split.prompts"));
+            }
+            let points = self.prefill_tokens.len() * split.prompts.len();
+            times.push(("prefill_split.seconds", &split.seconds, points, false));
+        }
+        if let Some(reads) = &self.save_reads {
+            if !(reads.read_bytes_per_s.is_finite() && reads.read_bytes_per_s > 0.0) {
+                return Err(TableError::Time {
+                    name: "save_reads.read_bytes_per_s",
+                    time: reads.read_bytes_per_s,
+                    at: 0,
+                });
+            }
+            if !(reads.step_slowdown.is_finite() && reads.step_slowdown >= 1.0) {
+                return Err(TableError::Time { name: "save_reads.step_slowdown", time: reads.step_slowdown, at: 0 });
+            }
+        }
         for (name, values, expected, optional) in times {
             if values.len() != expected && !(optional && values.is_empty()) {
                 return Err(TableError::Size { name, expected, got: values.len() });
@@ -152,7 +204,12 @@ impl MeasuredTable {
 
     /// The device's time for `step` (the table must be valid).
     pub fn step_seconds(&self, step: &StepShape) -> f64 {
-        let (prefill, decode) = self.parts(step, &self.prefill(), &self.decode());
+        let (mut prefill, decode) = self.parts(step, &self.prefill(), &self.decode());
+        if let Some(split) = self.prefill_split.as_ref().filter(|_| step.prefill_rows > 1) {
+            let grid = Grid { first: &self.prefill_tokens, second: &split.prompts, values: &split.seconds };
+            let (tokens, prompts) = (step.prefill_tokens, step.prefill_rows);
+            prefill = (prefill + grid.at(tokens, prompts) - grid.at(tokens, 1)).max(0.0);
+        }
         match (step.prefill_tokens > 0, step.decode_rows > 0) {
             (true, true) => {
                 let weights = self.decode_seconds.iter().copied().fold(f64::INFINITY, f64::min);
@@ -174,6 +231,15 @@ impl MeasuredTable {
             rows.at(step.prefill_rows + step.decode_rows, 0)
         });
         prefill.max(decode) + engine
+    }
+
+    /// How much longer a step takes beside saves at `save_bytes_per_s` running back to back: the
+    /// slowdown over the share of a save's time that reads the device (1: not measured).
+    pub fn beside_saves(&self, save_bytes_per_s: f64) -> f64 {
+        self.save_reads.as_ref().map_or(1.0, |r| {
+            let reading = (save_bytes_per_s / r.read_bytes_per_s).clamp(0.0, 1.0);
+            1.0 + (r.step_slowdown - 1.0) * reading
+        })
     }
 
     /// The extra time of a step that starts `gap_ns` after the device last ran one.
@@ -249,6 +315,8 @@ mod tests {
             prefill_launch_seconds: Vec::new(),
             engine: None,
             idle: None,
+            prefill_split: None,
+            save_reads: None,
         }
     }
 
@@ -334,5 +402,44 @@ mod tests {
         let mixed = step(256, 0, 8, 4096);
         let want = (table.step_seconds(&decode) / 10.0).max(1e-4) + 1e-4 + 8.0 / 63.0 * 7e-4;
         assert!((table.host_step_seconds(&mixed) - want).abs() < 1e-9, "one launch: the larger part's");
+    }
+
+    #[test]
+    fn a_prefill_over_several_prompts_pays_what_splitting_its_tokens_cost_where_measured() {
+        let mut table = linear();
+        let one = step(1024, 0, 0, 0);
+        let mut four = one;
+        four.prefill_rows = 4;
+        assert_eq!(table.step_seconds(&four), table.step_seconds(&one), "nothing measured, nothing charged");
+        // split four ways: 3 ms more at 256 tokens, 4 ms more at 1,024 (seconds by tokens × prompts)
+        let seconds = vec![0.0005, 0.0015, 0.0010, 0.0020, 0.0050, 0.0090, 0.0030, 0.0070, 0.0150];
+        table.prefill_split = Some(PrefillSplit { prompts: vec![1, 4, 16], seconds });
+        table.validate().unwrap();
+        assert!((table.step_seconds(&four) - table.step_seconds(&one) - 0.004).abs() < 1e-12);
+        let mut ten = one;
+        ten.prefill_rows = 10;
+        assert!((table.step_seconds(&ten) - table.step_seconds(&one) - 0.008).abs() < 1e-12, "between counts");
+        let mut mixed = four;
+        mixed.decode_rows = 8;
+        mixed.decode_context_positions = 8 * 4096;
+        let mut mixed_one = mixed;
+        mixed_one.prefill_rows = 1;
+        assert!((table.step_seconds(&mixed) - table.step_seconds(&mixed_one) - 0.004).abs() < 1e-12);
+        table.prefill_split = Some(PrefillSplit { prompts: vec![2, 4], seconds: vec![0.0; 6] });
+        assert_eq!(table.validate(), Err(TableError::Axis("prefill_split.prompts")));
+        table.prefill_split = Some(PrefillSplit { prompts: vec![1, 4], seconds: vec![0.0; 5] });
+        assert!(matches!(table.validate(), Err(TableError::Size { name: "prefill_split.seconds", .. })));
+    }
+
+    #[test]
+    fn a_step_beside_saves_is_slowed_by_the_share_of_their_time_that_reads_the_device() {
+        let mut table = linear();
+        assert_eq!(table.beside_saves(1e9), 1.0, "nothing measured, nothing charged");
+        table.save_reads = Some(SaveReads { read_bytes_per_s: 4e9, step_slowdown: 1.8 });
+        table.validate().unwrap();
+        assert!((table.beside_saves(1e9) - 1.2).abs() < 1e-12, "a quarter of the save reads the device");
+        assert!((table.beside_saves(8e9) - 1.8).abs() < 1e-12, "never more than reads back to back");
+        table.save_reads = Some(SaveReads { read_bytes_per_s: 4e9, step_slowdown: 0.5 });
+        assert!(matches!(table.validate(), Err(TableError::Time { name: "save_reads.step_slowdown", .. })));
     }
 }
