@@ -11,6 +11,7 @@ use super::watchdog::Watch;
 use anyhow::{anyhow, Result};
 use kvflow_kernels::models::Model;
 use kvflow_operators::executor::{Executor, ExecutorContext, ExecutorKind, ExpertPlacement, Unavailable};
+use kvflow_operators::offload::SavesBusy;
 use kvflow_operators::policy::kv_index::{KvIndex, SharedKvIndex};
 use kvflow_operators::policy::memory::MemoryLayout;
 use kvflow_operators::policy::router::{RouterContext, RouterFactory};
@@ -402,7 +403,13 @@ impl WorkerJob {
     /// Rank `index`'s executor (an expert-parallel rank holds only its own experts), and the
     /// bytes of experts it holds; an executor that cannot start becomes [`Unavailable`], which
     /// fails what it is given.
-    fn executor(&self, index: usize, peers: usize, waker: &Arc<RankWaker>) -> (Box<dyn Executor>, u64) {
+    fn executor(
+        &self,
+        index: usize,
+        peers: usize,
+        waker: &Arc<RankWaker>,
+        saves: Option<&Arc<SavesBusy>>,
+    ) -> (Box<dyn Executor>, u64) {
         let job = &self.job;
         let rank_model = match &job.experts {
             None => Ok(job.model.clone()),
@@ -431,6 +438,7 @@ impl WorkerJob {
                 experts: placement,
                 mtp_drafts: job.scheduler.spec.filter(|s| s.drafter.runs_in_executor()).map_or(0, |s| s.draft_tokens),
                 clock: job.lockstep.as_ref().map(|l| l.clock.clone()),
+                saves: saves.cloned(),
             };
             job.executor.build(&job.executor_settings, ctx)
         });
@@ -444,11 +452,17 @@ impl WorkerJob {
     /// Rank `index` with its executor, its offload, gauges and part in handoffs.
     fn rank(&self, index: usize, peers: usize, waker: Arc<RankWaker>) -> Rank {
         let job = &self.job;
-        let (exec, expert_bytes) = self.executor(index, peers, &waker);
+        // (a simulated store's saves slow the simulated steps beside them)
+        let saves = job
+            .offload
+            .as_ref()
+            .and_then(|o| o.simulated.as_ref())
+            .map(|s| Arc::new(SavesBusy::new(s.save_bytes_per_s)));
+        let (exec, expert_bytes) = self.executor(index, peers, &waker, saves.as_ref());
         let mut rank =
             Rank::new(index, &job.name, job.layout, job.scheduler, exec, waker).with_switches(job.switches.clone());
         if let Some(setup) = &job.offload {
-            rank = rank.with_offload(setup.clone(), job.lockstep.as_ref().map(|l| l.clock.clone()));
+            rank = rank.with_offload(setup.clone(), job.lockstep.as_ref().map(|l| l.clock.clone()), saves);
         }
         if job.log_steps {
             rank = rank.logging_steps();

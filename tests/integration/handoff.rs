@@ -43,6 +43,7 @@ pub(crate) fn runner_drafting(model: &Arc<Model>, mtp_drafts: usize) -> CpuStepR
         experts: None,
         mtp_drafts,
         clock: None,
+        saves: None,
     };
     CpuStepRunner::new(&ctx)
 }

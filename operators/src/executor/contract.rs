@@ -81,6 +81,9 @@ pub struct ExecutorContext {
     pub mtp_drafts: usize,
     /// The run's virtual clock, in a simulated run (the `sim` executor needs it).
     pub clock: Option<Arc<crate::sim::clock::VirtualClock>>,
+    /// Until when this rank's simulated saves run (a simulated run with `store = "sim"`): a
+    /// `sim` executor prices the steps beside them slower.
+    pub saves: Option<Arc<crate::offload::SavesBusy>>,
 }
 
 impl ExecutorContext {
@@ -95,6 +98,7 @@ impl ExecutorContext {
             experts: None,
             mtp_drafts: 0,
             clock: None,
+            saves: None,
         }
     }
 

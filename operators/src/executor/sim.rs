@@ -6,7 +6,8 @@
 //! thread: launching it and the engine's own work a step (measured into the table by
 //! `kvflow bench calibrate`, plus `host_us_per_step`), one step after another, so a step reaches
 //! the device no sooner than the host has it ready; one that starts after the device sat idle
-//! takes the wake-up the table measured. Its tokens are a seeded draw per (sequence,
+//! takes the wake-up the table measured, and one beside the rank's simulated saves (which read
+//! its blocks off the device) is slower by what the table measured for such reads. Its tokens are a seeded draw per (sequence,
 //! position), the same every run.
 //!
 //! Settings: `table = "calibration.json"` (a measured table; else the roofline, with
@@ -83,6 +84,29 @@ impl StepCost {
             StepCost::Measured(table) => table.idle_seconds(gap_ns),
         }
     }
+
+    /// How much slower a step runs beside saves at `save_bytes_per_s` (what the table measured;
+    /// the roofline knows nothing of it).
+    pub fn beside_saves(&self, save_bytes_per_s: f64) -> f64 {
+        match self {
+            StepCost::Roofline { .. } => 1.0,
+            StepCost::Measured(table) => table.beside_saves(save_bytes_per_s),
+        }
+    }
+}
+
+/// The end of a step of `work_ns` starting at `start` when it runs `slowdown` times slower until
+/// `slow_until` (the rank's saves reading the device).
+fn end_beside_saves(start: u64, work_ns: u64, slow_until: u64, slowdown: f64) -> u64 {
+    let slow = slow_until.saturating_sub(start) as f64;
+    if slow == 0.0 || slowdown <= 1.0 {
+        return start + work_ns;
+    }
+    let done_while_slow = slow / slowdown;
+    if done_while_slow >= work_ns as f64 {
+        return start + (work_ns as f64 * slowdown).round() as u64;
+    }
+    slow_until + (work_ns as f64 - done_while_slow).round() as u64
 }
 
 /// The settings, read.
@@ -192,6 +216,7 @@ impl ExecutorKind for SimKind {
             in_flight: VecDeque::new(),
             busy_ns: 0,
             experts,
+            saves: ctx.saves.clone(),
         }))
     }
 }
@@ -219,6 +244,8 @@ pub struct SimExecutor {
     busy_ns: u64,
     /// An expert-parallel rank's experts: its steps complete after their last MoE layer.
     experts: Option<SimExperts>,
+    /// Until when the rank's simulated saves run (`store = "sim"`).
+    saves: Option<Arc<crate::offload::SavesBusy>>,
 }
 
 impl SimExecutor {
@@ -320,7 +347,11 @@ impl Executor for SimExecutor {
             return;
         }
         let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
-        self.complete_at(start, start + took, completion);
+        let end = match &self.saves {
+            Some(saves) => end_beside_saves(start, took, saves.until_ns(), self.cost.beside_saves(saves.bytes_per_s)),
+            None => start + took,
+        };
+        self.complete_at(start, end, completion);
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {
@@ -343,6 +374,15 @@ impl Executor for SimExecutor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_beside_saves_runs_slower_only_while_they_run() {
+        assert_eq!(end_beside_saves(100, 1_000, 0, 2.0), 1_100, "no saves");
+        assert_eq!(end_beside_saves(100, 1_000, 5_000, 2.0), 2_100, "saves all along");
+        // 400 ns beside saves do 200 ns of its work; the other 800 at full speed
+        assert_eq!(end_beside_saves(100, 1_000, 500, 2.0), 1_300);
+        assert_eq!(end_beside_saves(100, 1_000, 500, 1.0), 1_100, "saves that cost nothing");
+    }
 
     #[test]
     fn settings_name_a_bad_key_and_the_roofline_is_the_default() {

@@ -26,7 +26,7 @@ pub use memory::MemoryStore;
 pub use object::{check_object, decode_object, encode_object, object_bytes, read_object, ChunkObject, ObjectError};
 pub use redis_store::{LocalRedis, LocalRedisError, RedisConfig, RedisStore};
 pub use saver::{spawn_saver, SaveDone, SaveJob, SaveOutcome, SavePayload, Saver};
-pub use simulated::{clocked_loader, clocked_saver, SimulatedStore};
+pub use simulated::{clocked_loader, clocked_saver, SavesBusy, SimulatedStore};
 
 /// Why a store could not do what it was asked.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

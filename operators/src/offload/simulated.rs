@@ -8,6 +8,10 @@
 //! saved, the save fence, the blocks a save pins, the lookup at admission, the request waiting
 //! in `loading`, the restored prefix published — is the engine's own.
 //!
+//! A save reads its blocks off the device while the rank's steps run: the rank's [`SavesBusy`]
+//! says until when its saves run, and its `sim` executor prices the steps beside them slower
+//! (`MeasuredTable::beside_saves`).
+//!
 //! Which time it holds: a save's or a load's, from its hand-over to its end on the virtual clock.
 //! Which guarantee it carries: a chunk is in the store only from its save's end, and a load's
 //! record comes no sooner than its bytes could have moved.
@@ -18,6 +22,7 @@ use super::{
 };
 use crate::pool::wake::RankWaker;
 use crate::sim::clock::{ns_of_seconds, VirtualClock};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The store and its rates.
@@ -41,8 +46,34 @@ impl SimulatedStore {
     }
 }
 
-/// Rank `order`'s save worker on `clock`.
-pub fn clocked_saver(sim: Arc<SimulatedStore>, clock: Arc<VirtualClock>, waker: Arc<RankWaker>, order: u64) -> Saver {
+/// Until when one rank's simulated saves run (its save worker sets it; its executor reads it),
+/// and the rate they move bytes at.
+#[derive(Debug)]
+pub struct SavesBusy {
+    until_ns: AtomicU64,
+    pub bytes_per_s: f64,
+}
+
+impl SavesBusy {
+    pub fn new(bytes_per_s: f64) -> Self {
+        SavesBusy { until_ns: AtomicU64::new(0), bytes_per_s }
+    }
+
+    /// The end of the last save handed over: the saves run back to back until then from the
+    /// hand-over of the first still running.
+    pub fn until_ns(&self) -> u64 {
+        self.until_ns.load(Ordering::Relaxed)
+    }
+}
+
+/// Rank `order`'s save worker on `clock`, saying in `busy` until when its saves run.
+pub fn clocked_saver(
+    sim: Arc<SimulatedStore>,
+    clock: Arc<VirtualClock>,
+    waker: Arc<RankWaker>,
+    order: u64,
+    busy: Arc<SavesBusy>,
+) -> Saver {
     let mut free = 0u64;
     Worker::clocked(clock, waker, order, move |job: SaveJob, now| {
         let SaveJob { id, key, payload, hashes } = job;
@@ -53,6 +84,9 @@ pub fn clocked_saver(sim: Arc<SimulatedStore>, clock: Arc<VirtualClock>, waker: 
         // Asking the store first, as the save thread does: a chunk it holds costs the latency.
         let found = sim.store.contains(&key);
         let (start, end) = sim.schedule(&mut free, now, if found { 0 } else { bytes }, sim.save_bytes_per_s);
+        if !found && bytes > 0 {
+            busy.until_ns.fetch_max(end, Ordering::Relaxed);
+        }
         let store = sim.store.clone();
         let finish: Finish<SaveDone> = Box::new(move || {
             let outcome = if found {

@@ -245,13 +245,19 @@ impl Rank {
     /// save thread and a load thread of its own (the tier is a cache: if a thread cannot start,
     /// this rank uses no store, and says so).
     /// In a simulated run (`clock`) with a simulated store, both are workers on the virtual
-    /// clock instead.
-    pub fn with_offload(mut self, setup: OffloadSetup, clock: Option<Arc<VirtualClock>>) -> Self {
+    /// clock instead, the saves saying in `saves` until when they run.
+    pub fn with_offload(
+        mut self,
+        setup: OffloadSetup,
+        clock: Option<Arc<VirtualClock>>,
+        saves: Option<Arc<crate::offload::SavesBusy>>,
+    ) -> Self {
         use crate::offload::{clocked_loader, clocked_saver, spawn_loader, spawn_saver};
         use std::time::Duration;
         let (pool, index, waker) = (&self.pool, self.index, &self.waker);
         if let (Some(sim), Some(clock)) = (&setup.simulated, clock) {
-            let saver = clocked_saver(sim.clone(), clock.clone(), waker.clone(), index as u64);
+            let busy = saves.unwrap_or_else(|| Arc::new(crate::offload::SavesBusy::new(sim.save_bytes_per_s)));
+            let saver = clocked_saver(sim.clone(), clock.clone(), waker.clone(), index as u64, busy);
             let loader = clocked_loader(sim.clone(), clock, waker.clone(), index as u64);
             self.offload = Some(RankOffload::new(setup, saver, loader));
             return self;
