@@ -356,3 +356,46 @@ fn a_simulated_offload_store_moves_its_chunks_at_its_rates_on_the_virtual_clock(
         assert_clean_failure(&kvflow(&["run", g.to_str().unwrap()]), refusal);
     }
 }
+
+/// A measured table's costs beyond the grids: steps beside a rank's simulated saves run slower
+/// by what calibrate measured for their device reads, and a prefill over several prompts pays
+/// what splitting its tokens cost where measured.
+#[test]
+fn a_measured_table_prices_the_steps_beside_saves_and_the_prompts_of_a_prefill() {
+    let workload = "mode = \"concurrency\"\nconcurrency = 16\nlimit = 100\nwarmup = 8";
+    let offload = "[offload]\nchunk_tokens = 32\ncapacity_bytes = \"256 MiB\"\nstore = \"sim\"\nsave_gbps = 0.0005";
+    let grids = r#""decode_rows": [1, 256], "context": [0, 65536], "decode_seconds": [0.01, 0.01, 0.01, 0.01],
+        "prefill_tokens": [1, 4096], "prefill_prefix": [0, 65536], "prefill_seconds": [0.01, 0.01, 0.01, 0.01]"#;
+    let run = |extra: &str, tier: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let table = dir.path().join("steps.json");
+        std::fs::write(&table, format!("{{{grids}{extra}}}")).unwrap();
+        let settings = format!("table = {:?}", table.display().to_string());
+        let pools = format!("{}\n{tier}\n", pool(2, "sim", &settings));
+        let g = write_graph_with(
+            dir.path(),
+            "hf/llama",
+            "mooncake_conversation_first5min.jsonl",
+            workload,
+            "64 MiB",
+            &pools,
+        );
+        run_ok(&g, &[]);
+        let r = report_in(&dir.path().join("out"));
+        assert_eq!(r["completed"], 100, "{r}");
+        (r["tpot_ms"]["p50"].as_f64().unwrap(), r["wall_s"].as_f64().unwrap())
+    };
+    let (alone, _) = run("", offload);
+    assert!((10.0..10.5).contains(&alone), "a token per 10 ms step: TPOT p50 {alone}");
+    // the saves read the device the whole time (their rate is the read rate): steps 3x slower
+    // while they run (plenty of KV memory: the blocks they pin hold no step back)
+    let reads = r#", "save_reads": {"read_bytes_per_s": 0.5e6, "step_slowdown": 3.0}"#;
+    let (beside, _) = run(reads, offload);
+    assert!(beside > 1.2 * alone, "steps beside saves are slower: TPOT p50 {beside} against {alone} ms");
+    assert_eq!(run(reads, "").0, alone, "no saves, nothing slower");
+    // two prompts in a prefill step: 40 ms more (and 40 ms more a prompt beyond)
+    let (_, one) = run("", "");
+    let split = r#", "prefill_split": {"prompts": [1, 2], "seconds": [0.01, 0.05, 0.01, 0.05]}"#;
+    let (_, several) = run(split, "");
+    assert!(several > one + 0.2, "prefills of several prompts cost more: the run took {several} s against {one} s");
+}

@@ -217,6 +217,8 @@ impl ExecutorKind for SimKind {
             busy_ns: 0,
             experts,
             saves: ctx.saves.clone(),
+            waiting: VecDeque::new(),
+            start_wake_ns: 0,
         }))
     }
 }
@@ -246,6 +248,13 @@ pub struct SimExecutor {
     experts: Option<SimExperts>,
     /// Until when the rank's simulated saves run (`store = "sim"`).
     saves: Option<Arc<crate::offload::SavesBusy>>,
+    /// Beside saves: steps launched that have not started on the device, each with when the
+    /// host has it ready and its shape. They are priced at their start, when the saves handed
+    /// over by then are known (a step launched far ahead of the device runs beside the saves of
+    /// its start, not its launch).
+    waiting: VecDeque<(u64, StepShape, StepCompletion)>,
+    /// The instant a wake-up for the next waiting step's start is queued for (0: none).
+    start_wake_ns: u64,
 }
 
 impl SimExecutor {
@@ -288,6 +297,29 @@ impl SimExecutor {
     /// Time the simulated device spent on steps.
     pub fn busy_ns(&self) -> u64 {
         self.busy_ns
+    }
+
+    /// Starts the waiting steps whose start has come (the device free, the host done), each
+    /// priced beside the saves running then; a wake-up for the next one's start otherwise.
+    fn start_due(&mut self) {
+        let now = self.clock.now_ns();
+        while let Some(&(ready, shape, _)) = self.waiting.front() {
+            let start = self.device_free_ns.max(ready);
+            if start > now {
+                if self.start_wake_ns != start {
+                    self.start_wake_ns = start;
+                    let waker = self.waker.clone();
+                    self.clock.at(start, self.order, Box::new(move || waker.wake()));
+                }
+                return;
+            }
+            let idle = if self.busy_ns == 0 { 0 } else { start - self.device_free_ns };
+            let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
+            let saves = self.saves.as_ref().map_or((0, 1.0), |s| (s.until_ns(), self.cost.beside_saves(s.bytes_per_s)));
+            let end = end_beside_saves(start, took, saves.0, saves.1);
+            let (_, _, completion) = self.waiting.pop_front().expect("the front was there");
+            self.complete_at(start, end, completion);
+        }
     }
 
     /// The step that ran from `start` completes at `end`.
@@ -346,15 +378,17 @@ impl Executor for SimExecutor {
             experts.begin(own, in_step);
             return;
         }
+        if self.saves.is_some() {
+            self.waiting.push_back((self.host_free_ns, shape, completion));
+            self.start_due();
+            return;
+        }
         let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
-        let end = match &self.saves {
-            Some(saves) => end_beside_saves(start, took, saves.until_ns(), self.cost.beside_saves(saves.bytes_per_s)),
-            None => start + took,
-        };
-        self.complete_at(start, end, completion);
+        self.complete_at(start, start + took, completion);
     }
 
     fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        self.start_due();
         let now = self.clock.now_ns();
         while self.in_flight.front().is_some_and(|(end, _)| *end <= now) {
             out.extend(self.in_flight.pop_front().map(|(_, c)| c));
