@@ -56,7 +56,7 @@ const KEYS: &[&str] = &[
 /// What a step costs.
 pub enum StepCost {
     Roofline { model: ModelShape, hardware: Hardware, efficiency: Efficiency },
-    Measured(MeasuredTable),
+    Measured(Box<MeasuredTable>),
 }
 
 impl StepCost {
@@ -177,7 +177,7 @@ impl ExecutorKind for SimKind {
                             measured table times whole steps of one device); leave `table` out"
                     .into())
             }
-            Some(path) => StepCost::Measured(read_table(path)?),
+            Some(path) => StepCost::Measured(Box::new(read_table(path)?)),
             None => StepCost::Roofline { model: shape.clone(), hardware: s.hardware, efficiency: s.efficiency },
         };
         let experts = ctx.experts.map(|place| {
