@@ -15,6 +15,9 @@
 //! - a save's device reads: the rate a chunk's blocks are read off the device at (as the save
 //!   thread reads them, on a stream of its own), and a prefill's time beside such reads running
 //!   back to back against alone;
+//! - the offload tier's memory store: chunks of `STORE_CHUNK_TOKENS` saved and loaded through the
+//!   rank's own save and load threads, their rates as a run reports them (bytes over the threads'
+//!   time; `store`, which `store = "sim"` takes as `save_gbps` and `load_gbps`);
 //! - the device's wake-up: a prefill after an idle gap against one right behind another, over a
 //!   few gaps.
 //!
@@ -26,7 +29,7 @@ use anyhow::{anyhow, Context, Result};
 use kvflow_kernels::cuda::Dtype;
 use kvflow_kernels::models;
 use kvflow_operators::executor::CudaSettings;
-use kvflow_operators::sim::table::{EngineHost, IdleCost, MeasuredTable, PrefillSplit, SaveReads};
+use kvflow_operators::sim::table::{EngineHost, IdleCost, MeasuredTable, PrefillSplit, SaveReads, StoreRates};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -87,6 +90,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         idle: None,
         prefill_split: None,
         save_reads: None,
+        store: None,
     };
     for &rows in &args.rows {
         for &context in &args.context {
@@ -140,6 +144,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     table.idle = Some(idle_cost(&model, &settings, idle_prompt)?);
     if model.needs_blocks() {
         table.save_reads = Some(save_reads(&model, &settings, idle_prompt)?);
+        table.store = Some(store_rates(&model, &settings)?);
     }
     table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
     let mut json = serde_json::to_value(&table)?;
@@ -216,6 +221,81 @@ fn save_reads(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize
         alone * 1e3
     );
     Ok(SaveReads { read_bytes_per_s, step_slowdown })
+}
+
+/// The memory store's save and load rates: `STORE_CHUNKS` chunks of a prefilled prompt saved
+/// through a save thread (read off the device, encoded, stored) and loaded back through a load
+/// thread, as a rank's are.
+fn store_rates(model: &Arc<models::Model>, settings: &CudaSettings) -> Result<StoreRates> {
+    use kvflow_operators::kv_source::{BlockStore, KvSource};
+    use kvflow_operators::offload::{spawn_loader, spawn_saver, ChunkKey, Digest, LoadJob, Namespace, SaveJob};
+    use kvflow_operators::offload::{MemoryStore, ObjectStore, SaveOutcome, SavePayload};
+    use kvflow_operators::pool::wake::RankWaker;
+    const STORE_CHUNK_TOKENS: usize = 256;
+    const STORE_CHUNKS: usize = 16;
+    let (chunk_blocks, prompt) = (STORE_CHUNK_TOKENS / 16, STORE_CHUNK_TOKENS * STORE_CHUNKS);
+    let mut b = CudaBatch::new(model, settings, 1, prompt, 1)?;
+    b.prefill()?;
+    let kv = b.ex.shared_kv().clone();
+    let floats_per_block = kv.read(&[0], None).map_err(|e| anyhow!("a save's read: {e}"))?.len();
+    let store: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new(1 << 40));
+    let waker = Arc::new(RankWaker::default());
+    let key = |c: usize| ChunkKey { namespace: Namespace(1), shard: 0, shards: 1, digest: Digest([c as u64, 7]) };
+    let zero = std::time::Duration::ZERO;
+    let saver =
+        spawn_saver(store.clone(), 0, waker.clone(), zero, "kvflow-calibrate-save".into()).map_err(|e| anyhow!(e))?;
+    for c in 0..STORE_CHUNKS {
+        let blocks = (c * chunk_blocks..(c + 1) * chunk_blocks).map(|b| b as u32).collect();
+        let source = KvSource { store: BlockStore::Device(kv.clone()), blocks, floats_per_block, marks: None };
+        let state = model.needs_slots().then(|| vec![0.0f32; model.state_width()]);
+        saver.submit(SaveJob {
+            id: c as u64,
+            key: key(c),
+            payload: SavePayload::Blocks { source, state },
+            hashes: vec![],
+        });
+    }
+    let (mut saved, mut save_seconds) = (0u64, 0.0);
+    for done in wait_for(|| saver.returns.take(), STORE_CHUNKS)? {
+        let SaveOutcome::Stored { bytes, seconds } = done.outcome else {
+            return Err(anyhow!("a calibration save was not stored: {:?}", done.outcome));
+        };
+        (saved, save_seconds) = (saved + bytes, save_seconds + seconds);
+    }
+    let loader = spawn_loader(store, waker, zero, "kvflow-calibrate-load".into()).map_err(|e| anyhow!(e))?;
+    for c in 0..STORE_CHUNKS {
+        loader.submit(LoadJob { id: c as u64, keys: vec![key(c)] });
+    }
+    let (mut loaded, mut load_seconds) = (0u64, 0.0);
+    for done in wait_for(|| loader.returns.take(), STORE_CHUNKS)? {
+        let got = done.outcome.map_err(|e| anyhow!("a calibration load failed: {e}"))?;
+        (loaded, load_seconds) = (loaded + got.bytes, load_seconds + got.seconds);
+    }
+    let rates = StoreRates {
+        chunk_tokens: STORE_CHUNK_TOKENS,
+        save_bytes_per_s: saved as f64 / save_seconds.max(1e-9),
+        load_bytes_per_s: loaded as f64 / load_seconds.max(1e-9),
+    };
+    println!(
+        "store    memory, {STORE_CHUNK_TOKENS}-token chunks of {} bytes: save {:.2} GB/s, load {:.2} GB/s",
+        saved / STORE_CHUNKS as u64,
+        rates.save_bytes_per_s / 1e9,
+        rates.load_bytes_per_s / 1e9
+    );
+    Ok(rates)
+}
+
+/// The first `n` records of a save or load thread, waited for (at most a minute).
+fn wait_for<D>(mut take: impl FnMut() -> Vec<D>, n: usize) -> Result<Vec<D>> {
+    let (mut got, since) = (Vec::new(), Instant::now());
+    while got.len() < n {
+        if since.elapsed().as_secs() > 60 {
+            return Err(anyhow!("{} of {n} store operations finished within a minute", got.len()));
+        }
+        got.extend(take());
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    Ok(got)
 }
 
 /// The extra time of a prefill that starts after the device sat idle, over `IDLE_GAPS_US`: the

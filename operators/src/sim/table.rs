@@ -63,6 +63,19 @@ pub struct MeasuredTable {
     /// What a save's device reads cost the steps beside them (none: not measured, nothing).
     #[serde(default)]
     pub save_reads: Option<SaveReads>,
+    /// The memory store's rates as a rank's save and load threads moved chunks (not a step's
+    /// cost: what `store = "sim"` takes as `save_gbps` and `load_gbps` to stand for that store).
+    #[serde(default)]
+    pub store: Option<StoreRates>,
+}
+
+/// A store's measured rates: bytes over the save and load threads' time, for chunks of
+/// `chunk_tokens`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoreRates {
+    pub chunk_tokens: usize,
+    pub save_bytes_per_s: f64,
+    pub load_bytes_per_s: f64,
 }
 
 /// A save's device reads: the rate its chunk's blocks are read off the device at, and a step's
@@ -317,6 +330,7 @@ mod tests {
             idle: None,
             prefill_split: None,
             save_reads: None,
+            store: None,
         }
     }
 
