@@ -41,7 +41,7 @@ print("== the trace: the first %d rows of the Mooncake conversation trace with a
         "$ckpt" "$trace" || return 1
     # (CALIBRATE_FLAGS: a coarser grid, e.g. "--prefix 0,4096 --context 256,4096 --steps 16", for a short call)
     # shellcheck disable=SC2086
-    timeout -k 5 "${CALIBRATE_TIMEOUT:-300}" "$bin" bench calibrate --model "$ckpt" --dtype bfloat16 --out "$table" \
+    timeout -k 5 "${CALIBRATE_TIMEOUT:-400}" "$bin" bench calibrate --model "$ckpt" --dtype bfloat16 --out "$table" \
         ${CALIBRATE_FLAGS:-} || return 1
     echo "== $name: calibrated [$(( $(date +%s) - start )) s]"
     graph() { # graph EXECUTOR SETTINGS OUT [OFFLOAD_STORE]: with a store, the offload graph

@@ -223,7 +223,7 @@ pub enum BenchCommand {
         prefix: Vec<usize>,
         /// Prompts a prefill point without a prefix is also split among (increasing, from 1):
         /// what a step's prompt count costs apart from its tokens.
-        #[arg(long, value_delimiter = ',', default_value = "1,4,16", value_parser = flags::count)]
+        #[arg(long, value_delimiter = ',', default_value = "1,4", value_parser = flags::count)]
         prompts: Vec<usize>,
         /// Decode rows of the decode points (increasing).
         #[arg(long, value_delimiter = ',', default_value = "1,4,16,64", value_parser = flags::count)]
