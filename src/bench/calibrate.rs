@@ -21,9 +21,10 @@
 //! - the device's wake-up: a prefill after an idle gap against one right behind another, over a
 //!   few gaps.
 //!
-//! A step mixing prefill and decode is priced from both grids when the table is read.
+//! A step mixing prefill and decode is priced from both grids when the table is read. Every
+//! point takes its turn on one executor, sized for the largest (the model is uploaded once).
 
-use super::cuda_batch::CudaBatch;
+use super::cuda_batch::{CudaBatch, Turns};
 use super::step::engine_seconds_per_step;
 use anyhow::{anyhow, Context, Result};
 use kvflow_kernels::cuda::Dtype;
@@ -59,6 +60,29 @@ const IDLE_GAPS_US: [usize; 6] = [0, 2_000, 10_000, 50_000, 200_000, 700_000];
 const IDLE_PROMPT: usize = 1024;
 const IDLE_ROUNDS: usize = 5;
 
+/// The store's chunks: `STORE_CHUNKS` of `STORE_CHUNK_TOKENS` out of one prompt.
+const STORE_CHUNK_TOKENS: usize = 256;
+const STORE_CHUNKS: usize = 16;
+const STORE_PROMPT: usize = STORE_CHUNK_TOKENS * STORE_CHUNKS;
+
+/// The one executor every point takes its turn on.
+struct Device {
+    turns: Option<Turns>,
+    model: Arc<models::Model>,
+}
+
+impl Device {
+    /// A batch on the executor (given back with `done`).
+    fn batch(&mut self, batch: usize, prompt_len: usize, max_decode: usize) -> Result<CudaBatch> {
+        let turns = self.turns.take().ok_or_else(|| anyhow!("two calibration batches on one executor at once"))?;
+        CudaBatch::on(turns, &self.model, batch, prompt_len, max_decode)
+    }
+
+    fn done(&mut self, batch: CudaBatch) {
+        self.turns = Some(batch.done());
+    }
+}
+
 pub fn run(args: &CalibrateArgs) -> Result<()> {
     let increasing = |v: &[usize], from: usize| !v.is_empty() && v.windows(2).all(|w| w[0] < w[1]) && v[0] >= from;
     if !increasing(&args.prefill, 1)
@@ -77,6 +101,12 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
     let settings = CudaSettings::on_gpu(args.gpu, args.emulate, args.dtype);
     println!("== calibrate {} in {}", args.model.display(), args.dtype.name());
+    let idle_prompt = IDLE_PROMPT.min(args.prefill.last().copied().unwrap_or(IDLE_PROMPT));
+    let mut shapes: Vec<(usize, usize, usize)> = vec![(1, idle_prompt, 1), (1, STORE_PROMPT, 1)];
+    shapes.extend(args.rows.iter().flat_map(|&r| args.context.iter().map(move |&c| (r, c, 2 * args.steps))));
+    shapes.extend(args.prefill.iter().flat_map(|&t| args.prefix.iter().map(move |&x| (1, x + t, 1))));
+    shapes.extend(args.prefill.iter().flat_map(|&t| args.prompts.iter().map(move |&n| (n, (t / n).max(1), 1))));
+    let mut device = Device { turns: Some(Turns::new(&model, &settings, &shapes)?), model: model.clone() };
     let mut table = MeasuredTable {
         decode_rows: args.rows.clone(),
         context: args.context.clone(),
@@ -94,7 +124,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     };
     for &rows in &args.rows {
         for &context in &args.context {
-            let mut b = CudaBatch::new(&model, &settings, rows, context, 2 * args.steps)?;
+            let mut b = device.batch(rows, context, 2 * args.steps)?;
             b.prefill()?;
             b.decode(args.steps, true)?; // warm-up: the shape's CUDA graph is captured
             b.launch_seconds = 0.0;
@@ -107,11 +137,12 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             );
             table.decode_seconds.push(step);
             table.decode_launch_seconds.push(launch);
+            device.done(b);
         }
     }
     for &tokens in &args.prefill {
         for &prefix in &args.prefix {
-            let mut b = CudaBatch::new(&model, &settings, 1, prefix + tokens, 1)?;
+            let mut b = device.batch(1, prefix + tokens, 1)?;
             if prefix > 0 {
                 b.prefill_prefix(prefix)?;
             }
@@ -130,9 +161,10 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
             );
             table.prefill_seconds.push(best);
             table.prefill_launch_seconds.push(launch);
+            device.done(b);
         }
     }
-    table.prefill_split = Some(prefill_split(&model, &settings, &args.prefill, &args.prompts)?);
+    table.prefill_split = Some(prefill_split(&mut device, &args.prefill, &args.prompts)?);
     let mut engine = EngineHost { rows: args.rows.clone(), seconds: Vec::new() };
     for &rows in &args.rows {
         let seconds = engine_seconds_per_step(rows)?;
@@ -140,11 +172,10 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         engine.seconds.push(seconds);
     }
     table.engine = Some(engine);
-    let idle_prompt = IDLE_PROMPT.min(args.prefill.last().copied().unwrap_or(IDLE_PROMPT));
-    table.idle = Some(idle_cost(&model, &settings, idle_prompt)?);
+    table.idle = Some(idle_cost(&mut device, idle_prompt)?);
     if model.needs_blocks() {
-        table.save_reads = Some(save_reads(&model, &settings, idle_prompt)?);
-        table.store = Some(store_rates(&model, &settings)?);
+        table.save_reads = Some(save_reads(&mut device, idle_prompt)?);
+        table.store = Some(store_rates(&mut device)?);
     }
     table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
     let mut json = serde_json::to_value(&table)?;
@@ -160,21 +191,17 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
 /// Prefill steps of each of `tokens` split evenly among each of `prompts` (the fastest of
 /// `PREFILL_ROUNDS` after a warm-up; a split leaving a prompt no token is timed as one token a
 /// prompt).
-fn prefill_split(
-    model: &Arc<models::Model>,
-    settings: &CudaSettings,
-    tokens: &[usize],
-    prompts: &[usize],
-) -> Result<PrefillSplit> {
+fn prefill_split(device: &mut Device, tokens: &[usize], prompts: &[usize]) -> Result<PrefillSplit> {
     let mut seconds = Vec::new();
     for &total in tokens {
         for &n in prompts {
-            let mut b = CudaBatch::new(model, settings, n, (total / n).max(1), 1)?;
+            let mut b = device.batch(n, (total / n).max(1), 1)?;
             b.prefill()?; // warm-up
             let best =
                 (0..PREFILL_ROUNDS).map(|_| b.prefill()).try_fold(f64::INFINITY, |best, t| t.map(|t| best.min(t)))?;
             println!("prefill {total:>6} tokens over {n:>3} prompts: {:8.3} ms", best * 1e3);
             seconds.push(best);
+            device.done(b);
         }
     }
     Ok(PrefillSplit { prompts: prompts.to_vec(), seconds })
@@ -183,10 +210,10 @@ fn prefill_split(
 /// A save's device reads (`SaveReads`): chunks of `SAVE_CHUNK_TOKENS` (or the prompt's blocks)
 /// read back to back alone, then the median of `IDLE_ROUNDS` prefills of `prompt` tokens beside
 /// such reads against alone.
-fn save_reads(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize) -> Result<SaveReads> {
+fn save_reads(device: &mut Device, prompt: usize) -> Result<SaveReads> {
     const SAVE_CHUNK_TOKENS: usize = 256;
     const READS: usize = 20;
-    let mut b = CudaBatch::new(model, settings, 1, prompt, 1)?;
+    let mut b = device.batch(1, prompt, 1)?;
     b.prefill()?;
     let kv = b.ex.shared_kv().clone();
     let blocks: Vec<u32> = (0..(SAVE_CHUNK_TOKENS.min(prompt) / 16).max(1) as u32).collect();
@@ -213,6 +240,7 @@ fn save_reads(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize
         reader.join().map_err(|_| anyhow!("the save reader panicked"))??;
         times.map(median)
     })?;
+    device.done(b);
     let step_slowdown = (beside / alone).max(1.0);
     println!(
         "save     reads at {:.2} GB/s; a {prompt}-token prefill beside them {:.3} ms, alone {:.3} ms ({step_slowdown:.2}x)",
@@ -226,15 +254,14 @@ fn save_reads(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize
 /// The memory store's save and load rates: `STORE_CHUNKS` chunks of a prefilled prompt saved
 /// through a save thread (read off the device, encoded, stored) and loaded back through a load
 /// thread, as a rank's are.
-fn store_rates(model: &Arc<models::Model>, settings: &CudaSettings) -> Result<StoreRates> {
+fn store_rates(device: &mut Device) -> Result<StoreRates> {
     use kvflow_operators::kv_source::{BlockStore, KvSource};
     use kvflow_operators::offload::{spawn_loader, spawn_saver, ChunkKey, Digest, LoadJob, Namespace, SaveJob};
     use kvflow_operators::offload::{MemoryStore, ObjectStore, SaveOutcome, SavePayload};
     use kvflow_operators::pool::wake::RankWaker;
-    const STORE_CHUNK_TOKENS: usize = 256;
-    const STORE_CHUNKS: usize = 16;
-    let (chunk_blocks, prompt) = (STORE_CHUNK_TOKENS / 16, STORE_CHUNK_TOKENS * STORE_CHUNKS);
-    let mut b = CudaBatch::new(model, settings, 1, prompt, 1)?;
+    let chunk_blocks = STORE_CHUNK_TOKENS / 16;
+    let model = device.model.clone();
+    let mut b = device.batch(1, STORE_PROMPT, 1)?;
     b.prefill()?;
     let kv = b.ex.shared_kv().clone();
     let floats_per_block = kv.read(&[0], None).map_err(|e| anyhow!("a save's read: {e}"))?.len();
@@ -271,6 +298,7 @@ fn store_rates(model: &Arc<models::Model>, settings: &CudaSettings) -> Result<St
         let got = done.outcome.map_err(|e| anyhow!("a calibration load failed: {e}"))?;
         (loaded, load_seconds) = (loaded + got.bytes, load_seconds + got.seconds);
     }
+    device.done(b);
     let rates = StoreRates {
         chunk_tokens: STORE_CHUNK_TOKENS,
         save_bytes_per_s: saved as f64 / save_seconds.max(1e-9),
@@ -300,8 +328,8 @@ fn wait_for<D>(mut take: impl FnMut() -> Vec<D>, n: usize) -> Result<Vec<D>> {
 
 /// The extra time of a prefill that starts after the device sat idle, over `IDLE_GAPS_US`: the
 /// median at each gap less the median right behind another step (never below 0).
-fn idle_cost(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize) -> Result<IdleCost> {
-    let mut b = CudaBatch::new(model, settings, 1, prompt, 1)?;
+fn idle_cost(device: &mut Device, prompt: usize) -> Result<IdleCost> {
+    let mut b = device.batch(1, prompt, 1)?;
     b.prefill()?;
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -320,6 +348,7 @@ fn idle_cost(model: &Arc<models::Model>, settings: &CudaSettings, prompt: usize)
         }
         at_gap.push(median(times));
     }
+    device.done(b);
     let warm = at_gap[0];
     let extra: Vec<f64> = at_gap.iter().map(|t| (t - warm).max(0.0)).collect();
     for (gap, extra) in IDLE_GAPS_US.iter().zip(&extra) {

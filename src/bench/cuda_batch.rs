@@ -1,7 +1,8 @@
 //! A batch of requests on one cuda executor, driven as a rank drives it (for `kvflow bench
 //! device` and `kvflow bench speed`): every prompt prefilled in one step, then decode steps
 //! launched without waiting, two in flight, each feeding the token the one before samples
-//! (with deferred output, straight from the device's ring).
+//! (with deferred output, straight from the device's ring). Batches of several shapes can take
+//! turns on one executor ([`Turns`]): the model is uploaded once.
 
 use crate::bench::Lcg;
 use anyhow::{anyhow, Result};
@@ -74,6 +75,41 @@ pub struct CudaBatch {
     pub launch_seconds: f64,
 }
 
+/// An executor that batches of several shapes take turns on (`CudaBatch::on`, then
+/// `CudaBatch::done`), with the step and the sequences' generation the next batch goes on from.
+pub struct Turns {
+    ex: CudaExecutor,
+    step: u64,
+    generation: u32,
+}
+
+impl Turns {
+    /// An executor with room for the largest of `shapes`, each `(batch, prompt_len, max_decode)`.
+    pub fn new(model: &Arc<Model>, settings: &CudaSettings, shapes: &[(usize, usize, usize)]) -> Result<Self> {
+        let (keeps_kv, keeps_state) = (model.needs_blocks(), model.needs_slots());
+        let blocks = shapes.iter().map(|&(b, p, d)| b * per_sequence(p, d)).max().unwrap_or(0);
+        let slots = shapes.iter().map(|&(b, _, _)| b).max().unwrap_or(0);
+        let layout = MemoryLayout {
+            block_size: BS,
+            blocks: if keeps_kv { blocks } else { 0 },
+            slots: if keeps_state { slots } else { 0 },
+            snapshots: 0,
+            keeps_kv,
+            keeps_state,
+            prefix_keyed_by_prompt_len: false,
+            verify_rows: 0,
+        };
+        let ctx = ExecutorContext::standalone("bench", model.clone(), layout);
+        let ex = CudaExecutor::new(&ctx, settings).map_err(|e| anyhow!(e))?;
+        Ok(Turns { ex, step: 0, generation: 0 })
+    }
+}
+
+/// The KV blocks a sequence of `prompt_len` tokens and `max_decode` decode steps takes.
+fn per_sequence(prompt_len: usize, max_decode: usize) -> usize {
+    (prompt_len + max_decode + 1).div_ceil(BS)
+}
+
 impl CudaBatch {
     /// `batch` seeded prompts of `prompt_len` tokens with room for `max_decode` decode steps.
     pub fn new(
@@ -83,20 +119,16 @@ impl CudaBatch {
         prompt_len: usize,
         max_decode: usize,
     ) -> Result<Self> {
-        let per_seq = (prompt_len + max_decode + 1).div_ceil(BS);
+        let turns = Turns::new(model, settings, &[(batch, prompt_len, max_decode)])?;
+        Self::on(turns, model, batch, prompt_len, max_decode)
+    }
+
+    /// [`new`](Self::new) on an executor taken in turns (built with room for this shape): its
+    /// sequences are a generation of their own, its steps go on from the last batch's.
+    pub fn on(turns: Turns, model: &Arc<Model>, batch: usize, prompt_len: usize, max_decode: usize) -> Result<Self> {
+        let Turns { ex, step, generation } = turns;
+        let per_seq = per_sequence(prompt_len, max_decode);
         let (keeps_kv, keeps_state) = (model.needs_blocks(), model.needs_slots());
-        let layout = MemoryLayout {
-            block_size: BS,
-            blocks: if keeps_kv { batch * per_seq } else { 0 },
-            slots: if keeps_state { batch } else { 0 },
-            snapshots: 0,
-            keeps_kv,
-            keeps_state,
-            prefix_keyed_by_prompt_len: false,
-            verify_rows: 0,
-        };
-        let ctx = ExecutorContext::standalone("bench", model.clone(), layout);
-        let ex = CudaExecutor::new(&ctx, settings).map_err(|e| anyhow!(e))?;
         let mut rng = Lcg(3);
         let prompts = (0..batch)
             .map(|_| (0..prompt_len).map(|_| (rng.draw() % model.vocab_size as u64) as u32).collect())
@@ -104,7 +136,7 @@ impl CudaBatch {
         let table =
             |s: usize| if keeps_kv { (s * per_seq..(s + 1) * per_seq).map(|b| b as u32).collect() } else { vec![] };
         let reqs = Requests {
-            keys: (0..batch as u32).map(|i| SeqKey { index: i, generation: 0 }).collect(),
+            keys: (0..batch as u32).map(|i| SeqKey { index: i, generation }).collect(),
             prompts,
             tables: (0..batch).map(table).collect(),
             slots: keeps_state.then(|| (0..batch as u32).collect()),
@@ -116,10 +148,16 @@ impl CudaBatch {
             last: vec![0; batch],
             decoded: 0,
             max_decode,
-            step: 0,
+            step,
             samples: Vec::new(),
             launch_seconds: 0.0,
         })
+    }
+
+    /// Gives the executor back for the next batch's turn.
+    pub fn done(self) -> Turns {
+        let generation = self.reqs.keys.first().map_or(0, |k| k.generation) + 1;
+        Turns { ex: self.ex, step: self.step, generation }
     }
 
     /// Has every sequence pick its tokens by `sampling` (greedy until this is called).
