@@ -60,10 +60,10 @@ const IDLE_GAPS_US: [usize; 6] = [0, 2_000, 10_000, 50_000, 200_000, 700_000];
 const IDLE_PROMPT: usize = 1024;
 const IDLE_ROUNDS: usize = 5;
 
-/// The store's chunks: `STORE_CHUNKS` of `STORE_CHUNK_TOKENS` out of one prompt.
+/// The store's chunks: up to `STORE_CHUNKS` of `STORE_CHUNK_TOKENS` out of one prompt, as many
+/// as the longest prefill point holds (at least one).
 const STORE_CHUNK_TOKENS: usize = 256;
 const STORE_CHUNKS: usize = 16;
-const STORE_PROMPT: usize = STORE_CHUNK_TOKENS * STORE_CHUNKS;
 
 /// The one executor every point takes its turn on.
 struct Device {
@@ -102,7 +102,8 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     let settings = CudaSettings::on_gpu(args.gpu, args.emulate, args.dtype);
     println!("== calibrate {} in {}", args.model.display(), args.dtype.name());
     let idle_prompt = IDLE_PROMPT.min(args.prefill.last().copied().unwrap_or(IDLE_PROMPT));
-    let mut shapes: Vec<(usize, usize, usize)> = vec![(1, idle_prompt, 1), (1, STORE_PROMPT, 1)];
+    let store_chunks = (args.prefill.last().copied().unwrap_or(0) / STORE_CHUNK_TOKENS).clamp(1, STORE_CHUNKS);
+    let mut shapes: Vec<(usize, usize, usize)> = vec![(1, idle_prompt, 1), (1, store_chunks * STORE_CHUNK_TOKENS, 1)];
     shapes.extend(args.rows.iter().flat_map(|&r| args.context.iter().map(move |&c| (r, c, 2 * args.steps))));
     shapes.extend(args.prefill.iter().flat_map(|&t| args.prefix.iter().map(move |&x| (1, x + t, 1))));
     shapes.extend(args.prefill.iter().flat_map(|&t| args.prompts.iter().map(move |&n| (n, (t / n).max(1), 1))));
@@ -175,7 +176,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
     table.idle = Some(idle_cost(&mut device, idle_prompt)?);
     if model.needs_blocks() {
         table.save_reads = Some(save_reads(&mut device, idle_prompt)?);
-        table.store = Some(store_rates(&mut device)?);
+        table.store = Some(store_rates(&mut device, store_chunks)?);
     }
     table.validate().map_err(|e| anyhow!("the measured table: {e}"))?;
     let mut json = serde_json::to_value(&table)?;
@@ -251,17 +252,17 @@ fn save_reads(device: &mut Device, prompt: usize) -> Result<SaveReads> {
     Ok(SaveReads { read_bytes_per_s, step_slowdown })
 }
 
-/// The memory store's save and load rates: `STORE_CHUNKS` chunks of a prefilled prompt saved
-/// through a save thread (read off the device, encoded, stored) and loaded back through a load
-/// thread, as a rank's are.
-fn store_rates(device: &mut Device) -> Result<StoreRates> {
+/// The memory store's save and load rates: `chunks` chunks of a prefilled prompt saved through a
+/// save thread (read off the device, encoded, stored) and loaded back through a load thread, as
+/// a rank's are.
+fn store_rates(device: &mut Device, chunks: usize) -> Result<StoreRates> {
     use kvflow_operators::kv_source::{BlockStore, KvSource};
     use kvflow_operators::offload::{spawn_loader, spawn_saver, ChunkKey, Digest, LoadJob, Namespace, SaveJob};
     use kvflow_operators::offload::{MemoryStore, ObjectStore, SaveOutcome, SavePayload};
     use kvflow_operators::pool::wake::RankWaker;
     let chunk_blocks = STORE_CHUNK_TOKENS / 16;
     let model = device.model.clone();
-    let mut b = device.batch(1, STORE_PROMPT, 1)?;
+    let mut b = device.batch(1, chunks * STORE_CHUNK_TOKENS, 1)?;
     b.prefill()?;
     let kv = b.ex.shared_kv().clone();
     let floats_per_block = kv.read(&[0], None).map_err(|e| anyhow!("a save's read: {e}"))?.len();
@@ -271,7 +272,7 @@ fn store_rates(device: &mut Device) -> Result<StoreRates> {
     let zero = std::time::Duration::ZERO;
     let saver =
         spawn_saver(store.clone(), 0, waker.clone(), zero, "kvflow-calibrate-save".into()).map_err(|e| anyhow!(e))?;
-    for c in 0..STORE_CHUNKS {
+    for c in 0..chunks {
         let blocks = (c * chunk_blocks..(c + 1) * chunk_blocks).map(|b| b as u32).collect();
         let source = KvSource { store: BlockStore::Device(kv.clone()), blocks, floats_per_block, marks: None };
         let state = model.needs_slots().then(|| vec![0.0f32; model.state_width()]);
@@ -283,18 +284,18 @@ fn store_rates(device: &mut Device) -> Result<StoreRates> {
         });
     }
     let (mut saved, mut save_seconds) = (0u64, 0.0);
-    for done in wait_for(|| saver.returns.take(), STORE_CHUNKS)? {
+    for done in wait_for(|| saver.returns.take(), chunks)? {
         let SaveOutcome::Stored { bytes, seconds } = done.outcome else {
             return Err(anyhow!("a calibration save was not stored: {:?}", done.outcome));
         };
         (saved, save_seconds) = (saved + bytes, save_seconds + seconds);
     }
     let loader = spawn_loader(store, waker, zero, "kvflow-calibrate-load".into()).map_err(|e| anyhow!(e))?;
-    for c in 0..STORE_CHUNKS {
+    for c in 0..chunks {
         loader.submit(LoadJob { id: c as u64, keys: vec![key(c)] });
     }
     let (mut loaded, mut load_seconds) = (0u64, 0.0);
-    for done in wait_for(|| loader.returns.take(), STORE_CHUNKS)? {
+    for done in wait_for(|| loader.returns.take(), chunks)? {
         let got = done.outcome.map_err(|e| anyhow!("a calibration load failed: {e}"))?;
         (loaded, load_seconds) = (loaded + got.bytes, load_seconds + got.seconds);
     }
@@ -306,7 +307,7 @@ fn store_rates(device: &mut Device) -> Result<StoreRates> {
     };
     println!(
         "store    memory, {STORE_CHUNK_TOKENS}-token chunks of {} bytes: save {:.2} GB/s, load {:.2} GB/s",
-        saved / STORE_CHUNKS as u64,
+        saved / chunks as u64,
         rates.save_bytes_per_s / 1e9,
         rates.load_bytes_per_s / 1e9
     );

@@ -3,6 +3,7 @@
 mod asynchronous;
 mod bad_input;
 mod batch_invariance;
+mod calibration;
 mod common;
 mod cuda_emulated;
 mod cuda_experts;

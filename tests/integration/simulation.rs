@@ -16,7 +16,7 @@ fn graph(dir: &Path, workload: &str, pools: &str) -> PathBuf {
     write_graph_with(dir, "hf/kimi_linear", "mooncake_conversation_head.jsonl", workload, "64 MiB", pools)
 }
 
-fn run_ok(graph: &Path, extra: &[&str]) {
+pub fn run_ok(graph: &Path, extra: &[&str]) {
     let mut args = vec!["run", graph.to_str().unwrap()];
     args.extend_from_slice(extra);
     let out = kvflow(&args);
