@@ -47,6 +47,8 @@ pub struct CalibrateArgs {
     pub context: Vec<usize>,
     /// Decode steps timed at each point (after as many warm-up steps).
     pub steps: usize,
+    /// The idle gaps (ms, increasing from 0) the wake-up is measured after.
+    pub idle_gaps_ms: Vec<usize>,
     pub out: PathBuf,
     pub emulate: bool,
 }
@@ -54,9 +56,8 @@ pub struct CalibrateArgs {
 /// Prefill timings at each point: the fastest of this many after a warm-up.
 const PREFILL_ROUNDS: usize = 3;
 
-/// The idle gaps the wake-up is measured after (µs), the prompt it is measured on (at most; no
-/// longer than the longest prefill point), and the rounds at each gap (the median counts).
-const IDLE_GAPS_US: [usize; 6] = [0, 2_000, 10_000, 50_000, 200_000, 700_000];
+/// The prompt the wake-up is measured on (at most; no longer than the longest prefill point), and
+/// the rounds at each gap (the median counts).
 const IDLE_PROMPT: usize = 1024;
 const IDLE_ROUNDS: usize = 5;
 
@@ -91,11 +92,13 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         || !increasing(&args.prefix, 0)
         || !increasing(&args.prompts, 1)
         || args.prompts[0] != 1
+        || !increasing(&args.idle_gaps_ms, 0)
+        || args.idle_gaps_ms[0] != 0
         || args.steps == 0
     {
         return Err(anyhow!(
             "--prefill, --rows and --context take increasing whole numbers of at least 1, --prefix increasing whole \
-             numbers from 0, --prompts increasing from 1; --steps at least 1"
+             numbers from 0, --prompts increasing from 1, --idle-gaps increasing from 0; --steps at least 1"
         ));
     }
     let model = Arc::new(models::load(&args.model).with_context(|| format!("loading {}", args.model.display()))?);
@@ -173,7 +176,7 @@ pub fn run(args: &CalibrateArgs) -> Result<()> {
         engine.seconds.push(seconds);
     }
     table.engine = Some(engine);
-    table.idle = Some(idle_cost(&mut device, idle_prompt)?);
+    table.idle = Some(idle_cost(&mut device, idle_prompt, &args.idle_gaps_ms)?);
     if model.needs_blocks() {
         table.save_reads = Some(save_reads(&mut device, idle_prompt)?);
         table.store = Some(store_rates(&mut device, store_chunks)?);
@@ -327,9 +330,10 @@ fn wait_for<D>(mut take: impl FnMut() -> Vec<D>, n: usize) -> Result<Vec<D>> {
     Ok(got)
 }
 
-/// The extra time of a prefill that starts after the device sat idle, over `IDLE_GAPS_US`: the
-/// median at each gap less the median right behind another step (never below 0).
-fn idle_cost(device: &mut Device, prompt: usize) -> Result<IdleCost> {
+/// The extra time of a prefill that starts after the device sat idle `gaps_ms` (the first 0):
+/// the median at each gap less the median right behind another step (never below 0).
+fn idle_cost(device: &mut Device, prompt: usize, gaps_ms: &[usize]) -> Result<IdleCost> {
+    let gaps_us: Vec<usize> = gaps_ms.iter().map(|ms| ms * 1000).collect();
     let mut b = device.batch(1, prompt, 1)?;
     b.prefill()?;
     let median = |mut v: Vec<f64>| {
@@ -337,7 +341,7 @@ fn idle_cost(device: &mut Device, prompt: usize) -> Result<IdleCost> {
         v[v.len() / 2]
     };
     let mut at_gap = Vec::new();
-    for &gap in &IDLE_GAPS_US {
+    for &gap in &gaps_us {
         let mut times = Vec::new();
         for _ in 0..IDLE_ROUNDS {
             if gap == 0 {
@@ -352,8 +356,8 @@ fn idle_cost(device: &mut Device, prompt: usize) -> Result<IdleCost> {
     device.done(b);
     let warm = at_gap[0];
     let extra: Vec<f64> = at_gap.iter().map(|t| (t - warm).max(0.0)).collect();
-    for (gap, extra) in IDLE_GAPS_US.iter().zip(&extra) {
+    for (gap, extra) in gaps_us.iter().zip(&extra) {
         println!("idle     {:>6} ms before a {prompt}-token prefill: {:+.3} ms", gap / 1000, extra * 1e3);
     }
-    Ok(IdleCost { gap_us: IDLE_GAPS_US.to_vec(), extra_seconds: extra })
+    Ok(IdleCost { gap_us: gaps_us, extra_seconds: extra })
 }

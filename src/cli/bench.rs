@@ -234,6 +234,10 @@ pub enum BenchCommand {
         /// Decode steps timed at each point.
         #[arg(long, default_value_t = 32, value_parser = flags::count)]
         steps: usize,
+        /// Idle gaps (ms, increasing from 0) a prefill is timed after, for the device's wake-up:
+        /// reach past the longest gap the runs it prices will have (past the last, its cost holds).
+        #[arg(long, value_delimiter = ',', default_value = "0,2,10,50,200,700,1500")]
+        idle_gaps: Vec<usize>,
         /// Where the table goes.
         #[arg(long, default_value = "calibration.json")]
         out: PathBuf,
@@ -314,7 +318,20 @@ pub fn run(what: BenchCommand) -> Result<()> {
             let shapes = if shapes.is_empty() { vec![bench::speed::Shape { batch, prompt }] } else { shapes };
             bench::speed::run(&bench::speed::SpeedBenchArgs { model, gpu, shapes, steps, baseline, emulate, dtypes })
         }
-        BenchCommand::Calibrate { model, gpu, dtype, prefill, prefix, prompts, rows, context, steps, out, emulate } => {
+        BenchCommand::Calibrate {
+            model,
+            gpu,
+            dtype,
+            prefill,
+            prefix,
+            prompts,
+            rows,
+            context,
+            steps,
+            idle_gaps,
+            out,
+            emulate,
+        } => {
             let dtype = kvflow_kernels::cuda::Dtype::parse(&dtype).ok_or_else(|| anyhow::anyhow!("--dtype {dtype}"))?;
             bench::calibrate::run(&bench::calibrate::CalibrateArgs {
                 model,
@@ -326,6 +343,7 @@ pub fn run(what: BenchCommand) -> Result<()> {
                 rows,
                 context,
                 steps,
+                idle_gaps_ms: idle_gaps,
                 out,
                 emulate,
             })

@@ -26,6 +26,7 @@ fn calibrate_measures_every_part_of_the_table_and_a_simulated_run_prices_its_ste
         let dir = tempfile::tempdir().unwrap();
         let table = dir.path().join("table.json");
         let grid = ["--prefill", "8,16", "--prefix", "0,16", "--prompts", "1,2", "--rows", "1,2", "--context", "16,32"];
+        let grid = [&grid[..], &["--idle-gaps", "0,3"]].concat();
         let mut args = vec!["bench", "calibrate", "--emulate", "--dtype", "float32", "--steps", "1"];
         let (model_dir, out) = (fixture(model).display().to_string(), table.display().to_string());
         args.extend(["--model", &model_dir, "--out", &out]);
@@ -43,7 +44,8 @@ fn calibrate_measures_every_part_of_the_table_and_a_simulated_run_prices_its_ste
         }
         assert_eq!(numbers(&t["prefill_split"]["seconds"]).len(), 4, "{model}: {t}");
         assert_eq!(numbers(&t["engine"]["seconds"]).len(), 2, "{model}: {t}");
-        assert_eq!(numbers(&t["idle"]["extra_seconds"]).len(), numbers(&t["idle"]["gap_us"]).len(), "{t}");
+        assert_eq!(numbers(&t["idle"]["gap_us"]), [0.0, 3000.0], "{model}: the gaps asked for: {t}");
+        assert_eq!(numbers(&t["idle"]["extra_seconds"]).len(), 2, "{model}: {t}");
         assert!(t["save_reads"]["read_bytes_per_s"].as_f64().unwrap() > 0.0, "{model}: {t}");
         let store = &t["store"];
         assert!(store["save_bytes_per_s"].as_f64().unwrap() > 0.0 && store["load_bytes_per_s"].as_f64().unwrap() > 0.0);
@@ -59,5 +61,14 @@ fn calibrate_measures_every_part_of_the_table_and_a_simulated_run_prices_its_ste
         assert_eq!(r["completed"], 6, "{model}: {r}");
         let tpot = r["tpot_ms"]["p50"].as_f64().unwrap();
         assert!(tpot.is_finite() && tpot > 0.0, "{model}: the table's steps take time: TPOT {tpot} ms");
+    }
+}
+
+#[test]
+fn calibrate_refuses_a_grid_it_cannot_measure_by_its_flag() {
+    let model = fixture("hf/llama").display().to_string();
+    for (flag, value) in [("--idle-gaps", "5,10"), ("--prompts", "2,4"), ("--prefill", "64,16")] {
+        let out = crate::common::kvflow(&["bench", "calibrate", "--emulate", "--model", &model, flag, value]);
+        crate::common::assert_clean_failure(&out, &[flag]);
     }
 }
