@@ -7,8 +7,8 @@
 //! `kvflow bench calibrate`, plus `host_us_per_step`), one step after another, so a step reaches
 //! the device no sooner than the host has it ready; one that starts after the device sat idle
 //! takes the wake-up the table measured, and one beside the rank's simulated saves (which read
-//! its blocks off the device) is slower by what the table measured for such reads. Its tokens are a seeded draw per (sequence,
-//! position), the same every run.
+//! its blocks off the device) is slower by what the table measured for such reads. Its tokens
+//! are a seeded draw per (sequence, position), the same every run.
 //!
 //! Settings: `table = "calibration.json"` (a measured table; else the roofline, with
 //! `bandwidth_gbps` (4800), `matrix_tflops` (989), `step_overhead_us` (30),
@@ -299,6 +299,13 @@ impl SimExecutor {
         self.busy_ns
     }
 
+    /// A step's time on the device starting at `start`, the device free since `device_free`:
+    /// its shape's cost, plus the wake-up after that idle gap (none before the first step).
+    fn device_ns(&self, shape: &StepShape, start: u64, device_free: u64) -> u64 {
+        let idle = if self.busy_ns == 0 { 0 } else { start - device_free };
+        ns_of_seconds(self.cost.seconds(shape) + self.cost.idle_seconds(idle))
+    }
+
     /// Starts the waiting steps whose start has come (the device free, the host done), each
     /// priced beside the saves running then; a wake-up for the next one's start otherwise.
     fn start_due(&mut self) {
@@ -313,8 +320,7 @@ impl SimExecutor {
                 }
                 return;
             }
-            let idle = if self.busy_ns == 0 { 0 } else { start - self.device_free_ns };
-            let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
+            let took = self.device_ns(&shape, start, self.device_free_ns);
             let saves = self.saves.as_ref().map_or((0, 1.0), |s| (s.until_ns(), self.cost.beside_saves(s.bytes_per_s)));
             let end = end_beside_saves(start, took, saves.0, saves.1);
             let (_, _, completion) = self.waiting.pop_front().expect("the front was there");
@@ -360,7 +366,6 @@ impl Executor for SimExecutor {
         self.host_free_ns = self.host_free_ns.max(self.clock.now_ns()) + host;
         let device_free = self.device_free_ns.max(self.experts.as_ref().map_or(0, |e| e.free_ns));
         let start = device_free.max(self.host_free_ns);
-        let idle = if self.busy_ns == 0 { 0 } else { start - device_free };
         let mut completion = StepCompletion::of(step.step, Ok(self.sampled(step)));
         // What a step copies out carries no bytes here (nothing was computed), only its sizes.
         let simulated = Some(SimulatedPayload { state_floats: self.state_floats });
@@ -383,7 +388,7 @@ impl Executor for SimExecutor {
             self.start_due();
             return;
         }
-        let took = ns_of_seconds(self.cost.seconds(&shape) + self.cost.idle_seconds(idle));
+        let took = self.device_ns(&shape, start, device_free);
         self.complete_at(start, start + took, completion);
     }
 
