@@ -1,5 +1,6 @@
 """Compares a real run with its simulation (benches/device/sim_fidelity.sh): the report's
-figures side by side with their ratio, then the steps of both step logs (`[report] steps`,
+figures side by side with their ratio (and the requests whose second token was handed on with
+their first, within 0.1 ms: tokens a rank held back until a later step ended), then the steps of both step logs (`[report] steps`,
 matched by pool, rank and launch order: step numbers count the pool's empty steps too, which
 differ between the two clocks) by kind — each step's service time (its completion less the
 later of its launch and the completion before it) and the host's gaps (a launch after the
@@ -33,6 +34,17 @@ def figures(real, sim):
             continue
         ratio = f"{s / r:.3f}" if isinstance(r, (int, float)) and isinstance(s, (int, float)) and r else "-"
         print(f"{label:<18} {str(r):>12} {str(s):>12} {ratio:>9}")
+
+
+def tokens_together(run_dir):
+    """The measured requests whose second token was handed on within 0.1 ms of their first."""
+    try:
+        lines = open(f"{run_dir}/requests.jsonl").read().splitlines()
+    except OSError:
+        return None
+    records = [json.loads(line) for line in lines]
+    return sum(1 for r in records if not r.get("warmup") and r.get("second_token_ms") is not None
+               and r["second_token_ms"] - r["ttft_ms"] < 0.1)
 
 
 def steps(path):
@@ -103,6 +115,7 @@ def main():
     real_dir, sim_dir = sys.argv[1:3]
     real, sim = (json.load(open(f"{d}/report.json")) for d in (real_dir, sim_dir))
     figures(real, sim)
+    print(f"{'2nd token with 1st':<18} {str(tokens_together(real_dir)):>12} {str(tokens_together(sim_dir)):>12}")
     compare_steps(steps(f"{real_dir}/steps.jsonl"), steps(f"{sim_dir}/steps.jsonl"))
 
 
