@@ -14,11 +14,15 @@
 //! executor that does no math). A rank's thread does both one step after another, so a step
 //! reaches the device no sooner than they allow.
 //!
-//! A prefill step over several prompts costs more than one prompt of as many tokens (each prompt
-//! is a sequence of its own to the kernels: on an H100, llama-1b's steps of several prompts over
-//! 1,024 tokens took 45 ms against 35 ms for one). `prefill_split` holds prefill steps split
-//! evenly among a few prompt counts, and a step pays the difference its prompt count makes at its
-//! tokens (added to its prefill part, which never goes below 0).
+//! A prefill chunk's attention grows with the positions each of its tokens attends to: a chunk
+//! late in a long prompt attends to all of the prompt's cached positions, and a step of several
+//! short prompts to fewer than one prompt of as many tokens (each prompt is a sequence of its own
+//! to the kernels). So within a row of the prefill grid (one token count) the points are placed
+//! by the positions attended per token — one prompt after each prefix, and `prefill_split`'s
+//! steps split evenly among a few prompts without one — and a step's prefill part is
+//! interpolated along that axis at its own positions per token, then between the token counts
+//! (on an H100, llama-1b's 4,096 tokens took 56 ms over 4 prompts, 68 ms over one and 99 ms
+//! after 4,096 cached positions: 1.85 ms per million positions attended, alike at each point).
 //!
 //! A save reads its chunk's blocks off the device on a stream of its own while the rank's steps
 //! run, and steps are slower meanwhile. `save_reads` holds the device's read rate and a step's
@@ -217,12 +221,15 @@ impl MeasuredTable {
 
     /// The device's time for `step` (the table must be valid).
     pub fn step_seconds(&self, step: &StepShape) -> f64 {
-        let (mut prefill, decode) = self.parts(step, &self.prefill(), &self.decode());
-        if let Some(split) = self.prefill_split.as_ref().filter(|_| step.prefill_rows > 1) {
-            let grid = Grid { first: &self.prefill_tokens, second: &split.prompts, values: &split.seconds };
-            let (tokens, prompts) = (step.prefill_tokens, step.prefill_rows);
-            prefill = (prefill + grid.at(tokens, prompts) - grid.at(tokens, 1)).max(0.0);
-        }
+        let (_, decode) = self.parts(step, &self.prefill(), &self.decode());
+        let prefill = match step.prefill_tokens {
+            0 => 0.0,
+            tokens => {
+                // (a decode row attends to its context: what is left is the prompt tokens')
+                let attended = step.attended_positions.saturating_sub(step.decode_context_positions);
+                self.prefill_device_seconds(tokens, attended as f64 / tokens as f64)
+            }
+        };
         match (step.prefill_tokens > 0, step.decode_rows > 0) {
             (true, true) => {
                 let weights = self.decode_seconds.iter().copied().fold(f64::INFINITY, f64::min);
@@ -232,6 +239,40 @@ impl MeasuredTable {
             (false, true) => decode,
             (false, false) => 0.0,
         }
+    }
+
+    /// A prefill part of `tokens` tokens attending to `per_token` positions each on average:
+    /// interpolated along each measured token count's row at `per_token`, then between rows.
+    fn prefill_device_seconds(&self, tokens: usize, per_token: f64) -> f64 {
+        let total: f64 = span(&self.prefill_tokens, tokens)
+            .weights()
+            .map(|(row, w)| w * along(&self.prefill_row(row), per_token))
+            .sum();
+        total.max(0.0)
+    }
+
+    /// Row `row` of the prefill grid as (positions attended per token, seconds), by the first:
+    /// one prompt after each prefix, and the steps split evenly among several prompts.
+    fn prefill_row(&self, row: usize) -> Vec<(f64, f64)> {
+        let tokens = self.prefill_tokens[row];
+        let mut points: Vec<(f64, f64)> = self
+            .prefill_prefix
+            .iter()
+            .enumerate()
+            .map(|(j, &prefix)| {
+                (attended_per_token(prefix, tokens), self.prefill_seconds[row * self.prefill_prefix.len() + j])
+            })
+            .collect();
+        if let Some(split) = &self.prefill_split {
+            // (one prompt is the grid's point after no prefix; calibrate gives each of `n`
+            // prompts `tokens / n` tokens, at least one)
+            for (k, &prompts) in split.prompts.iter().enumerate().filter(|&(_, &n)| n > 1) {
+                let each = (tokens / prompts).max(1);
+                points.push((attended_per_token(0, each), split.seconds[row * split.prompts.len() + k]));
+            }
+        }
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        points
     }
 
     /// The host's time for `step` on the rank's thread: its launch and the engine's work.
@@ -277,6 +318,29 @@ impl MeasuredTable {
     }
 }
 
+/// Positions attended per token by a chunk of `tokens` tokens after `prefix` cached positions
+/// (its `i`-th token attends to `prefix + i + 1`).
+fn attended_per_token(prefix: usize, tokens: usize) -> f64 {
+    prefix as f64 + (tokens as f64 + 1.0) / 2.0
+}
+
+/// The value at `x` on points sorted by their first: linear between two, the nearest two's
+/// slope beyond either end (fewer positions attended cost less, more cost more).
+fn along(points: &[(f64, f64)], x: f64) -> f64 {
+    match points {
+        [] => 0.0,
+        [(_, y)] => *y,
+        _ => {
+            let high = points.iter().position(|p| p.0 >= x).unwrap_or(points.len() - 1).max(1);
+            let ((x0, y0), (x1, y1)) = (points[high - 1], points[high]);
+            if x1 <= x0 {
+                return y1;
+            }
+            y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        }
+    }
+}
+
 /// Where a value falls on an axis: two points and the weight of the second (beyond the ends the
 /// weight leaves [0, 1], which extrapolates).
 struct Span {
@@ -307,11 +371,25 @@ fn span(axis: &[usize], x: usize) -> Span {
 mod tests {
     use super::*;
 
-    /// A table of costs linear in each axis: decode `1 ms + 50 µs a row + 1 ns a position`,
-    /// prefill `2 µs a token + 1 ns a token per cached position`.
+    /// Decode `1 ms + 50 µs a row + 1 ns a position`.
+    fn decode_truth(rows: usize, context: usize) -> f64 {
+        1e-3 + 5e-5 * rows as f64 + 1e-9 * (rows * context) as f64
+    }
+
+    /// Prefill `2 µs a token + 1 ns a position attended`.
+    fn prefill_truth(tokens: usize, attended: usize) -> f64 {
+        2e-6 * tokens as f64 + 1e-9 * attended as f64
+    }
+
+    /// Positions attended by a chunk of `tokens` after `prefix` cached ones.
+    fn attended(tokens: usize, prefix: usize) -> usize {
+        tokens * prefix + tokens * (tokens + 1) / 2
+    }
+
+    /// A table of costs linear in what steps compute: [`decode_truth`], [`prefill_truth`].
     fn linear() -> MeasuredTable {
-        let decode = |r: usize, c: usize| 1e-3 + 5e-5 * r as f64 + 1e-9 * (r * c) as f64;
-        let prefill = |p: usize, x: usize| 2e-6 * p as f64 + 1e-9 * (p * x) as f64;
+        let decode = decode_truth;
+        let prefill = |p: usize, x: usize| prefill_truth(p, attended(p, x));
         let (decode_rows, context) = (vec![1, 8, 64], vec![128, 4096]);
         let (prefill_tokens, prefill_prefix) = (vec![16, 256, 1024], vec![0, 4096]);
         MeasuredTable {
@@ -335,22 +413,30 @@ mod tests {
     }
 
     fn step(prefill: usize, prefix: usize, rows: usize, context: usize) -> StepShape {
-        StepShape {
-            prefill_tokens: prefill,
-            prefill_rows: usize::from(prefill > 0),
-            prefill_prefix_positions: prefill * prefix,
-            decode_rows: rows,
-            decode_context_positions: rows * context,
-            ..Default::default()
+        let mut shape = prompts(&[(prefill, prefix)]);
+        shape.decode_rows = rows;
+        shape.decode_context_positions = rows * context;
+        shape.attended_positions += rows * context;
+        shape
+    }
+
+    /// A prefill step of prompt chunks, each (tokens, prefix).
+    fn prompts(chunks: &[(usize, usize)]) -> StepShape {
+        let mut shape = StepShape::default();
+        for &(tokens, prefix) in chunks.iter().filter(|c| c.0 > 0) {
+            shape.prefill_tokens += tokens;
+            shape.prefill_rows += 1;
+            shape.prefill_prefix_positions += tokens * prefix;
+            shape.attended_positions += attended(tokens, prefix);
         }
+        shape
     }
 
     #[test]
     fn steps_between_and_beyond_the_grid_follow_its_slopes_and_a_mixed_step_reads_the_weights_once() {
         let table = linear();
         table.validate().unwrap();
-        let decode = |r: usize, c: usize| 1e-3 + 5e-5 * r as f64 + 1e-9 * (r * c) as f64;
-        let prefill = |p: usize, x: usize| 2e-6 * p as f64 + 1e-9 * (p * x) as f64;
+        let (decode, prefill) = (decode_truth, |p: usize, x: usize| prefill_truth(p, attended(p, x)));
         let close = |got: f64, want: f64| (got - want).abs() <= 0.02 * want;
         for (r, c) in [(1, 128), (8, 4096), (20, 1000), (128, 4096)] {
             // r·c is not linear in each axis separately inside a cell of both: allow that
@@ -419,26 +505,42 @@ mod tests {
     }
 
     #[test]
-    fn a_prefill_over_several_prompts_pays_what_splitting_its_tokens_cost_where_measured() {
+    fn a_prefill_is_priced_by_the_positions_its_tokens_attend_to_over_prompts_and_prefixes() {
         let mut table = linear();
-        let one = step(1024, 0, 0, 0);
-        let mut four = one;
-        four.prefill_rows = 4;
-        assert_eq!(table.step_seconds(&four), table.step_seconds(&one), "nothing measured, nothing charged");
-        // split four ways: 3 ms more at 256 tokens, 4 ms more at 1,024 (seconds by tokens × prompts)
-        let seconds = vec![0.0005, 0.0015, 0.0010, 0.0020, 0.0050, 0.0090, 0.0030, 0.0070, 0.0150];
-        table.prefill_split = Some(PrefillSplit { prompts: vec![1, 4, 16], seconds });
+        let close = |got: f64, want: f64| (got - want).abs() <= 1e-9;
+        // four fresh prompts of 256 tokens attend to fewer positions than one of 1,024: with no
+        // split measured, the row's slope over its prefixes carries below its first point
+        let four = prompts(&[(256, 0); 4]);
+        let truth = prefill_truth(1024, 4 * attended(256, 0));
+        assert!(close(table.step_seconds(&four), truth), "{} against {truth}", table.step_seconds(&four));
+        // measured: a step split among 4 prompts costs 1 ms more than that, among 16 2 ms (a
+        // sequence each to the kernels); seconds by tokens × prompts
+        let prompt_counts = vec![1, 4, 16];
+        let seconds = table
+            .prefill_tokens
+            .iter()
+            .flat_map(|&p| {
+                prompt_counts.iter().map(move |&n: &usize| {
+                    let each = (p / n).max(1);
+                    prefill_truth(n * each, n * attended(each, 0)) + [0.0, 1e-3, 2e-3][n.ilog(4) as usize]
+                })
+            })
+            .collect();
+        table.prefill_split = Some(PrefillSplit { prompts: prompt_counts, seconds });
         table.validate().unwrap();
-        assert!((table.step_seconds(&four) - table.step_seconds(&one) - 0.004).abs() < 1e-12);
-        let mut ten = one;
-        ten.prefill_rows = 10;
-        assert!((table.step_seconds(&ten) - table.step_seconds(&one) - 0.008).abs() < 1e-12, "between counts");
+        assert!(close(table.step_seconds(&four), truth + 1e-3), "at the measured split");
+        // a chunk late in a long prompt beside a fresh one attends to more than a prompt of
+        // 1,024 from the start: priced between that and the prefixes, as its positions say
+        let late = prompts(&[(768, 2048), (256, 0)]);
+        let late_truth = prefill_truth(1024, late.attended_positions);
+        assert!(close(table.step_seconds(&late), late_truth), "{} against {late_truth}", table.step_seconds(&late));
+        // beside decode rows: what they attend to is theirs, not the prompts'
         let mut mixed = four;
         mixed.decode_rows = 8;
         mixed.decode_context_positions = 8 * 4096;
-        let mut mixed_one = mixed;
-        mixed_one.prefill_rows = 1;
-        assert!((table.step_seconds(&mixed) - table.step_seconds(&mixed_one) - 0.004).abs() < 1e-12);
+        mixed.attended_positions += 8 * 4096;
+        let weights = decode_truth(1, 128);
+        assert!(close(table.step_seconds(&mixed), truth + 1e-3 + decode_truth(8, 4096) - weights));
         table.prefill_split = Some(PrefillSplit { prompts: vec![2, 4], seconds: vec![0.0; 6] });
         assert_eq!(table.validate(), Err(TableError::Axis("prefill_split.prompts")));
         table.prefill_split = Some(PrefillSplit { prompts: vec![1, 4], seconds: vec![0.0; 5] });
