@@ -322,52 +322,76 @@ impl RankMemory {
     /// steps read), or to the prefix cache. Returns one line per id that is held more (or less)
     /// than its owners account for, naming the request it was last allocated to.
     pub fn audit(&self, seqs: &Sequences, restoring: &[SnapshotId]) -> Vec<String> {
-        let mut problems = Vec::new();
-        let mut blocks: BTreeMap<u32, u32> = BTreeMap::new();
-        let mut slots: BTreeMap<u32, u32> = BTreeMap::new();
-        let mut snapshots: BTreeMap<u32, u32> = BTreeMap::new();
+        let (mut blocks, mut slots, mut snapshots) =
+            (Owned::of(&self.blocks), Owned::of(&self.slots), Owned::of(&self.snapshots));
         for seq in seqs.iter() {
-            seq.blocks.blocks().iter().for_each(|&b| *blocks.entry(b).or_default() += 1);
-            seq.slot.iter().for_each(|&s| *slots.entry(s).or_default() += 1);
+            seq.blocks.blocks().iter().for_each(|&b| blocks.add(b));
+            seq.slot.iter().for_each(|&s| slots.add(s));
         }
-        self.reserved.values().flatten().for_each(|&b| *blocks.entry(b).or_default() += 1);
-        self.saving.values().flatten().for_each(|&(b, _)| *blocks.entry(b).or_default() += 1);
+        self.reserved.values().flatten().for_each(|&b| blocks.add(b));
+        self.saving.values().flatten().for_each(|&(b, _)| blocks.add(b));
         for pin in self.pinned.values().flatten() {
-            pin.blocks.iter().for_each(|&(b, _)| *blocks.entry(b).or_default() += 1);
-            pin.slot.iter().for_each(|&(s, _)| *slots.entry(s).or_default() += 1);
+            pin.blocks.iter().for_each(|&(b, _)| blocks.add(b));
+            pin.slot.iter().for_each(|&(s, _)| slots.add(s));
         }
-        self.prefix.held_blocks().for_each(|b| *blocks.entry(b).or_default() += 1);
-        self.prefix.held_snapshots().for_each(|s| *snapshots.entry(s).or_default() += 1);
-        restoring.iter().for_each(|&s| *snapshots.entry(s).or_default() += 1);
-        for (pool, owned) in [(&self.blocks, &blocks), (&self.slots, &slots), (&self.snapshots, &snapshots)] {
-            compare(pool, owned, &mut problems);
+        self.prefix.held_blocks().for_each(|b| blocks.add(b));
+        self.prefix.held_snapshots().for_each(|s| snapshots.add(s));
+        restoring.iter().for_each(|&s| snapshots.add(s));
+        let mut problems = Vec::new();
+        for (pool, owned) in [(&self.blocks, blocks), (&self.slots, slots), (&self.snapshots, snapshots)] {
+            owned.compare(pool, &mut problems);
         }
         problems
     }
 }
 
-/// Lines for every id whose reference count differs from what its owners account for.
-fn compare(pool: &IdPool, owned: &BTreeMap<u32, u32>, problems: &mut Vec<String>) {
-    let held: BTreeMap<u32, u32> = pool.in_use().collect();
-    let ids: std::collections::BTreeSet<u32> = held.keys().chain(owned.keys()).copied().collect();
-    for id in ids {
-        let (refs, accounted) = (held.get(&id).copied().unwrap_or(0), owned.get(&id).copied().unwrap_or(0));
-        if refs == accounted {
-            continue;
+/// The references to one pool's ids that their owners account for: a count per id (the audit
+/// runs each time a rank waits, so it costs a pass over the ids, not a map of them).
+struct Owned {
+    counts: Vec<u32>,
+    /// Ids an owner names that the pool does not have.
+    unknown: Vec<u32>,
+}
+
+impl Owned {
+    fn of(pool: &IdPool) -> Self {
+        Owned { counts: vec![0; pool.num_ids()], unknown: Vec::new() }
+    }
+
+    fn add(&mut self, id: u32) {
+        match self.counts.get_mut(id as usize) {
+            Some(count) => *count += 1,
+            None => self.unknown.push(id),
         }
-        let last = match pool.owner(id) {
-            Some(r) => format!("request {r}"),
-            None => "no request".to_string(),
-        };
+    }
+
+    /// Lines for every id whose reference count differs from what its owners account for.
+    fn compare(self, pool: &IdPool, problems: &mut Vec<String>) {
         let what = pool.what().trim_end_matches('s');
-        problems.push(if refs > accounted {
-            format!(
-                "{what} {id} is held ({refs} reference(s)) but only {accounted} belong to a live request, a step in \
-                 flight or the prefix cache: leaked by {last}, to which it was last allocated"
-            )
-        } else {
-            format!("{what} {id} is owned {accounted} time(s) but holds {refs} reference(s) (last allocated to {last})")
-        });
+        for id in self.unknown {
+            problems.push(format!("{what} {id} is owned, but there are only {} of them", pool.num_ids()));
+        }
+        for (id, &accounted) in self.counts.iter().enumerate() {
+            let id = id as u32;
+            let refs = pool.ref_count(id);
+            if refs == accounted {
+                continue;
+            }
+            let last = match pool.owner(id) {
+                Some(r) => format!("request {r}"),
+                None => "no request".to_string(),
+            };
+            problems.push(if refs > accounted {
+                format!(
+                    "{what} {id} is held ({refs} reference(s)) but only {accounted} belong to a live request, a step \
+                     in flight or the prefix cache: leaked by {last}, to which it was last allocated"
+                )
+            } else {
+                format!(
+                    "{what} {id} is owned {accounted} time(s) but holds {refs} reference(s) (last allocated to {last})"
+                )
+            });
+        }
     }
 }
 
