@@ -480,5 +480,16 @@ mod tests {
         assert_eq!(problems.len(), 2, "{problems:?}");
         assert!(problems[0].starts_with("KV block 0 is held (1 reference(s))"), "{problems:?}");
         assert!(problems[0].contains("leaked by request 9"), "{problems:?}");
+        // an owner naming an id the pool does not have, and one counted twice
+        let blocks = mem.blocks.num_ids() as u32;
+        mem.reserved.insert(9, vec![blocks + 3]);
+        seqs.get_mut(i).blocks.push(0);
+        seqs.get_mut(i).blocks.push(0);
+        let problems = mem.audit(&seqs, &[]);
+        assert!(problems.contains(&format!("KV block {} is owned, but there are only {blocks} of them", blocks + 3)));
+        assert!(
+            problems.iter().any(|p| p.starts_with("KV block 0 is owned 2 time(s) but holds 1 reference(s)")),
+            "{problems:?}"
+        );
     }
 }
