@@ -92,9 +92,6 @@ pub(super) enum Backend {
     Cuda {
         ctx: Arc<CudaContext>,
         stream: Arc<CudaStream>,
-        /// Waits for the rank's stream's events and calls the host after them
-        /// ([`Gpu::when_done`]), holding nothing of the rank's stream back.
-        watcher: Arc<CudaStream>,
         kernels: Arc<Kernels>,
     },
     /// The kernels on the CPU (`emulate.rs`): synchronous, device memory is host memory.
@@ -148,7 +145,6 @@ impl Gpu {
         // SAFETY: called before any buffer of this context is allocated by kvflow.
         unsafe { ctx.disable_event_tracking() };
         let stream = guarded(ordinal, "creating a stream", || ctx.new_stream())?;
-        let watcher = guarded(ordinal, "creating a stream", || ctx.new_stream())?;
         let kernels = kernels_of(&ctx, ordinal)?;
         let sms = guarded(ordinal, "reading the SM count", || {
             ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -156,7 +152,7 @@ impl Gpu {
         Arc::new(Gpu {
             ordinal,
             sms: sms.max(1) as usize,
-            backend: Backend::Cuda { ctx, stream, watcher, kernels },
+            backend: Backend::Cuda { ctx, stream, kernels },
             host_waits: AtomicU64::new(0),
             uploaded: AtomicU64::new(0),
             profiling: std::sync::atomic::AtomicBool::new(false),
@@ -229,7 +225,7 @@ impl Gpu {
             return Ok(());
         }
         match &self.backend {
-            Backend::Cuda { ctx, stream, kernels, .. } => {
+            Backend::Cuda { ctx, stream, kernels } => {
                 let f = kernels
                     .functions
                     .get(name)
@@ -533,31 +529,10 @@ impl Gpu {
 
     /// Runs `f` on a driver thread once the stream reaches this point (it must not call CUDA).
     pub fn when_reached(&self, f: Box<dyn FnOnce() + Send>) -> Result<(), CudaError> {
-        match &self.backend {
-            Backend::Cuda { stream, .. } => self.host_call(stream, f),
-            Backend::Host(_) => {
-                f();
-                Ok(())
-            }
-        }
-    }
-
-    /// Runs `f` on a driver thread once the work before `event` is done (it must not call CUDA).
-    /// The wait is the watcher stream's: the rank's stream runs on without a host call in it.
-    pub fn when_done(&self, event: &Event, f: Box<dyn FnOnce() + Send>) -> Result<(), CudaError> {
-        match (&self.backend, &event.0) {
-            (Backend::Cuda { watcher, .. }, Some(e)) => {
-                watcher.wait(e).map_err(self.err("ordering after an event"))?;
-                self.host_call(watcher, f)
-            }
-            _ => {
-                f();
-                Ok(())
-            }
-        }
-    }
-
-    fn host_call(&self, stream: &CudaStream, f: Box<dyn FnOnce() + Send>) -> Result<(), CudaError> {
+        let Backend::Cuda { stream, .. } = &self.backend else {
+            f();
+            return Ok(());
+        };
         unsafe extern "C" fn call(arg: *mut std::ffi::c_void) {
             // SAFETY: `arg` is the box leaked below, called exactly once.
             let f = unsafe { Box::from_raw(arg as *mut Box<dyn FnOnce() + Send>) };

@@ -20,9 +20,7 @@ pub trait Executor {
     /// Moves the completions that are ready into `out`, oldest first; never blocks.
     fn poll(&mut self, out: &mut Vec<StepCompletion>);
     /// The rank has nothing more to launch: complete what is in flight as soon as it is computed,
-    /// and wake the rank as each step is (a parked rank hands on a step's tokens when it ends,
-    /// not when the last one in flight does; `cpu-deferred`, a test stand-in, wakes it once
-    /// everything launched before the flush is back).
+    /// and wake the rank when it is.
     fn flush(&mut self);
     /// Whether it hands back the exports marked [`KvExport::at_launch`] as it launches their
     /// step ([`Executor::take_launched_exports`]), each layer readable once the forward wrote

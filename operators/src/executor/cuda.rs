@@ -93,9 +93,6 @@ struct InFlight {
     step: u64,
     /// `None`: the step failed at launch (its completion is the error).
     event: Option<Event>,
-    /// A wake-up of the rank waits for `event` (set by [`CudaExecutor::flush`]; a new event
-    /// clears it).
-    watched: bool,
     error: Option<ExecutorError>,
     /// The sequences sampled, in row order, each with the drafts it verifies (a row each, after
     /// the row of its last known token).
@@ -125,7 +122,6 @@ impl InFlight {
         InFlight {
             step,
             event: None,
-            watched: false,
             error: None,
             sampling,
             meta: None,
@@ -139,12 +135,6 @@ impl InFlight {
             exchanged: Exchanged::default(),
             failed: Vec::new(),
         }
-    }
-
-    /// The step completes at `event` (unwatched yet).
-    fn until(&mut self, event: Event) {
-        self.event = Some(event);
-        self.watched = false;
     }
 }
 
@@ -384,7 +374,7 @@ impl CudaExecutor {
     /// write the MTP layer's KV the exports carry): the exports, and the event it completes at.
     fn end_exports(&mut self, gpu: &Gpu, record: &mut InFlight, exports: &[KvExport]) -> Result<(), ExecutorError> {
         (record.exports, record.states_out) = self.export_handoffs(gpu, exports)?;
-        record.until(gpu.record().map_err(fail)?);
+        record.event = Some(gpu.record().map_err(fail)?);
         Ok(())
     }
 
@@ -662,7 +652,7 @@ impl CudaExecutor {
             .enqueue(gpu, model, &kv.kv, ring.ptr(), &sampled, *mtp_drafts, &mut slot, pinned_words)
             .map_err(fail)?;
         f.passes = Some(passes);
-        f.until(gpu.record().map_err(fail)?);
+        f.event = Some(gpu.record().map_err(fail)?);
         let waker = self.waker.clone();
         self.gpu.when_reached(Box::new(move || waker.wake())).map_err(fail)
     }
@@ -749,27 +739,14 @@ impl Executor for CudaExecutor {
         }
     }
 
-    /// Each step in flight wakes the rank as it completes, so a parked rank hands on each step's
-    /// tokens then, not when the last step in flight ends (the first token of a prompt finished
-    /// by a prefill waited behind the next prefill). Its wake-up waits on the watcher stream,
-    /// which holds nothing of the rank's stream back.
     fn flush(&mut self) {
-        let mut wake_now = false;
-        for f in self.in_flight.iter_mut().filter(|f| !f.watched) {
-            let Some(event) = &f.event else {
-                wake_now = true; // failed at launch: its completion is ready
-                continue;
-            };
+        if self.in_flight.iter().any(|f| f.event.is_some()) {
             let waker = self.waker.clone();
-            match self.gpu.when_done(event, Box::new(move || waker.wake())) {
-                Ok(()) => f.watched = true,
-                Err(e) => {
-                    tracing::error!("cuda: {e}");
-                    wake_now = true;
-                }
+            if let Err(e) = self.gpu.when_reached(Box::new(move || waker.wake())) {
+                tracing::error!("cuda: {e}");
+                self.waker.wake();
             }
-        }
-        if wake_now {
+        } else if !self.in_flight.is_empty() {
             self.waker.wake();
         }
     }
