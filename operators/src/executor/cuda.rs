@@ -52,6 +52,7 @@ use kvflow_kernels::cuda::{
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 // (a child of this module: it reads the executor's fields)
 #[path = "cuda_experts.rs"]
@@ -80,6 +81,9 @@ fn fail(e: CudaError) -> ExecutorError {
 
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
+
+/// A launch or poll longer than this on the rank's thread is reported (`note_stall`).
+const STALL: Duration = Duration::from_millis(20);
 
 /// The next slot of the ring, `next` advanced past it.
 fn ring_slot(next: &mut usize) -> u32 {
@@ -169,6 +173,9 @@ pub struct CudaExecutor {
     /// The blocks padding rows write (`cuda_padding.rs`), where steps are padded.
     padding: Option<Vec<u32>>,
     waker: Arc<crate::pool::wake::RankWaker>,
+    /// Where launch and poll must never wait for the device (deferred output on a GPU): the
+    /// name a call that took longer than [`STALL`] is reported under.
+    watch_stalls: Option<String>,
     /// Expert parallel (`cuda_experts.rs`): this rank's experts, the step between its MoE
     /// exchanges, and what serving other ranks' rows holds until the GPU is past it.
     experts: Option<ExpertSide>,
@@ -241,6 +248,8 @@ impl CudaExecutor {
             pinned_words: PinnedPool::default(),
             pinned_floats: PinnedPool::default(),
             waker: ctx.waker.clone(),
+            watch_stalls: (settings.deferred_output && !settings.emulate)
+                .then(|| format!("pool {} rank {}", ctx.pool, ctx.rank)),
             exports_at_launch,
             experts,
             launched_exports: Vec::new(),
@@ -674,26 +683,8 @@ fn scored(seq: SeqKey, drafts: &[u32], rows: &mut impl Iterator<Item = (Option<u
     sampled
 }
 
-impl Executor for CudaExecutor {
-    fn phases(&self) -> usize {
-        1
-    }
-
-    fn expert_parallel(&mut self) -> Option<&mut dyn super::contract::ExpertParallel> {
-        self.experts.is_some().then_some(self as &mut dyn super::contract::ExpertParallel)
-    }
-
-    /// Without expert parallelism or the MTP drafter (their steps write KV after the forward's
-    /// layers), when the forward writes every KV layer.
-    fn exports_at_launch(&self) -> bool {
-        self.exports_at_launch
-    }
-
-    fn take_launched_exports(&mut self, out: &mut Vec<(usize, Exported)>) {
-        out.append(&mut self.launched_exports);
-    }
-
-    fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
+impl CudaExecutor {
+    fn launch_step(&mut self, step: &StepLaunch<'_>) {
         let record = match self.enqueue(step) {
             Ok(Some(record)) => record,
             // expert parallel: in flight after its last exchange (`cuda_experts.rs`)
@@ -707,7 +698,7 @@ impl Executor for CudaExecutor {
         self.go_in_flight(record);
     }
 
-    fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+    fn poll_steps(&mut self, out: &mut Vec<StepCompletion>) {
         self.release_served();
         while let Some(front) = self.in_flight.front() {
             let done = match &front.event {
@@ -737,6 +728,53 @@ impl Executor for CudaExecutor {
                 }
             }
         }
+    }
+
+    /// Reports a launch or poll that held the rank's thread past [`STALL`]: with deferred output
+    /// neither waits for the device, so one that did stalls every step behind it (and the
+    /// tokens of those in flight are handed on at once when it returns).
+    fn note_stall(&self, what: &str, step: u64, started: Instant) {
+        let took = started.elapsed();
+        if let Some(rank) = self.watch_stalls.as_ref().filter(|_| took >= STALL) {
+            tracing::warn!(
+                "cuda, {rank}: {what} {step} held the rank's thread {:.1} ms with {} steps in flight",
+                took.as_secs_f64() * 1e3,
+                self.in_flight.len()
+            );
+        }
+    }
+}
+
+impl Executor for CudaExecutor {
+    fn phases(&self) -> usize {
+        1
+    }
+
+    fn expert_parallel(&mut self) -> Option<&mut dyn super::contract::ExpertParallel> {
+        self.experts.is_some().then_some(self as &mut dyn super::contract::ExpertParallel)
+    }
+
+    /// Without expert parallelism or the MTP drafter (their steps write KV after the forward's
+    /// layers), when the forward writes every KV layer.
+    fn exports_at_launch(&self) -> bool {
+        self.exports_at_launch
+    }
+
+    fn take_launched_exports(&mut self, out: &mut Vec<(usize, Exported)>) {
+        out.append(&mut self.launched_exports);
+    }
+
+    fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
+        let started = Instant::now();
+        self.launch_step(step);
+        self.note_stall("launching step", step.step, started);
+    }
+
+    fn poll(&mut self, out: &mut Vec<StepCompletion>) {
+        let started = Instant::now();
+        let front = self.in_flight.front().map_or(0, |f| f.step);
+        self.poll_steps(out);
+        self.note_stall("taking the completions from step", front, started);
     }
 
     fn flush(&mut self) {
