@@ -33,6 +33,14 @@ pub trait Executor {
     /// The `at_launch` exports of the steps launched since it was last asked, each with its
     /// index among its step's exports (its completion still lists every export).
     fn take_launched_exports(&mut self, _out: &mut Vec<(usize, Exported)>) {}
+    /// The most steps its rank keeps launched and not completed (`None`: no bound). A GPU's
+    /// launch queue holds only so many kernels: a rank that launched tens of steps ahead found
+    /// its thread blocked in a launch until the device had run the queue, taking no completion
+    /// and no new request meanwhile, and a request that arrived then waited behind every step
+    /// already launched.
+    fn max_in_flight(&self) -> Option<usize> {
+        None
+    }
     /// Its side of expert parallelism, if it has one (a pool with `expert_parallel = true`
     /// needs it).
     fn expert_parallel(&mut self) -> Option<&mut dyn ExpertParallel> {

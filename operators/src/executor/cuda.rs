@@ -82,6 +82,10 @@ fn fail(e: CudaError) -> ExecutorError {
 /// Slots of the sampled-token ring: far more than the samples of the steps in flight.
 const RING_SLOTS: usize = 1 << 20;
 
+/// The steps a rank keeps launched on its GPU ([`Executor::max_in_flight`]); the simulated
+/// executor, standing for a GPU, keeps as many.
+pub const STEPS_IN_FLIGHT: usize = 2;
+
 /// A launch or poll longer than this on the rank's thread is reported (`note_stall`).
 const STALL: Duration = Duration::from_millis(20);
 
@@ -748,6 +752,11 @@ impl CudaExecutor {
 impl Executor for CudaExecutor {
     fn phases(&self) -> usize {
         1
+    }
+
+    /// One step running and the next launched behind it: all deferred output needs.
+    fn max_in_flight(&self) -> Option<usize> {
+        Some(STEPS_IN_FLIGHT)
     }
 
     fn expert_parallel(&mut self) -> Option<&mut dyn super::contract::ExpertParallel> {

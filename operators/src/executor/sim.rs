@@ -360,6 +360,11 @@ impl Executor for SimExecutor {
         1
     }
 
+    /// As many as the cuda executor it stands for.
+    fn max_in_flight(&self) -> Option<usize> {
+        Some(super::cuda::STEPS_IN_FLIGHT)
+    }
+
     fn launch(&mut self, step: &StepLaunch<'_>, _phase: usize) {
         let shape = StepShape::of(step);
         let host = ns_of_seconds(self.cost.host_seconds(&shape) + self.host_s_per_step);

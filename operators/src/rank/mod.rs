@@ -476,8 +476,15 @@ impl Rank {
         }
     }
 
-    /// Decides the batch of step `t` into `self.decided`.
+    /// Decides the batch of step `t` into `self.decided` — none while the executor holds as many
+    /// steps in flight as it keeps (the rank decides again when one completes).
     fn decide_batch(&mut self, t: u64) {
+        let bound = self.executor.max_in_flight().filter(|_| !self.switches.unbounded_steps_in_flight);
+        if bound.is_some_and(|n| self.in_flight.len() >= n) {
+            self.stats.steps_held_back += 1;
+            self.decided_for = Some(t);
+            return;
+        }
         self.scheduler.schedule_into(&mut self.seqs, &mut self.memory, t, &mut self.decided);
         if let Some(handoff_in) = self.handoff_in.as_mut() {
             // The scheduler dropped the requests that can never fit: a handoff held for one goes too.

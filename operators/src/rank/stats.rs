@@ -9,6 +9,9 @@ pub struct RankStats {
     pub steps: u64,
     /// Of those, steps in which it launched nothing.
     pub empty_steps: u64,
+    /// Of those, steps in which it decided nothing because its executor held as many steps in
+    /// flight as it keeps.
+    pub steps_held_back: u64,
     /// Steps it launched on its executor.
     pub launched_steps: u64,
     pub forward_tokens: u64,

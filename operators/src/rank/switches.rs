@@ -101,6 +101,9 @@ pub struct TestSwitches {
     /// offload store but does not decide its step again (removes "freed memory is used": nothing
     /// wakes a parked rank, so it stalls with the memory free).
     pub no_reschedule_after_giving_back_prefixes: bool,
+    /// A rank launches as far ahead as its scheduler allows, whatever its executor's bound
+    /// (removes the bound on steps in flight).
+    pub unbounded_steps_in_flight: bool,
     /// A decode pool's tcp listener registers any number of producer links (removes the refusal
     /// of a producer beyond the links the graph declares: it is served beside the others).
     pub serve_any_producer: bool,
@@ -165,6 +168,7 @@ pub const SWITCHES: &[(&str, &str)] = &[
     ("widen-draft-buckets", ""),
     ("skip-draft-passes-without-samples", ""),
     ("no-reschedule-after-giving-back-prefixes", ""),
+    ("unbounded-steps-in-flight", ""),
     ("serve-any-producer", ""),
     ("keep-vanished-producers", ""),
     ("prefill-drops-silently", "ID"),
@@ -270,6 +274,7 @@ impl TestSwitches {
             "widen-draft-buckets" => &mut self.widen_draft_buckets,
             "skip-draft-passes-without-samples" => &mut self.skip_draft_passes_without_samples,
             "no-reschedule-after-giving-back-prefixes" => &mut self.no_reschedule_after_giving_back_prefixes,
+            "unbounded-steps-in-flight" => &mut self.unbounded_steps_in_flight,
             "serve-any-producer" => &mut self.serve_any_producer,
             "keep-vanished-producers" => &mut self.keep_vanished_producers,
             "handoff-keeps-reserved-prefix-on-abort" => &mut self.handoff_keeps_reserved_prefix_on_abort,
