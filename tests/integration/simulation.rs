@@ -85,6 +85,37 @@ fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
     assert_clean_failure(&out, &["executor_settings.table", "`decode_seconds` holds 1 times for a grid of 4 points"]);
 }
 
+/// A rank keeps at most two steps in flight on a GPU executor and on the simulated one standing
+/// for it (one running, one behind it); without the bound (a test switch) it launches as far
+/// ahead as its scheduler allows — on an H100 that blocked its thread in launches.
+#[test]
+fn a_rank_keeps_at_most_two_steps_in_flight_on_a_simulated_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let table = dir.path().join("steps.json");
+    let json = r#"{"decode_rows": [1, 256], "context": [0, 65536], "decode_seconds": [0.01, 0.01, 0.01, 0.01],
+        "prefill_tokens": [1, 4096], "prefill_prefix": [0, 65536], "prefill_seconds": [0.01, 0.01, 0.01, 0.01]}"#;
+    std::fs::write(&table, json).unwrap();
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
+    let g = graph(dir.path(), workload, &pool(1, "sim", &format!("table = {:?}", table.display().to_string())));
+    let text = std::fs::read_to_string(&g).unwrap().replace("[report]\n", "[report]\nsteps = true\n");
+    std::fs::write(&g, text).unwrap();
+    // The most steps launched and not yet done at any launch, the launching one included.
+    let most_in_flight = |extra: &[&str]| {
+        run_ok(&g, extra);
+        let log = std::fs::read_to_string(dir.path().join("out").join("steps.jsonl")).unwrap();
+        let steps: Vec<(f64, f64)> = log
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|e| (e["launched_ms"].as_f64().unwrap(), e["done_ms"].as_f64().unwrap()))
+            .collect();
+        assert!(steps.len() > 20, "{} steps", steps.len());
+        (0..steps.len()).map(|k| 1 + steps[..k].iter().filter(|(_, done)| *done > steps[k].0).count()).max().unwrap()
+    };
+    assert_eq!(most_in_flight(&[]), 2);
+    let unbounded = most_in_flight(&["--test-switch", "unbounded-steps-in-flight"]);
+    assert!(unbounded > 2, "without the bound: {unbounded} in flight at most");
+}
+
 /// The simulator runs the engine's operators, not a model of them: the accounting switch that
 /// makes a real run fail its end-of-run check makes a simulated one fail it the same way.
 #[test]
@@ -335,7 +366,12 @@ fn a_simulated_offload_store_moves_its_chunks_at_its_rates_on_the_virtual_clock(
     }
     assert_eq!(run("save_gbps = 20.0\nload_gbps = 20.0\nlatency_us = 20.0").1, records, "one seed, one run");
     let (_, _, slowest_loading) = run("save_gbps = 20.0\nload_gbps = 0.002\nlatency_us = 20.0");
-    assert!(slowest_loading > slowest + 50.0, "slow loads delay their requests: {slowest_loading} vs {slowest} ms");
+    // a request waits for its load: at 2 MB/s a load of the fast run's mean size takes this long
+    let one_load_ms = o["loaded_bytes"].as_f64().unwrap() / o["loads"].as_f64().unwrap() / 2e6 * 1e3;
+    assert!(
+        slowest_loading > 0.9 * one_load_ms && slowest_loading > 5.0 * slowest,
+        "slow loads delay their requests: {slowest_loading} vs {slowest} ms (a load: {one_load_ms} ms)"
+    );
     let (slow_saves, _, _) = run("save_gbps = 0.002\nload_gbps = 20.0\nlatency_us = 20.0");
     let unsaved = |r: &serde_json::Value| r["offload"]["pending_limit_saves"].as_u64().unwrap();
     assert!(unsaved(&slow_saves) > unsaved(&r), "slow saves hold their places: {}", slow_saves["offload"]);

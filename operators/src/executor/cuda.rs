@@ -52,9 +52,11 @@ use kvflow_kernels::cuda::{
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 // (a child of this module: it reads the executor's fields)
+#[path = "cuda_completions.rs"]
+mod completions;
 #[path = "cuda_experts.rs"]
 mod experts;
 #[path = "cuda_handoffs.rs"]
@@ -85,9 +87,6 @@ const RING_SLOTS: usize = 1 << 20;
 /// The steps a rank keeps launched on its GPU ([`Executor::max_in_flight`]); the simulated
 /// executor, standing for a GPU, keeps as many.
 pub const STEPS_IN_FLIGHT: usize = 2;
-
-/// A launch or poll longer than this on the rank's thread is reported (`note_stall`).
-const STALL: Duration = Duration::from_millis(20);
 
 /// The next slot of the ring, `next` advanced past it.
 fn ring_slot(next: &mut usize) -> u32 {
@@ -700,52 +699,6 @@ impl CudaExecutor {
             }
         };
         self.go_in_flight(record);
-    }
-
-    fn poll_steps(&mut self, out: &mut Vec<StepCompletion>) {
-        self.release_served();
-        while let Some(front) = self.in_flight.front() {
-            let done = match &front.event {
-                None => Ok(true),
-                Some(e) => self.gpu.done(e),
-            };
-            match done {
-                Ok(false) => break,
-                Ok(true) => {
-                    let mut f = self.in_flight.pop_front().expect("front exists");
-                    if f.error.is_none() && f.mtp.is_some() && f.passes.is_none() {
-                        // the forward is done: the draft passes next, then the step completes
-                        match self.enqueue_drafting(&mut f) {
-                            Ok(()) => {
-                                self.in_flight.push_front(f);
-                                continue;
-                            }
-                            Err(e) => f.error = Some(e),
-                        }
-                    }
-                    out.push(self.complete(f));
-                }
-                Err(e) => {
-                    let mut f = self.in_flight.pop_front().expect("front exists");
-                    f.error = Some(ExecutorError::Launch(e.to_string()));
-                    out.push(self.complete(f));
-                }
-            }
-        }
-    }
-
-    /// Reports a launch or poll that held the rank's thread past [`STALL`]: with deferred output
-    /// neither waits for the device, so one that did stalls every step behind it (and the
-    /// tokens of those in flight are handed on at once when it returns).
-    fn note_stall(&self, what: &str, step: u64, started: Instant) {
-        let took = started.elapsed();
-        if let Some(rank) = self.watch_stalls.as_ref().filter(|_| took >= STALL) {
-            tracing::warn!(
-                "cuda, {rank}: {what} {step} held the rank's thread {:.1} ms with {} steps in flight",
-                took.as_secs_f64() * 1e3,
-                self.in_flight.len()
-            );
-        }
     }
 }
 

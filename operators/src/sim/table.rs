@@ -4,7 +4,7 @@
 //! to all of them) — and a step between grid points priced by interpolating linearly along each
 //! axis. Beyond the last point of an axis the last two points' slope carries on (a larger batch
 //! costs more than the largest measured, never the same); below the first point the first
-//! point's value holds. A step mixing both is priced as its prefill part plus its decode part
+//! point's value holds (but for a prefill of fewer tokens than measured: below). A step mixing both is priced as its prefill part plus its decode part
 //! less one pass over the weights (the step reads them once; the lightest decode step stands
 //! for that pass), never below the larger part.
 //!
@@ -21,6 +21,7 @@
 //! by the positions attended per token — one prompt after each prefix, and `prefill_split`'s
 //! steps split evenly among a few prompts without one — and a step's prefill part is
 //! interpolated along that axis at its own positions per token, then between the token counts
+//! (below the first count, between that row and a step of no tokens: one pass over the weights)
 //! (on an H100, llama-1b's 4,096 tokens took 56 ms over 4 prompts, 68 ms over one and 99 ms
 //! after 4,096 cached positions: 1.85 ms per million positions attended, alike at each point).
 //!
@@ -232,7 +233,7 @@ impl MeasuredTable {
         };
         match (step.prefill_tokens > 0, step.decode_rows > 0) {
             (true, true) => {
-                let weights = self.decode_seconds.iter().copied().fold(f64::INFINITY, f64::min);
+                let weights = self.weights_pass();
                 (prefill + decode - weights).max(prefill.max(decode))
             }
             (true, false) => prefill,
@@ -244,11 +245,26 @@ impl MeasuredTable {
     /// A prefill part of `tokens` tokens attending to `per_token` positions each on average:
     /// interpolated along each measured token count's row at `per_token`, then between rows.
     fn prefill_device_seconds(&self, tokens: usize, per_token: f64) -> f64 {
+        let first = self.prefill_tokens[0];
+        if tokens < first {
+            // Fewer tokens than the first row: between a step of none (one pass over the
+            // weights: the lightest decode step) and that row, along the tokens (where the row
+            // costs more than the pass, as on a device it does).
+            let (weights, at_first) = (self.weights_pass(), along(&self.prefill_row(0), per_token));
+            if at_first > weights {
+                return weights + (at_first - weights) * tokens as f64 / first as f64;
+            }
+        }
         let total: f64 = span(&self.prefill_tokens, tokens)
             .weights()
             .map(|(row, w)| w * along(&self.prefill_row(row), per_token))
             .sum();
         total.max(0.0)
+    }
+
+    /// One pass over the weights: the lightest decode step measured.
+    fn weights_pass(&self) -> f64 {
+        self.decode_seconds.iter().copied().fold(f64::INFINITY, f64::min)
     }
 
     /// Row `row` of the prefill grid as (positions attended per token, seconds), by the first:
@@ -541,6 +557,16 @@ mod tests {
         mixed.attended_positions += 8 * 4096;
         let weights = decode_truth(1, 128);
         assert!(close(table.step_seconds(&mixed), truth + 1e-3 + decode_truth(8, 4096) - weights));
+        // fewer tokens than the first row (16, at 4 and 5 ms here): between one pass over the
+        // weights (the lightest decode step) and that row
+        table.prefill_split = None;
+        table.prefill_seconds[0] = 0.004;
+        table.prefill_seconds[1] = 0.005;
+        let weights = decode_truth(1, 128);
+        let eight = table.step_seconds(&prompts(&[(8, 0)]));
+        let row = 0.004 - 0.001 * 4.0 / 4096.0; // 8 tokens attend to fewer than 16 from the start
+        assert!(close(eight, weights + (row - weights) / 2.0), "{eight}");
+        assert!(close(table.step_seconds(&prompts(&[(16, 0)])), 0.004));
         table.prefill_split = Some(PrefillSplit { prompts: vec![2, 4], seconds: vec![0.0; 6] });
         assert_eq!(table.validate(), Err(TableError::Axis("prefill_split.prompts")));
         table.prefill_split = Some(PrefillSplit { prompts: vec![1, 4], seconds: vec![0.0; 5] });
