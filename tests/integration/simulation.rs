@@ -49,18 +49,26 @@ fn two_simulated_runs_of_one_seed_write_byte_identical_reports_and_another_seed_
     assert!(last_arrival > 1000.0 && r["wall_s"].as_f64().unwrap() * 1e3 >= last_arrival, "{last_arrival} {r}");
 }
 
+/// A measured table of 10 ms for every step.
+const TEN_MS_STEPS: &str = r#"{"decode_rows": [1, 256], "context": [0, 65536], "decode_seconds": [0.01, 0.01, 0.01, 0.01],
+    "prefill_tokens": [1, 4096], "prefill_prefix": [0, 65536], "prefill_seconds": [0.01, 0.01, 0.01, 0.01]}"#;
+
+/// 12 requests at the head trace's times (sped up) on `ranks` simulated ranks priced by
+/// [`TEN_MS_STEPS`], written into `dir`: the graph and the table.
+fn ten_ms_graph(dir: &Path, ranks: usize) -> (PathBuf, PathBuf) {
+    let table = dir.join("steps.json");
+    std::fs::write(&table, TEN_MS_STEPS).unwrap();
+    let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
+    (graph(dir, workload, &pool(ranks, "sim", &format!("table = {:?}", table.display().to_string()))), table)
+}
+
 /// A measured table of one time per step: every step takes it, one after another on the
 /// simulated device, so a decoding request gets a token per step — as long as the clock waits
 /// for every worker to finish what an instant holds (two ranks: each step aligns them).
 #[test]
 fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
     let dir = tempfile::tempdir().unwrap();
-    let table = dir.path().join("steps.json");
-    let json = r#"{"decode_rows": [1, 256], "context": [0, 65536], "decode_seconds": [0.01, 0.01, 0.01, 0.01],
-        "prefill_tokens": [1, 4096], "prefill_prefix": [0, 65536], "prefill_seconds": [0.01, 0.01, 0.01, 0.01]}"#;
-    std::fs::write(&table, json).unwrap();
-    let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
-    let g = graph(dir.path(), workload, &pool(2, "sim", &format!("table = {:?}", table.display().to_string())));
+    let (g, table) = ten_ms_graph(dir.path(), 2);
     run_ok(&g, &[]);
     let r = report_in(&dir.path().join("out"));
     assert_eq!(r["completed"], 12, "{r}");
@@ -79,7 +87,7 @@ fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
         "without the rule the timing drifts: TPOT p50 {tpot}, TTFT p50 {first} against {ttft}"
     );
     // A table that cannot price steps is refused, naming the setting.
-    let json = json.replace("\"decode_seconds\": [0.01, 0.01, 0.01, 0.01]", "\"decode_seconds\": [0.01]");
+    let json = TEN_MS_STEPS.replace("\"decode_seconds\": [0.01, 0.01, 0.01, 0.01]", "\"decode_seconds\": [0.01]");
     std::fs::write(&table, json).unwrap();
     let out = kvflow(&["run", g.to_str().unwrap()]);
     assert_clean_failure(&out, &["executor_settings.table", "`decode_seconds` holds 1 times for a grid of 4 points"]);
@@ -91,12 +99,7 @@ fn a_measured_table_times_every_step_on_the_discrete_event_rule() {
 #[test]
 fn a_rank_keeps_at_most_two_steps_in_flight_on_a_simulated_gpu() {
     let dir = tempfile::tempdir().unwrap();
-    let table = dir.path().join("steps.json");
-    let json = r#"{"decode_rows": [1, 256], "context": [0, 65536], "decode_seconds": [0.01, 0.01, 0.01, 0.01],
-        "prefill_tokens": [1, 4096], "prefill_prefix": [0, 65536], "prefill_seconds": [0.01, 0.01, 0.01, 0.01]}"#;
-    std::fs::write(&table, json).unwrap();
-    let workload = "mode = \"timestamps\"\ntime_scale = 0.3\nlimit = 12";
-    let g = graph(dir.path(), workload, &pool(1, "sim", &format!("table = {:?}", table.display().to_string())));
+    let (g, _) = ten_ms_graph(dir.path(), 1);
     let text = std::fs::read_to_string(&g).unwrap().replace("[report]\n", "[report]\nsteps = true\n");
     std::fs::write(&g, text).unwrap();
     // The most steps launched and not yet done at any launch, the launching one included.
