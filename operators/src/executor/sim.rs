@@ -250,7 +250,7 @@ pub struct SimExecutor {
     saves: Option<Arc<crate::offload::SavesBusy>>,
     /// Beside saves: steps launched that have not started on the device, each with when the
     /// host has it ready and its shape. They are priced at their start, when the saves handed
-    /// over by then are known (a step launched far ahead of the device runs beside the saves of
+    /// over by then are known (a step launched ahead of the device runs beside the saves of
     /// its start, not its launch).
     waiting: VecDeque<(u64, StepShape, StepCompletion)>,
     /// The instant a wake-up for the next waiting step's start is queued for (0: none).
