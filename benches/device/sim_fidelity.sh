@@ -10,8 +10,8 @@
 # (real against simulated: what the cost model misprices). Carry .device-bin (prepare.sh):
 #     bash benches/device/sim_fidelity.sh [llama-1b] [kimi-2b]
 # Raw output in $OUT (or /tmp/sim-fidelity): the run's text, and per model the table, both
-# reports and both step logs (also packed as NAME-runs.tar.xz, one folder up, so that the
-# device tool brings them back).
+# reports and both step logs, packed as NAME-runs.tar.xz (the folder removed once packed: the
+# device tool brings back only so many files a call).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source benches/device/binaries.sh
@@ -82,5 +82,7 @@ print("== (the real offload run measured: save %s GB/s, load %s GB/s)" % (o.get(
 }
 for name in "${@:-llama-1b}"; do
     fidelity "$name" || echo "== $name: stopped"
-    tar -cJf "$out/$name-runs.tar.xz" -C "$out" "$name" && echo "== $name: packed $out/$name-runs.tar.xz"
+    # (packed, the folder goes: the device tool brings back only so many files a call)
+    tar -cJf "$out/$name-runs.tar.xz" -C "$out" "$name" && rm -rf "${out:?}/$name" \
+        && echo "== $name: packed $out/$name-runs.tar.xz"
 done
