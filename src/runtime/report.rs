@@ -51,6 +51,7 @@ fn rank_figures(stats: &[&RankStats]) -> Map<String, Value> {
     m.insert("utilization".into(), utilization(stats));
     m.insert("steps".into(), json!(stats.iter().map(|s| s.steps).collect::<Vec<_>>()));
     m.insert("empty_steps".into(), json!(stats.iter().map(|s| s.empty_steps).collect::<Vec<_>>()));
+    m.insert("steps_held_back".into(), json!(stats.iter().map(|s| s.steps_held_back).collect::<Vec<_>>()));
     m.insert("launched_steps".into(), json!(stats.iter().map(|s| s.launched_steps).collect::<Vec<_>>()));
     m.insert("pool_wakes".into(), json!(stats.iter().map(|s| s.pool_wakes).collect::<Vec<_>>()));
     m.insert("stale_completions".into(), json!(stats.iter().map(|s| s.stale_completions).sum::<u64>()));

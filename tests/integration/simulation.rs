@@ -114,9 +114,12 @@ fn a_rank_keeps_at_most_two_steps_in_flight_on_a_simulated_gpu() {
         assert!(steps.len() > 20, "{} steps", steps.len());
         (0..steps.len()).map(|k| 1 + steps[..k].iter().filter(|(_, done)| *done > steps[k].0).count()).max().unwrap()
     };
+    let held_back = || report_in(&dir.path().join("out"))["steps_held_back"][0].as_u64().unwrap();
     assert_eq!(most_in_flight(&[]), 2);
+    assert!(held_back() > 0, "the rank held steps back");
     let unbounded = most_in_flight(&["--test-switch", "unbounded-steps-in-flight"]);
     assert!(unbounded > 2, "without the bound: {unbounded} in flight at most");
+    assert_eq!(held_back(), 0);
 }
 
 /// The simulator runs the engine's operators, not a model of them: the accounting switch that
