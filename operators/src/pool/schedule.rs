@@ -10,6 +10,9 @@
 //! carries the requests `admit` drained, and whether the workload is done. Completions (sampled
 //! tokens, finished requests) never reach this operator through a gating edge: the rank polls
 //! its executor's completion queue when it runs.
+//! A rank holding as many steps in flight as its executor keeps (`Executor::max_in_flight`)
+//! decides nothing for `t` — no edge waits for it: the pool idles, and the next completion's
+//! wake-up schedules again.
 //!
 //! Guarantee carried: only what the next step needs gates it (DESIGN §4).
 
